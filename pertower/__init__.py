@@ -1,0 +1,41 @@
+"""pertower: per-example gradients for TensorFlow graph mode, with weight-copy towers.
+
+Public surface:
+    per_example_gradients, per_example_jacobians, microbatch_gradients
+    Towers, build_towers
+    flatten, flatten_per_example, dot, cosine_similarity, global_norms,
+    pairwise_dot, pairwise_cosine
+
+`pertower.oracle` holds the slow, obviously correct one-example loop that the tests,
+examples and demo compare with.
+"""
+
+from pertower.gradients import microbatch_gradients
+from pertower.gradients import per_example_gradients
+from pertower.gradients import per_example_jacobians
+from pertower.reductions import cosine_similarity
+from pertower.reductions import dot
+from pertower.reductions import flatten
+from pertower.reductions import flatten_per_example
+from pertower.reductions import global_norms
+from pertower.reductions import pairwise_cosine
+from pertower.reductions import pairwise_dot
+from pertower.towers import Towers
+from pertower.towers import build_towers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "per_example_gradients",
+    "per_example_jacobians",
+    "microbatch_gradients",
+    "Towers",
+    "build_towers",
+    "flatten",
+    "flatten_per_example",
+    "dot",
+    "cosine_similarity",
+    "global_norms",
+    "pairwise_dot",
+    "pairwise_cosine",
+]

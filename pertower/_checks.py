@@ -1,0 +1,75 @@
+"""Argument checks shared by the public functions.
+
+Every check raises an error that names the argument, says what was received and
+what to do instead. Nothing here builds graph ops.
+"""
+
+import tensorflow as tf
+
+_GRAPH_MODE_HINT = (
+    "pertower works on TF1-style graphs run in a tf.compat.v1.Session. Switch to "
+    "graph mode with tf.compat.v1.disable_eager_execution() (or "
+    "tf.compat.v1.disable_v2_behavior() for fully legacy code) before building the "
+    "model, or build everything inside `with tf.Graph().as_default():`."
+)
+
+
+def require_graph_mode(function_name):
+    """Raises RuntimeError when eager execution is on."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            f"pertower.{function_name} needs graph mode, but eager execution is on. "
+            + _GRAPH_MODE_HINT
+        )
+
+
+def require_graph_tensor(value, argument, function_name):
+    """Returns `value` when it is a symbolic `tf.Tensor`; raises otherwise."""
+    if isinstance(value, tf.Variable):
+        raise TypeError(
+            f"pertower.{function_name}: `{argument}` must be a tensor computed from the "
+            f"batch, but received the variable {value.name!r}."
+        )
+    if not isinstance(value, tf.Tensor):
+        raise TypeError(
+            f"pertower.{function_name}: `{argument}` must be a tf.Tensor, but received "
+            f"{type(value).__name__} ({value!r:.80})."
+        )
+    if not hasattr(value, "graph") or not hasattr(value, "op"):
+        raise RuntimeError(
+            f"pertower.{function_name}: `{argument}` is an eager tensor. " + _GRAPH_MODE_HINT
+        )
+    return value
+
+
+def as_list(value):
+    """`value` as a list: a list or tuple is copied, anything else wrapped."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def unconnected_gradients_value(value, function_name):
+    """Normalizes `unconnected_gradients` to a `tf.UnconnectedGradients` member."""
+    try:
+        return tf.UnconnectedGradients(value)
+    except ValueError:
+        raise ValueError(
+            f"pertower.{function_name}: `unconnected_gradients` must be 'zero' or 'none' "
+            f"(or a tf.UnconnectedGradients member), but received {value!r}."
+        ) from None
+
+
+def positive_int(value, argument, function_name):
+    """Returns `value` as an int when it is a positive integer; raises otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        try:
+            is_integral = int(value) == value and not isinstance(value, bool)
+        except (TypeError, ValueError):
+            is_integral = False
+        if not is_integral or int(value) < 1:
+            raise ValueError(
+                f"pertower.{function_name}: `{argument}` must be a positive integer, but "
+                f"received {value!r}."
+            )
+    return int(value)

@@ -1,0 +1,215 @@
+"""Graph walking: what `ys` depends on, where the batch enters, where weights are read.
+
+Notation (used in every core module):
+    B   examples in the batch          T   towers (B per-example, M microbatches)
+    P   weights (scalar parameters)    ys  per-example values, [B, ...]
+    x   one entry of `xs` (a weight)   S   the ops replayed in every tower
+
+The replayed part of the graph, S, is every op that `ys` depends on (through data
+edges) *and* that depends on a batch tensor or on a read of one of the weights. Ops
+that depend on neither (initializers, constants, other placeholders) are shared by
+all towers as they are.
+"""
+
+import collections
+
+import tensorflow as tf
+from tensorflow.python.ops import ref_variable
+
+# Ops whose outputs carry a batch on axis 0 when `batch` is not given.
+_BATCH_SOURCE_OP_TYPES = frozenset(
+    {"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
+     "IteratorGetNextSync", "OptionalGetValue"}
+)
+# Ops of TF1 (v1) while loops: their gradients need Python-side loop contexts that a
+# replay cannot rebuild.
+_V1_LOOP_OP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                               "RefNextIteration", "LoopCond"})
+# Ops that read a resource variable's value through its handle, by how towers treat them.
+_READ_OP_TYPES = frozenset({"ReadVariableOp"})
+_GATHER_OP_TYPES = {"ResourceGather": "GatherV2", "ResourceGatherNd": "GatherNd"}
+# Ops that pass a resource handle on unchanged.
+_HANDLE_FORWARDING_OP_TYPES = frozenset({"Identity", "IdentityN"})
+
+
+class WeightReads(collections.namedtuple(
+        "WeightReads", ["x", "name", "read_tensors", "gather_ops", "copy_source"])):
+    """Where one entry of `xs` enters the computation of `ys`.
+
+    Fields:
+      x: the entry of `xs` as given (variable or tensor).
+      name: a readable name for messages.
+      read_tensors: tensors holding the weight's value that ops in S consume; each
+        tower maps them to its own copy.
+      gather_ops: `ResourceGather` ops in S that read rows through the handle; towers
+        replay them as a plain gather from their copy.
+      copy_source: the tensor the towers' `tf.identity` copies are taken of, or None
+        when `ys` does not reach the weight.
+    """
+
+
+def upstream_ops(tensors):
+    """All ops that `tensors` depend on through data edges, their own ops included."""
+    seen = set()
+    stack = [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+    return seen
+
+
+def downstream_ops(tensors, within):
+    """Ops in `within` that consume `tensors`, directly or through other such ops."""
+    seen = set()
+    stack = [op for t in tensors for op in t.consumers()]
+    while stack:
+        op = stack.pop()
+        if op in seen or op not in within:
+            continue
+        seen.add(op)
+        stack.extend(c for out in op.outputs for c in out.consumers())
+    return seen
+
+
+def find_batch_tensors(ys, ys_upstream):
+    """The placeholders and iterator outputs of rank >= 1 that `ys` depends on.
+
+    Raises ValueError when there are none, or when their static batch sizes
+    disagree (then the caller must say which ones carry the batch).
+    """
+    candidates = []
+    for op in ys_upstream:
+        if op.type not in _BATCH_SOURCE_OP_TYPES:
+            continue
+        for out in op.outputs:
+            rank = out.shape.rank
+            if rank is not None and rank >= 1 and out.dtype != tf.resource:
+                candidates.append(out)
+    candidates.sort(key=lambda t: (t.op._id, t.value_index))  # pylint: disable=protected-access
+    if not candidates:
+        raise ValueError(
+            f"pertower: `ys` ({ys.name}) depends on no placeholder or tf.data iterator "
+            "output with a batch axis, so the batch could not be found. Pass "
+            "`batch=` the tensor(s) that carry the batch on axis 0."
+        )
+    sizes = {t.shape[0] for t in candidates if t.shape[0] is not None}
+    if len(sizes) > 1:
+        listing = ", ".join(f"{t.name} {t.shape}" for t in candidates)
+        raise ValueError(
+            "pertower: the batch is ambiguous: `ys` depends on inputs whose first axes "
+            f"differ ({listing}). Pass `batch=` the tensor(s) that carry the batch on "
+            "axis 0."
+        )
+    return candidates
+
+
+def _weight_name(x):
+    return x.name if hasattr(x, "name") else repr(x)
+
+
+def _handle_consumers(handle, within):
+    """Consumers in `within` of a resource handle, looking through Identity ops."""
+    found = []
+    stack = [handle]
+    while stack:
+        tensor = stack.pop()
+        for op in tensor.consumers():
+            if op not in within:
+                continue
+            if op.type in _HANDLE_FORWARDING_OP_TYPES:
+                stack.extend(out for out in op.outputs if out.dtype == tf.resource)
+            else:
+                found.append(op)
+    return found
+
+
+def _resource_reads(x, name, handle, ys_upstream, function_name):
+    read_tensors, gather_ops = [], []
+    for op in _handle_consumers(handle, ys_upstream):
+        if op.type in _READ_OP_TYPES:
+            read_tensors.append(op.outputs[0])
+        elif op.type in _GATHER_OP_TYPES:
+            gather_ops.append(op)
+        else:
+            raise NotImplementedError(
+                f"pertower.{function_name}: the weight {name!r} is read inside op "
+                f"{op.name!r} of type {op.type} (for example the while loop of a Keras "
+                "LSTM/GRU/SimpleRNN, or a tf.cond/tf.function body). Towers cannot yet "
+                "give their weight copies to functional control-flow bodies; build "
+                "recurrent layers with unroll=True, or leave this weight out of `xs`."
+            )
+    read_tensors.sort(key=lambda t: t.op._id)  # pylint: disable=protected-access
+    gather_ops.sort(key=lambda op: op._id)  # pylint: disable=protected-access
+    if read_tensors:
+        copy_source = read_tensors[0]
+    elif gather_ops:
+        with tf.control_dependencies(None):
+            copy_source = x.value() if isinstance(x, tf.Variable) else (
+                tf.raw_ops.ReadVariableOp(resource=handle, dtype=gather_ops[0].get_attr("dtype")))
+    else:
+        copy_source = None
+    return WeightReads(x, name, read_tensors, gather_ops, copy_source)
+
+
+def weight_reads(x, index, ys_upstream, batch_downstream, function_name):
+    """Finds where `xs[index]` enters the computation of `ys`.
+
+    Resource variables are read by `ReadVariableOp` (mapped to the tower copy) or
+    `ResourceGather` (replayed as a gather from the copy); reference variables by
+    their ref tensor, which the towers map to the copy directly; a plain tensor is
+    itself mapped to the copy.
+    """
+    if isinstance(x, ref_variable.RefVariable):
+        ref = x._variable  # pylint: disable=protected-access
+        reached = any(c in ys_upstream for c in ref.consumers())
+        return WeightReads(x, x.name, [ref] if reached else [], [],
+                           x.value() if reached else None)
+    if isinstance(x, tf.Variable):
+        handle = getattr(x, "handle", None)
+        if handle is None or not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
+            raise TypeError(
+                f"pertower.{function_name}: `xs[{index}]` is a variable of type "
+                f"{type(x).__name__} without a graph resource handle; pass graph-mode "
+                "resource or reference variables, or tensors."
+            )
+        return _resource_reads(x, x.name, handle, ys_upstream, function_name)
+    if isinstance(x, tf.Tensor) and hasattr(x, "op"):
+        if x.dtype == tf.resource:
+            return _resource_reads(x, x.name, x, ys_upstream, function_name)
+        if x.op in batch_downstream:
+            raise ValueError(
+                f"pertower.{function_name}: `xs[{index}]` ({x.name}) depends on the batch, "
+                "so it is an activation rather than a weight: each example already has "
+                "its own rows of it, and tf.gradients(ys, activation) gives them. Pass "
+                "weights (variables, or tensors that do not depend on the batch)."
+            )
+        reached = x.op in ys_upstream and any(c in ys_upstream for c in x.consumers())
+        return WeightReads(x, x.name, [x] if reached else [], [], x if reached else None)
+    raise TypeError(
+        f"pertower.{function_name}: `xs[{index}]` must be a tf.Variable or a tf.Tensor, "
+        f"but received {type(x).__name__} ({x!r:.80})."
+    )
+
+
+def check_replayable(replayed_ops, function_name):
+    """Raises for ops that a tower replay cannot reproduce faithfully."""
+    for op in sorted(replayed_ops, key=lambda o: o._id):  # pylint: disable=protected-access
+        if op.type in _V1_LOOP_OP_TYPES:
+            raise NotImplementedError(
+                f"pertower.{function_name}: `ys` depends on the TF1 while loop around op "
+                f"{op.name!r} ({op.type}), between the batch and `ys`. Towers cannot replay "
+                "v1 while loops yet; build the model with control flow v2 (the default "
+                "unless tf.compat.v1.disable_v2_behavior() or "
+                "disable_control_flow_v2() was called) or with unroll=True."
+            )
+
+
+def random_ops(replayed_ops):
+    """Stateful random ops among the replayed ops (for example dropout in training)."""
+    return sorted(
+        (op for op in replayed_ops
+         if op.op_def is not None and op.op_def.is_stateful and "Random" in op.type),
+        key=lambda o: o._id)  # pylint: disable=protected-access

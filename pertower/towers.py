@@ -1,0 +1,396 @@
+"""Towers: replay the graph from the batch to `ys` once per slice, on weight copies.
+
+Notation:
+    B   examples in the batch            T   towers; each takes B/T examples
+    x   one weight (entry of `xs`)       c_t tower t's `tf.identity` copy of x
+    S   the replayed ops (see graph_walk)
+
+The mechanism (Goodfellow's trick, "Efficient per-example gradient computations",
+arXiv 1510.01799, in its simplest form): split every batch tensor on axis 0 into T
+slices, give tower t its own copy c_t = tf.identity(x) of each weight, replay S on
+slice t with c_t in place of every read of x, and stack the tower outputs, which then
+equal `ys`. Because tower t's output depends on c_t and on no other tower's copy,
+
+    d/d c_t  sum_t' sum(y_t')  =  d sum(y_t) / d x      (the gradient of tower t alone),
+
+so a single `tf.gradients` call over all copies returns T separate gradients. With
+T = B these are per-example gradients; with T = M < B, microbatch gradients.
+
+The replay copies the NodeDefs of S into one GraphDef holding all T towers and adds it
+with one `tf.graph_util.import_graph_def` call, mapping the batch tensors to the
+tower's slices and the weight reads to the tower's copies. The user's ops, variables
+and values are left untouched; only new ops are added, under one name scope.
+"""
+
+import dataclasses
+import warnings
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from pertower import _checks
+from pertower import graph_walk
+
+__all__ = ["Towers", "build_towers"]
+
+# NodeDef attributes that tie a node to others by name; they would dangle in a copy.
+_DROPPED_ATTRS = ("_class",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Towers:
+    """The tensors one `build_towers` call made. Immutable; all fields are graph tensors.
+
+    Attributes:
+      ys: the per-example tensor the towers replay, [B, ...].
+      xs: the weights, as given (tuple).
+      batch: the batch tensors that were split (tuple), each [B, ...].
+      batch_size: B, the number of examples the towers were built for.
+      num_towers: T; each tower takes B/T contiguous examples.
+      slices: slices[t][j] is tower t's part of batch[j], [B/T, ...].
+      copies: copies[k][t] is tower t's copy of xs[k], [*x.shape]; copies[k] is None
+        when `ys` does not depend on xs[k].
+      outputs: outputs[t] is tower t's replay of `ys`, [B/T, ...].
+      stacked: the tower outputs concatenated, [B, ...]; equal to `ys`.
+    """
+
+    ys: tf.Tensor
+    xs: tuple
+    batch: tuple
+    batch_size: int
+    num_towers: int
+    slices: tuple
+    copies: tuple
+    outputs: tuple
+    stacked: tf.Tensor
+
+    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None):
+        """One `tf.gradients` call over every tower's copies.
+
+        Args:
+          grad_ys: None (all ones: sum the outputs), or a tensor shaped like `ys`,
+            [B, ...], weighting each output entry (split by tower like the batch).
+          unconnected_gradients: "zero" or "none", as in `tf.gradients`.
+          name: name scope for the ops.
+
+        Returns:
+          A list with one entry per x: [T, *x.shape], entry t the gradient of
+          sum(grad_ys_t * y_t) with respect to x, computed on tower t's slice alone;
+          or None for a weight `ys` does not reach when unconnected_gradients="none".
+        """
+        unconnected = _checks.unconnected_gradients_value(unconnected_gradients,
+                                                          "Towers.gradients")
+        T = self.num_towers
+        with tf.name_scope(name or "tower_gradients"):
+            grad_outputs = None
+            if grad_ys is not None:
+                grad_ys = tf.convert_to_tensor(grad_ys, dtype=self.ys.dtype)
+                if not self.stacked.shape.is_compatible_with(grad_ys.shape):
+                    raise ValueError(
+                        "pertower: `grad_ys` must have the shape of `ys`, "
+                        f"{self.stacked.shape}, but has shape {grad_ys.shape}.")
+                # [B, ...] -> T x [B/T, ...]
+                grad_outputs = tf.split(grad_ys, T, axis=0)
+            flat_copies = [c for copies in self.copies if copies for c in copies]
+            flat_grads = tf.gradients(
+                list(self.outputs), flat_copies, grad_ys=grad_outputs,
+                unconnected_gradients=unconnected) if flat_copies else []
+            results, position = [], 0
+            for x, copies in zip(self.xs, self.copies):
+                if copies is None:
+                    results.append(_zeros_per_tower(x, T)
+                                   if unconnected == tf.UnconnectedGradients.ZERO else None)
+                    continue
+                per_tower = flat_grads[position:position + T]
+                position += T
+                if all(g is None for g in per_tower):
+                    results.append(None)
+                    continue
+                per_tower = [_dense(g, c) for g, c in zip(per_tower, copies)]
+                results.append(tf.stack(per_tower, axis=0))  # T x [*x.shape] -> [T, *x.shape]
+            return results
+
+
+def _zeros_per_tower(x, T):
+    """[T, *x.shape] zeros of x's dtype."""
+    dtype = x.dtype.base_dtype
+    if x.shape.is_fully_defined():
+        return tf.zeros([T] + x.shape.as_list(), dtype=dtype)
+    return tf.zeros(tf.concat([[T], tf.shape(x)], axis=0), dtype=dtype)
+
+
+def _dense(gradient, like):
+    """A tower's gradient as a dense tensor shaped like its copy (None -> zeros)."""
+    if gradient is None:
+        return tf.zeros_like(like)
+    if isinstance(gradient, tf.IndexedSlices):
+        # Embedding rows: scatter the looked-up rows into [*x.shape].
+        return tf.math.unsorted_segment_sum(gradient.values, gradient.indices,
+                                            tf.shape(like, out_type=gradient.indices.dtype)[0])
+    return gradient
+
+
+def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None):
+    """Builds T towers that replay the graph from the batch to `ys`.
+
+    Args:
+      ys: a tensor whose axis 0 is the batch, [B, ...].
+      xs: a variable or tensor, or a list of them (e.g. `model.trainable_weights`).
+      batch: the tensor(s) carrying the batch on axis 0 that `ys` depends on; found
+        by walking back from `ys` to its placeholders and iterator outputs when None.
+      num_towers: T, which must divide B; None means one tower per example (T = B).
+      batch_size: B when the batch axis is not static; read from the graph otherwise.
+      name: name scope for the new ops (default "towers").
+
+    Returns:
+      A `Towers` record.
+
+    Example:
+      towers = pertower.build_towers(cost, net.trainable_weights, batch_size=32)
+      per_example = towers.gradients()   # list of [32, *w.shape]
+    """
+    return build(ys, xs, batch, num_towers, batch_size, name or "towers", "build_towers",
+                 "num_towers")
+
+
+def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument):
+    """`build_towers` for the public functions: errors name `function_name` and call
+    the number of towers `towers_argument`."""
+    _checks.require_graph_mode(function_name)
+    ys = _checks.require_graph_tensor(ys, "ys", function_name)
+    graph = ys.graph
+    if graph.finalized:
+        raise RuntimeError(
+            f"pertower.{function_name}: the graph of `ys` is finalized (a "
+            "MonitoredSession or graph.finalize() froze it). Build the towers before "
+            "the graph is finalized.")
+    if ys.shape.rank == 0:
+        raise ValueError(
+            f"pertower.{function_name}: `ys` ({ys.name}) is a scalar, but it needs a batch "
+            "axis on axis 0 with one value per example. Pass the unreduced per-example "
+            "values (for example a loss built with reduction=NONE, before tf.reduce_mean).")
+    if not ys.dtype.is_floating:
+        raise TypeError(
+            f"pertower.{function_name}: `ys` ({ys.name}) must be a floating-point tensor, "
+            f"but has dtype {ys.dtype.name}.")
+    xs = _checks.as_list(xs)
+    if not xs:
+        raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
+
+    with graph.as_default():
+        ys_upstream = graph_walk.upstream_ops([ys])
+        batch = _batch_tensors(ys, batch, ys_upstream, graph, function_name)
+        B = _batch_size(ys, batch, batch_size, function_name)
+        T = B if num_towers is None else _checks.positive_int(
+            num_towers, towers_argument, function_name)
+        if B % T:
+            raise ValueError(
+                f"pertower.{function_name}: `{towers_argument}` ({T}) must divide the batch "
+                f"size ({B}); choose a divisor of {B}, or feed a batch whose size is a "
+                f"multiple of {T}.")
+        batch_downstream = graph_walk.downstream_ops(batch, ys_upstream)
+        if ys.op not in batch_downstream and ys not in batch:
+            raise ValueError(
+                f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
+                f"({', '.join(t.name for t in batch)}); pass the per-example values "
+                "computed from the batch.")
+        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch_downstream, function_name)
+                 for k, x in enumerate(xs)]
+        sources = list(batch) + [t for r in reads for t in r.read_tensors]
+        gather_ops = {op for r in reads for op in r.gather_ops}
+        replayed = graph_walk.downstream_ops(sources, ys_upstream) | gather_ops
+        for op in gather_ops:
+            replayed |= graph_walk.downstream_ops(op.outputs, ys_upstream)
+        graph_walk.check_replayable(replayed, function_name)
+        noisy = graph_walk.random_ops(replayed)
+        if noisy:
+            warnings.warn(
+                f"pertower.{function_name}: `ys` depends on the random op "
+                f"{noisy[0].name!r} ({noisy[0].type}), e.g. dropout in training mode. Each "
+                "tower draws its own random numbers, so the towers' outputs (and "
+                "gradients) use other draws than `ys` does in the same run.",
+                stacklevel=3)
+
+        with tf.name_scope(scope):
+            slices = _split_batch(batch, B, T)
+            copies = []
+            for k, r in enumerate(reads):
+                if r.copy_source is None:
+                    copies.append(None)
+                    continue
+                with tf.name_scope(f"copies_{k}"):
+                    copies.append(tuple(tf.identity(r.copy_source, name=f"tower_{t}")
+                                        for t in range(T)))
+            outputs = _replay(ys, batch, reads, copies, slices, replayed, T, graph,
+                              function_name)
+            # T x [B/T, ...] -> [B, ...]
+            stacked = tf.concat(outputs, axis=0, name="stacked")
+    return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
+                  slices=tuple(zip(*slices)), copies=tuple(copies), outputs=tuple(outputs),
+                  stacked=stacked)
+
+
+def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
+    if batch is None:
+        return graph_walk.find_batch_tensors(ys, ys_upstream)
+    batch = _checks.as_list(batch)
+    if not batch:
+        raise ValueError(f"pertower.{function_name}: `batch` is empty; pass the batch "
+                         "tensor(s), or None to find them.")
+    for j, b in enumerate(batch):
+        _checks.require_graph_tensor(b, f"batch[{j}]", function_name)
+        if b.graph is not graph:
+            raise ValueError(f"pertower.{function_name}: `batch[{j}]` ({b.name}) is in "
+                             "another graph than `ys`.")
+        if b.shape.rank == 0:
+            raise ValueError(f"pertower.{function_name}: `batch[{j}]` ({b.name}) is a "
+                             "scalar; batch tensors need the batch on axis 0.")
+    return batch
+
+
+def _batch_size(ys, batch, batch_size, function_name):
+    """B: the static batch size of the batch tensors, or `batch_size`."""
+    static = {}
+    for b in batch:
+        if b.shape.rank is not None and b.shape[0] is not None:
+            static.setdefault(b.shape[0], b)
+    if len(static) > 1:
+        listing = ", ".join(f"{b.name} has {n}" for n, b in static.items())
+        raise ValueError(f"pertower.{function_name}: the batch tensors have different "
+                         f"static batch sizes ({listing}); they must share axis 0.")
+    if batch_size is not None:
+        batch_size = _checks.positive_int(batch_size, "batch_size", function_name)
+    if static:
+        (B, b), = static.items()
+        if batch_size is not None and batch_size != B:
+            raise ValueError(f"pertower.{function_name}: `batch_size` is {batch_size}, but "
+                             f"the batch tensor {b.name} has a static batch size of {B}.")
+    elif batch_size is None:
+        names = ", ".join(f"{b.name} {b.shape}" for b in batch)
+        raise ValueError(
+            f"pertower.{function_name}: the batch axis is not static ({names}), so "
+            "`batch_size` is needed: pass batch_size=B, the number of examples you will "
+            "feed. Towers are built for a fixed number of examples.")
+    else:
+        B = batch_size
+    if ys.shape.rank is not None and ys.shape[0] is not None and ys.shape[0] != B:
+        raise ValueError(f"pertower.{function_name}: `ys` ({ys.name}) has {ys.shape[0]} "
+                         f"rows on axis 0, but the batch has {B} examples.")
+    return B
+
+
+def _split_batch(batch, B, T):
+    """Each batch tensor [B, ...] -> T slices [B/T, ...], checking B at run time."""
+    slices = []
+    for j, b in enumerate(batch):
+        with tf.name_scope(f"slices_{j}"):
+            if b.shape.rank is None or b.shape[0] is None:
+                fed = tf.shape(b)[0]
+                check = tf.debugging.Assert(
+                    tf.equal(fed, B),
+                    [f"pertower: the towers were built for a batch of {B} examples "
+                     f"(batch_size={B}), but the batch fed to {b.name} has", fed,
+                     f"examples. Feed batches of {B} examples, or build the towers "
+                     "again for the new batch size."],
+                    name="check_batch_size")
+                with tf.control_dependencies([check]):
+                    b = tf.identity(b)
+            # [B, ...] -> T x [B/T, ...]
+            parts = tf.split(b, T, axis=0)
+            for part in parts:
+                part.set_shape(tf.TensorShape([B // T]).concatenate(b.shape[1:]))
+            slices.append(parts)
+    return slices
+
+
+def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name):
+    """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...]."""
+    order = sorted(replayed, key=lambda op: op._id)  # pylint: disable=protected-access
+    node_defs = {op: op.node_def for op in order}
+    per_tower_inputs = [{} for _ in range(T)]  # tower t: tensor name -> replacement
+    for j, b in enumerate(batch):
+        for t in range(T):
+            per_tower_inputs[t][b.name] = slices[j][t]
+    for r, tower_copies in zip(reads, copies):
+        for tensor in r.read_tensors:
+            for t in range(T):
+                per_tower_inputs[t][tensor.name] = tower_copies[t]
+    gathers = {op: k for k, r in enumerate(reads) for op in r.gather_ops}
+    axis_zero = tf.constant(0, name="gather_axis") if gathers else None
+
+    graph_def = graph_pb2.GraphDef()
+    graph_def.versions.CopyFrom(graph.graph_def_versions)
+    input_map, keys = {}, {}
+    external_controls = []  # (tower node name, external op)
+
+    def key_for(tensor):
+        """An input_map key naming `tensor` outside the imported GraphDef."""
+        if id(tensor) not in keys:
+            keys[id(tensor)] = f"pertower_input_{len(keys)}:0"
+            input_map[keys[id(tensor)]] = tensor
+        return keys[id(tensor)]
+
+    replayed_names = {op.name for op in order}
+    for t in range(T):
+        mapping = per_tower_inputs[t]
+        for op in order:
+            node = graph_def.node.add()
+            node.CopyFrom(node_defs[op])
+            node.name = f"t{t}/{op.name}"
+            for attr in _DROPPED_ATTRS:
+                if attr in node.attr:
+                    del node.attr[attr]
+            inputs = list(node.input)
+            del node.input[:]
+            if op in gathers:
+                inputs = _gather_inputs(node, op, copies[gathers[op]][t], axis_zero, key_for)
+            for name in inputs:
+                if name.startswith("^"):
+                    if name[1:] in replayed_names:
+                        node.input.append(f"^t{t}/{name[1:]}")
+                    else:
+                        external_controls.append((node.name, graph.get_operation_by_name(name[1:])))
+                    continue
+                tensor_name = name if ":" in name else name + ":0"
+                if tensor_name in mapping:
+                    node.input.append(key_for(mapping[tensor_name]))
+                elif tensor_name.split(":")[0] in replayed_names:
+                    node.input.append(f"t{t}/{name}")
+                elif name.startswith("pertower_input_"):
+                    node.input.append(name)
+                else:
+                    node.input.append(key_for(graph.get_tensor_by_name(tensor_name)))
+    return_names = [f"t{t}/{ys.op.name}:{ys.value_index}" for t in range(T)]
+    try:
+        outputs = tf.graph_util.import_graph_def(
+            graph_def, input_map=input_map, return_elements=return_names, name="replay")
+    except ValueError as error:
+        raise ValueError(
+            f"pertower.{function_name}: replaying the graph from the batch to `ys` on "
+            f"slices of {slices[0][0].shape[0]} example(s) failed: {error}. This happens "
+            "when the graph bakes its batch size into constants; build the model on "
+            "placeholders whose batch axis is None.") from error
+    if external_controls:
+        scope = outputs[0].name.split(f"t0/{ys.op.name}")[0]
+        for node_name, control in external_controls:
+            graph.get_operation_by_name(scope + node_name)._add_control_inputs([control])  # pylint: disable=protected-access
+    return outputs
+
+
+def _gather_inputs(node, op, copy, axis_zero, key_for):
+    """Rewrites a ResourceGather(handle, indices) NodeDef into a gather from `copy`."""
+    dtype = node.attr["dtype"].type
+    batch_dims = node.attr["batch_dims"].i if "batch_dims" in node.attr else 0
+    indices_type = node.attr["Tindices"].type
+    for attr in list(node.attr):
+        del node.attr[attr]
+    node.attr["Tparams"].type = dtype
+    node.attr["Tindices"].type = indices_type
+    if op.type == "ResourceGather":
+        node.op = "GatherV2"
+        node.attr["Taxis"].type = tf.int32.as_datatype_enum
+        node.attr["batch_dims"].i = batch_dims
+        return [key_for(copy), op.inputs[1].name, key_for(axis_zero)] + [
+            "^" + c.name for c in op.control_inputs]
+    node.op = "GatherNd"
+    return [key_for(copy), op.inputs[1].name] + ["^" + c.name for c in op.control_inputs]

@@ -1,0 +1,23 @@
+"""pertower: per-example gradients for TensorFlow graph mode, with weight-copy towers."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="pertower",
+    version="0.1.0",
+    description=("Per-example gradients, Jacobians and microbatch gradients for "
+                 "TensorFlow graph mode (tf.compat.v1.Session), without rewriting the model."),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["pertower", "pertower.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "tensorflow>=2.16",
+        "tf-keras>=2.16",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["pertower=pertower.cli:main"]},
+)

@@ -1,0 +1,223 @@
+"""Shared test models and comparison helpers.
+
+Each `build_*` function builds one model in a graph of its own and returns a `Case`:
+the per-example values `ys` [B, ...], the weights, the feeds for a batch of B examples,
+and what the slow oracle (`pertower.oracle`) needs. Models are built on placeholders
+whose batch axis is None unless the case is about static batch axes; then the oracle
+runs on a second, None-batch input to the same model.
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    graph: tf.Graph
+    sess: tf.compat.v1.Session
+    ys: tf.Tensor            # [B, ...] per-example values
+    xs: list                 # the weights
+    feed: dict               # placeholder -> [B, ...] values
+    batch: list              # the batch placeholders
+    B: int
+    outputs: tf.Tensor = None  # [B, K] a multi-output tensor for Jacobians
+    oracle_ys: tf.Tensor = None  # ys on None-batch inputs (static cases)
+    oracle_outputs: tf.Tensor = None
+    oracle_feed: dict = None
+    rtol: float = 1e-5
+    atol: float = 1e-6
+
+    def oracle(self):
+        """(ys, outputs, feed) for the one-example loop."""
+        if self.oracle_ys is None:
+            return self.ys, self.outputs, self.feed
+        return self.oracle_ys, self.oracle_outputs, self.oracle_feed
+
+
+def assert_all_close(got, want, rtol, atol, what):
+    """Compares two lists of arrays; collects every mismatch before failing."""
+    assert len(got) == len(want), f"{what}: {len(got)} results, expected {len(want)}"
+    problems = []
+    for k, (g, w) in enumerate(zip(got, want)):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape:
+            problems.append(f"[{k}] shape {g.shape} != {w.shape}")
+            continue
+        if not np.allclose(g, w, rtol=rtol, atol=atol):
+            err = np.max(np.abs(g - w))
+            problems.append(f"[{k}] max abs error {err:.3g} (scale {np.max(np.abs(w)):.3g})")
+    assert not problems, f"{what}: " + "; ".join(problems)
+
+
+def _session(graph):
+    sess = tf.compat.v1.Session(graph=graph)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    return sess
+
+
+def build_mlp(B=6, dtype=tf.float32, name="mlp"):
+    """Scenario 1: Keras Sequential MLP, cost = (net(x) - y) ** 2, [B, 1]."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(1)
+        x = tf.compat.v1.placeholder(dtype, [None, 5], name="x")
+        y = tf.compat.v1.placeholder(dtype, [None, 1], name="y")
+        net = keras.Sequential([
+            keras.layers.Dense(16, activation="tanh", dtype=dtype.name),
+            keras.layers.Dense(8, activation="relu", dtype=dtype.name),
+            keras.layers.Dense(3, dtype=dtype.name),
+        ])
+        out = net(x)                                    # [B, 3]
+        cost = (out[:, :1] - y) ** 2                    # [B, 1]
+        sess = _session(graph)
+    rng = np.random.RandomState(0)
+    feed = {x: rng.randn(B, 5).astype(dtype.as_numpy_dtype),
+            y: rng.randn(B, 1).astype(dtype.as_numpy_dtype)}
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == tf.float32 else dict(rtol=1e-12, atol=1e-13)
+    return Case(name, graph, sess, cost, list(net.trainable_weights), feed, [x, y], B,
+                outputs=out, **tol)
+
+
+def build_static_mlp(B=4):
+    """An MLP on placeholders with a static batch axis [B, 5]; the oracle runs the same
+    model on a None-batch placeholder."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(2)
+        x = tf.compat.v1.placeholder(tf.float32, [B, 5], name="x_static")
+        x_any = tf.compat.v1.placeholder(tf.float32, [None, 5], name="x_any")
+        net = keras.Sequential([keras.layers.Dense(7, activation="sigmoid"),
+                                keras.layers.Dense(2)])
+        out, oracle_out = net(x), net(x_any)          # [B, 2]
+        ys = tf.reduce_sum(out ** 2, axis=1)           # [B]
+        oracle_ys = tf.reduce_sum(oracle_out ** 2, axis=1)
+        sess = _session(graph)
+    values = np.random.RandomState(1).randn(B, 5).astype(np.float32)
+    return Case("static_mlp", graph, sess, ys, list(net.trainable_weights), {x: values}, [x],
+                B, outputs=out, oracle_ys=oracle_ys, oracle_outputs=oracle_out,
+                oracle_feed={x_any: values})
+
+
+def build_cnn(B=3):
+    """Scenario 3: Conv2D(16, 5, same, elu) -> Flatten -> Dense(128, relu) -> Dense(1)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(3)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="images")
+        model = keras.Sequential([
+            keras.layers.Conv2D(16, 5, padding="same", activation="elu",
+                                input_shape=(32, 32, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(1),
+        ])
+        ys = model(x)                                   # [B, 1]
+        sess = _session(graph)
+    feed = {x: np.random.RandomState(2).rand(B, 32, 32, 1).astype(np.float32)}
+    return Case("cnn", graph, sess, ys, list(model.trainable_weights), feed, [x], B,
+                outputs=ys, rtol=1e-4, atol=1e-5)
+
+
+def build_embedding(B=4):
+    """Functional model: ids [B, 4] -> Embedding(20, 6) -> Flatten, with dense features
+    -> Dense(2); ys is a softmax cross-entropy per example [B]."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(4)
+        ids = keras.Input(shape=(4,), dtype="int32", name="ids")
+        feats = keras.Input(shape=(3,), name="feats")
+        e = keras.layers.Flatten()(keras.layers.Embedding(20, 6)(ids))
+        h = keras.layers.Concatenate()([e, feats])
+        logits = keras.layers.Dense(2)(keras.layers.Dense(5, activation="relu")(h))
+        model = keras.Model([ids, feats], logits)
+        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+        out = model([ids, feats])
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=out)
+        sess = _session(graph)
+    rng = np.random.RandomState(3)
+    # repeated ids within an example: their rows' gradients must add up
+    id_values = np.array([[1, 2, 2, 7], [3, 3, 3, 3], [0, 19, 5, 1], [7, 1, 2, 9]])[:B]
+    feed = {ids: id_values, feats: rng.randn(B, 3).astype(np.float32),
+            labels: rng.randint(0, 2, B)}
+    return Case("embedding", graph, sess, ys, list(model.trainable_weights), feed,
+                [ids, feats, labels], B, outputs=out)
+
+
+def build_shared_layer(B=5):
+    """One Dense layer applied twice (its kernel read twice per example)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(5)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        shared = keras.layers.Dense(4, activation="tanh")
+        head = keras.layers.Dense(2)
+        out = head(shared(shared(x)) + shared(x))       # [B, 2]
+        ys = tf.reduce_sum(tf.sin(out), axis=1)         # [B]
+        sess = _session(graph)
+    feed = {x: np.random.RandomState(4).randn(B, 4).astype(np.float32)}
+    xs = list(shared.trainable_weights) + list(head.trainable_weights)
+    return Case("shared_layer", graph, sess, ys, xs, feed, [x], B, outputs=out)
+
+
+class _SequenceModel(keras.Model):
+    """Subclassed model: Conv1D -> LayerNormalization -> Dropout -> Flatten -> Dense."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = keras.layers.Conv1D(4, 3, strides=2, padding="valid", activation="relu")
+        self.norm = keras.layers.LayerNormalization()
+        self.drop = keras.layers.Dropout(0.5)
+        self.flat = keras.layers.Flatten()
+        self.out = keras.layers.Dense(2)
+
+    def call(self, inputs, training=None):
+        h = self.norm(self.conv(inputs))
+        return self.out(self.flat(self.drop(h, training=training)))
+
+
+def build_subclassed(B=4):
+    """Subclassed model on sequences [B, 9, 3], Dropout in inference mode."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(6)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 9, 3], name="seq")
+        model = _SequenceModel()
+        out = model(x)                                  # [B, 2]
+        ys = tf.reduce_sum(out ** 2, axis=1)            # [B]
+        sess = _session(graph)
+    feed = {x: np.random.RandomState(5).randn(B, 9, 3).astype(np.float32)}
+    return Case("subclassed", graph, sess, ys, list(model.trainable_weights), feed, [x], B,
+                outputs=out, rtol=1e-4, atol=1e-5)
+
+
+def build_compat_v1_layers(B=4):
+    """tf.compat.v1.layers.dense and tf.compat.v1.get_variable (resource variables)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(7)
+        s = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s")
+        with tf.compat.v1.variable_scope("f"):
+            h = tf.compat.v1.layers.dense(s, 6, tf.nn.tanh, name="hidden")
+            scale = tf.compat.v1.get_variable("scale", [6], initializer=tf.ones_initializer())
+            out = tf.compat.v1.layers.dense(h * scale, 2, name="out")   # [B, 2]
+        ys = tf.reduce_sum(out, axis=1)                  # [B]
+        sess = _session(graph)
+        xs = tf.compat.v1.trainable_variables()
+    feed = {s: np.random.RandomState(6).randn(B, 3).astype(np.float32)}
+    return Case("compat_v1_layers", graph, sess, ys, xs, feed, [s], B, outputs=out)
+
+
+BUILDERS = {
+    "mlp": build_mlp,
+    "mlp_float64": lambda: build_mlp(dtype=tf.float64, name="mlp_float64"),
+    "static_mlp": build_static_mlp,
+    "cnn": build_cnn,
+    "embedding": build_embedding,
+    "shared_layer": build_shared_layer,
+    "subclassed": build_subclassed,
+    "compat_v1_layers": build_compat_v1_layers,
+}

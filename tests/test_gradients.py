@@ -1,0 +1,100 @@
+"""Every public gradient function against the one-example oracle, on every test model."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pertower
+from pertower import oracle
+from tests import common
+
+
+@pytest.fixture(scope="module", params=sorted(common.BUILDERS))
+def case(request):
+    built = common.BUILDERS[request.param]()
+    yield built
+    built.sess.close()
+
+
+def _run(case, tensors):
+    return case.sess.run(tensors, case.feed)
+
+
+def test_per_example_gradients_match_oracle(case):
+    with case.graph.as_default():
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B)
+        for g, x in zip(got, case.xs):
+            assert g.dtype == x.dtype.base_dtype
+            assert g.shape.as_list() == [case.B] + x.shape.as_list()
+        ys, _, feed = case.oracle()
+        want = oracle.loop_per_example_gradients(case.sess, ys, case.xs, feed)
+    common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
+                            f"{case.name} per-example gradients")
+
+
+def test_per_example_gradients_sum_to_batch_gradient(case):
+    with case.graph.as_default():
+        per_example = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
+                                                     batch_size=case.B)
+        summed = [tf.reduce_sum(g, axis=0) for g in per_example]
+        batch_gradient = [tf.convert_to_tensor(g) for g in
+                          tf.gradients(tf.reduce_sum(case.ys), case.xs)]
+    got, want = _run(case, [summed, batch_gradient])
+    common.assert_all_close(got, want, case.rtol * 10, case.atol * 10,
+                            f"{case.name} sum over examples")
+
+
+@pytest.mark.parametrize("microbatches", ["two", "one_per_example"])
+def test_microbatch_gradients_match_oracle(case, microbatches):
+    M = 2 if microbatches == "two" and case.B % 2 == 0 else case.B
+    with case.graph.as_default():
+        got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=M,
+                                            batch_size=case.B)
+        for g, x in zip(got, case.xs):
+            assert g.shape.as_list() == [M] + x.shape.as_list()
+        ys, _, feed = case.oracle()
+        want = oracle.loop_microbatch_gradients(case.sess, ys, case.xs, feed, M)
+    common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
+                            f"{case.name} {M} microbatches")
+
+
+def test_per_example_jacobians_match_oracle(case):
+    with case.graph.as_default():
+        got = pertower.per_example_jacobians(case.outputs, case.xs, batch_size=case.B)
+        out = case.outputs.shape[1:].as_list()
+        for g, x in zip(got, case.xs):
+            assert g.shape.as_list() == [case.B] + out + x.shape.as_list()
+        _, outputs, feed = case.oracle()
+        want = oracle.loop_per_example_jacobians(case.sess, outputs, case.xs, feed)
+    common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
+                            f"{case.name} per-example Jacobians")
+
+
+def test_towers_stack_to_ys_and_leave_the_graph_alone(case):
+    with case.graph.as_default():
+        variables_before = list(tf.compat.v1.global_variables())
+        ys_before = _run(case, case.ys)
+        towers = pertower.build_towers(case.ys, case.xs, batch_size=case.B)
+        assert list(tf.compat.v1.global_variables()) == variables_before
+        assert towers.num_towers == case.B and towers.batch_size == case.B
+        assert len(towers.outputs) == case.B and len(towers.slices) == case.B
+        stacked, ys_after = _run(case, [towers.stacked, case.ys])
+    np.testing.assert_allclose(stacked, ys_before, rtol=case.rtol, atol=case.atol)
+    np.testing.assert_array_equal(ys_after, ys_before)
+
+
+def test_towers_gradients_with_grad_ys_weight_outputs(case):
+    """gradients(grad_ys=w) gives, per tower, the gradient of sum_k w[i, k] ys[i, k]:
+    the per-example Jacobian contracted with w."""
+    B, out = case.B, case.ys.shape[1:].as_list()
+    K = int(np.prod(out)) if out else 1
+    weights = np.linspace(-1.0, 2.0, B * K).reshape([B] + out)
+    with case.graph.as_default():
+        towers = pertower.build_towers(case.ys, case.xs, batch_size=B)
+        got = towers.gradients(grad_ys=tf.constant(weights, dtype=case.ys.dtype))
+        ys, _, feed = case.oracle()
+        jacobians = oracle.loop_per_example_jacobians(case.sess, ys, case.xs, feed)
+    want = [(j.reshape(B, K, -1) * weights.reshape(B, K, 1)).sum(axis=1).reshape(j.shape[:1] + j.shape[1 + len(out):])
+            for j in jacobians]
+    common.assert_all_close(_run(case, got), want, case.rtol, case.atol * 10,
+                            f"{case.name} weighted tower gradients")
