@@ -42,6 +42,15 @@ def require_graph_tensor(value, argument, function_name):
     return value
 
 
+def static_batch_size(tensor):
+    """The static size of axis 0 as an int, or None (rank unknown or axis not static).
+
+    Works for the Dimension objects of TF1 behaviour too."""
+    if tensor.shape.rank is None or tensor.shape.rank == 0:
+        return None
+    return tf.compat.dimension_value(tensor.shape[0])
+
+
 def as_list(value):
     """`value` as a list: a list or tuple is copied, anything else wrapped."""
     if isinstance(value, (list, tuple)):

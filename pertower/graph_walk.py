@@ -16,6 +16,8 @@ import collections
 import tensorflow as tf
 from tensorflow.python.ops import ref_variable
 
+from pertower import _checks
+
 # Ops whose outputs carry a batch on axis 0 when `batch` is not given.
 _BATCH_SOURCE_OP_TYPES = frozenset(
     {"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
@@ -95,7 +97,7 @@ def find_batch_tensors(ys, ys_upstream):
             "output with a batch axis, so the batch could not be found. Pass "
             "`batch=` the tensor(s) that carry the batch on axis 0."
         )
-    sizes = {t.shape[0] for t in candidates if t.shape[0] is not None}
+    sizes = {_checks.static_batch_size(t) for t in candidates} - {None}
     if len(sizes) > 1:
         listing = ", ".join(f"{t.name} {t.shape}" for t in candidates)
         raise ValueError(
@@ -154,7 +156,7 @@ def _resource_reads(x, name, handle, ys_upstream, function_name):
     return WeightReads(x, name, read_tensors, gather_ops, copy_source)
 
 
-def weight_reads(x, index, ys_upstream, batch_downstream, function_name):
+def weight_reads(x, index, ys_upstream, batch, function_name):
     """Finds where `xs[index]` enters the computation of `ys`.
 
     Resource variables are read by `ReadVariableOp` (mapped to the tower copy) or
@@ -179,7 +181,8 @@ def weight_reads(x, index, ys_upstream, batch_downstream, function_name):
     if isinstance(x, tf.Tensor) and hasattr(x, "op"):
         if x.dtype == tf.resource:
             return _resource_reads(x, x.name, x, ys_upstream, function_name)
-        if x.op in batch_downstream:
+        x_upstream = upstream_ops([x])
+        if any(b.op in x_upstream for b in batch):
             raise ValueError(
                 f"pertower.{function_name}: `xs[{index}]` ({x.name}) depends on the batch, "
                 "so it is an activation rather than a weight: each example already has "

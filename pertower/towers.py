@@ -189,12 +189,12 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 f"size ({B}); choose a divisor of {B}, or feed a batch whose size is a "
                 f"multiple of {T}.")
         batch_downstream = graph_walk.downstream_ops(batch, ys_upstream)
-        if ys.op not in batch_downstream and ys not in batch:
+        if ys.op not in batch_downstream and all(ys is not b for b in batch):
             raise ValueError(
                 f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
-        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch_downstream, function_name)
+        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
         sources = list(batch) + [t for r in reads for t in r.read_tensors]
         gather_ops = {op for r in reads for op in r.gather_ops}
@@ -252,8 +252,8 @@ def _batch_size(ys, batch, batch_size, function_name):
     """B: the static batch size of the batch tensors, or `batch_size`."""
     static = {}
     for b in batch:
-        if b.shape.rank is not None and b.shape[0] is not None:
-            static.setdefault(b.shape[0], b)
+        if _checks.static_batch_size(b) is not None:
+            static.setdefault(_checks.static_batch_size(b), b)
     if len(static) > 1:
         listing = ", ".join(f"{b.name} has {n}" for n, b in static.items())
         raise ValueError(f"pertower.{function_name}: the batch tensors have different "
@@ -273,8 +273,9 @@ def _batch_size(ys, batch, batch_size, function_name):
             "feed. Towers are built for a fixed number of examples.")
     else:
         B = batch_size
-    if ys.shape.rank is not None and ys.shape[0] is not None and ys.shape[0] != B:
-        raise ValueError(f"pertower.{function_name}: `ys` ({ys.name}) has {ys.shape[0]} "
+    ys_rows = _checks.static_batch_size(ys)
+    if ys_rows is not None and ys_rows != B:
+        raise ValueError(f"pertower.{function_name}: `ys` ({ys.name}) has {ys_rows} "
                          f"rows on axis 0, but the batch has {B} examples.")
     return B
 
@@ -284,7 +285,7 @@ def _split_batch(batch, B, T):
     slices = []
     for j, b in enumerate(batch):
         with tf.name_scope(f"slices_{j}"):
-            if b.shape.rank is None or b.shape[0] is None:
+            if _checks.static_batch_size(b) is None:
                 fed = tf.shape(b)[0]
                 check = tf.debugging.Assert(
                     tf.equal(fed, B),
@@ -367,7 +368,7 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
     except ValueError as error:
         raise ValueError(
             f"pertower.{function_name}: replaying the graph from the batch to `ys` on "
-            f"slices of {slices[0][0].shape[0]} example(s) failed: {error}. This happens "
+            f"slices of {_checks.static_batch_size(slices[0][0])} example(s) failed: {error}. This happens "
             "when the graph bakes its batch size into constants; build the model on "
             "placeholders whose batch axis is None.") from error
     if external_controls:

@@ -98,3 +98,42 @@ def test_towers_gradients_with_grad_ys_weight_outputs(case):
             for j in jacobians]
     common.assert_all_close(_run(case, got), want, case.rtol, case.atol * 10,
                             f"{case.name} weighted tower gradients")
+
+
+def test_tf_data_iterator_outputs_are_found_as_the_batch():
+    """Batch found by walking back to an iterator's outputs; compared with the oracle run
+    on a placeholder input to the same layers."""
+    features = np.random.RandomState(7).randn(8, 3).astype(np.float32)
+    with tf.Graph().as_default() as graph:
+        dense = tf.compat.v1.layers.Dense(2, activation=tf.nn.tanh)
+        dataset = tf.data.Dataset.from_tensor_slices(features).batch(4, drop_remainder=True)
+        batch = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()   # [4, 3]
+        ys = tf.reduce_sum(dense(batch) ** 2, axis=1)                          # [4]
+        grads = pertower.per_example_gradients(ys, dense.trainable_weights)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        oracle_ys = tf.reduce_sum(dense(x) ** 2, axis=1)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for step in range(2):
+                got = sess.run(grads)   # one iterator step: batch `step`
+                want = oracle.loop_per_example_gradients(
+                    sess, oracle_ys, dense.trainable_weights,
+                    {x: features[4 * step:4 * step + 4]})
+                common.assert_all_close(got, want, 1e-5, 1e-6, f"iterator batch {step}")
+
+
+def test_towers_record_and_building_twice_on_one_graph():
+    case = common.build_shared_layer(B=4)
+    with case.graph.as_default():
+        first = pertower.build_towers(case.ys, case.xs, batch_size=4, num_towers=2)
+        second = pertower.build_towers(case.ys, case.xs, batch_size=4, num_towers=2)
+        assert first.stacked.name != second.stacked.name
+        assert first.stacked.name.startswith("towers/") and second.stacked.name.startswith("towers_1/")
+        assert len(first.copies) == len(case.xs) and all(len(c) == 2 for c in first.copies)
+        assert first.slices[1][0].shape.as_list() == [2, 4]
+        assert first.outputs[0].shape.as_list() == [2]
+        grads = [first.gradients(), second.gradients()]
+        want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, case.feed, 2)
+    for got in case.sess.run(grads, case.feed):
+        common.assert_all_close(got, want, case.rtol, case.atol, "towers built twice")
+    case.sess.close()

@@ -1,0 +1,316 @@
+"""`pertower demo`: the three scenarios of SCENARIOS.md on built-in models, timed.
+
+Notation:
+    B   examples in the batch           M   microbatches (scenario 2: M = 2 batches)
+    x   one weight                      [B, *x.shape] one gradient of x per example
+
+Each scenario builds its model in its own `tf.Graph` and `Session`, computes the
+result with pertower and with the one-slice-at-a-time loop of `pertower.oracle`, and
+compares them. It then times, after one warm-up run each, the pertower `sess.run` and
+the loop users write today: one `sess.run` of `tf.gradients` per example (scenario 2:
+per batch) over the whole batch, with the gradient ops built once.
+
+Needs graph mode (`tf.compat.v1.disable_eager_execution()`) and, for
+`tf.compat.v1.layers`, TF_USE_LEGACY_KERAS=1; `pertower demo` sets both up.
+"""
+
+import dataclasses
+import statistics
+import time
+import warnings
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import oracle
+
+__all__ = ["ScenarioResult", "run_demo", "format_table"]
+
+# Agreement with the loop: float32, so |pertower - loop| <= ATOL * max(1, |loop|max)
+# + RTOL * |loop| for every entry.
+RTOL = 1e-4
+ATOL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioResult:
+    """What one scenario measured.
+
+    Attributes:
+      name: short name for the table ("1 keras mlp", ...).
+      description: one line saying what is computed.
+      detail: one line with a number or shape from the result.
+      batch_size: B.
+      loop_runs: how many `sess.run` calls one pass of the loop makes.
+      max_abs_diff: max |pertower - loop| over all entries of all tensors.
+      agrees: whether every entry is within the tolerance (RTOL, ATOL).
+      build_seconds: time of the pertower call that built the towers.
+      first_run_seconds: the first pertower `sess.run` (includes graph optimization).
+      pertower_seconds: median time of the pertower `sess.run`.
+      loop_seconds: median time of one pass of the loop over the batch.
+    """
+
+    name: str
+    description: str
+    detail: str
+    batch_size: int
+    loop_runs: int
+    max_abs_diff: float
+    agrees: bool
+    build_seconds: float
+    first_run_seconds: float
+    pertower_seconds: float
+    loop_seconds: float
+
+    @property
+    def speedup(self):
+        """loop time / pertower time."""
+        return self.loop_seconds / self.pertower_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timed:
+    """The graph pieces `_measure` times: pertower's fetches on the whole batch, and
+    the loop's fetches run once per slice feed."""
+
+    fetches: list          # tensors, e.g. one [B, *x.shape] per weight
+    feed: dict             # the whole batch
+    loop_fetches: list     # tf.gradients of one slice's summed value, [*x.shape] each
+    loop_feeds: list       # one feed dict per slice
+
+
+def run_demo(batch_size=32, repeats=5, report=print):
+    """Runs the three scenarios; returns a list of three `ScenarioResult`s.
+
+    Args:
+      batch_size: B, the examples per scenario (scenario 2 splits them into two
+        batches of B // 2).
+      repeats: timed runs after the warm-up; the median is reported.
+      report: called with each line of progress.
+    """
+    scenarios = [_scenario_keras_mlp, _scenario_two_batches_cosine, _scenario_cnn_jacobian]
+    results = []
+    for number, scenario in enumerate(scenarios, start=1):
+        result = scenario(batch_size, repeats)
+        for line in _describe(number, len(scenarios), result):
+            report(line)
+        results.append(result)
+    return results
+
+
+def _describe(number, total, r):
+    """The progress lines for one finished scenario."""
+    verdict = "agrees" if r.agrees else "DISAGREES (beyond tolerance)"
+    return [
+        f"[{number}/{total}] {r.description}",
+        f"      {r.detail}",
+        f"      max |pertower - loop| = {r.max_abs_diff:.2e}: {verdict} with the loop",
+        f"      pertower {1e3 * r.pertower_seconds:.1f} ms, loop {1e3 * r.loop_seconds:.1f} "
+        f"ms ({r.loop_runs} sess.run), speed-up {r.speedup:.1f}x; towers built in "
+        f"{r.build_seconds:.2f} s, first run {r.first_run_seconds:.2f} s",
+    ]
+
+
+def format_table(results):
+    """The results as a plain-text table (a string, no trailing newline)."""
+    header = ("scenario", "B", "max|diff|", "pertower ms", "loop ms", "runs", "speed-up",
+              "build s", "1st run s", "agrees")
+    rows = [(r.name, str(r.batch_size), f"{r.max_abs_diff:.1e}",
+             f"{1e3 * r.pertower_seconds:.1f}", f"{1e3 * r.loop_seconds:.1f}",
+             str(r.loop_runs), f"{r.speedup:.1f}x", f"{r.build_seconds:.2f}",
+             f"{r.first_run_seconds:.2f}", "yes" if r.agrees else "NO")
+            for r in results]
+    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    rule = "-" * len(line(header))
+    return "\n".join([line(header), rule] + [line(row) for row in rows])
+
+
+# The scenarios ------------------------------------------------------------------------
+
+
+def _scenario_keras_mlp(B, repeats, n_in=32):
+    """Scenario 1: per-example gradients of (net(x) - y) ** 2 for a Keras MLP."""
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
+        net = keras.Sequential([
+            keras.layers.Dense(128, activation="tanh", input_shape=(n_in,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(1),
+        ])
+        x = tf.compat.v1.placeholder(tf.float32, [None, n_in], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+        cost = (net(x) - y) ** 2                                # [B, 1]
+        weights = net.trainable_weights
+
+        start = time.perf_counter()
+        grads = pertower.per_example_gradients(cost, weights, batch_size=B)  # [B, *x.shape]
+        build_seconds = time.perf_counter() - start
+        norms = pertower.global_norms(grads)                    # [B]
+
+        rng = np.random.default_rng(1)
+        feed = {x: rng.normal(size=(B, n_in)).astype(np.float32),
+                y: rng.normal(size=(B, 1)).astype(np.float32)}
+        sess.run(tf.compat.v1.global_variables_initializer())
+        reference = oracle.loop_per_example_gradients(sess, cost, weights, feed)
+        timed = _Timed(grads, feed, _summed_gradients(cost, weights), _slice_feeds(feed, B))
+        values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
+            sess, timed, reference, repeats)
+        detail = (f"{len(weights)} weights, {_num_params(weights)} parameters; median "
+                  f"per-example gradient norm {np.median(sess.run(norms, feed)):.3f}")
+    return ScenarioResult(
+        "1 keras mlp", f"Scenario 1: per-example gradients of (net(x) - y)**2, Keras MLP "
+        f"{n_in}-128-128-1, B={B}", detail, B, B, max_diff, agrees, build_seconds,
+        first_run, seconds, loop_seconds)
+
+
+def _scenario_two_batches_cosine(B, repeats):
+    """Scenario 2: gradients of two batches of B // 2 through a tf.compat.v1.layers MLP,
+    and their cosine, from `microbatch_gradients(..., num_microbatches=2)`."""
+    n = max(1, B // 2)
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
+        s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
+        s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
+        s = tf.concat([s1, s2], axis=0)                         # [2n, 3]
+        with tf.compat.v1.variable_scope("f"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*tf\.layers\.dense.* is deprecated")
+            h = tf.compat.v1.layers.dense(s, 64, activation=tf.tanh)
+            h = tf.compat.v1.layers.dense(h, 64, activation=tf.tanh)
+            f = tf.compat.v1.layers.dense(h, 1)                 # [2n, 1]
+        weights = tf.compat.v1.trainable_variables("f")
+
+        start = time.perf_counter()
+        g = pertower.microbatch_gradients(f, weights, batch=s, num_microbatches=2,
+                                          batch_size=2 * n)     # [2, *x.shape] each
+        build_seconds = time.perf_counter() - start
+        cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
+
+        rng = np.random.default_rng(2)
+        S1 = rng.normal(size=(n, 3)).astype(np.float32)
+        S2 = rng.normal(size=(n, 3)).astype(np.float32)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        concatenated = {s: np.concatenate([S1, S2])}           # the oracle feeds s itself
+        reference = oracle.loop_microbatch_gradients(sess, f, weights, concatenated, 2)
+        reference.append(np.asarray(_cosine(reference), np.float32))
+        timed = _Timed(g + [cos], {s1: S1, s2: S2}, _summed_gradients(f, weights),
+                       _slice_feeds(concatenated, 2))
+        values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
+            sess, timed, reference, repeats)
+        detail = f"cos(g1, g2) = {values[-1]:.6f} (loop: {reference[-1]:.6f})"
+    return ScenarioResult(
+        "2 two-batch cosine", f"Scenario 2: gradients of two batches of {n} and their "
+        "cosine, tf.compat.v1.layers MLP 3-64-64-1, M=2", detail, 2 * n, 2, max_diff,
+        agrees, build_seconds, first_run, seconds, loop_seconds)
+
+
+def _scenario_cnn_jacobian(B, repeats):
+    """Scenario 3: per-example dy/dθ of Conv2D(16, 5) -> Flatten -> Dense(128) -> Dense(1)
+    on 32x32x1 images, [B, 1, *x.shape] per weight."""
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
+        model = keras.Sequential([
+            keras.layers.Conv2D(16, 5, padding="same", activation="elu",
+                                input_shape=(32, 32, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(1),
+        ])
+        x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="x")
+        y = model(x)                                            # [B, 1]
+        weights = model.trainable_weights
+
+        start = time.perf_counter()
+        jac = pertower.per_example_jacobians(y, weights, batch_size=B)  # [B, 1, *x.shape]
+        build_seconds = time.perf_counter() - start
+
+        rng = np.random.default_rng(3)
+        feed = {x: rng.normal(size=(B, 32, 32, 1)).astype(np.float32)}
+        sess.run(tf.compat.v1.global_variables_initializer())
+        reference = oracle.loop_per_example_jacobians(sess, y, weights, feed)
+        # One output (K = 1): the loop's row is the gradient of the summed output.
+        timed = _Timed(jac, feed, _summed_gradients(y, weights), _slice_feeds(feed, B))
+        values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
+            sess, timed, reference, repeats)
+        detail = (f"{_num_params(weights)} parameters; Jacobian of {weights[2].name} "
+                  f"{tuple(values[2].shape)}")
+    return ScenarioResult(
+        "3 cnn jacobian", f"Scenario 3: per-example dy/dtheta of the CNN Conv2D(16,5)-"
+        f"Dense(128)-Dense(1) on 32x32x1, B={B}", detail, B, B, max_diff, agrees,
+        build_seconds, first_run, seconds, loop_seconds)
+
+
+# Measuring ----------------------------------------------------------------------------
+
+
+def _measure(sess, timed, reference, repeats):
+    """Runs pertower once (warm-up and result), compares with `reference`, and times.
+
+    Returns:
+      (values, max_abs_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds).
+    """
+    start = time.perf_counter()
+    values = sess.run(timed.fetches, timed.feed)
+    first_run_seconds = time.perf_counter() - start
+    max_diff, agrees = _compare(values, reference)
+    pertower_seconds = _median_seconds(lambda: sess.run(timed.fetches, timed.feed), repeats)
+
+    def loop():
+        for feed in timed.loop_feeds:
+            sess.run(timed.loop_fetches, feed)
+
+    loop()  # warm-up
+    loop_seconds = _median_seconds(loop, repeats)
+    return values, max_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds
+
+
+def _median_seconds(run, repeats):
+    """The median wall time of `repeats` calls of `run()`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _compare(values, reference):
+    """(max |value - reference| over all entries, whether all are within tolerance)."""
+    max_diff, agrees = 0.0, len(values) == len(reference)
+    for got, want in zip(values, reference):
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape:
+            return float("inf"), False
+        if got.size:
+            max_diff = max(max_diff, float(np.max(np.abs(got - want))))
+            atol = ATOL * max(1.0, float(np.max(np.abs(want))))
+            agrees = agrees and np.allclose(got, want, rtol=RTOL, atol=atol)
+    return max_diff, agrees
+
+
+def _summed_gradients(ys, xs):
+    """tf.gradients(sum(ys), xs), None as zeros: what a user's loop runs per slice."""
+    grads = tf.gradients(tf.reduce_sum(ys), xs)
+    return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, xs)]
+
+
+def _slice_feeds(feed, num_slices):
+    """`feed` cut into `num_slices` contiguous feed dicts, [B, ...] -> [B/M, ...] each."""
+    B = len(next(iter(feed.values())))
+    step = B // num_slices
+    return [{key: value[m * step:(m + 1) * step] for key, value in feed.items()}
+            for m in range(num_slices)]
+
+
+def _cosine(stacked):
+    """The cosine of rows 0 and 1 of [2, *x.shape] gradients, flattened over x."""
+    g1 = np.concatenate([w[0].ravel() for w in stacked])
+    g2 = np.concatenate([w[1].ravel() for w in stacked])
+    return g1 @ g2 / (np.linalg.norm(g1) * np.linalg.norm(g2))
+
+
+def _num_params(weights):
+    return sum(int(np.prod(w.shape.as_list())) for w in weights)

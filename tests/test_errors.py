@@ -1,0 +1,161 @@
+"""Bad input gets a clear error (type and words checked), never a wrong answer."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import oracle
+from tests import common
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    case = common.build_mlp(B=4)
+    yield case
+    case.sess.close()
+
+
+def test_scalar_ys_is_refused(mlp):
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=r"`ys` .* is a scalar.*batch axis.*reduction=NONE"):
+            pertower.per_example_gradients(tf.reduce_mean(mlp.ys), mlp.xs, batch_size=4)
+
+
+def test_ys_that_does_not_depend_on_the_batch_is_refused(mlp):
+    with mlp.graph.as_default():
+        no_batch = tf.reshape(tf.reduce_sum(mlp.xs[0]), [1]) * tf.ones([4])
+        with pytest.raises(ValueError, match=r"depends on no placeholder.*Pass `batch=`"):
+            pertower.per_example_gradients(no_batch, mlp.xs, batch_size=4)
+        with pytest.raises(ValueError, match=r"does not depend on the batch \(x:0\)"):
+            pertower.per_example_gradients(no_batch, mlp.xs, batch=mlp.batch[0], batch_size=4)
+
+
+@pytest.mark.parametrize("bad", ["a string", np.ones(3), 3.0])
+def test_xs_entry_of_the_wrong_type_is_refused(mlp, bad):
+    with mlp.graph.as_default():
+        with pytest.raises(TypeError, match=r"`xs\[1\]` must be a tf.Variable or a tf.Tensor, "
+                                            r"but received"):
+            pertower.per_example_gradients(mlp.ys, [mlp.xs[0], bad], batch_size=4)
+
+
+def test_activation_in_xs_is_refused(mlp):
+    with mlp.graph.as_default():
+        activation = mlp.outputs * 2.0
+        with pytest.raises(ValueError, match=r"`xs\[0\]` .* depends on the batch.*activation"):
+            pertower.per_example_gradients(mlp.ys, [activation], batch_size=4)
+
+
+def test_missing_batch_size_for_a_none_batch_axis_is_refused(mlp):
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=r"batch axis is not static.*pass batch_size=B"):
+            pertower.per_example_gradients(mlp.ys, mlp.xs)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4"])
+def test_bad_batch_size_is_refused(mlp, bad):
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=r"`batch_size` must be a positive integer, but "
+                                             r"received"):
+            pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=bad)
+
+
+def test_batch_tensors_with_different_static_sizes_are_refused():
+    with tf.Graph().as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [4, 2], name="a")
+        b = tf.compat.v1.placeholder(tf.float32, [3, 2], name="b")
+        w = tf.compat.v1.get_variable("w", [2])
+        ys = tf.reduce_sum(a * w, axis=1)
+        pad = tf.reduce_sum(b * w)
+        with pytest.raises(ValueError, match=r"different static batch sizes \(a:0 has 4, "
+                                             r"b:0 has 3\)"):
+            pertower.per_example_gradients(ys + pad, [w], batch=[a, b])
+        with pytest.raises(ValueError, match=r"batch is ambiguous.*a:0.*b:0.*Pass `batch=`"):
+            pertower.per_example_gradients(ys + pad, [w])
+
+
+def test_batch_size_that_contradicts_the_static_batch_is_refused():
+    with tf.Graph().as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [4, 2], name="a")
+        w = tf.compat.v1.get_variable("w", [2])
+        with pytest.raises(ValueError, match=r"`batch_size` is 5, but the batch tensor a:0 has "
+                                             r"a static batch size of 4"):
+            pertower.per_example_gradients(tf.reduce_sum(a * w, axis=1), [w], batch_size=5)
+
+
+@pytest.mark.parametrize("bad", [3, 5])
+def test_num_microbatches_that_does_not_divide_the_batch_is_refused(mlp, bad):
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=rf"`num_microbatches` \({bad}\) must divide the "
+                                             r"batch size \(4\)"):
+            pertower.microbatch_gradients(mlp.ys, mlp.xs, num_microbatches=bad, batch_size=4)
+
+
+def test_unreached_weight_gives_zeros_or_none(mlp):
+    with mlp.graph.as_default():
+        unused = tf.compat.v1.get_variable("unused", [3, 2], dtype=tf.float32)
+        mlp.sess.run(unused.initializer)
+        zeros = pertower.per_example_gradients(mlp.ys, mlp.xs + [unused], batch_size=4)
+        nones = pertower.per_example_gradients(mlp.ys, mlp.xs + [unused], batch_size=4,
+                                               unconnected_gradients="none")
+        assert nones[-1] is None and all(g is not None for g in nones[:-1])
+        want = oracle.loop_per_example_gradients(mlp.sess, mlp.ys, mlp.xs + [unused], mlp.feed)
+        with pytest.raises(ValueError, match=r"`unconnected_gradients` must be 'zero' or 'none'"):
+            pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4,
+                                           unconnected_gradients="zeros")
+    got = mlp.sess.run(zeros, mlp.feed)
+    assert got[-1].shape == (4, 3, 2) and not got[-1].any()
+    common.assert_all_close(got, want, mlp.rtol, mlp.atol, "with an unreached weight")
+
+
+def test_feeding_another_batch_size_names_both_sizes(mlp):
+    with mlp.graph.as_default():
+        grads = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4)
+    short = {k: v[:3] for k, v in mlp.feed.items()}
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"built for a batch of 4 examples.*has\] \[3\] \[examples"):
+        mlp.sess.run(grads, short)
+
+
+def test_non_static_jacobian_outputs_are_refused(mlp):
+    with mlp.graph.as_default():
+        ragged = tf.compat.v1.placeholder_with_default(mlp.outputs, [None, None])
+        with pytest.raises(ValueError, match=r"output axes of `ys` .* must be static"):
+            pertower.per_example_jacobians(ragged, mlp.xs, batch_size=4)
+
+
+def test_non_tensor_ys_is_refused(mlp):
+    with mlp.graph.as_default():
+        with pytest.raises(TypeError, match=r"`ys` must be a tensor computed from the batch, "
+                                            r"but received the variable"):
+            pertower.per_example_gradients(mlp.xs[0], mlp.xs, batch_size=4)
+        with pytest.raises(TypeError, match=r"`ys` must be a tf.Tensor, but received ndarray"):
+            pertower.per_example_gradients(np.ones([4]), mlp.xs, batch_size=4)
+
+
+@pytest.mark.parametrize("layer,scope", [("LSTM", "lstm"), ("GRU", "gru"),
+                                         ("SimpleRNN", "simple_rnn")])
+def test_weights_read_inside_a_while_loop_are_named(layer, scope):
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2])
+        rnn = getattr(keras.layers, layer)(3)
+        ys = keras.layers.Dense(1)(rnn(x))
+        with pytest.raises(NotImplementedError,
+                           match=rf"the weight '{scope}/{scope}_cell/kernel:0' "
+                                 r"is read inside op .* of type While.*unroll=True"):
+            pertower.per_example_gradients(ys, tf.compat.v1.trainable_variables(), batch_size=3)
+
+
+def test_unrolled_lstm_matches_oracle():
+    with tf.Graph().as_default() as graph:
+        tf.compat.v1.set_random_seed(8)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2])
+        ys = keras.layers.Dense(1)(keras.layers.LSTM(3, unroll=True)(x))
+        xs = tf.compat.v1.trainable_variables()
+        grads = pertower.per_example_gradients(ys, xs, batch_size=3)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(0).randn(3, 5, 2).astype(np.float32)}
+            want = oracle.loop_per_example_gradients(sess, ys, xs, feed)
+            common.assert_all_close(sess.run(grads, feed), want, 1e-5, 1e-6, "unrolled LSTM")
