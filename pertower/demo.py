@@ -15,6 +15,7 @@ Needs graph mode (`tf.compat.v1.disable_eager_execution()`) and, for
 """
 
 import dataclasses
+import os
 import statistics
 import time
 import warnings
@@ -77,8 +78,9 @@ class _Timed:
 
     fetches: list          # tensors, e.g. one [B, *x.shape] per weight
     feed: dict             # the whole batch
-    loop_fetches: list     # tf.gradients of one slice's summed value, [*x.shape] each
-    loop_feeds: list       # one feed dict per slice
+    loop: oracle.SliceLoop  # tf.gradients of one slice's summed value, built once
+    loop_feed: dict        # the whole batch as the loop feeds it, slice by slice
+    loop_runs: int         # how many slices (sess.run calls) one pass of the loop makes
 
 
 def run_demo(batch_size=32, repeats=5, report=print):
@@ -90,6 +92,7 @@ def run_demo(batch_size=32, repeats=5, report=print):
       repeats: timed runs after the warm-up; the median is reported.
       report: called with each line of progress.
     """
+    _require_legacy_keras()
     scenarios = [_scenario_keras_mlp, _scenario_two_batches_cosine, _scenario_cnn_jacobian]
     results = []
     for number, scenario in enumerate(scenarios, start=1):
@@ -98,6 +101,15 @@ def run_demo(batch_size=32, repeats=5, report=print):
             report(line)
         results.append(result)
     return results
+
+
+def _require_legacy_keras():
+    """Raises RuntimeError unless TF_USE_LEGACY_KERAS is on (tf.compat.v1.layers needs it)."""
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() not in ("1", "true", "yes"):
+        raise RuntimeError(
+            "pertower.demo: scenario 2 builds its model with tf.compat.v1.layers, which "
+            "needs Keras 2: set TF_USE_LEGACY_KERAS=1 before TensorFlow is used, or use "
+            "the `pertower demo` command, which sets it.")
 
 
 def _describe(number, total, r):
@@ -158,7 +170,7 @@ def _scenario_keras_mlp(B, repeats, n_in=32):
                 y: rng.normal(size=(B, 1)).astype(np.float32)}
         sess.run(tf.compat.v1.global_variables_initializer())
         reference = oracle.loop_per_example_gradients(sess, cost, weights, feed)
-        timed = _Timed(grads, feed, _summed_gradients(cost, weights), _slice_feeds(feed, B))
+        timed = _Timed(grads, feed, oracle.SliceLoop(cost, weights), feed, B)
         values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
             sess, timed, reference, repeats)
         detail = (f"{len(weights)} weights, {_num_params(weights)} parameters; median "
@@ -197,8 +209,8 @@ def _scenario_two_batches_cosine(B, repeats):
         concatenated = {s: np.concatenate([S1, S2])}           # the oracle feeds s itself
         reference = oracle.loop_microbatch_gradients(sess, f, weights, concatenated, 2)
         reference.append(np.asarray(_cosine(reference), np.float32))
-        timed = _Timed(g + [cos], {s1: S1, s2: S2}, _summed_gradients(f, weights),
-                       _slice_feeds(concatenated, 2))
+        timed = _Timed(g + [cos], {s1: S1, s2: S2}, oracle.SliceLoop(f, weights),
+                       concatenated, 2)
         values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
             sess, timed, reference, repeats)
         detail = f"cos(g1, g2) = {values[-1]:.6f} (loop: {reference[-1]:.6f})"
@@ -232,7 +244,7 @@ def _scenario_cnn_jacobian(B, repeats):
         sess.run(tf.compat.v1.global_variables_initializer())
         reference = oracle.loop_per_example_jacobians(sess, y, weights, feed)
         # One output (K = 1): the loop's row is the gradient of the summed output.
-        timed = _Timed(jac, feed, _summed_gradients(y, weights), _slice_feeds(feed, B))
+        timed = _Timed(jac, feed, oracle.SliceLoop(y, weights), feed, B)
         values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
             sess, timed, reference, repeats)
         detail = (f"{_num_params(weights)} parameters; Jacobian of {weights[2].name} "
@@ -259,8 +271,7 @@ def _measure(sess, timed, reference, repeats):
     pertower_seconds = _median_seconds(lambda: sess.run(timed.fetches, timed.feed), repeats)
 
     def loop():
-        for feed in timed.loop_feeds:
-            sess.run(timed.loop_fetches, feed)
+        timed.loop.run(sess, timed.loop_feed, timed.loop_runs)
 
     loop()  # warm-up
     loop_seconds = _median_seconds(loop, repeats)
@@ -289,20 +300,6 @@ def _compare(values, reference):
             atol = ATOL * max(1.0, float(np.max(np.abs(want))))
             agrees = agrees and np.allclose(got, want, rtol=RTOL, atol=atol)
     return max_diff, agrees
-
-
-def _summed_gradients(ys, xs):
-    """tf.gradients(sum(ys), xs), None as zeros: what a user's loop runs per slice."""
-    grads = tf.gradients(tf.reduce_sum(ys), xs)
-    return [tf.zeros_like(x) if g is None else g for g, x in zip(grads, xs)]
-
-
-def _slice_feeds(feed, num_slices):
-    """`feed` cut into `num_slices` contiguous feed dicts, [B, ...] -> [B/M, ...] each."""
-    B = len(next(iter(feed.values())))
-    step = B // num_slices
-    return [{key: value[m * step:(m + 1) * step] for key, value in feed.items()}
-            for m in range(num_slices)]
 
 
 def _cosine(stacked):

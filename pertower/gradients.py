@@ -65,7 +65,8 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
 
     Example (two batches of the same network, and the cosine of their gradients):
       s = tf.concat([s1, s2], axis=0)                            # [2 * n, 3]
-      g = pertower.microbatch_gradients(f(s), weights, batch=s, num_microbatches=2)
+      g = pertower.microbatch_gradients(f(s), weights, batch=s, num_microbatches=2,
+                                        batch_size=2 * n)
       cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
     """
     towers = towers_lib.build(ys, xs, batch, num_microbatches, batch_size,
@@ -93,8 +94,8 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                                            batch_size=16)        # [16, 10, *w.shape]
     """
     function_name = "per_example_jacobians"
-    out_shape = ys.shape[1:] if isinstance(ys, tf.Tensor) and ys.shape.rank else None
-    if out_shape is not None and not out_shape.is_fully_defined():
+    if isinstance(ys, tf.Tensor) and (ys.shape.rank is None or (
+            ys.shape.rank > 0 and not ys.shape[1:].is_fully_defined())):
         raise ValueError(
             f"pertower.{function_name}: the output axes of `ys` ({ys.name}, shape "
             f"{ys.shape}) must be static to build one gradient per output entry; give "

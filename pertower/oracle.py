@@ -11,8 +11,8 @@ Notation: B examples, M slices (microbatches), x one weight, K output entries.
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["loop_per_example_gradients", "loop_microbatch_gradients",
-           "loop_per_example_jacobians"]
+__all__ = ["SliceLoop", "loop_per_example_gradients", "loop_microbatch_gradients",
+           "loop_per_example_jacobians", "slice_feeds"]
 
 
 def _dense_gradients(y_sum, xs):
@@ -22,13 +22,29 @@ def _dense_gradients(y_sum, xs):
             for g, x in zip(grads, xs)]
 
 
-def _slice_feeds(feed_dict, batch, num_slices):
-    """Yields feed dicts holding slice m of every batch placeholder's value."""
-    batch = list(feed_dict) if batch is None else list(batch)
-    sizes = {len(feed_dict[b]) for b in batch}
+def _batch_keys(feed_dict, batch):
+    """The feed_dict keys that carry the batch: `batch`, or every key fed an array of
+    rank >= 1."""
+    if batch is not None:
+        return _xs_list(batch)
+    return [key for key, value in feed_dict.items() if np.ndim(value) >= 1]
+
+
+def _fed_batch_size(feed_dict, batch):
+    """B: the common length of the batch feeds."""
+    sizes = {len(feed_dict[key]) for key in _batch_keys(feed_dict, batch)}
     if len(sizes) != 1:
         raise ValueError(f"the fed batch values have different lengths: {sorted(sizes)}")
-    (B,) = sizes
+    return sizes.pop()
+
+
+def slice_feeds(feed_dict, batch, num_slices):
+    """Yields M feed dicts; the m-th holds slice m, [B/M, ...], of every batch feed
+    (the keys in `batch`, default every key fed an array of rank >= 1)."""
+    batch = _batch_keys(feed_dict, batch)
+    B = _fed_batch_size(feed_dict, batch)
+    if B % num_slices:
+        raise ValueError(f"{num_slices} slices do not divide the fed batch of {B}")
     step = B // num_slices
     for m in range(num_slices):
         feeds = dict(feed_dict)
@@ -41,6 +57,23 @@ def _xs_list(xs):
     return list(xs) if isinstance(xs, (list, tuple)) else [xs]
 
 
+class SliceLoop:
+    """tf.gradients(sum(ys), xs), built once, run one slice of the batch at a time.
+
+    This is the loop users write today; `run` is what the demo times.
+    """
+
+    def __init__(self, ys, xs):
+        self.xs = _xs_list(xs)
+        self.gradients = _dense_gradients(tf.reduce_sum(ys), self.xs)  # [*x.shape] each
+
+    def run(self, sess, feed_dict, num_slices, batch=None):
+        """[M, *x.shape] per x: one `sess.run` per slice of the fed batch."""
+        rows = [sess.run(self.gradients, feeds)
+                for feeds in slice_feeds(feed_dict, batch, num_slices)]
+        return [np.stack([row[k] for row in rows]) for k in range(len(self.xs))]
+
+
 def loop_microbatch_gradients(sess, ys, xs, feed_dict, num_microbatches, batch=None):
     """[M, *x.shape] per x: one `sess.run` of tf.gradients(sum(ys), xs) per slice.
 
@@ -50,18 +83,16 @@ def loop_microbatch_gradients(sess, ys, xs, feed_dict, num_microbatches, batch=N
       xs: a weight or list of weights.
       feed_dict: the feeds for a whole batch of B examples.
       num_microbatches: M; slice m holds examples m*B/M ... (m+1)*B/M - 1.
-      batch: the keys of `feed_dict` that carry the batch (default: all of them).
+      batch: the keys of `feed_dict` that carry the batch (default: every key fed an
+        array of rank >= 1).
     """
-    xs = _xs_list(xs)
-    grads = _dense_gradients(tf.reduce_sum(ys), xs)
-    rows = [sess.run(grads, feeds) for feeds in _slice_feeds(feed_dict, batch, num_microbatches)]
-    return [np.stack([row[k] for row in rows]) for k in range(len(xs))]
+    return SliceLoop(ys, xs).run(sess, feed_dict, num_microbatches, batch)
 
 
 def loop_per_example_gradients(sess, ys, xs, feed_dict, batch=None):
     """[B, *x.shape] per x: one `sess.run` of tf.gradients(sum(ys), xs) per example."""
-    B = len(next(iter(feed_dict.values()))) if batch is None else len(feed_dict[_xs_list(batch)[0]])
-    return loop_microbatch_gradients(sess, ys, xs, feed_dict, B, batch)
+    return loop_microbatch_gradients(sess, ys, xs, feed_dict, _fed_batch_size(feed_dict, batch),
+                                     batch)
 
 
 def loop_per_example_jacobians(sess, ys, xs, feed_dict, batch=None):
@@ -72,9 +103,9 @@ def loop_per_example_jacobians(sess, ys, xs, feed_dict, batch=None):
     K = int(np.prod(out, dtype=np.int64))
     entries = tf.reshape(ys, [-1, K])  # [1, *out] -> [1, K]
     rows_per_k = [_dense_gradients(tf.reduce_sum(entries[:, k]), xs) for k in range(K)]
-    B = len(next(iter(feed_dict.values()))) if batch is None else len(feed_dict[_xs_list(batch)[0]])
+    B = _fed_batch_size(feed_dict, batch)
     per_example = []
-    for feeds in _slice_feeds(feed_dict, batch, B):
+    for feeds in slice_feeds(feed_dict, batch, B):
         values = sess.run(rows_per_k, feeds)  # K x (list per x)
         per_example.append([np.stack([values[k][j] for k in range(K)]) for j in range(len(xs))])
     return [np.stack([e[j] for e in per_example]).reshape([B] + out + list(e_shape))

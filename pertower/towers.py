@@ -223,6 +223,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                                         for t in range(T)))
             outputs = _replay(ys, batch, reads, copies, slices, replayed, T, graph,
                               function_name)
+            outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
@@ -302,6 +303,34 @@ def _split_batch(batch, B, T):
                 part.set_shape(tf.TensorShape([B // T]).concatenate(b.shape[1:]))
             slices.append(parts)
     return slices
+
+
+def _check_tower_rows(outputs, ys, batch, B, T, function_name):
+    """Each tower output must have B/T rows, one per example of its slice; otherwise
+    axis 0 of `ys` is not the batch axis of `batch` (e.g. `ys` is computed from a
+    concatenation of several batch tensors) and the towers would mix examples up."""
+    explanation = (
+        f"axis 0 of `ys` ({ys.name}) does not follow the batch "
+        f"({', '.join(b.name for b in batch)}): a tower given {B // T} example(s) produced "
+        "{rows} row(s). This happens when `ys` is computed from several batch tensors "
+        "joined along axis 0 (pass `batch=` the joined tensor and its `batch_size`) or "
+        "when the graph mixes rows across the batch axis.")
+    rows = _checks.static_batch_size(outputs[0])
+    if rows is not None:
+        if rows != B // T:
+            raise ValueError(f"pertower.{function_name}: " + explanation.format(rows=rows))
+        return outputs
+    checked = []
+    with tf.name_scope("check_rows"):
+        for t, output in enumerate(outputs):
+            produced = tf.shape(output)[0]
+            check = tf.debugging.Assert(
+                tf.equal(produced, B // T),
+                [f"pertower.{function_name}: " + explanation.split("{rows}")[0], produced,
+                 explanation.split("{rows}")[1]], name=f"tower_{t}")
+            with tf.control_dependencies([check]):
+                checked.append(tf.identity(output))
+    return checked
 
 
 def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name):

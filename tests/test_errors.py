@@ -159,3 +159,34 @@ def test_unrolled_lstm_matches_oracle():
             feed = {x: np.random.RandomState(0).randn(3, 5, 2).astype(np.float32)}
             want = oracle.loop_per_example_gradients(sess, ys, xs, feed)
             common.assert_all_close(sess.run(grads, feed), want, 1e-5, 1e-6, "unrolled LSTM")
+
+
+def _joined_batches(shape):
+    """f(concat([s1, s2])) with the batch left to be found: two batch tensors whose
+    rows `ys` joins, so axis 0 of ys is not the batch axis of either."""
+    s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
+    s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
+    w = tf.compat.v1.get_variable("w", [3, 1])
+    ys = tf.matmul(tf.concat([s1, s2], axis=0), w)[:, 0]            # [2B]
+    if shape == "static":
+        return s1, s2, w, ys
+    return s1, s2, w, tf.compat.v1.placeholder_with_default(ys, shape)  # rows unknown
+
+
+def test_ys_whose_rows_do_not_follow_the_batch_is_refused():
+    with tf.Graph().as_default():
+        _, _, w, ys = _joined_batches("static")
+        with pytest.raises(ValueError, match=r"axis 0 of `ys` .* does not follow the batch "
+                                             r"\(s1:0, s2:0\): a tower given 1 example\(s\) "
+                                             r"produced 2 row\(s\).*pass `batch=` the joined"):
+            pertower.microbatch_gradients(ys, [w], num_microbatches=2, batch_size=2)
+
+
+def test_ys_whose_rows_do_not_follow_the_batch_fails_at_run_time_when_not_static():
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        s1, s2, w, ys = _joined_batches([None])
+        grads = pertower.microbatch_gradients(ys, [w], num_microbatches=2, batch_size=2)
+        sess.run(w.initializer)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"does not follow the batch.*produced \] \[2\] \[ row"):
+            sess.run(grads, {s1: np.ones([2, 3]), s2: np.ones([2, 3])})

@@ -1,0 +1,108 @@
+"""The example scripts and `pertower demo` run, exit 0 and report agreement with the loop.
+
+Each script runs in its own Python process (as a user runs it), so TensorFlow's
+global state (graph mode, Keras version) is its own.
+"""
+
+import dataclasses
+import importlib.metadata
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_SECONDS = 180
+
+EXAMPLES = {
+    "scenario1_keras_mlp.py": [
+        "OK: per-example gradients match the one-example loop (8 examples, 6 weights)",
+    ],
+    "scenario2_two_batches_cosine.py": [
+        "g1 (kernel) = [3. 6. 9.]",
+        "g2 (kernel) = [ 3.  6. 10.]",
+        "cosine = 0.9987677",
+        "OK: g1, g2 and their cosine match the one-batch-at-a-time loop",
+    ],
+    "scenario3_cnn_jacobian.py": [
+        "(8, 3, 16384, 128)",
+        "OK: per-example Jacobians (1 and 3 outputs) match the one-example loop",
+    ],
+}
+
+
+def _run(args):
+    """Runs `python *args` from the repository root; returns the CompletedProcess.
+
+    TF_USE_LEGACY_KERAS is removed from the environment (conftest.py sets it for this
+    process): the scripts and `pertower demo` must set it themselves.
+    """
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_SECONDS, check=False)
+
+
+def _explain(process):
+    return f"exit code {process.returncode}\n--- stdout\n{process.stdout}\n--- stderr\n" \
+           f"{process.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLES))
+def test_example_runs_and_matches_the_loop(script):
+    process = _run([str(ROOT / "examples" / script)])
+    assert process.returncode == 0, _explain(process)
+    for expected in EXAMPLES[script]:
+        assert expected in process.stdout, f"missing {expected!r}\n{_explain(process)}"
+
+
+def test_demo_runs_and_every_scenario_agrees():
+    process = _run(["-m", "pertower", "demo", "--batch-size", "8", "--repeats", "3"])
+    assert process.returncode == 0, _explain(process)
+    out = process.stdout
+    assert out.count("agrees with the loop") == 3, _explain(process)
+    assert "All scenarios match the one-example loop." in out, _explain(process)
+    table = out[out.index("scenario  "):].splitlines()
+    assert "speed-up" in table[0] and "build s" in table[0], _explain(process)
+    rows = table[2:5]
+    assert [row.split()[0] for row in rows] == ["1", "2", "3"], _explain(process)
+    assert all(row.split()[-1] == "yes" for row in rows), _explain(process)
+
+
+def test_console_script_is_declared():
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    assert [s.value for s in scripts if s.name == "pertower"] == ["pertower.cli:main"]
+
+
+def test_cli_parses_demo_options_and_rejects_bad_batch_sizes():
+    from pertower import cli
+
+    args = cli.build_parser().parse_args(["demo"])
+    assert (args.command, args.batch_size, args.repeats) == ("demo", 32, 5)
+    assert cli.build_parser().parse_args(["demo", "--batch-size", "8"]).batch_size == 8
+    for bad in (["demo", "--batch-size", "0"], ["demo", "--batch-size", "x"], []):
+        with pytest.raises(SystemExit) as error:
+            cli.build_parser().parse_args(bad)
+        assert error.value.code == 2
+
+
+def test_cli_exits_non_zero_when_a_scenario_disagrees(monkeypatch, capsys):
+    from pertower import cli
+    from pertower import demo
+
+    agreeing = demo.ScenarioResult(
+        name="1 fake", description="fake", detail="", batch_size=4, loop_runs=4,
+        max_abs_diff=0.0, agrees=True, build_seconds=0.1, first_run_seconds=0.1,
+        pertower_seconds=0.001, loop_seconds=0.004)
+    disagreeing = dataclasses.replace(agreeing, name="2 fake", max_abs_diff=1.0,
+                                      agrees=False)
+    monkeypatch.setattr(cli, "_graph_mode_tensorflow", lambda: __import__("tensorflow"))
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: [agreeing, disagreeing])
+    assert cli.main(["demo", "--batch-size", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: 2 fake" in out and "4.0x" in out
+
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: [agreeing])
+    assert cli.main(["demo"]) == 0
