@@ -386,7 +386,7 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
                     node.input.append(key_for(mapping[tensor_name]))
                 elif tensor_name.split(":")[0] in replayed_names:
                     node.input.append(f"t{t}/{name}")
-                elif name.startswith("pertower_input_"):
+                elif name in input_map:  # already a key (the gather rewrite's copy)
                     node.input.append(name)
                 else:
                     node.input.append(key_for(graph.get_tensor_by_name(tensor_name)))

@@ -221,3 +221,26 @@ BUILDERS = {
     "subclassed": build_subclassed,
     "compat_v1_layers": build_compat_v1_layers,
 }
+
+
+def run_scenario_2_hand_checkable_case():
+    """SCENARIOS.md scenario 2: dense(s, 1, tanh) with a zero kernel, the batches
+    [[1,2,3],[2,4,6]] and [[1,2,3],[2,4,7]] as two microbatches.
+
+    Returns (kernel gradients [2, 3], their cosine); the answer is [[3, 6, 9],
+    [3, 6, 10]] and 135 / sqrt(126 * 145). Works in TF2 graph mode and under
+    disable_v2_behavior() (reference variables)."""
+    import pertower  # pylint: disable=import-outside-toplevel
+
+    with tf.Graph().as_default() as graph:
+        s = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s")
+        f = tf.compat.v1.layers.dense(s, 1, tf.nn.tanh, name="f",
+                                      kernel_initializer=tf.zeros_initializer())
+        kernel = [v for v in tf.compat.v1.trainable_variables() if v.name == "f/kernel:0"]
+        (g,) = pertower.microbatch_gradients(f, kernel, num_microbatches=2, batch_size=4)
+        cosine = pertower.cosine_similarity(g[0], g[1])
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {s: np.array([[1, 2, 3], [2, 4, 6], [1, 2, 3], [2, 4, 7]], np.float32)}
+            g_value, cos_value = sess.run([g, cosine], feed)
+    return g_value[:, :, 0], cos_value

@@ -190,3 +190,24 @@ def test_ys_whose_rows_do_not_follow_the_batch_fails_at_run_time_when_not_static
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=r"does not follow the batch.*produced \] \[2\] \[ row"):
             sess.run(grads, {s1: np.ones([2, 3]), s2: np.ones([2, 3])})
+
+
+def test_random_ops_in_the_replay_give_a_warning():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+        dense = keras.layers.Dense(3)
+        ys = tf.reduce_sum(keras.layers.Dropout(0.5)(dense(x), training=True), axis=1)
+        with pytest.warns(UserWarning, match=r"depends on the random op .*Each tower draws "
+                                             r"its own random numbers"):
+            pertower.per_example_gradients(ys, dense.trainable_weights, batch_size=2)
+
+
+def test_a_batch_size_baked_into_the_graph_is_explained():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 1])
+        ys = tf.reshape(tf.matmul(x, w), [4])                 # the 4 is a constant
+        with pytest.raises(ValueError, match=r"replaying the graph from the batch to `ys` on "
+                                             r"slices of 1 example\(s\) failed.*bakes its "
+                                             r"batch size into constants"):
+            pertower.per_example_gradients(ys, [w])

@@ -18,6 +18,7 @@ tf.compat.v1.disable_v2_behavior()
 
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
+from tests import common  # noqa: E402
 
 
 def _close(got, want, what, rtol=1e-5, atol=1e-6):
@@ -97,19 +98,9 @@ def check_keras_model():
 
 
 def check_hand_checkable_case():
-    """SCENARIOS.md scenario 2: zero kernel, two batches, exact gradients and cosine."""
-    with tf.Graph().as_default() as graph:
-        s = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s")
-        f = tf.compat.v1.layers.dense(s, 1, tf.nn.tanh, name="f",
-                                      kernel_initializer=tf.zeros_initializer())
-        kernel_var = [v for v in tf.compat.v1.trainable_variables() if v.name == "f/kernel:0"]
-        (g,) = pertower.microbatch_gradients(f, kernel_var, num_microbatches=2, batch_size=4)
-        cosine = pertower.cosine_similarity(g[0], g[1])
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            feed = {s: np.array([[1, 2, 3], [2, 4, 6], [1, 2, 3], [2, 4, 7]], np.float32)}
-            g_value, cos_value = sess.run([g, cosine], feed)
-    np.testing.assert_array_equal(g_value[:, :, 0], [[3, 6, 9], [3, 6, 10]])
+    """SCENARIOS.md scenario 2 with reference variables: exact gradients and cosine."""
+    g_value, cos_value = common.run_scenario_2_hand_checkable_case()
+    np.testing.assert_array_equal(g_value, [[3, 6, 9], [3, 6, 10]])
     want = 135 / math.sqrt(126 * 145)
     assert abs(cos_value - want) < 1e-6, (cos_value, want)
 
