@@ -213,15 +213,18 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
 
         with tf.name_scope(scope):
             slices = _split_batch(batch, B, T)
-            copies = []
+            copies, first_index = [], {}
             for k, r in enumerate(reads):
-                if r.copy_source is None:
-                    copies.append(None)
+                first = first_index.setdefault(id(r.x), k)
+                if first != k or r.copy_source is None:  # a repeated x shares its copies
+                    copies.append(copies[first] if first != k else None)
                     continue
                 with tf.name_scope(f"copies_{k}"):
                     copies.append(tuple(tf.identity(r.copy_source, name=f"tower_{t}")
                                         for t in range(T)))
-            outputs = _replay(ys, batch, reads, copies, slices, replayed, T, graph,
+            unique = sorted(set(first_index.values()))
+            outputs = _replay(ys, batch, [reads[k] for k in unique],
+                              [copies[k] for k in unique], slices, replayed, T, graph,
                               function_name)
             outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
             # T x [B/T, ...] -> [B, ...]

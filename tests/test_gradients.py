@@ -137,3 +137,14 @@ def test_towers_record_and_building_twice_on_one_graph():
     for got in case.sess.run(grads, case.feed):
         common.assert_all_close(got, want, case.rtol, case.atol, "towers built twice")
     case.sess.close()
+
+
+def test_a_weight_listed_twice_gets_its_gradient_twice():
+    case = common.build_mlp(B=4)
+    with case.graph.as_default():
+        xs = [case.xs[0], case.xs[1], case.xs[0]]
+        got = pertower.per_example_gradients(case.ys, xs, batch_size=4)
+        want = oracle.loop_per_example_gradients(case.sess, case.ys, xs, case.feed)
+    common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
+                            "repeated weight")
+    case.sess.close()
