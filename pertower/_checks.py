@@ -4,6 +4,8 @@ Every check raises an error that names the argument, says what was received and
 what to do instead. Nothing here builds graph ops.
 """
 
+import numbers
+
 import tensorflow as tf
 
 _GRAPH_MODE_HINT = (
@@ -71,14 +73,8 @@ def unconnected_gradients_value(value, function_name):
 
 def positive_int(value, argument, function_name):
     """Returns `value` as an int when it is a positive integer; raises otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        try:
-            is_integral = int(value) == value and not isinstance(value, bool)
-        except (TypeError, ValueError):
-            is_integral = False
-        if not is_integral or int(value) < 1:
-            raise ValueError(
-                f"pertower.{function_name}: `{argument}` must be a positive integer, but "
-                f"received {value!r}."
-            )
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(
+            f"pertower.{function_name}: `{argument}` must be a positive integer, but "
+            f"received {value!r}.")
     return int(value)
