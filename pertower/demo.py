@@ -169,8 +169,8 @@ def _scenario_keras_mlp(B, repeats, n_in=32):
         feed = {x: rng.normal(size=(B, n_in)).astype(np.float32),
                 y: rng.normal(size=(B, 1)).astype(np.float32)}
         sess.run(tf.compat.v1.global_variables_initializer())
-        reference = oracle.loop_per_example_gradients(sess, cost, weights, feed)
         timed = _Timed(grads, feed, oracle.SliceLoop(cost, weights), feed, B)
+        reference = timed.loop.run(sess, feed, B)               # one sess.run per example
         values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
             sess, timed, reference, repeats)
         detail = (f"{len(weights)} weights, {_num_params(weights)} parameters; median "
@@ -207,10 +207,10 @@ def _scenario_two_batches_cosine(B, repeats):
         S2 = rng.normal(size=(n, 3)).astype(np.float32)
         sess.run(tf.compat.v1.global_variables_initializer())
         concatenated = {s: np.concatenate([S1, S2])}           # the oracle feeds s itself
-        reference = oracle.loop_microbatch_gradients(sess, f, weights, concatenated, 2)
-        reference.append(np.asarray(_cosine(reference), np.float32))
         timed = _Timed(g + [cos], {s1: S1, s2: S2}, oracle.SliceLoop(f, weights),
                        concatenated, 2)
+        reference = timed.loop.run(sess, concatenated, 2)      # one sess.run per batch
+        reference.append(np.asarray(_cosine(reference), np.float32))
         values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
             sess, timed, reference, repeats)
         detail = f"cos(g1, g2) = {values[-1]:.6f} (loop: {reference[-1]:.6f})"

@@ -216,8 +216,11 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
             copies, first_index = [], {}
             for k, r in enumerate(reads):
                 first = first_index.setdefault(id(r.x), k)
-                if first != k or r.copy_source is None:  # a repeated x shares its copies
-                    copies.append(copies[first] if first != k else None)
+                if first != k:  # a repeated x shares its copies
+                    copies.append(copies[first])
+                    continue
+                if r.copy_source is None:  # `ys` does not reach x
+                    copies.append(None)
                     continue
                 with tf.name_scope(f"copies_{k}"):
                     copies.append(tuple(tf.identity(r.copy_source, name=f"tower_{t}")
@@ -256,8 +259,9 @@ def _batch_size(ys, batch, batch_size, function_name):
     """B: the static batch size of the batch tensors, or `batch_size`."""
     static = {}
     for b in batch:
-        if _checks.static_batch_size(b) is not None:
-            static.setdefault(_checks.static_batch_size(b), b)
+        size = _checks.static_batch_size(b)
+        if size is not None:
+            static.setdefault(size, b)
     if len(static) > 1:
         listing = ", ".join(f"{b.name} has {n}" for n, b in static.items())
         raise ValueError(f"pertower.{function_name}: the batch tensors have different "
@@ -312,25 +316,24 @@ def _check_tower_rows(outputs, ys, batch, B, T, function_name):
     """Each tower output must have B/T rows, one per example of its slice; otherwise
     axis 0 of `ys` is not the batch axis of `batch` (e.g. `ys` is computed from a
     concatenation of several batch tensors) and the towers would mix examples up."""
-    explanation = (
-        f"axis 0 of `ys` ({ys.name}) does not follow the batch "
-        f"({', '.join(b.name for b in batch)}): a tower given {B // T} example(s) produced "
-        "{rows} row(s). This happens when `ys` is computed from several batch tensors "
-        "joined along axis 0 (pass `batch=` the joined tensor and its `batch_size`) or "
-        "when the graph mixes rows across the batch axis.")
+    # The message around the number of rows a tower produced.
+    before = (f"pertower.{function_name}: axis 0 of `ys` ({ys.name}) does not follow the "
+              f"batch ({', '.join(b.name for b in batch)}): a tower given {B // T} "
+              "example(s) produced ")
+    after = (" row(s). This happens when `ys` is computed from several batch tensors "
+             "joined along axis 0 (pass `batch=` the joined tensor and its `batch_size`) "
+             "or when the graph mixes rows across the batch axis.")
     rows = _checks.static_batch_size(outputs[0])
     if rows is not None:
         if rows != B // T:
-            raise ValueError(f"pertower.{function_name}: " + explanation.format(rows=rows))
+            raise ValueError(f"{before}{rows}{after}")
         return outputs
     checked = []
     with tf.name_scope("check_rows"):
         for t, output in enumerate(outputs):
             produced = tf.shape(output)[0]
-            check = tf.debugging.Assert(
-                tf.equal(produced, B // T),
-                [f"pertower.{function_name}: " + explanation.split("{rows}")[0], produced,
-                 explanation.split("{rows}")[1]], name=f"tower_{t}")
+            check = tf.debugging.Assert(tf.equal(produced, B // T), [before, produced, after],
+                                        name=f"tower_{t}")
             with tf.control_dependencies([check]):
                 checked.append(tf.identity(output))
     return checked
@@ -400,8 +403,8 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
     except ValueError as error:
         raise ValueError(
             f"pertower.{function_name}: replaying the graph from the batch to `ys` on "
-            f"slices of {_checks.static_batch_size(slices[0][0])} example(s) failed: {error}. This happens "
-            "when the graph bakes its batch size into constants; build the model on "
+            f"slices of {_checks.static_batch_size(slices[0][0])} example(s) failed: "
+            f"{error}. This happens when the graph bakes its batch size into constants; build the model on "
             "placeholders whose batch axis is None.") from error
     if external_controls:
         scope = outputs[0].name.split(f"t0/{ys.op.name}")[0]
