@@ -17,7 +17,14 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis"],
+        # Privacy accounting for pertower.compute_epsilon.
+        "dp": ["dp-accounting>=0.4"],
+        # The digits examples: real data (scikit-learn), progress bars, figures.
+        "examples": ["dp-accounting>=0.4", "scikit-learn", "tqdm", "matplotlib"],
+        # `pertower bench --plot`.
+        "bench": ["matplotlib"],
+        "test": ["pytest>=7", "hypothesis", "dp-accounting>=0.4", "scikit-learn",
+                 "tqdm", "matplotlib"],
     },
     entry_points={"console_scripts": ["pertower=pertower.cli:main"]},
 )
