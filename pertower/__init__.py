@@ -1,7 +1,8 @@
 """pertower: per-example gradients for TensorFlow graph mode, with weight-copy towers.
 
 Public surface:
-    per_example_gradients, per_example_jacobians, microbatch_gradients
+    per_example_gradients, per_example_jacobians, microbatch_gradients,
+    per_example_norms
     Towers, build_towers
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
@@ -13,6 +14,7 @@ examples and demo compare with.
 from pertower.gradients import microbatch_gradients
 from pertower.gradients import per_example_gradients
 from pertower.gradients import per_example_jacobians
+from pertower.norms import per_example_norms
 from pertower.reductions import cosine_similarity
 from pertower.reductions import dot
 from pertower.reductions import flatten
@@ -29,6 +31,7 @@ __all__ = [
     "per_example_gradients",
     "per_example_jacobians",
     "microbatch_gradients",
+    "per_example_norms",
     "Towers",
     "build_towers",
     "flatten",

@@ -16,9 +16,23 @@ from pertower import towers as towers_lib
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
 
+# The ways to compute per-example gradients; "auto" picks per weight.
+METHODS = ("auto", "towers", "rules")
+
+
+def check_method(method, function_name):
+    """Validates the `method` argument; returns it."""
+    if method not in METHODS:
+        raise ValueError(
+            f"pertower.{function_name}: `method` must be one of {METHODS}, got {method!r}.")
+    if method == "rules":
+        raise NotImplementedError(
+            f"pertower.{function_name}: method='rules' is not built yet; use 'towers'.")
+    return method
+
 
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None):
+                          unconnected_gradients="zero", name=None, method="auto"):
     """The gradient of each example's value with respect to each weight.
 
     Args:
@@ -32,6 +46,9 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
       unconnected_gradients: "zero" (zeros for a weight `ys` does not reach) or
         "none" (None for it), as in `tf.gradients`.
       name: name scope for the new ops.
+      method: "towers" (replay the model once per example on weight copies), "rules"
+        (per-op rules from one batched backward pass) or "auto" (rules where they
+        apply, towers elsewhere).
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *x.shape], x's dtype: entry i is
@@ -43,6 +60,7 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
                                              batch_size=32)      # [32, *w.shape] each
       sess.run(grads, {x: X[:32], y: Y[:32]})
     """
+    check_method(method, "per_example_gradients")
     towers = towers_lib.build(ys, xs, batch, None, batch_size,
                               name or "per_example_gradients", "per_example_gradients",
                               "batch_size")
@@ -50,11 +68,11 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
 
 
 def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=None,
-                         unconnected_gradients="zero", name=None):
+                         unconnected_gradients="zero", name=None, method="auto"):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
     Args:
-      ys, xs, batch, batch_size, unconnected_gradients, name: as in
+      ys, xs, batch, batch_size, unconnected_gradients, name, method: as in
         `per_example_gradients`.
       num_microbatches: M, which must divide B; microbatch m holds examples
         m*B/M ... (m+1)*B/M - 1. None means one microbatch per example (M = B), as in
@@ -69,6 +87,7 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
                                         batch_size=2 * n)
       cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
     """
+    check_method(method, "microbatch_gradients")
     towers = towers_lib.build(ys, xs, batch, num_microbatches, batch_size,
                               name or "microbatch_gradients", "microbatch_gradients",
                               "num_microbatches")
@@ -76,12 +95,12 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None):
+                          unconnected_gradients="zero", name=None, method="auto"):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
     Args:
       ys: per-example outputs, [B, *out]; `out` must be static (K = prod(out)).
-      xs, batch, batch_size, unconnected_gradients, name: as in
+      xs, batch, batch_size, unconnected_gradients, name, method: as in
         `per_example_gradients`.
 
     Returns:
@@ -94,6 +113,7 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                                            batch_size=16)        # [16, 10, *w.shape]
     """
     function_name = "per_example_jacobians"
+    check_method(method, function_name)
     if isinstance(ys, tf.Tensor) and (ys.shape.rank is None or (
             ys.shape.rank > 0 and not ys.shape[1:].is_fully_defined())):
         raise ValueError(
