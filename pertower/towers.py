@@ -30,6 +30,7 @@ from tensorflow.core.framework import graph_pb2
 
 from pertower import _checks
 from pertower import graph_walk
+from pertower import mixing
 
 __all__ = ["Towers", "build_towers"]
 
@@ -202,6 +203,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
         for op in gather_ops:
             replayed |= graph_walk.downstream_ops(op.outputs, ys_upstream)
         graph_walk.check_replayable(replayed, function_name)
+        mixing.check_examples_independent(replayed, batch, T, function_name)  # mixing.py
         noisy = graph_walk.random_ops(replayed)
         if noisy:
             warnings.warn(
