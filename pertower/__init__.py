@@ -4,6 +4,7 @@ Public surface:
     per_example_gradients, per_example_jacobians, microbatch_gradients,
     per_example_norms
     Towers, build_towers
+    check_independence, estimate_memory
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
 
@@ -14,6 +15,8 @@ examples and demo compare with.
 from pertower.gradients import microbatch_gradients
 from pertower.gradients import per_example_gradients
 from pertower.gradients import per_example_jacobians
+from pertower.independence import check_independence
+from pertower.memory import estimate_memory
 from pertower.norms import per_example_norms
 from pertower.reductions import cosine_similarity
 from pertower.reductions import dot
@@ -34,6 +37,8 @@ __all__ = [
     "per_example_norms",
     "Towers",
     "build_towers",
+    "check_independence",
+    "estimate_memory",
     "flatten",
     "flatten_per_example",
     "dot",

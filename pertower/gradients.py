@@ -12,6 +12,8 @@ over all tower copies (one per output entry for Jacobians).
 import numpy as np
 import tensorflow as tf
 
+from pertower import independence
+from pertower import memory
 from pertower import towers as towers_lib
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
@@ -32,7 +34,8 @@ def check_method(method, function_name):
 
 
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto"):
+                          unconnected_gradients="zero", name=None, method="auto",
+                          validate=False, memory_limit=None):
     """The gradient of each example's value with respect to each weight.
 
     Args:
@@ -49,6 +52,12 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
       method: "towers" (replay the model once per example on weight copies), "rules"
         (per-op rules from one batched backward pass) or "auto" (rules where they
         apply, towers elsewhere).
+      validate: when True, fetching the result first checks at run time that `ys`
+        recomputed slice by slice equals `ys` (see `pertower.check_independence`) and
+        fails naming the largest difference otherwise.
+      memory_limit: refuse when the estimated bytes (see `pertower.estimate_memory`)
+        exceed this; None means half of the machine's physical memory,
+        float("inf") switches the guard off.
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *x.shape], x's dtype: entry i is
@@ -61,19 +70,26 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
       sess.run(grads, {x: X[:32], y: Y[:32]})
     """
     check_method(method, "per_example_gradients")
+    memory.check_memory(ys, xs, batch, batch_size, None, 1, memory_limit,
+                        "per_example_gradients")  # memory.py: refuse what cannot fit
     towers = towers_lib.build(ys, xs, batch, None, batch_size,
                               name or "per_example_gradients", "per_example_gradients",
                               "batch_size")
-    return towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    results = towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    if validate:  # independence.py: run-time check that towers reproduce ys
+        results = independence.validated(results, towers.ys, towers.stacked,
+                                         "per_example_gradients")
+    return results
 
 
 def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=None,
-                         unconnected_gradients="zero", name=None, method="auto"):
+                         unconnected_gradients="zero", name=None, method="auto",
+                         validate=False, memory_limit=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
     Args:
-      ys, xs, batch, batch_size, unconnected_gradients, name, method: as in
-        `per_example_gradients`.
+      ys, xs, batch, batch_size, unconnected_gradients, name, method, validate,
+        memory_limit: as in `per_example_gradients`.
       num_microbatches: M, which must divide B; microbatch m holds examples
         m*B/M ... (m+1)*B/M - 1. None means one microbatch per example (M = B), as in
         TensorFlow Privacy.
@@ -88,20 +104,27 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
       cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
     """
     check_method(method, "microbatch_gradients")
+    memory.check_memory(ys, xs, batch, batch_size, num_microbatches, 1, memory_limit,
+                        "microbatch_gradients")  # memory.py: refuse what cannot fit
     towers = towers_lib.build(ys, xs, batch, num_microbatches, batch_size,
                               name or "microbatch_gradients", "microbatch_gradients",
                               "num_microbatches")
-    return towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    results = towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    if validate:  # independence.py: run-time check that towers reproduce ys
+        results = independence.validated(results, towers.ys, towers.stacked,
+                                         "microbatch_gradients")
+    return results
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto"):
+                          unconnected_gradients="zero", name=None, method="auto",
+                          validate=False, memory_limit=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
     Args:
       ys: per-example outputs, [B, *out]; `out` must be static (K = prod(out)).
-      xs, batch, batch_size, unconnected_gradients, name, method: as in
-        `per_example_gradients`.
+      xs, batch, batch_size, unconnected_gradients, name, method, validate,
+        memory_limit: as in `per_example_gradients`.
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *out, *x.shape]: entry
@@ -120,13 +143,22 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
             f"pertower.{function_name}: the output axes of `ys` ({ys.name}, shape "
             f"{ys.shape}) must be static to build one gradient per output entry; give "
             "the model's output layer a fixed size, or reshape `ys` to a static shape.")
+    K_static = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
+        ys, tf.Tensor) and ys.shape.rank else 1
+    memory.check_memory(ys, xs, batch, batch_size, None, K_static, memory_limit,
+                        function_name)  # memory.py: refuse what cannot fit
     towers = towers_lib.build(ys, xs, batch, None, batch_size, name or function_name,
                               function_name, "batch_size")
     out = towers.stacked.shape[1:].as_list()
     K = int(np.prod(out, dtype=np.int64))
     B = towers.batch_size
     if not out:
-        return towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+        results = towers.gradients(unconnected_gradients=unconnected_gradients,
+                                   name="gradients")
+        if validate:  # independence.py: run-time check that towers reproduce ys
+            results = independence.validated(results, towers.ys, towers.stacked,
+                                             function_name)
+        return results
     with tf.name_scope((name or function_name) + "_rows"):
         rows = []  # K x (list per x of [B, *x.shape])
         for k in range(K):
@@ -149,4 +181,7 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                 new_shape = tf.concat([[B] + out, tf.shape(x)], axis=0)
             # [B, K, *x.shape] -> [B, *out, *x.shape]
             results.append(tf.reshape(stacked, new_shape))
+        if validate:  # independence.py: run-time check that towers reproduce ys
+            results = independence.validated(results, towers.ys, towers.stacked,
+                                             function_name)
         return results

@@ -1,0 +1,169 @@
+"""Run-time checks that `ys` has independent examples: `validate=True`, `check_independence`.
+
+Notation:
+    B   examples in the batch       T   towers; each takes B/T examples on its own
+    ys  per-example values, [B, ...]
+    stacked  the tower outputs concatenated, [B, ...]: `ys` recomputed slice by slice
+
+The static scan (`pertower.mixing`) refuses the coupling ops it knows. What it cannot
+see (an op it does not know, a py_function, a custom kernel) shows at run time:
+when the examples are independent, computing them slice by slice gives `ys` again,
+
+    stacked == ys   (up to rounding),
+
+and when they are not, some rows differ. Both checks compare the two on real data:
+
+    max |stacked - ys|  <=  tolerance * (1 + max |ys|)
+
+with tolerance 1e-4 for float32 (1e-9 float64, 1e-2 float16/bfloat16), loose enough
+for the rounding of kernels run on other batch sizes, far below what a coupling
+changes. Random ops (dropout in training mode) also fail it: each tower draws its
+own numbers.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from pertower import towers as towers_lib
+
+__all__ = ["IndependenceCheck", "check_independence", "validated"]
+
+_TOLERANCES = {tf.float64: 1e-9, tf.float32: 1e-4, tf.float16: 1e-2, tf.bfloat16: 1e-2}
+
+
+def tolerance_for(dtype):
+    """The relative tolerance used for `ys` of this dtype."""
+    return _TOLERANCES.get(tf.as_dtype(dtype).base_dtype, 1e-4)
+
+
+def _differences(stacked, ys):
+    """[B] max |stacked - ys| over each example's entries (0 where both are NaN), and
+    the scalar bound they must stay under."""
+    both_nan = tf.logical_and(tf.math.is_nan(stacked), tf.math.is_nan(ys))
+    difference = tf.where(both_nan, tf.zeros_like(ys), tf.abs(stacked - ys))  # [B, ...]
+    if difference.shape.rank is not None and difference.shape.rank > 1:
+        difference = tf.reduce_max(difference, axis=list(range(1, difference.shape.rank)))
+    scale = tf.reduce_max(tf.where(tf.math.is_nan(ys), tf.zeros_like(ys), tf.abs(ys)))
+    bound = tolerance_for(ys.dtype) * (1 + scale)
+    return difference, bound  # [B], scalar
+
+
+@dataclasses.dataclass(frozen=True)
+class IndependenceCheck:
+    """What `check_independence` built; every field but `tolerance` is a graph tensor.
+
+    Attributes:
+      independent: scalar bool, True when `ys` recomputed on slices of the batch equals
+        `ys` (within the tolerance), i.e. no example's value depends on other examples.
+      max_difference: scalar, max |stacked - ys| over the batch.
+      per_example_difference: [B], max |stacked - ys| over each example's entries;
+        the rows that change are the examples that depend on others.
+      bound: scalar, tolerance * (1 + max |ys|), the largest difference accepted.
+      tolerance: the relative tolerance (a Python float).
+      towers: the `Towers` record whose stacked outputs are compared with `ys`.
+    """
+
+    independent: tf.Tensor
+    max_difference: tf.Tensor
+    per_example_difference: tf.Tensor
+    bound: tf.Tensor
+    tolerance: float
+    towers: towers_lib.Towers
+
+
+def check_independence(ys, batch=None, batch_size=None, num_towers=None, name=None):
+    """Builds a run-time check that the examples of `ys` do not depend on each other.
+
+    `ys` is recomputed slice by slice (towers of B/T examples, one example each by
+    default) and compared with `ys` itself. Run `independent` once on real data: True
+    means per-example gradients of `ys` are well defined on that data (as far as
+    values show it), False that some op couples examples. The graph is scanned for
+    the coupling ops pertower knows first: those raise ValueError naming the op, as
+    the gradient functions do.
+
+    Args:
+      ys: per-example values, [B, ...].
+      batch: the tensor(s) carrying the batch on axis 0; found from `ys` when None.
+      batch_size: B, needed when the batch axis is not static.
+      num_towers: T, the number of slices (None: one per example). Microbatch
+        gradients with M microbatches need independence between microbatches only:
+        check with num_towers=M.
+      name: name scope for the new ops (default "check_independence").
+
+    Returns:
+      An `IndependenceCheck`; fetch `.independent` (and `.max_difference`).
+
+    Raises:
+      ValueError: an op between the batch and `ys` is known to couple examples (for
+        example batch normalization in training mode), or the arguments are invalid.
+
+    Example:
+      check = pertower.check_independence(cost, batch_size=32)
+      ok, worst = sess.run([check.independent, check.max_difference], feed)
+    """
+    function_name = "check_independence"
+    xs = []
+    if isinstance(ys, tf.Tensor) and hasattr(ys, "graph") and not tf.executing_eagerly():
+        with ys.graph.as_default(), tf.name_scope(name or function_name):
+            # No weight copies are needed (the replay reads the weights as they are);
+            # `build` wants one entry in xs, and a constant `ys` does not reach is
+            # left out of the replay.
+            xs = [tf.zeros([], name="no_weights")]
+    towers = towers_lib.build(ys, xs or [ys], batch, num_towers, batch_size,
+                              name or function_name, function_name, "num_towers")
+    with ys.graph.as_default(), tf.name_scope(name or function_name):
+        difference, bound = _differences(towers.stacked, ys)
+        max_difference = tf.reduce_max(difference, name="max_difference")
+        independent = tf.less_equal(max_difference, bound, name="independent")
+    return IndependenceCheck(independent=independent, max_difference=max_difference,
+                             per_example_difference=difference, bound=bound,
+                             tolerance=tolerance_for(ys.dtype), towers=towers)
+
+
+def _gated(result):
+    """`result` (a tensor, IndexedSlices, SparseTensor or None) read after the
+    current control dependencies."""
+    if result is None:
+        return None
+    if isinstance(result, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(result.values), result.indices,
+                                result.dense_shape)
+    if isinstance(result, tf.SparseTensor):
+        return tf.SparseTensor(result.indices, tf.identity(result.values),
+                               result.dense_shape)
+    return tf.identity(result)
+
+
+def validated(results, ys, stacked, function_name):
+    """`results` gated on a run-time assertion that `stacked` equals `ys`.
+
+    Args:
+      results: the list a gradient function returns (entries may be None).
+      ys: per-example values, [B, ...].
+      stacked: `ys` recomputed slice by slice, [B, ...] (e.g. `Towers.stacked`).
+      function_name: the public function named in the message.
+
+    Returns:
+      The same values as `results`; fetching any of them first checks
+      max |stacked - ys| <= tolerance * (1 + max |ys|) and fails with
+      tf.errors.InvalidArgumentError naming the difference otherwise.
+    """
+    with tf.name_scope("validate"):
+        difference, bound = _differences(stacked, ys)
+        worst = tf.reduce_max(difference)
+        check = tf.debugging.Assert(
+            tf.less_equal(worst, bound),
+            [f"pertower.{function_name}(validate=True): `ys` ({ys.name}) recomputed one "
+             "slice of the batch at a time differs from `ys` by up to", worst,
+             "(allowed:", bound, "). So an example's value depends on other examples "
+             "through an op pertower's static scan does not know (a py_function, a "
+             "custom op, a reduction it could not follow), or a random op (dropout in "
+             "training mode) draws other numbers in every slice. The per-example "
+             "gradients of this graph are not those of `ys`: keep each example's "
+             "computation to its own rows (BatchNormalization with training=False, "
+             "reductions over non-batch axes), and see pertower.check_independence "
+             "for the differences per example."],
+            summarize=1, name="check_ys")
+        with tf.control_dependencies([check]):
+            return [_gated(r) for r in results]
