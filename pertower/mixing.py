@@ -137,13 +137,35 @@ class _Coupled(Exception):
         self.advice = advice
 
 
-def _static(tensor):
+# Small integer ops folded by `_static` where tf.get_static_value stops (the axis
+# arithmetic of tf.nn.softmax(axis=0), tf.sort, ...).
+_FOLDED = {
+    "Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply,
+    "FloorMod": np.mod, "Neg": np.negative, "Maximum": np.maximum, "Minimum": np.minimum,
+    "Range": lambda start, limit, delta: np.arange(start, limit, delta),
+    "Pack": lambda *parts: np.stack(parts), "Identity": lambda v: v,
+}
+
+
+def _static(tensor, depth=0):
     """The value of `tensor` when it is known while building, else None."""
     try:
         value = tf.get_static_value(tensor)
     except (TypeError, ValueError, NotImplementedError):
+        value = None
+    if value is not None:
+        return np.asarray(value)
+    op = tensor.op
+    if depth > 16 or not (op.type in _FOLDED or op.type == "ConcatV2"):
         return None
-    return None if value is None else np.asarray(value)
+    if op.type == "Pack" and op.get_attr("axis") != 0:
+        return None
+    inputs = [_static(t, depth + 1) for t in op.inputs]
+    if any(v is None for v in inputs):
+        return None
+    if op.type == "ConcatV2":
+        return np.concatenate([np.reshape(v, [-1]) for v in inputs[:-1]])
+    return np.asarray(_FOLDED[op.type](*inputs))
 
 
 def _describe(tensor):
