@@ -87,7 +87,7 @@ class MemoryEstimate:
 
     def describe(self):
         K = f" x {self.outputs_per_example} outputs" if self.outputs_per_example > 1 else ""
-        return (f"{_gb(self.total_bytes)}: the result {self.rows} x{K} {self.num_weights} "
+        return (f"{_gb(self.total_bytes)}: the result {self.rows}{K} x {self.num_weights} "
                 f"weights = {_gb(self.result_bytes)}, the {self.num_towers} towers' "
                 f"gradients before stacking {_gb(self.tower_gradient_bytes)}, replayed "
                 f"activations {_gb(self.activation_bytes)}")
@@ -219,11 +219,13 @@ def check_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
     default = default_memory_limit()
     default_words = ("the default, half of this machine's physical memory"
                      if limit == default else "the memory_limit you passed")
+    norms_words = ("" if function_name == "per_example_norms" else
+                   "per_example_norms if you only need the norms, ")
     raise ValueError(
         f"pertower.{function_name}: the per-example result would need about "
         f"{estimate.describe()}, above the limit of {_gb(limit)} ({default_words}). "
         "Ask for less: microbatch_gradients with fewer microbatches (M x P numbers "
-        "instead of B x P), per_example_norms if you only need the norms, or a smaller "
-        f"batch (batch_size) or fewer weights in `xs`. To raise the limit pass "
+        f"instead of B x P), {norms_words}a smaller batch (batch_size) or fewer weights "
+        "in `xs`. To raise the limit pass "
         f"memory_limit=<bytes> (e.g. memory_limit={int(estimate.total_bytes * 1.1)}), or "
         "memory_limit=float('inf') to switch the guard off.")

@@ -10,9 +10,12 @@ This version materializes the per-example gradients ([B, *x.shape] per weight) a
 reduces them; cheaper forms that never hold them are added per op.
 """
 
+import math
+
 import tensorflow as tf
 
 from pertower import gradients as gradients_lib
+from pertower import memory
 
 __all__ = ["per_example_norms"]
 
@@ -35,10 +38,12 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     """
     function_name = "per_example_norms"
     gradients_lib.check_method(method, function_name)
+    # memory.py: this form holds the per-example gradients, so their estimate applies
+    memory.check_memory(ys, xs, batch, batch_size, None, 1, memory_limit, function_name)
     with tf.name_scope(name or function_name):
         per_example = gradients_lib.per_example_gradients(
             ys, xs, batch=batch, batch_size=batch_size, name="gradients", method=method,
-            validate=validate, memory_limit=memory_limit)  # validate, memory_limit: mixing
+            validate=validate, memory_limit=math.inf)  # validate: independence.py
         squares = []
         for g in per_example:                          # [B, *x.shape]
             axes = list(range(1, g.shape.rank))

@@ -1,0 +1,133 @@
+"""The memory guard: its estimate against the size of real results, its refusal's
+words, the default limit, and the ways to change it."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pertower
+from pertower import memory
+from tests import common
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    case = common.build_mlp(B=6)
+    yield case
+    case.sess.close()
+
+
+def _nbytes(values):
+    return sum(np.asarray(v).nbytes for v in values)
+
+
+def _weights(case):
+    return sum(int(np.prod(x.shape.as_list())) for x in case.xs)
+
+
+def test_estimate_matches_the_size_of_the_results(mlp):
+    with mlp.graph.as_default():
+        per_example = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=mlp.B)
+        micro = pertower.microbatch_gradients(mlp.ys, mlp.xs, num_microbatches=2,
+                                              batch_size=mlp.B)
+        jacobians = pertower.per_example_jacobians(mlp.outputs, mlp.xs, batch_size=mlp.B)
+        estimates = [pertower.estimate_memory(mlp.ys, mlp.xs, batch_size=mlp.B),
+                     pertower.estimate_memory(mlp.ys, mlp.xs, batch_size=mlp.B,
+                                              num_microbatches=2),
+                     pertower.estimate_memory(mlp.outputs, mlp.xs, batch_size=mlp.B,
+                                              outputs_per_example=3)]
+    values = mlp.sess.run([per_example, micro, jacobians], mlp.feed)
+    P = _weights(mlp)
+    for estimate, value, rows, K in zip(estimates, values, [6, 2, 6], [1, 1, 3]):
+        assert estimate.num_weights == P
+        assert estimate.result_bytes == _nbytes(value) == rows * K * P * 4
+        assert estimate.tower_gradient_bytes == rows * K * P * 4
+    # activations: every floating tensor from x to cost, per example x 6 examples x 4 bytes;
+    # the MLP's hidden widths are 16, 8, 3 (each with MatMul, BiasAdd and activation)
+    assert 6 * 4 * (16 * 3 + 8 * 3 + 3 * 2) <= estimates[0].activation_bytes
+    assert estimates[0].activation_bytes < 6 * 4 * 200
+
+
+def test_estimate_uses_batch_size_when_the_batch_axis_is_not_static(mlp):
+    with mlp.graph.as_default():
+        assert pertower.estimate_memory(mlp.ys, mlp.xs) is None  # B unknown
+        estimate = pertower.estimate_memory(mlp.ys, mlp.xs, batch_size=1000)
+    assert estimate.batch_size == 1000 and estimate.rows == 1000
+    assert estimate.result_bytes == 1000 * _weights(mlp) * 4
+
+
+def test_estimate_reads_a_static_batch_axis():
+    case = common.build_static_mlp(B=4)
+    with case.graph.as_default():
+        estimate = pertower.estimate_memory(case.ys, case.xs)
+    assert estimate.batch_size == 4 and estimate.result_bytes == 4 * _weights(case) * 4
+    case.sess.close()
+
+
+def test_float64_weights_count_eight_bytes():
+    case = common.build_mlp(B=2, dtype=tf.float64, name="mlp64")
+    with case.graph.as_default():
+        estimate = pertower.estimate_memory(case.ys, case.xs, batch_size=2)
+    assert estimate.result_bytes == 2 * _weights(case) * 8
+    case.sess.close()
+
+
+@pytest.mark.parametrize("function", ["per_example_gradients", "microbatch_gradients",
+                                      "per_example_jacobians", "per_example_norms"])
+def test_a_result_above_the_limit_is_refused_with_the_estimate_and_what_to_do(mlp, function):
+    with mlp.graph.as_default():
+        ops_before = len(mlp.graph.get_operations())
+        ys = mlp.outputs if function == "per_example_jacobians" else mlp.ys
+        with pytest.raises(ValueError) as refusal:
+            getattr(pertower, function)(ys, mlp.xs, batch_size=mlp.B, memory_limit=1000)
+        assert len(mlp.graph.get_operations()) == ops_before  # refused before building
+    message = str(refusal.value)
+    for words in (f"pertower.{function}: the per-example result would need about",
+                  "above the limit of 0.001 MB (the memory_limit you passed)",
+                  "microbatch_gradients with fewer microbatches",
+                  "smaller batch", "memory_limit=<bytes>", "memory_limit=float('inf')"):
+        assert words in message, (words, message)
+    assert ("per_example_norms if you only need the norms" in message) == (
+        function != "per_example_norms")
+    P = _weights(mlp)
+    rows = "6 x 3 outputs x" if function == "per_example_jacobians" else "6 x"
+    assert f"the result {rows} {P} weights" in message
+
+
+def test_the_default_limit_is_half_the_physical_memory(mlp):
+    physical = memory.physical_memory_bytes()
+    assert physical > 0
+    assert memory.default_memory_limit() == int(0.5 * physical)
+    huge = int(memory.default_memory_limit() // (_weights(mlp) * 4 * 2)) + 1  # B over the limit
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=r"above the limit of .* \(the default, half of "
+                                             r"this machine's physical memory\)"):
+            pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=huge)
+
+
+def test_no_refusal_by_default_on_the_test_models():
+    for name, build in common.BUILDERS.items():
+        case = build()
+        with case.graph.as_default():
+            estimate = memory.check_memory(case.ys, case.xs, batch_size=case.B)
+        assert estimate is not None and estimate.total_bytes < memory.default_memory_limit(), name
+        case.sess.close()
+
+
+def test_an_infinite_limit_switches_the_guard_off(mlp):
+    with mlp.graph.as_default():
+        assert memory.check_memory(mlp.ys, mlp.xs, batch_size=mlp.B,
+                                   memory_limit=math.inf) is None
+        grads = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=mlp.B,
+                                               memory_limit=float("inf"))
+    assert len(grads) == len(mlp.xs)
+
+
+@pytest.mark.parametrize("bad", [0, -5, "1GB", True])
+def test_a_bad_memory_limit_is_refused(mlp, bad):
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=r"`memory_limit` must be a positive number of "
+                                             r"bytes, None .* or float\('inf'\)"):
+            pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=mlp.B, memory_limit=bad)
