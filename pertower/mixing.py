@@ -113,7 +113,8 @@ Xlog1py Xlogy Zeta
 # Outputs that describe a tensor's shape (or are constants shaped like it) rather than
 # its values: they do not carry examples.
 _METADATA_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike",
-                                "OnesLike", "BroadcastGradientArgs"})
+                                "OnesLike", "BroadcastGradientArgs", "TensorListLength",
+                                "TensorListElementShape"})
 _REDUCTION_OP_TYPES = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any",
                                  "EuclideanNorm"})
 _CONVOLUTION_OP_TYPES = {  # op type -> index of the data input
@@ -218,6 +219,10 @@ class _BatchAxisScan:
             "SparseSoftmaxCrossEntropyWithLogits": self._cross_entropy,
             "L2Loss": self._l2_loss, "If": self._cond, "StatelessIf": self._cond,
             "PartitionedCall": self._call, "StatefulPartitionedCall": self._call,
+            "While": self._while, "StatelessWhile": self._while,
+            "TensorListFromTensor": self._list_from_tensor,
+            "TensorListGetItem": self._list_get_item, "TensorListSetItem": self._list_set_item,
+            "TensorListStack": self._list_stack,
         })
 
     # -- driving -------------------------------------------------------------------
@@ -795,6 +800,44 @@ class _BatchAxisScan:
         outs = self._body_axes(op, "f", op.inputs, in_axes)
         return [UNKNOWN] * len(op.outputs) if outs is None else outs
 
+    def _while(self, op, in_axes):
+        """The body maps loop variables to their next values: iterate its scan until
+        the batch axes of the loop variables stop changing."""
+        axes = list(in_axes)
+        for _ in range(4):
+            outs = self._body_axes(op, "body", op.inputs, axes)
+            if outs is None or len(outs) != len(axes):
+                return [UNKNOWN] * len(op.outputs)
+            merged = [_merge(a, b) for a, b in zip(axes, outs)]
+            if merged == axes:
+                return axes
+            axes = merged
+        return [UNKNOWN] * len(op.outputs)
+
+    # A TensorList (the variant a while loop carries, e.g. the time steps of a Keras
+    # RNN) holds the BatchAxis of its *elements*.
+
+    def _list_from_tensor(self, op, in_axes):
+        axis = self._only_data_input(op, in_axes, 0)
+        if axis is UNKNOWN or axis.index == 0:  # a list over the examples themselves
+            return [UNKNOWN]
+        return [BatchAxis(axis.index - 1, axis.per_example)]
+
+    def _list_get_item(self, op, in_axes):
+        axis = self._only_data_input(op, in_axes, 0)
+        return [UNKNOWN if axis is None else axis]
+
+    def _list_set_item(self, op, in_axes):
+        if in_axes[1] is not None:
+            return [UNKNOWN]
+        return [_merge(in_axes[0], in_axes[2])]
+
+    def _list_stack(self, op, in_axes):
+        axis = self._only_data_input(op, in_axes, 0)
+        if axis is UNKNOWN:
+            return [UNKNOWN]
+        return [BatchAxis(axis.index + 1, axis.per_example)]
+
     # -- reshape -------------------------------------------------------------------
 
     def _reshape(self, op, in_axes):
@@ -889,7 +932,7 @@ class _BatchAxisScan:
                     return None
                 values.extend(v)
             return values
-        if op.type in ("StridedSlice", "GatherV2", "Prod", "Mul"):
+        if op.type in ("StridedSlice", "Slice", "GatherV2", "Prod", "Mul", "FloorDiv"):
             return self._evaluate_shape_arithmetic(op)
         value = _static(tensor)
         if value is None or value.dtype.kind not in "iu":
@@ -910,6 +953,20 @@ class _BatchAxisScan:
             if op.get_attr("shrink_axis_mask") & 1:
                 return [source[start]] if start is not None and -len(source) <= start < len(source) else None
             return source[start:stop:int(strides[0])]
+        if op.type == "Slice":
+            begin, size = _static(op.inputs[1]), _static(op.inputs[2])
+            if begin is None or size is None or begin.size != 1:
+                return None
+            start, length = int(begin.reshape(-1)[0]), int(size.reshape(-1)[0])
+            return source[start:] if length == -1 else source[start:start + length]
+        if op.type == "FloorDiv":  # a scalar over a constant
+            divisor = _static(op.inputs[1])
+            if len(source) != 1 or divisor is None or divisor.size != 1:
+                return None
+            (coefficient, power), divisor = source[0], int(divisor.reshape(-1)[0])
+            if coefficient is None or divisor == 0 or coefficient % divisor:
+                return None
+            return [(coefficient // divisor, power)]
         if op.type == "GatherV2":
             indices = _static(op.inputs[1])
             if indices is None or _static(op.inputs[2]) != 0:
@@ -925,6 +982,17 @@ class _BatchAxisScan:
             return None
         product = _multiply(source[0], other[0])
         return [product] if product is not None else None
+
+
+def _merge(first, second):
+    """The batch axis of a value that is `first` or `second` (None: no batch)."""
+    if first is None:
+        return second
+    if second is None or first == second:
+        return first
+    if UNKNOWN in (first, second) or first.index != second.index:
+        return UNKNOWN
+    return BatchAxis(first.index, None)
 
 
 def _multiply(first, second):

@@ -7,6 +7,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
+from pertower import graph_walk
 from pertower import mixing
 from pertower import oracle
 from tests import common
@@ -282,3 +283,72 @@ def test_validate_passes_and_matches_the_oracle_on_an_ordinary_model():
     want_norms = np.sqrt(sum(np.sum(np.reshape(g, (case.B, -1)) ** 2, axis=1) for g in want))
     np.testing.assert_allclose(norm_values, want_norms, rtol=1e-5)
     case.sess.close()
+
+
+L = keras.layers
+# Keras layer stacks the scan must follow: (id, input shape, layers).
+LAYER_STACKS = [
+    ("conv_global_pool", [8, 8, 3], lambda: [L.Conv2D(4, 3), L.GlobalAveragePooling2D()]),
+    ("upsample_pad_crop_pool", [6, 6, 2], lambda: [
+        L.UpSampling2D(), L.ZeroPadding2D(1), L.Cropping2D(1), L.Conv2D(2, 3),
+        L.MaxPooling2D(), L.AveragePooling2D(), L.Flatten()]),
+    ("separable_transpose_conv", [6, 6, 2], lambda: [
+        L.DepthwiseConv2D(3), L.SeparableConv2D(2, 3), L.Conv2DTranspose(2, 3, strides=2),
+        L.Flatten()]),
+    ("conv1d_global_max", [9, 3], lambda: [L.Conv1D(4, 3), L.GlobalMaxPooling1D()]),
+    ("time_distributed", [5, 3], lambda: [L.TimeDistributed(L.Dense(4)), L.Flatten()]),
+    ("permute_reshape_repeat", [4, 3], lambda: [L.Permute((2, 1)), L.Reshape((12,)),
+                                                L.RepeatVector(2), L.Flatten()]),
+    ("group_norm", [6, 6, 4], lambda: [L.GroupNormalization(2), L.Flatten()]),
+    ("layer_norms", [5, 4], lambda: [L.LayerNormalization(), L.Dense(3),
+                                     L.LayerNormalization(axis=[1, 2]), L.Flatten()]),
+    ("lstm_unrolled", [5, 3], lambda: [L.LSTM(4, unroll=True)]),
+    ("lstm_while_loop", [5, 3], lambda: [L.LSTM(4)]),
+    ("gru_sequences", [5, 3], lambda: [L.GRU(4, return_sequences=True), L.Flatten()]),
+    ("dropout_in_learning_phase", [5], lambda: [L.Dense(4), L.Dropout(0.3)]),
+    ("attention", [5, 4], None),
+]
+
+
+def _replayed(ys, batch):
+    return graph_walk.downstream_ops(batch, graph_walk.upstream_ops([ys]))
+
+
+@pytest.mark.parametrize("shape,layers", [c[1:] for c in LAYER_STACKS],
+                         ids=[c[0] for c in LAYER_STACKS])
+def test_the_scan_follows_the_batch_axis_through_keras_layers(shape, layers):
+    """No coupling in the stack itself, and a batch mean after it is still found (so
+    the scan did not lose the batch axis on the way)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None] + shape, name="x")
+        if layers is None:
+            out = L.Flatten()(L.MultiHeadAttention(2, 3)(x, x))
+        else:
+            out = keras.Sequential(layers())(x)
+        ys = tf.reduce_sum(out, axis=1)                               # [B]
+        assert mixing.find_couplings(_replayed(ys, [x]), [x]) == []
+        mixed = ys - tf.reduce_mean(ys, name="batch_mean")
+        found = mixing.find_couplings(_replayed(mixed, [x]), [x])
+        assert [c.op.name for c in found] == ["batch_mean"]
+
+
+def test_batch_norm_training_after_an_lstm_loop_is_refused():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 3], name="x")
+        norm = L.BatchNormalization()
+        ys = tf.reduce_sum(norm(L.LSTM(4)(x), training=True), axis=1)
+        with pytest.raises(ValueError, match=r"batch_normalization/moments/mean.*reduces "
+                                             r"\(Mean\) over axis 0.*training=False"):
+            pertower.per_example_gradients(ys, norm.trainable_weights, batch_size=B)
+
+
+def test_a_batch_mean_inside_a_while_loop_is_refused():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        h, w = _hidden(x)
+        _, out = tf.while_loop(lambda i, h: i < 3,
+                               lambda i, h: (i + 1, tf.tanh(h - tf.reduce_mean(h, axis=0))),
+                               [0, h])
+        with pytest.raises(ValueError, match=r"\((Stateless)?While\).*runs the function "
+                                             r".*reduces \(Mean\) over axis 0"):
+            pertower.per_example_gradients(tf.reduce_sum(out, 1), [w], batch_size=B)
