@@ -195,6 +195,8 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
+        # mixing.py: refuse ops that couple examples (only batch-dependent ops can)
+        mixing.check_examples_independent(batch_downstream, batch, T, function_name)
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
         sources = list(batch) + [t for r in reads for t in r.read_tensors]
@@ -203,7 +205,6 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
         for op in gather_ops:
             replayed |= graph_walk.downstream_ops(op.outputs, ys_upstream)
         graph_walk.check_replayable(replayed, function_name)
-        mixing.check_examples_independent(replayed, batch, T, function_name)  # mixing.py
         noisy = graph_walk.random_ops(replayed)
         if noisy:
             warnings.warn(

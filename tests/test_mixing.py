@@ -352,3 +352,17 @@ def test_a_batch_mean_inside_a_while_loop_is_refused():
         with pytest.raises(ValueError, match=r"\((Stateless)?While\).*runs the function "
                                              r".*reduces \(Mean\) over axis 0"):
             pertower.per_example_gradients(tf.reduce_sum(out, 1), [w], batch_size=B)
+
+
+def test_fused_batch_norm_in_the_learning_phase_is_refused_before_its_cond_reads():
+    """In the learning phase a fused BatchNormalization is a tf.cond whose branches read
+    gamma and beta; the coupling is reported (not the weights read inside the cond)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6, 6, 2], name="images")
+        model = keras.Sequential([keras.layers.Conv2D(3, 3), keras.layers.BatchNormalization(),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        out = model(x)
+        with pytest.raises(ValueError, match=r"\((Stateless)?If\) between the batch and `ys` "
+                                             r"couples.*runs the function .*FusedBatchNormV3.*"
+                                             r"is_training=True.*training=False"):
+            pertower.per_example_gradients(out, model.trainable_weights, batch_size=B)
