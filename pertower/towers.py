@@ -14,7 +14,11 @@ equal `ys`. Because tower t's output depends on c_t and on no other tower's copy
     d/d c_t  sum_t' sum(y_t')  =  d sum(y_t) / d x      (the gradient of tower t alone),
 
 so a single `tf.gradients` call over all copies returns T separate gradients. With
-T = B these are per-example gradients; with T = M < B, microbatch gradients.
+T = B these are per-example gradients; with T = M < B, microbatch gradients. Since the
+towers are identical but for their inputs, `Towers.gradients` builds that call's ops
+for tower 0 only and copies them for towers 1 ... T-1 with one import
+(`pertower.replicate`): the same ops, for a fraction of the build time. Towers that
+run graph functions (tf.cond, while loops) make the one joint call instead.
 
 The replay copies the NodeDefs of S into one GraphDef holding all T towers and adds it
 with one `tf.graph_util.import_graph_def` call, mapping the batch tensors to the
@@ -31,6 +35,7 @@ from tensorflow.core.framework import graph_pb2
 from pertower import _checks
 from pertower import graph_walk
 from pertower import mixing
+from pertower import replicate as replicate_lib
 
 __all__ = ["Towers", "build_towers"]
 
@@ -66,7 +71,10 @@ class Towers:
     stacked: tf.Tensor
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None):
-        """One `tf.gradients` call over every tower's copies.
+        """The gradient of each tower's output with respect to its own copies.
+
+        Equal to one `tf.gradients` call over every tower's copies (see the module
+        docstring for how it is built).
 
         Args:
           grad_ys: None (all ones: sum the outputs), or a tensor shaped like `ys`,
@@ -83,7 +91,7 @@ class Towers:
                                                           "Towers.gradients")
         T = self.num_towers
         with tf.name_scope(name or "tower_gradients"):
-            grad_outputs = None
+            grad_outputs = [None] * T
             if grad_ys is not None:
                 grad_ys = tf.convert_to_tensor(grad_ys, dtype=self.ys.dtype)
                 if not self.stacked.shape.is_compatible_with(grad_ys.shape):
@@ -92,24 +100,118 @@ class Towers:
                         f"{self.stacked.shape}, but has shape {grad_ys.shape}.")
                 # [B, ...] -> T x [B/T, ...]
                 grad_outputs = tf.split(grad_ys, T, axis=0)
-            flat_copies = [c for copies in self.copies if copies for c in copies]
-            flat_grads = tf.gradients(
-                list(self.outputs), flat_copies, grad_ys=grad_outputs,
-                unconnected_gradients=unconnected) if flat_copies else []
-            results, position = [], 0
-            for x, copies in zip(self.xs, self.copies):
-                if copies is None:
+            connected = [k for k, copies in enumerate(self.copies) if copies is not None]
+            per_tower = self._replicated_gradients(connected, grad_outputs, unconnected)
+            if per_tower is None:
+                per_tower = self._joint_gradients(connected, grad_outputs, unconnected)
+            results = []
+            for k, x in enumerate(self.xs):
+                if k not in per_tower:
                     results.append(_zeros_per_tower(x, T)
                                    if unconnected == tf.UnconnectedGradients.ZERO else None)
-                    continue
-                per_tower = flat_grads[position:position + T]
-                position += T
-                if all(g is None for g in per_tower):
+                elif per_tower[k] is None:
                     results.append(None)
-                    continue
-                per_tower = [_dense(g, c) for g, c in zip(per_tower, copies)]
-                results.append(tf.stack(per_tower, axis=0))  # T x [*x.shape] -> [T, *x.shape]
+                else:
+                    # T x [*x.shape] -> [T, *x.shape]
+                    results.append(tf.stack(per_tower[k], axis=0))
             return results
+
+    def _joint_gradients(self, connected, grad_outputs, unconnected):
+        """One `tf.gradients` call over every tower's copies.
+
+        Returns {k: T dense gradients of xs[k], or None when no tower reaches it}."""
+        T = self.num_towers
+        flat_copies = [c for k in connected for c in self.copies[k]]
+        flat_grads = tf.gradients(
+            list(self.outputs), flat_copies,
+            grad_ys=None if grad_outputs[0] is None else list(grad_outputs),
+            unconnected_gradients=unconnected) if flat_copies else []
+        per_tower = {}
+        for position, k in enumerate(connected):
+            grads = flat_grads[position * T:(position + 1) * T]
+            per_tower[k] = None if all(g is None for g in grads) else [
+                _dense(g, c) for g, c in zip(grads, self.copies[k])]
+        return per_tower
+
+    def _replicated_gradients(self, connected, grad_outputs, unconnected):
+        """Tower 0's backward pass built once by `tf.gradients`, then copied for towers
+        1 ... T-1 with one import (see `pertower.replicate`).
+
+        The copy is exact: tower t's forward ops are tower 0's with t's slices and
+        copies in place of 0's, so the backward ops `tf.gradients` would build for
+        tower t are tower 0's with t's tensors in place of 0's. Returns the same dict
+        as `_joint_gradients`, or None when the towers run graph functions (control
+        flow), whose gradients are built by rewriting the forward ops, so that only
+        the joint call is sound.
+        """
+        if not connected:
+            return {}
+        T = self.num_towers
+        graph = self.ys.graph
+        copies_0 = [self.copies[k][0] for k in connected]
+        tower_0 = graph_walk.downstream_ops(
+            list(self.slices[0]) + copies_0, graph_walk.upstream_ops([self.outputs[0]]))
+        if replicate_lib.calls_functions(tower_0):
+            return None
+        # Tower 0's tensors that the backward pass may read, with every tower's.
+        known = {}
+        for t0, per_t in [(self.outputs[0], self.outputs), (grad_outputs[0], grad_outputs)]:
+            if t0 is not None:
+                known[t0.name] = per_t
+        for j in range(len(self.batch)):
+            known[self.slices[0][j].name] = [s[j] for s in self.slices]
+        for k in connected:
+            known[self.copies[k][0].name] = self.copies[k]
+        replay_0 = _replay_prefix(self.stacked, 0)
+
+        def counterpart(item, t):
+            """Tower t's version of tower 0's `item` (a tensor or a control-input op)."""
+            op = item if isinstance(item, tf.Operation) else item.op
+            if op not in tower_0 and item.name not in known:
+                return item  # shared by all towers
+            if item.name in known:
+                return known[item.name][t]
+            if not item.name.startswith(replay_0):
+                raise _NoCounterpart(item.name)
+            name = _replay_prefix(self.stacked, t) + item.name[len(replay_0):]
+            if isinstance(item, tf.Operation):
+                return graph.get_operation_by_name(name)
+            return graph.get_tensor_by_name(name)
+
+        with tf.name_scope("t0") as template_prefix:
+            first_new = len(graph.get_operations())
+            grads = tf.gradients(
+                [self.outputs[0]], copies_0,
+                grad_ys=None if grad_outputs[0] is None else [grad_outputs[0]],
+                unconnected_gradients=unconnected)
+            dense_0 = [None if g is None else _dense(g, c) for g, c in zip(grads, copies_0)]
+            template = graph.get_operations()[first_new:]
+        if replicate_lib.calls_functions(template):
+            return None
+        returned = [g for g in dense_0 if g is not None]
+        try:
+            replicas = replicate_lib.replicate(template, template_prefix, counterpart,
+                                               range(1, T), returned, graph) if T > 1 else []
+        except _NoCounterpart:
+            return None
+        per_tower, position = {}, 0
+        for k, g_0 in zip(connected, dense_0):
+            if g_0 is None:
+                per_tower[k] = None
+                continue
+            per_tower[k] = [g_0] + [replica[position] for replica in replicas]
+            position += 1
+        return per_tower
+
+
+class _NoCounterpart(Exception):
+    """A tensor of tower 0 whose tower-t version cannot be named."""
+
+
+def _replay_prefix(stacked, t):
+    """The name prefix of tower t's replayed ops: "<towers scope>replay/t<t>/"."""
+    scope = stacked.op.name[:-len("stacked")]
+    return f"{scope}replay/t{t}/"
 
 
 def _zeros_per_tower(x, T):

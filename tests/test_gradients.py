@@ -100,6 +100,39 @@ def test_towers_gradients_with_grad_ys_weight_outputs(case):
                             f"{case.name} weighted tower gradients")
 
 
+# Cases whose towers run a graph function (Dropout's tf.cond is an `If` op): the
+# backward pass cannot be copied, so Towers.gradients makes one joint call.
+JOINT_GRADIENT_CASES = {"subclassed"}
+
+
+def test_replicated_backward_pass_equals_one_joint_gradients_call(case):
+    """Towers.gradients builds tower 0's backward pass once and copies it for the other
+    towers; that copy must be taken (not the joint fallback) and agree with one
+    tf.gradients call over all towers' copies, with and without grad_ys."""
+    B = case.B
+    weights = np.linspace(0.5, 1.5, B * int(np.prod(case.ys.shape[1:].as_list() or [1])))
+    with case.graph.as_default():
+        towers = pertower.build_towers(case.ys, case.xs, batch_size=B)
+        connected = [k for k, c in enumerate(towers.copies) if c is not None]
+        for grad_ys in [None, tf.constant(weights.reshape(case.ys.shape.as_list()[:0] + [B]
+                                                           + case.ys.shape[1:].as_list()),
+                                          dtype=case.ys.dtype)]:
+            grad_outputs = [None] * B if grad_ys is None else tf.split(grad_ys, B)
+            replicated = towers._replicated_gradients(connected, grad_outputs,
+                                                      tf.UnconnectedGradients.ZERO)
+            if case.name in JOINT_GRADIENT_CASES:
+                assert replicated is None, f"{case.name}: copied a backward pass with If ops"
+                return
+            assert replicated is not None, f"{case.name}: fell back to the joint call"
+            joint = towers._joint_gradients(connected, grad_outputs,
+                                            tf.UnconnectedGradients.ZERO)
+            got = [tf.stack(replicated[k]) for k in connected]
+            want = [tf.stack(joint[k]) for k in connected]
+            got, want = _run(case, [got, want])
+            common.assert_all_close(got, want, 1e-6, 1e-6,
+                                    f"{case.name} replicated vs joint, grad_ys={grad_ys}")
+
+
 def test_tf_data_iterator_outputs_are_found_as_the_batch():
     """Batch found by walking back to an iterator's outputs; compared with the oracle run
     on a placeholder input to the same layers."""

@@ -1,0 +1,101 @@
+"""Replicas: copy a set of ops R times with one `import_graph_def`, remapping its inputs.
+
+Notation:
+    T   towers                  S   the template: ops built once, for tower 0
+    R   replicas of S made here (towers 1 ... T-1)
+
+Why: building tower 0's backward pass with `tf.gradients` and copying it for the other
+towers gives the same ops that `tf.gradients` over all towers would build, but pays the
+Python-side gradient construction once instead of T times (see ../shared/NOTES.md,
+"Where build time goes"). Replica r is S with every input that comes from outside S
+replaced by `counterpart(tensor, r)`: tower r's slice, copy or forward activation in
+place of tower 0's, and the same tensor for anything the towers share.
+"""
+
+from tensorflow.core.framework import graph_pb2
+import tensorflow as tf
+
+__all__ = ["replicate", "calls_functions"]
+
+# NodeDef attributes that tie a node to others by name; they would dangle in a copy.
+_DROPPED_ATTRS = ("_class",)
+
+
+def calls_functions(ops):
+    """True when an op in `ops` runs a graph function (While, If, PartitionedCall...).
+
+    Such ops carry function graphs that gradient construction rewrites in place (a
+    while_v2 gradient adds outputs to its forward op), so a copy of tower 0's backward
+    pass would not fit the other towers' forward ops.
+    """
+    for op in ops:
+        for value in op.node_def.attr.values():
+            if value.HasField("func") or (value.HasField("list") and value.list.func):
+                return True
+    return False
+
+
+def replicate(template_ops, template_prefix, counterpart, replicas, return_tensors, graph):
+    """Adds `len(replicas)` copies of `template_ops` with one graph import.
+
+    Args:
+      template_ops: the ops of S, all named under `template_prefix`.
+      template_prefix: the name prefix of S, e.g. "grads/t0/"; replica r is named
+        with "t{r}/" in place of the last "t0/".
+      counterpart: counterpart(tensor_or_op, r) -> what replica r uses in place of an
+        input that comes from outside S (the same object when the towers share it).
+      replicas: the replica indices r to build, e.g. range(1, T).
+      return_tensors: tensors of S to return from every replica.
+      graph: the graph holding S.
+
+    Returns:
+      A list over `replicas` of lists: replica r's copies of `return_tensors`.
+    """
+    order = sorted(template_ops, key=lambda op: op._id)  # pylint: disable=protected-access
+    names = {op.name for op in order}
+    stem = template_prefix[:-len("t0/")]
+
+    def rename(op_name, r):
+        return f"{stem}t{r}/{op_name[len(template_prefix):]}"
+
+    graph_def = graph_pb2.GraphDef()
+    graph_def.versions.CopyFrom(graph.graph_def_versions)
+    input_map, keys = {}, {}
+    controls = []  # (replica node name, external op)
+
+    def key_for(tensor):
+        """An input_map key naming `tensor` outside the imported GraphDef."""
+        if id(tensor) not in keys:
+            keys[id(tensor)] = f"pertower_input_{len(keys)}:0"
+            input_map[keys[id(tensor)]] = tensor
+        return keys[id(tensor)]
+
+    templates = [(op, op.node_def) for op in order]
+    for r in replicas:
+        for op, node_def in templates:
+            node = graph_def.node.add()
+            node.CopyFrom(node_def)
+            node.name = rename(op.name, r)
+            for attr in _DROPPED_ATTRS:
+                if attr in node.attr:
+                    del node.attr[attr]
+            del node.input[:]
+            for tensor in op.inputs:
+                if tensor.op.name in names:
+                    node.input.append(f"{rename(tensor.op.name, r)}:{tensor.value_index}")
+                else:
+                    node.input.append(key_for(counterpart(tensor, r)))
+            for control in op.control_inputs:
+                if control.name in names:
+                    node.input.append("^" + rename(control.name, r))
+                else:
+                    controls.append((node.name, counterpart(control, r)))
+    return_names = [f"{rename(t.op.name, r)}:{t.value_index}"
+                    for r in replicas for t in return_tensors]
+    # name="": the nodes carry their full names already.
+    imported = tf.graph_util.import_graph_def(
+        graph_def, input_map=input_map, return_elements=return_names, name="")
+    for node_name, control in controls:
+        graph.get_operation_by_name(node_name)._add_control_inputs([control])  # pylint: disable=protected-access
+    n = len(return_tensors)
+    return [imported[i * n:(i + 1) * n] for i in range(len(replicas))]
