@@ -412,7 +412,7 @@ class _BatchAxisScan:
         if b == 0 and (s == -1 or (dim is not None and s == dim)):
             return [axis.index]
         raise _Coupled(
-            f"slices {_describe(op.inputs[0])} along {self._batch_axis_words(op, op.inputs[0], axis.index)} "
+            f"slices along {self._batch_axis_words(op, op.inputs[0], axis.index)} "
             f"(begin {b}, size {s}), selecting examples by their position in the batch",
             _POSITION_ADVICE)
 
@@ -735,7 +735,10 @@ class _BatchAxisScan:
         axis = self._only_data_input(op, in_axes, 0)
         if axis is UNKNOWN:
             return [UNKNOWN] * len(op.outputs)
-        data_format = op.get_attr("data_format") if op.type != "LRN" else b"NHWC"
+        try:
+            data_format = op.get_attr("data_format")
+        except ValueError:  # LRN, MaxPoolWithArgmax: always NHWC
+            data_format = "NHWC"
         data_format = data_format.decode() if isinstance(data_format, bytes) else data_format
         rank = self._rank(op.inputs[0]) or 4
         channel = 1 if data_format.startswith("NC") else rank - 1
