@@ -105,7 +105,7 @@ GreaterEqual Identity Igamma Igammac Imag Inv Invert IsFinite IsInf IsNan LeakyR
 LeakyReluGrad Less LessEqual Lgamma Log Log1p LogicalAnd LogicalNot LogicalOr Maximum
 Minimum Mod Mul MulNoNan Ndtri Neg NotEqual PlaceholderWithDefault Polygamma Pow
 PreventGradient Real RealDiv Reciprocal ReciprocalGrad Relu Relu6 Relu6Grad ReluGrad
-Rint Round Rsqrt RsqrtGrad Select SelectV2 Selu SeluGrad Sigmoid SigmoidGrad Sign Sin
+Rint Round Rsqrt RsqrtGrad SelectV2 Selu SeluGrad Sigmoid SigmoidGrad Sign Sin
 Sinh Snapshot Softplus SoftplusGrad Softsign SoftsignGrad Sqrt SqrtGrad Square
 SquaredDifference StopGradient Sub Tan Tanh TanhGrad TruncateDiv TruncateMod Xdivy
 Xlog1py Xlogy Zeta
@@ -220,6 +220,9 @@ class _BatchAxisScan:
             "L2Loss": self._l2_loss, "If": self._cond, "StatelessIf": self._cond,
             "PartitionedCall": self._call, "StatefulPartitionedCall": self._call,
             "While": self._while, "StatelessWhile": self._while,
+            "Select": self._select, "IdentityN": self._identity_n,
+            "Switch": self._switch, "RefSwitch": self._switch, "Merge": self._merge,
+            "RefMerge": self._merge,
             "TensorListFromTensor": self._list_from_tensor,
             "TensorListGetItem": self._list_get_item, "TensorListSetItem": self._list_set_item,
             "TensorListStack": self._list_stack,
@@ -228,7 +231,7 @@ class _BatchAxisScan:
     # -- driving -------------------------------------------------------------------
 
     def run(self, ops):
-        for op in sorted(ops, key=lambda o: o._id):  # pylint: disable=protected-access
+        for op in _topological(ops):
             in_axes = [self.axis_of(t) for t in op.inputs]
             if all(a is None for a in in_axes) or op.type in _METADATA_OP_TYPES:
                 continue
@@ -302,6 +305,31 @@ class _BatchAxisScan:
                 "with every other by broadcasting", _CONTRACTION_ADVICE)
         (index,) = placed
         return [index] * len(op.outputs)
+
+    def _select(self, op, in_axes):
+        """v1 Select: a vector condition picks rows (axis 0) of higher-rank operands;
+        otherwise the shapes match."""
+        condition, rank = op.inputs[0], self._rank(op.inputs[1])
+        if in_axes[0] is None or self._rank(condition) != 1 or rank in (None, 1):
+            return self._elementwise(op, in_axes)
+        indices = {a if a is UNKNOWN else a.index for a in in_axes if a is not None}
+        return [0] if indices == {0} else [UNKNOWN]
+
+    def _identity_n(self, op, in_axes):
+        return list(in_axes)
+
+    def _switch(self, op, in_axes):
+        """TF1 cond: both outputs carry the data; a batch-dependent predicate is lost."""
+        if in_axes[1] is not None:
+            return [UNKNOWN, UNKNOWN]
+        return [in_axes[0], in_axes[0]]
+
+    def _merge(self, op, in_axes):
+        """TF1 cond: the value of whichever branch ran (output 1 is its index)."""
+        axis = None
+        for a in in_axes:
+            axis = _merge(axis, a)
+        return [axis, None]
 
     def _transpose(self, op, in_axes):
         axis = self._only_data_input(op, in_axes, 0)
@@ -985,6 +1013,32 @@ class _BatchAxisScan:
             return None
         product = _multiply(source[0], other[0])
         return [product] if product is not None else None
+
+
+def _topological(ops):
+    """`ops` with every op after the ops it reads (creation order breaks ties; a TF1
+    cond adds an op's Switch inputs after the op, so creation order alone is not
+    enough). Back edges of TF1 loops are ignored."""
+    ops = set(ops)
+    ordered, done, active = [], set(), set()
+    for root in sorted(ops, key=lambda o: o._id):  # pylint: disable=protected-access
+        stack = [(root, False)]
+        while stack:
+            op, expanded = stack.pop()
+            if expanded:
+                active.discard(op)
+                if op not in done:
+                    done.add(op)
+                    ordered.append(op)
+                continue
+            if op in done or op in active:
+                continue
+            active.add(op)
+            stack.append((op, True))
+            for t in reversed(list(op.inputs)):
+                if t.op in ops and t.op not in done and t.op not in active:
+                    stack.append((t.op, False))
+    return ordered
 
 
 def _merge(first, second):

@@ -446,3 +446,28 @@ def test_random_layout_chains_keep_the_batch_axis(data):
             assert f"axis {batch_axis}, the batch axis" in found[0].reason
         else:
             assert found == [], (axes, batch_axis, [c.reason for c in found])
+
+
+def test_v1_select_with_a_row_condition_and_identity_n_keep_the_batch_axis():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        rows = tf.compat.v1.where(x[:, 0] > 0, x, -x)                # Select: [B] picks rows
+        (passed, _) = tf.identity_n([rows, x])
+        ys = tf.reduce_sum(passed, axis=1)
+        assert mixing.find_couplings(_replayed(ys, [x]), [x]) == []
+        mixed = tf.reduce_sum(passed, axis=0, name="over_batch")
+        assert [c.op.name for c in mixing.find_couplings(_replayed(mixed, [x]), [x])] == [
+            "over_batch"]
+
+
+def test_v1_cond_batch_norm_with_a_training_placeholder_is_refused():
+    """disable_v2_behavior graphs (Switch/Merge conds) run in a subprocess."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    import os  # pylint: disable=import-outside-toplevel
+    script = os.path.join(os.path.dirname(__file__), "scripts", "legacy_v1_batch_norm.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
+                            timeout=300, check=False)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
