@@ -44,6 +44,9 @@ PERSISTENT_OPS = frozenset({
     "Variable", "_Arg", "_DeviceArg", "Placeholder", "PlaceholderWithDefault",
     "_Recv", "_HostRecv"})
 
+# Ops that hand a tensor to the caller: what they read stays live to the end of the run.
+FETCH_OPS = frozenset({"_Retval", "_DeviceRetval", "_Send", "_HostSend"})
+
 _LABEL = re.compile(r"^(?P<name>.*?) = (?P<op>[^(]*)\((?P<inputs>.*)\)$", re.S)
 
 
@@ -103,6 +106,7 @@ def peak_bytes_from_step_stats(step_stats):
             end = start + max(node.all_end_rel_micros, node.op_end_rel_micros)
             nodes.append((start, end, node, op, inputs))
     nodes.sort(key=lambda n: (n[0], n[1]))
+    run_end = max((end for _, end, _, _, _ in nodes), default=0)
 
     tensor_buffer = {}   # (node name, slot) -> buffer index, or None when not counted
     buffer_ptr = {}      # address -> index of the buffer currently living there
@@ -111,7 +115,7 @@ def peak_bytes_from_step_stats(step_stats):
     for start, end, node, op, inputs in nodes:
         read = {tensor_buffer.get(key) for key in inputs} - {None}
         for index in read:
-            buffers[index][2] = max(buffers[index][2], end)
+            buffers[index][2] = max(buffers[index][2], run_end if op in FETCH_OPS else end)
         new_bytes = 0
         for output in node.output:
             described = output.tensor_description.allocation_description
