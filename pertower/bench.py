@@ -60,6 +60,11 @@ FULL = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128, 512),
 # it is skipped when B times the batch gradient's peak exceeds this share of the
 # memory available at start.
 VMAP_MEMORY_SHARE = 0.25
+# Entries that hold the B per-example gradients (B x P x 4 bytes; towers hold them
+# twice) are skipped when twice that exceeds this share of the memory available when
+# they are about to run; a whole (model, B) is skipped when the loop's reference
+# (stacked from B rows: twice) does not fit in it.
+MATERIALIZED_MEMORY_SHARE = 0.3
 
 LOOP, BATCH, OUTER, HAND_NORMS, VMAP = ("loop", "batch gradient", "outer products",
                                        "norms by hand", "vectorized_map")
@@ -224,17 +229,20 @@ def _vectorized_map(model):
 
 
 def _max_abs(values, reference):
-    """(max |value - reference|, max |reference|) over lists of arrays."""
+    """(max |value - reference|, max |reference|) over lists of arrays; row by row, so
+    the temporaries stay the size of one example's result."""
     diff = scale = 0.0
     if len(values) != len(reference):
         return float("inf"), 0.0
     for got, want in zip(values, reference):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        got, want = np.asarray(got), np.asarray(want)
         if got.shape != want.shape:
             return float("inf"), 0.0
-        if want.size:
-            diff = max(diff, float(np.max(np.abs(got - want))))
-            scale = max(scale, float(np.max(np.abs(want))))
+        rows = zip(got, want) if got.ndim else [(got, want)]
+        for got_row, want_row in rows:
+            if want_row.size:
+                diff = max(diff, float(np.max(np.abs(got_row - want_row))))
+                scale = max(scale, float(np.max(np.abs(want_row))))
     return diff, scale
 
 
@@ -267,12 +275,29 @@ def _available_memory_bytes():
     return None
 
 
+def _too_big(needed_bytes, share, what):
+    """A reason to skip an entry when `needed_bytes` exceed `share` of the memory
+    available now, else an empty string."""
+    available = _available_memory_bytes()
+    if available is None or needed_bytes <= share * available:
+        return ""
+    return (f"{what}: about {needed_bytes / 2**30:.1f} GiB, more than {share:.0%} of the "
+            f"{available / 2**30:.1f} GiB available")
+
+
 def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
     """All entries for one model at one B, in one graph and session; returns them."""
     rng = np.random.default_rng(B)
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(B)
         model = _BUILDERS[model_name](B, rng)
+        result_bytes = B * sum(int(np.prod(w.shape.as_list())) * w.dtype.size
+                               for w in model.weights)         # [B, *x.shape] for all x
+        too_big = _too_big(2 * result_bytes, MATERIALIZED_MEMORY_SHARE,
+                           f"the loop's reference holds the {B} per-example gradients")
+        if too_big:
+            return [Entry(model_name, B, LOOP, "gradients", status="skipped",
+                          reason=f"all entries of {model_name} at B={B} skipped: {too_big}")]
         candidates = []
 
         def add(name, computes, build):
@@ -322,20 +347,20 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
             sess, loop.loop.gradients, one_example).peak_bytes
 
         for candidate in candidates[1:]:
+            if candidate.entry.status == "ok" and candidate.entry.computes == "gradients":
+                too_big = _too_big(2 * result_bytes, MATERIALIZED_MEMORY_SHARE,
+                                   f"it holds the {B} per-example gradients (towers: twice)")
+                if too_big:
+                    candidate.entry.status, candidate.entry.reason = "skipped", too_big
             _first_run(sess, candidate, model.feed, reference)
         batch_peak = candidates[1].entry.peak_bytes
 
         # tf.vectorized_map last: its graph is built only if its memory fits.
-        available = _available_memory_bytes()
-        estimate = B * batch_peak if batch_peak else None
-        vmap = _Candidate(Entry(model_name, B, VMAP, "gradients"))
-        if estimate and available and estimate > VMAP_MEMORY_SHARE * available:
-            vmap.entry.status = "skipped"
-            vmap.entry.reason = (
-                f"needs about B x the batch gradient's peak = {estimate / 2**30:.1f} GiB, "
-                f"more than {VMAP_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB "
-                "available")
-            candidates.append(vmap)
+        too_big = _too_big(max(B * (batch_peak or 0), 2 * result_bytes), VMAP_MEMORY_SHARE,
+                           "its backward pass holds about B x the batch gradient's peak")
+        if too_big:
+            candidates.append(_Candidate(Entry(model_name, B, VMAP, "gradients",
+                                               status="skipped", reason=too_big)))
         else:
             vmap = add(VMAP, "gradients", lambda: _vectorized_map(model))
             _first_run(sess, vmap, model.feed, reference)
