@@ -60,6 +60,8 @@ FULL = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128, 512),
 # it is skipped when B times the batch gradient's peak exceeds this share of the
 # memory available at start.
 VMAP_MEMORY_SHARE = 0.25
+# Agreement with the loop in float32: max |diff| <= TOLERANCE * max(1, max |loop|).
+TOLERANCE = 1e-4
 # Entries that hold the B per-example gradients (B x P x 4 bytes; towers hold them
 # twice) are skipped when twice that exceeds this share of the memory available when
 # they are about to run; a whole (model, B) is skipped when the loop's reference
@@ -93,6 +95,7 @@ class Entry:
       max_abs_diff: max |result - the loop's result| over all entries (norms: against
         the norms of the loop's gradients; the batch gradient: against their sum).
       max_abs_reference: max |the loop's result| over the same entries (its scale).
+      agrees: max_abs_diff <= TOLERANCE * max(1, max_abs_reference) (None unless run).
     """
 
     model: str
@@ -111,6 +114,7 @@ class Entry:
     peak_bytes: int = None
     max_abs_diff: float = None
     max_abs_reference: float = None
+    agrees: bool = None
 
 
 @dataclasses.dataclass
@@ -383,6 +387,9 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
                 candidate.entry.runs_ms.append(1e3 * (time.perf_counter() - start))
     entries = [c.entry for c in candidates]
     for entry in entries:
+        if entry.max_abs_diff is not None:
+            entry.agrees = bool(entry.max_abs_diff
+                                <= TOLERANCE * max(1.0, entry.max_abs_reference))
         if entry.runs_ms:
             entry.median_ms = statistics.median(entry.runs_ms)
     _ratios(entries)
@@ -519,7 +526,8 @@ def format_table(entries):
                          _fmt(e.ratio_to_batch, ".1f"), _fmt(e.ratio_to_outer, ".2f"),
                          _fmt(e.build_seconds, ".2f"), _fmt(e.first_run_seconds, ".2f"),
                          _fmt(None if e.peak_bytes is None else e.peak_bytes / 2**20, ".2f"),
-                         "(ref)" if e.name == LOOP else _fmt(e.max_abs_diff, ".1e")))
+                         "(ref)" if e.name == LOOP else _fmt(e.max_abs_diff, ".1e")
+                         + ("" if e.agrees else " WRONG")))
         full = [r for r in rows if len(r) == len(header)]
         widths = [max(len(r[i]) for r in [header] + full) for i in range(len(header))]
 

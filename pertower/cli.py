@@ -59,7 +59,8 @@ def _add_bench_parser(commands):
                     "ratios, build s, peak memory, max |diff| against the loop) and writes "
                     "the figures as JSON. Quick by default (MLP at B=32,128, CNN at B=32, "
                     f"{DEFAULT_BENCH_REPEATS} repeats); --full runs both models at "
-                    "B=32,128,512 with more repeats.")
+                    "B=32,128,512 with more repeats. Exits with 1 if an entry fails or "
+                    "disagrees with the loop.")
     bench.add_argument("--full", action="store_true",
                        help="both models at B=32,128,512, more repeats (several minutes)")
     bench.add_argument("--models", nargs="+", choices=BENCH_MODELS, default=None,
@@ -161,6 +162,12 @@ def _run_bench(args):
             print(f"pertower bench: {error}", file=sys.stderr)
             return 1
         report(f"plot written to {args.plot}")
+    failed = [f"{e.model} B={e.batch_size} {e.name}" for e in entries
+              if e.status == "error" or e.agrees is False]
+    if failed:
+        report(f"\nFAILED: {'; '.join(failed)}: error, or result beyond the tolerance "
+               f"({bench.TOLERANCE:g} x max(1, |loop|)) from the loop's.")
+        return 1
     return 0
 
 

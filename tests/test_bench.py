@@ -68,6 +68,8 @@ def test_every_row_is_present_and_agrees_with_the_loop(smoke):
         allowed = TOLERANCE * max(1.0, e["max_abs_reference"])
         if not 0 <= e["max_abs_diff"] <= allowed:
             problems.append(f"{where}: max |diff| {e['max_abs_diff']} > {allowed}")
+        if e["agrees"] is not True:
+            problems.append(f"{where}: agrees is {e['agrees']!r}")
         if e["max_abs_reference"] <= 0:
             problems.append(f"{where}: the loop's result is all zeros, nothing was compared")
     assert not problems, "\n".join(problems)
@@ -132,6 +134,14 @@ def test_json_to_stdout_and_unknown_method(capsys):
     assert "gradients[towers]" in captured.err         # the table went to stderr
     assert cli.main(["bench", "--methods", "fastest"]) == 2
     assert "--methods fastest: unknown" in capsys.readouterr().err
+
+
+def test_exit_code_is_1_when_an_entry_disagrees(monkeypatch, capsys):
+    wrong = bench.Entry("mlp", 2, "gradients[towers]", "gradients", median_ms=1.0,
+                        runs_ms=[1.0], max_abs_diff=0.5, max_abs_reference=1.0, agrees=False)
+    monkeypatch.setattr(bench, "run_bench", lambda **kwargs: [wrong])
+    assert cli.main(["bench", "--models", "mlp", "--json", "-"]) == 1
+    assert "FAILED: mlp B=2 gradients[towers]" in capsys.readouterr().err
 
 
 def _replayed_peak(build):
