@@ -79,6 +79,7 @@ class Entry:
     Attributes:
       model: "mlp" or "cnn".
       batch_size: B.
+      parameters: P, the number of weights (entries of all of xs).
       name: the row's name ("loop", "gradients[towers]", ...).
       computes: "gradients" ([B, *x.shape] per weight), "norms" ([B]) or "sum"
         (the batch gradient, [*x.shape] per weight).
@@ -100,6 +101,7 @@ class Entry:
 
     model: str
     batch_size: int
+    parameters: int
     name: str
     computes: str
     status: str = "ok"
@@ -295,17 +297,17 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(B)
         model = _BUILDERS[model_name](B, rng)
-        result_bytes = B * sum(int(np.prod(w.shape.as_list())) * w.dtype.size
-                               for w in model.weights)         # [B, *x.shape] for all x
+        P = sum(int(np.prod(w.shape.as_list())) for w in model.weights)
+        result_bytes = 4 * B * P                      # [B, *x.shape] for all x, float32
         too_big = _too_big(2 * result_bytes, MATERIALIZED_MEMORY_SHARE,
                            f"the loop's reference holds the {B} per-example gradients")
         if too_big:
-            return [Entry(model_name, B, LOOP, "gradients", status="skipped",
+            return [Entry(model_name, B, P, LOOP, "gradients", status="skipped",
                           reason=f"all entries of {model_name} at B={B} skipped: {too_big}")]
         candidates = []
 
         def add(name, computes, build):
-            entry = Entry(model_name, B, name, computes)
+            entry = Entry(model_name, B, P, name, computes)
             candidate = _Candidate(entry)
             start = time.perf_counter()
             try:
@@ -363,7 +365,7 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
         too_big = _too_big(max(B * (batch_peak or 0), 2 * result_bytes), VMAP_MEMORY_SHARE,
                            "its backward pass holds about B x the batch gradient's peak")
         if too_big:
-            candidates.append(_Candidate(Entry(model_name, B, VMAP, "gradients",
+            candidates.append(_Candidate(Entry(model_name, B, P, VMAP, "gradients",
                                                status="skipped", reason=too_big)))
         else:
             vmap = add(VMAP, "gradients", lambda: _vectorized_map(model))
@@ -515,6 +517,7 @@ def format_table(entries):
         if (e.model, e.batch_size) not in keys:
             keys.append((e.model, e.batch_size))
     for model_name, B in keys:
+        P = next(e.parameters for e in entries if (e.model, e.batch_size) == (model_name, B))
         rows = []
         for e in entries:
             if (e.model, e.batch_size) != (model_name, B):
@@ -535,7 +538,7 @@ def format_table(entries):
             return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                              for i, (c, w) in enumerate(zip(cells, widths)))
 
-        text = [f"{model_name}, B={B}", line(header), "-" * len(line(header))]
+        text = [f"{model_name}, B={B}, P={P:,} weights", line(header), "-" * len(line(header))]
         for row in rows:
             text.append(line(row) if len(row) == len(header)
                         else row[0].ljust(widths[0]) + "  " + row[1])

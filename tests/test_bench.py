@@ -109,6 +109,7 @@ def test_memory_of_materialized_gradients_covers_their_size(smoke):
     parameters = {"mlp": 100 * 256 + 256 + 256 * 256 + 256 + 256 + 1,
                   "cnn": 5 * 5 * 16 + 16 + 32 * 32 * 16 * 128 + 128 + 128 + 1}
     for e in figures["entries"]:
+        assert e["parameters"] == parameters[e["model"]]
         if e["status"] == "ok" and e["computes"] == "gradients" and e["name"] != bench.LOOP:
             result_bytes = 4 * B * parameters[e["model"]]
             assert e["peak_bytes"] >= result_bytes, (e["model"], e["name"], e["peak_bytes"])
@@ -137,7 +138,7 @@ def test_json_to_stdout_and_unknown_method(capsys):
 
 
 def test_exit_code_is_1_when_an_entry_disagrees(monkeypatch, capsys):
-    wrong = bench.Entry("mlp", 2, "gradients[towers]", "gradients", median_ms=1.0,
+    wrong = bench.Entry("mlp", 2, 10, "gradients[towers]", "gradients", median_ms=1.0,
                         runs_ms=[1.0], max_abs_diff=0.5, max_abs_reference=1.0, agrees=False)
     monkeypatch.setattr(bench, "run_bench", lambda **kwargs: [wrong])
     assert cli.main(["bench", "--models", "mlp", "--json", "-"]) == 1
