@@ -359,7 +359,7 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
                 if too_big:
                     candidate.entry.status, candidate.entry.reason = "skipped", too_big
             _first_run(sess, candidate, model.feed, reference)
-        batch_peak = candidates[1].entry.peak_bytes
+        batch_peak = next(c.entry.peak_bytes for c in candidates if c.entry.name == BATCH)
 
         # tf.vectorized_map last: its graph is built only if its memory fits.
         too_big = _too_big(max(B * (batch_peak or 0), 2 * result_bytes), VMAP_MEMORY_SHARE,
@@ -372,21 +372,8 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
             _first_run(sess, vmap, model.feed, reference)
         report(f"  {model_name} B={B}: built and checked {len(candidates)} entries; timing")
 
-        # Timed passes, round-robin over the entries that work.
-        ready = [c for c in candidates if c.entry.status == "ok"]
-        for r in range(max(repeats, loop_repeats)):
-            for candidate in ready:
-                if candidate.loop is not None:
-                    if r >= loop_repeats:
-                        continue
-                    run = lambda c=candidate: c.loop.run(sess, model.feed, B)  # noqa: E731
-                elif r >= repeats:
-                    continue
-                else:
-                    run = lambda c=candidate: sess.run(c.fetches, model.feed)  # noqa: E731
-                start = time.perf_counter()
-                run()
-                candidate.entry.runs_ms.append(1e3 * (time.perf_counter() - start))
+        _time_round_robin(sess, [c for c in candidates if c.entry.status == "ok"],
+                          model.feed, B, repeats, loop_repeats)
     entries = [c.entry for c in candidates]
     for entry in entries:
         if entry.max_abs_diff is not None:
@@ -396,6 +383,24 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
             entry.median_ms = statistics.median(entry.runs_ms)
     _ratios(entries)
     return entries
+
+
+def _time_round_robin(sess, candidates, feed, B, repeats, loop_repeats):
+    """Times `repeats` runs of each candidate (`loop_repeats` passes of the loop), one
+    run of each in turn, so a change of load on the machine hits them alike."""
+    for r in range(max(repeats, loop_repeats)):
+        for candidate in candidates:
+            if candidate.loop is not None:
+                if r >= loop_repeats:
+                    continue
+                run = lambda c=candidate: c.loop.run(sess, feed, B)  # noqa: E731
+            elif r >= repeats:
+                continue
+            else:
+                run = lambda c=candidate: sess.run(c.fetches, feed)  # noqa: E731
+            start = time.perf_counter()
+            run()
+            candidate.entry.runs_ms.append(1e3 * (time.perf_counter() - start))
 
 
 def _first_run(sess, candidate, feed, reference):
