@@ -21,7 +21,7 @@ __all__ = ["build_parser", "main"]
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_REPEATS = 5
 DEFAULT_BENCH_REPEATS = 5
-DEFAULT_BENCH_JSON = "pertower_bench.json"
+DEFAULT_BENCH_JSON = "bench.json"
 BENCH_MODELS = ("mlp", "cnn")
 
 
