@@ -567,6 +567,22 @@ def to_json(entries, machine, settings):
     }
 
 
+_FIXED_COLORS = {LOOP: "black", BATCH: "grey", OUTER: "tab:brown", HAND_NORMS: "tab:brown",
+                 VMAP: "tab:purple"}
+_METHOD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:cyan", "tab:olive",
+                  "tab:pink")
+
+
+def _color(name):
+    """One color per reference entry; gradients[m] and norms[m] share method m's color."""
+    if name in _FIXED_COLORS:
+        return _FIXED_COLORS[name]
+    method = name[name.find("[") + 1:-1]
+    methods = list(gradients_lib.METHODS)
+    index = methods.index(method) if method in methods else len(methods)
+    return _METHOD_COLORS[index % len(_METHOD_COLORS)]
+
+
 def plot(entries, path):
     """Draws median ms and peak MiB against B, one column per model, into `path`."""
     try:
@@ -584,19 +600,17 @@ def plot(entries, path):
         mine = [e for e in entries if e.model == model_name and e.status == "ok"]
         names = list(dict.fromkeys(e.name for e in mine))
         sizes = sorted({e.batch_size for e in mine})
-        colors = plt.get_cmap("tab20").colors
         for row, (attribute, scale, label) in enumerate(
                 [("median_ms", 1.0, "median ms per pass"),
                  ("peak_bytes", 2.0 ** -20, "peak MiB of one run")]):
             ax = axes[row][column]
-            for k, name in enumerate(names):
+            for name in names:
                 points = sorted((e.batch_size, getattr(e, attribute) * scale)
                                 for e in mine if e.name == name
                                 and getattr(e, attribute) is not None)
                 style = "--" if "norms" in name else "-"  # norms dashed, gradients solid
                 if points:
-                    ax.plot(*zip(*points), style, marker="o", color=colors[k % len(colors)],
-                            label=name)
+                    ax.plot(*zip(*points), style, marker="o", color=_color(name), label=name)
             ax.set_xscale("log", base=2)
             ax.set_xticks(sizes)
             ax.set_xticklabels([str(b) for b in sizes])
