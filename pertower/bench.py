@@ -31,7 +31,6 @@ that raises NotImplementedError when built is reported as "n/a" with its message
 
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -57,8 +56,8 @@ FULL = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128, 512),
                                                   "cnn": (32, 128, 512)},
             repeats=11, loop_repeats=5)
 # tf.vectorized_map's backward pass holds about B copies of the batch's activations:
-# it is skipped when B times the batch gradient's peak exceeds this share of the
-# memory available at start.
+# it is skipped when B times the batch gradient's peak (or twice its B per-example
+# gradients) exceeds this share of the memory available when it is about to be built.
 VMAP_MEMORY_SHARE = 0.25
 # Agreement with the loop in float32: max |diff| <= TOLERANCE * max(1, max |loop|).
 TOLERANCE = 1e-4
