@@ -24,7 +24,7 @@ entry per way of computing its per-example gradients (or their norms):
 
 Each entry is built (timed: "build s"), run once (timed: "1st run s", the result is
 compared with the loop's: "max|diff|"), traced once for its peak memory
-(`pertower._memory`), then run `repeats` times round-robin with the other entries, so
+(`pertower.run_memory`), then run `repeats` times round-robin with the other entries, so
 a change of load on the machine hits every entry alike ("ms" is the median). A method
 that raises NotImplementedError when built is reported as "n/a" with its message.
 """
@@ -42,7 +42,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
-from pertower import _memory
+from pertower import run_memory
 from pertower import gradients as gradients_lib
 from pertower import oracle
 
@@ -348,7 +348,7 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
         loop.entry.max_abs_diff, loop.entry.max_abs_reference = 0.0, _max_abs(
             reference, reference)[1]
         one_example = next(oracle.slice_feeds(model.feed, None, B))
-        loop.entry.peak_bytes = _memory.traced_peak_bytes(
+        loop.entry.peak_bytes = run_memory.traced_peak_bytes(
             sess, loop.loop.gradients, one_example).peak_bytes
 
         for candidate in candidates[1:]:
@@ -413,7 +413,7 @@ def _first_run(sess, candidate, feed, reference):
         entry.first_run_seconds = time.perf_counter() - start
         entry.max_abs_diff, entry.max_abs_reference = _max_abs(
             values, _reference_for(entry.computes, reference))
-        entry.peak_bytes = _memory.traced_peak_bytes(sess, candidate.fetches, feed).peak_bytes
+        entry.peak_bytes = run_memory.traced_peak_bytes(sess, candidate.fetches, feed).peak_bytes
     except Exception as error:  # pylint: disable=broad-except
         entry.status, entry.reason = "error", _short(error)
 

@@ -1,5 +1,5 @@
 """`pertower bench` on tiny sizes: every row agrees with the loop, the JSON holds every
-figure, --plot writes a PNG; and the memory replay of `pertower._memory` on graphs
+figure, --plot writes a PNG; and the memory replay of `pertower.run_memory` on graphs
 whose peak can be worked out by hand. No timing thresholds (shared, noisy machine)."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pertower import _memory
+from pertower import run_memory
 from pertower import bench
 from pertower import cli
 from pertower.gradients import METHODS
@@ -152,7 +152,7 @@ def _replayed_peak(build):
         fetches = build(x)
         feed = {x: np.ones((8, 1000), np.float32)}
         sess.run(fetches, feed)
-        return _memory.traced_peak_bytes(sess, fetches, feed).peak_bytes
+        return run_memory.traced_peak_bytes(sess, fetches, feed).peak_bytes
 
 
 ROW_BYTES = 8 * 1000 * 4  # one [8, 1000] float32 tensor
