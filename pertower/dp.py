@@ -229,7 +229,7 @@ class DPOptimizer:
                                             batch_size=batch_size, name="clip_norms")  # [B]
         factors = tf.stop_gradient(self._clip_factors(norms))                     # [B]
         weighted = tf.reduce_sum(factors * per_example_loss)  # sum_i f_i loss_i
-        grads = tf.gradients(
+        grads = tf.compat.v1.gradients(
             weighted, var_list, gate_gradients=(gate_gradients == _GATE_OP),
             aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops,
