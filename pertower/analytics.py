@@ -120,10 +120,12 @@ def tracin_over_checkpoints(sess, scores, checkpoints, learning_rates, restore,
       learning_rates: C learning rates η_c.
       restore: a `tf.compat.v1.train.Saver` (its `restore(sess, path)` is called) or a
         callable `restore(sess, checkpoint)`.
-      feed_dict: the feeds for `scores`.
+      feed_dict: the feeds for `scores`: one dict, or a list of dicts (for example one
+        per chunk of the training set); each checkpoint is restored once and `scores`
+        run for every dict.
 
     Returns:
-      A NumPy array shaped like `scores`.
+      A NumPy array shaped like `scores` (for one dict), or a list of them, one per dict.
 
     Example:
       scores = pertower.tracin(train, test)
@@ -143,12 +145,15 @@ def tracin_over_checkpoints(sess, scores, checkpoints, learning_rates, restore,
     if not callable(restore):
         raise TypeError(f"pertower.{function_name}: `restore` must be a tf.compat.v1.train."
                         f"Saver or a callable(sess, checkpoint), not {type(restore).__name__}.")
-    total = None
+    several = isinstance(feed_dict, (list, tuple))
+    feeds = list(feed_dict) if several else [feed_dict]
+    totals = [None] * len(feeds)
     for checkpoint, rate in zip(checkpoints, learning_rates):
         restore(sess, checkpoint)
-        term = float(rate) * np.asarray(sess.run(scores, feed_dict))
-        total = term if total is None else total + term
-    return total
+        for k, feed in enumerate(feeds):
+            term = float(rate) * np.asarray(sess.run(scores, feed))
+            totals[k] = term if totals[k] is None else totals[k] + term
+    return totals if several else totals[0]
 
 
 def similarity_matrix(a, b=None, metric="cosine"):
