@@ -1,7 +1,7 @@
 """Gradient similarity between digit classes: a class-by-class heatmap of gradient cosines.
 
 Trains a small Keras 2 CNN with SGD on scikit-learn's bundled digits (no download),
-then takes balanced batches of training images (10 per class), computes every
+then takes balanced batches of training images (10 per class by default), computes every
 image's loss gradient with `pertower.per_example_gradients`, the cosine between every
 two images' gradients with `pertower.similarity_matrix`, and averages it over class
 pairs with `pertower.class_similarity` (an image is not compared with itself). Entry
@@ -36,8 +36,6 @@ import digits_common  # noqa: E402  pylint: disable=wrong-import-position
 
 tf.compat.v1.disable_eager_execution()
 
-PER_CLASS = 10                                   # images of each class per batch
-B = PER_CLASS * digits_common.NUM_CLASSES        # 100
 
 
 def parse_args(argv=None):
@@ -47,17 +45,20 @@ def parse_args(argv=None):
     parser.add_argument("--batches", type=int, default=4,
                         help="balanced batches of 100 images averaged")
     parser.add_argument("--learning-rate", type=float, default=0.1)
+    parser.add_argument("--per-class", type=int, default=10,
+                        help="images of each class per batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
-                        help="30 training steps and one batch (a smoke test)")
+                        help="30 training steps, one batch of 3 images per class "
+                             "(a smoke test)")
     return parser.parse_args(argv)
 
 
-def balanced_batches(labels, count, rng):
-    """`count` index arrays of B, PER_CLASS of each class, no image used twice."""
-    per_class = [rng.permutation(np.flatnonzero(labels == c))
-                 for c in range(digits_common.NUM_CLASSES)]
-    return [np.concatenate([idx[k * PER_CLASS:(k + 1) * PER_CLASS] for idx in per_class])
+def balanced_batches(labels, count, per_class, rng):
+    """`count` index arrays, `per_class` images of each class each, no image used twice."""
+    shuffled = [rng.permutation(np.flatnonzero(labels == c))
+                for c in range(digits_common.NUM_CLASSES)]
+    return [np.concatenate([idx[k * per_class:(k + 1) * per_class] for idx in shuffled])
             for k in range(count)]
 
 
@@ -65,6 +66,8 @@ def main(argv=None):
     args = parse_args(argv)
     x_train, y_train, x_test, y_test = digits_common.load_digits(args.seed)
     num_batches = 1 if args.quick else args.batches
+    per_class = 3 if args.quick else args.per_class
+    B = per_class * digits_common.NUM_CLASSES                                # 100
 
     with tf.Graph().as_default() as graph:
         tf.compat.v1.set_random_seed(args.seed)
@@ -93,9 +96,9 @@ def main(argv=None):
         acc = digits_common.accuracy(sess, logits, x, x_test, y_test)
         print(f"trained {steps} SGD steps, test accuracy {acc:.3f}")
 
-        # every batch holds PER_CLASS images of each class, so every class block has the
+        # every batch holds per_class images of each class, so every class block has the
         # same number of pairs in every batch and the mean of the means is the mean
-        batch_indices = balanced_batches(y_train, num_batches, rng)
+        batch_indices = balanced_batches(y_train, num_batches, per_class, rng)
         matrices, first_cosines = [], None
         for index in batch_indices:
             feed = {x: x_train[index], y: y_train[index]}
@@ -105,7 +108,7 @@ def main(argv=None):
         heat = np.mean(matrices, axis=0)                                      # [10, 10]
 
         # check: the cosines of 6 images (two per class of 0, 1, 2) against the loop
-        picks = np.concatenate([np.arange(c * PER_CLASS, c * PER_CLASS + 2) for c in range(3)])
+        picks = np.concatenate([np.arange(c * per_class, c * per_class + 2) for c in range(3)])
         index = batch_indices[0][picks]
         loop = oracle.loop_per_example_gradients(sess, loss, weights,
                                                  {x: x_train[index], y: y_train[index]})

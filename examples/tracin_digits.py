@@ -40,7 +40,6 @@ import digits_common  # noqa: E402  pylint: disable=wrong-import-position
 
 tf.compat.v1.disable_eager_execution()
 
-CHUNK = 100            # training images per per-example-gradient run
 TEST_DIGITS = (1, 3, 7, 8)
 TOP = 4                # proponents and opponents shown per test digit
 
@@ -51,9 +50,12 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--batch-size", type=int, default=50)
+    parser.add_argument("--chunk", type=int, default=100,
+                        help="training images per per-example-gradient run (divides 1500)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
-                        help="2 short checkpoints and 300 training images (a smoke test)")
+                        help="2 short checkpoints, 100 training images in chunks of 50 "
+                             "(a smoke test)")
     return parser.parse_args(argv)
 
 
@@ -62,7 +64,10 @@ def main(argv=None):
     x_train, y_train, x_test, y_test = digits_common.load_digits(args.seed)
     # the first test image of each chosen digit
     test_index = np.array([np.flatnonzero(y_test == d)[0] for d in TEST_DIGITS])
-    n_scored = 3 * CHUNK if args.quick else len(y_train)
+    chunk = 50 if args.quick else args.chunk
+    if len(y_train) % chunk:
+        raise SystemExit(f"--chunk {chunk} must divide the {len(y_train)} training images")
+    n_scored = 2 * chunk if args.quick else len(y_train)
 
     with tf.Graph().as_default() as graph:
         tf.compat.v1.set_random_seed(args.seed)
@@ -78,10 +83,10 @@ def main(argv=None):
         train_op = tf.compat.v1.train.GradientDescentOptimizer(args.learning_rate).minimize(
             tf.reduce_mean(loss), var_list=weights)
         # per-example gradients of a chunk of training images and of the test images
-        train_grads = pertower.per_example_gradients(loss, weights, batch_size=CHUNK)
+        train_grads = pertower.per_example_gradients(loss, weights, batch_size=chunk)
         test_grads = pertower.per_example_gradients(test_loss, weights,
                                                     batch_size=len(TEST_DIGITS))
-        scores = pertower.tracin(train_grads, test_grads)                   # [CHUNK, T]
+        scores = pertower.tracin(train_grads, test_grads)                   # [chunk, T]
         saver = tf.compat.v1.train.Saver(weights, max_to_keep=None)
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -105,8 +110,8 @@ def main(argv=None):
 
         # TracIn over all checkpoints, one feed per chunk of training images
         test_feed = {x_t: x_test[test_index], y_t: y_test[test_index]}
-        feeds = [{x: x_train[s:s + CHUNK], y: y_train[s:s + CHUNK], **test_feed}
-                 for s in range(0, n_scored, CHUNK)]
+        feeds = [{x: x_train[s:s + chunk], y: y_train[s:s + chunk], **test_feed}
+                 for s in range(0, n_scored, chunk)]
         rates = [args.learning_rate] * len(checkpoints)
         influence = np.concatenate(pertower.tracin_over_checkpoints(
             sess, scores, checkpoints, rates, saver, feeds))                 # [N, T]

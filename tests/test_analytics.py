@@ -107,9 +107,17 @@ def test_tracin_over_saved_checkpoints(setup, tmp_path):
         scores = pertower.tracin(model.grads_a, model.grads_b)
         got = pertower.tracin_over_checkpoints(sess, scores, paths, [0.2, 0.1], saver,
                                                {**feed_a, **feed_b})
+        # a list of feeds: each checkpoint restored once, one result per feed
+        restored = []
+        listed = pertower.tracin_over_checkpoints(
+            sess, scores, paths, [0.2, 0.1],
+            lambda s, path: (restored.append(path), saver.restore(s, path)),
+            [{**feed_a, **feed_b}, {**feed_a, **feed_b}])
         for v, value in zip(model.xs, original):
             v.load(value, sess)
-    common.assert_all_close([got], [wants[0] + wants[1]], RTOL, ATOL, "tracin checkpoints")
+    common.assert_all_close([got] + listed, [wants[0] + wants[1]] * 3, RTOL, ATOL,
+                            "tracin checkpoints")
+    assert restored == paths
 
 
 def test_similarity_matrices(setup):
