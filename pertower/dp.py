@@ -24,10 +24,14 @@ n_i from `per_example_norms` and the factors f_i = C / max(n_i, C) held constant
 
 one more batched backward pass (gradients are linear in the loss; the examples of a
 batch must not interact, as everywhere in pertower). Microbatches (M < B) use
-`microbatch_gradients`, whose result is [M, *x.shape].
+`microbatch_gradients`, whose result is [M, *x.shape]. A loss that depends on a
+stateful random op (dropout in training mode) takes that path with M = B as well:
+the reweighted pass would draw other random numbers than the norms were computed
+with, and the clipped gradients could exceed C.
 """
 
 import numbers
+import warnings
 
 import tensorflow as tf
 
@@ -54,6 +58,20 @@ def _real_number(value, argument, positive):
         raise ValueError(f"pertower.DPOptimizer: `{argument}` must be {wanted}, but received "
                          f"{value!r}.")
     return value
+
+
+def _random_ancestor(tensor):
+    """A stateful random op `tensor` depends on through data edges, or None."""
+    seen, stack = set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.op_def is not None and op.op_def.is_stateful and "Random" in op.type:
+            return op
+        stack.extend(t.op for t in op.inputs)
+    return None
 
 
 class DPOptimizer:
@@ -189,7 +207,16 @@ class DPOptimizer:
             # [B, ...] -> [B]: an example's loss is the mean of its entries
             per_example_loss = loss if loss.shape.rank == 1 else tf.reduce_mean(
                 tf.reshape(loss, tf.stack([tf.shape(loss)[0], -1])), axis=1)
-            if M is None or (B is not None and M == B):
+            random_op = _random_ancestor(per_example_loss)
+            if random_op is not None:
+                # norms from the towers' draws would not bound the gradient of another
+                # draw: clip the towers' own gradients instead ([B, *x.shape] each)
+                warnings.warn(
+                    f"pertower.{function_name}: the loss depends on the random op "
+                    f"{random_op.name!r} ({random_op.type}), e.g. dropout in training mode; "
+                    "each example's gradient is materialized and clipped (its own draw), "
+                    "not computed by the cheaper norms-then-reweight pass.", stacklevel=2)
+            if random_op is None and (M is None or (B is not None and M == B)):
                 clipped_sum, count = self._clipped_sum_per_example(
                     per_example_loss, var_list, batch, batch_size, gate_gradients,
                     aggregation_method, colocate_gradients_with_ops)
@@ -240,18 +267,22 @@ class DPOptimizer:
         return grads, tf.shape(per_example_loss)[0]
 
     def _clipped_sum_microbatches(self, per_example_loss, var_list, batch, batch_size, M):
-        """sum_m clip(g_m) with g_m the gradient of microbatch m's mean loss; and M."""
+        """sum_m clip(g_m) with g_m the gradient of microbatch m's mean loss; and M
+        (M None: one microbatch per example)."""
         sums = gradients_lib.microbatch_gradients(
             per_example_loss, var_list, batch=batch, num_microbatches=M,
             batch_size=batch_size, name="microbatch_gradients")  # [M, *x.shape] each
-        # gradient of the microbatch mean = gradient of its sum / (B/M); B/M counted on
-        # the outer loss (not replayed by the towers)
-        per_microbatch = tf.shape(per_example_loss)[0] // M
-        means = [g / tf.cast(per_microbatch, g.dtype) for g in sums]  # [M, *x.shape]
+        if M is None:
+            means, count = sums, tf.shape(per_example_loss)[0]
+        else:
+            # gradient of the microbatch mean = gradient of its sum / (B/M); B/M counted
+            # on the outer loss (not replayed by the towers)
+            per_microbatch = tf.shape(per_example_loss)[0] // M
+            means, count = [g / tf.cast(per_microbatch, g.dtype) for g in sums], M
         factors = self._clip_factors(reductions.global_norms(means))    # [M]
         # [M] x [M, *x.shape] -> [*x.shape]
         clipped_sum = [tf.tensordot(factors, g, axes=1) for g in means]
-        return clipped_sum, M
+        return clipped_sum, count
 
     def _add_noise(self, gradients):
         """g + N(0, (σ C)^2) per entry, from one draw over all weights (so that one

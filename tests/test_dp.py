@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import tensorflow as tf
+import tf_keras as keras
 
 import pertower
 from pertower import oracle
@@ -117,6 +118,32 @@ def test_default_var_list_is_the_trainable_variables():
     assert {v.name for v in variables} == {v.name for v in case.xs}
     order = [case.xs.index(v) for v in variables]
     common.assert_all_close(got, [want[k] for k in order], 1e-5, 1e-6, "default var_list")
+
+
+def test_random_ops_clip_each_example_s_own_draw():
+    # dropout in training mode: the norms-then-reweight pass would clip one draw with the
+    # norm of another; DPOptimizer clips the towers' own gradients instead
+    with tf.Graph().as_default() as graph:
+        tf.compat.v1.set_random_seed(9)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5])
+        hidden = keras.layers.Dense(16, activation="relu")
+        head = keras.layers.Dense(1)
+        out = head(keras.layers.Dropout(0.5)(hidden(x), training=True))     # [B, 1]
+        loss = tf.reduce_sum(out ** 2, axis=1)                               # [B]
+        weights = hidden.trainable_weights + head.trainable_weights
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                  l2_norm_clip=1e-3, noise_multiplier=0.0)
+        with pytest.warns(UserWarning, match="depends on the random op"):
+            grads = [g for g, _ in dp.compute_gradients(loss, weights, batch_size=8)]
+        norm = tf.linalg.global_norm(grads)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(0).randn(8, 5).astype(np.float32) * 10}
+            norms = [sess.run(norm, feed) for _ in range(10)]
+    # every example's gradient is far above the clip, so each contributes norm 1e-3 and
+    # the average has norm <= 1e-3 (equal only when all point the same way)
+    assert max(norms) <= 1e-3 * (1 + 1e-5), norms
+    assert min(norms) > 1e-4 and len(set(norms)) > 1, norms
 
 
 @pytest.fixture(scope="module")
