@@ -27,6 +27,13 @@ def load_digits(seed=0):
     return images[train], labels[train], images[test], labels[test]
 
 
+def seed_graph(seed):
+    """Makes the current graph's random ops (Keras initializers, dropout, the DP noise)
+    repeatable: Keras 2 initializers ignore the graph-level seed alone, so this also
+    seeds Python and NumPy via `keras.utils.set_random_seed`. Call inside the graph."""
+    keras.utils.set_random_seed(seed)
+
+
 def build_cnn():
     """Conv2D(8, 3, relu) -> MaxPool(2) -> Flatten -> Dense(32, relu) -> Dense(10)."""
     return keras.Sequential([

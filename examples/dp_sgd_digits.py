@@ -50,7 +50,7 @@ def train(args, data, private):
     """Trains one CNN; returns (test accuracy, steps, median step seconds)."""
     x_train, y_train, x_test, y_test = data
     with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(args.seed)        # the same initial weights both runs
+        digits_common.seed_graph(args.seed)        # the same initial weights both runs
         x = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 1], name="images")
         y = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
         model = digits_common.build_cnn()

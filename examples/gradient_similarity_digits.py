@@ -70,7 +70,7 @@ def main(argv=None):
     B = per_class * digits_common.NUM_CLASSES                                # 100
 
     with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(args.seed)
+        digits_common.seed_graph(args.seed)
         x = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 1], name="images")
         y = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
         model = digits_common.build_cnn()

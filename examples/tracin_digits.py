@@ -70,7 +70,7 @@ def main(argv=None):
     n_scored = 2 * chunk if args.quick else len(y_train)
 
     with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(args.seed)
+        digits_common.seed_graph(args.seed)
         x = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 1], name="train_images")
         y = tf.compat.v1.placeholder(tf.int32, [None], name="train_labels")
         x_t = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 1], name="test_images")
