@@ -206,7 +206,7 @@ class DPOptimizer:
         with tf.name_scope("dp_compute_gradients"):
             # [B, ...] -> [B]: an example's loss is the mean of its entries
             per_example_loss = loss if loss.shape.rank == 1 else tf.reduce_mean(
-                tf.reshape(loss, tf.stack([tf.shape(loss)[0], -1])), axis=1)
+                loss, axis=list(range(1, loss.shape.rank)))
             random_op = _random_ancestor(per_example_loss)
             if random_op is not None:
                 # norms from the towers' draws would not bound the gradient of another

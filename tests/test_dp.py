@@ -88,6 +88,23 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
     assert not np.allclose(case.sess.run(case.ys, case.feed), ys_before)
 
 
+@pytest.mark.parametrize("num_microbatches", [None, 2])
+def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_microbatches):
+    case = common.build_mlp(B=6)
+    with case.graph.as_default():
+        loss = case.outputs ** 2                                          # [B, 3]
+        M = case.B if num_microbatches is None else num_microbatches
+        sums = oracle.loop_microbatch_gradients(case.sess, loss, case.xs, case.feed, M)
+        # the mean over a microbatch's B/M examples and their 3 entries each
+        want, norms = _clip_reference([g / (case.B // M * 3) for g in sums], 0.05)
+        assert (norms > 0.05).any()
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 0.05, 0.0,
+                                  num_microbatches=num_microbatches)
+        got = case.sess.run([g for g, _ in dp.compute_gradients(loss, case.xs, batch_size=6)],
+                            case.feed)
+    common.assert_all_close(got, want, 1e-5, 1e-7, "[B, 3] loss")
+
+
 def test_minimize_with_sparse_embedding_gradients_and_global_step():
     case = common.build_embedding(B=4)
     with case.graph.as_default():
