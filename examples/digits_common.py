@@ -17,7 +17,8 @@ TRAIN_SIZE = 1500  # the other 297 images are the test set
 def load_digits(seed=0):
     """(x_train [1500, 8, 8, 1], y_train [1500], x_test [297, 8, 8, 1], y_test [297]):
     images scaled to [0, 1], a fixed random split."""
-    from sklearn.datasets import load_digits as sklearn_digits  # pylint: disable=import-outside-toplevel
+    # scikit-learn is an optional extra: imported only here
+    from sklearn.datasets import load_digits as sklearn_digits  # pylint: disable=C0415
 
     digits = sklearn_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]  # [1797, 8, 8] -> [.., 1]

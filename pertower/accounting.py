@@ -8,9 +8,10 @@ Each DP-SGD step releases a Gaussian mechanism of noise multiplier σ on a batch
 which every example takes part with probability q (Poisson subsampling). The Rényi
 DP accountant (Mironov 2017, "Rényi Differential Privacy", arXiv 1702.07476; the
 subsampled Gaussian of Mironov, Talwar and Zhang 2019, arXiv 1908.10530) composes T
-such steps and converts the result to (ε, δ)-DP. This is what TensorFlow Privacy's
-`compute_dp_sgd_privacy` does; batches drawn by shuffling rather than Poisson
-sampling make the figure an approximation, as there.
+such steps and converts the result to (ε, δ)-DP, the same events TensorFlow
+Privacy's `compute_dp_sgd_privacy` composes (with dp_accounting's default RDP orders
+here). Batches drawn by shuffling rather than Poisson sampling make the figure an
+approximation, as there.
 """
 
 import math

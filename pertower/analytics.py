@@ -27,8 +27,8 @@ __all__ = ["tracin", "tracin_over_checkpoints", "similarity_matrix", "class_simi
 
 def _per_example_tensors(gradient, argument, function_name):
     """The per-example gradient's tensors, checked (reductions' checks), [B, ...] each."""
-    return reductions._tensors(gradient, argument, function_name,  # pylint: disable=protected-access
-                               per_example=True)
+    # pylint: disable-next=protected-access
+    return reductions._tensors(gradient, argument, function_name, per_example=True)
 
 
 def _batch_count(tensors, dtype):
