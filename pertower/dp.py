@@ -194,9 +194,9 @@ class DPOptimizer:
                 "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
                 "reduction='none'), not its mean.")
         var_list = self._variables(var_list, function_name)
-        B = batch_size if batch_size is not None else _checks.static_batch_size(loss)
-        if batch_size is not None:
-            B = _checks.positive_int(batch_size, "batch_size", function_name)
+        # B when known now (the towers check it against the fed batch at run time)
+        B = (_checks.static_batch_size(loss) if batch_size is None else
+             _checks.positive_int(batch_size, "batch_size", function_name))
         M = self._num_microbatches
         if M is not None and B is not None and B % M:
             raise ValueError(
