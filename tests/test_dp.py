@@ -105,6 +105,23 @@ def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_mic
     common.assert_all_close(got, want, 1e-5, 1e-7, "[B, 3] loss")
 
 
+@pytest.mark.parametrize("builder", ["static_mlp", "shared_layer", "cnn", "mlp_float64"])
+def test_noiseless_dp_gradient_on_other_models(builder):
+    case = common.BUILDERS[builder]()
+    with case.graph.as_default():
+        ys, _, feed = case.oracle()
+        per_example = oracle.loop_per_example_gradients(case.sess, ys, case.xs, feed)
+        norms = np.sqrt(sum(np.sum(g.reshape(case.B, -1) ** 2, axis=1) for g in per_example))
+        clip = float(np.median(norms))
+        want, _ = _clip_reference(per_example, clip)
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), clip, 0.0)
+        # a static batch axis needs no batch_size
+        batch_size = None if builder == "static_mlp" else case.B
+        grads = [g for g, _ in dp.compute_gradients(case.ys, case.xs, batch_size=batch_size)]
+        got = case.sess.run(grads, case.feed)
+    common.assert_all_close(got, want, case.rtol, case.atol, f"{builder} DP gradient")
+
+
 def test_minimize_with_sparse_embedding_gradients_and_global_step():
     case = common.build_embedding(B=4)
     with case.graph.as_default():
