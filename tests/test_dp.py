@@ -357,3 +357,11 @@ def test_compute_epsilon_rejects_bad_arguments(kwargs, message):
     arguments.update(kwargs)
     with pytest.raises(ValueError, match=message):
         pertower.compute_epsilon(**arguments)
+
+
+def test_public_names_are_exported():
+    names = {"DPOptimizer", "compute_epsilon", "tracin", "tracin_over_checkpoints",
+             "similarity_matrix", "class_similarity", "fisher_diagonal", "gradient_variance",
+             "NoiseScale", "gradient_noise_scale", "empirical_ntk"}
+    assert names <= set(pertower.__all__)
+    assert all(hasattr(pertower, name) for name in names)
