@@ -7,11 +7,25 @@ Public surface:
     check_independence, estimate_memory
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
+    DPOptimizer, compute_epsilon
+    tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
+    fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
 
 `pertower.oracle` holds the slow, obviously correct one-example loop that the tests,
 examples and demo compare with.
 """
 
+from pertower.accounting import compute_epsilon
+from pertower.analytics import NoiseScale
+from pertower.analytics import class_similarity
+from pertower.analytics import empirical_ntk
+from pertower.analytics import fisher_diagonal
+from pertower.analytics import gradient_noise_scale
+from pertower.analytics import gradient_variance
+from pertower.analytics import similarity_matrix
+from pertower.analytics import tracin
+from pertower.analytics import tracin_over_checkpoints
+from pertower.dp import DPOptimizer
 from pertower.gradients import microbatch_gradients
 from pertower.gradients import per_example_gradients
 from pertower.gradients import per_example_jacobians
@@ -46,4 +60,15 @@ __all__ = [
     "global_norms",
     "pairwise_dot",
     "pairwise_cosine",
+    "DPOptimizer",
+    "compute_epsilon",
+    "tracin",
+    "tracin_over_checkpoints",
+    "similarity_matrix",
+    "class_similarity",
+    "fisher_diagonal",
+    "gradient_variance",
+    "NoiseScale",
+    "gradient_noise_scale",
+    "empirical_ntk",
 ]

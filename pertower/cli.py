@@ -1,14 +1,18 @@
 """The `pertower` console command.
 
     pertower demo [--batch-size B] [--repeats R]
+    pertower bench [--full] [--models M ...] [--batch-sizes B ...] [--methods M ...]
+                   [--repeats R] [--loop-repeats R] [--json FILE|-] [--plot FILE.png]
 
 `demo` runs the three scenarios of SCENARIOS.md on built-in models and compares each
-with the one-example loop of `pertower.oracle`, with timings. TensorFlow is imported
+with the one-example loop of `pertower.oracle`, with timings. `bench` times every way
+of computing per-example gradients side by side (see `pertower.bench`). TensorFlow is imported
 only inside a command, after the environment it reads has been set up, so parsing
 arguments (and `--help`) stays cheap for later subcommands.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -16,10 +20,13 @@ __all__ = ["build_parser", "main"]
 
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_REPEATS = 5
+DEFAULT_BENCH_REPEATS = 5
+DEFAULT_BENCH_JSON = "bench.json"
+BENCH_MODELS = ("mlp", "cnn")
 
 
 def build_parser():
-    """The argument parser: one subparser per command (only `demo` for now)."""
+    """The argument parser: one subparser per command (`demo`, `bench`)."""
     parser = argparse.ArgumentParser(
         prog="pertower",
         description="Per-example gradients for TensorFlow graph mode, with weight-copy "
@@ -36,7 +43,42 @@ def build_parser():
                       metavar="R", help="timed runs after a warm-up; the median is shown "
                                         f"(default {DEFAULT_REPEATS})")
     demo.set_defaults(run=_run_demo)
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands):
+    """The `bench` subcommand's options; None defaults are filled by --full or quick."""
+    bench = commands.add_parser(
+        "bench", help="time every per-example gradient method side by side",
+        description="Times, in one process and side by side, every pertower method "
+                    "(per_example_gradients and per_example_norms), the one-example "
+                    "sess.run loop, tf.vectorized_map with tf.gradients inside, one batch "
+                    "gradient and (MLP) outer products written by hand, on an MLP "
+                    "100-256-256-1 and the scenario-3 CNN. Prints a table (median ms, "
+                    "ratios, build s, peak memory, max |diff| against the loop) and writes "
+                    "the figures as JSON. Quick by default (MLP at B=32,128, CNN at B=32, "
+                    f"{DEFAULT_BENCH_REPEATS} repeats); --full runs both models at "
+                    "B=32,128,512 with more repeats. Exits with 1 if an entry fails or "
+                    "disagrees with the loop.")
+    bench.add_argument("--full", action="store_true",
+                       help="both models at B=32,128,512, more repeats (several minutes)")
+    bench.add_argument("--models", nargs="+", choices=BENCH_MODELS, default=None,
+                       metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)}")
+    bench.add_argument("--batch-sizes", nargs="+", type=_positive_int, default=None,
+                       metavar="B", help="batch sizes for every model selected")
+    bench.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                       help="pertower methods to run (default: every method)")
+    bench.add_argument("--repeats", type=_positive_int, default=None, metavar="R",
+                       help="timed sess.run per entry after a warm-up; the median is shown")
+    bench.add_argument("--loop-repeats", type=_positive_int, default=None, metavar="R",
+                       help="timed passes of the one-example loop (B sess.run each)")
+    bench.add_argument("--json", default=DEFAULT_BENCH_JSON, metavar="FILE",
+                       help=f"where to write the figures (default {DEFAULT_BENCH_JSON}); "
+                            "'-' writes JSON to stdout and the table to stderr")
+    bench.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="also draw the figures with matplotlib into this PNG")
+    bench.set_defaults(run=_run_bench)
 
 
 def main(argv=None):
@@ -61,6 +103,71 @@ def _run_demo(args):
         print(f"\nFAILED: {', '.join(failed)} disagree(s) with the one-example loop.")
         return 1
     print("\nAll scenarios match the one-example loop.")
+    return 0
+
+
+def _run_bench(args):
+    """`pertower bench`: measures, prints the table, writes JSON (and a plot)."""
+    tf = _graph_mode_tensorflow()
+    from pertower import bench  # pylint: disable=import-outside-toplevel
+    from pertower import gradients  # pylint: disable=import-outside-toplevel
+
+    methods = args.methods or list(gradients.METHODS)
+    unknown = [m for m in methods if m not in gradients.METHODS]
+    if unknown:
+        print(f"pertower bench: --methods {' '.join(unknown)}: unknown; choose from "
+              f"{', '.join(gradients.METHODS)}.", file=sys.stderr)
+        return 2
+    preset = bench.FULL if args.full else bench.QUICK
+    models = args.models or preset["models"]
+    batch_sizes = args.batch_sizes or preset["batch_sizes"]
+    repeats = args.repeats or preset["repeats"]
+    loop_repeats = args.loop_repeats or preset["loop_repeats"]
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def report(line):
+        print(line, file=out, flush=True)
+
+    machine = bench.machine_info()
+    settings = {"mode": "full" if args.full else "quick", "models": list(models),
+                "batch_sizes": batch_sizes if isinstance(batch_sizes, dict)
+                else {m: list(batch_sizes) for m in models},
+                "methods": list(methods), "repeats": repeats, "loop_repeats": loop_repeats}
+    report(f"pertower bench ({settings['mode']}): TensorFlow {tf.__version__}, "
+           f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), load "
+           f"{machine['load_average_1_5_15']}, {machine['date_utc']}")
+    report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
+           "after a warm-up, round-robin\n")
+    entries = bench.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
+                              repeats=repeats, loop_repeats=loop_repeats, report=report)
+    report("")
+    report(bench.format_table(entries))
+    report("\nms: median per pass (loop: B sess.run); x loop / x batch / x outer: ms "
+           "divided by the loop's / batch gradient's / hand outer products' ms.")
+    report("max|diff|: against the loop's per-example gradients (norms: their norms; "
+           "batch gradient: their sum).")
+    report(bench.MEMORY_FOOTNOTE)
+    figures = bench.to_json(entries, machine, settings)
+    if args.json == "-":
+        json.dump(figures, sys.stdout, indent=1)
+        print()
+    else:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=1)
+        report(f"\nfigures written to {args.json}")
+    if args.plot:
+        try:
+            bench.plot(entries, args.plot)
+        except RuntimeError as error:
+            print(f"pertower bench: {error}", file=sys.stderr)
+            return 1
+        report(f"plot written to {args.plot}")
+    failed = [f"{e.model} B={e.batch_size} {e.name}" for e in entries
+              if e.status == "error" or e.agrees is False]
+    if failed:
+        report(f"\nFAILED: {'; '.join(failed)}: error, or result beyond the tolerance "
+               f"({bench.TOLERANCE:g} x max(1, |loop|)) from the loop's.")
+        return 1
     return 0
 
 

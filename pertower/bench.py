@@ -1,0 +1,639 @@
+"""`pertower bench`: every way to get per-example gradients, side by side, in one process.
+
+Notation:
+    B   examples in the batch       P   weights (parameters) of the model
+    x   one weight                  [B, *x.shape] one gradient of x per example
+    A   a dense layer's input [B, i]    dZ the gradient at its pre-activation [B, j]
+
+For each model and batch size B, one graph and one session hold the model and one
+entry per way of computing its per-example gradients (or their norms):
+
+    loop              one `sess.run` of tf.gradients per example (pertower.oracle
+                      SliceLoop): the reference every other result is compared with
+    batch gradient    tf.gradients(tf.reduce_sum(ys), xs): one backward pass, the floor
+    outer products    (MLP) dense kernel gradient of example i = a_i ⊗ dz_i, bias = dz_i,
+                      written by hand from one batched tf.gradients w.r.t. the
+                      pre-activations (Goodfellow 2015, arXiv 1510.01799): the
+                      practical limit
+    norms by hand     (MLP) ||grad_i||^2 = sum over layers ||a_i||^2 ||dz_i||^2 + ||dz_i||^2
+    vectorized_map    tf.vectorized_map over the per-example losses of a function that
+                      calls tf.gradients, as TensorFlow Privacy's vectorized DP
+                      optimizers do
+    gradients[m]      pertower.per_example_gradients(..., method=m), m in METHODS
+    norms[m]          pertower.per_example_norms(..., method=m)
+
+Each entry is built (timed: "build s"), run once (timed: "1st run s", the result is
+compared with the loop's: "max|diff|"), traced once for its peak memory
+(`pertower.run_memory`), then run `repeats` times round-robin with the other entries, so
+a change of load on the machine hits every entry alike ("ms" is the median). A method
+that raises NotImplementedError when built is reported as "n/a" with its message.
+"""
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import run_memory
+from pertower import gradients as gradients_lib
+from pertower import oracle
+
+__all__ = ["Entry", "MODELS", "run_bench", "format_table", "machine_info", "to_json",
+           "plot", "main"]
+
+MODELS = ("mlp", "cnn")
+QUICK = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128), "cnn": (32,)},
+             repeats=5, loop_repeats=3)
+FULL = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128, 512),
+                                                  "cnn": (32, 128, 512)},
+            repeats=11, loop_repeats=5)
+# tf.vectorized_map's backward pass holds about B copies of the batch's activations:
+# it is skipped when B times the batch gradient's peak (or twice its B per-example
+# gradients) exceeds this share of the memory available when it is about to be built.
+VMAP_MEMORY_SHARE = 0.25
+# Agreement with the loop in float32: max |diff| <= TOLERANCE * max(1, max |loop|).
+TOLERANCE = 1e-4
+# Entries that hold the B per-example gradients (B x P x 4 bytes; towers hold them
+# twice) are skipped when twice that exceeds this share of the memory available when
+# they are about to run; a whole (model, B) is skipped when the loop's reference
+# (stacked from B rows: twice) does not fit in it.
+MATERIALIZED_MEMORY_SHARE = 0.3
+
+LOOP, BATCH, OUTER, HAND_NORMS, VMAP = ("loop", "batch gradient", "outer products",
+                                       "norms by hand", "vectorized_map")
+
+
+@dataclasses.dataclass
+class Entry:
+    """One row of the table: one way of computing one model's results at one B.
+
+    Attributes:
+      model: "mlp" or "cnn".
+      batch_size: B.
+      parameters: P, the number of weights (entries of all of xs).
+      name: the row's name ("loop", "gradients[towers]", ...).
+      computes: "gradients" ([B, *x.shape] per weight), "norms" ([B]) or "sum"
+        (the batch gradient, [*x.shape] per weight).
+      status: "ok", "n/a" (the method is not available), "skipped" or "error".
+      reason: why the row is not "ok" (empty when it is).
+      median_ms: median milliseconds of one pass (one sess.run; the loop: B of them).
+      runs_ms: every timed pass, milliseconds.
+      ratio_to_loop: median_ms / the loop's median_ms.
+      ratio_to_batch: median_ms / the batch gradient's median_ms.
+      ratio_to_outer: median_ms / the hand outer products' median_ms (MLP only).
+      build_seconds: graph construction time of the entry's tensors.
+      first_run_seconds: the first sess.run (includes Grappler's optimization).
+      peak_bytes: peak memory of one traced sess.run (the loop: of one example's run).
+      max_abs_diff: max |result - the loop's result| over all entries (norms: against
+        the norms of the loop's gradients; the batch gradient: against their sum).
+      max_abs_reference: max |the loop's result| over the same entries (its scale).
+      agrees: max_abs_diff <= TOLERANCE * max(1, max_abs_reference) (None unless run).
+    """
+
+    model: str
+    batch_size: int
+    parameters: int
+    name: str
+    computes: str
+    status: str = "ok"
+    reason: str = ""
+    median_ms: float = None
+    runs_ms: list = dataclasses.field(default_factory=list)
+    ratio_to_loop: float = None
+    ratio_to_batch: float = None
+    ratio_to_outer: float = None
+    build_seconds: float = None
+    first_run_seconds: float = None
+    peak_bytes: int = None
+    max_abs_diff: float = None
+    max_abs_reference: float = None
+    agrees: bool = None
+
+
+@dataclasses.dataclass
+class _Model:
+    """A model's per-example values and what the entries need from it."""
+
+    name: str
+    description: str
+    ys: tf.Tensor          # [B, 1] per-example cost
+    weights: list          # the weights, in model order
+    feed: dict             # placeholder -> [B, ...] values
+    dense_taps: list = None  # (A [B, i], Z [B, j], kernel, bias) per Dense, MLP only
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """An entry being measured: its row and what to run."""
+
+    entry: Entry
+    fetches: list = None   # tensors run on the whole batch
+    loop: oracle.SliceLoop = None  # the loop instead of fetches
+
+
+# Models ------------------------------------------------------------------------------
+
+
+def _build_mlp(B, rng):
+    """MLP 100-256-256-1 (ReLU), cost (net(x) - y) ** 2, [B, 1]; each Dense is applied
+    without activation so its pre-activation Z is a tensor the hand-written entries use."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 100], name="x")
+    y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+    layers = [keras.layers.Dense(256), keras.layers.Dense(256), keras.layers.Dense(1)]
+    A, taps = x, []
+    for k, layer in enumerate(layers):
+        Z = layer(A)                                        # [B, j]
+        taps.append((A, Z, layer.kernel, layer.bias))
+        A = tf.nn.relu(Z) if k + 1 < len(layers) else Z
+    cost = (A - y) ** 2                                     # [B, 1]
+    weights = [w for layer in layers for w in (layer.kernel, layer.bias)]
+    feed = {x: rng.normal(size=(B, 100)).astype(np.float32),
+            y: rng.normal(size=(B, 1)).astype(np.float32)}
+    return _Model("mlp", "MLP 100-256-256-1 (ReLU), cost (net(x) - y)**2", cost, weights,
+                  feed, taps)
+
+
+def _build_cnn(B, rng):
+    """Scenario 3: Conv2D(16, 5, same, elu) -> Flatten -> Dense(128, relu) -> Dense(1) on
+    32x32x1 images, cost (model(x) - t) ** 2, [B, 1]."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="images")
+    t = tf.compat.v1.placeholder(tf.float32, [None, 1], name="targets")
+    model = keras.Sequential([
+        keras.layers.Conv2D(16, 5, padding="same", activation="elu", input_shape=(32, 32, 1)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+    cost = (model(x) - t) ** 2                              # [B, 1]
+    feed = {x: rng.normal(size=(B, 32, 32, 1)).astype(np.float32),
+            t: rng.normal(size=(B, 1)).astype(np.float32)}
+    return _Model("cnn", "CNN Conv2D(16,5,same,elu)-Flatten-Dense(128,relu)-Dense(1) on "
+                  "32x32x1, cost (model(x) - t)**2", cost, list(model.trainable_weights), feed)
+
+
+_BUILDERS = {"mlp": _build_mlp, "cnn": _build_cnn}
+
+
+# The entries' graphs -------------------------------------------------------------------
+
+
+def _dense(grads, xs):
+    """tf.gradients output with None as zeros and IndexedSlices made dense."""
+    return [tf.zeros_like(x) if g is None else tf.convert_to_tensor(g)
+            for g, x in zip(grads, xs)]
+
+
+def _batch_gradient(model):
+    return _dense(tf.gradients(tf.reduce_sum(model.ys), model.weights), model.weights)
+
+
+def _outer_products(model):
+    """[B, *x.shape] per weight from one batched backward pass to the pre-activations:
+    kernel: einsum('bi,bj->bij', A, dZ), bias: dZ (Goodfellow 2015)."""
+    taps = model.dense_taps
+    dZs = tf.gradients(tf.reduce_sum(model.ys), [Z for _, Z, _, _ in taps])  # [B, j] each
+    grads = {}
+    for (A, _, kernel, bias), dZ in zip(taps, dZs):
+        grads[kernel.ref()] = tf.einsum("bi,bj->bij", A, dZ)  # [B, i, j]
+        grads[bias.ref()] = dZ                                 # [B, j]
+    return [grads[w.ref()] for w in model.weights]
+
+
+def _norms_by_hand(model):
+    """[B]: sqrt(sum over dense layers of ||a_i||^2 ||dz_i||^2 + ||dz_i||^2)."""
+    taps = model.dense_taps
+    dZs = tf.gradients(tf.reduce_sum(model.ys), [Z for _, Z, _, _ in taps])  # [B, j] each
+    squares = []
+    for (A, _, _, _), dZ in zip(taps, dZs):
+        dz2 = tf.reduce_sum(tf.square(dZ), axis=1)                 # [B]
+        squares += [tf.reduce_sum(tf.square(A), axis=1) * dz2, dz2]  # kernel, bias
+    return [tf.sqrt(tf.add_n(squares))]
+
+
+def _vectorized_map(model):
+    """TensorFlow Privacy's vectorized way: map over the per-example losses [B] a
+    function that takes tf.gradients of its one loss with respect to the weights."""
+    ys = model.ys
+    per_example = tf.reduce_sum(ys, axis=list(range(1, ys.shape.rank)))  # [B]
+
+    def one_example(loss):
+        return _dense(tf.gradients(loss, model.weights), model.weights)
+
+    return list(tf.vectorized_map(one_example, per_example))  # [B, *x.shape] each
+
+
+# Measuring -----------------------------------------------------------------------------
+
+
+def _max_abs(values, reference):
+    """(max |value - reference|, max |reference|) over lists of arrays; row by row, so
+    the temporaries stay the size of one example's result."""
+    diff = scale = 0.0
+    if len(values) != len(reference):
+        return float("inf"), 0.0
+    for got, want in zip(values, reference):
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape:
+            return float("inf"), 0.0
+        rows = zip(got, want) if got.ndim else [(got, want)]
+        for got_row, want_row in rows:
+            if want_row.size:
+                diff = max(diff, float(np.max(np.abs(got_row - want_row))))
+                scale = max(scale, float(np.max(np.abs(want_row))))
+    return diff, scale
+
+
+def _reference_for(computes, loop_gradients):
+    """What an entry's result is compared with, from the loop's [B, *x.shape] list."""
+    if computes == "gradients":
+        return loop_gradients
+    if computes == "sum":
+        return [g.sum(axis=0) for g in loop_gradients]
+    squares = sum(np.square(g.astype(np.float64)).reshape(len(g), -1).sum(axis=1)
+                  for g in loop_gradients)
+    return [np.sqrt(squares)]                                    # [B]
+
+
+def _short(error):
+    """A one-line description of an exception for the table's reason column."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _available_memory_bytes():
+    """MemAvailable from /proc/meminfo (Linux), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _too_big(needed_bytes, share, what):
+    """A reason to skip an entry when `needed_bytes` exceed `share` of the memory
+    available now, else an empty string."""
+    available = _available_memory_bytes()
+    if available is None or needed_bytes <= share * available:
+        return ""
+    return (f"{what}: about {needed_bytes / 2**30:.1f} GiB, more than {share:.0%} of the "
+            f"{available / 2**30:.1f} GiB available")
+
+
+def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
+    """All entries for one model at one B, in one graph and session; returns them."""
+    rng = np.random.default_rng(B)
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
+        tf.compat.v1.set_random_seed(B)
+        model = _BUILDERS[model_name](B, rng)
+        P = sum(int(np.prod(w.shape.as_list())) for w in model.weights)
+        result_bytes = 4 * B * P                      # [B, *x.shape] for all x, float32
+        too_big = _too_big(2 * result_bytes, MATERIALIZED_MEMORY_SHARE,
+                           f"the loop's reference holds the {B} per-example gradients")
+        if too_big:
+            return [Entry(model_name, B, P, LOOP, "gradients", status="skipped",
+                          reason=f"all entries of {model_name} at B={B} skipped: {too_big}")]
+        candidates = []
+
+        def add(name, computes, build):
+            entry = Entry(model_name, B, P, name, computes)
+            candidate = _Candidate(entry)
+            start = time.perf_counter()
+            try:
+                built = build()
+            except NotImplementedError as error:
+                entry.status, entry.reason = "n/a", _short(error)
+                built = None
+            except Exception as error:  # pylint: disable=broad-except
+                entry.status, entry.reason = "error", _short(error)
+                built = None
+            entry.build_seconds = time.perf_counter() - start
+            if isinstance(built, oracle.SliceLoop):
+                candidate.loop = built
+            else:
+                candidate.fetches = built
+            candidates.append(candidate)
+            return candidate
+
+        loop = add(LOOP, "gradients", lambda: oracle.SliceLoop(model.ys, model.weights))
+        add(BATCH, "sum", lambda: _batch_gradient(model))
+        if model.dense_taps:
+            add(OUTER, "gradients", lambda: _outer_products(model))
+        for method in methods:
+            add(f"gradients[{method}]", "gradients",
+                lambda m=method: pertower.per_example_gradients(
+                    model.ys, model.weights, batch_size=B, method=m))
+        if model.dense_taps:
+            add(HAND_NORMS, "norms", lambda: _norms_by_hand(model))
+        for method in methods:
+            add(f"norms[{method}]", "norms",
+                lambda m=method: [pertower.per_example_norms(
+                    model.ys, model.weights, batch_size=B, method=m)])
+        sess.run(tf.compat.v1.global_variables_initializer())
+
+        # The reference: the loop, once (this is also its warm-up).
+        start = time.perf_counter()
+        reference = loop.loop.run(sess, model.feed, B)            # [B, *x.shape] each
+        loop.entry.first_run_seconds = time.perf_counter() - start
+        loop.entry.max_abs_diff, loop.entry.max_abs_reference = 0.0, _max_abs(
+            reference, reference)[1]
+        one_example = next(oracle.slice_feeds(model.feed, None, B))
+        loop.entry.peak_bytes = run_memory.traced_peak_bytes(
+            sess, loop.loop.gradients, one_example).peak_bytes
+
+        for candidate in candidates[1:]:
+            if candidate.entry.status == "ok" and candidate.entry.computes == "gradients":
+                too_big = _too_big(2 * result_bytes, MATERIALIZED_MEMORY_SHARE,
+                                   f"it holds the {B} per-example gradients (towers: twice)")
+                if too_big:
+                    candidate.entry.status, candidate.entry.reason = "skipped", too_big
+            _first_run(sess, candidate, model.feed, reference)
+        batch_peak = next(c.entry.peak_bytes for c in candidates if c.entry.name == BATCH)
+
+        # tf.vectorized_map last: its graph is built only if its memory fits.
+        too_big = _too_big(max(B * (batch_peak or 0), 2 * result_bytes), VMAP_MEMORY_SHARE,
+                           "its backward pass holds about B x the batch gradient's peak")
+        if too_big:
+            candidates.append(_Candidate(Entry(model_name, B, P, VMAP, "gradients",
+                                               status="skipped", reason=too_big)))
+        else:
+            vmap = add(VMAP, "gradients", lambda: _vectorized_map(model))
+            _first_run(sess, vmap, model.feed, reference)
+        report(f"  {model_name} B={B}: built and checked {len(candidates)} entries; timing")
+
+        _time_round_robin(sess, [c for c in candidates if c.entry.status == "ok"],
+                          model.feed, B, repeats, loop_repeats)
+    entries = [c.entry for c in candidates]
+    for entry in entries:
+        if entry.max_abs_diff is not None:
+            entry.agrees = bool(entry.max_abs_diff
+                                <= TOLERANCE * max(1.0, entry.max_abs_reference))
+        if entry.runs_ms:
+            entry.median_ms = statistics.median(entry.runs_ms)
+    _ratios(entries)
+    return entries
+
+
+def _time_round_robin(sess, candidates, feed, B, repeats, loop_repeats):
+    """Times `repeats` runs of each candidate (`loop_repeats` passes of the loop), one
+    run of each in turn, so a change of load on the machine hits them alike."""
+    for r in range(max(repeats, loop_repeats)):
+        for candidate in candidates:
+            if candidate.loop is not None:
+                if r >= loop_repeats:
+                    continue
+                run = lambda c=candidate: c.loop.run(sess, feed, B)  # noqa: E731
+            elif r >= repeats:
+                continue
+            else:
+                run = lambda c=candidate: sess.run(c.fetches, feed)  # noqa: E731
+            start = time.perf_counter()
+            run()
+            candidate.entry.runs_ms.append(1e3 * (time.perf_counter() - start))
+
+
+def _first_run(sess, candidate, feed, reference):
+    """Runs an entry once (warm-up), compares it with the loop, traces its memory."""
+    entry = candidate.entry
+    if entry.status != "ok":
+        return
+    try:
+        start = time.perf_counter()
+        values = sess.run(candidate.fetches, feed)
+        entry.first_run_seconds = time.perf_counter() - start
+        entry.max_abs_diff, entry.max_abs_reference = _max_abs(
+            values, _reference_for(entry.computes, reference))
+        entry.peak_bytes = run_memory.traced_peak_bytes(sess, candidate.fetches, feed).peak_bytes
+    except Exception as error:  # pylint: disable=broad-except
+        entry.status, entry.reason = "error", _short(error)
+
+
+def _ratios(entries):
+    """Fills the ratios of each entry's median to the loop, batch gradient, outer products."""
+    medians = {e.name: e.median_ms for e in entries if e.median_ms}
+    for entry in entries:
+        if entry.median_ms is None:
+            continue
+        for attribute, name in [("ratio_to_loop", LOOP), ("ratio_to_batch", BATCH),
+                                ("ratio_to_outer", OUTER)]:
+            if medians.get(name):
+                setattr(entry, attribute, entry.median_ms / medians[name])
+
+
+def machine_info():
+    """A dict describing the machine and software the figures come from."""
+    cpu_model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    available = _available_memory_bytes()
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable,
+        "cpu_model": cpu_model,
+        "load_average_1_5_15": list(load) if load else None,
+        "memory_available_gib": round(available / 2**30, 1) if available else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "tf_keras": keras.__version__,
+        "numpy": np.__version__,
+        "pertower": pertower.__version__,
+    }
+
+
+def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.METHODS,
+              repeats=QUICK["repeats"], loop_repeats=QUICK["loop_repeats"], report=print):
+    """Measures every entry for every model and batch size; returns a list of `Entry`.
+
+    Args:
+      models: names from MODELS.
+      batch_sizes: a list of B for every model, or a dict model -> list of B; None
+        means QUICK's.
+      methods: the pertower methods to run (default all of METHODS).
+      repeats: timed passes of each entry (one sess.run each), after the warm-up.
+      loop_repeats: timed passes of the loop (B sess.run each).
+      report: called with each line of progress.
+
+    Example:
+      entries = run_bench(models=["mlp"], batch_sizes=[32], repeats=3)
+      print(format_table(entries))
+    """
+    if batch_sizes is None:
+        batch_sizes = QUICK["batch_sizes"]
+    entries = []
+    for model_name in models:
+        if model_name not in _BUILDERS:
+            raise ValueError(f"pertower.bench: unknown model {model_name!r}; choose from "
+                             f"{MODELS}.")
+        sizes = batch_sizes[model_name] if isinstance(batch_sizes, dict) else batch_sizes
+        for B in sizes:
+            start = time.perf_counter()
+            report(f"{model_name} B={B}: building ...")
+            entries += _bench_one(model_name, B, methods, repeats, loop_repeats, report)
+            report(f"  done in {time.perf_counter() - start:.1f} s")
+    return entries
+
+
+# Output --------------------------------------------------------------------------------
+
+MEMORY_FOOTNOTE = (
+    "peak MiB: one sess.run traced with RunOptions(trace_level=FULL_TRACE); its step_stats "
+    "are replayed: every buffer allocated in the run is live from its node's start to "
+    "its last consumer's end (fetched tensors to the end of the run), plus each running "
+    "node's temporaries (memory.peak_bytes); in-place outputs share their input's buffer; "
+    "constants, variables and fed inputs are not counted. loop: one example's sess.run "
+    "(the B results the loop stacks in numpy are not counted).")
+
+
+def _fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def format_table(entries):
+    """The entries as plain-text tables, one per model and B (a string)."""
+    header = ("entry", "ms", "x loop", "x batch", "x outer", "build s", "1st run s",
+              "peak MiB", "max|diff|")
+    blocks = []
+    keys = []
+    for e in entries:
+        if (e.model, e.batch_size) not in keys:
+            keys.append((e.model, e.batch_size))
+    for model_name, B in keys:
+        P = next(e.parameters for e in entries if (e.model, e.batch_size) == (model_name, B))
+        rows = []
+        for e in entries:
+            if (e.model, e.batch_size) != (model_name, B):
+                continue
+            if e.status != "ok":
+                rows.append((e.name, f"{e.status}: {e.reason}"))
+                continue
+            rows.append((e.name, _fmt(e.median_ms, ".2f"), _fmt(e.ratio_to_loop, ".3f"),
+                         _fmt(e.ratio_to_batch, ".1f"), _fmt(e.ratio_to_outer, ".2f"),
+                         _fmt(e.build_seconds, ".2f"), _fmt(e.first_run_seconds, ".2f"),
+                         _fmt(None if e.peak_bytes is None else e.peak_bytes / 2**20, ".2f"),
+                         "(ref)" if e.name == LOOP else _fmt(e.max_abs_diff, ".1e")
+                         + ("" if e.agrees else " WRONG")))
+        full = [r for r in rows if len(r) == len(header)]
+        widths = [max(len(r[i]) for r in [header] + full) for i in range(len(header))]
+
+        def line(cells):
+            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths)))
+
+        text = [f"{model_name}, B={B}, P={P:,} weights", line(header), "-" * len(line(header))]
+        for row in rows:
+            text.append(line(row) if len(row) == len(header)
+                        else row[0].ljust(widths[0]) + "  " + row[1])
+        blocks.append("\n".join(text))
+    return "\n\n".join(blocks)
+
+
+def to_json(entries, machine, settings):
+    """The figures as a JSON-ready dict: machine, settings, footnotes and entries."""
+    return {
+        "machine": machine,
+        "settings": settings,
+        "notes": {
+            "ms": "median wall milliseconds of one pass over the batch (loop: B sess.run)",
+            "ratios": "ratio_to_X = median_ms / X's median_ms (below 1: faster than X)",
+            "peak_bytes": MEMORY_FOOTNOTE,
+            "max_abs_diff": "max |result - loop's result|; norms against the norms of the "
+                            "loop's gradients, the batch gradient against their sum",
+        },
+        "entries": [dataclasses.asdict(e) for e in entries],
+    }
+
+
+_FIXED_COLORS = {LOOP: "black", BATCH: "grey", OUTER: "tab:brown", HAND_NORMS: "tab:brown",
+                 VMAP: "tab:purple"}
+_METHOD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:cyan", "tab:olive",
+                  "tab:pink")
+
+
+def _color(name):
+    """One color per reference entry; gradients[m] and norms[m] share method m's color."""
+    if name in _FIXED_COLORS:
+        return _FIXED_COLORS[name]
+    method = name[name.find("[") + 1:-1]
+    methods = list(gradients_lib.METHODS)
+    index = methods.index(method) if method in methods else len(methods)
+    return _METHOD_COLORS[index % len(_METHOD_COLORS)]
+
+
+def plot(entries, path):
+    """Draws median ms and peak MiB against B, one column per model, into `path`."""
+    try:
+        import matplotlib  # pylint: disable=import-outside-toplevel
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    except ImportError as error:
+        raise RuntimeError(
+            f"pertower bench --plot needs matplotlib ({error}); install it with "
+            "`pip install matplotlib` or drop --plot.") from None
+    models = list(dict.fromkeys(e.model for e in entries))
+    figure, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8.5),
+                                squeeze=False)
+    for column, model_name in enumerate(models):
+        mine = [e for e in entries if e.model == model_name and e.status == "ok"]
+        names = list(dict.fromkeys(e.name for e in mine))
+        sizes = sorted({e.batch_size for e in mine})
+        for row, (attribute, scale, label) in enumerate(
+                [("median_ms", 1.0, "median ms per pass"),
+                 ("peak_bytes", 2.0 ** -20, "peak MiB of one run")]):
+            ax = axes[row][column]
+            for name in names:
+                points = sorted((e.batch_size, getattr(e, attribute) * scale)
+                                for e in mine if e.name == name
+                                and getattr(e, attribute) is not None)
+                style = "--" if "norms" in name else "-"  # norms dashed, gradients solid
+                if points:
+                    ax.plot(*zip(*points), style, marker="o", color=_color(name), label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes)
+            ax.set_xticklabels([str(b) for b in sizes])
+            ax.minorticks_off()
+            ax.set_yscale("log")
+            ax.set_xlabel("B (examples)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{model_name}: {label}")
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 0:
+                ax.legend(fontsize=8)
+    figure.suptitle("pertower bench (loop = one sess.run per example; memory of the loop: "
+                    "one example)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv=None):
+    """`python -m pertower.bench ...`: the same as `pertower bench ...`."""
+    from pertower import cli  # pylint: disable=import-outside-toplevel
+
+    return cli.main(["bench"] + list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

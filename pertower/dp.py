@@ -1,0 +1,344 @@
+"""Differentially private SGD: clip every example's gradient, add Gaussian noise.
+
+Notation:
+    B   examples in the batch        M   microbatches (B/M examples each; M = B by default)
+    C   l2_norm_clip                 σ   noise_multiplier
+    x   one weight                   g_m the gradient of microbatch m's loss over all x
+    n_m ||g_m||_2, the global norm of g_m across all weights
+
+The arithmetic of TensorFlow Privacy's Gaussian optimizers (`DPGradientDescentGaussian
+Optimizer` and its Adam/Adagrad siblings, `tensorflow_privacy/privacy/optimizers/
+dp_optimizer.py` with `GaussianSumQuery`), the DP-SGD of Abadi et al. 2016, "Deep
+Learning with Differential Privacy" (arXiv 1607.00133):
+
+    loss_m   = mean of the losses of the B/M examples of microbatch m
+    clip(g)  = g * C / max(||g||_2, C)                    (tf.clip_by_global_norm)
+    gradient = (sum_m clip(g_m) + N(0, (σ C)^2 I)) / M
+
+The noisy average gradient is handed to the wrapped optimizer's `apply_gradients`.
+
+Per-example clipping (M = B) never holds the [B, *x.shape] gradients: with the norms
+n_i from `per_example_norms` and the factors f_i = C / max(n_i, C) held constant,
+
+    sum_i clip(g_i) = sum_i f_i g_i = d/dx sum_i stop_gradient(f_i) * loss_i,
+
+one more batched backward pass (gradients are linear in the loss; the examples of a
+batch must not interact, as everywhere in pertower). Microbatches (M < B) use
+`microbatch_gradients`, whose result is [M, *x.shape]. A loss that depends on a
+stateful random op (dropout in training mode) takes that path with M = B as well:
+the reweighted pass would draw other random numbers than the norms were computed
+with, and the clipped gradients could exceed C.
+"""
+
+import numbers
+import warnings
+
+import tensorflow as tf
+
+from pertower import _checks
+from pertower import gradients as gradients_lib
+from pertower import norms as norms_lib
+from pertower import reductions
+
+__all__ = ["DPOptimizer"]
+
+_GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
+_GATE_GRAPH = tf.compat.v1.train.Optimizer.GATE_GRAPH
+
+
+def _real_number(value, argument, positive):
+    """`value` as a float when it is a finite real number (> 0 or >= 0); raises otherwise."""
+    wanted = "a positive number" if positive else "a non-negative number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"pertower.DPOptimizer: `{argument}` must be {wanted}, but received "
+                        f"{type(value).__name__} ({value!r:.80}).")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")) or (
+            value <= 0 if positive else value < 0):
+        raise ValueError(f"pertower.DPOptimizer: `{argument}` must be {wanted}, but received "
+                         f"{value!r}.")
+    return value
+
+
+def _random_ancestor(tensor):
+    """A stateful random op `tensor` depends on through data edges, or None."""
+    seen, stack = set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.op_def is not None and op.op_def.is_stateful and "Random" in op.type:
+            return op
+        stack.extend(t.op for t in op.inputs)
+    return None
+
+
+class DPOptimizer:
+    """DP-SGD around any `tf.compat.v1.train.Optimizer`: per-example clipping and noise.
+
+    Same arithmetic as TensorFlow Privacy's Gaussian optimizers: each example's (or
+    microbatch's) gradient is clipped, across all weights together, to L2 norm
+    `l2_norm_clip`; the clipped gradients are summed; Gaussian noise of standard
+    deviation `noise_multiplier * l2_norm_clip` is added to every entry; the sum is
+    divided by the number of examples (or microbatches) and handed to the wrapped
+    optimizer. Privacy spent: `pertower.compute_epsilon`.
+
+    Args:
+      optimizer: the `tf.compat.v1.train.Optimizer` instance that applies the noisy
+        gradients (GradientDescentOptimizer, AdamOptimizer, ...).
+      l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have.
+      noise_multiplier: σ >= 0; the noise's standard deviation is σ * C before the
+        division by the number of examples (σ = 0 gives clipping without privacy).
+      num_microbatches: M, or None for one microbatch per example (M = B). M must
+        divide B; a microbatch's loss is the mean of its examples' losses.
+      seed: an int making the noise repeatable: the k-th `compute_gradients` call
+        (from 0) builds its noise op with op seed `seed + k` (with a graph-level seed
+        from `tf.compat.v1.set_random_seed` both are used). Each `sess.run` of the
+        op draws new noise; the same graph built again gives the same sequence.
+        None draws unrepeatable noise (unless a graph-level seed is set).
+
+    Example:
+      loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
+                                                          from_logits=True)   # [B]
+      dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                l2_norm_clip=1.0, noise_multiplier=1.1)
+      train_op = dp.minimize(loss, var_list=model.trainable_weights, batch_size=64)
+      sess.run(train_op, {images: X[:64], labels: Y[:64]})
+    """
+
+    def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None,
+                 seed=None):
+        if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            raise TypeError(
+                "pertower.DPOptimizer: `optimizer` must be a tf.compat.v1.train.Optimizer "
+                f"instance (e.g. tf.compat.v1.train.GradientDescentOptimizer(0.1)), but "
+                f"received {type(optimizer).__name__}. Keras optimizers are not supported.")
+        self._optimizer = optimizer
+        self._l2_norm_clip = _real_number(l2_norm_clip, "l2_norm_clip", positive=True)
+        self._noise_multiplier = _real_number(noise_multiplier, "noise_multiplier",
+                                              positive=False)
+        self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
+            num_microbatches, "num_microbatches", "DPOptimizer"))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise TypeError(f"pertower.DPOptimizer: `seed` must be an int or None, but received "
+                            f"{type(seed).__name__} ({seed!r:.80}).")
+        self._seed = None if seed is None else int(seed)
+        self._computed = False
+        self._noise_draws = 0  # noise ops built so far: each gets its own op seed
+
+    @property
+    def optimizer(self):
+        """The wrapped `tf.compat.v1.train.Optimizer`."""
+        return self._optimizer
+
+    @property
+    def l2_norm_clip(self):
+        return self._l2_norm_clip
+
+    @property
+    def noise_multiplier(self):
+        return self._noise_multiplier
+
+    @property
+    def num_microbatches(self):
+        return self._num_microbatches
+
+    @property
+    def seed(self):
+        return self._seed
+
+    def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
+                          gate_gradients=_GATE_OP, aggregation_method=None,
+                          colocate_gradients_with_ops=False, grad_loss=None):
+        """The clipped, noised, averaged gradient, as (gradient, variable) pairs.
+
+        Args:
+          loss: the per-example loss, [B] (or [B, ...]: an example's entries are
+            averaged, as TensorFlow Privacy does). A scalar is refused: DP needs one
+            loss per example.
+          var_list: the variables to train; default the graph's trainable variables,
+            as `tf.compat.v1.train.Optimizer.compute_gradients`.
+          batch, batch_size: as in `pertower.per_example_gradients` (batch_size is
+            needed when the batch axis of the placeholders is None).
+          gate_gradients, aggregation_method, colocate_gradients_with_ops: as in
+            `tf.compat.v1.train.Optimizer.compute_gradients`.
+          grad_loss: must be None (every example's loss has weight 1 in DP-SGD).
+
+        Returns:
+          A list of (gradient, variable) pairs, one per variable, every gradient dense
+          and noised (a variable the loss does not reach gets pure noise / M, as in
+          TensorFlow Privacy).
+        """
+        function_name = "DPOptimizer.compute_gradients"
+        _checks.require_graph_mode(function_name)
+        if callable(loss) and not isinstance(loss, tf.Tensor):
+            raise TypeError(f"pertower.{function_name}: `loss` must be a graph tensor, not a "
+                            "callable (that is the eager API, which pertower does not serve).")
+        _checks.require_graph_tensor(loss, "loss", function_name)
+        if grad_loss is not None:
+            raise ValueError(
+                f"pertower.{function_name}: `grad_loss` must be None: DP-SGD weighs every "
+                "example's loss equally; scale the loss instead.")
+        if gate_gradients not in (tf.compat.v1.train.Optimizer.GATE_NONE, _GATE_OP,
+                                  _GATE_GRAPH):
+            raise ValueError(f"pertower.{function_name}: `gate_gradients` must be GATE_NONE, "
+                             f"GATE_OP or GATE_GRAPH, but received {gate_gradients!r}.")
+        if not loss.dtype.is_floating:
+            raise TypeError(f"pertower.{function_name}: `loss` must be a floating tensor, but "
+                            f"{loss.name} has dtype {loss.dtype.name}.")
+        if loss.shape.rank is None or loss.shape.rank == 0:
+            raise ValueError(
+                f"pertower.{function_name}: `loss` ({loss.name}) has shape {loss.shape}, but "
+                "DP needs one loss per example: pass the unreduced loss, [B] (e.g. "
+                "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
+                "reduction='none'), not its mean.")
+        var_list = self._variables(var_list, function_name)
+        # B when known now (the towers check it against the fed batch at run time)
+        B = (_checks.static_batch_size(loss) if batch_size is None else
+             _checks.positive_int(batch_size, "batch_size", function_name))
+        M = self._num_microbatches
+        if M is not None and B is not None and B % M:
+            raise ValueError(
+                f"pertower.{function_name}: `num_microbatches` ({M}) must divide the batch "
+                f"size ({B}); choose a divisor of {B} or None (one microbatch per example).")
+
+        with tf.name_scope("dp_compute_gradients"):
+            # [B, ...] -> [B]: an example's loss is the mean of its entries
+            per_example_loss = loss if loss.shape.rank == 1 else tf.reduce_mean(
+                loss, axis=list(range(1, loss.shape.rank)))
+            random_op = _random_ancestor(per_example_loss)
+            if random_op is not None:
+                # norms from the towers' draws would not bound the gradient of another
+                # draw: clip the towers' own gradients instead ([B, *x.shape] each)
+                warnings.warn(
+                    f"pertower.{function_name}: the loss depends on the random op "
+                    f"{random_op.name!r} ({random_op.type}), e.g. dropout in training mode; "
+                    "each example's gradient is materialized and clipped (its own draw), "
+                    "not computed by the cheaper norms-then-reweight pass.", stacklevel=2)
+            if random_op is None and (M is None or (B is not None and M == B)):
+                clipped_sum, count = self._clipped_sum_per_example(
+                    per_example_loss, var_list, batch, batch_size, gate_gradients,
+                    aggregation_method, colocate_gradients_with_ops)
+            else:
+                clipped_sum, count = self._clipped_sum_microbatches(
+                    per_example_loss, var_list, batch, batch_size, M)
+            noised = self._add_noise(clipped_sum)
+            # sum / M: the noisy average over microbatches (examples when M = B)
+            averaged = [g / tf.cast(count, g.dtype) for g in noised]
+        self._computed = True
+        return list(zip(averaged, var_list))
+
+    def _variables(self, var_list, function_name):
+        if var_list is None:
+            var_list = tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
+                tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES)
+            var_list = list({id(v): v for v in var_list}.values())
+            if not var_list:
+                raise ValueError(f"pertower.{function_name}: the graph has no trainable "
+                                 "variables; pass `var_list`.")
+        else:
+            var_list = _checks.as_list(var_list)
+            if not var_list:
+                raise ValueError(f"pertower.{function_name}: `var_list` is empty.")
+        return var_list
+
+    def _clip_factors(self, norms):
+        """f = C / max(n, C) = min(1, C / n): the clip_by_global_norm factors, [M]."""
+        clip = tf.constant(self._l2_norm_clip, norms.dtype)
+        return clip / tf.maximum(norms, clip)
+
+    def _clipped_sum_per_example(self, per_example_loss, var_list, batch, batch_size,
+                                 gate_gradients, aggregation_method,
+                                 colocate_gradients_with_ops):
+        """sum_i clip(g_i) from the norms and one weighted backward pass; and B."""
+        norms = norms_lib.per_example_norms(per_example_loss, var_list, batch=batch,
+                                            batch_size=batch_size, name="clip_norms")  # [B]
+        factors = tf.stop_gradient(self._clip_factors(norms))                     # [B]
+        weighted = tf.reduce_sum(factors * per_example_loss)  # sum_i f_i loss_i
+        grads = tf.compat.v1.gradients(
+            weighted, var_list, gate_gradients=(gate_gradients == _GATE_OP),
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        if gate_gradients == _GATE_GRAPH:
+            grads = list(tf.tuple(grads))
+        return grads, tf.shape(per_example_loss)[0]
+
+    def _clipped_sum_microbatches(self, per_example_loss, var_list, batch, batch_size, M):
+        """sum_m clip(g_m) with g_m the gradient of microbatch m's mean loss; and M
+        (M None: one microbatch per example)."""
+        sums = gradients_lib.microbatch_gradients(
+            per_example_loss, var_list, batch=batch, num_microbatches=M,
+            batch_size=batch_size, name="microbatch_gradients")  # [M, *x.shape] each
+        if M is None:
+            means, count = sums, tf.shape(per_example_loss)[0]
+        else:
+            # gradient of the microbatch mean = gradient of its sum / (B/M); B/M counted
+            # on the outer loss (not replayed by the towers)
+            per_microbatch = tf.shape(per_example_loss)[0] // M
+            means, count = [g / tf.cast(per_microbatch, g.dtype) for g in sums], M
+        factors = self._clip_factors(reductions.global_norms(means))    # [M]
+        # [M] x [M, *x.shape] -> [*x.shape]
+        clipped_sum = [tf.tensordot(factors, g, axes=1) for g in means]
+        return clipped_sum, count
+
+    def _add_noise(self, gradients):
+        """g + N(0, (σ C)^2) per entry, from one draw over all weights (so that one
+        seed gives every weight its own noise)."""
+        if self._noise_multiplier == 0:
+            return gradients
+        dtype = gradients[0].dtype
+        # call k gets op seed seed + k: a second compute_gradients draws other noise
+        seed = None if self._seed is None else self._seed + self._noise_draws
+        self._noise_draws += 1
+        sizes = [tf.size(g) for g in gradients]
+        noise = tf.random.normal(tf.reshape(tf.add_n(sizes), [1]), dtype=dtype,
+                                 stddev=self._noise_multiplier * self._l2_norm_clip,
+                                 seed=seed, name="noise")  # [P]
+        pieces = tf.split(noise, tf.stack(sizes), num=len(gradients))  # [P] -> [P_x] each
+        # [P_x] -> [*x.shape]
+        return [g + tf.cast(tf.reshape(p, tf.shape(g)), g.dtype)
+                for g, p in zip(gradients, pieces)]
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """The wrapped optimizer's `apply_gradients`; refused before `compute_gradients`
+        (the gradients it applies must be the private ones)."""
+        if not self._computed:
+            raise RuntimeError(
+                "pertower.DPOptimizer.apply_gradients: call compute_gradients first (or "
+                "minimize); applying gradients that were not clipped and noised would not "
+                "be differentially private.")
+        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
+                                               name=name)
+
+    def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
+                 aggregation_method=None, colocate_gradients_with_ops=False, name=None,
+                 grad_loss=None, batch=None, batch_size=None):
+        """`compute_gradients` then `apply_gradients`, as
+        `tf.compat.v1.train.Optimizer.minimize`; returns the training op."""
+        grads_and_vars = self.compute_gradients(
+            loss, var_list=var_list, batch=batch, batch_size=batch_size,
+            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss)
+        return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+    def get_slot(self, var, name):
+        """The wrapped optimizer's slot (e.g. Adam's "m")."""
+        return self._optimizer.get_slot(var, name)
+
+    def get_slot_names(self):
+        return self._optimizer.get_slot_names()
+
+    def variables(self):
+        """The wrapped optimizer's variables (slots, Adam's beta powers)."""
+        return self._optimizer.variables()
+
+    def get_name(self):
+        return self._optimizer.get_name()
+
+    def __repr__(self):
+        return (f"DPOptimizer({type(self._optimizer).__name__}, l2_norm_clip="
+                f"{self._l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
+                f"num_microbatches={self._num_microbatches}, seed={self._seed})")

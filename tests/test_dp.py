@@ -1,0 +1,367 @@
+"""DPOptimizer and compute_epsilon against NumPy references built on the oracle loop.
+
+The reference DP step: per-example (or per-microbatch mean) gradients from the
+one-example loop `pertower.oracle`, each clipped to global norm C in NumPy, averaged,
+then applied by hand (SGD, or the first step of v1 Adam).
+"""
+
+import os
+import subprocess
+import sys
+
+import dp_accounting
+import numpy as np
+import pytest
+import scipy.stats
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import oracle
+from tests import common
+
+LEARNING_RATE = 0.5
+
+
+def _clip_reference(per_slice, clip):
+    """NumPy: each row of every [M, ...] array clipped to global norm `clip`, averaged."""
+    M = per_slice[0].shape[0]
+    norms = np.sqrt(sum(np.sum(g.reshape(M, -1) ** 2, axis=1) for g in per_slice))  # [M]
+    factors = clip / np.maximum(norms, clip)                                        # [M]
+    return [np.tensordot(factors, g, axes=1) / M for g in per_slice], norms
+
+
+def _reference_slices(case, num_microbatches):
+    """Per-example gradients of the per-example mean loss, or microbatch-mean gradients
+    ([M, *x.shape] each), from the one-example loop."""
+    B = case.B
+    M = B if num_microbatches is None else num_microbatches
+    sums = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, case.feed, M)
+    return [g / (B // M) for g in sums]
+
+
+def _adam_step(w, g, lr, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    """NumPy: the first step of tf.compat.v1.train.AdamOptimizer from zero slots."""
+    m = (1 - beta1) * g
+    v = (1 - beta2) * g * g
+    lr_t = lr * np.sqrt(1 - beta2) / (1 - beta1)
+    return w - lr_t * m / (np.sqrt(v) + epsilon)
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
+@pytest.mark.parametrize("num_microbatches", [None, 3, 6, 1])
+def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_microbatches):
+    case = common.build_mlp(B=6)
+    with case.graph.as_default():
+        initial = case.sess.run(case.xs)
+        slices = _reference_slices(case, num_microbatches)
+        M = slices[0].shape[0]
+        norms = np.sqrt(sum(np.sum(g.reshape(M, -1) ** 2, axis=1) for g in slices))
+        if M > 2:
+            clip = float(np.median(norms))   # some slices clipped, some not
+            assert (norms > clip * 1.01).any() and (norms < clip * 0.99).any()
+        else:
+            clip = 0.5 * float(norms.min())  # every slice clipped
+        want_gradient, _ = _clip_reference(slices, clip)
+
+        inner = (tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE)
+                 if optimizer_name == "sgd" else tf.compat.v1.train.AdamOptimizer(LEARNING_RATE))
+        dp = pertower.DPOptimizer(inner, l2_norm_clip=clip, noise_multiplier=0.0,
+                                  num_microbatches=num_microbatches)
+        grads_and_vars = dp.compute_gradients(case.ys, var_list=case.xs, batch_size=case.B)
+        assert [v for _, v in grads_and_vars] == case.xs
+        before = tf.compat.v1.global_variables()
+        train = dp.apply_gradients(grads_and_vars)
+        case.sess.run(tf.compat.v1.variables_initializer(
+            [v for v in tf.compat.v1.global_variables() if v not in before]))
+        got_gradient = case.sess.run([g for g, _ in grads_and_vars], case.feed)
+        ys_before = case.sess.run(case.ys, case.feed)
+        case.sess.run(train, case.feed)
+        updated = case.sess.run(case.xs)
+
+    common.assert_all_close(got_gradient, want_gradient, 1e-5, 1e-6, "DP gradient")
+    if optimizer_name == "sgd":
+        want = [w - LEARNING_RATE * g for w, g in zip(initial, want_gradient)]
+    else:
+        want = [_adam_step(w, g, LEARNING_RATE) for w, g in zip(initial, want_gradient)]
+    common.assert_all_close(updated, want, 1e-5, 1e-5, f"{optimizer_name} DP step")
+    assert not np.allclose(case.sess.run(case.ys, case.feed), ys_before)
+
+
+@pytest.mark.parametrize("num_microbatches", [None, 2])
+def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_microbatches):
+    case = common.build_mlp(B=6)
+    with case.graph.as_default():
+        loss = case.outputs ** 2                                          # [B, 3]
+        M = case.B if num_microbatches is None else num_microbatches
+        sums = oracle.loop_microbatch_gradients(case.sess, loss, case.xs, case.feed, M)
+        # the mean over a microbatch's B/M examples and their 3 entries each
+        want, norms = _clip_reference([g / (case.B // M * 3) for g in sums], 0.05)
+        assert (norms > 0.05).any()
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 0.05, 0.0,
+                                  num_microbatches=num_microbatches)
+        got = case.sess.run([g for g, _ in dp.compute_gradients(loss, case.xs, batch_size=6)],
+                            case.feed)
+    common.assert_all_close(got, want, 1e-5, 1e-7, "[B, 3] loss")
+
+
+@pytest.mark.parametrize("builder", ["static_mlp", "shared_layer", "cnn", "mlp_float64"])
+def test_noiseless_dp_gradient_on_other_models(builder):
+    case = common.BUILDERS[builder]()
+    with case.graph.as_default():
+        ys, _, feed = case.oracle()
+        per_example = oracle.loop_per_example_gradients(case.sess, ys, case.xs, feed)
+        norms = np.sqrt(sum(np.sum(g.reshape(case.B, -1) ** 2, axis=1) for g in per_example))
+        clip = float(np.median(norms))
+        want, _ = _clip_reference(per_example, clip)
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), clip, 0.0)
+        # a static batch axis needs no batch_size
+        batch_size = None if builder == "static_mlp" else case.B
+        grads = [g for g, _ in dp.compute_gradients(case.ys, case.xs, batch_size=batch_size)]
+        got = case.sess.run(grads, case.feed)
+    common.assert_all_close(got, want, case.rtol, case.atol, f"{builder} DP gradient")
+
+
+def test_minimize_with_sparse_embedding_gradients_and_global_step():
+    case = common.build_embedding(B=4)
+    with case.graph.as_default():
+        initial = case.sess.run(case.xs)
+        slices = _reference_slices(case, None)
+        want_gradient, norms = _clip_reference(slices, 0.5)
+        assert (norms > 0.5).any()
+        step = tf.compat.v1.train.create_global_step()
+        case.sess.run(step.initializer)
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE),
+                                  l2_norm_clip=0.5, noise_multiplier=0.0)
+        train = dp.minimize(case.ys, global_step=step, var_list=case.xs, batch_size=case.B)
+        case.sess.run(train, case.feed)
+        updated, step_value = case.sess.run([case.xs, step])
+    want = [w - LEARNING_RATE * g for w, g in zip(initial, want_gradient)]
+    common.assert_all_close(updated, want, 1e-5, 1e-6, "embedding DP step")
+    assert step_value == 1
+
+
+def test_default_var_list_is_the_trainable_variables():
+    case = common.build_compat_v1_layers(B=4)
+    with case.graph.as_default():
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 1.0, 0.0)
+        grads_and_vars = dp.compute_gradients(case.ys, batch_size=case.B)
+        got = case.sess.run([g for g, _ in grads_and_vars], case.feed)
+        variables = [v for _, v in grads_and_vars]
+        want, _ = _clip_reference(_reference_slices(case, None), 1.0)
+    assert {v.name for v in variables} == {v.name for v in case.xs}
+    order = [case.xs.index(v) for v in variables]
+    common.assert_all_close(got, [want[k] for k in order], 1e-5, 1e-6, "default var_list")
+
+
+def test_random_ops_clip_each_example_s_own_draw():
+    # dropout in training mode: the norms-then-reweight pass would clip one draw with the
+    # norm of another; DPOptimizer clips the towers' own gradients instead
+    with tf.Graph().as_default() as graph:
+        tf.compat.v1.set_random_seed(9)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5])
+        hidden = keras.layers.Dense(16, activation="relu")
+        head = keras.layers.Dense(1)
+        out = head(keras.layers.Dropout(0.5)(hidden(x), training=True))     # [B, 1]
+        loss = tf.reduce_sum(out ** 2, axis=1)                               # [B]
+        weights = hidden.trainable_weights + head.trainable_weights
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                  l2_norm_clip=1e-3, noise_multiplier=0.0)
+        with pytest.warns(UserWarning, match="depends on the random op"):
+            grads = [g for g, _ in dp.compute_gradients(loss, weights, batch_size=8)]
+        norm = tf.linalg.global_norm(grads)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(0).randn(8, 5).astype(np.float32) * 10}
+            norms = [sess.run(norm, feed) for _ in range(10)]
+    # every example's gradient is far above the clip, so each contributes norm 1e-3 and
+    # the average has norm <= 1e-3 (equal only when all point the same way)
+    assert max(norms) <= 1e-3 * (1 + 1e-5), norms
+    assert min(norms) > 1e-4 and len(set(norms)) > 1, norms
+
+
+@pytest.fixture(scope="module")
+def noise_graph():
+    """An MLP with a noiseless and two noisy DP gradients of one batch (seed 7 and 8)."""
+    case = common.build_mlp(B=6)
+    with case.graph.as_default():
+        def gradients(noise, seed=None):
+            dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                      l2_norm_clip=1.5, noise_multiplier=noise, seed=seed)
+            return [g for g, _ in dp.compute_gradients(case.ys, case.xs, batch_size=case.B)]
+        clean = gradients(0.0)
+        noisy = gradients(2.0, seed=7)
+        other = gradients(2.0, seed=8)
+    return case, clean, noisy, other
+
+
+def _noise_samples(case, clean, noisy, runs):
+    """The noise of `runs` sess.runs: noisy - clean, flattened per run, [runs, P]."""
+    rows = []
+    for _ in range(runs):
+        c, n = case.sess.run([clean, noisy], case.feed)
+        rows.append(np.concatenate([(b - a).ravel() for a, b in zip(c, n)]))
+    return np.stack(rows)
+
+
+def test_noise_std_is_noise_multiplier_times_clip_over_batch(noise_graph):
+    case, clean, noisy, _ = noise_graph
+    samples = _noise_samples(case, clean, noisy, runs=20).ravel().astype(np.float64)
+    n = samples.size
+    sigma = 2.0 * 1.5 / case.B
+    # (n-1) s^2 / sigma^2 ~ chi-square(n-1); accept within the two-sided 1e-6 quantiles
+    statistic = (n - 1) * samples.var(ddof=1) / sigma ** 2
+    low, high = scipy.stats.chi2.ppf([1e-6, 1 - 1e-6], n - 1)
+    assert low < statistic < high, (samples.std(ddof=1), sigma, n)
+    # the mean of n N(0, sigma^2) draws: within 5 standard errors of 0
+    assert abs(samples.mean()) < 5 * sigma / np.sqrt(n)
+
+
+def test_noise_differs_between_weights_runs_and_seeds(noise_graph):
+    case, clean, noisy, other = noise_graph
+    first, second = _noise_samples(case, clean, noisy, runs=2)
+    assert not np.allclose(first, second)  # a new draw per sess.run
+    c, n = case.sess.run([clean, noisy], case.feed)
+    # the two bias vectors of the last layers have different sizes; compare the first
+    # entries of every weight: one draw per weight would repeat them
+    heads = [(b - a).ravel()[0] for a, b in zip(c, n)]
+    assert len(set(np.round(heads, 6))) == len(heads)
+    seven, eight = case.sess.run([noisy, other], case.feed)
+    assert not np.allclose(np.concatenate([s.ravel() for s in seven]),
+                           np.concatenate([s.ravel() for s in eight]))
+
+
+def _seeded_noise(seed, runs=2):
+    """Builds a fresh graph without a graph-level seed and returns the noise of `runs`
+    sess.runs of a DP gradient with op seed `seed`."""
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        w = tf.compat.v1.get_variable("w", [3, 2], initializer=tf.ones_initializer())
+        loss = tf.reduce_sum(tf.matmul(x, w) ** 2, axis=1)             # [B]
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 1.0, 1.0,
+                                  seed=seed)
+        clean = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 1.0, 0.0)
+        (g, _), = dp.compute_gradients(loss, [w], batch_size=4)
+        (g0, _), = clean.compute_gradients(loss, [w], batch_size=4)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.arange(12, dtype=np.float32).reshape(4, 3)}
+            return [np.subtract(*sess.run([g, g0], feed)) for _ in range(runs)]
+
+
+def test_seed_makes_the_noise_repeatable():
+    first, again, other = _seeded_noise(3), _seeded_noise(3), _seeded_noise(4)
+    np.testing.assert_array_equal(np.stack(first), np.stack(again))
+    assert not np.allclose(first[0], first[1])
+    assert not np.allclose(first[0], other[0])
+
+
+def test_errors_name_the_argument():
+    case = common.build_mlp(B=6)
+    sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    with case.graph.as_default():
+        with pytest.raises(ValueError, match="DP needs one loss per example"):
+            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(
+                tf.reduce_mean(case.ys), case.xs, batch_size=6)
+        with pytest.raises(ValueError, match=r"`num_microbatches` \(4\) must divide the batch "
+                                             r"size \(6\)"):
+            pertower.DPOptimizer(sgd, 1.0, 1.0, num_microbatches=4).compute_gradients(
+                case.ys, case.xs, batch_size=6)
+        with pytest.raises(RuntimeError, match="call compute_gradients first"):
+            pertower.DPOptimizer(sgd, 1.0, 1.0).apply_gradients(
+                [(tf.zeros_like(v), v) for v in case.xs])
+        with pytest.raises(ValueError, match="`grad_loss` must be None"):
+            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(
+                case.ys, case.xs, batch_size=6, grad_loss=tf.ones_like(case.ys))
+        with pytest.raises(TypeError, match="not a callable"):
+            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(lambda: case.ys, case.xs)
+        with pytest.raises(ValueError, match="`var_list` is empty"):
+            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(case.ys, [], batch_size=6)
+    for bad_clip in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"`l2_norm_clip` must be a positive number"):
+            pertower.DPOptimizer(sgd, bad_clip, 1.0)
+    with pytest.raises(TypeError, match="`l2_norm_clip` must be a positive number"):
+        pertower.DPOptimizer(sgd, "1", 1.0)
+    with pytest.raises(ValueError, match="`noise_multiplier` must be a non-negative number"):
+        pertower.DPOptimizer(sgd, 1.0, -0.5)
+    with pytest.raises(ValueError, match="`num_microbatches` must be a positive integer"):
+        pertower.DPOptimizer(sgd, 1.0, 1.0, num_microbatches=0)
+    with pytest.raises(TypeError, match="`seed` must be an int"):
+        pertower.DPOptimizer(sgd, 1.0, 1.0, seed=1.5)
+    with pytest.raises(TypeError, match="tf.compat.v1.train.Optimizer instance"):
+        pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer, 1.0, 1.0)
+
+
+def test_eager_mode_is_refused():
+    code = (
+        "import tensorflow as tf, pertower\n"
+        "w = tf.Variable([1.0, 2.0])\n"
+        "dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 1.0, 1.0)\n"
+        "try:\n"
+        "    dp.compute_gradients(tf.constant([1.0, 2.0]) * w, [w])\n"
+        "except RuntimeError as error:\n"
+        "    print('refused:', error)\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
+                   os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, env=env, check=False)
+    assert "refused: pertower.DPOptimizer.compute_gradients needs graph mode" in result.stdout, (
+        result.stdout + result.stderr[-2000:])
+
+
+def _direct_epsilon(steps, noise, q, delta):
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.GaussianDpEvent(noise)), steps)
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("steps, noise, q, delta", [
+    (1000, 1.1, 256 / 60000, 1e-5), (50, 0.8, 0.05, 1e-6), (10, 3.0, 1.0, 1e-3)])
+def test_compute_epsilon_agrees_with_dp_accounting(steps, noise, q, delta):
+    assert pertower.compute_epsilon(steps, noise, q, delta) == pytest.approx(
+        _direct_epsilon(steps, noise, q, delta), rel=1e-12)
+
+
+def test_compute_epsilon_decreases_with_noise_and_grows_with_steps():
+    by_noise = [pertower.compute_epsilon(500, noise, 0.02, 1e-5) for noise in (0.7, 1.0, 2.0, 4.0)]
+    assert all(a > b for a, b in zip(by_noise, by_noise[1:])), by_noise
+    by_steps = [pertower.compute_epsilon(steps, 1.0, 0.02, 1e-5) for steps in (10, 100, 1000)]
+    assert all(a < b for a, b in zip(by_steps, by_steps[1:])), by_steps
+    assert pertower.compute_epsilon(0, 1.0, 0.02, 1e-5) == 0.0
+
+
+def test_compute_epsilon_without_sampling_is_below_the_classic_rdp_bound():
+    # q = 1: T steps of the Gaussian mechanism have RDP T*a/(2 sigma^2) at order a; the
+    # classic conversion eps <= rdp + log(1/delta)/(a-1) (Mironov 2017, Prop. 3) bounds
+    # the accountant's tighter conversion from above, minimized over a > 1.
+    steps, noise, delta = 10, 3.0, 1e-3
+    orders = np.linspace(1.01, 200, 20000)
+    classic = np.min(steps * orders / (2 * noise ** 2) + np.log(1 / delta) / (orders - 1))
+    eps = pertower.compute_epsilon(steps, noise, 1.0, delta)
+    assert 0.8 * classic < eps <= classic + 1e-9, (eps, classic)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(steps=-1), "`steps` must be a non-negative integer"),
+    (dict(steps=1.5), "`steps` must be a non-negative integer"),
+    (dict(noise_multiplier=0), r"`noise_multiplier` must be in \(0, inf\)"),
+    (dict(sampling_probability=0), r"`sampling_probability` must be in \(0, 1\]"),
+    (dict(sampling_probability=1.5), r"`sampling_probability` must be in \(0, 1\]"),
+    (dict(delta=0), r"`delta` must be in \(0, 1\)"),
+    (dict(delta=1), r"`delta` must be in \(0, 1\)"),
+])
+def test_compute_epsilon_rejects_bad_arguments(kwargs, message):
+    arguments = dict(steps=10, noise_multiplier=1.0, sampling_probability=0.1, delta=1e-5)
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        pertower.compute_epsilon(**arguments)
+
+
+def test_public_names_are_exported():
+    names = {"DPOptimizer", "compute_epsilon", "tracin", "tracin_over_checkpoints",
+             "similarity_matrix", "class_similarity", "fisher_diagonal", "gradient_variance",
+             "NoiseScale", "gradient_noise_scale", "empirical_ntk"}
+    assert names <= set(pertower.__all__)
+    assert all(hasattr(pertower, name) for name in names)
