@@ -7,9 +7,10 @@ Notation:
 
 A per-example result holds R x K x P numbers, once (the stacked result) plus once
 more while it is assembled (T x K x P tower gradients before they are stacked), and
-the towers hold the activations of one forward pass over the batch (the replayed
-ops' outputs, per example times B). With B = 512 examples and a 25 M-weight model
-in float32 the result alone is 51 GB, so this is checked before any op is built:
+the towers hold the activations of one forward pass over the batch (the outputs of
+the replayed ops except elementwise ones, per example, times B). With B = 512
+examples and a 25 M-weight model in float32 the result alone is 51 GB, so this is
+checked before any op is built:
 
     estimate = R*K*P*s  +  T*K*P*s  +  activations      (s bytes per number)
 
@@ -31,6 +32,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import graph_walk
+from pertower import mixing
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_memory", "default_memory_limit"]
 
@@ -121,7 +123,9 @@ def _batch_size_hint(ys, batch, batch_size):
 
 def _activation_bytes(ys, batch, B):
     """Bytes of the floating outputs of the ops between the batch and `ys`, for B
-    examples; tensors whose per-example shape is not static are left out."""
+    examples; tensors whose per-example shape is not static are left out, and so are
+    elementwise ops (activations, bias adds), whose kernels reuse their input's buffer
+    when they can."""
     upstream = graph_walk.upstream_ops([ys])
     if batch is None:
         try:
@@ -131,6 +135,8 @@ def _activation_bytes(ys, batch, B):
     batch = [b for b in _checks.as_list(batch) if isinstance(b, tf.Tensor)]
     total = 0
     for op in graph_walk.downstream_ops(batch, upstream):
+        if op.type in mixing.ELEMENTWISE_OP_TYPES:
+            continue  # TF kernels write these into their input's buffer when they can
         for out in op.outputs:
             if not out.dtype.is_floating or out.shape.rank is None or out.shape.rank == 0:
                 continue

@@ -96,7 +96,7 @@ _CONTRACTION_ADVICE = (
     "Contract only non-batch axes (x @ W, not x^T @ x or x @ x^T); a statistic "
     "over the whole batch has no per-example gradient.")
 
-_ELEMENTWISE_OP_TYPES = frozenset("""
+ELEMENTWISE_OP_TYPES = frozenset("""
 Abs Acos Acosh Add AddN AddV2 Angle ApproximateEqual Asin Asinh Atan Atan2 Atanh
 BesselI0e BesselI1e Betainc BiasAdd BroadcastTo Cast Ceil CheckNumerics ClipByValue
 ComplexAbs Conj Cos Cosh DebugIdentity DebugIdentityV2 Digamma Div DivNoNan Elu EluGrad
@@ -187,7 +187,7 @@ class _BatchAxisScan:
         self.depth = depth        # nesting of function bodies being scanned
         self.couplings = []
         self.rules = {}
-        for op_type in _ELEMENTWISE_OP_TYPES:
+        for op_type in ELEMENTWISE_OP_TYPES:
             self.rules[op_type] = self._elementwise
         for op_type in _REDUCTION_OP_TYPES:
             self.rules[op_type] = self._reduction
