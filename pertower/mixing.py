@@ -241,6 +241,10 @@ class _BatchAxisScan:
             except _Coupled as coupled:
                 self.couplings.append(Coupling(op, coupled.reason, coupled.advice))
                 outs = [UNKNOWN] * len(op.outputs)
+            except (ValueError, TypeError, IndexError, KeyError, AttributeError):
+                # an op whose attributes or shapes a rule cannot read: the scan loses
+                # the batch axis here rather than failing the user's call
+                outs = [UNKNOWN] * len(op.outputs)
             for tensor, axis in zip(op.outputs, outs):
                 if axis is None:
                     continue
