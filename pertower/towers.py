@@ -22,6 +22,7 @@ tower's slices and the weight reads to the tower's copies. The user's ops, varia
 and values are left untouched; only new ops are added, under one name scope.
 """
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -29,6 +30,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from pertower import _checks
+from pertower import control_flow
 from pertower import graph_walk
 
 __all__ = ["Towers", "build_towers"]
@@ -52,6 +54,8 @@ class Towers:
         when `ys` does not depend on xs[k].
       outputs: outputs[t] is tower t's replay of `ys`, [B/T, ...].
       stacked: the tower outputs concatenated, [B, ...]; equal to `ys`.
+      devices: the device strings the towers were placed on round-robin (tower t on
+        devices[t % len(devices)]), or None when they were not placed.
     """
 
     ys: tf.Tensor
@@ -63,6 +67,7 @@ class Towers:
     copies: tuple
     outputs: tuple
     stacked: tf.Tensor
+    devices: tuple = None
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None):
         """One `tf.gradients` call over every tower's copies.
@@ -130,7 +135,8 @@ def _dense(gradient, like):
     return gradient
 
 
-def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None):
+def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None,
+                 devices=None):
     """Builds T towers that replay the graph from the batch to `ys`.
 
     Args:
@@ -141,6 +147,10 @@ def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None
       num_towers: T, which must divide B; None means one tower per example (T = B).
       batch_size: B when the batch axis is not static; read from the graph otherwise.
       name: name scope for the new ops (default "towers").
+      devices: None, or a list of device strings ("/cpu:0", "/gpu:1",
+        "/job:worker/task:1/device:CPU:0", ...): tower t, its weight copies and its
+        replayed ops are placed on devices[t % len(devices)]; the gradient ops are
+        colocated with them by `tf.gradients`.
 
     Returns:
       A `Towers` record.
@@ -150,10 +160,11 @@ def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None
       per_example = towers.gradients()   # list of [32, *w.shape]
     """
     return build(ys, xs, batch, num_towers, batch_size, name or "towers", "build_towers",
-                 "num_towers")
+                 "num_towers", devices)
 
 
-def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument):
+def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument,
+          devices=None):
     """`build_towers` for the public functions: errors name `function_name` and call
     the number of towers `towers_argument`."""
     _checks.require_graph_mode(function_name)
@@ -176,6 +187,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
     xs = _checks.as_list(xs)
     if not xs:
         raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
+    devices = _checks.device_list(devices, function_name)
 
     with graph.as_default():
         ys_upstream = graph_walk.upstream_ops([ys])
@@ -198,10 +210,20 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                  for k, x in enumerate(xs)]
         sources = list(batch) + [t for r in reads for t in r.read_tensors]
         gather_ops = {op for r in reads for op in r.gather_ops}
-        replayed = graph_walk.downstream_ops(sources, ys_upstream) | gather_ops
-        for op in gather_ops:
+        call_ops = {op for r in reads for op, _ in r.call_inputs}
+        replayed = graph_walk.downstream_ops(sources, ys_upstream) | gather_ops | call_ops
+        for op in gather_ops | call_ops:
             replayed |= graph_walk.downstream_ops(op.outputs, ys_upstream)
         graph_walk.check_replayable(replayed, function_name)
+        # Rewrite the control-flow functions once now, so that a refusal comes before
+        # any op is added; the towers get their own rewrites in _replay.
+        call_positions = _call_positions(reads, xs)
+        trial = control_flow.FunctionRewriter(graph, function_name, "trial")
+        for op in replayed:
+            if op.type in control_flow.CALL_OP_TYPES:
+                positions = call_positions.get(op, {})
+                trial.rewrite_call(_node_def(op), _value_specs(positions, reads),
+                                   _where(op, positions, reads), 0)
         noisy = graph_walk.random_ops(replayed)
         if noisy:
             warnings.warn(
@@ -223,18 +245,23 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                     copies.append(None)
                     continue
                 with tf.name_scope(f"copies_{k}"):
-                    copies.append(tuple(tf.identity(r.copy_source, name=f"tower_{t}")
-                                        for t in range(T)))
+                    source = r.copy_source
+                    tower_copies = []
+                    for t in range(T):
+                        with _on_device(devices, t):
+                            tower_copies.append(tf.identity(source, name=f"tower_{t}"))
+                    copies.append(tuple(tower_copies))
             unique = sorted(set(first_index.values()))
-            outputs = _replay(ys, batch, [reads[k] for k in unique],
-                              [copies[k] for k in unique], slices, replayed, T, graph,
-                              function_name)
+            rewriter = control_flow.FunctionRewriter(
+                graph, function_name, graph.unique_name("pertower", mark_as_used=True))
+            outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
+                              slices, replayed, T, graph, function_name, devices)
             outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
                   slices=tuple(zip(*slices)), copies=tuple(copies), outputs=tuple(outputs),
-                  stacked=stacked)
+                  stacked=stacked, devices=devices)
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
@@ -339,23 +366,79 @@ def _check_tower_rows(outputs, ys, batch, B, T, function_name):
     return checked
 
 
-def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name):
-    """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...]."""
+def _on_device(devices, t):
+    """The device scope of tower t (none when `devices` is None)."""
+    if devices is None:
+        return contextlib.nullcontext()
+    return tf.device(devices[t % len(devices)])
+
+
+def _call_positions(reads, xs):
+    """{call op: {input index: k}}: the function-calling ops that get the handle of
+    xs[k] as an input (the first k of a weight listed twice)."""
+    positions = {}
+    first_index = {}
+    for k, r in enumerate(reads):
+        if first_index.setdefault(id(r.x), k) != k:
+            continue
+        for op, index in r.call_inputs:
+            positions.setdefault(op, {})[index] = k
+    return positions
+
+
+def _node_def(op):
+    node = op.node_def
+    for attr in _DROPPED_ATTRS:
+        if attr in node.attr:
+            del node.attr[attr]
+    return node
+
+
+def _value_specs(positions, reads):
+    """{input index: (DataType enum, shape)} of the weight values replacing handles."""
+    return {i: (reads[k].dtype.as_datatype_enum, _value_shape(reads[k]))
+            for i, k in positions.items()}
+
+
+def _value_shape(r):
+    if isinstance(r.x, tf.Variable):
+        return r.x.shape
+    handle_data = getattr(r.x, "_handle_data", None)
+    if handle_data is not None and handle_data.shape_and_type:
+        return tf.TensorShape(handle_data.shape_and_type[0].shape)
+    return tf.TensorShape(None)
+
+
+def _where(op, positions, reads):
+    if not positions:
+        return f"op {op.name!r} ({op.type})"
+    names = ", ".join(repr(reads[k].name) for k in positions.values())
+    return f"the weight {names} read inside op {op.name!r} ({op.type})"
+
+
+def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, replayed, T,
+            graph, function_name, devices):
+    """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...].
+
+    `reads[k]` and `copies[k]` belong to xs[k]; only the entries `unique` (the first of
+    a repeated weight) are mapped. Call ops in `call_positions` get their weight inputs
+    replaced by the copies and their functions by `rewriter`'s rewrites."""
     order = sorted(replayed, key=lambda op: op._id)  # pylint: disable=protected-access
     node_defs = {op: op.node_def for op in order}
     per_tower_inputs = [{} for _ in range(T)]  # tower t: tensor name -> replacement
     for j, b in enumerate(batch):
         for t in range(T):
             per_tower_inputs[t][b.name] = slices[j][t]
-    for r, tower_copies in zip(reads, copies):
-        for tensor in r.read_tensors:
+    for k in unique:
+        for tensor in reads[k].read_tensors:
             for t in range(T):
-                per_tower_inputs[t][tensor.name] = tower_copies[t]
-    gathers = {op: k for k, r in enumerate(reads) for op in r.gather_ops}
+                per_tower_inputs[t][tensor.name] = copies[k][t]
+    gathers = {op: k for k in unique for op in reads[k].gather_ops}
     axis_zero = tf.constant(0, name="gather_axis") if gathers else None
 
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
+    library = graph_def.library  # filled by `rewriter` below
     input_map, keys = {}, {}
     external_controls = []  # (tower node name, external op)
 
@@ -373,6 +456,8 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
             node = graph_def.node.add()
             node.CopyFrom(node_defs[op])
             node.name = f"t{t}/{op.name}"
+            if devices is not None:
+                node.device = devices[t % len(devices)]
             for attr in _DROPPED_ATTRS:
                 if attr in node.attr:
                     del node.attr[attr]
@@ -380,6 +465,12 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
             del node.input[:]
             if op in gathers:
                 inputs = _gather_inputs(node, op, copies[gathers[op]][t], axis_zero, key_for)
+            if op.type in control_flow.CALL_OP_TYPES:
+                positions = call_positions.get(op, {})
+                for i, k in positions.items():  # the handle input becomes the copy
+                    inputs[i] = key_for(copies[k][t])
+                rewriter.rewrite_call(node, _value_specs(positions, reads),
+                                      _where(op, positions, reads), t)
             for name in inputs:
                 if name.startswith("^"):
                     if name[1:] in replayed_names:
@@ -396,6 +487,7 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
                     node.input.append(name)
                 else:
                     node.input.append(key_for(graph.get_tensor_by_name(tensor_name)))
+    library.CopyFrom(rewriter.library)
     return_names = [f"t{t}/{ys.op.name}:{ys.value_index}" for t in range(T)]
     try:
         outputs = tf.graph_util.import_graph_def(
