@@ -4,6 +4,7 @@ Public surface:
     per_example_gradients, per_example_jacobians, microbatch_gradients,
     per_example_norms
     Towers, build_towers
+    PerExampleIndexedSlices (sparse=True results for embedding weights)
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
 
@@ -22,6 +23,7 @@ from pertower.reductions import flatten_per_example
 from pertower.reductions import global_norms
 from pertower.reductions import pairwise_cosine
 from pertower.reductions import pairwise_dot
+from pertower.sparse import PerExampleIndexedSlices
 from pertower.towers import Towers
 from pertower.towers import build_towers
 
@@ -34,6 +36,7 @@ __all__ = [
     "per_example_norms",
     "Towers",
     "build_towers",
+    "PerExampleIndexedSlices",
     "flatten",
     "flatten_per_example",
     "dot",

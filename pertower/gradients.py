@@ -9,9 +9,12 @@ Each function builds towers (see `pertower.towers`) and takes one `tf.gradients`
 over all tower copies (one per output entry for Jacobians).
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
+from pertower import _checks
 from pertower import towers as towers_lib
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
@@ -32,7 +35,8 @@ def check_method(method, function_name):
 
 
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto"):
+                          unconnected_gradients="zero", name=None, method="auto",
+                          sparse=False, devices=None):
     """The gradient of each example's value with respect to each weight.
 
     Args:
@@ -49,10 +53,17 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
       method: "towers" (replay the model once per example on weight copies), "rules"
         (per-op rules from one batched backward pass) or "auto" (rules where they
         apply, towers elsewhere).
+      sparse: False (default) for dense results only; True to get, for each weight
+        read only by gathers (an embedding), a `pertower.PerExampleIndexedSlices`
+        holding just the looked-up rows (see `pertower.sparse`); other weights stay
+        dense.
+      devices: None, or device strings: tower t (one per example) runs on
+        devices[t % len(devices)] (see `build_towers`).
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *x.shape], x's dtype: entry i is
-      `tf.gradients(tf.reduce_sum(ys[i]), x)` computed for example i alone.
+      `tf.gradients(tf.reduce_sum(ys[i]), x)` computed for example i alone (or a
+      `PerExampleIndexedSlices` with dense_shape [B, *x.shape] when sparse=True).
 
     Example:
       cost = (net(x) - y) ** 2                                   # [B, 1]
@@ -61,19 +72,32 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
       sess.run(grads, {x: X[:32], y: Y[:32]})
     """
     check_method(method, "per_example_gradients")
-    towers = towers_lib.build(ys, xs, batch, None, batch_size,
-                              name or "per_example_gradients", "per_example_gradients",
-                              "batch_size")
-    return towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    _checks.require_graph_mode("per_example_gradients")
+    with _graph_of(ys), tf.name_scope(name or "per_example_gradients"):
+        towers = towers_lib.build(ys, xs, batch, None, batch_size, "towers",
+                                  "per_example_gradients", "batch_size", devices)
+        return towers.gradients(unconnected_gradients=unconnected_gradients,
+                                name="gradients", sparse=sparse)
+
+
+def _graph_of(ys):
+    """The graph of `ys` as the default graph (a no-op context for bad input, which
+    `towers.build` then refuses with its own message)."""
+    graph = getattr(ys, "graph", None)
+    if isinstance(ys, tf.Tensor) and isinstance(graph, tf.Graph):
+        return graph.as_default()
+    return contextlib.nullcontext()
 
 
 def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=None,
-                         unconnected_gradients="zero", name=None, method="auto"):
+                         unconnected_gradients="zero", name=None, method="auto",
+                         sparse=False, devices=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
     Args:
-      ys, xs, batch, batch_size, unconnected_gradients, name, method: as in
-        `per_example_gradients`.
+      ys, xs, batch, batch_size, unconnected_gradients, name, method, sparse, devices:
+        as in `per_example_gradients` (with sparse=True, `example_ids` are
+        microbatch ids); tower m is microbatch m.
       num_microbatches: M, which must divide B; microbatch m holds examples
         m*B/M ... (m+1)*B/M - 1. None means one microbatch per example (M = B), as in
         TensorFlow Privacy.
@@ -88,19 +112,22 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
       cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
     """
     check_method(method, "microbatch_gradients")
-    towers = towers_lib.build(ys, xs, batch, num_microbatches, batch_size,
-                              name or "microbatch_gradients", "microbatch_gradients",
-                              "num_microbatches")
-    return towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    _checks.require_graph_mode("microbatch_gradients")
+    with _graph_of(ys), tf.name_scope(name or "microbatch_gradients"):
+        towers = towers_lib.build(ys, xs, batch, num_microbatches, batch_size, "towers",
+                                  "microbatch_gradients", "num_microbatches", devices)
+        return towers.gradients(unconnected_gradients=unconnected_gradients,
+                                name="gradients", sparse=sparse)
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto"):
+                          unconnected_gradients="zero", name=None, method="auto",
+                          devices=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
     Args:
       ys: per-example outputs, [B, *out]; `out` must be static (K = prod(out)).
-      xs, batch, batch_size, unconnected_gradients, name, method: as in
+      xs, batch, batch_size, unconnected_gradients, name, method, devices: as in
         `per_example_gradients`.
 
     Returns:
@@ -120,14 +147,21 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
             f"pertower.{function_name}: the output axes of `ys` ({ys.name}, shape "
             f"{ys.shape}) must be static to build one gradient per output entry; give "
             "the model's output layer a fixed size, or reshape `ys` to a static shape.")
-    towers = towers_lib.build(ys, xs, batch, None, batch_size, name or function_name,
-                              function_name, "batch_size")
+    _checks.require_graph_mode(function_name)
+    with _graph_of(ys), tf.name_scope(name or function_name):
+        towers = towers_lib.build(ys, xs, batch, None, batch_size, "towers", function_name,
+                                  "batch_size", devices)
+        return _jacobian_rows(towers, ys, unconnected_gradients)
+
+
+def _jacobian_rows(towers, ys, unconnected_gradients):
+    """One `towers.gradients` call per output entry, stacked to [B, *out, *x.shape]."""
     out = towers.stacked.shape[1:].as_list()
     K = int(np.prod(out, dtype=np.int64))
     B = towers.batch_size
     if not out:
         return towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
-    with tf.name_scope((name or function_name) + "_rows"):
+    with tf.name_scope("rows"):
         rows = []  # K x (list per x of [B, *x.shape])
         for k in range(K):
             # one-hot on output entry k for every example: [B, *out]

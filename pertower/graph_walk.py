@@ -24,8 +24,8 @@ _BATCH_SOURCE_OP_TYPES = frozenset(
     {"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
      "IteratorGetNextSync", "OptionalGetValue"}
 )
-# Ops of TF1 (v1) while loops: their gradients need Python-side loop contexts that a
-# replay cannot rebuild.
+# Ops of TF1 (v1) while loops: their gradients need the Python-side WhileContext that
+# tf.while_loop attached to its ops, which ops added by import_graph_def do not get.
 _V1_LOOP_OP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
                                "RefNextIteration", "LoopCond"})
 # Ops that read a resource variable's value through its handle, by how towers treat them.
@@ -188,6 +188,8 @@ def _resource_reads(x, name, handle, ys_upstream, function_name):
             gather_ops.append(op)
         elif op.type in control_flow.CALL_OP_TYPES:
             call_inputs.append((op, index))
+        elif op.type in _V1_LOOP_OP_TYPES:
+            raise _v1_loop_error(op, function_name, name)
         else:
             raise NotImplementedError(
                 f"pertower.{function_name}: the weight {name!r} is passed to op "
@@ -246,13 +248,22 @@ def check_replayable(replayed_ops, function_name):
     """Raises for ops that a tower replay cannot reproduce faithfully."""
     for op in sorted(replayed_ops, key=lambda o: o._id):  # pylint: disable=protected-access
         if op.type in _V1_LOOP_OP_TYPES:
-            raise NotImplementedError(
-                f"pertower.{function_name}: `ys` depends on the TF1 while loop around op "
-                f"{op.name!r} ({op.type}), between the batch and `ys`. Towers cannot replay "
-                "v1 while loops yet; build the model with control flow v2 (the default "
-                "unless tf.compat.v1.disable_v2_behavior() or "
-                "disable_control_flow_v2() was called) or with unroll=True."
-            )
+            raise _v1_loop_error(op, function_name)
+
+
+def _v1_loop_error(op, function_name, weight_name=None):
+    """The refusal of a TF1 (v1) while loop op between the batch (or a weight) and ys."""
+    what = f"the weight {weight_name!r} is read inside" if weight_name else "`ys` depends on"
+    return NotImplementedError(
+        f"pertower.{function_name}: {what} the TF1 (v1) while loop around "
+        f"op {op.name!r} ({op.type}), between the batch and `ys`. Towers cannot "
+        "replay v1 while loops: their gradients need the Python-side loop context "
+        "that tf.while_loop attached to the original ops, which a replayed copy "
+        "does not have. Build the model with control flow v2: call "
+        "tf.compat.v1.enable_control_flow_v2() before building it (this works "
+        "under tf.compat.v1.disable_v2_behavior() too), or use unroll=True for "
+        "Keras recurrent layers."
+    )
 
 
 def random_ops(replayed_ops):

@@ -17,11 +17,12 @@ from pertower import gradients as gradients_lib
 __all__ = ["per_example_norms"]
 
 
-def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto"):
+def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto",
+                      devices=None):
     """The L2 norm of each example's gradient over all of `xs`, [B].
 
     Args:
-      ys, xs, batch, batch_size, name, method: as in
+      ys, xs, batch, batch_size, name, method, devices: as in
         `pertower.per_example_gradients`; a weight `ys` does not reach adds 0.
 
     Returns:
@@ -36,7 +37,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     gradients_lib.check_method(method, function_name)
     with tf.name_scope(name or function_name):
         per_example = gradients_lib.per_example_gradients(
-            ys, xs, batch=batch, batch_size=batch_size, name="gradients", method=method)
+            ys, xs, batch=batch, batch_size=batch_size, name="gradients", method=method,
+            devices=devices)
         squares = []
         for g in per_example:                          # [B, *x.shape]
             axes = list(range(1, g.shape.rank))

@@ -32,6 +32,7 @@ from tensorflow.core.framework import graph_pb2
 from pertower import _checks
 from pertower import control_flow
 from pertower import graph_walk
+from pertower import sparse as sparse_lib
 
 __all__ = ["Towers", "build_towers"]
 
@@ -69,7 +70,7 @@ class Towers:
     stacked: tf.Tensor
     devices: tuple = None
 
-    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None):
+    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
         """One `tf.gradients` call over every tower's copies.
 
         Args:
@@ -77,6 +78,10 @@ class Towers:
             [B, ...], weighting each output entry (split by tower like the batch).
           unconnected_gradients: "zero" or "none", as in `tf.gradients`.
           name: name scope for the ops.
+          sparse: when True, a weight whose every tower gradient is a
+            `tf.IndexedSlices` (a weight read only by gathers, e.g. an embedding) gets
+            a `pertower.PerExampleIndexedSlices` (the looked-up rows, their ids and
+            their towers) instead of the dense [T, *x.shape].
 
         Returns:
           A list with one entry per x: [T, *x.shape], entry t the gradient of
@@ -110,6 +115,9 @@ class Towers:
                 position += T
                 if all(g is None for g in per_tower):
                     results.append(None)
+                    continue
+                if sparse and all(isinstance(g, tf.IndexedSlices) for g in per_tower):
+                    results.append(sparse_lib.stack_tower_slices(per_tower, copies))
                     continue
                 per_tower = [_dense(g, c) for g, c in zip(per_tower, copies)]
                 results.append(tf.stack(per_tower, axis=0))  # T x [*x.shape] -> [T, *x.shape]
