@@ -249,7 +249,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 if first != k:  # a repeated x shares its copies
                     copies.append(copies[first])
                     continue
-                if r.copy_source is None:  # `ys` does not reach x
+                if not r.reached:  # `ys` does not reach x
                     copies.append(None)
                     continue
                 with tf.name_scope(f"copies_{k}"):
