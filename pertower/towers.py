@@ -260,8 +260,9 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                             tower_copies.append(tf.identity(source, name=f"tower_{t}"))
                     copies.append(tuple(tower_copies))
             unique = sorted(set(first_index.values()))
-            rewriter = control_flow.FunctionRewriter(
-                graph, function_name, graph.unique_name("pertower", mark_as_used=True))
+            # a token unique in the graph names this build's function copies
+            token = graph.unique_name("pertower", mark_as_used=True).replace("/", "_")
+            rewriter = control_flow.FunctionRewriter(graph, function_name, token)
             outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
                               slices, replayed, T, graph, function_name, devices)
             outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
