@@ -6,9 +6,10 @@ Notation (used in every core module):
     x   one entry of `xs` (a weight)   S   the ops replayed in every tower
 
 The replayed part of the graph, S, is every op that `ys` depends on (through data
-edges) *and* that depends on a batch tensor or on a read of one of the weights. Ops
-that depend on neither (initializers, constants, other placeholders) are shared by
-all towers as they are.
+edges) *and* that depends on a batch tensor or on a read of one of the weights
+(including ops that get a weight's resource handle: gathers, and while loops, conds
+and function calls that read it in their bodies). Ops that depend on neither
+(initializers, constants, other placeholders) are shared by all towers as they are.
 """
 
 import collections

@@ -18,8 +18,11 @@ T = B these are per-example gradients; with T = M < B, microbatch gradients.
 
 The replay copies the NodeDefs of S into one GraphDef holding all T towers and adds it
 with one `tf.graph_util.import_graph_def` call, mapping the batch tensors to the
-tower's slices and the weight reads to the tower's copies. The user's ops, variables
-and values are left untouched; only new ops are added, under one name scope.
+tower's slices and the weight reads to the tower's copies. Ops that call functions
+reading a weight inside (while loops, conds, `tf.function` calls) get the copy as an
+input and rewritten functions (see `pertower.control_flow`). With `devices`, tower t's
+copies and replayed ops are placed on devices[t % len(devices)]. The user's ops,
+variables and values are left untouched; only new ops are added, under one name scope.
 """
 
 import contextlib
@@ -227,7 +230,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
         # any op is added; the towers get their own rewrites in _replay.
         call_positions = _call_positions(reads, xs)
         trial = control_flow.FunctionRewriter(graph, function_name, "trial")
-        for op in replayed:
+        for op in sorted(replayed, key=lambda op: op._id):  # pylint: disable=protected-access
             if op.type in control_flow.CALL_OP_TYPES:
                 positions = call_positions.get(op, {})
                 trial.rewrite_call(_node_def(op), _value_specs(positions, reads),
@@ -396,6 +399,7 @@ def _call_positions(reads, xs):
 
 
 def _node_def(op):
+    """A copy of op's NodeDef without the attributes a replay drops."""
     node = op.node_def
     for attr in _DROPPED_ATTRS:
         if attr in node.attr:
@@ -410,6 +414,7 @@ def _value_specs(positions, reads):
 
 
 def _value_shape(r):
+    """The static shape of the weight value of `r` (a WeightReads)."""
     if isinstance(r.x, tf.Variable):
         return r.x.shape
     handle_data = getattr(r.x, "_handle_data", None)
@@ -419,6 +424,7 @@ def _value_shape(r):
 
 
 def _where(op, positions, reads):
+    """Names the call op (and the weights it reads) in error messages."""
     if not positions:
         return f"op {op.name!r} ({op.type})"
     names = ", ".join(repr(reads[k].name) for k in positions.values())
@@ -447,7 +453,6 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
 
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
-    library = graph_def.library  # filled by `rewriter` below
     input_map, keys = {}, {}
     external_controls = []  # (tower node name, external op)
 
@@ -496,7 +501,7 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
                     node.input.append(name)
                 else:
                     node.input.append(key_for(graph.get_tensor_by_name(tensor_name)))
-    library.CopyFrom(rewriter.library)
+    graph_def.library.CopyFrom(rewriter.library)  # the towers' control-flow functions
     return_names = [f"t{t}/{ys.op.name}:{ys.value_index}" for t in range(T)]
     try:
         outputs = tf.graph_util.import_graph_def(
