@@ -239,3 +239,25 @@ def test_recurrent_layers_under_disable_v2_behavior():
         capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "legacy control flow checks: 2 passed, 0 failed" in result.stdout, result.stdout
+
+
+def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
+    """A text model: Embedding(mask_zero) -> Bidirectional(LSTM) (two While ops with a
+    mask) -> pooling -> Dense, the embedding's gradients sparse."""
+    with tf.Graph().as_default() as graph:
+        tf.compat.v1.set_random_seed(15)
+        ids = tf.compat.v1.placeholder(tf.int32, [None, 5], name="ids")
+        embedding = keras.layers.Embedding(10, 4, mask_zero=True)
+        rnn = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True))
+        pooled = keras.layers.GlobalAveragePooling1D()(rnn(embedding(ids)))   # [B, 6]
+        ys = keras.layers.Dense(1)(pooled)[:, 0]                                # [B]
+        xs = tf.compat.v1.trainable_variables()
+        loop = oracle.SliceLoop(ys, xs)
+        grads = pertower.per_example_gradients(ys, xs, batch_size=3, sparse=True)
+        assert isinstance(grads[0], pertower.PerExampleIndexedSlices)
+        dense = [grads[0].to_dense()] + grads[1:]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
+            common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
+                                    "masked bidirectional LSTM")
