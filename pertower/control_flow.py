@@ -50,6 +50,7 @@ _CALLS = {
     "StatefulPartitionedCall": (("f",), 0, "Tin", False),
 }
 CALL_OP_TYPES = frozenset(_CALLS)
+_FUNCTION_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 _WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
 # Attributes of a call op that refer to the original inputs or gradient of the call.
 _STALE_CALL_ATTRS = ("_gradient_op_type",)
@@ -76,16 +77,25 @@ class FunctionRewriter:
         self._names = {}       # (function, ((arg, dtype), ...), tower) -> new name
         self._generated = {}   # new function name -> FunctionDef
 
-    def rewrite_call(self, node, positions, where, tower):
+    def rewrite_call(self, node, positions, where, tower, predicate):
         """Edits `node`, a NodeDef of a call op, so its inputs `positions` take values.
 
+        A function call (`PartitionedCall`, `StatefulPartitionedCall`) becomes an `If`
+        on a constant True whose two branches are copies of the function: it computes
+        the same, and cond_v2 differentiates it in Python with every op's registered
+        gradient (the `SymbolicGradient` TensorFlow would use for an imported call
+        knows only the ops with C++ gradients; `GatherV2` is not among them).
+
         Args:
-          node: the NodeDef (edited in place: types, shapes, function names).
+          node: the NodeDef (edited in place: types, shapes, function names, and for
+            a function call the op type and a first input `predicate`).
           positions: {op input index: (DataType enum, TensorShape)} of the inputs that
             carried a weight's handle and now carry its value (may be empty: the
             functions are still copied for the tower).
           where: a description of the weight and op for error messages.
           tower: the tower index, part of the new function names.
+          predicate: a callable returning the input reference of a boolean True
+            (called only when a function call is turned into an If).
 
         Returns:
           {output index: (DataType enum, TensorShape)}: the outputs that now carry a
@@ -108,6 +118,12 @@ class FunctionRewriter:
             old = node.attr[attr].func.name
             node.attr[attr].func.name = self._rewrite_function(
                 old, arguments, loops and attr == "body", f"{where}, op {node.name!r}", tower)
+        if node.op in _FUNCTION_CALL_OP_TYPES:
+            # a second copy of the function as the else branch, so that cond_v2's
+            # rewrite of the two branches cannot give two functions one name
+            else_branch = self._rewrite_function(old, arguments, False, where, tower, "_else")
+            _call_to_if(node, else_branch, predicate)
+            return {}
         if "_read_only_resource_inputs" in node.attr:
             kept = [i for i in node.attr["_read_only_resource_inputs"].list.i
                     if i not in positions]
@@ -132,13 +148,15 @@ class FunctionRewriter:
                 "library, so towers cannot rewrite it.")
         return function.cached_definition
 
-    def _rewrite_function(self, name, arguments, loop_body, where, tower):
+    def _rewrite_function(self, name, arguments, loop_body, where, tower, variant=""):
         """Tower `tower`'s copy of the function `name`, with `arguments`
-        {index: (dtype, shape)} turned into values; returns its name."""
-        key = (name, tuple(sorted((i, dtype) for i, (dtype, _) in arguments.items())), tower)
+        {index: (dtype, shape)} turned into values; returns its name. `variant`
+        tells apart several copies of one function for one tower."""
+        key = (name, tuple(sorted((i, dtype) for i, (dtype, _) in arguments.items())), tower,
+               variant)
         if key in self._names:
             return self._names[key]
-        new_name = f"{name}_{self.token}_t{tower}"
+        new_name = f"{name}_{self.token}_t{tower}{variant}"
         if arguments:
             new_name += "_a" + "_".join(str(i) for i in sorted(arguments))
         self._names[key] = new_name
@@ -182,7 +200,7 @@ class FunctionRewriter:
                 self._rewrite_node(node, hits, values, renames, extra_nodes, where, tower)
         for node in fdef.node_def:  # nested calls that read no weight: copy for the tower
             if node.name not in done and node.op in _CALLS:
-                self.rewrite_call(node, {}, where, tower)
+                self.rewrite_call(node, {}, where, tower, _true_node(node.name, extra_nodes))
         fdef.node_def.extend(extra_nodes)
         for node in fdef.node_def:
             inputs = [renames.get(ref, ref) for ref in node.input]
@@ -238,7 +256,8 @@ class FunctionRewriter:
             node.attr["T"].type = dtype
             values[f"{node.name}:output:0"] = (dtype, shape)
         elif node.op in _CALLS:
-            outputs = self.rewrite_call(node, hits, where, tower)
+            outputs = self.rewrite_call(node, hits, where, tower,
+                                        _true_node(node.name, extra_nodes))
             for i, spec in outputs.items():
                 values[f"{node.name}:output:{i}"] = spec
         else:
@@ -248,6 +267,42 @@ class FunctionRewriter:
                 "ReadVariableOp, ResourceGather, Identity and nested While/If/function "
                 "calls inside a function body (a body that writes or otherwise uses the "
                 "variable cannot be replayed on a copy). Leave this weight out of `xs`.")
+
+
+def _call_to_if(node, else_branch, predicate):
+    """Turns a function-call NodeDef (its function `f` already rewritten) into
+    If(True, f, else_branch)."""
+    stateful = node.op == "StatefulPartitionedCall"
+    then_branch = node.attr["f"].func.name
+    kept = {name: node.attr[name] for name in ("Tin", "Tout")}
+    kept = {name: type(value)(list=value.list) for name, value in kept.items()}
+    for attr in list(node.attr):
+        del node.attr[attr]
+    node.op = "If" if stateful else "StatelessIf"
+    node.attr["Tcond"].type = types_pb2.DT_BOOL
+    for name, value in kept.items():
+        node.attr[name].CopyFrom(value)
+    node.attr["then_branch"].func.name = then_branch
+    node.attr["else_branch"].func.name = else_branch
+    node.attr["output_shapes"].list.SetInParent()
+    node.attr["_lower_using_switch_merge"].b = True
+    node.input.insert(0, predicate())
+
+
+def _true_node(name, extra_nodes):
+    """A callable that adds a FunctionDef node Const bool True next to node `name`
+    and returns its output reference."""
+
+    def add():
+        node = tf.compat.v1.NodeDef()
+        node.name = f"{name}/pertower_true"
+        node.op = "Const"
+        node.attr["dtype"].type = types_pb2.DT_BOOL
+        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(True, dtype=tf.bool))
+        extra_nodes.append(node)
+        return f"{node.name}:output:0"
+
+    return add
 
 
 def _axis_zero_node(name):

@@ -234,7 +234,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
             if op.type in control_flow.CALL_OP_TYPES:
                 positions = call_positions.get(op, {})
                 trial.rewrite_call(_node_def(op), _value_specs(positions, reads),
-                                   _where(op, positions, reads), 0)
+                                   _where(op, positions, reads), 0, lambda: "trial")
         noisy = graph_walk.random_ops(replayed)
         if noisy:
             warnings.warn(
@@ -450,6 +450,12 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
                 per_tower_inputs[t][tensor.name] = copies[k][t]
     gathers = {op: k for k in unique for op in reads[k].gather_ops}
     axis_zero = tf.constant(0, name="gather_axis") if gathers else None
+    true_constant = []  # the predicate of function calls turned into If ops, made once
+
+    def true_key():
+        if not true_constant:
+            true_constant.append(tf.constant(True, name="call_predicate"))
+        return key_for(true_constant[0])
 
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
@@ -480,11 +486,8 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
             if op in gathers:
                 inputs = _gather_inputs(node, op, copies[gathers[op]][t], axis_zero, key_for)
             if op.type in control_flow.CALL_OP_TYPES:
-                positions = call_positions.get(op, {})
-                for i, k in positions.items():  # the handle input becomes the copy
+                for i, k in call_positions.get(op, {}).items():  # the handle becomes the copy
                     inputs[i] = key_for(copies[k][t])
-                rewriter.rewrite_call(node, _value_specs(positions, reads),
-                                      _where(op, positions, reads), t)
             for name in inputs:
                 if name.startswith("^"):
                     if name[1:] in replayed_names:
@@ -501,6 +504,10 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
                     node.input.append(name)
                 else:
                     node.input.append(key_for(graph.get_tensor_by_name(tensor_name)))
+            if op.type in control_flow.CALL_OP_TYPES:  # after the inputs are mapped
+                positions = call_positions.get(op, {})
+                rewriter.rewrite_call(node, _value_specs(positions, reads),
+                                      _where(op, positions, reads), t, true_key)
     graph_def.library.CopyFrom(rewriter.library)  # the towers' control-flow functions
     return_names = [f"t{t}/{ys.op.name}:{ys.value_index}" for t in range(T)]
     try:

@@ -126,6 +126,31 @@ def _function_case(B=4):
     return common.Case("tf.function", graph, None, ys, [w], feed, [x], B, outputs=out)
 
 
+def _gathers_in_functions_case(B=4):
+    """An embedding table gathered inside a tf.function and inside a while loop body
+    that also calls that tf.function (ResourceGather -> GatherV2 in the functions)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(16)
+        ids = tf.compat.v1.placeholder(tf.int32, [None, 3], name="ids")
+        table = tf.compat.v1.get_variable("table", [6, 2])
+
+        @tf.function(autograph=False)
+        def look(i):
+            return tf.nn.embedding_lookup(table, i)
+
+        def body(k, h):
+            rows = tf.nn.embedding_lookup(table, ids[:, k]) * look(ids[:, 0])   # [B, 2]
+            return k + 1, h + tf.reduce_sum(rows ** 2, axis=1)
+
+        _, acc = tf.while_loop(lambda k, h: k < 3, body,
+                               [tf.constant(0), tf.zeros_like(tf.cast(ids[:, 0], tf.float32))])
+        out = tf.sin(look(ids))                                                # [B, 3, 2]
+        ys = acc + tf.reduce_sum(out, axis=[1, 2])                             # [B]
+    feed = {ids: np.array([[1, 2, 2], [0, 5, 3], [4, 4, 4], [5, 1, 0]])[:B]}
+    return common.Case("gathers in functions", graph, None, ys, [table], feed, [ids], B)
+
+
 CASES = {
     "SimpleRNN": lambda: _build(_rnn_case("SimpleRNN", False), jacobians=True),
     "GRU": lambda: _build(_rnn_case("GRU", False), microbatches=False),
@@ -136,6 +161,7 @@ CASES = {
     "cond": lambda: _build(_cond_case(), methods=("towers", "auto"), jacobians=True),
     "while_loop": lambda: _build(_while_case(), methods=("towers", "auto")),
     "tf.function": lambda: _build(_function_case()),
+    "gathers_in_functions": lambda: _build(_gathers_in_functions_case()),
 }
 
 
