@@ -35,6 +35,7 @@ and ops are untouched.
 """
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import function_pb2
 from tensorflow.core.framework import types_pb2
 
@@ -51,7 +52,6 @@ _CALLS = {
 }
 CALL_OP_TYPES = frozenset(_CALLS)
 _FUNCTION_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
-_WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
 # Attributes of a call op that refer to the original inputs or gradient of the call.
 _STALE_CALL_ATTRS = ("_gradient_op_type",)
 
@@ -74,7 +74,7 @@ class FunctionRewriter:
         self.function_name = function_name
         self.token = token
         self.library = function_pb2.FunctionDefLibrary()
-        self._names = {}       # (function, ((arg, dtype), ...), tower) -> new name
+        self._names = {}       # (function, ((arg, dtype), ...), tower, variant) -> new name
         self._generated = {}   # new function name -> FunctionDef
 
     def rewrite_call(self, node, positions, where, tower, predicate):
@@ -274,8 +274,10 @@ def _call_to_if(node, else_branch, predicate):
     If(True, f, else_branch)."""
     stateful = node.op == "StatefulPartitionedCall"
     then_branch = node.attr["f"].func.name
-    kept = {name: node.attr[name] for name in ("Tin", "Tout")}
-    kept = {name: type(value)(list=value.list) for name, value in kept.items()}
+    kept = {}  # the input and output types carry over
+    for name in ("Tin", "Tout"):
+        kept[name] = attr_value_pb2.AttrValue()
+        kept[name].CopyFrom(node.attr[name])
     for attr in list(node.attr):
         del node.attr[attr]
     node.op = "If" if stateful else "StatelessIf"
