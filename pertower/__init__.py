@@ -5,6 +5,7 @@ Public surface:
     per_example_norms
     Towers, build_towers
     check_independence, estimate_memory
+    PerExampleIndexedSlices (sparse=True results for embedding weights)
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
     DPOptimizer, compute_epsilon
@@ -39,6 +40,7 @@ from pertower.reductions import flatten_per_example
 from pertower.reductions import global_norms
 from pertower.reductions import pairwise_cosine
 from pertower.reductions import pairwise_dot
+from pertower.sparse import PerExampleIndexedSlices
 from pertower.towers import Towers
 from pertower.towers import build_towers
 
@@ -53,6 +55,7 @@ __all__ = [
     "build_towers",
     "check_independence",
     "estimate_memory",
+    "PerExampleIndexedSlices",
     "flatten",
     "flatten_per_example",
     "dot",

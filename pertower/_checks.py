@@ -78,3 +78,29 @@ def positive_int(value, argument, function_name):
             f"pertower.{function_name}: `{argument}` must be a positive integer, but "
             f"received {value!r}.")
     return int(value)
+
+
+def device_list(devices, function_name):
+    """`devices` as a tuple of canonical device strings, or None; raises on bad input."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
+        raise TypeError(
+            f"pertower.{function_name}: `devices` must be a list of device strings (for "
+            f"example ['/cpu:0', '/cpu:1']), but received {devices!r:.80}.")
+    if not devices:
+        raise ValueError(f"pertower.{function_name}: `devices` is empty; pass at least one "
+                         "device string, or None to leave placement to TensorFlow.")
+    canonical = []
+    for j, device in enumerate(devices):
+        if isinstance(device, tf.DeviceSpec):
+            device = device.to_string()
+        if not isinstance(device, str):
+            raise TypeError(f"pertower.{function_name}: `devices[{j}]` must be a device "
+                            f"string, but received {type(device).__name__} ({device!r:.80}).")
+        try:
+            canonical.append(tf.DeviceSpec.from_string(device).to_string())
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"pertower.{function_name}: `devices[{j}]` ({device!r}) is not a "
+                             f"device string: {error}") from None
+    return tuple(canonical)

@@ -9,9 +9,12 @@ Each function builds towers (see `pertower.towers`) and takes one `tf.gradients`
 over all tower copies (one per output entry for Jacobians).
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
+from pertower import _checks
 from pertower import independence
 from pertower import memory
 from pertower import towers as towers_lib
@@ -35,7 +38,7 @@ def check_method(method, function_name):
 
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients="zero", name=None, method="auto",
-                          validate=False, memory_limit=None):
+                          validate=False, memory_limit=None, sparse=False, devices=None):
     """The gradient of each example's value with respect to each weight.
 
     Args:
@@ -58,10 +61,17 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
       memory_limit: refuse when the estimated bytes (see `pertower.estimate_memory`)
         exceed this; None means half of the machine's physical memory,
         float("inf") switches the guard off.
+      sparse: False (default) for dense results only; True to get, for each weight
+        read only by gathers (an embedding), a `pertower.PerExampleIndexedSlices`
+        holding just the looked-up rows (see `pertower.sparse`); other weights stay
+        dense.
+      devices: None, or device strings: tower t (one per example) runs on
+        devices[t % len(devices)] (see `build_towers`).
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *x.shape], x's dtype: entry i is
-      `tf.gradients(tf.reduce_sum(ys[i]), x)` computed for example i alone.
+      `tf.gradients(tf.reduce_sum(ys[i]), x)` computed for example i alone (or a
+      `PerExampleIndexedSlices` with dense_shape [B, *x.shape] when sparse=True).
 
     Example:
       cost = (net(x) - y) ** 2                                   # [B, 1]
@@ -69,27 +79,36 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
                                              batch_size=32)      # [32, *w.shape] each
       sess.run(grads, {x: X[:32], y: Y[:32]})
     """
-    check_method(method, "per_example_gradients")
-    memory.check_memory(ys, xs, batch, batch_size, None, 1, memory_limit,
-                        "per_example_gradients")  # memory.py: refuse what cannot fit
-    towers = towers_lib.build(ys, xs, batch, None, batch_size,
-                              name or "per_example_gradients", "per_example_gradients",
-                              "batch_size")
-    results = towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
-    if validate:  # independence.py: run-time check that towers reproduce ys
-        results = independence.validated(results, towers.ys, towers.stacked,
-                                         "per_example_gradients")
-    return results
+    function_name = "per_example_gradients"
+    check_method(method, function_name)
+    _checks.require_graph_mode(function_name)
+    memory.check_memory(ys, xs, batch, batch_size, None, 1, memory_limit, function_name)
+    with _graph_of(ys), tf.name_scope(name or function_name):
+        towers = towers_lib.build(ys, xs, batch, None, batch_size, "towers",
+                                  function_name, "batch_size", devices)
+        results = towers.gradients(unconnected_gradients=unconnected_gradients,
+                                   name="gradients", sparse=sparse)
+        return _validated(results, towers, validate, function_name)
+
+
+def _graph_of(ys):
+    """The graph of `ys` as the default graph (a no-op context for bad input, which
+    `towers.build` then refuses with its own message)."""
+    graph = getattr(ys, "graph", None)
+    if isinstance(ys, tf.Tensor) and isinstance(graph, tf.Graph):
+        return graph.as_default()
+    return contextlib.nullcontext()
 
 
 def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=None,
                          unconnected_gradients="zero", name=None, method="auto",
-                         validate=False, memory_limit=None):
+                         validate=False, memory_limit=None, sparse=False, devices=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
     Args:
       ys, xs, batch, batch_size, unconnected_gradients, name, method, validate,
-        memory_limit: as in `per_example_gradients`.
+        memory_limit, sparse, devices: as in `per_example_gradients` (with sparse=True, `example_ids` are
+        microbatch ids); tower m is microbatch m.
       num_microbatches: M, which must divide B; microbatch m holds examples
         m*B/M ... (m+1)*B/M - 1. None means one microbatch per example (M = B), as in
         TensorFlow Privacy.
@@ -103,28 +122,28 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
                                         batch_size=2 * n)
       cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
     """
-    check_method(method, "microbatch_gradients")
+    function_name = "microbatch_gradients"
+    check_method(method, function_name)
+    _checks.require_graph_mode(function_name)
     memory.check_memory(ys, xs, batch, batch_size, num_microbatches, 1, memory_limit,
-                        "microbatch_gradients")  # memory.py: refuse what cannot fit
-    towers = towers_lib.build(ys, xs, batch, num_microbatches, batch_size,
-                              name or "microbatch_gradients", "microbatch_gradients",
-                              "num_microbatches")
-    results = towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
-    if validate:  # independence.py: run-time check that towers reproduce ys
-        results = independence.validated(results, towers.ys, towers.stacked,
-                                         "microbatch_gradients")
-    return results
+                        function_name)
+    with _graph_of(ys), tf.name_scope(name or function_name):
+        towers = towers_lib.build(ys, xs, batch, num_microbatches, batch_size, "towers",
+                                  function_name, "num_microbatches", devices)
+        results = towers.gradients(unconnected_gradients=unconnected_gradients,
+                                   name="gradients", sparse=sparse)
+        return _validated(results, towers, validate, function_name)
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients="zero", name=None, method="auto",
-                          validate=False, memory_limit=None):
+                          validate=False, memory_limit=None, devices=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
     Args:
       ys: per-example outputs, [B, *out]; `out` must be static (K = prod(out)).
       xs, batch, batch_size, unconnected_gradients, name, method, validate,
-        memory_limit: as in `per_example_gradients`.
+        memory_limit, devices: as in `per_example_gradients`.
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *out, *x.shape]: entry
@@ -143,23 +162,33 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
             f"pertower.{function_name}: the output axes of `ys` ({ys.name}, shape "
             f"{ys.shape}) must be static to build one gradient per output entry; give "
             "the model's output layer a fixed size, or reshape `ys` to a static shape.")
-    K_static = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
+    _checks.require_graph_mode(function_name)
+    K = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
         ys, tf.Tensor) and ys.shape.rank else 1
-    memory.check_memory(ys, xs, batch, batch_size, None, K_static, memory_limit,
-                        function_name)  # memory.py: refuse what cannot fit
-    towers = towers_lib.build(ys, xs, batch, None, batch_size, name or function_name,
-                              function_name, "batch_size")
+    memory.check_memory(ys, xs, batch, batch_size, None, K, memory_limit, function_name)
+    with _graph_of(ys), tf.name_scope(name or function_name):
+        towers = towers_lib.build(ys, xs, batch, None, batch_size, "towers", function_name,
+                                  "batch_size", devices)
+        results = _jacobian_rows(towers, ys, unconnected_gradients)
+        return _validated(results, towers, validate, function_name)
+
+
+def _validated(results, towers, validate, function_name):
+    """`results`, gated on the run-time check that the towers reproduce `ys` when
+    `validate` (see `pertower.independence`)."""
+    if not validate:
+        return results
+    return independence.validated(results, towers.ys, towers.stacked, function_name)
+
+
+def _jacobian_rows(towers, ys, unconnected_gradients):
+    """One `towers.gradients` call per output entry, stacked to [B, *out, *x.shape]."""
     out = towers.stacked.shape[1:].as_list()
     K = int(np.prod(out, dtype=np.int64))
     B = towers.batch_size
     if not out:
-        results = towers.gradients(unconnected_gradients=unconnected_gradients,
-                                   name="gradients")
-        if validate:  # independence.py: run-time check that towers reproduce ys
-            results = independence.validated(results, towers.ys, towers.stacked,
-                                             function_name)
-        return results
-    with tf.name_scope((name or function_name) + "_rows"):
+        return towers.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    with tf.name_scope("rows"):
         rows = []  # K x (list per x of [B, *x.shape])
         for k in range(K):
             # one-hot on output entry k for every example: [B, *out]
@@ -181,7 +210,4 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                 new_shape = tf.concat([[B] + out, tf.shape(x)], axis=0)
             # [B, K, *x.shape] -> [B, *out, *x.shape]
             results.append(tf.reshape(stacked, new_shape))
-        if validate:  # independence.py: run-time check that towers reproduce ys
-            results = independence.validated(results, towers.ys, towers.stacked,
-                                             function_name)
         return results

@@ -6,9 +6,10 @@ Notation (used in every core module):
     x   one entry of `xs` (a weight)   S   the ops replayed in every tower
 
 The replayed part of the graph, S, is every op that `ys` depends on (through data
-edges) *and* that depends on a batch tensor or on a read of one of the weights. Ops
-that depend on neither (initializers, constants, other placeholders) are shared by
-all towers as they are.
+edges) *and* that depends on a batch tensor or on a read of one of the weights
+(including ops that get a weight's resource handle: gathers, and while loops, conds
+and function calls that read it in their bodies). Ops that depend on neither
+(initializers, constants, other placeholders) are shared by all towers as they are.
 """
 
 import collections
@@ -17,14 +18,15 @@ import tensorflow as tf
 from tensorflow.python.ops import ref_variable
 
 from pertower import _checks
+from pertower import control_flow
 
 # Ops whose outputs carry a batch on axis 0 when `batch` is not given.
 _BATCH_SOURCE_OP_TYPES = frozenset(
     {"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
      "IteratorGetNextSync", "OptionalGetValue"}
 )
-# Ops of TF1 (v1) while loops: their gradients need Python-side loop contexts that a
-# replay cannot rebuild.
+# Ops of TF1 (v1) while loops: their gradients need the Python-side WhileContext that
+# tf.while_loop attached to its ops, which ops added by import_graph_def do not get.
 _V1_LOOP_OP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
                                "RefNextIteration", "LoopCond"})
 # Ops that read a resource variable's value through its handle, by how towers treat them.
@@ -34,20 +36,69 @@ _GATHER_OP_TYPES = {"ResourceGather": "GatherV2", "ResourceGatherNd": "GatherNd"
 _HANDLE_FORWARDING_OP_TYPES = frozenset({"Identity", "IdentityN"})
 
 
-class WeightReads(collections.namedtuple(
-        "WeightReads", ["x", "name", "read_tensors", "gather_ops", "copy_source"])):
+class WeightReads:
     """Where one entry of `xs` enters the computation of `ys`.
 
-    Fields:
+    Attributes:
       x: the entry of `xs` as given (variable or tensor).
       name: a readable name for messages.
       read_tensors: tensors holding the weight's value that ops in S consume; each
         tower maps them to its own copy.
       gather_ops: `ResourceGather` ops in S that read rows through the handle; towers
         replay them as a plain gather from their copy.
-      copy_source: the tensor the towers' `tf.identity` copies are taken of, or None
-        when `ys` does not reach the weight.
+      call_inputs: (op, input index) pairs of function-calling ops (While, If,
+        PartitionedCall, ...) that get the weight's resource handle and read it in
+        their bodies; towers give them their copy (see `pertower.control_flow`).
+      handle: the resource handle, or None (reference variables and tensors).
+      reached: whether `ys` depends on the weight at all.
+      value: a tensor already holding the weight's value (a reference variable's
+        snapshot), or None.
     """
+
+    def __init__(self, x, name, read_tensors=(), gather_ops=(), call_inputs=(), handle=None,
+                 value=None):
+        self.x = x
+        self.name = name
+        self.read_tensors = list(read_tensors)
+        self.gather_ops = list(gather_ops)
+        self.call_inputs = list(call_inputs)
+        self.handle = handle
+        self.reached = bool(self.read_tensors or self.gather_ops or self.call_inputs)
+        self._read = value
+
+    @property
+    def copy_source(self):
+        """The tensor the towers' `tf.identity` copies are taken of, or None when `ys`
+        does not reach the weight. A weight read only through its handle (gathers,
+        control-flow bodies) gets one `ReadVariableOp`, made on first use under the
+        name scope current at that time (so it lands in the caller's scope)."""
+        if not self.reached:
+            return None
+        if self._read is None and self.read_tensors:
+            self._read = self.read_tensors[0]
+        if self._read is None:
+            with tf.control_dependencies(None):
+                self._read = tf.raw_ops.ReadVariableOp(
+                    resource=self.handle, dtype=self.dtype, name="read")
+        return self._read
+
+    @property
+    def dtype(self):
+        """The dtype of the weight's value."""
+        if self.gather_ops and not isinstance(self.x, tf.Variable):
+            return self.gather_ops[0].get_attr("dtype")
+        return _value_dtype(self.x)
+
+
+def _value_dtype(x):
+    """The dtype of the value `x` (a variable, a tensor or a resource handle) holds."""
+    if x.dtype != tf.resource:
+        return x.dtype.base_dtype
+    handle_data = getattr(x, "_handle_data", None)
+    if handle_data is not None and handle_data.shape_and_type:
+        return tf.as_dtype(handle_data.shape_and_type[0].dtype)
+    raise TypeError(f"pertower: the resource tensor {x.name} carries no dtype; pass the "
+                    "variable instead of its handle.")
 
 
 def upstream_ops(tensors):
@@ -113,7 +164,8 @@ def _weight_name(x):
 
 
 def _handle_consumers(handle, within):
-    """Consumers in `within` of a resource handle, looking through Identity ops."""
+    """(op, input index) pairs of the consumers in `within` of a resource handle,
+    looking through Identity ops."""
     found = []
     stack = [handle]
     while stack:
@@ -124,36 +176,33 @@ def _handle_consumers(handle, within):
             if op.type in _HANDLE_FORWARDING_OP_TYPES:
                 stack.extend(out for out in op.outputs if out.dtype == tf.resource)
             else:
-                found.append(op)
+                found.extend((op, i) for i, t in enumerate(op.inputs) if t is tensor)
     return found
 
 
 def _resource_reads(x, name, handle, ys_upstream, function_name):
-    read_tensors, gather_ops = [], []
-    for op in _handle_consumers(handle, ys_upstream):
+    read_tensors, gather_ops, call_inputs = [], [], []
+    for op, index in _handle_consumers(handle, ys_upstream):
         if op.type in _READ_OP_TYPES:
             read_tensors.append(op.outputs[0])
         elif op.type in _GATHER_OP_TYPES:
             gather_ops.append(op)
+        elif op.type in control_flow.CALL_OP_TYPES:
+            call_inputs.append((op, index))
+        elif op.type in _V1_LOOP_OP_TYPES:
+            raise _v1_loop_error(op, function_name, name)
         else:
             raise NotImplementedError(
-                f"pertower.{function_name}: the weight {name!r} is read inside op "
-                f"{op.name!r} of type {op.type} (for example the while loop of a Keras "
-                "LSTM/GRU/SimpleRNN, or a tf.cond/tf.function body). Towers cannot yet "
-                "give their weight copies to functional control-flow bodies; build "
-                "recurrent layers with unroll=True, or leave this weight out of `xs`."
+                f"pertower.{function_name}: the weight {name!r} is passed to op "
+                f"{op.name!r} of type {op.type}, which towers cannot give a weight copy to "
+                "(they rewrite ReadVariableOp, ResourceGather and the function-calling ops "
+                f"{', '.join(sorted(control_flow.CALL_OP_TYPES))}). Leave this weight out "
+                "of `xs`, or compute `ys` with a plain read of it."
             )
-    read_tensors.sort(key=lambda t: t.op._id)  # pylint: disable=protected-access
-    gather_ops.sort(key=lambda op: op._id)  # pylint: disable=protected-access
-    if read_tensors:
-        copy_source = read_tensors[0]
-    elif gather_ops:
-        with tf.control_dependencies(None):
-            copy_source = x.value() if isinstance(x, tf.Variable) else (
-                tf.raw_ops.ReadVariableOp(resource=handle, dtype=gather_ops[0].get_attr("dtype")))
-    else:
-        copy_source = None
-    return WeightReads(x, name, read_tensors, gather_ops, copy_source)
+    read_tensors = sorted(set(read_tensors), key=lambda t: t.op._id)  # pylint: disable=protected-access
+    gather_ops = sorted(set(gather_ops), key=lambda op: op._id)  # pylint: disable=protected-access
+    call_inputs.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
+    return WeightReads(x, name, read_tensors, gather_ops, call_inputs, handle)
 
 
 def weight_reads(x, index, ys_upstream, batch, function_name):
@@ -167,8 +216,7 @@ def weight_reads(x, index, ys_upstream, batch, function_name):
     if isinstance(x, ref_variable.RefVariable):
         ref = x._variable  # pylint: disable=protected-access
         reached = any(c in ys_upstream for c in ref.consumers())
-        return WeightReads(x, x.name, [ref] if reached else [], [],
-                           x.value() if reached else None)
+        return WeightReads(x, x.name, [ref] if reached else [], value=x.value())
     if isinstance(x, tf.Variable):
         handle = getattr(x, "handle", None)
         if handle is None or not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
@@ -190,7 +238,7 @@ def weight_reads(x, index, ys_upstream, batch, function_name):
                 "weights (variables, or tensors that do not depend on the batch)."
             )
         reached = x.op in ys_upstream and any(c in ys_upstream for c in x.consumers())
-        return WeightReads(x, x.name, [x] if reached else [], [], x if reached else None)
+        return WeightReads(x, x.name, [x] if reached else [])
     raise TypeError(
         f"pertower.{function_name}: `xs[{index}]` must be a tf.Variable or a tf.Tensor, "
         f"but received {type(x).__name__} ({x!r:.80})."
@@ -201,13 +249,22 @@ def check_replayable(replayed_ops, function_name):
     """Raises for ops that a tower replay cannot reproduce faithfully."""
     for op in sorted(replayed_ops, key=lambda o: o._id):  # pylint: disable=protected-access
         if op.type in _V1_LOOP_OP_TYPES:
-            raise NotImplementedError(
-                f"pertower.{function_name}: `ys` depends on the TF1 while loop around op "
-                f"{op.name!r} ({op.type}), between the batch and `ys`. Towers cannot replay "
-                "v1 while loops yet; build the model with control flow v2 (the default "
-                "unless tf.compat.v1.disable_v2_behavior() or "
-                "disable_control_flow_v2() was called) or with unroll=True."
-            )
+            raise _v1_loop_error(op, function_name)
+
+
+def _v1_loop_error(op, function_name, weight_name=None):
+    """The refusal of a TF1 (v1) while loop op between the batch (or a weight) and ys."""
+    what = f"the weight {weight_name!r} is read inside" if weight_name else "`ys` depends on"
+    return NotImplementedError(
+        f"pertower.{function_name}: {what} the TF1 (v1) while loop around "
+        f"op {op.name!r} ({op.type}), between the batch and `ys`. Towers cannot "
+        "replay v1 while loops: their gradients need the Python-side loop context "
+        "that tf.while_loop attached to the original ops, which a replayed copy "
+        "does not have. Build the model with control flow v2: call "
+        "tf.compat.v1.enable_control_flow_v2() before building it (this works "
+        "under tf.compat.v1.disable_v2_behavior() too), or use unroll=True for "
+        "Keras recurrent layers."
+    )
 
 
 def random_ops(replayed_ops):

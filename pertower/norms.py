@@ -21,11 +21,11 @@ __all__ = ["per_example_norms"]
 
 
 def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto",
-                      validate=False, memory_limit=None):
+                      validate=False, memory_limit=None, devices=None):
     """The L2 norm of each example's gradient over all of `xs`, [B].
 
     Args:
-      ys, xs, batch, batch_size, name, method, validate, memory_limit: as in
+      ys, xs, batch, batch_size, name, method, validate, memory_limit, devices: as in
         `pertower.per_example_gradients`; a weight `ys` does not reach adds 0.
 
     Returns:
@@ -43,7 +43,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     with tf.name_scope(name or function_name):
         per_example = gradients_lib.per_example_gradients(
             ys, xs, batch=batch, batch_size=batch_size, name="gradients", method=method,
-            validate=validate, memory_limit=math.inf)  # validate: independence.py
+            validate=validate, memory_limit=math.inf,  # validate: independence.py
+            devices=devices)
         squares = []
         for g in per_example:                          # [B, *x.shape]
             axes = list(range(1, g.shape.rank))

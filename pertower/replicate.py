@@ -35,7 +35,8 @@ def calls_functions(ops):
     return False
 
 
-def replicate(template_ops, template_prefix, counterpart, replicas, return_tensors, graph):
+def replicate(template_ops, template_prefix, counterpart, replicas, return_tensors, graph,
+              device=None):
     """Adds `len(replicas)` copies of `template_ops` with one graph import.
 
     Args:
@@ -47,6 +48,8 @@ def replicate(template_ops, template_prefix, counterpart, replicas, return_tenso
       replicas: the replica indices r to build, e.g. range(1, T).
       return_tensors: tensors of S to return from every replica.
       graph: the graph holding S.
+      device: None (replica ops keep S's device strings), or device(r) -> the device
+        for every op of replica r.
 
     Returns:
       A list over `replicas` of lists: replica r's copies of `return_tensors`.
@@ -76,6 +79,8 @@ def replicate(template_ops, template_prefix, counterpart, replicas, return_tenso
             node = graph_def.node.add()
             node.CopyFrom(node_def)
             node.name = rename(op.name, r)
+            if device is not None:
+                node.device = device(r)
             for attr in _DROPPED_ATTRS:
                 if attr in node.attr:
                     del node.attr[attr]
@@ -98,4 +103,5 @@ def replicate(template_ops, template_prefix, counterpart, replicas, return_tenso
     for node_name, control in controls:
         graph.get_operation_by_name(node_name)._add_control_inputs([control])  # pylint: disable=protected-access
     n = len(return_tensors)
-    return [imported[i * n:(i + 1) * n] for i in range(len(replicas))]
+    return [imported[i * n:(i + 1) * n] for i in range(len(imported) // n)] if n else [
+        [] for _ in replicas]

@@ -22,10 +22,14 @@ run graph functions (tf.cond, while loops) make the one joint call instead.
 
 The replay copies the NodeDefs of S into one GraphDef holding all T towers and adds it
 with one `tf.graph_util.import_graph_def` call, mapping the batch tensors to the
-tower's slices and the weight reads to the tower's copies. The user's ops, variables
-and values are left untouched; only new ops are added, under one name scope.
+tower's slices and the weight reads to the tower's copies. Ops that call functions
+reading a weight inside (while loops, conds, `tf.function` calls) get the copy as an
+input and rewritten functions (see `pertower.control_flow`). With `devices`, tower t's
+copies and replayed ops are placed on devices[t % len(devices)]. The user's ops,
+variables and values are left untouched; only new ops are added, under one name scope.
 """
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -33,9 +37,11 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from pertower import _checks
+from pertower import control_flow
 from pertower import graph_walk
 from pertower import mixing
 from pertower import replicate as replicate_lib
+from pertower import sparse as sparse_lib
 
 __all__ = ["Towers", "build_towers"]
 
@@ -58,6 +64,8 @@ class Towers:
         when `ys` does not depend on xs[k].
       outputs: outputs[t] is tower t's replay of `ys`, [B/T, ...].
       stacked: the tower outputs concatenated, [B, ...]; equal to `ys`.
+      devices: the device strings the towers were placed on round-robin (tower t on
+        devices[t % len(devices)]), or None when they were not placed.
     """
 
     ys: tf.Tensor
@@ -69,8 +77,9 @@ class Towers:
     copies: tuple
     outputs: tuple
     stacked: tf.Tensor
+    devices: tuple = None
 
-    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None):
+    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
         """The gradient of each tower's output with respect to its own copies.
 
         Equal to one `tf.gradients` call over every tower's copies (see the module
@@ -81,6 +90,10 @@ class Towers:
             [B, ...], weighting each output entry (split by tower like the batch).
           unconnected_gradients: "zero" or "none", as in `tf.gradients`.
           name: name scope for the ops.
+          sparse: when True, a weight whose every tower gradient is a
+            `tf.IndexedSlices` (a weight read only by gathers, e.g. an embedding) gets
+            a `pertower.PerExampleIndexedSlices` (the looked-up rows, their ids and
+            their towers) instead of the dense [T, *x.shape].
 
         Returns:
           A list with one entry per x: [T, *x.shape], entry t the gradient of
@@ -101,7 +114,8 @@ class Towers:
                 # [B, ...] -> T x [B/T, ...]
                 grad_outputs = tf.split(grad_ys, T, axis=0)
             connected = [k for k, copies in enumerate(self.copies) if copies is not None]
-            per_tower = self._replicated_gradients(connected, grad_outputs, unconnected)
+            per_tower = self._replicated_gradients(connected, grad_outputs, unconnected,
+                                                   sparse)
             if per_tower is None:
                 per_tower = self._joint_gradients(connected, grad_outputs, unconnected)
             results = []
@@ -111,15 +125,20 @@ class Towers:
                                    if unconnected == tf.UnconnectedGradients.ZERO else None)
                 elif per_tower[k] is None:
                     results.append(None)
+                elif sparse and all(isinstance(g, tf.IndexedSlices) for g in per_tower[k]):
+                    results.append(sparse_lib.stack_tower_slices(per_tower[k],
+                                                                 self.copies[k]))
                 else:
+                    dense = [_dense(g, c) for g, c in zip(per_tower[k], self.copies[k])]
                     # T x [*x.shape] -> [T, *x.shape]
-                    results.append(tf.stack(per_tower[k], axis=0))
+                    results.append(tf.stack(dense, axis=0))
             return results
 
     def _joint_gradients(self, connected, grad_outputs, unconnected):
         """One `tf.gradients` call over every tower's copies.
 
-        Returns {k: T dense gradients of xs[k], or None when no tower reaches it}."""
+        Returns {k: T gradients of xs[k] (tensors, IndexedSlices or None), or None when
+        no tower reaches it}."""
         T = self.num_towers
         flat_copies = [c for k in connected for c in self.copies[k]]
         flat_grads = tf.gradients(
@@ -129,11 +148,10 @@ class Towers:
         per_tower = {}
         for position, k in enumerate(connected):
             grads = flat_grads[position * T:(position + 1) * T]
-            per_tower[k] = None if all(g is None for g in grads) else [
-                _dense(g, c) for g, c in zip(grads, self.copies[k])]
+            per_tower[k] = None if all(g is None for g in grads) else grads
         return per_tower
 
-    def _replicated_gradients(self, connected, grad_outputs, unconnected):
+    def _replicated_gradients(self, connected, grad_outputs, unconnected, sparse=False):
         """Tower 0's backward pass built once by `tf.gradients`, then copied for towers
         1 ... T-1 with one import (see `pertower.replicate`).
 
@@ -142,7 +160,8 @@ class Towers:
         tower t are tower 0's with t's tensors in place of 0's. Returns the same dict
         as `_joint_gradients`, or None when the towers run graph functions (control
         flow), whose gradients are built by rewriting the forward ops, so that only
-        the joint call is sound.
+        the joint call is sound. Gradients are made dense in tower 0 (and so in every
+        copy) unless `sparse` keeps an IndexedSlices.
         """
         if not connected:
             return {}
@@ -178,29 +197,41 @@ class Towers:
                 return graph.get_operation_by_name(name)
             return graph.get_tensor_by_name(name)
 
-        with tf.name_scope("t0") as template_prefix:
+        device_0 = self.devices[0] if self.devices else None
+        with tf.name_scope("t0") as template_prefix, tf.device(device_0):
             first_new = len(graph.get_operations())
             grads = tf.gradients(
                 [self.outputs[0]], copies_0,
                 grad_ys=None if grad_outputs[0] is None else [grad_outputs[0]],
                 unconnected_gradients=unconnected)
-            dense_0 = [None if g is None else _dense(g, c) for g, c in zip(grads, copies_0)]
+            grads_0 = [g if g is None or (sparse and isinstance(g, tf.IndexedSlices))
+                       else _dense(g, c) for g, c in zip(grads, copies_0)]
             template = graph.get_operations()[first_new:]
         if replicate_lib.calls_functions(template):
             return None
-        returned = [g for g in dense_0 if g is not None]
+        # Each gradient as the tensors a copy returns: IndexedSlices as (values, indices).
+        returned = [t for g in grads_0 if g is not None
+                    for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+        devices = self.devices
         try:
-            replicas = replicate_lib.replicate(template, template_prefix, counterpart,
-                                               range(1, T), returned, graph) if T > 1 else []
+            replicas = replicate_lib.replicate(
+                template, template_prefix, counterpart, range(1, T), returned, graph,
+                device=(lambda t: devices[t % len(devices)]) if devices else None)
         except _NoCounterpart:
             return None
         per_tower, position = {}, 0
-        for k, g_0 in zip(connected, dense_0):
+        for k, g_0, c_0 in zip(connected, grads_0, copies_0):
             if g_0 is None:
                 per_tower[k] = None
                 continue
-            per_tower[k] = [g_0] + [replica[position] for replica in replicas]
-            position += 1
+            per_tower[k] = [g_0]
+            for t, replica in enumerate(replicas, start=1):
+                if isinstance(g_0, tf.IndexedSlices):
+                    values, indices = replica[position:position + 2]
+                    per_tower[k].append(tf.IndexedSlices(values, indices, g_0.dense_shape))
+                else:
+                    per_tower[k].append(replica[position])
+            position += 2 if isinstance(g_0, tf.IndexedSlices) else 1
         return per_tower
 
 
@@ -233,7 +264,8 @@ def _dense(gradient, like):
     return gradient
 
 
-def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None):
+def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None,
+                 devices=None):
     """Builds T towers that replay the graph from the batch to `ys`.
 
     Args:
@@ -244,6 +276,10 @@ def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None
       num_towers: T, which must divide B; None means one tower per example (T = B).
       batch_size: B when the batch axis is not static; read from the graph otherwise.
       name: name scope for the new ops (default "towers").
+      devices: None, or a list of device strings ("/cpu:0", "/gpu:1",
+        "/job:worker/task:1/device:CPU:0", ...): tower t, its weight copies and its
+        replayed ops are placed on devices[t % len(devices)]; the gradient ops are
+        colocated with them by `tf.gradients`.
 
     Returns:
       A `Towers` record.
@@ -253,10 +289,11 @@ def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None
       per_example = towers.gradients()   # list of [32, *w.shape]
     """
     return build(ys, xs, batch, num_towers, batch_size, name or "towers", "build_towers",
-                 "num_towers")
+                 "num_towers", devices)
 
 
-def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument):
+def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument,
+          devices=None):
     """`build_towers` for the public functions: errors name `function_name` and call
     the number of towers `towers_argument`."""
     _checks.require_graph_mode(function_name)
@@ -279,6 +316,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
     xs = _checks.as_list(xs)
     if not xs:
         raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
+    devices = _checks.device_list(devices, function_name)
 
     with graph.as_default():
         ys_upstream = graph_walk.upstream_ops([ys])
@@ -303,10 +341,20 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                  for k, x in enumerate(xs)]
         sources = list(batch) + [t for r in reads for t in r.read_tensors]
         gather_ops = {op for r in reads for op in r.gather_ops}
-        replayed = graph_walk.downstream_ops(sources, ys_upstream) | gather_ops
-        for op in gather_ops:
+        call_ops = {op for r in reads for op, _ in r.call_inputs}
+        replayed = graph_walk.downstream_ops(sources, ys_upstream) | gather_ops | call_ops
+        for op in gather_ops | call_ops:
             replayed |= graph_walk.downstream_ops(op.outputs, ys_upstream)
         graph_walk.check_replayable(replayed, function_name)
+        # Rewrite the control-flow functions once now, so that a refusal comes before
+        # any op is added; the towers get their own rewrites in _replay.
+        call_positions = _call_positions(reads, xs)
+        trial = control_flow.FunctionRewriter(graph, function_name, "trial")
+        for op in sorted(replayed, key=lambda op: op._id):  # pylint: disable=protected-access
+            if op.type in control_flow.CALL_OP_TYPES:
+                positions = call_positions.get(op, {})
+                trial.rewrite_call(_node_def(op), _value_specs(positions, reads),
+                                   _where(op, positions, reads), 0, lambda: "trial")
         noisy = graph_walk.random_ops(replayed)
         if noisy:
             warnings.warn(
@@ -324,22 +372,28 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 if first != k:  # a repeated x shares its copies
                     copies.append(copies[first])
                     continue
-                if r.copy_source is None:  # `ys` does not reach x
+                if not r.reached:  # `ys` does not reach x
                     copies.append(None)
                     continue
                 with tf.name_scope(f"copies_{k}"):
-                    copies.append(tuple(tf.identity(r.copy_source, name=f"tower_{t}")
-                                        for t in range(T)))
+                    source = r.copy_source
+                    tower_copies = []
+                    for t in range(T):
+                        with _on_device(devices, t):
+                            tower_copies.append(tf.identity(source, name=f"tower_{t}"))
+                    copies.append(tuple(tower_copies))
             unique = sorted(set(first_index.values()))
-            outputs = _replay(ys, batch, [reads[k] for k in unique],
-                              [copies[k] for k in unique], slices, replayed, T, graph,
-                              function_name)
+            # a token unique in the graph names this build's function copies
+            token = graph.unique_name("pertower", mark_as_used=True).replace("/", "_")
+            rewriter = control_flow.FunctionRewriter(graph, function_name, token)
+            outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
+                              slices, replayed, T, graph, function_name, devices)
             outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
                   slices=tuple(zip(*slices)), copies=tuple(copies), outputs=tuple(outputs),
-                  stacked=stacked)
+                  stacked=stacked, devices=devices)
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
@@ -444,20 +498,84 @@ def _check_tower_rows(outputs, ys, batch, B, T, function_name):
     return checked
 
 
-def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name):
-    """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...]."""
+def _on_device(devices, t):
+    """The device scope of tower t (none when `devices` is None)."""
+    if devices is None:
+        return contextlib.nullcontext()
+    return tf.device(devices[t % len(devices)])
+
+
+def _call_positions(reads, xs):
+    """{call op: {input index: k}}: the function-calling ops that get the handle of
+    xs[k] as an input (the first k of a weight listed twice)."""
+    positions = {}
+    first_index = {}
+    for k, r in enumerate(reads):
+        if first_index.setdefault(id(r.x), k) != k:
+            continue
+        for op, index in r.call_inputs:
+            positions.setdefault(op, {})[index] = k
+    return positions
+
+
+def _node_def(op):
+    """A copy of op's NodeDef without the attributes a replay drops."""
+    node = op.node_def
+    for attr in _DROPPED_ATTRS:
+        if attr in node.attr:
+            del node.attr[attr]
+    return node
+
+
+def _value_specs(positions, reads):
+    """{input index: (DataType enum, shape)} of the weight values replacing handles."""
+    return {i: (reads[k].dtype.as_datatype_enum, _value_shape(reads[k]))
+            for i, k in positions.items()}
+
+
+def _value_shape(r):
+    """The static shape of the weight value of `r` (a WeightReads)."""
+    if isinstance(r.x, tf.Variable):
+        return r.x.shape
+    handle_data = getattr(r.x, "_handle_data", None)
+    if handle_data is not None and handle_data.shape_and_type:
+        return tf.TensorShape(handle_data.shape_and_type[0].shape)
+    return tf.TensorShape(None)
+
+
+def _where(op, positions, reads):
+    """Names the call op (and the weights it reads) in error messages."""
+    if not positions:
+        return f"op {op.name!r} ({op.type})"
+    names = ", ".join(repr(reads[k].name) for k in positions.values())
+    return f"the weight {names} read inside op {op.name!r} ({op.type})"
+
+
+def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, replayed, T,
+            graph, function_name, devices):
+    """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...].
+
+    `reads[k]` and `copies[k]` belong to xs[k]; only the entries `unique` (the first of
+    a repeated weight) are mapped. Call ops in `call_positions` get their weight inputs
+    replaced by the copies and their functions by `rewriter`'s rewrites."""
     order = sorted(replayed, key=lambda op: op._id)  # pylint: disable=protected-access
     node_defs = {op: op.node_def for op in order}
     per_tower_inputs = [{} for _ in range(T)]  # tower t: tensor name -> replacement
     for j, b in enumerate(batch):
         for t in range(T):
             per_tower_inputs[t][b.name] = slices[j][t]
-    for r, tower_copies in zip(reads, copies):
-        for tensor in r.read_tensors:
+    for k in unique:
+        for tensor in reads[k].read_tensors:
             for t in range(T):
-                per_tower_inputs[t][tensor.name] = tower_copies[t]
-    gathers = {op: k for k, r in enumerate(reads) for op in r.gather_ops}
+                per_tower_inputs[t][tensor.name] = copies[k][t]
+    gathers = {op: k for k in unique for op in reads[k].gather_ops}
     axis_zero = tf.constant(0, name="gather_axis") if gathers else None
+    true_constant = []  # the predicate of function calls turned into If ops, made once
+
+    def true_key():
+        if not true_constant:
+            true_constant.append(tf.constant(True, name="call_predicate"))
+        return key_for(true_constant[0])
 
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
@@ -478,6 +596,8 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
             node = graph_def.node.add()
             node.CopyFrom(node_defs[op])
             node.name = f"t{t}/{op.name}"
+            if devices is not None:
+                node.device = devices[t % len(devices)]
             for attr in _DROPPED_ATTRS:
                 if attr in node.attr:
                     del node.attr[attr]
@@ -485,6 +605,9 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
             del node.input[:]
             if op in gathers:
                 inputs = _gather_inputs(node, op, copies[gathers[op]][t], axis_zero, key_for)
+            if op.type in control_flow.CALL_OP_TYPES:
+                for i, k in call_positions.get(op, {}).items():  # the handle becomes the copy
+                    inputs[i] = key_for(copies[k][t])
             for name in inputs:
                 if name.startswith("^"):
                     if name[1:] in replayed_names:
@@ -501,6 +624,11 @@ def _replay(ys, batch, reads, copies, slices, replayed, T, graph, function_name)
                     node.input.append(name)
                 else:
                     node.input.append(key_for(graph.get_tensor_by_name(tensor_name)))
+            if op.type in control_flow.CALL_OP_TYPES:  # after the inputs are mapped
+                positions = call_positions.get(op, {})
+                rewriter.rewrite_call(node, _value_specs(positions, reads),
+                                      _where(op, positions, reads), t, true_key)
+    graph_def.library.CopyFrom(rewriter.library)  # the towers' control-flow functions
     return_names = [f"t{t}/{ys.op.name}:{ys.value_index}" for t in range(T)]
     try:
         outputs = tf.graph_util.import_graph_def(

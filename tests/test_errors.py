@@ -134,19 +134,6 @@ def test_non_tensor_ys_is_refused(mlp):
             pertower.per_example_gradients(np.ones([4]), mlp.xs, batch_size=4)
 
 
-@pytest.mark.parametrize("layer,scope", [("LSTM", "lstm"), ("GRU", "gru"),
-                                         ("SimpleRNN", "simple_rnn")])
-def test_weights_read_inside_a_while_loop_are_named(layer, scope):
-    with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2])
-        rnn = getattr(keras.layers, layer)(3)
-        ys = keras.layers.Dense(1)(rnn(x))
-        with pytest.raises(NotImplementedError,
-                           match=rf"the weight '{scope}/{scope}_cell/kernel:0' "
-                                 r"is read inside op .* of type While.*unroll=True"):
-            pertower.per_example_gradients(ys, tf.compat.v1.trainable_variables(), batch_size=3)
-
-
 def test_unrolled_lstm_matches_oracle():
     with tf.Graph().as_default() as graph:
         tf.compat.v1.set_random_seed(8)

@@ -1,0 +1,317 @@
+"""Weights read inside functional control flow: hand the towers' copies to the bodies.
+
+Notation:
+    x    one weight (a resource variable)   c_t  tower t's copy of x, a value [*x.shape]
+    op   a function-calling op (While, If, PartitionedCall, ...) that receives x's
+         resource handle as input i and reads it inside its function bodies
+
+TF2 control flow (`While`/`StatelessWhile` from `tf.while_loop` and Keras RNN layers,
+`If`/`StatelessIf` from `tf.cond`) and function calls (`PartitionedCall`,
+`StatefulPartitionedCall` from `tf.function`) get a variable as a DT_RESOURCE input and
+read it in their bodies with `ReadVariableOp`. A tower must read c_t instead, so its
+replay of op is rewritten:
+
+1. input i of op becomes c_t (a value instead of a handle);
+2. every function op calls (cond and body, both branches, f) is copied into a new
+   FunctionDef in which argument i is a value argument of x's dtype and every
+   `ReadVariableOp` of it is an `Identity` (`ResourceGather` -> `GatherV2`,
+   `ResourceGatherNd` -> `GatherNd`), recursively through nested calls;
+3. op's type attribute (T or Tin), its output shapes and function names follow.
+
+The identity this relies on: when a body only *reads* x (a write is refused), reading
+x inside the body gives the same value as reading it outside and passing the value
+in, so the rewritten op computes what op computes, with c_t in place of x. The value
+argument is an ordinary differentiable input: TensorFlow's own While/If gradients
+(while_v2, cond_v2) rebuild the body graphs from the new FunctionDefs and sum a
+loop-invariant input's gradient over the iterations. Function calls are differentiated
+with TensorFlow's symbolic gradient of the new FunctionDef.
+
+Every tower gets its own copy of every function its replayed call ops reach (named
+`<name>_<build>_t<tower>`, nested functions included), even where no weight is read:
+TensorFlow's While/If gradients edit the forward op and name the edited functions after
+the originals (`<name>_rewritten`), so towers sharing one function would collide. The
+copies are added to the graph by the towers' `import_graph_def`; the user's functions
+and ops are untouched.
+"""
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.framework import function_pb2
+from tensorflow.core.framework import types_pb2
+
+# Function-calling op types: (attributes naming the called functions, offset of the
+# functions' arguments in the op's inputs, attribute listing the input types, whether
+# the op passes its inputs through to its outputs as loop variables).
+_CALLS = {
+    "While": (("cond", "body"), 0, "T", True),
+    "StatelessWhile": (("cond", "body"), 0, "T", True),
+    "If": (("then_branch", "else_branch"), 1, "Tin", False),
+    "StatelessIf": (("then_branch", "else_branch"), 1, "Tin", False),
+    "PartitionedCall": (("f",), 0, "Tin", False),
+    "StatefulPartitionedCall": (("f",), 0, "Tin", False),
+}
+CALL_OP_TYPES = frozenset(_CALLS)
+_FUNCTION_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# Attributes of a call op that refer to the original inputs or gradient of the call.
+_STALE_CALL_ATTRS = ("_gradient_op_type",)
+
+
+class ControlFlowError(NotImplementedError):
+    """A weight is used inside a function in a way the rewrite cannot reproduce."""
+
+
+class FunctionRewriter:
+    """Rewrites function-calling NodeDefs so that weight handles become weight values.
+
+    One rewriter serves one build: `rewrite_call` edits a call op's NodeDef in place
+    for one tower and generates the FunctionDefs it needs; `library` holds the new
+    FunctionDefs to import with the towers. `token` makes their names unique to the
+    build.
+    """
+
+    def __init__(self, graph, function_name, token):
+        self.graph = graph
+        self.function_name = function_name
+        self.token = token
+        self.library = function_pb2.FunctionDefLibrary()
+        self._names = {}       # (function, ((arg, dtype), ...), tower, variant) -> new name
+        self._generated = {}   # new function name -> FunctionDef
+
+    def rewrite_call(self, node, positions, where, tower, predicate):
+        """Edits `node`, a NodeDef of a call op, so its inputs `positions` take values.
+
+        A function call (`PartitionedCall`, `StatefulPartitionedCall`) becomes an `If`
+        on a constant True whose two branches are copies of the function: it computes
+        the same, and cond_v2 differentiates it in Python with every op's registered
+        gradient (the `SymbolicGradient` TensorFlow would use for an imported call
+        knows only the ops with C++ gradients; `GatherV2` is not among them).
+
+        Args:
+          node: the NodeDef (edited in place: types, shapes, function names, and for
+            a function call the op type and a first input `predicate`).
+          positions: {op input index: (DataType enum, TensorShape)} of the inputs that
+            carried a weight's handle and now carry its value (may be empty: the
+            functions are still copied for the tower).
+          where: a description of the weight and op for error messages.
+          tower: the tower index, part of the new function names.
+          predicate: a callable returning the input reference of a boolean True
+            (called only when a function call is turned into an If).
+
+        Returns:
+          {output index: (DataType enum, TensorShape)}: the outputs that now carry a
+          value where they passed on the handle (a while loop's loop variable).
+        """
+        if node.op not in _CALLS:
+            raise ControlFlowError(
+                f"pertower.{self.function_name}: {where} reaches op {node.name!r} of type "
+                f"{node.op}, which towers cannot give a weight copy to. Supported: "
+                f"{', '.join(sorted(_CALLS))}. Leave this weight out of `xs`.")
+        function_attrs, offset, type_attr, loops = _CALLS[node.op]
+        for i, (dtype, _) in positions.items():
+            if i < offset or node.attr[type_attr].list.type[i - offset] != types_pb2.DT_RESOURCE:
+                raise ControlFlowError(
+                    f"pertower.{self.function_name}: {where}: input {i} of op {node.name!r} "
+                    f"({node.op}) is not a resource argument of its functions.")
+            node.attr[type_attr].list.type[i - offset] = dtype
+        arguments = {i - offset: spec for i, spec in positions.items()}
+        for attr in function_attrs:
+            old = node.attr[attr].func.name
+            node.attr[attr].func.name = self._rewrite_function(
+                old, arguments, loops and attr == "body", f"{where}, op {node.name!r}", tower)
+        if node.op in _FUNCTION_CALL_OP_TYPES:
+            # a second copy of the function as the else branch, so that cond_v2's
+            # rewrite of the two branches cannot give two functions one name
+            else_branch = self._rewrite_function(old, arguments, False, where, tower, "_else")
+            _call_to_if(node, else_branch, predicate)
+            return {}
+        if "_read_only_resource_inputs" in node.attr:
+            kept = [i for i in node.attr["_read_only_resource_inputs"].list.i
+                    if i not in positions]
+            del node.attr["_read_only_resource_inputs"].list.i[:]
+            node.attr["_read_only_resource_inputs"].list.i.extend(kept)
+        for attr in _STALE_CALL_ATTRS:
+            if attr in node.attr:
+                del node.attr[attr]
+        if not loops:
+            return {}
+        for i, (_, shape) in positions.items():
+            node.attr["output_shapes"].list.shape[i].CopyFrom(shape.as_proto())
+        return dict(positions)
+
+    def _definition(self, name):
+        if name in self._generated:
+            return self._generated[name]
+        function = self.graph._get_function(name)  # pylint: disable=protected-access
+        if function is None:
+            raise ControlFlowError(
+                f"pertower.{self.function_name}: the function {name!r} is not in the graph's "
+                "library, so towers cannot rewrite it.")
+        return function.cached_definition
+
+    def _rewrite_function(self, name, arguments, loop_body, where, tower, variant=""):
+        """Tower `tower`'s copy of the function `name`, with `arguments`
+        {index: (dtype, shape)} turned into values; returns its name. `variant`
+        tells apart several copies of one function for one tower."""
+        key = (name, tuple(sorted((i, dtype) for i, (dtype, _) in arguments.items())), tower,
+               variant)
+        if key in self._names:
+            return self._names[key]
+        new_name = f"{name}_{self.token}_t{tower}{variant}"
+        if arguments:
+            new_name += "_a" + "_".join(str(i) for i in sorted(arguments))
+        self._names[key] = new_name
+        fdef = function_pb2.FunctionDef()
+        fdef.CopyFrom(self._definition(name))
+        fdef.signature.name = new_name
+        where = f"{where}, function {name!r}"
+        values = {}  # function-level tensor name -> (dtype, shape) of the weight value
+        for i, (dtype, shape) in arguments.items():
+            arg = fdef.signature.input_arg[i]
+            if arg.type != types_pb2.DT_RESOURCE:
+                raise ControlFlowError(
+                    f"pertower.{self.function_name}: {where}: argument {arg.name!r} is not a "
+                    "resource.")
+            arg.type = dtype
+            values[arg.name] = (dtype, shape)
+            if i in fdef.arg_attr:
+                attrs = fdef.arg_attr[i].attr
+                for attr in ("_handle_dtypes", "_handle_shapes"):
+                    if attr in attrs:
+                        del attrs[attr]
+                if "_output_shapes" in attrs:
+                    del attrs["_output_shapes"].list.shape[:]
+                    attrs["_output_shapes"].list.shape.add().CopyFrom(shape.as_proto())
+            if i in fdef.resource_arg_unique_id:
+                del fdef.resource_arg_unique_id[i]
+        renames = {}  # output reference -> new reference (ReadVariableOp:value -> Identity:output)
+        done, extra_nodes = set(), []
+        progress = True
+        while progress:  # FunctionDef nodes are not sorted; propagate to a fixed point
+            progress = False
+            for node in fdef.node_def:
+                if node.name in done:
+                    continue
+                hits = {j: values[ref] for j, ref in enumerate(node.input)
+                        if not ref.startswith("^") and ref in values}
+                if not hits:
+                    continue
+                done.add(node.name)
+                progress = True
+                self._rewrite_node(node, hits, values, renames, extra_nodes, where, tower)
+        for node in fdef.node_def:  # nested calls that read no weight: copy for the tower
+            if node.name not in done and node.op in _CALLS:
+                self.rewrite_call(node, {}, where, tower, _true_node(node.name, extra_nodes))
+        fdef.node_def.extend(extra_nodes)
+        for node in fdef.node_def:
+            inputs = [renames.get(ref, ref) for ref in node.input]
+            del node.input[:]
+            node.input.extend(inputs)
+        for out in fdef.signature.output_arg:
+            ref = fdef.ret[out.name]
+            if ref in values and out.type == types_pb2.DT_RESOURCE:
+                if not loop_body:
+                    raise ControlFlowError(
+                        f"pertower.{self.function_name}: {where} returns the weight's handle "
+                        f"as output {out.name!r}; towers can only rewrite functions that read "
+                        "the weight. Leave this weight out of `xs`.")
+                out.type = values[ref][0]
+            fdef.ret[out.name] = renames.get(ref, ref)
+        if loop_body:  # a loop variable must come back as it went in
+            for i in arguments:
+                out = fdef.signature.output_arg[i]
+                if out.type == types_pb2.DT_RESOURCE:
+                    raise ControlFlowError(
+                        f"pertower.{self.function_name}: {where}: the while loop body returns "
+                        f"another resource than the weight as loop variable {i}; towers "
+                        "cannot rewrite it. Leave this weight out of `xs`.")
+        self._generated[new_name] = fdef
+        self.library.function.add().CopyFrom(fdef)
+        return new_name
+
+    def _rewrite_node(self, node, hits, values, renames, extra_nodes, where, tower):
+        """Rewrites one function node that consumes weight values at inputs `hits`."""
+        dtype, shape = next(iter(hits.values()))  # one weight, except for call ops
+        if node.op == "ReadVariableOp":
+            node.op = "Identity"
+            del node.attr["dtype"]
+            node.attr["T"].type = dtype
+            renames[f"{node.name}:value:0"] = f"{node.name}:output:0"
+        elif node.op in ("ResourceGather", "ResourceGatherNd") and list(hits) == [0]:
+            indices_type = node.attr["Tindices"].type
+            batch_dims = node.attr["batch_dims"].i if "batch_dims" in node.attr else 0
+            for attr in list(node.attr):
+                if not attr.startswith("_"):
+                    del node.attr[attr]
+            node.attr["Tparams"].type = dtype
+            node.attr["Tindices"].type = indices_type
+            if node.op == "ResourceGather":
+                extra_nodes.append(_axis_zero_node(f"{node.name}/pertower_axis"))
+                node.op = "GatherV2"
+                node.attr["Taxis"].type = types_pb2.DT_INT32
+                node.attr["batch_dims"].i = batch_dims
+                node.input.insert(2, f"{node.name}/pertower_axis:output:0")
+            else:
+                node.op = "GatherNd"
+        elif node.op == "Identity":
+            node.attr["T"].type = dtype
+            values[f"{node.name}:output:0"] = (dtype, shape)
+        elif node.op in _CALLS:
+            outputs = self.rewrite_call(node, hits, where, tower,
+                                        _true_node(node.name, extra_nodes))
+            for i, spec in outputs.items():
+                values[f"{node.name}:output:{i}"] = spec
+        else:
+            raise ControlFlowError(
+                f"pertower.{self.function_name}: {where} passes the weight to op "
+                f"{node.name!r} of type {node.op}; towers can only give their weight copies to "
+                "ReadVariableOp, ResourceGather, Identity and nested While/If/function "
+                "calls inside a function body (a body that writes or otherwise uses the "
+                "variable cannot be replayed on a copy). Leave this weight out of `xs`.")
+
+
+def _call_to_if(node, else_branch, predicate):
+    """Turns a function-call NodeDef (its function `f` already rewritten) into
+    If(True, f, else_branch)."""
+    stateful = node.op == "StatefulPartitionedCall"
+    then_branch = node.attr["f"].func.name
+    kept = {}  # the input and output types carry over
+    for name in ("Tin", "Tout"):
+        kept[name] = attr_value_pb2.AttrValue()
+        kept[name].CopyFrom(node.attr[name])
+    for attr in list(node.attr):
+        del node.attr[attr]
+    node.op = "If" if stateful else "StatelessIf"
+    node.attr["Tcond"].type = types_pb2.DT_BOOL
+    for name, value in kept.items():
+        node.attr[name].CopyFrom(value)
+    node.attr["then_branch"].func.name = then_branch
+    node.attr["else_branch"].func.name = else_branch
+    node.attr["output_shapes"].list.SetInParent()
+    node.attr["_lower_using_switch_merge"].b = True
+    node.input.insert(0, predicate())
+
+
+def _true_node(name, extra_nodes):
+    """A callable that adds a FunctionDef node Const bool True next to node `name`
+    and returns its output reference."""
+
+    def add():
+        node = tf.compat.v1.NodeDef()
+        node.name = f"{name}/pertower_true"
+        node.op = "Const"
+        node.attr["dtype"].type = types_pb2.DT_BOOL
+        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(True, dtype=tf.bool))
+        extra_nodes.append(node)
+        return f"{node.name}:output:0"
+
+    return add
+
+
+def _axis_zero_node(name):
+    """A FunctionDef node: Const int32 scalar 0 (the axis of a GatherV2)."""
+    node = tf.compat.v1.NodeDef()
+    node.name = name
+    node.op = "Const"
+    node.attr["dtype"].type = types_pb2.DT_INT32
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, dtype=tf.int32))
+    return node

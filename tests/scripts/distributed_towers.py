@@ -1,0 +1,156 @@
+"""Run in a process of its own (servers live until the process ends): towers on the two
+tasks of a TensorFlow cluster of in-process `tf.distribute.Server`s on 127.0.0.1,
+a session on the first server's target, values against the one-example oracle.
+
+Prints one line per check and 'distributed checks: N passed, M failed'; exits 1 on
+failure.
+"""
+
+import os
+import re
+import socket
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.compat.v1.disable_eager_execution()
+
+import tf_keras as keras  # noqa: E402
+
+import pertower  # noqa: E402
+from pertower import oracle  # noqa: E402
+
+TASKS = ["/job:worker/task:0", "/job:worker/task:1"]
+
+
+def _free_ports(n):
+    """n ports the OS reports free on 127.0.0.1 (bound together, then released)."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _start_cluster():
+    ports = _free_ports(2)
+    cluster = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
+    servers = [tf.distribute.Server(cluster, job_name="worker", task_index=i, start=True)
+               for i in range(2)]
+    return servers
+
+
+def _close(got, want, what, rtol=1e-5, atol=1e-6):
+    problems = [f"[{k}] max error {np.max(np.abs(g - w)):.3g}"
+                for k, (g, w) in enumerate(zip(got, want))
+                if g.shape != w.shape or not np.allclose(g, w, rtol=rtol, atol=atol)]
+    if len(got) != len(want):
+        problems.append(f"{len(got)} results, expected {len(want)}")
+    if problems:
+        raise AssertionError(f"{what}: " + "; ".join(problems))
+
+
+def _model():
+    """A Keras MLP and a GRU branch (a While op) with the variables on task 0."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(TASKS[0]):
+        tf.compat.v1.set_random_seed(5)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        seq = tf.compat.v1.placeholder(tf.float32, [None, 3, 2], name="seq")
+        dense = keras.layers.Dense(3, activation="tanh")
+        gru = keras.layers.GRU(3)
+        head = keras.layers.Dense(1)
+        out = head(tf.concat([dense(x), gru(seq)], axis=1))         # [B, 1]
+        ys = tf.reduce_sum(out ** 2, axis=1)                        # [B]
+        xs = dense.trainable_weights + gru.trainable_weights + head.trainable_weights
+    rng = np.random.RandomState(0)
+    feed = {x: rng.randn(4, 4).astype(np.float32), seq: rng.randn(4, 3, 2).astype(np.float32)}
+    return graph, ys, xs, feed
+
+
+def check_towers_on_two_tasks(servers):
+    """Per-example gradients and microbatches with towers on task 0 and task 1."""
+    graph, ys, xs, feed = _model()
+    with graph.as_default():
+        loop = oracle.SliceLoop(ys, xs)
+        grads = pertower.per_example_gradients(ys, xs, batch_size=4, devices=TASKS, name="pex")
+        micro = pertower.microbatch_gradients(ys, xs, num_microbatches=2, batch_size=4,
+                                              devices=TASKS, name="micro")
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(servers[0].target, graph=graph) as sess:
+        sess.run(init)
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        got, got_micro = sess.run([grads, micro], feed, options=options, run_metadata=metadata)
+        _close(got, loop.run(sess, feed, 4), "per-example gradients on two tasks", 1e-4, 1e-5)
+        _close(got_micro, loop.run(sess, feed, 2), "microbatches on two tasks", 1e-4, 1e-5)
+    tasks_seen = set()
+    for device in metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            match = re.match(r"pex/towers/replay/t(\d+)/", node.node_name)
+            # names whose last part starts with "_" are the runtime's Send/Recv nodes
+            if match and not node.node_name.rsplit("/", 1)[-1].startswith("_"):
+                t = int(match.group(1))
+                if f"/job:worker/replica:0/task:{t % 2}/" not in device.device + "/":
+                    raise AssertionError(f"{node.node_name} ran on {device.device}")
+                tasks_seen.add(t % 2)
+    if tasks_seen != {0, 1}:
+        raise AssertionError(f"tower ops seen on tasks {sorted(tasks_seen)}, expected 0 and 1")
+    return f"{len(metadata.step_stats.dev_stats)} devices in the trace"
+
+
+def check_graph_placement():
+    """The copies and replayed ops carry the task device strings."""
+    graph, ys, xs, _ = _model()
+    with graph.as_default():
+        towers = pertower.build_towers(ys, xs, batch_size=4, devices=TASKS)
+    for t in range(4):
+        for copies in towers.copies:
+            device = tf.DeviceSpec.from_string(copies[t].op.device)
+            if (device.job, device.task) != ("worker", t % 2):
+                raise AssertionError(f"{copies[t].op.name} on {copies[t].op.device}")
+        device = tf.DeviceSpec.from_string(towers.outputs[t].op.device)
+        if (device.job, device.task) != ("worker", t % 2):
+            raise AssertionError(f"{towers.outputs[t].op.name} on {towers.outputs[t].op.device}")
+
+
+def check_cluster_devices(servers):
+    """Both tasks answer through the first server's session."""
+    with tf.Graph().as_default() as graph:
+        with tf.device(TASKS[1]):
+            value = tf.constant(2.0) * 3.0
+        with tf.compat.v1.Session(servers[0].target, graph=graph) as sess:
+            names = [d.name for d in sess.list_devices()]
+            if not any("/job:worker/replica:0/task:1/" in n for n in names):
+                raise AssertionError(f"task 1 not listed: {names}")
+            if sess.run(value) != 6.0:
+                raise AssertionError("task 1 computed a wrong value")
+
+
+def main():
+    servers = _start_cluster()
+    checks = [lambda: check_cluster_devices(servers), check_graph_placement,
+              lambda: check_towers_on_two_tasks(servers)]
+    names = ["check_cluster_devices", "check_graph_placement", "check_towers_on_two_tasks"]
+    failed = 0
+    for name, check in zip(names, checks):
+        try:
+            note = check()
+            print(f"ok   {name}" + (f" ({note})" if note else ""))
+        except Exception as error:  # pylint: disable=broad-except
+            failed += 1
+            print(f"FAIL {name}: {type(error).__name__}: {error}")
+    print(f"distributed checks: {len(checks) - failed} passed, {failed} failed")
+    sys.stdout.flush()
+    # Servers cannot be stopped cleanly in-process; leave without waiting for them.
+    os._exit(1 if failed else 0)  # pylint: disable=protected-access
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Weights read inside functional control flow (While, If, function calls) against the
+one-example oracle: Keras RNN layers, tf.cond, a hand-written tf.while_loop, a
+tf.function, and the refusals for what cannot be replayed."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import oracle
+from tests import common
+
+
+@dataclasses.dataclass
+class Built:
+    case: common.Case
+    got: dict        # name -> list of pertower tensors
+    loop: oracle.SliceLoop
+    batch_gradient: list
+    jacobian_loops: list = None  # one SliceLoop per output entry k of outputs [B, K]
+
+    def jacobian_oracle(self):
+        """[B, K, *x.shape] per x: the one-example loop of d outputs[i, k] / d x."""
+        case = self.case
+        per_k = [loop.run(case.sess, case.feed, case.B) for loop in self.jacobian_loops]
+        return [np.stack([rows[j] for rows in per_k], axis=1) for j in range(len(case.xs))]
+
+
+def _build(case, methods=("towers",), microbatches=True, jacobians=False):
+    """pertower's tensors for `case`, with the oracle's gradients built first: TF's
+    while_v2 gradient edits the forward While op, which a session that already ran
+    the graph cannot follow, so all gradients are built before the first run."""
+    with case.graph.as_default():
+        loop = oracle.SliceLoop(case.ys, case.xs)
+        batch_gradient = [tf.convert_to_tensor(g)
+                          for g in tf.gradients(tf.reduce_sum(case.ys), case.xs)]
+        got = {}
+        for method in methods:
+            got[f"per_example/{method}"] = pertower.per_example_gradients(
+                case.ys, case.xs, batch_size=case.B, method=method)
+        if microbatches:
+            got["microbatches"] = pertower.microbatch_gradients(
+                case.ys, case.xs, num_microbatches=2, batch_size=case.B)
+        jacobian_loops = None
+        if jacobians:
+            got["jacobians"] = pertower.per_example_jacobians(case.outputs, case.xs,
+                                                              batch_size=case.B)
+            K = case.outputs.shape[1]                       # outputs [B, K]
+            jacobian_loops = [oracle.SliceLoop(case.outputs[:, k], case.xs) for k in range(K)]
+        case.sess = tf.compat.v1.Session(graph=case.graph)
+        case.sess.run(tf.compat.v1.global_variables_initializer())
+    return Built(case, got, loop, batch_gradient, jacobian_loops)
+
+
+def _rnn_case(layer, unroll, B=4):
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(11)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2], name="sequences")
+        rnn = getattr(keras.layers, layer)(3, unroll=unroll)
+        head = keras.layers.Dense(2)
+        out = head(rnn(x))                                     # [B, 2]
+        ys = tf.reduce_sum(tf.sin(out), axis=1)                # [B]
+    feed = {x: np.random.RandomState(7).randn(B, 5, 2).astype(np.float32)}
+    xs = list(rnn.trainable_weights) + list(head.trainable_weights)
+    return common.Case(f"{layer}(unroll={unroll})", graph, None, ys, xs, feed, [x], B,
+                       outputs=out, rtol=1e-4, atol=1e-5)
+
+
+def _cond_case(B=4):
+    """tf.cond (v2, an If op) whose true branch reads the kernel w and the scale v."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(12)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 3])
+        v = tf.compat.v1.get_variable("v", [3])
+        flag = tf.compat.v1.placeholder_with_default(True, [], name="flag")
+        h = tf.cond(flag, lambda: tf.tanh(tf.matmul(x, w)) * v, lambda: x * v)  # [B, 3]
+        ys = tf.reduce_sum(h ** 2, axis=1)                                       # [B]
+    feed = {x: np.random.RandomState(8).randn(B, 3).astype(np.float32)}
+    return common.Case("cond", graph, None, ys, [w, v], feed, [x], B, outputs=h)
+
+
+def _while_case(B=4):
+    """A hand-written tf.while_loop whose body reads w and v three times, with a
+    tf.cond nested in the body."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(13)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 3])
+        v = tf.compat.v1.get_variable("v", [3])
+
+        def body(i, h):
+            h = tf.cond(i > 0, lambda: tf.tanh(tf.matmul(h, w) + v), lambda: h * v)
+            return i + 1, h
+
+        _, h = tf.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x])     # [B, 3]
+        ys = tf.reduce_sum(h ** 2, axis=1)                                       # [B]
+    feed = {x: np.random.RandomState(9).randn(B, 3).astype(np.float32)}
+    return common.Case("while_loop", graph, None, ys, [w, v], feed, [x], B, outputs=h)
+
+
+def _function_case(B=4):
+    """A tf.function (StatefulPartitionedCall) that captures the weight w."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(14)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 2])
+
+        @tf.function(autograph=False)
+        def layer(a):
+            return tf.tanh(tf.matmul(a, w))
+
+        out = layer(x)                                         # [B, 2]
+        ys = tf.reduce_sum(out, axis=1)                        # [B]
+    feed = {x: np.random.RandomState(10).randn(B, 3).astype(np.float32)}
+    return common.Case("tf.function", graph, None, ys, [w], feed, [x], B, outputs=out)
+
+
+def _gathers_in_functions_case(B=4):
+    """An embedding table gathered inside a tf.function and inside a while loop body
+    that also calls that tf.function (ResourceGather -> GatherV2 in the functions)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(16)
+        ids = tf.compat.v1.placeholder(tf.int32, [None, 3], name="ids")
+        table = tf.compat.v1.get_variable("table", [6, 2])
+
+        @tf.function(autograph=False)
+        def look(i):
+            return tf.nn.embedding_lookup(table, i)
+
+        def body(k, h):
+            rows = tf.nn.embedding_lookup(table, ids[:, k]) * look(ids[:, 0])   # [B, 2]
+            return k + 1, h + tf.reduce_sum(rows ** 2, axis=1)
+
+        _, acc = tf.while_loop(lambda k, h: k < 3, body,
+                               [tf.constant(0), tf.zeros_like(tf.cast(ids[:, 0], tf.float32))])
+        out = tf.sin(look(ids))                                                # [B, 3, 2]
+        ys = acc + tf.reduce_sum(out, axis=[1, 2])                             # [B]
+    feed = {ids: np.array([[1, 2, 2], [0, 5, 3], [4, 4, 4], [5, 1, 0]])[:B]}
+    return common.Case("gathers in functions", graph, None, ys, [table], feed, [ids], B)
+
+
+CASES = {
+    "SimpleRNN": lambda: _build(_rnn_case("SimpleRNN", False), jacobians=True),
+    "GRU": lambda: _build(_rnn_case("GRU", False), microbatches=False),
+    "LSTM": lambda: _build(_rnn_case("LSTM", False), microbatches=False),
+    "SimpleRNN_unrolled": lambda: _build(_rnn_case("SimpleRNN", True), microbatches=False),
+    "GRU_unrolled": lambda: _build(_rnn_case("GRU", True), microbatches=False),
+    "LSTM_unrolled": lambda: _build(_rnn_case("LSTM", True), microbatches=False),
+    "cond": lambda: _build(_cond_case(), methods=("towers", "auto"), jacobians=True),
+    "while_loop": lambda: _build(_while_case(), methods=("towers", "auto")),
+    "tf.function": lambda: _build(_function_case()),
+    "gathers_in_functions": lambda: _build(_gathers_in_functions_case()),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def built(request):
+    result = CASES[request.param]()
+    yield result
+    result.case.sess.close()
+
+
+def test_per_example_gradients_match_oracle(built):
+    case = built.case
+    want = built.loop.run(case.sess, case.feed, case.B)
+    for key, tensors in built.got.items():
+        if key.startswith("per_example/"):
+            common.assert_all_close(case.sess.run(tensors, case.feed), want, case.rtol,
+                                    case.atol, f"{case.name} {key}")
+
+
+def test_microbatch_gradients_match_oracle(built):
+    case = built.case
+    if "microbatches" not in built.got:
+        pytest.skip(f"microbatches are checked on the other control-flow cases ({case.name} "
+                    "is slow to build)")
+    want = built.loop.run(case.sess, case.feed, 2)
+    common.assert_all_close(case.sess.run(built.got["microbatches"], case.feed), want,
+                            case.rtol, case.atol, f"{case.name} 2 microbatches")
+
+
+def test_per_example_gradients_sum_to_the_batch_gradient(built):
+    case = built.case
+    per_example, batch_gradient = case.sess.run(
+        [built.got["per_example/towers"], built.batch_gradient], case.feed)
+    common.assert_all_close([g.sum(axis=0) for g in per_example], batch_gradient,
+                            case.rtol * 10, case.atol * 10, f"{case.name} sum")
+
+
+def test_per_example_jacobians_match_oracle(built):
+    case = built.case
+    if "jacobians" not in built.got:
+        pytest.skip(f"Jacobians are checked on SimpleRNN and cond, not {case.name}")
+    got = case.sess.run(built.got["jacobians"], case.feed)
+    want = built.jacobian_oracle()
+    common.assert_all_close(got, want, case.rtol, case.atol, f"{case.name} Jacobians")
+
+
+def test_a_body_that_writes_the_weight_is_refused_with_its_op():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3])
+
+        def write_then_read():
+            with tf.control_dependencies([w.assign_add(tf.ones([3]))]):
+                return x * w.read_value()
+
+        ys = tf.reduce_sum(tf.cond(tf.constant(True), write_then_read, lambda: x * w), axis=1)
+        ops_before = len(tf.compat.v1.get_default_graph().get_operations())
+        with pytest.raises(NotImplementedError,
+                           match=r"the weight 'w:0' read inside op 'cond' \(If\), .*passes "
+                                 r"the weight to op .* of type AssignAddVariableOp.*writes or "
+                                 r"otherwise uses the variable cannot be replayed on a copy.*"
+                                 r"Leave this weight out of `xs`"):
+            pertower.per_example_gradients(ys, [w], batch_size=2)
+        # refused before any op was added
+        assert len(tf.compat.v1.get_default_graph().get_operations()) == ops_before
+
+
+def test_v1_while_loops_are_refused_with_the_switch_to_use():
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+            w = tf.compat.v1.get_variable("w", [3, 3])
+            _, h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.matmul(h, w)),
+                                 [tf.constant(0), x])
+            with pytest.raises(NotImplementedError,
+                               match=r"the weight 'w:0' is read inside the TF1 \(v1\) while loop "
+                                     r"around op 'while/[\w/]+' \(\w+\).*need the Python-side loop "
+                                     r"context.*tf.compat.v1.enable_control_flow_v2\(\)"):
+                pertower.per_example_gradients(tf.reduce_sum(h, axis=1), [w], batch_size=2)
+            # a v1 loop over the batch alone, the weight read outside it
+            _, doubled = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, 2.0 * h),
+                                       [tf.constant(0), x])
+            with pytest.raises(NotImplementedError,
+                               match=r"`ys` depends on the TF1 \(v1\) while loop around op "
+                                     r"'while_1/[\w/]+' \(\w+\).*enable_control_flow_v2"):
+                pertower.per_example_gradients(tf.reduce_sum(tf.matmul(doubled, w), axis=1),
+                                               [w], batch_size=2)
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
+
+
+def test_recurrent_layers_under_disable_v2_behavior():
+    """In a subprocess: v1 loops refused with the switch; with control flow v2 the
+    LSTM matches the oracle."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1",
+               PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, os.path.join(here, "scripts", "legacy_control_flow_checks.py")],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "legacy control flow checks: 2 passed, 0 failed" in result.stdout, result.stdout
+
+
+def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
+    """A text model: Embedding(mask_zero) -> Bidirectional(LSTM) (two While ops with a
+    mask) -> pooling -> Dense, the embedding's gradients sparse."""
+    with tf.Graph().as_default() as graph:
+        tf.compat.v1.set_random_seed(15)
+        ids = tf.compat.v1.placeholder(tf.int32, [None, 5], name="ids")
+        embedding = keras.layers.Embedding(10, 4, mask_zero=True)
+        rnn = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True))
+        pooled = keras.layers.GlobalAveragePooling1D()(rnn(embedding(ids)))   # [B, 6]
+        ys = keras.layers.Dense(1)(pooled)[:, 0]                                # [B]
+        xs = tf.compat.v1.trainable_variables()
+        loop = oracle.SliceLoop(ys, xs)
+        grads = pertower.per_example_gradients(ys, xs, batch_size=3, sparse=True)
+        assert isinstance(grads[0], pertower.PerExampleIndexedSlices)
+        dense = [grads[0].to_dense()] + grads[1:]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
+            common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
+                                    "masked bidirectional LSTM")
