@@ -243,10 +243,10 @@ def _output_layouts(op, inputs, static_batch_size):
         return _broadcast(op, inputs)
     if t == "Reshape":
         return _reshape(op, inputs, static_batch_size)
-    if any(layout is META for layout in dependent):
-        return None
     if t in _FUSED_BATCH_NORMS:
         return _fused_batch_norm(op, inputs)
+    if any(layout is META for layout in dependent):
+        return None
     rank = op.inputs[0].shape.rank
     if t in _REDUCTIONS:
         axes = static_value(op.inputs[1])
@@ -382,7 +382,7 @@ def _reshape(op, inputs, static_batch_size):
     if static_batch_size != 1:
         while lead < len(dims) - 1 and dims[lead] == 1:
             lead += 1
-    return [Rows(lead, None, layout.E)]
+    return [complete(Rows(lead, None, layout.E), shape)]
 
 
 def refined_reshape_shape(op):
@@ -453,8 +453,9 @@ def _fused_batch_norm(op, inputs):
     """Inference mode normalizes each entry with batch-independent statistics
     (pointwise). Training mode in NCHW with a leading size-1 axis normalizes each
     channel (axis 1) over H and W: Keras LayerNormalization's form, one row per channel."""
-    if any(layout is not INDEPENDENT for layout in inputs[1:]):
-        return None
+    for j in range(1, len(inputs)):
+        if inputs[j] is not INDEPENDENT and not _filled_with_constant(op.inputs[j]):
+            return None
     x = inputs[0]
     if not isinstance(x, Rows):
         return None
@@ -467,6 +468,12 @@ def _fused_batch_norm(op, inputs):
     if rows is None or rows.lead != 1 or rows.k is None:
         return None
     return [rows] + [None] * n_rest
+
+
+def _filled_with_constant(tensor):
+    """A Fill whose value is a constant (its size may follow the batch), as Keras'
+    LayerNormalization makes the unit scale and zero offset of its fused form."""
+    return tensor.op.type == "Fill" and static_value(tensor.op.inputs[1]) is not None
 
 
 def _batch_matmul(op, inputs):
