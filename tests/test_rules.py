@@ -1,0 +1,234 @@
+"""method="rules" and "auto": every rule against the one-example oracle and the towers.
+
+Each model below exercises one rule (or the fallback); `expect_fallback` lists the
+weights that must go to the towers, so a test also fails when a rule silently stops
+applying (or starts applying where it must not).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import gradients as gradients_lib
+from pertower import oracle
+from pertower import rule_gradients
+from pertower import rules as rules_lib
+from tests import common
+
+
+def _model(name, build, feed_shapes, B=3, dtype=tf.float32, ids=None, seed=0, **tol):
+    """A Case from `build(inputs) -> (ys, xs)` on None-batch placeholders."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(seed)
+        inputs = [tf.compat.v1.placeholder(dtype if s != "ids" else tf.int32,
+                                           [None] + list(ids if s == "ids" else s),
+                                           name=f"in{j}")
+                  for j, s in enumerate(feed_shapes)]
+        ys, xs = build(*inputs)
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    rng = np.random.RandomState(seed)
+    feed = {}
+    for p, s in zip(inputs, feed_shapes):
+        if s == "ids":
+            feed[p] = np.array([[1, 2, 2, 7], [3, 3, 3, 3], [0, 9, 5, 1], [7, 1, 2, 9]])[:B]
+        else:
+            feed[p] = rng.randn(B, *s).astype(dtype.as_numpy_dtype)
+    if dtype == tf.float64:
+        tol = dict(rtol=1e-10, atol=1e-12)
+    tol = dict(dict(rtol=1e-4, atol=1e-5), **tol)
+    return common.Case(name, graph, sess, ys, xs, feed, inputs, B, **tol)
+
+
+def _weights(shape, name, dtype=tf.float32):
+    return tf.compat.v1.get_variable(name, shape, dtype=dtype,
+                                     initializer=tf.compat.v1.random_normal_initializer())
+
+
+def _dense_sequence(x):            # Keras Dense on [B, T, d]: Tensordot = Reshape + MatMul
+    layer = keras.layers.Dense(3, activation="tanh")
+    return tf.reduce_sum(layer(x) ** 2, axis=[1, 2]), layer.trainable_weights
+
+
+def _matmul_transposed(x):
+    w = _weights([3, 4], "w_t")
+    return tf.reduce_sum(tf.sin(tf.matmul(x, w, transpose_b=True)), axis=1), [w]
+
+
+def _batch_matmul(x):              # [B, 5, 4] @ [4, 3] and adjoint_b
+    w1, w2 = _weights([4, 3], "w1"), _weights([2, 3], "w2")
+    h = tf.tanh(tf.matmul(x, w1))                                   # [B, 5, 3]
+    return tf.reduce_sum(tf.matmul(h, w2, adjoint_b=True) ** 2, axis=[1, 2]), [w1, w2]
+
+
+def _einsum(x):                     # einsum and Keras EinsumDense
+    w = _weights([4, 2, 3], "w_e")
+    dense = keras.layers.EinsumDense("abc,cd->abd", output_shape=(5, 2), bias_axes="d")
+    h = tf.einsum("btd,dhe->bthe", x, w)                             # [B, 5, 2, 3]
+    return (tf.reduce_sum(tf.cos(h), axis=[1, 2, 3]) +
+            tf.reduce_sum(dense(x) ** 2, axis=[1, 2])), [w] + dense.trainable_weights
+
+
+def _broadcast(x):                  # x * scale + offset, w - x, x - v
+    scale, offset = _weights([4], "scale"), _weights([1, 4], "offset")
+    w, v = _weights([4], "w_sub"), _weights([5, 1], "v_sub")
+    h = tf.tanh(x * scale + offset)                                 # [B, 5, 4]
+    return tf.reduce_sum((w - h) ** 2 + tf.sin(h - v), axis=[1, 2]), [scale, offset, w, v]
+
+
+def _layer_norm(x):
+    dense = keras.layers.Dense(3)
+    norm = keras.layers.LayerNormalization()
+    return (tf.reduce_sum(tf.sin(norm(dense(x))), axis=[1, 2]),
+            dense.trainable_weights + norm.trainable_weights)
+
+
+def _conv(strides, padding, dilations, kernel=(3, 2)):
+    def build(x):                   # tf.nn.conv2d on [B, 7, 6, 2]
+        w = _weights(list(kernel) + [2, 3], "filter", x.dtype)
+        b = _weights([3], "bias", x.dtype)
+        z = tf.nn.bias_add(tf.nn.conv2d(x, w, strides, padding, dilations=dilations), b)
+        return tf.reduce_sum(tf.tanh(z) ** 2, axis=[1, 2, 3]), [w, b]
+    return build
+
+
+def _keras_convs(x):                # Keras Conv1D (ExpandDims + Conv2D) and Conv2D
+    conv1 = keras.layers.Conv1D(3, 3, strides=2, padding="valid", activation="relu")
+    h = conv1(x)                                                     # [B, 2, 3]
+    dense = keras.layers.Dense(2)
+    return tf.reduce_sum(dense(keras.layers.Flatten()(h)) ** 2, axis=1), (
+        conv1.trainable_weights + dense.trainable_weights)
+
+
+def _depthwise(x):
+    """Keras DepthwiseConv2D (strided, SAME) and the native op (VALID). Dilated
+    depthwise convolutions are not tested: TF's own DepthwiseConv2dNativeBackpropFilter
+    (oneDNN build) fails on them, so the oracle cannot run."""
+    layer = keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2, padding="same")
+    w = _weights([2, 2, 8, 1], "dw")
+    h = tf.compat.v1.nn.depthwise_conv2d_native(layer(x), w, [1, 1, 1, 1], "VALID")
+    return tf.reduce_sum(tf.sin(h), axis=[1, 2, 3]), layer.trainable_weights + [w]
+
+
+def _embedding(ids):
+    emb = keras.layers.Embedding(10, 3)
+    table = _weights([10, 2], "table")
+    h = tf.concat([emb(ids), tf.gather(table, ids)], axis=2)       # [B, 4, 5]
+    return tf.reduce_sum(tf.tanh(h) ** 2, axis=[1, 2]), emb.trainable_weights + [table]
+
+
+def _mixed(x):
+    """Covered and uncovered reads: `k1` only by a MatMul (rules); `k2` by a MatMul and
+    by the Pow of an L2 term (towers); `scale` by a Square, which has no rule (towers)."""
+    k1, k2 = _weights([4, 3], "k1"), _weights([3, 2], "k2")
+    scale = _weights([2], "scale_sq")
+    h = tf.tanh(tf.matmul(x, k1))
+    z = tf.matmul(h, k2) * tf.square(scale)                            # [B, 2]
+    ys = tf.reduce_sum(z ** 2, axis=1) + 0.1 * tf.reduce_sum(k2 ** 2)   # [B]
+    return ys, [k1, k2, scale]
+
+
+def _mixing_op(x):
+    """A Cumsum along the feature axis has no known row structure: every weight falls
+    back (sound, and the towers' answer)."""
+    w = _weights([4, 3], "w_cumsum")
+    return tf.reduce_sum(tf.math.cumsum(tf.matmul(x, w), axis=1) ** 2, axis=1), [w]
+
+
+MODELS = {
+    # name: (build, feed shapes, options, names of weights expected to fall back)
+    "dense_sequence": (_dense_sequence, [(5, 4)], {}, []),
+    "matmul_transposed": (_matmul_transposed, [(4,)], {}, []),
+    "batch_matmul": (_batch_matmul, [(5, 4)], {}, []),
+    "einsum": (_einsum, [(5, 4)], {}, []),
+    "broadcast": (_broadcast, [(5, 4)], {}, []),
+    "layer_norm": (_layer_norm, [(4, 5)], {}, []),
+    "conv_same_strided": (_conv([1, 2, 2, 1], "SAME", None), [(7, 6, 2)], {}, []),
+    "conv_valid_dilated": (_conv([1, 1, 1, 1], "VALID", [1, 2, 2, 1]), [(7, 6, 2)], {}, []),
+    "conv_explicit_float64": (_conv([1, 2, 1, 1], [[0, 0], [1, 2], [0, 1], [0, 0]], None),
+                              [(7, 6, 2)], {"dtype": tf.float64}, []),
+    "conv_same_dilated_odd": (_conv([1, 1, 2, 1], "SAME", [1, 2, 1, 1], (2, 3)),
+                              [(7, 6, 2)], {}, []),
+    "keras_conv1d": (_keras_convs, [(7, 2)], {}, []),
+    "depthwise": (_depthwise, [(7, 6, 4)], {}, []),
+    "embedding_repeated_ids": (_embedding, ["ids"], {"ids": (4,), "B": 4}, []),
+    "mixed_fallback": (_mixed, [(4,)], {}, ["k2", "scale_sq"]),
+    "mixing_op": (_mixing_op, [(4,)], {}, ["w_cumsum"]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    build, shapes, options, fallback = MODELS[request.param]
+    case = _model(request.param, build, shapes, **options)
+    case.fallback = fallback
+    yield case
+    case.sess.close()
+
+
+def _plan(case):
+    with case.graph.as_default():
+        return rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, case.B,
+                                               "test", "batch_size", True, None)
+
+
+def test_the_rules_cover_exactly_the_expected_weights(model):
+    plan = _plan(model)
+    fallback = sorted(model.xs[k].op.name for k in plan.fallback)
+    assert fallback == sorted(model.fallback), plan.reasons
+    for k in plan.fallback:
+        assert isinstance(plan.reasons[k], str) and plan.reasons[k]
+
+
+def test_rules_match_oracle_and_towers(model):
+    with model.graph.as_default():
+        rules = pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
+                                               method="rules")
+        towers = pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
+                                                method="towers")
+        for g, x in zip(rules, model.xs):
+            assert g.dtype == x.dtype.base_dtype
+            assert g.shape.as_list() == [model.B] + x.shape.as_list()
+        want = oracle.loop_per_example_gradients(model.sess, model.ys, model.xs, model.feed)
+    got_rules, got_towers = model.sess.run([rules, towers], model.feed)
+    common.assert_all_close(got_rules, want, model.rtol, model.atol, f"{model.name} rules")
+    common.assert_all_close(got_rules, got_towers, model.rtol, model.atol,
+                            f"{model.name} rules vs towers")
+
+
+def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
+    if model.fallback:
+        with model.graph.as_default():
+            with pytest.raises(ValueError, match=r"no `batch_size` was given.*fall back to "
+                                                 r"towers.*Pass batch_size=B"):
+                pertower.per_example_gradients(model.ys, model.xs, method="rules")
+        return
+    with model.graph.as_default():
+        rules = pertower.per_example_gradients(model.ys, model.xs, method="rules")
+        assert all(g.shape[0] is None or g.shape.as_list()[0] is None for g in rules)
+        for size in (1, model.B - 1):
+            feed = {k: v[:size] for k, v in model.feed.items()}
+            want = oracle.loop_per_example_gradients(model.sess, model.ys, model.xs, feed)
+            common.assert_all_close(model.sess.run(rules, feed), want, model.rtol, model.atol,
+                                    f"{model.name} rules, {size} examples")
+
+
+def test_microbatches_and_jacobians_match_oracle(model):
+    with model.graph.as_default():
+        two = pertower.microbatch_gradients(model.ys, model.xs, num_microbatches=1,
+                                            batch_size=model.B, method="rules")
+        outputs = tf.stack([model.ys, tf.sin(model.ys)], axis=1)      # [B, 2]
+        jacobians = pertower.per_example_jacobians(outputs, model.xs, batch_size=model.B,
+                                                   method="auto")
+        want_one = oracle.loop_microbatch_gradients(model.sess, model.ys, model.xs,
+                                                    model.feed, 1)
+        want_jacobians = oracle.loop_per_example_jacobians(model.sess, outputs, model.xs,
+                                                           model.feed)
+    got_one, got_jacobians = model.sess.run([two, jacobians], model.feed)
+    common.assert_all_close(got_one, want_one, model.rtol, model.atol * 10,
+                            f"{model.name} one microbatch")
+    common.assert_all_close(got_jacobians, want_jacobians, model.rtol, model.atol,
+                            f"{model.name} Jacobians")
