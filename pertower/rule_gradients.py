@@ -105,6 +105,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
         use = rule.match(op, slot, analysis)
         if isinstance(use, str):
             return f"it is read by {op.name!r} ({op.type}): {use}"
+        if use.rule is not rule:   # the registered rule computes what it matched
+            use = dataclasses.replace(use, rule=rule)
         if use.weight_shape is None:
             use = dataclasses.replace(use, weight_shape=x.shape)
         if not use.weight_shape.is_fully_defined():

@@ -232,3 +232,170 @@ def test_microbatches_and_jacobians_match_oracle(model):
                             f"{model.name} one microbatch")
     common.assert_all_close(got_jacobians, want_jacobians, model.rtol, model.atol,
                             f"{model.name} Jacobians")
+
+
+def test_an_op_that_mixes_examples_sends_every_weight_to_the_towers():
+    """x W minus its mean over the batch: example i's value depends on the others, so
+    the batched dZ is not example i's own; the rules must not be used (the towers give
+    the one-example answer, which the oracle computes)."""
+    def build(x):
+        w = _weights([4, 3], "w_centered")
+        z = tf.matmul(x, w)
+        return tf.reduce_sum(tf.sin(z - tf.reduce_mean(z, axis=0, keepdims=True)), axis=1), [w]
+    case = _model("batch_mean", build, [(4,)], B=4)
+    plan = _plan(case)
+    assert plan.fallback == [0]
+    assert "could not be traced" in plan.reasons[0] and "Mean" in plan.reasons[0]
+    with case.graph.as_default():
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=4, method="rules")
+        want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)
+    common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-6, "batch mean")
+    case.sess.close()
+
+
+def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
+    """gradients(grad_ys=w): per example, the Jacobian contracted with w; the mixed
+    model has weights on both sides (rules and towers)."""
+    def build(x):
+        ys, xs = _mixed(x)
+        return tf.stack([ys, tf.cos(ys)], axis=1), xs            # [B, 2]
+    case = _model("grad_ys", build, [(4,)], B=4)
+    weights = np.linspace(-1.0, 2.0, 8).reshape(4, 2).astype(np.float32)
+    with case.graph.as_default():
+        built = gradients_lib.build_gradients(case.ys, case.xs, None, None, 4, "auto", None,
+                                              "weighted", "test", "batch_size")
+        assert built.fallback == [1, 2]
+        got = built.gradients(grad_ys=tf.constant(weights))
+        jacobians = oracle.loop_per_example_jacobians(case.sess, case.ys, case.xs, case.feed)
+        with pytest.raises(ValueError, match=r"`grad_ys` must have the shape of `ys`"):
+            built.gradients(grad_ys=tf.ones([4, 3]))
+    want = [np.einsum("bk,bk...->b...", weights, j) for j in jacobians]
+    common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "grad_ys")
+    case.sess.close()
+
+
+def test_microbatches_with_a_none_batch_axis_and_rules():
+    case = _model("dense_sequence", _dense_sequence, [(5, 4)], B=4)
+    with case.graph.as_default():
+        got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=2,
+                                            method="rules")
+        want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, case.feed, 2)
+        common.assert_all_close(case.sess.run(got, case.feed), want, 1e-4, 1e-5,
+                                "2 microbatches of 4")
+        six = {k: np.concatenate([v, v[:2]]) for k, v in case.feed.items()}
+        want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, six, 2)
+        common.assert_all_close(case.sess.run(got, six), want, 1e-4, 1e-5,
+                                "2 microbatches of 6")
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"`num_microbatches` \(2\) must divide the batch size.*"
+                                 r"has\] \[3\]"):
+            case.sess.run(got, {k: v[:3] for k, v in case.feed.items()})
+    case.sess.close()
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    case = common.build_mlp(B=4)
+    yield case
+    case.sess.close()
+
+
+@pytest.mark.parametrize("function", ["per_example_gradients", "microbatch_gradients",
+                                      "per_example_jacobians", "per_example_norms"])
+def test_method_and_rules_arguments_are_checked(mlp, function):
+    call = getattr(pertower, function)
+    ys = mlp.outputs if function == "per_example_jacobians" else mlp.ys
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=rf"pertower.{function}: `method` must be one of "
+                                             r"\('auto', 'towers', 'rules'\), got 'rule'"):
+            call(ys, mlp.xs, batch_size=4, method="rule")
+        with pytest.raises(ValueError, match=r"`rules` is used by method='rules' or 'auto'"):
+            call(ys, mlp.xs, batch_size=4, method="towers",
+                 rules=rules_lib.default_registry())
+        with pytest.raises(TypeError, match=r"`rules` must be a pertower.rules.RuleRegistry"):
+            call(ys, mlp.xs, batch_size=4, rules={"MatMul": None})
+        # auto keeps the towers' batch_size contract; rules do not need it
+        with pytest.raises(ValueError, match=r"batch axis is not static.*pass batch_size=B"):
+            call(ys, mlp.xs, method="auto")
+        call(ys, mlp.xs, method="rules")
+
+
+def test_errors_are_the_same_for_every_method(mlp):
+    for method in gradients_lib.METHODS:
+        with mlp.graph.as_default():
+            with pytest.raises(ValueError, match=r"`num_microbatches` \(3\) must divide the "
+                                                 r"batch size \(4\)"):
+                pertower.microbatch_gradients(mlp.ys, mlp.xs, num_microbatches=3,
+                                              batch_size=4, method=method)
+            with pytest.raises(ValueError, match=r"`batch_size` must be a positive integer"):
+                pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=0, method=method)
+            with pytest.raises(ValueError, match=r"`xs\[0\]` .* depends on the batch"):
+                pertower.per_example_gradients(mlp.ys, [mlp.outputs * 2.0], batch_size=4,
+                                               method=method)
+            with pytest.raises(ValueError, match=r"`ys` .* is a scalar"):
+                pertower.per_example_gradients(tf.reduce_sum(mlp.ys), mlp.xs, batch_size=4,
+                                               method=method)
+
+
+def test_ys_whose_rows_do_not_follow_the_batch_is_refused_with_auto_too():
+    """concat([s1, s2]) along axis 0 has no row layout, so the weight goes to the towers,
+    which refuse it as before."""
+    with tf.Graph().as_default():
+        s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
+        s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
+        w = tf.compat.v1.get_variable("w", [3, 1])
+        ys = tf.matmul(tf.concat([s1, s2], axis=0), w)[:, 0]
+        with pytest.raises(ValueError, match=r"axis 0 of `ys` .* does not follow the batch"):
+            pertower.microbatch_gradients(ys, [w], num_microbatches=2, batch_size=2,
+                                          method="auto")
+
+
+class _CountingRule(rules_lib.Rule):
+    """A user rule for MatMul that delegates to the built-in one and counts its uses."""
+
+    def __init__(self):
+        self.inner = rules_lib.matmul.MatMulRule()
+        self.calls = 0
+
+    def match(self, op, slot, analysis):
+        return self.inner.match(op, slot, analysis)
+
+    def per_group(self, use, dZ, G):
+        self.calls += 1
+        return self.inner.per_group(use, dZ, G)
+
+
+class _SquareRule(rules_lib.Rule):
+    """A user rule for a weight read by Square and broadcast-multiplied: Z = s^2 as a
+    scale is not a rule shape, so this rule refuses with a reason (kept in the plan)."""
+
+    def match(self, op, slot, analysis):
+        return "a user rule that declines"
+
+    def per_group(self, use, dZ, G):
+        raise AssertionError("never called")
+
+
+def test_a_user_registry_replaces_and_adds_rules(mlp):
+    registry = rules_lib.default_registry()
+    counting = _CountingRule()
+    registry.register("MatMul", counting)
+    registry.register("Square", _SquareRule())
+    assert "MatMul" in registry.op_types() and "Square" in registry.op_types()
+    assert rules_lib.default_registry().lookup("MatMul") is not counting   # a new one each call
+    with mlp.graph.as_default():
+        got = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4, rules=registry)
+        want = oracle.loop_per_example_gradients(mlp.sess, mlp.ys, mlp.xs, mlp.feed)
+    assert counting.calls == 3
+    common.assert_all_close(mlp.sess.run(got, mlp.feed), want, mlp.rtol, mlp.atol,
+                            "user registry")
+    case = _model("mixed_fallback", _mixed, [(4,)])
+    with case.graph.as_default():
+        plan = rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, 3, "test",
+                                               "batch_size", True, registry)
+    assert "a user rule that declines" in plan.reasons[2]
+    case.sess.close()
+    with pytest.raises(TypeError, match=r"`rule` must define `match` and `per_group`"):
+        registry.register("Foo", object())
+    with pytest.raises(TypeError, match=r"`op_type` must be an op type name"):
+        registry.register(3, counting)
