@@ -196,9 +196,10 @@ def _rows_on_axis_zero(layout, tensor):
     return rows
 
 
-def _same_rows(op, inputs, data_slots):
-    """Output Rows(0, k, None) when every batch-dependent input among `data_slots`
-    has lead 0 and the same known k, and the other inputs are batch-independent."""
+def _same_rows(op, inputs, data_slots, independent_data=False):
+    """Output Rows(0, k, None) when every input among `data_slots` depends on the batch
+    (or, with `independent_data`, may not: the caller checked how it broadcasts) with
+    lead 0 and the same known k, and the other inputs are batch-independent."""
     k = None
     for j, layout in enumerate(inputs):
         if j not in data_slots:
@@ -206,6 +207,8 @@ def _same_rows(op, inputs, data_slots):
                 return None
             continue
         if layout is INDEPENDENT:
+            if not independent_data:
+                return None
             continue
         rows = _rows_on_axis_zero(layout, op.inputs[j])
         if rows is None or (k is not None and rows.k != k):
@@ -327,7 +330,7 @@ def _output_layouts(op, inputs, static_batch_size):
         paddings = static_value(op.inputs[1])
         if paddings is None or paddings[0].any():
             return None
-        return _with(_same_rows(op, inputs, {0} if t != "PadV2" else {0, 2}), n_out)
+        return _with(_same_rows(op, inputs, {0}), n_out)
     return None
 
 
@@ -361,7 +364,7 @@ def _broadcast(op, inputs):
             same_layout = False
     if same_layout and isinstance(inputs[0], Rows):
         return [inputs[0]]  # flat layout unchanged (pointwise on equal shapes)
-    return _with(_same_rows(op, inputs, set(range(len(inputs)))), 1)
+    return _with(_same_rows(op, inputs, set(range(len(inputs))), independent_data=True), 1)
 
 
 def _reshape(op, inputs, static_batch_size):

@@ -26,7 +26,28 @@ def _rules_case(name, B=4):
     return test_rules._model(name, build, shapes, **options)  # pylint: disable=protected-access
 
 
+def _wide_sequence(x):               # Dense(32) on [B, 3, 16]: the ghost norm is cheaper
+    layer = keras.layers.Dense(32, activation="tanh")
+    return tf.reduce_sum(layer(x) ** 2, axis=[1, 2]), layer.trainable_weights
+
+
+def _few_positions_conv(x):          # 3x3 VALID on 4x4: 4 positions, ghost norm cheaper
+    layer = keras.layers.Conv2D(16, 3)
+    return tf.reduce_sum(tf.sin(layer(x)), axis=[1, 2, 3]), layer.trainable_weights
+
+
+GHOST = {"wide_sequence": (_wide_sequence, [(3, 16)]),
+         "few_positions_conv": (_few_positions_conv, [(4, 4, 8)])}
+
+
+def _ghost_case(name):
+    build, shapes = GHOST[name]
+    return test_rules._model(name, build, shapes, B=4)  # pylint: disable=protected-access
+
+
 CASES = {
+    "wide_sequence": lambda: _ghost_case("wide_sequence"),
+    "few_positions_conv": lambda: _ghost_case("few_positions_conv"),
     "mlp": lambda: common.build_mlp(B=4),                      # k = 1 dense: ||a||^2 ||dz||^2
     "mlp_float64": lambda: common.build_mlp(B=4, dtype=tf.float64),
     "shared_layer": lambda: common.build_shared_layer(B=4),   # several uses: formed
@@ -59,6 +80,20 @@ def test_norms_match_the_norms_of_the_oracle_gradients(case):
     for method, value in got.items():
         np.testing.assert_allclose(value, want, rtol=case.rtol * 10, atol=case.atol * 10,
                                    err_msg=f"{case.name} norms, method={method}")
+
+
+@pytest.mark.parametrize("name", sorted(GHOST))
+def test_ghost_norms_do_not_form_the_kernel_gradients(name):
+    case = _ghost_case(name)
+    kernel = case.xs[0]
+    with case.graph.as_default():
+        before = set(case.graph.get_operations())
+        pertower.per_example_norms(case.ys, case.xs, batch_size=4)
+        shapes = {tuple(t.shape.as_list()) for op in case.graph.get_operations()
+                  if op not in before for t in op.outputs
+                  if t.shape.rank is not None and t.shape.is_fully_defined()}
+    case.sess.close()
+    assert tuple([4] + kernel.shape.as_list()) not in shapes
 
 
 def test_rules_norms_on_a_none_batch_axis():
