@@ -147,7 +147,10 @@ def analyze(ys, batch, ys_upstream, static_batch_size, rule_registry=None):
         if rule is not None and hasattr(rule, "output_layouts"):
             outputs = rule.output_layouts(op, inputs)
         if outputs is None:
-            outputs = _output_layouts(op, inputs, static_batch_size)
+            try:
+                outputs = _output_layouts(op, inputs, static_batch_size)
+            except (ValueError, TypeError, IndexError):  # an attribute this op lacks
+                outputs = None
         if outputs is None:
             if first_unknown is None:
                 first_unknown = op

@@ -45,7 +45,10 @@ class Use:
 
 class Rule:
     """Base class of per-op rules. Subclasses define `match` and `per_group`, and may
-    define `squared_norms` (a cheap per-example ||grad||^2) and `output_layouts`."""
+    define `squared_norms` (a cheap per-example ||grad||^2) and, for an op type that
+    `pertower.layouts` does not know, `output_layouts(op, inputs)`: given one entry per
+    input (`layouts.Rows`, `layouts.INDEPENDENT`, `layouts.META` or None for unknown),
+    the list of the outputs' layouts, or None when they are unknown."""
 
     def match(self, op, slot, analysis):
         """A `Use` when this rule covers the weight at input `slot` of `op`, else a
