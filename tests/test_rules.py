@@ -399,3 +399,35 @@ def test_a_user_registry_replaces_and_adds_rules(mlp):
         registry.register("Foo", object())
     with pytest.raises(TypeError, match=r"`op_type` must be an op type name"):
         registry.register(3, counting)
+
+
+class _CumsumAlongFeatures(rules_lib.Rule):
+    """Teaches the layout analysis that a Cumsum along axis 1 keeps rows (it reads no
+    weight, so `match` is never asked)."""
+
+    def output_layouts(self, op, inputs):
+        from pertower import layouts  # pylint: disable=import-outside-toplevel
+        axis = layouts.static_value(op.inputs[1])
+        if axis is None or int(axis) == 0 or not isinstance(inputs[0], layouts.Rows):
+            return None
+        return [inputs[0]]
+
+    def match(self, op, slot, analysis):
+        return "Cumsum reads no weight"
+
+    def per_group(self, use, dZ, G):
+        raise AssertionError("never called")
+
+
+def test_a_user_rule_can_declare_the_row_layout_of_its_op():
+    case = _model("mixing_op", _mixing_op, [(4,)])
+    registry = rules_lib.default_registry()
+    registry.register("Cumsum", _CumsumAlongFeatures())
+    with case.graph.as_default():
+        plan = rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, 4, "test",
+                                               "batch_size", True, registry)
+        assert plan.fallback == []
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=4, rules=registry)
+        want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)
+    common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "user layout")
+    case.sess.close()
