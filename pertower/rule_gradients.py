@@ -25,6 +25,7 @@ from pertower import _checks
 from pertower import _prepare
 from pertower import layouts
 from pertower import rules as rules_lib
+from pertower.rules import _rows
 
 # Ops that only re-lay-out the weight's value (same elements, same order).
 _WEIGHT_LAYOUT_OPS = frozenset({"Identity", "Snapshot", "ExpandDims", "Squeeze", "Reshape"})
@@ -98,7 +99,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
                 continue
             terminals.extend((op, j) for j in slots)
     found = []
-    for op, slot in sorted(terminals, key=lambda pair: (pair[0]._id, pair[1])):  # pylint: disable=protected-access
+    terminals.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
+    for op, slot in terminals:
         rule = registry.lookup(op.type)
         if rule is None:
             return f"it is read by {op.name!r} ({op.type}), which has no rule"
@@ -180,7 +182,7 @@ def check_grad_ys(ys, grad_ys):
 def _per_x_shape(x, G):
     """[G, *x.shape] as a reshape target."""
     if x.shape.is_fully_defined():
-        return rules_lib._rows.group_shape(G, x.shape.as_list())  # pylint: disable=protected-access
+        return _rows.group_shape(G, x.shape.as_list())
     return tf.concat([[G], tf.shape(x)], axis=0)
 
 

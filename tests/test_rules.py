@@ -290,6 +290,12 @@ def test_microbatches_with_a_none_batch_axis_and_rules():
                            match=r"`num_microbatches` \(2\) must divide the batch size.*"
                                  r"has\] \[3\]"):
             case.sess.run(got, {k: v[:3] for k, v in case.feed.items()})
+        outputs = tf.stack([case.ys, case.ys ** 2], axis=1)                 # [B, 2]
+        jacobians = pertower.per_example_jacobians(outputs, case.xs, method="rules")
+        three = {k: v[:3] for k, v in case.feed.items()}
+        want = oracle.loop_per_example_jacobians(case.sess, outputs, case.xs, three)
+        common.assert_all_close(case.sess.run(jacobians, three), want, 1e-4, 1e-4,
+                                "Jacobians of 3 examples, no batch_size")
     case.sess.close()
 
 

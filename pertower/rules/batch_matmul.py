@@ -40,7 +40,8 @@ class BatchMatMulRule(registry_lib.Rule):
 
     def per_group(self, use, dZ, G):
         grad = _rows.dense_per_group(use.activation, dZ, G, use.op.get_attr("adj_y"))
-        return tf.reshape(grad, _rows.group_shape(G, use.weight_shape.as_list()))  # -> [G, *w.shape]
+        # [G, d, n] -> [G, *w.shape]
+        return tf.reshape(grad, _rows.group_shape(G, use.weight_shape.as_list()))
 
     def squared_norms(self, use, dZ, B):
         d, n = use.weight_shape.as_list()[-2:]

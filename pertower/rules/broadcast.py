@@ -53,7 +53,8 @@ class BroadcastRule(registry_lib.Rule):
             grad = tf.reduce_sum(grad, axis=axes, keepdims=True)   # [B*k, *w_dims[1:]]
         # [B*k, *w_dims[1:]] -> [G, rows, *w_dims[1:]] -> [G, *w_dims[1:]]
         grouped = tf.reduce_sum(_rows.to_groups(grad, G, out_rank - 1), axis=1)
-        return tf.reshape(grouped, _rows.group_shape(G, use.weight_shape.as_list()))  # [G, *w.shape]
+        # [G, *w_dims[1:]] -> [G, *w.shape]
+        return tf.reshape(grouped, _rows.group_shape(G, use.weight_shape.as_list()))
 
 
 def register(registry):
