@@ -111,6 +111,11 @@ def build_gradients(ys, xs, batch, num_groups, batch_size, method, rules, scope,
     plan = rule_gradients.prepare_and_plan(
         ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
         batch_size_required=(method == "auto"), registry=rules)
+    if plan.fallback and not any(plan.uses[k] for k in range(len(plan.uses))):
+        # no weight is computed by a rule: exactly the towers
+        require_batch_size_for_fallback(plan, function_name)
+        return towers_lib.build(ys, xs, batch, num_groups, batch_size, scope, function_name,
+                                groups_argument)
     with plan.prepared.graph.as_default(), tf.name_scope(scope):
         return _RulesAndTowers(plan, num_groups, function_name, groups_argument)
 

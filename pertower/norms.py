@@ -44,14 +44,18 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     function_name = "per_example_norms"
     gradients_lib.check_method(method, function_name, rules)
     scope = name or function_name
+    if method != "towers":
+        plan = rule_gradients.prepare_and_plan(
+            ys, xs, batch, None, batch_size, function_name, "batch_size",
+            batch_size_required=(method == "auto"), registry=rules)
+        if plan.fallback and not any(plan.uses[k] for k in range(len(plan.uses))):
+            gradients_lib.require_batch_size_for_fallback(plan, function_name)
+            method = "towers"   # no weight is computed by a rule: exactly the towers
     if method == "towers":
         with tf.name_scope(scope):
             per_example = gradients_lib.per_example_gradients(
                 ys, xs, batch=batch, batch_size=batch_size, name="gradients", method=method)
             return _norms_of([g for g in per_example if g is not None])
-    plan = rule_gradients.prepare_and_plan(
-        ys, xs, batch, None, batch_size, function_name, "batch_size",
-        batch_size_required=(method == "auto"), registry=rules)
     prepared = plan.prepared
     with prepared.graph.as_default(), tf.name_scope(scope):
         if plan.fallback:
