@@ -109,7 +109,9 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
             return f"it is read by {op.name!r} ({op.type}): {use}"
         if use.rule is not rule:   # the registered rule computes what it matched
             use = dataclasses.replace(use, rule=rule)
-        if use.weight_shape is None:
+        if use.weight_shape is None:   # read through a resource handle
+            if not isinstance(x, tf.Variable):
+                return f"it is read through a resource handle at {op.name!r} ({op.type})"
             use = dataclasses.replace(use, weight_shape=x.shape)
         if not use.weight_shape.is_fully_defined():
             return f"its shape at {op.name!r} ({use.weight_shape}) is not static"
