@@ -105,6 +105,8 @@ def complete(layout, shape):
             k = E // rest
         elif E is None and k is not None:
             E = k * rest
+        elif k is not None and E is not None and k * rest != E:
+            return None
     return Rows(lead, k, E)
 
 
