@@ -113,6 +113,11 @@ def _depthwise(x):
     return tf.reduce_sum(tf.sin(h), axis=[1, 2, 3]), layer.trainable_weights + [w]
 
 
+def _time_distributed_conv(x):     # [B, 3, 5, 5, 2] -> Reshape [B*3, 5, 5, 2] -> Conv2D
+    layer = keras.layers.TimeDistributed(keras.layers.Conv2D(3, 2, strides=2))
+    return tf.reduce_sum(tf.tanh(layer(x)) ** 2, axis=[1, 2, 3, 4]), layer.trainable_weights
+
+
 def _embedding(ids):
     emb = keras.layers.Embedding(10, 3)
     table = _weights([10, 2], "table")
@@ -154,6 +159,7 @@ MODELS = {
                               [(7, 6, 2)], {}, []),
     "keras_conv1d": (_keras_convs, [(7, 2)], {}, []),
     "depthwise": (_depthwise, [(7, 6, 4)], {}, []),
+    "time_distributed_conv": (_time_distributed_conv, [(3, 5, 5, 2)], {}, []),
     "embedding_repeated_ids": (_embedding, ["ids"], {"ids": (4,), "B": 4}, []),
     "mixed_fallback": (_mixed, [(4,)], {}, ["k2", "scale_sq"]),
     "mixing_op": (_mixing_op, [(4,)], {}, ["w_cumsum"]),
