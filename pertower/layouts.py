@@ -23,6 +23,12 @@ cannot:
    Rows(0, 1, .), every tensor on a path from the batch to `ys` was built from its own
    example's block only, so dZ's rows for example i are d ys[i] / dZ.
 
+A functional `If` (tf.cond; Keras Dropout with training=None) whose predicate does not
+depend on the batch is analysed through both branch functions; its outputs keep the
+layout both branches agree on. Noise drawn with the shape of a batch tensor
+(`tf.random.uniform(tf.shape(x))`, dropout) is laid out like x: each example owns its
+draws, and the rules differentiate the same draws as `ys` in the same run.
+
 A tensor that carries the batch only through its *shape* (`tf.shape(x)`) gets the
 marker META: it may feed the shape argument of a Reshape (whose result is checked
 against static shapes) but nothing that computes values.
@@ -65,11 +71,34 @@ _FUSED_BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatc
 _LOSSES = frozenset({"SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"})
 
 
+class TensorMap:
+    """A dict keyed by tensors through `tensor.ref()` (tensors of function graphs are
+    not hashable)."""
+
+    def __init__(self):
+        self._items = {}
+
+    def __contains__(self, tensor):
+        return tensor.ref() in self._items
+
+    def __getitem__(self, tensor):
+        return self._items[tensor.ref()]
+
+    def __setitem__(self, tensor, value):
+        self._items[tensor.ref()] = value
+
+    def get(self, tensor, default=None):
+        return self._items.get(tensor.ref(), default)
+
+    def items(self):
+        return [(key.deref(), value) for key, value in self._items.items()]
+
+
 class Analysis(collections.namedtuple("Analysis", ["layouts", "first_unknown"])):
     """The result of `analyze`.
 
     Fields:
-      layouts: {tensor: Rows or META} for the tensors between the batch and `ys`
+      layouts: a `TensorMap` {tensor: Rows or META} for the tensors between the batch and `ys`
         whose layout is known (tensors that do not depend on the batch are absent).
       first_unknown: the first op (in graph order) that depends on the batch but whose
         outputs got no layout, or None.
@@ -125,22 +154,30 @@ def analyze(ys, batch, ys_upstream, static_batch_size, rule_registry=None):
     Returns:
       An `Analysis`.
     """
-    layouts = {}
+    layouts = TensorMap()
     for b in batch:
         rows = complete(Rows(0, 1, None), b.shape)
         if rows is not None:
             layouts[b] = rows
     batch_ops = {b.op for b in batch}
     region = _downstream(batch, ys_upstream)
+    first_unknown = _propagate(region, layouts, list(batch), batch_ops, static_batch_size,
+                               rule_registry)
+    return Analysis(layouts, first_unknown)
+
+
+def _propagate(region, layouts, seeds, skipped_ops, static_batch_size, rule_registry):
+    """Fills `layouts` for the outputs of the ops in `region`, in graph order; returns
+    the first op whose outputs got no layout, or None."""
     first_unknown = None
     for op in sorted(region, key=lambda o: o._id):  # pylint: disable=protected-access
-        if op in batch_ops and all(o in layouts for o in op.outputs):
+        if op in skipped_ops and all(o in layouts for o in op.outputs):
             continue
         inputs = []
         for t in op.inputs:
             if t in layouts:
                 inputs.append(layouts[t])
-            elif t.op in region or any(t is b for b in batch):
+            elif t.op in region or any(t is b for b in seeds):
                 inputs.append(None)  # depends on the batch, layout unknown
             else:
                 inputs.append(INDEPENDENT)
@@ -150,9 +187,14 @@ def analyze(ys, batch, ys_upstream, static_batch_size, rule_registry=None):
             outputs = rule.output_layouts(op, inputs)
         if outputs is None:
             try:
-                outputs = _output_layouts(op, inputs, static_batch_size)
-            except (ValueError, TypeError, IndexError):  # an attribute this op lacks
-                outputs = None
+                if op.type in _IF_OPS:
+                    outputs = _if(op, inputs, static_batch_size, rule_registry)
+                elif op.type in _RANDOM_OPS:
+                    outputs = _random_like(op, inputs, layouts)
+                else:
+                    outputs = _output_layouts(op, inputs, static_batch_size)
+            except (ValueError, TypeError, IndexError, KeyError, AttributeError):
+                outputs = None   # an attribute or function this op lacks
         if outputs is None:
             if first_unknown is None:
                 first_unknown = op
@@ -164,7 +206,51 @@ def analyze(ys, batch, ys_upstream, static_batch_size, rule_registry=None):
                 completed = complete(layout, out.shape)
                 if completed is not None:
                     layouts[out] = completed
-    return Analysis(layouts, first_unknown)
+    return first_unknown
+
+
+# Functional conditionals (tf.cond, Keras Dropout/BatchNormalization with training=None).
+_IF_OPS = frozenset({"If", "StatelessIf"})
+# Random ops whose shape argument may be tf.shape(x) of a batch-dependent x.
+_RANDOM_OPS = frozenset({"RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+                         "StatelessRandomUniform", "StatelessRandomUniformV2",
+                         "StatelessRandomNormal", "StatelessRandomNormalV2",
+                         "StatelessTruncatedNormal", "StatelessTruncatedNormalV2"})
+
+
+def _random_like(op, inputs, layouts):
+    """Noise drawn with the shape of a batch-dependent x (`tf.random.uniform(tf.shape(x))`,
+    Keras dropout): one independent draw per entry, so its rows are laid out like x's
+    (and the rules use the same draws as `ys` in the same run)."""
+    shape_op = op.inputs[0].op
+    if shape_op.type != "Shape" or any(layout is not INDEPENDENT for layout in inputs[1:]):
+        return None
+    source = layouts.get(shape_op.inputs[0])
+    return [source] if isinstance(source, Rows) else None
+
+
+def _if(op, inputs, static_batch_size, rule_registry):
+    """An If whose predicate does not depend on the batch: each output's layout is the
+    one both branch functions give it (analysed like the outer graph), if they agree."""
+    if inputs[0] is not INDEPENDENT:
+        return None
+    per_branch = []
+    for attr in ("then_branch", "else_branch"):
+        branch = op.graph._get_function(op.get_attr(attr).name).graph  # pylint: disable=protected-access
+        if len(branch.inputs) != len(op.inputs) - 1:
+            return None
+        layouts, seeds = TensorMap(), []
+        for t, layout in zip(branch.inputs, inputs[1:]):
+            if layout is None:
+                return None
+            if layout is not INDEPENDENT:
+                layouts[t] = layout
+                seeds.append(t)
+        region = _downstream(seeds, set(branch.get_operations()))
+        _propagate(region, layouts, seeds, set(), static_batch_size, rule_registry)
+        per_branch.append([layouts.get(t) for t in branch.outputs])
+    outputs = [a if a is not None and a == b else None for a, b in zip(*per_branch)]
+    return None if all(o is None for o in outputs) else outputs
 
 
 # Marker for inputs that do not depend on the batch.

@@ -199,7 +199,8 @@ def test_random_ops_in_the_replay_give_a_warning():
         ys = tf.reduce_sum(keras.layers.Dropout(0.5)(dense(x), training=True), axis=1)
         with pytest.warns(UserWarning, match=r"depends on the random op .*Each tower draws "
                                              r"its own random numbers"):
-            pertower.per_example_gradients(ys, dense.trainable_weights, batch_size=2)
+            pertower.per_example_gradients(ys, dense.trainable_weights, batch_size=2,
+                                           method="towers")
 
 
 def test_a_batch_size_baked_into_the_graph_is_explained():

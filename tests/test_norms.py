@@ -57,7 +57,7 @@ CASES = {
     "batch_matmul": lambda: _rules_case("batch_matmul"),
     "conv_valid_dilated": lambda: _rules_case("conv_valid_dilated"),   # conv ghost norm
     "mixed_fallback": lambda: _rules_case("mixed_fallback"),   # towers for two weights
-    "subclassed": lambda: common.build_subclassed(B=3),        # all towers (dropout cond)
+    "subclassed": lambda: common.build_subclassed(B=3),        # Conv1D, LayerNorm, Dropout cond
 }
 
 

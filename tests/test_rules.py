@@ -443,3 +443,24 @@ def test_a_user_rule_can_declare_the_row_layout_of_its_op():
         want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)
     common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "user layout")
     case.sess.close()
+
+
+def test_dropout_in_training_mode_uses_the_same_draws_as_ys():
+    """Keras Dropout(training=True) inside its cond: the rules differentiate the very
+    draws `ys` used in the same run (no warning, unlike the towers). By hand, for
+    ys_i = sum(dropout(x_i W + b)): grad_i(b) = mask_i / (1 - rate), entries 0 or 2,
+    grad_i(W) = x_i ⊗ grad_i(b), and ys_i = grad_i(b) · (x_i W + b)."""
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        dense = keras.layers.Dense(8)
+        ys = tf.reduce_sum(keras.layers.Dropout(0.5)(dense(x), training=True), axis=1)
+        import warnings  # pylint: disable=import-outside-toplevel
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            grads = pertower.per_example_gradients(ys, dense.trainable_weights, method="rules")
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = np.random.RandomState(0).randn(5, 3).astype(np.float32)
+        (g_w, g_b), y, w, b = sess.run([grads, ys, dense.kernel, dense.bias], {x: values})
+    assert set(np.unique(g_b)) <= {0.0, 2.0} and 0 < g_b.mean() < 2
+    np.testing.assert_allclose(g_w, values[:, :, None] * g_b[:, None, :], rtol=1e-6)
+    np.testing.assert_allclose(y, np.sum(g_b * (values @ w + b), axis=1), rtol=1e-5)
