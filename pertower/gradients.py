@@ -88,7 +88,7 @@ class _RulesAndTowers:
     def _gradients(self, grad_ys, unconnected_gradients):
         results = [None] * len(self.xs)
         covered = rule_gradients.gradients(self.plan, self.covered, self.groups,
-                                           grad_ys, unconnected_gradients)
+                                           grad_ys, unconnected_gradients, self.function_name)
         for k, g in covered.items():
             results[k] = g
         if self.towers is not None:

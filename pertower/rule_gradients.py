@@ -192,11 +192,12 @@ def _zeros(x, G):
     return tf.zeros(_per_x_shape(x, G), dtype=x.dtype.base_dtype)
 
 
-def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
+def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero",
+              function_name="gradients"):
     """{k: [G, *xs[k].shape]} for the covered weights `indices` (or None for a weight
     that `ys` does not reach, or whose outputs get no gradient, with
     unconnected_gradients="none")."""
-    unconnected = _checks.unconnected_gradients_value(unconnected_gradients, "gradients")
+    unconnected = _checks.unconnected_gradients_value(unconnected_gradients, function_name)
     grad_ys = check_grad_ys(plan.prepared.ys, grad_ys)
     d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
     results = {}
