@@ -25,9 +25,11 @@ import dataclasses
 
 import tensorflow as tf
 
+from pertower import sparse
 from pertower import towers as towers_lib
 
-__all__ = ["IndependenceCheck", "check_independence", "validated"]
+__all__ = ["IndependenceCheck", "check_independence", "validated", "gated",
+           "recomputed_by_slices"]
 
 _TOLERANCES = {tf.float64: 1e-9, tf.float32: 1e-4, tf.float16: 1e-2, tf.bfloat16: 1e-2}
 
@@ -103,15 +105,8 @@ def check_independence(ys, batch=None, batch_size=None, num_towers=None, name=No
       ok, worst = sess.run([check.independent, check.max_difference], feed)
     """
     function_name = "check_independence"
-    xs = []
-    if isinstance(ys, tf.Tensor) and hasattr(ys, "graph") and not tf.executing_eagerly():
-        with ys.graph.as_default(), tf.name_scope(name or function_name):
-            # No weight copies are needed (the replay reads the weights as they are);
-            # `build` wants one entry in xs, and a constant `ys` does not reach is
-            # left out of the replay.
-            xs = [tf.zeros([], name="no_weights")]
-    towers = towers_lib.build(ys, xs or [ys], batch, num_towers, batch_size,
-                              name or function_name, function_name, "num_towers")
+    towers = _forward_towers(ys, batch, num_towers, batch_size, name or function_name,
+                             function_name, "num_towers")
     with ys.graph.as_default(), tf.name_scope(name or function_name):
         difference, bound = _differences(towers.stacked, ys)
         max_difference = tf.reduce_max(difference, name="max_difference")
@@ -121,11 +116,35 @@ def check_independence(ys, batch=None, batch_size=None, num_towers=None, name=No
                              tolerance=tolerance_for(ys.dtype), towers=towers)
 
 
-def _gated(result):
+def _forward_towers(ys, batch, num_towers, batch_size, scope, function_name,
+                    towers_argument):
+    """Towers that replay `ys` slice by slice, without weight copies."""
+    xs = []
+    if isinstance(ys, tf.Tensor) and hasattr(ys, "graph") and not tf.executing_eagerly():
+        with ys.graph.as_default(), tf.name_scope(scope):
+            # No weight copies are needed (the replay reads the weights as they are);
+            # `build` wants one entry in xs, and a constant `ys` does not reach is
+            # left out of the replay.
+            xs = [tf.zeros([], name="no_weights")]
+    return towers_lib.build(ys, xs or [ys], batch, num_towers, batch_size, scope,
+                            function_name, towers_argument)
+
+
+def recomputed_by_slices(ys, batch, num_groups, batch_size, function_name,
+                         groups_argument):
+    """`ys` recomputed slice by slice, [B, ...] (towers without weight copies, under the
+    current name scope), for `validate=True` where no towers were built."""
+    return _forward_towers(ys, batch, num_groups, batch_size, "validate_towers",
+                           function_name, groups_argument).stacked
+
+
+def gated(result):
     """`result` (a tensor, IndexedSlices, SparseTensor or None) read after the
     current control dependencies."""
     if result is None:
         return None
+    if isinstance(result, sparse.PerExampleIndexedSlices):
+        return result._replace(values=tf.identity(result.values))
     if isinstance(result, tf.IndexedSlices):
         return tf.IndexedSlices(tf.identity(result.values), result.indices,
                                 result.dense_shape)
@@ -166,4 +185,4 @@ def validated(results, ys, stacked, function_name):
              "for the differences per example."],
             summarize=1, name="check_ys")
         with tf.control_dependencies([check]):
-            return [_gated(r) for r in results]
+            return [gated(r) for r in results]

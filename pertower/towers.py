@@ -37,9 +37,9 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from pertower import _checks
+from pertower import _prepare
 from pertower import control_flow
 from pertower import graph_walk
-from pertower import mixing
 from pertower import replicate as replicate_lib
 from pertower import sparse as sparse_lib
 
@@ -296,49 +296,14 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
           devices=None):
     """`build_towers` for the public functions: errors name `function_name` and call
     the number of towers `towers_argument`."""
-    _checks.require_graph_mode(function_name)
-    ys = _checks.require_graph_tensor(ys, "ys", function_name)
-    graph = ys.graph
-    if graph.finalized:
-        raise RuntimeError(
-            f"pertower.{function_name}: the graph of `ys` is finalized (a "
-            "MonitoredSession or graph.finalize() froze it). Build the towers before "
-            "the graph is finalized.")
-    if ys.shape.rank == 0:
-        raise ValueError(
-            f"pertower.{function_name}: `ys` ({ys.name}) is a scalar, but it needs a batch "
-            "axis on axis 0 with one value per example. Pass the unreduced per-example "
-            "values (for example a loss built with reduction=NONE, before tf.reduce_mean).")
-    if not ys.dtype.is_floating:
-        raise TypeError(
-            f"pertower.{function_name}: `ys` ({ys.name}) must be a floating-point tensor, "
-            f"but has dtype {ys.dtype.name}.")
-    xs = _checks.as_list(xs)
-    if not xs:
-        raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
+    prepared = _prepare.prepare(ys, xs, batch, num_towers, batch_size, function_name,
+                                towers_argument, batch_size_required=True)
     devices = _checks.device_list(devices, function_name)
+    ys, xs, graph, ys_upstream, batch, B = prepared[:6]
+    T = B if prepared.num_groups is None else prepared.num_groups
 
     with graph.as_default():
-        ys_upstream = graph_walk.upstream_ops([ys])
-        batch = _batch_tensors(ys, batch, ys_upstream, graph, function_name)
-        B = _batch_size(ys, batch, batch_size, function_name)
-        T = B if num_towers is None else _checks.positive_int(
-            num_towers, towers_argument, function_name)
-        if B % T:
-            raise ValueError(
-                f"pertower.{function_name}: `{towers_argument}` ({T}) must divide the batch "
-                f"size ({B}); choose a divisor of {B}, or feed a batch whose size is a "
-                f"multiple of {T}.")
-        batch_downstream = graph_walk.downstream_ops(batch, ys_upstream)
-        if ys.op not in batch_downstream and all(ys is not b for b in batch):
-            raise ValueError(
-                f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
-                f"({', '.join(t.name for t in batch)}); pass the per-example values "
-                "computed from the batch.")
-        # mixing.py: refuse ops that couple examples (only batch-dependent ops can)
-        mixing.check_examples_independent(batch_downstream, batch, T, function_name)
-        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
-                 for k, x in enumerate(xs)]
+        reads = prepared.reads
         sources = list(batch) + [t for r in reads for t in r.read_tensors]
         gather_ops = {op for r in reads for op in r.gather_ops}
         call_ops = {op for r in reads for op, _ in r.call_inputs}
@@ -394,57 +359,6 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
                   slices=tuple(zip(*slices)), copies=tuple(copies), outputs=tuple(outputs),
                   stacked=stacked, devices=devices)
-
-
-def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
-    if batch is None:
-        return graph_walk.find_batch_tensors(ys, ys_upstream)
-    batch = _checks.as_list(batch)
-    if not batch:
-        raise ValueError(f"pertower.{function_name}: `batch` is empty; pass the batch "
-                         "tensor(s), or None to find them.")
-    for j, b in enumerate(batch):
-        _checks.require_graph_tensor(b, f"batch[{j}]", function_name)
-        if b.graph is not graph:
-            raise ValueError(f"pertower.{function_name}: `batch[{j}]` ({b.name}) is in "
-                             "another graph than `ys`.")
-        if b.shape.rank == 0:
-            raise ValueError(f"pertower.{function_name}: `batch[{j}]` ({b.name}) is a "
-                             "scalar; batch tensors need the batch on axis 0.")
-    return batch
-
-
-def _batch_size(ys, batch, batch_size, function_name):
-    """B: the static batch size of the batch tensors, or `batch_size`."""
-    static = {}
-    for b in batch:
-        size = _checks.static_batch_size(b)
-        if size is not None:
-            static.setdefault(size, b)
-    if len(static) > 1:
-        listing = ", ".join(f"{b.name} has {n}" for n, b in static.items())
-        raise ValueError(f"pertower.{function_name}: the batch tensors have different "
-                         f"static batch sizes ({listing}); they must share axis 0.")
-    if batch_size is not None:
-        batch_size = _checks.positive_int(batch_size, "batch_size", function_name)
-    if static:
-        (B, b), = static.items()
-        if batch_size is not None and batch_size != B:
-            raise ValueError(f"pertower.{function_name}: `batch_size` is {batch_size}, but "
-                             f"the batch tensor {b.name} has a static batch size of {B}.")
-    elif batch_size is None:
-        names = ", ".join(f"{b.name} {b.shape}" for b in batch)
-        raise ValueError(
-            f"pertower.{function_name}: the batch axis is not static ({names}), so "
-            "`batch_size` is needed: pass batch_size=B, the number of examples you will "
-            "feed. Towers are built for a fixed number of examples.")
-    else:
-        B = batch_size
-    ys_rows = _checks.static_batch_size(ys)
-    if ys_rows is not None and ys_rows != B:
-        raise ValueError(f"pertower.{function_name}: `ys` ({ys.name}) has {ys_rows} "
-                         f"rows on axis 0, but the batch has {B} examples.")
-    return B
 
 
 def _split_batch(batch, B, T):

@@ -45,11 +45,12 @@ def placed(request):
     case.sess.close()
     with case.graph.as_default():
         loop = oracle.SliceLoop(case.ys, case.xs)
+        # devices place towers; the rules (method="auto") run one batched computation
         grads = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
-                                               devices=DEVICES, name="pex")
+                                               devices=DEVICES, name="pex", method="towers")
         micro = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=2,
                                               batch_size=case.B, devices=DEVICES[::-1],
-                                              name="micro")
+                                              name="micro", method="towers")
         towers = pertower.build_towers(case.ys, case.xs, batch_size=case.B, devices=DEVICES)
     case.sess = _two_cpu_session(case.graph)
     yield case, loop, grads, micro, towers

@@ -186,7 +186,8 @@ def test_random_ops_in_the_replay_give_a_warning():
         ys = tf.reduce_sum(keras.layers.Dropout(0.5)(dense(x), training=True), axis=1)
         with pytest.warns(UserWarning, match=r"depends on the random op .*Each tower draws "
                                              r"its own random numbers"):
-            pertower.per_example_gradients(ys, dense.trainable_weights, batch_size=2)
+            pertower.per_example_gradients(ys, dense.trainable_weights, batch_size=2,
+                                           method="towers")
 
 
 def test_a_batch_size_baked_into_the_graph_is_explained():
@@ -197,4 +198,17 @@ def test_a_batch_size_baked_into_the_graph_is_explained():
         with pytest.raises(ValueError, match=r"replaying the graph from the batch to `ys` on "
                                              r"slices of 1 example\(s\) failed.*bakes its "
                                              r"batch size into constants"):
-            pertower.per_example_gradients(ys, [w])
+            pertower.per_example_gradients(ys, [w], method="towers")
+
+
+def test_a_batch_size_baked_into_the_graph_is_no_problem_for_the_rules():
+    """The rules never replay the graph on slices, so the baked 4 does not matter:
+    d ys[i] / d w = x[i] (by hand)."""
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 1])
+        ys = tf.reshape(tf.matmul(x, w), [4])                 # the 4 is a constant
+        (g,) = pertower.per_example_gradients(ys, [w])        # method="auto"
+        sess.run(w.initializer)
+        values = np.arange(12, dtype=np.float32).reshape(4, 3)
+        np.testing.assert_allclose(sess.run(g, {x: values}), values[:, :, None])

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import pertower
+from pertower import oracle
 from pertower import memory
 from tests import common
 
@@ -79,8 +80,11 @@ def test_a_result_above_the_limit_is_refused_with_the_estimate_and_what_to_do(ml
     with mlp.graph.as_default():
         ops_before = len(mlp.graph.get_operations())
         ys = mlp.outputs if function == "per_example_jacobians" else mlp.ys
+        # norms hold per-example gradients only where towers form them
+        method = "towers" if function == "per_example_norms" else "auto"
         with pytest.raises(ValueError) as refusal:
-            getattr(pertower, function)(ys, mlp.xs, batch_size=mlp.B, memory_limit=1000)
+            getattr(pertower, function)(ys, mlp.xs, batch_size=mlp.B, memory_limit=1000,
+                                        method=method)
         assert len(mlp.graph.get_operations()) == ops_before  # refused before building
     message = str(refusal.value)
     for words in (f"pertower.{function}: the per-example result would need about",
@@ -93,6 +97,17 @@ def test_a_result_above_the_limit_is_refused_with_the_estimate_and_what_to_do(ml
     P = _weights(mlp)
     rows = "6 x 3 outputs x" if function == "per_example_jacobians" else "6 x"
     assert f"the result {rows} {P} weights" in message
+
+
+def test_norms_by_rules_form_no_per_example_gradients_so_the_guard_lets_them_through(mlp):
+    """Dense layers' norms come from ||a_i||^2 ||dz_i||^2 (no [B, P] result): a limit
+    far below B x P bytes does not refuse them, and they equal the oracle's norms."""
+    with mlp.graph.as_default():
+        norms = pertower.per_example_norms(mlp.ys, mlp.xs, batch_size=mlp.B,
+                                           memory_limit=1000)
+        want = oracle.loop_per_example_gradients(mlp.sess, mlp.ys, mlp.xs, mlp.feed)
+    want = np.sqrt(sum(np.sum(g.reshape(mlp.B, -1) ** 2, axis=1) for g in want))
+    np.testing.assert_allclose(mlp.sess.run(norms, mlp.feed), want, rtol=1e-5)
 
 
 def test_the_default_limit_is_half_the_physical_memory(mlp):

@@ -18,9 +18,7 @@ from tests import common
 
 # Methods not built yet, with the reason they are skipped. The lead empties this after
 # merging the rules branch (one line):
-NOT_BUILT_YET = {"rules": "method='rules' raises NotImplementedError until the rules branch is merged"}
-METHODS = [pytest.param(m, marks=pytest.mark.skip(reason=NOT_BUILT_YET[m]))
-           if m in NOT_BUILT_YET else m for m in gradients_lib.METHODS]
+METHODS = list(gradients_lib.METHODS)
 
 # Few examples and no deadline: every example builds a graph, towers and the oracle
 # loop; derandomized so the suite runs the same cases every time.

@@ -1,0 +1,41 @@
+"""Per-op rules for method="rules": one file per op, collected in a `RuleRegistry`.
+
+    registry = pertower.rules.default_registry()       # a new registry each call
+    registry.register("MyOp", MyRule())                # add or replace a rule
+    pertower.per_example_gradients(ys, xs, rules=registry)
+
+Built-in rules (each file states its identity and reference):
+    matmul.py            MatMul
+    batch_matmul.py      BatchMatMul, BatchMatMulV2, BatchMatMulV3
+    einsum.py            Einsum
+    bias_add.py          BiasAdd
+    broadcast.py         Add, AddV2, Sub, Mul with a broadcast weight
+    conv2d.py            Conv2D (also Conv1D's lowering)
+    depthwise_conv2d.py  DepthwiseConv2dNative
+    gather.py            GatherV2, ResourceGather (embedding lookups)
+"""
+
+from pertower.rules import batch_matmul
+from pertower.rules import bias_add
+from pertower.rules import broadcast
+from pertower.rules import conv2d
+from pertower.rules import depthwise_conv2d
+from pertower.rules import einsum
+from pertower.rules import gather
+from pertower.rules import matmul
+from pertower.rules.registry import Rule
+from pertower.rules.registry import RuleRegistry
+from pertower.rules.registry import Use
+
+__all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
+
+_BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, depthwise_conv2d,
+             gather)
+
+
+def default_registry():
+    """A new `RuleRegistry` holding every built-in rule."""
+    registry = RuleRegistry()
+    for module in _BUILT_IN:
+        module.register(registry)
+    return registry

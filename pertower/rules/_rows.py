@@ -1,0 +1,92 @@
+"""Helpers shared by the rules: group the example-major rows, and the dense identities.
+
+Notation: G groups of contiguous examples, k rows per example, T = rows per group.
+
+Dense identity (Goodfellow 2015, "Efficient per-example gradient computations",
+arXiv 1510.01799): for Z = A W with A [B*k, d] and dZ [B*k, n], the gradient of
+example i is grad_i(W) = sum_t a_it ⊗ dz_it, [d, n] (sum over its k rows t).
+
+Ghost norm (Li, Tramèr, Liang, Hashimoto 2021, "Large language models can be strong
+differentially private learners", arXiv 2110.05679, section 4):
+    ||grad_i(W)||^2 = sum_{t,s} (a_it · a_is) (dz_it · dz_is),
+which for k = 1 is ||a_i||^2 ||dz_i||^2 and never forms the [d, n] gradient.
+"""
+
+import tensorflow as tf
+
+
+def dim(tensor, axis):
+    """The size of `axis` of `tensor`: static int if known, else a scalar tensor."""
+    static = tf.compat.dimension_value(tensor.shape[axis])
+    return static if static is not None else tf.shape(tensor)[axis]
+
+
+def to_groups(tensor, G, tail):
+    """[G*T, ...] -> [G, T*prod(middle), *last `tail` axes]: rows of each group, with
+    the last `tail` axes kept and the others merged into the row axis."""
+    rank = tensor.shape.rank
+    tail_dims = [dim(tensor, axis) for axis in range(rank - tail, rank)]
+    shape = [G, -1] + tail_dims
+    if any(isinstance(d, tf.Tensor) for d in shape):
+        shape = tf.stack([tf.convert_to_tensor(d, tf.int32) for d in shape])
+    return tf.reshape(tensor, shape)  # [G*T, ..., *tail] -> [G, T', *tail]
+
+
+def dense_per_group(A, dZ, G, weight_transposed):
+    """sum over each group's rows of a ⊗ dz: [G, d, n] ([G, n, d] if transposed).
+
+    A: [G*T, ..., d] rows; dZ: [G*T, ..., n] rows."""
+    A_g = to_groups(A, G, 1)     # [G, T, d]
+    dZ_g = to_groups(dZ, G, 1)   # [G, T, n]
+    if weight_transposed:
+        return tf.einsum("gtn,gtd->gnd", dZ_g, A_g)
+    return tf.einsum("gtd,gtn->gdn", A_g, dZ_g)
+
+
+def dense_squared_norms(A, dZ, B, k):
+    """[B] ||sum_t a_it ⊗ dz_it||^2 without forming the outer products.
+
+    k = 1: ||a_i||^2 ||dz_i||^2. k > 1: the ghost norm sum_{t,s} (a_it·a_is)(dz_it·dz_is)."""
+    A_g = to_groups(A, B, 1)     # [B, k, d]
+    dZ_g = to_groups(dZ, B, 1)   # [B, k, n]
+    if k == 1:
+        return (tf.reduce_sum(tf.square(A_g), axis=[1, 2]) *
+                tf.reduce_sum(tf.square(dZ_g), axis=[1, 2]))      # [B]
+    a_gram = tf.einsum("btd,bsd->bts", A_g, A_g)                   # [B, k, k]
+    dz_gram = tf.einsum("btn,bsn->bts", dZ_g, dZ_g)                # [B, k, k]
+    return tf.reduce_sum(a_gram * dz_gram, axis=[1, 2])            # [B]
+
+
+def static_size(shape):
+    """prod(shape) as an int when fully defined, else None."""
+    if not shape.is_fully_defined():
+        return None
+    size = 1
+    for d in shape.as_list():
+        size *= d
+    return size
+
+
+def ghost_is_cheaper(k, d, n):
+    """The ghost norm costs ~k^2 (d + n) per example; materializing costs d n."""
+    return k is not None and d is not None and n is not None and k * k * (d + n) <= 2 * d * n
+
+
+def example_rows(analysis, activation, output):
+    """The Rows of `activation` when it and `output` are example-major on axis 0 (lead
+    0, k known); otherwise a string saying what is missing."""
+    rows = analysis.rows(activation)
+    if rows is None or rows.lead != 0 or rows.k is None:
+        return (f"the rows of its input {activation.name} could not be traced to "
+                "examples")
+    out_rows = analysis.rows(output)
+    if out_rows is None or out_rows.lead != 0 or out_rows.k is None:
+        return f"the rows of its output {output.name} could not be traced to examples"
+    return rows
+
+
+def group_shape(G, dims):
+    """[G, *dims] as a reshape target; G may be an int or a scalar tensor."""
+    if isinstance(G, int) and not any(isinstance(d, tf.Tensor) for d in dims):
+        return [G] + list(dims)
+    return tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [G] + list(dims)])

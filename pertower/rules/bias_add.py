@@ -1,0 +1,36 @@
+"""Rule for BiasAdd: Z = A + b, b [C] added along the channel (last) axis.
+
+Identity: dZ/db sums over every position, so grad_i(b) = sum over example i's rows and
+positions of dz, [C]; its squared norm is ||sum_t dz_it||^2 (cheap as it is: [B, C]).
+
+Covered: data_format NHWC (channels last), the Keras and tf.nn default.
+"""
+
+import tensorflow as tf
+
+from pertower.rules import _rows
+from pertower.rules import registry as registry_lib
+
+
+class BiasAddRule(registry_lib.Rule):
+    """Per-example sums of dZ over positions."""
+
+    def match(self, op, slot, analysis):
+        if slot != 1:
+            return "the weight is BiasAdd's value input, not its bias"
+        if op.get_attr("data_format") not in (b"NHWC", b"N...C"):
+            return f"BiasAdd with data_format {op.get_attr('data_format').decode()}"
+        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
+                                op.inputs[1].shape, rows)
+
+    def per_group(self, use, dZ, G):
+        # [G*k, ..., C] -> [G, rows, C] -> [G, C]
+        return tf.reduce_sum(_rows.to_groups(dZ, G, 1), axis=1)
+
+
+def register(registry):
+    """Adds the BiasAdd rule to `registry`."""
+    registry.register("BiasAdd", BiasAddRule())

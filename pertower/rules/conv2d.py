@@ -1,0 +1,79 @@
+"""Rule for Conv2D (and Conv1D, which lowers to ExpandDims + Conv2D + Squeeze).
+
+Identity (Rochette, Manoel, Tramel 2019, "Efficient per-example gradient computations
+in convolutional neural networks", arXiv 1912.06015; the unfold form of Opacus'
+grad_sample/conv.py and of BackPACK): a convolution is a dense layer applied at every
+output position p to the patch x_p of the input that p sees,
+    z_p = W^T x_p   (W as [kh*kw*Cin, Cout]),
+so grad_i(W) = sum_p x_ip ⊗ dz_ip, with the patches taken by `tf.image.extract_patches`
+with the op's strides, dilations (rates) and padding (explicit padding applied with
+`tf.pad` first), ordered (kh, kw, Cin) like the filter.
+
+Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations; the filter static.
+Squared norms use the ghost form sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) when positions are
+few, else the gradient is formed.
+"""
+
+import tensorflow as tf
+
+from pertower.rules import _rows
+from pertower.rules import registry as registry_lib
+
+
+def patches(op, filter_height, filter_width):
+    """[N, Ho, Wo, kh*kw*Cin]: the input patch each output position of `op` sees."""
+    x = op.inputs[0]
+    padding = op.get_attr("padding").decode()
+    if padding == "EXPLICIT":
+        pairs = op.get_attr("explicit_paddings")
+        x = tf.pad(x, [pairs[0:2], pairs[2:4], pairs[4:6], pairs[6:8]])
+        padding = "VALID"
+    strides = op.get_attr("strides")
+    dilations = op.get_attr("dilations")
+    return tf.image.extract_patches(
+        x, sizes=[1, filter_height, filter_width, 1], strides=[1, strides[1], strides[2], 1],
+        rates=[1, dilations[1], dilations[2], 1], padding=padding)
+
+
+def check_convolution(op, slot, analysis):
+    """The activation's Rows when `op` (Conv2D or DepthwiseConv2dNative) is covered,
+    else a reason string."""
+    if slot != 1:
+        return "the weight is the convolution's input, not its filter"
+    if op.get_attr("data_format") != b"NHWC":
+        return f"data_format {op.get_attr('data_format').decode()} (only NHWC is covered)"
+    if not op.inputs[1].shape.is_fully_defined():
+        return "the filter's shape is not static"
+    return _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
+
+
+class Conv2DRule(registry_lib.Rule):
+    """Per-example filter gradients from input patches."""
+
+    def match(self, op, slot, analysis):
+        rows = check_convolution(op, slot, analysis)
+        if isinstance(rows, str):
+            return rows
+        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
+                                op.inputs[1].shape, rows)
+
+    def per_group(self, use, dZ, G):
+        kh, kw, c_in, c_out = use.weight_shape.as_list()
+        x_patches = _rows.to_groups(patches(use.op, kh, kw), G, 1)  # [G, k*Ho*Wo, kh*kw*Cin]
+        dZ_g = _rows.to_groups(dZ, G, 1)                           # [G, k*Ho*Wo, Cout]
+        grad = tf.einsum("gpc,gpo->gco", x_patches, dZ_g)         # [G, kh*kw*Cin, Cout]
+        return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+
+    def squared_norms(self, use, dZ, B):
+        kh, kw, c_in, c_out = use.weight_shape.as_list()
+        positions = _rows.static_size(use.output.shape[1:3])
+        if positions is None or not _rows.ghost_is_cheaper(use.rows.k * positions,
+                                                           kh * kw * c_in, c_out):
+            return None
+        return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
+                                         use.rows.k * positions)
+
+
+def register(registry):
+    """Adds the Conv2D rule to `registry`."""
+    registry.register("Conv2D", Conv2DRule())

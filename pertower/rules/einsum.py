@@ -1,0 +1,64 @@
+"""Rule for Einsum dense layers, e.g. Keras EinsumDense: Z = einsum("btd,de->bte", A, W).
+
+Identity (Goodfellow 2015, arXiv 1510.01799, in einsum form): when the activation's
+first index b is the batch axis, appears first in the output and not in the weight,
+every other index of A and Z either is contracted with W or runs over positions that
+all use W, so
+    grad_i(W) = einsum("{a},{z}->{w}") restricted to example i's rows,
+computed for all groups at once as einsum("g{a},g{z}->g{w}") on A and dZ reshaped to
+[G, rows per group, ...] (the index b then runs over a group's rows and is summed).
+
+Covered: two operands, the activation first, no ellipsis and no repeated index within
+an operand; every weight index appears in A or Z.
+"""
+
+import tensorflow as tf
+
+from pertower import layouts
+from pertower.rules import _rows
+from pertower.rules import registry as registry_lib
+
+
+class EinsumRule(registry_lib.Rule):
+    """Per-example weight gradients of a two-operand einsum."""
+
+    def match(self, op, slot, analysis):
+        parsed = layouts.parse_einsum(op.get_attr("equation"))
+        if parsed is None or len(parsed[0]) != 2:
+            return "the einsum equation has an ellipsis or is not 'a,w->z'"
+        (a, w), z = parsed
+        if slot != 1:
+            return "the weight is the first einsum operand"
+        if not a or not z or a[0] != z[0] or a[0] in w:
+            return "the einsum does not keep the activation's first axis as the batch axis"
+        if any(len(set(term)) != len(term) for term in (a, w, z)) or set(w) - set(a) - set(z):
+            return "the einsum repeats an index or sums a weight index alone"
+        if not op.inputs[1].shape.is_fully_defined():
+            return "the einsum weight's shape is not static"
+        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
+                                op.inputs[1].shape, rows)
+
+    def per_group(self, use, dZ, G):
+        (a, w), z = layouts.parse_einsum(use.op.get_attr("equation"))
+        letters = set(a + w + z)
+        g = next(c for c in "gGhHqQ" + "abcdefijklmnoprstuvwxyz" if c not in letters)
+        A_g = _reshape_rows(use.activation, G)   # [G*k, ...] -> [G, k, ...]
+        dZ_g = _reshape_rows(dZ, G)               # [G*k, ...] -> [G, k, ...]
+        # the batch index b now runs over the k rows of a group and is summed
+        return tf.einsum(f"{g}{a},{g}{z}->{g}{w}", A_g, dZ_g)
+
+
+def _reshape_rows(tensor, G):
+    rest = [_rows.dim(tensor, axis) for axis in range(1, tensor.shape.rank)]
+    shape = [G, -1] + rest
+    if any(isinstance(d, tf.Tensor) for d in shape):
+        shape = tf.stack([tf.convert_to_tensor(d, tf.int32) for d in shape])
+    return tf.reshape(tensor, shape)   # [G*k, ...] -> [G, k, ...]
+
+
+def register(registry):
+    """Adds the Einsum rule to `registry`."""
+    registry.register("Einsum", EinsumRule())

@@ -1,0 +1,46 @@
+"""Rule for MatMul: a dense layer Z = A W (or A W^T with transpose_b).
+
+Identity (Goodfellow 2015, "Efficient per-example gradient computations",
+arXiv 1510.01799): with A [B*k, d] and dZ [B*k, n] (k rows per example, e.g. the
+Tensordot form of a Dense layer on [B, k, d]),
+    grad_i(W) = sum_t a_it ⊗ dz_it                       [d, n]
+and its squared norm is ||a_i||^2 ||dz_i||^2 for k = 1, or the ghost norm
+sum_{t,s} (a_it·a_is)(dz_it·dz_is) (Li et al. 2021, arXiv 2110.05679) for k > 1.
+
+Covered: the weight on the right (input 1), transpose_b either way, the activation not
+transposed. A weight on the left (W A) has no rows per example and falls back.
+"""
+
+from pertower.rules import _rows
+from pertower.rules import registry as registry_lib
+
+
+class MatMulRule(registry_lib.Rule):
+    """Z = A W or A W^T: per-example outer products."""
+
+    def match(self, op, slot, analysis):
+        if slot != 1:
+            return "the weight is the left operand of MatMul (rows are not examples)"
+        if op.get_attr("transpose_a"):
+            return "MatMul transposes its batch-side input"
+        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
+                                op.inputs[1].shape, rows)
+
+    def per_group(self, use, dZ, G):
+        # [G*k, d], [G*k, n] -> [G, d, n] (or [G, n, d] when W is stored transposed)
+        return _rows.dense_per_group(use.activation, dZ, G,
+                                     use.op.get_attr("transpose_b"))
+
+    def squared_norms(self, use, dZ, B):
+        d, n = use.weight_shape.as_list()
+        if use.rows.k != 1 and not _rows.ghost_is_cheaper(use.rows.k, d, n):
+            return None
+        return _rows.dense_squared_norms(use.activation, dZ, B, use.rows.k)
+
+
+def register(registry):
+    """Adds the MatMul rule to `registry`."""
+    registry.register("MatMul", MatMulRule())

@@ -1,0 +1,107 @@
+"""The rule registry: which op types have a per-example gradient rule, and the rule API.
+
+Notation:
+    B   examples in the batch          G   groups of contiguous examples (G = B for
+    A   the op's batch-side input          per-example gradients, M for microbatches)
+    dZ  the gradient of sum(ys) (or of sum(grad_ys * ys)) at the op's output
+    w   the weight at the op's input `slot` (after any reshape of the variable's value)
+
+A rule turns the *batched* A and dZ of one op into one gradient per group of examples,
+[G, *w.shape]. It may only be used where `pertower.layouts` proves that A's and dZ's
+rows are example-major (example i owns rows i*k ... i*k+k-1) and that row i of `ys`
+depends on example i alone; `Rule.match` checks what the rule itself needs on top.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+__all__ = ["Rule", "RuleRegistry", "Use"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One covered read of a weight: the op, the weight's input slot, and what the
+    rule needs.
+
+    Attributes:
+      op: the weight-consuming op.
+      slot: the index of op's input that holds the weight.
+      rule: the `Rule` that covers it.
+      activation: the batch-side input A, [B*k, ...].
+      output: the op's output Z whose gradient dZ the rule uses, [B*k, ...].
+      weight_shape: the static shape of the weight as the op sees it.
+      rows: the `layouts.Rows` of `activation` (k rows per example).
+    """
+
+    op: tf.Operation
+    slot: int
+    rule: object
+    activation: tf.Tensor
+    output: tf.Tensor
+    weight_shape: tf.TensorShape
+    rows: object
+
+
+class Rule:
+    """Base class of per-op rules. Subclasses define `match` and `per_group`, and may
+    define `squared_norms` (a cheap per-example ||grad||^2) and, for an op type that
+    `pertower.layouts` does not know, `output_layouts(op, inputs)`: given one entry per
+    input (`layouts.Rows`, `layouts.INDEPENDENT`, `layouts.META` or None for unknown),
+    the list of the outputs' layouts, or None when they are unknown."""
+
+    def match(self, op, slot, analysis):
+        """A `Use` when this rule covers the weight at input `slot` of `op`, else a
+        string saying why not (shown when the weight falls back to towers)."""
+        raise NotImplementedError
+
+    def per_group(self, use, dZ, G):
+        """[G, *use.weight_shape]: the gradient of each group's part of sum(ys) with
+        respect to the weight, through this use only. `G` is an int or a scalar tensor;
+        the groups are G contiguous, equal blocks of rows of A and dZ."""
+        raise NotImplementedError
+
+    def squared_norms(self, use, dZ, B):
+        """[B] squared norms of the per-example gradients through this use, without
+        forming them; None when this rule has no cheaper form for `use`."""
+        del use, dZ, B
+        return None
+
+
+class RuleRegistry:
+    """Maps op types to rules. Build the default one with
+    `pertower.rules.default_registry()` and add your own:
+
+        registry = pertower.rules.default_registry()
+        registry.register("MyOp", MyRule())
+        pertower.per_example_gradients(ys, xs, rules=registry)
+    """
+
+    def __init__(self):
+        self._rules = {}
+
+    def register(self, op_type, rule):
+        """Registers `rule` (a `Rule`) for ops of type `op_type`; replaces any rule
+        registered for it before."""
+        if not isinstance(op_type, str) or not op_type:
+            raise TypeError(f"pertower.RuleRegistry.register: `op_type` must be an op type "
+                            f"name such as 'MatMul', but received {op_type!r}.")
+        if not (callable(getattr(rule, "match", None)) and
+                callable(getattr(rule, "per_group", None))):
+            raise TypeError(f"pertower.RuleRegistry.register: `rule` must define `match` and "
+                            f"`per_group` (see pertower.rules.Rule), but received {rule!r}.")
+        self._rules[op_type] = rule
+
+    def lookup(self, op_type):
+        """The rule for `op_type`, or None."""
+        return self._rules.get(op_type)
+
+    def op_types(self):
+        """The op types that have a rule, sorted."""
+        return sorted(self._rules)
+
+    def copy(self):
+        """A new registry with the same rules."""
+        other = RuleRegistry()
+        other._rules = dict(self._rules)  # pylint: disable=protected-access
+        return other

@@ -1,0 +1,151 @@
+"""per_example_norms against the norms of the oracle's per-example gradients, for every
+method, and the check that the cheap forms never form the dense per-example gradients."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import oracle
+from tests import common
+from tests import test_rules
+
+
+def _oracle_norms(case):
+    ys, _, feed = case.oracle()
+    with case.graph.as_default():
+        grads = oracle.loop_per_example_gradients(case.sess, ys, case.xs, feed)
+    return np.sqrt(sum(np.sum(g.reshape(case.B, -1).astype(np.float64) ** 2, axis=1)
+                       for g in grads))
+
+
+def _rules_case(name, B=4):
+    build, shapes, options, _ = test_rules.MODELS[name]
+    options = dict(options, B=options.get("B", B))
+    return test_rules._model(name, build, shapes, **options)  # pylint: disable=protected-access
+
+
+def _wide_sequence(x):               # Dense(32) on [B, 3, 16]: the ghost norm is cheaper
+    layer = keras.layers.Dense(32, activation="tanh")
+    return tf.reduce_sum(layer(x) ** 2, axis=[1, 2]), layer.trainable_weights
+
+
+def _few_positions_conv(x):          # 3x3 VALID on 4x4: 4 positions, ghost norm cheaper
+    layer = keras.layers.Conv2D(16, 3)
+    return tf.reduce_sum(tf.sin(layer(x)), axis=[1, 2, 3]), layer.trainable_weights
+
+
+GHOST = {"wide_sequence": (_wide_sequence, [(3, 16)]),
+         "few_positions_conv": (_few_positions_conv, [(4, 4, 8)])}
+
+
+def _ghost_case(name):
+    build, shapes = GHOST[name]
+    return test_rules._model(name, build, shapes, B=4)  # pylint: disable=protected-access
+
+
+CASES = {
+    "wide_sequence": lambda: _ghost_case("wide_sequence"),
+    "few_positions_conv": lambda: _ghost_case("few_positions_conv"),
+    "mlp": lambda: common.build_mlp(B=4),                      # k = 1 dense: ||a||^2 ||dz||^2
+    "mlp_float64": lambda: common.build_mlp(B=4, dtype=tf.float64),
+    "shared_layer": lambda: common.build_shared_layer(B=4),   # several uses: formed
+    "embedding": lambda: common.build_embedding(B=4),          # ghost norm with [id_t = id_s]
+    "cnn": lambda: common.build_cnn(B=2),                      # conv formed, dense cheap
+    "dense_sequence": lambda: _rules_case("dense_sequence"),   # ghost norm over T
+    "batch_matmul": lambda: _rules_case("batch_matmul"),
+    "conv_valid_dilated": lambda: _rules_case("conv_valid_dilated"),   # conv ghost norm
+    "mixed_fallback": lambda: _rules_case("mixed_fallback"),   # towers for two weights
+    "subclassed": lambda: common.build_subclassed(B=3),        # Conv1D, LayerNorm, Dropout cond
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    built = CASES[request.param]()
+    yield built
+    built.sess.close()
+
+
+def test_norms_match_the_norms_of_the_oracle_gradients(case):
+    with case.graph.as_default():
+        norms = {method: pertower.per_example_norms(case.ys, case.xs, batch_size=case.B,
+                                                    method=method)
+                 for method in ("auto", "towers")}
+        for value in norms.values():
+            assert value.shape.as_list() == [case.B] and value.dtype == case.ys.dtype
+    got = case.sess.run(norms, case.feed)
+    want = _oracle_norms(case)
+    for method, value in got.items():
+        np.testing.assert_allclose(value, want, rtol=case.rtol * 10, atol=case.atol * 10,
+                                   err_msg=f"{case.name} norms, method={method}")
+
+
+@pytest.mark.parametrize("name", sorted(GHOST))
+def test_ghost_norms_do_not_form_the_kernel_gradients(name):
+    case = _ghost_case(name)
+    kernel = case.xs[0]
+    with case.graph.as_default():
+        before = set(case.graph.get_operations())
+        pertower.per_example_norms(case.ys, case.xs, batch_size=4)
+        shapes = {tuple(t.shape.as_list()) for op in case.graph.get_operations()
+                  if op not in before for t in op.outputs
+                  if t.shape.rank is not None and t.shape.is_fully_defined()}
+    case.sess.close()
+    assert tuple([4] + kernel.shape.as_list()) not in shapes
+
+
+def test_rules_norms_on_a_none_batch_axis():
+    case = _rules_case("dense_sequence")
+    with case.graph.as_default():
+        norms = pertower.per_example_norms(case.ys, case.xs, method="rules")
+        for size in (2, 4):
+            feed = {k: v[:size] for k, v in case.feed.items()}
+            grads = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, feed)
+            want = np.sqrt(sum(np.sum(g.reshape(size, -1) ** 2, axis=1) for g in grads))
+            np.testing.assert_allclose(case.sess.run(norms, feed), want, rtol=1e-4)
+    case.sess.close()
+
+
+def test_unreached_weights_add_nothing():
+    case = common.build_mlp(B=4)
+    with case.graph.as_default():
+        unused = tf.compat.v1.get_variable("unused", [3, 2])
+        case.sess.run(unused.initializer)
+        norms = pertower.per_example_norms(case.ys, case.xs + [unused], batch_size=4)
+        only_unused = pertower.per_example_norms(case.ys, [unused], batch_size=4)
+    got, zero = case.sess.run([norms, only_unused], case.feed)
+    np.testing.assert_allclose(got, _oracle_norms(case), rtol=1e-5)
+    np.testing.assert_array_equal(zero, np.zeros(4))
+    case.sess.close()
+
+
+def test_dense_norms_never_form_the_per_example_gradients():
+    """The issue's MLP 100-256-256-1 at B = 512: no tensor that per_example_norms adds
+    has the shape [B, *kernel.shape] of a dense layer's per-example gradients (they
+    would hold 512 x 92k numbers); the towers form them, as the check shows."""
+    B = 512
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 100])
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+        net = keras.Sequential([keras.layers.Dense(256, activation="relu"),
+                                keras.layers.Dense(256, activation="relu"),
+                                keras.layers.Dense(1)])
+        cost = tf.reduce_sum((net(x) - y) ** 2, axis=1)
+        kernels = [w for w in net.trainable_weights if w.shape.rank == 2]
+
+        def added_shapes(build):
+            before = set(graph.get_operations())
+            build()
+            return {tuple(t.shape.as_list()) for op in graph.get_operations()
+                    if op not in before for t in op.outputs if t.shape.rank is not None
+                    and t.shape.is_fully_defined()}
+
+        per_example = {tuple([B] + k.shape.as_list()) for k in kernels}
+        cheap = added_shapes(lambda: pertower.per_example_norms(cost, net.trainable_weights,
+                                                                batch_size=B))
+        formed = added_shapes(lambda: pertower.per_example_gradients(
+            cost, net.trainable_weights, batch_size=B, method="rules"))
+    assert not cheap & per_example
+    assert per_example <= formed

@@ -1,0 +1,462 @@
+"""method="rules" and "auto": every rule against the one-example oracle and the towers.
+
+Each model below exercises one rule (or the fallback); `expect_fallback` lists the
+weights that must go to the towers, so a test also fails when a rule silently stops
+applying (or starts applying where it must not).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import gradients as gradients_lib
+from pertower import oracle
+from pertower import rule_gradients
+from pertower import rules as rules_lib
+from tests import common
+
+
+def _model(name, build, feed_shapes, B=4, dtype=tf.float32, ids=None, seed=0, **tol):
+    """A Case from `build(inputs) -> (ys, xs)` on None-batch placeholders."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(seed)
+        inputs = [tf.compat.v1.placeholder(dtype if s != "ids" else tf.int32,
+                                           [None] + list(ids if s == "ids" else s),
+                                           name=f"in{j}")
+                  for j, s in enumerate(feed_shapes)]
+        ys, xs = build(*inputs)
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    rng = np.random.RandomState(seed)
+    feed = {}
+    for p, s in zip(inputs, feed_shapes):
+        if s == "ids":
+            feed[p] = np.array([[1, 2, 2, 7], [3, 3, 3, 3], [0, 9, 5, 1], [7, 1, 2, 9]])[:B]
+        else:
+            feed[p] = rng.randn(B, *s).astype(dtype.as_numpy_dtype)
+    if dtype == tf.float64:
+        tol = dict(rtol=1e-10, atol=1e-12)
+    tol = dict(dict(rtol=1e-4, atol=1e-5), **tol)
+    return common.Case(name, graph, sess, ys, xs, feed, inputs, B, **tol)
+
+
+def _weights(shape, name, dtype=tf.float32):
+    return tf.compat.v1.get_variable(name, shape, dtype=dtype,
+                                     initializer=tf.compat.v1.random_normal_initializer())
+
+
+def _dense_sequence(x):            # Keras Dense on [B, T, d]: Tensordot = Reshape + MatMul
+    layer = keras.layers.Dense(3, activation="tanh")
+    return tf.reduce_sum(layer(x) ** 2, axis=[1, 2]), layer.trainable_weights
+
+
+def _matmul_transposed(x):
+    w = _weights([3, 4], "w_t")
+    return tf.reduce_sum(tf.sin(tf.matmul(x, w, transpose_b=True)), axis=1), [w]
+
+
+def _batch_matmul(x):              # [B, 5, 4] @ [4, 3] and adjoint_b
+    w1, w2 = _weights([4, 3], "w1"), _weights([2, 3], "w2")
+    h = tf.tanh(tf.matmul(x, w1))                                   # [B, 5, 3]
+    return tf.reduce_sum(tf.matmul(h, w2, adjoint_b=True) ** 2, axis=[1, 2]), [w1, w2]
+
+
+def _einsum(x):                     # einsum and Keras EinsumDense
+    w = _weights([4, 2, 3], "w_e")
+    dense = keras.layers.EinsumDense("abc,cd->abd", output_shape=(5, 2), bias_axes="d")
+    h = tf.einsum("btd,dhe->bthe", x, w)                             # [B, 5, 2, 3]
+    return (tf.reduce_sum(tf.cos(h), axis=[1, 2, 3]) +
+            tf.reduce_sum(dense(x) ** 2, axis=[1, 2])), [w] + dense.trainable_weights
+
+
+def _broadcast(x):                  # x * scale + offset, w - x, x - v
+    scale, offset = _weights([4], "scale"), _weights([1, 4], "offset")
+    w, v = _weights([4], "w_sub"), _weights([5, 1], "v_sub")
+    h = tf.tanh(x * scale + offset)                                 # [B, 5, 4]
+    return tf.reduce_sum((w - h) ** 2 + tf.sin(h - v), axis=[1, 2]), [scale, offset, w, v]
+
+
+def _layer_norm(x):
+    dense = keras.layers.Dense(3)
+    norm = keras.layers.LayerNormalization()
+    return (tf.reduce_sum(tf.sin(norm(dense(x))), axis=[1, 2]),
+            dense.trainable_weights + norm.trainable_weights)
+
+
+def _conv(strides, padding, dilations, kernel=(3, 2)):
+    def build(x):                   # tf.nn.conv2d on [B, 7, 6, 2]
+        w = _weights(list(kernel) + [2, 3], "filter", x.dtype)
+        b = _weights([3], "bias", x.dtype)
+        z = tf.nn.bias_add(tf.nn.conv2d(x, w, strides, padding, dilations=dilations), b)
+        return tf.reduce_sum(tf.tanh(z) ** 2, axis=[1, 2, 3]), [w, b]
+    return build
+
+
+def _keras_convs(x):                # Keras Conv1D (ExpandDims + Conv2D) and Conv2D
+    conv1 = keras.layers.Conv1D(3, 3, strides=2, padding="valid", activation="relu")
+    h = conv1(x)                                                     # [B, 2, 3]
+    dense = keras.layers.Dense(2)
+    return tf.reduce_sum(dense(keras.layers.Flatten()(h)) ** 2, axis=1), (
+        conv1.trainable_weights + dense.trainable_weights)
+
+
+def _depthwise(x):
+    """Keras DepthwiseConv2D (strided, SAME) and the native op (VALID). Dilated
+    depthwise convolutions are not tested: TF's own DepthwiseConv2dNativeBackpropFilter
+    (oneDNN build) fails on them, so the oracle cannot run."""
+    layer = keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2, padding="same")
+    w = _weights([2, 2, 8, 1], "dw")
+    h = tf.compat.v1.nn.depthwise_conv2d_native(layer(x), w, [1, 1, 1, 1], "VALID")
+    return tf.reduce_sum(tf.sin(h), axis=[1, 2, 3]), layer.trainable_weights + [w]
+
+
+def _time_distributed_conv(x):     # [B, 3, 5, 5, 2] -> Reshape [B*3, 5, 5, 2] -> Conv2D
+    layer = keras.layers.TimeDistributed(keras.layers.Conv2D(3, 2, strides=2))
+    return tf.reduce_sum(tf.tanh(layer(x)) ** 2, axis=[1, 2, 3, 4]), layer.trainable_weights
+
+
+def _embedding(ids):
+    emb = keras.layers.Embedding(10, 3)
+    table = _weights([10, 2], "table")
+    h = tf.concat([emb(ids), tf.gather(table, ids)], axis=2)       # [B, 4, 5]
+    return tf.reduce_sum(tf.tanh(h) ** 2, axis=[1, 2]), emb.trainable_weights + [table]
+
+
+def _mixed(x):
+    """Covered and uncovered reads: `k1` only by a MatMul (rules); `k2` by a MatMul and
+    by the Pow of an L2 term (towers); `scale` by a Square, which has no rule (towers)."""
+    k1, k2 = _weights([4, 3], "k1"), _weights([3, 2], "k2")
+    scale = _weights([2], "scale_sq")
+    h = tf.tanh(tf.matmul(x, k1))
+    z = tf.matmul(h, k2) * tf.square(scale)                            # [B, 2]
+    ys = tf.reduce_sum(z ** 2, axis=1) + 0.1 * tf.reduce_sum(k2 ** 2)   # [B]
+    return ys, [k1, k2, scale]
+
+
+def _mixing_op(x):
+    """A Cumsum along the feature axis has no known row structure: every weight falls
+    back (sound, and the towers' answer)."""
+    w = _weights([4, 3], "w_cumsum")
+    return tf.reduce_sum(tf.math.cumsum(tf.matmul(x, w), axis=1) ** 2, axis=1), [w]
+
+
+MODELS = {
+    # name: (build, feed shapes, options, names of weights expected to fall back)
+    "dense_sequence": (_dense_sequence, [(5, 4)], {}, []),
+    "matmul_transposed": (_matmul_transposed, [(4,)], {}, []),
+    "batch_matmul": (_batch_matmul, [(5, 4)], {}, []),
+    "einsum": (_einsum, [(5, 4)], {}, []),
+    "broadcast": (_broadcast, [(5, 4)], {}, []),
+    "layer_norm": (_layer_norm, [(4, 5)], {}, []),
+    "conv_same_strided": (_conv([1, 2, 2, 1], "SAME", None), [(7, 6, 2)], {}, []),
+    "conv_valid_dilated": (_conv([1, 1, 1, 1], "VALID", [1, 2, 2, 1]), [(7, 6, 2)], {}, []),
+    "conv_explicit_float64": (_conv([1, 2, 1, 1], [[0, 0], [1, 2], [0, 1], [0, 0]], None),
+                              [(7, 6, 2)], {"dtype": tf.float64}, []),
+    "conv_same_dilated_odd": (_conv([1, 1, 2, 1], "SAME", [1, 2, 1, 1], (2, 3)),
+                              [(7, 6, 2)], {}, []),
+    "keras_conv1d": (_keras_convs, [(7, 2)], {}, []),
+    "depthwise": (_depthwise, [(7, 6, 4)], {}, []),
+    "time_distributed_conv": (_time_distributed_conv, [(3, 5, 5, 2)], {}, []),
+    "embedding_repeated_ids": (_embedding, ["ids"], {"ids": (4,), "B": 4}, []),
+    "mixed_fallback": (_mixed, [(4,)], {}, ["k2", "scale_sq"]),
+    "mixing_op": (_mixing_op, [(4,)], {}, ["w_cumsum"]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    build, shapes, options, fallback = MODELS[request.param]
+    case = _model(request.param, build, shapes, **options)
+    case.fallback = fallback
+    yield case
+    case.sess.close()
+
+
+def _plan(case):
+    with case.graph.as_default():
+        return rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, case.B,
+                                               "test", "batch_size", True, None)
+
+
+def test_the_rules_cover_exactly_the_expected_weights(model):
+    plan = _plan(model)
+    fallback = sorted(model.xs[k].op.name for k in plan.fallback)
+    assert fallback == sorted(model.fallback), plan.reasons
+    for k in plan.fallback:
+        assert isinstance(plan.reasons[k], str) and plan.reasons[k]
+
+
+def test_rules_match_oracle_and_towers(model):
+    with model.graph.as_default():
+        rules = pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
+                                               method="rules")
+        towers = pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
+                                                method="towers")
+        for g, x in zip(rules, model.xs):
+            assert g.dtype == x.dtype.base_dtype
+            assert g.shape.as_list() == [model.B] + x.shape.as_list()
+        want = oracle.loop_per_example_gradients(model.sess, model.ys, model.xs, model.feed)
+    got_rules, got_towers = model.sess.run([rules, towers], model.feed)
+    common.assert_all_close(got_rules, want, model.rtol, model.atol, f"{model.name} rules")
+    common.assert_all_close(got_rules, got_towers, model.rtol, model.atol,
+                            f"{model.name} rules vs towers")
+
+
+def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
+    if model.fallback:
+        with model.graph.as_default():
+            with pytest.raises(ValueError, match=r"no `batch_size` was given.*fall back to "
+                                                 r"towers.*Pass batch_size=B"):
+                pertower.per_example_gradients(model.ys, model.xs, method="rules")
+        return
+    with model.graph.as_default():
+        rules = pertower.per_example_gradients(model.ys, model.xs, method="rules")
+        assert all(g.shape[0] is None or g.shape.as_list()[0] is None for g in rules)
+        for size in (1, 3):
+            feed = {k: v[:size] for k, v in model.feed.items()}
+            want = oracle.loop_per_example_gradients(model.sess, model.ys, model.xs, feed)
+            common.assert_all_close(model.sess.run(rules, feed), want, model.rtol, model.atol,
+                                    f"{model.name} rules, {size} examples")
+
+
+def test_microbatches_and_jacobians_match_oracle(model):
+    with model.graph.as_default():
+        two = pertower.microbatch_gradients(model.ys, model.xs, num_microbatches=2,
+                                            batch_size=model.B, method="rules")
+        outputs = tf.stack([model.ys, tf.sin(model.ys)], axis=1)      # [B, 2]
+        jacobians = pertower.per_example_jacobians(outputs, model.xs, batch_size=model.B,
+                                                   method="auto")
+        want_two = oracle.loop_microbatch_gradients(model.sess, model.ys, model.xs,
+                                                    model.feed, 2)
+        want_jacobians = oracle.loop_per_example_jacobians(model.sess, outputs, model.xs,
+                                                           model.feed)
+    got_two, got_jacobians = model.sess.run([two, jacobians], model.feed)
+    common.assert_all_close(got_two, want_two, model.rtol, model.atol * 10,
+                            f"{model.name} two microbatches")
+    common.assert_all_close(got_jacobians, want_jacobians, model.rtol, model.atol,
+                            f"{model.name} Jacobians")
+
+
+@pytest.mark.parametrize("method", ["rules", "towers"])
+def test_an_op_that_mixes_examples_is_refused_by_every_method(method):
+    """x W minus its mean over the batch: example i's value depends on the others, so
+    neither the batched dZ (rules) nor one-example towers give "the gradient of example
+    i" of `ys`; both methods refuse, naming the op (pertower.mixing)."""
+    def build(x):
+        w = _weights([4, 3], "w_centered")
+        z = tf.matmul(x, w)
+        return tf.reduce_sum(tf.sin(z - tf.reduce_mean(z, axis=0, keepdims=True)), axis=1), [w]
+    case = _model("batch_mean", build, [(4,)], B=4)
+    with case.graph.as_default(), pytest.raises(ValueError, match=r"Mean.*batch axis"):
+        pertower.per_example_gradients(case.ys, case.xs, batch_size=4, method=method)
+    case.sess.close()
+
+
+def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
+    """gradients(grad_ys=w): per example, the Jacobian contracted with w; the mixed
+    model has weights on both sides (rules and towers)."""
+    def build(x):
+        ys, xs = _mixed(x)
+        return tf.stack([ys, tf.cos(ys)], axis=1), xs            # [B, 2]
+    case = _model("grad_ys", build, [(4,)], B=4)
+    weights = np.linspace(-1.0, 2.0, 8).reshape(4, 2).astype(np.float32)
+    with case.graph.as_default():
+        built = gradients_lib.build_gradients(case.ys, case.xs, None, None, 4, "auto", None,
+                                              "test", "batch_size")
+        assert built.fallback == [1, 2]
+        got = built.gradients(grad_ys=tf.constant(weights))
+        jacobians = oracle.loop_per_example_jacobians(case.sess, case.ys, case.xs, case.feed)
+        with pytest.raises(ValueError, match=r"`grad_ys` must have the shape of `ys`"):
+            built.gradients(grad_ys=tf.ones([4, 3]))
+    want = [np.einsum("bk,bk...->b...", weights, j) for j in jacobians]
+    common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "grad_ys")
+    case.sess.close()
+
+
+def test_microbatches_with_a_none_batch_axis_and_rules():
+    case = _model("dense_sequence", _dense_sequence, [(5, 4)], B=4)
+    with case.graph.as_default():
+        got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=2,
+                                            method="rules")
+        want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, case.feed, 2)
+        common.assert_all_close(case.sess.run(got, case.feed), want, 1e-4, 1e-5,
+                                "2 microbatches of 4")
+        six = {k: np.concatenate([v, v[:2]]) for k, v in case.feed.items()}
+        want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, six, 2)
+        common.assert_all_close(case.sess.run(got, six), want, 1e-4, 1e-5,
+                                "2 microbatches of 6")
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"`num_microbatches` \(2\) must divide the batch size.*"
+                                 r"has\] \[3\]"):
+            case.sess.run(got, {k: v[:3] for k, v in case.feed.items()})
+        outputs = tf.stack([case.ys, case.ys ** 2], axis=1)                 # [B, 2]
+        jacobians = pertower.per_example_jacobians(outputs, case.xs, method="rules")
+        three = {k: v[:3] for k, v in case.feed.items()}
+        want = oracle.loop_per_example_jacobians(case.sess, outputs, case.xs, three)
+        common.assert_all_close(case.sess.run(jacobians, three), want, 1e-4, 1e-4,
+                                "Jacobians of 3 examples, no batch_size")
+    case.sess.close()
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    case = common.build_mlp(B=4)
+    yield case
+    case.sess.close()
+
+
+@pytest.mark.parametrize("function", ["per_example_gradients", "microbatch_gradients",
+                                      "per_example_jacobians", "per_example_norms"])
+def test_method_and_rules_arguments_are_checked(mlp, function):
+    call = getattr(pertower, function)
+    ys = mlp.outputs if function == "per_example_jacobians" else mlp.ys
+    with mlp.graph.as_default():
+        with pytest.raises(ValueError, match=rf"pertower.{function}: `method` must be one of "
+                                             r"\('auto', 'towers', 'rules'\), got 'rule'"):
+            call(ys, mlp.xs, batch_size=4, method="rule")
+        with pytest.raises(ValueError, match=r"`rules` is used by method='rules' or 'auto'"):
+            call(ys, mlp.xs, batch_size=4, method="towers",
+                 rules=rules_lib.default_registry())
+        with pytest.raises(TypeError, match=r"`rules` must be a pertower.rules.RuleRegistry"):
+            call(ys, mlp.xs, batch_size=4, rules={"MatMul": None})
+        # auto keeps the towers' batch_size contract; rules do not need it
+        with pytest.raises(ValueError, match=r"batch axis is not static.*pass batch_size=B"):
+            call(ys, mlp.xs, method="auto")
+        call(ys, mlp.xs, method="rules")
+
+
+def test_errors_are_the_same_for_every_method(mlp):
+    for method in gradients_lib.METHODS:
+        with mlp.graph.as_default():
+            with pytest.raises(ValueError, match=r"`num_microbatches` \(3\) must divide the "
+                                                 r"batch size \(4\)"):
+                pertower.microbatch_gradients(mlp.ys, mlp.xs, num_microbatches=3,
+                                              batch_size=4, method=method)
+            with pytest.raises(ValueError, match=r"`batch_size` must be a positive integer"):
+                pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=0, method=method)
+            with pytest.raises(ValueError, match=r"`xs\[0\]` .* depends on the batch"):
+                pertower.per_example_gradients(mlp.ys, [mlp.outputs * 2.0], batch_size=4,
+                                               method=method)
+            with pytest.raises(ValueError, match=r"`ys` .* is a scalar"):
+                pertower.per_example_gradients(tf.reduce_sum(mlp.ys), mlp.xs, batch_size=4,
+                                               method=method)
+
+
+def test_ys_whose_rows_do_not_follow_the_batch_is_refused_with_auto_too():
+    """concat([s1, s2]) along axis 0 has no row layout, so the weight goes to the towers,
+    which refuse it as before."""
+    with tf.Graph().as_default():
+        s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
+        s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
+        w = tf.compat.v1.get_variable("w", [3, 1])
+        ys = tf.matmul(tf.concat([s1, s2], axis=0), w)[:, 0]
+        with pytest.raises(ValueError, match=r"axis 0 of `ys` .* does not follow the batch"):
+            pertower.microbatch_gradients(ys, [w], num_microbatches=2, batch_size=2,
+                                          method="auto")
+
+
+class _CountingRule(rules_lib.Rule):
+    """A user rule for MatMul that delegates to the built-in one and counts its uses."""
+
+    def __init__(self):
+        self.inner = rules_lib.matmul.MatMulRule()
+        self.calls = 0
+
+    def match(self, op, slot, analysis):
+        return self.inner.match(op, slot, analysis)
+
+    def per_group(self, use, dZ, G):
+        self.calls += 1
+        return self.inner.per_group(use, dZ, G)
+
+
+class _SquareRule(rules_lib.Rule):
+    """A user rule for a weight read by Square and broadcast-multiplied: Z = s^2 as a
+    scale is not a rule shape, so this rule refuses with a reason (kept in the plan)."""
+
+    def match(self, op, slot, analysis):
+        return "a user rule that declines"
+
+    def per_group(self, use, dZ, G):
+        raise AssertionError("never called")
+
+
+def test_a_user_registry_replaces_and_adds_rules(mlp):
+    registry = rules_lib.default_registry()
+    counting = _CountingRule()
+    registry.register("MatMul", counting)
+    registry.register("Square", _SquareRule())
+    assert "MatMul" in registry.op_types() and "Square" in registry.op_types()
+    assert rules_lib.default_registry().lookup("MatMul") is not counting   # a new one each call
+    with mlp.graph.as_default():
+        got = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4, rules=registry)
+        want = oracle.loop_per_example_gradients(mlp.sess, mlp.ys, mlp.xs, mlp.feed)
+    assert counting.calls == 3
+    common.assert_all_close(mlp.sess.run(got, mlp.feed), want, mlp.rtol, mlp.atol,
+                            "user registry")
+    case = _model("mixed_fallback", _mixed, [(4,)])
+    with case.graph.as_default():
+        plan = rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, 3, "test",
+                                               "batch_size", True, registry)
+    assert "a user rule that declines" in plan.reasons[2]
+    case.sess.close()
+    with pytest.raises(TypeError, match=r"`rule` must define `match` and `per_group`"):
+        registry.register("Foo", object())
+    with pytest.raises(TypeError, match=r"`op_type` must be an op type name"):
+        registry.register(3, counting)
+
+
+class _CumsumAlongFeatures(rules_lib.Rule):
+    """Teaches the layout analysis that a Cumsum along axis 1 keeps rows (it reads no
+    weight, so `match` is never asked)."""
+
+    def output_layouts(self, op, inputs):
+        from pertower import layouts  # pylint: disable=import-outside-toplevel
+        axis = layouts.static_value(op.inputs[1])
+        if axis is None or int(axis) == 0 or not isinstance(inputs[0], layouts.Rows):
+            return None
+        return [inputs[0]]
+
+    def match(self, op, slot, analysis):
+        return "Cumsum reads no weight"
+
+    def per_group(self, use, dZ, G):
+        raise AssertionError("never called")
+
+
+def test_a_user_rule_can_declare_the_row_layout_of_its_op():
+    case = _model("mixing_op", _mixing_op, [(4,)])
+    registry = rules_lib.default_registry()
+    registry.register("Cumsum", _CumsumAlongFeatures())
+    with case.graph.as_default():
+        plan = rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, 4, "test",
+                                               "batch_size", True, registry)
+        assert plan.fallback == []
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=4, rules=registry)
+        want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)
+    common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "user layout")
+    case.sess.close()
+
+
+def test_dropout_in_training_mode_uses_the_same_draws_as_ys():
+    """Keras Dropout(training=True) inside its cond: the rules differentiate the very
+    draws `ys` used in the same run (no warning, unlike the towers). By hand, for
+    ys_i = sum(dropout(x_i W + b)): grad_i(b) = mask_i / (1 - rate), entries 0 or 2,
+    grad_i(W) = x_i ⊗ grad_i(b), and ys_i = grad_i(b) · (x_i W + b)."""
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        dense = keras.layers.Dense(8)
+        ys = tf.reduce_sum(keras.layers.Dropout(0.5)(dense(x), training=True), axis=1)
+        import warnings  # pylint: disable=import-outside-toplevel
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            grads = pertower.per_example_gradients(ys, dense.trainable_weights, method="rules")
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = np.random.RandomState(0).randn(5, 3).astype(np.float32)
+        (g_w, g_b), y, w, b = sess.run([grads, ys, dense.kernel, dense.bias], {x: values})
+    assert set(np.unique(g_b)) <= {0.0, 2.0} and 0 < g_b.mean() < 2
+    np.testing.assert_allclose(g_w, values[:, :, None] * g_b[:, None, :], rtol=1e-6)
+    np.testing.assert_allclose(y, np.sum(g_b * (values @ w + b), axis=1), rtol=1e-5)
