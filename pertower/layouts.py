@@ -39,6 +39,8 @@ import collections
 import numpy as np
 import tensorflow as tf
 
+from pertower import graph_walk
+
 
 class Rows(collections.namedtuple("Rows", ["lead", "k", "E"])):
     """The layout of one tensor (see the module docstring); k and E may be None
@@ -160,7 +162,7 @@ def analyze(ys, batch, ys_upstream, static_batch_size, rule_registry=None):
         if rows is not None:
             layouts[b] = rows
     batch_ops = {b.op for b in batch}
-    region = _downstream(batch, ys_upstream)
+    region = graph_walk.downstream_ops(batch, ys_upstream)
     first_unknown = _propagate(region, layouts, list(batch), batch_ops, static_batch_size,
                                rule_registry)
     return Analysis(layouts, first_unknown)
@@ -246,7 +248,7 @@ def _if(op, inputs, static_batch_size, rule_registry):
             if layout is not INDEPENDENT:
                 layouts[t] = layout
                 seeds.append(t)
-        region = _downstream(seeds, set(branch.get_operations()))
+        region = graph_walk.downstream_ops(seeds, set(branch.get_operations()))
         _propagate(region, layouts, seeds, set(), static_batch_size, rule_registry)
         per_branch.append([layouts.get(t) for t in branch.outputs])
     outputs = [a if a is not None and a == b else None for a, b in zip(*per_branch)]
@@ -257,15 +259,6 @@ def _if(op, inputs, static_batch_size, rule_registry):
 INDEPENDENT = "independent"
 
 
-def _downstream(batch, within):
-    seen, stack = set(), [op for t in batch for op in t.consumers()]
-    while stack:
-        op = stack.pop()
-        if op in seen or op not in within:
-            continue
-        seen.add(op)
-        stack.extend(c for out in op.outputs for c in out.consumers())
-    return seen
 
 
 def static_value(tensor):

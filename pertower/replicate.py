@@ -15,10 +15,25 @@ place of tower 0's, and the same tensor for anything the towers share.
 from tensorflow.core.framework import graph_pb2
 import tensorflow as tf
 
-__all__ = ["replicate", "calls_functions"]
+__all__ = ["replicate", "calls_functions", "InputMap"]
 
 # NodeDef attributes that tie a node to others by name; they would dangle in a copy.
 _DROPPED_ATTRS = ("_class",)
+
+
+class InputMap:
+    """The `input_map` of one `import_graph_def`: a key per outside tensor."""
+
+    def __init__(self):
+        self.input_map = {}  # key -> tensor
+        self._keys = {}      # id(tensor) -> key
+
+    def key_for(self, tensor):
+        """An input_map key naming `tensor` outside the imported GraphDef."""
+        if id(tensor) not in self._keys:
+            self._keys[id(tensor)] = f"pertower_input_{len(self._keys)}:0"
+            self.input_map[self._keys[id(tensor)]] = tensor
+        return self._keys[id(tensor)]
 
 
 def calls_functions(ops):
@@ -63,15 +78,9 @@ def replicate(template_ops, template_prefix, counterpart, replicas, return_tenso
 
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
-    input_map, keys = {}, {}
+    inputs = InputMap()
+    key_for = inputs.key_for
     controls = []  # (replica node name, external op)
-
-    def key_for(tensor):
-        """An input_map key naming `tensor` outside the imported GraphDef."""
-        if id(tensor) not in keys:
-            keys[id(tensor)] = f"pertower_input_{len(keys)}:0"
-            input_map[keys[id(tensor)]] = tensor
-        return keys[id(tensor)]
 
     templates = [(op, op.node_def) for op in order]
     for r in replicas:
@@ -99,7 +108,7 @@ def replicate(template_ops, template_prefix, counterpart, replicas, return_tenso
                     for r in replicas for t in return_tensors]
     # name="": the nodes carry their full names already.
     imported = tf.graph_util.import_graph_def(
-        graph_def, input_map=input_map, return_elements=return_names, name="")
+        graph_def, input_map=inputs.input_map, return_elements=return_names, name="")
     for node_name, control in controls:
         graph.get_operation_by_name(node_name)._add_control_inputs([control])  # pylint: disable=protected-access
     n = len(return_tensors)

@@ -30,6 +30,7 @@ variables and values are left untouched; only new ops are added, under one name 
 """
 
 import contextlib
+import collections
 import dataclasses
 import warnings
 
@@ -125,6 +126,8 @@ class Towers:
                                    if unconnected == tf.UnconnectedGradients.ZERO else None)
                 elif per_tower[k] is None:
                     results.append(None)
+                elif isinstance(per_tower[k], _BatchedMatMul):
+                    results.append(per_tower[k].stacked())
                 elif sparse and all(isinstance(g, tf.IndexedSlices) for g in per_tower[k]):
                     results.append(sparse_lib.stack_tower_slices(per_tower[k],
                                                                  self.copies[k]))
@@ -209,30 +212,85 @@ class Towers:
             template = graph.get_operations()[first_new:]
         if replicate_lib.calls_functions(template):
             return None
-        # Each gradient as the tensors a copy returns: IndexedSlices as (values, indices).
-        returned = [t for g in grads_0 if g is not None
-                    for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+        # A weight's gradient that is one MatMul (a dense kernel's a^T dz) is taken from
+        # the towers' inputs to it by one batched matmul, rather than from T MatMuls
+        # and a stack of their T results: the same numbers, with the [T, *x.shape]
+        # result written once.
+        batched = {g.op for g in grads_0 if _batchable_matmul(g, template)}
+        template = [op for op in template if op not in batched]
+        template_ops = set(template)
+        # What each tower must return: IndexedSlices as (values, indices), a batched
+        # MatMul as its two inputs.
+        needed = []
+        for g in grads_0:
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                needed += [g.values, g.indices]
+            elif g.op in batched:
+                needed += list(g.op.inputs)
+            else:
+                needed.append(g)
+        returned = [t for t in needed if t.op in template_ops]
         devices = self.devices
         try:
             replicas = replicate_lib.replicate(
                 template, template_prefix, counterpart, range(1, T), returned, graph,
                 device=(lambda t: devices[t % len(devices)]) if devices else None)
+            in_replicas = {id(t): [replica[i] for replica in replicas]
+                           for i, t in enumerate(returned)}
+
+            def per_tower_versions(tensor):
+                """T tensors: tower t's version of tower 0's `tensor`."""
+                if id(tensor) in in_replicas:
+                    return [tensor] + in_replicas[id(tensor)]
+                return [tensor] + [counterpart(tensor, t) for t in range(1, T)]
+
+            per_tower = {}
+            for k, g_0 in zip(connected, grads_0):
+                if g_0 is None:
+                    per_tower[k] = None
+                elif isinstance(g_0, tf.IndexedSlices):
+                    per_tower[k] = [tf.IndexedSlices(values, indices, g_0.dense_shape)
+                                    for values, indices in zip(
+                                        per_tower_versions(g_0.values),
+                                        per_tower_versions(g_0.indices))]
+                elif g_0.op in batched:
+                    per_tower[k] = _BatchedMatMul(
+                        per_tower_versions(g_0.op.inputs[0]),
+                        per_tower_versions(g_0.op.inputs[1]),
+                        g_0.op.get_attr("transpose_a"), g_0.op.get_attr("transpose_b"))
+                else:
+                    per_tower[k] = per_tower_versions(g_0)
         except _NoCounterpart:
             return None
-        per_tower, position = {}, 0
-        for k, g_0, c_0 in zip(connected, grads_0, copies_0):
-            if g_0 is None:
-                per_tower[k] = None
-                continue
-            per_tower[k] = [g_0]
-            for t, replica in enumerate(replicas, start=1):
-                if isinstance(g_0, tf.IndexedSlices):
-                    values, indices = replica[position:position + 2]
-                    per_tower[k].append(tf.IndexedSlices(values, indices, g_0.dense_shape))
-                else:
-                    per_tower[k].append(replica[position])
-            position += 2 if isinstance(g_0, tf.IndexedSlices) else 1
         return per_tower
+
+
+class _BatchedMatMul(collections.namedtuple(
+        "_BatchedMatMul", ["a", "b", "transpose_a", "transpose_b"])):
+    """Tower t's gradient is matmul(a[t], b[t]) with the transposes given."""
+
+    def stacked(self):
+        """[T, *x.shape]: one batched matmul over the towers."""
+        a, b = tf.stack(self.a), tf.stack(self.b)  # T x [.., ..] -> [T, .., ..]
+        if self.transpose_a and not self.transpose_b and a.shape[1] == 1:
+            # a^T b of one row each (one example per tower): an outer product,
+            # [T, 1, k] x [T, 1, n] -> [T, k, 1] * [T, 1, n] -> [T, k, n]
+            return tf.transpose(a, [0, 2, 1]) * b
+        return tf.linalg.matmul(a, b, transpose_a=self.transpose_a,
+                                transpose_b=self.transpose_b)  # -> [T, *x.shape]
+
+
+def _batchable_matmul(gradient, template):
+    """Whether `gradient` (tower 0's dense gradient of a weight) is the output of a
+    MatMul built by tf.gradients that nothing else in the backward pass reads."""
+    if gradient is None or isinstance(gradient, tf.IndexedSlices):
+        return False
+    op = gradient.op
+    return (op.type == "MatMul" and op in template and not gradient.consumers()
+            and gradient.shape.is_fully_defined()
+            and all(t.shape.is_fully_defined() for t in op.inputs))
 
 
 class _NoCounterpart(Exception):
@@ -493,15 +551,9 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
 
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
-    input_map, keys = {}, {}
+    inputs = replicate_lib.InputMap()
+    input_map, key_for = inputs.input_map, inputs.key_for
     external_controls = []  # (tower node name, external op)
-
-    def key_for(tensor):
-        """An input_map key naming `tensor` outside the imported GraphDef."""
-        if id(tensor) not in keys:
-            keys[id(tensor)] = f"pertower_input_{len(keys)}:0"
-            input_map[keys[id(tensor)]] = tensor
-        return keys[id(tensor)]
 
     replayed_names = {op.name for op in order}
     for t in range(T):

@@ -5,7 +5,9 @@ import pytest
 import tensorflow as tf
 
 import pertower
+from pertower import gradients as gradients_lib
 from pertower import oracle
+from pertower import towers as towers_lib
 from tests import common
 
 
@@ -20,22 +22,25 @@ def _run(case, tensors):
     return case.sess.run(tensors, case.feed)
 
 
-def test_per_example_gradients_match_oracle(case):
+@pytest.mark.parametrize("method", gradients_lib.METHODS)
+def test_per_example_gradients_match_oracle(case, method):
     with case.graph.as_default():
-        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B)
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                             method=method)
         for g, x in zip(got, case.xs):
             assert g.dtype == x.dtype.base_dtype
             assert g.shape.as_list() == [case.B] + x.shape.as_list()
         ys, _, feed = case.oracle()
         want = oracle.loop_per_example_gradients(case.sess, ys, case.xs, feed)
     common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
-                            f"{case.name} per-example gradients")
+                            f"{case.name} per-example gradients by {method}")
 
 
-def test_per_example_gradients_sum_to_batch_gradient(case):
+@pytest.mark.parametrize("method", ["auto", "towers"])
+def test_per_example_gradients_sum_to_batch_gradient(case, method):
     with case.graph.as_default():
         per_example = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
-                                                     batch_size=case.B)
+                                                     batch_size=case.B, method=method)
         summed = [tf.reduce_sum(g, axis=0) for g in per_example]
         batch_gradient = [tf.convert_to_tensor(g) for g in
                           tf.gradients(tf.reduce_sum(case.ys), case.xs)]
@@ -44,30 +49,33 @@ def test_per_example_gradients_sum_to_batch_gradient(case):
                             f"{case.name} sum over examples")
 
 
+@pytest.mark.parametrize("method", ["auto", "towers"])
 @pytest.mark.parametrize("microbatches", ["two", "one_per_example"])
-def test_microbatch_gradients_match_oracle(case, microbatches):
+def test_microbatch_gradients_match_oracle(case, microbatches, method):
     M = 2 if microbatches == "two" and case.B % 2 == 0 else case.B
     with case.graph.as_default():
         got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=M,
-                                            batch_size=case.B)
+                                            batch_size=case.B, method=method)
         for g, x in zip(got, case.xs):
             assert g.shape.as_list() == [M] + x.shape.as_list()
         ys, _, feed = case.oracle()
         want = oracle.loop_microbatch_gradients(case.sess, ys, case.xs, feed, M)
     common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
-                            f"{case.name} {M} microbatches")
+                            f"{case.name} {M} microbatches by {method}")
 
 
-def test_per_example_jacobians_match_oracle(case):
+@pytest.mark.parametrize("method", ["auto", "towers"])
+def test_per_example_jacobians_match_oracle(case, method):
     with case.graph.as_default():
-        got = pertower.per_example_jacobians(case.outputs, case.xs, batch_size=case.B)
+        got = pertower.per_example_jacobians(case.outputs, case.xs, batch_size=case.B,
+                                             method=method)
         out = case.outputs.shape[1:].as_list()
         for g, x in zip(got, case.xs):
             assert g.shape.as_list() == [case.B] + out + x.shape.as_list()
         _, outputs, feed = case.oracle()
         want = oracle.loop_per_example_jacobians(case.sess, outputs, case.xs, feed)
     common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
-                            f"{case.name} per-example Jacobians")
+                            f"{case.name} per-example Jacobians by {method}")
 
 
 def test_towers_stack_to_ys_and_leave_the_graph_alone(case):
@@ -126,7 +134,12 @@ def test_replicated_backward_pass_equals_one_joint_gradients_call(case):
             assert replicated is not None, f"{case.name}: fell back to the joint call"
             joint = towers._joint_gradients(connected, grad_outputs,
                                             tf.UnconnectedGradients.ZERO)
-            got = [tf.stack(replicated[k]) for k in connected]
+            # a dense kernel's gradient comes as one batched matmul over the towers
+            got = [replicated[k].stacked() if isinstance(replicated[k], towers_lib._BatchedMatMul)
+                   else tf.stack(replicated[k]) for k in connected]
+            if case.name in ("mlp", "mlp_float64", "static_mlp"):
+                assert any(isinstance(replicated[k], towers_lib._BatchedMatMul)
+                           for k in connected), case.name
             want = [tf.stack(joint[k]) for k in connected]
             got, want = _run(case, [got, want])
             common.assert_all_close(got, want, 1e-6, 1e-6,

@@ -20,11 +20,7 @@ class BiasAddRule(registry_lib.Rule):
             return "the weight is BiasAdd's value input, not its bias"
         if op.get_attr("data_format") not in (b"NHWC", b"N...C"):
             return f"BiasAdd with data_format {op.get_attr('data_format').decode()}"
-        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
-        if isinstance(rows, str):
-            return rows
-        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
-                                op.inputs[1].shape, rows)
+        return self.example_use(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
         # [G*k, ..., C] -> [G, rows, C] -> [G, C]

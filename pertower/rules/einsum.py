@@ -35,11 +35,7 @@ class EinsumRule(registry_lib.Rule):
             return "the einsum repeats an index or sums a weight index alone"
         if not op.inputs[1].shape.is_fully_defined():
             return "the einsum weight's shape is not static"
-        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
-        if isinstance(rows, str):
-            return rows
-        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
-                                op.inputs[1].shape, rows)
+        return self.example_use(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
         (a, w), z = layouts.parse_einsum(use.op.get_attr("equation"))

@@ -23,11 +23,7 @@ class MatMulRule(registry_lib.Rule):
             return "the weight is the left operand of MatMul (rows are not examples)"
         if op.get_attr("transpose_a"):
             return "MatMul transposes its batch-side input"
-        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
-        if isinstance(rows, str):
-            return rows
-        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
-                                op.inputs[1].shape, rows)
+        return self.example_use(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
         # [G*k, d], [G*k, n] -> [G, d, n] (or [G, n, d] when W is stored transposed)

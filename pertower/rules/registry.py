@@ -16,6 +16,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from pertower.rules import _rows
+
 __all__ = ["Rule", "RuleRegistry", "Use"]
 
 
@@ -66,6 +68,15 @@ class Rule:
         forming them; None when this rule has no cheaper form for `use`."""
         del use, dZ, B
         return None
+
+    def example_use(self, op, slot, analysis):
+        """The `Use` of a weight at input `slot` of `op` whose input 0 is the batch-side
+        activation A and output 0 is Z, when `analysis` proves which of their rows
+        belong to which example; else the string saying why not."""
+        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return Use(op, slot, self, op.inputs[0], op.outputs[0], op.inputs[slot].shape, rows)
 
 
 class RuleRegistry:
