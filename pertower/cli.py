@@ -22,6 +22,8 @@ DEFAULT_BATCH_SIZE = 32
 DEFAULT_REPEATS = 5
 DEFAULT_BENCH_REPEATS = 5
 DEFAULT_BENCH_JSON = "bench.json"
+# pertower.bench.MODELS, repeated so that parsing arguments does not import TensorFlow
+# (tests/test_bench.py checks they agree).
 BENCH_MODELS = ("mlp", "cnn")
 
 
@@ -176,9 +178,9 @@ def _graph_mode_tensorflow():
     to graph mode; returns the `tensorflow` module.
 
     Note: `import pertower.cli` runs `pertower/__init__.py`, which already imports
-    TensorFlow, so TF_CPP_MIN_LOG_LEVEL set here is too late for the C++ logging
-    (set it in the shell to silence it). TF_USE_LEGACY_KERAS is still in time: it is
-    read when `tf.keras` / `tf.compat.v1.layers` are first used.
+    TensorFlow. TF_USE_LEGACY_KERAS is still in time: it is read when `tf.keras` /
+    `tf.compat.v1.layers` are first used. TensorFlow 2.21 prints its start-up lines
+    (oneDNN, CUDA) before absl logging is set up, whatever TF_CPP_MIN_LOG_LEVEL says.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")

@@ -175,3 +175,8 @@ def test_memory_freed_before_the_next_allocation_is_not_added():
 
     peak = _replayed_peak(build)
     assert 50 * ROW_BYTES <= peak <= 50 * ROW_BYTES + 64, peak
+
+
+def test_the_cli_offers_the_bench_models():
+    from pertower import bench, cli
+    assert cli.BENCH_MODELS == bench.MODELS
