@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import gradients as gradients_lib
+from pertower import graph_walk
 from pertower import norms as norms_lib
 from pertower import reductions
 
@@ -58,20 +59,6 @@ def _real_number(value, argument, positive):
         raise ValueError(f"pertower.DPOptimizer: `{argument}` must be {wanted}, but received "
                          f"{value!r}.")
     return value
-
-
-def _random_ancestor(tensor):
-    """A stateful random op `tensor` depends on through data edges, or None."""
-    seen, stack = set(), [tensor.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.op_def is not None and op.op_def.is_stateful and "Random" in op.type:
-            return op
-        stack.extend(t.op for t in op.inputs)
-    return None
 
 
 class DPOptimizer:
@@ -207,7 +194,8 @@ class DPOptimizer:
             # [B, ...] -> [B]: an example's loss is the mean of its entries
             per_example_loss = loss if loss.shape.rank == 1 else tf.reduce_mean(
                 loss, axis=list(range(1, loss.shape.rank)))
-            random_op = _random_ancestor(per_example_loss)
+            noisy = graph_walk.random_ops(graph_walk.upstream_ops([per_example_loss]))
+            random_op = noisy[0] if noisy else None
             if random_op is not None:
                 # norms from the towers' draws would not bound the gradient of another
                 # draw: clip the towers' own gradients instead ([B, *x.shape] each)
