@@ -213,14 +213,24 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
                                              batch_size=32)      # [32, *w.shape] each
       sess.run(grads, {x: X[:32], y: Y[:32]})
     """
-    function_name = "per_example_gradients"
+    return _group_gradients(ys, xs, batch, None, batch_size, unconnected_gradients, name,
+                            method, validate, memory_limit, sparse, devices, rules,
+                            "per_example_gradients", "batch_size")
+
+
+def _group_gradients(ys, xs, batch, num_groups, batch_size, unconnected_gradients, name,
+                     method, validate, memory_limit, sparse, devices, rules, function_name,
+                     groups_argument):
+    """`per_example_gradients` (num_groups None) and `microbatch_gradients`: [G, *x.shape]
+    per x, G = B or M."""
     check_method(method, function_name, rules)
     _checks.require_graph_mode(function_name)
     devices = _checks.device_list(devices, function_name)
-    memory.check_memory(ys, xs, batch, batch_size, None, 1, memory_limit, function_name)
+    memory.check_memory(ys, xs, batch, batch_size, num_groups, 1, memory_limit,
+                        function_name)
     with _graph_of(ys), tf.name_scope(name or function_name):
-        built = build_gradients(ys, xs, batch, None, batch_size, method, rules,
-                                function_name, "batch_size", devices, sparse)
+        built = build_gradients(ys, xs, batch, num_groups, batch_size, method, rules,
+                                function_name, groups_argument, devices, sparse)
         results = built.gradients(unconnected_gradients=unconnected_gradients,
                                   name="gradients", sparse=sparse)
         return _validated(results, built, validate, function_name)
@@ -249,18 +259,10 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
                                         batch_size=2 * n)
       cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
     """
-    function_name = "microbatch_gradients"
-    check_method(method, function_name, rules)
-    _checks.require_graph_mode(function_name)
-    devices = _checks.device_list(devices, function_name)
-    memory.check_memory(ys, xs, batch, batch_size, num_microbatches, 1, memory_limit,
-                        function_name)
-    with _graph_of(ys), tf.name_scope(name or function_name):
-        built = build_gradients(ys, xs, batch, num_microbatches, batch_size, method, rules,
-                                function_name, "num_microbatches", devices, sparse)
-        results = built.gradients(unconnected_gradients=unconnected_gradients,
-                                  name="gradients", sparse=sparse)
-        return _validated(results, built, validate, function_name)
+    return _group_gradients(ys, xs, batch, num_microbatches, batch_size,
+                            unconnected_gradients, name, method, validate, memory_limit,
+                            sparse, devices, rules, "microbatch_gradients",
+                            "num_microbatches")
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
