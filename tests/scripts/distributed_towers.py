@@ -23,6 +23,7 @@ import tf_keras as keras  # noqa: E402
 
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
+from tests import common  # noqa: E402
 
 TASKS = ["/job:worker/task:0", "/job:worker/task:1"]
 
@@ -47,13 +48,7 @@ def _start_cluster():
 
 
 def _close(got, want, what, rtol=1e-5, atol=1e-6):
-    problems = [f"[{k}] max error {np.max(np.abs(g - w)):.3g}"
-                for k, (g, w) in enumerate(zip(got, want))
-                if g.shape != w.shape or not np.allclose(g, w, rtol=rtol, atol=atol)]
-    if len(got) != len(want):
-        problems.append(f"{len(got)} results, expected {len(want)}")
-    if problems:
-        raise AssertionError(f"{what}: " + "; ".join(problems))
+    common.assert_all_close(got, want, rtol, atol, what)
 
 
 def _model():
