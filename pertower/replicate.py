@@ -15,10 +15,19 @@ place of tower 0's, and the same tensor for anything the towers share.
 from tensorflow.core.framework import graph_pb2
 import tensorflow as tf
 
-__all__ = ["replicate", "calls_functions", "InputMap"]
+__all__ = ["replicate", "calls_functions", "InputMap", "drop_name_attrs"]
 
 # NodeDef attributes that tie a node to others by name; they would dangle in a copy.
 _DROPPED_ATTRS = ("_class",)
+
+
+def drop_name_attrs(node):
+    """Removes from a copied NodeDef the attributes that name other nodes (`_class`
+    colocation), which would dangle in an import."""
+    for attr in _DROPPED_ATTRS:
+        if attr in node.attr:
+            del node.attr[attr]
+    return node
 
 
 class InputMap:
@@ -90,9 +99,7 @@ def replicate(template_ops, template_prefix, counterpart, replicas, return_tenso
             node.name = rename(op.name, r)
             if device is not None:
                 node.device = device(r)
-            for attr in _DROPPED_ATTRS:
-                if attr in node.attr:
-                    del node.attr[attr]
+            drop_name_attrs(node)
             del node.input[:]
             for tensor in op.inputs:
                 if tensor.op.name in names:

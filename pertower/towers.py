@@ -46,9 +46,6 @@ from pertower import sparse as sparse_lib
 
 __all__ = ["Towers", "build_towers"]
 
-# NodeDef attributes that tie a node to others by name; they would dangle in a copy.
-_DROPPED_ATTRS = ("_class",)
-
 
 @dataclasses.dataclass(frozen=True)
 class Towers:
@@ -492,11 +489,7 @@ def _call_positions(reads, xs):
 
 def _node_def(op):
     """A copy of op's NodeDef without the attributes a replay drops."""
-    node = op.node_def
-    for attr in _DROPPED_ATTRS:
-        if attr in node.attr:
-            del node.attr[attr]
-    return node
+    return replicate_lib.drop_name_attrs(op.node_def)
 
 
 def _value_specs(positions, reads):
@@ -564,9 +557,7 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
             node.name = f"t{t}/{op.name}"
             if devices is not None:
                 node.device = devices[t % len(devices)]
-            for attr in _DROPPED_ATTRS:
-                if attr in node.attr:
-                    del node.attr[attr]
+            replicate_lib.drop_name_attrs(node)
             inputs = list(node.input)
             del node.input[:]
             if op in gathers:
