@@ -28,6 +28,12 @@ class Prepared(collections.namedtuple(
       reads: one `graph_walk.WeightReads` per entry of xs.
     """
 
+    def restricted(self, indices):
+        """The same checked inputs for xs[k], k in `indices`, only (the weights one
+        method leaves to another)."""
+        return self._replace(xs=[self.xs[k] for k in indices],
+                             reads=[self.reads[k] for k in indices])
+
 
 def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
             batch_size_required):

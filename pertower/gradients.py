@@ -87,7 +87,7 @@ class _RulesAndTowers:
             self.towers = towers_lib.build(
                 prepared.ys, [self.xs[k] for k in self.fallback], list(prepared.batch),
                 num_groups, prepared.batch_size, "towers", function_name, groups_argument,
-                devices)
+                devices, prepared=prepared.restricted(self.fallback))
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
         """A list with one entry per x: [G, *x.shape] (G = B or M), or None; with
@@ -142,7 +142,8 @@ def build_gradients(ys, xs, batch, num_groups, batch_size, method, rules, functi
         # no weight is computed by a rule: exactly the towers
         require_batch_size_for_fallback(plan, function_name)
         return towers_lib.build(ys, xs, batch, num_groups, batch_size, "towers",
-                                function_name, groups_argument, devices)
+                                function_name, groups_argument, devices,
+                                prepared=plan.prepared)
     return _RulesAndTowers(plan, num_groups, function_name, groups_argument, devices)
 
 

@@ -79,7 +79,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
         if plan.fallback:
             towers = towers_lib.build(prepared.ys, fallback, list(prepared.batch), None,
                                       prepared.batch_size, "towers", function_name,
-                                      "batch_size", devices)
+                                      "batch_size", devices,
+                                      prepared=prepared.restricted(plan.fallback))
         B = rule_gradients.group_count(prepared, None)
         covered = [k for k in range(len(prepared.xs)) if plan.uses[k]]
         # every rule op waits for the checks of the fed batch

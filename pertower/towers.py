@@ -348,11 +348,14 @@ def build_towers(ys, xs, batch=None, num_towers=None, batch_size=None, name=None
 
 
 def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument,
-          devices=None):
+          devices=None, prepared=None):
     """`build_towers` for the public functions: errors name `function_name` and call
-    the number of towers `towers_argument`."""
-    prepared = _prepare.prepare(ys, xs, batch, num_towers, batch_size, function_name,
-                                towers_argument, batch_size_required=True)
+    the number of towers `towers_argument`. `prepared`: what `pertower._prepare.prepare`
+    returned for these same arguments (with B known), when the caller has checked them
+    already; they are then not walked and scanned a second time."""
+    if prepared is None:
+        prepared = _prepare.prepare(ys, xs, batch, num_towers, batch_size, function_name,
+                                    towers_argument, batch_size_required=True)
     devices = _checks.device_list(devices, function_name)
     ys, xs, graph, ys_upstream, batch, B = prepared[:6]
     T = B if prepared.num_groups is None else prepared.num_groups
