@@ -26,5 +26,5 @@ setup(
         "test": ["pytest>=7", "hypothesis", "dp-accounting>=0.4", "scikit-learn",
                  "tqdm", "matplotlib"],
     },
-    entry_points={"console_scripts": ["pertower=pertower.cli:main"]},
+    entry_points={"console_scripts": ["pertower=pertower.tools.cli:main"]},
 )

@@ -4,7 +4,7 @@ Run: python examples/memory_guard.py   (about 20 s on 2 cores)
 
 For three models it prints the estimate (`pertower.estimate_memory`, made before any
 op is built) and the peak of one traced `sess.run` of the per-example gradients
-(`pertower.run_memory.traced_peak_bytes`); then a call above a small `memory_limit`
+(`pertower.tools.traced_memory.traced_peak_bytes`); then a call above a small `memory_limit`
 and the words of its refusal.
 """
 
@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
 import pertower  # noqa: E402
-from pertower import run_memory  # noqa: E402
+from pertower.tools import traced_memory as run_memory  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
 L = keras.layers

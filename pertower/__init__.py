@@ -16,33 +16,33 @@ Public surface:
 examples and demo compare with.
 """
 
-from pertower.accounting import compute_epsilon
-from pertower.analytics import NoiseScale
-from pertower.analytics import class_similarity
-from pertower.analytics import empirical_ntk
-from pertower.analytics import fisher_diagonal
-from pertower.analytics import gradient_noise_scale
-from pertower.analytics import gradient_variance
-from pertower.analytics import similarity_matrix
-from pertower.analytics import tracin
-from pertower.analytics import tracin_over_checkpoints
-from pertower.dp import DPOptimizer
-from pertower.gradients import microbatch_gradients
-from pertower.gradients import per_example_gradients
-from pertower.gradients import per_example_jacobians
-from pertower.independence import check_independence
-from pertower.memory import estimate_memory
-from pertower.norms import per_example_norms
-from pertower.reductions import cosine_similarity
-from pertower.reductions import dot
-from pertower.reductions import flatten
-from pertower.reductions import flatten_per_example
-from pertower.reductions import global_norms
-from pertower.reductions import pairwise_cosine
-from pertower.reductions import pairwise_dot
-from pertower.sparse import PerExampleIndexedSlices
-from pertower.towers import Towers
-from pertower.towers import build_towers
+from pertower._dp.accounting import compute_epsilon
+from pertower._analytics import NoiseScale
+from pertower._analytics import class_similarity
+from pertower._analytics import empirical_ntk
+from pertower._analytics import fisher_diagonal
+from pertower._analytics import gradient_noise_scale
+from pertower._analytics import gradient_variance
+from pertower._analytics import similarity_matrix
+from pertower._analytics import tracin
+from pertower._analytics import tracin_over_checkpoints
+from pertower._dp.optimizer import DPOptimizer
+from pertower._api.gradients import microbatch_gradients
+from pertower._api.gradients import per_example_gradients
+from pertower._api.gradients import per_example_jacobians
+from pertower._guards.independence import check_independence
+from pertower._guards.memory import estimate_memory
+from pertower._api.norms import per_example_norms
+from pertower._reductions import cosine_similarity
+from pertower._reductions import dot
+from pertower._reductions import flatten
+from pertower._reductions import flatten_per_example
+from pertower._reductions import global_norms
+from pertower._reductions import pairwise_cosine
+from pertower._reductions import pairwise_dot
+from pertower._towers.sparse import PerExampleIndexedSlices
+from pertower._towers.build import Towers
+from pertower._towers.build import build_towers
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from pertower.cli import main
+from pertower.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

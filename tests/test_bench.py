@@ -1,5 +1,5 @@
 """`pertower bench` on tiny sizes: every row agrees with the loop, the JSON holds every
-figure, --plot writes a PNG; and the memory replay of `pertower.run_memory` on graphs
+figure, --plot writes a PNG; and the memory replay of `pertower.tools.traced_memory` on graphs
 whose peak can be worked out by hand. No timing thresholds (shared, noisy machine)."""
 
 import json
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pertower import run_memory
-from pertower import bench
-from pertower import cli
-from pertower.gradients import METHODS
+from pertower.tools import traced_memory as run_memory
+from pertower.tools import bench
+from pertower.tools import cli
+from pertower._api.gradients import METHODS
 
 B = 3
 # float32 results against the loop's: |diff| <= TOLERANCE * max(1, |loop|max)

@@ -73,11 +73,11 @@ def test_demo_runs_and_every_scenario_agrees():
 
 def test_console_script_is_declared():
     scripts = importlib.metadata.entry_points(group="console_scripts")
-    assert [s.value for s in scripts if s.name == "pertower"] == ["pertower.cli:main"]
+    assert [s.value for s in scripts if s.name == "pertower"] == ["pertower.tools.cli:main"]
 
 
 def test_cli_parses_demo_options_and_rejects_bad_batch_sizes():
-    from pertower import cli
+    from pertower.tools import cli
 
     args = cli.build_parser().parse_args(["demo"])
     assert (args.command, args.batch_size, args.repeats) == ("demo", 32, 5)
@@ -89,8 +89,8 @@ def test_cli_parses_demo_options_and_rejects_bad_batch_sizes():
 
 
 def test_cli_exits_non_zero_when_a_scenario_disagrees(monkeypatch, capsys):
-    from pertower import cli
-    from pertower import demo
+    from pertower.tools import cli
+    from pertower.tools import demo
 
     agreeing = demo.ScenarioResult(
         name="1 fake", description="fake", detail="", batch_size=4, loop_runs=4,

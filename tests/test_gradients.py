@@ -5,9 +5,9 @@ import pytest
 import tensorflow as tf
 
 import pertower
-from pertower import gradients as gradients_lib
+from pertower._api import gradients as gradients_lib
 from pertower import oracle
-from pertower import towers as towers_lib
+from pertower._towers import build as towers_lib
 from tests import common
 
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
-from pertower import memory
+from pertower._guards import memory
 from tests import common
 
 

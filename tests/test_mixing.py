@@ -7,8 +7,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
-from pertower import graph_walk
-from pertower import mixing
+from pertower import _graph_walk as graph_walk
+from pertower._batch_axis import mixing
 from pertower import oracle
 from tests import common
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pertower
-from pertower import gradients as gradients_lib
+from pertower._api import gradients as gradients_lib
 from pertower import oracle
 from tests import common
 

@@ -11,9 +11,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
-from pertower import gradients as gradients_lib
+from pertower._api import gradients as gradients_lib
 from pertower import oracle
-from pertower import rule_gradients
+from pertower.rules import _engine as rule_gradients
 from pertower import rules as rules_lib
 from tests import common
 
@@ -244,7 +244,7 @@ def test_microbatches_and_jacobians_match_oracle(model):
 def test_an_op_that_mixes_examples_is_refused_by_every_method(method):
     """x W minus its mean over the batch: example i's value depends on the others, so
     neither the batched dZ (rules) nor one-example towers give "the gradient of example
-    i" of `ys`; both methods refuse, naming the op (pertower.mixing)."""
+    i" of `ys`; both methods refuse, naming the op (pertower._batch_axis.mixing)."""
     def build(x):
         w = _weights([4, 3], "w_centered")
         z = tf.matmul(x, w)
@@ -414,7 +414,7 @@ class _CumsumAlongFeatures(rules_lib.Rule):
     weight, so `match` is never asked)."""
 
     def output_layouts(self, op, inputs):
-        from pertower import layouts  # pylint: disable=import-outside-toplevel
+        from pertower._batch_axis import layouts  # pylint: disable=import-outside-toplevel
         axis = layouts.static_value(op.inputs[1])
         if axis is None or int(axis) == 0 or not isinstance(inputs[0], layouts.Rows):
             return None

@@ -14,7 +14,7 @@ an operand; every weight index appears in A or Z.
 
 import tensorflow as tf
 
-from pertower import layouts
+from pertower._batch_axis import layouts
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 

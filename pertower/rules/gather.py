@@ -13,7 +13,7 @@ Covered: axis 0, batch_dims 0, the table's shape static.
 
 import tensorflow as tf
 
-from pertower import layouts
+from pertower._batch_axis import layouts
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 

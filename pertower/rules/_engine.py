@@ -8,7 +8,7 @@ Notation:
 For every weight x, every read of x that `ys` depends on must reach an op that has a
 rule (`pertower.rules`), possibly through layout-only ops on the weight side
 (Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)); and
-`pertower.layouts` must prove that the op's A and Z rows belong to examples and that
+`pertower._batch_axis.layouts` must prove that the op's A and Z rows belong to examples and that
 row i of `ys` depends on example i alone. Then
 
     grad_i(x) = sum over the uses u of x of  rule_u(A_u, dZ_u) for example i,
@@ -22,8 +22,8 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import _prepare
-from pertower import layouts
+from pertower import _request as _prepare
+from pertower._batch_axis import layouts
 from pertower import rules as rules_lib
 from pertower.rules import _rows
 

@@ -3,14 +3,14 @@
 `prepare` runs the argument checks of every public function (towers, rules, auto), so
 that bad input is refused the same way whichever method computes the gradients: `ys`,
 `xs`, the batch tensors and B, the number of groups, that `ys` depends on the batch,
-that no op couples examples (`pertower.mixing`), and where each weight is read.
+that no op couples examples (`pertower._batch_axis.mixing`), and where each weight is read.
 """
 
 import collections
 
 from pertower import _checks
-from pertower import graph_walk
-from pertower import mixing
+from pertower import _graph_walk as graph_walk
+from pertower._batch_axis import mixing
 
 
 class Prepared(collections.namedtuple(
@@ -88,7 +88,7 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
                 f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
-        # refuse ops that couple examples, as the towers do (pertower.mixing)
+        # refuse ops that couple examples, as the towers do (pertower._batch_axis.mixing)
         mixing.check_examples_independent(batch_downstream, batch,
                                           B if M is None else M, function_name)
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)

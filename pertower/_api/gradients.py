@@ -28,10 +28,10 @@ import numpy as np
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import independence
-from pertower import memory
-from pertower import rule_gradients
-from pertower import towers as towers_lib
+from pertower._guards import independence
+from pertower._guards import memory
+from pertower.rules import _engine as rule_gradients
+from pertower._towers import build as towers_lib
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
 

@@ -6,7 +6,7 @@
 
 `demo` runs the three scenarios of SCENARIOS.md on built-in models and compares each
 with the one-example loop of `pertower.oracle`, with timings. `bench` times every way
-of computing per-example gradients side by side (see `pertower.bench`). TensorFlow is imported
+of computing per-example gradients side by side (see `pertower.tools.bench`). TensorFlow is imported
 only inside a command, after the environment it reads has been set up, so parsing
 arguments (and `--help`) stays cheap for later subcommands.
 """
@@ -22,7 +22,7 @@ DEFAULT_BATCH_SIZE = 32
 DEFAULT_REPEATS = 5
 DEFAULT_BENCH_REPEATS = 5
 DEFAULT_BENCH_JSON = "bench.json"
-# pertower.bench.MODELS, repeated so that parsing arguments does not import TensorFlow
+# pertower.tools.bench.MODELS, repeated so that parsing arguments does not import TensorFlow
 # (tests/test_bench.py checks they agree).
 BENCH_MODELS = ("mlp", "cnn")
 
@@ -92,7 +92,7 @@ def main(argv=None):
 def _run_demo(args):
     """`pertower demo`: prints one block per scenario, then a table; 1 on disagreement."""
     tf = _graph_mode_tensorflow()
-    from pertower import demo  # pylint: disable=import-outside-toplevel
+    from pertower.tools import demo  # pylint: disable=import-outside-toplevel
 
     print(f"pertower demo: TensorFlow {tf.__version__}, B={args.batch_size}, median of "
           f"{args.repeats} runs after a warm-up; loop = one sess.run per example "
@@ -111,8 +111,8 @@ def _run_demo(args):
 def _run_bench(args):
     """`pertower bench`: measures, prints the table, writes JSON (and a plot)."""
     tf = _graph_mode_tensorflow()
-    from pertower import bench  # pylint: disable=import-outside-toplevel
-    from pertower import gradients  # pylint: disable=import-outside-toplevel
+    from pertower.tools import bench  # pylint: disable=import-outside-toplevel
+    from pertower._api import gradients  # pylint: disable=import-outside-toplevel
 
     methods = args.methods or list(gradients.METHODS)
     unknown = [m for m in methods if m not in gradients.METHODS]
@@ -177,7 +177,7 @@ def _graph_mode_tensorflow():
     """Sets the environment TensorFlow and Keras read, imports TensorFlow, switches
     to graph mode; returns the `tensorflow` module.
 
-    Note: `import pertower.cli` runs `pertower/__init__.py`, which already imports
+    Note: `import pertower.tools.cli` runs `pertower/__init__.py`, which already imports
     TensorFlow. TF_USE_LEGACY_KERAS is still in time: it is read when `tf.keras` /
     `tf.compat.v1.layers` are first used. TensorFlow 2.21 prints its start-up lines
     (oneDNN, CUDA) before absl logging is set up, whatever TF_CPP_MIN_LOG_LEVEL says.

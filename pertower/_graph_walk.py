@@ -18,7 +18,7 @@ import tensorflow as tf
 from tensorflow.python.ops import ref_variable
 
 from pertower import _checks
-from pertower import control_flow
+from pertower._towers import functions as control_flow
 
 # Ops whose outputs carry a batch on axis 0 when `batch` is not given.
 _BATCH_SOURCE_OP_TYPES = frozenset(

@@ -36,10 +36,10 @@ import warnings
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import gradients as gradients_lib
-from pertower import graph_walk
-from pertower import norms as norms_lib
-from pertower import reductions
+from pertower._api import gradients as gradients_lib
+from pertower import _graph_walk as graph_walk
+from pertower._api import norms as norms_lib
+from pertower import _reductions as reductions
 
 __all__ = ["DPOptimizer"]
 

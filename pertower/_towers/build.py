@@ -38,11 +38,11 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from pertower import _checks
-from pertower import _prepare
-from pertower import control_flow
-from pertower import graph_walk
-from pertower import replicate as replicate_lib
-from pertower import sparse as sparse_lib
+from pertower import _request as _prepare
+from pertower._towers import functions as control_flow
+from pertower import _graph_walk as graph_walk
+from pertower._towers import replicate as replicate_lib
+from pertower._towers import sparse as sparse_lib
 
 __all__ = ["Towers", "build_towers"]
 

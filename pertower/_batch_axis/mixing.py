@@ -1081,7 +1081,7 @@ def find_couplings(replayed_ops, batch):
       A list of `Coupling` records in graph order (empty when none was found).
 
     Example:
-      couplings = pertower.mixing.find_couplings(ops, [x])
+      couplings = pertower._batch_axis.mixing.find_couplings(ops, [x])
       for c in couplings: print(c.op.name, c.reason)
     """
     return _BatchAxisScan([(b, BatchAxis(0, 1)) for b in batch]).run(replayed_ops)

@@ -31,8 +31,8 @@ import numpy as np
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import graph_walk
-from pertower import mixing
+from pertower import _graph_walk as graph_walk
+from pertower._batch_axis import mixing
 
 __all__ = ["MemoryEstimate", "estimate_memory", "check_memory", "default_memory_limit"]
 

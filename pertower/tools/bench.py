@@ -24,7 +24,7 @@ entry per way of computing its per-example gradients (or their norms):
 
 Each entry is built (timed: "build s"), run once (timed: "1st run s", the result is
 compared with the loop's: "max|diff|"), traced once for its peak memory
-(`pertower.run_memory`), then run `repeats` times round-robin with the other entries, so
+(`pertower.tools.traced_memory`), then run `repeats` times round-robin with the other entries, so
 a change of load on the machine hits every entry alike ("ms" is the median). A method
 that raises NotImplementedError when built is reported as "n/a" with its message.
 """
@@ -42,8 +42,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
-from pertower import run_memory
-from pertower import gradients as gradients_lib
+from pertower.tools import traced_memory as run_memory
+from pertower._api import gradients as gradients_lib
 from pertower import oracle
 
 __all__ = ["Entry", "MODELS", "run_bench", "format_table", "machine_info", "to_json",
@@ -485,7 +485,7 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
     entries = []
     for model_name in models:
         if model_name not in _BUILDERS:
-            raise ValueError(f"pertower.bench: unknown model {model_name!r}; choose from "
+            raise ValueError(f"pertower.tools.bench: unknown model {model_name!r}; choose from "
                              f"{MODELS}.")
         sizes = batch_sizes[model_name] if isinstance(batch_sizes, dict) else batch_sizes
         for B in sizes:
@@ -629,8 +629,8 @@ def plot(entries, path):
 
 
 def main(argv=None):
-    """`python -m pertower.bench ...`: the same as `pertower bench ...`."""
-    from pertower import cli  # pylint: disable=import-outside-toplevel
+    """`python -m pertower.tools.bench ...`: the same as `pertower bench ...`."""
+    from pertower.tools import cli  # pylint: disable=import-outside-toplevel
 
     return cli.main(["bench"] + list(sys.argv[1:] if argv is None else argv))
 

@@ -39,7 +39,7 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from pertower import graph_walk
+from pertower import _graph_walk as graph_walk
 
 
 class Rows(collections.namedtuple("Rows", ["lead", "k", "E"])):

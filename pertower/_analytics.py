@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import reductions
+from pertower import _reductions as reductions
 
 __all__ = ["tracin", "tracin_over_checkpoints", "similarity_matrix", "class_similarity",
            "fisher_diagonal", "gradient_variance", "NoiseScale", "gradient_noise_scale",
