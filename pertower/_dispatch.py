@@ -341,7 +341,14 @@ class Built:
         self.batch_size = prepared.batch_size
         self.groups = _engine.group_count(prepared, prepared.num_groups)
         self.towers = None
-        if plan.fallback:
+        # no rule used: the towers compute every weight (exactly `build_towers`)
+        self.towers_only = bool(plan.fallback) and not plan.uses_rules
+        if self.towers_only:
+            self.towers = towers_lib.build(
+                prepared.ys, list(self.xs), list(prepared.batch), prepared.num_groups,
+                prepared.batch_size, "towers", plan.function_name,
+                _groups_argument(prepared), devices, prepared=prepared)
+        elif plan.fallback:
             self.towers = towers_lib.build(
                 prepared.ys, [self.xs[k] for k in plan.fallback], list(prepared.batch),
                 prepared.num_groups, prepared.batch_size, "towers", plan.function_name,
@@ -349,6 +356,10 @@ class Built:
                 prepared=prepared.restricted(plan.fallback))
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
+        if self.towers_only:
+            return [independence.gated(g) for g in self.towers.gradients(
+                grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
+                name=name or "gradients", sparse=sparse)]
         with tf.name_scope(name or "gradients"):
             # every rule op waits for the checks of the fed batch (towers check it
             # where they split the batch)
@@ -379,7 +390,8 @@ class Built:
                 squares = list(_engine.squared_norms(self.plan, self.plan.covered,
                                                      B).values())      # [B] each
             if self.towers is not None:
-                for g in self.towers.gradients(name="towers"):
+                for g in self.towers.gradients(name="towers" if not self.towers_only
+                                               else "tower_gradients"):
                     if g is not None:                                   # [B, *x.shape]
                         squares.append(tf.reduce_sum(tf.square(g),
                                                      axis=list(range(1, g.shape.rank))))
