@@ -4,7 +4,7 @@ Public surface:
     per_example_gradients, per_example_jacobians, microbatch_gradients,
     per_example_norms
     Towers, build_towers
-    check_independence, estimate_memory
+    explain, check_independence, estimate_memory
     PerExampleIndexedSlices (sparse=True results for embedding weights)
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
@@ -31,7 +31,8 @@ from pertower._api.gradients import microbatch_gradients
 from pertower._api.gradients import per_example_gradients
 from pertower._api.gradients import per_example_jacobians
 from pertower._guards.independence import check_independence
-from pertower._guards.memory import estimate_memory
+from pertower._api.explain import estimate_memory
+from pertower._api.explain import explain
 from pertower._api.norms import per_example_norms
 from pertower._reductions import cosine_similarity
 from pertower._reductions import dot
@@ -51,6 +52,7 @@ __all__ = [
     "per_example_jacobians",
     "microbatch_gradients",
     "per_example_norms",
+    "explain",
     "Towers",
     "build_towers",
     "check_independence",

@@ -15,7 +15,7 @@ from pertower._batch_axis import mixing
 
 class Prepared(collections.namedtuple(
         "Prepared", ["ys", "xs", "graph", "ys_upstream", "batch", "batch_size",
-                     "num_groups", "reads"])):
+                     "num_groups", "reads", "couplings", "groups_argument"])):
     """Checked inputs.
 
     Fields:
@@ -26,6 +26,9 @@ class Prepared(collections.namedtuple(
         given (allowed only for method="rules").
       num_groups: M for microbatches, or None for one group per example.
       reads: one `graph_walk.WeightReads` per entry of xs.
+      couplings: the ops found to couple examples (empty unless the caller asked not
+        to refuse them).
+      groups_argument: the public name of the number of groups, for messages.
     """
 
     def restricted(self, indices):
@@ -36,7 +39,7 @@ class Prepared(collections.namedtuple(
 
 
 def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
-            batch_size_required):
+            batch_size_required, refuse_couplings=True):
     """Checks the arguments of a public gradient function; returns a `Prepared`.
 
     Args:
@@ -88,12 +91,17 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
                 f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
-        # refuse ops that couple examples, as the towers do (pertower._batch_axis.mixing)
-        mixing.check_examples_independent(batch_downstream, batch,
-                                          B if M is None else M, function_name)
+        # refuse ops that couple examples (or record them for pertower.explain)
+        if refuse_couplings:
+            mixing.check_examples_independent(batch_downstream, batch,
+                                              B if M is None else M, function_name)
+            couplings = ()
+        else:
+            couplings = tuple(mixing.find_couplings(batch_downstream, batch))
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
-    return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads)
+    return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, couplings,
+                    groups_argument)
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph, function_name):

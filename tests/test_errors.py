@@ -47,10 +47,13 @@ def test_activation_in_xs_is_refused(mlp):
             pertower.per_example_gradients(mlp.ys, [activation], batch_size=4)
 
 
-def test_missing_batch_size_for_a_none_batch_axis_is_refused(mlp):
+def test_missing_batch_size_for_a_none_batch_axis_is_refused_by_the_towers(mlp):
+    """The towers are built for a fixed number of examples (the default method needs
+    no batch_size when every weight has a rule: see test_dispatch.py)."""
     with mlp.graph.as_default():
-        with pytest.raises(ValueError, match=r"batch axis is not static.*pass batch_size=B"):
-            pertower.per_example_gradients(mlp.ys, mlp.xs)
+        with pytest.raises(ValueError, match=r"batch axis is not static.*method='towers' "
+                                             r"was asked for.*Pass batch_size=B"):
+            pertower.per_example_gradients(mlp.ys, mlp.xs, method="towers")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "4"])

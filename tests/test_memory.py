@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
+from pertower import _dispatch
 from pertower._guards import memory
 from tests import common
 
@@ -44,7 +45,11 @@ def test_estimate_matches_the_size_of_the_results(mlp):
     for estimate, value, rows, K in zip(estimates, values, [6, 2, 6], [1, 1, 3]):
         assert estimate.num_weights == P
         assert estimate.result_bytes == _nbytes(value) == rows * K * P * 4
-        assert estimate.tower_gradient_bytes == rows * K * P * 4
+        # every weight of this MLP has a rule: no tower gradients are held
+        assert estimate.tower_gradient_bytes == 0
+    with mlp.graph.as_default():
+        towers = pertower.estimate_memory(mlp.ys, mlp.xs, batch_size=mlp.B, method="towers")
+    assert towers.result_bytes == towers.tower_gradient_bytes == 6 * P * 4
     # activations: the non-elementwise floating outputs from x to cost, per example,
     # x 6 examples x 4 bytes: the MatMuls of widths 16, 8, 3 and the slice out[:, :1]
     assert estimates[0].activation_bytes == 6 * 4 * (16 + 8 + 3 + 1)
@@ -114,7 +119,7 @@ def test_the_default_limit_is_half_the_physical_memory(mlp):
     physical = memory.physical_memory_bytes()
     assert physical > 0
     assert memory.default_memory_limit() == int(0.5 * physical)
-    huge = int(memory.default_memory_limit() // (_weights(mlp) * 4 * 2)) + 1  # B over the limit
+    huge = int(memory.default_memory_limit() // (_weights(mlp) * 4)) + 1  # B over the limit
     with mlp.graph.as_default():
         with pytest.raises(ValueError, match=r"above the limit of .* \(the default, half of "
                                              r"this machine's physical memory\)"):
@@ -125,15 +130,19 @@ def test_no_refusal_by_default_on_the_test_models():
     for name, build in common.BUILDERS.items():
         case = build()
         with case.graph.as_default():
-            estimate = memory.check_memory(case.ys, case.xs, batch_size=case.B)
+            # make_plan runs the guard with the default limit: it would raise
+            estimate = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False,
+                                           function_name="test").estimate
         assert estimate is not None and estimate.total_bytes < memory.default_memory_limit(), name
         case.sess.close()
 
 
 def test_an_infinite_limit_switches_the_guard_off(mlp):
     with mlp.graph.as_default():
-        assert memory.check_memory(mlp.ys, mlp.xs, batch_size=mlp.B,
-                                   memory_limit=math.inf) is None
+        huge = 10 ** 9   # 10^9 examples: far above any machine's memory
+        plan = _dispatch.make_plan(mlp.ys, mlp.xs, None, huge, memory_limit=math.inf,
+                                   validate=False, function_name="test")
+        assert plan.estimate.total_bytes > memory.default_memory_limit()
         grads = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=mlp.B,
                                                memory_limit=float("inf"))
     assert len(grads) == len(mlp.xs)
@@ -145,3 +154,34 @@ def test_a_bad_memory_limit_is_refused(mlp, bad):
         with pytest.raises(ValueError, match=r"`memory_limit` must be a positive number of "
                                              r"bytes, None .* or float\('inf'\)"):
             pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=mlp.B, memory_limit=bad)
+
+
+def test_a_limit_of_1_3_times_the_result_is_enough_for_a_rules_covered_mlp():
+    """The guard runs on the plan: the rules write the result once, so an MLP whose
+    every weight has a rule needs little more than the result's own bytes."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 100])
+        h = x
+        for width in (256, 256):
+            h = tf.compat.v1.layers.dense(h, width, tf.nn.relu)
+        cost = tf.square(tf.compat.v1.layers.dense(h, 1))                  # [B, 1]
+        xs = tf.compat.v1.trainable_variables()
+        B = 32
+        P = sum(int(np.prod(v.shape.as_list())) for v in xs)
+        result_bytes = B * P * 4
+        plan = pertower.explain(cost, xs, batch_size=B)
+        assert all(w.method == "rules" for w in plan.weights), str(plan)
+        assert plan.estimate.result_bytes == result_bytes
+        assert plan.estimate.total_bytes <= 1.3 * result_bytes
+        grads = pertower.per_example_gradients(cost, xs, batch_size=B,
+                                               memory_limit=1.3 * result_bytes)
+        with pytest.raises(ValueError, match="per-example result would need about"):
+            pertower.per_example_gradients(cost, xs, batch_size=B, method="towers",
+                                           memory_limit=1.3 * result_bytes)
+        feed = {x: np.random.RandomState(0).randn(B, 100).astype(np.float32)}
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            want = oracle.loop_per_example_gradients(sess, cost, xs, feed)
+            common.assert_all_close(sess.run(grads, feed), want, 1e-4, 1e-5, "mlp")

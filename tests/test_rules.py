@@ -12,6 +12,7 @@ import tf_keras as keras
 
 import pertower
 from pertower._api import gradients as gradients_lib
+from pertower import _dispatch
 from pertower import oracle
 from pertower.rules import _engine as rule_gradients
 from pertower import rules as rules_lib
@@ -177,8 +178,8 @@ def model(request):
 
 def _plan(case):
     with case.graph.as_default():
-        return rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, case.B,
-                                               "test", "batch_size", True, None)
+        return _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False,
+                                   function_name="test")
 
 
 def test_the_rules_cover_exactly_the_expected_weights(model):
@@ -191,8 +192,16 @@ def test_the_rules_cover_exactly_the_expected_weights(model):
 
 def test_rules_match_oracle_and_towers(model):
     with model.graph.as_default():
-        rules = pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
+        if model.fallback:
+            # method="rules" is strict: it lists every weight no rule covers
+            with pytest.raises(ValueError, match=r"method='rules' is strict, and no rule "
+                                                 r"covers .*pertower.explain") as refusal:
+                pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
                                                method="rules")
+            for name in model.fallback:
+                assert name in str(refusal.value)
+        rules = pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
+                                               method="auto" if model.fallback else "rules")
         towers = pertower.per_example_gradients(model.ys, model.xs, batch_size=model.B,
                                                 method="towers")
         for g, x in zip(rules, model.xs):
@@ -210,7 +219,7 @@ def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
         with model.graph.as_default():
             with pytest.raises(ValueError, match=r"no `batch_size` was given.*fall back to "
                                                  r"towers.*Pass batch_size=B"):
-                pertower.per_example_gradients(model.ys, model.xs, method="rules")
+                pertower.per_example_gradients(model.ys, model.xs)
         return
     with model.graph.as_default():
         rules = pertower.per_example_gradients(model.ys, model.xs, method="rules")
@@ -225,7 +234,7 @@ def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
 def test_microbatches_and_jacobians_match_oracle(model):
     with model.graph.as_default():
         two = pertower.microbatch_gradients(model.ys, model.xs, num_microbatches=2,
-                                            batch_size=model.B, method="rules")
+                                            batch_size=model.B)
         outputs = tf.stack([model.ys, tf.sin(model.ys)], axis=1)      # [B, 2]
         jacobians = pertower.per_example_jacobians(outputs, model.xs, batch_size=model.B,
                                                    method="auto")
@@ -264,9 +273,9 @@ def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
     case = _model("grad_ys", build, [(4,)], B=4)
     weights = np.linspace(-1.0, 2.0, 8).reshape(4, 2).astype(np.float32)
     with case.graph.as_default():
-        built = gradients_lib.build_gradients(case.ys, case.xs, None, None, 4, "auto", None,
-                                              "test", "batch_size")
-        assert built.fallback == [1, 2]
+        built = _dispatch.build(_dispatch.make_plan(case.ys, case.xs, None, 4,
+                                                    function_name="test"))
+        assert built.plan.fallback == [1, 2]
         got = built.gradients(grad_ys=tf.constant(weights))
         jacobians = oracle.loop_per_example_jacobians(case.sess, case.ys, case.xs, case.feed)
         with pytest.raises(ValueError, match=r"`grad_ys` must have the shape of `ys`"):
@@ -399,8 +408,8 @@ def test_a_user_registry_replaces_and_adds_rules(mlp):
                             "user registry")
     case = _model("mixed_fallback", _mixed, [(4,)])
     with case.graph.as_default():
-        plan = rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, 3, "test",
-                                               "batch_size", True, registry)
+        plan = _dispatch.make_plan(case.ys, case.xs, None, 3, rules=registry, validate=False,
+                                   function_name="test")
     assert "a user rule that declines" in plan.reasons[2]
     case.sess.close()
     with pytest.raises(TypeError, match=r"`rule` must define `match` and `per_group`"):
@@ -432,8 +441,8 @@ def test_a_user_rule_can_declare_the_row_layout_of_its_op():
     registry = rules_lib.default_registry()
     registry.register("Cumsum", _CumsumAlongFeatures())
     with case.graph.as_default():
-        plan = rule_gradients.prepare_and_plan(case.ys, case.xs, None, None, 4, "test",
-                                               "batch_size", True, registry)
+        plan = _dispatch.make_plan(case.ys, case.xs, None, 4, rules=registry, validate=False,
+                                   function_name="test")
         assert plan.fallback == []
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=4, rules=registry)
         want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)

@@ -5,21 +5,9 @@ Notation:
     K   output entries per example, prod(ys.shape[1:])
     x   one weight                  [B, *x.shape] one gradient of x per example
 
-Three methods (`method=`):
-    "towers"  replay the model once per example (or microbatch) on weight copies
-              (`pertower.towers`) and take one `tf.gradients` over all copies.
-    "rules"   one batched `tf.gradients` to the outputs of the weight-consuming ops and
-              a per-op rule for each (`pertower.rule_gradients`, `pertower.rules`);
-              weights no rule covers soundly fall back to towers. `batch_size` may be
-              left out for a None batch axis when no weight falls back: then the
-              gradients work for any fed batch size.
-    "auto"    (default) the same computation as "rules", with the towers' contract
-              for `batch_size` (needed for a None batch axis; the fed size is checked).
-
-Every call puts its ops under one name scope (`name`, default the function's name),
-with `towers/` and `gradients/` inside it. Before building, `pertower.memory` refuses
-results that would not fit; `validate=True` adds the run-time check of
-`pertower.independence`.
+Each public function checks its arguments, plans and builds through the one dispatch
+(`pertower._dispatch`: request -> plan -> guards -> rules and towers), under one name
+scope (`name`, default the function's name) with `towers/` and `gradients/` inside.
 """
 
 import contextlib
@@ -28,123 +16,12 @@ import numpy as np
 import tensorflow as tf
 
 from pertower import _checks
-from pertower._guards import independence
-from pertower._guards import memory
-from pertower.rules import _engine as rule_gradients
-from pertower._towers import build as towers_lib
+from pertower import _dispatch
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
 
-# The ways to compute per-example gradients; "auto" picks per weight.
-METHODS = ("auto", "towers", "rules")
-
-
-def check_method(method, function_name, rules=None):
-    """Validates `method` (and that `rules` is only given to a method that uses it);
-    returns the method."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(
-            f"pertower.{function_name}: `method` must be one of {METHODS}, got {method!r}.")
-    if rules is not None and method == "towers":
-        raise ValueError(
-            f"pertower.{function_name}: `rules` is used by method='rules' or 'auto', but "
-            "method='towers' was given; drop `rules` or choose another method.")
-    return method
-
-
-def require_batch_size_for_fallback(plan, function_name):
-    """Raises when some weights fall back to towers but B is unknown."""
-    prepared = plan.prepared
-    if prepared.batch_size is not None or not plan.fallback:
-        return
-    listing = "; ".join(f"{prepared.xs[k].name}: {plan.reasons[k]}" for k in plan.fallback)
-    names = ", ".join(t.name for t in prepared.batch)
-    raise ValueError(
-        f"pertower.{function_name}: the batch axis is not static ({names}) and no "
-        "`batch_size` was given, which method='rules' allows only when every weight has "
-        "a rule; these weights fall back to towers, which are built for a fixed number "
-        f"of examples ({listing}). Pass batch_size=B.")
-
-
-class _RulesAndTowers:
-    """Gradients of covered weights from the rules, of the others from towers built for
-    those weights only. Same `gradients` interface as `pertower.Towers`."""
-
-    def __init__(self, plan, num_groups, function_name, groups_argument, devices=None):
-        prepared = plan.prepared
-        self.plan = plan
-        self.xs = tuple(prepared.xs)
-        self.ys = prepared.ys
-        self.batch_size = prepared.batch_size
-        self.covered = [k for k in range(len(self.xs)) if plan.uses[k] is not None]
-        self.fallback = plan.fallback
-        self.groups = rule_gradients.group_count(prepared, num_groups)
-        self.function_name = function_name
-        self.groups_argument = groups_argument
-        self.towers = None
-        if self.fallback:
-            require_batch_size_for_fallback(plan, function_name)
-            self.towers = towers_lib.build(
-                prepared.ys, [self.xs[k] for k in self.fallback], list(prepared.batch),
-                num_groups, prepared.batch_size, "towers", function_name, groups_argument,
-                devices, prepared=prepared.restricted(self.fallback))
-
-    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
-        """A list with one entry per x: [G, *x.shape] (G = B or M), or None; with
-        `sparse`, as `Towers.gradients` for the weights the towers compute."""
-        with tf.name_scope(name or "gradients"):
-            # every rule op waits for the checks of the fed batch
-            checks = rule_gradients.run_time_checks(self.plan.prepared, self.function_name)
-            with tf.control_dependencies(checks):
-                return self._gradients(grad_ys, unconnected_gradients, sparse)
-
-    def _gradients(self, grad_ys, unconnected_gradients, sparse):
-        results = [None] * len(self.xs)
-        covered = rule_gradients.gradients(self.plan, self.covered, self.groups,
-                                           grad_ys, unconnected_gradients, self.function_name)
-        for k, g in covered.items():
-            results[k] = g
-        if self.towers is not None:
-            for k, g in zip(self.fallback, self.towers.gradients(
-                    grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
-                    name="towers", sparse=sparse)):
-                results[k] = g
-        return [independence.gated(g) for g in results]
-
-    def stacked(self, function_name):
-        """`ys` recomputed slice by slice, [B, ...], for `validate=True`."""
-        if self.towers is not None:
-            return self.towers.stacked
-        prepared = self.plan.prepared
-        return independence.recomputed_by_slices(
-            prepared.ys, list(prepared.batch), prepared.num_groups, prepared.batch_size,
-            function_name, self.groups_argument)
-
-
-def build_gradients(ys, xs, batch, num_groups, batch_size, method, rules, function_name,
-                    groups_argument, devices=None, sparse=False):
-    """The object whose `gradients(grad_ys=None, unconnected_gradients=..., sparse=...)`
-    gives [G, *x.shape] per x by `method`: `Towers` for "towers", else rules with
-    towers for the weights they do not cover. Towers go under the current name scope,
-    in `towers/`; with `sparse`, weights read only by gathers are left to the towers,
-    which keep their rows sparse."""
-    check_method(method, function_name, rules)
-    if method == "towers":
-        return towers_lib.build(ys, xs, batch, num_groups, batch_size, "towers",
-                                function_name, groups_argument, devices)
-    plan = rule_gradients.prepare_and_plan(
-        ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
-        batch_size_required=(method == "auto"), registry=rules)
-    if sparse:
-        plan = rule_gradients.leave_gather_only_weights_to_towers(
-            plan, "sparse=True: the towers keep its per-example rows sparse")
-    if plan.fallback and not any(plan.uses[k] for k in range(len(plan.uses))):
-        # no weight is computed by a rule: exactly the towers
-        require_batch_size_for_fallback(plan, function_name)
-        return towers_lib.build(ys, xs, batch, num_groups, batch_size, "towers",
-                                function_name, groups_argument, devices,
-                                prepared=plan.prepared)
-    return _RulesAndTowers(plan, num_groups, function_name, groups_argument, devices)
+# The methods every gradient function takes (see `pertower._dispatch`).
+METHODS = _dispatch.METHODS
 
 
 def _graph_of(ys):
@@ -156,19 +33,9 @@ def _graph_of(ys):
     return contextlib.nullcontext()
 
 
-def _validated(results, built, validate, function_name):
-    """`results`, gated on the run-time check that `ys` recomputed slice by slice
-    equals `ys` when `validate` (see `pertower.independence`)."""
-    if not validate:
-        return results
-    stacked = (built.stacked if isinstance(built, towers_lib.Towers)
-               else built.stacked(function_name))
-    return independence.validated(results, built.ys, stacked, function_name)
-
-
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients="zero", name=None, method="auto",
-                          validate=False, memory_limit=None, sparse=False, devices=None,
+                          validate=None, memory_limit=None, sparse=False, devices=None,
                           rules=None):
     """The gradient of each example's value with respect to each weight.
 
@@ -178,19 +45,23 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
       batch: the tensor(s) carrying the batch on axis 0 that `ys` depends on; when
         None they are found by walking back from `ys` to its placeholders and
         `tf.data` iterator outputs.
-      batch_size: B, needed when the batch axis is not static (then the gradients are
-        built for exactly B examples and feeding another size fails in `sess.run`);
-        with method="rules" it may be left out when every weight has a rule, and the
-        gradients then work for any fed batch size ([None, *x.shape]).
+      batch_size: B. With a None batch axis it may be left out when no weight falls
+        back to towers: the gradients then work for any fed batch size
+        ([None, *x.shape]). When some weights fall back (see `pertower.explain`), the
+        towers are built for exactly B examples and feeding another size fails in
+        `sess.run`; without it the call is refused, listing those weights.
       unconnected_gradients: "zero" (zeros for a weight `ys` does not reach) or
         "none" (None for it), as in `tf.gradients`.
       name: name scope for the new ops.
-      method: "auto" (default: per-op rules where they provably apply, towers for the
-        other weights), "rules" (the same, with `batch_size` optional when no weight
-        falls back) or "towers" (replay the model once per example on weight copies).
-      validate: when True, fetching the result first checks at run time that `ys`
-        recomputed slice by slice equals `ys` (see `pertower.check_independence`) and
-        fails naming the largest difference otherwise.
+      method: "auto" (default: per-op rules where they are proven sound, towers for
+        the other weights), "rules" (strict: refused, listing every weight no rule
+        covers and why) or "towers" (replay the model once per example on weight
+        copies).
+      validate: None (default): where the static analysis cannot prove that row i of
+        `ys` depends on example i alone, a run-time check is added (with a warning
+        naming the op where the proof was lost): fetching the result first checks
+        that `ys` recomputed slice by slice equals `ys` and fails naming the largest
+        difference otherwise. True: always add the check. False: never.
       memory_limit: refuse when the estimated bytes (see `pertower.estimate_memory`)
         exceed this; None means half of the machine's physical memory,
         float("inf") switches the guard off.
@@ -214,32 +85,31 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
                                              batch_size=32)      # [32, *w.shape] each
       sess.run(grads, {x: X[:32], y: Y[:32]})
     """
-    return _group_gradients(ys, xs, batch, None, batch_size, unconnected_gradients, name,
+    return _group_gradients(ys, xs, batch, batch_size, None, unconnected_gradients, name,
                             method, validate, memory_limit, sparse, devices, rules,
-                            "per_example_gradients", "batch_size")
+                            "per_example_gradients")
 
 
-def _group_gradients(ys, xs, batch, num_groups, batch_size, unconnected_gradients, name,
-                     method, validate, memory_limit, sparse, devices, rules, function_name,
-                     groups_argument):
+def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradients, name,
+                     method, validate, memory_limit, sparse, devices, rules, function_name):
     """`per_example_gradients` (num_groups None) and `microbatch_gradients`: [G, *x.shape]
     per x, G = B or M."""
-    check_method(method, function_name, rules)
     _checks.require_graph_mode(function_name)
     devices = _checks.device_list(devices, function_name)
-    memory.check_memory(ys, xs, batch, batch_size, num_groups, 1, memory_limit,
-                        function_name)
+    _checks.unconnected_gradients_value(unconnected_gradients, function_name)
+    plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_groups, method=method,
+                               rules=rules, sparse=sparse, validate=validate,
+                               memory_limit=memory_limit, function_name=function_name)
     with _graph_of(ys), tf.name_scope(name or function_name):
-        built = build_gradients(ys, xs, batch, num_groups, batch_size, method, rules,
-                                function_name, groups_argument, devices, sparse)
+        built = _dispatch.build(plan, devices)
         results = built.gradients(unconnected_gradients=unconnected_gradients,
                                   name="gradients", sparse=sparse)
-        return _validated(results, built, validate, function_name)
+        return built.validated(results)
 
 
-def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=None,
+def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=None,
                          unconnected_gradients="zero", name=None, method="auto",
-                         validate=False, memory_limit=None, sparse=False, devices=None,
+                         validate=None, memory_limit=None, sparse=False, devices=None,
                          rules=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
@@ -260,15 +130,14 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
                                         batch_size=2 * n)
       cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
     """
-    return _group_gradients(ys, xs, batch, num_microbatches, batch_size,
+    return _group_gradients(ys, xs, batch, batch_size, num_microbatches,
                             unconnected_gradients, name, method, validate, memory_limit,
-                            sparse, devices, rules, "microbatch_gradients",
-                            "num_microbatches")
+                            sparse, devices, rules, "microbatch_gradients")
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients="zero", name=None, method="auto",
-                          validate=False, memory_limit=None, devices=None, rules=None):
+                          validate=None, memory_limit=None, devices=None, rules=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
     Args:
@@ -286,23 +155,23 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                                            batch_size=16)        # [16, 10, *w.shape]
     """
     function_name = "per_example_jacobians"
-    check_method(method, function_name, rules)
+    _checks.require_graph_mode(function_name)
     if isinstance(ys, tf.Tensor) and (ys.shape.rank is None or (
             ys.shape.rank > 0 and not ys.shape[1:].is_fully_defined())):
         raise ValueError(
             f"pertower.{function_name}: the output axes of `ys` ({ys.name}, shape "
             f"{ys.shape}) must be static to build one gradient per output entry; give "
             "the model's output layer a fixed size, or reshape `ys` to a static shape.")
-    _checks.require_graph_mode(function_name)
     K = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
         ys, tf.Tensor) and ys.shape.rank else 1
     devices = _checks.device_list(devices, function_name)
-    memory.check_memory(ys, xs, batch, batch_size, None, K, memory_limit, function_name)
+    _checks.unconnected_gradients_value(unconnected_gradients, function_name)
+    plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
+                               validate=validate, memory_limit=memory_limit,
+                               outputs_per_example=K, function_name=function_name)
     with _graph_of(ys), tf.name_scope(name or function_name):
-        built = build_gradients(ys, xs, batch, None, batch_size, method, rules,
-                                function_name, "batch_size", devices)
-        results = _jacobian_rows(built, ys, unconnected_gradients)
-        return _validated(results, built, validate, function_name)
+        built = _dispatch.build(plan, devices)
+        return built.validated(_jacobian_rows(built, ys, unconnected_gradients))
 
 
 def _jacobian_rows(built, ys, unconnected_gradients):

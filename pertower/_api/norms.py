@@ -14,96 +14,42 @@ the ghost norm sum_{t,s} (a_it·a_is)(dz_it·dz_is) (Li et al. 2021, arXiv 2110.
 an embedding the ghost norm with the indicator [id_t = id_s]. Other covered weights
 are formed per rule ([B, *x.shape]) and reduced; weights without a rule fall back to
 towers and are formed and reduced. Method "towers" forms every gradient. The memory
-guard (`pertower.memory`) counts the gradients the towers form.
+guard counts the gradients the towers form.
 """
-
-import math
 
 import tensorflow as tf
 
 from pertower import _checks
-from pertower._api import gradients as gradients_lib
-from pertower._guards import independence
-from pertower._guards import memory
-from pertower.rules import _engine as rule_gradients
-from pertower._towers import build as towers_lib
+from pertower import _dispatch
 
 __all__ = ["per_example_norms"]
 
 
 def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto",
-                      validate=False, memory_limit=None, devices=None, rules=None):
+                      validate=None, memory_limit=None, devices=None, rules=None):
     """The L2 norm of each example's gradient over all of `xs`, [B].
 
     Args:
       ys, xs, batch, batch_size, name, method, validate, devices, rules: as in
         `pertower.per_example_gradients`; a weight `ys` does not reach adds 0.
       memory_limit: as in `pertower.per_example_gradients`, for the per-example
-        gradients the norms need to hold: every weight's with method="towers", the
-        weights left to towers otherwise.
+        gradients the norms need to hold: those of the weights left to towers.
 
     Returns:
       A [B] tensor of ys's dtype: entry i is the L2 norm of the concatenation of
       `tf.gradients(tf.reduce_sum(ys[i]), x)` over every x, for example i alone.
 
     Example (per-example clipping factors for DP-SGD):
-      norms = pertower.per_example_norms(loss, model.trainable_weights, batch_size=64)
-      factors = tf.minimum(1.0, clip / (norms + 1e-12))          # [64]
+      norms = pertower.per_example_norms(loss, model.trainable_weights)   # [B]
+      factors = tf.minimum(1.0, clip / (norms + 1e-12))                  # [B]
     """
     function_name = "per_example_norms"
-    gradients_lib.check_method(method, function_name, rules)
+    _checks.require_graph_mode(function_name)
     devices = _checks.device_list(devices, function_name)
-    scope = name or function_name
-    if method != "towers":
-        plan = rule_gradients.prepare_and_plan(
-            ys, xs, batch, None, batch_size, function_name, "batch_size",
-            batch_size_required=(method == "auto"), registry=rules)
-        if plan.fallback and not any(plan.uses[k] for k in range(len(plan.uses))):
-            gradients_lib.require_batch_size_for_fallback(plan, function_name)
-            method = "towers"   # no weight is computed by a rule: exactly the towers
-    if method == "towers":
-        memory.check_memory(ys, xs, batch, batch_size, None, 1, memory_limit, function_name)
-        with tf.name_scope(scope):
-            per_example = gradients_lib.per_example_gradients(
-                ys, xs, batch=batch, batch_size=batch_size, name="gradients", method=method,
-                validate=validate, memory_limit=math.inf, devices=devices)
-            return _norms_of([g for g in per_example if g is not None])
-    prepared = plan.prepared
-    towers = None
-    if plan.fallback:
-        gradients_lib.require_batch_size_for_fallback(plan, function_name)
-        fallback = [prepared.xs[k] for k in plan.fallback]
-        memory.check_memory(ys, fallback, batch, batch_size, None, 1, memory_limit,
-                            function_name)
-    with prepared.graph.as_default(), tf.name_scope(scope):
-        if plan.fallback:
-            towers = towers_lib.build(prepared.ys, fallback, list(prepared.batch), None,
-                                      prepared.batch_size, "towers", function_name,
-                                      "batch_size", devices,
-                                      prepared=prepared.restricted(plan.fallback))
-        B = rule_gradients.group_count(prepared, None)
-        covered = [k for k in range(len(prepared.xs)) if plan.uses[k]]
-        # every rule op waits for the checks of the fed batch
-        with tf.control_dependencies(rule_gradients.run_time_checks(prepared, function_name)):
-            squares = list(rule_gradients.squared_norms(plan, covered, B).values())  # [B]
-        if towers is not None:
-            squares.append(tf.square(_norms_of(towers.gradients(name="gradients"))))
-        if not squares:   # no weight is reached
-            squares = [tf.zeros(tf.reshape(B, [1]), dtype=ys.dtype)]
-        total = tf.add_n([tf.cast(s, ys.dtype) for s in squares])        # [B]
-        norms = tf.sqrt(total)                                            # [B]
-        if not validate:
-            return norms
-        stacked = towers.stacked if towers is not None else independence.recomputed_by_slices(
-            prepared.ys, list(prepared.batch), None, prepared.batch_size, function_name,
-            "batch_size")
-        return independence.validated([norms], prepared.ys, stacked, function_name)[0]
-
-
-def _norms_of(per_example):
-    """[B] L2 norms over a list of [B, *x.shape] tensors."""
-    squares = []
-    for g in per_example:                              # [B, *x.shape]
-        axes = list(range(1, g.shape.rank))
-        squares.append(tf.reduce_sum(tf.square(g), axis=axes))  # [B]
-    return tf.sqrt(tf.add_n(squares))                  # [B]
+    plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
+                               validate=validate, memory_limit=memory_limit,
+                               forms_gradients=False, function_name=function_name)
+    with plan.prepared.graph.as_default(), tf.name_scope(name or function_name):
+        built = _dispatch.build(plan, devices)
+        norms = tf.sqrt(built.squared_norms(name="gradients"))           # [B]
+        return built.validated([norms])[0]

@@ -36,6 +36,7 @@ import warnings
 import tensorflow as tf
 
 from pertower import _checks
+from pertower import _dispatch
 from pertower._api import gradients as gradients_lib
 from pertower import _graph_walk as graph_walk
 from pertower._api import norms as norms_lib
@@ -84,18 +85,21 @@ class DPOptimizer:
         from `tf.compat.v1.set_random_seed` both are used). Each `sess.run` of the
         op draws new noise; the same graph built again gives the same sequence.
         None draws unrepeatable noise (unless a graph-level seed is set).
+      method: how the per-example norms and gradients are computed: "auto" (default),
+        "rules" or "towers", as in `pertower.per_example_gradients`. With a None
+        batch axis no `batch_size` is needed when every weight has a rule.
 
     Example:
       loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
                                                           from_logits=True)   # [B]
       dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                 l2_norm_clip=1.0, noise_multiplier=1.1)
-      train_op = dp.minimize(loss, var_list=model.trainable_weights, batch_size=64)
+      train_op = dp.minimize(loss, var_list=model.trainable_weights)
       sess.run(train_op, {images: X[:64], labels: Y[:64]})
     """
 
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None,
-                 seed=None):
+                 seed=None, method="auto"):
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise TypeError(
                 "pertower.DPOptimizer: `optimizer` must be a tf.compat.v1.train.Optimizer "
@@ -111,6 +115,7 @@ class DPOptimizer:
             raise TypeError(f"pertower.DPOptimizer: `seed` must be an int or None, but received "
                             f"{type(seed).__name__} ({seed!r:.80}).")
         self._seed = None if seed is None else int(seed)
+        self._method = _dispatch.check_method(method, "DPOptimizer")
         self._computed = False
         self._noise_draws = 0  # noise ops built so far: each gets its own op seed
 
@@ -146,8 +151,9 @@ class DPOptimizer:
             loss per example.
           var_list: the variables to train; default the graph's trainable variables,
             as `tf.compat.v1.train.Optimizer.compute_gradients`.
-          batch, batch_size: as in `pertower.per_example_gradients` (batch_size is
-            needed when the batch axis of the placeholders is None).
+          batch, batch_size: as in `pertower.per_example_gradients` (with a None
+            batch axis, batch_size is needed only when some weights fall back to
+            towers, or for microbatches whose gradients a tower computes).
           gate_gradients, aggregation_method, colocate_gradients_with_ops: as in
             `tf.compat.v1.train.Optimizer.compute_gradients`.
           grad_loss: must be None (every example's loss has weight 1 in DP-SGD).
@@ -241,7 +247,8 @@ class DPOptimizer:
                                  colocate_gradients_with_ops):
         """sum_i clip(g_i) from the norms and one weighted backward pass; and B."""
         norms = norms_lib.per_example_norms(per_example_loss, var_list, batch=batch,
-                                            batch_size=batch_size, name="clip_norms")  # [B]
+                                            batch_size=batch_size, name="clip_norms",
+                                            method=self._method)                   # [B]
         factors = tf.stop_gradient(self._clip_factors(norms))                     # [B]
         weighted = tf.reduce_sum(factors * per_example_loss)  # sum_i f_i loss_i
         grads = tf.compat.v1.gradients(
@@ -259,7 +266,8 @@ class DPOptimizer:
         (M None: one microbatch per example)."""
         sums = gradients_lib.microbatch_gradients(
             per_example_loss, var_list, batch=batch, num_microbatches=M,
-            batch_size=batch_size, name="microbatch_gradients")  # [M, *x.shape] each
+            batch_size=batch_size, name="microbatch_gradients",
+            method=self._method)                                  # [M, *x.shape] each
         if M is None:
             means, count = sums, tf.shape(per_example_loss)[0]
         else:

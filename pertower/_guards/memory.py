@@ -1,25 +1,28 @@
-"""Memory guard: estimate what a per-example result will hold, refuse above a limit.
+"""Memory guard: estimate what a planned call will hold, refuse above a limit.
 
 Notation:
     B   examples in the batch          T   towers (B per-example, M microbatches)
     P   weights (scalars over all xs)  K   output entries per example (Jacobians)
     R   rows of the result: B (per-example), M (microbatches)
+    s   bytes per number               P_t the scalars of the weights left to towers
 
-A per-example result holds R x K x P numbers, once (the stacked result) plus once
-more while it is assembled (T x K x P tower gradients before they are stacked), and
-the towers hold the activations of one forward pass over the batch (the outputs of
-the replayed ops except elementwise ones, per example, times B). With B = 512
-examples and a 25 M-weight model in float32 the result alone is 51 GB, so this is
-checked before any op is built:
+The estimate is taken on the plan (`pertower._dispatch.Plan`), so it counts what will
+be built: the per-example result, R x K x P numbers, written once (the rules write
+each covered weight's result directly); the towers' gradients before they are
+stacked, T x K x P_t, only for the weights that fall back to towers; and the forward
+activations for the whole batch (the floating outputs of the non-elementwise ops
+between the batch and `ys`, held for the backward pass):
 
-    estimate = R*K*P*s  +  T*K*P*s  +  activations      (s bytes per number)
+    estimate = R*K*P*s  +  T*K*P_t*s  +  activations
 
-and the call is refused above `memory_limit` bytes. The default limit is half of
-the machine's physical memory (os.sysconf page size x physical pages); pass
-`memory_limit=<bytes>` to set another, or `memory_limit=float("inf")` to switch the
-guard off. The tower copies of the weights are `tf.identity` ops, which share their
-input's buffer, so they add nothing; parts whose static shape is unknown are left
-out (the estimate is then a lower bound).
+`per_example_norms` holds no per-example result for the rules' weights: its result
+term counts only the towers' weights. With B = 512 examples and a 25 M-weight model
+in float32 the result alone is 51 GB, so this is checked before any op is built, and
+the call is refused above `memory_limit` bytes: by default half of the machine's
+physical memory (os.sysconf page size x physical pages); `memory_limit=<bytes>` sets
+another, `memory_limit=float("inf")` switches the guard off. The tower copies of the
+weights are `tf.identity` ops, which share their input's buffer, so they add nothing;
+parts whose static shape is unknown are left out (the estimate is then a lower bound).
 """
 
 import dataclasses
@@ -34,7 +37,7 @@ from pertower import _checks
 from pertower import _graph_walk as graph_walk
 from pertower._batch_axis import mixing
 
-__all__ = ["MemoryEstimate", "estimate_memory", "check_memory", "default_memory_limit"]
+__all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit"]
 
 # The default limit: this fraction of the machine's physical memory.
 DEFAULT_FRACTION = 0.5
@@ -101,26 +104,6 @@ def _static_size(shape):
     return int(np.prod(shape.as_list(), dtype=np.int64))
 
 
-def _weight_shape(x):
-    return x.shape
-
-
-def _batch_size_hint(ys, batch, batch_size):
-    """B from `batch_size`, the static axis 0 of `batch` or of `ys`; None if unknown
-    (then the builder asks for batch_size itself)."""
-    if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) \
-            and batch_size > 0:
-        return int(batch_size)
-    for b in _checks.as_list(batch) if batch is not None else []:
-        if isinstance(b, tf.Tensor) and b.shape.rank:
-            size = _checks.static_batch_size(b)
-            if size is not None:
-                return size
-    if isinstance(ys, tf.Tensor) and ys.shape.rank:
-        return _checks.static_batch_size(ys)
-    return None
-
-
 def _activation_bytes(ys, batch, B):
     """Bytes of the floating outputs of the ops between the batch and `ys`, for B
     examples; tensors whose per-example shape is not static are left out, and so are
@@ -146,43 +129,41 @@ def _activation_bytes(ys, batch, B):
     return total
 
 
-def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
-                    outputs_per_example=1):
-    """Estimates the bytes per-example gradients of `ys` with respect to `xs` will hold.
-
-    Args:
-      ys, xs, batch, batch_size: as in `pertower.per_example_gradients`.
-      num_microbatches: M for microbatch gradients (None: one row per example).
-      outputs_per_example: K, the output entries per example for Jacobians.
-
-    Returns:
-      A `MemoryEstimate`, or None when B is not known yet (no static batch axis and
-      no batch_size).
-
-    Example:
-      estimate = pertower.estimate_memory(cost, net.trainable_weights, batch_size=512)
-      print(estimate.describe())
-    """
-    B = _batch_size_hint(ys, batch, batch_size)
-    if B is None:
-        return None
-    rows = B if num_microbatches is None else int(num_microbatches)
-    P, weight_bytes = 0, 0
-    for x in _checks.as_list(xs):
-        shape = getattr(x, "shape", None)
-        dtype = getattr(x, "dtype", None)
-        if shape is None or dtype is None:
-            continue  # the builder names the bad entry
-        size = _static_size(tf.TensorShape(shape))
+def _weight_bytes(xs):
+    """(scalars, bytes) over the entries of xs whose shape is static."""
+    P, nbytes = 0, 0
+    for x in xs:
+        size = _static_size(tf.TensorShape(x.shape))
         if size is None:
             continue
         P += size
-        weight_bytes += size * tf.as_dtype(dtype).base_dtype.size
-    K = int(outputs_per_example)
-    activations = _activation_bytes(ys, batch, B) if isinstance(ys, tf.Tensor) else 0
+        nbytes += size * tf.as_dtype(x.dtype).base_dtype.size
+    return P, nbytes
+
+
+def estimate_plan(plan):
+    """The `MemoryEstimate` of what `plan` (a `pertower._dispatch.Plan`) builds, or None
+    while B is unknown.
+
+    The rules write each covered weight's [R, K, *x.shape] result once; only the
+    weights that fall back to towers also hold their T tower gradients before they are
+    stacked, and the forward activations are counted once for the whole batch.
+    `per_example_norms` forms per-example gradients only for the towers' weights.
+    """
+    prepared = plan.prepared
+    B = prepared.batch_size
+    if B is None:
+        return None
+    rows = B if prepared.num_groups is None else prepared.num_groups
+    K = int(plan.outputs_per_example)
+    reached = [x for x, r in zip(prepared.xs, prepared.reads) if r.reached]
+    P, all_bytes = _weight_bytes(reached)
+    _, fallback_bytes = _weight_bytes([prepared.xs[k] for k in plan.fallback])
+    result_bytes = rows * K * (all_bytes if plan.forms_gradients else fallback_bytes)
+    activations = _activation_bytes(prepared.ys, list(prepared.batch), B)
     return MemoryEstimate(batch_size=B, num_towers=rows, rows=rows, outputs_per_example=K,
-                          num_weights=P, result_bytes=rows * K * weight_bytes,
-                          tower_gradient_bytes=rows * K * weight_bytes,
+                          num_weights=P, result_bytes=result_bytes,
+                          tower_gradient_bytes=rows * K * fallback_bytes,
                           activation_bytes=activations)
 
 
@@ -199,29 +180,14 @@ def resolve_limit(memory_limit, function_name):
     return memory_limit
 
 
-def check_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
-                 outputs_per_example=1, memory_limit=None,
-                 function_name="per_example_gradients"):
-    """Raises ValueError when the estimated bytes exceed `memory_limit`.
-
-    Args:
-      ys, xs, batch, batch_size, num_microbatches, outputs_per_example: as in
-        `estimate_memory`.
-      memory_limit: bytes; None for the default (half the physical memory),
-        float("inf") for no limit.
-      function_name: the public function named in the message.
-
-    Returns:
-      The `MemoryEstimate` (None when B is unknown or the guard is off).
-    """
-    limit = resolve_limit(memory_limit, function_name)
-    if limit == math.inf or tf.executing_eagerly() or not (
-            isinstance(ys, tf.Tensor) and hasattr(ys, "op")):
-        return None  # off, or bad input the builder reports
-    estimate = estimate_memory(ys, xs, batch, batch_size, num_microbatches,
-                               outputs_per_example)
-    if estimate is None or estimate.total_bytes <= limit:
-        return estimate
+def check_plan(plan, memory_limit):
+    """Raises ValueError when `plan.estimate` exceeds `memory_limit` (bytes; None for
+    the default, half the physical memory; float("inf") for no limit)."""
+    limit = resolve_limit(memory_limit, plan.function_name)
+    estimate = plan.estimate
+    if estimate is None or limit == math.inf or estimate.total_bytes <= limit:
+        return
+    function_name = plan.function_name
     default = default_memory_limit()
     default_words = ("the default, half of this machine's physical memory"
                      if limit == default else "the memory_limit you passed")

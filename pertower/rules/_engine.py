@@ -22,9 +22,7 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import _request as _prepare
 from pertower._batch_axis import layouts
-from pertower import rules as rules_lib
 from pertower.rules import _rows
 
 # Ops that only re-lay-out the weight's value (same elements, same order).
@@ -36,7 +34,7 @@ class RulePlan:
     """Which weights the rules cover, and how. Immutable.
 
     Attributes:
-      prepared: the checked inputs (`pertower._prepare.Prepared`).
+      prepared: the checked inputs (`pertower._request.Prepared`).
       uses: per entry of xs, a tuple of `rules.Use` (empty when `ys` does not reach
         x), or None when x falls back to the towers.
       reasons: per entry of xs, why it falls back (str), or None.
@@ -45,6 +43,7 @@ class RulePlan:
     prepared: object
     uses: tuple
     reasons: tuple
+    analysis: object = None
 
     @property
     def fallback(self):
@@ -67,7 +66,7 @@ def build_plan(prepared, registry):
         return RulePlan(prepared,
                         tuple(None if r.reached else () for r in prepared.reads),
                         tuple(reason if r.reached else None
-                              for r in prepared.reads))
+                              for r in prepared.reads), analysis)
     uses, reasons = [], []
     for x, reads in zip(prepared.xs, prepared.reads):
         found = _weight_uses(x, reads, prepared.ys_upstream, analysis, registry)
@@ -77,7 +76,7 @@ def build_plan(prepared, registry):
         else:
             uses.append(tuple(found))
             reasons.append(None)
-    return RulePlan(prepared, tuple(uses), tuple(reasons))
+    return RulePlan(prepared, tuple(uses), tuple(reasons), analysis)
 
 
 def _weight_uses(x, reads, ys_upstream, analysis, registry):
@@ -246,28 +245,3 @@ def squared_norms(plan, indices, B):
         total = tf.add_n(parts) if len(parts) > 1 else parts[0]
         results[k] = tf.reduce_sum(tf.square(total), axis=1)           # [B]
     return results
-
-
-def leave_gather_only_weights_to_towers(plan, reason):
-    """`plan` with the weights read only by gathers (embeddings) left to the towers,
-    whose gradients keep the looked-up rows (`sparse=True`)."""
-    uses, reasons = list(plan.uses), list(plan.reasons)
-    for k, reads in enumerate(plan.prepared.reads):
-        if uses[k] and reads.gather_ops and not reads.read_tensors and not reads.call_inputs:
-            uses[k], reasons[k] = None, reason
-    return dataclasses.replace(plan, uses=tuple(uses), reasons=tuple(reasons))
-
-
-def prepare_and_plan(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
-                     batch_size_required, registry):
-    """`_prepare.prepare` then `build_plan` (registry None: the default rules)."""
-    prepared = _prepare.prepare(ys, xs, batch, num_groups, batch_size, function_name,
-                                groups_argument, batch_size_required)
-    if registry is None:
-        registry = rules_lib.default_registry()
-    elif not isinstance(registry, rules_lib.RuleRegistry):
-        raise TypeError(f"pertower.{function_name}: `rules` must be a "
-                        "pertower.rules.RuleRegistry (see pertower.rules.default_registry()), "
-                        f"but received {type(registry).__name__}.")
-    with prepared.graph.as_default():
-        return build_plan(prepared, registry)

@@ -1,0 +1,70 @@
+"""`explain` and `estimate_memory`: the plan of a call, before anything is built.
+
+Notation:
+    B   examples in the batch       M   microbatches       K   outputs per example
+"""
+
+from pertower import _checks
+from pertower import _dispatch
+
+__all__ = ["explain", "estimate_memory"]
+
+
+def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="auto",
+            rules=None, sparse=False, validate=None):
+    """How pertower would compute the per-example gradients of `ys`, without building.
+
+    Args:
+      ys, xs, batch, batch_size, method, rules, sparse, validate: as in
+        `pertower.per_example_gradients`.
+      num_microbatches: M, as in `pertower.microbatch_gradients` (None: per example).
+
+    Returns:
+      A `Plan` whose `str()` is a table: for each weight, its method and the ops whose
+      rules compute it, or the reason it falls back to the towers; the ops found to
+      couple examples; whether the independence of the examples was proven, or the op
+      where the proof was lost (then a run-time check is added by default); and the
+      memory estimate. `plan.weights` holds the same per weight (`WeightPlan`s).
+      Couplings and a strict method's uncovered weights are shown, not raised.
+
+    Example:
+      print(pertower.explain(cost, net.trainable_weights))
+    """
+    function_name = "explain"
+    _checks.require_graph_mode(function_name)
+    return _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
+                               rules=rules, sparse=sparse, validate=validate,
+                               memory_limit=float("inf"), function_name=function_name,
+                               refuse=False)
+
+
+def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
+                    outputs_per_example=1, method="auto", rules=None):
+    """Estimates the bytes per-example gradients of `ys` with respect to `xs` will hold.
+
+    The estimate is taken on the plan, as the memory guard of every gradient function
+    does: the result is counted once (R x K x P numbers), the towers' gradients before
+    stacking only for the weights that fall back to towers, and the forward
+    activations once for the whole batch.
+
+    Args:
+      ys, xs, batch, batch_size, method, rules: as in `pertower.per_example_gradients`.
+      num_microbatches: M for microbatch gradients (None: one row per example).
+      outputs_per_example: K, the output entries per example for Jacobians.
+
+    Returns:
+      A `MemoryEstimate`, or None when B is not known yet (no static batch axis and
+      no batch_size).
+
+    Example:
+      estimate = pertower.estimate_memory(cost, net.trainable_weights, batch_size=512)
+      print(estimate.describe())
+    """
+    function_name = "estimate_memory"
+    _checks.require_graph_mode(function_name)
+    K = _checks.positive_int(outputs_per_example, "outputs_per_example", function_name)
+    plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
+                               rules=rules, validate=False, memory_limit=float("inf"),
+                               outputs_per_example=K, function_name=function_name,
+                               refuse=False)
+    return plan.estimate

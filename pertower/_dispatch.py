@@ -1,0 +1,425 @@
+"""The one dispatch every public function goes through: request -> plan -> guards -> build.
+
+Notation:
+    B   examples in the batch          G   groups: B (per example) or M (microbatches)
+    K   output entries per example     x   one weight (entry of `xs`)
+
+    request  `_request.prepare`: the arguments checked once (a `Prepared` record), the
+             batch tensors found, the batch-axis analysis run.
+    plan     `make_plan`: per weight, the rule that computes it or the reason it falls
+             back to the towers; the analysis' verdict (proven independent, coupled,
+             or not proven and where the proof was lost); the memory estimate of
+             exactly what will be built. `pertower.explain` returns it.
+    guards   the memory limit, on the plan; couplings refused; where the proof was
+             lost, the run-time check of `_guards.independence` (validate).
+    build    `build`: the rules' batched backward pass for the covered weights, and
+             towers for the weights that fall back (only those).
+
+Methods: "auto" (default: rules where proven, towers elsewhere), "rules" (strict: every
+weight must have a proven rule, else the call is refused listing each weight and why),
+"towers" (the literal design: replay the model once per group on weight copies).
+"""
+
+import dataclasses
+import warnings
+
+import tensorflow as tf
+
+from pertower import _request
+from pertower._batch_axis import layouts
+from pertower._guards import independence
+from pertower._guards import memory
+from pertower._towers import build as towers_lib
+from pertower import rules as rules_lib
+from pertower.rules import _engine
+
+__all__ = ["METHODS", "Plan", "WeightPlan", "make_plan", "build", "check_method"]
+
+METHODS = ("auto", "towers", "rules")
+
+# `validate` values: None (default) checks at run time exactly where the proof was lost.
+_VALIDATE_VALUES = (None, True, False)
+
+
+def check_method(method, function_name, rules=None):
+    """Validates `method` (and that `rules` goes with a method that uses it)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(
+            f"pertower.{function_name}: `method` must be one of {METHODS}, got {method!r}.")
+    if rules is not None and method == "towers":
+        raise ValueError(
+            f"pertower.{function_name}: `rules` is used by method='rules' or 'auto', but "
+            "method='towers' was given; drop `rules` or choose another method.")
+    if rules is not None and not isinstance(rules, rules_lib.RuleRegistry):
+        raise TypeError(f"pertower.{function_name}: `rules` must be a "
+                        "pertower.rules.RuleRegistry (see pertower.rules.default_registry()), "
+                        f"but received {type(rules).__name__}.")
+    return method
+
+
+def _check_validate(validate, function_name):
+    if validate not in _VALIDATE_VALUES or not isinstance(validate, (bool, type(None))):
+        raise ValueError(
+            f"pertower.{function_name}: `validate` must be None (the default: check at run "
+            "time only where the static analysis could not prove that the examples are "
+            f"independent), True (always check) or False (never), but received {validate!r}.")
+    return validate
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPlan:
+    """How one weight is computed.
+
+    Attributes:
+      name: the weight's name.
+      shape: its shape.
+      method: "rules", "towers", or "unreached" (`ys` does not depend on it).
+      ops: for "rules", the ops whose rules compute it, as "name (Type)" strings.
+      reason: for "towers", why no rule covers it (or that towers were asked for).
+    """
+
+    name: str
+    shape: tf.TensorShape
+    method: str
+    ops: tuple = ()
+    reason: str = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a call will build, decided before any op is added. Immutable.
+
+    `str(plan)` is a readable table (see `pertower.explain`).
+
+    Attributes:
+      function_name: the public function the plan is for.
+      method: "auto", "rules" or "towers", as asked.
+      prepared: the checked request (`_request.Prepared`).
+      uses: per entry of xs, a tuple of `rules.Use` (empty when `ys` does not reach
+        x), or None when x falls back to the towers.
+      reasons: per entry of xs, why it falls back (str), or None.
+      couplings: the ops found to couple examples (each with `.op`, `.reason`,
+        `.advice`); a plan with couplings is refused by every builder.
+      verdict: "independent" (proven: row i of `ys` depends on example i alone),
+        "coupled", or "unproven" (the analysis lost the batch axis on the way to `ys`).
+      lost_at: for "unproven", (op, why) where the proof was lost; else None.
+      outputs_per_example: K (Jacobians), else 1.
+      forms_gradients: False for `per_example_norms`, whose rules form no
+        per-example gradient.
+      estimate: the `MemoryEstimate` of what will be built (None while B is unknown).
+      validate: whether the run-time independence check will be added.
+      memory_limit: as given (bytes, None for the default, inf for no limit).
+    """
+
+    function_name: str
+    method: str
+    prepared: object
+    uses: tuple
+    reasons: tuple
+    couplings: tuple
+    verdict: str
+    lost_at: tuple
+    outputs_per_example: int
+    forms_gradients: bool
+    estimate: object
+    validate: bool
+    memory_limit: object = None
+
+    @property
+    def fallback(self):
+        """Indices into xs of the weights the towers compute."""
+        return [k for k, u in enumerate(self.uses) if u is None]
+
+    @property
+    def covered(self):
+        """Indices into xs of the weights the rules side computes (those `ys` does not
+        reach included: they get zeros)."""
+        return [k for k, u in enumerate(self.uses) if u is not None]
+
+    @property
+    def uses_rules(self):
+        """Whether any weight is computed by a rule."""
+        return any(self.uses[k] for k in self.covered)
+
+    @property
+    def weights(self):
+        """One `WeightPlan` per entry of xs."""
+        rows = []
+        for x, uses, reason in zip(self.prepared.xs, self.uses, self.reasons):
+            name, shape = _weight_name(x), x.shape
+            if uses is None:
+                rows.append(WeightPlan(name, shape, "towers", reason=reason))
+            elif not uses:
+                rows.append(WeightPlan(name, shape, "unreached"))
+            else:
+                ops = tuple(dict.fromkeys(f"{u.op.name} ({u.op.type})" for u in uses))
+                rows.append(WeightPlan(name, shape, "rules", ops=ops))
+        return tuple(rows)
+
+    def __str__(self):
+        prepared = self.prepared
+        B = prepared.batch_size
+        lines = [f"pertower plan for {self.function_name}(method={self.method!r}): "
+                 f"ys {prepared.ys.name} {prepared.ys.shape}, batch "
+                 f"{', '.join(b.name for b in prepared.batch)}, B = "
+                 f"{B if B is not None else 'any (fed at run time)'}"
+                 + (f", {prepared.num_groups} microbatches" if prepared.num_groups else "")]
+        table = [("weight", "shape", "method", "rule or reason")]
+        for w in self.weights:
+            detail = ", ".join(w.ops) if w.method == "rules" else (w.reason or "")
+            table.append((w.name, str(w.shape.as_list() if w.shape.rank is not None
+                                      else w.shape), w.method, detail))
+        widths = [max(len(row[c]) for row in table) for c in range(3)]
+        for row in table:
+            lines.append("  " + "  ".join(row[c].ljust(widths[c]) for c in range(3))
+                         + "  " + row[3])
+        if self.couplings:
+            lines.append("couplings (refused):")
+            lines.extend(f"  {c.op.name} ({c.op.type}): {c.reason}" for c in self.couplings)
+        else:
+            lines.append("couplings: none found")
+        if self.verdict == "independent":
+            lines.append("independence: proven (row i of ys depends on example i alone)")
+        elif self.verdict == "unproven":
+            op, why = self.lost_at
+            lines.append(f"independence: not proven; the proof was lost at {op.name} "
+                         f"({op.type}): {why}")
+        lines.append("run-time check: " + ("added (validate)" if self.validate else "none"))
+        if self.estimate is not None:
+            lines.append(f"memory: {self.estimate.describe()}")
+        else:
+            lines.append("memory: estimated once B is known")
+        return "\n".join(lines)
+
+
+def _weight_name(x):
+    name = getattr(x, "name", None)
+    return name if isinstance(name, str) else repr(x)
+
+
+def _unproven_reason(analysis):
+    """(op, why) for ys whose rows the layouts could not trace."""
+    op = analysis.first_unknown
+    if op is None:
+        return None
+    return op, "the batch axis could not be followed through this op"
+
+
+def _analyse(prepared, registry):
+    """(rule plan, couplings, verdict, lost_at)."""
+    rule_plan = _engine.build_plan(prepared, registry)
+    couplings = tuple(prepared.couplings)
+    analysis = rule_plan.analysis
+    ys_rows = analysis.rows(prepared.ys)
+    if couplings:
+        return rule_plan, couplings, "coupled", None
+    if ys_rows is not None and ys_rows.lead == 0 and ys_rows.k == 1:
+        return rule_plan, couplings, "independent", None
+    lost = _unproven_reason(analysis) or (prepared.ys.op, "the rows of `ys` could not be "
+                                          "traced to the examples of the batch")
+    return rule_plan, couplings, "unproven", lost
+
+
+def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="auto",
+              rules=None, sparse=False, validate=None, outputs_per_example=1,
+              forms_gradients=True, memory_limit=None, function_name,
+              groups_argument="num_microbatches", refuse=True):
+    """Checks the request and decides how every weight will be computed. Adds no op.
+
+    Args:
+      ys, xs, batch, batch_size: as given to the public function.
+      num_groups: M for microbatches, None for one group per example.
+      method, rules, sparse, validate, memory_limit: as given to the public function.
+      outputs_per_example: K for Jacobians.
+      forms_gradients: False for the norms (the rules form no [B, P] tensor).
+      function_name, groups_argument: for messages.
+      refuse: when False (`pertower.explain`), couplings and a strict method's
+        uncovered weights are recorded in the plan instead of raised.
+
+    Returns:
+      A `Plan`.
+    """
+    check_method(method, function_name, rules)
+    _check_validate(validate, function_name)
+    memory.resolve_limit(memory_limit, function_name)
+    prepared = _request.prepare(ys, xs, batch, num_groups, batch_size, function_name,
+                                groups_argument, batch_size_required=False,
+                                refuse_couplings=refuse)
+    registry = rules if rules is not None else rules_lib.default_registry()
+    with prepared.graph.as_default():
+        rule_plan, couplings, verdict, lost_at = _analyse(prepared, registry)
+    uses, reasons = list(rule_plan.uses), list(rule_plan.reasons)
+    if method == "towers":
+        for k, reads in enumerate(prepared.reads):
+            if reads.reached:
+                uses[k], reasons[k] = None, "method='towers' was asked for"
+    elif sparse:
+        for k, reads in enumerate(prepared.reads):
+            if uses[k] and reads.gather_ops and not reads.read_tensors \
+                    and not reads.call_inputs:
+                uses[k] = None
+                reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
+    if validate is None:
+        validate = verdict == "unproven"
+    plan = Plan(function_name=function_name, method=method, prepared=prepared,
+                uses=tuple(uses), reasons=tuple(reasons), couplings=couplings,
+                verdict=verdict, lost_at=lost_at, outputs_per_example=outputs_per_example,
+                forms_gradients=forms_gradients, estimate=None, validate=bool(validate),
+                memory_limit=memory_limit)
+    plan = dataclasses.replace(plan, estimate=memory.estimate_plan(plan))
+    if refuse:
+        _refuse_what_cannot_be_built(plan)
+    return plan
+
+
+def _listing(plan, indices):
+    return "; ".join(f"{_weight_name(plan.prepared.xs[k])}: {plan.reasons[k]}"
+                     for k in indices)
+
+
+def _refuse_what_cannot_be_built(plan):
+    """Raises for a strict method with uncovered weights, towers without B, and a
+    run-time check that cannot be built."""
+    function_name, prepared = plan.function_name, plan.prepared
+    if plan.method == "rules" and plan.fallback:
+        raise ValueError(
+            f"pertower.{function_name}: method='rules' is strict, and no rule covers "
+            f"{len(plan.fallback)} of the weights ({_listing(plan, plan.fallback)}). Use "
+            "method='auto' (rules where they apply, towers for these), register a rule "
+            "for the op (pertower.rules.default_registry().register), or leave these "
+            "weights out of `xs`. pertower.explain(ys, xs) shows the plan.")
+    needs_towers = bool(plan.fallback) or plan.validate
+    if prepared.batch_size is None and needs_towers:
+        names = ", ".join(f"{b.name} {b.shape}" for b in prepared.batch)
+        what = []
+        if plan.fallback:
+            what.append("these weights fall back to towers, which are built for a fixed "
+                        f"number of examples ({_listing(plan, plan.fallback)})")
+        if plan.validate:
+            if plan.verdict == "unproven":
+                op, why = plan.lost_at
+                what.append("the independence of the examples could not be proven (the "
+                            f"proof was lost at {op.name!r} ({op.type}): {why}), so it is "
+                            "checked at run time by recomputing `ys` slice by slice, for "
+                            "a fixed number of examples")
+            else:
+                what.append("validate=True recomputes `ys` slice by slice, for a fixed "
+                            "number of examples")
+        raise ValueError(
+            f"pertower.{function_name}: the batch axis is not static ({names}) and no "
+            f"`batch_size` was given, but {'; and '.join(what)}. Pass batch_size=B, the "
+            "number of examples you will feed.")
+    memory.check_plan(plan, plan.memory_limit)
+
+
+def warn_if_unproven(plan):
+    """Warns once per call when the default run-time check was switched on."""
+    if plan.verdict == "unproven" and plan.validate:
+        op, why = plan.lost_at
+        warnings.warn(
+            f"pertower.{plan.function_name}: could not prove that row i of `ys` depends "
+            f"on example i alone: the proof was lost at {op.name!r} ({op.type}): {why}. "
+            "The result is checked at run time (fetching it fails if `ys` recomputed "
+            "slice by slice differs from `ys`). Pass validate=False to skip the check, "
+            "or validate=True to keep it without this warning.", stacklevel=4)
+
+
+class Built:
+    """The covered weights' gradients from the rules, the others' from towers built for
+    those weights only; and `ys` recomputed slice by slice for the run-time check.
+
+    `gradients(grad_ys=None, unconnected_gradients="zero", name=None, sparse=False)`
+    gives one [G, *x.shape] entry per x (G = B or M; None for a weight `ys` does not
+    reach with unconnected_gradients="none").
+    """
+
+    def __init__(self, plan, devices=None):
+        prepared = plan.prepared
+        self.plan = plan
+        self.xs = tuple(prepared.xs)
+        self.ys = prepared.ys
+        self.batch_size = prepared.batch_size
+        self.groups = _engine.group_count(prepared, prepared.num_groups)
+        self.towers = None
+        # no rule used: the towers compute every weight (exactly `build_towers`)
+        self.towers_only = bool(plan.fallback) and not plan.uses_rules
+        if self.towers_only:
+            self.towers = towers_lib.build(
+                prepared.ys, list(self.xs), list(prepared.batch), prepared.num_groups,
+                prepared.batch_size, "towers", plan.function_name,
+                _groups_argument(prepared), devices, prepared=prepared)
+        elif plan.fallback:
+            self.towers = towers_lib.build(
+                prepared.ys, [self.xs[k] for k in plan.fallback], list(prepared.batch),
+                prepared.num_groups, prepared.batch_size, "towers", plan.function_name,
+                _groups_argument(prepared), devices,
+                prepared=prepared.restricted(plan.fallback))
+
+    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
+        if self.towers_only:
+            return [independence.gated(g) for g in self.towers.gradients(
+                grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
+                name=name or "gradients", sparse=sparse)]
+        with tf.name_scope(name or "gradients"):
+            # every rule op waits for the checks of the fed batch (towers check it
+            # where they split the batch)
+            checks = (_engine.run_time_checks(self.plan.prepared, self.plan.function_name)
+                      if self.plan.uses_rules else [])
+            with tf.control_dependencies(checks):
+                results = [None] * len(self.xs)
+                covered = _engine.gradients(self.plan, self.plan.covered, self.groups,
+                                            grad_ys, unconnected_gradients,
+                                            self.plan.function_name)
+                for k, g in covered.items():
+                    results[k] = g
+                if self.towers is not None:
+                    for k, g in zip(self.plan.fallback, self.towers.gradients(
+                            grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
+                            name="towers", sparse=sparse)):
+                        results[k] = g
+                return [independence.gated(g) for g in results]
+
+    def squared_norms(self, name=None):
+        """[B] squared norms of each example's gradient over all xs (norms)."""
+        with tf.name_scope(name or "gradients"):
+            prepared = self.plan.prepared
+            B = self.groups
+            checks = (_engine.run_time_checks(prepared, self.plan.function_name)
+                      if self.plan.uses_rules else [])
+            with tf.control_dependencies(checks):
+                squares = list(_engine.squared_norms(self.plan, self.plan.covered,
+                                                     B).values())      # [B] each
+            if self.towers is not None:
+                for g in self.towers.gradients(name="towers" if not self.towers_only
+                                               else "tower_gradients"):
+                    if g is not None:                                   # [B, *x.shape]
+                        squares.append(tf.reduce_sum(tf.square(g),
+                                                     axis=list(range(1, g.shape.rank))))
+            if not squares:   # no weight is reached
+                squares = [tf.zeros(tf.reshape(B, [1]), dtype=prepared.ys.dtype)]
+            return tf.add_n([tf.cast(s, prepared.ys.dtype) for s in squares])  # [B]
+
+    def validated(self, results):
+        """`results` gated on the run-time independence check when the plan asks for it."""
+        plan = self.plan
+        if not plan.validate:
+            return results
+        prepared = plan.prepared
+        if self.towers is not None:
+            stacked = self.towers.stacked
+        else:
+            stacked = independence.recomputed_by_slices(
+                prepared.ys, list(prepared.batch), prepared.num_groups,
+                prepared.batch_size, plan.function_name, _groups_argument(prepared))
+        return independence.validated(results, prepared.ys, stacked, plan.function_name)
+
+
+def _groups_argument(prepared):
+    return "batch_size" if prepared.num_groups is None else prepared.groups_argument
+
+
+def build(plan, devices=None):
+    """Builds what `plan` decided, under the current name scope; returns a `Built`."""
+    warn_if_unproven(plan)
+    with plan.prepared.graph.as_default():
+        return Built(plan, devices)
