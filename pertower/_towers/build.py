@@ -339,6 +339,8 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
         return None
 
     def edit_node(node, op, t, key_for):
+        """Tower t's NodeDef of `op`: its slices, copies and whole-batch size values
+        as inputs, gathers and function calls rewritten to read the copies."""
         mapping = per_tower_inputs[t]
         for i, tensor in enumerate(op.inputs):  # a batch tensor or read inside S
             if tensor.name in mapping:
