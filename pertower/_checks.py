@@ -5,6 +5,7 @@ what to do instead. Nothing here builds graph ops.
 """
 
 import numbers
+import warnings
 
 import tensorflow as tf
 
@@ -104,3 +105,23 @@ def device_list(devices, function_name):
             raise ValueError(f"pertower.{function_name}: `devices[{j}]` ({device!r}) is not a "
                              f"device string: {error}") from None
     return tuple(canonical)
+
+
+def renamed_argument(value, old_value, argument, old_argument, function_name):
+    """The value of `argument`, given either by its name or by the deprecated keyword
+    `old_argument` (which warns with a DeprecationWarning); giving both is an error.
+
+    Returns:
+      (value, the name the value was given by).
+    """
+    if old_value is None:
+        return value, argument
+    if value is not None:
+        raise TypeError(
+            f"pertower.{function_name}: `{old_argument}` is a deprecated name of "
+            f"`{argument}`, and both were given ({old_argument}={old_value!r}, "
+            f"{argument}={value!r}). Pass only {argument}=.")
+    warnings.warn(
+        f"pertower.{function_name}: `{old_argument}` is deprecated; pass "
+        f"{argument}={old_value!r} instead.", DeprecationWarning, stacklevel=3)
+    return old_value, old_argument

@@ -244,3 +244,18 @@ def run_scenario_2_hand_checkable_case():
             feed = {s: np.array([[1, 2, 3], [2, 4, 6], [1, 2, 3], [2, 4, 7]], np.float32)}
             g_value, cos_value = sess.run([g, cosine], feed)
     return g_value[:, :, 0], cos_value
+
+
+def loop_rows_of_batch(sess, ys, xs, feed):
+    """The per-example gradients by their definition on the whole batch, [B, *x.shape]
+    per x: row i is tf.gradients(tf.reduce_sum(ys[i]), xs), run with `feed` (the whole
+    batch), so values computed from the batch (its size, e.g. a mean's 1/B) are the
+    whole batch's. B is the length of ys as run on `feed`."""
+    B = len(sess.run(ys, feed))
+    grads = []
+    for i in range(B):
+        row = tf.gradients(tf.reduce_sum(ys[i]), xs)
+        grads.append([tf.zeros_like(x) if g is None else tf.convert_to_tensor(g)
+                      for g, x in zip(row, xs)])
+    rows = sess.run(grads, feed)
+    return [np.stack([row[k] for row in rows]) for k in range(len(xs))]

@@ -7,7 +7,7 @@ import tensorflow as tf
 import pertower
 from pertower._api import gradients as gradients_lib
 from pertower import oracle
-from pertower._towers import build as towers_lib
+from pertower._towers import backward
 from tests import common
 
 
@@ -126,19 +126,19 @@ def test_replicated_backward_pass_equals_one_joint_gradients_call(case):
                                                            + case.ys.shape[1:].as_list()),
                                           dtype=case.ys.dtype)]:
             grad_outputs = [None] * B if grad_ys is None else tf.split(grad_ys, B)
-            replicated = towers._replicated_gradients(connected, grad_outputs,
-                                                      tf.UnconnectedGradients.ZERO)
+            replicated = backward.replicated_gradients(towers, connected, grad_outputs,
+                                                       tf.UnconnectedGradients.ZERO)
             if case.name in JOINT_GRADIENT_CASES:
                 assert replicated is None, f"{case.name}: copied a backward pass with If ops"
                 return
             assert replicated is not None, f"{case.name}: fell back to the joint call"
-            joint = towers._joint_gradients(connected, grad_outputs,
-                                            tf.UnconnectedGradients.ZERO)
+            joint = backward.joint_gradients(towers, connected, grad_outputs,
+                                             tf.UnconnectedGradients.ZERO)
             # a dense kernel's gradient comes as one batched matmul over the towers
-            got = [replicated[k].stacked() if isinstance(replicated[k], towers_lib._BatchedMatMul)
+            got = [replicated[k].stacked() if isinstance(replicated[k], backward.BatchedMatMul)
                    else tf.stack(replicated[k]) for k in connected]
             if case.name in ("mlp", "mlp_float64", "static_mlp"):
-                assert any(isinstance(replicated[k], towers_lib._BatchedMatMul)
+                assert any(isinstance(replicated[k], backward.BatchedMatMul)
                            for k in connected), case.name
             want = [tf.stack(joint[k]) for k in connected]
             got, want = _run(case, [got, want])
@@ -171,8 +171,8 @@ def test_tf_data_iterator_outputs_are_found_as_the_batch():
 def test_towers_record_and_building_twice_on_one_graph():
     case = common.build_shared_layer(B=4)
     with case.graph.as_default():
-        first = pertower.build_towers(case.ys, case.xs, batch_size=4, num_towers=2)
-        second = pertower.build_towers(case.ys, case.xs, batch_size=4, num_towers=2)
+        first = pertower.build_towers(case.ys, case.xs, batch_size=4, num_microbatches=2)
+        second = pertower.build_towers(case.ys, case.xs, batch_size=4, num_microbatches=2)
         assert first.stacked.name != second.stacked.name
         assert first.stacked.name.startswith("towers/") and second.stacked.name.startswith("towers_1/")
         assert len(first.copies) == len(case.xs) and all(len(c) == 2 for c in first.copies)

@@ -248,7 +248,7 @@ def test_check_independence_is_true_for_independent_examples():
     case = common.build_cnn(B=3)
     with case.graph.as_default():
         check = pertower.check_independence(case.ys, batch_size=case.B)
-        two_slices = pertower.check_independence(case.ys, batch_size=case.B, num_towers=1)
+        two_slices = pertower.check_independence(case.ys, batch_size=case.B, num_microbatches=1)
     independent, worst, bound = case.sess.run(
         [check.independent, check.max_difference, check.bound], case.feed)
     assert independent and worst <= bound and check.tolerance == 1e-4
@@ -257,10 +257,10 @@ def test_check_independence_is_true_for_independent_examples():
 
 
 def test_check_independence_with_microbatches_sees_coupling_within_them():
-    """A coupling within each microbatch of two shows with num_towers=2 (B = 4)."""
+    """A coupling within each microbatch of two shows with num_microbatches=2 (B = 4)."""
     with tf.Graph().as_default() as graph:
         x, _, ys = _py_function_model()
-        check = pertower.check_independence(ys, batch_size=B, num_towers=2)
+        check = pertower.check_independence(ys, batch_size=B, num_microbatches=2)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.arange(B * 3, dtype=np.float32).reshape(B, 3)}

@@ -25,6 +25,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from pertower import _checks
 from pertower._towers import sparse
 from pertower._towers import build as towers_lib
 
@@ -74,7 +75,8 @@ class IndependenceCheck:
     towers: towers_lib.Towers
 
 
-def check_independence(ys, batch=None, batch_size=None, num_towers=None, name=None):
+def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, name=None,
+                       num_towers=None):
     """Builds a run-time check that the examples of `ys` do not depend on each other.
 
     `ys` is recomputed slice by slice (towers of B/T examples, one example each by
@@ -88,10 +90,12 @@ def check_independence(ys, batch=None, batch_size=None, num_towers=None, name=No
       ys: per-example values, [B, ...].
       batch: the tensor(s) carrying the batch on axis 0; found from `ys` when None.
       batch_size: B, needed when the batch axis is not static.
-      num_towers: T, the number of slices (None: one per example). Microbatch
+      num_microbatches: T, the number of slices (None: one per example). Microbatch
         gradients with M microbatches need independence between microbatches only:
-        check with num_towers=M.
+        check with num_microbatches=M.
       name: name scope for the new ops (default "check_independence").
+      num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
+        both is a TypeError).
 
     Returns:
       An `IndependenceCheck`; fetch `.independent` (and `.max_difference`).
@@ -105,8 +109,10 @@ def check_independence(ys, batch=None, batch_size=None, num_towers=None, name=No
       ok, worst = sess.run([check.independent, check.max_difference], feed)
     """
     function_name = "check_independence"
-    towers = _forward_towers(ys, batch, num_towers, batch_size, name or function_name,
-                             function_name, "num_towers")
+    T, towers_argument = _checks.renamed_argument(
+        num_microbatches, num_towers, "num_microbatches", "num_towers", function_name)
+    towers = _forward_towers(ys, batch, T, batch_size, name or function_name,
+                             function_name, towers_argument)
     with ys.graph.as_default(), tf.name_scope(name or function_name):
         difference, bound = _differences(towers.stacked, ys)
         max_difference = tf.reduce_max(difference, name="max_difference")

@@ -39,6 +39,9 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import function_pb2
 from tensorflow.core.framework import types_pb2
 
+__all__ = ["CALL_OP_TYPES", "GATHER_OP_TYPES", "ControlFlowError", "FunctionRewriter",
+           "gather_from_value"]
+
 # Function-calling op types: (attributes naming the called functions, offset of the
 # functions' arguments in the op's inputs, attribute listing the input types, whether
 # the op passes its inputs through to its outputs as loop variables).
@@ -51,6 +54,7 @@ _CALLS = {
     "StatefulPartitionedCall": (("f",), 0, "Tin", False),
 }
 CALL_OP_TYPES = frozenset(_CALLS)
+GATHER_OP_TYPES = frozenset({"ResourceGather", "ResourceGatherNd"})
 _FUNCTION_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # Attributes of a call op that refer to the original inputs or gradient of the call.
 _STALE_CALL_ATTRS = ("_gradient_op_type",)
@@ -236,22 +240,8 @@ class FunctionRewriter:
             del node.attr["dtype"]
             node.attr["T"].type = dtype
             renames[f"{node.name}:value:0"] = f"{node.name}:output:0"
-        elif node.op in ("ResourceGather", "ResourceGatherNd") and list(hits) == [0]:
-            indices_type = node.attr["Tindices"].type
-            batch_dims = node.attr["batch_dims"].i if "batch_dims" in node.attr else 0
-            for attr in list(node.attr):
-                if not attr.startswith("_"):
-                    del node.attr[attr]
-            node.attr["Tparams"].type = dtype
-            node.attr["Tindices"].type = indices_type
-            if node.op == "ResourceGather":
-                extra_nodes.append(_axis_zero_node(f"{node.name}/pertower_axis"))
-                node.op = "GatherV2"
-                node.attr["Taxis"].type = types_pb2.DT_INT32
-                node.attr["batch_dims"].i = batch_dims
-                node.input.insert(2, f"{node.name}/pertower_axis:output:0")
-            else:
-                node.op = "GatherNd"
+        elif node.op in GATHER_OP_TYPES and list(hits) == [0]:
+            gather_from_value(node, dtype, lambda: _axis_zero_input(node.name, extra_nodes))
         elif node.op == "Identity":
             node.attr["T"].type = dtype
             values[f"{node.name}:output:0"] = (dtype, shape)
@@ -307,11 +297,42 @@ def _true_node(name, extra_nodes):
     return add
 
 
-def _axis_zero_node(name):
-    """A FunctionDef node: Const int32 scalar 0 (the axis of a GatherV2)."""
+def _axis_zero_input(name, extra_nodes):
+    """Adds a FunctionDef node Const int32 scalar 0 (the axis of a GatherV2) next to
+    node `name`; returns its output reference."""
     node = tf.compat.v1.NodeDef()
-    node.name = name
+    node.name = f"{name}/pertower_axis"
     node.op = "Const"
     node.attr["dtype"].type = types_pb2.DT_INT32
     node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, dtype=tf.int32))
-    return node
+    extra_nodes.append(node)
+    return f"{node.name}:output:0"
+
+
+def gather_from_value(node, dtype, axis_input):
+    """Rewrites a ResourceGather(handle, indices) or ResourceGatherNd NodeDef in place
+    into GatherV2(value, indices, axis 0) or GatherNd(value, indices).
+
+    The one gather rewrite, for the towers' replay of the graph and for function
+    bodies alike: the caller makes input 0 name the weight value (a tower's copy).
+
+    Args:
+      node: the NodeDef; its data inputs are (handle, indices), control inputs after.
+      dtype: the DataType enum of the weight value.
+      axis_input: a callable returning the input reference of an int32 scalar 0
+        (called for a ResourceGather only).
+    """
+    indices_type = node.attr["Tindices"].type
+    batch_dims = node.attr["batch_dims"].i if "batch_dims" in node.attr else 0
+    for attr in list(node.attr):
+        if not attr.startswith("_"):
+            del node.attr[attr]
+    node.attr["Tparams"].type = dtype
+    node.attr["Tindices"].type = indices_type
+    if node.op == "ResourceGather":
+        node.op = "GatherV2"
+        node.attr["Taxis"].type = types_pb2.DT_INT32
+        node.attr["batch_dims"].i = batch_dims
+        node.input.insert(2, axis_input())
+    else:
+        node.op = "GatherNd"

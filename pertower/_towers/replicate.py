@@ -1,15 +1,22 @@
 """Replicas: copy a set of ops R times with one `import_graph_def`, remapping its inputs.
 
 Notation:
-    T   towers                  S   the template: ops built once, for tower 0
-    R   replicas of S made here (towers 1 ... T-1)
+    T   towers                  S   the template: a set of ops of the graph
+    R   replicas of S made here (e.g. the T towers, or towers 1 ... T-1)
 
-Why: building tower 0's backward pass with `tf.gradients` and copying it for the other
-towers gives the same ops that `tf.gradients` over all towers would build, but pays the
-Python-side gradient construction once instead of T times (see ../shared/NOTES.md,
-"Where build time goes"). Replica r is S with every input that comes from outside S
-replaced by `counterpart(tensor, r)`: tower r's slice, copy or forward activation in
-place of tower 0's, and the same tensor for anything the towers share.
+The only NodeDef copier of the package. Replica r is S with every input that comes
+from outside S replaced by `counterpart(tensor, r)` (tower r's slice, copy or forward
+activation, or the same tensor for anything the replicas share), renamed, optionally
+placed on a device and edited by a hook, all R replicas in one GraphDef imported once.
+Two users:
+
+- the towers' forward replay (`pertower._towers.build`): S is the ops from the batch
+  to `ys`, R = T; the hook maps weight handles of function calls and gathers to the
+  tower's weight copies and sends the batch-size values to the whole batch's;
+- the copy of tower 0's backward pass (`pertower._towers.backward`): building it once
+  with `tf.gradients` and copying it for towers 1 ... T-1 gives the same ops that
+  `tf.gradients` over all towers would build, but pays the Python-side gradient
+  construction once instead of T times.
 """
 
 from tensorflow.core.framework import graph_pb2
@@ -59,37 +66,48 @@ def calls_functions(ops):
     return False
 
 
-def replicate(template_ops, template_prefix, counterpart, replicas, return_tensors, graph,
-              device=None):
-    """Adds `len(replicas)` copies of `template_ops` with one graph import.
+def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors=(),
+              device=None, edit_node=None, library=None):
+    """Adds `len(replicas)` copies of `template_ops` to `graph` with one graph import.
+
+    The one place that copies NodeDefs for several replicas: the towers' forward replay
+    (`pertower._towers.build`) and the copy of tower 0's backward pass
+    (`pertower._towers.backward`) both call it.
 
     Args:
-      template_ops: the ops of S, all named under `template_prefix`.
-      template_prefix: the name prefix of S, e.g. "grads/t0/"; replica r is named
-        with "t{r}/" in place of the last "t0/".
-      counterpart: counterpart(tensor_or_op, r) -> what replica r uses in place of an
-        input that comes from outside S (the same object when the towers share it).
-      replicas: the replica indices r to build, e.g. range(1, T).
-      return_tensors: tensors of S to return from every replica.
-      graph: the graph holding S.
+      template_ops: the ops of S.
+      replicas: the replica indices r to build, e.g. range(T) or range(1, T).
+      rename: rename(op_name, r) -> the full name of replica r's copy of that op
+        (under a name scope the caller has taken, so that the names are free).
+      counterpart: counterpart(item, r) -> what replica r reads in place of `item`,
+        a tensor or control-input op from outside S, or None for `item` itself
+        (shared by all replicas).
+      graph: the graph holding S; the replicas are added to it.
+      return_tensors: tensors to return from every replica: S's tensors come from
+        the replica's copy, others through `counterpart`.
       device: None (replica ops keep S's device strings), or device(r) -> the device
         for every op of replica r.
+      edit_node: None, or edit_node(node, op, r, key_for), called once the copied
+        NodeDef `node` of `op` has its data inputs (node.input[i] names replica r's
+        version of op.inputs[i]) and control inputs: it may edit the node in place,
+        naming outside tensors by `key_for(tensor)` (a per-replica input override, a
+        rewrite of the op).
+      library: None, or a FunctionDefLibrary the copies need (imported with them).
 
     Returns:
-      A list over `replicas` of lists: replica r's copies of `return_tensors`.
+      A list over `replicas` of lists: replica r's versions of `return_tensors`.
     """
     order = sorted(template_ops, key=lambda op: op._id)  # pylint: disable=protected-access
     names = {op.name for op in order}
-    stem = template_prefix[:-len("t0/")]
-
-    def rename(op_name, r):
-        return f"{stem}t{r}/{op_name[len(template_prefix):]}"
-
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
     inputs = InputMap()
     key_for = inputs.key_for
-    controls = []  # (replica node name, external op)
+    controls = []  # (replica node name, outside op)
+
+    def outside(item, r):
+        replacement = counterpart(item, r)
+        return item if replacement is None else replacement
 
     templates = [(op, op.node_def) for op in order]
     for r in replicas:
@@ -105,19 +123,34 @@ def replicate(template_ops, template_prefix, counterpart, replicas, return_tenso
                 if tensor.op.name in names:
                     node.input.append(f"{rename(tensor.op.name, r)}:{tensor.value_index}")
                 else:
-                    node.input.append(key_for(counterpart(tensor, r)))
+                    node.input.append(key_for(outside(tensor, r)))
             for control in op.control_inputs:
                 if control.name in names:
                     node.input.append("^" + rename(control.name, r))
                 else:
-                    controls.append((node.name, counterpart(control, r)))
-    return_names = [f"{rename(t.op.name, r)}:{t.value_index}"
-                    for r in replicas for t in return_tensors]
+                    controls.append((node.name, outside(control, r)))
+            if edit_node is not None:
+                edit_node(node, op, r, key_for)
+    if library is not None:
+        graph_def.library.CopyFrom(library)
+    # an input an edit replaced may have left its key unused; import refuses those
+    used = {ref for node in graph_def.node for ref in node.input}
+    input_map = {key: t for key, t in inputs.input_map.items() if key in used}
+    return_names, outside_returns = [], {}
+    for r in replicas:
+        for t in return_tensors:
+            if t.op.name in names:
+                return_names.append(f"{rename(t.op.name, r)}:{t.value_index}")
+            else:
+                outside_returns[len(return_names)] = outside(t, r)
+                return_names.append(None)
     # name="": the nodes carry their full names already.
-    imported = tf.graph_util.import_graph_def(
-        graph_def, input_map=inputs.input_map, return_elements=return_names, name="")
+    imported = iter(tf.graph_util.import_graph_def(
+        graph_def, input_map=input_map,
+        return_elements=[n for n in return_names if n is not None], name=""))
+    returned = [outside_returns[i] if n is None else next(imported)
+                for i, n in enumerate(return_names)]
     for node_name, control in controls:
         graph.get_operation_by_name(node_name)._add_control_inputs([control])  # pylint: disable=protected-access
     n = len(return_tensors)
-    return [imported[i * n:(i + 1) * n] for i in range(len(imported) // n)] if n else [
-        [] for _ in replicas]
+    return [returned[i * n:(i + 1) * n] for i in range(len(replicas))]
