@@ -36,7 +36,12 @@ The machine information includes the CPU facts of `pertower.tools.environment`
 (allocator variables, oneDNN, AVX-512), which change these speeds several-fold.
 """
 
-import dataclasses
+if __name__ == "__main__":
+    # `python -m pertower.tools.bench`: TensorFlow reads its log level when imported below.
+    from pertower.tools import environment as _environment
+    _environment.prepare_tensorflow()
+
+import dataclasses  # noqa: E402  (after the environment is set up)
 import datetime
 import os
 import platform

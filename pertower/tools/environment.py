@@ -142,7 +142,8 @@ def _onednn_enabled():
     if "tensorflow" not in sys.modules:
         return None
     try:
-        from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+        # pylint: disable-next=import-outside-toplevel
+        from tensorflow.python.util import _pywrap_util_port
         return bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
         return None
