@@ -164,8 +164,10 @@ def test_round_robin_and_table():
     times = timing.round_robin([(lambda: calls.append("a"), 3), (lambda: calls.append("b"), 1)])
     assert calls == ["a", "b", "a", "a"] and [len(t) for t in times] == [3, 1]
     assert all(t >= 0 for t in times[0] + times[1])
-    table = timing.format_table(("name", "ms"), [("x", "1.50"), ("longer", "12.00"),
-                                                 ("skipped", "n/a: too big")])
+    table = timing.format_table(("name", "ms", "x"), [("a", "1.50", "1.0"),
+                                                      ("longer", "12.00", "8.0"),
+                                                      ("skipped", "n/a: too big")])
     lines = table.splitlines()
-    assert lines[0] == "name        ms" and lines[2] == "x         1.50"
+    assert lines[0] == "name       ms    x" and lines[1] == "-" * len(lines[0])
+    assert lines[2] == "a        1.50  1.0" and lines[3] == "longer  12.00  8.0"
     assert lines[4] == "skipped  n/a: too big"
