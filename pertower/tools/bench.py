@@ -36,17 +36,19 @@ The machine information includes the CPU facts of `pertower.tools.environment`
 (allocator variables, oneDNN, AVX-512), which change these speeds several-fold.
 """
 
-if __name__ == "__main__":
-    # `python -m pertower.tools.bench`: TensorFlow reads its log level when imported below.
-    from pertower.tools import environment as _environment
-    _environment.prepare_tensorflow()
+import sys
 
-import dataclasses  # noqa: E402  (after the environment is set up)
+if __name__ == "__main__":
+    # `python -m pertower.tools.bench ...` is `pertower bench ...`: the command sets up
+    # the environment and quiets TensorFlow before importing it (and this module).
+    from pertower.tools import cli as _cli
+    sys.exit(_cli.main(["bench"] + sys.argv[1:]))
+
+import dataclasses  # pylint: disable=wrong-import-position
 import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -633,7 +635,3 @@ def main(argv=None):
     from pertower.tools import cli  # pylint: disable=import-outside-toplevel
 
     return cli.main(["bench"] + list(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
