@@ -14,38 +14,19 @@ Public surface:
 
 `pertower.oracle` holds the slow, obviously correct one-example loop that the tests,
 examples and demo compare with.
+
+The public names are loaded on first use (PEP 562 module `__getattr__`): `import
+pertower` imports neither TensorFlow nor any submodule, so the `pertower` command
+starts quickly and `pertower --help` never loads TensorFlow. `pertower.X`,
+`from pertower import X`, `from pertower import *` and `dir(pertower)` work as if
+every name were imported eagerly. Importing pertower changes no environment
+variable, allocator or TensorFlow setting.
 """
 
-from pertower._dp.accounting import compute_epsilon
-from pertower._analytics import NoiseScale
-from pertower._analytics import class_similarity
-from pertower._analytics import empirical_ntk
-from pertower._analytics import fisher_diagonal
-from pertower._analytics import gradient_noise_scale
-from pertower._analytics import gradient_variance
-from pertower._analytics import similarity_matrix
-from pertower._analytics import tracin
-from pertower._analytics import tracin_over_checkpoints
-from pertower._dp.optimizer import DPOptimizer
-from pertower._api.gradients import microbatch_gradients
-from pertower._api.gradients import per_example_gradients
-from pertower._api.gradients import per_example_jacobians
-from pertower._guards.independence import check_independence
-from pertower._api.explain import estimate_memory
-from pertower._api.explain import explain
-from pertower._api.norms import per_example_norms
-from pertower._reductions import cosine_similarity
-from pertower._reductions import dot
-from pertower._reductions import flatten
-from pertower._reductions import flatten_per_example
-from pertower._reductions import global_norms
-from pertower._reductions import pairwise_cosine
-from pertower._reductions import pairwise_dot
-from pertower._towers.sparse import PerExampleIndexedSlices
-from pertower._towers.build import Towers
-from pertower._towers.build import build_towers
+import importlib
+import importlib.util
 
-__version__ = "0.1.0"
+from pertower._version import __version__
 
 __all__ = [
     "per_example_gradients",
@@ -77,3 +58,53 @@ __all__ = [
     "gradient_noise_scale",
     "empirical_ntk",
 ]
+
+# public name -> the module that defines it
+_LAZY = {
+    "build_towers": "pertower._towers.build",
+    "check_independence": "pertower._guards.independence",
+    "class_similarity": "pertower._analytics",
+    "compute_epsilon": "pertower._dp.accounting",
+    "cosine_similarity": "pertower._reductions",
+    "dot": "pertower._reductions",
+    "DPOptimizer": "pertower._dp.optimizer",
+    "empirical_ntk": "pertower._analytics",
+    "estimate_memory": "pertower._api.explain",
+    "explain": "pertower._api.explain",
+    "fisher_diagonal": "pertower._analytics",
+    "flatten": "pertower._reductions",
+    "flatten_per_example": "pertower._reductions",
+    "global_norms": "pertower._reductions",
+    "gradient_noise_scale": "pertower._analytics",
+    "gradient_variance": "pertower._analytics",
+    "microbatch_gradients": "pertower._api.gradients",
+    "NoiseScale": "pertower._analytics",
+    "pairwise_cosine": "pertower._reductions",
+    "pairwise_dot": "pertower._reductions",
+    "per_example_gradients": "pertower._api.gradients",
+    "per_example_jacobians": "pertower._api.gradients",
+    "per_example_norms": "pertower._api.norms",
+    "PerExampleIndexedSlices": "pertower._towers.sparse",
+    "similarity_matrix": "pertower._analytics",
+    "Towers": "pertower._towers.build",
+    "tracin": "pertower._analytics",
+    "tracin_over_checkpoints": "pertower._analytics",
+}
+
+
+def __getattr__(name):
+    """Imports the module defining public `name` on first access (PEP 562)."""
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        if not name.startswith("__") and importlib.util.find_spec(f"pertower.{name}"):
+            # a submodule, e.g. `pertower.oracle`, as the eager imports used to load it
+            return importlib.import_module(f"pertower.{name}")
+        raise AttributeError(f"module 'pertower' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    """The module's names and every public name, loaded or not."""
+    return sorted(set(globals()) | set(__all__))

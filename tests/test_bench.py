@@ -3,6 +3,7 @@ figure, --plot writes a PNG; and the memory replay of `pertower.tools.traced_mem
 whose peak can be worked out by hand. No timing thresholds (shared, noisy machine)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def smoke(tmp_path_factory):
 
 
 def _expected_rows(model):
-    rows = [bench.LOOP, bench.BATCH, bench.VMAP]
+    rows = [bench.LOOP, bench.BATCH, bench.VMAP, bench.WRITE_LIMIT]
     rows += [f"gradients[{m}]" for m in METHODS] + [f"norms[{m}]" for m in METHODS]
     if model == "mlp":
         rows += [bench.OUTER, bench.HAND_NORMS]
@@ -65,6 +66,10 @@ def test_every_row_is_present_and_agrees_with_the_loop(smoke):
         if e["status"] != "ok":
             problems.append(f"{where}: {e['status']} {e['reason']}")
             continue
+        if e["computes"] == "write":      # the memory-write limit computes no gradient
+            if e["max_abs_diff"] is not None or e["agrees"] is not None:
+                problems.append(f"{where}: the write limit was compared with the loop")
+            continue
         allowed = TOLERANCE * max(1.0, e["max_abs_reference"])
         if not 0 <= e["max_abs_diff"] <= allowed:
             problems.append(f"{where}: max |diff| {e['max_abs_diff']} > {allowed}")
@@ -81,7 +86,14 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
     assert machine["cpu_count"] >= 1 and machine["tensorflow"] == tf.__version__
     assert machine["date_utc"].endswith("UTC")
     assert figures["settings"]["batch_sizes"] == {"mlp": [B], "cnn": [B]}
-    assert set(figures["notes"]) == {"ms", "ratios", "peak_bytes", "max_abs_diff"}
+    assert set(figures["notes"]) == {"ms", "ratios", "peak_bytes", "max_abs_diff",
+                                     "estimate_bytes", "memory_write_limit", "cpu_speed"}
+    speed = machine["cpu_speed"]
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
+                 "TF_ENABLE_ONEDNN_OPTS"):
+        assert speed[name] == os.environ.get(name), name
+    assert speed["onednn_enabled"] in (True, False) and speed["avx512"] in (True, False, None)
+    assert "TF_ENABLE_ONEDNN_OPTS=" in out and "AVX-512:" in out
     for e in figures["entries"]:
         assert e["batch_size"] == B
         if e["status"] != "ok":
@@ -99,6 +111,7 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
         assert (e["ratio_to_outer"] is not None) == (e["model"] == "mlp"), where
     for e in figures["entries"]:
         assert e["name"] in out                        # every row is in the printed table
+    assert "peak MiB" in out and "est MiB" in out
     assert f"TensorFlow {tf.__version__}" in out and "CPUs" in out
 
 
@@ -110,9 +123,15 @@ def test_memory_of_materialized_gradients_covers_their_size(smoke):
                   "cnn": 5 * 5 * 16 + 16 + 32 * 32 * 16 * 128 + 128 + 128 + 1}
     for e in figures["entries"]:
         assert e["parameters"] == parameters[e["model"]]
-        if e["status"] == "ok" and e["computes"] == "gradients" and e["name"] != bench.LOOP:
-            result_bytes = 4 * B * parameters[e["model"]]
+        result_bytes = 4 * B * parameters[e["model"]]
+        if (e["status"] == "ok" and e["computes"] in ("gradients", "write")
+                and e["name"] != bench.LOOP):
             assert e["peak_bytes"] >= result_bytes, (e["model"], e["name"], e["peak_bytes"])
+        if e["name"].startswith("gradients["):
+            # pertower.estimate_memory: at least the result and the towers' gradients
+            assert e["estimate_bytes"] >= 2 * result_bytes, (e["model"], e["name"])
+        else:
+            assert e["estimate_bytes"] is None, (e["model"], e["name"])
     mlp = {e["name"]: e for e in figures["entries"] if e["model"] == "mlp"}
     assert mlp[bench.HAND_NORMS]["peak_bytes"] < 4 * B * parameters["mlp"]
 
@@ -178,5 +197,5 @@ def test_memory_freed_before_the_next_allocation_is_not_added():
 
 
 def test_the_cli_offers_the_bench_models():
-    from pertower import bench, cli
-    assert cli.BENCH_MODELS == bench.MODELS
+    from pertower.tools import models
+    assert cli.BENCH_MODELS == bench.MODELS == models.MODEL_NAMES

@@ -1,5 +1,7 @@
 """Bad input gets a clear error (type and words checked), never a wrong answer."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -112,13 +114,33 @@ def test_unreached_weight_gives_zeros_or_none(mlp):
     common.assert_all_close(got, want, mlp.rtol, mlp.atol, "with an unreached weight")
 
 
-def test_feeding_another_batch_size_names_both_sizes(mlp):
+@pytest.mark.parametrize("method,built", [("rules", "gradients"), ("towers", "towers")])
+def test_feeding_another_batch_size_names_both_sizes(mlp, method, built):
+    """The run-time check reads as one sentence (one string, not bracketed pieces)."""
     with mlp.graph.as_default():
-        grads = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4)
+        grads = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4, method=method)
     short = {k: v[:3] for k, v in mlp.feed.items()}
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"built for a batch of 4 examples.*has\] \[3\] \[examples"):
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
         mlp.sess.run(grads, short)
+    message = str(caught.value)
+    assert re.search(rf"pertower: the {built} were built for a batch of 4 examples "
+                     r"\(batch_size=4\), but the batch fed to \S+ has 3 examples\. Feed "
+                     r"batches of 4 examples", message), message
+    assert "] [" not in message, message
+
+
+def test_microbatches_that_do_not_divide_the_fed_batch_read_as_one_sentence(mlp):
+    with mlp.graph.as_default():
+        grads = pertower.microbatch_gradients(mlp.ys, mlp.xs, num_microbatches=2,
+                                              method="rules")
+    short = {k: v[:3] for k, v in mlp.feed.items()}
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        mlp.sess.run(grads, short)
+    message = str(caught.value)
+    assert re.search(r"`num_microbatches` \(2\) must divide the batch size, but the batch "
+                     r"fed to \S+ has 3 examples\. Feed a multiple of 2 examples\.",
+                     message), message
+    assert "] [" not in message, message
 
 
 def test_non_static_jacobian_outputs_are_refused(mlp):
@@ -178,7 +200,7 @@ def test_ys_whose_rows_do_not_follow_the_batch_fails_at_run_time_when_not_static
         grads = pertower.microbatch_gradients(ys, [w], num_microbatches=2, batch_size=2)
         sess.run(w.initializer)
         with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=r"does not follow the batch.*produced \] \[2\] \[ row"):
+                           match=r"does not follow the batch.*produced 2 row\(s\)\. "):
             sess.run(grads, {s1: np.ones([2, 3]), s2: np.ones([2, 3])})
 
 

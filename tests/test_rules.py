@@ -299,7 +299,7 @@ def test_microbatches_with_a_none_batch_axis_and_rules():
                                 "2 microbatches of 6")
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=r"`num_microbatches` \(2\) must divide the batch size.*"
-                                 r"has\] \[3\]"):
+                                 r"has 3 examples\. Feed a multiple of 2"):
             case.sess.run(got, {k: v[:3] for k, v in case.feed.items()})
         outputs = tf.stack([case.ys, case.ys ** 2], axis=1)                 # [B, 2]
         jacobians = pertower.per_example_jacobians(outputs, case.xs, method="rules")

@@ -215,13 +215,15 @@ def _split_batch(batch, B, T):
         with tf.name_scope(f"slices_{j}"):
             if _checks.static_batch_size(b) is None:
                 fed = tf.shape(b)[0]
-                check = tf.debugging.Assert(
-                    tf.equal(fed, B),
-                    [f"pertower: the towers were built for a batch of {B} examples "
-                     f"(batch_size={B}), but the batch fed to {b.name} has", fed,
-                     f"examples. Feed batches of {B} examples, or build the towers "
-                     "again for the new batch size."],
-                    name="check_batch_size")
+                # One string tensor: the error reads as one sentence.
+                message = tf.strings.join([
+                    f"pertower: the towers were built for a batch of {B} examples "
+                    f"(batch_size={B}), but the batch fed to {b.name} has ",
+                    tf.strings.as_string(fed),
+                    f" examples. Feed batches of {B} examples, or build the towers "
+                    "again for the new batch size."])
+                check = tf.debugging.Assert(tf.equal(fed, B), [message],
+                                            name="check_batch_size")
                 with tf.control_dependencies([check]):
                     b = tf.identity(b)
             # [B, ...] -> T x [B/T, ...]
@@ -252,7 +254,8 @@ def _check_tower_rows(outputs, ys, batch, B, T, function_name):
     with tf.name_scope("check_rows"):
         for t, output in enumerate(outputs):
             produced = tf.shape(output)[0]
-            check = tf.debugging.Assert(tf.equal(produced, B // T), [before, produced, after],
+            message = tf.strings.join([before, tf.strings.as_string(produced), after])
+            check = tf.debugging.Assert(tf.equal(produced, B // T), [message],
                                         name=f"tower_{t}")
             with tf.control_dependencies([check]):
                 checked.append(tf.identity(output))

@@ -141,19 +141,23 @@ def run_time_checks(prepared, function_name):
             continue
         fed = tf.shape(b)[0]
         if B is not None:
-            checks.append(tf.debugging.Assert(
-                tf.equal(fed, B),
-                [f"pertower: the gradients were built for a batch of {B} examples "
-                 f"(batch_size={B}), but the batch fed to {b.name} has", fed,
-                 f"examples. Feed batches of {B} examples, build the gradients again for "
-                 "the new batch size, or use method='rules' without batch_size."],
-                name=f"check_batch_size_{j}"))
+            # One string tensor, so the error reads as one sentence (a data list would
+            # print each piece in its own brackets).
+            message = tf.strings.join([
+                f"pertower: the gradients were built for a batch of {B} examples "
+                f"(batch_size={B}), but the batch fed to {b.name} has ",
+                tf.strings.as_string(fed),
+                f" examples. Feed batches of {B} examples, build the gradients again for "
+                "the new batch size, or use method='rules' without batch_size."])
+            checks.append(tf.debugging.Assert(tf.equal(fed, B), [message],
+                                              name=f"check_batch_size_{j}"))
         elif M is not None:
+            message = tf.strings.join([
+                f"pertower.{function_name}: `num_microbatches` ({M}) must divide the "
+                f"batch size, but the batch fed to {b.name} has ",
+                tf.strings.as_string(fed), f" examples. Feed a multiple of {M} examples."])
             checks.append(tf.debugging.Assert(
-                tf.equal(tf.math.floormod(fed, M), 0),
-                [f"pertower.{function_name}: `num_microbatches` ({M}) must divide the "
-                 f"batch size, but the batch fed to {b.name} has", fed,
-                 f"examples. Feed a multiple of {M} examples."],
+                tf.equal(tf.math.floormod(fed, M), 0), [message],
                 name=f"check_microbatches_{j}"))
     return checks
 

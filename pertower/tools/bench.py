@@ -21,20 +21,34 @@ entry per way of computing its per-example gradients (or their norms):
                       optimizers do
     gradients[m]      pertower.per_example_gradients(..., method=m), m in METHODS
     norms[m]          pertower.per_example_norms(..., method=m)
+    memory-write limit  tf.tile writing as many bytes as the B per-example gradients
+                      (B x P x 4): the physical floor of any method that returns them
+
+The models are those of `pertower.tools.models`. Next to each pertower gradients
+entry's traced peak, "est MiB" is `pertower.estimate_memory` for the same call.
 
 Each entry is built (timed: "build s"), run once (timed: "1st run s", the result is
 compared with the loop's: "max|diff|"), traced once for its peak memory
 (`pertower.tools.traced_memory`), then run `repeats` times round-robin with the other entries, so
 a change of load on the machine hits every entry alike ("ms" is the median). A method
 that raises NotImplementedError when built is reported as "n/a" with its message.
+The machine information includes the CPU facts of `pertower.tools.environment`
+(allocator variables, oneDNN, AVX-512), which change these speeds several-fold.
 """
 
-import dataclasses
+import sys
+
+if __name__ == "__main__":
+    # `python -m pertower.tools.bench ...` is `pertower bench ...`: the command sets up
+    # the environment and quiets TensorFlow before importing it (and this module).
+    from pertower.tools import cli as _cli
+    sys.exit(_cli.main(["bench"] + sys.argv[1:]))
+
+import dataclasses  # pylint: disable=wrong-import-position
 import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -42,14 +56,17 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
-from pertower.tools import traced_memory as run_memory
-from pertower._api import gradients as gradients_lib
 from pertower import oracle
+from pertower._api import gradients as gradients_lib
+from pertower.tools import environment
+from pertower.tools import models as models_lib
+from pertower.tools import timing
+from pertower.tools import traced_memory as run_memory
 
 __all__ = ["Entry", "MODELS", "run_bench", "format_table", "machine_info", "to_json",
            "plot", "main"]
 
-MODELS = ("mlp", "cnn")
+MODELS = models_lib.MODEL_NAMES
 QUICK = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128), "cnn": (32,)},
              repeats=5, loop_repeats=3)
 FULL = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128, 512),
@@ -67,8 +84,9 @@ TOLERANCE = 1e-4
 # (stacked from B rows: twice) does not fit in it.
 MATERIALIZED_MEMORY_SHARE = 0.3
 
-LOOP, BATCH, OUTER, HAND_NORMS, VMAP = ("loop", "batch gradient", "outer products",
-                                       "norms by hand", "vectorized_map")
+LOOP, BATCH, OUTER, HAND_NORMS, VMAP, WRITE_LIMIT = (
+    "loop", "batch gradient", "outer products", "norms by hand", "vectorized_map",
+    "memory-write limit")
 
 
 @dataclasses.dataclass
@@ -80,8 +98,9 @@ class Entry:
       batch_size: B.
       parameters: P, the number of weights (entries of all of xs).
       name: the row's name ("loop", "gradients[towers]", ...).
-      computes: "gradients" ([B, *x.shape] per weight), "norms" ([B]) or "sum"
-        (the batch gradient, [*x.shape] per weight).
+      computes: "gradients" ([B, *x.shape] per weight), "norms" ([B]), "sum"
+        (the batch gradient, [*x.shape] per weight) or "write" (the memory-write
+        limit: [B, P] of filler, not compared with the loop).
       status: "ok", "n/a" (the method is not available), "skipped" or "error".
       reason: why the row is not "ok" (empty when it is).
       median_ms: median milliseconds of one pass (one sess.run; the loop: B of them).
@@ -92,6 +111,8 @@ class Entry:
       build_seconds: graph construction time of the entry's tensors.
       first_run_seconds: the first sess.run (includes Grappler's optimization).
       peak_bytes: peak memory of one traced sess.run (the loop: of one example's run).
+      estimate_bytes: pertower.estimate_memory's total for this call (pertower
+        gradients entries only).
       max_abs_diff: max |result - the loop's result| over all entries (norms: against
         the norms of the loop's gradients; the batch gradient: against their sum).
       max_abs_reference: max |the loop's result| over the same entries (its scale).
@@ -113,21 +134,10 @@ class Entry:
     build_seconds: float = None
     first_run_seconds: float = None
     peak_bytes: int = None
+    estimate_bytes: int = None
     max_abs_diff: float = None
     max_abs_reference: float = None
     agrees: bool = None
-
-
-@dataclasses.dataclass
-class _Model:
-    """A model's per-example values and what the entries need from it."""
-
-    name: str
-    description: str
-    ys: tf.Tensor          # [B, 1] per-example cost
-    weights: list          # the weights, in model order
-    feed: dict             # placeholder -> [B, ...] values
-    dense_taps: list = None  # (A [B, i], Z [B, j], kernel, bias) per Dense, MLP only
 
 
 @dataclasses.dataclass
@@ -137,49 +147,6 @@ class _Candidate:
     entry: Entry
     fetches: list = None   # tensors run on the whole batch
     loop: oracle.SliceLoop = None  # the loop instead of fetches
-
-
-# Models ------------------------------------------------------------------------------
-
-
-def _build_mlp(B, rng):
-    """MLP 100-256-256-1 (ReLU), cost (net(x) - y) ** 2, [B, 1]; each Dense is applied
-    without activation so its pre-activation Z is a tensor the hand-written entries use."""
-    x = tf.compat.v1.placeholder(tf.float32, [None, 100], name="x")
-    y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
-    layers = [keras.layers.Dense(256), keras.layers.Dense(256), keras.layers.Dense(1)]
-    A, taps = x, []
-    for k, layer in enumerate(layers):
-        Z = layer(A)                                        # [B, j]
-        taps.append((A, Z, layer.kernel, layer.bias))
-        A = tf.nn.relu(Z) if k + 1 < len(layers) else Z
-    cost = (A - y) ** 2                                     # [B, 1]
-    weights = [w for layer in layers for w in (layer.kernel, layer.bias)]
-    feed = {x: rng.normal(size=(B, 100)).astype(np.float32),
-            y: rng.normal(size=(B, 1)).astype(np.float32)}
-    return _Model("mlp", "MLP 100-256-256-1 (ReLU), cost (net(x) - y)**2", cost, weights,
-                  feed, taps)
-
-
-def _build_cnn(B, rng):
-    """Scenario 3: Conv2D(16, 5, same, elu) -> Flatten -> Dense(128, relu) -> Dense(1) on
-    32x32x1 images, cost (model(x) - t) ** 2, [B, 1]."""
-    x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="images")
-    t = tf.compat.v1.placeholder(tf.float32, [None, 1], name="targets")
-    model = keras.Sequential([
-        keras.layers.Conv2D(16, 5, padding="same", activation="elu", input_shape=(32, 32, 1)),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(1),
-    ])
-    cost = (model(x) - t) ** 2                              # [B, 1]
-    feed = {x: rng.normal(size=(B, 32, 32, 1)).astype(np.float32),
-            t: rng.normal(size=(B, 1)).astype(np.float32)}
-    return _Model("cnn", "CNN Conv2D(16,5,same,elu)-Flatten-Dense(128,relu)-Dense(1) on "
-                  "32x32x1, cost (model(x) - t)**2", cost, list(model.trainable_weights), feed)
-
-
-_BUILDERS = {"mlp": _build_mlp, "cnn": _build_cnn}
 
 
 # The entries' graphs -------------------------------------------------------------------
@@ -228,6 +195,24 @@ def _vectorized_map(model):
         return _dense(tf.gradients(loss, model.weights), model.weights)
 
     return list(tf.vectorized_map(one_example, per_example))  # [B, *x.shape] each
+
+
+def _write_limit(model):
+    """[B, P] float32 written by one tf.tile of a [1, P] row: the bytes of the B
+    per-example gradients, written once (the row depends on the fed batch, so
+    Grappler cannot fold it into a constant)."""
+    B_fed = tf.shape(model.ys)[0]
+    row = tf.fill([1, model.num_weights], tf.cast(B_fed, tf.float32))  # [1, P]
+    return [tf.tile(row, tf.stack([B_fed, 1]))]                         # [B, P]
+
+
+def _estimate_bytes(model, B):
+    """pertower.estimate_memory's total for the gradients of `model` at B, or None."""
+    try:
+        estimate = pertower.estimate_memory(model.ys, model.weights, batch_size=B)
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return None if estimate is None else estimate.total_bytes
 
 
 # Measuring -----------------------------------------------------------------------------
@@ -295,8 +280,8 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
     rng = np.random.default_rng(B)
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(B)
-        model = _BUILDERS[model_name](B, rng)
-        P = sum(int(np.prod(w.shape.as_list())) for w in model.weights)
+        model = models_lib.build(model_name, B, rng)
+        P = model.num_weights
         result_bytes = 4 * B * P                      # [B, *x.shape] for all x, float32
         too_big = _too_big(2 * result_bytes, MATERIALIZED_MEMORY_SHARE,
                            f"the loop's reference holds the {B} per-example gradients")
@@ -329,10 +314,13 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
         add(BATCH, "sum", lambda: _batch_gradient(model))
         if model.dense_taps:
             add(OUTER, "gradients", lambda: _outer_products(model))
+        add(WRITE_LIMIT, "write", lambda: _write_limit(model))
+        estimate = _estimate_bytes(model, B)
         for method in methods:
             add(f"gradients[{method}]", "gradients",
                 lambda m=method: pertower.per_example_gradients(
-                    model.ys, model.weights, batch_size=B, method=m))
+                    model.ys, model.weights, batch_size=B, method=m)
+                ).entry.estimate_bytes = estimate
         if model.dense_taps:
             add(HAND_NORMS, "norms", lambda: _norms_by_hand(model))
         for method in methods:
@@ -348,11 +336,11 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
         loop.entry.max_abs_diff, loop.entry.max_abs_reference = 0.0, _max_abs(
             reference, reference)[1]
         one_example = next(oracle.slice_feeds(model.feed, None, B))
-        loop.entry.peak_bytes = run_memory.traced_peak_bytes(
-            sess, loop.loop.gradients, one_example).peak_bytes
+        loop.entry.peak_bytes = _traced_peak(sess, loop.loop.gradients, one_example)
 
         for candidate in candidates[1:]:
-            if candidate.entry.status == "ok" and candidate.entry.computes == "gradients":
+            if candidate.entry.status == "ok" and candidate.entry.computes in ("gradients",
+                                                                              "write"):
                 too_big = _too_big(2 * result_bytes, MATERIALIZED_MEMORY_SHARE,
                                    f"it holds the {B} per-example gradients (towers: twice)")
                 if too_big:
@@ -387,19 +375,21 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
 def _time_round_robin(sess, candidates, feed, B, repeats, loop_repeats):
     """Times `repeats` runs of each candidate (`loop_repeats` passes of the loop), one
     run of each in turn, so a change of load on the machine hits them alike."""
-    for r in range(max(repeats, loop_repeats)):
-        for candidate in candidates:
-            if candidate.loop is not None:
-                if r >= loop_repeats:
-                    continue
-                run = lambda c=candidate: c.loop.run(sess, feed, B)  # noqa: E731
-            elif r >= repeats:
-                continue
-            else:
-                run = lambda c=candidate: sess.run(c.fetches, feed)  # noqa: E731
-            start = time.perf_counter()
-            run()
-            candidate.entry.runs_ms.append(1e3 * (time.perf_counter() - start))
+    runs = []
+    for candidate in candidates:
+        if candidate.loop is not None:
+            runs.append((lambda c=candidate: c.loop.run(sess, feed, B), loop_repeats))
+        else:
+            runs.append((lambda c=candidate: sess.run(c.fetches, feed), repeats))
+    for candidate, times in zip(candidates, timing.round_robin(runs)):
+        candidate.entry.runs_ms.extend(1e3 * t for t in times)
+
+
+def _traced_peak(sess, fetches, feed):
+    """The replayed peak bytes of one traced run, with TensorFlow's profiler lines
+    (written to fd 2 by C++ logging) kept off the terminal."""
+    with environment.quiet_native_logs():
+        return run_memory.traced_peak_bytes(sess, fetches, feed).peak_bytes
 
 
 def _first_run(sess, candidate, feed, reference):
@@ -411,9 +401,11 @@ def _first_run(sess, candidate, feed, reference):
         start = time.perf_counter()
         values = sess.run(candidate.fetches, feed)
         entry.first_run_seconds = time.perf_counter() - start
-        entry.max_abs_diff, entry.max_abs_reference = _max_abs(
-            values, _reference_for(entry.computes, reference))
-        entry.peak_bytes = run_memory.traced_peak_bytes(sess, candidate.fetches, feed).peak_bytes
+        if entry.computes != "write":
+            entry.max_abs_diff, entry.max_abs_reference = _max_abs(
+                values, _reference_for(entry.computes, reference))
+        del values
+        entry.peak_bytes = _traced_peak(sess, candidate.fetches, feed)
     except Exception as error:  # pylint: disable=broad-except
         entry.status, entry.reason = "error", _short(error)
 
@@ -460,6 +452,7 @@ def machine_info():
         "tf_keras": keras.__version__,
         "numpy": np.__version__,
         "pertower": pertower.__version__,
+        "cpu_speed": environment.cpu_facts(),
     }
 
 
@@ -484,7 +477,7 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
         batch_sizes = QUICK["batch_sizes"]
     entries = []
     for model_name in models:
-        if model_name not in _BUILDERS:
+        if model_name not in MODELS:
             raise ValueError(f"pertower.tools.bench: unknown model {model_name!r}; choose from "
                              f"{MODELS}.")
         sizes = batch_sizes[model_name] if isinstance(batch_sizes, dict) else batch_sizes
@@ -504,17 +497,32 @@ MEMORY_FOOTNOTE = (
     "its last consumer's end (fetched tensors to the end of the run), plus each running "
     "node's temporaries (memory.peak_bytes); in-place outputs share their input's buffer; "
     "constants, variables and fed inputs are not counted. loop: one example's sess.run "
-    "(the B results the loop stacks in numpy are not counted).")
+    "(the B results the loop stacks in numpy are not counted). est MiB: "
+    "pertower.estimate_memory for the same call (result, towers' gradients, replayed "
+    "activations), computed before any op is built.")
 
 
 def _fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
+def _mib(n_bytes):
+    return _fmt(None if n_bytes is None else n_bytes / 2**20, ".2f")
+
+
+def _diff_cell(entry):
+    """The max|diff| cell: (ref) for the loop, n/c for a row not compared."""
+    if entry.name == LOOP:
+        return "(ref)"
+    if entry.max_abs_diff is None:
+        return "n/c"
+    return _fmt(entry.max_abs_diff, ".1e") + ("" if entry.agrees else " WRONG")
+
+
 def format_table(entries):
     """The entries as plain-text tables, one per model and B (a string)."""
     header = ("entry", "ms", "x loop", "x batch", "x outer", "build s", "1st run s",
-              "peak MiB", "max|diff|")
+              "peak MiB", "est MiB", "max|diff|")
     blocks = []
     keys = []
     for e in entries:
@@ -532,21 +540,9 @@ def format_table(entries):
             rows.append((e.name, _fmt(e.median_ms, ".2f"), _fmt(e.ratio_to_loop, ".3f"),
                          _fmt(e.ratio_to_batch, ".1f"), _fmt(e.ratio_to_outer, ".2f"),
                          _fmt(e.build_seconds, ".2f"), _fmt(e.first_run_seconds, ".2f"),
-                         _fmt(None if e.peak_bytes is None else e.peak_bytes / 2**20, ".2f"),
-                         "(ref)" if e.name == LOOP else _fmt(e.max_abs_diff, ".1e")
-                         + ("" if e.agrees else " WRONG")))
-        full = [r for r in rows if len(r) == len(header)]
-        widths = [max(len(r[i]) for r in [header] + full) for i in range(len(header))]
-
-        def line(cells):
-            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(cells, widths)))
-
-        text = [f"{model_name}, B={B}, P={P:,} weights", line(header), "-" * len(line(header))]
-        for row in rows:
-            text.append(line(row) if len(row) == len(header)
-                        else row[0].ljust(widths[0]) + "  " + row[1])
-        blocks.append("\n".join(text))
+                         _mib(e.peak_bytes), _mib(e.estimate_bytes), _diff_cell(e)))
+        blocks.append(f"{model_name}, B={B}, P={P:,} weights\n"
+                      + timing.format_table(header, rows))
     return "\n\n".join(blocks)
 
 
@@ -560,14 +556,20 @@ def to_json(entries, machine, settings):
             "ratios": "ratio_to_X = median_ms / X's median_ms (below 1: faster than X)",
             "peak_bytes": MEMORY_FOOTNOTE,
             "max_abs_diff": "max |result - loop's result|; norms against the norms of the "
-                            "loop's gradients, the batch gradient against their sum",
+                            "loop's gradients, the batch gradient against their sum; "
+                            "the memory-write limit is not compared",
+            "estimate_bytes": "pertower.estimate_memory(ys, xs, batch_size=B).total_bytes",
+            "memory_write_limit": "tf.tile writing B x P float32 (the per-example "
+                                  "gradients' bytes) once: the physical floor",
+            "cpu_speed": "allocator and oneDNN settings of the measuring process (see "
+                         "README, CPU speed)",
         },
         "entries": [dataclasses.asdict(e) for e in entries],
     }
 
 
 _FIXED_COLORS = {LOOP: "black", BATCH: "grey", OUTER: "tab:brown", HAND_NORMS: "tab:brown",
-                 VMAP: "tab:purple"}
+                 VMAP: "tab:purple", WRITE_LIMIT: "silver"}
 _METHOD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:cyan", "tab:olive",
                   "tab:pink")
 
@@ -633,7 +635,3 @@ def main(argv=None):
     from pertower.tools import cli  # pylint: disable=import-outside-toplevel
 
     return cli.main(["bench"] + list(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

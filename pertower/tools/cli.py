@@ -1,20 +1,31 @@
 """The `pertower` console command.
 
+    pertower --version
     pertower demo [--batch-size B] [--repeats R]
     pertower bench [--full] [--models M ...] [--batch-sizes B ...] [--methods M ...]
                    [--repeats R] [--loop-repeats R] [--json FILE|-] [--plot FILE.png]
+                   [--env NAME=VALUE ...]
 
-`demo` runs the three scenarios of SCENARIOS.md on built-in models and compares each
-with the one-example loop of `pertower.oracle`, with timings. `bench` times every way
-of computing per-example gradients side by side (see `pertower.tools.bench`). TensorFlow is imported
-only inside a command, after the environment it reads has been set up, so parsing
-arguments (and `--help`) stays cheap for later subcommands.
+`demo` runs the three user scenarios on built-in models and compares each with the
+one-example loop of `pertower.oracle`, with timings. `bench` times every way of
+computing per-example gradients side by side (see `pertower.tools.bench`).
+
+This module imports neither TensorFlow nor `pertower.tools.bench` / `demo`: a command
+imports them when it runs, after setting TF_CPP_MIN_LOG_LEVEL=2 and
+TF_USE_LEGACY_KERAS=1 where the user set nothing (`pertower.tools.environment`), so
+parsing arguments and `--help` take a fraction of a second and print no TensorFlow
+log lines.
 """
 
 import argparse
 import json
 import os
+import subprocess
 import sys
+
+from pertower._version import __version__
+from pertower.tools import environment
+from pertower.tools import models as tool_models
 
 __all__ = ["build_parser", "main"]
 
@@ -22,9 +33,10 @@ DEFAULT_BATCH_SIZE = 32
 DEFAULT_REPEATS = 5
 DEFAULT_BENCH_REPEATS = 5
 DEFAULT_BENCH_JSON = "bench.json"
-# pertower.tools.bench.MODELS, repeated so that parsing arguments does not import TensorFlow
-# (tests/test_bench.py checks they agree).
-BENCH_MODELS = ("mlp", "cnn")
+# The bench's models (pertower.tools.models imports TensorFlow only when building).
+BENCH_MODELS = tool_models.MODEL_NAMES
+# Set in the child process `bench --env` starts, so it measures instead of starting another.
+_CHILD_MARK = "PERTOWER_BENCH_CHILD"
 
 
 def build_parser():
@@ -33,10 +45,11 @@ def build_parser():
         prog="pertower",
         description="Per-example gradients for TensorFlow graph mode, with weight-copy "
                     "towers.")
+    parser.add_argument("--version", action="version", version=f"pertower {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = commands.add_parser(
         "demo", help="run the three user scenarios against the one-example loop",
-        description="Runs the three scenarios of SCENARIOS.md on built-in models: checks "
+        description="Runs the three user scenarios on built-in models: checks "
                     "pertower against the one-example loop of pertower.oracle and times "
                     "both. Exits with 1 if any scenario disagrees.")
     demo.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
@@ -80,12 +93,21 @@ def _add_bench_parser(commands):
                             "'-' writes JSON to stdout and the table to stderr")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="also draw the figures with matplotlib into this PNG")
+    bench.add_argument("--env", action="append", type=_assignment, default=None,
+                       metavar="NAME=VALUE",
+                       help="measure in a child process started with this environment "
+                            "variable (repeatable). Allocator and oneDNN settings are read "
+                            "at process start, e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
+                            "--env MALLOC_TRIM_THRESHOLD_=4294967296, or "
+                            "--env TF_ENABLE_ONEDNN_OPTS=0")
     bench.set_defaults(run=_run_bench)
 
 
 def main(argv=None):
     """Entry point of the `pertower` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.run(args)
 
 
@@ -96,8 +118,10 @@ def _run_demo(args):
 
     print(f"pertower demo: TensorFlow {tf.__version__}, B={args.batch_size}, median of "
           f"{args.repeats} runs after a warm-up; loop = one sess.run per example "
-          "(scenario 2: per batch)\n")
-    results = demo.run_demo(batch_size=args.batch_size, repeats=args.repeats)
+          "(scenario 2: per batch)")
+    print(f"CPU: {environment.describe_cpu_facts(environment.cpu_facts())}\n")
+    with environment.quiet_native_logs():   # the first session probes CUDA
+        results = demo.run_demo(batch_size=args.batch_size, repeats=args.repeats)
     print()
     print(demo.format_table(results))
     failed = [r.name for r in results if not r.agrees]
@@ -110,6 +134,8 @@ def _run_demo(args):
 
 def _run_bench(args):
     """`pertower bench`: measures, prints the table, writes JSON (and a plot)."""
+    if args.env and os.environ.get(_CHILD_MARK) != "1":
+        return _run_bench_in_child(args)
     tf = _graph_mode_tensorflow()
     from pertower.tools import bench  # pylint: disable=import-outside-toplevel
     from pertower._api import gradients  # pylint: disable=import-outside-toplevel
@@ -138,10 +164,12 @@ def _run_bench(args):
     report(f"pertower bench ({settings['mode']}): TensorFlow {tf.__version__}, "
            f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), load "
            f"{machine['load_average_1_5_15']}, {machine['date_utc']}")
+    report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
     report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
            "after a warm-up, round-robin\n")
-    entries = bench.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
-                              repeats=repeats, loop_repeats=loop_repeats, report=report)
+    with environment.quiet_native_logs():   # sessions probe CUDA; traces log profiling
+        entries = bench.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
+                                  repeats=repeats, loop_repeats=loop_repeats, report=report)
     report("")
     report(bench.format_table(entries))
     report("\nms: median per pass (loop: B sess.run); x loop / x batch / x outer: ms "
@@ -173,21 +201,47 @@ def _run_bench(args):
     return 0
 
 
-def _graph_mode_tensorflow():
-    """Sets the environment TensorFlow and Keras read, imports TensorFlow, switches
-    to graph mode; returns the `tensorflow` module.
+def _run_bench_in_child(args):
+    """`bench --env NAME=VALUE ...`: runs the same command without --env in a child
+    Python started with those variables (allocators and oneDNN read them at process
+    start); returns its exit code. Its output goes straight to ours."""
+    child_argv, skip = [], False
+    for token in args.argv:
+        if skip:
+            skip = False
+        elif token == "--env":
+            skip = True
+        elif not token.startswith("--env="):
+            child_argv.append(token)
+    env = dict(os.environ)
+    env.update(dict(args.env))
+    env[_CHILD_MARK] = "1"
+    settings = " ".join(f"{name}={value}" for name, value in args.env)
+    print(f"pertower bench: measuring in a child process with {settings}", flush=True,
+          file=sys.stderr if args.json == "-" else sys.stdout)
+    command = [sys.executable, "-m", "pertower"] + child_argv
+    return subprocess.run(command, env=env, check=False).returncode
 
-    Note: `import pertower.tools.cli` runs `pertower/__init__.py`, which already imports
-    TensorFlow. TF_USE_LEGACY_KERAS is still in time: it is read when `tf.keras` /
-    `tf.compat.v1.layers` are first used. TensorFlow 2.21 prints its start-up lines
-    (oneDNN, CUDA) before absl logging is set up, whatever TF_CPP_MIN_LOG_LEVEL says.
-    """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+def _graph_mode_tensorflow():
+    """Sets the environment TensorFlow and Keras read, imports TensorFlow (its
+    start-up lines, which TensorFlow 2.21 writes before absl logging is set up
+    whatever TF_CPP_MIN_LOG_LEVEL says, are kept off the terminal), switches to graph
+    mode; returns the `tensorflow` module."""
+    environment.prepare_tensorflow()
+    with environment.quiet_native_logs():
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     tf.compat.v1.disable_eager_execution()
     return tf
+
+
+def _assignment(text):
+    """argparse type: NAME=VALUE -> (NAME, VALUE)."""
+    try:
+        return environment.parse_assignment(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_int(text):

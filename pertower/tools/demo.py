@@ -1,4 +1,4 @@
-"""`pertower demo`: the three scenarios of SCENARIOS.md on built-in models, timed.
+"""`pertower demo`: the three user scenarios on built-in models, timed.
 
 Notation:
     B   examples in the batch           M   microbatches (scenario 2: M = 2 batches)
@@ -8,7 +8,9 @@ Each scenario builds its model in its own `tf.Graph` and `Session`, computes the
 result with pertower and with the one-slice-at-a-time loop of `pertower.oracle`, and
 compares them. It then times, after one warm-up run each, the pertower `sess.run` and
 the loop users write today: one `sess.run` of `tf.gradients` per example (scenario 2:
-per batch) over the whole batch, with the gradient ops built once.
+per batch) over the whole batch, with the gradient ops built once. The scenario-3
+CNN is `pertower.tools.models.cnn_keras_model`; timing and the table come from
+`pertower.tools.timing`.
 
 Needs graph mode (`tf.compat.v1.disable_eager_execution()`) and, for
 `tf.compat.v1.layers`, TF_USE_LEGACY_KERAS=1; `pertower demo` sets both up.
@@ -16,7 +18,6 @@ Needs graph mode (`tf.compat.v1.disable_eager_execution()`) and, for
 
 import dataclasses
 import os
-import statistics
 import time
 import warnings
 
@@ -26,6 +27,8 @@ import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from pertower.tools import models
+from pertower.tools import timing
 
 __all__ = ["ScenarioResult", "run_demo", "format_table"]
 
@@ -134,14 +137,7 @@ def format_table(results):
              str(r.loop_runs), f"{r.speedup:.1f}x", f"{r.build_seconds:.2f}",
              f"{r.first_run_seconds:.2f}", "yes" if r.agrees else "NO")
             for r in results]
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
-
-    rule = "-" * len(line(header))
-    return "\n".join([line(header), rule] + [line(row) for row in rows])
+    return timing.format_table(header, rows)
 
 
 # The scenarios ------------------------------------------------------------------------
@@ -224,14 +220,8 @@ def _scenario_cnn_jacobian(B, repeats):
     """Scenario 3: per-example dy/dθ of Conv2D(16, 5) -> Flatten -> Dense(128) -> Dense(1)
     on 32x32x1 images, [B, 1, *x.shape] per weight."""
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
-        model = keras.Sequential([
-            keras.layers.Conv2D(16, 5, padding="same", activation="elu",
-                                input_shape=(32, 32, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(1),
-        ])
-        x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="x")
+        model = models.cnn_keras_model()
+        x = tf.compat.v1.placeholder(tf.float32, [None, *models.CNN_INPUT_SHAPE], name="x")
         y = model(x)                                            # [B, 1]
         weights = model.trainable_weights
 
@@ -240,7 +230,7 @@ def _scenario_cnn_jacobian(B, repeats):
         build_seconds = time.perf_counter() - start
 
         rng = np.random.default_rng(3)
-        feed = {x: rng.normal(size=(B, 32, 32, 1)).astype(np.float32)}
+        feed = {x: rng.normal(size=(B, *models.CNN_INPUT_SHAPE)).astype(np.float32)}
         sess.run(tf.compat.v1.global_variables_initializer())
         reference = oracle.loop_per_example_jacobians(sess, y, weights, feed)
         # One output (K = 1): the loop's row is the gradient of the summed output.
@@ -268,24 +258,14 @@ def _measure(sess, timed, reference, repeats):
     values = sess.run(timed.fetches, timed.feed)
     first_run_seconds = time.perf_counter() - start
     max_diff, agrees = _compare(values, reference)
-    pertower_seconds = _median_seconds(lambda: sess.run(timed.fetches, timed.feed), repeats)
+    pertower_seconds = timing.median_seconds(lambda: sess.run(timed.fetches, timed.feed), repeats)
 
     def loop():
         timed.loop.run(sess, timed.loop_feed, timed.loop_runs)
 
     loop()  # warm-up
-    loop_seconds = _median_seconds(loop, repeats)
+    loop_seconds = timing.median_seconds(loop, repeats)
     return values, max_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds
-
-
-def _median_seconds(run, repeats):
-    """The median wall time of `repeats` calls of `run()`."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _compare(values, reference):

@@ -1,0 +1,158 @@
+"""The process environment the tools set up, and the CPU facts that decide their speed.
+
+Nothing here imports TensorFlow at module level, and nothing runs on import: the
+command calls `prepare_tensorflow()` before TensorFlow is first imported.
+
+CPU facts (read at process start, so they must be set before Python starts):
+    MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_  glibc malloc: by default it hands
+        large buffers back to the operating system, so every sess.run page-faults its
+        big outputs anew; raising both keeps them in the process
+    LD_PRELOAD            another allocator (tcmalloc, jemalloc) preloaded
+    TF_ENABLE_ONEDNN_OPTS  TensorFlow's oneDNN kernels (0 off, 1 on; the default is on
+        for Linux x86 builds) change convolution speeds several-fold
+"""
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+
+__all__ = ["TF_DEFAULTS", "SPEED_VARIABLES", "prepare_tensorflow", "quiet_native_logs",
+           "cpu_facts", "describe_cpu_facts", "parse_assignment"]
+
+# Set for every command unless the user set them: TensorFlow's C++ log level (2: errors
+# only) and Keras 2 for tf.keras / tf.compat.v1.layers.
+TF_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
+
+# The environment variables whose values the tools report with their timings.
+SPEED_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
+                   "TF_ENABLE_ONEDNN_OPTS")
+
+# Lines TensorFlow's profiler and start-up write to fd 2 through C++/absl logging
+# even when asked to be quiet (they say nothing about the user's results).
+_NOISE = re.compile(
+    r"Profiler session|GPU trace was not collected|CUPTI|cuInit|cuda drivers|"
+    r"absl::InitializeLog|oneDNN custom operations|cpu_feature_guard|"
+    r"rebuild TensorFlow with the appropriate compiler flags|Unable to register cu|"
+    r"computation placer|TF-TRT Warning|^\s*$")
+
+
+def prepare_tensorflow(environ=None):
+    """Sets TF_DEFAULTS in `environ` (default os.environ) where the user set nothing;
+    call before importing TensorFlow. Returns the names it set."""
+    environ = os.environ if environ is None else environ
+    set_here = []
+    for name, value in TF_DEFAULTS.items():
+        if name not in environ:
+            environ[name] = value
+            set_here.append(name)
+    return set_here
+
+
+@contextlib.contextmanager
+def quiet_native_logs():
+    """Collects what native code writes to file descriptor 2 inside the block and,
+    after it, writes back every line except TensorFlow's profiler, CUDA-probe and
+    start-up noise (so real errors still reach the user). Python's `sys.stderr`, when
+    it writes to fd 2, keeps writing to the terminal meanwhile. Blocks may nest."""
+    _quiet_absl()
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:   # no fd 2 (embedded interpreters): nothing to redirect
+        yield
+        return
+    python_stderr = sys.stderr
+    live = None
+    if _writes_to_fd2(python_stderr):
+        live = os.fdopen(os.dup(saved), "w", buffering=1, encoding="utf-8",
+                         errors="replace")
+        sys.stderr = live
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            if live is not None:
+                live.flush()
+                sys.stderr = python_stderr
+                live.close()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode("utf-8", "replace").splitlines()
+                    if not _NOISE.search(line)]
+            if kept:
+                print("\n".join(kept), file=sys.stderr, flush=True)
+
+
+def _writes_to_fd2(stream):
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _quiet_absl():
+    """absl's Python logging to errors only, when absl is loaded (TensorFlow loads it)."""
+    absl_logging = sys.modules.get("absl.logging")
+    if absl_logging is not None:
+        absl_logging.set_verbosity(absl_logging.ERROR)
+
+
+def cpu_facts(environ=None):
+    """What decides CPU speed, as a JSON-ready dict: the SPEED_VARIABLES as set (None
+    when unset), whether the CPU has AVX-512 (Linux /proc/cpuinfo flags; None when
+    unknown) and whether TensorFlow's oneDNN kernels are on in this process (None
+    before TensorFlow is imported)."""
+    environ = os.environ if environ is None else environ
+    facts = {name: environ.get(name) for name in SPEED_VARIABLES}
+    flags = _cpu_flags()
+    facts["avx512"] = None if flags is None else any(f.startswith("avx512") for f in flags)
+    facts["avx512_vnni"] = None if flags is None else "avx512_vnni" in flags
+    facts["onednn_enabled"] = _onednn_enabled()
+    return facts
+
+
+def describe_cpu_facts(facts):
+    """One line for the tools' headers from `cpu_facts()`."""
+    variables = ", ".join(f"{name}={facts[name] if facts[name] is not None else '(unset)'}"
+                          for name in SPEED_VARIABLES)
+    avx = {True: "yes", False: "no", None: "unknown"}[facts["avx512"]]
+    onednn = {True: "on", False: "off", None: "unknown"}[facts["onednn_enabled"]]
+    return f"{variables}; AVX-512: {avx}; TensorFlow oneDNN: {onednn}"
+
+
+def _cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo, or None where it is not readable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _onednn_enabled():
+    """Whether TensorFlow runs with oneDNN in this process (None when TensorFlow is
+    not imported yet or does not say)."""
+    if "tensorflow" not in sys.modules:
+        return None
+    try:
+        # pylint: disable-next=import-outside-toplevel
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return None
+
+
+def parse_assignment(text):
+    """`NAME=VALUE` -> (NAME, VALUE); raises ValueError naming what is wrong."""
+    name, equals, value = text.partition("=")
+    if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"expected NAME=VALUE (an environment variable and its value), "
+                         f"got {text!r}")
+    return name, value

@@ -1,0 +1,175 @@
+"""The `pertower` command starts without TensorFlow, keeps TensorFlow's log lines off
+the terminal, reports the CPU settings it measured under (also from a child process
+with `--env`), and `import pertower` loads its public names lazily without touching
+the environment. Subprocesses run this worktree's pertower (PYTHONPATH)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pertower.tools import cli
+from pertower.tools import environment
+from pertower.tools import timing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE = re.compile(r"Profiler session|GPU trace was not collected|cuInit|cuda drivers|"
+                   r"oneDNN custom operations|absl::InitializeLog|cpu_feature_guard")
+
+
+def _python(code_or_args, extra_env=None):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)      # the command must set it itself
+    env.update(extra_env or {})
+    args = ["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+
+
+def test_help_and_version_do_not_import_tensorflow():
+    process = _python(
+        "import sys\n"
+        "import pertower.tools.cli as c\n"
+        "for argv in (['--help'], ['bench', '--help'], ['demo', '--help'], ['--version']):\n"
+        "    try:\n"
+        "        c.main(argv)\n"
+        "    except SystemExit as exit:\n"
+        "        assert exit.code == 0, (argv, exit.code)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in\n"
+        "                ('tensorflow', 'tf_keras', 'numpy'))\n"
+        "assert not loaded, loaded\n"
+        "print('no tensorflow')\n")
+    assert process.returncode == 0, process.stderr
+    assert "no tensorflow" in process.stdout and "--env NAME=VALUE" in process.stdout
+    assert "pertower 0.1.0" in process.stdout
+
+
+@pytest.mark.parametrize("command", ["module", "script", "bench module"])
+def test_the_command_prints_help_without_tensorflow_log_lines(command):
+    if command == "module":
+        args = [sys.executable, "-m", "pertower", "--help"]
+    elif command == "bench module":
+        args = [sys.executable, "-m", "pertower.tools.bench", "--help"]
+    else:
+        # what the `pertower` console script of setup.py's entry point runs (an
+        # installed script may predate this checkout's layout, so it is not used)
+        with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as handle:
+            assert '"pertower=pertower.tools.cli:main"' in handle.read()
+        args = [sys.executable, "-c", "import sys; from pertower.tools.cli import main; "
+                "sys.argv[0] = 'pertower'; sys.exit(main())", "--help"]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONPROFILEIMPORTTIME="1")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    process = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600, check=False)
+    assert process.returncode == 0, process.stderr
+    assert "bench" in process.stdout
+    # PYTHONPROFILEIMPORTTIME lists every module imported, on stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in process.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "pertower.tools.cli" in imported
+    assert not {m for m in imported if m.split(".")[0] == "tensorflow"}
+    assert not NOISE.search(process.stderr)
+
+
+def test_version_is_in_one_place():
+    import pertower
+    from pertower import _version
+    assert pertower.__version__ == _version.__version__
+    with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as handle:
+        assert "_version.py" in handle.read()
+    process = _python(["setup.py", "--version"])
+    assert process.stdout.strip().splitlines()[-1] == _version.__version__, process.stderr
+
+
+def test_import_pertower_is_lazy_and_leaves_the_environment_alone():
+    process = _python(
+        "import os, sys\n"
+        "before = dict(os.environ)\n"
+        "import pertower\n"
+        "assert 'tensorflow' not in sys.modules\n"
+        "assert set(pertower.__all__) <= set(dir(pertower))\n"
+        "gradients = pertower.per_example_gradients\n"
+        "from pertower._api.gradients import per_example_gradients\n"
+        "assert gradients is per_example_gradients\n"
+        "assert 'tensorflow' in sys.modules\n"
+        "namespace = {}\n"
+        "exec('from pertower import *', namespace)\n"
+        "missing = set(pertower.__all__) - set(namespace)\n"
+        "assert not missing, missing\n"
+        "assert pertower.oracle.SliceLoop is not None\n"
+        "try:\n"
+        "    pertower.no_such_name\n"
+        "except AttributeError as error:\n"
+        "    assert 'no_such_name' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
+        "print('ok')\n")
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.strip() == "ok"
+
+
+def test_bench_env_measures_in_a_child_with_those_settings_and_quiet_stderr():
+    process = _python(["-m", "pertower", "bench", "--models", "mlp", "--batch-sizes", "2",
+                       "--methods", "towers", "--repeats", "1", "--loop-repeats", "1",
+                       "--json", "-", "--env", "TF_ENABLE_ONEDNN_OPTS=0",
+                       "--env", "MALLOC_TRIM_THRESHOLD_=4294967296"])
+    assert process.returncode == 0, process.stderr
+    figures = json.loads(process.stdout)
+    speed = figures["machine"]["cpu_speed"]
+    assert speed["TF_ENABLE_ONEDNN_OPTS"] == "0" and speed["onednn_enabled"] is False
+    assert speed["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
+    assert "measuring in a child process with TF_ENABLE_ONEDNN_OPTS=0" in process.stderr
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in process.stderr            # the table's header
+    assert "memory-write limit" in process.stderr and "est MiB" in process.stderr
+    assert not NOISE.search(process.stderr), process.stderr
+
+
+def test_bad_env_assignments_are_refused(capsys):
+    for bad in ("NOVALUE", "=1", "1X=2"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["bench", "--env", bad])
+        assert "expected NAME=VALUE" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["bench", "--env", "A=1=2", "--env", "B="])
+    assert args.env == [("A", "1=2"), ("B", "")]
+
+
+def test_quiet_native_logs_drops_tensorflow_noise_and_keeps_the_rest(capfd):
+    with environment.quiet_native_logs():
+        os.write(2, b"2026-01-01 I profiler_session.cc] Profiler session initializing.\n")
+        os.write(2, b"W gpu_tracer] GPU trace was not collected\n")
+        os.write(2, b"a real error from native code\n")
+    err = capfd.readouterr().err
+    assert "a real error from native code" in err
+    assert "Profiler" not in err and "GPU trace" not in err
+
+
+def test_prepare_tensorflow_keeps_the_users_settings():
+    environ = {"TF_CPP_MIN_LOG_LEVEL": "0"}
+    assert environment.prepare_tensorflow(environ) == ["TF_USE_LEGACY_KERAS"]
+    assert environ == {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_USE_LEGACY_KERAS": "1"}
+
+
+def test_cpu_facts_report_the_variables_as_set():
+    facts = environment.cpu_facts({"MALLOC_MMAP_THRESHOLD_": "4294967296"})
+    assert facts["MALLOC_MMAP_THRESHOLD_"] == "4294967296"
+    assert facts["MALLOC_TRIM_THRESHOLD_"] is None and facts["LD_PRELOAD"] is None
+    line = environment.describe_cpu_facts(facts)
+    assert "MALLOC_MMAP_THRESHOLD_=4294967296" in line and "LD_PRELOAD=(unset)" in line
+
+
+def test_round_robin_and_table():
+    calls = []
+    times = timing.round_robin([(lambda: calls.append("a"), 3), (lambda: calls.append("b"), 1)])
+    assert calls == ["a", "b", "a", "a"] and [len(t) for t in times] == [3, 1]
+    assert all(t >= 0 for t in times[0] + times[1])
+    table = timing.format_table(("name", "ms", "x"), [("a", "1.50", "1.0"),
+                                                      ("longer", "12.00", "8.0"),
+                                                      ("skipped", "n/a: too big")])
+    lines = table.splitlines()
+    assert lines[0] == "name       ms    x" and lines[1] == "-" * len(lines[0])
+    assert lines[2] == "a        1.50  1.0" and lines[3] == "longer  12.00  8.0"
+    assert lines[4] == "skipped  n/a: too big"
