@@ -128,8 +128,10 @@ def test_memory_of_materialized_gradients_covers_their_size(smoke):
                 and e["name"] != bench.LOOP):
             assert e["peak_bytes"] >= result_bytes, (e["model"], e["name"], e["peak_bytes"])
         if e["name"].startswith("gradients["):
-            # pertower.estimate_memory: at least the result and the towers' gradients
-            assert e["estimate_bytes"] >= 2 * result_bytes, (e["model"], e["name"])
+            # pertower.estimate_memory, on the plan: the result, written once by the
+            # rules; the towers hold their gradients before stacking as well
+            towers = 2 if e["name"] == "gradients[towers]" else 1
+            assert e["estimate_bytes"] >= towers * result_bytes, (e["model"], e["name"])
         else:
             assert e["estimate_bytes"] is None, (e["model"], e["name"])
     mlp = {e["name"]: e for e in figures["entries"] if e["model"] == "mlp"}

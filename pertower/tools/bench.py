@@ -206,10 +206,12 @@ def _write_limit(model):
     return [tf.tile(row, tf.stack([B_fed, 1]))]                         # [B, P]
 
 
-def _estimate_bytes(model, B):
-    """pertower.estimate_memory's total for the gradients of `model` at B, or None."""
+def _estimate_bytes(model, B, method):
+    """pertower.estimate_memory's total for the gradients of `model` at B by `method`,
+    or None."""
     try:
-        estimate = pertower.estimate_memory(model.ys, model.weights, batch_size=B)
+        estimate = pertower.estimate_memory(model.ys, model.weights, batch_size=B,
+                                            method=method)
     except Exception:  # pylint: disable=broad-except
         return None
     return None if estimate is None else estimate.total_bytes
@@ -315,12 +317,11 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
         if model.dense_taps:
             add(OUTER, "gradients", lambda: _outer_products(model))
         add(WRITE_LIMIT, "write", lambda: _write_limit(model))
-        estimate = _estimate_bytes(model, B)
         for method in methods:
             add(f"gradients[{method}]", "gradients",
                 lambda m=method: pertower.per_example_gradients(
                     model.ys, model.weights, batch_size=B, method=m)
-                ).entry.estimate_bytes = estimate
+                ).entry.estimate_bytes = _estimate_bytes(model, B, method)
         if model.dense_taps:
             add(HAND_NORMS, "norms", lambda: _norms_by_hand(model))
         for method in methods:
@@ -558,7 +559,7 @@ def to_json(entries, machine, settings):
             "max_abs_diff": "max |result - loop's result|; norms against the norms of the "
                             "loop's gradients, the batch gradient against their sum; "
                             "the memory-write limit is not compared",
-            "estimate_bytes": "pertower.estimate_memory(ys, xs, batch_size=B).total_bytes",
+            "estimate_bytes": "pertower.estimate_memory(ys, xs, batch_size=B, method=m).total_bytes",
             "memory_write_limit": "tf.tile writing B x P float32 (the per-example "
                                   "gradients' bytes) once: the physical floor",
             "cpu_speed": "allocator and oneDNN settings of the measuring process (see "
