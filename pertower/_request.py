@@ -3,19 +3,21 @@
 `prepare` runs the argument checks of every public function (towers, rules, auto), so
 that bad input is refused the same way whichever method computes the gradients: `ys`,
 `xs`, the batch tensors and B, the number of groups, that `ys` depends on the batch,
-that no op couples examples (`pertower._batch_axis.mixing`), and where each weight is read.
+that no op couples examples (`pertower._batch_axis`), and where each weight is read.
+The batch-axis analysis runs once here and is kept on the result (`Prepared.analysis`)
+for the rules.
 """
 
 import collections
 
 from pertower import _checks
 from pertower import _graph_walk as graph_walk
-from pertower._batch_axis import mixing
+from pertower import _batch_axis
 
 
 class Prepared(collections.namedtuple(
         "Prepared", ["ys", "xs", "graph", "ys_upstream", "batch", "batch_size",
-                     "num_groups", "reads"])):
+                     "num_groups", "reads", "analysis"])):
     """Checked inputs.
 
     Fields:
@@ -26,6 +28,8 @@ class Prepared(collections.namedtuple(
         given (allowed only for method="rules").
       num_groups: M for microbatches, or None for one group per example.
       reads: one `graph_walk.WeightReads` per entry of xs.
+      analysis: the `pertower._batch_axis.Analysis` of the ops between the batch and
+        `ys` (its `registry` attribute: the rule registry it was run with).
     """
 
     def restricted(self, indices):
@@ -36,7 +40,7 @@ class Prepared(collections.namedtuple(
 
 
 def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
-            batch_size_required):
+            batch_size_required, registry=None):
     """Checks the arguments of a public gradient function; returns a `Prepared`.
 
     Args:
@@ -46,6 +50,8 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
       groups_argument: the name of the argument that gave `num_groups`.
       batch_size_required: whether a None batch axis needs `batch_size` (the towers'
         contract); when False and neither is known, B is left to run time.
+      registry: the `pertower.rules.RuleRegistry` whose rules may declare the row
+        layout of their ops (`Rule.output_layouts`) to the analysis, or None.
     """
     _checks.require_graph_mode(function_name)
     ys = _checks.require_graph_tensor(ys, "ys", function_name)
@@ -88,12 +94,14 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
                 f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
-        # refuse ops that couple examples, as the towers do (pertower._batch_axis.mixing)
-        mixing.check_examples_independent(batch_downstream, batch,
-                                          B if M is None else M, function_name)
+        # refuse ops that couple examples (with one group holding the whole batch,
+        # coupling changes nothing)
+        analysis = _batch_axis.analyze(ys, batch, ys_upstream, B, M, registry)
+        if analysis.couplings and (B if M is None else M) != 1:
+            raise ValueError(analysis.couplings[0].message(function_name))
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
-    return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads)
+    return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, analysis)
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph, function_name):

@@ -8,7 +8,7 @@ Notation:
 For every weight x, every read of x that `ys` depends on must reach an op that has a
 rule (`pertower.rules`), possibly through layout-only ops on the weight side
 (Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)); and
-`pertower._batch_axis.layouts` must prove that the op's A and Z rows belong to examples and that
+`pertower._batch_axis` must prove that the op's A and Z rows belong to examples and that
 row i of `ys` depends on example i alone. Then
 
     grad_i(x) = sum over the uses u of x of  rule_u(A_u, dZ_u) for example i,
@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _request as _prepare
-from pertower._batch_axis import layouts
+from pertower import _batch_axis
 from pertower import rules as rules_lib
 from pertower.rules import _rows
 
@@ -55,13 +55,14 @@ class RulePlan:
 def build_plan(prepared, registry):
     """Decides, for every weight, whether the rules cover it. Builds no ops."""
     ys, batch = prepared.ys, prepared.batch
-    analysis = layouts.analyze(ys, batch, prepared.ys_upstream, prepared.batch_size,
-                               registry)
-    ys_rows = analysis.rows(ys)
-    if ys_rows is None or ys_rows.lead != 0 or ys_rows.k != 1:
-        unknown = analysis.first_unknown
-        where = (f"; the first op whose rows could not be traced is {unknown.name!r} "
-                 f"({unknown.type})" if unknown is not None else "")
+    analysis = prepared.analysis
+    if analysis is None or analysis.registry is not registry:
+        analysis = _batch_axis.analyze(ys, batch, prepared.ys_upstream, prepared.batch_size,
+                                       prepared.num_groups, registry)
+    if analysis.verdict != "independent":
+        lost = analysis.lost_at
+        where = (f"; the proof was lost at {lost[0].name!r} ({lost[0].type}): {lost[1]}"
+                 if lost is not None else "")
         reason = (f"the rows of `ys` ({ys.name}) could not be traced to the examples of "
                   f"the batch{where}")
         return RulePlan(prepared,
@@ -98,7 +99,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
             slots = [j for j, t in enumerate(op.inputs) if t is tensor]
             if (op.type in _WEIGHT_LAYOUT_OPS and slots == [0] and
                     op.outputs[0].shape.is_fully_defined() and
-                    all(layouts.static_value(t) is not None for t in op.inputs[1:])):
+                    all(_batch_axis.static_value(t) is not None for t in op.inputs[1:])):
                 stack.append(op.outputs[0])
                 continue
             terminals.extend((op, j) for j in slots)
@@ -261,13 +262,13 @@ def leave_gather_only_weights_to_towers(plan, reason):
 def prepare_and_plan(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
                      batch_size_required, registry):
     """`_prepare.prepare` then `build_plan` (registry None: the default rules)."""
-    prepared = _prepare.prepare(ys, xs, batch, num_groups, batch_size, function_name,
-                                groups_argument, batch_size_required)
     if registry is None:
         registry = rules_lib.default_registry()
     elif not isinstance(registry, rules_lib.RuleRegistry):
         raise TypeError(f"pertower.{function_name}: `rules` must be a "
                         "pertower.rules.RuleRegistry (see pertower.rules.default_registry()), "
                         f"but received {type(registry).__name__}.")
+    prepared = _prepare.prepare(ys, xs, batch, num_groups, batch_size, function_name,
+                                groups_argument, batch_size_required, registry)
     with prepared.graph.as_default():
         return build_plan(prepared, registry)
