@@ -183,6 +183,12 @@ def test_a_batch_maximum_that_only_bounds_a_loop_or_a_range_is_no_coupling():
                                           [1, 0, 2]))
         ranged = _analyze(ys_range, [x, lengths])
         data = _analyze(ys * tf.cast(n, tf.float32), [x, lengths])
+        seq_x = tf.compat.v1.placeholder(tf.float32, [None, 5, 3], name="seq_x")
+        cell = tf.compat.v1.nn.rnn_cell.BasicRNNCell(2)
+        _, state = tf.compat.v1.nn.dynamic_rnn(cell, seq_x, sequence_length=lengths,
+                                               dtype=tf.float32)
+        rnn = _analyze(_sum_rows(state ** 2), [seq_x, lengths])
+    assert rnn.verdict == "independent", (rnn.couplings, rnn.lost_at)
     for analysis in (loop, ranged):
         assert analysis.couplings == [] and analysis.verdict != "coupled", analysis.couplings
     assert [c.op.name for c in data.couplings] == ["max_length"]
@@ -201,3 +207,14 @@ def test_find_couplings_and_check_examples_independent_keep_their_words(mlp):
                                              r"reduces \(Mean\) over axis 0, the batch axis"):
             _batch_axis.check_examples_independent(ops, [x], B, "f")
         _batch_axis.check_examples_independent(ops, [x], 1, "f")   # one tower: no check
+
+
+def test_an_op_the_analysis_does_not_know_leaves_the_request_unproven(mlp):
+    graph, _, x, h, _, _ = mlp
+    with graph.as_default():
+        ys = _sum_rows(tf.math.segment_sum(h, tf.zeros_like(x[:, 0], tf.int32),
+                                           name="segments"))
+        analysis = _analyze(ys, [x])
+    assert analysis.verdict == "unproven" and analysis.couplings == []
+    op, reason = analysis.lost_at
+    assert op.name == "segments" and "does not know this op type" in reason

@@ -117,6 +117,8 @@ class ShapeEvaluator:
             return dims
         if op.type in ("Identity", "Cast"):
             return self(op.inputs[0])
+        if op.type in ("ExpandDims", "Reshape") and op.outputs[0].shape.rank == 1:
+            return self(op.inputs[0])   # a scalar (or vector) as a vector
         if op.type in ("Pack", "ConcatV2"):
             parts = op.inputs if op.type == "Pack" else op.inputs[:-1]
             if op.type == "Pack" and op.get_attr("axis") != 0:

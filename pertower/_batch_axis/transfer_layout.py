@@ -32,7 +32,7 @@ PreventGradient Real RealDiv Reciprocal ReciprocalGrad Relu Relu6 Relu6Grad Relu
 Rint Round Rsqrt RsqrtGrad SelectV2 Selu SeluGrad Sigmoid SigmoidGrad Sign Sin
 Sinh Snapshot Softplus SoftplusGrad Softsign SoftsignGrad Sqrt SqrtGrad Square
 SquaredDifference StopGradient Sub Tan Tanh TanhGrad TruncateDiv TruncateMod Xdivy
-Xlog1py Xlogy Zeta ZerosLike OnesLike
+Xlog1py Xlogy Zeta
 """.split())
 
 # Inputs that are shapes, axes, bounds or sizes rather than values, per op type: a
@@ -484,7 +484,7 @@ def shaped_like(scan, op, ins):
     return [SIZE]
 
 
-TRANSFERS = {op_type: elementwise for op_type in ELEMENTWISE_OP_TYPES}
+TRANSFERS = {op_type: elementwise for op_type in ELEMENTWISE_OP_TYPES | {"ZerosLike", "OnesLike"}}
 TRANSFERS.update({op_type: shaped_like for op_type in RANDOM_OP_TYPES})
 TRANSFERS.update({
     "Select": select_v1, "IdentityN": identity_n, "Reshape": reshape,
