@@ -87,7 +87,6 @@ class _Scan:
         self.doubts = []          # ops whose result the analysis could not prove harmless
         self.size_data_edges = []
         self.shape_value = static.ShapeEvaluator(self.value_of)
-        self.dropped_edges = False
 
     # -- driving ----------------------------------------------------------------------
 

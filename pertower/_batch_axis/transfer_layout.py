@@ -115,8 +115,10 @@ def elementwise(scan, op, ins):
     every other."""
     out = op.outputs[0]
     out_rank = _require_rank(out)
-    if op.type == "BroadcastTo" or op.type == "EnsureShape":
-        ins = ins[:1] + [INDEPENDENT] * (len(ins) - 1)
+    if op.type == "BroadcastTo":   # input 1 is the target shape
+        if lattice.depends_on_values(ins[1]):
+            raise lattice.Lost("its target shape depends on the batch's values")
+        ins = ins[:1]
     placed = {}
     for j, value in enumerate(ins):
         if not isinstance(value, Rows):
@@ -133,10 +135,9 @@ def elementwise(scan, op, ins):
             f"the batch axis of {lattice.describe(second)} (output axis {q}), pairing "
             "every example with every other by broadcasting", lattice.CONTRACTION_ADVICE)
     (index, _), = placed.items()
-    if op.type == "BroadcastTo":
+    if op.type == "BroadcastTo":   # it must keep the batch axis, not stretch it
         dim = tf.compat.dimension_value(out.shape[index])
-        source = op.inputs[0]
-        src_dim = tf.compat.dimension_value(source.shape[index - out_rank + source.shape.rank])
+        src_dim = tf.compat.dimension_value(op.inputs[0].shape[ins[0].lead])
         if src_dim == 1 and dim != 1:
             raise lattice.Lost("it stretches the batch axis")
     rows = [(op.inputs[j], v) for j, v in enumerate(ins) if isinstance(v, Rows)]
