@@ -26,7 +26,6 @@ import warnings
 import tensorflow as tf
 
 from pertower import _request
-from pertower._batch_axis import layouts
 from pertower._guards import independence
 from pertower._guards import memory
 from pertower._towers import build as towers_lib
@@ -197,27 +196,11 @@ def _weight_name(x):
     return name if isinstance(name, str) else repr(x)
 
 
-def _unproven_reason(analysis):
-    """(op, why) for ys whose rows the layouts could not trace."""
-    op = analysis.first_unknown
-    if op is None:
-        return None
-    return op, "the batch axis could not be followed through this op"
-
-
 def _analyse(prepared, registry):
-    """(rule plan, couplings, verdict, lost_at)."""
-    rule_plan = _engine.build_plan(prepared, registry)
-    couplings = tuple(prepared.couplings)
-    analysis = rule_plan.analysis
-    ys_rows = analysis.rows(prepared.ys)
-    if couplings:
-        return rule_plan, couplings, "coupled", None
-    if ys_rows is not None and ys_rows.lead == 0 and ys_rows.k == 1:
-        return rule_plan, couplings, "independent", None
-    lost = _unproven_reason(analysis) or (prepared.ys.op, "the rows of `ys` could not be "
-                                          "traced to the examples of the batch")
-    return rule_plan, couplings, "unproven", lost
+    """(uses, reasons, couplings, verdict, lost_at) from the request's analysis."""
+    uses, reasons = _engine.build_plan(prepared, registry)
+    analysis = prepared.analysis
+    return uses, reasons, tuple(analysis.couplings), analysis.verdict, analysis.lost_at
 
 
 def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="auto",
@@ -242,13 +225,13 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
     check_method(method, function_name, rules)
     _check_validate(validate, function_name)
     memory.resolve_limit(memory_limit, function_name)
+    registry = rules if rules is not None else rules_lib.default_registry()
     prepared = _request.prepare(ys, xs, batch, num_groups, batch_size, function_name,
                                 groups_argument, batch_size_required=False,
-                                refuse_couplings=refuse)
-    registry = rules if rules is not None else rules_lib.default_registry()
+                                registry=registry, refuse_couplings=refuse)
     with prepared.graph.as_default():
-        rule_plan, couplings, verdict, lost_at = _analyse(prepared, registry)
-    uses, reasons = list(rule_plan.uses), list(rule_plan.reasons)
+        uses, reasons, couplings, verdict, lost_at = _analyse(prepared, registry)
+    uses, reasons = list(uses), list(reasons)
     if method == "towers":
         for k, reads in enumerate(prepared.reads):
             if reads.reached:

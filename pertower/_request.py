@@ -3,19 +3,21 @@
 `prepare` runs the argument checks of every public function (towers, rules, auto), so
 that bad input is refused the same way whichever method computes the gradients: `ys`,
 `xs`, the batch tensors and B, the number of groups, that `ys` depends on the batch,
-that no op couples examples (`pertower._batch_axis.mixing`), and where each weight is read.
+that no op couples examples (`pertower._batch_axis`), and where each weight is read.
+The batch-axis analysis runs once here and is kept on the result (`Prepared.analysis`)
+for the rules.
 """
 
 import collections
 
 from pertower import _checks
 from pertower import _graph_walk as graph_walk
-from pertower._batch_axis import mixing
+from pertower import _batch_axis
 
 
 class Prepared(collections.namedtuple(
         "Prepared", ["ys", "xs", "graph", "ys_upstream", "batch", "batch_size",
-                     "num_groups", "reads", "couplings", "groups_argument"])):
+                     "num_groups", "reads", "analysis", "groups_argument"])):
     """Checked inputs.
 
     Fields:
@@ -26,8 +28,8 @@ class Prepared(collections.namedtuple(
         given (allowed only for method="rules").
       num_groups: M for microbatches, or None for one group per example.
       reads: one `graph_walk.WeightReads` per entry of xs.
-      couplings: the ops found to couple examples (empty unless the caller asked not
-        to refuse them).
+      analysis: the `pertower._batch_axis.Analysis` of the ops between the batch and
+        `ys` (its `registry` attribute: the rule registry it was run with).
       groups_argument: the public name of the number of groups, for messages.
     """
 
@@ -39,7 +41,7 @@ class Prepared(collections.namedtuple(
 
 
 def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
-            batch_size_required, refuse_couplings=True):
+            batch_size_required, registry=None, refuse_couplings=True):
     """Checks the arguments of a public gradient function; returns a `Prepared`.
 
     Args:
@@ -49,6 +51,8 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
       groups_argument: the name of the argument that gave `num_groups`.
       batch_size_required: whether a None batch axis needs `batch_size` (the towers'
         contract); when False and neither is known, B is left to run time.
+      registry: the `pertower.rules.RuleRegistry` whose rules may declare the row
+        layout of their ops (`Rule.output_layouts`) to the analysis, or None.
     """
     _checks.require_graph_mode(function_name)
     ys = _checks.require_graph_tensor(ys, "ys", function_name)
@@ -91,16 +95,14 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
                 f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
-        # refuse ops that couple examples (or record them for pertower.explain)
-        if refuse_couplings:
-            mixing.check_examples_independent(batch_downstream, batch,
-                                              B if M is None else M, function_name)
-            couplings = ()
-        else:
-            couplings = tuple(mixing.find_couplings(batch_downstream, batch))
+        # refuse ops that couple examples (with one group holding the whole batch,
+        # coupling changes nothing); pertower.explain records them instead
+        analysis = _batch_axis.analyze(ys, batch, ys_upstream, B, M, registry)
+        if refuse_couplings and analysis.couplings and (B if M is None else M) != 1:
+            raise ValueError(analysis.couplings[0].message(function_name))
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
-    return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, couplings,
+    return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, analysis,
                     groups_argument)
 
 

@@ -53,6 +53,20 @@ def assert_all_close(got, want, rtol, atol, what):
     assert not problems, f"{what}: " + "; ".join(problems)
 
 
+def loop_rows_of_batch(sess, ys, xs, feed_dict):
+    """[B, *x.shape] per x: the gradient of row i of `ys` *as computed on the whole
+    batch*, d sum(ys[i]) / d x, one tf.gradients per row, each fed the whole batch.
+
+    This is the definition the per-op rules compute when `ys` reads the batch's size
+    (e.g. a mean over the batch written as cost / tf.cast(tf.shape(x)[0])), where the
+    one-example loop (`pertower.oracle`) would see a batch of one.
+    """
+    B = sess.run(tf.shape(ys)[0], feed_dict)
+    rows = [tf.gradients(tf.reduce_sum(ys[i]), xs) for i in range(B)]   # B x [*x.shape]
+    values = sess.run(rows, feed_dict)
+    return [np.stack([values[i][k] for i in range(B)]) for k in range(len(xs))]
+
+
 def _session(graph):
     sess = tf.compat.v1.Session(graph=graph)
     sess.run(tf.compat.v1.global_variables_initializer())

@@ -8,7 +8,7 @@ import tf_keras as keras
 
 import pertower
 from pertower import _graph_walk as graph_walk
-from pertower._batch_axis import mixing
+from pertower import _batch_axis
 from pertower import oracle
 from tests import common
 
@@ -193,7 +193,7 @@ def test_find_couplings_lists_every_coupling_in_graph_order():
         ys = tf.reduce_sum(first - second, axis=1)
         ops = {op for op in tf.compat.v1.get_default_graph().get_operations()
                if op.type not in ("Placeholder", "Const")}
-        couplings = mixing.find_couplings(ops, [x])
+        couplings = _batch_axis.find_couplings(ops, [x])
         assert [c.op.name for c in couplings] == ["first", "second"]
         assert "accumulates" in couplings[0].reason and "reduces (Sum)" in couplings[1].reason
         del ys
@@ -326,9 +326,9 @@ def test_the_scan_follows_the_batch_axis_through_keras_layers(shape, layers):
         else:
             out = keras.Sequential(layers())(x)
         ys = tf.reduce_sum(out, axis=1)                               # [B]
-        assert mixing.find_couplings(_replayed(ys, [x]), [x]) == []
+        assert _batch_axis.find_couplings(_replayed(ys, [x]), [x]) == []
         mixed = ys - tf.reduce_mean(ys, name="batch_mean")
-        found = mixing.find_couplings(_replayed(mixed, [x]), [x])
+        found = _batch_axis.find_couplings(_replayed(mixed, [x]), [x])
         assert [c.op.name for c in found] == ["batch_mean"]
 
 
@@ -440,7 +440,7 @@ def test_random_layout_chains_keep_the_batch_axis(data):
         rank = t.shape.rank
         axes = sorted(data.draw(st.sets(st.integers(0, rank - 1), min_size=1)))
         reduced = tf.reduce_sum(t, axis=axes, name="reduced")
-        found = mixing.find_couplings(_replayed(reduced, [x]), [x])
+        found = _batch_axis.find_couplings(_replayed(reduced, [x]), [x])
         if batch_axis in axes:
             assert [c.op.name for c in found] == ["reduced"], (axes, batch_axis, t.shape)
             assert f"axis {batch_axis}, the batch axis" in found[0].reason
@@ -454,9 +454,9 @@ def test_v1_select_with_a_row_condition_and_identity_n_keep_the_batch_axis():
         rows = tf.compat.v1.where(x[:, 0] > 0, x, -x)                # Select: [B] picks rows
         (passed, _) = tf.identity_n([rows, x])
         ys = tf.reduce_sum(passed, axis=1)
-        assert mixing.find_couplings(_replayed(ys, [x]), [x]) == []
+        assert _batch_axis.find_couplings(_replayed(ys, [x]), [x]) == []
         mixed = tf.reduce_sum(passed, axis=0, name="over_batch")
-        assert [c.op.name for c in mixing.find_couplings(_replayed(mixed, [x]), [x])] == [
+        assert [c.op.name for c in _batch_axis.find_couplings(_replayed(mixed, [x]), [x])] == [
             "over_batch"]
 
 

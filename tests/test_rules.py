@@ -138,10 +138,12 @@ def _mixed(x):
 
 
 def _mixing_op(x):
-    """A Cumsum along the feature axis has no known row structure: every weight falls
-    back (sound, and the towers' answer)."""
-    w = _weights([4, 3], "w_cumsum")
-    return tf.reduce_sum(tf.math.cumsum(tf.matmul(x, w), axis=1) ** 2, axis=1), [w]
+    """A cross product of each row with another (the Cross op) keeps rows, but the
+    analysis does not know the op: every weight falls back (sound, and the towers'
+    answer)."""
+    w = _weights([4, 3], "w_cross")
+    h = tf.matmul(x, w)
+    return tf.reduce_sum(tf.linalg.cross(h, tf.sin(h)) ** 2, axis=1), [w]
 
 
 MODELS = {
@@ -163,7 +165,7 @@ MODELS = {
     "time_distributed_conv": (_time_distributed_conv, [(3, 5, 5, 2)], {}, []),
     "embedding_repeated_ids": (_embedding, ["ids"], {"ids": (4,), "B": 4}, []),
     "mixed_fallback": (_mixed, [(4,)], {}, ["k2", "scale_sq"]),
-    "mixing_op": (_mixing_op, [(4,)], {}, ["w_cumsum"]),
+    "mixing_op": (_mixing_op, [(4,)], {}, ["w_cross"]),
 }
 
 
@@ -253,7 +255,7 @@ def test_microbatches_and_jacobians_match_oracle(model):
 def test_an_op_that_mixes_examples_is_refused_by_every_method(method):
     """x W minus its mean over the batch: example i's value depends on the others, so
     neither the batched dZ (rules) nor one-example towers give "the gradient of example
-    i" of `ys`; both methods refuse, naming the op (pertower._batch_axis.mixing)."""
+    i" of `ys`; both methods refuse, naming the op (pertower._batch_axis)."""
     def build(x):
         w = _weights([4, 3], "w_centered")
         z = tf.matmul(x, w)
@@ -418,19 +420,18 @@ def test_a_user_registry_replaces_and_adds_rules(mlp):
         registry.register(3, counting)
 
 
-class _CumsumAlongFeatures(rules_lib.Rule):
-    """Teaches the layout analysis that a Cumsum along axis 1 keeps rows (it reads no
-    weight, so `match` is never asked)."""
+class _CrossOfRows(rules_lib.Rule):
+    """Teaches the analysis that a Cross of two tensors with the same rows keeps them
+    (it reads no weight, so `match` is never asked)."""
 
     def output_layouts(self, op, inputs):
-        from pertower._batch_axis import layouts  # pylint: disable=import-outside-toplevel
-        axis = layouts.static_value(op.inputs[1])
-        if axis is None or int(axis) == 0 or not isinstance(inputs[0], layouts.Rows):
+        from pertower import _batch_axis  # pylint: disable=import-outside-toplevel
+        if not isinstance(inputs[0], _batch_axis.Rows) or inputs[1] != inputs[0]:
             return None
         return [inputs[0]]
 
     def match(self, op, slot, analysis):
-        return "Cumsum reads no weight"
+        return "Cross reads no weight"
 
     def per_group(self, use, dZ, G):
         raise AssertionError("never called")
@@ -439,7 +440,7 @@ class _CumsumAlongFeatures(rules_lib.Rule):
 def test_a_user_rule_can_declare_the_row_layout_of_its_op():
     case = _model("mixing_op", _mixing_op, [(4,)])
     registry = rules_lib.default_registry()
-    registry.register("Cumsum", _CumsumAlongFeatures())
+    registry.register("Cross", _CrossOfRows())
     with case.graph.as_default():
         plan = _dispatch.make_plan(case.ys, case.xs, None, 4, rules=registry, validate=False,
                                    function_name="test")

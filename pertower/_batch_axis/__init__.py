@@ -1,0 +1,34 @@
+"""The batch-axis analysis: which entries of each tensor belong to which example, which
+ops couple examples, and whether row i of `ys` depends on example i alone.
+
+One forward analysis (`analyze`) serves the per-op rules (row layouts, `Analysis.rows`)
+and the coupling checks of every method (`Analysis.couplings`, `find_couplings`,
+`check_examples_independent`). Modules:
+
+    lattice           the values (Rows, INDEPENDENT, SIZE, UNKNOWN), Coupling
+    static            static values and shapes of small integer tensors
+    transfer_layout   elementwise ops, reshapes, slices, gathers, ... (one table)
+    transfer_compute  reductions, products, convolutions, normalizations, losses
+    functions         If/While/calls, TensorLists, v1 Switch/Merge
+    analysis          the driver, the verdict, size data edges
+"""
+
+from pertower._batch_axis.analysis import Analysis
+from pertower._batch_axis.analysis import analyze
+from pertower._batch_axis.analysis import check_examples_independent
+from pertower._batch_axis.analysis import find_couplings
+from pertower._batch_axis.lattice import INDEPENDENT
+from pertower._batch_axis.lattice import META
+from pertower._batch_axis.lattice import SIZE
+from pertower._batch_axis.lattice import UNKNOWN
+from pertower._batch_axis.lattice import Coupling
+from pertower._batch_axis.lattice import Rows
+from pertower._batch_axis.lattice import complete
+from pertower._batch_axis.static import parse_einsum
+from pertower._batch_axis.static import refined_reshape_shape
+from pertower._batch_axis.static import static_value
+from pertower._batch_axis.transfer_layout import ELEMENTWISE_OP_TYPES
+
+__all__ = ["Analysis", "analyze", "check_examples_independent", "find_couplings",
+           "INDEPENDENT", "META", "SIZE", "UNKNOWN", "Coupling", "Rows", "complete",
+           "parse_einsum", "refined_reshape_shape", "static_value", "ELEMENTWISE_OP_TYPES"]

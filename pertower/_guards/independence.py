@@ -5,7 +5,7 @@ Notation:
     ys  per-example values, [B, ...]
     stacked  the tower outputs concatenated, [B, ...]: `ys` recomputed slice by slice
 
-The static scan (`pertower._batch_axis.mixing`) refuses the coupling ops it knows. What it cannot
+The static scan (`pertower._batch_axis`) refuses the coupling ops it knows. What it cannot
 see (an op it does not know, a py_function, a custom kernel) shows at run time:
 when the examples are independent, computing them slice by slice gives `ys` again,
 

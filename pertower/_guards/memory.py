@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _graph_walk as graph_walk
-from pertower._batch_axis import mixing
+from pertower import _batch_axis
 
 __all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit"]
 
@@ -118,7 +118,7 @@ def _activation_bytes(ys, batch, B):
     batch = [b for b in _checks.as_list(batch) if isinstance(b, tf.Tensor)]
     total = 0
     for op in graph_walk.downstream_ops(batch, upstream):
-        if op.type in mixing.ELEMENTWISE_OP_TYPES:
+        if op.type in _batch_axis.ELEMENTWISE_OP_TYPES:
             continue  # TF kernels write these into their input's buffer when they can
         for out in op.outputs:
             if not out.dtype.is_floating or out.shape.rank is None or out.shape.rank == 0:

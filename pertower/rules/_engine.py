@@ -8,7 +8,7 @@ Notation:
 For every weight x, every read of x that `ys` depends on must reach an op that has a
 rule (`pertower.rules`), possibly through layout-only ops on the weight side
 (Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)); and
-`pertower._batch_axis.layouts` must prove that the op's A and Z rows belong to examples and that
+`pertower._batch_axis` must prove that the op's A and Z rows belong to examples and that
 row i of `ys` depends on example i alone. Then
 
     grad_i(x) = sum over the uses u of x of  rule_u(A_u, dZ_u) for example i,
@@ -22,51 +22,34 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _checks
-from pertower._batch_axis import layouts
+from pertower import _batch_axis
 from pertower.rules import _rows
 
 # Ops that only re-lay-out the weight's value (same elements, same order).
 _WEIGHT_LAYOUT_OPS = frozenset({"Identity", "Snapshot", "ExpandDims", "Squeeze", "Reshape"})
 
 
-@dataclasses.dataclass(frozen=True)
-class RulePlan:
-    """Which weights the rules cover, and how. Immutable.
-
-    Attributes:
-      prepared: the checked inputs (`pertower._request.Prepared`).
-      uses: per entry of xs, a tuple of `rules.Use` (empty when `ys` does not reach
-        x), or None when x falls back to the towers.
-      reasons: per entry of xs, why it falls back (str), or None.
-    """
-
-    prepared: object
-    uses: tuple
-    reasons: tuple
-    analysis: object = None
-
-    @property
-    def fallback(self):
-        """Indices into xs of the weights the rules do not cover."""
-        return [k for k, u in enumerate(self.uses) if u is None]
-
-
 def build_plan(prepared, registry):
-    """Decides, for every weight, whether the rules cover it. Builds no ops."""
+    """Decides, for every weight, whether the rules cover it. Builds no ops.
+
+    Returns:
+      (uses, reasons): per entry of xs, a tuple of `rules.Use` (empty when `ys` does
+      not reach x) or None when x falls back to the towers; and why it falls back
+      (str) or None.
+    """
     ys, batch = prepared.ys, prepared.batch
-    analysis = layouts.analyze(ys, batch, prepared.ys_upstream, prepared.batch_size,
-                               registry)
-    ys_rows = analysis.rows(ys)
-    if ys_rows is None or ys_rows.lead != 0 or ys_rows.k != 1:
-        unknown = analysis.first_unknown
-        where = (f"; the first op whose rows could not be traced is {unknown.name!r} "
-                 f"({unknown.type})" if unknown is not None else "")
+    analysis = prepared.analysis
+    if analysis is None or analysis.registry is not registry:
+        analysis = _batch_axis.analyze(ys, batch, prepared.ys_upstream, prepared.batch_size,
+                                       prepared.num_groups, registry)
+    if analysis.verdict != "independent":
+        lost = analysis.lost_at
+        where = (f"; the proof was lost at {lost[0].name!r} ({lost[0].type}): {lost[1]}"
+                 if lost is not None else "")
         reason = (f"the rows of `ys` ({ys.name}) could not be traced to the examples of "
                   f"the batch{where}")
-        return RulePlan(prepared,
-                        tuple(None if r.reached else () for r in prepared.reads),
-                        tuple(reason if r.reached else None
-                              for r in prepared.reads), analysis)
+        return (tuple(None if r.reached else () for r in prepared.reads),
+                tuple(reason if r.reached else None for r in prepared.reads))
     uses, reasons = [], []
     for x, reads in zip(prepared.xs, prepared.reads):
         found = _weight_uses(x, reads, prepared.ys_upstream, analysis, registry)
@@ -76,7 +59,7 @@ def build_plan(prepared, registry):
         else:
             uses.append(tuple(found))
             reasons.append(None)
-    return RulePlan(prepared, tuple(uses), tuple(reasons), analysis)
+    return tuple(uses), tuple(reasons)
 
 
 def _weight_uses(x, reads, ys_upstream, analysis, registry):
@@ -97,7 +80,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
             slots = [j for j, t in enumerate(op.inputs) if t is tensor]
             if (op.type in _WEIGHT_LAYOUT_OPS and slots == [0] and
                     op.outputs[0].shape.is_fully_defined() and
-                    all(layouts.static_value(t) is not None for t in op.inputs[1:])):
+                    all(_batch_axis.static_value(t) is not None for t in op.inputs[1:])):
                 stack.append(op.outputs[0])
                 continue
             terminals.extend((op, j) for j in slots)

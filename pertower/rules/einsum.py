@@ -14,7 +14,7 @@ an operand; every weight index appears in A or Z.
 
 import tensorflow as tf
 
-from pertower._batch_axis import layouts
+from pertower import _batch_axis
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
@@ -23,7 +23,7 @@ class EinsumRule(registry_lib.Rule):
     """Per-example weight gradients of a two-operand einsum."""
 
     def match(self, op, slot, analysis):
-        parsed = layouts.parse_einsum(op.get_attr("equation"))
+        parsed = _batch_axis.parse_einsum(op.get_attr("equation"))
         if parsed is None or len(parsed[0]) != 2:
             return "the einsum equation has an ellipsis or is not 'a,w->z'"
         (a, w), z = parsed
@@ -38,7 +38,7 @@ class EinsumRule(registry_lib.Rule):
         return self.example_use(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
-        (a, w), z = layouts.parse_einsum(use.op.get_attr("equation"))
+        (a, w), z = _batch_axis.parse_einsum(use.op.get_attr("equation"))
         letters = set(a + w + z)
         g = next(c for c in "gGhHqQ" + "abcdefijklmnoprstuvwxyz" if c not in letters)
         A_g = _reshape_rows(use.activation, G)   # [G*k, ...] -> [G, k, ...]

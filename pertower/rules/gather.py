@@ -13,7 +13,7 @@ Covered: axis 0, batch_dims 0, the table's shape static.
 
 import tensorflow as tf
 
-from pertower._batch_axis import layouts
+from pertower import _batch_axis
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
@@ -27,7 +27,7 @@ class GatherRule(registry_lib.Rule):
         if "batch_dims" in op.node_def.attr and op.get_attr("batch_dims"):
             return "gather with batch_dims"
         if op.type == "GatherV2":
-            axis = layouts.static_value(op.inputs[2])
+            axis = _batch_axis.static_value(op.inputs[2])
             if axis is None or int(axis) != 0:
                 return "gather along an axis other than 0"
             w_shape = op.inputs[0].shape

@@ -7,7 +7,7 @@ Notation:
     w   the weight at the op's input `slot` (after any reshape of the variable's value)
 
 A rule turns the *batched* A and dZ of one op into one gradient per group of examples,
-[G, *w.shape]. It may only be used where `pertower._batch_axis.layouts` proves that A's and dZ's
+[G, *w.shape]. It may only be used where `pertower._batch_axis` proves that A's and dZ's
 rows are example-major (example i owns rows i*k ... i*k+k-1) and that row i of `ys`
 depends on example i alone; `Rule.match` checks what the rule itself needs on top.
 """
@@ -33,7 +33,7 @@ class Use:
       activation: the batch-side input A, [B*k, ...].
       output: the op's output Z whose gradient dZ the rule uses, [B*k, ...].
       weight_shape: the static shape of the weight as the op sees it.
-      rows: the `layouts.Rows` of `activation` (k rows per example).
+      rows: the `_batch_axis.Rows` of `activation` (k rows per example).
     """
 
     op: tf.Operation
@@ -48,8 +48,8 @@ class Use:
 class Rule:
     """Base class of per-op rules. Subclasses define `match` and `per_group`, and may
     define `squared_norms` (a cheap per-example ||grad||^2) and, for an op type that
-    `pertower._batch_axis.layouts` does not know, `output_layouts(op, inputs)`: given one entry per
-    input (`layouts.Rows`, `layouts.INDEPENDENT`, `layouts.META` or None for unknown),
+    `pertower._batch_axis` does not know, `output_layouts(op, inputs)`: given one entry per
+    input (`_batch_axis.Rows`, `_batch_axis.INDEPENDENT`, `_batch_axis.SIZE` or None for unknown),
     the list of the outputs' layouts, or None when they are unknown."""
 
     def match(self, op, slot, analysis):

@@ -1,0 +1,436 @@
+"""The forward analysis: one pass over the ops between the batch and `ys`.
+
+Notation (as in every core module):
+    B   examples in the batch          S   the ops between the batch and `ys`
+    k   rows per example               E   elements per example
+
+Per-example gradients are defined when row i of `ys` depends on example i alone.
+`analyze` walks S once in graph order and gives every tensor a lattice value
+(`lattice`: INDEPENDENT, SIZE, Rows(lead, k, E), UNKNOWN) from its inputs' values and
+one table of transfer functions (`transfer_layout`, `transfer_compute`, `functions`).
+Along the way it finds
+
+* couplings: ops that reduce, contract, sort, shift or pick along the batch axis
+  (batch normalization in training mode, x^T x, softmax over the batch, ...), which
+  make each example's value depend on the others;
+* the first op where the batch axis was lost (an op the table does not know, a
+  reshape that moves rows across examples, a loop over the examples), and
+* the edges where a value computed from the batch's *size* enters a value computation
+  (`cost / tf.cast(tf.shape(x)[0], tf.float32)`), which the towers must feed with the
+  whole batch's value.
+
+The verdict is "independent" when `ys` has one row per example (Rows(0, 1, .), a row
+layout) and no op couples examples; "coupled" when one does (the first, in graph
+order, is what the caller raises); "unproven" otherwise (`lost_at` says where and why).
+The per-op rules (`pertower.rules`) use the row layouts (`Analysis.rows`) only when the
+verdict is "independent": then every tensor on a path from the batch to `ys` was built
+from its own example's rows (or from SIZE values, which the batched backward pass
+evaluates with the whole batch, as `ys` does).
+"""
+
+import tensorflow as tf
+from tensorflow.python.framework import function_def_to_graph
+
+from pertower import _graph_walk as graph_walk
+from pertower._batch_axis import functions
+from pertower._batch_axis import lattice
+from pertower._batch_axis import static
+from pertower._batch_axis import transfer_compute
+from pertower._batch_axis import transfer_layout
+from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
+
+__all__ = ["Analysis", "analyze", "find_couplings", "check_examples_independent"]
+
+# Outputs that describe a tensor's shape rather than its values.
+_SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs",
+                             "TensorListLength", "TensorListElementShape"})
+# Ops that make values shaped by a SIZE shape argument (their own transfer functions).
+_SHAPED_BY_SIZE = frozenset({"Fill"}) | transfer_layout.RANDOM_OP_TYPES
+
+TRANSFERS = dict(transfer_layout.TRANSFERS)
+TRANSFERS.update(transfer_compute.TRANSFERS)
+TRANSFERS.update(functions.TRANSFERS)
+_READS_UNKNOWN = (transfer_compute.READS_UNKNOWN | functions.CONTROL_FLOW_OP_TYPES
+                  | {"Reshape", "IdentityN"})
+
+# Integer and boolean ops through which a reduction's result may flow and still only
+# size shapes or bound loops (`_Scan.only_bounds`).
+_BOUND_ARITHMETIC = frozenset({
+    "Identity", "Cast", "Add", "AddV2", "Sub", "Mul", "Maximum", "Minimum", "FloorDiv",
+    "FloorMod", "Pack", "ConcatV2", "Range", "ExpandDims", "Reshape", "Squeeze",
+    "StridedSlice", "Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual",
+    "LogicalAnd", "LogicalOr", "LogicalNot"})
+_WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
+_MAX_DEPTH = 8
+
+
+class _Scan:
+    """Lattice values of the tensors of one graph (or function body), filled in graph
+    order by `run`; `couplings`, `losses` and `size_data_edges` collect what it found."""
+
+    def __init__(self, seeds, region, targets=(), registry=None, static_batch_size=None,
+                 depth=0, function_cache=None):
+        self.values = lattice.TensorMap()
+        for tensor, value in seeds:
+            self.values[tensor] = value
+        self.seeds = lattice.TensorMap()
+        for tensor, _ in seeds:
+            self.seeds[tensor] = True
+        self.region = set(region)
+        self.targets = list(targets)
+        self.registry = registry
+        self.static_batch_size = static_batch_size
+        self.depth = depth
+        self.function_cache = {} if function_cache is None else function_cache
+        self.couplings = []
+        self.losses = []          # (op, reason), in graph order
+        self.doubts = []          # ops whose result the analysis could not prove harmless
+        self.size_data_edges = []
+        self.shape_value = static.ShapeEvaluator(self.value_of)
+
+    # -- driving ----------------------------------------------------------------------
+
+    def value_of(self, tensor):
+        return self.values.get(tensor, INDEPENDENT)
+
+    def run(self):
+        for op in _topological(self.region):
+            ins = [self.value_of(t) for t in op.inputs]
+            if all(v is INDEPENDENT for v in ins):
+                continue
+            outs = self._user_layouts(op, ins)
+            if outs is None:
+                outs = self._transfer(op, ins)
+            self._record_size_edges(op, ins, outs)
+            self._store(op, ins, outs)
+        return self
+
+    def _user_layouts(self, op, ins):
+        rule = self.registry.lookup(op.type) if self.registry is not None else None
+        if rule is None or not hasattr(rule, "output_layouts"):
+            return None
+        outs = rule.output_layouts(op, [None if v is UNKNOWN else v for v in ins])
+        return None if outs is None else [UNKNOWN if v is None else v for v in outs]
+
+    def _transfer(self, op, ins):
+        n = len(op.outputs)
+        if op.type in _SHAPE_OP_TYPES:
+            if op.type == "ShapeN":
+                return [UNKNOWN if v is UNKNOWN else SIZE for v in ins]
+            return [UNKNOWN if ins[0] is UNKNOWN else SIZE] * n
+        slots = transfer_layout.shape_slots(op)
+        if op.type not in _READS_UNKNOWN and any(
+                v is UNKNOWN for j, v in enumerate(ins) if j not in slots):
+            return [UNKNOWN] * n   # the axis was lost upstream: no new loss here
+        if (not any(lattice.depends_on_values(v) for v in ins)
+                and op.type not in _SHAPED_BY_SIZE and op.type not in functions.TRANSFERS):
+            return [SIZE] * n
+        transfer = TRANSFERS.get(op.type)
+        if transfer is None:
+            self.lose(op, "the analysis does not know this op type")
+            return [UNKNOWN] * n
+        try:
+            return list(transfer(self, op, ins))
+        except lattice.Coupled as coupled:
+            self.couplings.append(lattice.Coupling(op, coupled.reason, coupled.advice))
+        except lattice.Lost as lost:
+            self.lose(op, lost.reason)
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
+            # an op whose attributes or shapes cannot be read: the analysis loses the
+            # batch axis here rather than failing the user's call
+            self.lose(op, f"its attributes or shapes could not be read ({error})")
+        return [UNKNOWN] * n
+
+    def _store(self, op, ins, outs):
+        ks = {v.k for v in ins if isinstance(v, Rows)}
+        common_k = ks.pop() if len(ks) == 1 else None
+        for tensor, value in zip(op.outputs, outs):
+            if tensor in self.seeds:
+                continue
+            if isinstance(value, int) and not isinstance(value, bool):
+                value = Rows(value, common_k, None)
+            if isinstance(value, Rows) and tensor.dtype != tf.variant:  # (a TensorList
+                # holds the value of its elements)
+                completed = lattice.complete(value, tensor.shape)
+                if completed is None:
+                    self.lose(op, f"its output {tensor.name} would split an example's "
+                                  "entries across rows")
+                    value = UNKNOWN
+                else:
+                    value = completed
+            if value is UNKNOWN and not any(v is UNKNOWN for v in ins) and self._live(tensor):
+                self.lose(op, "its outputs' batch axes could not be followed")
+            if value is not INDEPENDENT:
+                self.values[tensor] = value
+
+    def _live(self, tensor):
+        """Whether `tensor` is on a path to the targets (ys, or a body's outputs)."""
+        if any(tensor is t for t in self.targets):
+            return True
+        return any(c in self.region for c in tensor.consumers())
+
+    def lose(self, op, reason, doubt=False):
+        """Records that the proof was lost at `op` (the first record is `lost_at`);
+        with `doubt`, the verdict cannot be "independent" even if `ys` keeps its rows."""
+        if not any(o is op for o, _ in self.losses):
+            self.losses.append((op, reason))
+        if doubt:
+            self.doubts.append(op)
+
+    # -- SIZE values that enter value computations ------------------------------------
+
+    def _record_size_edges(self, op, ins, outs):
+        if op.type in _SHAPE_OP_TYPES or op.type in functions.TRANSFERS:
+            return
+        slots = transfer_layout.shape_slots(op)
+        into_values = any(v is not SIZE for v in outs) or any(
+            t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
+        for j, value in enumerate(ins):
+            if value is not SIZE or j in slots:
+                continue
+            dtype = op.inputs[j].dtype
+            if dtype.is_floating or dtype.is_complex or dtype == tf.variant:
+                continue   # already a value: it crossed at an edge recorded upstream
+            if into_values:
+                self.size_data_edges.append((op, j))
+
+    # -- reductions whose result only sizes shapes ------------------------------------
+
+    def only_bounds(self, op):
+        """Where the outputs of `op` go: "bounds" when they only reach shape or axis
+        operands and loop bounds (through integer arithmetic), "unclear" when they
+        reach a function or loop whose use of them is not followed, "data" otherwise."""
+        verdict = "bounds"
+        stack, seen = list(op.outputs), set()
+        while stack:
+            tensor = stack.pop()
+            if any(tensor is t for t in self.targets) or not any(
+                    c in self.region for c in tensor.consumers()):
+                return "data"   # a result (`ys`, a body's output, the end of the ops)
+            for consumer in tensor.consumers():
+                if consumer not in self.region:
+                    continue
+                for j, t in enumerate(consumer.inputs):
+                    if t is not tensor or j in transfer_layout.shape_slots(consumer):
+                        continue
+                    if consumer.type in _WHILE_OP_TYPES:
+                        if not self._passes_through(consumer, j):
+                            verdict = "unclear"
+                        continue
+                    if consumer.type in functions.TRANSFERS:
+                        verdict = "unclear"
+                        continue
+                    if consumer.type in _BOUND_ARITHMETIC and all(
+                            o.dtype.is_integer or o.dtype == tf.bool for o in consumer.outputs):
+                        for out in consumer.outputs:
+                            if out.ref() not in seen:
+                                seen.add(out.ref())
+                                stack.append(out)
+                        continue
+                    return "data"
+        return verdict
+
+    def _passes_through(self, op, j):
+        """Whether loop variable j of a While is handed unchanged from iteration to
+        iteration (the body only copies it; the condition may compare with it)."""
+        body = self._function_graph(op, "body")
+        if body is None or j >= len(body.inputs):
+            return False
+        target = body.outputs[j]
+        stack = [body.inputs[j]]
+        while stack:
+            tensor = stack.pop()
+            if tensor is target:
+                continue
+            for consumer in tensor.consumers():
+                if consumer.type != "Identity":
+                    return False
+                stack.append(consumer.outputs[0])
+        return True
+
+    # -- function bodies ---------------------------------------------------------------
+
+    def _function_graph(self, op, attr):
+        try:
+            name = op.get_attr(attr).name
+        except (ValueError, AttributeError):
+            return None
+        key = (id(op.graph), name)
+        if key not in self.function_cache:
+            try:
+                function = op.graph._get_function(name)  # pylint: disable=protected-access
+                self.function_cache[key] = function_def_to_graph.function_def_to_graph(
+                    function.cached_definition)
+            except (AttributeError, ValueError, TypeError, KeyError):
+                self.function_cache[key] = None
+        return self.function_cache[key]
+
+    def body_values(self, op, attr, ins):
+        """The values of the outputs of the function `attr` of `op` run on inputs with
+        the values `ins`. A coupling inside is raised on `op`; a loss inside is lost
+        at `op`."""
+        if self.depth >= _MAX_DEPTH:
+            raise lattice.Lost("its functions are nested too deeply")
+        body = self._function_graph(op, attr)
+        if body is None:
+            raise lattice.Lost(f"its function {attr!r} could not be read")
+        if len(body.inputs) != len(ins):
+            raise lattice.Lost(f"its function {attr!r} takes other inputs")
+        name = op.get_attr(attr).name
+        seeds = [(t, v) for t, v in zip(body.inputs, ins) if v is not INDEPENDENT]
+        inner = _Scan(seeds, body.get_operations(), body.outputs, self.registry,
+                      self.static_batch_size, self.depth + 1, self.function_cache).run()
+        if inner.couplings:
+            first = inner.couplings[0]
+            raise lattice.Coupled(
+                f"runs the function {name!r}, whose op {first.op.name!r} ({first.op.type}) "
+                f"{first.reason}", first.advice)
+        if inner.size_data_edges:
+            self.size_data_edges.extend(
+                (op, j + (len(op.inputs) - len(ins))) for j, v in enumerate(ins) if v is SIZE)
+        outs = [inner.value_of(t) for t in body.outputs]
+        if inner.losses and (inner.doubts or any(v is UNKNOWN for v in outs)):
+            inner_op, reason = inner.losses[0]
+            self.lose(op, f"in its function {name!r}, {inner_op.name!r} ({inner_op.type}): "
+                          f"{reason}", doubt=bool(inner.doubts))
+        return outs
+
+
+def _topological(ops):
+    """`ops` with every op after the ops it reads (creation order breaks ties; a TF1
+    cond adds an op's Switch inputs after the op, so creation order alone is not
+    enough). Back edges of TF1 loops are ignored."""
+    ops = set(ops)
+    ordered, done, active = [], set(), set()
+    for root in sorted(ops, key=lambda o: o._id):  # pylint: disable=protected-access
+        stack = [(root, False)]
+        while stack:
+            op, expanded = stack.pop()
+            if expanded:
+                active.discard(op)
+                if op not in done:
+                    done.add(op)
+                    ordered.append(op)
+                continue
+            if op in done or op in active:
+                continue
+            active.add(op)
+            stack.append((op, True))
+            for t in reversed(list(op.inputs)):
+                if t.op in ops and t.op not in done and t.op not in active:
+                    stack.append((t.op, False))
+    return ordered
+
+
+class Analysis:
+    """The result of `analyze`.
+
+    Attributes:
+      couplings: every `Coupling` found, in graph order.
+      verdict: "independent", "coupled" or "unproven" (see the module docstring).
+      lost_at: None, or (op, reason): the first op where the proof was lost (set when
+        the verdict is "unproven").
+      size_data_edges: (consumer op, input index) pairs where a value computed from the
+        batch's size enters a value computation.
+      num_groups, registry: as given to `analyze`.
+    """
+
+    def __init__(self, scan, ys, num_groups, registry=None):
+        self.registry = registry
+        self._values = scan.values
+        self.couplings = list(scan.couplings)
+        self.size_data_edges = list(dict.fromkeys(scan.size_data_edges))
+        self.num_groups = num_groups
+        self.lost_at = None
+        ys_rows = None if ys is None else self.rows(ys)
+        if self.couplings:
+            self.verdict = "coupled"
+        elif ys_rows is not None and ys_rows.lead == 0 and ys_rows.k == 1 and not scan.doubts:
+            self.verdict = "independent"
+        else:
+            self.verdict = "unproven"
+            if scan.doubts:
+                self.lost_at = next(l for l in scan.losses if l[0] is scan.doubts[0])
+            elif scan.losses:
+                self.lost_at = scan.losses[0]
+            elif ys is not None:
+                value = scan.value_of(ys)
+                why = ("`ys` carries the batch only through its size" if value is SIZE else
+                       f"`ys` has the layout {value}, not one row per example on axis 0")
+                self.lost_at = (ys.op, why)
+
+    def value(self, tensor):
+        """The lattice value of `tensor` (INDEPENDENT for tensors not from the batch)."""
+        return self._values.get(tensor, INDEPENDENT)
+
+    def rows(self, tensor):
+        """The Rows of `tensor` when it has a row layout (every axis before `lead` of
+        static size 1), k and E completed from its static shape; else None."""
+        value = self._values.get(tensor)
+        if not lattice.contiguous(value, tensor.shape):
+            return None
+        return lattice.complete(value, tensor.shape)
+
+
+def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=None):
+    """Analyses the ops between `batch` and `ys` (see the module docstring).
+
+    Args:
+      ys: the per-example values, [B, ...].
+      batch: the batch tensors, [B, ...] each (batch axis 0).
+      ys_upstream: the ops `ys` depends on (`graph_walk.upstream_ops([ys])`).
+      batch_size: B when known statically, else None (a leading static 1 axis is then
+        never taken for the batch axis).
+      num_groups: M for microbatches, or None (kept on the result).
+      registry: a `pertower.rules.RuleRegistry`; rules may define
+        `output_layouts(op, inputs)` for op types the analysis does not know.
+
+    Returns:
+      An `Analysis`.
+    """
+    seeds = _seeds(batch)
+    region = graph_walk.downstream_ops(batch, ys_upstream)
+    scan = _Scan(seeds, region, [ys], registry, batch_size).run()
+    return Analysis(scan, ys, num_groups, registry)
+
+
+def _seeds(batch):
+    seeds = []
+    for b in batch:
+        rows = lattice.complete(Rows(0, 1, None), b.shape)
+        seeds.append((b, rows if rows is not None else UNKNOWN))
+    return seeds
+
+
+def find_couplings(replayed_ops, batch):
+    """The ops among `replayed_ops` that couple the examples of the batch.
+
+    Args:
+      replayed_ops: the ops between the batch and `ys`.
+      batch: the batch tensors, [B, ...] each; their axis 0 is the batch axis.
+
+    Returns:
+      A list of `Coupling` records in graph order (empty when none was found).
+
+    Example:
+      for c in pertower._batch_axis.find_couplings(ops, [x]): print(c.op.name, c.reason)
+    """
+    return _Scan(_seeds(batch), replayed_ops).run().couplings
+
+
+def check_examples_independent(replayed_ops, batch, num_towers=None,
+                               function_name="per_example_gradients"):
+    """Raises ValueError naming the first op of `replayed_ops` that couples examples.
+
+    Args:
+      replayed_ops: the ops between the batch and `ys`.
+      batch: the batch tensors, [B, ...] each.
+      num_towers: T, the number of slices computed on their own; with T = 1 (one
+        microbatch holding the whole batch) coupling changes nothing and no check runs.
+      function_name: the public function named in the message.
+    """
+    if num_towers == 1:
+        return
+    couplings = find_couplings(replayed_ops, batch)
+    if couplings:
+        raise ValueError(couplings[0].message(function_name))

@@ -1,0 +1,209 @@
+"""The lattice of the batch-axis analysis: what one tensor's values owe to the batch.
+
+Notation (as in every core module):
+    B   examples in the batch          k   rows per example on a tensor's batch axis
+    E   elements per example           S   the ops between the batch and `ys`
+
+Every tensor between the batch and `ys` gets one value of the lattice:
+
+    INDEPENDENT   computed without the batch (weights, constants).
+    SIZE          depends on the batch through its size only (tf.shape(x)[0], tf.range
+                  of it, a Fill of it); `META` is the same marker.
+    Rows(lead, k, E)
+                  axis `lead` is the batch axis: it holds k consecutive entries per
+                  example, each computed from its own example alone; E (when known) is
+                  the number of elements each example owns. When every axis before
+                  `lead` has static size 1 the flat (row-major) data is B contiguous
+                  blocks of E elements: the "row layout" the per-op rules need
+                  (`contiguous`). Otherwise (a transposed [T, B, d]) the batch axis is
+                  still followed, for finding couplings.
+    UNKNOWN       depends on the batch, but the batch axis was lost.
+
+INDEPENDENT < SIZE < Rows < UNKNOWN: `join` gives the value of a tensor that is one of
+two values (the branches of a cond, a loop variable over iterations).
+"""
+
+import collections
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["Rows", "INDEPENDENT", "SIZE", "META", "UNKNOWN", "Coupling", "Coupled",
+           "Lost", "complete", "contiguous", "join", "describe", "TensorMap"]
+
+
+class Rows(collections.namedtuple("Rows", ["lead", "k", "E"])):
+    """The batch axis `lead` of a tensor, k entries per example on it, E elements per
+    example; k and E may be None (not known statically)."""
+
+
+class _Marker:
+    """A named lattice value."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+# Values that do not depend on the batch; the string keeps `== "independent"` working.
+INDEPENDENT = "independent"
+# Values that depend on the batch only through its size (tf.shape(x)[0]).
+SIZE = "meta"
+META = SIZE
+# Values that depend on the batch along an axis the analysis lost.
+UNKNOWN = _Marker("UNKNOWN")
+
+
+def depends_on_values(value):
+    """Whether `value` carries the batch's values (Rows or UNKNOWN)."""
+    return isinstance(value, Rows) or value is UNKNOWN
+
+
+def _rest_size(shape, axis):
+    """prod(shape[axis + 1:]) when static, else None."""
+    if shape.rank is None:
+        return None
+    rest = shape[axis + 1:]
+    return int(np.prod(rest.as_list(), dtype=np.int64)) if rest.is_fully_defined() else None
+
+
+def complete(layout, shape):
+    """Fills in k from E (or E from k) with the static shape; None when the rows would
+    straddle examples (E not a multiple of the row size) or the shape has no axis
+    `lead`."""
+    if shape.rank is None or shape.rank <= layout.lead:
+        return None
+    rest = _rest_size(shape, layout.lead)
+    lead, k, E = layout
+    if rest is not None:
+        if k is None and E is not None:
+            if rest == 0 or E % rest:
+                return None
+            k = E // rest
+        elif E is None and k is not None:
+            E = k * rest
+        elif k is not None and E is not None and k * rest != E:
+            return None
+    return Rows(lead, k, E)
+
+
+def contiguous(layout, shape):
+    """Whether a Rows layout is a row layout: every axis before `lead` has static size 1."""
+    if not isinstance(layout, Rows) or shape.rank is None:
+        return False
+    return all(tf.compat.dimension_value(d) == 1 for d in shape[:layout.lead])
+
+
+def join(first, second):
+    """The value of a tensor that is `first` or `second`."""
+    if first == second:
+        return first
+    order = [INDEPENDENT, SIZE]
+    if first in order and second in order:
+        return SIZE
+    if first in order and isinstance(second, Rows):
+        return second if first is INDEPENDENT else UNKNOWN
+    if second in order and isinstance(first, Rows):
+        return first if second is INDEPENDENT else UNKNOWN
+    if isinstance(first, Rows) and isinstance(second, Rows) and first.lead == second.lead:
+        return Rows(first.lead, first.k if first.k == second.k else None,
+                    first.E if first.E == second.E else None)
+    return UNKNOWN
+
+
+def describe(tensor):
+    return f"{tensor.name!r} (shape {tensor.shape})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Coupling:
+    """An op that makes one example's value depend on other examples.
+
+    Attributes:
+      op: the op.
+      reason: what it does along the batch axis, e.g. "reduces (Mean) over axis 0, the
+        batch axis of its input 'x:0' (shape (None, 5))".
+      advice: what to do instead.
+    """
+
+    op: tf.Operation
+    reason: str
+    advice: str
+
+    def message(self, function_name):
+        return (
+            f"pertower.{function_name}: the op {self.op.name!r} ({self.op.type}) between "
+            f"the batch and `ys` couples the examples of the batch: it {self.reason}. So "
+            "each example's value depends on the other examples, its per-example "
+            "gradient is not defined, and computing each example on its own (as the "
+            f"towers and the per-op rules do) would give another function than `ys`. "
+            f"{self.advice}")
+
+
+class Coupled(Exception):
+    """Raised by a transfer function when its op couples examples."""
+
+    def __init__(self, reason, advice):
+        super().__init__(reason)
+        self.reason = reason
+        self.advice = advice
+
+
+class Lost(Exception):
+    """Raised by a transfer function when it cannot follow the batch axis (why)."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TensorMap:
+    """A dict keyed by tensors through `tensor.ref()` (tensors of function graphs are
+    not hashable)."""
+
+    def __init__(self):
+        self._items = {}
+
+    def __contains__(self, tensor):
+        return tensor.ref() in self._items
+
+    def __getitem__(self, tensor):
+        return self._items[tensor.ref()]
+
+    def __setitem__(self, tensor, value):
+        self._items[tensor.ref()] = value
+
+    def get(self, tensor, default=None):
+        return self._items.get(tensor.ref(), default)
+
+    def items(self):
+        return [(key.deref(), value) for key, value in self._items.items()]
+
+
+BATCH_NORM_ADVICE = (
+    "This is batch normalization in training mode (a tf_keras BatchNormalization "
+    "called with training=True, or in the symbolic learning phase, or tf.nn.moments / "
+    "fused_batch_norm over the batch): call the layer with training=False (inference "
+    "mode, which normalizes with the moving averages and works with pertower), or "
+    "normalize each example on its own (LayerNormalization, GroupNormalization).")
+REDUCTION_ADVICE = (
+    "Reduce over the non-batch axes only (for example axis=list(range(1, rank))), so "
+    "that `ys` keeps one independent row per example; normalize per example "
+    "(LayerNormalization) instead of over the batch.")
+POSITION_ADVICE = (
+    "Select, order or shift examples before they enter the graph (feed them in the "
+    "order you want), and index only the non-batch axes between the batch and `ys`.")
+CONTRACTION_ADVICE = (
+    "Contract only non-batch axes (x @ W, not x^T @ x or x @ x^T); a statistic "
+    "over the whole batch has no per-example gradient.")
+
+
+def advice_for(op, advice):
+    """Batch-norm advice for ops from a batch-normalization name scope."""
+    name = op.name.lower()
+    if "batch_norm" in name or "batchnorm" in name or "moments" in name:
+        return BATCH_NORM_ADVICE
+    return advice

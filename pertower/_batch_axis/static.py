@@ -1,0 +1,206 @@
+"""Static values and shapes: what can be known about small integer tensors while building.
+
+Notation: B examples in the batch. A *shape value* is a 1-D integer tensor described
+entry by entry as (coefficient, power): the entry is coefficient * B ** power, with
+power 0 (no batch) or 1 (a multiple of B); the coefficient is None when not known.
+`tf.shape(x)` of a [B, 7, 4] x is [(1, 1), (7, 0), (4, 0)]; the Keras reshape target
+[tf.shape(x)[0] * 7, 4] is [(7, 1), (4, 0)].
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from pertower._batch_axis import lattice
+
+__all__ = ["static_value", "parse_einsum", "ShapeEvaluator", "refined_reshape_shape",
+           "resolve_minus_one"]
+
+# Small integer ops folded where tf.get_static_value stops (the axis arithmetic of
+# tf.nn.softmax(axis=0), tf.sort, ...).
+_FOLDED = {
+    "Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply,
+    "FloorMod": np.mod, "Neg": np.negative, "Maximum": np.maximum, "Minimum": np.minimum,
+    "Range": lambda start, limit, delta: np.arange(start, limit, delta),
+    "Pack": lambda *parts: np.stack(parts), "Identity": lambda v: v,
+}
+
+
+def static_value(tensor, depth=0):
+    """The value of `tensor` as a numpy array when it is known while building, else None."""
+    try:
+        value = tf.get_static_value(tensor)
+    except (TypeError, ValueError, NotImplementedError):
+        value = None
+    if value is not None:
+        return np.asarray(value)
+    op = tensor.op
+    if depth > 16 or not (op.type in _FOLDED or op.type == "ConcatV2"):
+        return None
+    try:
+        if op.type == "Pack" and op.get_attr("axis") != 0:
+            return None
+        inputs = [static_value(t, depth + 1) for t in op.inputs]
+        if any(v is None for v in inputs):
+            return None
+        if op.type == "ConcatV2":
+            return np.concatenate([np.reshape(v, [-1]) for v in inputs[:-1]])
+        return np.asarray(_FOLDED[op.type](*inputs))
+    except (ValueError, TypeError):
+        return None
+
+
+def parse_einsum(equation):
+    """'ab,bc->ac' -> (['ab', 'bc'], 'ac'); None for ellipses or implicit outputs."""
+    equation = equation.decode() if isinstance(equation, bytes) else equation
+    equation = equation.replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    lhs, out = equation.split("->")
+    return lhs.split(","), out
+
+
+def _multiply(first, second):
+    coefficient = (None if first[0] is None or second[0] is None
+                   else first[0] * second[0])
+    power = first[1] + second[1]
+    return None if power > 1 else (coefficient, power)
+
+
+def resolve_minus_one(target):
+    """Replaces a -1 entry by (coefficient unknown, batch power): it holds the batch
+    exactly when no other entry does."""
+    minus = [k for k, d in enumerate(target) if d == (-1, 0)]
+    if not minus:
+        return target
+    if len(minus) > 1:
+        return None
+    power = 0 if any(p == 1 for _, p in target) else 1
+    return [(None, power) if k == minus[0] else d for k, d in enumerate(target)]
+
+
+class ShapeEvaluator:
+    """Evaluates shape values (see the module docstring), memoized.
+
+    Args:
+      value_of: tensor -> lattice value (`Rows`, INDEPENDENT, SIZE, UNKNOWN); the
+        batch axis of `tf.shape(x)` is x's `Rows.lead`. None: no batch is known, every
+        unknown dimension is an unknown coefficient.
+    """
+
+    def __init__(self, value_of=None):
+        self.value_of = value_of
+        self.memo = lattice.TensorMap()
+
+    def __call__(self, tensor):
+        """A list of (coefficient, power), or None when `tensor` cannot be followed."""
+        if tensor in self.memo:
+            return self.memo[tensor]
+        self.memo[tensor] = None  # guards against cycles
+        try:
+            value = self._evaluate(tensor, tensor.op)
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError):
+            value = None
+        self.memo[tensor] = value
+        return value
+
+    def _evaluate(self, tensor, op):
+        if op.type == "Shape":
+            x = op.inputs[0]
+            value = self.value_of(x) if self.value_of else lattice.INDEPENDENT
+            if x.shape.rank is None or value is lattice.UNKNOWN:
+                return None
+            dims = [(d, 0) for d in x.shape.as_list()]
+            if isinstance(value, lattice.Rows):
+                dims[value.lead] = (value.k, 1)
+            elif value is not lattice.INDEPENDENT and None in x.shape.as_list():
+                return None   # a SIZE tensor: which axis follows B is not known
+            return dims
+        if op.type in ("Identity", "Cast"):
+            return self(op.inputs[0])
+        if op.type in ("ExpandDims", "Reshape") and op.outputs[0].shape.rank == 1:
+            return self(op.inputs[0])   # a scalar (or vector) as a vector
+        if op.type in ("Pack", "ConcatV2"):
+            parts = op.inputs if op.type == "Pack" else op.inputs[:-1]
+            if op.type == "Pack" and op.get_attr("axis") != 0:
+                return None
+            if op.type == "ConcatV2":
+                axis = static_value(op.inputs[-1])
+                if axis is None or int(axis) not in (0, -1):
+                    return None
+            values = []
+            for part in parts:
+                v = self(part)
+                if v is None:
+                    return None
+                values.extend(v)
+            return values
+        if op.type in ("StridedSlice", "Slice", "GatherV2", "Prod", "Mul", "FloorDiv"):
+            return self._arithmetic(op)
+        value = static_value(tensor)
+        if value is None or value.dtype.kind not in "iu":
+            return None
+        return [(int(v), 0) for v in np.reshape(value, [-1])]
+
+    def _arithmetic(self, op):
+        source = self(op.inputs[0])
+        if source is None:
+            return None
+        if op.type == "StridedSlice":
+            begin, end, strides = (static_value(t) for t in op.inputs[1:4])
+            if (begin is None or end is None or strides is None or len(begin) != 1
+                    or op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask")):
+                return None
+            start = None if op.get_attr("begin_mask") & 1 else int(begin[0])
+            stop = None if op.get_attr("end_mask") & 1 else int(end[0])
+            if op.get_attr("shrink_axis_mask") & 1:
+                start = 0 if start is None else start
+                return [source[start]] if -len(source) <= start < len(source) else None
+            return source[start:stop:int(strides[0])]
+        if op.type == "Slice":
+            begin, size = static_value(op.inputs[1]), static_value(op.inputs[2])
+            if begin is None or size is None or begin.size != 1:
+                return None
+            start, length = int(begin.reshape(-1)[0]), int(size.reshape(-1)[0])
+            return source[start:] if length == -1 else source[start:start + length]
+        if op.type == "FloorDiv":  # a scalar over a constant
+            divisor = static_value(op.inputs[1])
+            if len(source) != 1 or divisor is None or divisor.size != 1:
+                return None
+            (coefficient, power), divisor = source[0], int(divisor.reshape(-1)[0])
+            if coefficient is None or divisor == 0 or coefficient % divisor:
+                return None
+            return [(coefficient // divisor, power)]
+        if op.type == "GatherV2":
+            indices, axis = static_value(op.inputs[1]), static_value(op.inputs[2])
+            if indices is None or axis is None or int(axis) != 0:
+                return None
+            picked = [source[int(i)] for i in np.reshape(indices, [-1])]
+            return picked
+        if op.type == "Prod":
+            if op.inputs[0].shape.rank != 1:
+                return None
+            product = (1, 0)
+            for d in source:
+                product = _multiply(product, d)
+                if product is None:
+                    return None
+            return [product]
+        other = self(op.inputs[1])  # Mul of two scalars
+        if other is None or len(source) != 1 or len(other) != 1:
+            return None
+        product = _multiply(source[0], other[0])
+        return [product] if product is not None else None
+
+
+def refined_reshape_shape(op, evaluator=None):
+    """The static output shape of a Reshape op, merged with what can be computed from
+    its shape argument (Shape/StridedSlice/Prod/Pack/... of static shapes, as Keras'
+    Flatten, Tensordot and LayerNormalization build it)."""
+    shape = op.outputs[0].shape
+    target = (evaluator or ShapeEvaluator())(op.inputs[1])
+    if target is not None and shape.rank == len(target):
+        dims = [d if d is not None else (c if power == 0 and c is not None and c >= 0
+                                         else None)
+                for d, (c, power) in zip(shape.as_list(), target)]
+        shape = tf.TensorShape(dims)
+    return shape

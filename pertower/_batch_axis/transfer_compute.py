@@ -1,0 +1,349 @@
+"""Transfer functions of ops that compute along axes: reductions, sorts and scans along
+one axis, products (matmul, einsum), convolutions, pools and normalizations, losses.
+
+Notation and contract as in `transfer_layout`: `f(scan, op, ins)` returns one lattice
+value (or batch-axis int) per output; an op that reduces, contracts, sorts, shifts or
+picks along the batch axis raises `lattice.Coupled` with what it does and what to do.
+"""
+
+import collections
+
+import numpy as np
+
+from pertower._batch_axis import lattice
+from pertower._batch_axis import static
+from pertower._batch_axis.lattice import SIZE, UNKNOWN, Rows
+from pertower._batch_axis.transfer_layout import (batch_axis_words, normalize,
+                                                  only_data_input)
+
+__all__ = ["TRANSFERS", "REDUCTION_OP_TYPES"]
+
+REDUCTION_OP_TYPES = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any",
+                                "EuclideanNorm"})
+_CONVOLUTION_OP_TYPES = {  # op type -> index of the data input
+    "Conv2D": 0, "Conv3D": 0, "DepthwiseConv2dNative": 0, "Conv2DBackpropInput": 2,
+    "Conv3DBackpropInputV2": 2, "Dilation2D": 0, "ExtractImagePatches": 0,
+    "ResizeBilinear": 0, "ResizeNearestNeighbor": 0, "ResizeBicubic": 0, "ResizeArea": 0,
+    "ScaleAndTranslate": 0, "DepthToSpace": 0, "SpaceToDepth": 0, "Conv": 0, "Conv1D": 0,
+}
+_POOL_OP_TYPES = frozenset({"MaxPool", "AvgPool", "MaxPoolV2", "MaxPool3D", "AvgPool3D",
+                            "MaxPoolWithArgmax", "LRN"})
+_BATCH_NORM_OP_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+
+
+def _rank(tensor):
+    rank = tensor.shape.rank
+    if rank is None:
+        raise lattice.Lost(f"the rank of {lattice.describe(tensor)} is not static")
+    return rank
+
+
+def _decode(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# -- reductions and ops along one axis ----------------------------------------------
+
+def reduction(scan, op, ins):
+    """A reduction over the batch axis couples the examples, unless its result only
+    sizes shapes or bounds loops (`scan.only_bounds`). Over *every* axis of a tensor
+    whose batch axis was lost it reduces the batch axis wherever it is."""
+    if lattice.depends_on_values(ins[1]):
+        raise lattice.Lost("its axes depend on the batch's values")
+    x, value = op.inputs[0], ins[0]
+    reduced, rank = static.static_value(op.inputs[1]), x.shape.rank
+    if reduced is None or rank is None:
+        raise lattice.Lost("its axes are not static")
+    reduced = sorted({normalize(r, rank) for r in np.reshape(reduced, [-1])})
+    if value is UNKNOWN:
+        if rank > 0 and reduced == list(range(rank)):
+            return _reduced_batch(scan, op, (
+                f"reduces ({op.type}) over every axis of {lattice.describe(x)}, which is "
+                "computed from the batch, so over its batch axis too"))
+        raise lattice.Lost("its input's batch axis was already lost")
+    if value.lead in reduced:
+        return _reduced_batch(scan, op, (
+            f"reduces ({op.type}) over {batch_axis_words(x, value.lead)}"))
+    keep = op.get_attr("keep_dims")
+    return [value.lead if keep else value.lead - sum(1 for r in reduced if r < value.lead)]
+
+
+def _reduced_batch(scan, op, reason):
+    """The result of a reduction over the batch axis: SIZE when it only sizes shapes or
+    bounds loops (tf.compat.v1.nn.dynamic_rnn's max(sequence_length)), a coupling
+    when it enters values."""
+    uses = scan.only_bounds(op)
+    if uses == "bounds":
+        return [SIZE]
+    if uses == "unclear":
+        scan.lose(op, f"it {reason}; its result only sizes shapes or bounds loops, in a "
+                      "way the static analysis cannot follow to the end", doubt=True)
+        return [SIZE]
+    raise lattice.Coupled(reason, lattice.advice_for(op, lattice.REDUCTION_ADVICE))
+
+
+def l2_loss(scan, op, ins):
+    raise lattice.Coupled(f"sums the squares of every entry of {lattice.describe(op.inputs[0])}, "
+                          "whose rows are the examples", lattice.REDUCTION_ADVICE)
+
+
+def arg_reduction(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    rank = _rank(op.inputs[0])
+    along = static.static_value(op.inputs[1])
+    if along is None:
+        raise lattice.Lost("its axis is not static")
+    along = normalize(along, rank)
+    if along == value.lead:
+        raise lattice.Coupled(f"takes the {op.type} over {batch_axis_words(op.inputs[0], along)}",
+                              lattice.REDUCTION_ADVICE)
+    return [value.lead if value.lead < along else value.lead - 1]
+
+
+def last_axis(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    rank = _rank(op.inputs[0])
+    if value.lead == rank - 1:
+        what = "normalizes" if "Softmax" in op.type else "sorts or ranks"
+        raise lattice.Coupled(
+            f"{what} ({op.type}) along its last axis, which is "
+            f"{batch_axis_words(op.inputs[0], value.lead)}",
+            lattice.REDUCTION_ADVICE if "Softmax" in op.type else lattice.POSITION_ADVICE)
+    return [value.lead] * len(op.outputs)
+
+
+def cumulative(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    rank = _rank(op.inputs[0])
+    along = static.static_value(op.inputs[1])
+    if along is None:
+        raise lattice.Lost("its axis is not static")
+    if normalize(along, rank) == value.lead:
+        raise lattice.Coupled(
+            f"accumulates ({op.type}) along {batch_axis_words(op.inputs[0], value.lead)}, so "
+            "each example's entry holds the examples before it", lattice.REDUCTION_ADVICE)
+    return [value.lead]
+
+
+def _along_axes(op, ins, axes_index, what):
+    value = only_data_input(op, ins, 0)
+    rank = _rank(op.inputs[0])
+    along = static.static_value(op.inputs[axes_index])
+    if along is None:
+        raise lattice.Lost("its axes are not static")
+    if value.lead in {normalize(a, rank) for a in np.reshape(along, [-1])}:
+        raise lattice.Coupled(f"works along {batch_axis_words(op.inputs[0], value.lead)}: it "
+                              f"{what}", lattice.POSITION_ADVICE)
+    return [value.lead]
+
+
+def reverse(scan, op, ins):
+    return _along_axes(op, ins, 1, "reverses the order of the examples")
+
+
+def roll(scan, op, ins):
+    return _along_axes(op, ins, 2, "shifts examples to other positions")
+
+
+def random_shuffle(scan, op, ins):
+    if isinstance(ins[0], Rows) and ins[0].lead == 0:
+        raise lattice.Coupled(f"shuffles {lattice.describe(op.inputs[0])} along axis 0, its "
+                              "batch axis", lattice.POSITION_ADVICE)
+    raise lattice.Lost("it shuffles a tensor that carries the batch")
+
+
+def cross_entropy(scan, op, ins):
+    ks = set()
+    for j, value in enumerate(ins):
+        if not isinstance(value, Rows):
+            continue
+        tensor = op.inputs[j]
+        rank = tensor.shape.rank
+        if rank is not None and rank >= 2 and value.lead == rank - 1:
+            raise lattice.Coupled(
+                "takes a softmax along the class axis, which is "
+                f"{batch_axis_words(tensor, value.lead)}", lattice.REDUCTION_ADVICE)
+        if value.lead != 0:
+            raise lattice.Lost("the batch axis is not the loss' example axis")
+        ks.add(value.k)
+    if len(ks) != 1:
+        raise lattice.Lost("logits and labels have different rows per example")
+    return [0, 0]
+
+
+# -- products -----------------------------------------------------------------------
+
+def _contracted(op, tensor, a):
+    raise lattice.Coupled(f"contracts (sums over) {batch_axis_words(tensor, a)}, e.g. x^T x",
+                          lattice.CONTRACTION_ADVICE)
+
+
+def _paired(op):
+    raise lattice.Coupled(
+        f"multiplies two tensors from the batch, {lattice.describe(op.inputs[0])} and "
+        f"{lattice.describe(op.inputs[1])}, across examples (e.g. x x^T): each example's "
+        "row holds every other example", lattice.CONTRACTION_ADVICE)
+
+
+def matmul(scan, op, ins):
+    out = set()
+    a_value, b_value = ins[0], ins[1]
+    if isinstance(a_value, Rows):
+        rows = 1 if op.get_attr("transpose_a") else 0
+        if a_value.lead != rows:
+            _contracted(op, op.inputs[0], a_value.lead)
+        out.add(0)
+    if isinstance(b_value, Rows):
+        columns = 0 if op.get_attr("transpose_b") else 1
+        if b_value.lead != columns:
+            _contracted(op, op.inputs[1], b_value.lead)
+        out.add(1)
+    if len(out) > 1:
+        _paired(op)
+    if not out:
+        return [SIZE]
+    return [out.pop()]
+
+
+def batch_matmul(scan, op, ins):
+    out_rank = _rank(op.outputs[0])
+    adjoint = {0: op.get_attr("adj_x"), 1: op.get_attr("adj_y")}
+    out = set()
+    for i in (0, 1):
+        value = ins[i]
+        if not isinstance(value, Rows):
+            continue
+        tensor = op.inputs[i]
+        rank = _rank(tensor)
+        a = value.lead
+        if a < rank - 2:
+            out.add(a + out_rank - rank)
+            continue
+        kept = (rank - 1 if adjoint[i] else rank - 2) if i == 0 else (
+            rank - 2 if adjoint[i] else rank - 1)
+        if a != kept:
+            _contracted(op, tensor, a)
+        out.add(out_rank - 2 if i == 0 else out_rank - 1)
+    if len(out) > 1:
+        _paired(op)
+    if not out:
+        return [SIZE]
+    return [out.pop()]
+
+
+def einsum(scan, op, ins):
+    equation = _decode(op.get_attr("equation")).replace(" ", "")
+    ranks = [_rank(t) for t in op.inputs]
+    lhs, _, rhs = equation.partition("->")
+    subscripts = lhs.split(",")
+    if len(subscripts) != len(op.inputs):
+        raise lattice.Lost("its equation could not be read")
+    ellipsis = max((r - len(s.replace("...", "")) for s, r in zip(subscripts, ranks)
+                    if "..." in s), default=0)
+
+    def labels(subscript, rank):
+        if "..." not in subscript:
+            return list(subscript)
+        before, after = subscript.split("...")
+        n = rank - len(before) - len(after)
+        return list(before) + [("...", ellipsis - n + j) for j in range(n)] + list(after)
+
+    in_labels = [labels(s, r) for s, r in zip(subscripts, ranks)]
+    if "->" in equation:
+        out_labels = labels(rhs, len(rhs.replace("...", "")) + ellipsis)
+    else:
+        counts = collections.Counter(l for ls in in_labels for l in ls if isinstance(l, str))
+        out_labels = [("...", j) for j in range(ellipsis)] + sorted(
+            l for l, c in counts.items() if c == 1)
+    out = {}
+    for i, value in enumerate(ins):
+        if not isinstance(value, Rows):
+            continue
+        tensor = op.inputs[i]
+        label = in_labels[i][value.lead]
+        if label not in out_labels:
+            raise lattice.Coupled(
+                f"sums over the einsum index {label!r} of {equation!r}, which is "
+                f"{batch_axis_words(tensor, value.lead)}", lattice.CONTRACTION_ADVICE)
+        out.setdefault(out_labels.index(label), tensor)
+    if len(out) > 1:
+        _paired(op)
+    if not out:
+        return [SIZE]
+    return [next(iter(out))]
+
+
+# -- images and normalization ---------------------------------------------------------
+
+def convolution(scan, op, ins):
+    data = _CONVOLUTION_OP_TYPES[op.type]
+    value = only_data_input(op, ins, data)
+    if value.lead == 0:
+        return [0] * len(op.outputs)
+    raise lattice.Coupled(
+        f"slides its window (or mixes channels) along "
+        f"{batch_axis_words(op.inputs[data], value.lead)}; the batch axis of an "
+        "image op must be axis 0", lattice.CONTRACTION_ADVICE)
+
+
+def pool(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    try:
+        data_format = _decode(op.get_attr("data_format"))
+    except ValueError:  # LRN, MaxPoolWithArgmax: always NHWC
+        data_format = "NHWC"
+    rank = op.inputs[0].shape.rank or 4
+    channel = 1 if data_format.startswith("NC") else rank - 1
+    a = value.lead
+    if a == 0 or (a == channel and op.type != "LRN") or (op.type == "LRN" and a != channel):
+        return [a] * len(op.outputs)
+    raise lattice.Coupled(f"pools ({op.type}) along {batch_axis_words(op.inputs[0], a)}",
+                          lattice.REDUCTION_ADVICE)
+
+
+def _filled_with_constant(tensor):
+    """A Fill whose value is a constant (its size may follow the batch), as Keras'
+    LayerNormalization makes the unit scale and zero offset of its fused form."""
+    return tensor.op.type == "Fill" and static.static_value(tensor.op.inputs[1]) is not None
+
+
+def fused_batch_norm(scan, op, ins):
+    """Inference mode normalizes each entry with batch-independent statistics; training
+    mode normalizes each channel over the other axes: a coupling unless the batch axis
+    is the channel axis (Keras LayerNormalization's NCHW form [1, B*k, E/k, 1])."""
+    for j in range(1, len(ins)):
+        if lattice.depends_on_values(ins[j]) and not _filled_with_constant(op.inputs[j]):
+            raise lattice.Lost("its statistics or scale depend on the batch's values")
+    value = ins[0]
+    if value is UNKNOWN:
+        raise lattice.Lost("its input's batch axis was already lost")
+    if not isinstance(value, Rows):
+        raise lattice.Lost("it normalizes values shaped by the batch size")
+    rest = [UNKNOWN] * (len(op.outputs) - 1)
+    data_format = _decode(op.get_attr("data_format"))
+    rank = op.inputs[0].shape.rank or 4
+    channel = 1 if data_format.startswith("NC") else rank - 1
+    if op.get_attr("is_training") and value.lead != channel:
+        raise lattice.Coupled(
+            "normalizes each channel with the mean and variance over the whole batch "
+            f"(is_training=True), reducing {batch_axis_words(op.inputs[0], value.lead)}",
+            lattice.BATCH_NORM_ADVICE)
+    return [value] + rest
+
+
+TRANSFERS = {op_type: reduction for op_type in REDUCTION_OP_TYPES}
+TRANSFERS.update({op_type: convolution for op_type in _CONVOLUTION_OP_TYPES})
+TRANSFERS.update({op_type: pool for op_type in _POOL_OP_TYPES})
+TRANSFERS.update({op_type: fused_batch_norm for op_type in _BATCH_NORM_OP_TYPES})
+TRANSFERS.update({
+    "ArgMax": arg_reduction, "ArgMin": arg_reduction, "Softmax": last_axis,
+    "LogSoftmax": last_axis, "TopKV2": last_axis, "NthElement": last_axis,
+    "Cumsum": cumulative, "Cumprod": cumulative, "CumulativeLogsumexp": cumulative,
+    "ReverseV2": reverse, "Roll": roll, "RandomShuffle": random_shuffle,
+    "MatMul": matmul, "BatchMatMul": batch_matmul, "BatchMatMulV2": batch_matmul,
+    "BatchMatMulV3": batch_matmul, "Einsum": einsum,
+    "SoftmaxCrossEntropyWithLogits": cross_entropy,
+    "SparseSoftmaxCrossEntropyWithLogits": cross_entropy, "L2Loss": l2_loss,
+})
+# Ops whose transfer functions read UNKNOWN inputs themselves.
+READS_UNKNOWN = REDUCTION_OP_TYPES

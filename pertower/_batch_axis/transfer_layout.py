@@ -1,0 +1,499 @@
+"""Transfer functions of ops that move, copy or combine entries without mixing them:
+elementwise ops with broadcasting, reshapes, transposes, concatenation, slices, gathers.
+
+Notation: B examples; a tensor's value in the lattice (`lattice`) is INDEPENDENT, SIZE,
+Rows(lead, k, E) or UNKNOWN; `lead` is its batch axis, k its entries per example.
+
+A transfer function `f(scan, op, ins)` gets the values of op's inputs and returns one
+value per output: a lattice value, or an int (the batch axis of that output, with the
+inputs' common k). It raises `lattice.Coupled` when the op couples examples (picks,
+orders or shifts them along the batch axis) and `lattice.Lost` when it cannot follow
+the batch axis (with why).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from pertower._batch_axis import lattice
+from pertower._batch_axis import static
+from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
+
+__all__ = ["ELEMENTWISE_OP_TYPES", "TRANSFERS", "SHAPE_SLOTS"]
+
+ELEMENTWISE_OP_TYPES = frozenset("""
+Abs Acos Acosh Add AddN AddV2 Angle ApproximateEqual Asin Asinh Atan Atan2 Atanh
+BesselI0e BesselI1e Betainc BiasAdd BroadcastTo Cast Ceil CheckNumerics ClipByValue
+ComplexAbs Conj Cos Cosh DebugIdentity DebugIdentityV2 Digamma Div DivNoNan Elu EluGrad
+EnsureShape Equal Erf Erfc Erfinv Exp Expm1 Floor FloorDiv FloorMod Greater
+GreaterEqual Identity Igamma Igammac Imag Inv Invert IsFinite IsInf IsNan LeakyRelu
+LeakyReluGrad Less LessEqual Lgamma Log Log1p LogicalAnd LogicalNot LogicalOr Maximum
+Minimum Mod Mul MulNoNan Ndtri Neg NotEqual PlaceholderWithDefault Polygamma Pow
+PreventGradient Real RealDiv Reciprocal ReciprocalGrad Relu Relu6 Relu6Grad ReluGrad
+Rint Round Rsqrt RsqrtGrad SelectV2 Selu SeluGrad Sigmoid SigmoidGrad Sign Sin
+Sinh Snapshot Softplus SoftplusGrad Softsign SoftsignGrad Sqrt SqrtGrad Square
+SquaredDifference StopGradient Sub Tan Tanh TanhGrad TruncateDiv TruncateMod Xdivy
+Xlog1py Xlogy Zeta
+""".split())
+
+# Inputs that are shapes, axes, bounds or sizes rather than values, per op type: a
+# SIZE value there stays SIZE (the replayed op sees its slice's size, as it should).
+SHAPE_SLOTS = {
+    "Reshape": {1}, "Fill": {0}, "Tile": {1}, "BroadcastTo": {1}, "EnsureShape": set(),
+    "ExpandDims": {1}, "Transpose": {1}, "ConjugateTranspose": {1}, "Squeeze": set(),
+    "ConcatV2": {-1}, "Concat": {0}, "Split": {0}, "SplitV": {1, 2},
+    "Pad": {1}, "PadV2": {1}, "MirrorPad": {1}, "Slice": {1, 2},
+    "StridedSlice": {1, 2, 3}, "GatherV2": {2}, "OneHot": {1}, "Range": {0, 1, 2},
+    "Sum": {1}, "Mean": {1}, "Max": {1}, "Min": {1}, "Prod": {1}, "All": {1},
+    "Any": {1}, "EuclideanNorm": {1}, "ArgMax": {1}, "ArgMin": {1}, "Cumsum": {1},
+    "Cumprod": {1}, "CumulativeLogsumexp": {1}, "ReverseV2": {1}, "Roll": {1, 2},
+    "TopKV2": {1}, "NthElement": {1}, "ResizeBilinear": {1},
+    "ResizeNearestNeighbor": {1}, "ResizeBicubic": {1}, "ResizeArea": {1},
+    "TensorListReserve": {0, 1}, "TensorListFromTensor": {1}, "TensorListStack": {1},
+    "TensorListGetItem": {1, 2}, "TensorListSetItem": {1}, "TensorListElementShape": {0},
+    "Zeros": {0}, "Ones": {0}, "MaxPoolV2": {1, 2}, "Empty": {0},
+}
+RANDOM_OP_TYPES = frozenset({
+    "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",
+    "StatelessRandomUniform", "StatelessRandomUniformV2", "StatelessRandomNormal",
+    "StatelessRandomNormalV2", "StatelessTruncatedNormal", "StatelessTruncatedNormalV2",
+    "StatelessRandomUniformInt", "StatelessRandomUniformIntV2"})
+for _t in RANDOM_OP_TYPES:
+    SHAPE_SLOTS[_t] = {0}
+_INT32_MAX = 2 ** 31 - 1
+
+
+def shape_slots(op):
+    """The indices of op's inputs that are shape or axis operands."""
+    slots = SHAPE_SLOTS.get(op.type, set())
+    return {s % len(op.inputs) for s in slots} if op.inputs else set()
+
+
+def normalize(axis, rank):
+    axis = int(axis)
+    return axis + rank if axis < 0 else axis
+
+
+def batch_axis_words(tensor, axis):
+    return f"axis {axis}, the batch axis of its input {lattice.describe(tensor)}"
+
+
+def only_data_input(op, ins, data_index):
+    """The value of input `data_index`; raises Lost when another input carries the
+    batch's values (e.g. an axis computed from the data)."""
+    if any(lattice.depends_on_values(v) for j, v in enumerate(ins) if j != data_index):
+        raise lattice.Lost("an axis, shape or index argument depends on the batch's values")
+    value = ins[data_index]
+    if value is UNKNOWN:
+        raise lattice.Lost("its input's batch axis was already lost")
+    return value
+
+
+def _rank(tensor):
+    return tensor.shape.rank
+
+
+def _bit(mask, i):
+    return bool(mask & (1 << i))
+
+
+def _all(op, value):
+    return [value] * len(op.outputs)
+
+
+def _require_rank(tensor):
+    rank = tensor.shape.rank
+    if rank is None:
+        raise lattice.Lost(f"the rank of {lattice.describe(tensor)} is not static")
+    return rank
+
+
+# -- elementwise ------------------------------------------------------------------
+
+def elementwise(scan, op, ins):
+    """Broadcasting aligns shapes on the right: every input carrying the batch must put
+    its batch axis on the same output axis; two different axes pair every example with
+    every other."""
+    out = op.outputs[0]
+    out_rank = _require_rank(out)
+    if op.type == "BroadcastTo":   # input 1 is the target shape
+        if lattice.depends_on_values(ins[1]):
+            raise lattice.Lost("its target shape depends on the batch's values")
+        ins = ins[:1]
+    placed = {}
+    for j, value in enumerate(ins):
+        if not isinstance(value, Rows):
+            continue
+        tensor = op.inputs[j]
+        rank = _require_rank(tensor)
+        placed.setdefault(value.lead + out_rank - rank, (tensor, value))
+    if not placed:
+        return _all(op, SIZE)
+    if len(placed) > 1:
+        (p, (first, _)), (q, (second, _)) = sorted(placed.items(), key=lambda i: i[0])[:2]
+        raise lattice.Coupled(
+            f"combines the batch axis of {lattice.describe(first)} (output axis {p}) with "
+            f"the batch axis of {lattice.describe(second)} (output axis {q}), pairing "
+            "every example with every other by broadcasting", lattice.CONTRACTION_ADVICE)
+    (index, _), = placed.items()
+    if op.type == "BroadcastTo":   # it must keep the batch axis, not stretch it
+        dim = tf.compat.dimension_value(out.shape[index])
+        src_dim = tf.compat.dimension_value(op.inputs[0].shape[ins[0].lead])
+        if src_dim == 1 and dim != 1:
+            raise lattice.Lost("it stretches the batch axis")
+    rows = [(op.inputs[j], v) for j, v in enumerate(ins) if isinstance(v, Rows)]
+    if all(t.shape == out.shape and v == rows[0][1] for t, v in rows):
+        return _all(op, rows[0][1])   # pointwise on equal shapes: the layout is unchanged
+    ks = {v.k for _, v in rows}
+    return _all(op, Rows(index, ks.pop() if len(ks) == 1 else None, None))
+
+
+def select_v1(scan, op, ins):
+    """v1 Select: a vector condition picks rows (axis 0) of higher-rank operands;
+    otherwise the shapes match."""
+    condition, rank = op.inputs[0], _rank(op.inputs[1])
+    if ins[0] is INDEPENDENT or ins[0] is SIZE or _rank(condition) != 1 or rank in (None, 1):
+        return elementwise(scan, op, ins)
+    leads = {v.lead for v in ins if isinstance(v, Rows)}
+    if leads != {0} or UNKNOWN in ins:
+        raise lattice.Lost("a row condition picks between operands with other batch axes")
+    return [0]
+
+
+def identity_n(scan, op, ins):
+    return list(ins)
+
+
+# -- reshape ----------------------------------------------------------------------
+
+def reshape(scan, op, ins):
+    """Followed two ways: the shape argument evaluated symbolically (a batch-major input
+    stays batch-major when the target's only B-multiple entry is preceded by 1s), or the
+    flat layout (contiguous example blocks of E elements, E a multiple of the output's
+    row size: k = E / row size)."""
+    value = ins[0]
+    if value is UNKNOWN:
+        raise lattice.Lost("its input's batch axis was already lost")
+    if not isinstance(value, Rows):
+        return [SIZE]
+    x, out = op.inputs[0], op.outputs[0]
+    rank = _require_rank(x)
+    a = value.lead
+    in_shape = x.shape.as_list()
+    after = in_shape[a + 1:]
+    N = value.E   # entries per example
+    if N is None and value.k is not None and None not in after:
+        N = value.k * int(np.prod(after, dtype=np.int64))
+    batch_major = all(s == 1 for s in in_shape[:a])
+    target = None if ins[1] is UNKNOWN else scan.shape_value(op.inputs[1])
+    if target is not None:
+        target = static.resolve_minus_one(target)
+    if target is not None:
+        batched = [k for k, (_, power) in enumerate(target) if power == 1]
+        if len(batched) == 1:
+            k = batched[0]
+            if batch_major and all(d == (1, 0) for d in target[:k]):
+                rows = _per_example(N, target[k + 1:], k)
+                if target[k][0] is not None and rows.k not in (None, target[k][0]):
+                    raise lattice.Lost("rows move across examples")
+                return [rows]
+            if not batch_major and target[:a] == [(s, 0) for s in in_shape[:a]] and k == a:
+                return [Rows(a, None, None)]
+            raise lattice.Lost("rows move across examples")
+    if batch_major:
+        rows = lattice.complete(value, x.shape)
+        if rows is not None and rows.E is not None:
+            shape = static.refined_reshape_shape(op, scan.shape_value)
+            if shape.rank:
+                dims = shape.as_list()
+                lead = 0
+                if scan.static_batch_size != 1:
+                    while lead < len(dims) - 1 and dims[lead] == 1:
+                        lead += 1
+                flat = lattice.complete(Rows(lead, None, rows.E), shape)
+                if flat is not None and flat.k is not None:
+                    return [flat]
+    out_shape = out.shape.as_list() if out.shape.rank is not None else None
+    if (out_shape is not None and len(out_shape) > a and None not in in_shape[:a + 1]
+            and in_shape[:a + 1] == out_shape[:a + 1] and rank > a):
+        return [Rows(a, value.k, None)]
+    raise lattice.Lost("rows move across examples, or the target shape could not be "
+                       "followed")
+
+
+def _per_example(N, after_dims, k):
+    """The batch axis k of a reshape's output; Lost when rows would straddle examples."""
+    if N is None or any(c is None for c, _ in after_dims):
+        return Rows(k, None, None)
+    row = int(np.prod([c for c, _ in after_dims], dtype=np.int64))
+    if row == 0 or N % row:
+        raise lattice.Lost("rows move across examples")
+    return Rows(k, N // row, N)
+
+
+# -- axes -------------------------------------------------------------------------
+
+def transpose(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    perm = static.static_value(op.inputs[1])
+    if perm is None:
+        raise lattice.Lost("its permutation is not static")
+    return [Rows(list(perm.tolist()).index(value.lead), value.k, None)]
+
+
+def expand_dims(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    dim, rank = static.static_value(op.inputs[1]), _require_rank(op.inputs[0])
+    if dim is None:
+        raise lattice.Lost("its axis is not static")
+    dim = normalize(np.reshape(dim, [-1])[0], rank + 1)
+    return [Rows(value.lead if value.lead < dim else value.lead + 1, value.k, None)]
+
+
+def squeeze(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    rank = _require_rank(op.inputs[0])
+    dims = [normalize(d, rank) for d in op.get_attr("squeeze_dims")]
+    if not dims:
+        shape = op.inputs[0].shape.as_list()
+        dims = [i for i, size in enumerate(shape) if size == 1]
+        if _rank(op.outputs[0]) != rank - len(dims):
+            raise lattice.Lost("which axes it squeezes is not static")
+    if value.lead in dims:
+        raise lattice.Lost("it squeezes the batch axis")
+    return [Rows(value.lead - sum(1 for d in dims if d < value.lead), value.k, None)]
+
+
+def concat(scan, op, ins):
+    if op.type == "ConcatV2":
+        data, axis_index = list(range(len(op.inputs) - 1)), len(op.inputs) - 1
+    else:
+        data, axis_index = list(range(1, len(op.inputs))), 0
+    along = static.static_value(op.inputs[axis_index])
+    if along is None or lattice.depends_on_values(ins[axis_index]):
+        raise lattice.Lost("its axis is not static")
+    leads, ks = set(), set()
+    for j in data:
+        value = ins[j]
+        if value is UNKNOWN:
+            raise lattice.Lost("an input's batch axis was already lost")
+        if not isinstance(value, Rows):
+            if value is SIZE:
+                raise lattice.Lost("it joins values shaped by the batch size")
+            leads.add(None)   # a batch-independent part
+            continue
+        rank = _require_rank(op.inputs[j])
+        if normalize(along, rank) == value.lead:
+            raise lattice.Lost("it joins tensors along the batch axis")
+        leads.add(value.lead)
+        ks.add(value.k)
+    if None in leads:
+        # row i of a batch-independent part would be joined to example i by position
+        raise lattice.Lost("it joins a batch-independent part to the examples")
+    if len(leads) != 1:
+        raise lattice.Lost("its inputs have different batch axes")
+    return [Rows(leads.pop(), ks.pop() if len(ks) == 1 else None, None)]
+
+
+def pack(scan, op, ins):
+    rank = _require_rank(op.inputs[0])
+    along = normalize(op.get_attr("axis"), rank + 1)
+    leads, ks = set(), set()
+    for value in ins:
+        if not isinstance(value, Rows):
+            raise lattice.Lost("it stacks tensors with and without the batch axis")
+        leads.add(value.lead if value.lead < along else value.lead + 1)
+        ks.add(value.k)
+    if len(leads) != 1:
+        raise lattice.Lost("its inputs have different batch axes")
+    return [Rows(leads.pop(), ks.pop() if len(ks) == 1 else None, None)]
+
+
+def unpack(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    rank = _require_rank(op.inputs[0])
+    along = normalize(op.get_attr("axis"), rank)
+    if along == value.lead:
+        raise lattice.Lost("it unstacks the batch axis into one tensor per example")
+    index = value.lead if value.lead < along else value.lead - 1
+    return _all(op, Rows(index, value.k, None))
+
+
+def split(scan, op, ins):
+    data, axis_index = (1, 0) if op.type == "Split" else (0, 2)
+    value = only_data_input(op, ins, data)
+    along, rank = static.static_value(op.inputs[axis_index]), _require_rank(op.inputs[data])
+    if along is None:
+        raise lattice.Lost("its axis is not static")
+    if normalize(along, rank) == value.lead:
+        raise lattice.Lost("it splits the batch axis")
+    return _all(op, value.lead)
+
+
+def tile(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    multiples = static.static_value(op.inputs[1])
+    if multiples is None or multiples[value.lead] != 1:
+        raise lattice.Lost("it may repeat the batch axis")
+    return [value.lead]
+
+
+def pad(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    paddings = static.static_value(op.inputs[1])
+    if paddings is None or np.any(paddings[value.lead] != 0):
+        raise lattice.Lost("it may pad the batch axis")
+    return [value.lead]
+
+
+def slice_(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    begin, size = static.static_value(op.inputs[1]), static.static_value(op.inputs[2])
+    if begin is None or size is None:
+        raise lattice.Lost("its bounds are not static")
+    a = value.lead
+    dim = tf.compat.dimension_value(op.inputs[0].shape[a])
+    b, s = int(begin[a]), int(size[a])
+    if b == 0 and (s == -1 or (dim is not None and s == dim)):
+        return [a]
+    raise lattice.Coupled(
+        f"slices along {batch_axis_words(op.inputs[0], a)} (begin {b}, size {s}), "
+        "selecting examples by their position in the batch", lattice.POSITION_ADVICE)
+
+
+def strided_slice(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    x = op.inputs[0]
+    rank = _require_rank(x)
+    begin, end, strides = (static.static_value(t) for t in op.inputs[1:4])
+    if begin is None or end is None or strides is None:
+        raise lattice.Lost("its bounds are not static")
+    masks = {name: op.get_attr(name) for name in
+             ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    a = value.lead
+    dim = tf.compat.dimension_value(x.shape[a])
+    in_dim, out_dim, n = 0, 0, len(begin)
+    for i in range(n):
+        if _bit(masks["ellipsis_mask"], i):
+            remaining = sum(1 for j in range(i + 1, n) if not _bit(masks["new_axis_mask"], j))
+            stop = rank - remaining
+            if in_dim <= a < stop:
+                return [out_dim + a - in_dim]
+            out_dim += stop - in_dim
+            in_dim = stop
+        elif _bit(masks["new_axis_mask"], i):
+            out_dim += 1
+        else:
+            shrink = _bit(masks["shrink_axis_mask"], i)
+            if in_dim == a:
+                stride = int(strides[i])
+                starts_at_first = _bit(masks["begin_mask"], i) or int(begin[i]) == 0
+                ends_at_last = _bit(masks["end_mask"], i) or int(end[i]) >= _INT32_MAX or (
+                    dim is not None and int(end[i]) >= dim)
+                if not shrink and stride == 1 and starts_at_first and ends_at_last:
+                    return [out_dim]
+                what = ("takes one example" if shrink else
+                        "reverses the order of the examples" if stride == -1 and
+                        _bit(masks["begin_mask"], i) and _bit(masks["end_mask"], i)
+                        else "selects examples by their position in the batch")
+                raise lattice.Coupled(
+                    f"indexes {batch_axis_words(x, a)} (begin {int(begin[i])}, "
+                    f"end {int(end[i])}, stride {stride}): it {what}", lattice.POSITION_ADVICE)
+            if not shrink:
+                out_dim += 1
+            in_dim += 1
+    return [out_dim + a - in_dim]
+
+
+# -- gathers ----------------------------------------------------------------------
+
+def gather(scan, op, ins):
+    params, indices = op.inputs[0], op.inputs[1]
+    p_value, i_value = ins[0], ins[1]
+    if UNKNOWN in (p_value, i_value):
+        raise lattice.Lost("its input's batch axis was already lost")
+    if op.type == "GatherV2":
+        if lattice.depends_on_values(ins[2]):
+            raise lattice.Lost("its axis depends on the batch's values")
+        along = static.static_value(op.inputs[2])
+        batch_dims = op.get_attr("batch_dims")
+    else:
+        along = 0
+        batch_dims = op.get_attr("batch_dims") if op.type == "ResourceGather" else 0
+    p_rank = None if op.type == "ResourceGather" else _rank(params)
+    i_rank = _require_rank(indices)
+    if along is None:
+        raise lattice.Lost("its axis is not static")
+    if op.type != "ResourceGather":
+        if p_rank is None:
+            raise lattice.Lost("the rank of its params is not static")
+        along = normalize(along, p_rank)
+    batch_dims = normalize(batch_dims, i_rank) if batch_dims < 0 else batch_dims
+    if isinstance(p_value, Rows):
+        a = p_value.lead
+        if a < batch_dims:
+            if not isinstance(i_value, Rows) or i_value.lead == a:
+                return [a]
+            raise lattice.Lost("params and indices have different batch axes")
+        if a == along:
+            raise lattice.Coupled(
+                f"gathers along {batch_axis_words(params, a)} with the indices "
+                f"{lattice.describe(indices)}, picking examples by index",
+                lattice.POSITION_ADVICE)
+        if isinstance(i_value, Rows):
+            raise lattice.Lost("both params and indices carry the batch")
+        return [a if a < along else a + i_rank - 1 - batch_dims]
+    if not isinstance(i_value, Rows):
+        return [SIZE]
+    q = i_value.lead
+    if q < batch_dims:
+        raise lattice.Lost("the indices' batch axis is a batch_dims axis")
+    return [along + q - batch_dims]
+
+
+def gather_nd(scan, op, ins):
+    if lattice.depends_on_values(ins[0]) or not isinstance(ins[1], Rows):
+        raise lattice.Lost("it gathers from a tensor that carries the batch")
+    rank = _require_rank(op.inputs[1])
+    if ins[1].lead >= rank - 1:
+        raise lattice.Lost("the indices' batch axis is their index axis")
+    return [ins[1].lead]
+
+
+def one_hot(scan, op, ins):
+    value = only_data_input(op, ins, 0)
+    rank = _require_rank(op.inputs[0])
+    along = op.get_attr("axis")
+    along = rank if along == -1 else along
+    return [value.lead if value.lead < along else value.lead + 1]
+
+
+# -- values shaped by the batch -----------------------------------------------------
+
+def shaped_like(scan, op, ins):
+    """Fill, zeros and random draws whose shape argument follows the batch (tf.zeros(
+    [tf.shape(x)[0], 3]), tf.random.uniform(tf.shape(x)), dropout): one entry (or draw)
+    per entry of the shape, so each example owns its rows; values batch-independent."""
+    if any(lattice.depends_on_values(v) for j, v in enumerate(ins) if j != 0):
+        raise lattice.Lost("its value argument depends on the batch's values")
+    target = scan.shape_value(op.inputs[0])
+    if target is not None:
+        batched = [k for k, (_, power) in enumerate(target) if power == 1]
+        if len(batched) == 1:
+            return [Rows(batched[0], target[batched[0]][0], None)]
+    if ins[0] is UNKNOWN:
+        raise lattice.Lost("its shape argument depends on the batch's values")
+    return [SIZE]
+
+
+TRANSFERS = {op_type: elementwise for op_type in ELEMENTWISE_OP_TYPES | {"ZerosLike", "OnesLike"}}
+TRANSFERS.update({op_type: shaped_like for op_type in RANDOM_OP_TYPES})
+TRANSFERS.update({
+    "Select": select_v1, "IdentityN": identity_n, "Reshape": reshape,
+    "Transpose": transpose, "ConjugateTranspose": transpose, "ExpandDims": expand_dims,
+    "Squeeze": squeeze, "ConcatV2": concat, "Concat": concat, "Pack": pack,
+    "Unpack": unpack, "Split": split, "SplitV": split, "Tile": tile, "Pad": pad,
+    "PadV2": pad, "MirrorPad": pad, "Slice": slice_, "StridedSlice": strided_slice,
+    "Gather": gather, "GatherV2": gather, "ResourceGather": gather,
+    "GatherNd": gather_nd, "ResourceGatherNd": gather_nd, "OneHot": one_hot,
+    "Fill": shaped_like,
+})
