@@ -11,7 +11,6 @@ from pertower import _batch_axis
 from pertower import _dispatch
 from pertower import _graph_walk as graph_walk
 from pertower import oracle
-from pertower.rules import _engine as rule_engine
 from tests import common
 
 B = 4

@@ -333,9 +333,10 @@ def test_method_and_rules_arguments_are_checked(mlp, function):
                  rules=rules_lib.default_registry())
         with pytest.raises(TypeError, match=r"`rules` must be a pertower.rules.RuleRegistry"):
             call(ys, mlp.xs, batch_size=4, rules={"MatMul": None})
-        # auto keeps the towers' batch_size contract; rules do not need it
-        with pytest.raises(ValueError, match=r"batch axis is not static.*pass batch_size=B"):
-            call(ys, mlp.xs, method="auto")
+        # the towers are built for a fixed batch size; the rules need none
+        with pytest.raises(ValueError, match=r"batch axis is not static.*Pass batch_size=B"):
+            call(ys, mlp.xs, method="towers")
+        call(ys, mlp.xs, method="auto")
         call(ys, mlp.xs, method="rules")
 
 
