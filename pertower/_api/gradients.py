@@ -167,7 +167,7 @@ def _validated(results, built, validate, function_name):
 
 
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto",
+                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None, method="auto",
                           validate=False, memory_limit=None, sparse=False, devices=None,
                           rules=None):
     """The gradient of each example's value with respect to each weight.
@@ -183,7 +183,10 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
         with method="rules" it may be left out when every weight has a rule, and the
         gradients then work for any fed batch size ([None, *x.shape]).
       unconnected_gradients: "zero" (zeros for a weight `ys` does not reach) or
-        "none" (None for it), as in `tf.gradients`.
+        "none" (None for it), as in `tf.gradients`. Left out, it is "zero" and a
+        UserWarning names the weights `ys` does not reach (for example optimizer
+        slots from `tf.compat.v1.global_variables()`); pass "zero" to keep the zeros
+        without the warning.
       name: name scope for the new ops.
       method: "auto" (default: per-op rules where they provably apply, towers for the
         other weights), "rules" (the same, with `batch_size` optional when no weight
@@ -234,11 +237,12 @@ def _group_gradients(ys, xs, batch, num_groups, batch_size, unconnected_gradient
                                 function_name, groups_argument, devices, sparse)
         results = built.gradients(unconnected_gradients=unconnected_gradients,
                                   name="gradients", sparse=sparse)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, function_name)
         return _validated(results, built, validate, function_name)
 
 
 def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=None,
-                         unconnected_gradients="zero", name=None, method="auto",
+                         unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None, method="auto",
                          validate=False, memory_limit=None, sparse=False, devices=None,
                          rules=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
@@ -267,7 +271,7 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto",
+                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None, method="auto",
                           validate=False, memory_limit=None, devices=None, rules=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
@@ -302,6 +306,7 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
         built = build_gradients(ys, xs, batch, None, batch_size, method, rules,
                                 function_name, "batch_size", devices)
         results = _jacobian_rows(built, ys, unconnected_gradients)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, function_name)
         return _validated(results, built, validate, function_name)
 
 

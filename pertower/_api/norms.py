@@ -37,7 +37,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
 
     Args:
       ys, xs, batch, batch_size, name, method, validate, devices, rules: as in
-        `pertower.per_example_gradients`; a weight `ys` does not reach adds 0.
+        `pertower.per_example_gradients`; a weight `ys` does not reach adds 0, and a
+        UserWarning names such weights.
       memory_limit: as in `pertower.per_example_gradients`, for the per-example
         gradients the norms need to hold: every weight's with method="towers", the
         weights left to towers otherwise.
@@ -54,6 +55,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     gradients_lib.check_method(method, function_name, rules)
     devices = _checks.device_list(devices, function_name)
     scope = name or function_name
+    _checks.warn_unconnected(ys, xs, _checks.UNCONNECTED_DEFAULT, function_name,
+                             outcome="they add 0 to the norms")
     if method != "towers":
         plan = rule_gradients.prepare_and_plan(
             ys, xs, batch, None, batch_size, function_name, "batch_size",
@@ -66,7 +69,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
         with tf.name_scope(scope):
             per_example = gradients_lib.per_example_gradients(
                 ys, xs, batch=batch, batch_size=batch_size, name="gradients", method=method,
-                validate=validate, memory_limit=math.inf, devices=devices)
+                validate=validate, memory_limit=math.inf, devices=devices,
+                unconnected_gradients="zero")   # warned above
             return _norms_of([g for g in per_example if g is not None])
     prepared = plan.prepared
     towers = None
