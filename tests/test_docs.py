@@ -123,3 +123,29 @@ def test_block_runs_as_pasted(block_results, path, line, code):
                               f"{process.returncode}\n{process.stderr[-3000:]}")
     ok, trace = results[where]
     assert ok, f"the python block at {where} failed:\n{trace}"
+
+
+# Files outside the repository that text must not cite (built so that this file does
+# not contain the names itself).
+OUTSIDE_FILES = ["SCEN" + "ARIOS", "NO" + "TES"]
+
+
+def test_no_tracked_file_cites_files_outside_the_repository():
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=False)
+    if listing.returncode != 0:
+        pytest.skip(f"not a git checkout: {listing.stderr.decode(errors='replace')[:200]}")
+    pattern = re.compile(r"\b(" + "|".join(OUTSIDE_FILES) + r")(\.md)?\b")
+    citations = []
+    for name in listing.stdout.decode().split("\0"):
+        path = ROOT / name
+        if not name or not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue                                  # binary (images)
+        for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+            if pattern.search(line):
+                citations.append(f"{name}:{number}: {line.strip()[:100]}")
+    assert not citations, "these lines cite files that are not in the repository:\n" + \
+        "\n".join(citations)

@@ -6,8 +6,8 @@ Notation:
 
 Why: building tower 0's backward pass with `tf.gradients` and copying it for the other
 towers gives the same ops that `tf.gradients` over all towers would build, but pays the
-Python-side gradient construction once instead of T times (see ../shared/NOTES.md,
-"Where build time goes"). Replica r is S with every input that comes from outside S
+Python-side gradient construction (most of the time it takes to build many towers)
+once instead of T times. Replica r is S with every input that comes from outside S
 replaced by `counterpart(tensor, r)`: tower r's slice, copy or forward activation in
 place of tower 0's, and the same tensor for anything the towers share.
 """

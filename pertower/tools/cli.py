@@ -4,11 +4,13 @@
     pertower bench [--full] [--models M ...] [--batch-sizes B ...] [--methods M ...]
                    [--repeats R] [--loop-repeats R] [--json FILE|-] [--plot FILE.png]
 
-`demo` runs the three scenarios of SCENARIOS.md on built-in models and compares each
-with the one-example loop of `pertower.oracle`, with timings. `bench` times every way
-of computing per-example gradients side by side (see `pertower.tools.bench`). TensorFlow is imported
-only inside a command, after the environment it reads has been set up, so parsing
-arguments (and `--help`) stays cheap for later subcommands.
+`demo` runs the three scenarios (per-example loss gradients of a Keras MLP, the
+gradients of two batches and their cosine, per-example Jacobians of a small CNN) on
+built-in models and compares each with the one-example loop of `pertower.oracle`, with
+timings. `bench` times every way of computing per-example gradients side by side (see
+`pertower.tools.bench`). TensorFlow is imported only inside a command, after the
+environment it reads has been set up, so parsing arguments (and `--help`) stays cheap
+for later subcommands.
 """
 
 import argparse
@@ -36,7 +38,9 @@ def build_parser():
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = commands.add_parser(
         "demo", help="run the three user scenarios against the one-example loop",
-        description="Runs the three scenarios of SCENARIOS.md on built-in models: checks "
+        description="Runs the three scenarios on built-in models (per-example loss "
+                    "gradients of a Keras MLP, the gradients of two batches and their "
+                    "cosine, per-example Jacobians of a small CNN): checks "
                     "pertower against the one-example loop of pertower.oracle and times "
                     "both. Exits with 1 if any scenario disagrees.")
     demo.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
