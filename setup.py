@@ -1,4 +1,5 @@
-"""pertower: per-example gradients for TensorFlow graph mode, with weight-copy towers."""
+"""pertower: per-example gradients for TensorFlow graph mode, by per-op rules where they
+provably apply and weight-copy towers elsewhere."""
 
 from setuptools import find_packages, setup
 
@@ -6,7 +7,8 @@ setup(
     name="pertower",
     version="0.1.0",
     description=("Per-example gradients, Jacobians and microbatch gradients for "
-                 "TensorFlow graph mode (tf.compat.v1.Session), without rewriting the model."),
+                 "TensorFlow graph mode (tf.compat.v1.Session), without rewriting the model: "
+                 "per-op rules where they provably apply, weight-copy towers elsewhere."),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["pertower", "pertower.*"]),

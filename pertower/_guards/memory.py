@@ -5,21 +5,39 @@ Notation:
     P   weights (scalars over all xs)  K   output entries per example (Jacobians)
     R   rows of the result: B (per-example), M (microbatches)
 
-A per-example result holds R x K x P numbers, once (the stacked result) plus once
-more while it is assembled (T x K x P tower gradients before they are stacked), and
-the towers hold the activations of one forward pass over the batch (the outputs of
-the replayed ops except elementwise ones, per example, times B). With B = 512
-examples and a 25 M-weight model in float32 the result alone is 51 GB, so this is
-checked before any op is built:
+What is counted, from static shapes, before any op is built:
 
     estimate = R*K*P*s  +  T*K*P*s  +  activations      (s bytes per number)
 
-and the call is refused above `memory_limit` bytes. The default limit is half of
-the machine's physical memory (os.sysconf page size x physical pages); pass
-`memory_limit=<bytes>` to set another, or `memory_limit=float("inf")` to switch the
-guard off. The tower copies of the weights are `tf.identity` ops, which share their
-input's buffer, so they add nothing; parts whose static shape is unknown are left
-out (the estimate is then a lower bound).
+  R*K*P*s      the result: R rows (B, or M microbatches) of K outputs (Jacobians; 1
+               otherwise) of every weight in `xs`, each in its own dtype. Every entry
+               of `xs` counts, including weights `ys` does not reach (they get zeros).
+  T*K*P*s      the same again, T = R: the towers' gradients before they are stacked
+               into the result. Counted for every method, so for weights the per-op
+               rules compute (they write the [R, *x.shape] result directly) the
+               estimate errs high.
+  activations  B x the per-example size of every floating output of the ops between
+               the batch tensors and `ys` (the forward pass the towers replay, and the
+               rules' batched inputs), except elementwise ops (activations, bias adds),
+               whose kernels reuse their input's buffer when they can.
+
+Not counted: the weights themselves and the towers' `tf.identity` copies of them
+(which share their input's buffer), the batch tensors, the backward pass's temporary
+gradients of the activations (and, for Jacobians, its K repetitions), integer
+tensors, weights and activations whose static shape is unknown (where these matter
+the estimate is low). It is within a few percent of the traced peak where the result
+dominates (docs/independence_and_memory.md). `per_example_norms`
+counts only the weights it leaves to towers (the rules' norms form no per-example
+gradient of the others); with method="towers" it counts every weight. `build_towers`
+is not guarded. When B is not known before building (a None batch axis and no
+`batch_size`, allowed for method="rules"), nothing is estimated and nothing is
+refused.
+
+The call is refused above `memory_limit` bytes. The default limit is half of the
+machine's physical memory (os.sysconf page size x physical pages; no limit where that
+is unknown); pass `memory_limit=<bytes>` to set another, or
+`memory_limit=float("inf")` to switch the guard off. With B = 512 examples and a 25
+M-weight model in float32 the result alone is 51 GB.
 """
 
 import dataclasses
