@@ -1,7 +1,9 @@
 """Argument checks shared by the public functions.
 
 Every check raises an error that names the argument, says what was received and
-what to do instead. Nothing here builds graph ops.
+what to do instead; `warn_unconnected` warns about weights `ys` does not reach, and
+`weight_list` replaces Keras 3 variables by the TF variables behind them. Nothing here
+builds graph ops.
 """
 
 import numbers
@@ -13,7 +15,7 @@ import tensorflow as tf
 __all__ = [
     "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "device_list",
     "positive_int", "require_graph_mode", "require_graph_tensor", "static_batch_size",
-    "unconnected_gradients_value", "warn_unconnected", "weight_list",
+    "unconnected_gradients_value", "unreached_weights", "warn_unconnected", "weight_list",
 ]
 
 _GRAPH_MODE_HINT = (
@@ -225,11 +227,12 @@ def warn_unconnected(ys, xs, unconnected_gradients, function_name, argument="xs"
     count = len(as_list(xs))
     if outcome is None:
         outcome = "their gradients are zeros"
-        remedy = remedy or (f"Leave them out of `{argument}`, or pass unconnected_gradients='zero' "
-                  "to keep the zeros without this warning ('none' gives None for them).")
+        remedy = remedy or (
+            f"Leave them out of `{argument}`, or pass unconnected_gradients='zero' to keep "
+            "the zeros without this warning ('none' gives None for them).")
     else:
         remedy = remedy or f"Leave them out of `{argument}`."
     warnings.warn(
-        f"pertower.{function_name}: `{ys_argument}` does not depend on {len(names)} of the {count} "
-        f"weights in `{argument}` ({listing}), so {outcome}. {remedy}",
+        f"pertower.{function_name}: `{ys_argument}` does not depend on {len(names)} of the "
+        f"{count} weights in `{argument}` ({listing}), so {outcome}. {remedy}",
         UnconnectedWeightsWarning, stacklevel=_user_stacklevel())

@@ -167,7 +167,8 @@ def _validated(results, built, validate, function_name):
 
 
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None, method="auto",
+                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
+                          method="auto",
                           validate=False, memory_limit=None, sparse=False, devices=None,
                           rules=None):
     """The gradient of each example's value with respect to each weight.
@@ -242,7 +243,8 @@ def _group_gradients(ys, xs, batch, num_groups, batch_size, unconnected_gradient
 
 
 def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=None,
-                         unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None, method="auto",
+                         unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
+                         method="auto",
                          validate=False, memory_limit=None, sparse=False, devices=None,
                          rules=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
@@ -271,7 +273,8 @@ def microbatch_gradients(ys, xs, batch=None, num_microbatches=None, batch_size=N
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None, method="auto",
+                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
+                         method="auto",
                           validate=False, memory_limit=None, devices=None, rules=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
