@@ -1,4 +1,5 @@
-"""pertower: per-example gradients for TensorFlow graph mode, with weight-copy towers."""
+"""pertower: per-example gradients for TensorFlow graph mode, by per-op rules where they
+provably apply and weight-copy towers elsewhere."""
 
 import os
 import re
@@ -25,7 +26,8 @@ setup(
     name="pertower",
     version=read_version(),
     description=("Per-example gradients, Jacobians and microbatch gradients for "
-                 "TensorFlow graph mode (tf.compat.v1.Session), without rewriting the model."),
+                 "TensorFlow graph mode (tf.compat.v1.Session), without rewriting the model: "
+                 "per-op rules where they provably apply, weight-copy towers elsewhere."),
     long_description=LONG_DESCRIPTION,
     long_description_content_type="text/markdown",
     license="Apache-2.0",

@@ -1,4 +1,4 @@
-"""Scenario 1: per-example loss gradients of a Keras network (SCENARIOS.md).
+"""Scenario 1: per-example loss gradients of a Keras network.
 
 A Keras MLP `net` on placeholders x [None, n_in] and y [None, 1], an unreduced cost
 (net(x) - y) ** 2 with one value per example, and for every example the list of

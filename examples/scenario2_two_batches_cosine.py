@@ -1,4 +1,4 @@
-"""Scenario 2: the gradients of two batches, and their cosine (SCENARIOS.md).
+"""Scenario 2: the gradients of two batches, and their cosine.
 
 An MLP `f` built with `tf.compat.v1.layers.dense` on s [None, 3], with a scalar output
 per example. Two batches s1 and s2 of n examples each go through the network as one
@@ -6,7 +6,8 @@ concatenation [2n, 3]; `microbatch_gradients(..., num_microbatches=2)` makes one
 per batch, so g1 and g2 (each summed over its batch) and their cosine come out of the
 same `sess.run`.
 
-Part 1 is the hand-checkable case of SCENARIOS.md; part 2 is a small MLP.
+Part 1 is a case small enough to check by hand (one tanh unit with a zero kernel:
+g1 = [3, 6, 9], g2 = [3, 6, 10]); part 2 is a small MLP.
 
 Run:  python examples/scenario2_two_batches_cosine.py
 """

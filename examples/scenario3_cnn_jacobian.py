@@ -1,4 +1,4 @@
-"""Scenario 3: d y / d theta of a small CNN, per example (SCENARIOS.md).
+"""Scenario 3: d y / d theta of a small CNN, per example.
 
 The model Conv2D(16, 5, "same", elu) -> Flatten -> Dense(128, relu) -> Dense(1) on
 x [None, 32, 32, 1]: the derivative of each example's output with respect to every

@@ -1,4 +1,5 @@
-"""pertower: per-example gradients for TensorFlow graph mode, with weight-copy towers.
+"""pertower: per-example gradients for TensorFlow graph mode: per-op rules where they
+provably apply, weight-copy towers elsewhere (method="auto", the default).
 
 Public surface:
     per_example_gradients, per_example_jacobians, microbatch_gradients,

@@ -1,13 +1,22 @@
 """Argument checks shared by the public functions.
 
 Every check raises an error that names the argument, says what was received and
-what to do instead. Nothing here builds graph ops.
+what to do instead; `warn_unconnected` warns about weights `ys` does not reach, and
+`weight_list` replaces Keras 3 variables by the TF variables behind them. Nothing here
+builds graph ops.
 """
 
 import numbers
+import sys
 import warnings
 
 import tensorflow as tf
+
+__all__ = [
+    "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "device_list",
+    "positive_int", "require_graph_mode", "require_graph_tensor", "static_batch_size",
+    "unconnected_gradients_value", "unreached_weights", "warn_unconnected", "weight_list",
+]
 
 _GRAPH_MODE_HINT = (
     "pertower works on TF1-style graphs run in a tf.compat.v1.Session. Switch to "
@@ -125,3 +134,123 @@ def renamed_argument(value, old_value, argument, old_argument, function_name):
         f"pertower.{function_name}: `{old_argument}` is deprecated; pass "
         f"{argument}={old_value!r} instead.", DeprecationWarning, stacklevel=3)
     return old_value, old_argument
+def _is_keras3_variable(x):
+    """Whether `x` is a Keras 3 `keras.Variable` (duck-typed: Keras 3 is not imported).
+
+    Keras 3 variables are not TF variables; on the TensorFlow backend their `.value` is
+    the `tf.Variable` that holds the weight. tf_keras (Keras 2) weights are TF variables
+    already and never reach this test."""
+    module = type(x).__module__ or ""
+    return ((module == "keras" or module.startswith("keras."))
+            and not isinstance(x, (tf.Variable, tf.Tensor)) and hasattr(x, "value"))
+
+
+def weight_list(xs, argument, function_name):
+    """`xs` as a list in which each Keras 3 variable is replaced by the TF variable
+    holding its value; other entries are kept as they are (the later checks name bad
+    ones). Raises when a Keras 3 variable has no TF variable or tensor behind it."""
+    weights = as_list(xs)
+    for k, x in enumerate(weights):
+        if not _is_keras3_variable(x):
+            continue
+        value = x.value
+        if not isinstance(value, (tf.Variable, tf.Tensor)) or not hasattr(value, "graph"):
+            raise TypeError(
+                f"pertower.{function_name}: `{argument}[{k}]` is a Keras 3 variable "
+                f"({getattr(x, 'path', None) or getattr(x, 'name', '?')}) whose value is "
+                f"{type(value).__name__}, not a graph-mode TensorFlow variable. Build the "
+                "model with the graph-mode Keras: `import tf_keras as keras`, or set "
+                "TF_USE_LEGACY_KERAS=1 before TensorFlow is imported so that tf.keras is "
+                "Keras 2; or build the Keras 3 model in graph mode, after "
+                "tf.compat.v1.disable_eager_execution().")
+        weights[k] = value
+    return weights
+
+
+class _DefaultZero(str):
+    """The default of `unconnected_gradients`: "zero", and a warning naming the weights
+    `ys` does not reach. Equal to "zero" everywhere; told apart from a "zero" the caller
+    passed by identity (`value is UNCONNECTED_DEFAULT`)."""
+
+    __slots__ = ()
+
+
+# The public functions' default `unconnected_gradients`: zeros for weights `ys` does not
+# reach, with an `UnconnectedWeightsWarning` naming them; an explicit "zero" is silent.
+UNCONNECTED_DEFAULT = _DefaultZero("zero")
+
+
+class UnconnectedWeightsWarning(UserWarning):
+    """Some weights passed in `xs` are not reached by `ys`: their results are zeros."""
+
+
+# How many unreached weights a warning names before "and N more".
+_NAMED_IN_WARNING = 5
+
+
+def _user_stacklevel():
+    """The `stacklevel` of the first frame outside pertower (the caller's line)."""
+    frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+    while frame is not None and (frame.f_globals.get("__name__") or "").split(".")[0] \
+            == "pertower":
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def unreached_weights(ys, xs):
+    """The names of the entries of `xs` that `ys` does not depend on, or None when the
+    arguments cannot be checked (the argument checks then report them)."""
+    from pertower import _graph_walk as graph_walk  # pylint: disable=import-outside-toplevel
+    if not isinstance(ys, tf.Tensor) or not isinstance(getattr(ys, "graph", None), tf.Graph):
+        return None
+    try:
+        weights = weight_list(xs, "xs", "")
+        with ys.graph.as_default():
+            upstream = graph_walk.upstream_ops([ys])
+            reads = [graph_walk.weight_reads(x, k, upstream, (), "")
+                     for k, x in enumerate(weights)]
+    except (TypeError, ValueError, NotImplementedError, AttributeError):
+        return None
+    return [r.name for r in reads if not r.reached]
+
+
+def warn_unconnected(ys, xs, unconnected_gradients, function_name, argument="xs",
+                     outcome=None, reads=None, ys_argument="ys", remedy=None):
+    """Warns once (`UnconnectedWeightsWarning`, a UserWarning) when `ys` does not depend
+    on some entries of `xs` and `unconnected_gradients` is the default.
+
+    Args:
+      ys, xs: as given to the public function.
+      unconnected_gradients: as given; only `UNCONNECTED_DEFAULT` warns.
+      function_name: the public function's name, for the message.
+      argument, ys_argument: the names of the weights' argument (`xs`, `var_list`)
+        and of `ys` (`ys`, `loss`), for the message.
+      outcome: what the unreached weights get, when the function has no
+        `unconnected_gradients` to choose it (then the remedy is to leave them out).
+      remedy: what to do instead, when the default advice does not fit.
+      reads: the `WeightReads` of `xs`, when the caller has them; else the graph is
+        walked here (the arguments are not checked: bad ones are left to the checks).
+    """
+    if unconnected_gradients is not UNCONNECTED_DEFAULT:
+        return
+    if reads is not None:
+        names = [r.name for r in reads if not r.reached]
+    else:
+        names = unreached_weights(ys, xs)
+    if not names:
+        return
+    listing = ", ".join(names[:_NAMED_IN_WARNING])
+    if len(names) > _NAMED_IN_WARNING:
+        listing += f" and {len(names) - _NAMED_IN_WARNING} more"
+    count = len(as_list(xs))
+    if outcome is None:
+        outcome = "their gradients are zeros"
+        remedy = remedy or (
+            f"Leave them out of `{argument}`, or pass unconnected_gradients='zero' to keep "
+            "the zeros without this warning ('none' gives None for them).")
+    else:
+        remedy = remedy or f"Leave them out of `{argument}`."
+    warnings.warn(
+        f"pertower.{function_name}: `{ys_argument}` does not depend on {len(names)} of the "
+        f"{count} weights in `{argument}` ({listing}), so {outcome}. {remedy}",
+        UnconnectedWeightsWarning, stacklevel=_user_stacklevel())

@@ -21,7 +21,8 @@ class Prepared(collections.namedtuple(
     """Checked inputs.
 
     Fields:
-      ys, xs (list), graph: as given, checked.
+      ys, xs (list), graph: as given, checked; a Keras 3 variable in xs is replaced by
+        the tf.Variable holding its value.
       ys_upstream: the ops `ys` depends on.
       batch: the batch tensors (found or checked).
       batch_size: B, or None when the batch axis is not static and no batch_size was
@@ -71,7 +72,7 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         raise TypeError(
             f"pertower.{function_name}: `ys` ({ys.name}) must be a floating-point tensor, "
             f"but has dtype {ys.dtype.name}.")
-    xs = _checks.as_list(xs)
+    xs = _checks.weight_list(xs, "xs", function_name)  # Keras 3 variables: their tf.Variable
     if not xs:
         raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
     with graph.as_default():

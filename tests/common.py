@@ -238,7 +238,7 @@ BUILDERS = {
 
 
 def run_scenario_2_hand_checkable_case():
-    """SCENARIOS.md scenario 2: dense(s, 1, tanh) with a zero kernel, the batches
+    """Scenario 2, checkable by hand: dense(s, 1, tanh) with a zero kernel, the batches
     [[1,2,3],[2,4,6]] and [[1,2,3],[2,4,7]] as two microbatches.
 
     Returns (kernel gradients [2, 3], their cosine); the answer is [[3, 6, 9],

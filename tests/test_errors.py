@@ -101,7 +101,8 @@ def test_unreached_weight_gives_zeros_or_none(mlp):
     with mlp.graph.as_default():
         unused = tf.compat.v1.get_variable("unused", [3, 2], dtype=tf.float32)
         mlp.sess.run(unused.initializer)
-        zeros = pertower.per_example_gradients(mlp.ys, mlp.xs + [unused], batch_size=4)
+        with pytest.warns(UserWarning, match=r"does not depend on 1 of the 7 weights.*unused"):
+            zeros = pertower.per_example_gradients(mlp.ys, mlp.xs + [unused], batch_size=4)
         nones = pertower.per_example_gradients(mlp.ys, mlp.xs + [unused], batch_size=4,
                                                unconnected_gradients="none")
         assert nones[-1] is None and all(g is not None for g in nones[:-1])

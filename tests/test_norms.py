@@ -113,8 +113,10 @@ def test_unreached_weights_add_nothing():
     with case.graph.as_default():
         unused = tf.compat.v1.get_variable("unused", [3, 2])
         case.sess.run(unused.initializer)
-        norms = pertower.per_example_norms(case.ys, case.xs + [unused], batch_size=4)
-        only_unused = pertower.per_example_norms(case.ys, [unused], batch_size=4)
+        with pytest.warns(UserWarning, match=r"1 of the 7 weights .*so they add 0"):
+            norms = pertower.per_example_norms(case.ys, case.xs + [unused], batch_size=4)
+        with pytest.warns(UserWarning, match=r"1 of the 1 weights"):
+            only_unused = pertower.per_example_norms(case.ys, [unused], batch_size=4)
     got, zero = case.sess.run([norms, only_unused], case.feed)
     np.testing.assert_allclose(got, _oracle_norms(case), rtol=1e-5)
     np.testing.assert_array_equal(zero, np.zeros(4))

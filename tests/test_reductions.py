@@ -1,5 +1,5 @@
 """Reductions of gradients against NumPy on the oracle's per-example gradients, and the
-hand-checkable two-batch case of SCENARIOS.md (scenario 2)."""
+hand-checkable two-batch case of scenario 2 (the gradients of two batches)."""
 
 import math
 

@@ -34,9 +34,9 @@ def _graph_of(ys):
 
 
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto",
-                          validate=None, memory_limit=None, sparse=False, devices=None,
-                          rules=None):
+                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
+                          method="auto", validate=None, memory_limit=None, sparse=False,
+                          devices=None, rules=None):
     """The gradient of each example's value with respect to each weight.
 
     Args:
@@ -51,7 +51,10 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
         towers are built for exactly B examples and feeding another size fails in
         `sess.run`; without it the call is refused, listing those weights.
       unconnected_gradients: "zero" (zeros for a weight `ys` does not reach) or
-        "none" (None for it), as in `tf.gradients`.
+        "none" (None for it), as in `tf.gradients`. Left out, it is "zero" and a
+        UserWarning names the weights `ys` does not reach (for example optimizer
+        slots from `tf.compat.v1.global_variables()`); pass "zero" to keep the zeros
+        without the warning.
       name: name scope for the new ops.
       method: "auto" (default: per-op rules where they are proven sound, towers for
         the other weights), "rules" (strict: refused, listing every weight no rule
@@ -104,13 +107,15 @@ def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradient
         built = _dispatch.build(plan, devices)
         results = built.gradients(unconnected_gradients=unconnected_gradients,
                                   name="gradients", sparse=sparse)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, function_name,
+                                 reads=plan.prepared.reads)
         return built.validated(results)
 
 
 def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=None,
-                         unconnected_gradients="zero", name=None, method="auto",
-                         validate=None, memory_limit=None, sparse=False, devices=None,
-                         rules=None):
+                         unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
+                         method="auto", validate=None, memory_limit=None, sparse=False,
+                         devices=None, rules=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
     Args:
@@ -136,8 +141,9 @@ def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=N
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
-                          unconnected_gradients="zero", name=None, method="auto",
-                          validate=None, memory_limit=None, devices=None, rules=None):
+                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
+                          method="auto", validate=None, memory_limit=None, devices=None,
+                          rules=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
     Args:
@@ -171,7 +177,10 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                                outputs_per_example=K, function_name=function_name)
     with _graph_of(ys), tf.name_scope(name or function_name):
         built = _dispatch.build(plan, devices)
-        return built.validated(_jacobian_rows(built, ys, unconnected_gradients))
+        results = _jacobian_rows(built, ys, unconnected_gradients)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, function_name,
+                                 reads=plan.prepared.reads)
+        return built.validated(results)
 
 
 def _jacobian_rows(built, ys, unconnected_gradients):

@@ -31,7 +31,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
 
     Args:
       ys, xs, batch, batch_size, name, method, validate, devices, rules: as in
-        `pertower.per_example_gradients`; a weight `ys` does not reach adds 0.
+        `pertower.per_example_gradients`; a weight `ys` does not reach adds 0, and a
+        UserWarning names such weights.
       memory_limit: as in `pertower.per_example_gradients`, for the per-example
         gradients the norms need to hold: those of the weights left to towers.
 
@@ -52,4 +53,7 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     with plan.prepared.graph.as_default(), tf.name_scope(name or function_name):
         built = _dispatch.build(plan, devices)
         norms = tf.sqrt(built.squared_norms(name="gradients"))           # [B]
+        _checks.warn_unconnected(ys, xs, _checks.UNCONNECTED_DEFAULT, function_name,
+                                 outcome="they add 0 to the norms",
+                                 reads=plan.prepared.reads)
         return built.validated([norms])[0]

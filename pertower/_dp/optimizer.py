@@ -161,7 +161,11 @@ class DPOptimizer:
         Returns:
           A list of (gradient, variable) pairs, one per variable, every gradient dense
           and noised (a variable the loss does not reach gets pure noise / M, as in
-          TensorFlow Privacy).
+          TensorFlow Privacy). Such variables are named in a UserWarning, whether
+          `var_list` was given or defaulted: unlike the gradients of
+          `tf.compat.v1.train.Optimizer`, where they are None and the variable is left
+          alone, noise moves them at every step (pass `var_list` to choose). A Keras 3
+          variable is replaced by the tf.Variable holding its value.
         """
         function_name = "DPOptimizer.compute_gradients"
         _checks.require_graph_mode(function_name)
@@ -186,7 +190,16 @@ class DPOptimizer:
                 "DP needs one loss per example: pass the unreduced loss, [B] (e.g. "
                 "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
                 "reduction='none'), not its mean.")
+        defaulted = var_list is None
         var_list = self._variables(var_list, function_name)
+        _checks.warn_unconnected(
+            loss, var_list, _checks.UNCONNECTED_DEFAULT, function_name, argument="var_list",
+            ys_argument="loss",
+            outcome="each gets pure noise (a zero gradient plus the Gaussian noise) and the "
+                    "optimizer moves it by that noise at every step",
+            remedy=("Pass `var_list` with only the variables the loss depends on (it "
+                    "defaulted to every trainable variable of the graph)." if defaulted
+                    else "Leave them out of `var_list`."))
         # B when known now (the towers check it against the fed batch at run time)
         B = (_checks.static_batch_size(loss) if batch_size is None else
              _checks.positive_int(batch_size, "batch_size", function_name))
@@ -232,7 +245,7 @@ class DPOptimizer:
                 raise ValueError(f"pertower.{function_name}: the graph has no trainable "
                                  "variables; pass `var_list`.")
         else:
-            var_list = _checks.as_list(var_list)
+            var_list = _checks.weight_list(var_list, "var_list", function_name)
             if not var_list:
                 raise ValueError(f"pertower.{function_name}: `var_list` is empty.")
         return var_list
@@ -246,9 +259,11 @@ class DPOptimizer:
                                  gate_gradients, aggregation_method,
                                  colocate_gradients_with_ops):
         """sum_i clip(g_i) from the norms and one weighted backward pass; and B."""
-        norms = norms_lib.per_example_norms(per_example_loss, var_list, batch=batch,
-                                            batch_size=batch_size, name="clip_norms",
-                                            method=self._method)                   # [B]
+        with warnings.catch_warnings():   # compute_gradients warned about unreached ones
+            warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
+            norms = norms_lib.per_example_norms(per_example_loss, var_list, batch=batch,
+                                                batch_size=batch_size, name="clip_norms",
+                                                method=self._method)               # [B]
         factors = tf.stop_gradient(self._clip_factors(norms))                     # [B]
         weighted = tf.reduce_sum(factors * per_example_loss)  # sum_i f_i loss_i
         grads = tf.compat.v1.gradients(
@@ -267,7 +282,8 @@ class DPOptimizer:
         sums = gradients_lib.microbatch_gradients(
             per_example_loss, var_list, batch=batch, num_microbatches=M,
             batch_size=batch_size, name="microbatch_gradients",
-            method=self._method)                                  # [M, *x.shape] each
+            method=self._method,
+            unconnected_gradients="zero")  # [M, *x.shape] each; warned in compute_gradients
         if M is None:
             means, count = sums, tf.shape(per_example_loss)[0]
         else:

@@ -23,6 +23,13 @@ physical memory (os.sysconf page size x physical pages); `memory_limit=<bytes>` 
 another, `memory_limit=float("inf")` switches the guard off. The tower copies of the
 weights are `tf.identity` ops, which share their input's buffer, so they add nothing;
 parts whose static shape is unknown are left out (the estimate is then a lower bound).
+
+Not counted: the weights themselves and the towers' `tf.identity` copies of them
+(which share their input's buffer), the batch tensors, the backward pass's temporary
+gradients of the activations (and, for Jacobians, its K repetitions) and integer
+tensors. When B is not known before building (a None batch axis and no
+`batch_size`, allowed when no weight falls back to towers), nothing is estimated and
+nothing is refused. `build_towers` is not guarded.
 """
 
 import dataclasses

@@ -92,7 +92,7 @@ def check_keras_model():
 
 
 def check_hand_checkable_case():
-    """SCENARIOS.md scenario 2 with reference variables: exact gradients and cosine."""
+    """The hand-checkable case of scenario 2 with reference variables: exact gradients and cosine."""
     g_value, cos_value = common.run_scenario_2_hand_checkable_case()
     np.testing.assert_array_equal(g_value, [[3, 6, 9], [3, 6, 10]])
     want = 135 / math.sqrt(126 * 145)

@@ -1,0 +1,151 @@
+"""Every ```python block of README.md and docs/*.md runs as pasted.
+
+Convention: a block that is not meant to run (it needs hardware or servers the tests do
+not have) is marked by the HTML comment `<!-- fragment: why -->` on the line just
+before its opening fence; it is still compiled. Every other block must run on its own,
+in a fresh Python process, with its own imports, data and session.
+
+Scheme: starting one Python process with TensorFlow per block would take far too long,
+so all blocks run in ONE subprocess (tests/scripts/run_doc_blocks.py), each in a fresh
+namespace and on a fresh default graph; a missing import or name fails as it would
+pasted. What a shared process could hide is process-wide state set by an earlier block:
+the Keras version (TF_USE_LEGACY_KERAS, read when TensorFlow is imported) and graph
+mode. So every runnable block must set both itself, which is checked on its text:
+`os.environ["TF_USE_LEGACY_KERAS"] = "1"` before its first TensorFlow import, and a
+`tf.compat.v1.disable_eager_execution()` call (blocks that switch other process-wide
+modes, such as disable_v2_behavior, are refused). The subprocess starts without
+TF_USE_LEGACY_KERAS and with no TensorFlow imported, as a user's process does.
+
+A failure names the block's file and line; the traceback points into the document.
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+FRAGMENT = re.compile(r"^\s*<!--\s*fragment\b.*-->\s*$")
+OPENING = re.compile(r"^(\s*)```\s*python\s*$")
+LEGACY_KERAS = 'os.environ["TF_USE_LEGACY_KERAS"] = "1"'
+GRAPH_MODE = "tf.compat.v1.disable_eager_execution()"
+TF_IMPORT = re.compile(r"^\s*(import tensorflow\b|from tensorflow\b|import .*\btensorflow\b)",
+                       re.M)
+
+
+def _blocks(path):
+    """(line of the first code line, code, is_fragment) per ```python block of `path`."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found, k = [], 0
+    while k < len(lines):
+        opening = OPENING.match(lines[k])
+        if not opening:
+            k += 1
+            continue
+        indent = len(opening.group(1))
+        fragment = k > 0 and bool(FRAGMENT.match(lines[k - 1]))
+        end = k + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        assert end < len(lines), f"{path.name}:{k + 1}: unclosed ```python block"
+        code = "\n".join(line[indent:] for line in lines[k + 1:end]) + "\n"
+        found.append((k + 2, code, fragment))
+        k = end + 1
+    return found
+
+
+ALL_BLOCKS = [(path.relative_to(ROOT).as_posix(), line, code, fragment)
+              for path in DOCUMENTS for line, code, fragment in _blocks(path)]
+RUNNABLE = [(path, line, code) for path, line, code, fragment in ALL_BLOCKS if not fragment]
+IDS = [f"{path}:{line}" for path, line, _ in RUNNABLE]
+
+
+def test_the_documents_have_python_blocks():
+    assert len(RUNNABLE) >= 10, [f"{p}:{line}" for p, line, _, _ in ALL_BLOCKS]
+
+
+@pytest.mark.parametrize("path, line, code, fragment", ALL_BLOCKS,
+                         ids=[f"{p}:{line}" for p, line, _, _ in ALL_BLOCKS])
+def test_every_block_compiles(path, line, code, fragment):
+    del fragment
+    compile("\n" * (line - 1) + code, path, "exec")
+
+
+@pytest.mark.parametrize("path, line, code", RUNNABLE, ids=IDS)
+def test_runnable_block_sets_its_own_process_wide_modes(path, line, code):
+    where = f"{path}:{line}"
+    first_import = TF_IMPORT.search(code)
+    assert first_import, f"{where}: the block does not import TensorFlow (mark a block " \
+                         "that is not meant to run with <!-- fragment: why -->)"
+    legacy = code.find(LEGACY_KERAS)
+    assert 0 <= legacy < first_import.start(), \
+        f"{where}: set {LEGACY_KERAS} before the first TensorFlow import"
+    assert GRAPH_MODE in code, f"{where}: call {GRAPH_MODE}"
+    assert "disable_v2_behavior" not in code and "enable_eager_execution" not in code, \
+        f"{where}: other process-wide modes cannot share the docs' test process"
+
+
+@pytest.fixture(scope="module")
+def block_results(tmp_path_factory):
+    """Runs every runnable block in one subprocess; {"path:line": (ok, traceback)}."""
+    spec = tmp_path_factory.mktemp("docs") / "blocks.json"
+    spec.write_text(json.dumps([{"path": p, "line": line, "code": code}
+                                for p, line, code in RUNNABLE]), encoding="utf-8")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "run_doc_blocks.py"), str(spec)],
+        cwd=tmp_path_factory.mktemp("cwd"), env=env, capture_output=True, text=True,
+        timeout=600, check=False)
+    results, current = {}, None
+    for row in process.stdout.splitlines():
+        match = re.match(r"BLOCK (\S+) (OK|FAILED)$", row)
+        if match:
+            current = match.group(1)
+            results[current] = [match.group(2) == "OK", ""]
+        elif current is not None and row.startswith("    "):
+            results[current][1] += row[4:] + "\n"
+    return results, process
+
+
+@pytest.mark.parametrize("path, line, code", RUNNABLE, ids=IDS)
+def test_block_runs_as_pasted(block_results, path, line, code):
+    del code
+    results, process = block_results
+    where = f"{path}:{line}"
+    assert where in results, (f"{where} did not run (the runner stopped): exit code "
+                              f"{process.returncode}\n{process.stderr[-3000:]}")
+    ok, trace = results[where]
+    assert ok, f"the python block at {where} failed:\n{trace}"
+
+
+# Files outside the repository that text must not cite (built so that this file does
+# not contain the names itself).
+OUTSIDE_FILES = ["SCEN" + "ARIOS", "NO" + "TES"]
+
+
+def test_no_tracked_file_cites_files_outside_the_repository():
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=False)
+    if listing.returncode != 0:
+        pytest.skip(f"not a git checkout: {listing.stderr.decode(errors='replace')[:200]}")
+    pattern = re.compile(r"\b(" + "|".join(OUTSIDE_FILES) + r")(\.md)?\b")
+    citations = []
+    for name in listing.stdout.decode().split("\0"):
+        path = ROOT / name
+        if not name or not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue                                  # binary (images)
+        for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+            if pattern.search(line):
+                citations.append(f"{name}:{number}: {line.strip()[:100]}")
+    assert not citations, "these lines cite files that are not in the repository:\n" + \
+        "\n".join(citations)
