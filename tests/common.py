@@ -43,6 +43,30 @@ _REFERENCE_UNAVAILABLE = (
 )
 
 
+@dataclasses.dataclass
+class Case:
+    name: str
+    graph: tf.Graph
+    sess: tf.compat.v1.Session
+    ys: tf.Tensor            # [B, ...] per-example values
+    xs: list                 # the weights
+    feed: dict               # placeholder -> [B, ...] values
+    batch: list              # the batch placeholders
+    B: int
+    outputs: tf.Tensor = None  # [B, K] a multi-output tensor for Jacobians
+    oracle_ys: tf.Tensor = None  # ys on None-batch inputs (static cases)
+    oracle_outputs: tf.Tensor = None
+    oracle_feed: dict = None
+    rtol: float = _TOLERANCES[np.dtype(np.float32)]["rtol"]
+    atol: float = _TOLERANCES[np.dtype(np.float32)]["atol"]
+
+    def oracle(self):
+        """(ys, outputs, feed) for the one-example loop."""
+        if self.oracle_ys is None:
+            return self.ys, self.outputs, self.feed
+        return self.oracle_ys, self.oracle_outputs, self.oracle_feed
+
+
 def tolerance(dtype):
     """The tolerances for comparing values of a floating dtype.
 
