@@ -178,5 +178,5 @@ def test_memory_freed_before_the_next_allocation_is_not_added():
 
 
 def test_the_cli_offers_the_bench_models():
-    from pertower import bench, cli
+    from pertower.tools import bench, cli
     assert cli.BENCH_MODELS == bench.MODELS
