@@ -31,6 +31,8 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)   # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return   # every xdist worker collects every test: start on first use instead
     processes = config.stash[_PROCESSES]
     for item in items:
         for marker in item.iter_markers("process_checks"):

@@ -27,7 +27,8 @@ def test_eager_mode_is_refused_with_the_switch_to_use(processes, check):
 def test_every_reported_check_is_asserted_by_a_test(processes):
     """A check added to a script needs a test that asserts it (and vice versa: a test's
     check that the script does not report fails in `assert_passed`)."""
-    from tests import test_control_flow, test_dp, test_mixing  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from tests import test_control_flow, test_dp, test_mixing
     asserted = {
         "legacy": set(LEGACY_CHECKS) | set(test_control_flow.LEGACY_CHECKS)
                   | set(test_mixing.LEGACY_CHECKS),
