@@ -5,13 +5,42 @@ the per-example values `ys` [B, ...], the weights, the feeds for a batch of B ex
 and what the slow oracle (`pertower.oracle`) needs. Models are built on placeholders
 whose batch axis is None unless the case is about static batch axes; then the oracle
 runs on a second, None-batch input to the same model.
+
+Every builder seeds its weights with `seed_weights`, so a model's weights are the same
+whatever ran before in the process; `tolerance` gives the float32 / float64 tolerances
+that `assert_all_close` uses when none are passed; `run_oracle` runs the one-example
+loop and skips the test when TensorFlow itself cannot compute that reference on this
+machine.
 """
 
 import dataclasses
+import re
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras as keras
+
+__all__ = ["Case", "BUILDERS", "assert_all_close", "tolerance", "run_oracle", "seed_weights",
+           "run_scenario_2_hand_checkable_case"]
+
+# Comparing two computations of the same values in different orders (batched vs one
+# example at a time, other kernels): rtol for the relative error of each entry, atol
+# for entries near zero.
+_TOLERANCES = {
+    np.dtype(np.float32): dict(rtol=1e-4, atol=1e-6),
+    np.dtype(np.float64): dict(rtol=1e-10, atol=1e-12),
+}
+
+# TensorFlow errors that say its own kernels cannot compute a graph on this machine (the
+# reference cannot be computed either, so there is nothing to compare with): (pattern
+# matched on the error's message, why).
+_REFERENCE_UNAVAILABLE = (
+    (re.compile(r"Current CPU implementations do not yet support dilation rates larger "
+                r"than 1"),
+     "without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, the default on CPUs without AVX-512) the "
+     "CPU convolution gradient kernels refuse dilations > 1"),
+)
 
 
 @dataclasses.dataclass
@@ -28,8 +57,8 @@ class Case:
     oracle_ys: tf.Tensor = None  # ys on None-batch inputs (static cases)
     oracle_outputs: tf.Tensor = None
     oracle_feed: dict = None
-    rtol: float = 1e-5
-    atol: float = 1e-6
+    rtol: float = _TOLERANCES[np.dtype(np.float32)]["rtol"]
+    atol: float = _TOLERANCES[np.dtype(np.float32)]["atol"]
 
     def oracle(self):
         """(ys, outputs, feed) for the one-example loop."""
@@ -38,8 +67,33 @@ class Case:
         return self.oracle_ys, self.oracle_outputs, self.oracle_feed
 
 
-def assert_all_close(got, want, rtol, atol, what):
-    """Compares two lists of arrays; collects every mismatch before failing."""
+def tolerance(dtype):
+    """The tolerances for comparing values of a floating dtype.
+
+    Args:
+      dtype: a `tf.DType`, a NumPy dtype or type, or an array (its dtype is used).
+
+    Returns:
+      dict(rtol=..., atol=...) for `np.allclose` / `assert_all_close`: float64 gets the
+      float64 tolerances, every other dtype the float32 ones.
+    """
+    if isinstance(dtype, tf.DType):
+        dtype = dtype.base_dtype.as_numpy_dtype
+    dtype = dtype.dtype if isinstance(dtype, np.ndarray) else np.dtype(dtype)
+    if dtype == np.float64:
+        return dict(_TOLERANCES[np.dtype(np.float64)])
+    return dict(_TOLERANCES[np.dtype(np.float32)])
+
+
+def assert_all_close(got, want, rtol=None, atol=None, what="values"):
+    """Compares two lists of arrays; collects every mismatch before failing.
+
+    Args:
+      got, want: lists of arrays of the same shapes.
+      rtol, atol: the tolerances; None takes them from `tolerance(want[k].dtype)` for
+        each array.
+      what: the words that start the failure message.
+    """
     assert len(got) == len(want), f"{what}: {len(got)} results, expected {len(want)}"
     problems = []
     for k, (g, w) in enumerate(zip(got, want)):
@@ -47,7 +101,11 @@ def assert_all_close(got, want, rtol, atol, what):
         if g.shape != w.shape:
             problems.append(f"[{k}] shape {g.shape} != {w.shape}")
             continue
-        if not np.allclose(g, w, rtol=rtol, atol=atol):
+        tol = tolerance(w.dtype) if np.issubdtype(w.dtype, np.floating) else dict(
+            rtol=0.0, atol=0.0)
+        tol = dict(rtol=tol["rtol"] if rtol is None else rtol,
+                   atol=tol["atol"] if atol is None else atol)
+        if not np.allclose(g, w, **tol):
             err = np.max(np.abs(g - w))
             problems.append(f"[{k}] max abs error {err:.3g} (scale {np.max(np.abs(w)):.3g})")
     assert not problems, f"{what}: " + "; ".join(problems)
@@ -65,6 +123,50 @@ def loop_rows_of_batch(sess, ys, xs, feed_dict):
     rows = [tf.gradients(tf.reduce_sum(ys[i]), xs) for i in range(B)]   # B x [*x.shape]
     values = sess.run(rows, feed_dict)
     return [np.stack([values[i][k] for i in range(B)]) for k in range(len(xs))]
+def run_oracle(loop, *args, **kwargs):
+    """Runs a one-example loop and returns its values; skips the test if TensorFlow
+    cannot compute the reference on this machine.
+
+    Args:
+      loop: a function of `pertower.oracle` (e.g. `loop_per_example_gradients`), a
+        `SliceLoop`'s `run`, or any function that runs the reference.
+      *args, **kwargs: passed to `loop`.
+
+    Returns:
+      What `loop` returns.
+
+    Raises:
+      pytest.skip.Exception: TensorFlow raised one of the errors of
+        `_REFERENCE_UNAVAILABLE` (its kernels on this machine cannot run the graph);
+        the reason quotes TensorFlow's message and the op. Any other error propagates.
+    """
+    try:
+        return loop(*args, **kwargs)
+    except tf.errors.OpError as error:
+        for pattern, why in _REFERENCE_UNAVAILABLE:
+            found = pattern.search(error.message)
+            if found:
+                op = f" at op '{error.op.name}' ({error.op.type})" if error.op is not None else ""
+                pytest.skip(f"TensorFlow cannot compute the one-example reference on this "
+                            f"machine{op}: {found.group(0)} ({why})")
+        raise
+
+
+def seed_weights(seed):
+    """Makes the weights built next in the default graph the same whatever ran before.
+
+    Call inside `with graph.as_default()` of a fresh graph, before building layers.
+    `keras.utils.set_random_seed` sets the graph-level seed (tf.compat.v1 initializers
+    derive op-level seeds from it and this graph's op count) and Keras's seed generator
+    (tf_keras initializers draw stateless seeds from it; unseeded, they would draw from
+    Python's global `random`, which other tests and examples advance). It also seeds
+    Python's `random` and NumPy's global generator; test inputs use their own
+    `np.random.RandomState`.
+
+    Args:
+      seed: an int.
+    """
+    keras.utils.set_random_seed(seed)
 
 
 def _session(graph):
@@ -77,7 +179,7 @@ def build_mlp(B=6, dtype=tf.float32, name="mlp"):
     """Scenario 1: Keras Sequential MLP, cost = (net(x) - y) ** 2, [B, 1]."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(1)
+        seed_weights(1)
         x = tf.compat.v1.placeholder(dtype, [None, 5], name="x")
         y = tf.compat.v1.placeholder(dtype, [None, 1], name="y")
         net = keras.Sequential([
@@ -91,9 +193,8 @@ def build_mlp(B=6, dtype=tf.float32, name="mlp"):
     rng = np.random.RandomState(0)
     feed = {x: rng.randn(B, 5).astype(dtype.as_numpy_dtype),
             y: rng.randn(B, 1).astype(dtype.as_numpy_dtype)}
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == tf.float32 else dict(rtol=1e-12, atol=1e-13)
     return Case(name, graph, sess, cost, list(net.trainable_weights), feed, [x, y], B,
-                outputs=out, **tol)
+                outputs=out, **tolerance(dtype))
 
 
 def build_static_mlp(B=4):
@@ -101,7 +202,7 @@ def build_static_mlp(B=4):
     model on a None-batch placeholder."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(2)
+        seed_weights(2)
         x = tf.compat.v1.placeholder(tf.float32, [B, 5], name="x_static")
         x_any = tf.compat.v1.placeholder(tf.float32, [None, 5], name="x_any")
         net = keras.Sequential([keras.layers.Dense(7, activation="sigmoid"),
@@ -120,7 +221,7 @@ def build_cnn(B=3):
     """Scenario 3: Conv2D(16, 5, same, elu) -> Flatten -> Dense(128, relu) -> Dense(1)."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(3)
+        seed_weights(3)
         x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="images")
         model = keras.Sequential([
             keras.layers.Conv2D(16, 5, padding="same", activation="elu",
@@ -141,7 +242,7 @@ def build_embedding(B=4):
     -> Dense(2); ys is a softmax cross-entropy per example [B]."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(4)
+        seed_weights(4)
         ids = keras.Input(shape=(4,), dtype="int32", name="ids")
         feats = keras.Input(shape=(3,), name="feats")
         e = keras.layers.Flatten()(keras.layers.Embedding(20, 6)(ids))
@@ -165,7 +266,7 @@ def build_shared_layer(B=5):
     """One Dense layer applied twice (its kernel read twice per example)."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(5)
+        seed_weights(5)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
         shared = keras.layers.Dense(4, activation="tanh")
         head = keras.layers.Dense(2)
@@ -197,7 +298,7 @@ def build_subclassed(B=4):
     """Subclassed model on sequences [B, 9, 3], Dropout in inference mode."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(6)
+        seed_weights(6)
         x = tf.compat.v1.placeholder(tf.float32, [None, 9, 3], name="seq")
         model = _SequenceModel()
         out = model(x)                                  # [B, 2]
@@ -212,7 +313,7 @@ def build_compat_v1_layers(B=4):
     """tf.compat.v1.layers.dense and tf.compat.v1.get_variable (resource variables)."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(7)
+        seed_weights(7)
         s = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s")
         with tf.compat.v1.variable_scope("f"):
             h = tf.compat.v1.layers.dense(s, 6, tf.nn.tanh, name="hidden")

@@ -24,7 +24,7 @@ class Model:
 
     def __init__(self, graph_inputs, seed):
         x_a, y_a, x_b, y_b = graph_inputs
-        tf.compat.v1.set_random_seed(seed)
+        common.seed_weights(seed)
         self.net = keras.Sequential([keras.layers.Dense(4, activation="tanh"),
                                      keras.layers.Dense(K)])
         self.out_a, self.out_b = self.net(x_a), self.net(x_b)             # [B, K]

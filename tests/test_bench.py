@@ -199,5 +199,5 @@ def test_memory_freed_before_the_next_allocation_is_not_added():
 
 
 def test_the_cli_offers_the_bench_models():
-    from pertower.tools import models
+    from pertower.tools import bench, cli, models
     assert cli.BENCH_MODELS == bench.MODELS == models.MODEL_NAMES

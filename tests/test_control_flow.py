@@ -3,9 +3,6 @@ one-example oracle: Keras RNN layers, tf.cond, a hand-written tf.while_loop, a
 tf.function, and the refusals for what cannot be replayed."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -61,7 +58,7 @@ def _build(case, methods=("towers",), microbatches=True, jacobians=False):
 def _rnn_case(layer, unroll, B=4):
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(11)
+        common.seed_weights(11)
         x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2], name="sequences")
         rnn = getattr(keras.layers, layer)(3, unroll=unroll)
         head = keras.layers.Dense(2)
@@ -77,7 +74,7 @@ def _cond_case(B=4):
     """tf.cond (v2, an If op) whose true branch reads the kernel w and the scale v."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(12)
+        common.seed_weights(12)
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
         w = tf.compat.v1.get_variable("w", [3, 3])
         v = tf.compat.v1.get_variable("v", [3])
@@ -93,7 +90,7 @@ def _while_case(B=4):
     tf.cond nested in the body."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(13)
+        common.seed_weights(13)
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
         w = tf.compat.v1.get_variable("w", [3, 3])
         v = tf.compat.v1.get_variable("v", [3])
@@ -112,7 +109,7 @@ def _function_case(B=4):
     """A tf.function (StatefulPartitionedCall) that captures the weight w."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(14)
+        common.seed_weights(14)
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
         w = tf.compat.v1.get_variable("w", [3, 2])
 
@@ -131,7 +128,7 @@ def _gathers_in_functions_case(B=4):
     that also calls that tf.function (ResourceGather -> GatherV2 in the functions)."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(16)
+        common.seed_weights(16)
         ids = tf.compat.v1.placeholder(tf.int32, [None, 3], name="ids")
         table = tf.compat.v1.get_variable("table", [6, 2])
 
@@ -254,24 +251,24 @@ def test_v1_while_loops_are_refused_with_the_switch_to_use():
         tf.compat.v1.enable_control_flow_v2()
 
 
-def test_recurrent_layers_under_disable_v2_behavior():
-    """In a subprocess: v1 loops refused with the switch; with control flow v2 the
-    LSTM matches the oracle."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1",
-               PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, os.path.join(here, "scripts", "legacy_control_flow_checks.py")],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "legacy control flow checks: 2 passed, 0 failed" in result.stdout, result.stdout
+# checks of tests/scripts/legacy_mode_checks.py ("legacy" process, once per session)
+LEGACY_CHECKS = ["check_v1_while_loop_is_refused",
+                 "check_lstm_with_control_flow_v2_matches_oracle"]
+
+
+@pytest.mark.process_checks("legacy")
+@pytest.mark.parametrize("check", LEGACY_CHECKS)
+def test_recurrent_layers_under_disable_v2_behavior(processes, check):
+    """Under disable_v2_behavior: v1 loops refused with the switch; with control flow v2
+    the LSTM matches the oracle."""
+    processes.assert_passed("legacy", check)
 
 
 def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
     """A text model: Embedding(mask_zero) -> Bidirectional(LSTM) (two While ops with a
     mask) -> pooling -> Dense, the embedding's gradients sparse."""
     with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(15)
+        common.seed_weights(15)
         ids = tf.compat.v1.placeholder(tf.int32, [None, 5], name="ids")
         embedding = keras.layers.Embedding(10, 4, mask_zero=True)
         rnn = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True))

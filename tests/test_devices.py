@@ -1,11 +1,9 @@
 """devices=[...]: towers placed round-robin on two virtual CPU devices (placement read
 from the graph and from the run's step stats), values against the oracle; and the same
-on TensorFlow's distributed runtime with two in-process servers (in a subprocess)."""
+on TensorFlow's distributed runtime with two in-process servers (in the "distributed"
+process of tests/process_checks.py)."""
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -119,13 +117,9 @@ def test_bad_devices_are_refused(bad, error, words):
             pertower.per_example_gradients(case.ys, case.xs, batch_size=2, devices=bad)
 
 
-def test_towers_on_two_servers_of_a_cluster_match_oracle():
+@pytest.mark.process_checks("distributed")
+@pytest.mark.parametrize("check", ["check_cluster_devices_answer", "check_graph_placement",
+                                   "check_towers_on_two_tasks_match_oracle"])
+def test_towers_on_two_servers_of_a_cluster_match_oracle(processes, check):
     """tests/scripts/distributed_towers.py: two tf.distribute.Servers on 127.0.0.1."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1",
-               PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, os.path.join(here, "scripts", "distributed_towers.py")],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "distributed checks: 3 passed, 0 failed" in result.stdout, result.stdout
+    processes.assert_passed("distributed", check)

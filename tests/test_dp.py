@@ -5,9 +5,6 @@ one-example loop `pertower.oracle`, each clipped to global norm C in NumPy, aver
 then applied by hand (SGD, or the first step of v1 Adam).
 """
 
-import os
-import subprocess
-import sys
 
 import dp_accounting
 import numpy as np
@@ -158,7 +155,7 @@ def test_random_ops_clip_each_example_s_own_draw():
     # dropout in training mode: the norms-then-reweight pass would clip one draw with the
     # norm of another; DPOptimizer clips the towers' own gradients instead
     with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(9)
+        common.seed_weights(9)
         x = tf.compat.v1.placeholder(tf.float32, [None, 5])
         hidden = keras.layers.Dense(16, activation="relu")
         head = keras.layers.Dense(1)
@@ -292,22 +289,13 @@ def test_errors_name_the_argument():
         pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer, 1.0, 1.0)
 
 
-def test_eager_mode_is_refused():
-    code = (
-        "import tensorflow as tf, pertower\n"
-        "w = tf.Variable([1.0, 2.0])\n"
-        "dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 1.0, 1.0)\n"
-        "try:\n"
-        "    dp.compute_gradients(tf.constant([1.0, 2.0]) * w, [w])\n"
-        "except RuntimeError as error:\n"
-        "    print('refused:', error)\n")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
-                   os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, env=env, check=False)
-    assert "refused: pertower.DPOptimizer.compute_gradients needs graph mode" in result.stdout, (
-        result.stdout + result.stderr[-2000:])
+# checks of tests/scripts/eager_mode_checks.py ("eager" process, once per session)
+EAGER_CHECKS = ["check_dp_optimizer_refuses_eager"]
+
+
+@pytest.mark.process_checks("eager")
+def test_eager_mode_is_refused(processes):
+    processes.assert_passed("eager", EAGER_CHECKS[0])
 
 
 def _direct_epsilon(steps, noise, q, delta):

@@ -162,7 +162,7 @@ def test_non_tensor_ys_is_refused(mlp):
 
 def test_unrolled_lstm_matches_oracle():
     with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(8)
+        common.seed_weights(8)
         x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2])
         ys = keras.layers.Dense(1)(keras.layers.LSTM(3, unroll=True)(x))
         xs = tf.compat.v1.trainable_variables()

@@ -1,20 +1,15 @@
 """The example scripts and `pertower demo` run, exit 0 and report agreement with the loop.
 
-Each script runs in its own Python process (as a user runs it), so TensorFlow's
-global state (graph mode, Keras version) is its own.
+They run as a user runs them, in a fresh process of their own ("scenario_examples" of
+tests/process_checks.py: tests/scripts/scenario_examples.py runs the three scripts and
+then `python -m pertower demo` in that one process, each checked to set up its own
+environment: TensorFlow's global state (graph mode, Keras version) is theirs).
 """
 
 import dataclasses
 import importlib.metadata
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TIMEOUT_SECONDS = 180
 
 EXAMPLES = {
     "scenario1_keras_mlp.py": [
@@ -33,42 +28,25 @@ EXAMPLES = {
 }
 
 
-def _run(args):
-    """Runs `python *args` from the repository root; returns the CompletedProcess.
-
-    TF_USE_LEGACY_KERAS is removed from the environment (conftest.py sets it for this
-    process): the scripts and `pertower demo` must set it themselves.
-    """
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_USE_LEGACY_KERAS", None)
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_SECONDS, check=False)
-
-
-def _explain(process):
-    return f"exit code {process.returncode}\n--- stdout\n{process.stdout}\n--- stderr\n" \
-           f"{process.stderr[-4000:]}"
-
-
+@pytest.mark.process_checks("scenario_examples")
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
-def test_example_runs_and_matches_the_loop(script):
-    process = _run([str(ROOT / "examples" / script)])
-    assert process.returncode == 0, _explain(process)
+def test_example_runs_and_matches_the_loop(processes, script):
+    out = processes.assert_passed("scenario_examples", script).output
     for expected in EXAMPLES[script]:
-        assert expected in process.stdout, f"missing {expected!r}\n{_explain(process)}"
+        assert expected in out, f"missing {expected!r}\n--- stdout\n{out}"
 
 
-def test_demo_runs_and_every_scenario_agrees():
-    process = _run(["-m", "pertower", "demo", "--batch-size", "8", "--repeats", "3"])
-    assert process.returncode == 0, _explain(process)
-    out = process.stdout
-    assert out.count("agrees with the loop") == 3, _explain(process)
-    assert "All scenarios match the one-example loop." in out, _explain(process)
+@pytest.mark.process_checks("scenario_examples")
+def test_demo_runs_and_every_scenario_agrees(processes):
+    out = processes.assert_passed("scenario_examples", "demo").output
+    explain = f"--- stdout\n{out}"
+    assert out.count("agrees with the loop") == 3, explain
+    assert "All scenarios match the one-example loop." in out, explain
     table = out[out.index("scenario  "):].splitlines()
-    assert "speed-up" in table[0] and "build s" in table[0], _explain(process)
+    assert "speed-up" in table[0] and "build s" in table[0], explain
     rows = table[2:5]
-    assert [row.split()[0] for row in rows] == ["1", "2", "3"], _explain(process)
-    assert all(row.split()[-1] == "yes" for row in rows), _explain(process)
+    assert [row.split()[0] for row in rows] == ["1", "2", "3"], explain
+    assert all(row.split()[-1] == "yes" for row in rows), explain
 
 
 def test_console_script_is_declared():

@@ -460,14 +460,12 @@ def test_v1_select_with_a_row_condition_and_identity_n_keep_the_batch_axis():
             "over_batch"]
 
 
-def test_v1_cond_batch_norm_with_a_training_placeholder_is_refused():
-    """disable_v2_behavior graphs (Switch/Merge conds) run in a subprocess."""
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-    import os  # pylint: disable=import-outside-toplevel
-    script = os.path.join(os.path.dirname(__file__), "scripts", "legacy_v1_batch_norm.py")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
-                            timeout=300, check=False)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+# checks of tests/scripts/legacy_mode_checks.py ("legacy" process, once per session)
+LEGACY_CHECKS = ["check_v1_cond_batch_norm_with_a_training_placeholder_is_refused"]
+
+
+@pytest.mark.process_checks("legacy")
+def test_v1_cond_batch_norm_with_a_training_placeholder_is_refused(processes):
+    """disable_v2_behavior graphs (Switch/Merge conds): a batch norm with a training
+    placeholder is refused, in inference mode accepted."""
+    processes.assert_passed("legacy", LEGACY_CHECKS[0])

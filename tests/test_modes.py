@@ -1,28 +1,39 @@
-"""Process-wide modes that the main test process cannot switch to: each runs a script of
-tests/scripts/ in a subprocess and checks what it reports."""
+"""Process-wide modes that the main test process cannot switch to: the checks of the
+"legacy" (tf.compat.v1.disable_v2_behavior()) and "eager" processes of
+tests/process_checks.py, each process started once per session."""
 
-import os
-import subprocess
-import sys
+import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-
-def _run_script(name):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, os.path.join(HERE, "scripts", name)],
-                          capture_output=True, text=True, timeout=600, env=env)
+LEGACY_CHECKS = ["check_layers_model", "check_v1_cond", "check_keras_model",
+                 "check_hand_checkable_case"]
+EAGER_CHECKS = ["check_eager_is_on", "check_per_example_gradients_refuses_eager",
+                "check_microbatch_gradients_refuses_eager"]
 
 
-def test_legacy_graphs_under_disable_v2_behavior_match_oracle():
-    result = _run_script("legacy_v1_checks.py")
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "legacy checks: 4 passed, 0 failed" in result.stdout, result.stdout
+@pytest.mark.process_checks("legacy")
+@pytest.mark.parametrize("check", LEGACY_CHECKS)
+def test_legacy_graphs_under_disable_v2_behavior_match_oracle(processes, check):
+    processes.assert_passed("legacy", check)
 
 
-def test_eager_mode_is_refused_with_the_switch_to_use():
-    result = _run_script("eager_refusal.py")
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "eager refusal checks: 2 passed" in result.stdout, result.stdout
+@pytest.mark.process_checks("eager")
+@pytest.mark.parametrize("check", EAGER_CHECKS)
+def test_eager_mode_is_refused_with_the_switch_to_use(processes, check):
+    processes.assert_passed("eager", check)
+
+
+@pytest.mark.process_checks("legacy")
+@pytest.mark.process_checks("eager")
+def test_every_reported_check_is_asserted_by_a_test(processes):
+    """A check added to a script needs a test that asserts it (and vice versa: a test's
+    check that the script does not report fails in `assert_passed`)."""
+    # pylint: disable-next=import-outside-toplevel
+    from tests import test_control_flow, test_dp, test_mixing
+    asserted = {
+        "legacy": set(LEGACY_CHECKS) | set(test_control_flow.LEGACY_CHECKS)
+                  | set(test_mixing.LEGACY_CHECKS),
+        "eager": set(EAGER_CHECKS) | set(test_dp.EAGER_CHECKS),
+    }
+    for name, checks in asserted.items():
+        done = processes.completed(name)
+        assert set(done.checks) == checks, done.explain()

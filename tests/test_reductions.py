@@ -32,14 +32,19 @@ def _run(case, tensors):
     return case.sess.run(tensors, case.feed)
 
 
+def _tol(case):
+    """The tolerances for the case's dtype (float32 here)."""
+    return common.tolerance(case.ys.dtype)
+
+
 def test_flatten_and_flatten_per_example(grads):
     case, per_example, want = grads
     with case.graph.as_default():
         matrix = pertower.flatten_per_example(per_example)
         first = pertower.flatten([g[0] for g in per_example])
     got_matrix, got_first = _run(case, [matrix, first])
-    np.testing.assert_allclose(got_matrix, _rows(want), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got_first, _rows(want)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_matrix, _rows(want), **_tol(case))
+    np.testing.assert_allclose(got_first, _rows(want)[0], **_tol(case))
     assert got_matrix.shape == (5, sum(int(np.prod(x.shape)) for x in case.xs))
 
 
@@ -52,10 +57,11 @@ def test_dot_and_cosine_of_two_examples(grads):
         tensors = [pertower.dot(a, b), pertower.cosine_similarity(a, b),
                    pertower.cosine_similarity(a, a)]
     dot, cosine, self_cosine = _run(case, tensors)
-    np.testing.assert_allclose(dot, rows[1] @ rows[3], rtol=1e-5)
+    np.testing.assert_allclose(dot, rows[1] @ rows[3], **_tol(case))
     np.testing.assert_allclose(
-        cosine, rows[1] @ rows[3] / np.linalg.norm(rows[1]) / np.linalg.norm(rows[3]), rtol=1e-5)
-    np.testing.assert_allclose(self_cosine, 1.0, rtol=1e-6)
+        cosine, rows[1] @ rows[3] / np.linalg.norm(rows[1]) / np.linalg.norm(rows[3]),
+        **_tol(case))
+    np.testing.assert_allclose(self_cosine, 1.0, **_tol(case))
 
 
 def test_global_norms(grads):
@@ -64,8 +70,8 @@ def test_global_norms(grads):
         norms = pertower.global_norms(per_example)
         first_by_tf = tf.linalg.global_norm([g[0] for g in per_example])
     got, first = _run(case, [norms, first_by_tf])
-    np.testing.assert_allclose(got, np.linalg.norm(_rows(want), axis=1), rtol=1e-5)
-    np.testing.assert_allclose(got[0], first, rtol=1e-6)
+    np.testing.assert_allclose(got, np.linalg.norm(_rows(want), axis=1), **_tol(case))
+    np.testing.assert_allclose(got[0], first, **_tol(case))
 
 
 def test_pairwise_dot_and_cosine(grads):
@@ -77,10 +83,10 @@ def test_pairwise_dot_and_cosine(grads):
                    pertower.pairwise_cosine(per_example), pertower.pairwise_cosine(head, per_example)]
     gram, cross, cos, cross_cos = _run(case, tensors)
     unit = rows / np.linalg.norm(rows, axis=1, keepdims=True)
-    np.testing.assert_allclose(gram, rows @ rows.T, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(cross, rows[:2] @ rows.T, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(cos, unit @ unit.T, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(cross_cos, unit[:2] @ unit.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gram, rows @ rows.T, **_tol(case))
+    np.testing.assert_allclose(cross, rows[:2] @ rows.T, **_tol(case))
+    np.testing.assert_allclose(cos, unit @ unit.T, **_tol(case))
+    np.testing.assert_allclose(cross_cos, unit[:2] @ unit.T, **_tol(case))
     assert cross.shape == (2, 5)
 
 

@@ -23,7 +23,7 @@ def _model(name, build, feed_shapes, B=4, dtype=tf.float32, ids=None, seed=0, **
     """A Case from `build(inputs) -> (ys, xs)` on None-batch placeholders."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(seed)
+        common.seed_weights(seed)
         inputs = [tf.compat.v1.placeholder(dtype if s != "ids" else tf.int32,
                                            [None] + list(ids if s == "ids" else s),
                                            name=f"in{j}")
@@ -209,7 +209,8 @@ def test_rules_match_oracle_and_towers(model):
         for g, x in zip(rules, model.xs):
             assert g.dtype == x.dtype.base_dtype
             assert g.shape.as_list() == [model.B] + x.shape.as_list()
-        want = oracle.loop_per_example_gradients(model.sess, model.ys, model.xs, model.feed)
+        want = common.run_oracle(oracle.loop_per_example_gradients, model.sess, model.ys,
+                                 model.xs, model.feed)
     got_rules, got_towers = model.sess.run([rules, towers], model.feed)
     common.assert_all_close(got_rules, want, model.rtol, model.atol, f"{model.name} rules")
     common.assert_all_close(got_rules, got_towers, model.rtol, model.atol,
@@ -228,7 +229,8 @@ def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
         assert all(g.shape[0] is None or g.shape.as_list()[0] is None for g in rules)
         for size in (1, 3):
             feed = {k: v[:size] for k, v in model.feed.items()}
-            want = oracle.loop_per_example_gradients(model.sess, model.ys, model.xs, feed)
+            want = common.run_oracle(oracle.loop_per_example_gradients, model.sess, model.ys,
+                                     model.xs, feed)
             common.assert_all_close(model.sess.run(rules, feed), want, model.rtol, model.atol,
                                     f"{model.name} rules, {size} examples")
 
@@ -240,10 +242,10 @@ def test_microbatches_and_jacobians_match_oracle(model):
         outputs = tf.stack([model.ys, tf.sin(model.ys)], axis=1)      # [B, 2]
         jacobians = pertower.per_example_jacobians(outputs, model.xs, batch_size=model.B,
                                                    method="auto")
-        want_two = oracle.loop_microbatch_gradients(model.sess, model.ys, model.xs,
-                                                    model.feed, 2)
-        want_jacobians = oracle.loop_per_example_jacobians(model.sess, outputs, model.xs,
-                                                           model.feed)
+        want_two = common.run_oracle(oracle.loop_microbatch_gradients, model.sess, model.ys,
+                                     model.xs, model.feed, 2)
+        want_jacobians = common.run_oracle(oracle.loop_per_example_jacobians, model.sess,
+                                           outputs, model.xs, model.feed)
     got_two, got_jacobians = model.sess.run([two, jacobians], model.feed)
     common.assert_all_close(got_two, want_two, model.rtol, model.atol * 10,
                             f"{model.name} two microbatches")

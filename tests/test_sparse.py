@@ -88,7 +88,7 @@ def test_a_weight_also_read_densely_stays_dense():
     """Tied embeddings: the table is gathered and multiplied, so its per-example
     gradient is not row-sparse and sparse=True returns the dense [B, *x.shape]."""
     with tf.Graph().as_default() as graph:
-        tf.compat.v1.set_random_seed(21)
+        common.seed_weights(21)
         ids = tf.compat.v1.placeholder(tf.int32, [None, 3], name="ids")
         embedding = keras.layers.Embedding(7, 4)
         h = tf.reduce_mean(embedding(ids), axis=1)                        # [B, 4]

@@ -2,7 +2,8 @@
 tasks of a TensorFlow cluster of in-process `tf.distribute.Server`s on 127.0.0.1,
 a session on the first server's target, values against the one-example oracle.
 
-Prints one line per check and 'distributed checks: N passed, M failed'; exits 1 on
+Started once per test session by tests/process_checks.py ("distributed"); prints one
+`pertower-check` line per check and 'distributed checks: N passed, M failed'; exits 1 on
 failure.
 """
 
@@ -24,6 +25,7 @@ import tf_keras as keras  # noqa: E402
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
 from tests import common  # noqa: E402
+from tests import process_checks  # noqa: E402
 
 TASKS = ["/job:worker/task:0", "/job:worker/task:1"]
 
@@ -130,21 +132,19 @@ def check_cluster_devices(servers):
 
 def main():
     servers = _start_cluster()
-    checks = [lambda: check_cluster_devices(servers), check_graph_placement,
-              lambda: check_towers_on_two_tasks(servers)]
-    names = ["check_cluster_devices", "check_graph_placement", "check_towers_on_two_tasks"]
-    failed = 0
-    for name, check in zip(names, checks):
-        try:
-            note = check()
-            print(f"ok   {name}" + (f" ({note})" if note else ""))
-        except Exception as error:  # pylint: disable=broad-except
-            failed += 1
-            print(f"FAIL {name}: {type(error).__name__}: {error}")
-    print(f"distributed checks: {len(checks) - failed} passed, {failed} failed")
+
+    def check_cluster_devices_answer():
+        check_cluster_devices(servers)
+
+    def check_towers_on_two_tasks_match_oracle():
+        check_towers_on_two_tasks(servers)
+
+    code = process_checks.run_checks(
+        [check_cluster_devices_answer, check_graph_placement,
+         check_towers_on_two_tasks_match_oracle], "distributed checks")
     sys.stdout.flush()
     # Servers cannot be stopped cleanly in-process; leave without waiting for them.
-    os._exit(1 if failed else 0)  # pylint: disable=protected-access
+    os._exit(code)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

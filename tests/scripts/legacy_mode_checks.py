@@ -1,11 +1,14 @@
-"""Run in a process of its own: legacy graphs under tf.compat.v1.disable_v2_behavior()
+"""Run in a process of its own: every check that needs tf.compat.v1.disable_v2_behavior()
 (reference variables, v1 control flow), compared with the one-example oracle.
 
-Prints one line per check and 'legacy checks: N passed, M failed'; exits 1 on failure.
+Started once per test session by tests/process_checks.py ("legacy"); prints one
+`pertower-check` line per check and 'legacy checks: N passed, M failed'; exits 1 on
+failure.
 """
 
 import math
 import os
+import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -16,10 +19,15 @@ import tensorflow as tf  # noqa: E402
 
 tf.compat.v1.disable_v2_behavior()
 
+import tf_keras as keras  # noqa: E402
+
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
 from tests import common  # noqa: E402
+from tests import process_checks  # noqa: E402
 
+
+# Graphs of TF1 code: tf.compat.v1.layers, v1 cond, a Keras model, scenario 2 ----------
 
 def _close(got, want, what, rtol=1e-5, atol=1e-6):
     common.assert_all_close(got, want, rtol, atol, what)
@@ -75,8 +83,6 @@ def check_v1_cond():
 
 def check_keras_model():
     """A tf_keras functional model built under disable_v2_behavior()."""
-    import tf_keras as keras  # pylint: disable=import-outside-toplevel
-
     with tf.Graph().as_default() as graph:
         inputs = keras.Input(shape=(4,))
         hidden = keras.layers.Dense(5, activation="tanh")(inputs)
@@ -99,19 +105,82 @@ def check_hand_checkable_case():
     assert abs(cos_value - want) < 1e-6, (cos_value, want)
 
 
-def main():
-    checks = [check_layers_model, check_v1_cond, check_keras_model, check_hand_checkable_case]
-    failed = 0
-    for check in checks:
+# Recurrent layers: v1 loops refused with the switch, control flow v2 matches ------------
+
+def _lstm():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="x")
+    ys = tf.reduce_sum(keras.layers.Dense(2)(keras.layers.LSTM(3)(x)), axis=1)   # [B]
+    return x, ys, tf.compat.v1.trainable_variables()
+
+
+def check_v1_while_loop_is_refused():
+    """v1 control flow: the refusal names the loop op and the switch to use."""
+    with tf.Graph().as_default():
+        _, ys, xs = _lstm()
         try:
-            check()
-            print(f"ok   {check.__name__}")
-        except Exception as error:  # report every failure, then fail  # noqa: BLE001
-            failed += 1
-            print(f"FAIL {check.__name__}: {type(error).__name__}: {error}")
-    print(f"legacy checks: {len(checks) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+            pertower.per_example_gradients(ys, xs, batch_size=2)
+        except NotImplementedError as error:
+            pattern = (r"TF1 \(v1\) while loop around op '[\w/]+' \(\w+\).*Python-side loop "
+                       r"context.*tf.compat.v1.enable_control_flow_v2\(\)")
+            if not re.search(pattern, str(error)):
+                raise AssertionError(f"unexpected message: {error}") from None
+            return
+        raise AssertionError("v1 while loop was not refused")
+
+
+def check_lstm_with_control_flow_v2_matches_oracle():
+    """enable_control_flow_v2() under disable_v2_behavior(): LSTM against the loop."""
+    tf.compat.v1.enable_control_flow_v2()
+    try:
+        with tf.Graph().as_default() as graph:
+            tf.compat.v1.set_random_seed(3)
+            x, ys, xs = _lstm()
+            loop = oracle.SliceLoop(ys, xs)   # before the session runs (while_v2 edits ops)
+            grads = pertower.per_example_gradients(ys, xs, batch_size=3)
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                feed = {x: np.random.RandomState(0).randn(3, 4, 2).astype(np.float32)}
+                got, want = sess.run(grads, feed), loop.run(sess, feed, 3)
+        for k, (g, w) in enumerate(zip(got, want)):
+            if g.shape != w.shape or not np.allclose(g, w, rtol=1e-4, atol=1e-5):
+                raise AssertionError(f"weight {k}: max error {np.max(np.abs(g - w)):.3g}")
+    finally:
+        tf.compat.v1.disable_control_flow_v2()
+
+
+# A v1 cond (Switch/Merge) batch norm with a training placeholder ------------------------
+
+def check_v1_cond_batch_norm_with_a_training_placeholder_is_refused():
+    """A batch norm whose training mode is a placeholder is refused; the same layer in
+    inference mode is accepted."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
+        training = tf.compat.v1.placeholder(tf.bool, [], name="training")
+        h = tf.compat.v1.layers.conv2d(x, 3, 3)
+        normed = tf.compat.v1.layers.batch_normalization(h, training=training)
+        ys = tf.reduce_sum(normed, axis=[1, 2, 3])
+        graph_ops = tf.compat.v1.get_default_graph().get_operations()
+        assert any(op.type == "Switch" for op in graph_ops), "no v1 cond in the graph"
+        try:
+            pertower.per_example_gradients(ys, tf.compat.v1.trainable_variables(),
+                                           batch_size=3)
+        except ValueError as error:
+            assert "couples the examples of the batch" in str(error), error
+            assert "is_training=True" in str(error) and "training=False" in str(error), error
+        else:
+            raise AssertionError("batch norm with a training placeholder was not refused")
+        inference = tf.compat.v1.layers.batch_normalization(h, training=False,
+                                                            name="inference")
+        grads = pertower.per_example_gradients(tf.reduce_sum(inference, axis=[1, 2, 3]),
+                                               tf.compat.v1.trainable_variables(),
+                                               batch_size=3)
+        assert len(grads) == len(tf.compat.v1.trainable_variables())
+
+
+CHECKS = [check_layers_model, check_v1_cond, check_keras_model, check_hand_checkable_case,
+          check_v1_while_loop_is_refused, check_lstm_with_control_flow_v2_matches_oracle,
+          check_v1_cond_batch_norm_with_a_training_placeholder_is_refused]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(process_checks.run_checks(CHECKS, "legacy checks"))

@@ -1,0 +1,87 @@
+"""Run in a fresh process, as a user runs them: the scenario example scripts, then
+`python -m pertower demo`, one after the other in this one process.
+
+Started once per test session by tests/process_checks.py ("scenario_examples") with
+TF_USE_LEGACY_KERAS removed from the environment: each script and the demo must set up
+its environment itself. Nothing here imports TensorFlow before the first script does;
+before each later one, TF_USE_LEGACY_KERAS is removed again and the default graph
+replaced, and each check asserts that its script set TF_USE_LEGACY_KERAS=1 and left
+graph mode on. Each check returns the script's output (the tests assert its lines).
+Prints one `pertower-check` line per check; exits 1 on failure.
+"""
+
+import contextlib
+import io
+import os
+import runpy
+import sys
+import traceback
+
+from tests import process_checks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = ["scenario1_keras_mlp.py", "scenario2_two_batches_cosine.py",
+            "scenario3_cnn_jacobian.py"]
+# `pertower demo` at a small batch: the same three scenarios as the examples, checked
+# against the loop once more by the demo's own code.
+DEMO_ARGV = ["pertower", "demo", "--batch-size", "4", "--repeats", "2"]
+
+
+def _run_as_main(run):
+    """Runs `run()` as a fresh command would; returns its stdout.
+
+    Raises:
+      AssertionError: it raised or exited non-zero (with its output and traceback), or
+        it did not set TF_USE_LEGACY_KERAS=1 or left eager execution on.
+    """
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)
+    if "tensorflow" in sys.modules:
+        sys.modules["tensorflow"].compat.v1.reset_default_graph()
+    buffer = io.StringIO()
+    code, problem = 0, ""
+    with contextlib.redirect_stdout(buffer):
+        try:
+            run()
+        except SystemExit as exit_:
+            code = exit_.code or 0
+        except Exception:  # pylint: disable=broad-except  # reported with the output
+            code, problem = 1, traceback.format_exc()
+    out = buffer.getvalue()
+    if code != 0:
+        raise AssertionError(f"exit code {code}\n--- stdout\n{out}\n{problem}")
+    if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+        raise AssertionError(f"TF_USE_LEGACY_KERAS was not set to 1\n--- stdout\n{out}")
+    if sys.modules["tensorflow"].executing_eagerly():
+        raise AssertionError(f"eager execution left on\n--- stdout\n{out}")
+    return out
+
+
+def _example_check(script):
+    def check():
+        path = os.path.join(ROOT, "examples", script)
+        saved = list(sys.argv)
+        sys.argv = [path]
+        try:
+            return _run_as_main(lambda: runpy.run_path(path, run_name="__main__"))
+        finally:
+            sys.argv = saved
+    check.__name__ = script
+    return check
+
+
+def demo():
+    """`python -m pertower demo ...`: pertower/__main__.py run as the main module."""
+    saved = list(sys.argv)
+    sys.argv = list(DEMO_ARGV)
+    try:
+        return _run_as_main(
+            lambda: runpy.run_module("pertower", run_name="__main__", alter_sys=True))
+    finally:
+        sys.argv = saved
+
+
+CHECKS = [_example_check(script) for script in EXAMPLES] + [demo]
+
+
+if __name__ == "__main__":
+    sys.exit(process_checks.run_checks(CHECKS, "scenario example checks"))
