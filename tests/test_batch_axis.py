@@ -70,7 +70,7 @@ def mlp():
     """One graph and session for every case: x [B, 3] -> Dense(6, tanh) -> Dense(4)."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(5)
+        common.seed_weights(5)
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
         net = keras.Sequential([keras.layers.Dense(6, activation="tanh"),
                                 keras.layers.Dense(4)])

@@ -25,7 +25,7 @@ def mixed():
     """A Dense layer (rules) and an elementwise weight no rule covers (towers)."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(3)
+        common.seed_weights(3)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
         dense = keras.layers.Dense(3, name="dense")
         gain = tf.Variable(np.linspace(0.5, 1.5, 3).astype(np.float32), name="gain")
@@ -102,7 +102,7 @@ def test_auto_without_batch_size_lists_the_fallback_weights(mixed):
 def test_default_method_and_dp_optimizer_work_for_two_fed_batch_sizes():
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(5)
+        common.seed_weights(5)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
         y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
         net = keras.Sequential([keras.layers.Dense(6, activation="tanh"),

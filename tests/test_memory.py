@@ -161,7 +161,7 @@ def test_a_limit_of_1_3_times_the_result_is_enough_for_a_rules_covered_mlp():
     every weight has a rule needs little more than the result's own bytes."""
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(0)
+        common.seed_weights(0)
         x = tf.compat.v1.placeholder(tf.float32, [None, 100])
         h = x
         for width in (256, 256):
