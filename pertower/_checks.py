@@ -6,6 +6,7 @@ what to do instead; `warn_unconnected` warns about weights `ys` does not reach, 
 builds graph ops.
 """
 
+import math
 import numbers
 import sys
 import warnings
@@ -79,6 +80,35 @@ def unconnected_gradients_value(value, function_name):
             f"pertower.{function_name}: `unconnected_gradients` must be 'zero' or 'none' "
             f"(or a tf.UnconnectedGradients member), but received {value!r}."
         ) from None
+
+
+def real_number(value, argument, function_name, low=-math.inf, high=math.inf,
+                low_open=False, high_open=False, wanted=None):
+    """`value` as a float in the interval from `low` to `high` (open or closed ends);
+    raises TypeError for a non-number and ValueError for NaN or a value outside.
+
+    Args:
+      value: what the caller passed.
+      argument: the argument's name, for the message.
+      function_name: the public function's name, for the message.
+      low, high, low_open, high_open: the interval (inf ends are allowed only when
+        closed).
+      wanted: what the message says is expected (e.g. "a positive number"); by
+        default "a number" and "in (low, high]".
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"pertower.{function_name}: `{argument}` must be "
+                        f"{wanted or 'a number'}, but received {type(value).__name__} "
+                        f"({value!r:.80}).")
+    value = float(value)
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if math.isnan(value) or too_low or too_high:
+        interval = (("(" if low_open else "[") + f"{low:g}, {high:g}" +
+                    (")" if high_open else "]"))
+        raise ValueError(f"pertower.{function_name}: `{argument}` must be "
+                         f"{wanted or 'in ' + interval}, but received {value!r}.")
+    return value
 
 
 def positive_int(value, argument, function_name):

@@ -17,23 +17,15 @@ approximation, as there.
 import math
 import numbers
 
+from pertower import _checks
+
 __all__ = ["compute_epsilon"]
 
 
 def _number(value, argument, low, high, low_open, high_open):
     """`value` as a float in the given interval; raises with the argument's name."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"pertower.compute_epsilon: `{argument}` must be a number, but "
-                        f"received {type(value).__name__} ({value!r:.80}).")
-    value = float(value)
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if math.isnan(value) or too_low or too_high:
-        interval = (("(" if low_open else "[") + f"{low:g}, {high:g}" +
-                    (")" if high_open else "]"))
-        raise ValueError(f"pertower.compute_epsilon: `{argument}` must be in {interval}, "
-                         f"but received {value!r}.")
-    return value
+    return _checks.real_number(value, argument, "compute_epsilon", low, high, low_open,
+                               high_open)
 
 
 def compute_epsilon(steps, noise_multiplier, sampling_probability, delta):

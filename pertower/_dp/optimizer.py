@@ -30,6 +30,7 @@ the reweighted pass would draw other random numbers than the norms were computed
 with, and the clipped gradients could exceed C.
 """
 
+import math
 import numbers
 import warnings
 
@@ -50,16 +51,10 @@ _GATE_GRAPH = tf.compat.v1.train.Optimizer.GATE_GRAPH
 
 def _real_number(value, argument, positive):
     """`value` as a float when it is a finite real number (> 0 or >= 0); raises otherwise."""
-    wanted = "a positive number" if positive else "a non-negative number"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"pertower.DPOptimizer: `{argument}` must be {wanted}, but received "
-                        f"{type(value).__name__} ({value!r:.80}).")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")) or (
-            value <= 0 if positive else value < 0):
-        raise ValueError(f"pertower.DPOptimizer: `{argument}` must be {wanted}, but received "
-                         f"{value!r}.")
-    return value
+    return _checks.real_number(value, argument, "DPOptimizer", low=0.0, high=math.inf,
+                               low_open=positive, high_open=True,
+                               wanted="a positive number" if positive
+                               else "a non-negative number")
 
 
 class DPOptimizer:
