@@ -6,8 +6,8 @@ Notation:
     S   the replayed ops (see graph_walk)
 
 The mechanism (Goodfellow's trick, "Efficient per-example gradient computations",
-arXiv 1510.01799, in its simplest form): split every batch tensor on axis 0 into T
-slices, give tower t its own copy c_t = tf.identity(x) of each weight, replay S on
+arXiv 1510.01799, in its simplest form): split every batch tensor on its batch axis (0, or
+`batch_axis`) into T slices, give tower t its own copy c_t = tf.identity(x) of each weight, replay S on
 slice t with c_t in place of every read of x, and stack the tower outputs, which then
 equal `ys`. Because tower t's output depends on c_t and on no other tower's copy,
 
@@ -104,7 +104,7 @@ class Towers:
 
 
 def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, name=None,
-                 devices=None, num_towers=None):
+                 devices=None, num_towers=None, batch_axis=None):
     """Builds T towers that replay the graph from the batch to `ys`.
 
     Args:
@@ -122,6 +122,10 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
         colocated with them by `tf.gradients`.
       num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
         both is a TypeError).
+      batch_axis: None (the batch is axis 0 of every batch tensor), an int (the batch
+        axis of every batch tensor, e.g. 1 for time-major [T, B, d] inputs), or a list
+        with one axis per batch tensor. The slices are taken along it; `ys` keeps the
+        batch on axis 0 (transpose a time-major `ys` first).
 
     Returns:
       A `Towers` record.
@@ -133,18 +137,19 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
     T, towers_argument = _checks.renamed_argument(
         num_microbatches, num_towers, "num_microbatches", "num_towers", "build_towers")
     return build(ys, xs, batch, T, batch_size, name or "towers", "build_towers",
-                 towers_argument, devices)
+                 towers_argument, devices, batch_axis=batch_axis)
 
 
 def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument,
-          devices=None, prepared=None):
+          devices=None, prepared=None, batch_axis=None):
     """`build_towers` for the public functions: errors name `function_name` and call
     the number of towers `towers_argument`. `prepared`: what `pertower._request.prepare`
     returned for these same arguments (with B known), when the caller has checked them
     already; they are then not walked and scanned a second time."""
     if prepared is None:
         prepared = _prepare.prepare(ys, xs, batch, num_towers, batch_size, function_name,
-                                    towers_argument, batch_size_required=True)
+                                    towers_argument, batch_size_required=True,
+                                    batch_axis=batch_axis)
     devices = _checks.device_list(devices, function_name)
     ys, xs, graph, ys_upstream, batch, B = prepared[:6]
     T = B if prepared.num_groups is None else prepared.num_groups
@@ -177,7 +182,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 stacklevel=3)
 
         with tf.name_scope(scope):
-            slices = _split_batch(batch, B, T)
+            slices = _split_batch(batch, B, T, prepared.batch_axes)
             copies, first_index = [], {}
             for k, r in enumerate(reads):
                 first = first_index.setdefault(id(r.x), k)
@@ -208,13 +213,14 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                   stacked=stacked, devices=devices)
 
 
-def _split_batch(batch, B, T):
-    """Each batch tensor [B, ...] -> T slices [B/T, ...], checking B at run time."""
+def _split_batch(batch, B, T, axes):
+    """Each batch tensor [B, ...] -> T slices [B/T, ...] along its batch axis (axes[j];
+    [T', B, ...] -> T x [T', B/T, ...] for a time-major one), checking B at run time."""
     slices = []
-    for j, b in enumerate(batch):
+    for j, (b, axis) in enumerate(zip(batch, axes)):
         with tf.name_scope(f"slices_{j}"):
-            if _checks.static_batch_size(b) is None:
-                fed = tf.shape(b)[0]
+            if _checks.static_batch_size(b, axis) is None:
+                fed = tf.shape(b)[axis]
                 # One string tensor: the error reads as one sentence.
                 message = tf.strings.join([
                     f"pertower: the towers were built for a batch of {B} examples "
@@ -226,10 +232,12 @@ def _split_batch(batch, B, T):
                                             name="check_batch_size")
                 with tf.control_dependencies([check]):
                     b = tf.identity(b)
-            # [B, ...] -> T x [B/T, ...]
-            parts = tf.split(b, T, axis=0)
-            for part in parts:
-                part.set_shape(tf.TensorShape([B // T]).concatenate(b.shape[1:]))
+            # [..., B, ...] -> T x [..., B/T, ...] (the batch on axis `axis`)
+            parts = tf.split(b, T, axis=axis)
+            if b.shape.rank is not None:
+                for part in parts:
+                    part.set_shape(b.shape[:axis].concatenate([B // T])
+                                   .concatenate(b.shape[axis + 1:]))
             slices.append(parts)
     return slices
 
