@@ -86,6 +86,7 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
     with graph.as_default():
         ys_upstream = graph_walk.upstream_ops([ys])
+        found = batch is None
         batch = _batch_tensors(ys, batch, ys_upstream, graph, function_name)
         axes = batch_axes(batch_axis, batch, function_name)
         static_known = any(_checks.static_batch_size(b, a) is not None
@@ -112,7 +113,10 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         analysis = _batch_axis.analyze(ys, batch, ys_upstream, B, M, registry,
                                        batch_axes=axes)
         if refuse_couplings and analysis.couplings and (B if M is None else M) != 1:
-            raise ValueError(analysis.couplings[0].message(function_name))
+            message = analysis.couplings[0].message(function_name)
+            if found:
+                message += _side_input_hint(analysis.couplings[0].op, batch)
+            raise ValueError(message)
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
     return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, analysis,
@@ -162,6 +166,22 @@ def batch_axes(batch_axis, batch, function_name):
     return axes
 
 
+def _side_input_hint(op, batch):
+    """When the batch tensors were found, not given: the ones the coupling op reads
+    along their batch axis may be side inputs (class weights gathered by label), not
+    examples; say how to leave them out."""
+    read = op.inputs[0] if op.inputs else None
+    suspects = [b for b in batch if b is read]
+    others = [b for b in batch if b is not read]
+    if not suspects or not others:
+        return ""
+    return (f" The batch tensors were found automatically ({', '.join(b.name for b in batch)}); "
+            f"if {', '.join(b.name for b in suspects)} is not per-example data but a side "
+            "input (class weights indexed by label, a lookup table fed with the batch), "
+            f"pass batch=[{', '.join(b.name for b in others)}] (the tensors that carry the "
+            "examples), and it is read whole by every example.")
+
+
 def _rows_hint(ys, rows, B):
     """Likely causes of a `ys` whose axis 0 is not the batch."""
     hints = []
@@ -174,12 +194,12 @@ def _rows_hint(ys, rows, B):
         hints.append("was it reduced over the batch (tf.reduce_mean(..., axis=0, "
                      "keepdims=True), or a loss with reduction SUM/MEAN)? Pass the "
                      "unreduced per-example values")
-    return (" " + "; ".join(h[0].upper() + h[1:] for h in hints) + ".") if hints else ""
+    return (" " + " ".join(h[0].upper() + h[1:] + "." for h in hints)) if hints else ""
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
     if batch is None:
-        return graph_walk.find_batch_tensors(ys, ys_upstream)
+        return graph_walk.find_batch_tensors(ys, ys_upstream, function_name)
     batch = _checks.as_list(batch)
     if not batch:
         raise ValueError(f"pertower.{function_name}: `batch` is empty; pass the batch "

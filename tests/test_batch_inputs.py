@@ -2,6 +2,8 @@
 messages for batches pertower cannot follow. Every result is compared with the
 one-example loop (`pertower.oracle`)."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -121,3 +123,119 @@ def test_negative_batch_axis_and_a_list_per_batch_tensor():
                 grads = pertower.per_example_gradients(ys, [W], batch=[x, y], batch_size=B,
                                                        method=method, batch_axis=[-2, 0])
                 common.assert_all_close(sess.run(grads, {x: X, y: Y}), want)
+
+
+@pytest.fixture(scope="module")
+def side_inputs():
+    """x [None, 3], labels [None], class weights [None] (a side input), shapeless u."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(9)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+        class_weights = tf.compat.v1.placeholder(tf.float32, [None], name="class_weights")
+        W = tf.Variable(np.random.RandomState(6).randn(3, 4).astype("float32"), name="W")
+        logits = tf.matmul(x, W)                                           # [B, 4]
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits) * tf.gather(class_weights, labels)  # [B]
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: np.random.RandomState(7).randn(4, 3).astype("float32"),
+                labels: np.array([0, 3, 1, 3], np.int32),
+                class_weights: np.array([0.5, 2.0, 1.0, 3.0], np.float32)}
+        yield dict(graph=graph, sess=sess, x=x, labels=labels, W=W, logits=logits,
+                   loss=loss, feed=feed)
+        sess.close()
+
+
+def test_side_input_gathered_by_label_suggests_batch(side_inputs):
+    c = side_inputs
+    with c["graph"].as_default():
+        with pytest.raises(ValueError, match=r"couples the examples.*found automatically "
+                           r"\(x:0, labels:0, class_weights:0\); if class_weights:0 is not "
+                           r"per-example data but a side input .* pass "
+                           r"batch=\[x:0, labels:0\]"):
+            pertower.per_example_gradients(c["loss"], [c["W"]], batch_size=4)
+        grads = pertower.per_example_gradients(c["loss"], [c["W"]],
+                                               batch=[c["x"], c["labels"]])
+        got = c["sess"].run(grads, c["feed"])
+    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], c["loss"],
+                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
+    common.assert_all_close(got, want)
+
+
+def test_reshape_pairing_examples_is_not_blamed_on_a_baked_batch_size(side_inputs):
+    c = side_inputs
+    with c["graph"].as_default():
+        paired = tf.reduce_sum(tf.reshape(c["logits"], [-1, 8]), axis=1)   # [B/2]
+        with pytest.raises(ValueError) as raised:
+            pertower.per_example_gradients(paired, [c["W"]], batch=c["x"], batch_size=4,
+                                           validate=False)
+    words = str(raised.value)
+    assert "bakes its batch size" not in words
+    assert re.search(r"The batch axis is None, so no batch size is baked in: an op "
+                     r"between the batch and `ys` needs several examples together \(the "
+                     r"analysis lost the examples' rows at 'Reshape'", words), words
+
+
+@pytest.mark.parametrize("reduce, words", [
+    (lambda t: tf.reduce_mean(t, axis=0, keepdims=True),
+     r"has 1 row on axis 0, but the batch has 5 examples.*Was it reduced over the batch"),
+    (lambda t: tf.transpose(t),
+     r"has 4 rows on axis 0, but the batch has 5 examples.*Is it transposed"),
+])
+def test_ys_whose_axis_0_is_not_the_batch_gets_a_hint(reduce, words):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [5, 3], name="x")
+        W = tf.Variable(tf.ones([3, 4]), name="W")
+        with pytest.raises(ValueError, match=r"^pertower\.per_example_gradients: `ys` .*"
+                           + words):
+            pertower.per_example_gradients(reduce(tf.matmul(x, W)), [W])
+
+
+def test_shapeless_placeholder_alone_is_the_batch_and_beside_others_is_named():
+    graph = tf.Graph()
+    with graph.as_default():
+        u = tf.compat.v1.placeholder(tf.float32, name="u")                 # unknown rank
+        W = tf.Variable(np.random.RandomState(8).randn(3, 2).astype("float32"), name="W")
+        ys = tf.reduce_sum(tf.tanh(tf.matmul(u, W)), axis=1)              # [B]
+        U = np.random.RandomState(9).randn(3, 3).astype("float32")
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            grads = pertower.per_example_gradients(ys, [W], batch_size=3)
+            got = sess.run(grads, {u: U})
+            want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [W],
+                                     {u: U}, batch=[u])
+        common.assert_all_close(got, want)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        with pytest.raises(ValueError, match=r"depends on the placeholder\(s\) u:0 of "
+                           r"unknown shape, besides the batch tensors \(x:0\).*Pass `batch=`"):
+            pertower.per_example_gradients(ys + tf.reduce_sum(x, axis=1), [W], batch_size=3)
+
+
+def test_sparse_placeholder_is_named_and_dense_ids_work():
+    graph = tf.Graph()
+    with graph.as_default():
+        E = tf.Variable(np.random.RandomState(10).randn(10, 2).astype("float32"), name="E")
+        sparse_ids = tf.compat.v1.sparse_placeholder(tf.int64, name="ids")
+        ys = tf.reduce_sum(tf.nn.embedding_lookup_sparse(E, sparse_ids, None,
+                                                         combiner="sum") ** 2, axis=1)
+        with pytest.raises(ValueError, match=r"^pertower\.per_example_gradients: `ys` .* "
+                           r"depends on the sparse placeholder 'ids' .* pass `batch=` that "
+                           r"dense placeholder"):
+            pertower.per_example_gradients(ys, [E], batch_size=3)
+        # the advice: dense ids [B, n] padded with -1, the SparseTensor built in the graph
+        dense_ids = tf.compat.v1.placeholder(tf.int64, [None, 3], name="dense_ids")
+        built = tf.sparse.retain(tf.sparse.from_dense(dense_ids),
+                                 tf.sparse.from_dense(dense_ids).values >= 0)
+        ys = tf.reduce_sum(tf.nn.embedding_lookup_sparse(E, built, None,
+                                                         combiner="sum") ** 2, axis=1)
+        ids = np.array([[1, 4, -1], [2, -1, -1], [7, 7, 3]], np.int64)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            grads = pertower.per_example_gradients(ys, [E], batch=dense_ids, batch_size=3)
+            got = sess.run(grads, {dense_ids: ids})
+            want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [E],
+                                     {dense_ids: ids}, batch=[dense_ids])
+        common.assert_all_close(got, want)

@@ -46,6 +46,9 @@ from pertower._towers import replicate as replicate_lib
 
 __all__ = ["Towers", "build_towers"]
 
+_BAKED = ("This happens when the graph bakes its batch size into constants; build the "
+          "model on placeholders whose batch axis is None.")
+
 
 @dataclasses.dataclass(frozen=True)
 class Towers:
@@ -204,7 +207,8 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
             token = graph.unique_name("pertower", mark_as_used=True).replace("/", "_")
             rewriter = control_flow.FunctionRewriter(graph, function_name, token)
             outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
-                              slices, replayed, T, graph, function_name, devices)
+                              slices, replayed, T, graph, function_name, devices,
+                              _replay_failure_cause(prepared))
             outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
@@ -319,8 +323,27 @@ def _where(op, positions, reads):
     return f"the weight {names} read inside op {op.name!r} ({op.type})"
 
 
+def _replay_failure_cause(prepared):
+    """What most likely makes a replay on slices fail: a batch size baked into the
+    graph when some batch axis is static, else where the analysis lost the rows."""
+    if any(_checks.static_batch_size(b, a) is not None
+           for b, a in zip(prepared.batch, prepared.batch_axes)):
+        return ("This happens when the graph bakes its batch size into constants; build "
+                "the model on placeholders whose batch axis is None.")
+    analysis = prepared.analysis
+    lost = analysis.lost_at if analysis is not None else None
+    where = (f" (the analysis lost the examples' rows at {lost[0].name!r} "
+             f"({lost[0].type}): {lost[1]})" if lost is not None else "")
+    return ("The batch axis is None, so no batch size is baked in: an op between the batch "
+            "and `ys` needs several examples together" + where + ", e.g. a reshape that "
+            "pairs examples (tf.reshape(h, [-1, 2 * n])). Then row i of `ys` is not "
+            "computed from example i alone and has no per-example gradient; keep each "
+            "example in its own row (reshape only the non-batch axes), or use "
+            "microbatch_gradients with microbatches that hold whole groups.")
+
+
 def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, replayed, T,
-            graph, function_name, devices):
+            graph, function_name, devices, failure_cause=None):
     """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...].
 
     `reads[k]` and `copies[k]` belong to xs[k]; only the entries `unique` (the first of
@@ -387,6 +410,5 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
         raise ValueError(
             f"pertower.{function_name}: replaying the graph from the batch to `ys` on "
             f"slices of {_checks.static_batch_size(slices[0][0])} example(s) failed: "
-            f"{error}. This happens when the graph bakes its batch size into constants; "
-            "build the model on placeholders whose batch axis is None.") from error
+            f"{error}. {failure_cause or _BAKED}") from error
     return [tower[0] for tower in outputs]
