@@ -224,7 +224,7 @@ def _batch_size(ys, batch, axes, batch_size, function_name):
         if size is not None:
             static.setdefault(size, (b, axis))
     if len(static) > 1:
-        listing = ", ".join(f"{b.name} has {n} on axis {axis}"
+        listing = ", ".join(f"{b.name} has {n}" + (f" on axis {axis}" if axis else "")
                             for n, (b, axis) in static.items())
         raise ValueError(
             f"pertower.{function_name}: the batch tensors have different static batch "
