@@ -55,13 +55,14 @@ def require_graph_tensor(value, argument, function_name):
     return value
 
 
-def static_batch_size(tensor):
-    """The static size of axis 0 as an int, or None (rank unknown or axis not static).
+def static_batch_size(tensor, axis=0):
+    """The static size of the batch axis `axis` (default 0) as an int, or None (rank
+    unknown, axis out of range or not static).
 
     Works for the Dimension objects of TF1 behaviour too."""
-    if tensor.shape.rank is None or tensor.shape.rank == 0:
+    if tensor.shape.rank is None or tensor.shape.rank <= axis:
         return None
-    return tf.compat.dimension_value(tensor.shape[0])
+    return tf.compat.dimension_value(tensor.shape[axis])
 
 
 def as_list(value):

@@ -160,7 +160,7 @@ class Plan:
         B = prepared.batch_size
         lines = [f"pertower plan for {self.function_name}(method={self.method!r}): "
                  f"ys {prepared.ys.name} {prepared.ys.shape}, batch "
-                 f"{', '.join(b.name for b in prepared.batch)}, B = "
+                 f"{_batch_listing(prepared)}, B = "
                  f"{B if B is not None else 'any (fed at run time)'}"
                  + (f", {prepared.num_groups} microbatches" if prepared.num_groups else "")]
         table = [("weight", "shape", "method", "rule or reason")]
@@ -191,6 +191,12 @@ class Plan:
         return "\n".join(lines)
 
 
+def _batch_listing(prepared):
+    """The batch tensors, each with its batch axis when that is not 0."""
+    return ", ".join(b.name + (f" (batch axis {a})" if a else "")
+                     for b, a in zip(prepared.batch, prepared.batch_axes))
+
+
 def _weight_name(x):
     name = getattr(x, "name", None)
     return name if isinstance(name, str) else repr(x)
@@ -206,7 +212,7 @@ def _analyse(prepared, registry):
 def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="auto",
               rules=None, sparse=False, validate=None, outputs_per_example=1,
               forms_gradients=True, memory_limit=None, function_name,
-              groups_argument="num_microbatches", refuse=True):
+              groups_argument="num_microbatches", refuse=True, batch_axis=None):
     """Checks the request and decides how every weight will be computed. Adds no op.
 
     Args:
@@ -218,6 +224,7 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
       function_name, groups_argument: for messages.
       refuse: when False (`pertower.explain`), couplings and a strict method's
         uncovered weights are recorded in the plan instead of raised.
+      batch_axis: the batch axis of each batch tensor (None: 0), as given.
 
     Returns:
       A `Plan`.
@@ -228,7 +235,8 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
     registry = rules if rules is not None else rules_lib.default_registry()
     prepared = _request.prepare(ys, xs, batch, num_groups, batch_size, function_name,
                                 groups_argument, batch_size_required=False,
-                                registry=registry, refuse_couplings=refuse)
+                                registry=registry, refuse_couplings=refuse,
+                                batch_axis=batch_axis)
     with prepared.graph.as_default():
         uses, reasons, couplings, verdict, lost_at = _analyse(prepared, registry)
     uses, reasons = list(uses), list(reasons)
@@ -393,7 +401,8 @@ class Built:
         else:
             stacked = independence.recomputed_by_slices(
                 prepared.ys, list(prepared.batch), prepared.num_groups,
-                prepared.batch_size, plan.function_name, _groups_argument(prepared))
+                prepared.batch_size, plan.function_name, _groups_argument(prepared),
+                batch_axis=list(prepared.batch_axes))
         return independence.validated(results, prepared.ys, stacked, plan.function_name)
 
 

@@ -127,24 +127,61 @@ def downstream_ops(tensors, within):
     return seen
 
 
-def find_batch_tensors(ys, ys_upstream):
+def find_batch_tensors(ys, ys_upstream, function_name=None):
     """The placeholders and iterator outputs of rank >= 1 that `ys` depends on.
+
+    A placeholder of unknown rank is taken when it is the only candidate, and refused
+    (named) when there are others. The parts of a `sparse_placeholder` (its indices,
+    values and shape) are refused, naming it: their axis 0 is not the batch.
 
     Raises ValueError when there are none, or when their static batch sizes
     disagree (then the caller must say which ones carry the batch).
     """
-    candidates = []
+    prefix = f"pertower.{function_name}: " if function_name else "pertower: "
+    candidates, shapeless, sparse_parts = [], [], {}
+    names = {op.name for op in ys_upstream if op.type in _BATCH_SOURCE_OP_TYPES}
     for op in ys_upstream:
         if op.type not in _BATCH_SOURCE_OP_TYPES:
             continue
+        head, _, tail = op.name.rpartition("/")
+        if (op.type.startswith("Placeholder") and tail in ("indices", "values", "shape")
+                and {f"{head}/indices", f"{head}/values"} <= names):
+            sparse_parts.setdefault(head, []).append(op.outputs[0])
+            continue
         for out in op.outputs:
             rank = out.shape.rank
-            if rank is not None and rank >= 1 and out.dtype != tf.resource:
+            if out.dtype == tf.resource:
+                continue
+            if rank is None:
+                shapeless.append(out)
+            elif rank >= 1:
                 candidates.append(out)
-    candidates.sort(key=lambda t: (t.op._id, t.value_index))  # pylint: disable=protected-access
+    if sparse_parts:
+        head = sorted(sparse_parts)[0]
+        raise ValueError(
+            f"{prefix}`ys` ({ys.name}) depends on the sparse placeholder {head!r} (its "
+            f"{head}/indices and {head}/values), whose axis 0 counts the non-zero entries, "
+            "not the examples, so the batch cannot be split by example. Feed its ids as a "
+            "dense [B, n] placeholder (padded, e.g. with -1) and build the SparseTensor in "
+            "the graph (tf.sparse.from_dense, or tf.sparse.retain of the non-padding "
+            "entries); then pass `batch=` that dense placeholder and the other per-example "
+            "tensors.")
+    key = lambda t: (t.op._id, t.value_index)  # pylint: disable=protected-access
+    candidates.sort(key=key)
+    shapeless.sort(key=key)
+    if shapeless and candidates:
+        listing = ", ".join(t.name for t in shapeless)
+        raise ValueError(
+            f"{prefix}`ys` ({ys.name}) depends on the placeholder(s) {listing} of unknown "
+            "shape, besides the batch tensors "
+            f"({', '.join(t.name for t in candidates)}); whether they carry the batch "
+            "cannot be told. Pass `batch=` the tensor(s) that carry the batch on axis 0, "
+            "or give those placeholders a shape (shape=[] for a scalar).")
+    if shapeless and not candidates:
+        candidates = shapeless
     if not candidates:
         raise ValueError(
-            f"pertower: `ys` ({ys.name}) depends on no placeholder or tf.data iterator "
+            f"{prefix}`ys` ({ys.name}) depends on no placeholder or tf.data iterator "
             "output with a batch axis, so the batch could not be found. Pass "
             "`batch=` the tensor(s) that carry the batch on axis 0."
         )
@@ -152,9 +189,9 @@ def find_batch_tensors(ys, ys_upstream):
     if len(sizes) > 1:
         listing = ", ".join(f"{t.name} {t.shape}" for t in candidates)
         raise ValueError(
-            "pertower: the batch is ambiguous: `ys` depends on inputs whose first axes "
+            f"{prefix}the batch is ambiguous: `ys` depends on inputs whose first axes "
             f"differ ({listing}). Pass `batch=` the tensor(s) that carry the batch on "
-            "axis 0."
+            "axis 0 (and `batch_axis=` for one whose batch is on another axis)."
         )
     return candidates
 

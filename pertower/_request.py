@@ -10,6 +10,9 @@ for the rules.
 
 import collections
 
+import numpy as np
+import tensorflow as tf
+
 from pertower import _checks
 from pertower import _graph_walk as graph_walk
 from pertower import _batch_axis
@@ -17,7 +20,8 @@ from pertower import _batch_axis
 
 class Prepared(collections.namedtuple(
         "Prepared", ["ys", "xs", "graph", "ys_upstream", "batch", "batch_size",
-                     "num_groups", "reads", "analysis", "groups_argument"])):
+                     "num_groups", "reads", "analysis", "groups_argument",
+                     "batch_axes"])):
     """Checked inputs.
 
     Fields:
@@ -32,6 +36,9 @@ class Prepared(collections.namedtuple(
       analysis: the `pertower._batch_axis.Analysis` of the ops between the batch and
         `ys` (its `registry` attribute: the rule registry it was run with).
       groups_argument: the public name of the number of groups, for messages.
+      batch_axes: per batch tensor, the axis that carries the batch (0 unless
+        `batch_axis` said otherwise, e.g. 1 for time-major [T, B, d] inputs). `ys`
+        always carries the batch on axis 0.
     """
 
     def restricted(self, indices):
@@ -42,7 +49,7 @@ class Prepared(collections.namedtuple(
 
 
 def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
-            batch_size_required, registry=None, refuse_couplings=True):
+            batch_size_required, registry=None, refuse_couplings=True, batch_axis=None):
     """Checks the arguments of a public gradient function; returns a `Prepared`.
 
     Args:
@@ -54,6 +61,8 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         contract); when False and neither is known, B is left to run time.
       registry: the `pertower.rules.RuleRegistry` whose rules may declare the row
         layout of their ops (`Rule.output_layouts`) to the analysis, or None.
+      batch_axis: None (axis 0 of every batch tensor), an int (the batch axis of every
+        batch tensor) or a list parallel to the batch tensors.
     """
     _checks.require_graph_mode(function_name)
     ys = _checks.require_graph_tensor(ys, "ys", function_name)
@@ -77,10 +86,13 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
     with graph.as_default():
         ys_upstream = graph_walk.upstream_ops([ys])
+        found = batch is None
         batch = _batch_tensors(ys, batch, ys_upstream, graph, function_name)
-        static_known = any(_checks.static_batch_size(b) is not None for b in batch)
+        axes = batch_axes(batch_axis, batch, function_name)
+        static_known = any(_checks.static_batch_size(b, a) is not None
+                           for b, a in zip(batch, axes))
         if batch_size_required or static_known or batch_size is not None:
-            B = _batch_size(ys, batch, batch_size, function_name)
+            B = _batch_size(ys, batch, axes, batch_size, function_name)
         else:
             B = None
         M = None if num_groups is None else _checks.positive_int(
@@ -98,18 +110,96 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
                 "computed from the batch.")
         # refuse ops that couple examples (with one group holding the whole batch,
         # coupling changes nothing); pertower.explain records them instead
-        analysis = _batch_axis.analyze(ys, batch, ys_upstream, B, M, registry)
+        analysis = _batch_axis.analyze(ys, batch, ys_upstream, B, M, registry,
+                                       batch_axes=axes)
         if refuse_couplings and analysis.couplings and (B if M is None else M) != 1:
-            raise ValueError(analysis.couplings[0].message(function_name))
+            message = analysis.couplings[0].message(function_name)
+            if found:
+                message += _side_input_hint(analysis.couplings[0].op, batch)
+            raise ValueError(message)
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
     return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, analysis,
-                    groups_argument)
+                    groups_argument, tuple(axes))
+
+
+def batch_axes(batch_axis, batch, function_name):
+    """The batch axis of each batch tensor (non-negative ints), from `batch_axis`:
+    None (0 for every tensor), an int (for every tensor), or a list parallel to
+    `batch`. Refuses a non-int, a list of another length, or an axis out of range."""
+    if batch_axis is None:
+        return [0] * len(batch)
+    if isinstance(batch_axis, (list, tuple)):
+        if len(batch_axis) != len(batch):
+            raise ValueError(
+                f"pertower.{function_name}: `batch_axis` has {len(batch_axis)} entries, "
+                f"but there are {len(batch)} batch tensors "
+                f"({', '.join(b.name for b in batch)}); give one axis per batch tensor, "
+                "in the order of `batch`, or one int for all of them.")
+        given, as_list = list(batch_axis), True
+    else:
+        given, as_list = [batch_axis] * len(batch), False
+    axes = []
+    for j, (b, axis) in enumerate(zip(batch, given)):
+        what = f"batch_axis[{j}]" if as_list else "batch_axis"
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(
+                f"pertower.{function_name}: `{what}` must be an int (the axis of the "
+                f"batch tensor that carries the batch), but received {axis!r}.")
+        axis = int(axis)
+        rank = b.shape.rank
+        if rank is None:
+            if axis != 0:
+                raise ValueError(
+                    f"pertower.{function_name}: `{what}` is {axis}, but the batch tensor "
+                    f"{b.name} has an unknown rank; give it a static rank (set_shape) or "
+                    "pass its batch on axis 0.")
+            axes.append(0)
+            continue
+        if not -rank <= axis < rank:
+            hint = ("; with several batch tensors of different ranks pass a list "
+                    "parallel to `batch`" if not as_list and len(batch) > 1 else "")
+            raise ValueError(
+                f"pertower.{function_name}: `{what}` is {axis}, out of range for the "
+                f"batch tensor {b.name} of shape {b.shape} (rank {rank}){hint}.")
+        axes.append(axis % rank)
+    return axes
+
+
+def _side_input_hint(op, batch):
+    """When the batch tensors were found, not given: the ones the coupling op reads
+    along their batch axis may be side inputs (class weights gathered by label), not
+    examples; say how to leave them out."""
+    read = op.inputs[0] if op.inputs else None
+    suspects = [b for b in batch if b is read]
+    others = [b for b in batch if b is not read]
+    if not suspects or not others:
+        return ""
+    return (f" The batch tensors were found automatically ({', '.join(b.name for b in batch)}); "
+            f"if {', '.join(b.name for b in suspects)} is not per-example data but a side "
+            "input (class weights indexed by label, a lookup table fed with the batch), "
+            f"pass batch=[{', '.join(b.name for b in others)}] (the tensors that carry the "
+            "examples), and it is read whole by every example.")
+
+
+def _rows_hint(ys, rows, B):
+    """Likely causes of a `ys` whose axis 0 is not the batch."""
+    hints = []
+    if ys.shape.rank is not None and ys.shape.rank >= 2 and any(
+            tf.compat.dimension_value(d) in (B, None) for d in ys.shape[1:]):
+        hints.append("is it transposed (the batch on another axis)? Transpose it so the "
+                     "batch comes first (ys keeps the batch on axis 0 even with "
+                     "batch_axis=)")
+    if rows == 1:
+        hints.append("was it reduced over the batch (tf.reduce_mean(..., axis=0, "
+                     "keepdims=True), or a loss with reduction SUM/MEAN)? Pass the "
+                     "unreduced per-example values")
+    return (" " + " ".join(h[0].upper() + h[1:] + "." for h in hints)) if hints else ""
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
     if batch is None:
-        return graph_walk.find_batch_tensors(ys, ys_upstream)
+        return graph_walk.find_batch_tensors(ys, ys_upstream, function_name)
     batch = _checks.as_list(batch)
     if not batch:
         raise ValueError(f"pertower.{function_name}: `batch` is empty; pass the batch "
@@ -125,24 +215,32 @@ def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
     return batch
 
 
-def _batch_size(ys, batch, batch_size, function_name):
-    """B: the static batch size of the batch tensors, or `batch_size`."""
+def _batch_size(ys, batch, axes, batch_size, function_name):
+    """B: the static batch size of the batch tensors (on their batch axes), or
+    `batch_size`."""
     static = {}
-    for b in batch:
-        size = _checks.static_batch_size(b)
+    for b, axis in zip(batch, axes):
+        size = _checks.static_batch_size(b, axis)
         if size is not None:
-            static.setdefault(size, b)
+            static.setdefault(size, (b, axis))
     if len(static) > 1:
-        listing = ", ".join(f"{b.name} has {n}" for n, b in static.items())
-        raise ValueError(f"pertower.{function_name}: the batch tensors have different "
-                         f"static batch sizes ({listing}); they must share axis 0.")
+        listing = ", ".join(f"{b.name} has {n}" + (f" on axis {axis}" if axis else "")
+                            for n, (b, axis) in static.items())
+        raise ValueError(
+            f"pertower.{function_name}: the batch tensors have different static batch "
+            f"sizes ({listing}); they must share the batch axis. For time-major inputs "
+            "([T, B, ...]) pass batch_axis=1 (or a list with one axis per batch tensor).")
     if batch_size is not None:
         batch_size = _checks.positive_int(batch_size, "batch_size", function_name)
     if static:
-        (B, b), = static.items()
+        (B, (b, axis)), = static.items()
         if batch_size is not None and batch_size != B:
+            hint = ("" if any(a != 0 for a in axes) else
+                    " If its batch is on another axis (time-major [T, B, ...]), pass "
+                    "batch_axis=1 (or the axis that carries the batch).")
             raise ValueError(f"pertower.{function_name}: `batch_size` is {batch_size}, but "
-                             f"the batch tensor {b.name} has a static batch size of {B}.")
+                             f"the batch tensor {b.name} has a static batch size of {B} "
+                             f"on axis {axis}.{hint}")
     elif batch_size is None:
         names = ", ".join(f"{b.name} {b.shape}" for b in batch)
         raise ValueError(
@@ -153,6 +251,8 @@ def _batch_size(ys, batch, batch_size, function_name):
         B = batch_size
     ys_rows = _checks.static_batch_size(ys)
     if ys_rows is not None and ys_rows != B:
-        raise ValueError(f"pertower.{function_name}: `ys` ({ys.name}) has {ys_rows} "
-                         f"rows on axis 0, but the batch has {B} examples.")
+        raise ValueError(
+            f"pertower.{function_name}: `ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
+            f"row{'' if ys_rows == 1 else 's'} on axis 0, but the batch has {B} examples; "
+            f"`ys` needs one row per example on axis 0.{_rows_hint(ys, ys_rows, B)}")
     return B

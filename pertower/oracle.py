@@ -30,26 +30,44 @@ def _batch_keys(feed_dict, batch):
     return [key for key, value in feed_dict.items() if np.ndim(value) >= 1]
 
 
-def _fed_batch_size(feed_dict, batch):
-    """B: the common length of the batch feeds."""
-    sizes = {len(feed_dict[key]) for key in _batch_keys(feed_dict, batch)}
+def _axes(keys, batch_axis):
+    """The batch axis of each key: 0, `batch_axis` for all, or a list parallel to keys."""
+    if batch_axis is None:
+        return [0] * len(keys)
+    if isinstance(batch_axis, (list, tuple)):
+        if len(batch_axis) != len(keys):
+            raise ValueError(f"batch_axis has {len(batch_axis)} entries for {len(keys)} "
+                             "batch feeds")
+        return list(batch_axis)
+    return [batch_axis] * len(keys)
+
+
+def _fed_batch_size(feed_dict, batch, batch_axis=None):
+    """B: the common length of the batch feeds along their batch axes."""
+    keys = _batch_keys(feed_dict, batch)
+    sizes = {np.shape(feed_dict[key])[axis] for key, axis in zip(keys, _axes(keys, batch_axis))}
     if len(sizes) != 1:
         raise ValueError(f"the fed batch values have different lengths: {sorted(sizes)}")
     return sizes.pop()
 
 
-def slice_feeds(feed_dict, batch, num_slices):
+def slice_feeds(feed_dict, batch, num_slices, batch_axis=None):
     """Yields M feed dicts; the m-th holds slice m, [B/M, ...], of every batch feed
-    (the keys in `batch`, default every key fed an array of rank >= 1)."""
+    (the keys in `batch`, default every key fed an array of rank >= 1), taken along
+    its batch axis (`batch_axis`: None for 0, an int for all, or a list parallel to
+    `batch`; e.g. 1 for a time-major [T, B, d] feed)."""
     batch = _batch_keys(feed_dict, batch)
-    B = _fed_batch_size(feed_dict, batch)
+    axes = _axes(batch, batch_axis)
+    B = _fed_batch_size(feed_dict, batch, axes)
     if B % num_slices:
         raise ValueError(f"{num_slices} slices do not divide the fed batch of {B}")
     step = B // num_slices
     for m in range(num_slices):
         feeds = dict(feed_dict)
-        for b in batch:
-            feeds[b] = feed_dict[b][m * step:(m + 1) * step]
+        for b, axis in zip(batch, axes):
+            # [..., B, ...] -> [..., B/M, ...] on the batch axis
+            feeds[b] = np.take(np.asarray(feed_dict[b]),
+                               np.arange(m * step, (m + 1) * step), axis=axis)
         yield feeds
 
 
@@ -67,14 +85,15 @@ class SliceLoop:
         self.xs = _xs_list(xs)
         self.gradients = _dense_gradients(tf.reduce_sum(ys), self.xs)  # [*x.shape] each
 
-    def run(self, sess, feed_dict, num_slices, batch=None):
+    def run(self, sess, feed_dict, num_slices, batch=None, batch_axis=None):
         """[M, *x.shape] per x: one `sess.run` per slice of the fed batch."""
         rows = [sess.run(self.gradients, feeds)
-                for feeds in slice_feeds(feed_dict, batch, num_slices)]
+                for feeds in slice_feeds(feed_dict, batch, num_slices, batch_axis)]
         return [np.stack([row[k] for row in rows]) for k in range(len(self.xs))]
 
 
-def loop_microbatch_gradients(sess, ys, xs, feed_dict, num_microbatches, batch=None):
+def loop_microbatch_gradients(sess, ys, xs, feed_dict, num_microbatches, batch=None,
+                              batch_axis=None):
     """[M, *x.shape] per x: one `sess.run` of tf.gradients(sum(ys), xs) per slice.
 
     Args:
@@ -85,14 +104,18 @@ def loop_microbatch_gradients(sess, ys, xs, feed_dict, num_microbatches, batch=N
       num_microbatches: M; slice m holds examples m*B/M ... (m+1)*B/M - 1.
       batch: the keys of `feed_dict` that carry the batch (default: every key fed an
         array of rank >= 1).
+      batch_axis: the batch axis of the batch feeds: None (0), an int for all, or a
+        list parallel to `batch` (1 for a time-major [T, B, d] feed).
     """
-    return SliceLoop(ys, xs).run(sess, feed_dict, num_microbatches, batch)
+    return SliceLoop(ys, xs).run(sess, feed_dict, num_microbatches, batch, batch_axis)
 
 
-def loop_per_example_gradients(sess, ys, xs, feed_dict, batch=None):
+def loop_per_example_gradients(sess, ys, xs, feed_dict, batch=None, batch_axis=None):
     """[B, *x.shape] per x: one `sess.run` of tf.gradients(sum(ys), xs) per example."""
-    return loop_microbatch_gradients(sess, ys, xs, feed_dict, _fed_batch_size(feed_dict, batch),
-                                     batch)
+    return loop_microbatch_gradients(
+        sess, ys, xs, feed_dict,
+        _fed_batch_size(feed_dict, batch, _axes(_batch_keys(feed_dict, batch), batch_axis)),
+        batch, batch_axis)
 
 
 def loop_per_example_jacobians(sess, ys, xs, feed_dict, batch=None):

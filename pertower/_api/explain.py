@@ -11,11 +11,11 @@ __all__ = ["explain", "estimate_memory"]
 
 
 def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="auto",
-            rules=None, sparse=False, validate=None):
+            rules=None, sparse=False, validate=None, batch_axis=None):
     """How pertower would compute the per-example gradients of `ys`, without building.
 
     Args:
-      ys, xs, batch, batch_size, method, rules, sparse, validate: as in
+      ys, xs, batch, batch_size, method, rules, sparse, validate, batch_axis: as in
         `pertower.per_example_gradients`.
       num_microbatches: M, as in `pertower.microbatch_gradients` (None: per example).
 
@@ -35,11 +35,11 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
     return _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
                                rules=rules, sparse=sparse, validate=validate,
                                memory_limit=float("inf"), function_name=function_name,
-                               refuse=False)
+                               refuse=False, batch_axis=batch_axis)
 
 
 def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
-                    outputs_per_example=1, method="auto", rules=None):
+                    outputs_per_example=1, method="auto", rules=None, batch_axis=None):
     """Estimates the bytes per-example gradients of `ys` with respect to `xs` will hold.
 
     The estimate is taken on the plan, as the memory guard of every gradient function
@@ -48,7 +48,8 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
     activations once for the whole batch.
 
     Args:
-      ys, xs, batch, batch_size, method, rules: as in `pertower.per_example_gradients`.
+      ys, xs, batch, batch_size, method, rules, batch_axis: as in
+        `pertower.per_example_gradients`.
       num_microbatches: M for microbatch gradients (None: one row per example).
       outputs_per_example: K, the output entries per example for Jacobians.
 
@@ -66,5 +67,5 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
                                rules=rules, validate=False, memory_limit=float("inf"),
                                outputs_per_example=K, function_name=function_name,
-                               refuse=False)
+                               refuse=False, batch_axis=batch_axis)
     return plan.estimate

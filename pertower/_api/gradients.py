@@ -36,7 +36,7 @@ def _graph_of(ys):
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                           method="auto", validate=None, memory_limit=None, sparse=False,
-                          devices=None, rules=None):
+                          devices=None, rules=None, batch_axis=None):
     """The gradient of each example's value with respect to each weight.
 
     Args:
@@ -77,6 +77,11 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
         computation where TensorFlow places it.
       rules: a `pertower.rules.RuleRegistry` (default
         `pertower.rules.default_registry()`), to add rules for your own ops.
+      batch_axis: None (default: the batch is axis 0 of every batch tensor), an int
+        (the batch axis of every batch tensor, e.g. 1 for time-major [T, B, d] inputs
+        of `tf.compat.v1.nn.static_rnn` or `time_major=True`), or a list with one axis
+        per batch tensor, parallel to `batch`. `ys` always keeps the batch on axis 0:
+        transpose a time-major `ys` first.
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *x.shape], x's dtype: entry i is
@@ -90,11 +95,12 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
     """
     return _group_gradients(ys, xs, batch, batch_size, None, unconnected_gradients, name,
                             method, validate, memory_limit, sparse, devices, rules,
-                            "per_example_gradients")
+                            "per_example_gradients", batch_axis)
 
 
 def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradients, name,
-                     method, validate, memory_limit, sparse, devices, rules, function_name):
+                     method, validate, memory_limit, sparse, devices, rules, function_name,
+                     batch_axis=None):
     """`per_example_gradients` (num_groups None) and `microbatch_gradients`: [G, *x.shape]
     per x, G = B or M."""
     _checks.require_graph_mode(function_name)
@@ -102,7 +108,8 @@ def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradient
     _checks.unconnected_gradients_value(unconnected_gradients, function_name)
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_groups, method=method,
                                rules=rules, sparse=sparse, validate=validate,
-                               memory_limit=memory_limit, function_name=function_name)
+                               memory_limit=memory_limit, function_name=function_name,
+                               batch_axis=batch_axis)
     with _graph_of(ys), tf.name_scope(name or function_name):
         built = _dispatch.build(plan, devices)
         results = built.gradients(unconnected_gradients=unconnected_gradients,
@@ -115,12 +122,12 @@ def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradient
 def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=None,
                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                          method="auto", validate=None, memory_limit=None, sparse=False,
-                         devices=None, rules=None):
+                         devices=None, rules=None, batch_axis=None):
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
     Args:
       ys, xs, batch, batch_size, unconnected_gradients, name, method, validate,
-        memory_limit, sparse, devices, rules: as in `per_example_gradients` (with
+        memory_limit, sparse, devices, rules, batch_axis: as in `per_example_gradients` (with
         sparse=True, `example_ids` are microbatch ids; tower m is microbatch m).
       num_microbatches: M, which must divide B; microbatch m holds examples
         m*B/M ... (m+1)*B/M - 1. None means one microbatch per example (M = B), as in
@@ -137,19 +144,19 @@ def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=N
     """
     return _group_gradients(ys, xs, batch, batch_size, num_microbatches,
                             unconnected_gradients, name, method, validate, memory_limit,
-                            sparse, devices, rules, "microbatch_gradients")
+                            sparse, devices, rules, "microbatch_gradients", batch_axis)
 
 
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                           method="auto", validate=None, memory_limit=None, devices=None,
-                          rules=None):
+                          rules=None, batch_axis=None):
     """The Jacobian of each example's outputs with respect to each weight (dy/dθ).
 
     Args:
       ys: per-example outputs, [B, *out]; `out` must be static (K = prod(out)).
       xs, batch, batch_size, unconnected_gradients, name, method, validate,
-        memory_limit, devices, rules: as in `per_example_gradients`.
+        memory_limit, devices, rules, batch_axis: as in `per_example_gradients`.
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *out, *x.shape]: entry
@@ -174,7 +181,8 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
     _checks.unconnected_gradients_value(unconnected_gradients, function_name)
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
                                validate=validate, memory_limit=memory_limit,
-                               outputs_per_example=K, function_name=function_name)
+                               outputs_per_example=K, function_name=function_name,
+                               batch_axis=batch_axis)
     with _graph_of(ys), tf.name_scope(name or function_name):
         built = _dispatch.build(plan, devices)
         results = _jacobian_rows(built, ys, unconnected_gradients)

@@ -26,11 +26,12 @@ __all__ = ["per_example_norms"]
 
 
 def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto",
-                      validate=None, memory_limit=None, devices=None, rules=None):
+                      validate=None, memory_limit=None, devices=None, rules=None,
+                      batch_axis=None):
     """The L2 norm of each example's gradient over all of `xs`, [B].
 
     Args:
-      ys, xs, batch, batch_size, name, method, validate, devices, rules: as in
+      ys, xs, batch, batch_size, name, method, validate, devices, rules, batch_axis: as in
         `pertower.per_example_gradients`; a weight `ys` does not reach adds 0, and a
         UserWarning names such weights.
       memory_limit: as in `pertower.per_example_gradients`, for the per-example
@@ -49,7 +50,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     devices = _checks.device_list(devices, function_name)
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
                                validate=validate, memory_limit=memory_limit,
-                               forms_gradients=False, function_name=function_name)
+                               forms_gradients=False, function_name=function_name,
+                               batch_axis=batch_axis)
     with plan.prepared.graph.as_default(), tf.name_scope(name or function_name):
         built = _dispatch.build(plan, devices)
         norms = tf.sqrt(built.squared_norms(name="gradients"))           # [B]

@@ -372,32 +372,38 @@ class Analysis:
         return lattice.complete(value, tensor.shape)
 
 
-def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=None):
+def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=None,
+            batch_axes=None):
     """Analyses the ops between `batch` and `ys` (see the module docstring).
 
     Args:
       ys: the per-example values, [B, ...].
-      batch: the batch tensors, [B, ...] each (batch axis 0).
+      batch: the batch tensors, [B, ...] each (batch axis 0 unless `batch_axes` says
+        otherwise).
       ys_upstream: the ops `ys` depends on (`graph_walk.upstream_ops([ys])`).
       batch_size: B when known statically, else None (a leading static 1 axis is then
         never taken for the batch axis).
       num_groups: M for microbatches, or None (kept on the result).
       registry: a `pertower.rules.RuleRegistry`; rules may define
         `output_layouts(op, inputs)` for op types the analysis does not know.
+      batch_axes: None (axis 0 of each), or the batch axis of each batch tensor: the
+        seed of a time-major [T, B, d] input is Rows(lead=1, ...).
 
     Returns:
       An `Analysis`.
     """
-    seeds = _seeds(batch)
+    seeds = _seeds(batch, batch_axes)
     region = graph_walk.downstream_ops(batch, ys_upstream)
     scan = _Scan(seeds, region, [ys], registry, batch_size).run()
     return Analysis(scan, ys, num_groups, registry)
 
 
-def _seeds(batch):
+def _seeds(batch, batch_axes=None):
+    """(tensor, value) per batch tensor: Rows(lead=its batch axis, k=1, .)."""
+    axes = [0] * len(batch) if batch_axes is None else list(batch_axes)
     seeds = []
-    for b in batch:
-        rows = lattice.complete(Rows(0, 1, None), b.shape)
+    for b, axis in zip(batch, axes):
+        rows = lattice.complete(Rows(axis, 1, None), b.shape)
         seeds.append((b, rows if rows is not None else UNKNOWN))
     return seeds
 

@@ -137,7 +137,8 @@ class DPOptimizer:
 
     def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
                           gate_gradients=_GATE_OP, aggregation_method=None,
-                          colocate_gradients_with_ops=False, grad_loss=None):
+                          colocate_gradients_with_ops=False, grad_loss=None,
+                          batch_axis=None):
         """The clipped, noised, averaged gradient, as (gradient, variable) pairs.
 
         Args:
@@ -152,6 +153,8 @@ class DPOptimizer:
           gate_gradients, aggregation_method, colocate_gradients_with_ops: as in
             `tf.compat.v1.train.Optimizer.compute_gradients`.
           grad_loss: must be None (every example's loss has weight 1 in DP-SGD).
+          batch_axis: the axis of each batch tensor that carries the batch (None: 0),
+            as in `pertower.per_example_gradients`; `loss` keeps it on axis 0.
 
         Returns:
           A list of (gradient, variable) pairs, one per variable, every gradient dense
@@ -221,10 +224,10 @@ class DPOptimizer:
             if random_op is None and (M is None or (B is not None and M == B)):
                 clipped_sum, count = self._clipped_sum_per_example(
                     per_example_loss, var_list, batch, batch_size, gate_gradients,
-                    aggregation_method, colocate_gradients_with_ops)
+                    aggregation_method, colocate_gradients_with_ops, batch_axis)
             else:
                 clipped_sum, count = self._clipped_sum_microbatches(
-                    per_example_loss, var_list, batch, batch_size, M)
+                    per_example_loss, var_list, batch, batch_size, M, batch_axis)
             noised = self._add_noise(clipped_sum)
             # sum / M: the noisy average over microbatches (examples when M = B)
             averaged = [g / tf.cast(count, g.dtype) for g in noised]
@@ -252,13 +255,14 @@ class DPOptimizer:
 
     def _clipped_sum_per_example(self, per_example_loss, var_list, batch, batch_size,
                                  gate_gradients, aggregation_method,
-                                 colocate_gradients_with_ops):
+                                 colocate_gradients_with_ops, batch_axis=None):
         """sum_i clip(g_i) from the norms and one weighted backward pass; and B."""
         with warnings.catch_warnings():   # compute_gradients warned about unreached ones
             warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
             norms = norms_lib.per_example_norms(per_example_loss, var_list, batch=batch,
                                                 batch_size=batch_size, name="clip_norms",
-                                                method=self._method)               # [B]
+                                                method=self._method,
+                                                batch_axis=batch_axis)             # [B]
         factors = tf.stop_gradient(self._clip_factors(norms))                     # [B]
         weighted = tf.reduce_sum(factors * per_example_loss)  # sum_i f_i loss_i
         grads = tf.compat.v1.gradients(
@@ -271,13 +275,14 @@ class DPOptimizer:
             grads = list(tf.tuple(grads))
         return grads, tf.shape(per_example_loss)[0]
 
-    def _clipped_sum_microbatches(self, per_example_loss, var_list, batch, batch_size, M):
+    def _clipped_sum_microbatches(self, per_example_loss, var_list, batch, batch_size, M,
+                                  batch_axis=None):
         """sum_m clip(g_m) with g_m the gradient of microbatch m's mean loss; and M
         (M None: one microbatch per example)."""
         sums = gradients_lib.microbatch_gradients(
             per_example_loss, var_list, batch=batch, num_microbatches=M,
             batch_size=batch_size, name="microbatch_gradients",
-            method=self._method,
+            method=self._method, batch_axis=batch_axis,
             unconnected_gradients="zero")  # [M, *x.shape] each; warned in compute_gradients
         if M is None:
             means, count = sums, tf.shape(per_example_loss)[0]
@@ -322,13 +327,14 @@ class DPOptimizer:
 
     def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
                  aggregation_method=None, colocate_gradients_with_ops=False, name=None,
-                 grad_loss=None, batch=None, batch_size=None):
+                 grad_loss=None, batch=None, batch_size=None, batch_axis=None):
         """`compute_gradients` then `apply_gradients`, as
         `tf.compat.v1.train.Optimizer.minimize`; returns the training op."""
         grads_and_vars = self.compute_gradients(
             loss, var_list=var_list, batch=batch, batch_size=batch_size,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss)
+            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
+            batch_axis=batch_axis)
         return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
     def get_slot(self, var, name):

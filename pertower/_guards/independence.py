@@ -76,7 +76,7 @@ class IndependenceCheck:
 
 
 def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, name=None,
-                       num_towers=None):
+                       num_towers=None, batch_axis=None):
     """Builds a run-time check that the examples of `ys` do not depend on each other.
 
     `ys` is recomputed slice by slice (towers of B/T examples, one example each by
@@ -96,6 +96,8 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
       name: name scope for the new ops (default "check_independence").
       num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
         both is a TypeError).
+      batch_axis: the axis of each batch tensor that carries the batch (None: 0; an
+        int for all, or a list parallel to `batch`), as in `per_example_gradients`.
 
     Returns:
       An `IndependenceCheck`; fetch `.independent` (and `.max_difference`).
@@ -112,7 +114,7 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
     T, towers_argument = _checks.renamed_argument(
         num_microbatches, num_towers, "num_microbatches", "num_towers", function_name)
     towers = _forward_towers(ys, batch, T, batch_size, name or function_name,
-                             function_name, towers_argument)
+                             function_name, towers_argument, batch_axis=batch_axis)
     with ys.graph.as_default(), tf.name_scope(name or function_name):
         difference, bound = _differences(towers.stacked, ys)
         max_difference = tf.reduce_max(difference, name="max_difference")
@@ -123,7 +125,7 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
 
 
 def _forward_towers(ys, batch, num_towers, batch_size, scope, function_name,
-                    towers_argument):
+                    towers_argument, batch_axis=None):
     """Towers that replay `ys` slice by slice, without weight copies."""
     xs = []
     if isinstance(ys, tf.Tensor) and hasattr(ys, "graph") and not tf.executing_eagerly():
@@ -133,15 +135,15 @@ def _forward_towers(ys, batch, num_towers, batch_size, scope, function_name,
             # left out of the replay.
             xs = [tf.zeros([], name="no_weights")]
     return towers_lib.build(ys, xs or [ys], batch, num_towers, batch_size, scope,
-                            function_name, towers_argument)
+                            function_name, towers_argument, batch_axis=batch_axis)
 
 
 def recomputed_by_slices(ys, batch, num_groups, batch_size, function_name,
-                         groups_argument):
+                         groups_argument, batch_axis=None):
     """`ys` recomputed slice by slice, [B, ...] (towers without weight copies, under the
     current name scope), for `validate=True` where no towers were built."""
     return _forward_towers(ys, batch, num_groups, batch_size, "validate_towers",
-                           function_name, groups_argument).stacked
+                           function_name, groups_argument, batch_axis=batch_axis).stacked
 
 
 def gated(result):

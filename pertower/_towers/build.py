@@ -6,8 +6,8 @@ Notation:
     S   the replayed ops (see graph_walk)
 
 The mechanism (Goodfellow's trick, "Efficient per-example gradient computations",
-arXiv 1510.01799, in its simplest form): split every batch tensor on axis 0 into T
-slices, give tower t its own copy c_t = tf.identity(x) of each weight, replay S on
+arXiv 1510.01799, in its simplest form): split every batch tensor on its batch axis (0, or
+`batch_axis`) into T slices, give tower t its own copy c_t = tf.identity(x) of each weight, replay S on
 slice t with c_t in place of every read of x, and stack the tower outputs, which then
 equal `ys`. Because tower t's output depends on c_t and on no other tower's copy,
 
@@ -45,6 +45,9 @@ from pertower._towers import functions as control_flow
 from pertower._towers import replicate as replicate_lib
 
 __all__ = ["Towers", "build_towers"]
+
+_BAKED = ("This happens when the graph bakes its batch size into constants; build the "
+          "model on placeholders whose batch axis is None.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +107,7 @@ class Towers:
 
 
 def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, name=None,
-                 devices=None, num_towers=None):
+                 devices=None, num_towers=None, batch_axis=None):
     """Builds T towers that replay the graph from the batch to `ys`.
 
     Args:
@@ -122,6 +125,10 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
         colocated with them by `tf.gradients`.
       num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
         both is a TypeError).
+      batch_axis: None (the batch is axis 0 of every batch tensor), an int (the batch
+        axis of every batch tensor, e.g. 1 for time-major [T, B, d] inputs), or a list
+        with one axis per batch tensor. The slices are taken along it; `ys` keeps the
+        batch on axis 0 (transpose a time-major `ys` first).
 
     Returns:
       A `Towers` record.
@@ -133,18 +140,19 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
     T, towers_argument = _checks.renamed_argument(
         num_microbatches, num_towers, "num_microbatches", "num_towers", "build_towers")
     return build(ys, xs, batch, T, batch_size, name or "towers", "build_towers",
-                 towers_argument, devices)
+                 towers_argument, devices, batch_axis=batch_axis)
 
 
 def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument,
-          devices=None, prepared=None):
+          devices=None, prepared=None, batch_axis=None):
     """`build_towers` for the public functions: errors name `function_name` and call
     the number of towers `towers_argument`. `prepared`: what `pertower._request.prepare`
     returned for these same arguments (with B known), when the caller has checked them
     already; they are then not walked and scanned a second time."""
     if prepared is None:
         prepared = _prepare.prepare(ys, xs, batch, num_towers, batch_size, function_name,
-                                    towers_argument, batch_size_required=True)
+                                    towers_argument, batch_size_required=True,
+                                    batch_axis=batch_axis)
     devices = _checks.device_list(devices, function_name)
     ys, xs, graph, ys_upstream, batch, B = prepared[:6]
     T = B if prepared.num_groups is None else prepared.num_groups
@@ -177,7 +185,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 stacklevel=3)
 
         with tf.name_scope(scope):
-            slices = _split_batch(batch, B, T)
+            slices = _split_batch(batch, B, T, prepared.batch_axes)
             copies, first_index = [], {}
             for k, r in enumerate(reads):
                 first = first_index.setdefault(id(r.x), k)
@@ -199,7 +207,8 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
             token = graph.unique_name("pertower", mark_as_used=True).replace("/", "_")
             rewriter = control_flow.FunctionRewriter(graph, function_name, token)
             outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
-                              slices, replayed, T, graph, function_name, devices)
+                              slices, replayed, T, graph, function_name, devices,
+                              _replay_failure_cause(prepared))
             outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
@@ -208,13 +217,14 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                   stacked=stacked, devices=devices)
 
 
-def _split_batch(batch, B, T):
-    """Each batch tensor [B, ...] -> T slices [B/T, ...], checking B at run time."""
+def _split_batch(batch, B, T, axes):
+    """Each batch tensor [B, ...] -> T slices [B/T, ...] along its batch axis (axes[j];
+    [T', B, ...] -> T x [T', B/T, ...] for a time-major one), checking B at run time."""
     slices = []
-    for j, b in enumerate(batch):
+    for j, (b, axis) in enumerate(zip(batch, axes)):
         with tf.name_scope(f"slices_{j}"):
-            if _checks.static_batch_size(b) is None:
-                fed = tf.shape(b)[0]
+            if _checks.static_batch_size(b, axis) is None:
+                fed = tf.shape(b)[axis]
                 # One string tensor: the error reads as one sentence.
                 message = tf.strings.join([
                     f"pertower: the towers were built for a batch of {B} examples "
@@ -226,10 +236,12 @@ def _split_batch(batch, B, T):
                                             name="check_batch_size")
                 with tf.control_dependencies([check]):
                     b = tf.identity(b)
-            # [B, ...] -> T x [B/T, ...]
-            parts = tf.split(b, T, axis=0)
-            for part in parts:
-                part.set_shape(tf.TensorShape([B // T]).concatenate(b.shape[1:]))
+            # [..., B, ...] -> T x [..., B/T, ...] (the batch on axis `axis`)
+            parts = tf.split(b, T, axis=axis)
+            if b.shape.rank is not None:
+                for part in parts:
+                    part.set_shape(b.shape[:axis].concatenate([B // T])
+                                   .concatenate(b.shape[axis + 1:]))
             slices.append(parts)
     return slices
 
@@ -311,8 +323,27 @@ def _where(op, positions, reads):
     return f"the weight {names} read inside op {op.name!r} ({op.type})"
 
 
+def _replay_failure_cause(prepared):
+    """What most likely makes a replay on slices fail: a batch size baked into the
+    graph when some batch axis is static, else where the analysis lost the rows."""
+    if any(_checks.static_batch_size(b, a) is not None
+           for b, a in zip(prepared.batch, prepared.batch_axes)):
+        return ("This happens when the graph bakes its batch size into constants; build "
+                "the model on placeholders whose batch axis is None.")
+    analysis = prepared.analysis
+    lost = analysis.lost_at if analysis is not None else None
+    where = (f" (the analysis lost the examples' rows at {lost[0].name!r} "
+             f"({lost[0].type}): {lost[1]})" if lost is not None else "")
+    return ("The batch axis is None, so no batch size is baked in: an op between the batch "
+            "and `ys` needs several examples together" + where + ", e.g. a reshape that "
+            "pairs examples (tf.reshape(h, [-1, 2 * n])). Then row i of `ys` is not "
+            "computed from example i alone and has no per-example gradient; keep each "
+            "example in its own row (reshape only the non-batch axes), or use "
+            "microbatch_gradients with microbatches that hold whole groups.")
+
+
 def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, replayed, T,
-            graph, function_name, devices):
+            graph, function_name, devices, failure_cause=None):
     """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...].
 
     `reads[k]` and `copies[k]` belong to xs[k]; only the entries `unique` (the first of
@@ -379,6 +410,5 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
         raise ValueError(
             f"pertower.{function_name}: replaying the graph from the batch to `ys` on "
             f"slices of {_checks.static_batch_size(slices[0][0])} example(s) failed: "
-            f"{error}. This happens when the graph bakes its batch size into constants; "
-            "build the model on placeholders whose batch axis is None.") from error
+            f"{error}. {failure_cause or _BAKED}") from error
     return [tower[0] for tower in outputs]

@@ -111,7 +111,7 @@ def group_count(prepared, num_groups):
         return num_groups
     if prepared.batch_size is not None:
         return prepared.batch_size
-    return tf.shape(prepared.batch[0])[0]
+    return tf.shape(prepared.batch[0])[prepared.batch_axes[0]]
 
 
 def run_time_checks(prepared, function_name):
@@ -119,10 +119,10 @@ def run_time_checks(prepared, function_name):
     for a None batch axis; M divides it when B is left to run time."""
     checks = []
     B, M = prepared.batch_size, prepared.num_groups
-    for j, b in enumerate(prepared.batch):
-        if _checks.static_batch_size(b) is not None:
+    for j, (b, axis) in enumerate(zip(prepared.batch, prepared.batch_axes)):
+        if _checks.static_batch_size(b, axis) is not None:
             continue
-        fed = tf.shape(b)[0]
+        fed = tf.shape(b)[axis]   # the batch axis (1 for a time-major [T, B, ...])
         if B is not None:
             # One string tensor, so the error reads as one sentence (a data list would
             # print each piece in its own brackets).
