@@ -112,6 +112,27 @@ def real_number(value, argument, function_name, low=-math.inf, high=math.inf,
     return value
 
 
+def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size"):
+    """A run-time assertion that the batch fed to `b` has B examples on its batch axis
+    `axis`; its error is one string tensor, so it reads as one sentence (a data list
+    would print each piece in its own brackets).
+
+    Args:
+      b: a batch tensor whose batch axis is not static.
+      axis: its batch axis.
+      B: the batch size the result was built for.
+      built: what was built, e.g. "the towers".
+      advice: the end of the message: what else to do.
+      name: the op's name.
+    """
+    fed = tf.shape(b)[axis]
+    message = tf.strings.join([
+        f"pertower: {built} were built for a batch of {B} examples (batch_size={B}), but "
+        f"the batch fed to {b.name} has ", tf.strings.as_string(fed),
+        f" examples. Feed batches of {B} examples, {advice}"])
+    return tf.debugging.Assert(tf.equal(fed, B), [message], name=name)
+
+
 def positive_int(value, argument, function_name):
     """Returns `value` as an int when it is a positive integer; raises otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

@@ -224,16 +224,9 @@ def _split_batch(batch, B, T, axes):
     for j, (b, axis) in enumerate(zip(batch, axes)):
         with tf.name_scope(f"slices_{j}"):
             if _checks.static_batch_size(b, axis) is None:
-                fed = tf.shape(b)[axis]
-                # One string tensor: the error reads as one sentence.
-                message = tf.strings.join([
-                    f"pertower: the towers were built for a batch of {B} examples "
-                    f"(batch_size={B}), but the batch fed to {b.name} has ",
-                    tf.strings.as_string(fed),
-                    f" examples. Feed batches of {B} examples, or build the towers "
-                    "again for the new batch size."])
-                check = tf.debugging.Assert(tf.equal(fed, B), [message],
-                                            name="check_batch_size")
+                check = _checks.fed_batch_size_check(
+                    b, axis, B, "the towers",
+                    "or build the towers again for the new batch size.")
                 with tf.control_dependencies([check]):
                     b = tf.identity(b)
             # [..., B, ...] -> T x [..., B/T, ...] (the batch on axis `axis`)

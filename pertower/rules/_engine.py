@@ -122,19 +122,14 @@ def run_time_checks(prepared, function_name):
     for j, (b, axis) in enumerate(zip(prepared.batch, prepared.batch_axes)):
         if _checks.static_batch_size(b, axis) is not None:
             continue
-        fed = tf.shape(b)[axis]   # the batch axis (1 for a time-major [T, B, ...])
         if B is not None:
-            # One string tensor, so the error reads as one sentence (a data list would
-            # print each piece in its own brackets).
-            message = tf.strings.join([
-                f"pertower: the gradients were built for a batch of {B} examples "
-                f"(batch_size={B}), but the batch fed to {b.name} has ",
-                tf.strings.as_string(fed),
-                f" examples. Feed batches of {B} examples, build the gradients again for "
-                "the new batch size, or use method='rules' without batch_size."])
-            checks.append(tf.debugging.Assert(tf.equal(fed, B), [message],
-                                              name=f"check_batch_size_{j}"))
+            checks.append(_checks.fed_batch_size_check(
+                b, axis, B, "the gradients",
+                "build the gradients again for the new batch size, or leave out "
+                "batch_size (then the rules work for any fed batch size).",
+                name=f"check_batch_size_{j}"))
         elif M is not None:
+            fed = tf.shape(b)[axis]   # the batch axis (1 for a time-major [T, B, ...])
             message = tf.strings.join([
                 f"pertower.{function_name}: `num_microbatches` ({M}) must divide the "
                 f"batch size, but the batch fed to {b.name} has ",
