@@ -174,3 +174,28 @@ def test_explain_names_the_replaced_gradient(case):
     assert re.search(case["reason"], str(plan))
     with case["graph"].as_default(), pytest.raises(ValueError, match="method='rules' is strict"):
         pertower.per_example_gradients(case["ys"], case["xs"], batch_size=B, method="rules")
+
+
+def test_partitioned_variable_is_refused_naming_its_partitions_and_they_work():
+    """A PartitionedVariable in xs is refused with what to pass instead; its partitions
+    passed in its place match the one-example loop."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        W = tf.compat.v1.get_variable(
+            "W", [4, 2], partitioner=tf.compat.v1.fixed_size_partitioner(2))
+        ys = tf.reduce_sum(tf.tanh(tf.matmul(x, W)) ** 2, axis=1)
+        with pytest.raises(TypeError, match=r"pertower.per_example_gradients: `xs\[0\]` is "
+                                            r"the PartitionedVariable 'W' \(2 partitions\)"):
+            pertower.per_example_gradients(ys, [W], batch_size=B)
+        parts = list(W)
+        got = pertower.per_example_gradients(ys, parts, batch_size=B)
+        whole = tf.concat(got, axis=1)                                  # [B, 4, 2]
+        loop = oracle.SliceLoop(ys, parts)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(2).randn(B, 4).astype(np.float32)}
+            want = common.run_oracle(loop.run, sess, feed, B)
+            common.assert_all_close(sess.run(got, feed), want)
+            assert sess.run(whole, feed).shape == (B, 4, 2)
