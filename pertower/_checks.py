@@ -12,6 +12,7 @@ import sys
 import warnings
 
 import tensorflow as tf
+from tensorflow.python.ops import variables
 
 __all__ = [
     "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "device_list",
@@ -203,6 +204,13 @@ def weight_list(xs, argument, function_name):
     ones). Raises when a Keras 3 variable has no TF variable or tensor behind it."""
     weights = as_list(xs)
     for k, x in enumerate(weights):
+        if isinstance(x, variables.PartitionedVariable):
+            raise TypeError(
+                f"pertower.{function_name}: `{argument}[{k}]` is the PartitionedVariable "
+                f"{x.name!r} ({len(list(x))} partitions); pass its partitions instead, "
+                f"e.g. `list(variable)` in `{argument}`: each partition then gets its own "
+                "per-example gradient, and tf.concat(..., axis=1) of them is the gradient "
+                "of the whole variable.")
         if not _is_keras3_variable(x):
             continue
         value = x.value

@@ -40,6 +40,9 @@ _REFERENCE_UNAVAILABLE = (
                 r"than 1"),
      "without oneDNN (TF_ENABLE_ONEDNN_OPTS=0, the default on CPUs without AVX-512) the "
      "CPU convolution gradient kernels refuse dilations > 1"),
+    (re.compile(r"(does not support grouped convolutions|filter_size does not have enough "
+                r"elements)"),
+     "without oneDNN the CPU convolution kernels refuse grouped convolutions"),
 )
 
 

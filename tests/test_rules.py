@@ -96,6 +96,12 @@ def _conv(strides, padding, dilations, kernel=(3, 2)):
     return build
 
 
+def _grouped_conv(x):              # tf.nn.conv2d, 2 groups: filter [3, 3, 4/2, 6] on [B, 7, 6, 4]
+    w = _weights([3, 3, 2, 6], "grouped_filter")
+    z = tf.nn.conv2d(x, w, [1, 2, 1, 1], "SAME")
+    return tf.reduce_sum(tf.tanh(z) ** 2, axis=[1, 2, 3]), [w]
+
+
 def _keras_convs(x):                # Keras Conv1D (ExpandDims + Conv2D) and Conv2D
     conv1 = keras.layers.Conv1D(3, 3, strides=2, padding="valid", activation="relu")
     h = conv1(x)                                                     # [B, 2, 3]
@@ -160,6 +166,7 @@ MODELS = {
                               [(7, 6, 2)], {"dtype": tf.float64}, []),
     "conv_same_dilated_odd": (_conv([1, 1, 2, 1], "SAME", [1, 2, 1, 1], (2, 3)),
                               [(7, 6, 2)], {}, []),
+    "grouped_conv": (_grouped_conv, [(7, 6, 4)], {}, []),
     "keras_conv1d": (_keras_convs, [(7, 2)], {}, []),
     "depthwise": (_depthwise, [(7, 6, 4)], {}, []),
     "time_distributed_conv": (_time_distributed_conv, [(3, 5, 5, 2)], {}, []),

@@ -28,6 +28,13 @@ batch's graph, so that the tower rows are the rows of `ys`; shape uses keep the
 tower's own size (see `pertower._batch_axis.size_values`). With `devices`, tower t's
 copies and replayed ops are placed on devices[t % len(devices)]. The user's ops,
 variables and values are left untouched; only new ops are added, under one name scope.
+
+An entry of `xs` computed from another entry (`w_eff = 2 * tf.identity(W)` with both W
+and w_eff in xs) has no `tf.identity` copy of its own: its tower-t version is the
+replay's own copy of it, computed from c_t of W, so that `tf.gradients` gives W the
+total derivative (its direct uses plus the chain through w_eff) and w_eff the gradient
+of its consumers, exactly as `tf.gradients(ys, [W, w_eff])` does. An entry that *is*
+another entry's read (`W.value()` next to W) gets tf.identity(c_t of W) likewise.
 """
 
 import contextlib
@@ -62,7 +69,8 @@ class Towers:
       num_towers: T; each tower takes B/T contiguous examples.
       slices: slices[t][j] is tower t's part of batch[j], [B/T, ...].
       copies: copies[k][t] is tower t's copy of xs[k], [*x.shape]; copies[k] is None
-        when `ys` does not depend on xs[k].
+        when `ys` does not depend on xs[k]. For an entry computed from another entry
+        it is the tower's replay of that computation (see the module notes).
       outputs: outputs[t] is tower t's replay of `ys`, [B/T, ...].
       stacked: the tower outputs concatenated, [B, ...]; equal to `ys`.
       devices: the device strings the towers were placed on round-robin (tower t on
@@ -184,6 +192,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 "gradients) use other draws than `ys` does in the same run.",
                 stacklevel=3)
 
+        derived, aliases = _derived_entries(reads, replayed)
         with tf.name_scope(scope):
             slices = _split_batch(batch, B, T, prepared.batch_axes)
             copies, first_index = [], {}
@@ -192,8 +201,8 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 if first != k:  # a repeated x shares its copies
                     copies.append(copies[first])
                     continue
-                if not r.reached:  # `ys` does not reach x
-                    copies.append(None)
+                if not r.reached or k in derived or k in aliases:
+                    copies.append(None)  # unreached, or made from another entry's copies
                     continue
                 with tf.name_scope(f"copies_{k}"):
                     source = r.copy_source
@@ -202,19 +211,60 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                         with _on_device(devices, t):
                             tower_copies.append(tf.identity(source, name=f"tower_{t}"))
                     copies.append(tuple(tower_copies))
-            unique = sorted(set(first_index.values()))
+            for k, j in aliases.items():  # xs[k] is a read of xs[j]: c_t(k) = c_t(j)
+                with tf.name_scope(f"copies_{k}"):
+                    alias_copies = []
+                    for t, c in enumerate(copies[j]):
+                        with _on_device(devices, t):
+                            alias_copies.append(tf.identity(c, name=f"tower_{t}"))
+                    copies[k] = tuple(alias_copies)
+            unique = sorted(k for k in set(first_index.values()) if k not in derived)
             # a token unique in the graph names this build's function copies
             token = graph.unique_name("pertower", mark_as_used=True).replace("/", "_")
             rewriter = control_flow.FunctionRewriter(graph, function_name, token)
             outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
                               slices, replayed, T, graph, function_name, devices,
-                              _replay_failure_cause(prepared))
+                              _replay_failure_cause(prepared), [reads[k].x for k in derived])
+            outputs, derived_copies = [o[0] for o in outputs], [o[1:] for o in outputs]
+            for position, k in enumerate(derived):  # the replay's own copy of xs[k]
+                copies[k] = tuple(tower[position] for tower in derived_copies)
+            for k, r in enumerate(reads):  # repeated entries share their first's copies
+                first = first_index[id(r.x)]
+                if first != k:
+                    copies[k] = copies[first]
             outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
                   slices=tuple(zip(*slices)), copies=tuple(copies), outputs=tuple(outputs),
                   stacked=stacked, devices=devices)
+
+
+def _derived_entries(reads, replayed):
+    """The entries of xs computed from other entries.
+
+    Returns:
+      (derived, aliases): `derived`, the indices k (first of a repeated entry) of the
+      tensor entries whose op the towers replay (computed from another entry's read);
+      `aliases`, {k: j} for a tensor entry xs[k] that is itself a read tensor of the
+      variable xs[j] (its copies are made from xs[j]'s).
+    """
+    derived, aliases, first_index = [], {}, {}
+    for k, r in enumerate(reads):
+        if first_index.setdefault(id(r.x), k) != k or not r.reached:
+            continue
+        if not isinstance(r.x, tf.Tensor) or r.x.dtype == tf.resource:
+            continue
+        if r.x.op in replayed:
+            derived.append(k)
+            continue
+        for j, other in enumerate(reads):
+            if (j != k and other.reached and first_index.get(id(other.x), j) == j
+                    and not isinstance(other.x, tf.Tensor)
+                    and any(t is r.x for t in other.read_tensors)):
+                aliases[k] = j
+                break
+    return derived, aliases
 
 
 def _split_batch(batch, B, T, axes):
@@ -336,8 +386,9 @@ def _replay_failure_cause(prepared):
 
 
 def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, replayed, T,
-            graph, function_name, devices, failure_cause=None):
-    """Adds S once per tower with one import; returns the tower outputs T x [B/T, ...].
+            graph, function_name, devices, failure_cause=None, also=()):
+    """Adds S once per tower with one import; returns, per tower, [its output
+    [B/T, ...], then its versions of the tensors `also`].
 
     `reads[k]` and `copies[k]` belong to xs[k]; only the entries `unique` (the first of
     a repeated weight) are mapped. Gathers from a weight's handle read the tower's
@@ -352,6 +403,10 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
         for tensor in reads[k].read_tensors:
             for t in range(T):
                 per_tower_inputs[t][tensor.name] = copies[k][t]
+    for k in unique:  # an entry that is another's read replaces that read in its towers
+        if isinstance(reads[k].x, tf.Tensor) and copies[k] is not None:
+            for t in range(T):
+                per_tower_inputs[t][reads[k].x.name] = copies[k][t]
     gathers = {op: k for k in unique for op in reads[k].gather_ops}
     axis_zero = tf.constant(0, name="gather_axis") if gathers else None
     whole_batch = {}  # op -> input indices that read the whole batch's size value
@@ -396,7 +451,7 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
     try:
         outputs = replicate_lib.replicate(
             replayed, range(T), lambda op_name, t: f"{prefix}t{t}/{op_name}", counterpart,
-            graph, [ys],
+            graph, [ys] + list(also),
             device=(lambda t: devices[t % len(devices)]) if devices is not None else None,
             edit_node=edit_node, library=rewriter.library)
     except ValueError as error:
@@ -404,4 +459,4 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
             f"pertower.{function_name}: replaying the graph from the batch to `ys` on "
             f"slices of {_checks.static_batch_size(slices[0][0])} example(s) failed: "
             f"{error}. {failure_cause or _BAKED}") from error
-    return [tower[0] for tower in outputs]
+    return outputs

@@ -15,6 +15,14 @@ row i of `ys` depends on example i alone. Then
 
 the chain rule summed over every use (a shared layer adds its contributions). A weight
 for which anything is unproven is reported with the reason and left to the towers.
+
+The proof that dZ's rows belong to examples (and that the weight side only re-lays-out
+x) holds for TensorFlow's registered gradients of the ops between x and `ys`. An op
+whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`: its
+`_gradient_op_type` attribute) or whose gradient is Python code (`tf.py_func`,
+`tf.numpy_function`, `tf.py_function`), on any path from a read of x to `ys` (inside
+called functions too), may mix the examples in the backward pass; such a weight is
+left to the towers, where each tower's backward pass sees its own examples only.
 """
 
 import dataclasses
@@ -27,6 +35,12 @@ from pertower.rules import _rows
 
 # Ops that only re-lay-out the weight's value (same elements, same order).
 _WEIGHT_LAYOUT_OPS = frozenset({"Identity", "Snapshot", "ExpandDims", "Squeeze", "Reshape"})
+# Ops whose gradient is Python code the analysis cannot read.
+_PYTHON_OP_TYPES = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+# The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
+_OVERRIDE_ATTR = "_gradient_op_type"
+# How deep nested function bodies are searched for such ops.
+_MAX_FUNCTION_DEPTH = 8
 
 
 def build_plan(prepared, registry):
@@ -51,8 +65,11 @@ def build_plan(prepared, registry):
         return (tuple(None if r.reached else () for r in prepared.reads),
                 tuple(reason if r.reached else None for r in prepared.reads))
     uses, reasons = [], []
+    unassumed = _UnassumedGradients(prepared.graph)
     for x, reads in zip(prepared.xs, prepared.reads):
         found = _weight_uses(x, reads, prepared.ys_upstream, analysis, registry)
+        if not isinstance(found, str) and found:
+            found = unassumed.reason(reads, prepared.ys_upstream) or found
         if isinstance(found, str):
             uses.append(None)
             reasons.append(found)
@@ -103,6 +120,84 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
             return f"its shape at {op.name!r} ({use.weight_shape}) is not static"
         found.append(use)
     return found
+
+
+def _unassumed_reason(node_op, attrs, where):
+    """Why the gradient of a node (type `node_op`, attributes `attrs`) cannot be
+    assumed, or None."""
+    if node_op in _PYTHON_OP_TYPES:
+        return (f"its gradient flows through {where} ({node_op}), a Python function whose "
+                "gradient the rules cannot assume keeps the examples apart")
+    if _OVERRIDE_ATTR in attrs:
+        kind = attrs[_OVERRIDE_ATTR].s.decode(errors="replace")
+        return (f"its gradient flows through {where} ({node_op}), whose gradient is "
+                f"overridden ({kind!r}, by gradient_override_map or tf.custom_gradient); "
+                "the rules assume TensorFlow's registered gradients, which keep the "
+                "examples apart")
+    return None
+
+
+class _UnassumedGradients:
+    """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
+    TensorFlow's registered one (overridden, or Python code), looking into the bodies of
+    called functions. One per plan: function bodies are read once."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self._functions = {}   # function name -> reason or None
+
+    def reason(self, reads, ys_upstream):
+        """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
+        None."""
+        from pertower import _graph_walk  # pylint: disable=import-outside-toplevel
+        starts = list(reads.read_tensors)
+        for op in list(reads.gather_ops) + [op for op, _ in reads.call_inputs]:
+            starts.extend(op.outputs)
+        path = _graph_walk.downstream_ops(starts, ys_upstream)
+        path |= set(reads.gather_ops) | {op for op, _ in reads.call_inputs}
+        for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
+            found = _unassumed_reason(op.type, op.node_def.attr, repr(op.name))
+            if found is None:
+                found = self._in_functions(op.node_def.attr.values(), op.name, 0)
+            if found is not None:
+                return found
+        return None
+
+    def _in_functions(self, attr_values, where, depth):
+        """The reason found in the functions named by the attribute values, or None."""
+        for value in attr_values:
+            names = []
+            if value.HasField("func"):
+                names.append(value.func.name)
+            elif value.HasField("list"):
+                names.extend(f.name for f in value.list.func)
+            for name in names:
+                found = self._function(name, depth)
+                if found is not None:
+                    return f"{found} inside the function {name!r} called by {where!r}"
+        return None
+
+    def _function(self, name, depth):
+        """The reason found in the body of the function `name` (or in functions it
+        calls), or None."""
+        if name in self._functions:
+            return self._functions[name]
+        self._functions[name] = None   # a recursive reference adds nothing
+        function = self.graph._get_function(name)  # pylint: disable=protected-access
+        if function is None:
+            found = f"its gradient flows through the function {name!r}, which could not be read"
+        elif depth >= _MAX_FUNCTION_DEPTH:
+            found = f"its gradient flows through functions nested more than {depth} deep"
+        else:
+            definition = getattr(function, "cached_definition", None) or function.definition
+            found = None
+            for node in definition.node_def:
+                found = (_unassumed_reason(node.op, node.attr, repr(node.name))
+                         or self._in_functions(node.attr.values(), node.name, depth + 1))
+                if found is not None:
+                    break
+        self._functions[name] = found
+        return found
 
 
 def group_count(prepared, num_groups):

@@ -9,9 +9,16 @@ so grad_i(W) = sum_p x_ip ⊗ dz_ip, with the patches taken by `tf.image.extract
 with the op's strides, dilations (rates) and padding (explicit padding applied with
 `tf.pad` first), ordered (kh, kw, Cin) like the filter.
 
-Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations; the filter static.
-Squared norms use the ghost form sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) when positions are
-few, else the gradient is formed.
+Grouped convolutions (Keras' `groups=`, a filter [kh, kw, Cin/g, Cout] on an input of
+Cin channels): input channel group j (channels j*Cin/g ... (j+1)*Cin/g - 1) feeds only
+the output channels j*Cout/g ... (j+1)*Cout/g - 1 (the grouping of TensorFlow's Conv2D
+kernel), so the identity holds group by group:
+    grad_i(W)[:, :, :, group j] = sum_p x_ip[group j] ⊗ dz_ip[group j].
+
+Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations, groups; the filter
+static and the input's channels static. Squared norms use the ghost form
+sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) when positions are few and the convolution is not
+grouped, else the gradient is formed.
 """
 
 import tensorflow as tf
@@ -44,7 +51,24 @@ def check_convolution(op, slot, analysis):
         return f"data_format {op.get_attr('data_format').decode()} (only NHWC is covered)"
     if not op.inputs[1].shape.is_fully_defined():
         return "the filter's shape is not static"
+    if groups(op) is None:
+        return (f"the filter's {op.inputs[1].shape[2]} input channels do not divide the "
+                f"input's channels ({op.inputs[0].shape[-1]}) into groups")
     return _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
+
+
+def groups(op):
+    """g, the number of channel groups of the convolution `op` (1 for an ordinary one),
+    or None when the input's channels are not static or not a multiple of the filter's
+    input channels (or the output channels not a multiple of g)."""
+    if op.type != "Conv2D":
+        return 1
+    channels = op.inputs[0].shape.with_rank_at_least(1)[-1]
+    _, _, c_in, c_out = op.inputs[1].shape.as_list()
+    channels = tf.compat.dimension_value(channels)
+    if channels is None or channels % c_in or c_out % (channels // c_in):
+        return None
+    return channels // c_in
 
 
 class Conv2DRule(registry_lib.Rule):
@@ -59,13 +83,24 @@ class Conv2DRule(registry_lib.Rule):
 
     def per_group(self, use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
-        x_patches = _rows.to_groups(patches(use.op, kh, kw), G, 1)  # [G, k*Ho*Wo, kh*kw*Cin]
+        g = groups(use.op)
+        x_patches = _rows.to_groups(patches(use.op, kh, kw), G, 1)  # [G, k*Ho*Wo, kh*kw*g*Cin]
         dZ_g = _rows.to_groups(dZ, G, 1)                           # [G, k*Ho*Wo, Cout]
-        grad = tf.einsum("gpc,gpo->gco", x_patches, dZ_g)         # [G, kh*kw*Cin, Cout]
+        if g == 1:
+            grad = tf.einsum("gpc,gpo->gco", x_patches, dZ_g)     # [G, kh*kw*Cin, Cout]
+            return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+        # the patches' channels (kh, kw, g*Cin) and the outputs by group:
+        # [G, P, kh*kw*g*Cin] -> [G, P, kh*kw, g, Cin]; [G, P, Cout] -> [G, P, g, Cout/g]
+        x_patches = tf.reshape(x_patches, tf.concat(
+            [tf.shape(x_patches)[:2], [kh * kw, g, c_in]], axis=0))
+        dZ_g = tf.reshape(dZ_g, tf.concat([tf.shape(dZ_g)[:2], [g, c_out // g]], axis=0))
+        grad = tf.einsum("gpkjc,gpjo->gkcjo", x_patches, dZ_g)    # [G, kh*kw, Cin, g, Cout/g]
         return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
 
     def squared_norms(self, use, dZ, B):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
+        if groups(use.op) != 1:
+            return None
         positions = _rows.static_size(use.output.shape[1:3])
         if positions is None or not _rows.ghost_is_cheaper(use.rows.k * positions,
                                                            kh * kw * c_in, c_out):
