@@ -430,3 +430,10 @@ def test_every_rule_s_clipped_sum_is_the_reweighted_oracle(name):
     common.assert_all_close(got_built[2], [g * case.B for g in want_sums], case.rtol,
                             case.atol, f"{name} Built.clipped_sum")
     case.sess.close()
+
+
+def test_microbatch_epsilon_figures_in_the_docs_are_the_accountant_s():
+    # docs/dp_and_analytics.md: sensitivity C (per microbatch) vs TF Privacy's halved σ
+    per_unit = pertower.compute_epsilon(1000, 1.1, 256 / 60000, 1e-5)
+    halved = pertower.compute_epsilon(1000, 0.55, 256 / 60000, 1e-5)
+    assert f"{per_unit:.3f}" == "0.889" and f"{halved:.2f}" == "6.30", (per_unit, halved)
