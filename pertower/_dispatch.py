@@ -390,6 +390,55 @@ class Built:
                 squares = [tf.zeros(tf.reshape(B, [1]), dtype=prepared.ys.dtype)]
             return tf.add_n([tf.cast(s, prepared.ys.dtype) for s in squares])  # [B]
 
+    def clipped_sum(self, factors_of, name=None):
+        """DP-SGD's clipped sum from one forward pass and one backward pass.
+
+        The rules' norms and their reweighted sum share the dZ of ONE tf.gradients of
+        sum(ys) (`_engine.norm_parts`, `_engine.clipped_sums`), so a random op (dropout)
+        is differentiated with the draws of `ys` in the same run; the weights that fall
+        back to towers are formed there, [B, *x.shape], and contracted with the factors.
+
+        Args:
+          factors_of: maps the [B] per-example gradient norms to the [B] factors f.
+          name: name scope.
+
+        Returns:
+          (norms [B], factors [B], sums): sums[k] = sum_i f_i grad_i(xs[k]),
+          [*xs[k].shape], zeros for a weight `ys` does not reach; f is held constant.
+        """
+        with tf.name_scope(name or "clipped_sum"):
+            plan, prepared, B = self.plan, self.plan.prepared, self.groups
+            checks = (_engine.run_time_checks(prepared, plan.function_name)
+                      if plan.uses_rules else [])
+            with tf.control_dependencies(checks):
+                covered = [] if self.towers_only else plan.covered
+                d_outputs, squares, formed = _engine.norm_parts(plan, covered, B)
+            squares = list(squares.values())                                # [B] each
+            towers = {}
+            if self.towers is not None:
+                indices = range(len(self.xs)) if self.towers_only else plan.fallback
+                for k, g in zip(indices, self.towers.gradients(name="towers")):
+                    if g is not None:                                       # [B, *x.shape]
+                        towers[k] = g
+                        squares.append(tf.reduce_sum(tf.square(g),
+                                                     axis=list(range(1, g.shape.rank))))
+            if not squares:   # no weight is reached
+                squares = [tf.zeros(tf.reshape(B, [1]), dtype=prepared.ys.dtype)]
+            norms = tf.sqrt(tf.add_n([tf.cast(s, prepared.ys.dtype) for s in squares]))
+            norms = self.validated([norms])[0]                              # [B]
+            factors = tf.stop_gradient(factors_of(norms))                   # [B]
+            sums = _engine.clipped_sums(plan, covered, d_outputs, formed, factors)
+            for k, g in towers.items():
+                # [B] x [B, *x.shape] -> [*x.shape]
+                sums[k] = tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)
+            results = []
+            for k, x in enumerate(self.xs):
+                if k not in sums:
+                    sums[k] = tf.zeros(x.shape, x.dtype.base_dtype) if \
+                        x.shape.is_fully_defined() else tf.zeros_like(x)
+                results.append(independence.gated(sums[k]))
+            return norms, factors, results
+
     def validated(self, results):
         """`results` gated on the run-time independence check when the plan asks for it."""
         plan = self.plan

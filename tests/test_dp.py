@@ -6,6 +6,8 @@ then applied by hand (SGD, or the first step of v1 Adam).
 """
 
 
+import warnings
+
 import dp_accounting
 import numpy as np
 import pytest
@@ -14,8 +16,11 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
+from pertower import _dispatch
 from pertower import oracle
+from pertower.rules import _engine as rule_engine
 from tests import common
+from tests import test_rules
 
 LEARNING_RATE = 0.5
 
@@ -151,25 +156,66 @@ def test_default_var_list_is_the_trainable_variables():
     common.assert_all_close(got, [want[k] for k in order], 1e-5, 1e-6, "default var_list")
 
 
-def test_random_ops_clip_each_example_s_own_draw():
-    # dropout in training mode: the norms-then-reweight pass would clip one draw with the
-    # norm of another; DPOptimizer clips the towers' own gradients instead
-    with tf.Graph().as_default() as graph:
+def _dropout_mlp(B, rate=0.5):
+    """x [B, 5] -> Dense(16, relu) -> Dropout (training) -> Dense(1); loss [B]."""
+    graph = tf.Graph()
+    with graph.as_default():
         common.seed_weights(9)
         x = tf.compat.v1.placeholder(tf.float32, [None, 5])
         hidden = keras.layers.Dense(16, activation="relu")
         head = keras.layers.Dense(1)
-        out = head(keras.layers.Dropout(0.5)(hidden(x), training=True))     # [B, 1]
-        loss = tf.reduce_sum(out ** 2, axis=1)                               # [B]
+        dropped = keras.layers.Dropout(rate)(hidden(x), training=True)       # [B, 16]
+        out = head(dropped)                                                 # [B, 1]
+        loss = tf.reduce_sum(out ** 2, axis=1)                              # [B]
         weights = hidden.trainable_weights + head.trainable_weights
+        feed = {x: np.random.RandomState(0).randn(B, 5).astype(np.float32) * 3}
+    return graph, loss, weights, dropped, out, feed
+
+
+def test_dropout_clips_the_gradients_of_the_run_s_own_draw():
+    # one sess.run: the DP gradient, the rules' per-example gradients of the same draw,
+    # and the dropped activations. Every rule differentiates the same forward pass, so
+    # the DP gradient is sum_i f_i g_i / B with f_i = min(1, C / ||g_i||) of THESE g_i.
+    B, clip = 8, 30.0
+    graph, loss, weights, dropped, out, feed = _dropout_mlp(B)
+    with graph.as_default():
         dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                  l2_norm_clip=1e-3, noise_multiplier=0.0)
+                                  l2_norm_clip=clip, noise_multiplier=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # the rules cover every weight: no warning
+            grads = [g for g, _ in dp.compute_gradients(loss, weights, batch_size=B)]
+        per_example = pertower.per_example_gradients(loss, weights, method="rules")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            runs = [sess.run([grads, per_example, dropped, out], feed) for _ in range(3)]
+    masks = []
+    for got, g_i, d, o in runs:
+        # the head kernel's per-example gradient is d_i ⊗ 2 o_i: the draw of this run
+        common.assert_all_close([g_i[2]], [d[:, :, None] * 2 * o[:, None, :]], 1e-5, 1e-6,
+                                "head kernel per-example gradient")
+        norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in g_i))   # [B]
+        assert (norms > clip * 1.01).any() and (norms < clip * 0.99).any(), norms
+        want, _ = _clip_reference(g_i, clip)
+        common.assert_all_close(got, want, 1e-5, 1e-6, "DP gradient with dropout")
+        factors = clip / np.maximum(norms, clip)
+        assert np.all(factors * norms <= clip * (1 + 1e-6))
+        masks.append(d != 0)
+    assert not all(np.array_equal(masks[0], m) for m in masks[1:])  # new draws each run
+
+
+def test_dropout_with_towers_clips_each_example_to_the_bound():
+    # method="towers": the towers replay the model with their own draws; the clipped
+    # gradients are those draws' and still bounded by C
+    B = 8
+    graph, loss, weights, _, _, feed = _dropout_mlp(B)
+    with graph.as_default():
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                  l2_norm_clip=1e-3, noise_multiplier=0.0, method="towers")
         with pytest.warns(UserWarning, match="depends on the random op"):
-            grads = [g for g, _ in dp.compute_gradients(loss, weights, batch_size=8)]
+            grads = [g for g, _ in dp.compute_gradients(loss, weights, batch_size=B)]
         norm = tf.linalg.global_norm(grads)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            feed = {x: np.random.RandomState(0).randn(8, 5).astype(np.float32) * 10}
             norms = [sess.run(norm, feed) for _ in range(10)]
     # every example's gradient is far above the clip, so each contributes norm 1e-3 and
     # the average has norm <= 1e-3 (equal only when all point the same way)
@@ -353,3 +399,47 @@ def test_public_names_are_exported():
              "NoiseScale", "gradient_noise_scale", "empirical_ntk"}
     assert names <= set(pertower.__all__)
     assert all(hasattr(pertower, name) for name in names)
+
+
+@pytest.mark.parametrize("name", sorted(test_rules.MODELS))
+def test_every_rule_s_clipped_sum_is_the_reweighted_oracle(name):
+    # sum_i f_i g_i through each rule's own clipped_sum (dZ scaled per example; no
+    # per-example gradient formed), and through Built.clipped_sum (norms, factors and
+    # sums of one backward pass; towers for the weights without a rule)
+    build, shapes, options, _ = test_rules.MODELS[name]
+    case = test_rules._model(name, build, shapes, **options)   # pylint: disable=protected-access
+    factors_value = np.linspace(0.2, 1.3, case.B).astype(case.ys.dtype.as_numpy_dtype)
+    with case.graph.as_default():
+        plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False,
+                                   function_name="test")
+        factors = tf.constant(factors_value)
+        d_outputs, _, _ = rule_engine.norm_parts(plan, plan.covered, case.B)
+        by_rules = rule_engine.clipped_sums(plan, plan.covered, d_outputs, {}, factors)
+        clip = 0.7
+        built = _dispatch.build(plan)
+        norms, built_factors, sums = built.clipped_sum(
+            lambda n: clip / tf.maximum(n, clip))
+        per_example = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
+                                        case.ys, case.xs, case.feed)
+        got_rules, got_built = case.sess.run(
+            [[by_rules[k] for k in plan.covered], [norms, built_factors, sums]], case.feed)
+    want = [np.tensordot(factors_value, per_example[k], axes=1) for k in plan.covered]
+    common.assert_all_close(got_rules, want, case.rtol, case.atol, f"{name} rule clipped sums")
+    want_sums, want_norms = _clip_reference(per_example, clip)
+    common.assert_all_close([got_built[0]], [want_norms], case.rtol, case.atol, f"{name} norms")
+    common.assert_all_close(got_built[2], [g * case.B for g in want_sums], case.rtol,
+                            case.atol, f"{name} Built.clipped_sum")
+    case.sess.close()
+
+
+def test_microbatch_epsilon_figures_in_the_docs_are_the_accountant_s():
+    # docs/dp_and_analytics.md states ε with σ and with TF Privacy's halved σ
+    import pathlib, re  # pylint: disable=import-outside-toplevel,multiple-imports
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "dp_and_analytics.md").read_text()
+    stated = re.search(r"`compute_epsilon` gives\s+ε = ([0-9.]+), and with σ/2 = 0.55 it "
+                       r"gives ε = ([0-9.]+)", text)
+    assert stated, "the docs no longer state the two figures"
+    per_unit = pertower.compute_epsilon(1000, 1.1, 256 / 60000, 1e-5)
+    halved = pertower.compute_epsilon(1000, 0.55, 256 / 60000, 1e-5)
+    assert float(stated.group(1)) == pytest.approx(per_unit, abs=6e-4)
+    assert float(stated.group(2)) == pytest.approx(halved, abs=6e-3)

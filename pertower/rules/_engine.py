@@ -32,6 +32,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _batch_axis
 from pertower.rules import _rows
+from pertower.rules import registry as registry_lib
 
 # Ops that only re-lay-out the weight's value (same elements, same order).
 _WEIGHT_LAYOUT_OPS = frozenset({"Identity", "Snapshot", "ExpandDims", "Squeeze", "Reshape"})
@@ -305,20 +306,73 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero",
 def squared_norms(plan, indices, B):
     """{k: [B] squared norms of example i's gradient with respect to xs[k]}; a rule's
     cheap form when x has one use and the rule has one, else formed and reduced."""
+    _, squares, _ = norm_parts(plan, indices, B)
+    return squares
+
+
+def norm_parts(plan, indices, B):
+    """The squared norms of the covered weights and what a clipped sum reuses.
+
+    Returns:
+      (d_outputs, squares, formed): {id(Z): dZ} from ONE tf.gradients of sum(ys);
+      {k: [B] squared norms of example i's gradient with respect to xs[k]} (a rule's
+      cheap form when x has one use and the rule has one); {k: [B, *xs[k].shape]} the
+      per-example gradients of the weights whose norms needed them formed.
+    """
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
-    results = {}
+    squares, formed = {}, {}
     for k in indices:
         uses = plan.uses[k]
         if not uses:
             continue
         if len(uses) == 1:
             use = uses[0]
-            cheap = use.rule.squared_norms(use, d_outputs[id(use.output)], B)
+            cheap = use.rule.squared_norms(use, d_outputs[id(use.output)], B) if callable(
+                getattr(use.rule, "squared_norms", None)) else None
             if cheap is not None:
-                results[k] = cheap
+                squares[k] = cheap
                 continue
-        parts = [use.rule.per_group(use, d_outputs[id(use.output)], B) for use in uses]
-        parts = [tf.reshape(p, [tf.shape(p)[0], -1]) for p in parts]   # [B, P_use]
-        total = tf.add_n(parts) if len(parts) > 1 else parts[0]
-        results[k] = tf.reduce_sum(tf.square(total), axis=1)           # [B]
+        x_shape = _per_x_shape(plan.prepared.xs[k], B)
+        # each use's [B, *w.shape at the op] -> [B, *x.shape]
+        parts = [tf.reshape(use.rule.per_group(use, d_outputs[id(use.output)], B), x_shape)
+                 for use in uses]
+        total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
+        formed[k] = total
+        flat = tf.reshape(total, tf.stack([tf.shape(total)[0], -1]))    # [B, P_x]
+        squares[k] = tf.reduce_sum(tf.square(flat), axis=1)             # [B]
+    return d_outputs, squares, formed
+
+
+def clipped_sums(plan, indices, d_outputs, formed, factors):
+    """{k: [*xs[k].shape] sum_i factors_i grad_i(xs[k])} from the parts of `norm_parts`.
+
+    Gradients are linear in the output gradient, so with f the [B] factors (held
+    constant) sum_i f_i grad_i(x) is the gradient of sum_i f_i ys_i, which every rule
+    gets from the SAME dZ with example i's rows scaled by f_i (`Rule.clipped_sum`: e.g.
+    A^T (f ⊙ dZ) for a dense layer; the book-keeping of Bu et al. 2023, "Differentially
+    private optimization on large model at small cost", arXiv 2210.00038): no second
+    backward pass through the network. A weight whose per-example gradients were formed
+    for its norms is contracted with f instead ([B] x [B, *x.shape] -> [*x.shape]).
+    """
+    results = {}
+    for k in indices:
+        x = plan.prepared.xs[k]
+        dtype = x.dtype.base_dtype
+        if k in formed:
+            g = formed[k]
+            results[k] = tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)   # [*x.shape]
+            continue
+        parts = []
+        for use in plan.uses[k]:
+            dZ = d_outputs[id(use.output)]
+            own = getattr(use.rule, "clipped_sum", None)
+            part = (own(use, dZ, factors) if callable(own) else
+                    registry_lib.default_clipped_sum(use.rule, use, dZ, factors))
+            parts.append(tf.reshape(part, tf.shape(x) if not x.shape.is_fully_defined()
+                                    else x.shape.as_list()))            # [*x.shape]
+        if not parts:
+            results[k] = tf.zeros_like(x) if not isinstance(x, tf.Variable) else tf.zeros(
+                x.shape, dtype)
+            continue
+        results[k] = tf.add_n(parts) if len(parts) > 1 else parts[0]
     return results

@@ -90,3 +90,14 @@ def group_shape(G, dims):
     if isinstance(G, int) and not any(isinstance(d, tf.Tensor) for d in dims):
         return [G] + list(dims)
     return tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [G] + list(dims)])
+
+
+def scale_rows(tensor, factors):
+    """[B*k, ...] with example i's k rows multiplied by factors[i] ([B]): the dZ of the
+    loss sum_i factors_i ys_i when `tensor` is the dZ of sum_i ys_i (rows example-major)."""
+    B = dim(factors, 0)
+    flat = tf.reshape(tensor, group_shape(B, [-1]))                     # [B, k*...]
+    scaled = flat * tf.cast(factors, tensor.dtype)[:, None]              # [B, k*...]
+    out = tf.reshape(scaled, tf.shape(tensor))                          # [B*k, ...]
+    out.set_shape(tensor.shape)
+    return out

@@ -50,6 +50,10 @@ class BatchMatMulRule(registry_lib.Rule):
             return None
         return _rows.dense_squared_norms(use.activation, dZ, B, rows)
 
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+
 
 def register(registry):
     """Adds the rule to `registry` for every BatchMatMul version."""

@@ -26,6 +26,10 @@ class BiasAddRule(registry_lib.Rule):
         # [G*k, ..., C] -> [G, rows, C] -> [G, C]
         return tf.reduce_sum(_rows.to_groups(dZ, G, 1), axis=1)
 
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+
 
 def register(registry):
     """Adds the BiasAdd rule to `registry`."""

@@ -56,6 +56,10 @@ class BroadcastRule(registry_lib.Rule):
         # [G, *w_dims[1:]] -> [G, *w.shape]
         return tf.reshape(grouped, _rows.group_shape(G, use.weight_shape.as_list()))
 
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+
 
 def register(registry):
     """Adds the broadcast rules to `registry`."""

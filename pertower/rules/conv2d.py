@@ -18,7 +18,9 @@ kernel), so the identity holds group by group:
 Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations, groups; the filter
 static and the input's channels static. Squared norms use the ghost form
 sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) when positions are few and the convolution is not
-grouped, else the gradient is formed.
+grouped, else the gradient is formed. The clipped sum
+sum_i f_i grad_i(W) is the batch filter gradient (Conv2DBackpropFilter) with example
+i's dZ scaled by f_i (Bu et al. 2023, arXiv 2210.00038).
 """
 
 import tensorflow as tf
@@ -107,6 +109,38 @@ class Conv2DRule(registry_lib.Rule):
             return None
         return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
                                          use.rows.k * positions)
+
+
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per
+        # example; grouped or dilated filters form the per-example gradients instead
+        # (TensorFlow's CPU Conv2DBackpropFilter without oneDNN refuses both)
+        if not plain_filter_gradient(use.op):
+            return registry_lib.default_clipped_sum(self, use, dZ, factors)
+        return filter_gradient(tf.raw_ops.Conv2DBackpropFilter, use,
+                               _rows.scale_rows(dZ, factors))
+
+
+def plain_filter_gradient(op):
+    """Whether TensorFlow's batch filter gradient runs everywhere for `op`: no groups
+    and no dilation."""
+    return groups(op) == 1 and all(d == 1 for d in op.get_attr("dilations"))
+
+
+def filter_gradient(backprop_filter, use, out_backprop):
+    """[*w.shape]: the batch filter gradient of `use.op` (Conv2D or
+    DepthwiseConv2dNative) for the output gradient `out_backprop`, with the op's own
+    strides, padding, dilations and data format."""
+    op = use.op
+    attrs = dict(strides=op.get_attr("strides"), padding=op.get_attr("padding"),
+                 explicit_paddings=op.get_attr("explicit_paddings"),
+                 data_format=op.get_attr("data_format"), dilations=op.get_attr("dilations"))
+    if backprop_filter is tf.raw_ops.Conv2DBackpropFilter:
+        attrs["use_cudnn_on_gpu"] = op.get_attr("use_cudnn_on_gpu")
+    grad = backprop_filter(input=op.inputs[0], filter_sizes=use.weight_shape.as_list(),
+                           out_backprop=out_backprop, **attrs)
+    grad.set_shape(use.weight_shape)
+    return grad
 
 
 def register(registry):

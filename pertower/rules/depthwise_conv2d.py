@@ -38,6 +38,15 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, mult]))
 
 
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per
+        # example (dilated filters form the per-example gradients instead)
+        if not conv2d.plain_filter_gradient(use.op):
+            return registry_lib.default_clipped_sum(self, use, dZ, factors)
+        return conv2d.filter_gradient(tf.raw_ops.DepthwiseConv2dNativeBackpropFilter, use,
+                                      _rows.scale_rows(dZ, factors))
+
+
 def register(registry):
     """Adds the DepthwiseConv2dNative rule to `registry`."""
     registry.register("DepthwiseConv2dNative", DepthwiseConv2DRule())

@@ -46,6 +46,10 @@ class EinsumRule(registry_lib.Rule):
         # the batch index b now runs over the k rows of a group and is summed
         return tf.einsum(f"{g}{a},{g}{z}->{g}{w}", A_g, dZ_g)
 
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+
 
 def _reshape_rows(tensor, G):
     rest = [_rows.dim(tensor, axis) for axis in range(1, tensor.shape.rank)]

@@ -61,6 +61,10 @@ class GatherRule(registry_lib.Rule):
         gram = tf.einsum("btd,bsd->bts", dZ_g, dZ_g)                      # [B, L, L]
         return tf.reduce_sum(same * gram, axis=[1, 2])                    # [B]
 
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+
 
 def register(registry):
     """Adds the gather rules to `registry`."""

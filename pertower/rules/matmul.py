@@ -6,10 +6,14 @@ Tensordot form of a Dense layer on [B, k, d]),
     grad_i(W) = sum_t a_it ⊗ dz_it                       [d, n]
 and its squared norm is ||a_i||^2 ||dz_i||^2 for k = 1, or the ghost norm
 sum_{t,s} (a_it·a_is)(dz_it·dz_is) (Li et al. 2021, arXiv 2110.05679) for k > 1.
+The clipped sum sum_i f_i grad_i(W) = A^T (f ⊙ dZ), the batch gradient with example
+i's rows of dZ scaled by f_i (the book-keeping of Bu et al. 2023, arXiv 2210.00038).
 
 Covered: the weight on the right (input 1), transpose_b either way, the activation not
 transposed. A weight on the left (W A) has no rows per example and falls back.
 """
+
+import tensorflow as tf
 
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
@@ -35,6 +39,14 @@ class MatMulRule(registry_lib.Rule):
         if use.rows.k != 1 and not _rows.ghost_is_cheaper(use.rows.k, d, n):
             return None
         return _rows.dense_squared_norms(use.activation, dZ, B, use.rows.k)
+
+
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(W) = A^T (f ⊙ dZ): the batch gradient with dZ's rows scaled
+        scaled = _rows.scale_rows(dZ, factors)                    # [B*k, n]
+        if use.op.get_attr("transpose_b"):
+            return tf.matmul(scaled, use.activation, transpose_a=True)   # [n, d]
+        return tf.matmul(use.activation, scaled, transpose_a=True)       # [d, n]
 
 
 def register(registry):

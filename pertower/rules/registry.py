@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from pertower.rules import _rows
 
-__all__ = ["Rule", "RuleRegistry", "Use"]
+__all__ = ["Rule", "RuleRegistry", "Use", "default_clipped_sum"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,16 @@ class Rule:
         del use, dZ, B
         return None
 
+    def clipped_sum(self, use, dZ, factors):
+        """[*use.weight_shape]: sum_i factors_i grad_i(w) through this use, the
+        per-example gradients reweighted (DP-SGD's clipped sum) and added.
+
+        `factors` is [B], one weight per example. Gradients are linear in dZ, so a rule
+        may compute this as its batch gradient with dZ's rows scaled per example
+        (`_rows.scale_rows`), without forming [B, *w.shape]; this default forms them
+        with `per_group` and contracts them with the factors."""
+        return default_clipped_sum(self, use, dZ, factors)
+
     def example_use(self, op, slot, analysis):
         """The `Use` of a weight at input `slot` of `op` whose input 0 is the batch-side
         activation A and output 0 is Z, when `analysis` proves which of their rows
@@ -77,6 +87,21 @@ class Rule:
         if isinstance(rows, str):
             return rows
         return Use(op, slot, self, op.inputs[0], op.outputs[0], op.inputs[slot].shape, rows)
+
+
+def default_clipped_sum(rule, use, dZ, factors):
+    """sum_i factors_i grad_i(w): `rule.per_group` per example, [B, *w.shape], contracted
+    with `factors` [B] (for rules that define no cheaper `clipped_sum`)."""
+    per_example = rule.per_group(use, dZ, _rows.dim(factors, 0))        # [B, *w.shape]
+    return tf.tensordot(tf.cast(factors, per_example.dtype), per_example, axes=1)
+
+
+def batch_gradient_clipped_sum(rule, use, dZ, factors):
+    """sum_i factors_i grad_i(w) as the batch gradient of dZ scaled per example: the
+    rule's `per_group` with one group, [1, *w.shape] -> [*w.shape]. Right for any rule
+    (gradients are linear in dZ); cheap for those whose one-group form is the ordinary
+    batch gradient (a matmul, a sum, a segment sum)."""
+    return rule.per_group(use, _rows.scale_rows(dZ, factors), 1)[0]
 
 
 class RuleRegistry:

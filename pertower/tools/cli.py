@@ -80,6 +80,9 @@ def _add_bench_parser(commands):
                     "disagrees with the loop.")
     bench.add_argument("--full", action="store_true",
                        help="both models at B=32,128,512, more repeats (several minutes)")
+    bench.add_argument("--dp", action="store_true",
+                       help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
+                            "plain SGD step on each model (on with --full)")
     bench.add_argument("--models", nargs="+", choices=BENCH_MODELS, default=None,
                        metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)}")
     bench.add_argument("--batch-sizes", nargs="+", type=_positive_int, default=None,
@@ -180,6 +183,8 @@ def _run_bench(args):
            "batch gradient: their sum).")
     report(bench.MEMORY_FOOTNOTE)
     figures = bench.to_json(entries, machine, settings)
+    if args.dp or args.full:
+        figures["dp_steps"] = _run_dp_rows(bench, args, repeats, report)
     if args.json == "-":
         json.dump(figures, sys.stdout, indent=1)
         print()
@@ -201,6 +206,20 @@ def _run_bench(args):
                f"({bench.TOLERANCE:g} x max(1, |loop|)) from the loop's.")
         return 1
     return 0
+
+
+def _run_dp_rows(bench, args, repeats, report):
+    """The DP rows (`bench.run_dp_bench`), printed; returns them for the JSON."""
+    report("")
+    with environment.quiet_native_logs():
+        dp_entries = bench.run_dp_bench(models=args.models, batch_sizes=args.batch_sizes,
+                                        repeats=repeats, report=report)
+    report("")
+    report(bench.format_dp_table(dp_entries))
+    report("ms: median per training step (one sess.run of the training op), round-robin; "
+           "x plain: divided by the plain SGD step's ms in the same run.")
+    return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
+             "median_ms": e.median_ms, "runs_ms": e.runs_ms} for e in dp_entries]
 
 
 def _run_bench_in_child(args):
