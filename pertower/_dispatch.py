@@ -108,6 +108,8 @@ class Plan:
       estimate: the `MemoryEstimate` of what will be built (None while B is unknown).
       validate: whether the run-time independence check will be added.
       memory_limit: as given (bytes, None for the default, inf for no limit).
+      checked_by_default: whether `validate` was left to its default and the run-time
+        check was added because the proof was lost (the call then warns).
     """
 
     function_name: str
@@ -123,6 +125,7 @@ class Plan:
     estimate: object
     validate: bool
     memory_limit: object = None
+    checked_by_default: bool = False
 
     @property
     def fallback(self):
@@ -250,13 +253,14 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
                     and not reads.call_inputs:
                 uses[k] = None
                 reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
+    checked_by_default = validate is None and verdict == "unproven"
     if validate is None:
-        validate = verdict == "unproven"
+        validate = checked_by_default
     plan = Plan(function_name=function_name, method=method, prepared=prepared,
                 uses=tuple(uses), reasons=tuple(reasons), couplings=couplings,
                 verdict=verdict, lost_at=lost_at, outputs_per_example=outputs_per_example,
                 forms_gradients=forms_gradients, estimate=None, validate=bool(validate),
-                memory_limit=memory_limit)
+                memory_limit=memory_limit, checked_by_default=checked_by_default)
     plan = dataclasses.replace(plan, estimate=memory.estimate_plan(plan))
     if refuse:
         _refuse_what_cannot_be_built(plan)
@@ -305,7 +309,7 @@ def _refuse_what_cannot_be_built(plan):
 
 def warn_if_unproven(plan):
     """Warns once per call when the default run-time check was switched on."""
-    if plan.verdict == "unproven" and plan.validate:
+    if plan.checked_by_default:
         op, why = plan.lost_at
         warnings.warn(
             f"pertower.{plan.function_name}: could not prove that row i of `ys` depends "

@@ -171,9 +171,14 @@ def test_a_lost_proof_switches_the_run_time_check_on_and_it_catches_the_coupling
             warnings.simplefilter("error")          # validate=False: no check, no warning
             unchecked = pertower.per_example_gradients(ys, [w], batch_size=4,
                                                        validate=False)
+            # validate=True: the check, without the warning
+            checked = pertower.per_example_gradients(ys, [w], batch_size=4, validate=True)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"recomputed one slice of the batch at a time differs"):
         sess.run(grads, feed)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"recomputed one slice of the batch at a time differs"):
+        sess.run(checked, feed)
     assert sess.run(unchecked, feed)[0].shape == (4, 3, 2)
     sess.close()
 
