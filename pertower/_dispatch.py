@@ -195,7 +195,12 @@ class Plan:
 
 
 def _batch_listing(prepared):
-    """The batch tensors, each with its batch axis when that is not 0."""
+    """The batch tensors, each with its batch axis when that is not 0 (and, when `ys`
+    joins several batches along axis 0, each batch with its size, in row order)."""
+    if prepared.segments is not None:
+        return ", then ".join(
+            " and ".join(prepared.batch[j].name for j in indices) + f" ({size} examples)"
+            for indices, size in prepared.segments) + " (joined along axis 0 of ys)"
     return ", ".join(b.name + (f" (batch axis {a})" if a else "")
                      for b, a in zip(prepared.batch, prepared.batch_axes))
 

@@ -9,6 +9,7 @@ for the rules.
 """
 
 import collections
+import numbers
 
 import numpy as np
 import tensorflow as tf
@@ -21,7 +22,7 @@ from pertower import _batch_axis
 class Prepared(collections.namedtuple(
         "Prepared", ["ys", "xs", "graph", "ys_upstream", "batch", "batch_size",
                      "num_groups", "reads", "analysis", "groups_argument",
-                     "batch_axes"])):
+                     "batch_axes", "segments"])):
     """Checked inputs.
 
     Fields:
@@ -39,6 +40,10 @@ class Prepared(collections.namedtuple(
       batch_axes: per batch tensor, the axis that carries the batch (0 unless
         `batch_axis` said otherwise, e.g. 1 for time-major [T, B, d] inputs). `ys`
         always carries the batch on axis 0.
+      segments: None when every batch tensor is fed the same B examples; when `ys`
+        joins several batches along axis 0 (`tf.concat([f(s1), f(s2)], 0)`), one
+        (batch indices, B_s) pair per batch in the order of the rows of `ys`, e.g.
+        (((0,), 2), ((1,), 3)); then batch_size = B = B_1 + B_2 + ... .
     """
 
     def restricted(self, indices):
@@ -91,27 +96,35 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         axes = batch_axes(batch_axis, batch, function_name)
         static_known = any(_checks.static_batch_size(b, a) is not None
                            for b, a in zip(batch, axes))
-        if batch_size_required or static_known or batch_size is not None:
-            B = _batch_size(ys, batch, axes, batch_size, function_name)
-        else:
-            B = None
         M = None if num_groups is None else _checks.positive_int(
             num_groups, groups_argument, function_name)
-        if M is not None and B is not None and B % M:
-            raise ValueError(
-                f"pertower.{function_name}: `{groups_argument}` ({M}) must divide the batch "
-                f"size ({B}); choose a divisor of {B}, or feed a batch whose size is a "
-                f"multiple of {M}.")
         batch_downstream = graph_walk.downstream_ops(batch, ys_upstream)
         if ys.op not in batch_downstream and all(ys is not b for b in batch):
             raise ValueError(
                 f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
+        analysis = _batch_axis.analyze(ys, batch, ys_upstream,
+                                       _size_hint(batch, axes, batch_size), M, registry,
+                                       batch_axes=axes)
+        segments = None
+        if analysis.segments is not None:
+            # `ys` joins several batches along axis 0: B = B_1 + B_2 + ...
+            B, segments = _segment_sizes(ys, batch, axes, analysis.segments, batch_size,
+                                         M, groups_argument, function_name)
+        else:
+            batch_size = _one_batch_size(batch_size, batch, function_name)
+            if batch_size_required or static_known or batch_size is not None:
+                B = _batch_size(ys, batch, axes, batch_size, function_name)
+            else:
+                B = None
+            if M is not None and B is not None and B % M:
+                raise ValueError(
+                    f"pertower.{function_name}: `{groups_argument}` ({M}) must divide the "
+                    f"batch size ({B}); choose a divisor of {B}, or feed a batch whose size "
+                    f"is a multiple of {M}.")
         # refuse ops that couple examples (with one group holding the whole batch,
         # coupling changes nothing); pertower.explain records them instead
-        analysis = _batch_axis.analyze(ys, batch, ys_upstream, B, M, registry,
-                                       batch_axes=axes)
         if refuse_couplings and analysis.couplings and (B if M is None else M) != 1:
             message = analysis.couplings[0].message(function_name)
             if found:
@@ -120,7 +133,7 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
                  for k, x in enumerate(xs)]
     return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, analysis,
-                    groups_argument, tuple(axes))
+                    groups_argument, tuple(axes), segments)
 
 
 def batch_axes(batch_axis, batch, function_name):
@@ -164,6 +177,106 @@ def batch_axes(batch_axis, batch, function_name):
                 f"batch tensor {b.name} of shape {b.shape} (rank {rank}){hint}.")
         axes.append(axis % rank)
     return axes
+
+
+def _size_hint(batch, axes, batch_size):
+    """B for the analysis (a leading static 1 axis is then never the batch axis): the
+    static batch size when the batch tensors share one, else an int `batch_size`."""
+    static = {_checks.static_batch_size(b, a) for b, a in zip(batch, axes)} - {None}
+    if len(static) == 1:
+        return static.pop()
+    if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool):
+        return int(batch_size)
+    return None
+
+
+def _one_batch_size(batch_size, batch, function_name):
+    """`batch_size` as given, or its one value when it is a list of equal sizes; a list
+    of different sizes is refused (it is for `ys` joining several batches)."""
+    if not isinstance(batch_size, (list, tuple)):
+        return batch_size
+    if len(batch_size) != len(batch) or len(set(map(repr, batch_size))) != 1:
+        raise ValueError(
+            f"pertower.{function_name}: `batch_size` is the list {list(batch_size)!r}. A "
+            "list gives one size per batch tensor (parallel to `batch`, here "
+            f"{', '.join(b.name for b in batch)}) when `ys` joins several batches along "
+            "axis 0 (tf.concat([f(s1), f(s2)], 0)); but the rows of `ys` are the examples "
+            "of one batch fed to every batch tensor, so pass one int, B.")
+    return batch_size[0]
+
+
+def _segment_sizes(ys, batch, axes, segments, batch_size, M, groups_argument,
+                   function_name):
+    """(B, ((indices, B_s), ...)) for `ys` joining the batches `segments` (tuples of
+    batch indices) along axis 0; B_s from the static shapes or `batch_size` (an int
+    for every batch tensor, or a list parallel to `batch`)."""
+    names = ", ".join(b.name for b in batch)
+    if isinstance(batch_size, (list, tuple)):
+        if len(batch_size) != len(batch):
+            raise ValueError(
+                f"pertower.{function_name}: `batch_size` has {len(batch_size)} entries, "
+                f"but there are {len(batch)} batch tensors ({names}); give one size per "
+                "batch tensor, in the order of `batch`.")
+        given = [_checks.positive_int(v, f"batch_size[{j}]", function_name)
+                 for j, v in enumerate(batch_size)]
+    elif batch_size is None:
+        given = [None] * len(batch)
+    else:
+        given = [_checks.positive_int(batch_size, "batch_size", function_name)] * len(batch)
+    sizes = []
+    for j, (b, axis) in enumerate(zip(batch, axes)):
+        static = _checks.static_batch_size(b, axis)
+        if static is not None and given[j] is not None and static != given[j]:
+            raise ValueError(
+                f"pertower.{function_name}: `batch_size` gives {given[j]} examples for "
+                f"{b.name}, but it has a static batch size of {static} on axis {axis}.")
+        if static is None and given[j] is None:
+            raise ValueError(
+                f"pertower.{function_name}: `ys` ({ys.name}) joins several batches along "
+                f"axis 0 ({_listing(batch, segments)}) and the batch axis of {b.name} "
+                f"({b.shape}) is not static, so `batch_size` is needed: pass one size per "
+                f"batch tensor, batch_size=[B_1, B_2, ...] in the order of `batch` ({names}), "
+                "or one int when they are all equal. Each batch is computed example by "
+                "example, for a fixed number of examples.")
+        sizes.append(static if static is not None else given[j])
+    pairs = []
+    for segment in segments:
+        own = {sizes[j] for j in segment}
+        if len(own) > 1:
+            listing = ", ".join(f"{batch[j].name} has {sizes[j]}" for j in segment)
+            raise ValueError(
+                f"pertower.{function_name}: the batch tensors {listing} examples, but `ys` "
+                "computes each of its rows from all of them together, so they must be "
+                "fed the same number of examples.")
+        pairs.append((tuple(segment), sizes[segment[0]]))
+    B = sum(size for _, size in pairs)
+    ys_rows = _checks.static_batch_size(ys)
+    if ys_rows is not None and ys_rows != B:
+        raise ValueError(
+            f"pertower.{function_name}: `ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
+            f"rows on axis 0, but the batches it joins have {B} examples together "
+            f"({_listing(batch, pairs, sizes=True)}).")
+    if M is not None and (B % M or any(size % (B // M) for _, size in pairs)):
+        valid = [m for m in range(1, B + 1)
+                 if B % m == 0 and all(size % (B // m) == 0 for _, size in pairs)]
+        raise ValueError(
+            f"pertower.{function_name}: `{groups_argument}` ({M}) does not split the rows "
+            f"of `ys` ({ys.name}) at the boundaries of the batches it joins along axis 0 "
+            f"({_listing(batch, pairs, sizes=True)}, {B} rows together): each microbatch "
+            "must hold examples of one batch only, B/M of them. Valid values here: "
+            f"{', '.join(map(str, valid))} (with batches of equal sizes, the number of "
+            "batches gives one microbatch per batch).")
+    return B, tuple(pairs)
+
+
+def _listing(batch, segments, sizes=False):
+    """'s1:0 then s2:0' (with sizes: 's1:0 with 2 examples, then s2:0 with 3')."""
+    words = []
+    for segment in segments:
+        indices, size = segment if sizes else (segment, None)
+        text = " and ".join(batch[j].name for j in indices)
+        words.append(text + (f" with {size} examples" if sizes else ""))
+    return ", then ".join(words)
 
 
 def _side_input_hint(op, batch):

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = ["SliceLoop", "loop_per_example_gradients", "loop_microbatch_gradients",
-           "loop_per_example_jacobians", "slice_feeds"]
+           "loop_per_example_jacobians", "slice_feeds", "loop_several_batches_gradients"]
 
 
 def _dense_gradients(y_sum, xs):
@@ -133,3 +133,38 @@ def loop_per_example_jacobians(sess, ys, xs, feed_dict, batch=None):
         per_example.append([np.stack([values[k][j] for k in range(K)]) for j in range(len(xs))])
     return [np.stack([e[j] for e in per_example]).reshape([B] + out + list(e_shape))
             for j, e_shape in enumerate(x.shape.as_list() for x in xs)]
+
+
+def loop_several_batches_gradients(sess, ys, xs, feed_dict, batches, num_microbatches=None):
+    """[G, *x.shape] per x for `ys` that joins several batches along axis 0
+    (`ys = tf.concat([f(s1), f(s2)], 0)`): rows of the first batch, then of the second.
+
+    The definition: row r of the result is tf.gradients(sum(ys), xs) run with the
+    examples of row r's group fed to its own batch and an empty batch ([0, ...]) fed to
+    every other one, so that `ys` holds exactly that group's rows.
+
+    Args:
+      sess: the session.
+      ys: the joined per-example values, [B_1 + B_2 + ..., ...].
+      xs: a weight or list of weights.
+      feed_dict: the feeds of every batch (and any other input).
+      batches: one list of feed keys per batch, in the order of the rows of `ys` (a
+        batch with features and labels lists both), e.g. [[s1], [s2]].
+      num_microbatches: M, or None for one group per example (G = B_1 + B_2 + ...);
+        every group must lie in one batch.
+    """
+    xs = _xs_list(xs)
+    gradients = _dense_gradients(tf.reduce_sum(ys), xs)
+    batches = [_xs_list(keys) for keys in batches]
+    sizes = [len(feed_dict[keys[0]]) for keys in batches]
+    g = 1 if num_microbatches is None else sum(sizes) // num_microbatches
+    rows = []
+    for s, keys in enumerate(batches):
+        for start in range(0, sizes[s], g):
+            feeds = dict(feed_dict)
+            for other, other_keys in enumerate(batches):
+                for key in other_keys:
+                    value = np.asarray(feed_dict[key])
+                    feeds[key] = value[start:start + g] if other == s else value[:0]
+            rows.append(sess.run(gradients, feeds))
+    return [np.stack([row[k] for row in rows]) for k in range(len(xs))]

@@ -22,7 +22,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 __all__ = ["Case", "BUILDERS", "assert_all_close", "tolerance", "run_oracle", "seed_weights",
-           "run_scenario_2_hand_checkable_case"]
+           "run_scenario_2_hand_checkable_case", "run_scenario_2_two_placeholders_case"]
 
 # Comparing two computations of the same values in different orders (batched vs one
 # example at a time, other kernels): rtol for the relative error of each entry, atol
@@ -362,6 +362,43 @@ def run_scenario_2_hand_checkable_case():
             feed = {s: np.array([[1, 2, 3], [2, 4, 6], [1, 2, 3], [2, 4, 7]], np.float32)}
             g_value, cos_value = sess.run([g, cosine], feed)
     return g_value[:, :, 0], cos_value
+
+
+def run_scenario_2_two_placeholders_case():
+    """The hand-checkable case of scenario 2 with the batches in two placeholders:
+    ys = concat([dense(s1, 1, tanh), dense(s2, 1, tanh)], 0), one shared zero kernel.
+
+    Returns (per-example kernel gradients [4, 3], per-batch kernel gradients [2, 3],
+    their cosine, the same three from the oracle loop); the answer is the rows
+    [1,2,3], [2,4,6], [1,2,3], [2,4,7] (tanh'(0) = 1), [[3, 6, 9], [3, 6, 10]] and
+    135 / sqrt(126 * 145). Works in TF2 graph mode and under disable_v2_behavior()."""
+    import pertower  # pylint: disable=import-outside-toplevel
+    from pertower import oracle  # pylint: disable=import-outside-toplevel
+
+    with tf.Graph().as_default() as graph:
+        s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
+        s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
+
+        def f(s):
+            return tf.compat.v1.layers.dense(s, 1, tf.nn.tanh, name="f",
+                                             reuse=tf.compat.v1.AUTO_REUSE,
+                                             kernel_initializer=tf.zeros_initializer())
+
+        ys = tf.concat([f(s1), f(s2)], 0)                                # [B1 + B2, 1]
+        kernel = [v for v in tf.compat.v1.trainable_variables() if v.name == "f/kernel:0"]
+        (per_example,) = pertower.per_example_gradients(ys, kernel, batch_size=2)
+        (g,) = pertower.microbatch_gradients(ys, kernel, num_microbatches=2, batch_size=2)
+        cosine = pertower.cosine_similarity(g[0], g[1])
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {s1: np.array([[1, 2, 3], [2, 4, 6]], np.float32),
+                    s2: np.array([[1, 2, 3], [2, 4, 7]], np.float32)}
+            rows, g_value, cos_value = sess.run([per_example, g, cosine], feed)
+            (want_rows,) = oracle.loop_several_batches_gradients(sess, ys, kernel, feed,
+                                                                  [[s1], [s2]])
+            (want_g,) = oracle.loop_several_batches_gradients(sess, ys, kernel, feed,
+                                                               [[s1], [s2]], 2)
+    return rows[:, :, 0], g_value[:, :, 0], cos_value, want_rows[:, :, 0], want_g[:, :, 0]
 
 
 def loop_rows_of_batch(sess, ys, xs, feed):

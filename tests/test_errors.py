@@ -175,12 +175,14 @@ def test_unrolled_lstm_matches_oracle():
 
 
 def _joined_batches(shape):
-    """f(concat([s1, s2])) with the batch left to be found: two batch tensors whose
-    rows `ys` joins, so axis 0 of ys is not the batch axis of either."""
+    """f(concat([s1, s1 + s2])) with the batch left to be found: rows of s1, then rows
+    that read s1 again, so axis 0 of ys is not the batch axis of either."""
     s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
     s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
     w = tf.compat.v1.get_variable("w", [3, 1])
-    ys = tf.matmul(tf.concat([s1, s2], axis=0), w)[:, 0]            # [2B]
+    # s1's rows, then rows that read s1 again: not several batches joined (see
+    # test_several_batches.py), so axis 0 of ys is not the batch
+    ys = tf.matmul(tf.concat([s1, s1 + s2], axis=0), w)[:, 0]       # [2B]
     if shape == "static":
         return s1, s2, w, ys
     return s1, s2, w, tf.compat.v1.placeholder_with_default(ys, shape)  # rows unknown

@@ -5,7 +5,7 @@ tests/process_checks.py, each process started once per session."""
 import pytest
 
 LEGACY_CHECKS = ["check_layers_model", "check_v1_cond", "check_keras_model",
-                 "check_hand_checkable_case"]
+                 "check_hand_checkable_case", "check_hand_checkable_case_in_two_placeholders"]
 EAGER_CHECKS = ["check_eager_is_on", "check_per_example_gradients_refuses_eager",
                 "check_microbatch_gradients_refuses_eager"]
 

@@ -367,13 +367,13 @@ def test_errors_are_the_same_for_every_method(mlp):
 
 
 def test_ys_whose_rows_do_not_follow_the_batch_is_refused_with_auto_too():
-    """concat([s1, s2]) along axis 0 has no row layout, so the weight goes to the towers,
-    which refuse it as before."""
+    """concat([s1, s1 + s2]) along axis 0 (s1 read in both parts) has no row layout, so
+    the weight goes to the towers, which refuse it as before."""
     with tf.Graph().as_default():
         s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
         s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
         w = tf.compat.v1.get_variable("w", [3, 1])
-        ys = tf.matmul(tf.concat([s1, s2], axis=0), w)[:, 0]
+        ys = tf.matmul(tf.concat([s1, s1 + s2], axis=0), w)[:, 0]
         with pytest.raises(ValueError, match=r"axis 0 of `ys` .* does not follow the batch"):
             pertower.microbatch_gradients(ys, [w], num_microbatches=2, batch_size=2,
                                           method="auto")

@@ -50,6 +50,10 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
         ([None, *x.shape]). When some weights fall back (see `pertower.explain`), the
         towers are built for exactly B examples and feeding another size fails in
         `sess.run`; without it the call is refused, listing those weights.
+        When `ys` joins several batches along axis 0 (`tf.concat([f(s1), f(s2)], 0)`:
+        its rows are the examples of s1, then those of s2, B = B1 + B2) it may be a
+        list with one size per batch tensor, parallel to `batch` (an int gives every
+        batch tensor that size); those weights are computed by towers.
       unconnected_gradients: "zero" (zeros for a weight `ys` does not reach) or
         "none" (None for it), as in `tf.gradients`. Left out, it is "zero" and a
         UserWarning names the weights `ys` does not reach (for example optimizer
@@ -131,7 +135,9 @@ def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=N
         sparse=True, `example_ids` are microbatch ids; tower m is microbatch m).
       num_microbatches: M, which must divide B; microbatch m holds examples
         m*B/M ... (m+1)*B/M - 1. None means one microbatch per example (M = B), as in
-        TensorFlow Privacy.
+        TensorFlow Privacy. When `ys` joins several batches along axis 0, no
+        microbatch may straddle two of them: with two batches of equal size, M = 2
+        gives each batch's gradient; other sizes are refused naming the valid M.
 
     Returns:
       A list with one tensor per entry of `xs`, [M, *x.shape].

@@ -69,10 +69,16 @@ class _Scan:
     order by `run`; `couplings`, `losses` and `size_data_edges` collect what it found."""
 
     def __init__(self, seeds, region, targets=(), registry=None, static_batch_size=None,
-                 depth=0, function_cache=None):
+                 depth=0, function_cache=None, seed_parts=False):
         self.values = lattice.TensorMap()
-        for tensor, value in seeds:
+        # tensor -> its parts: a tuple of frozensets of batch indices, the batch
+        # tensors whose examples its rows hold, in row order (see `parts_of`)
+        self.parts = lattice.TensorMap()
+        self.joined = {}          # concat op -> the parts of its output
+        for j, (tensor, value) in enumerate(seeds):
             self.values[tensor] = value
+            if seed_parts:
+                self.parts[tensor] = (frozenset([j]),)
         self.seeds = lattice.TensorMap()
         for tensor, _ in seeds:
             self.seeds[tensor] = True
@@ -144,9 +150,18 @@ class _Scan:
     def _store(self, op, ins, outs):
         ks = {v.k for v in ins if isinstance(v, Rows)}
         common_k = ks.pop() if len(ks) == 1 else None
+        parts = self._output_parts(op, ins)
+        if parts is None:
+            self.lose(op, "it combines the rows of several batches joined along the batch "
+                          "axis with rows in another order")
+            outs = [UNKNOWN] * len(outs)
         for tensor, value in zip(op.outputs, outs):
             if tensor in self.seeds:
                 continue
+            if parts:
+                self.parts[tensor] = (parts if isinstance(value, (Rows, int)) and
+                                      not isinstance(value, bool)
+                                      else (frozenset().union(*parts),))
             if isinstance(value, int) and not isinstance(value, bool):
                 value = Rows(value, common_k, None)
             if isinstance(value, Rows) and tensor.dtype != tf.variant:  # (a TensorList
@@ -162,6 +177,52 @@ class _Scan:
                 self.lose(op, "its outputs' batch axes could not be followed")
             if value is not INDEPENDENT:
                 self.values[tensor] = value
+
+    # -- several batches joined along the batch axis -----------------------------------
+
+    def parts_of(self, tensor):
+        """The parts of `tensor`: () when no batch tensor reaches it; (S,) with S the
+        batch indices it is computed from when its rows are the examples of one batch
+        (the batch tensors in S are fed the same examples, like features and labels);
+        (S_1, S_2, ...) when its rows are the examples of S_1, then those of S_2, ...
+        (`ys = tf.concat([f(s1), f(s2)], 0)`: ({0}, {1}))."""
+        return self.parts.get(tensor, ())
+
+    def join_along_batch(self, op, tensors, values):
+        """For a concat of `tensors` along their common batch axis: the Rows of the
+        output when each input holds whole examples of batches none of the other
+        inputs reads (f(s1) and f(s2)); records the output's parts. None otherwise."""
+        if not all(isinstance(v, Rows) for v in values):
+            return None
+        if len({v.lead for v in values}) != 1 or len({v.k for v in values}) != 1:
+            return None
+        parts, seen = [], frozenset()
+        for tensor in tensors:
+            own = self.parts_of(tensor)
+            sources = frozenset().union(*own)
+            if not own or sources & seen:
+                return None
+            seen |= sources
+            parts.extend(own)
+        self.joined[op] = tuple(parts)
+        return Rows(values[0].lead, values[0].k, None)
+
+    def _output_parts(self, op, ins):
+        """The parts of the outputs of `op` (see `parts_of`); None when it mixes rows
+        of several joined batches with rows in another order."""
+        if op in self.joined:
+            return self.joined[op]
+        joined, flat = set(), frozenset()
+        for tensor, value in zip(op.inputs, ins):
+            own = self.parts_of(tensor)
+            flat = flat.union(*own)
+            if isinstance(value, Rows):
+                joined.add(own if len(own) > 1 else None)
+        if any(p is not None for p in joined):
+            if len(joined) > 1:
+                return None
+            return joined.pop()
+        return (flat,) if flat else ()
 
     def _live(self, tensor):
         """Whether `tensor` is on a path to the targets (ys, or a body's outputs)."""
@@ -333,20 +394,34 @@ class Analysis:
       size_data_edges: (consumer op, input index) pairs where a value computed from the
         batch's size enters a value computation.
       num_groups, registry: as given to `analyze`.
+      segments: None when the rows of `ys` are the examples of the batch (every batch
+        tensor fed the same examples); else, when `ys` joins several batches along
+        axis 0 (`tf.concat([f(s1), f(s2)], 0)`), one tuple of batch indices per
+        batch, in the order of the rows of `ys`: ((0,), (1,)).
     """
 
-    def __init__(self, scan, ys, num_groups, registry=None):
+    def __init__(self, scan, ys, num_groups, registry=None, num_batch=1):
         self.registry = registry
         self._values = scan.values
         self.couplings = list(scan.couplings)
         self.size_data_edges = list(dict.fromkeys(scan.size_data_edges))
         self.num_groups = num_groups
         self.lost_at = None
+        self.segments = None
         ys_rows = None if ys is None else self.rows(ys)
+        parts = () if ys is None else scan.parts_of(ys)
+        covers_batch = frozenset().union(*parts) == frozenset(range(num_batch))
         if self.couplings:
             self.verdict = "coupled"
-        elif ys_rows is not None and ys_rows.lead == 0 and ys_rows.k == 1 and not scan.doubts:
+        elif (ys_rows is not None and ys_rows.lead == 0 and ys_rows.k == 1
+              and not scan.doubts and (len(parts) < 2 or covers_batch)):
             self.verdict = "independent"
+            if len(parts) > 1:
+                self.segments = tuple(tuple(sorted(p)) for p in parts)
+        elif len(parts) > 1 and not covers_batch and not scan.doubts and not scan.losses:
+            self.verdict = "unproven"
+            self.lost_at = (ys.op, "`ys` joins several batches along axis 0, but not every "
+                                   "batch tensor is part of one of them")
         else:
             self.verdict = "unproven"
             if scan.doubts:
@@ -394,8 +469,8 @@ def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=N
     """
     seeds = _seeds(batch, batch_axes)
     region = graph_walk.downstream_ops(batch, ys_upstream)
-    scan = _Scan(seeds, region, [ys], registry, batch_size).run()
-    return Analysis(scan, ys, num_groups, registry)
+    scan = _Scan(seeds, region, [ys], registry, batch_size, seed_parts=True).run()
+    return Analysis(scan, ys, num_groups, registry, num_batch=len(batch))
 
 
 def _seeds(batch, batch_axes=None):

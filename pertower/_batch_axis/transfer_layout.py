@@ -283,7 +283,12 @@ def concat(scan, op, ins):
             continue
         rank = _require_rank(op.inputs[j])
         if normalize(along, rank) == value.lead:
-            raise lattice.Lost("it joins tensors along the batch axis")
+            # several batches joined along the batch axis: the rows of s1, then of s2
+            joined = scan.join_along_batch(op, [op.inputs[i] for i in data],
+                                           [ins[i] for i in data])
+            if joined is None:
+                raise lattice.Lost("it joins tensors along the batch axis")
+            return [joined]
         leads.add(value.lead)
         ks.add(value.k)
     if None in leads:

@@ -194,7 +194,11 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
 
         derived, aliases = _derived_entries(reads, replayed)
         with tf.name_scope(scope):
-            slices = _split_batch(batch, B, T, prepared.batch_axes)
+            if prepared.segments is None:
+                slices = _split_batch(batch, B, T, prepared.batch_axes)
+            else:
+                slices = _split_segments(batch, prepared.segments, B, T,
+                                         prepared.batch_axes)
             copies, first_index = [], {}
             for k, r in enumerate(reads):
                 first = first_index.setdefault(id(r.x), k)
@@ -287,6 +291,52 @@ def _split_batch(batch, B, T, axes):
                                    .concatenate(b.shape[axis + 1:]))
             slices.append(parts)
     return slices
+
+
+def _split_segments(batch, segments, B, T, axes):
+    """The slices when `ys` joins several batches along axis 0 (rows of s1, then of
+    s2): tower t holds rows t*g ... (t+1)*g - 1 of that order (g = B/T), which lie in
+    one batch s (`_request` checked it); it gets slice [i*g, (i+1)*g) of each batch
+    tensor of s and an empty [0:0] slice of the others, so that f(empty) adds no row.
+
+    Args:
+      batch: the batch tensors.
+      segments: ((batch indices, B_s), ...) in the order of the rows of `ys`.
+      B: B_1 + B_2 + ... ; T: the number of towers.
+      axes: the batch axis of each batch tensor.
+
+    Returns:
+      slices[j][t]: tower t's slice of batch[j], [g or 0, ...] on its batch axis.
+    """
+    g = B // T
+    size_of = {j: size for indices, size in segments for j in indices}
+    slices = []
+    for j, (b, axis) in enumerate(zip(batch, axes)):
+        with tf.name_scope(f"slices_{j}"):
+            B_j = size_of[j]
+            # [..., B_j, ...] -> B_j/g x [..., g, ...] (checked against the fed size)
+            parts = _split_batch([b], B_j, B_j // g, [axis])[0]
+            # [..., B_j, ...] -> [..., 0, ...]: the input of f for the other batches' towers
+            empty = tf.gather(b, tf.zeros([0], tf.int32), axis=axis, name="empty")
+            # Every tower gets a slice whose batch axis is not static (g rows or 0), so
+            # that the backward pass built for tower 0 and copied for the others
+            # (`backward.replicated_gradients`) bakes in neither size.
+            slices.append(([_rows_not_static(p, axis) for p in parts],
+                           _rows_not_static(empty, axis)))
+    per_tower = [[] for _ in batch]   # per_tower[j][t]
+    for indices, size in segments:
+        for i in range(size // g):   # the next tower: rows i*g ... of this batch
+            for j, (parts, empty) in enumerate(slices):
+                per_tower[j].append(parts[i] if j in indices else empty)
+    return per_tower
+
+
+def _rows_not_static(tensor, axis):
+    """`tensor` with its batch axis `axis` made not static: [..., None, ...]."""
+    shape = tensor.shape
+    if shape.rank is not None:
+        shape = shape[:axis].concatenate([None]).concatenate(shape[axis + 1:])
+    return tf.compat.v1.placeholder_with_default(tensor, shape)
 
 
 def _check_tower_rows(outputs, ys, batch, B, T, function_name):

@@ -65,6 +65,16 @@ def build_plan(prepared, registry):
                   f"the batch{where}")
         return (tuple(None if r.reached else () for r in prepared.reads),
                 tuple(reason if r.reached else None for r in prepared.reads))
+    if analysis.segments is not None:
+        # the rows of `ys` are those of s1, then of s2: a weight-consuming op's A rows
+        # belong to one batch, so a rule's [B_s] result would have to be placed at its
+        # batch's rows; the towers, which feed one example of the joined order each, do it
+        joined = ", then ".join(" and ".join(batch[j].name for j in segment)
+                                for segment in analysis.segments)
+        reason = (f"`ys` ({ys.name}) joins several batches along axis 0 ({joined}); the "
+                  "towers compute it example by example in that order")
+        return (tuple(None if r.reached else () for r in prepared.reads),
+                tuple(reason if r.reached else None for r in prepared.reads))
     uses, reasons = [], []
     unassumed = _UnassumedGradients(prepared.graph)
     for x, reads in zip(prepared.xs, prepared.reads):
