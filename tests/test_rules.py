@@ -18,6 +18,7 @@ from pertower.rules import _engine as rule_gradients
 from pertower import rules as rules_lib
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
+from pertower.tools import models as models_lib
 from tests import common
 
 
@@ -360,6 +361,40 @@ def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
         use = rules_lib.Use(z.op, 1, None, x, z, w.shape, None)
         assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=True)).strategy(use) == chosen
         assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=False)).strategy(use) == "patches"
+
+
+def build_cifar_case(B=3):
+    """The bench's CIFAR conv net (pertower.tools.models) as a Case; ys [B]."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(5)
+        built = models_lib.build("cifar", B, np.random.default_rng(5))
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    return common.Case("cifar", graph, sess, built.ys, built.weights, built.feed,
+                       list(built.feed), B, rtol=1e-4, atol=1e-5)
+
+
+def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
+    """Every weight of the bench's CIFAR net has a rule; its first two convolutions
+    take the grouped way and the third the patches (with oneDNN), all exact."""
+    case = build_cifar_case()
+    with case.graph.as_default():
+        plan = _plan(case)
+        assert not plan.fallback, plan.reasons
+        convs = [use for uses in plan.uses for use in uses or () if use.op.type == "Conv2D"]
+        chosen = [use.rule.strategy(use) for use in convs]
+        if conv2d.onednn_enabled():
+            assert chosen == ["grouped", "grouped", "patches"], chosen
+        else:
+            assert chosen == ["patches"] * 3, chosen
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                             method="rules")
+        want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,
+                                 case.xs, case.feed)
+    common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
+                            "cifar rules")
+    case.sess.close()
 
 
 @pytest.mark.parametrize("method", ["rules", "towers"])
