@@ -27,8 +27,9 @@ Three ways of computing it, all exact (each tested against the oracle):
                  and dilation s gives [Cin, kh, kw, N*Cout], summed over each group's T.
 
 Cost model ("auto"), measured on a 2-core AVX-512 CPU (oneDNN, TF 2.21, B = 64,
-float32, ms per layer for the filter gradients; the machine was shared, so figures
-vary by ~30%; script: one graph holding the three forms on random x and dZ):
+float32, median ms per layer of the filter gradients alone, on random x and dZ, the
+three forms in one graph; two runs on a machine shared with other jobs, so figures
+vary by ~30% and more, but the order of the columns held in both):
 
     H   Cin Cout k s   P   | patches grouped depthwise | P*k^2/sqrt(Cin*Cout)
     32    1   16 5 1 1024  |   18.5     1.3     39.7   | 6400
