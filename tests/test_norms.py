@@ -7,7 +7,10 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
+from pertower import _batch_axis
 from pertower import oracle
+from pertower import rules as rules_lib
+from pertower.rules import conv2d
 from tests import common
 from tests import test_rules
 
@@ -56,9 +59,10 @@ CASES = {
     "cnn": lambda: common.build_cnn(B=2),                      # conv formed, dense cheap
     "dense_sequence": lambda: _rules_case("dense_sequence"),   # ghost norm over T
     "batch_matmul": lambda: _rules_case("batch_matmul"),
-    "conv_valid_dilated": lambda: _rules_case("conv_valid_dilated"),   # conv ghost norm
+    "conv_valid_dilated": lambda: _rules_case("conv_valid_dilated"),   # conv formed
     "mixed_fallback": lambda: _rules_case("mixed_fallback"),   # towers for two weights
     "subclassed": lambda: common.build_subclassed(B=3),        # Conv1D, LayerNorm, Dropout cond
+    "cifar": lambda: test_rules.build_cifar_case(B=3),        # convs formed (grouped, patches)
 }
 
 
@@ -95,6 +99,43 @@ def test_ghost_norms_do_not_form_the_kernel_gradients(name):
                   if t.shape.rank is not None and t.shape.is_fully_defined()}
     case.sess.close()
     assert tuple([4] + kernel.shape.as_list()) not in shapes
+
+
+@pytest.mark.parametrize("layer, chosen", [
+    # (H = W, Cin, Cout, k) of a SAME convolution -> ghost norm or formed gradient:
+    # ghost ~ 2 P^2 (k^2 Cin + Cout), formed ~ 2 P k^2 Cin Cout per example (P = H*W)
+    ((32, 3, 32, 3), "formed"),      # CIFAR layer 1: 1024 * 59 > 27 * 32
+    ((8, 64, 64, 3), "formed"),      # CIFAR layer 3: 64 * 640 > 576 * 64
+    ((4, 64, 64, 3), "ghost"),       # 16 * 640 <= 576 * 64
+    ((2, 256, 256, 3), "ghost"),
+])
+def test_conv_norms_take_the_cheaper_of_ghost_and_formed(layer, chosen):
+    H, c_in, c_out, k = layer
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, H, H, c_in])
+        w = tf.compat.v1.get_variable("w", [k, k, c_in, c_out])
+        z = tf.nn.conv2d(x, w, 1, "SAME")
+        use = rules_lib.Use(z.op, 1, None, x, z, w.shape, _batch_axis.Rows(0, 1, None))
+        assert conv2d.Conv2DRule().norm_strategy(use) == chosen
+
+
+@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise"])
+def test_formed_conv_norms_match_the_oracle_for_every_strategy(strategy):
+    """The CIFAR net's norms (its convolutions formed, not ghost) with each way forced."""
+    case = test_rules.build_cifar_case(B=2)
+    registry = rules_lib.default_registry()
+    conv2d.register(registry, conv2d.ConvOptions(strategy=strategy))
+    with case.graph.as_default():
+        try:
+            norms = pertower.per_example_norms(case.ys, case.xs, batch_size=case.B,
+                                               method="rules", rules=registry)
+        except ValueError as refusal:
+            assert not conv2d.onednn_enabled(), refusal
+            case.sess.close()
+            return
+    np.testing.assert_allclose(case.sess.run(norms, case.feed), _oracle_norms(case),
+                               rtol=1e-4, atol=1e-6, err_msg=strategy)
+    case.sess.close()
 
 
 def test_rules_norms_on_a_none_batch_axis():

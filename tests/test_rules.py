@@ -16,6 +16,9 @@ from pertower import _dispatch
 from pertower import oracle
 from pertower.rules import _engine as rule_gradients
 from pertower import rules as rules_lib
+from pertower.rules import conv2d
+from pertower.rules import depthwise_conv2d
+from pertower.tools import models as models_lib
 from tests import common
 
 
@@ -258,6 +261,147 @@ def test_microbatches_and_jacobians_match_oracle(model):
                             f"{model.name} two microbatches")
     common.assert_all_close(got_jacobians, want_jacobians, model.rtol, model.atol,
                             f"{model.name} Jacobians")
+
+
+CONV_MODELS = ("conv_same_strided", "conv_valid_dilated", "conv_explicit_float64",
+               "conv_same_dilated_odd", "keras_conv1d", "depthwise", "time_distributed_conv")
+
+
+@pytest.fixture(scope="module", params=CONV_MODELS)
+def conv_model(request):
+    build, shapes, options, _ = MODELS[request.param]
+    case = _model(request.param, build, shapes, **options)
+    yield case
+    case.sess.close()
+
+
+def _forced_conv_registry(strategy, **options):
+    """The default rules with every convolution computed the way `strategy` says."""
+    registry = rules_lib.default_registry()
+    forced = conv2d.ConvOptions(strategy=strategy, **options)
+    conv2d.register(registry, forced)
+    depthwise_conv2d.register(registry, forced)
+    return registry
+
+
+@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise"])
+def test_every_conv_strategy_matches_the_oracle(conv_model, strategy):
+    """Each way of the convolution rules (rules/conv2d.py), forced on every convolution
+    (strides, SAME/VALID/explicit padding, dilations, Conv1D, depthwise, k = 3 images
+    per example): per-example gradients for a fixed B and for a None batch axis (G read
+    at run time), and two microbatches (several images per group), against the oracle.
+    Where the way cannot compute a convolution (float64; no oneDNN), method='rules'
+    refuses and names the forced strategy."""
+    case = conv_model
+    registry = _forced_conv_registry(strategy)
+    with case.graph.as_default():
+        try:
+            fixed = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                                   method="rules", rules=registry)
+        except ValueError as refusal:
+            assert f"the forced strategy {strategy!r} needs" in str(refusal)
+            assert (case.ys.dtype != tf.float32 or not conv2d.onednn_enabled()), refusal
+            return
+        free = pertower.per_example_gradients(case.ys, case.xs, method="rules",
+                                              rules=registry)
+        two = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=2,
+                                            batch_size=case.B, method="rules",
+                                            rules=registry)
+        want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,
+                                 case.xs, case.feed)
+        want_two = common.run_oracle(oracle.loop_microbatch_gradients, case.sess, case.ys,
+                                     case.xs, case.feed, 2)
+        three = {k: v[:3] for k, v in case.feed.items()}
+        want_three = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
+                                       case.ys, case.xs, three)
+    got, got_two = case.sess.run([fixed, two], case.feed)
+    what = f"{case.name}, strategy {strategy}"
+    common.assert_all_close(got, want, case.rtol, case.atol, what)
+    common.assert_all_close(got_two, want_two, case.rtol, case.atol * 10,
+                            f"{what}, two microbatches")
+    common.assert_all_close(case.sess.run(free, three), want_three, case.rtol, case.atol,
+                            f"{what}, 3 examples, no batch_size")
+
+
+def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
+    """Without oneDNN's kernels (ConvOptions(onednn=False) says so) "grouped" cannot
+    compute a Conv2D: the weight falls back to the towers with the reason, and "auto"
+    uses the patches."""
+    build, shapes, options, _ = MODELS["conv_same_strided"]
+    case = _model("conv_same_strided", build, shapes, **options)
+    with case.graph.as_default():
+        registry = _forced_conv_registry("grouped", onednn=False)
+        with pytest.raises(ValueError, match=r"the forced strategy 'grouped' needs "
+                                             r"TensorFlow's oneDNN CPU kernels"):
+            pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                           method="rules", rules=registry)
+        auto = _forced_conv_registry("auto", onednn=False)
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                             method="rules", rules=auto)
+        want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,
+                                 case.xs, case.feed)
+    common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
+                            "auto without oneDNN")
+    with pytest.raises(ValueError, match=r"`strategy` must be one of auto, patches, "
+                                         r"grouped, depthwise, but received 'im2col'"):
+        conv2d.ConvOptions(strategy="im2col")
+    with pytest.raises(TypeError, match=r"`options` must be a ConvOptions"):
+        conv2d.Conv2DRule("grouped")
+    case.sess.close()
+
+
+@pytest.mark.parametrize("layer, chosen", [
+    # (H = W, Cin, Cout, k, stride) of a SAME convolution -> the way "auto" picks
+    ((32, 3, 32, 3, 1), "grouped"),      # the CIFAR net's first layer: 1024 positions
+    ((16, 32, 64, 3, 1), "grouped"),
+    ((32, 1, 16, 5, 1), "grouped"),      # the scenario-3 CNN
+    ((8, 64, 64, 3, 1), "patches"),      # P k^2 / sqrt(Cin Cout) = 9: about equal
+    ((4, 128, 128, 3, 1), "patches"),    # few positions, many channels
+    ((16, 64, 64, 1, 1), "patches"),     # 1x1: the patches are the input
+])
+def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
+    H, c_in, c_out, k, stride = layer
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, H, H, c_in])
+        w = tf.compat.v1.get_variable("w", [k, k, c_in, c_out])
+        z = tf.nn.conv2d(x, w, stride, "SAME")
+        use = rules_lib.Use(z.op, 1, None, x, z, w.shape, None)
+        assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=True)).strategy(use) == chosen
+        assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=False)).strategy(use) == "patches"
+
+
+def build_cifar_case(B=3):
+    """The bench's CIFAR conv net (pertower.tools.models) as a Case; ys [B]."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(5)
+        built = models_lib.build("cifar", B, np.random.default_rng(5))
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    return common.Case("cifar", graph, sess, built.ys, built.weights, built.feed,
+                       list(built.feed), B, rtol=1e-4, atol=1e-5)
+
+
+def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
+    """Every weight of the bench's CIFAR net has a rule; its first two convolutions
+    take the grouped way and the third the patches (with oneDNN), all exact."""
+    case = build_cifar_case()
+    with case.graph.as_default():
+        plan = _plan(case)
+        assert not plan.fallback, plan.reasons
+        convs = [use for uses in plan.uses for use in uses or () if use.op.type == "Conv2D"]
+        chosen = [use.rule.strategy(use) for use in convs]
+        if conv2d.onednn_enabled():
+            assert chosen == ["grouped", "grouped", "patches"], chosen
+        else:
+            assert chosen == ["patches"] * 3, chosen
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                             method="rules")
+        want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,
+                                 case.xs, case.feed)
+    common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
+                            "cifar rules")
+    case.sess.close()
 
 
 @pytest.mark.parametrize("method", ["rules", "towers"])

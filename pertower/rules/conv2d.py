@@ -1,44 +1,159 @@
 """Rule for Conv2D (and Conv1D, which lowers to ExpandDims + Conv2D + Squeeze).
 
+Notation:
+    N   images in the batch (N = G*T)        G   groups of contiguous examples
+    T   images per group (k per example)     H, W    input height, width
+    Ho, Wo  output height, width             P = Ho*Wo  output positions per image
+    kh, kw  filter size    Cin, Cout  input, output channels    s, d  strides, dilations
+
 Identity (Rochette, Manoel, Tramel 2019, "Efficient per-example gradient computations
-in convolutional neural networks", arXiv 1912.06015; the unfold form of Opacus'
-grad_sample/conv.py and of BackPACK): a convolution is a dense layer applied at every
-output position p to the patch x_p of the input that p sees,
+in convolutional neural networks", arXiv 1912.06015): a convolution is a dense layer
+applied at every output position p to the patch x_p of the input that p sees,
     z_p = W^T x_p   (W as [kh*kw*Cin, Cout]),
-so grad_i(W) = sum_p x_ip ⊗ dz_ip, with the patches taken by `tf.image.extract_patches`
-with the op's strides, dilations (rates) and padding (explicit padding applied with
-`tf.pad` first), ordered (kh, kw, Cin) like the filter.
+so  grad_g(W)[u, v, c, o] = sum_{t in g, p} x_tp[u, v, c] dz_tp[o].
+Three ways of computing it, all exact (each tested against the oracle):
+
+    "patches"    the patches of `tf.image.extract_patches` ([N, Ho, Wo, kh*kw*Cin],
+                 ordered like the filter) and ONE batched matmul per group
+                 (the unfold form of Opacus' grad_sample/conv.py and of BackPACK).
+    "grouped"    the batch folded into channels: x as [T, H, W, G*Cin] and dZ as
+                 [T, Ho, Wo, G*Cout] are a grouped convolution's input and output
+                 gradient (G groups of Cin -> Cout), so ONE `Conv2DBackpropFilter`
+                 with filter size [kh, kw, Cin, G*Cout] gives every group's gradient
+                 (Rochette et al. 2019, section 3, the batch as groups).
+    "depthwise"  Rochette et al.'s depthwise form: the input channels are the batch
+                 and the examples the channels, x as [Cin, H', W', N] (padded), dZ as
+                 the filter [Ho, Wo, N, Cout]; ONE `DepthwiseConv2dNative` with stride d
+                 and dilation s gives [Cin, kh, kw, N*Cout], summed over each group's T.
+
+Cost model ("auto"), measured on a 2-core AVX-512 CPU (oneDNN, TF 2.21, B = 64,
+float32, median ms per layer of the filter gradients alone, on random x and dZ, the
+three forms in one graph; two runs on a machine shared with other jobs, so figures
+vary by ~30% and more, but the order of the columns held in both):
+
+    H   Cin Cout k s   P   | patches grouped depthwise | P*k^2/sqrt(Cin*Cout)
+    32    1   16 5 1 1024  |   18.5     1.3     39.7   | 6400
+    32    3   32 3 1 1024  |   39.1     5.1     79.9   |  940
+    32   16   16 3 2  256  |   15.5     5.0     11.9   |  144
+    16   32   64 3 1  256  |   16.9     9.6     49.3   |   51
+    16    8    8 3 1  256  |    3.0     1.0      2.5   |  288
+     8   64   64 3 1   64  |    8.5     6.1     11.9   |    9
+    16   64   64 1 1  256  |    3.8     6.4    122.7   |    4
+     8  256  256 3 1   64  |  148     403      341     |    2.3
+     4  128  128 3 1   16  |   24.0    64.1     64.0   |    1.1
+     2  256  256 3 1    4  |   44.0   392       61.4   |    0.14
+
+All three do the same multiply-adds; what differs is how well each kernel runs for the
+shape. The grouped backward-filter kernel runs well when there are many positions per
+channel pair and badly when there are few positions and many channels; the patches
+cost grows with the k^2 copies of the input that `extract_patches` writes. So "auto"
+picks "grouped" when P*k^2 / sqrt(Cin*Cout) >= `ConvOptions.grouped_threshold` (10),
+else "patches". "depthwise" was never the fastest beyond noise and is not picked
+(force it with ConvOptions(strategy="depthwise")). "grouped" needs float32 and
+TensorFlow's oneDNN CPU kernels (its Eigen kernels, used with TF_ENABLE_ONEDNN_OPTS=0
+and by default on CPUs without AVX-512, refuse grouped convolutions); "depthwise" needs
+float32, and oneDNN for a strided convolution (its strides become the depthwise
+convolution's dilations). Elsewhere "auto" uses "patches".
+
+Squared norms (Bu, Mao, Xu 2022, "Scalable and efficient training of large
+convolutional neural networks with differential privacy", arXiv 2205.10683, mixed
+ghost clipping): per example, the ghost norm
+    ||grad_i(W)||^2 = sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq)
+costs ~2 P^2 (kh*kw*Cin + Cout) and forming the gradient ~2 P kh*kw*Cin*Cout; the rule
+takes the cheaper, per layer (`Conv2DRule.norm_strategy`).
 
 Grouped convolutions (Keras' `groups=`, a filter [kh, kw, Cin/g, Cout] on an input of
-Cin channels): input channel group j (channels j*Cin/g ... (j+1)*Cin/g - 1) feeds only
-the output channels j*Cout/g ... (j+1)*Cout/g - 1 (the grouping of TensorFlow's Conv2D
-kernel), so the identity holds group by group:
-    grad_i(W)[:, :, :, group j] = sum_p x_ip[group j] ⊗ dz_ip[group j].
+Cin channels): input channel group j feeds only the output channels
+j*Cout/g ... (j+1)*Cout/g - 1 (the grouping of TensorFlow's Conv2D kernel), so the
+identity holds group by group, grad_i(W)[:, :, :, group j] = sum_p x_ip[group j] ⊗
+dz_ip[group j]; they take the "patches" way and form their norms.
+
+The clipped sum sum_i f_i grad_i(W) (DP-SGD) is the batch filter gradient
+(Conv2DBackpropFilter) with example i's dZ scaled by f_i (Bu et al. 2023, arXiv
+2210.00038); grouped or dilated filters form the per-example gradients instead
+(TensorFlow's CPU Conv2DBackpropFilter without oneDNN refuses both).
 
 Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations, groups; the filter
-static and the input's channels static. Squared norms use the ghost form
-sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) when positions are few and the convolution is not
-grouped, else the gradient is formed. The clipped sum
-sum_i f_i grad_i(W) is the batch filter gradient (Conv2DBackpropFilter) with example
-i's dZ scaled by f_i (Bu et al. 2023, arXiv 2210.00038).
+static (and, for groups, the input's channels).
 """
+
+import dataclasses
+import math
 
 import tensorflow as tf
 
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
+__all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "patches", "check_convolution",
+           "explicitly_padded", "fold_groups", "mul", "onednn_enabled", "groups",
+           "plain_filter_gradient", "filter_gradient", "register"]
+
+STRATEGIES = ("auto", "patches", "grouped", "depthwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvOptions:
+    """How `Conv2DRule` computes per-example filter gradients.
+
+    Attributes:
+      strategy: "auto" (by the cost model above), or one of "patches", "grouped",
+        "depthwise" to force that way for every convolution it covers (a convolution
+        the forced way cannot compute falls back to the towers, with the reason).
+      grouped_threshold: "auto" picks "grouped" when P*k^2/sqrt(Cin*Cout) is at least
+        this, else "patches".
+      onednn: whether TensorFlow's oneDNN CPU kernels (which run grouped and dilated
+        depthwise convolutions) are on; None asks TensorFlow (`onednn_enabled`).
+
+    Example:
+      registry = pertower.rules.default_registry()
+      registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions("grouped")))
+      pertower.per_example_gradients(ys, xs, rules=registry)
+    """
+
+    strategy: str = "auto"
+    grouped_threshold: float = 10.0
+    onednn: bool = None
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"pertower.rules.conv2d.ConvOptions: `strategy` must be one of "
+                             f"{', '.join(STRATEGIES)}, but received {self.strategy!r}.")
+
+
+def onednn_enabled():
+    """Whether this process's TensorFlow runs its oneDNN CPU kernels (False when it
+    does not say)."""
+    try:
+        # pylint: disable-next=import-outside-toplevel
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return False
+
+
+def _attrs(op):
+    """(strides, dilations, padding, explicit pairs) of a Conv2D-like op."""
+    padding = op.get_attr("padding").decode()
+    pairs = op.get_attr("explicit_paddings") if padding == "EXPLICIT" else None
+    return list(op.get_attr("strides")), list(op.get_attr("dilations")), padding, pairs
+
+
+def explicitly_padded(op):
+    """(x, padding): op's input with any explicit padding applied by `tf.pad`, and the
+    padding ("SAME"/"VALID") that then gives op's output positions."""
+    x = op.inputs[0]
+    _, _, padding, pairs = _attrs(op)
+    if padding == "EXPLICIT":
+        x = tf.pad(x, [pairs[0:2], pairs[2:4], pairs[4:6], pairs[6:8]])
+        padding = "VALID"
+    return x, padding
+
 
 def patches(op, filter_height, filter_width):
     """[N, Ho, Wo, kh*kw*Cin]: the input patch each output position of `op` sees."""
-    x = op.inputs[0]
-    padding = op.get_attr("padding").decode()
-    if padding == "EXPLICIT":
-        pairs = op.get_attr("explicit_paddings")
-        x = tf.pad(x, [pairs[0:2], pairs[2:4], pairs[4:6], pairs[6:8]])
-        padding = "VALID"
-    strides = op.get_attr("strides")
-    dilations = op.get_attr("dilations")
+    x, padding = explicitly_padded(op)
+    strides, dilations, _, _ = _attrs(op)
     return tf.image.extract_patches(
         x, sizes=[1, filter_height, filter_width, 1], strides=[1, strides[1], strides[2], 1],
         rates=[1, dilations[1], dilations[2], 1], padding=padding)
@@ -73,23 +188,123 @@ def groups(op):
     return channels // c_in
 
 
+def fold_groups(tensor, G):
+    """[G*T, H, W, C] -> [T, H, W, G*C]: each group's images side by side in channels
+    (group g's channels are g*C ... g*C + C - 1)."""
+    h, w, c = (_rows.dim(tensor, axis) for axis in (1, 2, 3))
+    split = tf.reshape(tensor, _rows.group_shape(G, [-1, h, w, c]))   # [G, T, H, W, C]
+    moved = tf.transpose(split, [1, 2, 3, 0, 4])                       # [T, H, W, G, C]
+    return tf.reshape(moved, _rows.group_shape(-1, [h, w, mul(G, c)]))  # [T, H, W, G*C]
+
+
+def mul(G, c):
+    """G*c, an int when G is."""
+    return G * c if isinstance(G, int) else G * tf.constant(c, G.dtype)
+
+
+def _spatial_pads(op, kh, kw):
+    """[(before, after)] for H and W such that a VALID convolution of the padded input
+    with op's strides and dilations gives op's output positions exactly, cropping
+    rows and columns no output position reads; None unless the spatial sizes are static."""
+    strides, dilations, padding, pairs = _attrs(op)
+    x_shape, z_shape = op.inputs[0].shape, op.outputs[0].shape
+    sizes = [tf.compat.dimension_value(d) for d in (x_shape[1], x_shape[2], z_shape[1],
+                                                   z_shape[2])]
+    if any(d is None for d in sizes):
+        return None
+    pads = []
+    for axis, (size, out, k) in enumerate([(sizes[0], sizes[2], kh), (sizes[1], sizes[3], kw)]):
+        s, d = strides[axis + 1], dilations[axis + 1]
+        needed = (out - 1) * s + (k - 1) * d + 1          # input extent the outputs read
+        if padding == "EXPLICIT":
+            before = pairs[2 * (axis + 1)]
+        elif padding == "SAME":
+            before = max(needed - size, 0) // 2
+        else:
+            before = 0
+        pads.append((before, needed - size - before))     # after < 0: crop
+    return pads
+
+
 class Conv2DRule(registry_lib.Rule):
-    """Per-example filter gradients from input patches."""
+    """Per-example filter gradients of Conv2D, by the way `options` says.
+
+    Args:
+      options: a `ConvOptions` (default: strategy "auto").
+    """
+
+    def __init__(self, options=None):
+        if options is None:
+            options = ConvOptions()
+        if not isinstance(options, ConvOptions):
+            raise TypeError("pertower.rules.conv2d.Conv2DRule: `options` must be a "
+                            f"ConvOptions, but received {options!r}.")
+        self.options = options
 
     def match(self, op, slot, analysis):
         rows = check_convolution(op, slot, analysis)
         if isinstance(rows, str):
             return rows
-        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
-                                op.inputs[1].shape, rows)
+        use = registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
+                               op.inputs[1].shape, rows)
+        if self.options.strategy != "auto":
+            missing = self._cannot(self.options.strategy, use)
+            if missing:
+                return f"the forced strategy {self.options.strategy!r} {missing}"
+        return use
+
+    def _cannot(self, strategy, use):
+        """Why `strategy` cannot compute `use` (a phrase), or None when it can."""
+        if strategy == "patches":
+            return None
+        if groups(use.op) != 1:
+            return f"does not take grouped convolutions (groups={groups(use.op)})"
+        if use.op.inputs[0].dtype != tf.float32:
+            return (f"needs float32 (TensorFlow has no CPU kernel for it in "
+                    f"{use.op.inputs[0].dtype.name})")
+        onednn = self.options.onednn
+        if onednn is None:
+            onednn = onednn_enabled()
+        if strategy == "grouped" and not onednn:
+            return ("needs TensorFlow's oneDNN CPU kernels (its other CPU kernels refuse "
+                    "grouped convolutions)")
+        if strategy == "depthwise":
+            if _spatial_pads(use.op, 1, 1) is None:
+                return "needs static input and output heights and widths"
+            if not onednn and _attrs(use.op)[0] != [1, 1, 1, 1]:
+                return ("needs TensorFlow's oneDNN CPU kernels for a strided convolution "
+                        "(its other CPU kernels refuse dilated depthwise convolutions)")
+        return None
+
+    def strategy(self, use):
+        """The way `per_group` computes `use`: "patches", "grouped" or "depthwise"."""
+        if self.options.strategy != "auto":
+            return self.options.strategy
+        if self._cannot("grouped", use):
+            return "patches"
+        kh, kw, c_in, c_out = use.weight_shape.as_list()
+        positions = _rows.static_size(use.output.shape[1:3])
+        if positions is None:
+            return "patches"
+        ratio = positions * kh * kw / math.sqrt(c_in * c_out)
+        return "grouped" if ratio >= self.options.grouped_threshold else "patches"
 
     def per_group(self, use, dZ, G):
+        strategy = self.strategy(use)
+        if strategy == "grouped":
+            return self._grouped(use, dZ, G)
+        if strategy == "depthwise":
+            return self._depthwise(use, dZ, G)
+        return self._patches(use, dZ, G)
+
+    @staticmethod
+    def _patches(use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         g = groups(use.op)
-        x_patches = _rows.to_groups(patches(use.op, kh, kw), G, 1)  # [G, k*Ho*Wo, kh*kw*g*Cin]
-        dZ_g = _rows.to_groups(dZ, G, 1)                           # [G, k*Ho*Wo, Cout]
+        x_patches = _rows.to_groups(patches(use.op, kh, kw), G, 1)  # [G, T*Ho*Wo, kh*kw*g*Cin]
+        dZ_g = _rows.to_groups(dZ, G, 1)                           # [G, T*Ho*Wo, Cout]
         if g == 1:
-            grad = tf.einsum("gpc,gpo->gco", x_patches, dZ_g)     # [G, kh*kw*Cin, Cout]
+            grad = tf.matmul(x_patches, dZ_g, transpose_a=True)    # [G, kh*kw*Cin, Cout]
             return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
         # the patches' channels (kh, kw, g*Cin) and the outputs by group:
         # [G, P, kh*kw*g*Cin] -> [G, P, kh*kw, g, Cin]; [G, P, Cout] -> [G, P, g, Cout/g]
@@ -99,22 +314,64 @@ class Conv2DRule(registry_lib.Rule):
         grad = tf.einsum("gpkjc,gpjo->gkcjo", x_patches, dZ_g)    # [G, kh*kw, Cin, g, Cout/g]
         return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
 
-    def squared_norms(self, use, dZ, B):
+    @staticmethod
+    def _grouped(use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
-        if groups(use.op) != 1:
-            return None
+        strides, dilations, _, _ = _attrs(use.op)
+        x, padding = explicitly_padded(use.op)
+        filter_sizes = _rows.group_shape(kh, [kw, c_in, mul(G, c_out)])
+        grad = tf.raw_ops.Conv2DBackpropFilter(
+            input=fold_groups(x, G),                  # [T, H, W, G*Cin]
+            filter_sizes=filter_sizes,
+            out_backprop=fold_groups(dZ, G),          # [T, Ho, Wo, G*Cout]
+            strides=strides, padding=padding, dilations=dilations,
+            data_format="NHWC")                       # [kh, kw, Cin, G*Cout]
+        grad = tf.reshape(grad, _rows.group_shape(kh, [kw, c_in, G, c_out]))
+        return tf.transpose(grad, [3, 0, 1, 2, 4])    # [G, kh, kw, Cin, Cout]
+
+    @staticmethod
+    def _depthwise(use, dZ, G):
+        kh, kw, c_in, c_out = use.weight_shape.as_list()
+        strides, dilations, _, _ = _attrs(use.op)
+        (top, bottom), (left, right) = _spatial_pads(use.op, kh, kw)
+        x = use.op.inputs[0]
+        x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)],
+                       [max(left, 0), max(right, 0)], [0, 0]])
+        x = x[:, :x.shape[1] + min(bottom, 0), :x.shape[2] + min(right, 0), :]  # [N, H', W', Cin]
+        per_image = tf.raw_ops.DepthwiseConv2dNative(
+            input=tf.transpose(x, [3, 1, 2, 0]),      # [Cin, H', W', N]
+            filter=tf.transpose(dZ, [1, 2, 0, 3]),    # [Ho, Wo, N, Cout]
+            strides=[1, dilations[1], dilations[2], 1], padding="VALID",
+            dilations=[1, strides[1], strides[2], 1])  # [Cin, kh, kw, N*Cout]
+        per_image = tf.reshape(per_image, [c_in, kh, kw, -1, c_out])  # [Cin, kh, kw, N, Cout]
+        per_image = tf.transpose(per_image, [3, 1, 2, 0, 4])         # [N, kh, kw, Cin, Cout]
+        grouped = tf.reshape(per_image, _rows.group_shape(G, [-1, kh, kw, c_in, c_out]))
+        return tf.reduce_sum(grouped, axis=1)         # [G, kh, kw, Cin, Cout]
+
+    def norm_strategy(self, use):
+        """"ghost" or "formed": the cheaper way to the squared norms of `use`'s
+        per-example gradients (Bu et al. 2022, mixed ghost clipping), or "formed" when
+        the positions are not static."""
+        kh, kw, c_in, c_out = use.weight_shape.as_list()
         positions = _rows.static_size(use.output.shape[1:3])
-        if positions is None or not _rows.ghost_is_cheaper(use.rows.k * positions,
-                                                           kh * kw * c_in, c_out):
-            return None
-        return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
-                                         use.rows.k * positions)
+        if positions is None or groups(use.op) != 1:
+            return "formed"
+        return ("ghost" if _rows.ghost_norm_is_cheaper(use.rows.k * positions,
+                                                       kh * kw * c_in, c_out)
+                else "formed")
+
+    def squared_norms(self, use, dZ, B):
+        if self.norm_strategy(use) == "ghost":
+            kh, kw = use.weight_shape.as_list()[:2]
+            positions = _rows.static_size(use.output.shape[1:3])
+            return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
+                                             use.rows.k * positions)
+        grad = self.per_group(use, dZ, B)                           # [B, kh, kw, Cin, Cout]
+        return tf.reduce_sum(tf.square(grad), axis=[1, 2, 3, 4])    # [B]
 
 
     def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per
-        # example; grouped or dilated filters form the per-example gradients instead
-        # (TensorFlow's CPU Conv2DBackpropFilter without oneDNN refuses both)
+        # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per example
         if not plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         return filter_gradient(tf.raw_ops.Conv2DBackpropFilter, use,
@@ -143,6 +400,6 @@ def filter_gradient(backprop_filter, use, out_backprop):
     return grad
 
 
-def register(registry):
-    """Adds the Conv2D rule to `registry`."""
-    registry.register("Conv2D", Conv2DRule())
+def register(registry, options=None):
+    """Adds the Conv2D rule to `registry` (with `options`, a `ConvOptions`)."""
+    registry.register("Conv2D", Conv2DRule(options))

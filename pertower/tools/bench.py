@@ -69,8 +69,9 @@ __all__ = ["Entry", "DPEntry", "MODELS", "run_bench", "run_dp_bench", "format_ta
 MODELS = models_lib.MODEL_NAMES
 QUICK = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128), "cnn": (32,)},
              repeats=5, loop_repeats=3)
-FULL = dict(models=("mlp", "cnn"), batch_sizes={"mlp": (32, 128, 512),
-                                                  "cnn": (32, 128, 512)},
+FULL = dict(models=("mlp", "cnn", "cifar"), batch_sizes={"mlp": (32, 128, 512),
+                                                           "cnn": (32, 128, 512),
+                                                           "cifar": (64, 128)},
             repeats=11, loop_repeats=5)
 # tf.vectorized_map's backward pass holds about B copies of the batch's activations:
 # it is skipped when B times the batch gradient's peak (or twice its B per-example
@@ -94,7 +95,7 @@ class Entry:
     """One row of the table: one way of computing one model's results at one B.
 
     Attributes:
-      model: "mlp" or "cnn".
+      model: a name of `pertower.tools.models.MODEL_NAMES` ("mlp", "cnn", "cifar").
       batch_size: B.
       parameters: P, the number of weights (entries of all of xs).
       name: the row's name ("loop", "gradients[towers]", ...).

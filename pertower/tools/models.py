@@ -7,6 +7,11 @@ Notation:
     mlp   MLP 100-256-256-1 (ReLU), cost (net(x) - y) ** 2, [B, 1]
     cnn   the scenario-3 CNN: Conv2D(16, 5, same, elu) -> Flatten -> Dense(128, relu)
           -> Dense(1) on [None, 32, 32, 1]; bench: cost (model(x) - t) ** 2, [B, 1]
+    cifar a CIFAR-style conv net on [None, 32, 32, 3]: Conv2D(32, 3, same, relu) ->
+          AveragePooling2D(2) -> Conv2D(64, 3, same, relu) -> AveragePooling2D(2) ->
+          Conv2D(64, 3, same, relu) -> GlobalAveragePooling2D -> Dense(10); cost the
+          sparse softmax cross-entropy of each example's logits [B, 10] with its
+          label, [B]
 
 Importing this module does not import TensorFlow (the command-line parser reads
 `MODEL_NAMES` from it); the builders import it when called, in graph mode.
@@ -14,13 +19,16 @@ Importing this module does not import TensorFlow (the command-line parser reads
 
 import dataclasses
 
-__all__ = ["MODEL_NAMES", "MLP_WIDTHS", "CNN_INPUT_SHAPE", "BuiltModel", "cnn_keras_model",
-           "build_mlp", "build_cnn", "build"]
+__all__ = ["MODEL_NAMES", "MLP_WIDTHS", "CNN_INPUT_SHAPE", "CIFAR_INPUT_SHAPE",
+           "CIFAR_CLASSES", "BuiltModel", "cnn_keras_model", "cifar_keras_model",
+           "build_mlp", "build_cnn", "build_cifar", "build"]
 
-MODEL_NAMES = ("mlp", "cnn")
+MODEL_NAMES = ("mlp", "cnn", "cifar")
 # MLP input width, then the width of each Dense layer.
 MLP_WIDTHS = (100, 256, 256, 1)
 CNN_INPUT_SHAPE = (32, 32, 1)
+CIFAR_INPUT_SHAPE = (32, 32, 3)
+CIFAR_CLASSES = 10
 
 
 @dataclasses.dataclass
@@ -28,9 +36,9 @@ class BuiltModel:
     """A model built in the default graph, with its per-example cost and a batch.
 
     Attributes:
-      name: "mlp" or "cnn".
+      name: one of MODEL_NAMES.
       description: one line naming the layers and the cost.
-      ys: the per-example cost, a [B, 1] tensor.
+      ys: the per-example cost, [B, 1] ([B] for cifar).
       weights: the trainable weights, in model order.
       feed: placeholder -> [B, ...] float32 values.
       dense_taps: (A [B, i], Z [B, j], kernel, bias) per Dense layer (MLP only, for the
@@ -109,7 +117,43 @@ def build_cnn(B, rng):
                       list(model.trainable_weights), feed)
 
 
-_BUILDERS = {"mlp": build_mlp, "cnn": build_cnn}
+def cifar_keras_model():
+    """The CIFAR-style conv net as a Keras 2 Sequential, [None, 32, 32, 3] -> logits
+    [None, 10]: three 3x3 SAME ReLU convolutions (32, 64, 64 filters) with 2x2 average
+    pooling after the first two, global average pooling, Dense(10)."""
+    import tf_keras as keras  # pylint: disable=import-outside-toplevel
+
+    return keras.Sequential([
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu",
+                            input_shape=CIFAR_INPUT_SHAPE),           # [B, 32, 32, 32]
+        keras.layers.AveragePooling2D(2),                             # [B, 16, 16, 32]
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),  # [B, 16, 16, 64]
+        keras.layers.AveragePooling2D(2),                             # [B, 8, 8, 64]
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),  # [B, 8, 8, 64]
+        keras.layers.GlobalAveragePooling2D(),                        # [B, 64]
+        keras.layers.Dense(CIFAR_CLASSES),                            # [B, 10]
+    ])
+
+
+def build_cifar(B, rng):
+    """The CIFAR-style conv net on [B, 32, 32, 3] images, cost the sparse softmax
+    cross-entropy of each example, [B]."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    x = tf.compat.v1.placeholder(tf.float32, [None, *CIFAR_INPUT_SHAPE], name="images")
+    labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+    model = cifar_keras_model()
+    cost = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=model(x))   # [B]
+    feed = {x: rng.normal(size=(B, *CIFAR_INPUT_SHAPE)).astype("float32"),
+            labels: rng.integers(0, CIFAR_CLASSES, size=B).astype("int32")}
+    return BuiltModel("cifar", "CIFAR conv net 32x32x3: Conv(32,3,same,relu)-AvgPool2-"
+                      "Conv(64,3,same,relu)-AvgPool2-Conv(64,3,same,relu)-GlobalAvgPool-"
+                      "Dense(10), sparse softmax cross-entropy", cost,
+                      list(model.trainable_weights), feed)
+
+
+_BUILDERS = {"mlp": build_mlp, "cnn": build_cnn, "cifar": build_cifar}
 
 
 def build(name, B, rng):
