@@ -62,7 +62,7 @@ CIFAR_CLASSES = 10
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0
 # The plot's colors for the peers' entries.
-COLORS = {"torch vmap(grad)": "tab:red", "jax jit(vmap(grad))": "tab:green",
+COLORS = {"torch vmap(grad)": "tab:red", "jax jit(vmap(grad))": "darkcyan",
           "step: tf plain SGD": "dimgrey", "dp step: pertower": "tab:blue",
           "dp step: opacus hooks": "salmon", "dp step: opacus ghost": "darkred",
           "dp step: jax": "lime"}
