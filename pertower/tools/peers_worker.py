@@ -144,6 +144,9 @@ def _tf_entries(jobs, check, repeats):
     from pertower.tools import environment  # pylint: disable=import-outside-toplevel
 
     environment.prepare_tensorflow()
+    # TensorFlow's lite utilities import jax when it is installed (`from jax import
+    # jit`, ImportError tolerated): keep JAX out of the TensorFlow child
+    sys.modules.setdefault("jax", None)
     with environment.quiet_native_logs():
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
     tf.compat.v1.disable_eager_execution()
@@ -458,6 +461,7 @@ def _jax_entries(jobs, check, repeats):
 
 
 _RUNNERS = {"tf": _tf_entries, "torch": _torch_entries, "jax": _jax_entries}
+_MODULES = {"tensorflow": "tf", "torch": "torch", "jax": "jax"}
 
 
 def main(argv=None):
@@ -475,6 +479,8 @@ def main(argv=None):
         versions, entries = _RUNNERS[args.framework](jobs, args.check, args.repeats)
     finally:
         sys.stdout = stdout
+    # the frameworks this process loaded: its own only
+    versions["loaded"] = [name for name in _MODULES if sys.modules.get(name) is not None]
     json.dump({"framework": args.framework, "versions": versions, "entries": entries},
               stdout)
     stdout.write("\n")
