@@ -5,6 +5,9 @@ whose result differs is marked WRONG and fails the command; a framework that is 
 installed shows as n/a. Skipped where PyTorch or JAX is not installed (CI: the peers
 are an optional extra). No timing thresholds."""
 
+# pytest fixtures are arguments of the same name
+# pylint: disable=redefined-outer-name,unused-argument
+
 import importlib.util
 import json
 import os
@@ -58,14 +61,14 @@ def jobs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(jobs, children_env):  # pylint: disable=redefined-outer-name,unused-argument
+def run(jobs, children_env):
     """One round of every framework's child on every job: (entries, info)."""
     info = {}
     entries = peers.run_jobs(jobs, repeats=1, rounds=1, report=lambda line: None, info=info)
     return entries, info
 
 
-def test_every_peer_agrees_with_the_loop(run, jobs):  # pylint: disable=redefined-outer-name
+def test_every_peer_agrees_with_the_loop(run, jobs):
     entries, info = run
     expected = sorted(name for framework in peers.FRAMEWORKS
                       for name, _ in peers_worker.ENTRIES[framework])
@@ -92,7 +95,7 @@ def test_every_peer_agrees_with_the_loop(run, jobs):  # pylint: disable=redefine
     assert "tensorflow" in info["tf"] and "pertower" in info["tf"]
 
 
-def test_each_child_loads_only_its_framework(run):  # pylint: disable=redefined-outer-name
+def test_each_child_loads_only_its_framework(run):
     _, info = run
     own = {"tf": "tensorflow", "torch": "torch", "jax": "jax"}
     for framework in peers.FRAMEWORKS:
@@ -100,7 +103,7 @@ def test_each_child_loads_only_its_framework(run):  # pylint: disable=redefined-
 
 
 @pytest.fixture(scope="module")
-def wrong(jobs, children_env, tmp_path_factory):  # pylint: disable=redefined-outer-name,unused-argument
+def wrong(jobs, children_env, tmp_path_factory):
     """The torch child on a copy of the cifar job whose reference was shifted by 0.5
     in one example's first weight (per-example and clipped mean): its entries."""
     model, _, P, folder = next(job for job in jobs if job[0] == "cifar")
@@ -115,7 +118,7 @@ def wrong(jobs, children_env, tmp_path_factory):  # pylint: disable=redefined-ou
                           report=lambda line: None, frameworks=("torch",))
 
 
-def test_a_peer_that_disagrees_is_marked_wrong(wrong):  # pylint: disable=redefined-outer-name
+def test_a_peer_that_disagrees_is_marked_wrong(wrong):
     checked = [e for e in wrong if e.status == "ok"]
     assert {e.name for e in checked} >= {peers_worker.TORCH_VMAP}
     for e in checked:
@@ -124,7 +127,7 @@ def test_a_peer_that_disagrees_is_marked_wrong(wrong):  # pylint: disable=redefi
     assert table.count("WRONG") == len(checked), table
 
 
-def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):  # pylint: disable=redefined-outer-name
+def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):
     """`pertower bench --peers` prints the peers' rows, writes them to the JSON and
     exits with 1 when one of them disagrees (here the rows of the shifted reference,
     on the cifar model that only the peers run)."""
@@ -144,7 +147,7 @@ def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):  # pyl
     assert "peers" in figures["notes"] and "peers" in figures["settings"]
 
 
-def test_a_missing_framework_is_not_available(jobs, monkeypatch):  # pylint: disable=redefined-outer-name
+def test_a_missing_framework_is_not_available(jobs, monkeypatch):
     monkeypatch.setattr(peers, "missing_frameworks",
                         lambda: {"torch": "torch not installed (pip install 'pertower[peers]')"})
     entries = peers.run_jobs(jobs[:1], repeats=1, rounds=1, report=lambda line: None,
