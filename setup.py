@@ -56,6 +56,10 @@ setup(
         "examples": ["dp-accounting>=0.4", "scikit-learn", "tqdm", "matplotlib"],
         # `pertower bench --plot`.
         "bench": ["matplotlib"],
+        # `pertower bench --peers`: the same models in PyTorch (torch.func, Opacus) and
+        # JAX. Pinned to a CPU build of torch: elsewhere install a CPU build of torch
+        # 2.13.0 first, or pip brings a much larger GPU build.
+        "peers": ["torch==2.13.0", "jax", "jaxlib", "opacus"],
         "test": ["pytest>=7", "hypothesis", "dp-accounting>=0.4", "scikit-learn",
                  "tqdm", "matplotlib"],
     },

@@ -87,6 +87,9 @@ def test_version_is_in_one_place():
 def test_import_pertower_is_lazy_and_leaves_the_environment_alone():
     process = _python(
         "import os, sys\n"
+        # TensorFlow imports jax where it is installed (its lite utilities), and jax
+        # sets TF_CPP_MIN_LOG_LEVEL and other variables: not pertower's doing
+        "sys.modules.setdefault('jax', None)\n"
         "before = dict(os.environ)\n"
         "import pertower\n"
         "assert 'tensorflow' not in sys.modules\n"

@@ -60,6 +60,7 @@ from pertower import oracle
 from pertower._api import gradients as gradients_lib
 from pertower.tools import environment
 from pertower.tools import models as models_lib
+from pertower.tools import peers as peers_lib
 from pertower.tools import timing
 from pertower.tools import traced_memory as run_memory
 
@@ -459,7 +460,8 @@ def machine_info():
 
 
 def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.METHODS,
-              repeats=QUICK["repeats"], loop_repeats=QUICK["loop_repeats"], report=print):
+              repeats=QUICK["repeats"], loop_repeats=QUICK["loop_repeats"], report=print,
+              peers=False, peer_rounds=peers_lib.ROUNDS["quick"], peer_info=None):
     """Measures every entry for every model and batch size; returns a list of `Entry`.
 
     Args:
@@ -470,6 +472,10 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
       repeats: timed passes of each entry (one sess.run each), after the warm-up.
       loop_repeats: timed passes of the loop (B sess.run each).
       report: called with each line of progress.
+      peers: also run the PyTorch and JAX peers and the DP-SGD steps
+        (`pertower.tools.peers`; models may then include its "cifar").
+      peer_rounds: child processes per peer framework (each times `repeats` passes).
+      peer_info: a dict that receives each peer framework's versions.
 
     Example:
       entries = run_bench(models=["mlp"], batch_sizes=[32], repeats=3)
@@ -477,18 +483,38 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
     """
     if batch_sizes is None:
         batch_sizes = QUICK["batch_sizes"]
-    entries = []
+    groups = {}  # (model, B) -> its entries
     for model_name in models:
-        if model_name not in MODELS:
+        known = MODELS + (peers_lib.PEER_MODELS if peers else ())
+        if model_name not in known:
             raise ValueError(f"pertower.tools.bench: unknown model {model_name!r}; choose from "
-                             f"{MODELS}.")
+                             f"{tuple(dict.fromkeys(known))} ({peers_lib.PEER_MODELS} "
+                             "with peers).")
         sizes = batch_sizes[model_name] if isinstance(batch_sizes, dict) else batch_sizes
         for B in sizes:
-            start = time.perf_counter()
-            report(f"{model_name} B={B}: building ...")
-            entries += _bench_one(model_name, B, methods, repeats, loop_repeats, report)
-            report(f"  done in {time.perf_counter() - start:.1f} s")
-    return entries
+            groups[model_name, B] = []
+            if model_name in MODELS:
+                start = time.perf_counter()
+                report(f"{model_name} B={B}: building ...")
+                groups[model_name, B] = _bench_one(model_name, B, methods, repeats,
+                                                   loop_repeats, report)
+                report(f"  done in {time.perf_counter() - start:.1f} s")
+    if peers:
+        _add_peers(groups, repeats, peer_rounds, report, peer_info)
+    return [entry for group in groups.values() for entry in group]
+
+
+def _add_peers(groups, repeats, rounds, report, info):
+    """Appends the peers' rows to each (model, B) group (not to one whose loop was
+    skipped for memory); a group the bench did not run gets the peers' timed loop."""
+    keys = [key for key, group in groups.items()
+            if not any(e.name == LOOP and e.status == "skipped" for e in group)]
+    rows = peers_lib.run_peers(keys, repeats, rounds, report, info,
+                               timed_loops=[key for key in keys if not groups[key]])
+    for entry in rows:
+        groups[entry.model, entry.batch_size].append(entry)
+    for group in groups.values():
+        _ratios(group)
 
 
 # DP steps ------------------------------------------------------------------------------
@@ -589,6 +615,15 @@ MEMORY_FOOTNOTE = (
     "activations), computed before any op is built.")
 
 
+PEERS_FOOTNOTE = (
+    "peers: each framework in its own child process per round (rounds alternate the "
+    "frameworks), weights copied from the TensorFlow model; ms: median over the rounds' "
+    "timed passes. torch vmap(grad) / jax jit(vmap(grad)): per-example gradients against "
+    "the loop's; dp step: one DP-SGD step (clip C = median per-example norm, noise "
+    "multiplier 1), checked once with noise 0 against the loop's clipped mean; step: tf "
+    "plain SGD against the loop's mean gradient. No peak memory is traced for them.")
+
+
 def _fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
@@ -634,8 +669,9 @@ def format_table(entries):
 
 
 def to_json(entries, machine, settings):
-    """The figures as a JSON-ready dict: machine, settings, footnotes and entries."""
-    return {
+    """The figures as a JSON-ready dict: machine, settings, footnotes and entries
+    (with a "peers" note when settings has "peers")."""
+    figures = {
         "machine": machine,
         "settings": settings,
         "notes": {
@@ -653,6 +689,9 @@ def to_json(entries, machine, settings):
         },
         "entries": [dataclasses.asdict(e) for e in entries],
     }
+    if "peers" in settings:
+        figures["notes"]["peers"] = PEERS_FOOTNOTE
+    return figures
 
 
 _FIXED_COLORS = {LOOP: "black", BATCH: "grey", OUTER: "tab:brown", HAND_NORMS: "tab:brown",
@@ -665,6 +704,8 @@ def _color(name):
     """One color per reference entry; gradients[m] and norms[m] share method m's color."""
     if name in _FIXED_COLORS:
         return _FIXED_COLORS[name]
+    if name in peers_lib.COLORS:
+        return peers_lib.COLORS[name]
     method = name[name.find("[") + 1:-1]
     methods = list(gradients_lib.METHODS)
     index = methods.index(method) if method in methods else len(methods)
@@ -696,7 +737,8 @@ def plot(entries, path):
                 points = sorted((e.batch_size, getattr(e, attribute) * scale)
                                 for e in mine if e.name == name
                                 and getattr(e, attribute) is not None)
-                style = "--" if "norms" in name else "-"  # norms dashed, gradients solid
+                # norms dashed, gradients solid, training steps (peers) dotted
+                style = "--" if "norms" in name else ":" if "step" in name else "-"
                 if points:
                     ax.plot(*zip(*points), style, marker="o", color=_color(name), label=name)
             ax.set_xscale("log", base=2)

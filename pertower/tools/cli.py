@@ -4,7 +4,7 @@
     pertower demo [--batch-size B] [--repeats R]
     pertower bench [--full] [--models M ...] [--batch-sizes B ...] [--methods M ...]
                    [--repeats R] [--loop-repeats R] [--json FILE|-] [--plot FILE.png]
-                   [--env NAME=VALUE ...]
+                   [--env NAME=VALUE ...] [--peers]
 
 `demo` runs the three user scenarios on built-in models and compares each with the
 one-example loop of `pertower.oracle`, with timings. `bench` times every way of
@@ -26,6 +26,7 @@ import sys
 from pertower._version import __version__
 from pertower.tools import environment
 from pertower.tools import models as tool_models
+from pertower.tools import peers as tool_peers
 
 __all__ = ["build_parser", "main"]
 
@@ -35,6 +36,8 @@ DEFAULT_BENCH_REPEATS = 5
 DEFAULT_BENCH_JSON = "bench.json"
 # The bench's models (pertower.tools.models imports TensorFlow only when building).
 BENCH_MODELS = tool_models.MODEL_NAMES
+# With --peers (pertower.tools.peers imports neither TensorFlow nor the peers here).
+PEER_MODELS = tuple(dict.fromkeys(BENCH_MODELS + tool_peers.PEER_MODELS))
 # Set in the child process `bench --env` starts, so it measures instead of starting another.
 _CHILD_MARK = "PERTOWER_BENCH_CHILD"
 
@@ -83,8 +86,9 @@ def _add_bench_parser(commands):
     bench.add_argument("--dp", action="store_true",
                        help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
                             "plain SGD step on each model (on with --full)")
-    bench.add_argument("--models", nargs="+", choices=BENCH_MODELS, default=None,
-                       metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)}")
+    bench.add_argument("--models", nargs="+", choices=PEER_MODELS, default=None,
+                       metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)} "
+                                             f"(with --peers: {', '.join(PEER_MODELS)})")
     bench.add_argument("--batch-sizes", nargs="+", type=_positive_int, default=None,
                        metavar="B", help="batch sizes for every model selected")
     bench.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
@@ -105,6 +109,14 @@ def _add_bench_parser(commands):
                             "at process start, e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
                             "--env MALLOC_TRIM_THRESHOLD_=4294967296, or "
                             "--env TF_ENABLE_ONEDNN_OPTS=0")
+    bench.add_argument("--peers", action="store_true",
+                       help="also run the same models in PyTorch (torch.func vmap(grad), "
+                            "Opacus hooks and ghost clipping) and JAX (jit(vmap(grad)), a "
+                            "DP-SGD step), each in its own child process, with the "
+                            "TensorFlow model's weights, checked against the loop; and "
+                            "DP-SGD steps of plain TensorFlow and pertower.DPOptimizer. "
+                            "Frameworks not installed show as n/a (pip install "
+                            "'pertower[peers]')")
     bench.set_defaults(run=_run_bench)
 
 
@@ -153,6 +165,15 @@ def _run_bench(args):
         return 2
     preset = bench.FULL if args.full else bench.QUICK
     models = args.models or preset["models"]
+    peers_only = [m for m in models if m not in bench.MODELS]
+    if peers_only and not args.peers:
+        print(f"pertower bench: --models {' '.join(peers_only)}: runs only with --peers.",
+              file=sys.stderr)
+        return 2
+    if not isinstance(args.batch_sizes, list) and any(m not in preset["batch_sizes"]
+                                                      for m in models):
+        preset = dict(preset, batch_sizes={m: preset["batch_sizes"].get(m, (32,))
+                                           for m in models})
     batch_sizes = args.batch_sizes or preset["batch_sizes"]
     repeats = args.repeats or preset["repeats"]
     loop_repeats = args.loop_repeats or preset["loop_repeats"]
@@ -166,6 +187,10 @@ def _run_bench(args):
                 "batch_sizes": batch_sizes if isinstance(batch_sizes, dict)
                 else {m: list(batch_sizes) for m in models},
                 "methods": list(methods), "repeats": repeats, "loop_repeats": loop_repeats}
+    peer_info = {}
+    if args.peers:
+        settings["peers"] = {"rounds": tool_peers.ROUNDS[settings["mode"]],
+                             "frameworks": peer_info}
     report(f"pertower bench ({settings['mode']}): TensorFlow {tf.__version__}, "
            f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), load "
            f"{machine['load_average_1_5_15']}, {machine['date_utc']}")
@@ -174,9 +199,14 @@ def _run_bench(args):
            "after a warm-up, round-robin\n")
     with environment.quiet_native_logs():   # sessions probe CUDA; traces log profiling
         entries = bench.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
-                                  repeats=repeats, loop_repeats=loop_repeats, report=report)
+                                  repeats=repeats, loop_repeats=loop_repeats, report=report,
+                                  peers=args.peers, peer_info=peer_info,
+                                  peer_rounds=tool_peers.ROUNDS[settings["mode"]])
     report("")
     report(bench.format_table(entries))
+    if args.peers:
+        report(f"\npeers: {tool_peers.describe(peer_info)}")
+        report(bench.PEERS_FOOTNOTE)
     report("\nms: median per pass (loop: B sess.run); x loop / x batch / x outer: ms "
            "divided by the loop's / batch gradient's / hand outer products' ms.")
     report("max|diff|: against the loop's per-example gradients (norms: their norms; "

@@ -1,0 +1,321 @@
+"""`pertower bench --peers`: the same models in PyTorch and JAX, checked against the loop.
+
+Notation:
+    B   examples        P   weights (scalars)       x   one weight
+    g_i example i's gradient over all weights, n_i = ||g_i||_2
+    C   clip norm (the median of the n_i, so that some examples are clipped and some
+        are not)            σ   noise multiplier        lr  learning rate
+
+For each model and B, this driver (in the bench's TensorFlow process) builds the
+TensorFlow model, runs the loop of `pertower.oracle.SliceLoop` once, and writes a job
+folder (see `pertower.tools.peers_worker`): the batch, the weights as numpy in
+TensorFlow's layout, the loop's per-example gradients [B, *x.shape], their mean and
+their clipped mean (1/B) sum_i g_i min(1, C / n_i). Then, for each round, one child
+process per framework, `python -m pertower.tools.peers_worker --framework F ...`,
+imports only F, loads the weights into its own model (PyTorch: [out, in] and OIHW,
+NCHW images), and times its entries on every job; the first round also checks each
+result against the loop's. The frameworks alternate (the order rotates each round), so
+a change of load on the machine hits them alike, and TensorFlow, PyTorch and JAX never
+share a process. Entries:
+
+    torch vmap(grad)        torch.func.vmap(torch.func.grad(loss of one example))
+    jax jit(vmap(grad))     jax.jit(jax.vmap(jax.grad(loss of one example)))
+    step: tf plain SGD      GradientDescentOptimizer(lr).minimize(mean loss): no privacy
+    dp step: pertower       pertower.DPOptimizer(GradientDescentOptimizer(lr), C, σ)
+    dp step: opacus hooks   Opacus PrivacyEngine, grad_sample_mode="hooks"
+    dp step: opacus ghost   Opacus PrivacyEngine, grad_sample_mode="ghost" (ghost clipping)
+    dp step: jax            jit of vmap(grad), clip, sum, N(0, (σC)^2), SGD
+
+A per-example entry is compared with the loop's per-example gradients; a DP step,
+run once with σ = 0, with their clipped mean; the plain step with their mean.
+
+Models: "mlp" and "cnn" of `pertower.tools.models`, and "cifar": 32x32x3 ->
+Conv(32, 3, same) relu -> AvgPool 2 -> Conv(64, 3, same) relu -> AvgPool 2 ->
+Conv(64, 3, same) relu -> global average pool -> Dense(10), sparse softmax
+cross-entropy; `pertower.tools.models` builds it when it defines "cifar", else
+`build_cifar` here does.
+
+Importing this module imports neither TensorFlow nor the peers (the command-line parser
+reads `PEER_MODELS`).
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["PEER_MODELS", "FRAMEWORKS", "COLORS", "ROUNDS", "missing_frameworks",
+           "build_cifar", "build_tf_model", "split_feed", "prepare_job", "run_jobs",
+           "run_peers", "describe"]
+
+PEER_MODELS = ("mlp", "cnn", "cifar")
+FRAMEWORKS = ("tf", "torch", "jax")
+# Child rounds (each times `repeats` passes of every entry): quick, --full.
+ROUNDS = {"quick": 2, "full": 3}
+CIFAR_INPUT_SHAPE = (32, 32, 3)
+CIFAR_CLASSES = 10
+LEARNING_RATE = 0.05
+NOISE_MULTIPLIER = 1.0
+# The plot's colors for the peers' entries.
+COLORS = {"torch vmap(grad)": "tab:red", "jax jit(vmap(grad))": "darkcyan",
+          "step: tf plain SGD": "dimgrey", "dp step: pertower": "tab:blue",
+          "dp step: opacus hooks": "salmon", "dp step: opacus ghost": "darkred",
+          "dp step: jax": "lime"}
+# What each framework's child needs importable.
+_NEEDS = {"tf": ("tensorflow",), "torch": ("torch",), "jax": ("jax", "jaxlib")}
+_CHILD_TIMEOUT_SECONDS = 1800
+
+
+def missing_frameworks():
+    """{framework: why it cannot run} for the peers whose packages are not importable
+    (checked with importlib.util.find_spec, without importing them)."""
+    missing = {}
+    for framework, packages in _NEEDS.items():
+        absent = [p for p in packages if importlib.util.find_spec(p) is None]
+        if absent:
+            missing[framework] = (f"{' and '.join(absent)} not installed (pip install "
+                                  "'pertower[peers]'; use a CPU build of torch)")
+    return missing
+
+
+# The TensorFlow side ------------------------------------------------------------------
+
+
+def build_cifar(B, rng):
+    """The CIFAR-style conv net on [B, 32, 32, 3] images, per-example sparse softmax
+    cross-entropy [B]; returns a `pertower.tools.models.BuiltModel`."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tf_keras as keras  # pylint: disable=import-outside-toplevel
+    from pertower.tools import models  # pylint: disable=import-outside-toplevel
+
+    images = tf.compat.v1.placeholder(tf.float32, [None, *CIFAR_INPUT_SHAPE], name="images")
+    labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+    layers = keras.layers
+    net = keras.Sequential([
+        layers.Conv2D(32, 3, padding="same", activation="relu",
+                      input_shape=CIFAR_INPUT_SHAPE),
+        layers.AveragePooling2D(2),
+        layers.Conv2D(64, 3, padding="same", activation="relu"),
+        layers.AveragePooling2D(2),
+        layers.Conv2D(64, 3, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(CIFAR_CLASSES),
+    ])
+    logits = net(images)                                                # [B, 10]
+    cost = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    feed = {images: rng.normal(size=(B, *CIFAR_INPUT_SHAPE)).astype("float32"),
+            labels: rng.integers(0, CIFAR_CLASSES, size=B).astype("int32")}
+    return models.BuiltModel("cifar", "CIFAR-style conv net 32x32x3, sparse softmax "
+                             "cross-entropy", cost, list(net.trainable_weights), feed)
+
+
+def build_tf_model(name, B, rng):
+    """Model `name` (from PEER_MODELS) in the default graph, as a BuiltModel."""
+    from pertower.tools import models  # pylint: disable=import-outside-toplevel
+
+    if name in models.MODEL_NAMES:
+        return models.build(name, B, rng)
+    if name == "cifar":
+        return build_cifar(B, rng)
+    raise ValueError(f"pertower.tools.peers: unknown model {name!r}; choose from "
+                     f"{', '.join(PEER_MODELS)}.")
+
+
+def split_feed(feed):
+    """(inputs placeholder, targets placeholder) of a model's two-entry feed: the inputs
+    are the value of the highest rank."""
+    keys = sorted(feed, key=lambda k: feed[k].ndim, reverse=True)
+    if len(keys) != 2:
+        raise ValueError(f"pertower.tools.peers: expected a feed of inputs and targets, "
+                         f"got {len(keys)} entries")
+    return keys[0], keys[1]
+
+
+def prepare_job(model_name, B, folder, time_loop=False):
+    """Builds `model_name` at B in TensorFlow, runs the loop, writes the job folder.
+
+    Returns:
+      (P, loop_ms, max |loop|): the weights' scalar count, the wall milliseconds of a
+      second pass of the loop when `time_loop` (else None), the loop result's scale.
+    """
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from pertower import oracle  # pylint: disable=import-outside-toplevel
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(B)
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
+        tf.compat.v1.set_random_seed(B)
+        model = build_tf_model(model_name, B, rng)
+        loop = oracle.SliceLoop(model.ys, model.weights)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        weights = sess.run(model.weights)
+        grads = loop.run(sess, model.feed, B)                    # [B, *x.shape] each
+        loop_ms = None
+        if time_loop:
+            start = time.perf_counter()
+            loop.run(sess, model.feed, B)
+            loop_ms = 1e3 * (time.perf_counter() - start)
+        x_in, t_in = split_feed(model.feed)
+        P = model.num_weights
+    squares = sum(np.square(g.astype(np.float64)).reshape(B, -1).sum(axis=1)
+                  for g in grads)                                # [B]
+    norms = np.sqrt(squares)
+    clip = float(np.median(norms))
+    factors = np.minimum(1.0, clip / np.maximum(norms, 1e-30))   # [B]
+    np.save(os.path.join(folder, "x.npy"), model.feed[x_in])
+    np.save(os.path.join(folder, "t.npy"), model.feed[t_in])
+    scale = 0.0
+    for k, (w, g) in enumerate(zip(weights, grads)):
+        np.save(os.path.join(folder, f"w{k}.npy"), w)
+        np.save(os.path.join(folder, f"g{k}.npy"), g)
+        np.save(os.path.join(folder, f"mean{k}.npy"), g.mean(axis=0, dtype=np.float64)
+                .astype(np.float32))
+        np.save(os.path.join(folder, f"clipped{k}.npy"),            # [B] x [B, ...]
+                np.tensordot(factors, g.astype(np.float64), axes=1).astype(np.float32) / B)
+        scale = max(scale, float(np.max(np.abs(g))))
+    meta = {"model": model_name, "batch_size": B, "lr": LEARNING_RATE, "clip": clip,
+            "noise_multiplier": NOISE_MULTIPLIER, "shapes": [list(w.shape) for w in weights]}
+    with open(os.path.join(folder, "meta.json"), "w", encoding="utf-8") as handle:
+        json.dump(meta, handle)
+    return P, loop_ms, scale
+
+
+# The children ---------------------------------------------------------------------------
+
+
+def _child_env():
+    """os.environ with this pertower first on PYTHONPATH and TensorFlow quiet."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def _run_child(framework, folders, repeats, check):
+    """Runs one worker; returns (versions, entry dicts) or raises RuntimeError."""
+    command = [sys.executable, "-m", "pertower.tools.peers_worker", "--framework",
+               framework, "--repeats", str(repeats)] + (["--check"] if check else []) + folders
+    done = subprocess.run(command, env=_child_env(), capture_output=True, text=True,
+                          timeout=_CHILD_TIMEOUT_SECONDS, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the {framework} child exited with {done.returncode}: {tail}"[:300])
+    result = json.loads(lines[-1])
+    return result["versions"], result["entries"]
+
+
+def run_jobs(jobs, repeats, rounds, report=print, info=None, frameworks=FRAMEWORKS):
+    """Runs the peers' children on prepared job folders; returns `bench.Entry` rows.
+
+    Args:
+      jobs: (model name, B, P, folder) per job.
+      repeats: timed passes of each entry per round.
+      rounds: child processes per framework; the order of the frameworks rotates
+        each round; round 0 also checks every result against the loop.
+      report: called with each line of progress.
+      info: a dict that receives {framework: versions, or why it did not run}.
+      frameworks: the frameworks to run (default all of FRAMEWORKS).
+    """
+    from pertower.tools import bench  # pylint: disable=import-outside-toplevel
+    from pertower.tools import peers_worker  # pylint: disable=import-outside-toplevel
+
+    info = {} if info is None else info
+    missing = missing_frameworks()
+    rows = {}
+    for model_name, B, P, _ in jobs:
+        for framework in frameworks:
+            for name, computes in peers_worker.ENTRIES[framework]:
+                entry = bench.Entry(model_name, B, P, name, computes)
+                if framework in missing:
+                    entry.status, entry.reason = "n/a", missing[framework]
+                rows[model_name, B, name] = entry
+    runnable = [f for f in frameworks if f not in missing]
+    info.update({f: {"missing": missing[f]} for f in frameworks if f in missing})
+    folders = [folder for _, _, _, folder in jobs]
+    for r in range(rounds):
+        shift = r % len(runnable) if runnable else 0
+        for framework in runnable[shift:] + runnable[:shift]:
+            start = time.perf_counter()
+            try:
+                versions, results = _run_child(framework, folders, repeats, check=r == 0)
+            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
+                for (model_name, B, name), entry in rows.items():
+                    if any(name == n for n, _ in peers_worker.ENTRIES[framework]):
+                        entry.status, entry.reason = "error", str(error)[:300]
+                report(f"  peers round {r + 1}/{rounds}: {framework} failed: {error}")
+                continue
+            info[framework] = versions
+            for result in results:
+                entry = rows[result["model"], result["batch_size"], result["name"]]
+                if entry.status == "error":
+                    continue
+                if result["status"] != "ok":
+                    entry.status, entry.reason = result["status"], result["reason"]
+                    continue
+                entry.runs_ms.extend(result["runs_ms"])
+                if r == 0:
+                    entry.build_seconds = result["build_seconds"]
+                    entry.first_run_seconds = result["first_run_seconds"]
+                    entry.max_abs_diff = result.get("max_abs_diff")
+                    entry.max_abs_reference = result.get("max_abs_reference")
+            report(f"  peers round {r + 1}/{rounds}: {framework} child done in "
+                   f"{time.perf_counter() - start:.1f} s")
+    for entry in rows.values():
+        if entry.status != "ok":
+            entry.runs_ms, entry.max_abs_diff = [], None
+            continue
+        entry.median_ms = statistics.median(entry.runs_ms) if entry.runs_ms else None
+        if entry.max_abs_diff is not None:
+            entry.agrees = bool(entry.max_abs_diff
+                                <= bench.TOLERANCE * max(1.0, entry.max_abs_reference))
+    return list(rows.values())
+
+
+def run_peers(keys, repeats, rounds, report=print, info=None, timed_loops=()):
+    """Prepares a job per (model, B) in `keys`, runs the peers; returns `bench.Entry` rows.
+
+    Args:
+      keys: (model name from PEER_MODELS, B) pairs.
+      repeats, rounds, report, info: as in `run_jobs`.
+      timed_loops: (model, B) pairs (models the bench itself does not run) for which a
+        "loop" row is added, timed once after the reference pass.
+    """
+    from pertower.tools import bench  # pylint: disable=import-outside-toplevel
+
+    folder = tempfile.mkdtemp(prefix="pertower-peers-")
+    entries, jobs = [], []
+    try:
+        for model_name, B in keys:
+            report(f"{model_name} B={B}: the loop's reference for the peers ...")
+            job_folder = os.path.join(folder, f"{model_name}-{B}")
+            timed = (model_name, B) in timed_loops
+            P, loop_ms, scale = prepare_job(model_name, B, job_folder, time_loop=timed)
+            jobs.append((model_name, B, P, job_folder))
+            if timed:
+                entries.append(bench.Entry(
+                    model_name, B, P, bench.LOOP, "gradients", median_ms=loop_ms,
+                    runs_ms=[loop_ms], max_abs_diff=0.0, max_abs_reference=scale))
+        entries += run_jobs(jobs, repeats, rounds, report, info)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return entries
+
+
+def describe(info):
+    """One line naming each peer framework's versions (or why it did not run)."""
+    parts = []
+    for framework in FRAMEWORKS:
+        if framework in info:
+            facts = info[framework]
+            parts.append(f"{framework}: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    return "; ".join(parts)
+
