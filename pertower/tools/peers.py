@@ -29,11 +29,8 @@ share a process. Entries:
 A per-example entry is compared with the loop's per-example gradients; a DP step,
 run once with σ = 0, with their clipped mean; the plain step with their mean.
 
-Models: "mlp" and "cnn" of `pertower.tools.models`, and "cifar": 32x32x3 ->
-Conv(32, 3, same) relu -> AvgPool 2 -> Conv(64, 3, same) relu -> AvgPool 2 ->
-Conv(64, 3, same) relu -> global average pool -> Dense(10), sparse softmax
-cross-entropy; `pertower.tools.models` builds it when it defines "cifar", else
-`build_cifar` here does.
+Models: those of `pertower.tools.models` ("mlp", "cnn", "cifar"), rebuilt in each
+framework with the TensorFlow model's weights.
 
 Importing this module imports neither TensorFlow nor the peers (the command-line parser
 reads `PEER_MODELS`).
@@ -50,15 +47,13 @@ import tempfile
 import time
 
 __all__ = ["PEER_MODELS", "FRAMEWORKS", "COLORS", "ROUNDS", "missing_frameworks",
-           "build_cifar", "build_tf_model", "split_feed", "prepare_job", "run_jobs",
+           "build_tf_model", "split_feed", "prepare_job", "run_jobs",
            "run_peers", "describe"]
 
-PEER_MODELS = ("mlp", "cnn", "cifar")
+PEER_MODELS = ("mlp", "cnn", "cifar")   # = pertower.tools.models.MODEL_NAMES (tested)
 FRAMEWORKS = ("tf", "torch", "jax")
 # Child rounds (each times `repeats` passes of every entry): quick, --full.
 ROUNDS = {"quick": 2, "full": 3}
-CIFAR_INPUT_SHAPE = (32, 32, 3)
-CIFAR_CLASSES = 10
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0
 # The plot's colors for the peers' entries.
@@ -86,44 +81,11 @@ def missing_frameworks():
 # The TensorFlow side ------------------------------------------------------------------
 
 
-def build_cifar(B, rng):
-    """The CIFAR-style conv net on [B, 32, 32, 3] images, per-example sparse softmax
-    cross-entropy [B]; returns a `pertower.tools.models.BuiltModel`."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    import tf_keras as keras  # pylint: disable=import-outside-toplevel
-    from pertower.tools import models  # pylint: disable=import-outside-toplevel
-
-    images = tf.compat.v1.placeholder(tf.float32, [None, *CIFAR_INPUT_SHAPE], name="images")
-    labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
-    layers = keras.layers
-    net = keras.Sequential([
-        layers.Conv2D(32, 3, padding="same", activation="relu",
-                      input_shape=CIFAR_INPUT_SHAPE),
-        layers.AveragePooling2D(2),
-        layers.Conv2D(64, 3, padding="same", activation="relu"),
-        layers.AveragePooling2D(2),
-        layers.Conv2D(64, 3, padding="same", activation="relu"),
-        layers.GlobalAveragePooling2D(),
-        layers.Dense(CIFAR_CLASSES),
-    ])
-    logits = net(images)                                                # [B, 10]
-    cost = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-    feed = {images: rng.normal(size=(B, *CIFAR_INPUT_SHAPE)).astype("float32"),
-            labels: rng.integers(0, CIFAR_CLASSES, size=B).astype("int32")}
-    return models.BuiltModel("cifar", "CIFAR-style conv net 32x32x3, sparse softmax "
-                             "cross-entropy", cost, list(net.trainable_weights), feed)
-
-
 def build_tf_model(name, B, rng):
     """Model `name` (from PEER_MODELS) in the default graph, as a BuiltModel."""
     from pertower.tools import models  # pylint: disable=import-outside-toplevel
 
-    if name in models.MODEL_NAMES:
-        return models.build(name, B, rng)
-    if name == "cifar":
-        return build_cifar(B, rng)
-    raise ValueError(f"pertower.tools.peers: unknown model {name!r}; choose from "
-                     f"{', '.join(PEER_MODELS)}.")
+    return models.build(name, B, rng)
 
 
 def split_feed(feed):
