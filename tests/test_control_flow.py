@@ -226,41 +226,57 @@ def test_a_body_that_writes_the_weight_is_refused_with_its_op():
         assert len(tf.compat.v1.get_default_graph().get_operations()) == ops_before
 
 
-def test_v1_while_loops_are_refused_with_the_switch_to_use():
+def test_v1_while_loops_are_computed_by_row_passes_and_match_oracle():
+    """v1 loops (resource variables here): a weight read inside the loop, and a loop over
+    the batch with the weight read after it. Weights no rule covers are computed by one
+    backward pass per example (method "passes" in the plan), also when towers are asked
+    for; method="rules" refuses the weight read inside the loop, saying why."""
     tf.compat.v1.disable_control_flow_v2()
     try:
-        with tf.Graph().as_default():
+        with tf.Graph().as_default() as graph:
+            common.seed_weights(31)
             x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
             w = tf.compat.v1.get_variable("w", [3, 3])
             _, h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.matmul(h, w)),
                                  [tf.constant(0), x])
-            with pytest.raises(NotImplementedError,
-                               match=r"the weight 'w:0' is read inside the TF1 \(v1\) while loop "
-                                     r"around op 'while/[\w/]+' \(\w+\).*need the Python-side loop "
-                                     r"context.*tf.compat.v1.enable_control_flow_v2\(\)"):
-                pertower.per_example_gradients(tf.reduce_sum(h, axis=1), [w], batch_size=2)
-            # a v1 loop over the batch alone, the weight read outside it
+            inside = tf.reduce_sum(h, axis=1)                                  # [B]
+            # a v1 loop over the batch alone, the weight read after it
             _, doubled = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, 2.0 * h),
                                        [tf.constant(0), x])
-            with pytest.raises(NotImplementedError,
-                               match=r"`ys` depends on the TF1 \(v1\) while loop around op "
-                                     r"'while_1/[\w/]+' \(\w+\).*enable_control_flow_v2"):
-                pertower.per_example_gradients(tf.reduce_sum(tf.matmul(doubled, w), axis=1),
-                                               [w], batch_size=2)
+            after = tf.reduce_sum(tf.matmul(doubled, w) ** 2, axis=1)          # [B]
+            plan = pertower.explain(inside, [w], batch_size=2)
+            assert [p.method for p in plan.weights] == ["passes"], str(plan)
+            assert "TF1 (v1) while loop" in str(plan), str(plan)
+            with pytest.raises(ValueError, match=r"pertower.per_example_gradients: "
+                                                 r"method='rules' is strict.*read inside "
+                                                 r"the TF1 \(v1\) while loop"):
+                pertower.per_example_gradients(inside, [w], batch_size=2, method="rules")
+            results = [pertower.per_example_gradients(inside, [w], batch_size=2),
+                       pertower.per_example_gradients(inside, [w], batch_size=2,
+                                                      method="towers"),
+                       pertower.per_example_gradients(after, [w], batch_size=2)]
+            loops = [oracle.SliceLoop(inside, [w]), oracle.SliceLoop(inside, [w]),
+                     oracle.SliceLoop(after, [w])]
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                feed = {x: np.random.RandomState(3).randn(2, 3).astype(np.float32)}
+                for grads, loop in zip(results, loops):
+                    common.assert_all_close(sess.run(grads, feed),
+                                            common.run_oracle(loop.run, sess, feed, 2))
     finally:
         tf.compat.v1.enable_control_flow_v2()
 
 
 # checks of tests/scripts/legacy_mode_checks.py ("legacy" process, once per session)
-LEGACY_CHECKS = ["check_v1_while_loop_is_refused",
+LEGACY_CHECKS = ["check_keras_lstm_with_v1_loops_matches_oracle",
                  "check_lstm_with_control_flow_v2_matches_oracle"]
 
 
 @pytest.mark.process_checks("legacy")
 @pytest.mark.parametrize("check", LEGACY_CHECKS)
 def test_recurrent_layers_under_disable_v2_behavior(processes, check):
-    """Under disable_v2_behavior: v1 loops refused with the switch; with control flow v2
-    the LSTM matches the oracle."""
+    """Under disable_v2_behavior: the Keras LSTM matches the oracle with v1 loops (row
+    passes) and with control flow v2 (towers)."""
     processes.assert_passed("legacy", check)
 
 
@@ -284,3 +300,25 @@ def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
             feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
             common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
                                     "masked bidirectional LSTM")
+
+
+def test_training_op_built_after_a_run_through_a_keras_gru():
+    """A training op built through a Keras GRU (a v2 While) after pertower's gradients
+    ran in the session builds and runs, and takes the step the mean of the per-example
+    gradients gives (the gradient of the mean loss)."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(32)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="x")
+        ys = tf.reduce_sum(keras.layers.Dense(2)(keras.layers.GRU(3)(x)), axis=1)   # [B]
+        xs = tf.compat.v1.trainable_variables()
+        grads = pertower.per_example_gradients(ys, xs, batch_size=3)
+        feed = {x: np.random.RandomState(4).randn(3, 4, 2).astype(np.float32)}
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            before, per_example = sess.run([xs, grads], feed)
+            train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
+                tf.reduce_mean(ys), var_list=xs)
+            sess.run(train, feed)
+            after = sess.run(xs)
+    want = [w - 0.5 * np.mean(g, axis=0) for w, g in zip(before, per_example)]
+    common.assert_all_close(after, want, 1e-4, 1e-5, "the step after the first run")

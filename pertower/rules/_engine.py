@@ -27,6 +27,8 @@ from pertower.rules import _rows
 
 # Ops that only re-lay-out the weight's value (same elements, same order).
 _WEIGHT_LAYOUT_OPS = frozenset({"Identity", "Snapshot", "ExpandDims", "Squeeze", "Reshape"})
+# Ops that take a value into a TF1 (v1) while loop's frame.
+_V1_LOOP_ENTER_TYPES = frozenset({"Enter", "RefEnter"})
 
 
 def build_plan(prepared, registry):
@@ -70,6 +72,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
         op, _ = reads.call_inputs[0]
         return (f"it is read inside the function body of {op.name!r} ({op.type}), where "
                 "no rule looks")
+    if reads.loop_inputs:
+        return _in_v1_loop(reads.loop_inputs[0])
     terminals = [(op, 0) for op in reads.gather_ops]
     stack = list(reads.read_tensors)
     while stack:
@@ -87,6 +91,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
     found = []
     terminals.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
     for op, slot in terminals:
+        if op.type in _V1_LOOP_ENTER_TYPES:
+            return _in_v1_loop(op)
         rule = registry.lookup(op.type)
         if rule is None:
             return f"it is read by {op.name!r} ({op.type}), which has no rule"
@@ -103,6 +109,11 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
             return f"its shape at {op.name!r} ({use.weight_shape}) is not static"
         found.append(use)
     return found
+
+
+def _in_v1_loop(enter):
+    return (f"it is read inside the TF1 (v1) while loop that {enter.name!r} ({enter.type}) "
+            "enters, where tf.gradients cannot reach the dZ a rule needs")
 
 
 def group_count(prepared, num_groups):
