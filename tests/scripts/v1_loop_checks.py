@@ -6,7 +6,11 @@ and compares pertower's per-example (or microbatch) results with the one-example
 of `pertower.oracle`. Imported after disable_v2_behavior() by legacy_mode_checks.py.
 """
 
+import contextlib
+import io
 import os
+import runpy
+import sys
 import tempfile
 import warnings
 
@@ -180,6 +184,33 @@ def check_v1_map_fn_over_the_batch_is_checked_at_run_time():
         assert plan.verdict == "unproven" and plan.validate, str(plan)
 
 
+def check_static_rnn_with_sequence_length_matches_oracle():
+    """static_rnn with sequence_length: its v1 conds on max/min(sequence_length) pick a
+    branch for the whole batch, which the analysis does not prove harmless: never
+    refused, checked at run time instead, and the result matches the loop."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(28)
+        x = tf.compat.v1.placeholder(tf.float32, [None, T, D], name="x")
+        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+        outputs, _ = tf.compat.v1.nn.static_rnn(
+            _CELLS.GRUCell(UNITS), tf.unstack(x, axis=1), sequence_length=lengths,
+            dtype=tf.float32)
+        ys = tf.reduce_sum(tf.stack(outputs, axis=1) ** 2, axis=[1, 2])   # [B]
+        xs = tf.compat.v1.trainable_variables()
+        loop = oracle.SliceLoop(ys, xs)
+        plan = pertower.explain(ys, xs, batch_size=B)
+        assert not plan.couplings and plan.verdict == "unproven" and plan.validate, str(plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            grads = pertower.per_example_gradients(ys, xs, batch_size=B)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = _feed(x, lengths)
+            common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
+                                    1e-4, 1e-5, "static_rnn sequence_length")
+        return str(plan)
+
+
 def check_v1_loop_restored_from_a_meta_graph_matches_oracle():
     """A dynamic_rnn graph exported and restored with import_meta_graph (the user
     cannot rebuild it): the restored graph works as it is."""
@@ -239,6 +270,27 @@ def check_build_towers_refuses_v1_loops_naming_the_alternative():
         raise AssertionError("build_towers replayed a v1 loop")
 
 
+def check_legacy_lstm_example_runs_and_matches_the_loop():
+    """examples/legacy_lstm.py (a few training steps) exits 0 and reports agreement with
+    the one-example loop; run here, where v1 behaviour is already on for the process."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "examples", "legacy_lstm.py")
+    argv, buffer = sys.argv, io.StringIO()
+    sys.argv = [path, "--batch-size", "4", "--steps", "3"]
+    try:
+        with tf.Graph().as_default(), contextlib.redirect_stdout(buffer), \
+                contextlib.redirect_stderr(io.StringIO()):
+            code = runpy.run_path(path)["main"]()
+    finally:
+        sys.argv = argv
+    out = buffer.getvalue()
+    assert code == 0, out
+    assert ("OK: per-example gradients and norms match the one-example loop (4 examples, "
+            "5 weights") in out, out
+    assert "passes" in out and "trained 3 DP-SGD steps" in out, out
+    return out
+
+
 CHECKS = [check_v1_dynamic_rnn_lstm_matches_oracle,
           check_v1_dynamic_rnn_gru_with_sequence_length_matches_oracle,
           check_v1_dynamic_rnn_basic_rnn_and_multi_rnn_cells_match_oracle,
@@ -246,6 +298,8 @@ CHECKS = [check_v1_dynamic_rnn_lstm_matches_oracle,
           check_v1_while_loop_with_a_weight_in_the_body_matches_oracle,
           check_v1_map_fn_and_scan_over_time_match_oracle,
           check_v1_map_fn_over_the_batch_is_checked_at_run_time,
+          check_static_rnn_with_sequence_length_matches_oracle,
           check_v1_loop_restored_from_a_meta_graph_matches_oracle,
           check_v1_loop_training_op_built_after_a_run,
-          check_build_towers_refuses_v1_loops_naming_the_alternative]
+          check_build_towers_refuses_v1_loops_naming_the_alternative,
+          check_legacy_lstm_example_runs_and_matches_the_loop]
