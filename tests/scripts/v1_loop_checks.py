@@ -130,7 +130,8 @@ def check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle():
 
 def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
     """tf.compat.v1.while_loop whose body reads a weight (resource and reference
-    variables), also with validate=True (the run-time check replays the v1 frame)."""
+    variables), also with validate=True (the run-time check replays the v1 frame), and
+    the per-example Jacobians."""
     with tf.Graph().as_default() as graph:
         common.seed_weights(23)
         x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
@@ -148,6 +149,12 @@ def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
         feed = {x: np.random.RandomState(1).randn(B, D).astype(np.float32)}
         _compare(graph, ys, xs, feed, "while_loop")
         _compare(graph, ys, xs, feed, "while_loop validate=True", validate=True)
+        jacobians = pertower.per_example_jacobians(h, xs, batch_size=B)   # [B, D, *x.shape]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            common.assert_all_close(sess.run(jacobians, feed),
+                                    oracle.loop_per_example_jacobians(sess, h, xs, feed),
+                                    1e-4, 1e-5, "while_loop Jacobians")
 
 
 def check_v1_map_fn_and_scan_over_time_match_oracle():
