@@ -450,33 +450,8 @@ def _groups_argument(prepared):
     return "batch_size" if prepared.num_groups is None else prepared.groups_argument
 
 
-def _keep_while_loops_differentiable(prepared):
-    """Lets gradients built later through the user's (v2) While ops run in a session
-    that has run them already.
-
-    The gradient of a v2 While op adds outputs to the forward op (its intermediates);
-    once a session has run the op, an op with new outputs no longer fits the session's
-    copy of it ("Connecting to invalid output N of source node .../while"). Towers
-    replay copies of the loops and leave the user's While ops as they are, so a training
-    op built after the first `sess.run` would fail, where a plain `tf.gradients` loop
-    (which differentiates the user's While ops once, before the session runs them) does
-    not. So the user's While ops between the batch and `ys` that no gradient has
-    extended yet get the same one `tf.gradients(ys, xs)` here (its ops are never run):
-    the values of the user's ops do not change, and later gradients find the
-    intermediates they need (a gradient that needs no new intermediates adds none).
-    """
-    if not any(op.type in ("While", "StatelessWhile") for op in prepared.ys_upstream):
-        return
-    xs = [r.x for r in prepared.reads if r.reached]
-    if xs:
-        with tf.name_scope("while_intermediates"):
-            tf.gradients(prepared.ys, xs)   # [*x.shape] each, never fetched
-
-
 def build(plan, devices=None):
     """Builds what `plan` decided, under the current name scope; returns a `Built`."""
     warn_if_unproven(plan)
     with plan.prepared.graph.as_default():
-        if plan.fallback and plan.loop_op is None:
-            _keep_while_loops_differentiable(plan.prepared)
         return Built(plan, devices)

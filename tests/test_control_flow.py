@@ -301,24 +301,3 @@ def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
             common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
                                     "masked bidirectional LSTM")
 
-
-def test_training_op_built_after_a_run_through_a_keras_gru():
-    """A training op built through a Keras GRU (a v2 While) after pertower's gradients
-    ran in the session builds and runs, and takes the step the mean of the per-example
-    gradients gives (the gradient of the mean loss)."""
-    with tf.Graph().as_default() as graph:
-        common.seed_weights(32)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="x")
-        ys = tf.reduce_sum(keras.layers.Dense(2)(keras.layers.GRU(3)(x)), axis=1)   # [B]
-        xs = tf.compat.v1.trainable_variables()
-        grads = pertower.per_example_gradients(ys, xs, batch_size=3)
-        feed = {x: np.random.RandomState(4).randn(3, 4, 2).astype(np.float32)}
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            before, per_example = sess.run([xs, grads], feed)
-            train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(
-                tf.reduce_mean(ys), var_list=xs)
-            sess.run(train, feed)
-            after = sess.run(xs)
-    want = [w - 0.5 * np.mean(g, axis=0) for w, g in zip(before, per_example)]
-    common.assert_all_close(after, want, 1e-4, 1e-5, "the step after the first run")
