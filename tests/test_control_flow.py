@@ -300,4 +300,3 @@ def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
             feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
             common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
                                     "masked bidirectional LSTM")
-
