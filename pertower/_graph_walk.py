@@ -207,7 +207,8 @@ def _resource_reads(x, name, handle, ys_upstream, function_name):
     read_tensors = sorted(set(read_tensors), key=lambda t: t.op._id)  # pylint: disable=protected-access
     gather_ops = sorted(set(gather_ops), key=lambda op: op._id)  # pylint: disable=protected-access
     call_inputs.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
-    loop_inputs = sorted(set(loop_inputs), key=lambda op: op._id)  # pylint: disable=protected-access
+    loop_inputs = sorted(set(loop_inputs),
+                         key=lambda op: op._id)  # pylint: disable=protected-access
     return WeightReads(x, name, read_tensors, gather_ops, call_inputs, handle,
                        loop_inputs=loop_inputs)
 
