@@ -269,12 +269,24 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
             if reads.reached:
                 uses[k], reasons[k] = None, "method='towers' was asked for"
     loop_op = graph_walk.v1_loop_op(prepared)
-    if sparse and loop_op is None:   # (row passes form dense gradients)
-        for k, reads in enumerate(prepared.reads):
-            if uses[k] and reads.gather_ops and not reads.read_tensors \
-                    and not reads.call_inputs:
-                uses[k] = None
-                reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
+    if sparse:
+        gathered = [k for k, reads in enumerate(prepared.reads)
+                    if uses[k] and reads.gather_ops and not reads.read_tensors
+                    and not reads.call_inputs and not reads.loop_inputs]
+        if gathered and loop_op is not None and not refuse:
+            gathered = []   # (explain shows the plan sparse=False would build)
+        if gathered and loop_op is not None:
+            names = ", ".join(_weight_name(prepared.xs[k]) for k in gathered)
+            raise ValueError(
+                f"pertower.{function_name}: sparse=True keeps the per-example rows of "
+                f"gathered weights ({names}) sparse by computing them with towers, but a "
+                f"TF1 (v1) while loop ({loop_op.name!r}, {loop_op.type}) lies between the "
+                "batch and `ys`, which towers cannot build gradients through. Pass "
+                "sparse=False (these weights then come back dense, [B, *x.shape]), or "
+                "build the model with tf.compat.v1.enable_control_flow_v2().")
+        for k in gathered:
+            uses[k] = None
+            reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
     if validate is None:
         validate = verdict == "unproven"
     plan = Plan(function_name=function_name, method=method, prepared=prepared,

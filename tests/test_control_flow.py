@@ -251,6 +251,15 @@ def test_v1_while_loops_are_computed_by_row_passes_and_match_oracle():
                                                  r"method='rules' is strict.*read inside "
                                                  r"the TF1 \(v1\) while loop"):
                 pertower.per_example_gradients(inside, [w], batch_size=2, method="rules")
+            table = tf.compat.v1.get_variable("table", [5, 3])
+            ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
+            _, looked_up = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, h * h),
+                                         [tf.constant(0), tf.gather(table, ids)])
+            with pytest.raises(ValueError, match=r"pertower.per_example_gradients: "
+                                                 r"sparse=True keeps .*\(table:0\).*TF1 "
+                                                 r"\(v1\) while loop.*Pass sparse=False"):
+                pertower.per_example_gradients(tf.reduce_sum(looked_up, axis=1), [table],
+                                               batch_size=2, sparse=True)
             results = [pertower.per_example_gradients(inside, [w], batch_size=2),
                        pertower.per_example_gradients(inside, [w], batch_size=2,
                                                       method="towers"),
