@@ -70,7 +70,9 @@ class RowPasses:
                 with tf.name_scope(f"group_{g}"):
                     mask = tf.cast(tf.equal(group_of_row, g), ys.dtype)  # [B]
                     # [B] -> [B, 1, ..., 1] to broadcast over ys, [B, ...]
-                    mask = tf.reshape(mask, [B] + [1] * (rank - 1))
+                    mask = tf.reshape(mask, [B] + [1] * (rank - 1) if rank is not None
+                                      else tf.concat([[B], tf.ones(
+                                          [tf.rank(ys) - 1], tf.int32)], axis=0))
                     grads = tf.gradients(ys, self.xs, grad_ys=weights * mask,
                                          unconnected_gradients=unconnected_gradients)
                     per_group.append([_dense(grad, x) for grad, x in zip(grads, self.xs)])
