@@ -13,7 +13,11 @@ Notation:
     guards   the memory limit, on the plan; couplings refused; where the proof was
              lost, the run-time check of `_guards.independence` (validate).
     build    `build`: the rules' batched backward pass for the covered weights, and
-             towers for the weights that fall back (only those).
+             for the weights that fall back (only those) towers, or, when a TF1 (v1)
+             while loop lies between the batch and `ys` (towers cannot build gradients
+             through a replayed v1 loop), row passes: one backward pass of the
+             original graph per group, grad_ys masked to the group's rows
+             (`pertower._row_passes`).
 
 Methods: "auto" (default: rules where proven, towers elsewhere), "rules" (strict: every
 weight must have a proven rule, else the call is refused listing each weight and why),
@@ -25,7 +29,9 @@ import warnings
 
 import tensorflow as tf
 
+from pertower import _graph_walk as graph_walk
 from pertower import _request
+from pertower import _row_passes
 from pertower._guards import independence
 from pertower._guards import memory
 from pertower._towers import build as towers_lib
@@ -72,9 +78,12 @@ class WeightPlan:
     Attributes:
       name: the weight's name.
       shape: its shape.
-      method: "rules", "towers", or "unreached" (`ys` does not depend on it).
+      method: "rules", "towers", "passes" (one backward pass of the original graph
+        per example, for graphs with TF1 while loops), or "unreached" (`ys` does not
+        depend on it).
       ops: for "rules", the ops whose rules compute it, as "name (Type)" strings.
-      reason: for "towers", why no rule covers it (or that towers were asked for).
+      reason: for "towers" and "passes", why no rule covers it (or that towers were
+        asked for), and for "passes" why towers cannot be used.
     """
 
     name: str
@@ -110,6 +119,9 @@ class Plan:
       memory_limit: as given (bytes, None for the default, inf for no limit).
       checked_by_default: whether `validate` was left to its default and the run-time
         check was added because the proof was lost (the call then warns).
+      loop_op: the first TF1 (v1) while loop op between the batch and `ys`, or None;
+        when set, the weights no rule covers are computed by row passes instead of
+        towers.
     """
 
     function_name: str
@@ -126,11 +138,28 @@ class Plan:
     validate: bool
     memory_limit: object = None
     checked_by_default: bool = False
+    loop_op: object = None
 
     @property
     def fallback(self):
-        """Indices into xs of the weights the towers compute."""
+        """Indices into xs of the weights no rule computes (towers or row passes)."""
         return [k for k, u in enumerate(self.uses) if u is None]
+
+    @property
+    def fallback_method(self):
+        """How the fallback weights are computed: "passes" with a TF1 loop, else "towers"."""
+        return "passes" if self.loop_op is not None else "towers"
+
+    @property
+    def passes_reason(self):
+        """Why row passes replace the towers (None without a TF1 loop)."""
+        if self.loop_op is None:
+            return None
+        op = self.loop_op
+        return (f"a TF1 (v1) while loop ({op.name!r}, {op.type}) lies between the batch "
+                "and `ys`, which towers cannot build gradients through: one backward pass "
+                "of the original graph per "
+                + ("example" if self.prepared.num_groups is None else "microbatch"))
 
     @property
     def covered(self):
@@ -149,7 +178,10 @@ class Plan:
         rows = []
         for x, uses, reason in zip(self.prepared.xs, self.uses, self.reasons):
             name, shape = _weight_name(x), x.shape
-            if uses is None:
+            if uses is None and self.loop_op is not None:
+                rows.append(WeightPlan(name, shape, "passes",
+                                       reason=f"{reason}; {self.passes_reason}"))
+            elif uses is None:
                 rows.append(WeightPlan(name, shape, "towers", reason=reason))
             elif not uses:
                 rows.append(WeightPlan(name, shape, "unreached"))
@@ -248,16 +280,29 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
     with prepared.graph.as_default():
         uses, reasons, couplings, verdict, lost_at = _analyse(prepared, registry)
     uses, reasons = list(uses), list(reasons)
-    if method == "towers":
+    if method == "towers":   # (with a TF1 loop: row passes, see Plan.passes_reason)
         for k, reads in enumerate(prepared.reads):
             if reads.reached:
                 uses[k], reasons[k] = None, "method='towers' was asked for"
-    elif sparse:
-        for k, reads in enumerate(prepared.reads):
-            if uses[k] and reads.gather_ops and not reads.read_tensors \
-                    and not reads.call_inputs:
-                uses[k] = None
-                reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
+    loop_op = graph_walk.v1_loop_op(prepared)
+    if sparse:
+        gathered = [k for k, reads in enumerate(prepared.reads)
+                    if uses[k] and reads.gather_ops and not reads.read_tensors
+                    and not reads.call_inputs and not reads.loop_inputs]
+        if gathered and loop_op is not None and not refuse:
+            gathered = []   # (explain shows the plan sparse=False would build)
+        if gathered and loop_op is not None:
+            names = ", ".join(_weight_name(prepared.xs[k]) for k in gathered)
+            raise ValueError(
+                f"pertower.{function_name}: sparse=True keeps the per-example rows of "
+                f"gathered weights ({names}) sparse by computing them with towers, but a "
+                f"TF1 (v1) while loop ({loop_op.name!r}, {loop_op.type}) lies between the "
+                "batch and `ys`, which towers cannot build gradients through. Pass "
+                "sparse=False (these weights then come back dense, [B, *x.shape]), or "
+                "build the model with tf.compat.v1.enable_control_flow_v2().")
+        for k in gathered:
+            uses[k] = None
+            reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
     checked_by_default = validate is None and verdict == "unproven"
     if validate is None:
         validate = checked_by_default
@@ -265,7 +310,8 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
                 uses=tuple(uses), reasons=tuple(reasons), couplings=couplings,
                 verdict=verdict, lost_at=lost_at, outputs_per_example=outputs_per_example,
                 forms_gradients=forms_gradients, estimate=None, validate=bool(validate),
-                memory_limit=memory_limit, checked_by_default=checked_by_default)
+                memory_limit=memory_limit, checked_by_default=checked_by_default,
+                loop_op=loop_op)
     plan = dataclasses.replace(plan, estimate=memory.estimate_plan(plan))
     if refuse:
         _refuse_what_cannot_be_built(plan)
@@ -293,8 +339,9 @@ def _refuse_what_cannot_be_built(plan):
         names = ", ".join(f"{b.name} {b.shape}" for b in prepared.batch)
         what = []
         if plan.fallback:
-            what.append("these weights fall back to towers, which are built for a fixed "
-                        f"number of examples ({_listing(plan, plan.fallback)})")
+            what.append(f"these weights fall back to {plan.fallback_method}, which are "
+                        "built for a fixed number of examples "
+                        f"({_listing(plan, plan.fallback)})")
         if plan.validate:
             if plan.verdict == "unproven":
                 op, why = plan.lost_at
@@ -341,9 +388,15 @@ class Built:
         self.batch_size = prepared.batch_size
         self.groups = _engine.group_count(prepared, prepared.num_groups)
         self.towers = None
+        self.passes = None
         # no rule used: the towers compute every weight (exactly `build_towers`)
-        self.towers_only = bool(plan.fallback) and not plan.uses_rules
-        if self.towers_only:
+        self.towers_only = (bool(plan.fallback) and not plan.uses_rules
+                            and plan.loop_op is None)
+        if plan.fallback and plan.loop_op is not None:
+            self.passes = _row_passes.RowPasses(
+                prepared.ys, [self.xs[k] for k in plan.fallback], prepared.batch_size,
+                prepared.num_groups or prepared.batch_size)
+        elif self.towers_only:
             self.towers = towers_lib.build(
                 prepared.ys, list(self.xs), list(prepared.batch), prepared.num_groups,
                 prepared.batch_size, "towers", plan.function_name,
@@ -364,7 +417,7 @@ class Built:
             # every rule op waits for the checks of the fed batch (towers check it
             # where they split the batch)
             checks = (_engine.run_time_checks(self.plan.prepared, self.plan.function_name)
-                      if self.plan.uses_rules else [])
+                      if self.plan.uses_rules or self.passes is not None else [])
             with tf.control_dependencies(checks):
                 results = [None] * len(self.xs)
                 covered = _engine.gradients(self.plan, self.plan.covered, self.groups,
@@ -377,6 +430,11 @@ class Built:
                             grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
                             name="towers", sparse=sparse)):
                         results[k] = g
+                if self.passes is not None:
+                    for k, g in zip(self.plan.fallback, self.passes.gradients(
+                            grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
+                            name="row_passes")):
+                        results[k] = g
                 return [independence.gated(g) for g in results]
 
     def squared_norms(self, name=None):
@@ -385,16 +443,20 @@ class Built:
             prepared = self.plan.prepared
             B = self.groups
             checks = (_engine.run_time_checks(prepared, self.plan.function_name)
-                      if self.plan.uses_rules else [])
+                      if self.plan.uses_rules or self.passes is not None else [])
             with tf.control_dependencies(checks):
                 squares = list(_engine.squared_norms(self.plan, self.plan.covered,
                                                      B).values())      # [B] each
+                fallback = []
+                if self.passes is not None:
+                    fallback = self.passes.gradients(name="row_passes")
             if self.towers is not None:
-                for g in self.towers.gradients(name="towers" if not self.towers_only
-                                               else "tower_gradients"):
-                    if g is not None:                                   # [B, *x.shape]
-                        squares.append(tf.reduce_sum(tf.square(g),
-                                                     axis=list(range(1, g.shape.rank))))
+                fallback = self.towers.gradients(name="towers" if not self.towers_only
+                                                 else "tower_gradients")
+            for g in fallback:
+                if g is not None:                                       # [B, *x.shape]
+                    squares.append(tf.reduce_sum(tf.square(g),
+                                                 axis=list(range(1, g.shape.rank))))
             if not squares:   # no weight is reached
                 squares = [tf.zeros(tf.reshape(B, [1]), dtype=prepared.ys.dtype)]
             return tf.add_n([tf.cast(s, prepared.ys.dtype) for s in squares])  # [B]

@@ -49,6 +49,9 @@ class WeightReads:
       call_inputs: (op, input index) pairs of function-calling ops (While, If,
         PartitionedCall, ...) that get the weight's resource handle and read it in
         their bodies; towers give them their copy (see `pertower.control_flow`).
+      loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's resource
+        handle into a loop frame; such a weight is computed by row passes
+        (`pertower._row_passes`).
       handle: the resource handle, or None (reference variables and tensors).
       reached: whether `ys` depends on the weight at all.
       value: a tensor already holding the weight's value (a reference variable's
@@ -56,14 +59,16 @@ class WeightReads:
     """
 
     def __init__(self, x, name, read_tensors=(), gather_ops=(), call_inputs=(), handle=None,
-                 value=None):
+                 value=None, loop_inputs=()):
         self.x = x
         self.name = name
         self.read_tensors = list(read_tensors)
         self.gather_ops = list(gather_ops)
         self.call_inputs = list(call_inputs)
+        self.loop_inputs = list(loop_inputs)
         self.handle = handle
-        self.reached = bool(self.read_tensors or self.gather_ops or self.call_inputs)
+        self.reached = bool(self.read_tensors or self.gather_ops or self.call_inputs
+                            or self.loop_inputs)
         self._read = value
 
     @property
@@ -218,7 +223,7 @@ def _handle_consumers(handle, within):
 
 
 def _resource_reads(x, name, handle, ys_upstream, function_name):
-    read_tensors, gather_ops, call_inputs = [], [], []
+    read_tensors, gather_ops, call_inputs, loop_inputs = [], [], [], []
     for op, index in _handle_consumers(handle, ys_upstream):
         if op.type in _READ_OP_TYPES:
             read_tensors.append(op.outputs[0])
@@ -227,7 +232,7 @@ def _resource_reads(x, name, handle, ys_upstream, function_name):
         elif op.type in control_flow.CALL_OP_TYPES:
             call_inputs.append((op, index))
         elif op.type in _V1_LOOP_OP_TYPES:
-            raise _v1_loop_error(op, function_name, name)
+            loop_inputs.append(op)
         else:
             raise NotImplementedError(
                 f"pertower.{function_name}: the weight {name!r} is passed to op "
@@ -239,7 +244,10 @@ def _resource_reads(x, name, handle, ys_upstream, function_name):
     read_tensors = sorted(set(read_tensors), key=lambda t: t.op._id)  # pylint: disable=protected-access
     gather_ops = sorted(set(gather_ops), key=lambda op: op._id)  # pylint: disable=protected-access
     call_inputs.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
-    return WeightReads(x, name, read_tensors, gather_ops, call_inputs, handle)
+    loop_inputs = sorted(set(loop_inputs),
+                         key=lambda op: op._id)  # pylint: disable=protected-access
+    return WeightReads(x, name, read_tensors, gather_ops, call_inputs, handle,
+                       loop_inputs=loop_inputs)
 
 
 def weight_reads(x, index, ys_upstream, batch, function_name):
@@ -282,25 +290,76 @@ def weight_reads(x, index, ys_upstream, batch, function_name):
     )
 
 
-def check_replayable(replayed_ops, function_name):
-    """Raises for ops that a tower replay cannot reproduce faithfully."""
+def v1_loop_op(prepared):
+    """The first TF1 (v1) while loop op (Enter, Exit, NextIteration, LoopCond) between
+    the batch or a weight read and `ys` (`prepared`: a `_request.Prepared`), or None."""
+    sources = list(prepared.batch) + [t for r in prepared.reads for t in r.read_tensors]
+    starts = [op for r in prepared.reads
+              for op in r.gather_ops + r.loop_inputs + [o for o, _ in r.call_inputs]]
+    region = downstream_ops(sources, prepared.ys_upstream) | set(starts)
+    for op in starts:
+        region |= downstream_ops(op.outputs, prepared.ys_upstream)
+    loops = [op for op in region if op.type in _V1_LOOP_OP_TYPES]
+    return min(loops, key=lambda op: op._id) if loops else None  # pylint: disable=protected-access
+
+
+def _outermost_loop(op):
+    """The outermost TF1 while loop context `op` was built in, or None."""
+    context = op._control_flow_context  # pylint: disable=protected-access
+    found = None
+    while context is not None:
+        if context.IsWhileContext():
+            found = context
+        context = context.outer_context
+    return found
+
+
+def _frame_names(ops):
+    """The frame names of the Enter ops among `ops`."""
+    return {op.get_attr("frame_name") for op in ops if op.type in ("Enter", "RefEnter")}
+
+
+def v1_loop_frames(replayed_ops, ys_upstream):
+    """The ops of `ys_upstream` in the TF1 (v1) while loops that `replayed_ops` touch,
+    whole frames (loop counters, bounds and constants in the body, which do not depend
+    on the batch, included): a replay must copy a loop's frame entire, since a frame
+    cannot read another frame's tensors. A loop is known by the Python context
+    tf.while_loop (or import_meta_graph) attached to its ops, and, for ops without one
+    (a graph imported from a GraphDef), by the frame names of its Enter ops."""
+    if not any(op.type in _V1_LOOP_OP_TYPES for op in replayed_ops):
+        return set()
+    contexts = {_outermost_loop(op) for op in replayed_ops} - {None}
+    names = _frame_names(replayed_ops)
+    frames = set()
+    for op in ys_upstream:
+        if _outermost_loop(op) in contexts:
+            frames.add(op)
+        elif op.type in ("Enter", "RefEnter") and op.get_attr("frame_name") in names:
+            frames.add(op)
+    return frames
+
+
+def check_replayable(replayed_ops, function_name, forward_only=False):
+    """Raises for ops that a tower replay cannot reproduce faithfully: TF1 (v1) while
+    loops, unless the replay is `forward_only` (no gradient is built through it)."""
+    if forward_only:
+        return
     for op in sorted(replayed_ops, key=lambda o: o._id):  # pylint: disable=protected-access
         if op.type in _V1_LOOP_OP_TYPES:
             raise _v1_loop_error(op, function_name)
 
 
-def _v1_loop_error(op, function_name, weight_name=None):
-    """The refusal of a TF1 (v1) while loop op between the batch (or a weight) and ys."""
-    what = f"the weight {weight_name!r} is read inside" if weight_name else "`ys` depends on"
+def _v1_loop_error(op, function_name):
+    """The refusal of towers with weight copies through a TF1 (v1) while loop."""
     return NotImplementedError(
-        f"pertower.{function_name}: {what} the TF1 (v1) while loop around "
-        f"op {op.name!r} ({op.type}), between the batch and `ys`. Towers cannot "
-        "replay v1 while loops: their gradients need the Python-side loop context "
-        "that tf.while_loop attached to the original ops, which a replayed copy "
-        "does not have. Build the model with control flow v2: call "
-        "tf.compat.v1.enable_control_flow_v2() before building it (this works "
-        "under tf.compat.v1.disable_v2_behavior() too), or use unroll=True for "
-        "Keras recurrent layers."
+        f"pertower.{function_name}: `ys` depends on the TF1 (v1) while loop around op "
+        f"{op.name!r} ({op.type}), between the batch and `ys`. Towers with weight copies "
+        "cannot replay v1 while loops: their gradients need the Python-side loop context "
+        "that tf.while_loop attached to the original ops, which a replayed copy does not "
+        "have. pertower.per_example_gradients (and the other gradient functions) compute "
+        "such weights with one backward pass of the original graph per example instead; "
+        "or build the model with control flow v2 (tf.compat.v1.enable_control_flow_v2() "
+        "before building it) to use towers."
     )
 
 

@@ -226,41 +226,66 @@ def test_a_body_that_writes_the_weight_is_refused_with_its_op():
         assert len(tf.compat.v1.get_default_graph().get_operations()) == ops_before
 
 
-def test_v1_while_loops_are_refused_with_the_switch_to_use():
+def test_v1_while_loops_are_computed_by_row_passes_and_match_oracle():
+    """v1 loops (resource variables here): a weight read inside the loop, and a loop over
+    the batch with the weight read after it. Weights no rule covers are computed by one
+    backward pass per example (method "passes" in the plan), also when towers are asked
+    for; method="rules" refuses the weight read inside the loop, saying why."""
     tf.compat.v1.disable_control_flow_v2()
     try:
-        with tf.Graph().as_default():
+        with tf.Graph().as_default() as graph:
+            common.seed_weights(31)
             x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
             w = tf.compat.v1.get_variable("w", [3, 3])
             _, h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.matmul(h, w)),
                                  [tf.constant(0), x])
-            with pytest.raises(NotImplementedError,
-                               match=r"the weight 'w:0' is read inside the TF1 \(v1\) while loop "
-                                     r"around op 'while/[\w/]+' \(\w+\).*need the Python-side loop "
-                                     r"context.*tf.compat.v1.enable_control_flow_v2\(\)"):
-                pertower.per_example_gradients(tf.reduce_sum(h, axis=1), [w], batch_size=2)
-            # a v1 loop over the batch alone, the weight read outside it
+            inside = tf.reduce_sum(h, axis=1)                                  # [B]
+            # a v1 loop over the batch alone, the weight read after it
             _, doubled = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, 2.0 * h),
                                        [tf.constant(0), x])
-            with pytest.raises(NotImplementedError,
-                               match=r"`ys` depends on the TF1 \(v1\) while loop around op "
-                                     r"'while_1/[\w/]+' \(\w+\).*enable_control_flow_v2"):
-                pertower.per_example_gradients(tf.reduce_sum(tf.matmul(doubled, w), axis=1),
-                                               [w], batch_size=2)
+            after = tf.reduce_sum(tf.matmul(doubled, w) ** 2, axis=1)          # [B]
+            plan = pertower.explain(inside, [w], batch_size=2)
+            assert [p.method for p in plan.weights] == ["passes"], str(plan)
+            assert "TF1 (v1) while loop" in str(plan), str(plan)
+            with pytest.raises(ValueError, match=r"pertower.per_example_gradients: "
+                                                 r"method='rules' is strict.*read inside "
+                                                 r"the TF1 \(v1\) while loop"):
+                pertower.per_example_gradients(inside, [w], batch_size=2, method="rules")
+            table = tf.compat.v1.get_variable("table", [5, 3])
+            ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
+            _, looked_up = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, h * h),
+                                         [tf.constant(0), tf.gather(table, ids)])
+            with pytest.raises(ValueError, match=r"pertower.per_example_gradients: "
+                                                 r"sparse=True keeps .*\(table:0\).*TF1 "
+                                                 r"\(v1\) while loop.*Pass sparse=False"):
+                pertower.per_example_gradients(tf.reduce_sum(looked_up, axis=1), [table],
+                                               batch_size=2, sparse=True)
+            results = [pertower.per_example_gradients(inside, [w], batch_size=2),
+                       pertower.per_example_gradients(inside, [w], batch_size=2,
+                                                      method="towers"),
+                       pertower.per_example_gradients(after, [w], batch_size=2)]
+            loops = [oracle.SliceLoop(inside, [w]), oracle.SliceLoop(inside, [w]),
+                     oracle.SliceLoop(after, [w])]
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                feed = {x: np.random.RandomState(3).randn(2, 3).astype(np.float32)}
+                for grads, loop in zip(results, loops):
+                    common.assert_all_close(sess.run(grads, feed),
+                                            common.run_oracle(loop.run, sess, feed, 2))
     finally:
         tf.compat.v1.enable_control_flow_v2()
 
 
 # checks of tests/scripts/legacy_mode_checks.py ("legacy" process, once per session)
-LEGACY_CHECKS = ["check_v1_while_loop_is_refused",
+LEGACY_CHECKS = ["check_keras_lstm_with_v1_loops_matches_oracle",
                  "check_lstm_with_control_flow_v2_matches_oracle"]
 
 
 @pytest.mark.process_checks("legacy")
 @pytest.mark.parametrize("check", LEGACY_CHECKS)
 def test_recurrent_layers_under_disable_v2_behavior(processes, check):
-    """Under disable_v2_behavior: v1 loops refused with the switch; with control flow v2
-    the LSTM matches the oracle."""
+    """Under disable_v2_behavior: the Keras LSTM matches the oracle with v1 loops (row
+    passes) and with control flow v2 (towers)."""
     processes.assert_passed("legacy", check)
 
 

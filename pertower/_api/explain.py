@@ -21,7 +21,8 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
 
     Returns:
       A `Plan` whose `str()` is a table: for each weight, its method and the ops whose
-      rules compute it, or the reason it falls back to the towers; the ops found to
+      rules compute it, or the reason it falls back to the towers (or, past a TF1
+      while loop, to row passes: one backward pass per example); the ops found to
       couple examples; whether the independence of the examples was proven, or the op
       where the proof was lost (then a run-time check is added by default); and the
       memory estimate. `plan.weights` holds the same per weight (`WeightPlan`s).

@@ -61,6 +61,16 @@ _BOUND_ARITHMETIC = frozenset({
     "StridedSlice", "Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual",
     "LogicalAnd", "LogicalOr", "LogicalNot"})
 _WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
+_NEXT_ITERATION_TYPES = frozenset({"NextIteration", "RefNextIteration"})
+# Ops that hand a TensorArray flow on (v1 loop and cond plumbing).
+_FLOW_PASSING_TYPES = functions.V1_LOOP_OP_TYPES | {"Switch", "RefSwitch", "Merge",
+                                                    "RefMerge", "Identity"}
+# v1 loop and cond ops through which a reduction's integer result may flow and still
+# only bound a loop (`_Scan.only_bounds`); Switch only through its data input.
+_V1_BOUND_PLUMBING = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                                "RefNextIteration", "Merge", "RefMerge"})
+# Passes over a region with TF1 loops before their values must have settled.
+_MAX_LOOP_PASSES = 6
 _MAX_DEPTH = 8
 
 
@@ -92,6 +102,7 @@ class _Scan:
         self.losses = []          # (op, reason), in graph order
         self.doubts = []          # ops whose result the analysis could not prove harmless
         self.size_data_edges = []
+        self.flows = lattice.TensorMap()   # TensorArray flows carrying Rows
         self.shape_value = static.ShapeEvaluator(self.value_of)
 
     # -- driving ----------------------------------------------------------------------
@@ -100,7 +111,24 @@ class _Scan:
         return self.values.get(tensor, INDEPENDENT)
 
     def run(self):
-        for op in _topological(self.region):
+        """Fills the values in graph order. A TF1 loop's back edges (NextIteration ->
+        Merge) are read on the next pass: passes repeat, each starting from the values
+        of the last, until the loop variables' values settle; what a pass found
+        (couplings, losses) is kept from the last pass only."""
+        order = _topological(self.region)
+        merges = [op for op in order if op.type in ("Merge", "RefMerge") and any(
+            t.op.type in _NEXT_ITERATION_TYPES for t in op.inputs)]
+        for _ in range(_MAX_LOOP_PASSES):
+            before = [self.value_of(op.outputs[0]) for op in merges]
+            self.couplings, self.losses, self.doubts, self.size_data_edges = [], [], [], []
+            self._pass(order)
+            if [self.value_of(op.outputs[0]) for op in merges] == before:
+                return self
+        self.lose(merges[0], "the values of its TF1 while loop's variables did not settle")
+        return self
+
+    def _pass(self, order):
+        for op in order:
             ins = [self.value_of(t) for t in op.inputs]
             if all(v is INDEPENDENT for v in ins):
                 continue
@@ -109,7 +137,6 @@ class _Scan:
                 outs = self._transfer(op, ins)
             self._record_size_edges(op, ins, outs)
             self._store(op, ins, outs)
-        return self
 
     def _user_layouts(self, op, ins):
         rule = self.registry.lookup(op.type) if self.registry is not None else None
@@ -164,7 +191,9 @@ class _Scan:
                                       else (frozenset().union(*parts),))
             if isinstance(value, int) and not isinstance(value, bool):
                 value = Rows(value, common_k, None)
-            if isinstance(value, Rows) and tensor.dtype != tf.variant:  # (a TensorList
+            if isinstance(value, Rows) and self._is_flow(op, tensor):
+                self.flows[tensor] = True   # (a TensorArray's flow holds its elements')
+            elif isinstance(value, Rows) and tensor.dtype != tf.variant:  # (a TensorList
                 # holds the value of its elements)
                 completed = lattice.complete(value, tensor.shape)
                 if completed is None:
@@ -223,6 +252,16 @@ class _Scan:
                 return None
             return joined.pop()
         return (flat,) if flat else ()
+    def _is_flow(self, op, tensor):
+        """Whether `tensor` is a v1 TensorArray's flow (a scalar standing for the
+        array's elements): written by a TensorArray op, or passed on by loop ops."""
+        if tensor.shape.rank != 0:
+            return False
+        if op.type in functions.TENSOR_ARRAY_FLOW_OP_TYPES:
+            return True
+        if op.type in _FLOW_PASSING_TYPES:
+            return any(t in self.flows for t in op.inputs)
+        return False
 
     def _live(self, tensor):
         """Whether `tensor` is on a path to the targets (ys, or a body's outputs)."""
@@ -273,6 +312,19 @@ class _Scan:
                     continue
                 for j, t in enumerate(consumer.inputs):
                     if t is not tensor or j in transfer_layout.shape_slots(consumer):
+                        continue
+                    if consumer.type == "LoopCond":
+                        continue   # it bounds a TF1 loop: the value goes no further
+                    integral = all(o.dtype.is_integer or o.dtype == tf.bool
+                                   for o in consumer.outputs)
+                    if integral and (consumer.type in _V1_BOUND_PLUMBING or (
+                            consumer.type in ("Switch", "RefSwitch") and j == 0)):
+                        for out in consumer.outputs:   # (an unused Exit, Merge index or
+                            # Switch branch ends there)
+                            if out.ref() not in seen and any(
+                                    c in self.region for c in out.consumers()):
+                                seen.add(out.ref())
+                                stack.append(out)
                         continue
                     if consumer.type in _WHILE_OP_TYPES:
                         if not self._passes_through(consumer, j):

@@ -1,16 +1,27 @@
-"""Function bodies and control flow: functional If/While/calls, TensorLists, v1 Switch/Merge.
+"""Function bodies and control flow: functional If/While/calls, TensorLists, v1 Switch/Merge,
+v1 while loops (Enter/Exit/NextIteration/LoopCond) and v1 TensorArrays.
 
 Notation: as in `lattice`. A function body is analysed like the outer graph, its
 inputs seeded with the values of the op's inputs (`scan.body_values`); a coupling
 inside is reported on the op that runs the function. A TensorList (the variant a
 while loop carries: tf.scan's elements, a Keras RNN's time steps) holds the value of
 its *elements*.
+
+A TF1 (v1) while loop is not a function but a frame of ops in the graph: Enter passes
+a value into the frame, Merge joins it with the value NextIteration hands back from the
+previous iteration (a back edge, which the scan follows by running again until the
+values settle, see `analysis._Scan.run`), Switch on LoopCond either continues the body
+or leaves through Exit. Each of them passes its data on unchanged; the number of
+iterations must not depend on the batch's values (LoopCond). A v1 TensorArray (the
+time steps of tf.compat.v1.nn.dynamic_rnn) is followed through its *flow* tensor,
+which holds the value of its elements, as a TensorList's variant does.
 """
 
 from pertower._batch_axis import lattice
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
-__all__ = ["TRANSFERS", "CONTROL_FLOW_OP_TYPES"]
+__all__ = ["TRANSFERS", "CONTROL_FLOW_OP_TYPES", "V1_LOOP_OP_TYPES",
+           "TENSOR_ARRAY_FLOW_OP_TYPES"]
 
 
 def cond(scan, op, ins):
@@ -95,11 +106,80 @@ def switch(scan, op, ins):
 
 
 def merge(scan, op, ins):
-    """TF1 cond: the value of whichever branch ran (output 1 is its index)."""
+    """TF1 cond: the value of whichever branch ran (output 1 is its index). TF1 loop:
+    the value entering the loop joined with the one NextIteration hands back."""
     value = INDEPENDENT
-    for v in ins:
-        value = lattice.join(value, v)
+    for t, v in zip(op.inputs, ins):
+        value = (_loop_join(value, v) if t.op.type in _NEXT_ITERATION
+                 else lattice.join(value, v))
     return [value, INDEPENDENT]
+
+
+_NEXT_ITERATION = frozenset({"NextIteration", "RefNextIteration"})
+# v1 loop ops that pass their (first) input on unchanged.
+V1_LOOP_OP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                              "RefNextIteration", "LoopCond"})
+
+
+def v1_loop_pass(scan, op, ins):
+    """Enter, Exit, NextIteration: the value goes on unchanged; LoopCond: a predicate
+    from the batch's values would make the number of iterations differ per batch."""
+    if op.type == "LoopCond" and lattice.depends_on_values(ins[0]):
+        raise lattice.Lost("the number of iterations of its TF1 while loop depends on the "
+                           "batch's values")
+    return [ins[0]]
+
+
+def _index_checked(ins, j):
+    if lattice.depends_on_values(ins[j]):
+        raise lattice.Lost("its index depends on the batch's values")
+
+
+def tensor_array_scatter(scan, op, ins):
+    """TensorArrayScatterV3(handle, indices, value [N, ...], flow) -> flow: the elements
+    are value's rows along axis 0 (N time steps), so the batch axis moves down by one."""
+    _index_checked(ins, 1)
+    value = ins[2]
+    if value is UNKNOWN:
+        raise lattice.Lost("its input's batch axis was already lost")
+    if not isinstance(value, Rows):
+        return [_loop_join(ins[3], SIZE)]
+    if value.lead == 0:
+        raise lattice.Lost("it makes a TensorArray over the batch axis: one element per "
+                           "example, which a loop then visits in turn (tf.compat.v1.map_fn "
+                           "or scan over the batch)")
+    return [_loop_join(ins[3], Rows(value.lead - 1, value.k, None))]
+
+
+def tensor_array_read(scan, op, ins):
+    """TensorArrayReadV3(handle, index, flow) -> one element."""
+    _index_checked(ins, 1)
+    return [ins[2]]
+
+
+def tensor_array_write(scan, op, ins):
+    """TensorArrayWriteV3(handle, index, value, flow) -> flow."""
+    _index_checked(ins, 1)
+    return [_loop_join(ins[3], ins[2])]
+
+
+def tensor_array_gather(scan, op, ins):
+    """TensorArrayGatherV3(handle, indices, flow) -> [N, ...elements]."""
+    _index_checked(ins, 1)
+    value = ins[2]
+    if value is UNKNOWN:
+        raise lattice.Lost("its TensorArray's batch axis was already lost")
+    if not isinstance(value, Rows):
+        return [SIZE]
+    return [Rows(value.lead + 1, value.k, None)]
+
+
+def tensor_array_size(scan, op, ins):
+    return [SIZE]
+
+
+# The outputs of these ops are TensorArray flows: scalars holding their elements' value.
+TENSOR_ARRAY_FLOW_OP_TYPES = frozenset({"TensorArrayScatterV3", "TensorArrayWriteV3"})
 
 
 TRANSFERS = {
@@ -108,6 +188,12 @@ TRANSFERS = {
     "TensorListFromTensor": list_from_tensor, "TensorListGetItem": list_get_item,
     "TensorListSetItem": list_set_item, "TensorListStack": list_stack,
     "Switch": switch, "RefSwitch": switch, "Merge": merge, "RefMerge": merge,
+    "TensorArrayScatterV3": tensor_array_scatter, "TensorArrayReadV3": tensor_array_read,
+    "TensorArrayWriteV3": tensor_array_write, "TensorArrayGatherV3": tensor_array_gather,
+    "TensorArraySizeV3": tensor_array_size,
 }
+TRANSFERS.update({t: v1_loop_pass for t in V1_LOOP_OP_TYPES})
 # Ops whose transfer functions read UNKNOWN inputs themselves.
-CONTROL_FLOW_OP_TYPES = frozenset(TRANSFERS) - {"TensorListFromTensor", "TensorListStack"}
+CONTROL_FLOW_OP_TYPES = frozenset(TRANSFERS) - {"TensorListFromTensor", "TensorListStack",
+                                               "TensorArrayScatterV3",
+                                               "TensorArrayGatherV3"}

@@ -14,7 +14,8 @@ row i of `ys` is cost_i / B. A tower replays the graph on B/T examples, so its o
 `tf.shape` gives B/T. At a size-data edge the tower must read the whole batch's value
 (the original graph's tensor), so that its rows are the rows of `ys`; at a shape use
 (Reshape's shape, Fill dims, Tile multiples, slice bounds, Range, reduction axes,
-loop counters, tensor-list element shapes, ...) it keeps its own size, the size of
+loop counters and bounds (a While's inputs, a TF1 loop's condition), tensor-list
+element shapes, ...) it keeps its own size, the size of
 the slice it computes on.
 
 `size_data_edges(ops, batch)` lists the size-data edges of `ops`.
@@ -34,7 +35,31 @@ _SIZE_ARITHMETIC = frozenset({
     "GatherV2", "Gather", "Cast", "Add", "AddV2", "Sub", "Mul", "FloorDiv",
     "TruncateDiv", "Div", "FloorMod", "Mod", "Maximum", "Minimum", "Prod", "Sum",
     "Max", "Min", "Reshape", "ExpandDims", "Squeeze", "Neg", "Abs", "BroadcastArgs",
+    # TF1 (v1) loop plumbing: a size value entering a loop frame stays one
+    "Enter", "RefEnter", "Merge", "RefMerge", "Switch", "RefSwitch", "Exit", "RefExit",
+    "NextIteration", "RefNextIteration",
 })
+# Ops a loop condition's comparison may pass through on its way to LoopCond.
+_CONDITION_LOGIC = frozenset({"LogicalAnd", "LogicalOr", "LogicalNot", "Identity"})
+
+
+def _bounds_v1_loop(op):
+    """Whether every output of `op` only decides a TF1 loop's iterations (reaches
+    LoopCond through boolean logic): comparing a counter with the size is a loop
+    bound, which each tower keeps for its own slice, as a While's bound."""
+    stack, seen = list(op.outputs), set()
+    reached = False
+    while stack:
+        tensor = stack.pop()
+        for consumer in tensor.consumers():
+            if consumer.type == "LoopCond":
+                reached = True
+            elif consumer.type in _CONDITION_LOGIC and consumer not in seen:
+                seen.add(consumer)
+                stack.extend(consumer.outputs)
+            else:
+                return False
+    return reached
 
 # {op type: input indices that are shape or axis operands}; None means every input.
 _SHAPE_OPERANDS = {
@@ -105,6 +130,8 @@ def size_data_edges(ops, batch):
             size.update(outputs)
             continue
         dependent.update(outputs)
+        if _bounds_v1_loop(op):
+            continue
         edges.extend((op, i) for i, n in enumerate(names)
                      if n in size and not _is_shape_operand(op, i))
     return edges

@@ -55,6 +55,8 @@ __all__ = ["Towers", "build_towers"]
 
 _BAKED = ("This happens when the graph bakes its batch size into constants; build the "
           "model on placeholders whose batch axis is None.")
+# Ops that open a TF1 (v1) while loop's frame, named by their `frame_name` attribute.
+_V1_ENTER_TYPES = frozenset({"Enter", "RefEnter"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +175,12 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
         replayed = graph_walk.downstream_ops(sources, ys_upstream) | gather_ops | call_ops
         for op in gather_ops | call_ops:
             replayed |= graph_walk.downstream_ops(op.outputs, ys_upstream)
-        graph_walk.check_replayable(replayed, function_name)
+        # without weight copies (the run-time check's replay of `ys`) no gradient is
+        # built through the replay, so TF1 loops may be replayed: frame and all
+        forward_only = not any(r.reached for r in reads)
+        graph_walk.check_replayable(replayed, function_name, forward_only)
+        if forward_only:
+            replayed |= graph_walk.v1_loop_frames(replayed, ys_upstream)
         # Rewrite the control-flow functions once now, so that a refusal comes before
         # any op is added; the towers get their own rewrites in _replay.
         call_positions = _call_positions(reads, xs)
@@ -483,6 +490,9 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
             node.input[0] = key_for(copies[gathers[op]][t])
             control_flow.gather_from_value(node, reads[gathers[op]].dtype.as_datatype_enum,
                                            lambda: key_for(axis_zero))
+        if op.type in _V1_ENTER_TYPES:   # each tower runs its own copy of the loop frame
+            frame = node.attr["frame_name"].s.decode()
+            node.attr["frame_name"].s = f"{prefix}t{t}/{frame}".encode()
         if op.type in control_flow.CALL_OP_TYPES:
             positions = call_positions.get(op, {})
             for i, k in positions.items():  # the handle becomes the copy

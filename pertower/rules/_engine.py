@@ -42,6 +42,8 @@ _PYTHON_OP_TYPES = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 _OVERRIDE_ATTR = "_gradient_op_type"
 # How deep nested function bodies are searched for such ops.
 _MAX_FUNCTION_DEPTH = 8
+# Ops that take a value into a TF1 (v1) while loop's frame.
+_V1_LOOP_ENTER_TYPES = frozenset({"Enter", "RefEnter"})
 
 
 def build_plan(prepared, registry):
@@ -98,6 +100,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
         op, _ = reads.call_inputs[0]
         return (f"it is read inside the function body of {op.name!r} ({op.type}), where "
                 "no rule looks")
+    if reads.loop_inputs:
+        return _in_v1_loop(reads.loop_inputs[0])
     terminals = [(op, 0) for op in reads.gather_ops]
     stack = list(reads.read_tensors)
     while stack:
@@ -115,6 +119,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
     found = []
     terminals.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
     for op, slot in terminals:
+        if op.type in _V1_LOOP_ENTER_TYPES:
+            return _in_v1_loop(op)
         rule = registry.lookup(op.type)
         if rule is None:
             return f"it is read by {op.name!r} ({op.type}), which has no rule"
@@ -209,6 +215,9 @@ class _UnassumedGradients:
                     break
         self._functions[name] = found
         return found
+def _in_v1_loop(enter):
+    return (f"it is read inside the TF1 (v1) while loop that {enter.name!r} ({enter.type}) "
+            "enters, where tf.gradients cannot reach the dZ a rule needs")
 
 
 def group_count(prepared, num_groups):

@@ -8,7 +8,6 @@ failure.
 
 import math
 import os
-import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -25,6 +24,7 @@ import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
 from tests import common  # noqa: E402
 from tests import process_checks  # noqa: E402
+from tests.scripts import v1_loop_checks  # noqa: E402
 
 
 # Graphs of TF1 code: tf.compat.v1.layers, v1 cond, a Keras model, scenario 2 ----------
@@ -118,7 +118,7 @@ def check_hand_checkable_case_in_two_placeholders():
     assert abs(cos_value - want) < 1e-6, (cos_value, want)
 
 
-# Recurrent layers: v1 loops refused with the switch, control flow v2 matches ------------
+# Recurrent layers: a Keras LSTM with v1 loops and with control flow v2 -------------------
 
 def _lstm():
     x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="x")
@@ -126,19 +126,20 @@ def _lstm():
     return x, ys, tf.compat.v1.trainable_variables()
 
 
-def check_v1_while_loop_is_refused():
-    """v1 control flow: the refusal names the loop op and the switch to use."""
-    with tf.Graph().as_default():
-        _, ys, xs = _lstm()
-        try:
-            pertower.per_example_gradients(ys, xs, batch_size=2)
-        except NotImplementedError as error:
-            pattern = (r"TF1 \(v1\) while loop around op '[\w/]+' \(\w+\).*Python-side loop "
-                       r"context.*tf.compat.v1.enable_control_flow_v2\(\)")
-            if not re.search(pattern, str(error)):
-                raise AssertionError(f"unexpected message: {error}") from None
-            return
-        raise AssertionError("v1 while loop was not refused")
+def check_keras_lstm_with_v1_loops_matches_oracle():
+    """A Keras LSTM built with v1 control flow: its weights are computed by row passes
+    (one backward pass per example), against the loop."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(3)
+        x, ys, xs = _lstm()
+        assert any(op.type == "LoopCond" for op in graph.get_operations()), "no v1 loop"
+        loop = oracle.SliceLoop(ys, xs)
+        grads = pertower.per_example_gradients(ys, xs, batch_size=3)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(0).randn(3, 4, 2).astype(np.float32)}
+            got, want = sess.run(grads, feed), loop.run(sess, feed, 3)
+        common.assert_all_close(got, want, 1e-4, 1e-5, "Keras LSTM, v1 loops")
 
 
 def check_lstm_with_control_flow_v2_matches_oracle():
@@ -192,8 +193,10 @@ def check_v1_cond_batch_norm_with_a_training_placeholder_is_refused():
 
 CHECKS = [check_layers_model, check_v1_cond, check_keras_model, check_hand_checkable_case,
           check_hand_checkable_case_in_two_placeholders,
-          check_v1_while_loop_is_refused, check_lstm_with_control_flow_v2_matches_oracle,
-          check_v1_cond_batch_norm_with_a_training_placeholder_is_refused]
+          check_keras_lstm_with_v1_loops_matches_oracle,
+          check_lstm_with_control_flow_v2_matches_oracle,
+          check_v1_cond_batch_norm_with_a_training_placeholder_is_refused,
+          *v1_loop_checks.CHECKS]
 
 
 if __name__ == "__main__":

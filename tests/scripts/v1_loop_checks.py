@@ -1,0 +1,312 @@
+"""Checks of TF1 (v1) while loops, run by legacy_mode_checks.py in its process (under
+tf.compat.v1.disable_v2_behavior(), one TensorFlow start-up for every legacy check).
+
+Each check builds a small graph with v1 control flow (Enter/Exit/NextIteration/LoopCond)
+and compares pertower's per-example (or microbatch) results with the one-example loop
+of `pertower.oracle`. Imported after disable_v2_behavior() by legacy_mode_checks.py.
+"""
+
+import contextlib
+import io
+import os
+import runpy
+import sys
+import tempfile
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+import pertower
+from pertower import oracle
+from tests import common
+
+__all__ = ["CHECKS"]
+
+B, T, D, UNITS = 4, 5, 2, 3
+_CELLS = tf.compat.v1.nn.rnn_cell
+
+
+def _feed(x, lengths=None, rows=B):
+    rs = np.random.RandomState(0)
+    feed = {x: rs.randn(rows, T, D).astype(np.float32)}
+    if lengths is not None:
+        feed[lengths] = np.array([T, 2, 3, 1, 4, 5][:rows], dtype=np.int32)
+    return feed
+
+
+def _v1_loops_in(graph):
+    return any(op.type == "LoopCond" for op in graph.get_operations())
+
+
+def _compare(graph, ys, xs, feed, what, num_microbatches=None, **kwargs):
+    """pertower's gradients (and, once, norms) against the loop; returns the plan."""
+    assert _v1_loops_in(graph), f"{what}: no v1 while loop in the graph"
+    groups = num_microbatches or B
+    loop = oracle.SliceLoop(ys, xs)
+    if num_microbatches is None:
+        grads = pertower.per_example_gradients(ys, xs, batch_size=B, **kwargs)
+    else:
+        grads = pertower.microbatch_gradients(ys, xs, batch_size=B,
+                                              num_microbatches=num_microbatches, **kwargs)
+    plan = pertower.explain(ys, xs, batch_size=B, num_microbatches=num_microbatches)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run(grads, feed)
+        want = loop.run(sess, feed, groups)
+    common.assert_all_close(got, want, 1e-4, 1e-5, what)
+    return plan
+
+
+def _rnn_model(make_cell, with_lengths=False):
+    x = tf.compat.v1.placeholder(tf.float32, [None, T, D], name="x")
+    lengths = (tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+               if with_lengths else None)
+    outputs, _ = tf.compat.v1.nn.dynamic_rnn(make_cell(), x, sequence_length=lengths,
+                                             dtype=tf.float32)
+    ys = tf.reduce_sum(tf.compat.v1.layers.dense(outputs, 2), axis=[1, 2])   # [B]
+    return x, lengths, ys
+
+
+def _dynamic_rnn_check(make_cell, what, with_lengths=False):
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(21)
+        x, lengths, ys = _rnn_model(make_cell, with_lengths)
+        xs = tf.compat.v1.trainable_variables()
+        plan = _compare(graph, ys, xs, _feed(x, lengths), what)
+    methods = {w.method for w in plan.weights}
+    assert "passes" in methods, f"{what}: no weight computed by row passes:\n{plan}"
+    assert plan.verdict == "independent", f"{what}: not proven:\n{plan}"
+    return str(plan)
+
+
+def check_v1_dynamic_rnn_lstm_matches_oracle():
+    """dynamic_rnn(LSTMCell) under v1 control flow: row passes for the cell, rules for
+    the dense layer after it; explain names the strategy."""
+    text = _dynamic_rnn_check(lambda: _CELLS.LSTMCell(UNITS), "LSTMCell")
+    assert "passes" in text and "one backward pass of the original graph" in text, text
+    return text
+
+
+def check_v1_dynamic_rnn_gru_with_sequence_length_matches_oracle():
+    """dynamic_rnn(GRUCell, sequence_length): max(sequence_length) only bounds the v1
+    loop, so it is no coupling; the independence is proven."""
+    return _dynamic_rnn_check(lambda: _CELLS.GRUCell(UNITS), "GRUCell sequence_length",
+                              with_lengths=True)
+
+
+def check_v1_dynamic_rnn_basic_rnn_and_multi_rnn_cells_match_oracle():
+    """BasicRNNCell, and MultiRNNCell of two LSTMCells with sequence_length."""
+    _dynamic_rnn_check(lambda: _CELLS.BasicRNNCell(UNITS), "BasicRNNCell")
+    return _dynamic_rnn_check(
+        lambda: _CELLS.MultiRNNCell([_CELLS.LSTMCell(UNITS), _CELLS.LSTMCell(2)]),
+        "MultiRNNCell", with_lengths=True)
+
+
+def check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle():
+    """bidirectional_dynamic_rnn with sequence_length (ReverseSequence inside), per
+    example and in 2 microbatches, and the norms."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(22)
+        x = tf.compat.v1.placeholder(tf.float32, [None, T, D], name="x")
+        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+        (fw, bw), _ = tf.compat.v1.nn.bidirectional_dynamic_rnn(
+            _CELLS.LSTMCell(UNITS), _CELLS.GRUCell(2), x, sequence_length=lengths,
+            dtype=tf.float32)
+        ys = tf.reduce_sum(tf.concat([fw, bw], axis=2) ** 2, axis=[1, 2])   # [B]
+        xs = tf.compat.v1.trainable_variables()
+        feed = _feed(x, lengths)
+        _compare(graph, ys, xs, feed, "bidirectional per example")
+        _compare(graph, ys, xs, feed, "bidirectional microbatches", num_microbatches=2)
+        norms = pertower.per_example_norms(ys, xs, batch_size=B)
+        loop = oracle.SliceLoop(ys, xs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got = sess.run(norms, feed)
+            want = loop.run(sess, feed, B)
+        squares = sum(np.sum(w.reshape(B, -1) ** 2, axis=1) for w in want)
+        common.assert_all_close([got], [np.sqrt(squares)], 1e-4, 1e-5, "norms")
+
+
+def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
+    """tf.compat.v1.while_loop whose body reads a weight (resource and reference
+    variables), also with validate=True (the run-time check replays the v1 frame), and
+    the per-example Jacobians."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(23)
+        x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
+        w = tf.compat.v1.get_variable("w", [D, D], initializer=tf.constant_initializer(
+            [[0.5, -0.3], [0.2, 0.4]]))
+        v = tf.compat.v1.get_variable("v", [D], use_resource=True,
+                                      initializer=tf.constant_initializer([0.1, -0.2]))
+
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(h, w) + v)
+
+        _, h = tf.compat.v1.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x])
+        ys = tf.reduce_sum(h ** 2, axis=1)   # [B]
+        xs = [w, v]
+        feed = {x: np.random.RandomState(1).randn(B, D).astype(np.float32)}
+        _compare(graph, ys, xs, feed, "while_loop")
+        _compare(graph, ys, xs, feed, "while_loop validate=True", validate=True)
+        jacobians = pertower.per_example_jacobians(h, xs, batch_size=B)   # [B, D, *x.shape]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            common.assert_all_close(sess.run(jacobians, feed),
+                                    oracle.loop_per_example_jacobians(sess, h, xs, feed),
+                                    1e-4, 1e-5, "while_loop Jacobians")
+
+
+def check_v1_map_fn_and_scan_over_time_match_oracle():
+    """tf.compat.v1.map_fn and tf.compat.v1.scan over the time axis (the batch stays
+    on the elements' axis 0)."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(24)
+        x = tf.compat.v1.placeholder(tf.float32, [None, T, D], name="x")
+        w = tf.compat.v1.get_variable("w", [D, UNITS])
+        u = tf.compat.v1.get_variable("u", [UNITS, UNITS])
+        time_major = tf.transpose(x, [1, 0, 2])                             # [T, B, D]
+        mapped = tf.compat.v1.map_fn(lambda step: tf.tanh(tf.matmul(step, w)),
+                                     time_major)                           # [T, B, U]
+        states = tf.compat.v1.scan(lambda h, step: tf.tanh(tf.matmul(h, u) + step),
+                                   mapped, initializer=tf.zeros_like(mapped[0]))
+        ys = tf.reduce_sum(states[-1] ** 2, axis=1)                          # [B]
+        plan = _compare(graph, ys, [w, u], _feed(x), "map_fn and scan over time")
+        assert plan.verdict == "independent", str(plan)
+
+
+def check_v1_map_fn_over_the_batch_is_checked_at_run_time():
+    """map_fn over the batch axis visits the examples one by one: not proven, so the
+    run-time check (a replay of the v1 frame) decides; the result matches the loop."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(25)
+        x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
+        w = tf.compat.v1.get_variable("w", [D, D])
+        h = tf.compat.v1.map_fn(lambda row: tf.tanh(tf.linalg.matvec(w, row, True)), x)
+        ys = tf.reduce_sum(h ** 2, axis=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = _compare(graph, ys, [w], {x: np.random.RandomState(2).randn(
+                B, D).astype(np.float32)}, "map_fn over the batch")
+        assert plan.verdict == "unproven" and plan.validate, str(plan)
+
+
+def check_static_rnn_with_sequence_length_matches_oracle():
+    """static_rnn with sequence_length: its v1 conds on max/min(sequence_length) pick a
+    branch for the whole batch, which the analysis does not prove harmless: never
+    refused, checked at run time instead, and the result matches the loop."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(28)
+        x = tf.compat.v1.placeholder(tf.float32, [None, T, D], name="x")
+        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+        outputs, _ = tf.compat.v1.nn.static_rnn(
+            _CELLS.GRUCell(UNITS), tf.unstack(x, axis=1), sequence_length=lengths,
+            dtype=tf.float32)
+        ys = tf.reduce_sum(tf.stack(outputs, axis=1) ** 2, axis=[1, 2])   # [B]
+        xs = tf.compat.v1.trainable_variables()
+        loop = oracle.SliceLoop(ys, xs)
+        plan = pertower.explain(ys, xs, batch_size=B)
+        assert not plan.couplings and plan.verdict == "unproven" and plan.validate, str(plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            grads = pertower.per_example_gradients(ys, xs, batch_size=B)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = _feed(x, lengths)
+            common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
+                                    1e-4, 1e-5, "static_rnn sequence_length")
+        return str(plan)
+
+
+def check_v1_loop_restored_from_a_meta_graph_matches_oracle():
+    """A dynamic_rnn graph exported and restored with import_meta_graph (the user
+    cannot rebuild it): the restored graph works as it is."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(26)
+        x, lengths, ys = _rnn_model(lambda: _CELLS.LSTMCell(UNITS), with_lengths=True)
+        tf.compat.v1.add_to_collection("ys", ys)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            path = os.path.join(tempfile.mkdtemp(), "model")
+            tf.compat.v1.train.Saver().save(sess, path)
+    with tf.Graph().as_default() as restored:
+        saver = tf.compat.v1.train.import_meta_graph(path + ".meta")
+        ys = tf.compat.v1.get_collection("ys")[0]
+        xs = tf.compat.v1.trainable_variables()
+        x, lengths = (restored.get_tensor_by_name(n) for n in ("x:0", "lengths:0"))
+        loop = oracle.SliceLoop(ys, xs)
+        grads = pertower.per_example_gradients(ys, xs, batch_size=B, validate=True)
+        with tf.compat.v1.Session(graph=restored) as sess:
+            saver.restore(sess, path)
+            feed = _feed(x, lengths)
+            common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
+                                    1e-4, 1e-5, "restored meta graph")
+
+
+def check_v1_loop_training_op_built_after_a_run():
+    """A training op built through the v1 loop after pertower's gradients have run in
+    the session builds and runs (the user's loop ops are left as they were)."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(27)
+        x, lengths, ys = _rnn_model(lambda: _CELLS.GRUCell(UNITS), with_lengths=True)
+        xs = tf.compat.v1.trainable_variables()
+        grads = pertower.per_example_gradients(ys, xs, batch_size=B)
+        feed = _feed(x, lengths)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(grads, feed)
+            train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+                tf.reduce_mean(ys))
+            sess.run(train, feed)
+
+
+def check_build_towers_refuses_v1_loops_naming_the_alternative():
+    """build_towers (towers with weight copies, by definition) cannot replay v1 loops:
+    the refusal names the loop op and what to use instead."""
+    with tf.Graph().as_default():
+        _, _, ys = _rnn_model(lambda: _CELLS.LSTMCell(UNITS))
+        try:
+            pertower.build_towers(ys, tf.compat.v1.trainable_variables(), batch_size=2)
+        except NotImplementedError as error:
+            message = str(error)
+            assert message.startswith("pertower.build_towers: "), message
+            assert "TF1 (v1) while loop" in message, message
+            assert "per_example_gradients" in message, message
+            assert "enable_control_flow_v2" in message, message
+            return message
+        raise AssertionError("build_towers replayed a v1 loop")
+
+
+def check_legacy_lstm_example_runs_and_matches_the_loop():
+    """examples/legacy_lstm.py (a few training steps) exits 0 and reports agreement with
+    the one-example loop; run here, where v1 behaviour is already on for the process."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "examples", "legacy_lstm.py")
+    argv, buffer = sys.argv, io.StringIO()
+    sys.argv = [path, "--batch-size", "4", "--steps", "3"]
+    try:
+        with tf.Graph().as_default(), contextlib.redirect_stdout(buffer), \
+                contextlib.redirect_stderr(io.StringIO()):
+            code = runpy.run_path(path)["main"]()
+    finally:
+        sys.argv = argv
+    out = buffer.getvalue()
+    assert code == 0, out
+    assert ("OK: per-example gradients and norms match the one-example loop (4 examples, "
+            "5 weights") in out, out
+    assert "passes" in out and "trained 3 DP-SGD steps" in out, out
+    return out
+
+
+CHECKS = [check_v1_dynamic_rnn_lstm_matches_oracle,
+          check_v1_dynamic_rnn_gru_with_sequence_length_matches_oracle,
+          check_v1_dynamic_rnn_basic_rnn_and_multi_rnn_cells_match_oracle,
+          check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle,
+          check_v1_while_loop_with_a_weight_in_the_body_matches_oracle,
+          check_v1_map_fn_and_scan_over_time_match_oracle,
+          check_v1_map_fn_over_the_batch_is_checked_at_run_time,
+          check_static_rnn_with_sequence_length_matches_oracle,
+          check_v1_loop_restored_from_a_meta_graph_matches_oracle,
+          check_v1_loop_training_op_built_after_a_run,
+          check_build_towers_refuses_v1_loops_naming_the_alternative,
+          check_legacy_lstm_example_runs_and_matches_the_loop]
