@@ -19,16 +19,17 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _reductions as reductions
+from pertower import _context
 
 __all__ = ["tracin", "tracin_over_checkpoints", "similarity_matrix", "class_similarity",
            "fisher_diagonal", "gradient_variance", "NoiseScale", "gradient_noise_scale",
            "empirical_ntk"]
 
 
-def _per_example_tensors(gradient, argument, function_name):
+def _per_example_tensors(gradient, argument):
     """The per-example gradient's tensors, checked (reductions' checks), [B, ...] each."""
     # pylint: disable-next=protected-access
-    return reductions._tensors(gradient, argument, function_name, per_example=True)
+    return reductions._tensors(gradient, argument, per_example=True)
 
 
 def _batch_count(tensors, dtype):
@@ -42,6 +43,7 @@ def _is_checkpoint_list(value):
         value[0], (list, tuple))
 
 
+@_context.public("tracin")
 def tracin(train_gradients, test_gradients, learning_rates=1.0):
     """TracIn influence of every training example on every test example: [B_train, B_test].
 
@@ -97,14 +99,15 @@ def tracin(train_gradients, test_gradients, learning_rates=1.0):
     with tf.name_scope(function_name):
         total = None
         for c, (train, test, rate) in enumerate(pairs):
-            train = _per_example_tensors(train, f"train_gradients[{c}]", function_name)
-            test = _per_example_tensors(test, f"test_gradients[{c}]", function_name)
+            train = _per_example_tensors(train, f"train_gradients[{c}]")
+            test = _per_example_tensors(test, f"test_gradients[{c}]")
             scores = reductions.pairwise_dot(train, test)                 # [B_train, B_test]
             term = tf.cast(rate, scores.dtype) * scores
             total = term if total is None else total + term
         return total
 
 
+@_context.public("tracin_over_checkpoints")
 def tracin_over_checkpoints(sess, scores, checkpoints, learning_rates, restore,
                             feed_dict=None):
     """Runs TracIn over saved checkpoints: sum_c η_c * sess.run(scores) at checkpoint c.
@@ -178,6 +181,7 @@ def similarity_matrix(a, b=None, metric="cosine"):
                      f"received {metric!r}.")
 
 
+@_context.public("class_similarity")
 def class_similarity(similarity, labels_a, num_classes, labels_b=None):
     """Averages a [B_a, B_b] similarity matrix over class blocks: [C, C].
 
@@ -200,7 +204,7 @@ def class_similarity(similarity, labels_a, num_classes, labels_b=None):
       heat = pertower.class_similarity(pertower.similarity_matrix(grads), labels, 10)
     """
     function_name = "class_similarity"
-    num_classes = _checks.positive_int(num_classes, "num_classes", function_name)
+    num_classes = _checks.positive_int(num_classes, "num_classes")
     similarity = tf.convert_to_tensor(similarity)
     if similarity.shape.rank != 2:
         raise ValueError(f"pertower.{function_name}: `similarity` must be a [B_a, B_b] matrix, "
@@ -222,6 +226,7 @@ def class_similarity(similarity, labels_a, num_classes, labels_b=None):
         return totals / counts  # NaN where a block has no pair
 
 
+@_context.public("fisher_diagonal")
 def fisher_diagonal(per_example_gradients):
     """The diagonal of the empirical Fisher information: (1/B) sum_i g_i ⊙ g_i.
 
@@ -239,19 +244,19 @@ def fisher_diagonal(per_example_gradients):
     Example:
       fisher = pertower.fisher_diagonal(pertower.per_example_gradients(nll, w, batch_size=64))
     """
-    tensors = _per_example_tensors(per_example_gradients, "per_example_gradients",
-                                   "fisher_diagonal")
+    tensors = _per_example_tensors(per_example_gradients, "per_example_gradients")
     with tf.name_scope("fisher_diagonal"):
         return [tf.reduce_mean(tf.square(g), axis=0) for g in tensors]  # [B, ...] -> [...]
 
 
-def _require_two_examples(tensors, function_name):
+def _require_two_examples(tensors):
     B = _checks.static_batch_size(tensors[0])
     if B is not None and B < 2:
-        raise ValueError(f"pertower.{function_name}: the unbiased estimates need at least 2 "
+        raise ValueError(f"pertower.{_context.name()}: the unbiased estimates need at least 2 "
                          f"examples, but the per-example gradients have B = {B}.")
 
 
+@_context.public("gradient_variance")
 def gradient_variance(per_example_gradients):
     """The variance of each gradient entry across examples, unbiased: [*x.shape] per weight.
 
@@ -268,9 +273,8 @@ def gradient_variance(per_example_gradients):
     Example:
       variance = pertower.gradient_variance(per_example)
     """
-    tensors = _per_example_tensors(per_example_gradients, "per_example_gradients",
-                                   "gradient_variance")
-    _require_two_examples(tensors, "gradient_variance")
+    tensors = _per_example_tensors(per_example_gradients, "per_example_gradients")
+    _require_two_examples(tensors)
     with tf.name_scope("gradient_variance"):
         B = _batch_count(tensors, tensors[0].dtype)
         return [tf.reduce_sum(tf.square(g - tf.reduce_mean(g, axis=0)), axis=0) / (B - 1)
@@ -295,6 +299,7 @@ class NoiseScale:
     simple_noise_scale: tf.Tensor
 
 
+@_context.public("gradient_noise_scale")
 def gradient_noise_scale(per_example_gradients):
     """The simple gradient noise scale B_simple = tr(Σ) / |G|^2 of one batch.
 
@@ -318,9 +323,8 @@ def gradient_noise_scale(per_example_gradients):
       S, G2, b_simple = sess.run([scale.trace_covariance, scale.squared_norm,
                                   scale.simple_noise_scale], feed)
     """
-    tensors = _per_example_tensors(per_example_gradients, "per_example_gradients",
-                                   "gradient_noise_scale")
-    _require_two_examples(tensors, "gradient_noise_scale")
+    tensors = _per_example_tensors(per_example_gradients, "per_example_gradients")
+    _require_two_examples(tensors)
     with tf.name_scope("gradient_noise_scale"):
         B = _batch_count(tensors, tensors[0].dtype)
         means = [tf.reduce_mean(g, axis=0) for g in tensors]          # [*x.shape] each
@@ -333,6 +337,7 @@ def gradient_noise_scale(per_example_gradients):
                           simple_noise_scale=trace / squared_norm)
 
 
+@_context.public("empirical_ntk")
 def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
     """The empirical neural tangent kernel: the Gram matrix of per-example Jacobians.
 
@@ -362,9 +367,8 @@ def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
             output_rank < 0):
         raise ValueError(f"pertower.{function_name}: `output_rank` must be a non-negative "
                          f"integer, but received {output_rank!r}.")
-    a = _per_example_tensors(jacobians_a, "jacobians_a", function_name)
-    b = a if jacobians_b is None else _per_example_tensors(jacobians_b, "jacobians_b",
-                                                          function_name)
+    a = _per_example_tensors(jacobians_a, "jacobians_a")
+    b = a if jacobians_b is None else _per_example_tensors(jacobians_b, "jacobians_b")
     if len(a) != len(b):
         raise ValueError(f"pertower.{function_name}: `jacobians_a` has {len(a)} tensors but "
                          f"`jacobians_b` has {len(b)}; pass Jacobians of the same weights.")

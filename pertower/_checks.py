@@ -12,6 +12,7 @@ import sys
 import warnings
 
 import tensorflow as tf
+from pertower import _context
 from tensorflow.python.ops import variables
 
 __all__ = [
@@ -28,30 +29,30 @@ _GRAPH_MODE_HINT = (
 )
 
 
-def require_graph_mode(function_name):
+def require_graph_mode():
     """Raises RuntimeError when eager execution is on."""
     if tf.executing_eagerly():
         raise RuntimeError(
-            f"pertower.{function_name} needs graph mode, but eager execution is on. "
+            f"pertower.{_context.name()} needs graph mode, but eager execution is on. "
             + _GRAPH_MODE_HINT
         )
 
 
-def require_graph_tensor(value, argument, function_name):
+def require_graph_tensor(value, argument):
     """Returns `value` when it is a symbolic `tf.Tensor`; raises otherwise."""
     if isinstance(value, tf.Variable):
         raise TypeError(
-            f"pertower.{function_name}: `{argument}` must be a tensor computed from the "
+            f"pertower.{_context.name()}: `{argument}` must be a tensor computed from the "
             f"batch, but received the variable {value.name!r}."
         )
     if not isinstance(value, tf.Tensor):
         raise TypeError(
-            f"pertower.{function_name}: `{argument}` must be a tf.Tensor, but received "
+            f"pertower.{_context.name()}: `{argument}` must be a tf.Tensor, but received "
             f"{type(value).__name__} ({value!r:.80})."
         )
     if not hasattr(value, "graph") or not hasattr(value, "op"):
         raise RuntimeError(
-            f"pertower.{function_name}: `{argument}` is an eager tensor. " + _GRAPH_MODE_HINT
+            f"pertower.{_context.name()}: `{argument}` is an eager tensor. " + _GRAPH_MODE_HINT
         )
     return value
 
@@ -73,18 +74,18 @@ def as_list(value):
     return [value]
 
 
-def unconnected_gradients_value(value, function_name):
+def unconnected_gradients_value(value):
     """Normalizes `unconnected_gradients` to a `tf.UnconnectedGradients` member."""
     try:
         return tf.UnconnectedGradients(value)
     except ValueError:
         raise ValueError(
-            f"pertower.{function_name}: `unconnected_gradients` must be 'zero' or 'none' "
+            f"pertower.{_context.name()}: `unconnected_gradients` must be 'zero' or 'none' "
             f"(or a tf.UnconnectedGradients member), but received {value!r}."
         ) from None
 
 
-def real_number(value, argument, function_name, low=-math.inf, high=math.inf,
+def real_number(value, argument, low=-math.inf, high=math.inf,
                 low_open=False, high_open=False, wanted=None):
     """`value` as a float in the interval from `low` to `high` (open or closed ends);
     raises TypeError for a non-number and ValueError for NaN or a value outside.
@@ -92,14 +93,13 @@ def real_number(value, argument, function_name, low=-math.inf, high=math.inf,
     Args:
       value: what the caller passed.
       argument: the argument's name, for the message.
-      function_name: the public function's name, for the message.
       low, high, low_open, high_open: the interval (inf ends are allowed only when
         closed).
       wanted: what the message says is expected (e.g. "a positive number"); by
         default "a number" and "in (low, high]".
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"pertower.{function_name}: `{argument}` must be "
+        raise TypeError(f"pertower.{_context.name()}: `{argument}` must be "
                         f"{wanted or 'a number'}, but received {type(value).__name__} "
                         f"({value!r:.80}).")
     value = float(value)
@@ -108,7 +108,7 @@ def real_number(value, argument, function_name, low=-math.inf, high=math.inf,
     if math.isnan(value) or too_low or too_high:
         interval = (("(" if low_open else "[") + f"{low:g}, {high:g}" +
                     (")" if high_open else "]"))
-        raise ValueError(f"pertower.{function_name}: `{argument}` must be "
+        raise ValueError(f"pertower.{_context.name()}: `{argument}` must be "
                          f"{wanted or 'in ' + interval}, but received {value!r}.")
     return value
 
@@ -134,42 +134,42 @@ def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size"):
     return tf.debugging.Assert(tf.equal(fed, B), [message], name=name)
 
 
-def positive_int(value, argument, function_name):
+def positive_int(value, argument):
     """Returns `value` as an int when it is a positive integer; raises otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(
-            f"pertower.{function_name}: `{argument}` must be a positive integer, but "
+            f"pertower.{_context.name()}: `{argument}` must be a positive integer, but "
             f"received {value!r}.")
     return int(value)
 
 
-def device_list(devices, function_name):
+def device_list(devices):
     """`devices` as a tuple of canonical device strings, or None; raises on bad input."""
     if devices is None:
         return None
     if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
         raise TypeError(
-            f"pertower.{function_name}: `devices` must be a list of device strings (for "
+            f"pertower.{_context.name()}: `devices` must be a list of device strings (for "
             f"example ['/cpu:0', '/cpu:1']), but received {devices!r:.80}.")
     if not devices:
-        raise ValueError(f"pertower.{function_name}: `devices` is empty; pass at least one "
+        raise ValueError(f"pertower.{_context.name()}: `devices` is empty; pass at least one "
                          "device string, or None to leave placement to TensorFlow.")
     canonical = []
     for j, device in enumerate(devices):
         if isinstance(device, tf.DeviceSpec):
             device = device.to_string()
         if not isinstance(device, str):
-            raise TypeError(f"pertower.{function_name}: `devices[{j}]` must be a device "
+            raise TypeError(f"pertower.{_context.name()}: `devices[{j}]` must be a device "
                             f"string, but received {type(device).__name__} ({device!r:.80}).")
         try:
             canonical.append(tf.DeviceSpec.from_string(device).to_string())
         except (ValueError, TypeError) as error:
-            raise ValueError(f"pertower.{function_name}: `devices[{j}]` ({device!r}) is not a "
+            raise ValueError(f"pertower.{_context.name()}: `devices[{j}]` ({device!r}) is not a "
                              f"device string: {error}") from None
     return tuple(canonical)
 
 
-def renamed_argument(value, old_value, argument, old_argument, function_name):
+def renamed_argument(value, old_value, argument, old_argument):
     """The value of `argument`, given either by its name or by the deprecated keyword
     `old_argument` (which warns with a DeprecationWarning); giving both is an error.
 
@@ -180,11 +180,11 @@ def renamed_argument(value, old_value, argument, old_argument, function_name):
         return value, argument
     if value is not None:
         raise TypeError(
-            f"pertower.{function_name}: `{old_argument}` is a deprecated name of "
+            f"pertower.{_context.name()}: `{old_argument}` is a deprecated name of "
             f"`{argument}`, and both were given ({old_argument}={old_value!r}, "
             f"{argument}={value!r}). Pass only {argument}=.")
     warnings.warn(
-        f"pertower.{function_name}: `{old_argument}` is deprecated; pass "
+        f"pertower.{_context.name()}: `{old_argument}` is deprecated; pass "
         f"{argument}={old_value!r} instead.", DeprecationWarning, stacklevel=3)
     return old_value, old_argument
 def _is_keras3_variable(x):
@@ -198,7 +198,7 @@ def _is_keras3_variable(x):
             and not isinstance(x, (tf.Variable, tf.Tensor)) and hasattr(x, "value"))
 
 
-def weight_list(xs, argument, function_name):
+def weight_list(xs, argument):
     """`xs` as a list in which each Keras 3 variable is replaced by the TF variable
     holding its value; other entries are kept as they are (the later checks name bad
     ones). Raises when a Keras 3 variable has no TF variable or tensor behind it."""
@@ -206,7 +206,7 @@ def weight_list(xs, argument, function_name):
     for k, x in enumerate(weights):
         if isinstance(x, variables.PartitionedVariable):
             raise TypeError(
-                f"pertower.{function_name}: `{argument}[{k}]` is the PartitionedVariable "
+                f"pertower.{_context.name()}: `{argument}[{k}]` is the PartitionedVariable "
                 f"{x.name!r} ({len(list(x))} partitions); pass its partitions instead, "
                 f"e.g. `list(variable)` in `{argument}`: each partition then gets its own "
                 "per-example gradient, and tf.concat(..., axis=1) of them is the gradient "
@@ -216,7 +216,7 @@ def weight_list(xs, argument, function_name):
         value = x.value
         if not isinstance(value, (tf.Variable, tf.Tensor)) or not hasattr(value, "graph"):
             raise TypeError(
-                f"pertower.{function_name}: `{argument}[{k}]` is a Keras 3 variable "
+                f"pertower.{_context.name()}: `{argument}[{k}]` is a Keras 3 variable "
                 f"({getattr(x, 'path', None) or getattr(x, 'name', '?')}) whose value is "
                 f"{type(value).__name__}, not a graph-mode TensorFlow variable. Build the "
                 "model with the graph-mode Keras: `import tf_keras as keras`, or set "
@@ -264,17 +264,17 @@ def unreached_weights(ys, xs):
     if not isinstance(ys, tf.Tensor) or not isinstance(getattr(ys, "graph", None), tf.Graph):
         return None
     try:
-        weights = weight_list(xs, "xs", "")
+        weights = weight_list(xs, "xs")
         with ys.graph.as_default():
             upstream = graph_walk.upstream_ops([ys])
-            reads = [graph_walk.weight_reads(x, k, upstream, (), "")
+            reads = [graph_walk.weight_reads(x, k, upstream, ())
                      for k, x in enumerate(weights)]
     except (TypeError, ValueError, NotImplementedError, AttributeError):
         return None
     return [r.name for r in reads if not r.reached]
 
 
-def warn_unconnected(ys, xs, unconnected_gradients, function_name, argument="xs",
+def warn_unconnected(ys, xs, unconnected_gradients, argument="xs",
                      outcome=None, reads=None, ys_argument="ys", remedy=None):
     """Warns once (`UnconnectedWeightsWarning`, a UserWarning) when `ys` does not depend
     on some entries of `xs` and `unconnected_gradients` is the default.
@@ -282,7 +282,6 @@ def warn_unconnected(ys, xs, unconnected_gradients, function_name, argument="xs"
     Args:
       ys, xs: as given to the public function.
       unconnected_gradients: as given; only `UNCONNECTED_DEFAULT` warns.
-      function_name: the public function's name, for the message.
       argument, ys_argument: the names of the weights' argument (`xs`, `var_list`)
         and of `ys` (`ys`, `loss`), for the message.
       outcome: what the unreached weights get, when the function has no
@@ -311,6 +310,6 @@ def warn_unconnected(ys, xs, unconnected_gradients, function_name, argument="xs"
     else:
         remedy = remedy or f"Leave them out of `{argument}`."
     warnings.warn(
-        f"pertower.{function_name}: `{ys_argument}` does not depend on {len(names)} of the "
+        f"pertower.{_context.name()}: `{ys_argument}` does not depend on {len(names)} of the "
         f"{count} weights in `{argument}` ({listing}), so {outcome}. {remedy}",
         UnconnectedWeightsWarning, stacklevel=_user_stacklevel())

@@ -37,6 +37,7 @@ from pertower._guards import memory
 from pertower._towers import build as towers_lib
 from pertower import rules as rules_lib
 from pertower.rules import _engine
+from pertower import _context
 
 __all__ = ["METHODS", "Plan", "WeightPlan", "make_plan", "build", "check_method"]
 
@@ -46,26 +47,26 @@ METHODS = ("auto", "towers", "rules")
 _VALIDATE_VALUES = (None, True, False)
 
 
-def check_method(method, function_name, rules=None):
+def check_method(method, rules=None):
     """Validates `method` (and that `rules` goes with a method that uses it)."""
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(
-            f"pertower.{function_name}: `method` must be one of {METHODS}, got {method!r}.")
+            f"pertower.{_context.name()}: `method` must be one of {METHODS}, got {method!r}.")
     if rules is not None and method == "towers":
         raise ValueError(
-            f"pertower.{function_name}: `rules` is used by method='rules' or 'auto', but "
+            f"pertower.{_context.name()}: `rules` is used by method='rules' or 'auto', but "
             "method='towers' was given; drop `rules` or choose another method.")
     if rules is not None and not isinstance(rules, rules_lib.RuleRegistry):
-        raise TypeError(f"pertower.{function_name}: `rules` must be a "
+        raise TypeError(f"pertower.{_context.name()}: `rules` must be a "
                         "pertower.rules.RuleRegistry (see pertower.rules.default_registry()), "
                         f"but received {type(rules).__name__}.")
     return method
 
 
-def _check_validate(validate, function_name):
+def _check_validate(validate):
     if validate not in _VALIDATE_VALUES or not isinstance(validate, (bool, type(None))):
         raise ValueError(
-            f"pertower.{function_name}: `validate` must be None (the default: check at run "
+            f"pertower.{_context.name()}: `validate` must be None (the default: check at run "
             "time only where the static analysis could not prove that the examples are "
             f"independent), True (always check) or False (never), but received {validate!r}.")
     return validate
@@ -251,8 +252,8 @@ def _analyse(prepared, registry):
 
 def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="auto",
               rules=None, sparse=False, validate=None, outputs_per_example=1,
-              forms_gradients=True, memory_limit=None, function_name,
-              groups_argument="num_microbatches", refuse=True, batch_axis=None):
+              forms_gradients=True, memory_limit=None, groups_argument="num_microbatches",
+              refuse=True, batch_axis=None):
     """Checks the request and decides how every weight will be computed. Adds no op.
 
     Args:
@@ -261,7 +262,7 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
       method, rules, sparse, validate, memory_limit: as given to the public function.
       outputs_per_example: K for Jacobians.
       forms_gradients: False for the norms (the rules form no [B, P] tensor).
-      function_name, groups_argument: for messages.
+      groups_argument: the public name of the number of groups, for messages.
       refuse: when False (`pertower.explain`), couplings and a strict method's
         uncovered weights are recorded in the plan instead of raised.
       batch_axis: the batch axis of each batch tensor (None: 0), as given.
@@ -269,12 +270,12 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
     Returns:
       A `Plan`.
     """
-    check_method(method, function_name, rules)
-    _check_validate(validate, function_name)
-    memory.resolve_limit(memory_limit, function_name)
+    check_method(method, rules)
+    _check_validate(validate)
+    memory.resolve_limit(memory_limit)
     registry = rules if rules is not None else rules_lib.default_registry()
-    prepared = _request.prepare(ys, xs, batch, num_groups, batch_size, function_name,
-                                groups_argument, batch_size_required=False,
+    prepared = _request.prepare(ys, xs, batch, num_groups, batch_size, groups_argument,
+                                batch_size_required=False,
                                 registry=registry, refuse_couplings=refuse,
                                 batch_axis=batch_axis)
     with prepared.graph.as_default():
@@ -294,7 +295,7 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
         if gathered and loop_op is not None:
             names = ", ".join(_weight_name(prepared.xs[k]) for k in gathered)
             raise ValueError(
-                f"pertower.{function_name}: sparse=True keeps the per-example rows of "
+                f"pertower.{_context.name()}: sparse=True keeps the per-example rows of "
                 f"gathered weights ({names}) sparse by computing them with towers, but a "
                 f"TF1 (v1) while loop ({loop_op.name!r}, {loop_op.type}) lies between the "
                 "batch and `ys`, which towers cannot build gradients through. Pass "
@@ -306,7 +307,7 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
     checked_by_default = validate is None and verdict == "unproven"
     if validate is None:
         validate = checked_by_default
-    plan = Plan(function_name=function_name, method=method, prepared=prepared,
+    plan = Plan(function_name=_context.name(), method=method, prepared=prepared,
                 uses=tuple(uses), reasons=tuple(reasons), couplings=couplings,
                 verdict=verdict, lost_at=lost_at, outputs_per_example=outputs_per_example,
                 forms_gradients=forms_gradients, estimate=None, validate=bool(validate),
@@ -399,14 +400,13 @@ class Built:
         elif self.towers_only:
             self.towers = towers_lib.build(
                 prepared.ys, list(self.xs), list(prepared.batch), prepared.num_groups,
-                prepared.batch_size, "towers", plan.function_name,
-                _groups_argument(prepared), devices, prepared=prepared)
+                prepared.batch_size, "towers", _groups_argument(prepared), devices,
+                prepared=prepared)
         elif plan.fallback:
             self.towers = towers_lib.build(
                 prepared.ys, [self.xs[k] for k in plan.fallback], list(prepared.batch),
-                prepared.num_groups, prepared.batch_size, "towers", plan.function_name,
-                _groups_argument(prepared), devices,
-                prepared=prepared.restricted(plan.fallback))
+                prepared.num_groups, prepared.batch_size, "towers", _groups_argument(prepared),
+                devices, prepared=prepared.restricted(plan.fallback))
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
         if self.towers_only:
@@ -416,13 +416,12 @@ class Built:
         with tf.name_scope(name or "gradients"):
             # every rule op waits for the checks of the fed batch (towers check it
             # where they split the batch)
-            checks = (_engine.run_time_checks(self.plan.prepared, self.plan.function_name)
+            checks = (_engine.run_time_checks(self.plan.prepared)
                       if self.plan.uses_rules or self.passes is not None else [])
             with tf.control_dependencies(checks):
                 results = [None] * len(self.xs)
                 covered = _engine.gradients(self.plan, self.plan.covered, self.groups,
-                                            grad_ys, unconnected_gradients,
-                                            self.plan.function_name)
+                                            grad_ys, unconnected_gradients)
                 for k, g in covered.items():
                     results[k] = g
                 if self.towers is not None:
@@ -442,7 +441,7 @@ class Built:
         with tf.name_scope(name or "gradients"):
             prepared = self.plan.prepared
             B = self.groups
-            checks = (_engine.run_time_checks(prepared, self.plan.function_name)
+            checks = (_engine.run_time_checks(prepared)
                       if self.plan.uses_rules or self.passes is not None else [])
             with tf.control_dependencies(checks):
                 squares = list(_engine.squared_norms(self.plan, self.plan.covered,
@@ -479,7 +478,7 @@ class Built:
         """
         with tf.name_scope(name or "clipped_sum"):
             plan, prepared, B = self.plan, self.plan.prepared, self.groups
-            checks = (_engine.run_time_checks(prepared, plan.function_name)
+            checks = (_engine.run_time_checks(prepared)
                       if plan.uses_rules else [])
             with tf.control_dependencies(checks):
                 covered = [] if self.towers_only else plan.covered
@@ -521,9 +520,9 @@ class Built:
         else:
             stacked = independence.recomputed_by_slices(
                 prepared.ys, list(prepared.batch), prepared.num_groups,
-                prepared.batch_size, plan.function_name, _groups_argument(prepared),
+                prepared.batch_size, _groups_argument(prepared),
                 batch_axis=list(prepared.batch_axes))
-        return independence.validated(results, prepared.ys, stacked, plan.function_name)
+        return independence.validated(results, prepared.ys, stacked)
 
 
 def _groups_argument(prepared):

@@ -19,6 +19,7 @@ from tensorflow.python.ops import ref_variable
 
 from pertower import _checks
 from pertower._towers import functions as control_flow
+from pertower import _context
 
 # Ops whose outputs carry a batch on axis 0 when `batch` is not given.
 _BATCH_SOURCE_OP_TYPES = frozenset(
@@ -132,7 +133,7 @@ def downstream_ops(tensors, within):
     return seen
 
 
-def find_batch_tensors(ys, ys_upstream, function_name=None):
+def find_batch_tensors(ys, ys_upstream):
     """The placeholders and iterator outputs of rank >= 1 that `ys` depends on.
 
     A placeholder of unknown rank is taken when it is the only candidate, and refused
@@ -142,7 +143,7 @@ def find_batch_tensors(ys, ys_upstream, function_name=None):
     Raises ValueError when there are none, or when their static batch sizes
     disagree (then the caller must say which ones carry the batch).
     """
-    prefix = f"pertower.{function_name}: " if function_name else "pertower: "
+    prefix = f"pertower.{_context.name()}: " if _context.name() else "pertower: "
     candidates, shapeless, sparse_parts = [], [], {}
     names = {op.name for op in ys_upstream if op.type in _BATCH_SOURCE_OP_TYPES}
     for op in ys_upstream:
@@ -222,7 +223,7 @@ def _handle_consumers(handle, within):
     return found
 
 
-def _resource_reads(x, name, handle, ys_upstream, function_name):
+def _resource_reads(x, name, handle, ys_upstream):
     read_tensors, gather_ops, call_inputs, loop_inputs = [], [], [], []
     for op, index in _handle_consumers(handle, ys_upstream):
         if op.type in _READ_OP_TYPES:
@@ -235,7 +236,7 @@ def _resource_reads(x, name, handle, ys_upstream, function_name):
             loop_inputs.append(op)
         else:
             raise NotImplementedError(
-                f"pertower.{function_name}: the weight {name!r} is passed to op "
+                f"pertower.{_context.name()}: the weight {name!r} is passed to op "
                 f"{op.name!r} of type {op.type}, which towers cannot give a weight copy to "
                 "(they rewrite ReadVariableOp, ResourceGather and the function-calling ops "
                 f"{', '.join(sorted(control_flow.CALL_OP_TYPES))}). Leave this weight out "
@@ -250,7 +251,7 @@ def _resource_reads(x, name, handle, ys_upstream, function_name):
                        loop_inputs=loop_inputs)
 
 
-def weight_reads(x, index, ys_upstream, batch, function_name):
+def weight_reads(x, index, ys_upstream, batch):
     """Finds where `xs[index]` enters the computation of `ys`.
 
     Resource variables are read by `ReadVariableOp` (mapped to the tower copy) or
@@ -266,18 +267,18 @@ def weight_reads(x, index, ys_upstream, batch, function_name):
         handle = getattr(x, "handle", None)
         if handle is None or not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
             raise TypeError(
-                f"pertower.{function_name}: `xs[{index}]` is a variable of type "
+                f"pertower.{_context.name()}: `xs[{index}]` is a variable of type "
                 f"{type(x).__name__} without a graph resource handle; pass graph-mode "
                 "resource or reference variables, or tensors."
             )
-        return _resource_reads(x, x.name, handle, ys_upstream, function_name)
+        return _resource_reads(x, x.name, handle, ys_upstream)
     if isinstance(x, tf.Tensor) and hasattr(x, "op"):
         if x.dtype == tf.resource:
-            return _resource_reads(x, x.name, x, ys_upstream, function_name)
+            return _resource_reads(x, x.name, x, ys_upstream)
         x_upstream = upstream_ops([x])
         if any(b.op in x_upstream for b in batch):
             raise ValueError(
-                f"pertower.{function_name}: `xs[{index}]` ({x.name}) depends on the batch, "
+                f"pertower.{_context.name()}: `xs[{index}]` ({x.name}) depends on the batch, "
                 "so it is an activation rather than a weight: each example already has "
                 "its own rows of it, and tf.gradients(ys, activation) gives them. Pass "
                 "weights (variables, or tensors that do not depend on the batch)."
@@ -285,7 +286,7 @@ def weight_reads(x, index, ys_upstream, batch, function_name):
         reached = x.op in ys_upstream and any(c in ys_upstream for c in x.consumers())
         return WeightReads(x, x.name, [x] if reached else [])
     raise TypeError(
-        f"pertower.{function_name}: `xs[{index}]` must be a tf.Variable or a tf.Tensor, "
+        f"pertower.{_context.name()}: `xs[{index}]` must be a tf.Variable or a tf.Tensor, "
         f"but received {type(x).__name__} ({x!r:.80})."
     )
 
@@ -339,20 +340,20 @@ def v1_loop_frames(replayed_ops, ys_upstream):
     return frames
 
 
-def check_replayable(replayed_ops, function_name, forward_only=False):
+def check_replayable(replayed_ops, forward_only=False):
     """Raises for ops that a tower replay cannot reproduce faithfully: TF1 (v1) while
     loops, unless the replay is `forward_only` (no gradient is built through it)."""
     if forward_only:
         return
     for op in sorted(replayed_ops, key=lambda o: o._id):  # pylint: disable=protected-access
         if op.type in _V1_LOOP_OP_TYPES:
-            raise _v1_loop_error(op, function_name)
+            raise _v1_loop_error(op)
 
 
-def _v1_loop_error(op, function_name):
+def _v1_loop_error(op):
     """The refusal of towers with weight copies through a TF1 (v1) while loop."""
     return NotImplementedError(
-        f"pertower.{function_name}: `ys` depends on the TF1 (v1) while loop around op "
+        f"pertower.{_context.name()}: `ys` depends on the TF1 (v1) while loop around op "
         f"{op.name!r} ({op.type}), between the batch and `ys`. Towers with weight copies "
         "cannot replay v1 while loops: their gradients need the Python-side loop context "
         "that tf.while_loop attached to the original ops, which a replayed copy does not "

@@ -13,22 +13,23 @@ products of their matching tensors.
 import tensorflow as tf
 
 from pertower import _checks
+from pertower import _context
 
 __all__ = ["flatten", "flatten_per_example", "dot", "cosine_similarity", "global_norms",
            "pairwise_dot", "pairwise_cosine"]
 
 
-def _tensors(gradient, argument, function_name, per_example=False):
+def _tensors(gradient, argument, per_example=False):
     """The gradient's tensors, checked: no None, one floating dtype, ranks >= 1 for
     per-example gradients."""
     tensors = _checks.as_list(gradient)
     if not tensors:
-        raise ValueError(f"pertower.{function_name}: `{argument}` is empty.")
+        raise ValueError(f"pertower.{_context.name()}: `{argument}` is empty.")
     converted = []
     for k, g in enumerate(tensors):
         if g is None:
             raise ValueError(
-                f"pertower.{function_name}: `{argument}[{k}]` is None (a weight the value "
+                f"pertower.{_context.name()}: `{argument}[{k}]` is None (a weight the value "
                 "does not reach, from unconnected_gradients='none'); drop it or use "
                 "unconnected_gradients='zero'.")
         if isinstance(g, tf.IndexedSlices):
@@ -36,18 +37,19 @@ def _tensors(gradient, argument, function_name, per_example=False):
         g = tf.convert_to_tensor(g)
         if per_example and g.shape.rank == 0:
             raise ValueError(
-                f"pertower.{function_name}: `{argument}[{k}]` is a scalar, but a "
+                f"pertower.{_context.name()}: `{argument}[{k}]` is a scalar, but a "
                 "per-example gradient has the batch on axis 0 ([B, ...]); pass what "
                 "per_example_gradients returns.")
         converted.append(g)
     dtypes = {g.dtype for g in converted}
     if len(dtypes) > 1:
         raise TypeError(
-            f"pertower.{function_name}: the tensors of `{argument}` have different dtypes "
+            f"pertower.{_context.name()}: the tensors of `{argument}` have different dtypes "
             f"({', '.join(sorted(d.name for d in dtypes))}); cast them to one dtype first.")
     return converted
 
 
+@_context.public("flatten")
 def flatten(gradient):
     """A gradient as one vector: [P], its tensors flattened and concatenated in order.
 
@@ -55,10 +57,11 @@ def flatten(gradient):
       g = tf.gradients(loss, weights)
       vector = pertower.flatten(g)                                   # [P]
     """
-    tensors = _tensors(gradient, "gradient", "flatten")
+    tensors = _tensors(gradient, "gradient")
     return tf.concat([tf.reshape(g, [-1]) for g in tensors], axis=0)  # each -> [P_k]
 
 
+@_context.public("flatten_per_example")
 def flatten_per_example(gradient):
     """A per-example gradient as a matrix: [B, P], one flattened gradient per row.
 
@@ -66,7 +69,7 @@ def flatten_per_example(gradient):
       per_example = pertower.per_example_gradients(cost, weights, batch_size=32)
       matrix = pertower.flatten_per_example(per_example)             # [32, P]
     """
-    tensors = _tensors(gradient, "gradient", "flatten_per_example", per_example=True)
+    tensors = _tensors(gradient, "gradient", per_example=True)
     rows = []
     for g in tensors:
         if g.shape[1:].is_fully_defined():
@@ -76,36 +79,38 @@ def flatten_per_example(gradient):
     return tf.concat(rows, axis=1)  # -> [B, P]
 
 
-def _check_matching(a_tensors, b_tensors, function_name, per_example):
+def _check_matching(a_tensors, b_tensors, per_example):
     if len(a_tensors) != len(b_tensors):
         raise ValueError(
-            f"pertower.{function_name}: `a` has {len(a_tensors)} tensors but `b` has "
+            f"pertower.{_context.name()}: `a` has {len(a_tensors)} tensors but `b` has "
             f"{len(b_tensors)}; compare gradients of the same weights.")
     for k, (a, b) in enumerate(zip(a_tensors, b_tensors)):
         a_shape = a.shape[1:] if per_example else a.shape
         b_shape = b.shape[1:] if per_example else b.shape
         if not a_shape.is_compatible_with(b_shape):
             raise ValueError(
-                f"pertower.{function_name}: `a[{k}]` has shape {a.shape} but `b[{k}]` has "
+                f"pertower.{_context.name()}: `a[{k}]` has shape {a.shape} but `b[{k}]` has "
                 f"shape {b.shape}; compare gradients of the same weights.")
         if a.dtype != b.dtype:
             raise TypeError(
-                f"pertower.{function_name}: `a` has dtype {a.dtype.name} but `b` has "
+                f"pertower.{_context.name()}: `a` has dtype {a.dtype.name} but `b` has "
                 f"{b.dtype.name}; cast one of them.")
 
 
+@_context.public("dot")
 def dot(a, b):
     """The dot product of two gradients, each flattened to one vector: a scalar.
 
     Example:
       pertower.dot(tf.gradients(loss_1, w), tf.gradients(loss_2, w))
     """
-    a_tensors = _tensors(a, "a", "dot")
-    b_tensors = _tensors(b, "b", "dot")
-    _check_matching(a_tensors, b_tensors, "dot", per_example=False)
+    a_tensors = _tensors(a, "a")
+    b_tensors = _tensors(b, "b")
+    _check_matching(a_tensors, b_tensors, per_example=False)
     return tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a_tensors, b_tensors)])
 
 
+@_context.public("cosine_similarity")
 def cosine_similarity(a, b):
     """The cosine of the angle between two gradients, each flattened: a scalar.
 
@@ -114,14 +119,15 @@ def cosine_similarity(a, b):
     Example:
       pertower.cosine_similarity(g1, g2)
     """
-    a_tensors = _tensors(a, "a", "cosine_similarity")
-    b_tensors = _tensors(b, "b", "cosine_similarity")
-    _check_matching(a_tensors, b_tensors, "cosine_similarity", per_example=False)
+    a_tensors = _tensors(a, "a")
+    b_tensors = _tensors(b, "b")
+    _check_matching(a_tensors, b_tensors, per_example=False)
     inner = tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a_tensors, b_tensors)])
     return tf.math.divide_no_nan(
         inner, tf.linalg.global_norm(a_tensors) * tf.linalg.global_norm(b_tensors))
 
 
+@_context.public("global_norms")
 def global_norms(gradient):
     """The L2 norm of each example's whole gradient: [B].
 
@@ -131,7 +137,7 @@ def global_norms(gradient):
     Example:
       norms = pertower.global_norms(pertower.per_example_gradients(cost, w, batch_size=32))
     """
-    tensors = _tensors(gradient, "gradient", "global_norms", per_example=True)
+    tensors = _tensors(gradient, "gradient", per_example=True)
     # each [B, ...] -> [B] sum of squares over its non-batch axes
     squares = [tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.rank)))
                if g.shape.rank > 1 else tf.square(g) for g in tensors]
@@ -149,13 +155,14 @@ def _pairwise_dot(a_tensors, b_tensors):
     return total
 
 
-def _pairwise_arguments(a, b, function_name):
-    a_tensors = _tensors(a, "a", function_name, per_example=True)
-    b_tensors = a_tensors if b is None else _tensors(b, "b", function_name, per_example=True)
-    _check_matching(a_tensors, b_tensors, function_name, per_example=True)
+def _pairwise_arguments(a, b):
+    a_tensors = _tensors(a, "a", per_example=True)
+    b_tensors = a_tensors if b is None else _tensors(b, "b", per_example=True)
+    _check_matching(a_tensors, b_tensors, per_example=True)
     return a_tensors, b_tensors
 
 
+@_context.public("pairwise_dot")
 def pairwise_dot(a, b=None):
     """Dot products between every example of `a` and every example of `b`: [Ba, Bb].
 
@@ -165,10 +172,11 @@ def pairwise_dot(a, b=None):
     Example:
       gram = pertower.pairwise_dot(per_example)                      # [B, B]
     """
-    a_tensors, b_tensors = _pairwise_arguments(a, b, "pairwise_dot")
+    a_tensors, b_tensors = _pairwise_arguments(a, b)
     return _pairwise_dot(a_tensors, b_tensors)
 
 
+@_context.public("pairwise_cosine")
 def pairwise_cosine(a, b=None):
     """Cosines between every example of `a` and every example of `b`: [Ba, Bb].
 
@@ -177,7 +185,7 @@ def pairwise_cosine(a, b=None):
     Example:
       similarity = pertower.pairwise_cosine(train_grads, test_grads)  # [Ba, Bb]
     """
-    a_tensors, b_tensors = _pairwise_arguments(a, b, "pairwise_cosine")
+    a_tensors, b_tensors = _pairwise_arguments(a, b)
     inner = _pairwise_dot(a_tensors, b_tensors)
     a_norms = global_norms(a_tensors)
     b_norms = a_norms if b is None else global_norms(b_tensors)

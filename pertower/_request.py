@@ -17,6 +17,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _graph_walk as graph_walk
 from pertower import _batch_axis
+from pertower import _context
 
 
 class Prepared(collections.namedtuple(
@@ -53,14 +54,13 @@ class Prepared(collections.namedtuple(
                              reads=[self.reads[k] for k in indices])
 
 
-def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argument,
+def prepare(ys, xs, batch, num_groups, batch_size, groups_argument,
             batch_size_required, registry=None, refuse_couplings=True, batch_axis=None):
     """Checks the arguments of a public gradient function; returns a `Prepared`.
 
     Args:
       ys, xs, batch, batch_size: as given to the public function.
       num_groups: M (microbatches or towers), or None.
-      function_name: the public function's name, for messages.
       groups_argument: the name of the argument that gave `num_groups`.
       batch_size_required: whether a None batch axis needs `batch_size` (the towers'
         contract); when False and neither is known, B is left to run time.
@@ -69,39 +69,39 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
       batch_axis: None (axis 0 of every batch tensor), an int (the batch axis of every
         batch tensor) or a list parallel to the batch tensors.
     """
-    _checks.require_graph_mode(function_name)
-    ys = _checks.require_graph_tensor(ys, "ys", function_name)
+    _checks.require_graph_mode()
+    ys = _checks.require_graph_tensor(ys, "ys")
     graph = ys.graph
     if graph.finalized:
         raise RuntimeError(
-            f"pertower.{function_name}: the graph of `ys` is finalized (a "
+            f"pertower.{_context.name()}: the graph of `ys` is finalized (a "
             "MonitoredSession or graph.finalize() froze it). Build the towers before "
             "the graph is finalized.")
     if ys.shape.rank == 0:
         raise ValueError(
-            f"pertower.{function_name}: `ys` ({ys.name}) is a scalar, but it needs a batch "
+            f"pertower.{_context.name()}: `ys` ({ys.name}) is a scalar, but it needs a batch "
             "axis on axis 0 with one value per example. Pass the unreduced per-example "
             "values (for example a loss built with reduction=NONE, before tf.reduce_mean).")
     if not ys.dtype.is_floating:
         raise TypeError(
-            f"pertower.{function_name}: `ys` ({ys.name}) must be a floating-point tensor, "
+            f"pertower.{_context.name()}: `ys` ({ys.name}) must be a floating-point tensor, "
             f"but has dtype {ys.dtype.name}.")
-    xs = _checks.weight_list(xs, "xs", function_name)  # Keras 3 variables: their tf.Variable
+    xs = _checks.weight_list(xs, "xs")  # Keras 3 variables: their tf.Variable
     if not xs:
-        raise ValueError(f"pertower.{function_name}: `xs` is empty; pass at least one weight.")
+        raise ValueError(f"pertower.{_context.name()}: `xs` is empty; pass at least one weight.")
     with graph.as_default():
         ys_upstream = graph_walk.upstream_ops([ys])
         found = batch is None
-        batch = _batch_tensors(ys, batch, ys_upstream, graph, function_name)
-        axes = batch_axes(batch_axis, batch, function_name)
+        batch = _batch_tensors(ys, batch, ys_upstream, graph)
+        axes = batch_axes(batch_axis, batch)
         static_known = any(_checks.static_batch_size(b, a) is not None
                            for b, a in zip(batch, axes))
         M = None if num_groups is None else _checks.positive_int(
-            num_groups, groups_argument, function_name)
+            num_groups, groups_argument)
         batch_downstream = graph_walk.downstream_ops(batch, ys_upstream)
         if ys.op not in batch_downstream and all(ys is not b for b in batch):
             raise ValueError(
-                f"pertower.{function_name}: `ys` ({ys.name}) does not depend on the batch "
+                f"pertower.{_context.name()}: `ys` ({ys.name}) does not depend on the batch "
                 f"({', '.join(t.name for t in batch)}); pass the per-example values "
                 "computed from the batch.")
         analysis = _batch_axis.analyze(ys, batch, ys_upstream,
@@ -111,32 +111,32 @@ def prepare(ys, xs, batch, num_groups, batch_size, function_name, groups_argumen
         if analysis.segments is not None:
             # `ys` joins several batches along axis 0: B = B_1 + B_2 + ...
             B, segments = _segment_sizes(ys, batch, axes, analysis.segments, batch_size,
-                                         M, groups_argument, function_name)
+                                         M, groups_argument)
         else:
-            batch_size = _one_batch_size(batch_size, batch, function_name)
+            batch_size = _one_batch_size(batch_size, batch)
             if batch_size_required or static_known or batch_size is not None:
-                B = _batch_size(ys, batch, axes, batch_size, function_name)
+                B = _batch_size(ys, batch, axes, batch_size)
             else:
                 B = None
             if M is not None and B is not None and B % M:
                 raise ValueError(
-                    f"pertower.{function_name}: `{groups_argument}` ({M}) must divide the "
+                    f"pertower.{_context.name()}: `{groups_argument}` ({M}) must divide the "
                     f"batch size ({B}); choose a divisor of {B}, or feed a batch whose size "
                     f"is a multiple of {M}.")
         # refuse ops that couple examples (with one group holding the whole batch,
         # coupling changes nothing); pertower.explain records them instead
         if refuse_couplings and analysis.couplings and (B if M is None else M) != 1:
-            message = analysis.couplings[0].message(function_name)
+            message = analysis.couplings[0].message()
             if found:
                 message += _side_input_hint(analysis.couplings[0].op, batch)
             raise ValueError(message)
-        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch, function_name)
+        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
     return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, analysis,
                     groups_argument, tuple(axes), segments)
 
 
-def batch_axes(batch_axis, batch, function_name):
+def batch_axes(batch_axis, batch):
     """The batch axis of each batch tensor (non-negative ints), from `batch_axis`:
     None (0 for every tensor), an int (for every tensor), or a list parallel to
     `batch`. Refuses a non-int, a list of another length, or an axis out of range."""
@@ -145,7 +145,7 @@ def batch_axes(batch_axis, batch, function_name):
     if isinstance(batch_axis, (list, tuple)):
         if len(batch_axis) != len(batch):
             raise ValueError(
-                f"pertower.{function_name}: `batch_axis` has {len(batch_axis)} entries, "
+                f"pertower.{_context.name()}: `batch_axis` has {len(batch_axis)} entries, "
                 f"but there are {len(batch)} batch tensors "
                 f"({', '.join(b.name for b in batch)}); give one axis per batch tensor, "
                 "in the order of `batch`, or one int for all of them.")
@@ -157,14 +157,14 @@ def batch_axes(batch_axis, batch, function_name):
         what = f"batch_axis[{j}]" if as_list else "batch_axis"
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise TypeError(
-                f"pertower.{function_name}: `{what}` must be an int (the axis of the "
+                f"pertower.{_context.name()}: `{what}` must be an int (the axis of the "
                 f"batch tensor that carries the batch), but received {axis!r}.")
         axis = int(axis)
         rank = b.shape.rank
         if rank is None:
             if axis != 0:
                 raise ValueError(
-                    f"pertower.{function_name}: `{what}` is {axis}, but the batch tensor "
+                    f"pertower.{_context.name()}: `{what}` is {axis}, but the batch tensor "
                     f"{b.name} has an unknown rank; give it a static rank (set_shape) or "
                     "pass its batch on axis 0.")
             axes.append(0)
@@ -173,7 +173,7 @@ def batch_axes(batch_axis, batch, function_name):
             hint = ("; with several batch tensors of different ranks pass a list "
                     "parallel to `batch`" if not as_list and len(batch) > 1 else "")
             raise ValueError(
-                f"pertower.{function_name}: `{what}` is {axis}, out of range for the "
+                f"pertower.{_context.name()}: `{what}` is {axis}, out of range for the "
                 f"batch tensor {b.name} of shape {b.shape} (rank {rank}){hint}.")
         axes.append(axis % rank)
     return axes
@@ -190,14 +190,14 @@ def _size_hint(batch, axes, batch_size):
     return None
 
 
-def _one_batch_size(batch_size, batch, function_name):
+def _one_batch_size(batch_size, batch):
     """`batch_size` as given, or its one value when it is a list of equal sizes; a list
     of different sizes is refused (it is for `ys` joining several batches)."""
     if not isinstance(batch_size, (list, tuple)):
         return batch_size
     if len(batch_size) != len(batch) or len(set(map(repr, batch_size))) != 1:
         raise ValueError(
-            f"pertower.{function_name}: `batch_size` is the list {list(batch_size)!r}. A "
+            f"pertower.{_context.name()}: `batch_size` is the list {list(batch_size)!r}. A "
             "list gives one size per batch tensor (parallel to `batch`, here "
             f"{', '.join(b.name for b in batch)}) when `ys` joins several batches along "
             "axis 0 (tf.concat([f(s1), f(s2)], 0)); but the rows of `ys` are the examples "
@@ -205,8 +205,7 @@ def _one_batch_size(batch_size, batch, function_name):
     return batch_size[0]
 
 
-def _segment_sizes(ys, batch, axes, segments, batch_size, M, groups_argument,
-                   function_name):
+def _segment_sizes(ys, batch, axes, segments, batch_size, M, groups_argument):
     """(B, ((indices, B_s), ...)) for `ys` joining the batches `segments` (tuples of
     batch indices) along axis 0; B_s from the static shapes or `batch_size` (an int
     for every batch tensor, or a list parallel to `batch`)."""
@@ -214,25 +213,25 @@ def _segment_sizes(ys, batch, axes, segments, batch_size, M, groups_argument,
     if isinstance(batch_size, (list, tuple)):
         if len(batch_size) != len(batch):
             raise ValueError(
-                f"pertower.{function_name}: `batch_size` has {len(batch_size)} entries, "
+                f"pertower.{_context.name()}: `batch_size` has {len(batch_size)} entries, "
                 f"but there are {len(batch)} batch tensors ({names}); give one size per "
                 "batch tensor, in the order of `batch`.")
-        given = [_checks.positive_int(v, f"batch_size[{j}]", function_name)
+        given = [_checks.positive_int(v, f"batch_size[{j}]")
                  for j, v in enumerate(batch_size)]
     elif batch_size is None:
         given = [None] * len(batch)
     else:
-        given = [_checks.positive_int(batch_size, "batch_size", function_name)] * len(batch)
+        given = [_checks.positive_int(batch_size, "batch_size")] * len(batch)
     sizes = []
     for j, (b, axis) in enumerate(zip(batch, axes)):
         static = _checks.static_batch_size(b, axis)
         if static is not None and given[j] is not None and static != given[j]:
             raise ValueError(
-                f"pertower.{function_name}: `batch_size` gives {given[j]} examples for "
+                f"pertower.{_context.name()}: `batch_size` gives {given[j]} examples for "
                 f"{b.name}, but it has a static batch size of {static} on axis {axis}.")
         if static is None and given[j] is None:
             raise ValueError(
-                f"pertower.{function_name}: `ys` ({ys.name}) joins several batches along "
+                f"pertower.{_context.name()}: `ys` ({ys.name}) joins several batches along "
                 f"axis 0 ({_listing(batch, segments)}) and the batch axis of {b.name} "
                 f"({b.shape}) is not static, so `batch_size` is needed: pass one size per "
                 f"batch tensor, batch_size=[B_1, B_2, ...] in the order of `batch` ({names}), "
@@ -245,22 +244,18 @@ def _segment_sizes(ys, batch, axes, segments, batch_size, M, groups_argument,
         if len(own) > 1:
             listing = ", ".join(f"{batch[j].name} has {sizes[j]}" for j in segment)
             raise ValueError(
-                f"pertower.{function_name}: the batch tensors {listing} examples, but `ys` "
+                f"pertower.{_context.name()}: the batch tensors {listing} examples, but `ys` "
                 "computes each of its rows from all of them together, so they must be "
                 "fed the same number of examples.")
         pairs.append((tuple(segment), sizes[segment[0]]))
     B = sum(size for _, size in pairs)
-    ys_rows = _checks.static_batch_size(ys)
-    if ys_rows is not None and ys_rows != B:
-        raise ValueError(
-            f"pertower.{function_name}: `ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
-            f"rows on axis 0, but the batches it joins have {B} examples together "
-            f"({_listing(batch, pairs, sizes=True)}).")
+    _check_ys_rows(ys, B, f"the batches it joins have {B} examples together "
+                          f"({_listing(batch, pairs, sizes=True)})")
     if M is not None and (B % M or any(size % (B // M) for _, size in pairs)):
         valid = [m for m in range(1, B + 1)
                  if B % m == 0 and all(size % (B // m) == 0 for _, size in pairs)]
         raise ValueError(
-            f"pertower.{function_name}: `{groups_argument}` ({M}) does not split the rows "
+            f"pertower.{_context.name()}: `{groups_argument}` ({M}) does not split the rows "
             f"of `ys` ({ys.name}) at the boundaries of the batches it joins along axis 0 "
             f"({_listing(batch, pairs, sizes=True)}, {B} rows together): each microbatch "
             "must hold examples of one batch only, B/M of them. Valid values here: "
@@ -310,25 +305,25 @@ def _rows_hint(ys, rows, B):
     return (" " + " ".join(h[0].upper() + h[1:] + "." for h in hints)) if hints else ""
 
 
-def _batch_tensors(ys, batch, ys_upstream, graph, function_name):
+def _batch_tensors(ys, batch, ys_upstream, graph):
     if batch is None:
-        return graph_walk.find_batch_tensors(ys, ys_upstream, function_name)
+        return graph_walk.find_batch_tensors(ys, ys_upstream)
     batch = _checks.as_list(batch)
     if not batch:
-        raise ValueError(f"pertower.{function_name}: `batch` is empty; pass the batch "
+        raise ValueError(f"pertower.{_context.name()}: `batch` is empty; pass the batch "
                          "tensor(s), or None to find them.")
     for j, b in enumerate(batch):
-        _checks.require_graph_tensor(b, f"batch[{j}]", function_name)
+        _checks.require_graph_tensor(b, f"batch[{j}]")
         if b.graph is not graph:
-            raise ValueError(f"pertower.{function_name}: `batch[{j}]` ({b.name}) is in "
+            raise ValueError(f"pertower.{_context.name()}: `batch[{j}]` ({b.name}) is in "
                              "another graph than `ys`.")
         if b.shape.rank == 0:
-            raise ValueError(f"pertower.{function_name}: `batch[{j}]` ({b.name}) is a "
+            raise ValueError(f"pertower.{_context.name()}: `batch[{j}]` ({b.name}) is a "
                              "scalar; batch tensors need the batch on axis 0.")
     return batch
 
 
-def _batch_size(ys, batch, axes, batch_size, function_name):
+def _batch_size(ys, batch, axes, batch_size):
     """B: the static batch size of the batch tensors (on their batch axes), or
     `batch_size`."""
     static = {}
@@ -340,32 +335,37 @@ def _batch_size(ys, batch, axes, batch_size, function_name):
         listing = ", ".join(f"{b.name} has {n}" + (f" on axis {axis}" if axis else "")
                             for n, (b, axis) in static.items())
         raise ValueError(
-            f"pertower.{function_name}: the batch tensors have different static batch "
+            f"pertower.{_context.name()}: the batch tensors have different static batch "
             f"sizes ({listing}); they must share the batch axis. For time-major inputs "
             "([T, B, ...]) pass batch_axis=1 (or a list with one axis per batch tensor).")
     if batch_size is not None:
-        batch_size = _checks.positive_int(batch_size, "batch_size", function_name)
+        batch_size = _checks.positive_int(batch_size, "batch_size")
     if static:
         (B, (b, axis)), = static.items()
         if batch_size is not None and batch_size != B:
             hint = ("" if any(a != 0 for a in axes) else
                     " If its batch is on another axis (time-major [T, B, ...]), pass "
                     "batch_axis=1 (or the axis that carries the batch).")
-            raise ValueError(f"pertower.{function_name}: `batch_size` is {batch_size}, but "
+            raise ValueError(f"pertower.{_context.name()}: `batch_size` is {batch_size}, but "
                              f"the batch tensor {b.name} has a static batch size of {B} "
                              f"on axis {axis}.{hint}")
     elif batch_size is None:
         names = ", ".join(f"{b.name} {b.shape}" for b in batch)
         raise ValueError(
-            f"pertower.{function_name}: the batch axis is not static ({names}), so "
+            f"pertower.{_context.name()}: the batch axis is not static ({names}), so "
             "`batch_size` is needed: pass batch_size=B, the number of examples you will "
             "feed. Towers are built for a fixed number of examples.")
     else:
         B = batch_size
+    _check_ys_rows(ys, B, f"the batch has {B} examples")
+    return B
+
+
+def _check_ys_rows(ys, B, batch_words):
+    """Raises when the static axis 0 of `ys` is not the B rows of the batch."""
     ys_rows = _checks.static_batch_size(ys)
     if ys_rows is not None and ys_rows != B:
         raise ValueError(
-            f"pertower.{function_name}: `ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
-            f"row{'' if ys_rows == 1 else 's'} on axis 0, but the batch has {B} examples; "
-            f"`ys` needs one row per example on axis 0.{_rows_hint(ys, ys_rows, B)}")
-    return B
+            f"pertower.{_context.name()}: `ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
+            f"row{'' if ys_rows == 1 else 's'} on axis 0, but {batch_words}; `ys` needs "
+            f"one row per example on axis 0.{_rows_hint(ys, ys_rows, B)}")

@@ -8,6 +8,7 @@ import tf_keras as keras
 
 import pertower
 from pertower import _batch_axis
+from pertower import _context
 from pertower import _dispatch
 from pertower import _graph_walk as graph_walk
 from pertower import oracle
@@ -21,7 +22,7 @@ def _analyze(ys, batch):
 
 
 def _plan(ys, xs):
-    return _dispatch.make_plan(ys, xs, validate=False, function_name="test", refuse=False)
+    return _dispatch.make_plan(ys, xs, validate=False, refuse=False)
 
 
 def _image(h):
@@ -202,10 +203,12 @@ def test_find_couplings_and_check_examples_independent_keep_their_words(mlp):
         found = _batch_axis.find_couplings(ops, [x])
         assert [c.op.name for c in found] == ["batch_mean"]
         assert _analyze(ys, [x]).verdict == "coupled"
+        # errors name the public function the call came through
         with pytest.raises(ValueError, match=r"pertower.f: the op 'batch_mean' \(Mean\).*"
                                              r"reduces \(Mean\) over axis 0, the batch axis"):
-            _batch_axis.check_examples_independent(ops, [x], B, "f")
-        _batch_axis.check_examples_independent(ops, [x], 1, "f")   # one tower: no check
+            with _context.public_call("f"):
+                _batch_axis.check_examples_independent(ops, [x], B)
+        _batch_axis.check_examples_independent(ops, [x], 1)   # one tower: no check
 
 
 def test_an_op_the_analysis_does_not_know_leaves_the_request_unproven(mlp):

@@ -410,8 +410,7 @@ def test_every_rule_s_clipped_sum_is_the_reweighted_oracle(name):
     case = test_rules._model(name, build, shapes, **options)   # pylint: disable=protected-access
     factors_value = np.linspace(0.2, 1.3, case.B).astype(case.ys.dtype.as_numpy_dtype)
     with case.graph.as_default():
-        plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False,
-                                   function_name="test")
+        plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False)
         factors = tf.constant(factors_value)
         d_outputs, _, _ = rule_engine.norm_parts(plan, plan.covered, case.B)
         by_rules = rule_engine.clipped_sums(plan, plan.covered, d_outputs, {}, factors)

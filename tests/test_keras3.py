@@ -54,7 +54,7 @@ def test_keras3_like_variable_is_replaced_by_its_tf_variable():
             values = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
             got = sess.run(grads, {x: values})
     np.testing.assert_allclose(got[0], values)   # d (x_i . w) / d w = x_i, [2, 2]
-    assert _checks.weight_list([1.0], "xs", "f") == [1.0]   # others are left to the checks
+    assert _checks.weight_list([1.0], "xs") == [1.0]   # others are left to the checks
 
 
 def test_keras3_variable_without_a_tf_variable_is_refused_with_what_to_do():

@@ -131,8 +131,7 @@ def test_no_refusal_by_default_on_the_test_models():
         case = build()
         with case.graph.as_default():
             # make_plan runs the guard with the default limit: it would raise
-            estimate = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False,
-                                           function_name="test").estimate
+            estimate = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False).estimate
         assert estimate is not None and estimate.total_bytes < memory.default_memory_limit(), name
         case.sess.close()
 
@@ -141,7 +140,7 @@ def test_an_infinite_limit_switches_the_guard_off(mlp):
     with mlp.graph.as_default():
         huge = 10 ** 9   # 10^9 examples: far above any machine's memory
         plan = _dispatch.make_plan(mlp.ys, mlp.xs, None, huge, memory_limit=math.inf,
-                                   validate=False, function_name="test")
+                                   validate=False)
         assert plan.estimate.total_bytes > memory.default_memory_limit()
         grads = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=mlp.B,
                                                memory_limit=float("inf"))

@@ -128,7 +128,7 @@ def case(request):
         microbatches = pertower.microbatch_gradients(ys, xs, num_microbatches=2,
                                                      batch_size=B, method="towers")
         whole = tf.gradients(tf.reduce_sum(ys), xs[0])[0]
-        plan = _dispatch.make_plan(ys, xs, None, B, function_name="test", refuse=False,
+        plan = _dispatch.make_plan(ys, xs, None, B, refuse=False,
                                    validate=False)
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())

@@ -190,8 +190,7 @@ def model(request):
 
 def _plan(case):
     with case.graph.as_default():
-        return _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False,
-                                   function_name="test")
+        return _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False)
 
 
 def test_the_rules_cover_exactly_the_expected_weights(model):
@@ -428,8 +427,7 @@ def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
     case = _model("grad_ys", build, [(4,)], B=4)
     weights = np.linspace(-1.0, 2.0, 8).reshape(4, 2).astype(np.float32)
     with case.graph.as_default():
-        built = _dispatch.build(_dispatch.make_plan(case.ys, case.xs, None, 4,
-                                                    function_name="test"))
+        built = _dispatch.build(_dispatch.make_plan(case.ys, case.xs, None, 4))
         assert built.plan.fallback == [1, 2]
         got = built.gradients(grad_ys=tf.constant(weights))
         jacobians = oracle.loop_per_example_jacobians(case.sess, case.ys, case.xs, case.feed)
@@ -564,8 +562,7 @@ def test_a_user_registry_replaces_and_adds_rules(mlp):
                             "user registry")
     case = _model("mixed_fallback", _mixed, [(4,)])
     with case.graph.as_default():
-        plan = _dispatch.make_plan(case.ys, case.xs, None, 3, rules=registry, validate=False,
-                                   function_name="test")
+        plan = _dispatch.make_plan(case.ys, case.xs, None, 3, rules=registry, validate=False)
     assert "a user rule that declines" in plan.reasons[2]
     case.sess.close()
     with pytest.raises(TypeError, match=r"`rule` must define `match` and `per_group`"):
@@ -596,8 +593,7 @@ def test_a_user_rule_can_declare_the_row_layout_of_its_op():
     registry = rules_lib.default_registry()
     registry.register("Cross", _CrossOfRows())
     with case.graph.as_default():
-        plan = _dispatch.make_plan(case.ys, case.xs, None, 4, rules=registry, validate=False,
-                                   function_name="test")
+        plan = _dispatch.make_plan(case.ys, case.xs, None, 4, rules=registry, validate=False)
         assert plan.fallback == []
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=4, rules=registry)
         want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)

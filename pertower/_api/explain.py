@@ -6,10 +6,12 @@ Notation:
 
 from pertower import _checks
 from pertower import _dispatch
+from pertower import _context
 
 __all__ = ["explain", "estimate_memory"]
 
 
+@_context.public("explain")
 def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="auto",
             rules=None, sparse=False, validate=None, batch_axis=None):
     """How pertower would compute the per-example gradients of `ys`, without building.
@@ -32,13 +34,13 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
       print(pertower.explain(cost, net.trainable_weights))
     """
     function_name = "explain"
-    _checks.require_graph_mode(function_name)
+    _checks.require_graph_mode()
     return _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
                                rules=rules, sparse=sparse, validate=validate,
-                               memory_limit=float("inf"), function_name=function_name,
-                               refuse=False, batch_axis=batch_axis)
+                               memory_limit=float("inf"), refuse=False, batch_axis=batch_axis)
 
 
+@_context.public("estimate_memory")
 def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
                     outputs_per_example=1, method="auto", rules=None, batch_axis=None):
     """Estimates the bytes per-example gradients of `ys` with respect to `xs` will hold.
@@ -63,10 +65,9 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
       print(estimate.describe())
     """
     function_name = "estimate_memory"
-    _checks.require_graph_mode(function_name)
-    K = _checks.positive_int(outputs_per_example, "outputs_per_example", function_name)
+    _checks.require_graph_mode()
+    K = _checks.positive_int(outputs_per_example, "outputs_per_example")
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
                                rules=rules, validate=False, memory_limit=float("inf"),
-                               outputs_per_example=K, function_name=function_name,
-                               refuse=False, batch_axis=batch_axis)
+                               outputs_per_example=K, refuse=False, batch_axis=batch_axis)
     return plan.estimate

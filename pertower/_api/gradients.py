@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _dispatch
+from pertower import _context
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
 
@@ -33,6 +34,7 @@ def _graph_of(ys):
     return contextlib.nullcontext()
 
 
+@_context.public("per_example_gradients")
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                           method="auto", validate=None, memory_limit=None, sparse=False,
@@ -99,30 +101,28 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
     """
     return _group_gradients(ys, xs, batch, batch_size, None, unconnected_gradients, name,
                             method, validate, memory_limit, sparse, devices, rules,
-                            "per_example_gradients", batch_axis)
+                            batch_axis)
 
 
 def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradients, name,
-                     method, validate, memory_limit, sparse, devices, rules, function_name,
-                     batch_axis=None):
+                     method, validate, memory_limit, sparse, devices, rules, batch_axis=None):
     """`per_example_gradients` (num_groups None) and `microbatch_gradients`: [G, *x.shape]
     per x, G = B or M."""
-    _checks.require_graph_mode(function_name)
-    devices = _checks.device_list(devices, function_name)
-    _checks.unconnected_gradients_value(unconnected_gradients, function_name)
+    _checks.require_graph_mode()
+    devices = _checks.device_list(devices)
+    _checks.unconnected_gradients_value(unconnected_gradients)
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_groups, method=method,
                                rules=rules, sparse=sparse, validate=validate,
-                               memory_limit=memory_limit, function_name=function_name,
-                               batch_axis=batch_axis)
-    with _graph_of(ys), tf.name_scope(name or function_name):
+                               memory_limit=memory_limit, batch_axis=batch_axis)
+    with _graph_of(ys), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         results = built.gradients(unconnected_gradients=unconnected_gradients,
                                   name="gradients", sparse=sparse)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, function_name,
-                                 reads=plan.prepared.reads)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.prepared.reads)
         return built.validated(results)
 
 
+@_context.public("microbatch_gradients")
 def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=None,
                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                          method="auto", validate=None, memory_limit=None, sparse=False,
@@ -150,9 +150,10 @@ def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=N
     """
     return _group_gradients(ys, xs, batch, batch_size, num_microbatches,
                             unconnected_gradients, name, method, validate, memory_limit,
-                            sparse, devices, rules, "microbatch_gradients", batch_axis)
+                            sparse, devices, rules, batch_axis)
 
 
+@_context.public("per_example_jacobians")
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                           method="auto", validate=None, memory_limit=None, devices=None,
@@ -174,7 +175,7 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                                            batch_size=16)        # [16, 10, *w.shape]
     """
     function_name = "per_example_jacobians"
-    _checks.require_graph_mode(function_name)
+    _checks.require_graph_mode()
     if isinstance(ys, tf.Tensor) and (ys.shape.rank is None or (
             ys.shape.rank > 0 and not ys.shape[1:].is_fully_defined())):
         raise ValueError(
@@ -183,17 +184,15 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
             "the model's output layer a fixed size, or reshape `ys` to a static shape.")
     K = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
         ys, tf.Tensor) and ys.shape.rank else 1
-    devices = _checks.device_list(devices, function_name)
-    _checks.unconnected_gradients_value(unconnected_gradients, function_name)
+    devices = _checks.device_list(devices)
+    _checks.unconnected_gradients_value(unconnected_gradients)
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
                                validate=validate, memory_limit=memory_limit,
-                               outputs_per_example=K, function_name=function_name,
-                               batch_axis=batch_axis)
+                               outputs_per_example=K, batch_axis=batch_axis)
     with _graph_of(ys), tf.name_scope(name or function_name):
         built = _dispatch.build(plan, devices)
         results = _jacobian_rows(built, ys, unconnected_gradients)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, function_name,
-                                 reads=plan.prepared.reads)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.prepared.reads)
         return built.validated(results)
 
 

@@ -21,10 +21,12 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _dispatch
+from pertower import _context
 
 __all__ = ["per_example_norms"]
 
 
+@_context.public("per_example_norms")
 def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto",
                       validate=None, memory_limit=None, devices=None, rules=None,
                       batch_axis=None):
@@ -46,16 +48,15 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
       factors = tf.minimum(1.0, clip / (norms + 1e-12))                  # [B]
     """
     function_name = "per_example_norms"
-    _checks.require_graph_mode(function_name)
-    devices = _checks.device_list(devices, function_name)
+    _checks.require_graph_mode()
+    devices = _checks.device_list(devices)
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
                                validate=validate, memory_limit=memory_limit,
-                               forms_gradients=False, function_name=function_name,
-                               batch_axis=batch_axis)
+                               forms_gradients=False, batch_axis=batch_axis)
     with plan.prepared.graph.as_default(), tf.name_scope(name or function_name):
         built = _dispatch.build(plan, devices)
         norms = tf.sqrt(built.squared_norms(name="gradients"))           # [B]
-        _checks.warn_unconnected(ys, xs, _checks.UNCONNECTED_DEFAULT, function_name,
+        _checks.warn_unconnected(ys, xs, _checks.UNCONNECTED_DEFAULT,
                                  outcome="they add 0 to the norms",
                                  reads=plan.prepared.reads)
         return built.validated([norms])[0]

@@ -38,6 +38,7 @@ from pertower._batch_axis import static
 from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_layout
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
+from pertower import _context
 
 __all__ = ["Analysis", "analyze", "find_couplings", "check_examples_independent"]
 
@@ -551,8 +552,7 @@ def find_couplings(replayed_ops, batch):
     return _Scan(_seeds(batch), replayed_ops).run().couplings
 
 
-def check_examples_independent(replayed_ops, batch, num_towers=None,
-                               function_name="per_example_gradients"):
+def check_examples_independent(replayed_ops, batch, num_towers=None):
     """Raises ValueError naming the first op of `replayed_ops` that couples examples.
 
     Args:
@@ -560,10 +560,9 @@ def check_examples_independent(replayed_ops, batch, num_towers=None,
       batch: the batch tensors, [B, ...] each.
       num_towers: T, the number of slices computed on their own; with T = 1 (one
         microbatch holding the whole batch) coupling changes nothing and no check runs.
-      function_name: the public function named in the message.
     """
     if num_towers == 1:
         return
     couplings = find_couplings(replayed_ops, batch)
     if couplings:
-        raise ValueError(couplings[0].message(function_name))
+        raise ValueError(couplings[0].message())

@@ -28,6 +28,7 @@ import dataclasses
 
 import numpy as np
 import tensorflow as tf
+from pertower import _context
 
 __all__ = ["Rows", "INDEPENDENT", "SIZE", "META", "UNKNOWN", "Coupling", "Coupled",
            "Lost", "complete", "contiguous", "join", "describe", "TensorMap"]
@@ -133,9 +134,9 @@ class Coupling:
     reason: str
     advice: str
 
-    def message(self, function_name):
+    def message(self):
         return (
-            f"pertower.{function_name}: the op {self.op.name!r} ({self.op.type}) between "
+            f"pertower.{_context.name()}: the op {self.op.name!r} ({self.op.type}) between "
             f"the batch and `ys` couples the examples of the batch: it {self.reason}. So "
             "each example's value depends on the other examples, its per-example "
             "gradient is not defined, and computing each example on its own (as the "

@@ -87,13 +87,18 @@ def l2_loss(scan, op, ins):
                           "whose rows are the examples", lattice.REDUCTION_ADVICE)
 
 
-def arg_reduction(scan, op, ins):
+def _data_and_axis(op, ins):
+    """(the Rows of input 0, the static axis of input 1, normalized) of an op along
+    one axis; Lost when the axis is not static."""
     value = only_data_input(op, ins, 0)
-    rank = _rank(op.inputs[0])
     along = static.static_value(op.inputs[1])
     if along is None:
         raise lattice.Lost("its axis is not static")
-    along = normalize(along, rank)
+    return value, normalize(along, _rank(op.inputs[0]))
+
+
+def arg_reduction(scan, op, ins):
+    value, along = _data_and_axis(op, ins)
     if along == value.lead:
         raise lattice.Coupled(f"takes the {op.type} over {batch_axis_words(op.inputs[0], along)}",
                               lattice.REDUCTION_ADVICE)
@@ -113,12 +118,8 @@ def last_axis(scan, op, ins):
 
 
 def cumulative(scan, op, ins):
-    value = only_data_input(op, ins, 0)
-    rank = _rank(op.inputs[0])
-    along = static.static_value(op.inputs[1])
-    if along is None:
-        raise lattice.Lost("its axis is not static")
-    if normalize(along, rank) == value.lead:
+    value, along = _data_and_axis(op, ins)
+    if along == value.lead:
         raise lattice.Coupled(
             f"accumulates ({op.type}) along {batch_axis_words(op.inputs[0], value.lead)}, so "
             "each example's entry holds the examples before it", lattice.REDUCTION_ADVICE)
@@ -185,6 +186,17 @@ def _paired(op):
         "row holds every other example", lattice.CONTRACTION_ADVICE)
 
 
+def _product_axis(op, out):
+    """The output of a product whose batch-side operands put the batch on the output
+    axes `out`: one axis, or a coupling when two operands each carry the batch (their
+    examples are paired), or SIZE when none does."""
+    if len(out) > 1:
+        _paired(op)
+    if not out:
+        return [SIZE]
+    return [next(iter(out))]
+
+
 def matmul(scan, op, ins):
     out = set()
     a_value, b_value = ins[0], ins[1]
@@ -198,11 +210,7 @@ def matmul(scan, op, ins):
         if b_value.lead != columns:
             _contracted(op, op.inputs[1], b_value.lead)
         out.add(1)
-    if len(out) > 1:
-        _paired(op)
-    if not out:
-        return [SIZE]
-    return [out.pop()]
+    return _product_axis(op, out)
 
 
 def batch_matmul(scan, op, ins):
@@ -224,11 +232,7 @@ def batch_matmul(scan, op, ins):
         if a != kept:
             _contracted(op, tensor, a)
         out.add(out_rank - 2 if i == 0 else out_rank - 1)
-    if len(out) > 1:
-        _paired(op)
-    if not out:
-        return [SIZE]
-    return [out.pop()]
+    return _product_axis(op, out)
 
 
 def einsum(scan, op, ins):
@@ -266,11 +270,7 @@ def einsum(scan, op, ins):
                 f"sums over the einsum index {label!r} of {equation!r}, which is "
                 f"{batch_axis_words(tensor, value.lead)}", lattice.CONTRACTION_ADVICE)
         out.setdefault(out_labels.index(label), tensor)
-    if len(out) > 1:
-        _paired(op)
-    if not out:
-        return [SIZE]
-    return [next(iter(out))]
+    return _product_axis(op, out)
 
 
 # -- images and normalization ---------------------------------------------------------

@@ -18,13 +18,15 @@ import math
 import numbers
 
 from pertower import _checks
+from pertower import _context
 
 __all__ = ["compute_epsilon"]
 
 
+@_context.public("compute_epsilon")
 def _number(value, argument, low, high, low_open, high_open):
     """`value` as a float in the given interval; raises with the argument's name."""
-    return _checks.real_number(value, argument, "compute_epsilon", low, high, low_open,
+    return _checks.real_number(value, argument, low, high, low_open,
                                high_open)
 
 

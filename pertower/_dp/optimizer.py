@@ -47,6 +47,7 @@ from pertower import _dispatch
 from pertower._api import gradients as gradients_lib
 from pertower import _graph_walk as graph_walk
 from pertower import _reductions as reductions
+from pertower import _context
 
 __all__ = ["DPOptimizer"]
 
@@ -59,9 +60,10 @@ def _weight_name(x):
     return name if isinstance(name, str) else repr(x)
 
 
+@_context.public("DPOptimizer")
 def _real_number(value, argument, positive):
     """`value` as a float when it is a finite real number (> 0 or >= 0); raises otherwise."""
-    return _checks.real_number(value, argument, "DPOptimizer", low=0.0, high=math.inf,
+    return _checks.real_number(value, argument, low=0.0, high=math.inf,
                                low_open=positive, high_open=True,
                                wanted="a positive number" if positive
                                else "a non-negative number")
@@ -103,6 +105,7 @@ class DPOptimizer:
       sess.run(train_op, {images: X[:64], labels: Y[:64]})
     """
 
+    @_context.public("DPOptimizer")
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None,
                  seed=None, method="auto"):
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
@@ -115,12 +118,12 @@ class DPOptimizer:
         self._noise_multiplier = _real_number(noise_multiplier, "noise_multiplier",
                                               positive=False)
         self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
-            num_microbatches, "num_microbatches", "DPOptimizer"))
+            num_microbatches, "num_microbatches"))
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
             raise TypeError(f"pertower.DPOptimizer: `seed` must be an int or None, but received "
                             f"{type(seed).__name__} ({seed!r:.80}).")
         self._seed = None if seed is None else int(seed)
-        self._method = _dispatch.check_method(method, "DPOptimizer")
+        self._method = _dispatch.check_method(method)
         self._computed = False
         self._noise_draws = 0  # noise ops built so far: each gets its own op seed
 
@@ -145,6 +148,7 @@ class DPOptimizer:
     def seed(self):
         return self._seed
 
+    @_context.public("DPOptimizer.compute_gradients")
     def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
                           gate_gradients=_GATE_OP, aggregation_method=None,
                           colocate_gradients_with_ops=False, grad_loss=None,
@@ -179,11 +183,11 @@ class DPOptimizer:
           variable is replaced by the tf.Variable holding its value.
         """
         function_name = "DPOptimizer.compute_gradients"
-        _checks.require_graph_mode(function_name)
+        _checks.require_graph_mode()
         if callable(loss) and not isinstance(loss, tf.Tensor):
             raise TypeError(f"pertower.{function_name}: `loss` must be a graph tensor, not a "
                             "callable (that is the eager API, which pertower does not serve).")
-        _checks.require_graph_tensor(loss, "loss", function_name)
+        _checks.require_graph_tensor(loss, "loss")
         if grad_loss is not None:
             raise ValueError(
                 f"pertower.{function_name}: `grad_loss` must be None: DP-SGD weighs every "
@@ -202,9 +206,9 @@ class DPOptimizer:
                 "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
                 "reduction='none'), not its mean.")
         defaulted = var_list is None
-        var_list = self._variables(var_list, function_name)
+        var_list = self._variables(var_list)
         _checks.warn_unconnected(
-            loss, var_list, _checks.UNCONNECTED_DEFAULT, function_name, argument="var_list",
+            loss, var_list, _checks.UNCONNECTED_DEFAULT, argument="var_list",
             ys_argument="loss",
             outcome="each gets pure noise (a zero gradient plus the Gaussian noise) and the "
                     "optimizer moves it by that noise at every step",
@@ -213,7 +217,7 @@ class DPOptimizer:
                     else "Leave them out of `var_list`."))
         # B when known now (the towers check it against the fed batch at run time)
         B = (_checks.static_batch_size(loss) if batch_size is None else
-             _checks.positive_int(batch_size, "batch_size", function_name))
+             _checks.positive_int(batch_size, "batch_size"))
         M = self._num_microbatches
         if M is not None and B is not None and B % M:
             raise ValueError(
@@ -229,7 +233,7 @@ class DPOptimizer:
             if M is None or (B is not None and M == B):
                 clipped_sum, count = self._clipped_sum_per_example(
                     per_example_loss, var_list, batch, batch_size, gate_gradients,
-                    random_op, function_name, batch_axis)
+                    random_op, batch_axis)
             else:
                 clipped_sum, count = self._clipped_sum_microbatches(
                     per_example_loss, var_list, batch, batch_size, M, batch_axis)
@@ -239,18 +243,18 @@ class DPOptimizer:
         self._computed = True
         return list(zip(averaged, var_list))
 
-    def _variables(self, var_list, function_name):
+    def _variables(self, var_list):
         if var_list is None:
             var_list = tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
                 tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES)
             var_list = list({id(v): v for v in var_list}.values())
             if not var_list:
-                raise ValueError(f"pertower.{function_name}: the graph has no trainable "
+                raise ValueError(f"pertower.{_context.name()}: the graph has no trainable "
                                  "variables; pass `var_list`.")
         else:
-            var_list = _checks.weight_list(var_list, "var_list", function_name)
+            var_list = _checks.weight_list(var_list, "var_list")
             if not var_list:
-                raise ValueError(f"pertower.{function_name}: `var_list` is empty.")
+                raise ValueError(f"pertower.{_context.name()}: `var_list` is empty.")
         return var_list
 
     def _clip_factors(self, norms):
@@ -259,17 +263,17 @@ class DPOptimizer:
         return clip / tf.maximum(norms, clip)
 
     def _clipped_sum_per_example(self, per_example_loss, var_list, batch, batch_size,
-                                 gate_gradients, random_op, function_name, batch_axis=None):
+                                 gate_gradients, random_op, batch_axis=None):
         """sum_i clip(g_i) from one forward and one backward pass; and B."""
         with warnings.catch_warnings():   # compute_gradients warned about unreached ones
             warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
             plan = _dispatch.make_plan(per_example_loss, var_list, batch, batch_size, None,
                                        method=self._method, forms_gradients=False,
-                                       batch_axis=batch_axis, function_name=function_name)
+                                       batch_axis=batch_axis)
         if random_op is not None and plan.fallback:
             names = ", ".join(_weight_name(var_list[k]) for k in plan.fallback)
             warnings.warn(
-                f"pertower.{function_name}: the loss depends on the random op "
+                f"pertower.{_context.name()}: the loss depends on the random op "
                 f"{random_op.name!r} ({random_op.type}), e.g. dropout in training mode, "
                 f"and no rule covers {names}: their per-example gradients come from towers "
                 "that replay the model and draw their own random numbers. Each example's "

@@ -28,6 +28,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower._towers import sparse
 from pertower._towers import build as towers_lib
+from pertower import _context
 
 __all__ = ["IndependenceCheck", "check_independence", "validated", "gated",
            "recomputed_by_slices"]
@@ -75,6 +76,7 @@ class IndependenceCheck:
     towers: towers_lib.Towers
 
 
+@_context.public("check_independence")
 def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, name=None,
                        num_towers=None, batch_axis=None):
     """Builds a run-time check that the examples of `ys` do not depend on each other.
@@ -112,9 +114,9 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
     """
     function_name = "check_independence"
     T, towers_argument = _checks.renamed_argument(
-        num_microbatches, num_towers, "num_microbatches", "num_towers", function_name)
+        num_microbatches, num_towers, "num_microbatches", "num_towers")
     towers = _forward_towers(ys, batch, T, batch_size, name or function_name,
-                             function_name, towers_argument, batch_axis=batch_axis)
+                             towers_argument, batch_axis=batch_axis)
     with ys.graph.as_default(), tf.name_scope(name or function_name):
         difference, bound = _differences(towers.stacked, ys)
         max_difference = tf.reduce_max(difference, name="max_difference")
@@ -124,8 +126,7 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
                              tolerance=tolerance_for(ys.dtype), towers=towers)
 
 
-def _forward_towers(ys, batch, num_towers, batch_size, scope, function_name,
-                    towers_argument, batch_axis=None):
+def _forward_towers(ys, batch, num_towers, batch_size, scope, towers_argument, batch_axis=None):
     """Towers that replay `ys` slice by slice, without weight copies."""
     xs = []
     if isinstance(ys, tf.Tensor) and hasattr(ys, "graph") and not tf.executing_eagerly():
@@ -135,15 +136,14 @@ def _forward_towers(ys, batch, num_towers, batch_size, scope, function_name,
             # left out of the replay.
             xs = [tf.zeros([], name="no_weights")]
     return towers_lib.build(ys, xs or [ys], batch, num_towers, batch_size, scope,
-                            function_name, towers_argument, batch_axis=batch_axis)
+                            towers_argument, batch_axis=batch_axis)
 
 
-def recomputed_by_slices(ys, batch, num_groups, batch_size, function_name,
-                         groups_argument, batch_axis=None):
+def recomputed_by_slices(ys, batch, num_groups, batch_size, groups_argument, batch_axis=None):
     """`ys` recomputed slice by slice, [B, ...] (towers without weight copies, under the
     current name scope), for `validate=True` where no towers were built."""
     return _forward_towers(ys, batch, num_groups, batch_size, "validate_towers",
-                           function_name, groups_argument, batch_axis=batch_axis).stacked
+                           groups_argument, batch_axis=batch_axis).stacked
 
 
 def gated(result):
@@ -162,14 +162,13 @@ def gated(result):
     return tf.identity(result)
 
 
-def validated(results, ys, stacked, function_name):
+def validated(results, ys, stacked):
     """`results` gated on a run-time assertion that `stacked` equals `ys`.
 
     Args:
       results: the list a gradient function returns (entries may be None).
       ys: per-example values, [B, ...].
       stacked: `ys` recomputed slice by slice, [B, ...] (e.g. `Towers.stacked`).
-      function_name: the public function named in the message.
 
     Returns:
       The same values as `results`; fetching any of them first checks
@@ -181,7 +180,7 @@ def validated(results, ys, stacked, function_name):
         worst = tf.reduce_max(difference)
         check = tf.debugging.Assert(
             tf.less_equal(worst, bound),
-            [f"pertower.{function_name}(validate=True): `ys` ({ys.name}) recomputed one "
+            [f"pertower.{_context.name()}(validate=True): `ys` ({ys.name}) recomputed one "
              "slice of the batch at a time differs from `ys` by up to", worst,
              "(allowed:", bound, "). So an example's value depends on other examples "
              "through an op pertower's static scan does not know (a py_function, a "

@@ -43,6 +43,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _graph_walk as graph_walk
 from pertower import _batch_axis
+from pertower import _context
 
 __all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit"]
 
@@ -174,14 +175,14 @@ def estimate_plan(plan):
                           activation_bytes=activations)
 
 
-def resolve_limit(memory_limit, function_name):
+def resolve_limit(memory_limit):
     """The limit in bytes for `memory_limit` (None: the default); raises on bad values."""
     if memory_limit is None:
         return default_memory_limit()
     if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real) or not (
             memory_limit > 0):
         raise ValueError(
-            f"pertower.{function_name}: `memory_limit` must be a positive number of bytes, "
+            f"pertower.{_context.name()}: `memory_limit` must be a positive number of bytes, "
             "None (the default: half of the machine's physical memory) or float('inf') (no "
             f"limit), but received {memory_limit!r}.")
     return memory_limit
@@ -190,7 +191,7 @@ def resolve_limit(memory_limit, function_name):
 def check_plan(plan, memory_limit):
     """Raises ValueError when `plan.estimate` exceeds `memory_limit` (bytes; None for
     the default, half the physical memory; float("inf") for no limit)."""
-    limit = resolve_limit(memory_limit, plan.function_name)
+    limit = resolve_limit(memory_limit)
     estimate = plan.estimate
     if estimate is None or limit == math.inf or estimate.total_bytes <= limit:
         return

@@ -21,10 +21,12 @@ from pertower import _checks
 from pertower import _graph_walk as graph_walk
 from pertower._towers import replicate as replicate_lib
 from pertower._towers import sparse as sparse_lib
+from pertower import _context
 
 __all__ = ["gradients", "joint_gradients", "replicated_gradients", "BatchedMatMul"]
 
 
+@_context.public("Towers.gradients")
 def gradients(towers, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
     """`Towers.gradients`: the gradient of each tower's output w.r.t. its own copies.
 
@@ -36,8 +38,7 @@ def gradients(towers, grad_ys=None, unconnected_gradients="zero", name=None, spa
       A list with one entry per x: [T, *x.shape], or a `PerExampleIndexedSlices`
       (sparse), or None (unconnected_gradients="none" and `ys` does not reach x).
     """
-    unconnected = _checks.unconnected_gradients_value(unconnected_gradients,
-                                                      "Towers.gradients")
+    unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     T = towers.num_towers
     with tf.name_scope(name or "tower_gradients"):
         grad_outputs = [None] * T

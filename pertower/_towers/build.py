@@ -6,9 +6,9 @@ Notation:
     S   the replayed ops (see graph_walk)
 
 The mechanism (Goodfellow's trick, "Efficient per-example gradient computations",
-arXiv 1510.01799, in its simplest form): split every batch tensor on its batch axis (0, or
-`batch_axis`) into T slices, give tower t its own copy c_t = tf.identity(x) of each weight, replay S on
-slice t with c_t in place of every read of x, and stack the tower outputs, which then
+arXiv 1510.01799, in its simplest form): split every batch tensor on its batch axis (0,
+or `batch_axis`) into T slices, give tower t its own copy c_t = tf.identity(x) of each
+weight, replay S on slice t with c_t in place of every read of x, and stack the tower outputs, which then
 equal `ys`. Because tower t's output depends on c_t and on no other tower's copy,
 
     d/d c_t  sum_t' sum(y_t')  =  d sum(y_t) / d x      (the gradient of tower t alone),
@@ -50,6 +50,7 @@ from pertower._batch_axis import size_values
 from pertower._towers import backward
 from pertower._towers import functions as control_flow
 from pertower._towers import replicate as replicate_lib
+from pertower import _context
 
 __all__ = ["Towers", "build_towers"]
 
@@ -116,6 +117,7 @@ class Towers:
                                   sparse=sparse)
 
 
+@_context.public("build_towers")
 def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, name=None,
                  devices=None, num_towers=None, batch_axis=None):
     """Builds T towers that replay the graph from the batch to `ys`.
@@ -148,22 +150,22 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
       per_example = towers.gradients()   # list of [32, *w.shape]
     """
     T, towers_argument = _checks.renamed_argument(
-        num_microbatches, num_towers, "num_microbatches", "num_towers", "build_towers")
-    return build(ys, xs, batch, T, batch_size, name or "towers", "build_towers",
-                 towers_argument, devices, batch_axis=batch_axis)
+        num_microbatches, num_towers, "num_microbatches", "num_towers")
+    return build(ys, xs, batch, T, batch_size, name or "towers", towers_argument, devices,
+                 batch_axis=batch_axis)
 
 
-def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_argument,
+def build(ys, xs, batch, num_towers, batch_size, scope, towers_argument,
           devices=None, prepared=None, batch_axis=None):
-    """`build_towers` for the public functions: errors name `function_name` and call
-    the number of towers `towers_argument`. `prepared`: what `pertower._request.prepare`
+    """`build_towers` for the public functions: errors name the public function the
+    call came through (`pertower._context`) and call the number of towers
+    `towers_argument`. `prepared`: what `pertower._request.prepare`
     returned for these same arguments (with B known), when the caller has checked them
     already; they are then not walked and scanned a second time."""
     if prepared is None:
-        prepared = _prepare.prepare(ys, xs, batch, num_towers, batch_size, function_name,
-                                    towers_argument, batch_size_required=True,
-                                    batch_axis=batch_axis)
-    devices = _checks.device_list(devices, function_name)
+        prepared = _prepare.prepare(ys, xs, batch, num_towers, batch_size, towers_argument,
+                                    batch_size_required=True, batch_axis=batch_axis)
+    devices = _checks.device_list(devices)
     ys, xs, graph, ys_upstream, batch, B = prepared[:6]
     T = B if prepared.num_groups is None else prepared.num_groups
 
@@ -178,13 +180,13 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
         # without weight copies (the run-time check's replay of `ys`) no gradient is
         # built through the replay, so TF1 loops may be replayed: frame and all
         forward_only = not any(r.reached for r in reads)
-        graph_walk.check_replayable(replayed, function_name, forward_only)
+        graph_walk.check_replayable(replayed, forward_only)
         if forward_only:
             replayed |= graph_walk.v1_loop_frames(replayed, ys_upstream)
         # Rewrite the control-flow functions once now, so that a refusal comes before
         # any op is added; the towers get their own rewrites in _replay.
         call_positions = _call_positions(reads, xs)
-        trial = control_flow.FunctionRewriter(graph, function_name, "trial")
+        trial = control_flow.FunctionRewriter(graph, "trial")
         for op in sorted(replayed, key=lambda op: op._id):  # pylint: disable=protected-access
             if op.type in control_flow.CALL_OP_TYPES:
                 positions = call_positions.get(op, {})
@@ -193,7 +195,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
         noisy = graph_walk.random_ops(replayed)
         if noisy:
             warnings.warn(
-                f"pertower.{function_name}: `ys` depends on the random op "
+                f"pertower.{_context.name()}: `ys` depends on the random op "
                 f"{noisy[0].name!r} ({noisy[0].type}), e.g. dropout in training mode. Each "
                 "tower draws its own random numbers, so the towers' outputs (and "
                 "gradients) use other draws than `ys` does in the same run.",
@@ -232,9 +234,9 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
             unique = sorted(k for k in set(first_index.values()) if k not in derived)
             # a token unique in the graph names this build's function copies
             token = graph.unique_name("pertower", mark_as_used=True).replace("/", "_")
-            rewriter = control_flow.FunctionRewriter(graph, function_name, token)
+            rewriter = control_flow.FunctionRewriter(graph, token)
             outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
-                              slices, replayed, T, graph, function_name, devices,
+                              slices, replayed, T, graph, devices,
                               _replay_failure_cause(prepared), [reads[k].x for k in derived])
             outputs, derived_copies = [o[0] for o in outputs], [o[1:] for o in outputs]
             for position, k in enumerate(derived):  # the replay's own copy of xs[k]
@@ -243,7 +245,7 @@ def build(ys, xs, batch, num_towers, batch_size, scope, function_name, towers_ar
                 first = first_index[id(r.x)]
                 if first != k:
                     copies[k] = copies[first]
-            outputs = _check_tower_rows(outputs, ys, batch, B, T, function_name)
+            outputs = _check_tower_rows(outputs, ys, batch, B, T)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
@@ -346,12 +348,12 @@ def _rows_not_static(tensor, axis):
     return tf.compat.v1.placeholder_with_default(tensor, shape)
 
 
-def _check_tower_rows(outputs, ys, batch, B, T, function_name):
+def _check_tower_rows(outputs, ys, batch, B, T):
     """Each tower output must have B/T rows, one per example of its slice; otherwise
     axis 0 of `ys` is not the batch axis of `batch` (e.g. `ys` is computed from a
     concatenation of several batch tensors) and the towers would mix examples up."""
     # The message around the number of rows a tower produced.
-    before = (f"pertower.{function_name}: axis 0 of `ys` ({ys.name}) does not follow the "
+    before = (f"pertower.{_context.name()}: axis 0 of `ys` ({ys.name}) does not follow the "
               f"batch ({', '.join(b.name for b in batch)}): a tower given {B // T} "
               "example(s) produced ")
     after = (" row(s). This happens when `ys` is computed from several batch tensors "
@@ -443,7 +445,7 @@ def _replay_failure_cause(prepared):
 
 
 def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, replayed, T,
-            graph, function_name, devices, failure_cause=None, also=()):
+            graph, devices, failure_cause=None, also=()):
     """Adds S once per tower with one import; returns, per tower, [its output
     [B/T, ...], then its versions of the tensors `also`].
 
@@ -516,7 +518,7 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
             edit_node=edit_node, library=rewriter.library)
     except ValueError as error:
         raise ValueError(
-            f"pertower.{function_name}: replaying the graph from the batch to `ys` on "
+            f"pertower.{_context.name()}: replaying the graph from the batch to `ys` on "
             f"slices of {_checks.static_batch_size(slices[0][0])} example(s) failed: "
             f"{error}. {failure_cause or _BAKED}") from error
     return outputs

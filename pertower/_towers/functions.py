@@ -35,6 +35,7 @@ and ops are untouched.
 """
 
 import tensorflow as tf
+from pertower import _context
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import function_pb2
 from tensorflow.core.framework import types_pb2
@@ -73,9 +74,8 @@ class FunctionRewriter:
     build.
     """
 
-    def __init__(self, graph, function_name, token):
+    def __init__(self, graph, token):
         self.graph = graph
-        self.function_name = function_name
         self.token = token
         self.library = function_pb2.FunctionDefLibrary()
         self._names = {}       # (function, ((arg, dtype), ...), tower, variant) -> new name
@@ -107,14 +107,14 @@ class FunctionRewriter:
         """
         if node.op not in _CALLS:
             raise ControlFlowError(
-                f"pertower.{self.function_name}: {where} reaches op {node.name!r} of type "
+                f"pertower.{_context.name()}: {where} reaches op {node.name!r} of type "
                 f"{node.op}, which towers cannot give a weight copy to. Supported: "
                 f"{', '.join(sorted(_CALLS))}. Leave this weight out of `xs`.")
         function_attrs, offset, type_attr, loops = _CALLS[node.op]
         for i, (dtype, _) in positions.items():
             if i < offset or node.attr[type_attr].list.type[i - offset] != types_pb2.DT_RESOURCE:
                 raise ControlFlowError(
-                    f"pertower.{self.function_name}: {where}: input {i} of op {node.name!r} "
+                    f"pertower.{_context.name()}: {where}: input {i} of op {node.name!r} "
                     f"({node.op}) is not a resource argument of its functions.")
             node.attr[type_attr].list.type[i - offset] = dtype
         arguments = {i - offset: spec for i, spec in positions.items()}
@@ -148,7 +148,7 @@ class FunctionRewriter:
         function = self.graph._get_function(name)  # pylint: disable=protected-access
         if function is None:
             raise ControlFlowError(
-                f"pertower.{self.function_name}: the function {name!r} is not in the graph's "
+                f"pertower.{_context.name()}: the function {name!r} is not in the graph's "
                 "library, so towers cannot rewrite it.")
         return function.cached_definition
 
@@ -173,7 +173,7 @@ class FunctionRewriter:
             arg = fdef.signature.input_arg[i]
             if arg.type != types_pb2.DT_RESOURCE:
                 raise ControlFlowError(
-                    f"pertower.{self.function_name}: {where}: argument {arg.name!r} is not a "
+                    f"pertower.{_context.name()}: {where}: argument {arg.name!r} is not a "
                     "resource.")
             arg.type = dtype
             values[arg.name] = (dtype, shape)
@@ -215,7 +215,7 @@ class FunctionRewriter:
             if ref in values and out.type == types_pb2.DT_RESOURCE:
                 if not loop_body:
                     raise ControlFlowError(
-                        f"pertower.{self.function_name}: {where} returns the weight's handle "
+                        f"pertower.{_context.name()}: {where} returns the weight's handle "
                         f"as output {out.name!r}; towers can only rewrite functions that read "
                         "the weight. Leave this weight out of `xs`.")
                 out.type = values[ref][0]
@@ -225,7 +225,7 @@ class FunctionRewriter:
                 out = fdef.signature.output_arg[i]
                 if out.type == types_pb2.DT_RESOURCE:
                     raise ControlFlowError(
-                        f"pertower.{self.function_name}: {where}: the while loop body returns "
+                        f"pertower.{_context.name()}: {where}: the while loop body returns "
                         f"another resource than the weight as loop variable {i}; towers "
                         "cannot rewrite it. Leave this weight out of `xs`.")
         self._generated[new_name] = fdef
@@ -252,7 +252,7 @@ class FunctionRewriter:
                 values[f"{node.name}:output:{i}"] = spec
         else:
             raise ControlFlowError(
-                f"pertower.{self.function_name}: {where} passes the weight to op "
+                f"pertower.{_context.name()}: {where} passes the weight to op "
                 f"{node.name!r} of type {node.op}; towers can only give their weight copies to "
                 "ReadVariableOp, ResourceGather, Identity and nested While/If/function "
                 "calls inside a function body (a body that writes or otherwise uses the "

@@ -33,6 +33,7 @@ from pertower import _checks
 from pertower import _batch_axis
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
+from pertower import _context
 
 # Ops that only re-lay-out the weight's value (same elements, same order).
 _WEIGHT_LAYOUT_OPS = frozenset({"Identity", "Snapshot", "ExpandDims", "Squeeze", "Reshape"})
@@ -229,7 +230,7 @@ def group_count(prepared, num_groups):
     return tf.shape(prepared.batch[0])[prepared.batch_axes[0]]
 
 
-def run_time_checks(prepared, function_name):
+def run_time_checks(prepared):
     """Assertions on the fed batch: its size equals `batch_size` when one was given
     for a None batch axis; M divides it when B is left to run time."""
     checks = []
@@ -246,7 +247,7 @@ def run_time_checks(prepared, function_name):
         elif M is not None:
             fed = tf.shape(b)[axis]   # the batch axis (1 for a time-major [T, B, ...])
             message = tf.strings.join([
-                f"pertower.{function_name}: `num_microbatches` ({M}) must divide the "
+                f"pertower.{_context.name()}: `num_microbatches` ({M}) must divide the "
                 f"batch size, but the batch fed to {b.name} has ",
                 tf.strings.as_string(fed), f" examples. Feed a multiple of {M} examples."])
             checks.append(tf.debugging.Assert(
@@ -292,12 +293,11 @@ def _zeros(x, G):
     return tf.zeros(_per_x_shape(x, G), dtype=x.dtype.base_dtype)
 
 
-def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero",
-              function_name="gradients"):
+def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     """{k: [G, *xs[k].shape]} for the covered weights `indices` (or None for a weight
     that `ys` does not reach, or whose outputs get no gradient, with
     unconnected_gradients="none")."""
-    unconnected = _checks.unconnected_gradients_value(unconnected_gradients, function_name)
+    unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     grad_ys = check_grad_ys(plan.prepared.ys, grad_ys)
     d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
     results = {}

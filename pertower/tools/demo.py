@@ -50,9 +50,9 @@ class ScenarioResult:
       detail: one line with a number or shape from the result.
       batch_size: B.
       loop_runs: how many `sess.run` calls one pass of the loop makes.
+      build_seconds: time of the pertower call that built the towers.
       max_abs_diff: max |pertower - loop| over all entries of all tensors.
       agrees: whether every entry is within the tolerance (RTOL, ATOL).
-      build_seconds: time of the pertower call that built the towers.
       first_run_seconds: the first pertower `sess.run` (includes graph optimization).
       pertower_seconds: median time of the pertower `sess.run`.
       loop_seconds: median time of one pass of the loop over the batch.
@@ -63,9 +63,9 @@ class ScenarioResult:
     detail: str
     batch_size: int
     loop_runs: int
+    build_seconds: float
     max_abs_diff: float
     agrees: bool
-    build_seconds: float
     first_run_seconds: float
     pertower_seconds: float
     loop_seconds: float
@@ -169,14 +169,12 @@ def _scenario_keras_mlp(B, repeats, n_in=32):
         sess.run(tf.compat.v1.global_variables_initializer())
         timed = _Timed(grads, feed, oracle.SliceLoop(cost, weights), feed, B)
         reference = timed.loop.run(sess, feed, B)               # one sess.run per example
-        values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
-            sess, timed, reference, repeats)
+        values, measured = _measure(sess, timed, reference, repeats)
         detail = (f"{len(weights)} weights, {_num_params(weights)} parameters; median "
                   f"per-example gradient norm {np.median(sess.run(norms, feed)):.3f}")
     return ScenarioResult(
         "1 keras mlp", f"Scenario 1: per-example gradients of (net(x) - y)**2, Keras MLP "
-        f"{n_in}-128-128-1, B={B}", detail, B, B, max_diff, agrees, build_seconds,
-        first_run, seconds, loop_seconds)
+        f"{n_in}-128-128-1, B={B}", detail, B, B, build_seconds, *measured)
 
 
 def _scenario_two_batches_cosine(B, repeats):
@@ -209,13 +207,12 @@ def _scenario_two_batches_cosine(B, repeats):
                        concatenated, 2)
         reference = timed.loop.run(sess, concatenated, 2)      # one sess.run per batch
         reference.append(np.asarray(_cosine(reference), np.float32))
-        values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
-            sess, timed, reference, repeats)
+        values, measured = _measure(sess, timed, reference, repeats)
         detail = f"cos(g1, g2) = {values[-1]:.6f} (loop: {reference[-1]:.6f})"
     return ScenarioResult(
         "2 two-batch cosine", f"Scenario 2: gradients of two batches of {n} and their "
-        "cosine, tf.compat.v1.layers MLP 3-64-64-1, M=2", detail, 2 * n, 2, max_diff,
-        agrees, build_seconds, first_run, seconds, loop_seconds)
+        "cosine, tf.compat.v1.layers MLP 3-64-64-1, M=2", detail, 2 * n, 2, build_seconds,
+        *measured)
 
 
 def _scenario_cnn_jacobian(B, repeats):
@@ -237,14 +234,12 @@ def _scenario_cnn_jacobian(B, repeats):
         reference = oracle.loop_per_example_jacobians(sess, y, weights, feed)
         # One output (K = 1): the loop's row is the gradient of the summed output.
         timed = _Timed(jac, feed, oracle.SliceLoop(y, weights), feed, B)
-        values, max_diff, agrees, first_run, seconds, loop_seconds = _measure(
-            sess, timed, reference, repeats)
+        values, measured = _measure(sess, timed, reference, repeats)
         detail = (f"{_num_params(weights)} parameters; Jacobian of {weights[2].name} "
                   f"{tuple(values[2].shape)}")
     return ScenarioResult(
         "3 cnn jacobian", f"Scenario 3: per-example dy/dtheta of the CNN Conv2D(16,5)-"
-        f"Dense(128)-Dense(1) on 32x32x1, B={B}", detail, B, B, max_diff, agrees,
-        build_seconds, first_run, seconds, loop_seconds)
+        f"Dense(128)-Dense(1) on 32x32x1, B={B}", detail, B, B, build_seconds, *measured)
 
 
 # Measuring ----------------------------------------------------------------------------
@@ -254,7 +249,8 @@ def _measure(sess, timed, reference, repeats):
     """Runs pertower once (warm-up and result), compares with `reference`, and times.
 
     Returns:
-      (values, max_abs_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds).
+      (values, (max_abs_diff, agrees, first_run_seconds, pertower_seconds,
+      loop_seconds)): the measurements in `ScenarioResult`'s order after build_seconds.
     """
     start = time.perf_counter()
     values = sess.run(timed.fetches, timed.feed)
@@ -267,7 +263,7 @@ def _measure(sess, timed, reference, repeats):
 
     loop()  # warm-up
     loop_seconds = timing.median_seconds(loop, repeats)
-    return values, max_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds
+    return values, (max_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds)
 
 
 def _compare(values, reference):

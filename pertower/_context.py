@@ -1,0 +1,46 @@
+"""The public function a call came through, for error messages.
+
+Every public function runs inside `public(name)`; the layers below it name that
+function in their errors with `name()` (as in f"pertower.{_context.name()}: ..."),
+instead of taking it as a parameter. The innermost public call wins: an error raised
+while `DPOptimizer.compute_gradients` runs `per_example_norms` names
+`per_example_norms`, whose argument it is about.
+"""
+
+import contextlib
+import contextvars
+import functools
+
+__all__ = ["public", "public_call", "name"]
+
+# The name of the innermost public function running in this context.
+_CALLER = contextvars.ContextVar("pertower_public_call", default=None)
+
+
+@contextlib.contextmanager
+def public_call(function_name):
+    """Runs the body as a call of the public function `function_name`."""
+    token = _CALLER.set(function_name)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
+
+
+def public(function_name):
+    """Decorator: the function runs as the public function `function_name`."""
+
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            with public_call(function_name):
+                return function(*args, **kwargs)
+        return wrapper
+
+    return decorate
+
+
+def name():
+    """The innermost public function's name ("pertower" outside any public call)."""
+    caller = _CALLER.get()
+    return caller if caller is not None else "pertower"
