@@ -414,3 +414,17 @@ def loop_rows_of_batch(sess, ys, xs, feed):
                       for g, x in zip(row, xs)])
     rows = sess.run(grads, feed)
     return [np.stack([row[k] for row in rows]) for k in range(len(xs))]
+
+
+def check_scenario_2_two_placeholders_case():
+    """Runs `run_scenario_2_two_placeholders_case` and asserts its hand-checked answer:
+    kernel gradients g1 = [3, 6, 9] and g2 = [3, 6, 10], the oracle's rows and
+    gradients, and cos(g1, g2) = 135 / sqrt(126 * 145)."""
+    import math  # pylint: disable=import-outside-toplevel
+    rows, g_value, cos_value, want_rows, want_g = run_scenario_2_two_placeholders_case()
+    np.testing.assert_array_equal(rows, [[1, 2, 3], [2, 4, 6], [1, 2, 3], [2, 4, 7]])
+    np.testing.assert_array_equal(g_value, [[3, 6, 9], [3, 6, 10]])
+    np.testing.assert_array_equal(want_rows, rows)
+    np.testing.assert_array_equal(want_g, g_value)
+    want = 135 / math.sqrt(126 * 145)
+    assert abs(cos_value - want) < 1e-6, (cos_value, want)
