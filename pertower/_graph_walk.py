@@ -49,7 +49,7 @@ class WeightReads:
         replay them as a plain gather from their copy.
       call_inputs: (op, input index) pairs of function-calling ops (While, If,
         PartitionedCall, ...) that get the weight's resource handle and read it in
-        their bodies; towers give them their copy (see `pertower.control_flow`).
+        their bodies; towers give them their copy (see `pertower._towers.functions`).
       loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's resource
         handle into a loop frame; such a weight is computed by row passes
         (`pertower._row_passes`).
