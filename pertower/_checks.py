@@ -198,6 +198,50 @@ def _is_keras3_variable(x):
             and not isinstance(x, (tf.Variable, tf.Tensor)) and hasattr(x, "value"))
 
 
+class Partitions:
+    """Where the partitions of each `PartitionedVariable` of `xs` went in the flat list
+    the gradient functions work on, so that their results can be joined again.
+
+    A `PartitionedVariable` (a variable made with a partitioner) is split along one
+    axis into P partition variables; the per-example gradient of the whole variable is
+    the per-example gradients of its partitions concatenated along that axis:
+    [G, *p_1.shape], ..., [G, *p_P.shape] -> [G, *x.shape].
+    """
+
+    def __init__(self, xs):
+        self.flat = []
+        self._layout = []   # per entry of xs: (start in flat, count, axis or None)
+        for x in xs:
+            if isinstance(x, variables.PartitionedVariable):
+                parts = list(x)
+                counts = list(x._get_partitions())  # pylint: disable=protected-access
+                axis = next((a for a, c in enumerate(counts) if c > 1), 0)
+                self._layout.append((len(self.flat), len(parts), axis))
+                self.flat.extend(parts)
+            else:
+                self._layout.append((len(self.flat), 1, None))
+                self.flat.append(x)
+
+    def join(self, results, lead=1):
+        """One result per entry of the original `xs` from one per entry of `flat`:
+        partitions concatenated along their axis, after `lead` leading axes ([G] for
+        gradients, [B, *out] for Jacobians). A partition without a gradient (None) makes
+        the whole entry None; sparse per-example rows are made dense first."""
+        joined = []
+        for start, count, axis in self._layout:
+            if axis is None:
+                joined.append(results[start])
+                continue
+            parts = results[start:start + count]
+            if any(p is None for p in parts):
+                joined.append(None)
+                continue
+            parts = [p.to_dense() if hasattr(p, "to_dense") else tf.convert_to_tensor(p)
+                     for p in parts]
+            joined.append(tf.concat(parts, axis=lead + axis))   # [*lead, *x.shape]
+        return joined
+
+
 def weight_list(xs, argument):
     """`xs` as a list in which each Keras 3 variable is replaced by the TF variable
     holding its value; other entries are kept as they are (the later checks name bad
@@ -207,10 +251,9 @@ def weight_list(xs, argument):
         if isinstance(x, variables.PartitionedVariable):
             raise TypeError(
                 f"pertower.{_context.name()}: `{argument}[{k}]` is the PartitionedVariable "
-                f"{x.name!r} ({len(list(x))} partitions); pass its partitions instead, "
-                f"e.g. `list(variable)` in `{argument}`: each partition then gets its own "
-                "per-example gradient, and tf.concat(..., axis=1) of them is the gradient "
-                "of the whole variable.")
+                f"{x.name!r} ({len(list(x))} partitions), which this function does not "
+                f"take whole; pass its partitions instead, e.g. `list(variable)` in "
+                f"`{argument}`.")
         if not _is_keras3_variable(x):
             continue
         value = x.value

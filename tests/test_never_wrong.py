@@ -176,26 +176,44 @@ def test_explain_names_the_replaced_gradient(case):
         pertower.per_example_gradients(case["ys"], case["xs"], batch_size=B, method="rules")
 
 
-def test_partitioned_variable_is_refused_naming_its_partitions_and_they_work():
-    """A PartitionedVariable in xs is refused with what to pass instead; its partitions
-    passed in its place match the one-example loop."""
+def test_a_partitioned_variable_gets_one_gradient_of_its_full_shape():
+    """A PartitionedVariable in xs: per-example gradients and Jacobians of its full
+    shape (its partitions' joined along the partition axis), norms over all of it, and
+    DPOptimizer pairs per partition; all against the one-example loop on the
+    partitions."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(0)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
         W = tf.compat.v1.get_variable(
             "W", [4, 2], partitioner=tf.compat.v1.fixed_size_partitioner(2))
-        ys = tf.reduce_sum(tf.tanh(tf.matmul(x, W)) ** 2, axis=1)
-        with pytest.raises(TypeError, match=r"pertower.per_example_gradients: `xs\[0\]` is "
-                                            r"the PartitionedVariable 'W' \(2 partitions\)"):
-            pertower.per_example_gradients(ys, [W], batch_size=B)
+        b = tf.compat.v1.get_variable("b", [2])
+        outputs = tf.tanh(tf.matmul(x, W) + b)                          # [B, 2]
+        ys = tf.reduce_sum(outputs ** 2, axis=1)                        # [B]
         parts = list(W)
-        got = pertower.per_example_gradients(ys, parts, batch_size=B)
-        whole = tf.concat(got, axis=1)                                  # [B, 4, 2]
-        loop = oracle.SliceLoop(ys, parts)
+        grads = pertower.per_example_gradients(ys, [W, b], batch_size=B)
+        micro = pertower.microbatch_gradients(ys, [b, W], batch_size=B, num_microbatches=2)
+        jacobians = pertower.per_example_jacobians(outputs, [W], batch_size=B)
+        norms = pertower.per_example_norms(ys, [W, b], batch_size=B)
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                  l2_norm_clip=1e6, noise_multiplier=0.0)
+        pairs = dp.compute_gradients(ys, var_list=[W, b], batch_size=B)
+        assert [v for _, v in pairs] == parts + [b]
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.random.RandomState(2).randn(B, 4).astype(np.float32)}
-            want = common.run_oracle(loop.run, sess, feed, B)
-            common.assert_all_close(sess.run(got, feed), want)
-            assert sess.run(whole, feed).shape == (B, 4, 2)
+            loop = oracle.loop_per_example_gradients(sess, ys, parts + [b], feed)
+            want_W = np.concatenate(loop[:2], axis=1)                  # [B, 4, 2]
+            got = sess.run(grads, feed)
+            assert got[0].shape == (B, 4, 2)
+            common.assert_all_close(got, [want_W, loop[2]], what="per example")
+            pairs_of_two = [w.reshape(2, B // 2, *w.shape[1:]).sum(axis=1)
+                            for w in (loop[2], want_W)]
+            common.assert_all_close(sess.run(micro, feed), pairs_of_two, what="microbatches")
+            want_jac = np.concatenate(oracle.loop_per_example_jacobians(
+                sess, outputs, parts, feed), axis=2)                   # [B, 2, 4, 2]
+            common.assert_all_close(sess.run(jacobians, feed), [want_jac], what="jacobians")
+            want_norms = np.sqrt(sum(np.sum(w.reshape(B, -1) ** 2, axis=1) for w in loop))
+            common.assert_all_close([sess.run(norms, feed)], [want_norms], what="norms")
+            mean = [w.mean(axis=0) for w in loop]                       # no clipping
+            common.assert_all_close(sess.run([g for g, _ in pairs], feed), mean, what="DP")

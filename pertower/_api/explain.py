@@ -35,6 +35,7 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
     """
     function_name = "explain"
     _checks.require_graph_mode()
+    xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
     return _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
                                rules=rules, sparse=sparse, validate=validate,
                                memory_limit=float("inf"), refuse=False, batch_axis=batch_axis)
@@ -67,6 +68,7 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
     function_name = "estimate_memory"
     _checks.require_graph_mode()
     K = _checks.positive_int(outputs_per_example, "outputs_per_example")
+    xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
                                rules=rules, validate=False, memory_limit=float("inf"),
                                outputs_per_example=K, refuse=False, batch_axis=batch_axis)

@@ -111,6 +111,8 @@ def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradient
     _checks.require_graph_mode()
     devices = _checks.device_list(devices)
     _checks.unconnected_gradients_value(unconnected_gradients)
+    partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
+    xs = partitions.flat
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_groups, method=method,
                                rules=rules, sparse=sparse, validate=validate,
                                memory_limit=memory_limit, batch_axis=batch_axis)
@@ -119,7 +121,8 @@ def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradient
         results = built.gradients(unconnected_gradients=unconnected_gradients,
                                   name="gradients", sparse=sparse)
         _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.prepared.reads)
-        return built.validated(results)
+        # [G, *partition.shape] each -> [G, *x.shape] per PartitionedVariable
+        return partitions.join(built.validated(results))
 
 
 @_context.public("microbatch_gradients")
@@ -186,6 +189,8 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
         ys, tf.Tensor) and ys.shape.rank else 1
     devices = _checks.device_list(devices)
     _checks.unconnected_gradients_value(unconnected_gradients)
+    partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
+    xs = partitions.flat
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
                                validate=validate, memory_limit=memory_limit,
                                outputs_per_example=K, batch_axis=batch_axis)
@@ -193,7 +198,8 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
         built = _dispatch.build(plan, devices)
         results = _jacobian_rows(built, ys, unconnected_gradients)
         _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.prepared.reads)
-        return built.validated(results)
+        # [B, *out, *partition.shape] each -> [B, *out, *x.shape] per PartitionedVariable
+        return partitions.join(built.validated(results), lead=max(ys.shape.rank, 1))
 
 
 def _jacobian_rows(built, ys, unconnected_gradients):

@@ -50,6 +50,7 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     function_name = "per_example_norms"
     _checks.require_graph_mode()
     devices = _checks.device_list(devices)
+    xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
     plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
                                validate=validate, memory_limit=memory_limit,
                                forms_gradients=False, batch_axis=batch_axis)

@@ -252,7 +252,8 @@ class DPOptimizer:
                 raise ValueError(f"pertower.{_context.name()}: the graph has no trainable "
                                  "variables; pass `var_list`.")
         else:
-            var_list = _checks.weight_list(var_list, "var_list")
+            var_list = _checks.weight_list(
+                _checks.Partitions(_checks.as_list(var_list)).flat, "var_list")
             if not var_list:
                 raise ValueError(f"pertower.{_context.name()}: `var_list` is empty.")
         return var_list
