@@ -12,7 +12,6 @@ and function calls that read it in their bodies). Ops that depend on neither
 (initializers, constants, other placeholders) are shared by all towers as they are.
 """
 
-import collections
 
 import tensorflow as tf
 from tensorflow.python.ops import ref_variable

@@ -114,18 +114,6 @@ def assert_all_close(got, want, rtol=None, atol=None, what="values"):
     assert not problems, f"{what}: " + "; ".join(problems)
 
 
-def loop_rows_of_batch(sess, ys, xs, feed_dict):
-    """[B, *x.shape] per x: the gradient of row i of `ys` *as computed on the whole
-    batch*, d sum(ys[i]) / d x, one tf.gradients per row, each fed the whole batch.
-
-    This is the definition the per-op rules compute when `ys` reads the batch's size
-    (e.g. a mean over the batch written as cost / tf.cast(tf.shape(x)[0])), where the
-    one-example loop (`pertower.oracle`) would see a batch of one.
-    """
-    B = sess.run(tf.shape(ys)[0], feed_dict)
-    rows = [tf.gradients(tf.reduce_sum(ys[i]), xs) for i in range(B)]   # B x [*x.shape]
-    values = sess.run(rows, feed_dict)
-    return [np.stack([values[i][k] for i in range(B)]) for k in range(len(xs))]
 def run_oracle(loop, *args, **kwargs):
     """Runs a one-example loop and returns its values; skips the test if TensorFlow
     cannot compute the reference on this machine.

@@ -14,7 +14,6 @@ import pertower
 from pertower._api import gradients as gradients_lib
 from pertower import _dispatch
 from pertower import oracle
-from pertower.rules import _engine as rule_gradients
 from pertower import rules as rules_lib
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d

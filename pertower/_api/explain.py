@@ -33,7 +33,6 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
     Example:
       print(pertower.explain(cost, net.trainable_weights))
     """
-    function_name = "explain"
     _checks.require_graph_mode()
     xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
     return _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
@@ -65,7 +64,6 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
       estimate = pertower.estimate_memory(cost, net.trainable_weights, batch_size=512)
       print(estimate.describe())
     """
-    function_name = "estimate_memory"
     _checks.require_graph_mode()
     K = _checks.positive_int(outputs_per_example, "outputs_per_example")
     xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts

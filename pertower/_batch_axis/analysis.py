@@ -38,7 +38,6 @@ from pertower._batch_axis import static
 from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_layout
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
-from pertower import _context
 
 __all__ = ["Analysis", "analyze", "find_couplings", "check_examples_independent"]
 

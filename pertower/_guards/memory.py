@@ -40,7 +40,6 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from pertower import _checks
 from pertower import _graph_walk as graph_walk
 from pertower import _batch_axis
 from pertower import _context
@@ -112,20 +111,13 @@ def _static_size(shape):
     return int(np.prod(shape.as_list(), dtype=np.int64))
 
 
-def _activation_bytes(ys, batch, B):
-    """Bytes of the floating outputs of the ops between the batch and `ys`, for B
-    examples; tensors whose per-example shape is not static are left out, and so are
-    elementwise ops (activations, bias adds), whose kernels reuse their input's buffer
-    when they can."""
-    upstream = graph_walk.upstream_ops([ys])
-    if batch is None:
-        try:
-            batch = graph_walk.find_batch_tensors(ys, upstream)
-        except ValueError:
-            return 0  # the builder reports it
-    batch = [b for b in _checks.as_list(batch) if isinstance(b, tf.Tensor)]
+def _activation_bytes(prepared, B):
+    """Bytes of the floating outputs of the ops between the batch and `ys` (of the
+    checked request `prepared`), for B examples; tensors whose per-example shape is not
+    static are left out, and so are elementwise ops (activations, bias adds), whose
+    kernels reuse their input's buffer when they can."""
     total = 0
-    for op in graph_walk.downstream_ops(batch, upstream):
+    for op in graph_walk.downstream_ops(list(prepared.batch), prepared.ys_upstream):
         if op.type in _batch_axis.ELEMENTWISE_OP_TYPES:
             continue  # TF kernels write these into their input's buffer when they can
         for out in op.outputs:
@@ -168,7 +160,7 @@ def estimate_plan(plan):
     P, all_bytes = _weight_bytes(reached)
     _, fallback_bytes = _weight_bytes([prepared.xs[k] for k in plan.fallback])
     result_bytes = rows * K * (all_bytes if plan.forms_gradients else fallback_bytes)
-    activations = _activation_bytes(prepared.ys, list(prepared.batch), B)
+    activations = _activation_bytes(prepared, B)
     return MemoryEstimate(batch_size=B, num_towers=rows, rows=rows, outputs_per_example=K,
                           num_weights=P, result_bytes=result_bytes,
                           tower_gradient_bytes=rows * K * fallback_bytes,
