@@ -17,7 +17,7 @@ import tf_keras as keras
 
 import pertower
 from pertower import _graph_walk as graph_walk
-from pertower._batch_axis import size_values
+from pertower import _batch_axis
 from tests import common
 
 B, D = 6, 3
@@ -112,8 +112,8 @@ def test_size_data_edges_are_value_uses_not_shape_uses(model):
     the Reshape; only the Cast is a size-data edge."""
     ys = model.ys["reshape"]
     batch = list(model.feeds["reshape"])
-    ops = graph_walk.downstream_ops(batch, graph_walk.upstream_ops([ys]))
-    edges = size_values.size_data_edges(ops, batch)
+    with model.graph.as_default():
+        edges = _batch_axis.analyze(ys, batch, graph_walk.upstream_ops([ys])).size_data_edges
     assert [(op.type, i) for op, i in edges] == [("Cast", 0)]
     (cast, _), = edges
     assert cast.inputs[0].op.type == "Size"

@@ -25,8 +25,8 @@ conds, `tf.function` calls) get the copy as an input and rewritten functions (se
 `pertower._towers.functions`). Values computed from the batch's size that feed a
 computation (`cost / tf.cast(tf.shape(x)[0], tf.float32)`) are read from the whole
 batch's graph, so that the tower rows are the rows of `ys`; shape uses keep the
-tower's own size (see `pertower._batch_axis.size_values`). With `devices`, tower t's
-copies and replayed ops are placed on devices[t % len(devices)]. The user's ops,
+tower's own size (the analysis' `size_data_edges`, `pertower._batch_axis`). With
+`devices`, tower t's copies and replayed ops are placed on devices[t % len(devices)]. The user's ops,
 variables and values are left untouched; only new ops are added, under one name scope.
 
 An entry of `xs` computed from another entry (`w_eff = 2 * tf.identity(W)` with both W
@@ -46,7 +46,6 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _request as _prepare
 from pertower import _graph_walk as graph_walk
-from pertower._batch_axis import size_values
 from pertower._towers import backward
 from pertower._towers import functions as control_flow
 from pertower._towers import replicate as replicate_lib
@@ -237,7 +236,8 @@ def build(ys, xs, batch, num_towers, batch_size, scope, towers_argument,
             rewriter = control_flow.FunctionRewriter(graph, token)
             outputs = _replay(ys, batch, reads, copies, unique, call_positions, rewriter,
                               slices, replayed, T, graph, devices,
-                              _replay_failure_cause(prepared), [reads[k].x for k in derived])
+                              _replay_failure_cause(prepared), [reads[k].x for k in derived],
+                              prepared.analysis.size_data_edges)
             outputs, derived_copies = [o[0] for o in outputs], [o[1:] for o in outputs]
             for position, k in enumerate(derived):  # the replay's own copy of xs[k]
                 copies[k] = tuple(tower[position] for tower in derived_copies)
@@ -445,7 +445,7 @@ def _replay_failure_cause(prepared):
 
 
 def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, replayed, T,
-            graph, devices, failure_cause=None, also=()):
+            graph, devices, failure_cause=None, also=(), size_edges=()):
     """Adds S once per tower with one import; returns, per tower, [its output
     [B/T, ...], then its versions of the tensors `also`].
 
@@ -469,8 +469,9 @@ def _replay(ys, batch, reads, copies, unique, call_positions, rewriter, slices, 
     gathers = {op: k for k in unique for op in reads[k].gather_ops}
     axis_zero = tf.constant(0, name="gather_axis") if gathers else None
     whole_batch = {}  # op -> input indices that read the whole batch's size value
-    for op, index in size_values.size_data_edges(replayed, batch):
-        whole_batch.setdefault(op, []).append(index)
+    for op, index in size_edges:   # the analysis' size-data edges (see the docstring)
+        if op in replayed:
+            whole_batch.setdefault(op, []).append(index)
     true_constant = []  # the predicate of function calls turned into If ops, made once
 
     def counterpart(item, t):
