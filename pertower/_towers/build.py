@@ -26,8 +26,9 @@ conds, `tf.function` calls) get the copy as an input and rewritten functions (se
 computation (`cost / tf.cast(tf.shape(x)[0], tf.float32)`) are read from the whole
 batch's graph, so that the tower rows are the rows of `ys`; shape uses keep the
 tower's own size (the analysis' `size_data_edges`, `pertower._batch_axis`). With
-`devices`, tower t's copies and replayed ops are placed on devices[t % len(devices)]. The user's ops,
-variables and values are left untouched; only new ops are added, under one name scope.
+`devices`, tower t's copies and replayed ops are placed on devices[t % len(devices)].
+The user's ops, variables and values are left untouched; only new ops are added, under
+one name scope.
 
 An entry of `xs` computed from another entry (`w_eff = 2 * tf.identity(W)` with both W
 and w_eff in xs) has no `tf.identity` copy of its own: its tower-t version is the
