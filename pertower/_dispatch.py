@@ -408,17 +408,33 @@ class Built:
                 prepared.num_groups, prepared.batch_size, "towers", _groups_argument(prepared),
                 devices, prepared=prepared.restricted(plan.fallback))
 
+    def _rule_checks(self):
+        """The run-time checks of the fed batch that the rules' and the row passes' ops
+        wait for (the towers check it where they split the batch)."""
+        if self.plan.uses_rules or self.passes is not None:
+            return _engine.run_time_checks(self.plan.prepared)
+        return []
+
+    def _fallback_gradients(self, name):
+        """{k: [B, *xs[k].shape]}: the per-example gradients of the weights the rules do
+        not compute (every weight when the towers compute them all), from the towers or
+        the row passes; weights without a gradient are left out."""
+        if self.towers is not None:
+            indices = range(len(self.xs)) if self.towers_only else self.plan.fallback
+            grads = self.towers.gradients(name=name)
+        elif self.passes is not None:
+            indices, grads = self.plan.fallback, self.passes.gradients(name="row_passes")
+        else:
+            return {}
+        return {k: g for k, g in zip(indices, grads) if g is not None}
+
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
         if self.towers_only:
             return [independence.gated(g) for g in self.towers.gradients(
                 grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
                 name=name or "gradients", sparse=sparse)]
         with tf.name_scope(name or "gradients"):
-            # every rule op waits for the checks of the fed batch (towers check it
-            # where they split the batch)
-            checks = (_engine.run_time_checks(self.plan.prepared)
-                      if self.plan.uses_rules or self.passes is not None else [])
-            with tf.control_dependencies(checks):
+            with tf.control_dependencies(self._rule_checks()):
                 results = [None] * len(self.xs)
                 covered = _engine.gradients(self.plan, self.plan.covered, self.groups,
                                             grad_ys, unconnected_gradients)
@@ -441,21 +457,13 @@ class Built:
         with tf.name_scope(name or "gradients"):
             prepared = self.plan.prepared
             B = self.groups
-            checks = (_engine.run_time_checks(prepared)
-                      if self.plan.uses_rules or self.passes is not None else [])
-            with tf.control_dependencies(checks):
+            with tf.control_dependencies(self._rule_checks()):
                 squares = list(_engine.squared_norms(self.plan, self.plan.covered,
                                                      B).values())      # [B] each
-                fallback = []
-                if self.passes is not None:
-                    fallback = self.passes.gradients(name="row_passes")
-            if self.towers is not None:
-                fallback = self.towers.gradients(name="towers" if not self.towers_only
-                                                 else "tower_gradients")
-            for g in fallback:
-                if g is not None:                                       # [B, *x.shape]
-                    squares.append(tf.reduce_sum(tf.square(g),
-                                                 axis=list(range(1, g.shape.rank))))
+                fallback = self._fallback_gradients(
+                    "towers" if not self.towers_only else "tower_gradients")
+            for g in fallback.values():                                 # [B, *x.shape]
+                squares.append(tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.rank))))
             if not squares:   # no weight is reached
                 squares = [tf.zeros(tf.reshape(B, [1]), dtype=prepared.ys.dtype)]
             return tf.add_n([tf.cast(s, prepared.ys.dtype) for s in squares])  # [B]
@@ -466,7 +474,8 @@ class Built:
         The rules' norms and their reweighted sum share the dZ of ONE tf.gradients of
         sum(ys) (`_engine.norm_parts`, `_engine.clipped_sums`), so a random op (dropout)
         is differentiated with the draws of `ys` in the same run; the weights that fall
-        back to towers are formed there, [B, *x.shape], and contracted with the factors.
+        back to towers or row passes are formed there, [B, *x.shape], and contracted
+        with the factors.
 
         Args:
           factors_of: maps the [B] per-example gradient norms to the [B] factors f.
@@ -478,27 +487,20 @@ class Built:
         """
         with tf.name_scope(name or "clipped_sum"):
             plan, prepared, B = self.plan, self.plan.prepared, self.groups
-            checks = (_engine.run_time_checks(prepared)
-                      if plan.uses_rules else [])
-            with tf.control_dependencies(checks):
+            with tf.control_dependencies(self._rule_checks()):
                 covered = [] if self.towers_only else plan.covered
                 d_outputs, squares, formed = _engine.norm_parts(plan, covered, B)
+                fallback = self._fallback_gradients("towers")   # towers or row passes
             squares = list(squares.values())                                # [B] each
-            towers = {}
-            if self.towers is not None:
-                indices = range(len(self.xs)) if self.towers_only else plan.fallback
-                for k, g in zip(indices, self.towers.gradients(name="towers")):
-                    if g is not None:                                       # [B, *x.shape]
-                        towers[k] = g
-                        squares.append(tf.reduce_sum(tf.square(g),
-                                                     axis=list(range(1, g.shape.rank))))
+            for g in fallback.values():                                     # [B, *x.shape]
+                squares.append(tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.rank))))
             if not squares:   # no weight is reached
                 squares = [tf.zeros(tf.reshape(B, [1]), dtype=prepared.ys.dtype)]
             norms = tf.sqrt(tf.add_n([tf.cast(s, prepared.ys.dtype) for s in squares]))
             norms = self.validated([norms])[0]                              # [B]
             factors = tf.stop_gradient(factors_of(norms))                   # [B]
             sums = _engine.clipped_sums(plan, covered, d_outputs, formed, factors)
-            for k, g in towers.items():
+            for k, g in fallback.items():
                 # [B] x [B, *x.shape] -> [*x.shape]
                 sums[k] = tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)
             results = []

@@ -298,6 +298,33 @@ def check_legacy_lstm_example_runs_and_matches_the_loop():
     return out
 
 
+def check_v1_dp_optimizer_clips_row_pass_gradients():
+    """DPOptimizer (one microbatch per example, noise 0) on a dynamic_rnn whose cell
+    weights are computed by row passes: the step's gradient is the mean of the loop's
+    per-example gradients, each clipped to l2_norm_clip (half the median norm, so
+    every example is clipped)."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(23)
+        x, _, ys = _rnn_model(lambda: _CELLS.LSTMCell(UNITS))
+        xs = tf.compat.v1.trainable_variables()
+        loop = oracle.SliceLoop(ys, xs)
+        feed = _feed(x)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            per_example = loop.run(sess, feed, B)                      # [B, *x.shape] each
+        norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in per_example))
+        clip = 0.5 * float(np.median(norms))
+        factors = np.minimum(1.0, clip / norms)                        # [B]
+        want = [np.tensordot(factors, g, axes=1) / B for g in per_example]
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                  l2_norm_clip=clip, noise_multiplier=0.0)
+        pairs = dp.compute_gradients(ys, var_list=xs, batch_size=B)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got = sess.run([g for g, _ in pairs], feed)
+    common.assert_all_close(got, want, 1e-4, 1e-6, "DP step through row passes")
+
+
 CHECKS = [check_v1_dynamic_rnn_lstm_matches_oracle,
           check_v1_dynamic_rnn_gru_with_sequence_length_matches_oracle,
           check_v1_dynamic_rnn_basic_rnn_and_multi_rnn_cells_match_oracle,
@@ -308,5 +335,6 @@ CHECKS = [check_v1_dynamic_rnn_lstm_matches_oracle,
           check_static_rnn_with_sequence_length_matches_oracle,
           check_v1_loop_restored_from_a_meta_graph_matches_oracle,
           check_v1_loop_training_op_built_after_a_run,
+          check_v1_dp_optimizer_clips_row_pass_gradients,
           check_build_towers_refuses_v1_loops_naming_the_alternative,
           check_legacy_lstm_example_runs_and_matches_the_loop]
