@@ -112,10 +112,9 @@ def loop_microbatch_gradients(sess, ys, xs, feed_dict, num_microbatches, batch=N
 
 def loop_per_example_gradients(sess, ys, xs, feed_dict, batch=None, batch_axis=None):
     """[B, *x.shape] per x: one `sess.run` of tf.gradients(sum(ys), xs) per example."""
-    return loop_microbatch_gradients(
-        sess, ys, xs, feed_dict,
-        _fed_batch_size(feed_dict, batch, _axes(_batch_keys(feed_dict, batch), batch_axis)),
-        batch, batch_axis)
+    return loop_microbatch_gradients(sess, ys, xs, feed_dict,
+                                     _fed_batch_size(feed_dict, batch, batch_axis),
+                                     batch, batch_axis)
 
 
 def loop_per_example_jacobians(sess, ys, xs, feed_dict, batch=None):
