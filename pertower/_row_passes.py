@@ -27,6 +27,8 @@ such as the loop's stacks of forward values, as any training op does).
 
 import tensorflow as tf
 
+from pertower._towers import sparse
+
 __all__ = ["RowPasses"]
 
 
@@ -91,8 +93,4 @@ def _dense(gradient, x):
     """A pass's gradient as a dense tensor of x's shape (None stays None)."""
     if gradient is None:
         return None
-    if isinstance(gradient, tf.IndexedSlices):
-        # embedding rows: scatter the looked-up rows into [*x.shape]
-        num_rows = tf.shape(x, out_type=gradient.indices.dtype)[0]
-        return tf.math.unsorted_segment_sum(gradient.values, gradient.indices, num_rows)
-    return gradient
+    return sparse.dense_rows(gradient, x)

@@ -260,8 +260,4 @@ def _dense(gradient, like):
     """A tower's gradient as a dense tensor shaped like its copy (None -> zeros)."""
     if gradient is None:
         return tf.zeros_like(like)
-    if isinstance(gradient, tf.IndexedSlices):
-        # Embedding rows: scatter the looked-up rows into [*x.shape].
-        return tf.math.unsorted_segment_sum(gradient.values, gradient.indices,
-                                            tf.shape(like, out_type=gradient.indices.dtype)[0])
-    return gradient
+    return sparse_lib.dense_rows(gradient, like)

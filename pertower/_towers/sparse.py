@@ -21,7 +21,7 @@ import collections
 
 import tensorflow as tf
 
-__all__ = ["PerExampleIndexedSlices"]
+__all__ = ["PerExampleIndexedSlices", "dense_rows"]
 
 
 class PerExampleIndexedSlices(collections.namedtuple(
@@ -76,3 +76,13 @@ def stack_tower_slices(per_tower, copies):
                             axis=0)                                   # [1 + rank(x)]
     return PerExampleIndexedSlices(values=values, indices=tf.concat(indices, axis=0),
                                    example_ids=example_ids, dense_shape=dense_shape)
+
+
+def dense_rows(gradient, like):
+    """`gradient` of the tensor `like` as a dense tensor of its shape: a
+    `tf.IndexedSlices` (an embedding's looked-up rows) scattered into [*like.shape],
+    repeated rows added; any other gradient unchanged."""
+    if isinstance(gradient, tf.IndexedSlices):
+        num_rows = tf.shape(like, out_type=gradient.indices.dtype)[0]
+        return tf.math.unsorted_segment_sum(gradient.values, gradient.indices, num_rows)
+    return gradient
