@@ -271,7 +271,9 @@ class DPOptimizer:
             plan = _dispatch.make_plan(per_example_loss, var_list, batch, batch_size, None,
                                        method=self._method, forms_gradients=False,
                                        batch_axis=batch_axis)
-        if random_op is not None and plan.fallback:
+        # towers replay the model with their own draws; row passes (past a TF1 loop)
+        # differentiate the model itself, with the draws of the loss
+        if random_op is not None and plan.fallback and plan.loop_op is None:
             names = ", ".join(_weight_name(var_list[k]) for k in plan.fallback)
             warnings.warn(
                 f"pertower.{_context.name()}: the loss depends on the random op "
