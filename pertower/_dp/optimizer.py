@@ -317,7 +317,9 @@ class DPOptimizer:
         # call k gets op seed seed + k: a second compute_gradients draws other noise
         seed = None if self._seed is None else self._seed + self._noise_draws
         self._noise_draws += 1
-        sizes = [tf.size(g) for g in gradients]
+        # static sizes where known, so that the draw need not wait for the gradients
+        sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else tf.size(g)
+                 for g in gradients]
         # a fresh key pair per sess.run from a 2-entry stateful draw (repeatable with the
         # op and graph seeds), then the stateless Philox normal: the same distribution
         # as tf.random.normal, about 20 times faster on CPU for a large P
@@ -328,7 +330,8 @@ class DPOptimizer:
             stddev=self._noise_multiplier * self._l2_norm_clip, name="noise")   # [P]
         pieces = tf.split(noise, tf.stack(sizes), num=len(gradients))  # [P] -> [P_x] each
         # [P_x] -> [*x.shape]
-        return [g + tf.cast(tf.reshape(p, tf.shape(g)), g.dtype)
+        return [g + tf.cast(tf.reshape(p, g.shape if g.shape.is_fully_defined()
+                                       else tf.shape(g)), g.dtype)
                 for g, p in zip(gradients, pieces)]
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):

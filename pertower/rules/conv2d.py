@@ -361,14 +361,15 @@ class Conv2DRule(registry_lib.Rule):
                 else "formed")
 
     def squared_norms(self, use, dZ, B):
-        if self.norm_strategy(use) == "ghost":
-            kh, kw = use.weight_shape.as_list()[:2]
-            positions = _rows.static_size(use.output.shape[1:3])
-            return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
-                                             use.rows.k * positions)
-        grad = self.per_group(use, dZ, B)                           # [B, kh, kw, Cin, Cout]
-        return tf.reduce_sum(tf.square(grad), axis=[1, 2, 3, 4])    # [B]
-
+        # None when forming is cheaper: the engine then forms the per-example gradients
+        # itself and keeps them, so that a clipped sum contracts them with the factors
+        # instead of running a second (reweighted) filter gradient
+        if self.norm_strategy(use) != "ghost":
+            return None
+        kh, kw = use.weight_shape.as_list()[:2]
+        positions = _rows.static_size(use.output.shape[1:3])
+        return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
+                                         use.rows.k * positions)
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per example
