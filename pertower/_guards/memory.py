@@ -82,6 +82,9 @@ class MemoryEstimate:
       tower_gradient_bytes: T x K x P x bytes, the towers' gradients before stacking.
       activation_bytes: the replayed forward activations for the whole batch (0 when
         their shapes are not static).
+      fallback: what computes the weights the rules do not cover: "towers", or "row
+        passes" (past a TF1 loop: one backward pass of the original graph per example,
+        whose gradients are held before stacking just as the towers' are).
     """
 
     batch_size: int
@@ -92,6 +95,7 @@ class MemoryEstimate:
     result_bytes: int
     tower_gradient_bytes: int
     activation_bytes: int
+    fallback: str = "towers"
 
     @property
     def total_bytes(self):
@@ -99,10 +103,11 @@ class MemoryEstimate:
 
     def describe(self):
         K = f" x {self.outputs_per_example} outputs" if self.outputs_per_example > 1 else ""
+        held = (f", the {self.num_towers} {self.fallback}' gradients before stacking "
+                f"{_gb(self.tower_gradient_bytes)}" if self.tower_gradient_bytes else "")
         return (f"{_gb(self.total_bytes)}: the result {self.rows}{K} x {self.num_weights} "
-                f"weights = {_gb(self.result_bytes)}, the {self.num_towers} towers' "
-                f"gradients before stacking {_gb(self.tower_gradient_bytes)}, replayed "
-                f"activations {_gb(self.activation_bytes)}")
+                f"weights = {_gb(self.result_bytes)}{held}, replayed activations "
+                f"{_gb(self.activation_bytes)}")
 
 
 def _static_size(shape):
@@ -164,7 +169,8 @@ def estimate_plan(plan):
     return MemoryEstimate(batch_size=B, num_towers=rows, rows=rows, outputs_per_example=K,
                           num_weights=P, result_bytes=result_bytes,
                           tower_gradient_bytes=rows * K * fallback_bytes,
-                          activation_bytes=activations)
+                          activation_bytes=activations,
+                          fallback="towers" if plan.loop_op is None else "row passes")
 
 
 def resolve_limit(memory_limit):

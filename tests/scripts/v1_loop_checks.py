@@ -50,6 +50,8 @@ def _compare(graph, ys, xs, feed, what, num_microbatches=None, **kwargs):
         grads = pertower.microbatch_gradients(ys, xs, batch_size=B,
                                               num_microbatches=num_microbatches, **kwargs)
     plan = pertower.explain(ys, xs, batch_size=B, num_microbatches=num_microbatches)
+    if plan.fallback:   # the memory line names what holds the fallback's gradients
+        assert f"the {groups} row passes' gradients before stacking" in str(plan), str(plan)
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         got = sess.run(grads, feed)
