@@ -40,7 +40,7 @@ def smoke(tmp_path_factory):
 
 
 def _expected_rows(model):
-    rows = [bench.LOOP, bench.BATCH, bench.VMAP, bench.WRITE_LIMIT]
+    rows = [bench.LOOP, bench.BATCH, bench.VMAP, bench.WRITE_LIMIT, bench.NORMS_FLOOR]
     rows += [f"gradients[{m}]" for m in METHODS] + [f"norms[{m}]" for m in METHODS]
     if model == "mlp":
         rows += [bench.OUTER, bench.HAND_NORMS]
@@ -66,9 +66,9 @@ def test_every_row_is_present_and_agrees_with_the_loop(smoke):
         if e["status"] != "ok":
             problems.append(f"{where}: {e['status']} {e['reason']}")
             continue
-        if e["computes"] == "write":      # the memory-write limit computes no gradient
+        if e["computes"] in bench.NOT_COMPARED:   # the write limit, the norms floor
             if e["max_abs_diff"] is not None or e["agrees"] is not None:
-                problems.append(f"{where}: the write limit was compared with the loop")
+                problems.append(f"{where}: a row that computes no gradient was compared")
             continue
         allowed = TOLERANCE * max(1.0, e["max_abs_reference"])
         if not 0 <= e["max_abs_diff"] <= allowed:
@@ -87,7 +87,8 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
     assert machine["date_utc"].endswith("UTC")
     assert figures["settings"]["batch_sizes"] == {"mlp": [B], "cnn": [B]}
     assert set(figures["notes"]) == {"ms", "ratios", "peak_bytes", "max_abs_diff",
-                                     "estimate_bytes", "memory_write_limit", "cpu_speed"}
+                                     "estimate_bytes", "memory_write_limit", "norms_floor",
+                                     "cpu_speed"}
     speed = machine["cpu_speed"]
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
                  "TF_ENABLE_ONEDNN_OPTS"):
@@ -201,3 +202,15 @@ def test_memory_freed_before_the_next_allocation_is_not_added():
 def test_the_cli_offers_the_bench_models():
     from pertower.tools import bench, cli, models
     assert cli.BENCH_MODELS == bench.MODELS == models.MODEL_NAMES
+
+
+def test_dp_rows_time_the_plain_step_each_method_and_the_step_without_noise():
+    entries = bench.run_dp_bench(models=["mlp"], batch_sizes=[B], repeats=2,
+                                 methods=("auto", "towers"), report=lambda line: None)
+    assert [e.name for e in entries] == ["plain step", "dp step[auto]", "dp step[towers]",
+                                         "dp step[auto] σ=0"]
+    for e in entries:
+        assert e.model == "mlp" and e.batch_size == B and len(e.runs_ms) == 2, e
+        assert all(t > 0 for t in e.runs_ms) and e.median_ms > 0, e
+    table = bench.format_dp_table(entries)
+    assert all(e.name in table for e in entries), table

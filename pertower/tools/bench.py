@@ -86,9 +86,11 @@ TOLERANCE = 1e-4
 # (stacked from B rows: twice) does not fit in it.
 MATERIALIZED_MEMORY_SHARE = 0.3
 
-LOOP, BATCH, OUTER, HAND_NORMS, VMAP, WRITE_LIMIT = (
+LOOP, BATCH, OUTER, HAND_NORMS, VMAP, WRITE_LIMIT, NORMS_FLOOR = (
     "loop", "batch gradient", "outer products", "norms by hand", "vectorized_map",
-    "memory-write limit")
+    "memory-write limit", "norms floor")
+# entries whose result is not compared with the loop ("n/c")
+NOT_COMPARED = ("write", "floor")
 
 
 @dataclasses.dataclass
@@ -101,8 +103,9 @@ class Entry:
       parameters: P, the number of weights (entries of all of xs).
       name: the row's name ("loop", "gradients[towers]", ...).
       computes: "gradients" ([B, *x.shape] per weight), "norms" ([B]), "sum"
-        (the batch gradient, [*x.shape] per weight) or "write" (the memory-write
-        limit: [B, P] of filler, not compared with the loop).
+        (the batch gradient, [*x.shape] per weight), "write" (the memory-write
+        limit: [B, P] of filler) or "floor" (the norms floor: every layer output's
+        gradient dZ); the last two are not compared with the loop.
       status: "ok", "n/a" (the method is not available), "skipped" or "error".
       reason: why the row is not "ok" (empty when it is).
       median_ms: median milliseconds of one pass (one sess.run; the loop: B of them).
@@ -206,6 +209,22 @@ def _write_limit(model):
     B_fed = tf.shape(model.ys)[0]
     row = tf.fill([1, model.num_weights], tf.cast(B_fed, tf.float32))  # [1, P]
     return [tf.tile(row, tf.stack([B_fed, 1]))]                         # [B, P]
+
+
+def _norms_floor(model, B):
+    """The work every rules-based per-example norm needs before any per-layer work: the
+    forward pass and ONE backward pass of sum(ys) to the output Z of every op the rules
+    use ([B, ...] each), without any weight gradient. No norm from the rules can be
+    cheaper than this; a batch gradient adds the weight gradients to it."""
+    plan = pertower.explain(model.ys, model.weights, batch_size=B)
+    outputs = {}
+    for uses in plan.uses:
+        for use in uses or ():
+            outputs[use.output.ref()] = use.output
+    if not outputs:
+        raise NotImplementedError("no weight is computed by the rules")
+    return _dense(tf.gradients(tf.reduce_sum(model.ys), list(outputs.values())),
+                  list(outputs.values()))
 
 
 def _estimate_bytes(model, B, method):
@@ -326,6 +345,7 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
                 ).entry.estimate_bytes = _estimate_bytes(model, B, method)
         if model.dense_taps:
             add(HAND_NORMS, "norms", lambda: _norms_by_hand(model))
+        add(NORMS_FLOOR, "floor", lambda: _norms_floor(model, B))
         for method in methods:
             add(f"norms[{method}]", "norms",
                 lambda m=method: [pertower.per_example_norms(
@@ -404,7 +424,7 @@ def _first_run(sess, candidate, feed, reference):
         start = time.perf_counter()
         values = sess.run(candidate.fetches, feed)
         entry.first_run_seconds = time.perf_counter() - start
-        if entry.computes != "write":
+        if entry.computes not in NOT_COMPARED:
             entry.max_abs_diff, entry.max_abs_reference = _max_abs(
                 values, _reference_for(entry.computes, reference))
         del values
@@ -545,7 +565,8 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
 
     "plain step": GradientDescentOptimizer.minimize of the mean per-example cost;
     "dp step[method]": `pertower.DPOptimizer` around the same optimizer, C = 1, σ = 1,
-    one microbatch per example. Both are one sess.run of the training op.
+    one microbatch per example; "dp step[method] σ=0": the first method's step without
+    noise (the clipping alone). Each is one sess.run of the training op.
 
     Args:
       models: names (default: those of DP_BATCH_SIZES that `models` provides).
@@ -579,6 +600,12 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                                               noise_multiplier=1.0, method=method, seed=B)
                     steps.append((f"dp step[{method}]", dp.minimize(
                         loss, var_list=model.weights, batch_size=B)))
+                # the same step without its noise: what clipping costs, apart from the
+                # P Gaussian draws
+                dp = pertower.DPOptimizer(sgd(DP_LEARNING_RATE), l2_norm_clip=1.0,
+                                          noise_multiplier=0.0, method=methods[0])
+                steps.append((f"dp step[{methods[0]}] σ=0", dp.minimize(
+                    loss, var_list=model.weights, batch_size=B)))
                 sess.run(tf.compat.v1.global_variables_initializer())
                 rows = [DPEntry(model_name, B, name) for name, _ in steps]
                 for _, op in steps:
@@ -680,10 +707,13 @@ def to_json(entries, machine, settings):
             "peak_bytes": MEMORY_FOOTNOTE,
             "max_abs_diff": "max |result - loop's result|; norms against the norms of the "
                             "loop's gradients, the batch gradient against their sum; "
-                            "the memory-write limit is not compared",
+                            "the memory-write limit and the norms floor are not compared",
             "estimate_bytes": "pertower.estimate_memory(ys, xs, batch_size=B, method=m).total_bytes",
             "memory_write_limit": "tf.tile writing B x P float32 (the per-example "
                                   "gradients' bytes) once: the physical floor",
+            "norms_floor": "the forward pass and one backward pass to the output of every "
+                           "op the rules use, no weight gradient: what any rules-based "
+                           "per-example norm costs at least",
             "cpu_speed": "allocator and oneDNN settings of the measuring process (see "
                          "README, CPU speed)",
         },
@@ -695,7 +725,8 @@ def to_json(entries, machine, settings):
 
 
 _FIXED_COLORS = {LOOP: "black", BATCH: "grey", OUTER: "tab:brown", HAND_NORMS: "tab:brown",
-                 VMAP: "tab:purple", WRITE_LIMIT: "silver"}
+                 VMAP: "tab:purple", WRITE_LIMIT: "silver",
+                 NORMS_FLOOR: "gainsboro"}
 _METHOD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:cyan", "tab:olive",
                   "tab:pink")
 
