@@ -67,17 +67,12 @@ def static_size(shape):
     return size
 
 
-def ghost_is_cheaper(k, d, n):
-    """The ghost norm costs ~k^2 (d + n) per example; materializing costs d n."""
-    return k is not None and d is not None and n is not None and k * k * (d + n) <= 2 * d * n
-
-
 def ghost_norm_is_cheaper(T, d, n):
     """Mixed ghost clipping's choice (Bu, Mao, Xu 2022, arXiv 2205.10683, section 3):
     for one example's T rows of A [T, d] and dZ [T, n], the ghost norm costs
     ~2 T^2 (d + n) multiply-adds and forming sum_t a_t ⊗ dz_t costs ~2 T d n; True
     when the ghost norm is not dearer."""
-    return T is not None and T * (d + n) <= d * n
+    return None not in (T, d, n) and T * (d + n) <= d * n
 
 
 def example_rows(analysis, activation, output):

@@ -46,7 +46,7 @@ class BatchMatMulRule(registry_lib.Rule):
     def squared_norms(self, use, dZ, B):
         d, n = use.weight_shape.as_list()[-2:]
         rows = self._rows_per_example(use)
-        if rows != 1 and not _rows.ghost_is_cheaper(rows, d, n):
+        if rows != 1 and not _rows.ghost_norm_is_cheaper(rows, d, n):
             return None
         return _rows.dense_squared_norms(use.activation, dZ, B, rows)
 

@@ -36,7 +36,7 @@ class MatMulRule(registry_lib.Rule):
 
     def squared_norms(self, use, dZ, B):
         d, n = use.weight_shape.as_list()
-        if use.rows.k != 1 and not _rows.ghost_is_cheaper(use.rows.k, d, n):
+        if use.rows.k != 1 and not _rows.ghost_norm_is_cheaper(use.rows.k, d, n):
             return None
         return _rows.dense_squared_norms(use.activation, dZ, B, use.rows.k)
 
