@@ -357,7 +357,33 @@ def _refuse_what_cannot_be_built(plan):
             f"pertower.{function_name}: the batch axis is not static ({names}) and no "
             f"`batch_size` was given, but {'; and '.join(what)}. Pass batch_size=B, the "
             "number of examples you will feed.")
+    if plan.validate:
+        _refuse_a_check_that_cannot_pass(plan)
     memory.check_plan(plan, plan.memory_limit)
+
+
+def _refuse_a_check_that_cannot_pass(plan):
+    """The run-time check recomputes `ys` slice by slice; a stateful random op whose
+    draws are shaped by the batch (dropout in training mode) draws other numbers in
+    every slice, so the check would fail on every run: refused here, saying why."""
+    prepared = plan.prepared
+    noisy = graph_walk.random_ops(
+        graph_walk.downstream_ops(list(prepared.batch), prepared.ys_upstream))
+    if not noisy:
+        return
+    if plan.checked_by_default:
+        op, why = plan.lost_at
+        reason = (f"could not prove that row i of `ys` depends on example i alone (the "
+                  f"proof was lost at {op.name!r} ({op.type}): {why}), and")
+    else:
+        reason = "validate=True asks for the run-time check, but"
+    raise ValueError(
+        f"pertower.{plan.function_name}: {reason} the check that would decide it at run "
+        f"time cannot pass: `ys` depends on the random op {noisy[0].name!r} "
+        f"({noisy[0].type}), e.g. dropout in training mode, which draws other numbers "
+        "when `ys` is recomputed slice by slice. Build `ys` without it (training=False), "
+        "or pass validate=False if you know that each example's value depends on its "
+        "own example alone.")
 
 
 def warn_if_unproven(plan):

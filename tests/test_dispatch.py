@@ -183,6 +183,29 @@ def test_a_lost_proof_switches_the_run_time_check_on_and_it_catches_the_coupling
     sess.close()
 
 
+def test_a_run_time_check_that_dropout_would_always_fail_is_refused_saying_why():
+    """Recomputing `ys` slice by slice draws new dropout masks, so the check cannot
+    pass: refused when the proof is lost (default) and with validate=True; explain
+    still shows the plan, and validate=False builds it."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.Variable(tf.ones([3, 2]), name="w")
+        h = tf.compat.v1.nn.dropout(tf.matmul(x, w), rate=0.5)             # [B, 2]
+        unproven = _rows_reversed_by_reshapes(h, tf.eye(2))               # [B, 2]
+        assert pertower.explain(unproven, [w], batch_size=4).verdict == "unproven"
+        with pytest.raises(ValueError, match=(
+                r"could not prove.*the proof was lost at .*cannot pass: `ys` depends "
+                r"on the random op .*dropout.*\(RandomUniform\).*validate=False")):
+            pertower.per_example_gradients(unproven, [w], batch_size=4)
+        proven = tf.reduce_sum(h, axis=1)                                  # [B]
+        assert pertower.explain(proven, [w], batch_size=4).verdict == "independent"
+        with pytest.raises(ValueError, match=(r"validate=True asks for the run-time check, "
+                                              r"but the check .* cannot pass.*RandomUniform")):
+            pertower.per_example_gradients(proven, [w], batch_size=4, validate=True)
+        grads = pertower.per_example_gradients(proven, [w], batch_size=4)
+        assert grads[0].shape.as_list() == [4, 3, 2]
+
+
 def test_a_lost_proof_without_batch_size_asks_for_it():
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")

@@ -17,8 +17,9 @@ and when they are not, some rows differ. Both checks compare the two on real dat
 
 with tolerance 1e-4 for float32 (1e-9 float64, 1e-2 float16/bfloat16), loose enough
 for the rounding of kernels run on other batch sizes, far below what a coupling
-changes. Random ops (dropout in training mode) also fail it: each tower draws its
-own numbers.
+changes. Random ops shaped by the batch (dropout in training mode) would fail it
+on every run (each slice draws its own numbers), so a plan that needs the check on
+such a graph is refused when it is built (`pertower._dispatch`).
 """
 
 import dataclasses
