@@ -32,10 +32,16 @@ TensorFlow's While/If gradients edit the forward op and name the edited function
 the originals (`<name>_rewritten`), so towers sharing one function would collide. The
 copies are added to the graph by the towers' `import_graph_def`; the user's functions
 and ops are untouched.
+
+XLA-compiled function calls (`_XlaMustCompile`, e.g. from `tf.function(jit_compile=True)`)
+are the exception: they stay compiled calls, of one copy shared by all towers (none when
+no weight is read inside), and are differentiated by `compiled.py`'s gradient, which
+edits neither the forward op nor its function.
 """
 
 import tensorflow as tf
 from pertower import _context
+from pertower._towers import compiled
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import function_pb2
 from tensorflow.core.framework import types_pb2
@@ -88,7 +94,11 @@ class FunctionRewriter:
         on a constant True whose two branches are copies of the function: it computes
         the same, and cond_v2 differentiates it in Python with every op's registered
         gradient (the `SymbolicGradient` TensorFlow would use for an imported call
-        knows only the ops with C++ gradients; `GatherV2` is not among them).
+        knows only the ops with C++ gradients; `GatherV2` is not among them). An
+        XLA-compiled call stays a compiled call instead, with the gradient of
+        `pertower._towers.compiled` (an `If` would be lowered and run on the ordinary
+        kernels, which lack some of what XLA computes, e.g. grouped convolutions
+        without oneDNN).
 
         Args:
           node: the NodeDef (edited in place: types, shapes, function names, and for
@@ -118,6 +128,16 @@ class FunctionRewriter:
                     f"({node.op}) is not a resource argument of its functions.")
             node.attr[type_attr].list.type[i - offset] = dtype
         arguments = {i - offset: spec for i, spec in positions.items()}
+        if compiled.must_compile(node):
+            # one copy for all towers, none where no argument becomes a value: the
+            # compiled calls' gradient edits neither the forward op nor its function
+            if arguments:
+                node.attr["f"].func.name = self._rewrite_function(
+                    node.attr["f"].func.name, arguments, False, f"{where}, op {node.name!r}",
+                    compiled.SHARED)
+            _drop_stale_attrs(node, positions)
+            compiled.keep_compiled(node)
+            return {}
         for attr in function_attrs:
             old = node.attr[attr].func.name
             node.attr[attr].func.name = self._rewrite_function(
@@ -128,14 +148,7 @@ class FunctionRewriter:
             else_branch = self._rewrite_function(old, arguments, False, where, tower, "_else")
             _call_to_if(node, else_branch, predicate)
             return {}
-        if "_read_only_resource_inputs" in node.attr:
-            kept = [i for i in node.attr["_read_only_resource_inputs"].list.i
-                    if i not in positions]
-            del node.attr["_read_only_resource_inputs"].list.i[:]
-            node.attr["_read_only_resource_inputs"].list.i.extend(kept)
-        for attr in _STALE_CALL_ATTRS:
-            if attr in node.attr:
-                del node.attr[attr]
+        _drop_stale_attrs(node, positions)
         if not loops:
             return {}
         for i, (_, shape) in positions.items():
@@ -257,6 +270,20 @@ class FunctionRewriter:
                 "ReadVariableOp, ResourceGather, Identity and nested While/If/function "
                 "calls inside a function body (a body that writes or otherwise uses the "
                 "variable cannot be replayed on a copy). Leave this weight out of `xs`.")
+
+
+def _drop_stale_attrs(node, positions):
+    """Removes from a call's NodeDef what no longer holds once its inputs `positions`
+    carry values: their entries in `_read_only_resource_inputs`, and the attributes
+    that refer to the original call (`_STALE_CALL_ATTRS`)."""
+    if "_read_only_resource_inputs" in node.attr:
+        kept = [i for i in node.attr["_read_only_resource_inputs"].list.i
+                if i not in positions]
+        del node.attr["_read_only_resource_inputs"].list.i[:]
+        node.attr["_read_only_resource_inputs"].list.i.extend(kept)
+    for attr in _STALE_CALL_ATTRS:
+        if attr in node.attr:
+            del node.attr[attr]
 
 
 def _call_to_if(node, else_branch, predicate):

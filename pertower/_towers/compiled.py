@@ -1,0 +1,203 @@
+"""XLA-compiled function calls in the towers: replayed compiled, differentiated compiled.
+
+Notation:
+    op    a function call (`PartitionedCall`, `StatefulPartitionedCall`) with the node
+          attribute `_XlaMustCompile` = True, e.g. from `tf.function(jit_compile=True)`
+    f     the function op calls (in the towers: one copy shared by all towers, in which
+          the weights read inside are value arguments; f itself when none is)
+    u     op's inputs [u_0, ..., u_{n-1}]    v = f(u) its outputs    dv  their gradients
+
+TensorFlow runs such a call through XLA, and some computations exist only there: a
+grouped convolution (Keras `Conv2D(groups=2)` calls its convolution through
+`tf.function(jit_compile=True)`) has no CPU kernel without oneDNN, forward
+(`Conv2D`) or backward (`Conv2DBackpropFilter`). A tower therefore replays op as the
+same compiled call (the node keeps `_XlaMustCompile`), not as the
+`If` that other function calls become, whose lowering inlines f into the graph and
+runs it on the ordinary kernels.
+
+TensorFlow's own gradient of op is a Python function attached to the user's call op
+when it was built, which an imported copy lacks, and it rewrites the forward op to
+return intermediates. The towers' copy gets instead the gradient registered here
+(`GRADIENT_OP_TYPE`, named by the node attribute `_gradient_op_type`): one more
+compiled call, of a function that recomputes v = f(u) from the inputs and returns
+tf.gradients(v, u, dv), built by `tf.function(jit_compile=True)`. The identity it
+relies on is the chain rule for f, recomputed rather than stored: the recomputation
+runs the same body on the same inputs, so its gradients are those of the call
+(TensorFlow's gradient rules, as for the user's own call). The forward copy is left as
+imported (no outputs are added). The backward call carries the same gradient, so it
+can be differentiated again (a second derivative). One backward function serves every
+tower, microbatch and Jacobian row of a build (`_Backwards`), so XLA compiles it once.
+"""
+
+import weakref
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import function_def_to_graph  # pylint: disable=no-name-in-module
+from tensorflow.python.framework import op_def_registry  # pylint: disable=no-name-in-module
+
+from pertower import _context
+from pertower._towers import replicate
+
+__all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "must_compile", "keep_compiled",
+           "CompiledCallError"]
+
+# The node attribute that makes TensorFlow compile a function call with XLA.
+XLA_ATTR = "_XlaMustCompile"
+# The name of the gradient registered below, set as a call's `_gradient_op_type`.
+GRADIENT_OP_TYPE = "PertowerCompiledCall"
+# The tower label of the one copy of a compiled call's function that all towers share.
+SHARED = "all"
+_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+class CompiledCallError(NotImplementedError):
+    """A compiled call's gradient cannot be built."""
+
+
+def must_compile(node):
+    """True when the NodeDef `node` is a function call TensorFlow compiles with XLA."""
+    return (node.op in _CALL_OP_TYPES and XLA_ATTR in node.attr
+            and node.attr[XLA_ATTR].b)
+
+
+def keep_compiled(node):
+    """Marks a compiled call's NodeDef (its function already the tower's copy) so that
+    `tf.gradients` differentiates it with the compiled gradient below."""
+    node.attr["_gradient_op_type"].s = GRADIENT_OP_TYPE.encode()
+
+
+def _differentiable(dtype):
+    return dtype.is_floating or dtype.is_complex
+
+
+def _body(graph, name):
+    """(GraphDef of the function `name`'s body without its argument placeholders,
+    argument names, output tensor names in the GraphDef)."""
+    fdef = function_def_to_graph.get_function_def(name, graph)
+    if fdef is None:
+        raise CompiledCallError(f"the function {name!r} is not in the graph's library")
+    with graph.as_default():   # nested functions are looked up in the default graph
+        body, flat = function_def_to_graph.function_def_to_graph_def(
+            fdef, include_library_functions=True)
+    arguments = [arg.name for arg in fdef.signature.input_arg]
+    placeholders = set(arguments)
+    kept = [node for node in body.node if node.name not in placeholders]
+    del body.node[:]
+    body.node.extend(kept)
+    for node in body.node:   # arguments are there when the body starts: no control edge
+        replicate.drop_name_attrs(node)   # colocations with nodes outside the body
+        inputs = [ref for ref in node.input
+                  if not (ref.startswith("^") and ref[1:] in placeholders)]
+        del node.input[:]
+        node.input.extend(inputs)
+    returns = [flat[fdef.ret[arg.name]] for arg in fdef.signature.output_arg]
+    return body, arguments, returns
+
+
+def _random_ops(body):
+    """The random op types drawn in `body` (its nodes and its library's functions)."""
+    nodes = list(body.node) + [n for f in body.library.function for n in f.node_def]
+    found = set()
+    for node in nodes:
+        op_def = op_def_registry.get(node.op)
+        if op_def is not None and op_def.is_stateful and "Random" in node.op:
+            found.add(node.op)
+    return sorted(found)
+
+
+class _Backwards:
+    """The backward functions built so far: {graph: {(forward function, input and
+    output-gradient signatures): backward function name}}.
+
+    A forward function shared by the towers (and differentiated again for each tower,
+    microbatch or Jacobian row) gets one backward function, so XLA compiles it once.
+    Only names are kept, and graphs are weak keys: a cache entry keeps nothing alive.
+    """
+
+    def __init__(self):
+        self._names = weakref.WeakKeyDictionary()
+
+    def name(self, op, wrt, outs, dv):
+        """The name of the backward function of call `op` (added to op's graph on first
+        use): inputs u then dv, outputs d/du_i for i in `wrt`."""
+        graph = op.graph
+        forward = op.get_attr("f").name
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in list(op.inputs) + dv]
+        key = (forward, tuple(wrt), tuple(outs), tuple(specs))
+        names = self._names.setdefault(graph, {})
+        if key not in names:
+            names[key] = self._build(op, forward, wrt, outs, specs)
+        return names[key]
+
+    @staticmethod
+    def _build(op, forward, wrt, outs, specs):
+        try:
+            body, arguments, returns = _body(op.graph, forward)
+        except (CompiledCallError, ValueError) as error:
+            raise _refusal(op, str(error)) from error
+        random = _random_ops(body)
+        if random:
+            raise _refusal(op, f"it draws random numbers ({', '.join(random)}), and the "
+                               "gradient, which runs the call again, would draw others")
+        n = len(op.inputs)
+
+        def backward(*args):
+            u, grad_v = args[:n], args[n:]
+            v = tf.graph_util.import_graph_def(
+                body, input_map={f"{a}:0": t for a, t in zip(arguments, u)},
+                return_elements=[returns[j] for j in outs], name="forward")
+            grads = tf.gradients(v, [u[i] for i in wrt], grad_ys=list(grad_v))
+            return [tf.zeros_like(u[i]) if g is None else tf.convert_to_tensor(g)
+                    for g, i in zip(grads, wrt)]
+
+        backward.__name__ = f"{forward}_pertower_gradient"
+        try:
+            # traced apart from the gradient's colocation with the forward call, which
+            # would name an op outside the function
+            with op.graph.colocate_with(None, ignore_existing=True):
+                concrete = tf.function(backward, jit_compile=True, autograph=False,
+                                       reduce_retracing=False).get_concrete_function(*specs)
+        except LookupError as error:   # an op of the body without a gradient
+            raise _refusal(op, str(error)) from error
+        concrete.add_to_graph(op.graph)
+        return concrete.name
+
+
+_BACKWARDS = _Backwards()
+
+
+def _refusal(op, why):
+    return CompiledCallError(
+        f"pertower.{_context.name()}: the towers cannot differentiate the XLA-compiled "
+        f"function call {op.name!r} ({op.type}): {why}. Leave the weights it reads out of "
+        "`xs`, or compute them with method='rules' where a rule covers them "
+        "(pertower.explain shows the plan).")
+
+
+@tf.RegisterGradient(GRADIENT_OP_TYPE)
+def _compiled_call_gradient(op, *dv):
+    """d/du of a compiled call: a compiled call that recomputes f(u) and differentiates
+    it (see the module docstring). Inputs that are not floating (or complex) get None."""
+    n = len(op.inputs)
+    wrt = [i for i, u in enumerate(op.inputs) if _differentiable(u.dtype)]
+    outs = [j for j, v in enumerate(op.outputs) if _differentiable(v.dtype)]
+    if not wrt or not outs:
+        return [None] * n
+    dv = [tf.zeros_like(op.outputs[j]) if dv[j] is None else tf.convert_to_tensor(dv[j])
+          for j in outs]
+    name = _BACKWARDS.name(op, wrt, outs, dv)
+    call = tf.raw_ops.StatefulPartitionedCall if op.type == "StatefulPartitionedCall" else (
+        tf.raw_ops.PartitionedCall)
+    grads = call(args=list(op.inputs) + dv, Tout=[op.inputs[i].dtype for i in wrt], f=name)
+    backward_op = grads[0].op
+    # compiled like the forward call, and differentiated (a second derivative) the same way
+    # pylint: disable=protected-access
+    backward_op._set_attr(XLA_ATTR, attr_value_pb2.AttrValue(b=True))
+    backward_op._set_attr("_gradient_op_type",
+                          attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))
+    # pylint: enable=protected-access
+    result = [None] * n
+    for i, g in zip(wrt, grads):
+        result[i] = g
+    return result
