@@ -309,3 +309,110 @@ def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
             feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
             common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
                                     "masked bidirectional LSTM")
+
+
+def _recurrent_model(layer, seed=17):
+    """A fresh graph: [B, 4, 2] sequences -> `layer`(3) (a v2 While) -> Dense(2) -> [B]."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(seed)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="sequences")
+        rnn = getattr(keras.layers, layer)(3)
+        head = keras.layers.Dense(2)
+        ys = tf.reduce_sum(tf.sin(head(rnn(x))), axis=1)                   # [B]
+    return graph, x, ys, list(rnn.trainable_weights) + list(head.trainable_weights)
+
+
+def _plain_tf_reference(layer, values, X, learning_rate):
+    """Plain TensorFlow on the same model and weight values, every gradient built before
+    the first run: the one-example loop, and the weights after one `minimize` step of
+    the mean of `ys`."""
+    graph, x, ys, xs = _recurrent_model(layer)
+    with graph.as_default():
+        loop = oracle.SliceLoop(ys, xs)
+        train = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).minimize(
+            tf.reduce_mean(ys), var_list=xs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for v, value in zip(xs, values):
+                v.load(value, sess)
+            want = loop.run(sess, {x: X}, len(X))
+            sess.run(train, {x: X})
+            return want, sess.run(xs)
+
+
+@pytest.mark.parametrize("layer", ["GRU", "LSTM"])
+@pytest.mark.parametrize("order", ["pertower_first", "model_run_first"])
+def test_recurrent_layer_and_a_training_op_built_after_the_first_run(layer, order):
+    """The towers differentiate copies of the layer's While op; the original is edited
+    as a `tf.gradients` through it would edit it (pertower._towers.later_gradients).
+    pertower_first: the per-example gradients are built and run, then `minimize` of the
+    mean loss is built and run; its step equals plain TF's (which builds its gradients
+    before the first run) and changes the weights. model_run_first: the session runs the
+    model before the pertower call; pertower's gradients still run and match the loop."""
+    B, learning_rate = 3, 0.5
+    X = np.random.RandomState(5).randn(B, 4, 2).astype(np.float32)
+    graph, x, ys, xs = _recurrent_model(layer)
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        if order == "model_run_first":
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(ys, {x: X})
+        grads = pertower.per_example_gradients(ys, xs, batch_size=B)
+        if order == "pertower_first":
+            sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run(grads, {x: X})
+        values = sess.run(xs)
+        want, stepped = _plain_tf_reference(layer, values, X, learning_rate)
+        common.assert_all_close(got, want, 1e-4, 1e-5, f"{layer} {order}")
+        if order == "pertower_first":
+            train = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).minimize(
+                tf.reduce_mean(ys), var_list=xs)
+            sess.run(train, {x: X})
+            after = sess.run(xs)
+            assert any(not np.allclose(a, v) for a, v in zip(after, values))
+            common.assert_all_close(after, stepped, 1e-4, 1e-5, f"{layer} minimize step")
+
+
+def test_cond_and_function_and_a_training_op_built_after_the_first_run():
+    """The If of a tf.cond and the call of a tf.function reading the weights (both edited
+    by their TF gradients like a While): `minimize` built after pertower's gradients have
+    run steps the weights by the sum of those gradients over the batch."""
+    B, learning_rate = 3, 0.1
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(18)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 3])
+        v = tf.compat.v1.get_variable("v", [3, 2])
+
+        @tf.function(autograph=False)
+        def layer(a):
+            return tf.tanh(tf.matmul(a, v))
+
+        flag = tf.compat.v1.placeholder_with_default(True, [], name="flag")
+        h = tf.cond(flag, lambda: tf.sin(tf.matmul(x, w)), lambda: x)       # [B, 3]
+        ys = tf.reduce_sum(layer(h) ** 2, axis=1)                           # [B]
+        grads = pertower.per_example_gradients(ys, [w, v], batch_size=B, method="towers")
+        feed = {x: np.random.RandomState(6).randn(B, 3).astype(np.float32)}
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got = sess.run(grads, feed)
+            before = sess.run([w, v])
+            train = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).minimize(
+                tf.reduce_sum(ys), var_list=[w, v])
+            sess.run(train, feed)
+            after = sess.run([w, v])
+    # the oracle in a graph of its own: a gradient through the cond built here would
+    # edit the forward ops this test is about
+    with tf.Graph().as_default() as twin:
+        x2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w2 = tf.compat.v1.Variable(before[0])
+        v2 = tf.compat.v1.Variable(before[1])
+        h2 = tf.cond(tf.constant(True), lambda: tf.sin(tf.matmul(x2, w2)), lambda: x2)
+        ys2 = tf.reduce_sum(tf.tanh(tf.matmul(h2, v2)) ** 2, axis=1)
+        loop = oracle.SliceLoop(ys2, [w2, v2])
+        with tf.compat.v1.Session(graph=twin) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            want = loop.run(sess, {x2: feed[x]}, B)
+    common.assert_all_close(got, want, what="cond and tf.function")
+    common.assert_all_close(after, [b - learning_rate * g.sum(axis=0)
+                                    for b, g in zip(before, want)], what="minimize step")

@@ -28,7 +28,10 @@ batch's graph, so that the tower rows are the rows of `ys`; shape uses keep the
 tower's own size (the analysis' `size_data_edges`, `pertower._batch_axis`). With
 `devices`, tower t's copies and replayed ops are placed on devices[t % len(devices)].
 The user's ops, variables and values are left untouched; only new ops are added, under
-one name scope.
+one name scope. The one edit is TensorFlow's own: the user's loops, conds and function
+calls between the weights and `ys` are made to output the intermediates their gradient
+reads, as a `tf.gradients` through them would (`pertower._towers.later_gradients`), so
+that a training op built after the first run reuses them.
 
 An entry of `xs` computed from another entry (`w_eff = 2 * tf.identity(W)` with both W
 and w_eff in xs) has no `tf.identity` copy of its own: its tower-t version is the
@@ -49,6 +52,7 @@ from pertower import _request as _prepare
 from pertower import _graph_walk as graph_walk
 from pertower._towers import backward
 from pertower._towers import functions as control_flow
+from pertower._towers import later_gradients
 from pertower._towers import replicate as replicate_lib
 from pertower import _context
 
@@ -249,6 +253,14 @@ def build(ys, xs, batch, num_towers, batch_size, scope, towers_argument,
             outputs = _check_tower_rows(outputs, ys, batch, B, T)
             # T x [B/T, ...] -> [B, ...]
             stacked = tf.concat(outputs, axis=0, name="stacked")
+        if not forward_only:
+            # the towers differentiate copies: edit the user's loops, conds and calls
+            # as a tf.gradients through them would, for a training op built later
+            later_gradients.prepare_for_later_gradients(
+                graph_walk.downstream_ops(
+                    [t for r in reads for t in r.read_tensors]
+                    + [t for op in gather_ops | call_ops for t in op.outputs], ys_upstream)
+                | call_ops)
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
                   slices=tuple(zip(*slices)), copies=tuple(copies), outputs=tuple(outputs),
                   stacked=stacked, devices=devices)
