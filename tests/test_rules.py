@@ -262,7 +262,8 @@ def test_microbatches_and_jacobians_match_oracle(model):
 
 
 CONV_MODELS = ("conv_same_strided", "conv_valid_dilated", "conv_explicit_float64",
-               "conv_same_dilated_odd", "keras_conv1d", "depthwise", "time_distributed_conv")
+               "conv_same_dilated_odd", "grouped_conv", "keras_conv1d", "depthwise",
+               "time_distributed_conv")
 
 
 @pytest.fixture(scope="module", params=CONV_MODELS)
@@ -282,22 +283,30 @@ def _forced_conv_registry(strategy, **options):
     return registry
 
 
-@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise"])
-def test_every_conv_strategy_matches_the_oracle(conv_model, strategy):
+@pytest.mark.parametrize("strategy, options", [
+    ("patches", {}), ("grouped", {}), ("depthwise", {}),
+    ("shifts", {}),                      # these models' thin channels: the taps stacked
+    ("shifts", {"thin_channels": 0, "few_positions": 0}),    # a matmul per tap
+])
+def test_every_conv_strategy_matches_the_oracle(conv_model, strategy, options):
     """Each way of the convolution rules (rules/conv2d.py), forced on every convolution
-    (strides, SAME/VALID/explicit padding, dilations, Conv1D, depthwise, k = 3 images
-    per example): per-example gradients for a fixed B and for a None batch axis (G read
+    (strides, SAME/VALID/explicit padding, dilations, groups, Conv1D, depthwise, k = 3
+    images per example): per-example gradients for a fixed B and for a None batch axis (G read
     at run time), and two microbatches (several images per group), against the oracle.
     Where the way cannot compute a convolution (float64; no oneDNN), method='rules'
     refuses and names the forced strategy."""
     case = conv_model
-    registry = _forced_conv_registry(strategy)
+    registry = _forced_conv_registry(strategy, **options)
     with case.graph.as_default():
         try:
             fixed = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                                    method="rules", rules=registry)
         except ValueError as refusal:
+            if "does not take grouped convolutions" in str(refusal):
+                assert case.name == "grouped_conv" and strategy in ("grouped", "depthwise")
+                return
             assert f"the forced strategy {strategy!r} needs" in str(refusal)
+            assert strategy in ("grouped", "depthwise"), refusal
             assert (case.ys.dtype != tf.float32 or not conv2d.onednn_enabled()), refusal
             return
         free = pertower.per_example_gradients(case.ys, case.xs, method="rules",
@@ -313,7 +322,7 @@ def test_every_conv_strategy_matches_the_oracle(conv_model, strategy):
         want_three = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
                                        case.ys, case.xs, three)
     got, got_two = case.sess.run([fixed, two], case.feed)
-    what = f"{case.name}, strategy {strategy}"
+    what = f"{case.name}, strategy {strategy} {options}"
     common.assert_all_close(got, want, case.rtol, case.atol, what)
     common.assert_all_close(got_two, want_two, case.rtol, case.atol * 10,
                             f"{what}, two microbatches")
@@ -341,7 +350,7 @@ def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
     common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
                             "auto without oneDNN")
     with pytest.raises(ValueError, match=r"`strategy` must be one of auto, patches, "
-                                         r"grouped, depthwise, but received 'im2col'"):
+                                         r"grouped, depthwise, shifts, but received 'im2col'"):
         conv2d.ConvOptions(strategy="im2col")
     with pytest.raises(TypeError, match=r"`options` must be a ConvOptions"):
         conv2d.Conv2DRule("grouped")

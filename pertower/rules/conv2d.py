@@ -87,9 +87,10 @@ from pertower.rules import registry as registry_lib
 
 __all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "patches", "check_convolution",
            "explicitly_padded", "fold_groups", "mul", "onednn_enabled", "groups",
-           "plain_filter_gradient", "filter_gradient", "register"]
+           "plain_filter_gradient", "filter_gradient", "spatial_pads", "padded_input", "taps",
+           "register"]
 
-STRATEGIES = ("auto", "patches", "grouped", "depthwise")
+STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +113,10 @@ class ConvOptions:
     """
 
     strategy: str = "auto"
-    grouped_threshold: float = 10.0
+    grouped_threshold: float = 20.0
     onednn: bool = None
+    thin_channels: int = 8
+    few_positions: int = 64
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -202,7 +205,7 @@ def mul(G, c):
     return G * c if isinstance(G, int) else G * tf.constant(c, G.dtype)
 
 
-def _spatial_pads(op, kh, kw):
+def spatial_pads(op, kh, kw):
     """[(before, after)] for H and W such that a VALID convolution of the padded input
     with op's strides and dilations gives op's output positions exactly, cropping
     rows and columns no output position reads; None unless the spatial sizes are static."""
@@ -224,6 +227,44 @@ def _spatial_pads(op, kh, kw):
             before = 0
         pads.append((before, needed - size - before))     # after < 0: crop
     return pads
+
+
+def padded_input(op, kh, kw):
+    """[N, H', W', C]: op's input padded (and cropped) by `spatial_pads`, so that a
+    VALID convolution of it with op's strides and dilations gives op's output positions
+    and reads every row and column; needs static spatial sizes."""
+    (top, bottom), (left, right) = spatial_pads(op, kh, kw)
+    x = op.inputs[0]
+    x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)], [max(left, 0), max(right, 0)],
+                   [0, 0]])
+    return x[:, :x.shape[1] + min(bottom, 0), :x.shape[2] + min(right, 0), :]
+
+
+def taps(op, kh, kw, tensor=None, axes=(1, 2)):
+    """[[..., Ho, Wo, ...]] for every filter tap (u, v), u-major: the input values each
+    output position of `op` multiplies by the filter's tap (u, v), a strided slice of
+    `padded_input` (rows u*d, u*d + s, ..., columns likewise; no copy of the patches).
+
+    Args:
+      op: the Conv2D or DepthwiseConv2dNative op (static spatial sizes).
+      kh, kw: the filter's height and width.
+      tensor: `padded_input(op, kh, kw)` (default) or a transpose of it whose height
+        and width are the axes `axes`.
+      axes: the height and width axes of `tensor`.
+    """
+    strides, dilations, _, _ = _attrs(op)
+    if tensor is None:
+        tensor = padded_input(op, kh, kw)             # [N, H', W', C]
+    out_h, out_w = (tf.compat.dimension_value(d) for d in op.outputs[0].shape[1:3])
+    result = []
+    for u in range(kh):
+        for v in range(kw):
+            index = [slice(None)] * tensor.shape.rank
+            top, left = u * dilations[1], v * dilations[2]
+            index[axes[0]] = slice(top, top + (out_h - 1) * strides[1] + 1, strides[1])
+            index[axes[1]] = slice(left, left + (out_w - 1) * strides[2] + 1, strides[2])
+            result.append(tensor[tuple(index)])
+    return result                                     # kh*kw x [..., Ho, Wo, ...]
 
 
 class Conv2DRule(registry_lib.Rule):
@@ -257,6 +298,10 @@ class Conv2DRule(registry_lib.Rule):
         """Why `strategy` cannot compute `use` (a phrase), or None when it can."""
         if strategy == "patches":
             return None
+        if strategy == "shifts":
+            if spatial_pads(use.op, 1, 1) is None:
+                return "needs static input and output heights and widths"
+            return None
         if groups(use.op) != 1:
             return f"does not take grouped convolutions (groups={groups(use.op)})"
         if use.op.inputs[0].dtype != tf.float32:
@@ -269,7 +314,7 @@ class Conv2DRule(registry_lib.Rule):
             return ("needs TensorFlow's oneDNN CPU kernels (its other CPU kernels refuse "
                     "grouped convolutions)")
         if strategy == "depthwise":
-            if _spatial_pads(use.op, 1, 1) is None:
+            if spatial_pads(use.op, 1, 1) is None:
                 return "needs static input and output heights and widths"
             if not onednn and _attrs(use.op)[0] != [1, 1, 1, 1]:
                 return ("needs TensorFlow's oneDNN CPU kernels for a strided convolution "
@@ -277,17 +322,27 @@ class Conv2DRule(registry_lib.Rule):
         return None
 
     def strategy(self, use):
-        """The way `per_group` computes `use`: "patches", "grouped" or "depthwise"."""
+        """The way `per_group` computes `use`: "shifts", "grouped", "patches" or
+        "depthwise" (the cost model in the module docstring)."""
         if self.options.strategy != "auto":
             return self.options.strategy
-        if self._cannot("grouped", use):
-            return "patches"
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         positions = _rows.static_size(use.output.shape[1:3])
-        if positions is None:
-            return "patches"
-        ratio = positions * kh * kw / math.sqrt(c_in * c_out)
-        return "grouped" if ratio >= self.options.grouped_threshold else "patches"
+        if positions is None or self._cannot("shifts", use):
+            return "patches"      # shifts need static heights and widths, and so do these
+        if not self._cannot("grouped", use) and c_in >= self.options.thin_channels:
+            ratio = positions * kh * kw / math.sqrt(c_in * c_out)
+            if ratio >= self.options.grouped_threshold:
+                return "grouped"
+        return "shifts"
+
+    def _stacks_taps(self, use):
+        """Whether "shifts" stacks the taps into one matmul (thin input channels or few
+        positions) rather than running one matmul per tap."""
+        c_in = use.weight_shape.as_list()[2]
+        positions = _rows.static_size(use.output.shape[1:3])
+        return groups(use.op) == 1 and (c_in < self.options.thin_channels or
+                                        positions < self.options.few_positions)
 
     def per_group(self, use, dZ, G):
         strategy = self.strategy(use)
@@ -295,6 +350,8 @@ class Conv2DRule(registry_lib.Rule):
             return self._grouped(use, dZ, G)
         if strategy == "depthwise":
             return self._depthwise(use, dZ, G)
+        if strategy == "shifts":
+            return self._shifts(use, dZ, G)
         return self._patches(use, dZ, G)
 
     @staticmethod
@@ -312,6 +369,34 @@ class Conv2DRule(registry_lib.Rule):
             [tf.shape(x_patches)[:2], [kh * kw, g, c_in]], axis=0))
         dZ_g = tf.reshape(dZ_g, tf.concat([tf.shape(dZ_g)[:2], [g, c_out // g]], axis=0))
         grad = tf.einsum("gpkjc,gpjo->gkcjo", x_patches, dZ_g)    # [G, kh*kw, Cin, g, Cout/g]
+        return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+
+    def _shifts(self, use, dZ, G):
+        kh, kw, c_in, c_out = use.weight_shape.as_list()
+        g = groups(use.op)
+        dZ_g = _rows.to_groups(dZ, G, 1)                          # [G, T*Ho*Wo, Cout]
+        if self._stacks_taps(use):
+            # thin or short taps: one matmul over the taps stacked along the contracted rows
+            x = padded_input(use.op, kh, kw)                      # [G*T, H', W', Cin]
+            height, width = x.shape.as_list()[1:3]
+            x = tf.reshape(x, _rows.group_shape(G, [-1, height, width, c_in]))
+            x = tf.transpose(x, [0, 4, 1, 2, 3])                  # [G, Cin, T, H', W']
+            rows = tf.concat(taps(use.op, kh, kw, x, axes=(3, 4)), axis=1)
+            rows = tf.reshape(rows, _rows.group_shape(G, [kh * kw * c_in, -1]))
+            grad = tf.matmul(rows, dZ_g)                          # [G, kh*kw*Cin, Cout]
+            return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+        if g > 1:
+            dZ_g = tf.reshape(dZ_g, tf.concat([tf.shape(dZ_g)[:2], [g, c_out // g]], 0))
+        per_tap = []                                              # kh*kw x [G, Cin, Cout]
+        for x_tap in taps(use.op, kh, kw):                        # [G*T, Ho, Wo, g*Cin]
+            x_g = _rows.to_groups(x_tap, G, 1)                    # [G, T*Ho*Wo, g*Cin]
+            if g == 1:
+                per_tap.append(tf.matmul(x_g, dZ_g, transpose_a=True))
+                continue
+            x_g = tf.reshape(x_g, tf.concat([tf.shape(x_g)[:2], [g, c_in]], 0))
+            tap = tf.einsum("gpjc,gpjo->gcjo", x_g, dZ_g)         # [G, Cin, g, Cout/g]
+            per_tap.append(tf.reshape(tap, _rows.group_shape(G, [c_in, c_out])))
+        grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, Cout]
         return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
 
     @staticmethod
@@ -333,11 +418,7 @@ class Conv2DRule(registry_lib.Rule):
     def _depthwise(use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         strides, dilations, _, _ = _attrs(use.op)
-        (top, bottom), (left, right) = _spatial_pads(use.op, kh, kw)
-        x = use.op.inputs[0]
-        x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)],
-                       [max(left, 0), max(right, 0)], [0, 0]])
-        x = x[:, :x.shape[1] + min(bottom, 0), :x.shape[2] + min(right, 0), :]  # [N, H', W', Cin]
+        x = padded_input(use.op, kh, kw)              # [N, H', W', Cin]
         per_image = tf.raw_ops.DepthwiseConv2dNative(
             input=tf.transpose(x, [3, 1, 2, 0]),      # [Cin, H', W', N]
             filter=tf.transpose(dZ, [1, 2, 0, 3]),    # [Ho, Wo, N, Cout]
