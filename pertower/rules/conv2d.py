@@ -11,8 +11,21 @@ in convolutional neural networks", arXiv 1912.06015): a convolution is a dense l
 applied at every output position p to the patch x_p of the input that p sees,
     z_p = W^T x_p   (W as [kh*kw*Cin, Cout]),
 so  grad_g(W)[u, v, c, o] = sum_{t in g, p} x_tp[u, v, c] dz_tp[o].
-Three ways of computing it, all exact (each tested against the oracle):
+Four ways of computing it, all exact (each tested against the oracle):
 
+    "shifts"     per filter tap (u, v), the input values the tap multiplies are a
+                 strided slice of the padded input, x'[:, u*d : : s, v*d : : s, :]
+                 ([N, Ho, Wo, Cin], no patches written), so
+                     grad_g(W)[u, v] = sum_{t in g, p} x'_tp(u, v) ⊗ dz_tp,
+                 one batched matmul [G, T*P, Cin]^T x [G, T*P, Cout] -> [G, Cin, Cout]
+                 per tap, stacked to [G, kh*kw, Cin, Cout] (example axis first: no
+                 transpose after). With thin taps (Cin < `ConvOptions.thin_channels`)
+                 or few positions (P < `ConvOptions.few_positions`) those matmuls are
+                 too small to run well, so the slices of the input moved channels-first
+                 ([G, Cin, T, H', W']) are stacked along the contracted rows instead,
+                 [G, kh*kw*Cin, T*P], and ONE matmul with dZ [G, T*P, Cout] gives
+                 [G, kh*kw*Cin, Cout] in the filter's order. Grouped convolutions take
+                 one contraction per tap and group. Any dtype; any oneDNN setting.
     "patches"    the patches of `tf.image.extract_patches` ([N, Ho, Wo, kh*kw*Cin],
                  ordered like the filter) and ONE batched matmul per group
                  (the unfold form of Opacus' grad_sample/conv.py and of BackPACK).
@@ -26,34 +39,50 @@ Three ways of computing it, all exact (each tested against the oracle):
                  the filter [Ho, Wo, N, Cout]; ONE `DepthwiseConv2dNative` with stride d
                  and dilation s gives [Cin, kh, kw, N*Cout], summed over each group's T.
 
-Cost model ("auto"), measured on a 2-core AVX-512 CPU (oneDNN, TF 2.21, B = 64,
-float32, median ms per layer of the filter gradients alone, on random x and dZ, the
-three forms in one graph; two runs on a machine shared with other jobs, so figures
-vary by ~30% and more, but the order of the columns held in both):
+Cost model ("auto"). Measured on a 2-core AVX-512 CPU (TF 2.21, float32, B = 64, SAME,
+stride 1), ms per layer of the filter gradients alone on random x and dZ (variables,
+results not fetched), every way in one graph timed in turn, min of 15 runs; the
+machine ran other jobs (load ~9 on 2 cores), so figures vary by ~30% and more. "batch"
+is the batch filter gradient (one Conv2DBackpropFilter) for scale; shifts/t is the
+matmul per tap, shifts/s the stacked taps:
 
-    H   Cin Cout k s   P   | patches grouped depthwise | P*k^2/sqrt(Cin*Cout)
-    32    1   16 5 1 1024  |   18.5     1.3     39.7   | 6400
-    32    3   32 3 1 1024  |   39.1     5.1     79.9   |  940
-    32   16   16 3 2  256  |   15.5     5.0     11.9   |  144
-    16   32   64 3 1  256  |   16.9     9.6     49.3   |   51
-    16    8    8 3 1  256  |    3.0     1.0      2.5   |  288
-     8   64   64 3 1   64  |    8.5     6.1     11.9   |    9
-    16   64   64 1 1  256  |    3.8     6.4    122.7   |    4
-     8  256  256 3 1   64  |  148     403      341     |    2.3
-     4  128  128 3 1   16  |   24.0    64.1     64.0   |    1.1
-     2  256  256 3 1    4  |   44.0   392       61.4   |    0.14
+    oneDNN on (TF_ENABLE_ONEDNN_OPTS=1)
+    H   Cin Cout k    P  | batch patches grouped shifts/t shifts/s | P*k^2/sqrt(Cin*Cout)
+    32    3   32 3 1024  |   1.7   25.7     6.1     3.6      3.5   |  940
+    16   32   64 3  256  |  12.1   35.4    23.9    26.3     26.0   |   51
+     8   64   64 3   64  |   7.8   15.8    18.2    10.5     15.4   |    9
+    32    1   16 5 1024  |   1.1   54.0     3.2     8.4      2.7   | 6400
+    16    8    8 3  256  |   0.8    2.9     1.0     1.4      1.7   |  288
+    16   64   64 1  256  |   2.0    3.8     6.6     2.2      2.3   |    4
+     8  256  256 3   64  |  82     140     361      95      124     |    2.3
+     4  128  128 3   16  |   3.9   19.7    88.8    20.0     15.7   |    1.1
+     2  256  256 3    4  |   4.4   13.9   355      26.9     14.6   |    0.14
+    oneDNN off (TF_ENABLE_ONEDNN_OPTS=0; "grouped" cannot run)
+    32    3   32 3 1024  |   5.7   87.6      -     52.1      8.2
+    16   32   64 3  256  |  13.3   25.5      -     20.0     14.8
+     8   64   64 3   64  |   6.8   17.5      -     17.4     14.7
+    32    1   16 5 1024  |   5.4   31.9      -      3.1      4.3
+    16    8    8 3  256  |   1.7    4.2      -      1.6      2.7
+    16   64   64 1  256  |   4.1    5.9      -      4.0      5.5
+     8  256  256 3   64  |  70     224       -     267      176
+     4  128  128 3   16  |   3.4   32.4      -     34.2     31.6
+     2  256  256 3    4  |   5.1   89.3      -    120       86.3
+At B = 128 (oneDNN on, min of 11) the CIFAR-net layers (rows 1-4) gave batch 3.1,
+13.0, 6.4, 1.6; grouped 12.9, 20.4, 16.1, 6.2; shifts (the way "auto" takes) 6.9,
+22.1, 13.6, 5.0; patches 42.5, 32.1, 17.3, 46.1.
 
-All three do the same multiply-adds; what differs is how well each kernel runs for the
-shape. The grouped backward-filter kernel runs well when there are many positions per
-channel pair and badly when there are few positions and many channels; the patches
-cost grows with the k^2 copies of the input that `extract_patches` writes. So "auto"
-picks "grouped" when P*k^2 / sqrt(Cin*Cout) >= `ConvOptions.grouped_threshold` (10),
-else "patches". "depthwise" was never the fastest beyond noise and is not picked
-(force it with ConvOptions(strategy="depthwise")). "grouped" needs float32 and
-TensorFlow's oneDNN CPU kernels (its Eigen kernels, used with TF_ENABLE_ONEDNN_OPTS=0
-and by default on CPUs without AVX-512, refuse grouped convolutions); "depthwise" needs
-float32, and oneDNN for a strided convolution (its strides become the depthwise
-convolution's dilations). Elsewhere "auto" uses "patches".
+"depthwise" was slower than "patches" in every row of an earlier run (e.g. 114 and
+79 ms on the first two) and is not picked. The shifts beat the patches nearly
+everywhere (`extract_patches` writes the k^2 copies slowly; slices and matmuls do
+not), and the grouped backward-filter kernel beats the shifts only where it runs well
+(many positions per channel pair) and the channels are not thin. So "auto" picks
+"grouped" when oneDNN runs it (float32, no groups), Cin >= `thin_channels` (8) and
+P*k^2/sqrt(Cin*Cout) >= `grouped_threshold` (20); else "shifts"; and "patches" when
+the heights and widths are not static (the shifts' slices need them). "grouped"
+needs float32 and TensorFlow's oneDNN CPU kernels (its Eigen kernels, used with
+TF_ENABLE_ONEDNN_OPTS=0 and by default on CPUs without AVX-512, refuse grouped
+convolutions); "depthwise" needs float32, and oneDNN for a strided convolution (its
+strides become the depthwise convolution's dilations).
 
 Squared norms (Bu, Mao, Xu 2022, "Scalable and efficient training of large
 convolutional neural networks with differential privacy", arXiv 2205.10683, mixed
@@ -66,7 +95,8 @@ Grouped convolutions (Keras' `groups=`, a filter [kh, kw, Cin/g, Cout] on an inp
 Cin channels): input channel group j feeds only the output channels
 j*Cout/g ... (j+1)*Cout/g - 1 (the grouping of TensorFlow's Conv2D kernel), so the
 identity holds group by group, grad_i(W)[:, :, :, group j] = sum_p x_ip[group j] ⊗
-dz_ip[group j]; they take the "patches" way and form their norms.
+dz_ip[group j]; they take the "shifts" way (or "patches" when the sizes are not
+static) and form their norms.
 
 The clipped sum sum_i f_i grad_i(W) (DP-SGD) is the batch filter gradient
 (Conv2DBackpropFilter) with example i's dZ scaled by f_i (Bu et al. 2023, arXiv
@@ -98,13 +128,18 @@ class ConvOptions:
     """How `Conv2DRule` computes per-example filter gradients.
 
     Attributes:
-      strategy: "auto" (by the cost model above), or one of "patches", "grouped",
-        "depthwise" to force that way for every convolution it covers (a convolution
-        the forced way cannot compute falls back to the towers, with the reason).
-      grouped_threshold: "auto" picks "grouped" when P*k^2/sqrt(Cin*Cout) is at least
-        this, else "patches".
+      strategy: "auto" (by the cost model above), or one of "shifts", "patches",
+        "grouped", "depthwise" to force that way for every convolution it covers (a
+        convolution the forced way cannot compute falls back to the towers, with the
+        reason).
+      grouped_threshold: "auto" picks "grouped" (where it runs and Cin >=
+        `thin_channels`) when P*k^2/sqrt(Cin*Cout) is at least this, else "shifts".
       onednn: whether TensorFlow's oneDNN CPU kernels (which run grouped and dilated
         depthwise convolutions) are on; None asks TensorFlow (`onednn_enabled`).
+      thin_channels: below this many input channels "auto" does not pick "grouped",
+        and "shifts" stacks the taps into one matmul.
+      few_positions: below this many output positions per image "shifts" stacks the
+        taps into one matmul (else one matmul per tap).
 
     Example:
       registry = pertower.rules.default_registry()
@@ -122,6 +157,11 @@ class ConvOptions:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"pertower.rules.conv2d.ConvOptions: `strategy` must be one of "
                              f"{', '.join(STRATEGIES)}, but received {self.strategy!r}.")
+        for name in ("thin_channels", "few_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"pertower.rules.conv2d.ConvOptions: `{name}` must be an "
+                                 f"int >= 0, but received {value!r}.")
 
 
 def onednn_enabled():
