@@ -119,7 +119,7 @@ def test_conv_norms_take_the_cheaper_of_ghost_and_formed(layer, chosen):
         assert conv2d.Conv2DRule().norm_strategy(use) == chosen
 
 
-@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise"])
+@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise", "shifts"])
 def test_formed_conv_norms_match_the_oracle_for_every_strategy(strategy):
     """The CIFAR net's norms (its convolutions formed, not ghost) with each way forced."""
     case = test_rules.build_cifar_case(B=2)

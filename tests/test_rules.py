@@ -280,7 +280,8 @@ def test_microbatches_and_jacobians_match_oracle(model):
 
 
 CONV_MODELS = ("conv_same_strided", "conv_valid_dilated", "conv_explicit_float64",
-               "conv_same_dilated_odd", "keras_conv1d", "depthwise", "time_distributed_conv")
+               "conv_same_dilated_odd", "grouped_conv", "keras_conv1d", "depthwise",
+               "time_distributed_conv")
 
 
 @pytest.fixture(scope="module", params=CONV_MODELS)
@@ -300,22 +301,30 @@ def _forced_conv_registry(strategy, **options):
     return registry
 
 
-@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise"])
-def test_every_conv_strategy_matches_the_oracle(conv_model, strategy):
+@pytest.mark.parametrize("strategy, options", [
+    ("patches", {}), ("grouped", {}), ("depthwise", {}),
+    ("shifts", {}),                      # these models' thin channels: the taps stacked
+    ("shifts", {"thin_channels": 0, "few_positions": 0}),    # a matmul per tap
+])
+def test_every_conv_strategy_matches_the_oracle(conv_model, strategy, options):
     """Each way of the convolution rules (rules/conv2d.py), forced on every convolution
-    (strides, SAME/VALID/explicit padding, dilations, Conv1D, depthwise, k = 3 images
-    per example): per-example gradients for a fixed B and for a None batch axis (G read
+    (strides, SAME/VALID/explicit padding, dilations, groups, Conv1D, depthwise, k = 3
+    images per example): per-example gradients for a fixed B and for a None batch axis (G read
     at run time), and two microbatches (several images per group), against the oracle.
     Where the way cannot compute a convolution (float64; no oneDNN), method='rules'
     refuses and names the forced strategy."""
     case = conv_model
-    registry = _forced_conv_registry(strategy)
+    registry = _forced_conv_registry(strategy, **options)
     with case.graph.as_default():
         try:
             fixed = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                                    method="rules", rules=registry)
         except ValueError as refusal:
+            if "does not take grouped convolutions" in str(refusal):
+                assert case.name == "grouped_conv" and strategy in ("grouped", "depthwise")
+                return
             assert f"the forced strategy {strategy!r} needs" in str(refusal)
+            assert strategy in ("grouped", "depthwise"), refusal
             assert (case.ys.dtype != tf.float32 or not conv2d.onednn_enabled()), refusal
             return
         free = pertower.per_example_gradients(case.ys, case.xs, method="rules",
@@ -331,7 +340,7 @@ def test_every_conv_strategy_matches_the_oracle(conv_model, strategy):
         want_three = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
                                        case.ys, case.xs, three)
     got, got_two = case.sess.run([fixed, two], case.feed)
-    what = f"{case.name}, strategy {strategy}"
+    what = f"{case.name}, strategy {strategy} {options}"
     common.assert_all_close(got, want, case.rtol, case.atol, what)
     common.assert_all_close(got_two, want_two, case.rtol, case.atol * 10,
                             f"{what}, two microbatches")
@@ -342,7 +351,7 @@ def test_every_conv_strategy_matches_the_oracle(conv_model, strategy):
 def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
     """Without oneDNN's kernels (ConvOptions(onednn=False) says so) "grouped" cannot
     compute a Conv2D: the weight falls back to the towers with the reason, and "auto"
-    uses the patches."""
+    uses the shifts. Bad options are refused, naming the argument."""
     build, shapes, options, _ = MODELS["conv_same_strided"]
     case = _model("conv_same_strided", build, shapes, **options)
     with case.graph.as_default():
@@ -359,11 +368,23 @@ def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
     common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
                             "auto without oneDNN")
     with pytest.raises(ValueError, match=r"`strategy` must be one of auto, patches, "
-                                         r"grouped, depthwise, but received 'im2col'"):
+                                         r"grouped, depthwise, shifts, but received 'im2col'"):
         conv2d.ConvOptions(strategy="im2col")
+    for name in ("thin_channels", "few_positions"):
+        with pytest.raises(ValueError, match=rf"`{name}` must be an int >= 0, but "
+                                             r"received -1"):
+            conv2d.ConvOptions(**{name: -1})
     with pytest.raises(TypeError, match=r"`options` must be a ConvOptions"):
         conv2d.Conv2DRule("grouped")
     case.sess.close()
+    with tf.Graph().as_default():      # heights and widths known only at run time
+        x = tf.compat.v1.placeholder(tf.float32, [None, None, None, 2])
+        w = tf.compat.v1.get_variable("w", [3, 3, 2, 3])
+        ys = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2, axis=[1, 2, 3])
+        with pytest.raises(ValueError, match=r"the forced strategy 'shifts' needs static "
+                                             r"input and output heights and widths"):
+            pertower.per_example_gradients(ys, [w], batch_size=2, method="rules",
+                                           rules=_forced_conv_registry("shifts"))
 
 
 def _compiled_calls(graph, scope):
@@ -484,13 +505,15 @@ def test_an_xla_compiled_function_that_draws_random_numbers_is_refused():
 
 
 @pytest.mark.parametrize("layer, chosen", [
-    # (H = W, Cin, Cout, k, stride) of a SAME convolution -> the way "auto" picks
-    ((32, 3, 32, 3, 1), "grouped"),      # the CIFAR net's first layer: 1024 positions
-    ((16, 32, 64, 3, 1), "grouped"),
-    ((32, 1, 16, 5, 1), "grouped"),      # the scenario-3 CNN
-    ((8, 64, 64, 3, 1), "patches"),      # P k^2 / sqrt(Cin Cout) = 9: about equal
-    ((4, 128, 128, 3, 1), "patches"),    # few positions, many channels
-    ((16, 64, 64, 1, 1), "patches"),     # 1x1: the patches are the input
+    # (H = W, Cin, Cout, k, stride) of a SAME convolution -> the way "auto" picks with
+    # oneDNN (without it: "shifts" for all)
+    ((32, 3, 32, 3, 1), "shifts"),       # the CIFAR net's first layer: 3 input channels
+    ((16, 32, 64, 3, 1), "grouped"),     # P k^2 / sqrt(Cin Cout) = 51
+    ((32, 1, 16, 5, 1), "shifts"),       # the scenario-3 CNN: 1 input channel
+    ((16, 8, 8, 3, 1), "grouped"),       # 288
+    ((8, 64, 64, 3, 1), "shifts"),       # 9
+    ((4, 128, 128, 3, 1), "shifts"),     # few positions, many channels
+    ((16, 64, 64, 1, 1), "shifts"),      # 1x1: one matmul
 ])
 def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
     H, c_in, c_out, k, stride = layer
@@ -500,7 +523,12 @@ def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
         z = tf.nn.conv2d(x, w, stride, "SAME")
         use = rules_lib.Use(z.op, 1, None, x, z, w.shape, None)
         assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=True)).strategy(use) == chosen
-        assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=False)).strategy(use) == "patches"
+        assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=False)).strategy(use) == "shifts"
+        # heights and widths known only at run time: the patches
+        free = tf.compat.v1.placeholder(tf.float32, [None, None, None, c_in])
+        z = tf.nn.conv2d(free, w, stride, "SAME")
+        use = rules_lib.Use(z.op, 1, None, free, z, w.shape, None)
+        assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=True)).strategy(use) == "patches"
 
 
 def build_cifar_case(B=3):
@@ -516,8 +544,8 @@ def build_cifar_case(B=3):
 
 
 def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
-    """Every weight of the bench's CIFAR net has a rule; its first two convolutions
-    take the grouped way and the third the patches (with oneDNN), all exact."""
+    """Every weight of the bench's CIFAR net has a rule; its second convolution takes
+    the grouped way with oneDNN and the others the shifts, all exact."""
     case = build_cifar_case()
     with case.graph.as_default():
         plan = _plan(case)
@@ -525,9 +553,9 @@ def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
         convs = [use for uses in plan.uses for use in uses or () if use.op.type == "Conv2D"]
         chosen = [use.rule.strategy(use) for use in convs]
         if conv2d.onednn_enabled():
-            assert chosen == ["grouped", "grouped", "patches"], chosen
+            assert chosen == ["shifts", "grouped", "shifts"], chosen
         else:
-            assert chosen == ["patches"] * 3, chosen
+            assert chosen == ["shifts"] * 3, chosen
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                              method="rules")
         want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,

@@ -3,7 +3,7 @@
 Identity (Rochette et al. 2019, arXiv 1912.06015; as for Conv2D, per channel): output
 channel c*M + m at position p is sum_{u,v} x_p[u, v, c] W[u, v, c, m], so
     grad_i(W)[u, v, c, m] = sum_p x_ip[u, v, c] dz_ip[c, m],
-computed one of two ways (both tested against the oracle):
+computed one of three ways (each tested against the oracle):
 
     "patches"    the patches of `tf.image.extract_patches` ordered (kh, kw, Cin) and
                  one batched contraction per group;
@@ -11,7 +11,11 @@ computed one of two ways (both tested against the oracle):
                  [T, Ho, Wo, G*Cin*M] are the input and output gradient of ONE depthwise
                  convolution with G*Cin channels (channel g*Cin + c of the folded dZ
                  block is dZ's channel c*M + m of group g, in the same order), so ONE
-                 `DepthwiseConv2dNativeBackpropFilter` gives [kh, kw, G*Cin, M].
+                 `DepthwiseConv2dNativeBackpropFilter` gives [kh, kw, G*Cin, M];
+    "shifts"     per filter tap (u, v), the strided slice of the padded input that the
+                 tap multiplies (`conv2d.taps`) and one contraction with dZ over each
+                 group's positions, [G, Cin, M], stacked to [G, kh, kw, Cin, M]
+                 (forced only: "grouped" was faster wherever it runs).
 
 "grouped" is used for float32 without dilation (TensorFlow's CPU backward-filter
 kernel fails on dilations and has no float64 form); it never writes the kh*kw copies of
@@ -24,8 +28,8 @@ float32, 2-core AVX-512 CPU shared with other jobs, best of 11, ms):
     16   64  |  106       7.9
      8  128  |   55       5.1
      4  256  |   24       2.4
-Force one way with `DepthwiseConv2DRule(conv2d.ConvOptions(strategy=...))` ("grouped"
-or "patches"; "depthwise" means "grouped" here).
+Force one way with `DepthwiseConv2DRule(conv2d.ConvOptions(strategy=...))` ("grouped",
+"patches" or "shifts"; "depthwise" means "grouped" here).
 
 Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations; the filter static.
 (Keras builds dilated depthwise convolutions with SpaceToBatchND, which mixes examples'
@@ -61,6 +65,9 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         if self.options.strategy in ("grouped", "depthwise") and not self._grouped_covers(op):
             return (f"the forced strategy {self.options.strategy!r} needs float32 and no "
                     "dilation")
+        if self.options.strategy == "shifts" and conv2d.spatial_pads(op, 1, 1) is None:
+            return ("the forced strategy 'shifts' needs static input and output heights "
+                    "and widths")
         return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
                                 op.inputs[1].shape, rows)
 
@@ -70,15 +77,30 @@ class DepthwiseConv2DRule(registry_lib.Rule):
                 list(op.get_attr("dilations")) == [1, 1, 1, 1])
 
     def strategy(self, use):
-        """"grouped" or "patches": the way `per_group` computes `use`."""
+        """"grouped", "shifts" or "patches": the way `per_group` computes `use`."""
+        if self.options.strategy == "shifts":
+            return "shifts"
         if self.options.strategy == "patches" or not self._grouped_covers(use.op):
             return "patches"
         return "grouped"
 
     def per_group(self, use, dZ, G):
-        if self.strategy(use) == "grouped":
+        strategy = self.strategy(use)
+        if strategy == "grouped":
             return self._grouped(use, dZ, G)
+        if strategy == "shifts":
+            return self._shifts(use, dZ, G)
         return self._patches(use, dZ, G)
+
+    @staticmethod
+    def _shifts(use, dZ, G):
+        kh, kw, c_in, mult = use.weight_shape.as_list()
+        dZ_g = tf.reshape(_rows.to_groups(dZ, G, 1),
+                          _rows.group_shape(G, [-1, c_in, mult]))  # [G, T*Ho*Wo, Cin, M]
+        per_tap = [tf.einsum("gpc,gpcm->gcm", _rows.to_groups(x_tap, G, 1), dZ_g)
+                   for x_tap in conv2d.taps(use.op, kh, kw)]  # kh*kw x [G, Cin, M]
+        grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, M]
+        return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, mult]))
 
     @staticmethod
     def _grouped(use, dZ, G):
