@@ -136,6 +136,20 @@ def test_a_peer_that_disagrees_is_marked_wrong(wrong):
     assert f"{peers_worker.TORCH_VMAP} WRONG: largest difference at w0 example 0" in table
 
 
+def test_the_plot_marks_a_wrong_peer(wrong, monkeypatch, tmp_path):
+    """A peer that disagrees keeps its time in the plot, its legend entry marked."""
+    figure_module = pytest.importorskip("matplotlib.figure")
+    labels = []
+
+    def savefig(figure, *args, **kwargs):
+        labels.extend(text.get_text() for ax in figure.axes if ax.get_legend()
+                      for text in ax.get_legend().get_texts())
+
+    monkeypatch.setattr(figure_module.Figure, "savefig", savefig)
+    bench.plot(wrong, str(tmp_path / "wrong.png"))
+    assert f"{peers_worker.TORCH_VMAP} (WRONG at some B)" in labels, labels
+
+
 def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):
     """`pertower bench --peers` prints the peers' rows, writes them to the JSON and
     exits with 1 when one of them disagrees (here the rows of the shifted reference,

@@ -748,8 +748,11 @@ def plot(entries, path):
                                 and getattr(e, attribute) is not None)
                 # norms dashed, gradients solid, training steps (peers) dotted
                 style = "--" if "norms" in name else ":" if "step" in name else "-"
+                # a row that disagrees with the loop keeps its time, marked in the legend
+                wrong = any(e.agrees is False for e in mine if e.name == name)
                 if points:
-                    ax.plot(*zip(*points), style, marker="o", color=_color(name), label=name)
+                    ax.plot(*zip(*points), style, marker="o", color=_color(name),
+                            label=name + (" (WRONG at some B)" if wrong else ""))
             ax.set_xscale("log", base=2)
             ax.set_xticks(sizes)
             ax.set_xticklabels([str(b) for b in sizes])
