@@ -92,6 +92,9 @@ def test_every_peer_agrees_with_the_loop(run, jobs):
     assert not problems, "\n".join(problems)
     assert set(info) == set(peers.FRAMEWORKS)
     assert "torch" in info["torch"] and "jax" in info["jax"]
+    # the torch child computes in exact float32 (no TF32 / bfloat16 passes)
+    assert info["torch"]["fp32"]["matmul"] == "highest", info["torch"]
+    assert info["torch"]["fp32"].get("mkldnn_conv", "ieee") == "ieee", info["torch"]
     assert "tensorflow" in info["tf"] and "pertower" in info["tf"]
 
 
@@ -123,8 +126,28 @@ def test_a_peer_that_disagrees_is_marked_wrong(wrong):
     assert {e.name for e in checked} >= {peers_worker.TORCH_VMAP}
     for e in checked:
         assert e.agrees is False and e.max_abs_diff >= 0.4, (e.name, e.max_abs_diff)
+        # the shift sits in weight 0; the per-example entry names example 0 too, and
+        # its second run on the same inputs differs from the loop by as much
+        assert e.note.startswith("w0"), (e.name, e.note)
+        if e.computes == "gradients":
+            assert e.note.startswith("w0 example 0;") and "(same)" in e.note, e.note
     table = bench.format_table(wrong)
-    assert table.count("WRONG") == len(checked), table
+    assert table.count("WRONG") == 2 * len(checked), table     # row and its note
+    assert f"{peers_worker.TORCH_VMAP} WRONG: largest difference at w0 example 0" in table
+
+
+def test_the_plot_marks_a_wrong_peer(wrong, monkeypatch, tmp_path):
+    """A peer that disagrees keeps its time in the plot, its legend entry marked."""
+    figure_module = pytest.importorskip("matplotlib.figure")
+    labels = []
+
+    def savefig(figure, *args, **kwargs):
+        labels.extend(text.get_text() for ax in figure.axes if ax.get_legend()
+                      for text in ax.get_legend().get_texts())
+
+    monkeypatch.setattr(figure_module.Figure, "savefig", savefig)
+    bench.plot(wrong, str(tmp_path / "wrong.png"))
+    assert f"{peers_worker.TORCH_VMAP} (WRONG at some B)" in labels, labels
 
 
 def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):

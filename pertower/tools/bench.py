@@ -122,6 +122,10 @@ class Entry:
         the norms of the loop's gradients; the batch gradient: against their sum).
       max_abs_reference: max |the loop's result| over the same entries (its scale).
       agrees: max_abs_diff <= TOLERANCE * max(1, max_abs_reference) (None unless run).
+      note: where the result differs most from the loop's (the peers: weight k and
+        example i, and the max |diff| of a second run on the same inputs, which shows
+        a result that changes from run to run); printed under the table when the row
+        disagrees.
     """
 
     model: str
@@ -143,6 +147,7 @@ class Entry:
     max_abs_diff: float = None
     max_abs_reference: float = None
     agrees: bool = None
+    note: str = ""
 
 
 @dataclasses.dataclass
@@ -690,8 +695,12 @@ def format_table(entries):
                          _fmt(e.ratio_to_batch, ".1f"), _fmt(e.ratio_to_outer, ".2f"),
                          _fmt(e.build_seconds, ".2f"), _fmt(e.first_run_seconds, ".2f"),
                          _mib(e.peak_bytes), _mib(e.estimate_bytes), _diff_cell(e)))
+        notes = [f"  {e.name} WRONG: largest difference at {e.note}" for e in entries
+                 if (e.model, e.batch_size) == (model_name, B) and e.status == "ok"
+                 and e.agrees is False and e.note]
         blocks.append(f"{model_name}, B={B}, P={P:,} weights\n"
-                      + timing.format_table(header, rows))
+                      + timing.format_table(header, rows)
+                      + "".join("\n" + line for line in notes))
     return "\n\n".join(blocks)
 
 
@@ -770,8 +779,11 @@ def plot(entries, path):
                                 and getattr(e, attribute) is not None)
                 # norms dashed, gradients solid, training steps (peers) dotted
                 style = "--" if "norms" in name else ":" if "step" in name else "-"
+                # a row that disagrees with the loop keeps its time, marked in the legend
+                wrong = any(e.agrees is False for e in mine if e.name == name)
                 if points:
-                    ax.plot(*zip(*points), style, marker="o", color=_color(name), label=name)
+                    ax.plot(*zip(*points), style, marker="o", color=_color(name),
+                            label=name + (" (WRONG at some B)" if wrong else ""))
             ax.set_xscale("log", base=2)
             ax.set_xticks(sizes)
             ax.set_xticklabels([str(b) for b in sizes])

@@ -229,6 +229,7 @@ def run_jobs(jobs, repeats, rounds, report=print, info=None, frameworks=FRAMEWOR
                     entry.first_run_seconds = result["first_run_seconds"]
                     entry.max_abs_diff = result.get("max_abs_diff")
                     entry.max_abs_reference = result.get("max_abs_reference")
+                    entry.note = _where(result)
             report(f"  peers round {r + 1}/{rounds}: {framework} child done in "
                    f"{time.perf_counter() - start:.1f} s")
     for entry in rows.values():
@@ -240,6 +241,21 @@ def run_jobs(jobs, repeats, rounds, report=print, info=None, frameworks=FRAMEWOR
             entry.agrees = bool(entry.max_abs_diff
                                 <= bench.TOLERANCE * max(1.0, entry.max_abs_reference))
     return list(rows.values())
+
+
+def _where(result):
+    """Where a child's checked result differs most from the loop's, and whether it
+    changes from run to run: "w<k> example <i>; rerun max|diff| <d>" ("" unchecked)."""
+    where = result.get("worst")
+    if not where:
+        return ""
+    k, i = where
+    text = f"w{k}" + ("" if i is None else f" example {i}")
+    rerun = result.get("max_abs_diff_rerun")
+    if rerun is not None:
+        same = rerun == result.get("max_abs_diff")
+        text += f"; rerun max|diff| {rerun:.1e}" + (" (same)" if same else " (CHANGED)")
+    return text
 
 
 def run_peers(keys, repeats, rounds, report=print, info=None, timed_loops=()):

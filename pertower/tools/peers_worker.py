@@ -90,21 +90,26 @@ class Job:
 
 
 def compare(values, reference):
-    """(max |value - reference|, max |reference|) over lists of arrays, row by row (the
-    temporaries stay one example's size); (inf, 0) when the shapes differ."""
+    """(max |value - reference|, max |reference|, where) over lists of arrays, row by
+    row (the temporaries stay one example's size); `where` is [k, i], the weight and
+    the example (row) of the largest difference (i None for an array without a batch
+    axis); (inf, 0, None) when the shapes differ."""
     diff = scale = 0.0
+    where = None
     if len(values) != len(reference):
-        return float("inf"), 0.0
-    for got, want in zip(values, reference):
+        return float("inf"), 0.0, None
+    for k, (got, want) in enumerate(zip(values, reference)):
         got = np.asarray(got)
         if got.shape != want.shape:
-            return float("inf"), 0.0
-        rows = zip(got, want) if got.ndim else [(got, np.asarray(want))]
-        for got_row, want_row in rows:
+            return float("inf"), 0.0, None
+        rows = enumerate(zip(got, want)) if got.ndim else [(None, (got, np.asarray(want)))]
+        for i, (got_row, want_row) in rows:
             if want_row.size:
-                diff = max(diff, float(np.max(np.abs(got_row - want_row))))
+                row_diff = float(np.max(np.abs(got_row - want_row)))
+                if row_diff > diff or where is None:
+                    diff, where = max(diff, row_diff), [k, i]
                 scale = max(scale, float(np.max(np.abs(want_row))))
-    return diff, scale
+    return diff, scale, where
 
 
 def _short(error):
@@ -126,12 +131,17 @@ def _measure(job, name, computes, build, check, repeats):
         run()
         entry["first_run_seconds"] = time.perf_counter() - start
         if check:
-            entry["max_abs_diff"], entry["max_abs_reference"] = compare(
+            entry["max_abs_diff"], entry["max_abs_reference"], entry["worst"] = compare(
                 result(), job.reference(computes))
-        for _ in range(repeats):
+        for r in range(repeats):
             start = time.perf_counter()
             run()
             entry["runs_ms"].append(1e3 * (time.perf_counter() - start))
+            if check and r == 0 and computes == "gradients":
+                # the same inputs again: a different max |diff| shows a result that
+                # changes from run to run (a DP step's check holds its first result)
+                entry["max_abs_diff_rerun"] = compare(
+                    result(), job.reference(computes))[0]
     except Exception as error:  # pylint: disable=broad-except
         entry["status"], entry["reason"] = "error", _short(error)
     return entry
@@ -298,7 +308,19 @@ def _torch_entries(jobs, check, repeats):
     import torch  # pylint: disable=import-outside-toplevel
     from torch import func  # pylint: disable=import-outside-toplevel
 
-    versions = {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    # Exact float32 arithmetic, stated rather than assumed: torch can be set (process
+    # wide, or by a library) to compute float32 matmuls and oneDNN convolutions in
+    # reduced precision (TF32 / bfloat16 passes); "highest" and "ieee" are its switches
+    # back to full float32.
+    torch.set_float32_matmul_precision("highest")
+    mkldnn = torch.backends.mkldnn
+    precision = {"matmul": torch.get_float32_matmul_precision()}
+    if hasattr(getattr(mkldnn, "conv", None), "fp32_precision"):     # torch >= 2.9
+        mkldnn.matmul.fp32_precision = mkldnn.conv.fp32_precision = "ieee"
+        precision.update(mkldnn_matmul=mkldnn.matmul.fp32_precision,
+                         mkldnn_conv=mkldnn.conv.fp32_precision)
+    versions = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                "fp32": precision}
     try:
         import opacus  # pylint: disable=import-outside-toplevel
         versions["opacus"] = opacus.__version__
