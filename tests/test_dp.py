@@ -442,3 +442,30 @@ def test_microbatch_epsilon_figures_in_the_docs_are_the_accountant_s():
     halved = pertower.compute_epsilon(1000, 0.55, 256 / 60000, 1e-5)
     assert float(stated.group(1)) == pytest.approx(per_unit, abs=6e-4)
     assert float(stated.group(2)) == pytest.approx(halved, abs=6e-3)
+
+
+def test_the_noise_sampler_draws_standard_normal_numbers():
+    """`_dp.noise.standard_normal` (Box–Muller): 400,001 draws of one key pass a
+    Kolmogorov–Smirnov test against N(0, 1) and have its moments; float64 works; the
+    same key gives the same draws, another key others."""
+    from pertower._dp import noise as noise_lib  # pylint: disable=import-outside-toplevel
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        key = tf.compat.v1.placeholder(tf.int64, [2])
+        n = tf.compat.v1.placeholder(tf.int32, [])
+        draws = noise_lib.standard_normal(n, key)
+        wide = noise_lib.standard_normal(1001, key, tf.float64)
+        z = sess.run(draws, {key: [11, 3], n: 400001}).astype(np.float64)
+        again = sess.run(draws, {key: [11, 3], n: 400001})
+        other = sess.run(draws, {key: [12, 3], n: 400001})
+        z64 = sess.run(wide, {key: [5, 6]})
+    assert z.shape == (400001,) and z64.shape == (1001,) and z64.dtype == np.float64
+    np.testing.assert_array_equal(z, again)
+    assert not np.allclose(z, other)
+    assert scipy.stats.kstest(z, "norm").pvalue > 1e-6
+    # mean, variance, skewness and excess kurtosis within 6 standard errors of N(0, 1)'s
+    size = z.size
+    assert abs(z.mean()) < 6 / np.sqrt(size)
+    assert abs(z.var() - 1) < 6 * np.sqrt(2 / size)
+    assert abs(scipy.stats.skew(z)) < 6 * np.sqrt(6 / size)
+    assert abs(scipy.stats.kurtosis(z)) < 6 * np.sqrt(24 / size)
+    assert np.isfinite(z).all() and np.abs(z).max() < 6.0
