@@ -27,12 +27,18 @@ def public_call(function_name):
         _CALLER.reset(token)
 
 
-def public(function_name):
-    """Decorator: the function runs as the public function `function_name`."""
+def public(function_name, inner=True):
+    """Decorator: the function runs as the public function `function_name`.
+
+    With inner=False (a public method that pertower's own functions also call, such as
+    `Towers.gradients` inside `per_example_gradients`) it names itself only when no
+    other public call is running, so errors name the function the user called."""
 
     def decorate(function):
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
+            if not inner and _CALLER.get() is not None:
+                return function(*args, **kwargs)
             with public_call(function_name):
                 return function(*args, **kwargs)
         return wrapper

@@ -26,7 +26,7 @@ from pertower import _context
 __all__ = ["gradients", "joint_gradients", "replicated_gradients", "BatchedMatMul"]
 
 
-@_context.public("Towers.gradients")
+@_context.public("Towers.gradients", inner=False)
 def gradients(towers, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
     """`Towers.gradients`: the gradient of each tower's output w.r.t. its own copies.
 
