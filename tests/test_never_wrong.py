@@ -152,6 +152,23 @@ def test_every_method_matches_the_one_example_loop(case):
                             what="microbatch_gradients")
 
 
+def test_each_tower_copy_of_a_python_function_has_its_own_token(case):
+    """TensorFlow keys a py_function's recorded forward run by its op's token and its
+    gradient pops that entry: tower copies sharing the original's token would race for
+    it (a KeyError, or one tower's gradient from another's inputs). Every copy gets its
+    own token, and repeated runs keep matching the loop."""
+    if case["name"] != "py_function":
+        pytest.skip("no Python function in this case")
+    calls = [op for op in case["graph"].get_operations() if op.type == "EagerPyFunc"]
+    tokens = [op.get_attr("token") for op in calls]
+    assert len(calls) > B and len(set(tokens)) == len(tokens), tokens
+    sess, feed = case["sess"], case["feed"]
+    want = common.run_oracle(case["loop"].run, sess, feed, B)
+    for _ in range(10):
+        common.assert_all_close(sess.run(case["results"]["towers"], feed), want,
+                                what="towers, repeated runs")
+
+
 def test_the_replaced_gradient_mixes_the_batch(case):
     """Where the gradient is replaced by the batch mean, one backward pass over the
     whole batch is not the sum of the examples' own (so no split of it can be right):

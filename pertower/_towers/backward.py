@@ -100,7 +100,8 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
     tower 0's with t's tensors in place of 0's. Returns the same dict as
     `joint_gradients` (a weight's entry may be a `BatchedMatMul`), or None when the
     towers run graph functions (control flow), whose gradients are built by rewriting
-    the forward ops, so that only the joint call is sound. Gradients are made dense in
+    the forward ops, or Python functions, whose gradients close over their forward op,
+    so that only the joint call is sound. Gradients are made dense in
     tower 0 (and so in every copy) unless `sparse` keeps an IndexedSlices.
     """
     if not connected:
@@ -110,7 +111,7 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
     copies_0 = [towers.copies[k][0] for k in connected]
     tower_0 = graph_walk.downstream_ops(
         list(towers.slices[0]) + copies_0, graph_walk.upstream_ops([towers.outputs[0]]))
-    if replicate_lib.calls_functions(tower_0):
+    if replicate_lib.calls_functions(tower_0) or replicate_lib.calls_python(tower_0):
         return None
     # Tower 0's tensors that the backward pass may read, with every tower's.
     known = {}

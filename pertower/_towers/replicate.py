@@ -20,9 +20,13 @@ Two users:
 """
 
 from tensorflow.core.framework import graph_pb2
+from tensorflow.python.ops import script_ops  # pylint: disable=no-name-in-module
 import tensorflow as tf
 
-__all__ = ["replicate", "calls_functions", "InputMap", "drop_name_attrs"]
+__all__ = ["replicate", "calls_functions", "calls_python", "InputMap", "drop_name_attrs"]
+
+# Ops that run a Python function registered under their `token` attribute.
+_PYTHON_OP_TYPES = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
 
 # NodeDef attributes that tie a node to others by name; they would dangle in a copy.
 _DROPPED_ATTRS = ("_class",)
@@ -50,6 +54,33 @@ class InputMap:
             self._keys[id(tensor)] = f"pertower_input_{len(self._keys)}:0"
             self.input_map[self._keys[id(tensor)]] = tensor
         return self._keys[id(tensor)]
+
+
+def calls_python(ops):
+    """True when an op in `ops` runs a Python function (`tf.py_function`,
+    `tf.compat.v1.py_func`). An `EagerPyFunc`'s gradient closes over its forward op's
+    token (it reads the tape that forward run left under that token), so a copy of
+    tower 0's backward pass would read tower 0's tape in every tower."""
+    return any(op.type in _PYTHON_OP_TYPES for op in ops)
+
+
+def _own_python_token(node, graph):
+    """Gives a copied Python-function node a token of its own, for the same function.
+
+    TensorFlow keys an `EagerPyFunc`'s recorded forward run by its token
+    (`script_ops.tape_cache`) and its gradient pops that entry, so copies sharing the
+    original's token would race for one entry when the towers run in parallel (and
+    could read each other's). The function is registered again under a new token and
+    kept alive by the graph, as `tf.py_function` does for the original."""
+    if node.op not in _PYTHON_OP_TYPES or "token" not in node.attr:
+        return
+    func = script_ops._py_funcs.get(node.attr["token"].s.decode())  # pylint: disable=protected-access
+    if func is None:
+        return
+    node.attr["token"].s = script_ops._py_funcs.insert(func).encode()  # pylint: disable=protected-access
+    if not hasattr(graph, "_py_funcs_used_in_graph"):
+        graph._py_funcs_used_in_graph = []  # pylint: disable=protected-access
+    graph._py_funcs_used_in_graph.append(func)  # pylint: disable=protected-access
 
 
 def calls_functions(ops):
@@ -118,6 +149,7 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
             if device is not None:
                 node.device = device(r)
             drop_name_attrs(node)
+            _own_python_token(node, graph)
             del node.input[:]
             for tensor in op.inputs:
                 if tensor.op.name in names:
