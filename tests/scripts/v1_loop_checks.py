@@ -118,16 +118,19 @@ def check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle():
         ys = tf.reduce_sum(tf.concat([fw, bw], axis=2) ** 2, axis=[1, 2])   # [B]
         xs = tf.compat.v1.trainable_variables()
         feed = _feed(x, lengths)
-        _compare(graph, ys, xs, feed, "bidirectional per example")
-        _compare(graph, ys, xs, feed, "bidirectional microbatches", num_microbatches=2)
+        loop = oracle.SliceLoop(ys, xs)          # one loop for the three comparisons
+        grads = pertower.per_example_gradients(ys, xs, batch_size=B)
+        halves = pertower.microbatch_gradients(ys, xs, batch_size=B, num_microbatches=2)
         norms = pertower.per_example_norms(ys, xs, batch_size=B)
-        loop = oracle.SliceLoop(ys, xs)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            got = sess.run(norms, feed)
-            want = loop.run(sess, feed, B)
+            got, got_halves, got_norms = sess.run([grads, halves, norms], feed)
+            want, want_halves = loop.run(sess, feed, B), loop.run(sess, feed, 2)
+        common.assert_all_close(got, want, 1e-4, 1e-5, "bidirectional per example")
+        common.assert_all_close(got_halves, want_halves, 1e-4, 1e-5,
+                                "bidirectional microbatches")
         squares = sum(np.sum(w.reshape(B, -1) ** 2, axis=1) for w in want)
-        common.assert_all_close([got], [np.sqrt(squares)], 1e-4, 1e-5, "norms")
+        common.assert_all_close([got_norms], [np.sqrt(squares)], 1e-4, 1e-5, "norms")
 
 
 def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
