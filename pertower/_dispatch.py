@@ -367,8 +367,7 @@ def _refuse_a_check_that_cannot_pass(plan):
     draws are shaped by the batch (dropout in training mode) draws other numbers in
     every slice, so the check would fail on every run: refused here, saying why."""
     prepared = plan.prepared
-    noisy = graph_walk.random_ops(
-        graph_walk.downstream_ops(list(prepared.batch), prepared.ys_upstream))
+    noisy = graph_walk.random_ops(prepared.batch_downstream)
     if not noisy:
         return
     if plan.checked_by_default:

@@ -14,6 +14,7 @@ and function calls that read it in their bodies). Ops that depend on neither
 
 
 import tensorflow as tf
+from tensorflow.python.framework import op_def_registry  # pylint: disable=no-name-in-module
 from tensorflow.python.ops import ref_variable
 
 from pertower import _checks
@@ -363,9 +364,14 @@ def _v1_loop_error(op):
     )
 
 
+def draws_random_numbers(op_type):
+    """Whether ops of type `op_type` draw new random numbers on every run (a stateful
+    random op, e.g. the RandomUniform of dropout in training)."""
+    op_def = op_def_registry.get(op_type)
+    return op_def is not None and op_def.is_stateful and "Random" in op_type
+
+
 def random_ops(replayed_ops):
     """Stateful random ops among the replayed ops (for example dropout in training)."""
-    return sorted(
-        (op for op in replayed_ops
-         if op.op_def is not None and op.op_def.is_stateful and "Random" in op.type),
-        key=lambda o: o._id)  # pylint: disable=protected-access
+    return sorted((op for op in replayed_ops if draws_random_numbers(op.type)),
+                  key=lambda o: o._id)  # pylint: disable=protected-access

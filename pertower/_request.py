@@ -23,7 +23,7 @@ from pertower import _context
 class Prepared(collections.namedtuple(
         "Prepared", ["ys", "xs", "graph", "ys_upstream", "batch", "batch_size",
                      "num_groups", "reads", "analysis", "groups_argument",
-                     "batch_axes", "segments"])):
+                     "batch_axes", "segments", "batch_downstream"])):
     """Checked inputs.
 
     Fields:
@@ -45,6 +45,8 @@ class Prepared(collections.namedtuple(
         joins several batches along axis 0 (`tf.concat([f(s1), f(s2)], 0)`), one
         (batch indices, B_s) pair per batch in the order of the rows of `ys`, e.g.
         (((0,), 2), ((1,), 3)); then batch_size = B = B_1 + B_2 + ... .
+      batch_downstream: the ops between the batch and `ys` (those of ys_upstream that
+        depend on a batch tensor), walked once here for every later reader.
     """
 
     def restricted(self, indices):
@@ -133,7 +135,7 @@ def prepare(ys, xs, batch, num_groups, batch_size, groups_argument,
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
     return Prepared(ys, xs, graph, ys_upstream, batch, B, M, reads, analysis,
-                    groups_argument, tuple(axes), segments)
+                    groups_argument, tuple(axes), segments, frozenset(batch_downstream))
 
 
 def batch_axes(batch_axis, batch):

@@ -40,7 +40,6 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from pertower import _graph_walk as graph_walk
 from pertower import _batch_axis
 from pertower import _context
 
@@ -122,7 +121,7 @@ def _activation_bytes(prepared, B):
     static are left out, and so are elementwise ops (activations, bias adds), whose
     kernels reuse their input's buffer when they can."""
     total = 0
-    for op in graph_walk.downstream_ops(list(prepared.batch), prepared.ys_upstream):
+    for op in prepared.batch_downstream:
         if op.type in _batch_axis.ELEMENTWISE_OP_TYPES:
             continue  # TF kernels write these into their input's buffer when they can
         for out in op.outputs:

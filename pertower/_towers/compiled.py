@@ -34,9 +34,9 @@ import weakref
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import function_def_to_graph  # pylint: disable=no-name-in-module
-from tensorflow.python.framework import op_def_registry  # pylint: disable=no-name-in-module
 
 from pertower import _context
+from pertower import _graph_walk as graph_walk
 from pertower._towers import replicate
 
 __all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "must_compile", "keep_compiled",
@@ -98,12 +98,7 @@ def _body(graph, name):
 def _random_ops(body):
     """The random op types drawn in `body` (its nodes and its library's functions)."""
     nodes = list(body.node) + [n for f in body.library.function for n in f.node_def]
-    found = set()
-    for node in nodes:
-        op_def = op_def_registry.get(node.op)
-        if op_def is not None and op_def.is_stateful and "Random" in node.op:
-            found.add(node.op)
-    return sorted(found)
+    return sorted({node.op for node in nodes if graph_walk.draws_random_numbers(node.op)})
 
 
 class _Backwards:
