@@ -1,8 +1,9 @@
 """The public function a call came through, for error messages.
 
 Every public function runs inside `public(name)`; the layers below it name that
-function in their errors with `name()` (as in f"pertower.{_context.name()}: ..."),
-instead of taking it as a parameter. The innermost public call wins: an error raised
+function in their errors and warnings through one helper, `error(kind, text)` (or
+`prefixed(text)` for a warning's text), which puts "pertower.NAME: " in front, instead
+of taking the name as a parameter. The innermost public call wins: an error raised
 while `DPOptimizer.compute_gradients` runs `per_example_norms` names
 `per_example_norms`, whose argument it is about.
 """
@@ -11,7 +12,7 @@ import contextlib
 import contextvars
 import functools
 
-__all__ = ["public", "public_call", "name"]
+__all__ = ["public", "public_call", "name", "prefix", "prefixed", "error"]
 
 # The name of the innermost public function running in this context.
 _CALLER = contextvars.ContextVar("pertower_public_call", default=None)
@@ -50,3 +51,20 @@ def name():
     """The innermost public function's name ("pertower" outside any public call)."""
     caller = _CALLER.get()
     return caller if caller is not None else "pertower"
+
+
+def prefix():
+    """"pertower.NAME" for the innermost public call, "pertower" outside any."""
+    caller = _CALLER.get()
+    return "pertower" if caller is None else f"pertower.{caller}"
+
+
+def prefixed(text):
+    """`text` with the caller's prefix: "pertower.NAME: text" (for warnings)."""
+    return f"{prefix()}: {text}"
+
+
+def error(kind, text):
+    """The exception `kind` (ValueError, TypeError, ...) with the caller's prefix in
+    front of `text`; `raise _context.error(ValueError, "...")`."""
+    return kind(prefixed(text))
