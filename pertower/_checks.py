@@ -12,12 +12,16 @@ import sys
 import warnings
 
 import tensorflow as tf
-from pertower import _context
 from tensorflow.python.ops import variables
+
+from pertower import _context
+from pertower import _graph_walk as graph_walk
+# (lives where the graph is walked; kept here for callers not yet switched to it)
+from pertower._graph_walk import static_batch_size  # pylint: disable=unused-import
 
 __all__ = [
     "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "device_list",
-    "positive_int", "require_graph_mode", "require_graph_tensor", "static_batch_size",
+    "positive_int", "require_graph_mode", "require_graph_tensor",
     "unconnected_gradients_value", "unreached_weights", "warn_unconnected", "weight_list",
 ]
 
@@ -33,7 +37,7 @@ def require_graph_mode():
     """Raises RuntimeError when eager execution is on."""
     if tf.executing_eagerly():
         raise RuntimeError(
-            f"pertower.{_context.name()} needs graph mode, but eager execution is on. "
+            f"{_context.prefix()} needs graph mode, but eager execution is on. "
             + _GRAPH_MODE_HINT
         )
 
@@ -41,30 +45,20 @@ def require_graph_mode():
 def require_graph_tensor(value, argument):
     """Returns `value` when it is a symbolic `tf.Tensor`; raises otherwise."""
     if isinstance(value, tf.Variable):
-        raise TypeError(
-            f"pertower.{_context.name()}: `{argument}` must be a tensor computed from the "
+        raise _context.error(TypeError,
+            f"`{argument}` must be a tensor computed from the "
             f"batch, but received the variable {value.name!r}."
         )
     if not isinstance(value, tf.Tensor):
-        raise TypeError(
-            f"pertower.{_context.name()}: `{argument}` must be a tf.Tensor, but received "
+        raise _context.error(TypeError,
+            f"`{argument}` must be a tf.Tensor, but received "
             f"{type(value).__name__} ({value!r:.80})."
         )
     if not hasattr(value, "graph") or not hasattr(value, "op"):
-        raise RuntimeError(
-            f"pertower.{_context.name()}: `{argument}` is an eager tensor. " + _GRAPH_MODE_HINT
+        raise _context.error(RuntimeError,
+            f"`{argument}` is an eager tensor. " + _GRAPH_MODE_HINT
         )
     return value
-
-
-def static_batch_size(tensor, axis=0):
-    """The static size of the batch axis `axis` (default 0) as an int, or None (rank
-    unknown, axis out of range or not static).
-
-    Works for the Dimension objects of TF1 behaviour too."""
-    if tensor.shape.rank is None or tensor.shape.rank <= axis:
-        return None
-    return tf.compat.dimension_value(tensor.shape[axis])
 
 
 def as_list(value):
@@ -79,8 +73,8 @@ def unconnected_gradients_value(value):
     try:
         return tf.UnconnectedGradients(value)
     except ValueError:
-        raise ValueError(
-            f"pertower.{_context.name()}: `unconnected_gradients` must be 'zero' or 'none' "
+        raise _context.error(ValueError,
+            f"`unconnected_gradients` must be 'zero' or 'none' "
             f"(or a tf.UnconnectedGradients member), but received {value!r}."
         ) from None
 
@@ -99,7 +93,7 @@ def real_number(value, argument, low=-math.inf, high=math.inf,
         default "a number" and "in (low, high]".
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"pertower.{_context.name()}: `{argument}` must be "
+        raise _context.error(TypeError, f"`{argument}` must be "
                         f"{wanted or 'a number'}, but received {type(value).__name__} "
                         f"({value!r:.80}).")
     value = float(value)
@@ -108,7 +102,7 @@ def real_number(value, argument, low=-math.inf, high=math.inf,
     if math.isnan(value) or too_low or too_high:
         interval = (("(" if low_open else "[") + f"{low:g}, {high:g}" +
                     (")" if high_open else "]"))
-        raise ValueError(f"pertower.{_context.name()}: `{argument}` must be "
+        raise _context.error(ValueError, f"`{argument}` must be "
                          f"{wanted or 'in ' + interval}, but received {value!r}.")
     return value
 
@@ -137,8 +131,8 @@ def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size"):
 def positive_int(value, argument):
     """Returns `value` as an int when it is a positive integer; raises otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"pertower.{_context.name()}: `{argument}` must be a positive integer, but "
+        raise _context.error(ValueError,
+            f"`{argument}` must be a positive integer, but "
             f"received {value!r}.")
     return int(value)
 
@@ -148,23 +142,23 @@ def device_list(devices):
     if devices is None:
         return None
     if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
-        raise TypeError(
-            f"pertower.{_context.name()}: `devices` must be a list of device strings (for "
+        raise _context.error(TypeError,
+            f"`devices` must be a list of device strings (for "
             f"example ['/cpu:0', '/cpu:1']), but received {devices!r:.80}.")
     if not devices:
-        raise ValueError(f"pertower.{_context.name()}: `devices` is empty; pass at least one "
+        raise _context.error(ValueError, f"`devices` is empty; pass at least one "
                          "device string, or None to leave placement to TensorFlow.")
     canonical = []
     for j, device in enumerate(devices):
         if isinstance(device, tf.DeviceSpec):
             device = device.to_string()
         if not isinstance(device, str):
-            raise TypeError(f"pertower.{_context.name()}: `devices[{j}]` must be a device "
+            raise _context.error(TypeError, f"`devices[{j}]` must be a device "
                             f"string, but received {type(device).__name__} ({device!r:.80}).")
         try:
             canonical.append(tf.DeviceSpec.from_string(device).to_string())
         except (ValueError, TypeError) as error:
-            raise ValueError(f"pertower.{_context.name()}: `devices[{j}]` ({device!r}) is not a "
+            raise _context.error(ValueError, f"`devices[{j}]` ({device!r}) is not a "
                              f"device string: {error}") from None
     return tuple(canonical)
 
@@ -179,13 +173,13 @@ def renamed_argument(value, old_value, argument, old_argument):
     if old_value is None:
         return value, argument
     if value is not None:
-        raise TypeError(
-            f"pertower.{_context.name()}: `{old_argument}` is a deprecated name of "
+        raise _context.error(TypeError,
+            f"`{old_argument}` is a deprecated name of "
             f"`{argument}`, and both were given ({old_argument}={old_value!r}, "
             f"{argument}={value!r}). Pass only {argument}=.")
     warnings.warn(
-        f"pertower.{_context.name()}: `{old_argument}` is deprecated; pass "
-        f"{argument}={old_value!r} instead.", DeprecationWarning, stacklevel=3)
+        _context.prefixed(f"`{old_argument}` is deprecated; pass "
+                          f"{argument}={old_value!r} instead."), DeprecationWarning, stacklevel=3)
     return old_value, old_argument
 def _is_keras3_variable(x):
     """Whether `x` is a Keras 3 `keras.Variable` (duck-typed: Keras 3 is not imported).
@@ -249,8 +243,8 @@ def weight_list(xs, argument):
     weights = as_list(xs)
     for k, x in enumerate(weights):
         if isinstance(x, variables.PartitionedVariable):
-            raise TypeError(
-                f"pertower.{_context.name()}: `{argument}[{k}]` is the PartitionedVariable "
+            raise _context.error(TypeError,
+                f"`{argument}[{k}]` is the PartitionedVariable "
                 f"{x.name!r} ({len(list(x))} partitions), which this function does not "
                 f"take whole; pass its partitions instead, e.g. `list(variable)` in "
                 f"`{argument}`.")
@@ -258,8 +252,8 @@ def weight_list(xs, argument):
             continue
         value = x.value
         if not isinstance(value, (tf.Variable, tf.Tensor)) or not hasattr(value, "graph"):
-            raise TypeError(
-                f"pertower.{_context.name()}: `{argument}[{k}]` is a Keras 3 variable "
+            raise _context.error(TypeError,
+                f"`{argument}[{k}]` is a Keras 3 variable "
                 f"({getattr(x, 'path', None) or getattr(x, 'name', '?')}) whose value is "
                 f"{type(value).__name__}, not a graph-mode TensorFlow variable. Build the "
                 "model with the graph-mode Keras: `import tf_keras as keras`, or set "
@@ -303,7 +297,6 @@ def _user_stacklevel():
 def unreached_weights(ys, xs):
     """The names of the entries of `xs` that `ys` does not depend on, or None when the
     arguments cannot be checked (the argument checks then report them)."""
-    from pertower import _graph_walk as graph_walk  # pylint: disable=import-outside-toplevel
     if not isinstance(ys, tf.Tensor) or not isinstance(getattr(ys, "graph", None), tf.Graph):
         return None
     try:
@@ -353,6 +346,7 @@ def warn_unconnected(ys, xs, unconnected_gradients, argument="xs",
     else:
         remedy = remedy or f"Leave them out of `{argument}`."
     warnings.warn(
-        f"pertower.{_context.name()}: `{ys_argument}` does not depend on {len(names)} of the "
-        f"{count} weights in `{argument}` ({listing}), so {outcome}. {remedy}",
+        _context.prefixed(
+            f"`{ys_argument}` does not depend on {len(names)} of the {count} weights in "
+            f"`{argument}` ({listing}), so {outcome}. {remedy}"),
         UnconnectedWeightsWarning, stacklevel=_user_stacklevel())

@@ -17,24 +17,12 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry  # pylint: disable=no-name-in-module
 from tensorflow.python.ops import ref_variable
 
-from pertower import _checks
-from pertower._towers import functions as control_flow
 from pertower import _context
+from pertower import _op_types as op_types
 
-# Ops whose outputs carry a batch on axis 0 when `batch` is not given.
-_BATCH_SOURCE_OP_TYPES = frozenset(
-    {"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
-     "IteratorGetNextSync", "OptionalGetValue"}
-)
-# Ops of TF1 (v1) while loops: their gradients need the Python-side WhileContext that
-# tf.while_loop attached to its ops, which ops added by import_graph_def do not get.
-_V1_LOOP_OP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-                               "RefNextIteration", "LoopCond"})
-# Ops that read a resource variable's value through its handle, by how towers treat them.
-_READ_OP_TYPES = frozenset({"ReadVariableOp"})
-_GATHER_OP_TYPES = {"ResourceGather": "GatherV2", "ResourceGatherNd": "GatherNd"}
-# Ops that pass a resource handle on unchanged.
-_HANDLE_FORWARDING_OP_TYPES = frozenset({"Identity", "IdentityN"})
+__all__ = ["WeightReads", "static_batch_size", "upstream_ops", "downstream_ops",
+           "find_batch_tensors", "weight_reads", "v1_loop_op", "v1_loop_frames",
+           "check_replayable", "draws_random_numbers", "random_ops"]
 
 
 class WeightReads:
@@ -103,8 +91,18 @@ def _value_dtype(x):
     handle_data = getattr(x, "_handle_data", None)
     if handle_data is not None and handle_data.shape_and_type:
         return tf.as_dtype(handle_data.shape_and_type[0].dtype)
-    raise TypeError(f"pertower: the resource tensor {x.name} carries no dtype; pass the "
+    raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; pass the "
                     "variable instead of its handle.")
+
+
+def static_batch_size(tensor, axis=0):
+    """The static size of the batch axis `axis` (default 0) as an int, or None (rank
+    unknown, axis out of range or not static).
+
+    Works for the Dimension objects of TF1 behaviour too."""
+    if tensor.shape.rank is None or tensor.shape.rank <= axis:
+        return None
+    return tf.compat.dimension_value(tensor.shape[axis])
 
 
 def upstream_ops(tensors):
@@ -143,11 +141,10 @@ def find_batch_tensors(ys, ys_upstream):
     Raises ValueError when there are none, or when their static batch sizes
     disagree (then the caller must say which ones carry the batch).
     """
-    prefix = f"pertower.{_context.name()}: " if _context.name() else "pertower: "
     candidates, shapeless, sparse_parts = [], [], {}
-    names = {op.name for op in ys_upstream if op.type in _BATCH_SOURCE_OP_TYPES}
+    names = {op.name for op in ys_upstream if op.type in op_types.BATCH_SOURCE_OP_TYPES}
     for op in ys_upstream:
-        if op.type not in _BATCH_SOURCE_OP_TYPES:
+        if op.type not in op_types.BATCH_SOURCE_OP_TYPES:
             continue
         head, _, tail = op.name.rpartition("/")
         if (op.type.startswith("Placeholder") and tail in ("indices", "values", "shape")
@@ -164,8 +161,8 @@ def find_batch_tensors(ys, ys_upstream):
                 candidates.append(out)
     if sparse_parts:
         head = sorted(sparse_parts)[0]
-        raise ValueError(
-            f"{prefix}`ys` ({ys.name}) depends on the sparse placeholder {head!r} (its "
+        raise _context.error(ValueError,
+            f"`ys` ({ys.name}) depends on the sparse placeholder {head!r} (its "
             f"{head}/indices and {head}/values), whose axis 0 counts the non-zero entries, "
             "not the examples, so the batch cannot be split by example. Feed its ids as a "
             "dense [B, n] placeholder (padded, e.g. with -1) and build the SparseTensor in "
@@ -177,8 +174,8 @@ def find_batch_tensors(ys, ys_upstream):
     shapeless.sort(key=key)
     if shapeless and candidates:
         listing = ", ".join(t.name for t in shapeless)
-        raise ValueError(
-            f"{prefix}`ys` ({ys.name}) depends on the placeholder(s) {listing} of unknown "
+        raise _context.error(ValueError,
+            f"`ys` ({ys.name}) depends on the placeholder(s) {listing} of unknown "
             "shape, besides the batch tensors "
             f"({', '.join(t.name for t in candidates)}); whether they carry the batch "
             "cannot be told. Pass `batch=` the tensor(s) that carry the batch on axis 0, "
@@ -186,16 +183,16 @@ def find_batch_tensors(ys, ys_upstream):
     if shapeless and not candidates:
         candidates = shapeless
     if not candidates:
-        raise ValueError(
-            f"{prefix}`ys` ({ys.name}) depends on no placeholder or tf.data iterator "
+        raise _context.error(ValueError,
+            f"`ys` ({ys.name}) depends on no placeholder or tf.data iterator "
             "output with a batch axis, so the batch could not be found. Pass "
             "`batch=` the tensor(s) that carry the batch on axis 0."
         )
-    sizes = {_checks.static_batch_size(t) for t in candidates} - {None}
+    sizes = {static_batch_size(t) for t in candidates} - {None}
     if len(sizes) > 1:
         listing = ", ".join(f"{t.name} {t.shape}" for t in candidates)
-        raise ValueError(
-            f"{prefix}the batch is ambiguous: `ys` depends on inputs whose first axes "
+        raise _context.error(ValueError,
+            f"the batch is ambiguous: `ys` depends on inputs whose first axes "
             f"differ ({listing}). Pass `batch=` the tensor(s) that carry the batch on "
             "axis 0 (and `batch_axis=` for one whose batch is on another axis)."
         )
@@ -216,7 +213,7 @@ def _handle_consumers(handle, within):
         for op in tensor.consumers():
             if op not in within:
                 continue
-            if op.type in _HANDLE_FORWARDING_OP_TYPES:
+            if op.type in op_types.HANDLE_FORWARDING_OP_TYPES:
                 stack.extend(out for out in op.outputs if out.dtype == tf.resource)
             else:
                 found.extend((op, i) for i, t in enumerate(op.inputs) if t is tensor)
@@ -226,20 +223,20 @@ def _handle_consumers(handle, within):
 def _resource_reads(x, name, handle, ys_upstream):
     read_tensors, gather_ops, call_inputs, loop_inputs = [], [], [], []
     for op, index in _handle_consumers(handle, ys_upstream):
-        if op.type in _READ_OP_TYPES:
+        if op.type in op_types.VARIABLE_READ_OP_TYPES:
             read_tensors.append(op.outputs[0])
-        elif op.type in _GATHER_OP_TYPES:
+        elif op.type in op_types.HANDLE_GATHER_OP_TYPES:
             gather_ops.append(op)
-        elif op.type in control_flow.CALL_OP_TYPES:
+        elif op.type in op_types.CALL_OP_TYPES:
             call_inputs.append((op, index))
-        elif op.type in _V1_LOOP_OP_TYPES:
+        elif op.type in op_types.V1_LOOP_OP_TYPES:
             loop_inputs.append(op)
         else:
-            raise NotImplementedError(
-                f"pertower.{_context.name()}: the weight {name!r} is passed to op "
+            raise _context.error(NotImplementedError,
+                f"the weight {name!r} is passed to op "
                 f"{op.name!r} of type {op.type}, which towers cannot give a weight copy to "
                 "(they rewrite ReadVariableOp, ResourceGather and the function-calling ops "
-                f"{', '.join(sorted(control_flow.CALL_OP_TYPES))}). Leave this weight out "
+                f"{', '.join(sorted(op_types.CALL_OP_TYPES))}). Leave this weight out "
                 "of `xs`, or compute `ys` with a plain read of it."
             )
     read_tensors = sorted(set(read_tensors), key=lambda t: t.op._id)  # pylint: disable=protected-access
@@ -266,8 +263,8 @@ def weight_reads(x, index, ys_upstream, batch):
     if isinstance(x, tf.Variable):
         handle = getattr(x, "handle", None)
         if handle is None or not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
-            raise TypeError(
-                f"pertower.{_context.name()}: `xs[{index}]` is a variable of type "
+            raise _context.error(TypeError,
+                f"`xs[{index}]` is a variable of type "
                 f"{type(x).__name__} without a graph resource handle; pass graph-mode "
                 "resource or reference variables, or tensors."
             )
@@ -277,16 +274,16 @@ def weight_reads(x, index, ys_upstream, batch):
             return _resource_reads(x, x.name, x, ys_upstream)
         x_upstream = upstream_ops([x])
         if any(b.op in x_upstream for b in batch):
-            raise ValueError(
-                f"pertower.{_context.name()}: `xs[{index}]` ({x.name}) depends on the batch, "
+            raise _context.error(ValueError,
+                f"`xs[{index}]` ({x.name}) depends on the batch, "
                 "so it is an activation rather than a weight: each example already has "
                 "its own rows of it, and tf.gradients(ys, activation) gives them. Pass "
                 "weights (variables, or tensors that do not depend on the batch)."
             )
         reached = x.op in ys_upstream and any(c in ys_upstream for c in x.consumers())
         return WeightReads(x, x.name, [x] if reached else [])
-    raise TypeError(
-        f"pertower.{_context.name()}: `xs[{index}]` must be a tf.Variable or a tf.Tensor, "
+    raise _context.error(TypeError,
+        f"`xs[{index}]` must be a tf.Variable or a tf.Tensor, "
         f"but received {type(x).__name__} ({x!r:.80})."
     )
 
@@ -300,7 +297,7 @@ def v1_loop_op(prepared):
     region = downstream_ops(sources, prepared.ys_upstream) | set(starts)
     for op in starts:
         region |= downstream_ops(op.outputs, prepared.ys_upstream)
-    loops = [op for op in region if op.type in _V1_LOOP_OP_TYPES]
+    loops = [op for op in region if op.type in op_types.V1_LOOP_OP_TYPES]
     return min(loops, key=lambda op: op._id) if loops else None  # pylint: disable=protected-access
 
 
@@ -317,7 +314,7 @@ def _outermost_loop(op):
 
 def _frame_names(ops):
     """The frame names of the Enter ops among `ops`."""
-    return {op.get_attr("frame_name") for op in ops if op.type in ("Enter", "RefEnter")}
+    return {op.get_attr("frame_name") for op in ops if op.type in op_types.V1_ENTER_OP_TYPES}
 
 
 def v1_loop_frames(replayed_ops, ys_upstream):
@@ -327,7 +324,7 @@ def v1_loop_frames(replayed_ops, ys_upstream):
     cannot read another frame's tensors. A loop is known by the Python context
     tf.while_loop (or import_meta_graph) attached to its ops, and, for ops without one
     (a graph imported from a GraphDef), by the frame names of its Enter ops."""
-    if not any(op.type in _V1_LOOP_OP_TYPES for op in replayed_ops):
+    if not any(op.type in op_types.V1_LOOP_OP_TYPES for op in replayed_ops):
         return set()
     contexts = {_outermost_loop(op) for op in replayed_ops} - {None}
     names = _frame_names(replayed_ops)
@@ -335,7 +332,7 @@ def v1_loop_frames(replayed_ops, ys_upstream):
     for op in ys_upstream:
         if _outermost_loop(op) in contexts:
             frames.add(op)
-        elif op.type in ("Enter", "RefEnter") and op.get_attr("frame_name") in names:
+        elif op.type in op_types.V1_ENTER_OP_TYPES and op.get_attr("frame_name") in names:
             frames.add(op)
     return frames
 
@@ -346,14 +343,14 @@ def check_replayable(replayed_ops, forward_only=False):
     if forward_only:
         return
     for op in sorted(replayed_ops, key=lambda o: o._id):  # pylint: disable=protected-access
-        if op.type in _V1_LOOP_OP_TYPES:
+        if op.type in op_types.V1_LOOP_OP_TYPES:
             raise _v1_loop_error(op)
 
 
 def _v1_loop_error(op):
     """The refusal of towers with weight copies through a TF1 (v1) while loop."""
-    return NotImplementedError(
-        f"pertower.{_context.name()}: `ys` depends on the TF1 (v1) while loop around op "
+    return _context.error(NotImplementedError,
+        f"`ys` depends on the TF1 (v1) while loop around op "
         f"{op.name!r} ({op.type}), between the batch and `ys`. Towers with weight copies "
         "cannot replay v1 while loops: their gradients need the Python-side loop context "
         "that tf.while_loop attached to the original ops, which a replayed copy does not "

@@ -7,10 +7,15 @@ and the coupling checks of every method (`Analysis.couplings`, `find_couplings`,
 
     lattice           the values (Rows, INDEPENDENT, SIZE, UNKNOWN), Coupling
     static            static values and shapes of small integer tensors
-    transfer_layout   elementwise ops, reshapes, slices, gathers, ... (one table)
+    transfer_layout   elementwise ops, reshapes, axes, values shaped by the batch
+    transfer_index    slices and gathers: entries picked by position or index
     transfer_compute  reductions, products, convolutions, normalizations, losses
     functions         If/While/calls, TensorLists, v1 Switch/Merge
+    bounds            reductions over the batch that only size shapes or bound loops
+    joined            several batches joined along the batch axis
     analysis          the driver, the verdict, size data edges
+
+The op types it tells apart are named in `pertower._op_types`.
 """
 
 from pertower._batch_axis.analysis import Analysis
@@ -27,7 +32,8 @@ from pertower._batch_axis.lattice import complete
 from pertower._batch_axis.static import parse_einsum
 from pertower._batch_axis.static import refined_reshape_shape
 from pertower._batch_axis.static import static_value
-from pertower._batch_axis.transfer_layout import ELEMENTWISE_OP_TYPES
+# (read by the memory guard; named in `pertower._op_types`)
+from pertower._op_types import ELEMENTWISE_OP_TYPES
 
 __all__ = ["Analysis", "analyze", "check_examples_independent", "find_couplings",
            "INDEPENDENT", "META", "SIZE", "UNKNOWN", "Coupling", "Rows", "complete",

@@ -7,7 +7,8 @@ Notation (as in every core module):
 Per-example gradients are defined when row i of `ys` depends on example i alone.
 `analyze` walks S once in graph order and gives every tensor a lattice value
 (`lattice`: INDEPENDENT, SIZE, Rows(lead, k, E), UNKNOWN) from its inputs' values and
-one table of transfer functions (`transfer_layout`, `transfer_compute`, `functions`).
+one table of transfer functions (`transfer_layout`, `transfer_index`, `transfer_compute`,
+`functions`).
 Along the way it finds
 
 * couplings: ops that reduce, contract, sort, shift or pick along the batch axis
@@ -32,43 +33,25 @@ import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph
 
 from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
 from pertower._batch_axis import functions
+from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
 from pertower._batch_axis import static
 from pertower._batch_axis import transfer_compute
+from pertower._batch_axis import transfer_index
 from pertower._batch_axis import transfer_layout
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
 __all__ = ["Analysis", "analyze", "find_couplings", "check_examples_independent"]
 
-# Outputs that describe a tensor's shape rather than its values.
-_SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs",
-                             "TensorListLength", "TensorListElementShape"})
-# Ops that make values shaped by a SIZE shape argument (their own transfer functions).
-_SHAPED_BY_SIZE = frozenset({"Fill"}) | transfer_layout.RANDOM_OP_TYPES
-
 TRANSFERS = dict(transfer_layout.TRANSFERS)
+TRANSFERS.update(transfer_index.TRANSFERS)
 TRANSFERS.update(transfer_compute.TRANSFERS)
 TRANSFERS.update(functions.TRANSFERS)
+# Ops whose transfer functions read UNKNOWN inputs themselves.
 _READS_UNKNOWN = (transfer_compute.READS_UNKNOWN | functions.CONTROL_FLOW_OP_TYPES
                   | {"Reshape", "IdentityN"})
-
-# Integer and boolean ops through which a reduction's result may flow and still only
-# size shapes or bound loops (`_Scan.only_bounds`).
-_BOUND_ARITHMETIC = frozenset({
-    "Identity", "Cast", "Add", "AddV2", "Sub", "Mul", "Maximum", "Minimum", "FloorDiv",
-    "FloorMod", "Pack", "ConcatV2", "Range", "ExpandDims", "Reshape", "Squeeze",
-    "StridedSlice", "Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual",
-    "LogicalAnd", "LogicalOr", "LogicalNot"})
-_WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
-_NEXT_ITERATION_TYPES = frozenset({"NextIteration", "RefNextIteration"})
-# Ops that hand a TensorArray flow on (v1 loop and cond plumbing).
-_FLOW_PASSING_TYPES = functions.V1_LOOP_OP_TYPES | {"Switch", "RefSwitch", "Merge",
-                                                    "RefMerge", "Identity"}
-# v1 loop and cond ops through which a reduction's integer result may flow and still
-# only bound a loop (`_Scan.only_bounds`); Switch only through its data input.
-_V1_BOUND_PLUMBING = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-                                "RefNextIteration", "Merge", "RefMerge"})
 # Passes over a region with TF1 loops before their values must have settled.
 _MAX_LOOP_PASSES = 6
 _MAX_DEPTH = 8
@@ -81,14 +64,10 @@ class _Scan:
     def __init__(self, seeds, region, targets=(), registry=None, static_batch_size=None,
                  depth=0, function_cache=None, seed_parts=False):
         self.values = lattice.TensorMap()
-        # tensor -> its parts: a tuple of frozensets of batch indices, the batch
-        # tensors whose examples its rows hold, in row order (see `parts_of`)
-        self.parts = lattice.TensorMap()
-        self.joined = {}          # concat op -> the parts of its output
-        for j, (tensor, value) in enumerate(seeds):
+        for tensor, value in seeds:
             self.values[tensor] = value
-            if seed_parts:
-                self.parts[tensor] = (frozenset([j]),)
+        # whose examples each tensor's rows hold, when `ys` joins several batches
+        self.batches = joined.JoinedBatches([t for t, _ in seeds] if seed_parts else ())
         self.seeds = lattice.TensorMap()
         for tensor, _ in seeds:
             self.seeds[tensor] = True
@@ -116,8 +95,8 @@ class _Scan:
         of the last, until the loop variables' values settle; what a pass found
         (couplings, losses) is kept from the last pass only."""
         order = _topological(self.region)
-        merges = [op for op in order if op.type in ("Merge", "RefMerge") and any(
-            t.op.type in _NEXT_ITERATION_TYPES for t in op.inputs)]
+        merges = [op for op in order if op.type in op_types.V1_MERGE_OP_TYPES and any(
+            t.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES for t in op.inputs)]
         for _ in range(_MAX_LOOP_PASSES):
             before = [self.value_of(op.outputs[0]) for op in merges]
             self.couplings, self.losses, self.doubts, self.size_data_edges = [], [], [], []
@@ -147,7 +126,7 @@ class _Scan:
 
     def _transfer(self, op, ins):
         n = len(op.outputs)
-        if op.type in _SHAPE_OP_TYPES:
+        if op.type in op_types.SHAPE_OP_TYPES:
             if op.type == "ShapeN":
                 return [UNKNOWN if v is UNKNOWN else SIZE for v in ins]
             return [UNKNOWN if ins[0] is UNKNOWN else SIZE] * n
@@ -156,7 +135,7 @@ class _Scan:
                 v is UNKNOWN for j, v in enumerate(ins) if j not in slots):
             return [UNKNOWN] * n   # the axis was lost upstream: no new loss here
         if (not any(lattice.depends_on_values(v) for v in ins)
-                and op.type not in _SHAPED_BY_SIZE and op.type not in functions.TRANSFERS):
+                and op.type not in op_types.SHAPED_BY_SIZE_OP_TYPES and op.type not in functions.TRANSFERS):
             return [SIZE] * n
         transfer = TRANSFERS.get(op.type)
         if transfer is None:
@@ -177,7 +156,7 @@ class _Scan:
     def _store(self, op, ins, outs):
         ks = {v.k for v in ins if isinstance(v, Rows)}
         common_k = ks.pop() if len(ks) == 1 else None
-        parts = self._output_parts(op, ins)
+        parts = self.batches.output_parts(op, ins)
         if parts is None:
             self.lose(op, "it combines the rows of several batches joined along the batch "
                           "axis with rows in another order")
@@ -185,10 +164,7 @@ class _Scan:
         for tensor, value in zip(op.outputs, outs):
             if tensor in self.seeds:
                 continue
-            if parts:
-                self.parts[tensor] = (parts if isinstance(value, (Rows, int)) and
-                                      not isinstance(value, bool)
-                                      else (frozenset().union(*parts),))
+            self.batches.record(tensor, parts, value)
             if isinstance(value, int) and not isinstance(value, bool):
                 value = Rows(value, common_k, None)
             if isinstance(value, Rows) and self._is_flow(op, tensor):
@@ -207,59 +183,16 @@ class _Scan:
             if value is not INDEPENDENT:
                 self.values[tensor] = value
 
-    # -- several batches joined along the batch axis -----------------------------------
+    # -- what the outputs are --------------------------------------------------------
 
-    def parts_of(self, tensor):
-        """The parts of `tensor`: () when no batch tensor reaches it; (S,) with S the
-        batch indices it is computed from when its rows are the examples of one batch
-        (the batch tensors in S are fed the same examples, like features and labels);
-        (S_1, S_2, ...) when its rows are the examples of S_1, then those of S_2, ...
-        (`ys = tf.concat([f(s1), f(s2)], 0)`: ({0}, {1}))."""
-        return self.parts.get(tensor, ())
-
-    def join_along_batch(self, op, tensors, values):
-        """For a concat of `tensors` along their common batch axis: the Rows of the
-        output when each input holds whole examples of batches none of the other
-        inputs reads (f(s1) and f(s2)); records the output's parts. None otherwise."""
-        if not all(isinstance(v, Rows) for v in values):
-            return None
-        if len({v.lead for v in values}) != 1 or len({v.k for v in values}) != 1:
-            return None
-        parts, seen = [], frozenset()
-        for tensor in tensors:
-            own = self.parts_of(tensor)
-            sources = frozenset().union(*own)
-            if not own or sources & seen:
-                return None
-            seen |= sources
-            parts.extend(own)
-        self.joined[op] = tuple(parts)
-        return Rows(values[0].lead, values[0].k, None)
-
-    def _output_parts(self, op, ins):
-        """The parts of the outputs of `op` (see `parts_of`); None when it mixes rows
-        of several joined batches with rows in another order."""
-        if op in self.joined:
-            return self.joined[op]
-        joined, flat = set(), frozenset()
-        for tensor, value in zip(op.inputs, ins):
-            own = self.parts_of(tensor)
-            flat = flat.union(*own)
-            if isinstance(value, Rows):
-                joined.add(own if len(own) > 1 else None)
-        if any(p is not None for p in joined):
-            if len(joined) > 1:
-                return None
-            return joined.pop()
-        return (flat,) if flat else ()
     def _is_flow(self, op, tensor):
         """Whether `tensor` is a v1 TensorArray's flow (a scalar standing for the
         array's elements): written by a TensorArray op, or passed on by loop ops."""
         if tensor.shape.rank != 0:
             return False
-        if op.type in functions.TENSOR_ARRAY_FLOW_OP_TYPES:
+        if op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES:
             return True
-        if op.type in _FLOW_PASSING_TYPES:
+        if op.type in op_types.FLOW_PASSING_OP_TYPES:
             return any(t in self.flows for t in op.inputs)
         return False
 
@@ -280,7 +213,7 @@ class _Scan:
     # -- SIZE values that enter value computations ------------------------------------
 
     def _record_size_edges(self, op, ins, outs):
-        if op.type in _SHAPE_OP_TYPES or op.type in functions.TRANSFERS:
+        if op.type in op_types.SHAPE_OP_TYPES or op.type in functions.TRANSFERS:
             return
         slots = transfer_layout.shape_slots(op)
         into_values = any(v is not SIZE for v in outs) or any(
@@ -294,76 +227,10 @@ class _Scan:
             if into_values:
                 self.size_data_edges.append((op, j))
 
-    # -- reductions whose result only sizes shapes ------------------------------------
-
-    def only_bounds(self, op):
-        """Where the outputs of `op` go: "bounds" when they only reach shape or axis
-        operands and loop bounds (through integer arithmetic), "unclear" when they
-        reach a function or loop whose use of them is not followed, "data" otherwise."""
-        verdict = "bounds"
-        stack, seen = list(op.outputs), set()
-        while stack:
-            tensor = stack.pop()
-            if any(tensor is t for t in self.targets) or not any(
-                    c in self.region for c in tensor.consumers()):
-                return "data"   # a result (`ys`, a body's output, the end of the ops)
-            for consumer in tensor.consumers():
-                if consumer not in self.region:
-                    continue
-                for j, t in enumerate(consumer.inputs):
-                    if t is not tensor or j in transfer_layout.shape_slots(consumer):
-                        continue
-                    if consumer.type == "LoopCond":
-                        continue   # it bounds a TF1 loop: the value goes no further
-                    integral = all(o.dtype.is_integer or o.dtype == tf.bool
-                                   for o in consumer.outputs)
-                    if integral and (consumer.type in _V1_BOUND_PLUMBING or (
-                            consumer.type in ("Switch", "RefSwitch") and j == 0)):
-                        for out in consumer.outputs:   # (an unused Exit, Merge index or
-                            # Switch branch ends there)
-                            if out.ref() not in seen and any(
-                                    c in self.region for c in out.consumers()):
-                                seen.add(out.ref())
-                                stack.append(out)
-                        continue
-                    if consumer.type in _WHILE_OP_TYPES:
-                        if not self._passes_through(consumer, j):
-                            verdict = "unclear"
-                        continue
-                    if consumer.type in functions.TRANSFERS:
-                        verdict = "unclear"
-                        continue
-                    if consumer.type in _BOUND_ARITHMETIC and all(
-                            o.dtype.is_integer or o.dtype == tf.bool for o in consumer.outputs):
-                        for out in consumer.outputs:
-                            if out.ref() not in seen:
-                                seen.add(out.ref())
-                                stack.append(out)
-                        continue
-                    return "data"
-        return verdict
-
-    def _passes_through(self, op, j):
-        """Whether loop variable j of a While is handed unchanged from iteration to
-        iteration (the body only copies it; the condition may compare with it)."""
-        body = self._function_graph(op, "body")
-        if body is None or j >= len(body.inputs):
-            return False
-        target = body.outputs[j]
-        stack = [body.inputs[j]]
-        while stack:
-            tensor = stack.pop()
-            if tensor is target:
-                continue
-            for consumer in tensor.consumers():
-                if consumer.type != "Identity":
-                    return False
-                stack.append(consumer.outputs[0])
-        return True
-
     # -- function bodies ---------------------------------------------------------------
 
-    def _function_graph(self, op, attr):
+    def function_graph(self, op, attr):
+        """The graph of the function `attr` of `op` (read once per scan tree), or None."""
         try:
             name = op.get_attr(attr).name
         except (ValueError, AttributeError):
@@ -384,7 +251,7 @@ class _Scan:
         at `op`."""
         if self.depth >= _MAX_DEPTH:
             raise lattice.Lost("its functions are nested too deeply")
-        body = self._function_graph(op, attr)
+        body = self.function_graph(op, attr)
         if body is None:
             raise lattice.Lost(f"its function {attr!r} could not be read")
         if len(body.inputs) != len(ins):
@@ -461,7 +328,7 @@ class Analysis:
         self.lost_at = None
         self.segments = None
         ys_rows = None if ys is None else self.rows(ys)
-        parts = () if ys is None else scan.parts_of(ys)
+        parts = () if ys is None else scan.batches.parts_of(ys)
         covers_batch = frozenset().union(*parts) == frozenset(range(num_batch))
         if self.couplings:
             self.verdict = "coupled"

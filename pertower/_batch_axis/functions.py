@@ -17,11 +17,11 @@ time steps of tf.compat.v1.nn.dynamic_rnn) is followed through its *flow* tensor
 which holds the value of its elements, as a TensorList's variant does.
 """
 
+from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
-__all__ = ["TRANSFERS", "CONTROL_FLOW_OP_TYPES", "V1_LOOP_OP_TYPES",
-           "TENSOR_ARRAY_FLOW_OP_TYPES"]
+__all__ = ["TRANSFERS", "CONTROL_FLOW_OP_TYPES"]
 
 
 def cond(scan, op, ins):
@@ -110,15 +110,9 @@ def merge(scan, op, ins):
     the value entering the loop joined with the one NextIteration hands back."""
     value = INDEPENDENT
     for t, v in zip(op.inputs, ins):
-        value = (_loop_join(value, v) if t.op.type in _NEXT_ITERATION
+        value = (_loop_join(value, v) if t.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES
                  else lattice.join(value, v))
     return [value, INDEPENDENT]
-
-
-_NEXT_ITERATION = frozenset({"NextIteration", "RefNextIteration"})
-# v1 loop ops that pass their (first) input on unchanged.
-V1_LOOP_OP_TYPES = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-                              "RefNextIteration", "LoopCond"})
 
 
 def v1_loop_pass(scan, op, ins):
@@ -178,21 +172,20 @@ def tensor_array_size(scan, op, ins):
     return [SIZE]
 
 
-# The outputs of these ops are TensorArray flows: scalars holding their elements' value.
-TENSOR_ARRAY_FLOW_OP_TYPES = frozenset({"TensorArrayScatterV3", "TensorArrayWriteV3"})
-
-
 TRANSFERS = {
-    "If": cond, "StatelessIf": cond, "PartitionedCall": call,
-    "StatefulPartitionedCall": call, "While": while_loop, "StatelessWhile": while_loop,
     "TensorListFromTensor": list_from_tensor, "TensorListGetItem": list_get_item,
     "TensorListSetItem": list_set_item, "TensorListStack": list_stack,
-    "Switch": switch, "RefSwitch": switch, "Merge": merge, "RefMerge": merge,
     "TensorArrayScatterV3": tensor_array_scatter, "TensorArrayReadV3": tensor_array_read,
     "TensorArrayWriteV3": tensor_array_write, "TensorArrayGatherV3": tensor_array_gather,
     "TensorArraySizeV3": tensor_array_size,
 }
-TRANSFERS.update({t: v1_loop_pass for t in V1_LOOP_OP_TYPES})
+for _types, _transfer in ((op_types.IF_OP_TYPES, cond),
+                          (op_types.FUNCTION_CALL_OP_TYPES, call),
+                          (op_types.WHILE_OP_TYPES, while_loop),
+                          (op_types.V1_SWITCH_OP_TYPES, switch),
+                          (op_types.V1_MERGE_OP_TYPES, merge),
+                          (op_types.V1_LOOP_OP_TYPES, v1_loop_pass)):
+    TRANSFERS.update(dict.fromkeys(_types, _transfer))
 # Ops whose transfer functions read UNKNOWN inputs themselves.
 CONTROL_FLOW_OP_TYPES = frozenset(TRANSFERS) - {"TensorListFromTensor", "TensorListStack",
                                                "TensorArrayScatterV3",

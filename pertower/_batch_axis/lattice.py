@@ -135,8 +135,8 @@ class Coupling:
     advice: str
 
     def message(self):
-        return (
-            f"pertower.{_context.name()}: the op {self.op.name!r} ({self.op.type}) between "
+        return _context.prefixed(
+            f"the op {self.op.name!r} ({self.op.type}) between "
             f"the batch and `ys` couples the examples of the batch: it {self.reason}. So "
             "each example's value depends on the other examples, its per-example "
             "gradient is not defined, and computing each example on its own (as the "

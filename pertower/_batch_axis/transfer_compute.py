@@ -10,32 +10,22 @@ import collections
 
 import numpy as np
 
+from pertower import _op_types as op_types
+from pertower._batch_axis import bounds
 from pertower._batch_axis import lattice
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import SIZE, UNKNOWN, Rows
 from pertower._batch_axis.transfer_layout import (batch_axis_words, normalize,
-                                                  only_data_input)
+                                                  only_data_input, require_rank)
 
-__all__ = ["TRANSFERS", "REDUCTION_OP_TYPES"]
+__all__ = ["TRANSFERS", "READS_UNKNOWN"]
 
-REDUCTION_OP_TYPES = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any",
-                                "EuclideanNorm"})
 _CONVOLUTION_OP_TYPES = {  # op type -> index of the data input
     "Conv2D": 0, "Conv3D": 0, "DepthwiseConv2dNative": 0, "Conv2DBackpropInput": 2,
     "Conv3DBackpropInputV2": 2, "Dilation2D": 0, "ExtractImagePatches": 0,
     "ResizeBilinear": 0, "ResizeNearestNeighbor": 0, "ResizeBicubic": 0, "ResizeArea": 0,
     "ScaleAndTranslate": 0, "DepthToSpace": 0, "SpaceToDepth": 0, "Conv": 0, "Conv1D": 0,
 }
-_POOL_OP_TYPES = frozenset({"MaxPool", "AvgPool", "MaxPoolV2", "MaxPool3D", "AvgPool3D",
-                            "MaxPoolWithArgmax", "LRN"})
-_BATCH_NORM_OP_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
-
-
-def _rank(tensor):
-    rank = tensor.shape.rank
-    if rank is None:
-        raise lattice.Lost(f"the rank of {lattice.describe(tensor)} is not static")
-    return rank
 
 
 def _decode(value):
@@ -46,7 +36,7 @@ def _decode(value):
 
 def reduction(scan, op, ins):
     """A reduction over the batch axis couples the examples, unless its result only
-    sizes shapes or bounds loops (`scan.only_bounds`). Over *every* axis of a tensor
+    sizes shapes or bounds loops (`bounds.only_bounds`). Over *every* axis of a tensor
     whose batch axis was lost it reduces the batch axis wherever it is."""
     if lattice.depends_on_values(ins[1]):
         raise lattice.Lost("its axes depend on the batch's values")
@@ -72,7 +62,7 @@ def _reduced_batch(scan, op, reason):
     """The result of a reduction over the batch axis: SIZE when it only sizes shapes or
     bounds loops (tf.compat.v1.nn.dynamic_rnn's max(sequence_length)), a coupling
     when it enters values."""
-    uses = scan.only_bounds(op)
+    uses = bounds.only_bounds(scan, op)
     if uses == "bounds":
         return [SIZE]
     if uses == "unclear":
@@ -94,7 +84,7 @@ def _data_and_axis(op, ins):
     along = static.static_value(op.inputs[1])
     if along is None:
         raise lattice.Lost("its axis is not static")
-    return value, normalize(along, _rank(op.inputs[0]))
+    return value, normalize(along, require_rank(op.inputs[0]))
 
 
 def arg_reduction(scan, op, ins):
@@ -107,7 +97,7 @@ def arg_reduction(scan, op, ins):
 
 def last_axis(scan, op, ins):
     value = only_data_input(op, ins, 0)
-    rank = _rank(op.inputs[0])
+    rank = require_rank(op.inputs[0])
     if value.lead == rank - 1:
         what = "normalizes" if "Softmax" in op.type else "sorts or ranks"
         raise lattice.Coupled(
@@ -128,7 +118,7 @@ def cumulative(scan, op, ins):
 
 def _along_axes(op, ins, axes_index, what):
     value = only_data_input(op, ins, 0)
-    rank = _rank(op.inputs[0])
+    rank = require_rank(op.inputs[0])
     along = static.static_value(op.inputs[axes_index])
     if along is None:
         raise lattice.Lost("its axes are not static")
@@ -214,7 +204,7 @@ def matmul(scan, op, ins):
 
 
 def batch_matmul(scan, op, ins):
-    out_rank = _rank(op.outputs[0])
+    out_rank = require_rank(op.outputs[0])
     adjoint = {0: op.get_attr("adj_x"), 1: op.get_attr("adj_y")}
     out = set()
     for i in (0, 1):
@@ -222,7 +212,7 @@ def batch_matmul(scan, op, ins):
         if not isinstance(value, Rows):
             continue
         tensor = op.inputs[i]
-        rank = _rank(tensor)
+        rank = require_rank(tensor)
         a = value.lead
         if a < rank - 2:
             out.add(a + out_rank - rank)
@@ -237,7 +227,7 @@ def batch_matmul(scan, op, ins):
 
 def einsum(scan, op, ins):
     equation = _decode(op.get_attr("equation")).replace(" ", "")
-    ranks = [_rank(t) for t in op.inputs]
+    ranks = [require_rank(t) for t in op.inputs]
     lhs, _, rhs = equation.partition("->")
     subscripts = lhs.split(",")
     if len(subscripts) != len(op.inputs):
@@ -331,19 +321,19 @@ def fused_batch_norm(scan, op, ins):
     return [value] + rest
 
 
-TRANSFERS = {op_type: reduction for op_type in REDUCTION_OP_TYPES}
+TRANSFERS = {op_type: reduction for op_type in op_types.REDUCTION_OP_TYPES}
 TRANSFERS.update({op_type: convolution for op_type in _CONVOLUTION_OP_TYPES})
-TRANSFERS.update({op_type: pool for op_type in _POOL_OP_TYPES})
-TRANSFERS.update({op_type: fused_batch_norm for op_type in _BATCH_NORM_OP_TYPES})
+TRANSFERS.update({op_type: pool for op_type in op_types.POOL_OP_TYPES})
+TRANSFERS.update({op_type: fused_batch_norm for op_type in op_types.BATCH_NORM_OP_TYPES})
+TRANSFERS.update({op_type: batch_matmul for op_type in op_types.BATCH_MATMUL_OP_TYPES})
 TRANSFERS.update({
     "ArgMax": arg_reduction, "ArgMin": arg_reduction, "Softmax": last_axis,
     "LogSoftmax": last_axis, "TopKV2": last_axis, "NthElement": last_axis,
     "Cumsum": cumulative, "Cumprod": cumulative, "CumulativeLogsumexp": cumulative,
     "ReverseV2": reverse, "Roll": roll, "RandomShuffle": random_shuffle,
-    "MatMul": matmul, "BatchMatMul": batch_matmul, "BatchMatMulV2": batch_matmul,
-    "BatchMatMulV3": batch_matmul, "Einsum": einsum,
+    "MatMul": matmul, "Einsum": einsum,
     "SoftmaxCrossEntropyWithLogits": cross_entropy,
     "SparseSoftmaxCrossEntropyWithLogits": cross_entropy, "L2Loss": l2_loss,
 })
 # Ops whose transfer functions read UNKNOWN inputs themselves.
-READS_UNKNOWN = REDUCTION_OP_TYPES
+READS_UNKNOWN = op_types.REDUCTION_OP_TYPES

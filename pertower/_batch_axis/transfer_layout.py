@@ -1,5 +1,7 @@
 """Transfer functions of ops that move, copy or combine entries without mixing them:
-elementwise ops with broadcasting, reshapes, transposes, concatenation, slices, gathers.
+elementwise ops with broadcasting, reshapes, transposes, concatenation, stacking, tiling
+and padding, and values shaped by the batch (fills, random draws); the ops that pick
+entries by position or index (slices, gathers) are in `transfer_index`.
 
 Notation: B examples; a tensor's value in the lattice (`lattice`) is INDEPENDENT, SIZE,
 Rows(lead, k, E) or UNKNOWN; `lead` is its batch axis, k its entries per example.
@@ -14,26 +16,14 @@ the batch axis (with why).
 import numpy as np
 import tensorflow as tf
 
+from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
-__all__ = ["ELEMENTWISE_OP_TYPES", "TRANSFERS", "SHAPE_SLOTS"]
+__all__ = ["TRANSFERS", "SHAPE_SLOTS", "shape_slots", "normalize", "batch_axis_words",
+           "only_data_input", "require_rank", "outputs_all"]
 
-ELEMENTWISE_OP_TYPES = frozenset("""
-Abs Acos Acosh Add AddN AddV2 Angle ApproximateEqual Asin Asinh Atan Atan2 Atanh
-BesselI0e BesselI1e Betainc BiasAdd BroadcastTo Cast Ceil CheckNumerics ClipByValue
-ComplexAbs Conj Cos Cosh DebugIdentity DebugIdentityV2 Digamma Div DivNoNan Elu EluGrad
-EnsureShape Equal Erf Erfc Erfinv Exp Expm1 Floor FloorDiv FloorMod Greater
-GreaterEqual Identity Igamma Igammac Imag Inv Invert IsFinite IsInf IsNan LeakyRelu
-LeakyReluGrad Less LessEqual Lgamma Log Log1p LogicalAnd LogicalNot LogicalOr Maximum
-Minimum Mod Mul MulNoNan Ndtri Neg NotEqual PlaceholderWithDefault Polygamma Pow
-PreventGradient Real RealDiv Reciprocal ReciprocalGrad Relu Relu6 Relu6Grad ReluGrad
-Rint Round Rsqrt RsqrtGrad SelectV2 Selu SeluGrad Sigmoid SigmoidGrad Sign Sin
-Sinh Snapshot Softplus SoftplusGrad Softsign SoftsignGrad Sqrt SqrtGrad Square
-SquaredDifference StopGradient Sub Tan Tanh TanhGrad TruncateDiv TruncateMod Xdivy
-Xlog1py Xlogy Zeta
-""".split())
 
 # Inputs that are shapes, axes, bounds or sizes rather than values, per op type: a
 # SIZE value there stays SIZE (the replayed op sees its slice's size, as it should).
@@ -43,8 +33,7 @@ SHAPE_SLOTS = {
     "ConcatV2": {-1}, "Concat": {0}, "Split": {0}, "SplitV": {1, 2},
     "Pad": {1}, "PadV2": {1}, "MirrorPad": {1}, "Slice": {1, 2},
     "StridedSlice": {1, 2, 3}, "GatherV2": {2}, "OneHot": {1}, "Range": {0, 1, 2},
-    "Sum": {1}, "Mean": {1}, "Max": {1}, "Min": {1}, "Prod": {1}, "All": {1},
-    "Any": {1}, "EuclideanNorm": {1}, "ArgMax": {1}, "ArgMin": {1}, "Cumsum": {1},
+    "ArgMax": {1}, "ArgMin": {1}, "Cumsum": {1},
     "Cumprod": {1}, "CumulativeLogsumexp": {1}, "ReverseV2": {1}, "Roll": {1, 2},
     "TopKV2": {1}, "NthElement": {1}, "ResizeBilinear": {1},
     "ResizeNearestNeighbor": {1}, "ResizeBicubic": {1}, "ResizeArea": {1},
@@ -52,14 +41,8 @@ SHAPE_SLOTS = {
     "TensorListGetItem": {1, 2}, "TensorListSetItem": {1}, "TensorListElementShape": {0},
     "Zeros": {0}, "Ones": {0}, "MaxPoolV2": {1, 2}, "Empty": {0},
 }
-RANDOM_OP_TYPES = frozenset({
-    "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",
-    "StatelessRandomUniform", "StatelessRandomUniformV2", "StatelessRandomNormal",
-    "StatelessRandomNormalV2", "StatelessTruncatedNormal", "StatelessTruncatedNormalV2",
-    "StatelessRandomUniformInt", "StatelessRandomUniformIntV2"})
-for _t in RANDOM_OP_TYPES:
-    SHAPE_SLOTS[_t] = {0}
-_INT32_MAX = 2 ** 31 - 1
+SHAPE_SLOTS.update({t: {0} for t in op_types.RANDOM_OP_TYPES})
+SHAPE_SLOTS.update({t: {1} for t in op_types.REDUCTION_OP_TYPES})
 
 
 def shape_slots(op):
@@ -92,15 +75,13 @@ def _rank(tensor):
     return tensor.shape.rank
 
 
-def _bit(mask, i):
-    return bool(mask & (1 << i))
-
-
-def _all(op, value):
+def outputs_all(op, value):
+    """`value` for every output of `op`."""
     return [value] * len(op.outputs)
 
 
-def _require_rank(tensor):
+def require_rank(tensor):
+    """The static rank of `tensor`; raises Lost when it is not static."""
     rank = tensor.shape.rank
     if rank is None:
         raise lattice.Lost(f"the rank of {lattice.describe(tensor)} is not static")
@@ -114,7 +95,7 @@ def elementwise(scan, op, ins):
     its batch axis on the same output axis; two different axes pair every example with
     every other."""
     out = op.outputs[0]
-    out_rank = _require_rank(out)
+    out_rank = require_rank(out)
     if op.type == "BroadcastTo":   # input 1 is the target shape
         if lattice.depends_on_values(ins[1]):
             raise lattice.Lost("its target shape depends on the batch's values")
@@ -124,10 +105,10 @@ def elementwise(scan, op, ins):
         if not isinstance(value, Rows):
             continue
         tensor = op.inputs[j]
-        rank = _require_rank(tensor)
+        rank = require_rank(tensor)
         placed.setdefault(value.lead + out_rank - rank, (tensor, value))
     if not placed:
-        return _all(op, SIZE)
+        return outputs_all(op, SIZE)
     if len(placed) > 1:
         (p, (first, _)), (q, (second, _)) = sorted(placed.items(), key=lambda i: i[0])[:2]
         raise lattice.Coupled(
@@ -142,9 +123,9 @@ def elementwise(scan, op, ins):
             raise lattice.Lost("it stretches the batch axis")
     rows = [(op.inputs[j], v) for j, v in enumerate(ins) if isinstance(v, Rows)]
     if all(t.shape == out.shape and v == rows[0][1] for t, v in rows):
-        return _all(op, rows[0][1])   # pointwise on equal shapes: the layout is unchanged
+        return outputs_all(op, rows[0][1])   # pointwise on equal shapes: the layout is unchanged
     ks = {v.k for _, v in rows}
-    return _all(op, Rows(index, ks.pop() if len(ks) == 1 else None, None))
+    return outputs_all(op, Rows(index, ks.pop() if len(ks) == 1 else None, None))
 
 
 def select_v1(scan, op, ins):
@@ -176,7 +157,7 @@ def reshape(scan, op, ins):
     if not isinstance(value, Rows):
         return [SIZE]
     x, out = op.inputs[0], op.outputs[0]
-    rank = _require_rank(x)
+    rank = require_rank(x)
     a = value.lead
     in_shape = x.shape.as_list()
     after = in_shape[a + 1:]
@@ -242,7 +223,7 @@ def transpose(scan, op, ins):
 
 def expand_dims(scan, op, ins):
     value = only_data_input(op, ins, 0)
-    dim, rank = static.static_value(op.inputs[1]), _require_rank(op.inputs[0])
+    dim, rank = static.static_value(op.inputs[1]), require_rank(op.inputs[0])
     if dim is None:
         raise lattice.Lost("its axis is not static")
     dim = normalize(np.reshape(dim, [-1])[0], rank + 1)
@@ -251,7 +232,7 @@ def expand_dims(scan, op, ins):
 
 def squeeze(scan, op, ins):
     value = only_data_input(op, ins, 0)
-    rank = _require_rank(op.inputs[0])
+    rank = require_rank(op.inputs[0])
     dims = [normalize(d, rank) for d in op.get_attr("squeeze_dims")]
     if not dims:
         shape = op.inputs[0].shape.as_list()
@@ -281,11 +262,11 @@ def concat(scan, op, ins):
                 raise lattice.Lost("it joins values shaped by the batch size")
             leads.add(None)   # a batch-independent part
             continue
-        rank = _require_rank(op.inputs[j])
+        rank = require_rank(op.inputs[j])
         if normalize(along, rank) == value.lead:
             # several batches joined along the batch axis: the rows of s1, then of s2
-            joined = scan.join_along_batch(op, [op.inputs[i] for i in data],
-                                           [ins[i] for i in data])
+            joined = scan.batches.join_along_batch(op, [op.inputs[i] for i in data],
+                                                   [ins[i] for i in data])
             if joined is None:
                 raise lattice.Lost("it joins tensors along the batch axis")
             return [joined]
@@ -300,7 +281,7 @@ def concat(scan, op, ins):
 
 
 def pack(scan, op, ins):
-    rank = _require_rank(op.inputs[0])
+    rank = require_rank(op.inputs[0])
     along = normalize(op.get_attr("axis"), rank + 1)
     leads, ks = set(), set()
     for value in ins:
@@ -315,23 +296,23 @@ def pack(scan, op, ins):
 
 def unpack(scan, op, ins):
     value = only_data_input(op, ins, 0)
-    rank = _require_rank(op.inputs[0])
+    rank = require_rank(op.inputs[0])
     along = normalize(op.get_attr("axis"), rank)
     if along == value.lead:
         raise lattice.Lost("it unstacks the batch axis into one tensor per example")
     index = value.lead if value.lead < along else value.lead - 1
-    return _all(op, Rows(index, value.k, None))
+    return outputs_all(op, Rows(index, value.k, None))
 
 
 def split(scan, op, ins):
     data, axis_index = (1, 0) if op.type == "Split" else (0, 2)
     value = only_data_input(op, ins, data)
-    along, rank = static.static_value(op.inputs[axis_index]), _require_rank(op.inputs[data])
+    along, rank = static.static_value(op.inputs[axis_index]), require_rank(op.inputs[data])
     if along is None:
         raise lattice.Lost("its axis is not static")
     if normalize(along, rank) == value.lead:
         raise lattice.Lost("it splits the batch axis")
-    return _all(op, value.lead)
+    return outputs_all(op, value.lead)
 
 
 def tile(scan, op, ins):
@@ -348,128 +329,6 @@ def pad(scan, op, ins):
     if paddings is None or np.any(paddings[value.lead] != 0):
         raise lattice.Lost("it may pad the batch axis")
     return [value.lead]
-
-
-def slice_(scan, op, ins):
-    value = only_data_input(op, ins, 0)
-    begin, size = static.static_value(op.inputs[1]), static.static_value(op.inputs[2])
-    if begin is None or size is None:
-        raise lattice.Lost("its bounds are not static")
-    a = value.lead
-    dim = tf.compat.dimension_value(op.inputs[0].shape[a])
-    b, s = int(begin[a]), int(size[a])
-    if b == 0 and (s == -1 or (dim is not None and s == dim)):
-        return [a]
-    raise lattice.Coupled(
-        f"slices along {batch_axis_words(op.inputs[0], a)} (begin {b}, size {s}), "
-        "selecting examples by their position in the batch", lattice.POSITION_ADVICE)
-
-
-def strided_slice(scan, op, ins):
-    value = only_data_input(op, ins, 0)
-    x = op.inputs[0]
-    rank = _require_rank(x)
-    begin, end, strides = (static.static_value(t) for t in op.inputs[1:4])
-    if begin is None or end is None or strides is None:
-        raise lattice.Lost("its bounds are not static")
-    masks = {name: op.get_attr(name) for name in
-             ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
-    a = value.lead
-    dim = tf.compat.dimension_value(x.shape[a])
-    in_dim, out_dim, n = 0, 0, len(begin)
-    for i in range(n):
-        if _bit(masks["ellipsis_mask"], i):
-            remaining = sum(1 for j in range(i + 1, n) if not _bit(masks["new_axis_mask"], j))
-            stop = rank - remaining
-            if in_dim <= a < stop:
-                return [out_dim + a - in_dim]
-            out_dim += stop - in_dim
-            in_dim = stop
-        elif _bit(masks["new_axis_mask"], i):
-            out_dim += 1
-        else:
-            shrink = _bit(masks["shrink_axis_mask"], i)
-            if in_dim == a:
-                stride = int(strides[i])
-                starts_at_first = _bit(masks["begin_mask"], i) or int(begin[i]) == 0
-                ends_at_last = _bit(masks["end_mask"], i) or int(end[i]) >= _INT32_MAX or (
-                    dim is not None and int(end[i]) >= dim)
-                if not shrink and stride == 1 and starts_at_first and ends_at_last:
-                    return [out_dim]
-                what = ("takes one example" if shrink else
-                        "reverses the order of the examples" if stride == -1 and
-                        _bit(masks["begin_mask"], i) and _bit(masks["end_mask"], i)
-                        else "selects examples by their position in the batch")
-                raise lattice.Coupled(
-                    f"indexes {batch_axis_words(x, a)} (begin {int(begin[i])}, "
-                    f"end {int(end[i])}, stride {stride}): it {what}", lattice.POSITION_ADVICE)
-            if not shrink:
-                out_dim += 1
-            in_dim += 1
-    return [out_dim + a - in_dim]
-
-
-# -- gathers ----------------------------------------------------------------------
-
-def gather(scan, op, ins):
-    params, indices = op.inputs[0], op.inputs[1]
-    p_value, i_value = ins[0], ins[1]
-    if UNKNOWN in (p_value, i_value):
-        raise lattice.Lost("its input's batch axis was already lost")
-    if op.type == "GatherV2":
-        if lattice.depends_on_values(ins[2]):
-            raise lattice.Lost("its axis depends on the batch's values")
-        along = static.static_value(op.inputs[2])
-        batch_dims = op.get_attr("batch_dims")
-    else:
-        along = 0
-        batch_dims = op.get_attr("batch_dims") if op.type == "ResourceGather" else 0
-    p_rank = None if op.type == "ResourceGather" else _rank(params)
-    i_rank = _require_rank(indices)
-    if along is None:
-        raise lattice.Lost("its axis is not static")
-    if op.type != "ResourceGather":
-        if p_rank is None:
-            raise lattice.Lost("the rank of its params is not static")
-        along = normalize(along, p_rank)
-    batch_dims = normalize(batch_dims, i_rank) if batch_dims < 0 else batch_dims
-    if isinstance(p_value, Rows):
-        a = p_value.lead
-        if a < batch_dims:
-            if not isinstance(i_value, Rows) or i_value.lead == a:
-                return [a]
-            raise lattice.Lost("params and indices have different batch axes")
-        if a == along:
-            raise lattice.Coupled(
-                f"gathers along {batch_axis_words(params, a)} with the indices "
-                f"{lattice.describe(indices)}, picking examples by index",
-                lattice.POSITION_ADVICE)
-        if isinstance(i_value, Rows):
-            raise lattice.Lost("both params and indices carry the batch")
-        return [a if a < along else a + i_rank - 1 - batch_dims]
-    if not isinstance(i_value, Rows):
-        return [SIZE]
-    q = i_value.lead
-    if q < batch_dims:
-        raise lattice.Lost("the indices' batch axis is a batch_dims axis")
-    return [along + q - batch_dims]
-
-
-def gather_nd(scan, op, ins):
-    if lattice.depends_on_values(ins[0]) or not isinstance(ins[1], Rows):
-        raise lattice.Lost("it gathers from a tensor that carries the batch")
-    rank = _require_rank(op.inputs[1])
-    if ins[1].lead >= rank - 1:
-        raise lattice.Lost("the indices' batch axis is their index axis")
-    return [ins[1].lead]
-
-
-def one_hot(scan, op, ins):
-    value = only_data_input(op, ins, 0)
-    rank = _require_rank(op.inputs[0])
-    along = op.get_attr("axis")
-    along = rank if along == -1 else along
-    return [value.lead if value.lead < along else value.lead + 1]
 
 
 # -- values shaped by the batch -----------------------------------------------------
@@ -490,15 +349,13 @@ def shaped_like(scan, op, ins):
     return [SIZE]
 
 
-TRANSFERS = {op_type: elementwise for op_type in ELEMENTWISE_OP_TYPES | {"ZerosLike", "OnesLike"}}
-TRANSFERS.update({op_type: shaped_like for op_type in RANDOM_OP_TYPES})
+TRANSFERS = {op_type: elementwise
+             for op_type in op_types.ELEMENTWISE_OP_TYPES | {"ZerosLike", "OnesLike"}}
+TRANSFERS.update({op_type: shaped_like for op_type in op_types.SHAPED_BY_SIZE_OP_TYPES})
 TRANSFERS.update({
     "Select": select_v1, "IdentityN": identity_n, "Reshape": reshape,
     "Transpose": transpose, "ConjugateTranspose": transpose, "ExpandDims": expand_dims,
     "Squeeze": squeeze, "ConcatV2": concat, "Concat": concat, "Pack": pack,
     "Unpack": unpack, "Split": split, "SplitV": split, "Tile": tile, "Pad": pad,
-    "PadV2": pad, "MirrorPad": pad, "Slice": slice_, "StridedSlice": strided_slice,
-    "Gather": gather, "GatherV2": gather, "ResourceGather": gather,
-    "GatherNd": gather_nd, "ResourceGatherNd": gather_nd, "OneHot": one_hot,
-    "Fill": shaped_like,
+    "PadV2": pad, "MirrorPad": pad,
 })

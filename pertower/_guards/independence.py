@@ -181,7 +181,7 @@ def validated(results, ys, stacked):
         worst = tf.reduce_max(difference)
         check = tf.debugging.Assert(
             tf.less_equal(worst, bound),
-            [f"pertower.{_context.name()}(validate=True): `ys` ({ys.name}) recomputed one "
+            [f"{_context.prefix()}(validate=True): `ys` ({ys.name}) recomputed one "
              "slice of the batch at a time differs from `ys` by up to", worst,
              "(allowed:", bound, "). So an example's value depends on other examples "
              "through an op pertower's static scan does not know (a py_function, a "

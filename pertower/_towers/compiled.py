@@ -37,6 +37,7 @@ from tensorflow.python.framework import function_def_to_graph  # pylint: disable
 
 from pertower import _context
 from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
 from pertower._towers import replicate
 
 __all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "must_compile", "keep_compiled",
@@ -48,7 +49,6 @@ XLA_ATTR = "_XlaMustCompile"
 GRADIENT_OP_TYPE = "PertowerCompiledCall"
 # The tower label of the one copy of a compiled call's function that all towers share.
 SHARED = "all"
-_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
 
 class CompiledCallError(NotImplementedError):
@@ -57,7 +57,7 @@ class CompiledCallError(NotImplementedError):
 
 def must_compile(node):
     """True when the NodeDef `node` is a function call TensorFlow compiles with XLA."""
-    return (node.op in _CALL_OP_TYPES and XLA_ATTR in node.attr
+    return (node.op in op_types.FUNCTION_CALL_OP_TYPES and XLA_ATTR in node.attr
             and node.attr[XLA_ATTR].b)
 
 
@@ -163,8 +163,8 @@ _BACKWARDS = _Backwards()
 
 
 def _refusal(op, why):
-    return CompiledCallError(
-        f"pertower.{_context.name()}: the towers cannot differentiate the XLA-compiled "
+    return _context.error(CompiledCallError,
+        f"the towers cannot differentiate the XLA-compiled "
         f"function call {op.name!r} ({op.type}): {why}. Leave the weights it reads out of "
         "`xs`, or compute them with method='rules' where a rule covers them "
         "(pertower.explain shows the plan).")

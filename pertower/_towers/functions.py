@@ -40,29 +40,27 @@ edits neither the forward op nor its function.
 """
 
 import tensorflow as tf
-from pertower import _context
-from pertower._towers import compiled
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import function_pb2
 from tensorflow.core.framework import types_pb2
 
-__all__ = ["CALL_OP_TYPES", "GATHER_OP_TYPES", "ControlFlowError", "FunctionRewriter",
-           "gather_from_value"]
+from pertower import _context
+from pertower import _op_types as op_types
+# (named here too for the callers not yet switched to `_op_types.CALL_OP_TYPES`)
+from pertower._op_types import CALL_OP_TYPES  # pylint: disable=unused-import
+from pertower._towers import compiled
 
-# Function-calling op types: (attributes naming the called functions, offset of the
-# functions' arguments in the op's inputs, attribute listing the input types, whether
-# the op passes its inputs through to its outputs as loop variables).
+__all__ = ["ControlFlowError", "FunctionRewriter", "gather_from_value"]
+
+# Per function-calling op type (`op_types.CALL_OP_TYPES`): (attributes naming the called
+# functions, offset of the functions' arguments in the op's inputs, attribute listing
+# the input types, whether the op passes its inputs through to its outputs as loop
+# variables).
 _CALLS = {
-    "While": (("cond", "body"), 0, "T", True),
-    "StatelessWhile": (("cond", "body"), 0, "T", True),
-    "If": (("then_branch", "else_branch"), 1, "Tin", False),
-    "StatelessIf": (("then_branch", "else_branch"), 1, "Tin", False),
-    "PartitionedCall": (("f",), 0, "Tin", False),
-    "StatefulPartitionedCall": (("f",), 0, "Tin", False),
+    **{t: (("cond", "body"), 0, "T", True) for t in op_types.WHILE_OP_TYPES},
+    **{t: (("then_branch", "else_branch"), 1, "Tin", False) for t in op_types.IF_OP_TYPES},
+    **{t: (("f",), 0, "Tin", False) for t in op_types.FUNCTION_CALL_OP_TYPES},
 }
-CALL_OP_TYPES = frozenset(_CALLS)
-GATHER_OP_TYPES = frozenset({"ResourceGather", "ResourceGatherNd"})
-_FUNCTION_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # Attributes of a call op that refer to the original inputs or gradient of the call.
 _STALE_CALL_ATTRS = ("_gradient_op_type",)
 
@@ -116,15 +114,15 @@ class FunctionRewriter:
           value where they passed on the handle (a while loop's loop variable).
         """
         if node.op not in _CALLS:
-            raise ControlFlowError(
-                f"pertower.{_context.name()}: {where} reaches op {node.name!r} of type "
+            raise _context.error(ControlFlowError,
+                f"{where} reaches op {node.name!r} of type "
                 f"{node.op}, which towers cannot give a weight copy to. Supported: "
                 f"{', '.join(sorted(_CALLS))}. Leave this weight out of `xs`.")
         function_attrs, offset, type_attr, loops = _CALLS[node.op]
         for i, (dtype, _) in positions.items():
             if i < offset or node.attr[type_attr].list.type[i - offset] != types_pb2.DT_RESOURCE:
-                raise ControlFlowError(
-                    f"pertower.{_context.name()}: {where}: input {i} of op {node.name!r} "
+                raise _context.error(ControlFlowError,
+                    f"{where}: input {i} of op {node.name!r} "
                     f"({node.op}) is not a resource argument of its functions.")
             node.attr[type_attr].list.type[i - offset] = dtype
         arguments = {i - offset: spec for i, spec in positions.items()}
@@ -142,7 +140,7 @@ class FunctionRewriter:
             old = node.attr[attr].func.name
             node.attr[attr].func.name = self._rewrite_function(
                 old, arguments, loops and attr == "body", f"{where}, op {node.name!r}", tower)
-        if node.op in _FUNCTION_CALL_OP_TYPES:
+        if node.op in op_types.FUNCTION_CALL_OP_TYPES:
             # a second copy of the function as the else branch, so that cond_v2's
             # rewrite of the two branches cannot give two functions one name
             else_branch = self._rewrite_function(old, arguments, False, where, tower, "_else")
@@ -160,8 +158,8 @@ class FunctionRewriter:
             return self._generated[name]
         function = self.graph._get_function(name)  # pylint: disable=protected-access
         if function is None:
-            raise ControlFlowError(
-                f"pertower.{_context.name()}: the function {name!r} is not in the graph's "
+            raise _context.error(ControlFlowError,
+                f"the function {name!r} is not in the graph's "
                 "library, so towers cannot rewrite it.")
         return function.cached_definition
 
@@ -185,8 +183,8 @@ class FunctionRewriter:
         for i, (dtype, shape) in arguments.items():
             arg = fdef.signature.input_arg[i]
             if arg.type != types_pb2.DT_RESOURCE:
-                raise ControlFlowError(
-                    f"pertower.{_context.name()}: {where}: argument {arg.name!r} is not a "
+                raise _context.error(ControlFlowError,
+                    f"{where}: argument {arg.name!r} is not a "
                     "resource.")
             arg.type = dtype
             values[arg.name] = (dtype, shape)
@@ -227,8 +225,8 @@ class FunctionRewriter:
             ref = fdef.ret[out.name]
             if ref in values and out.type == types_pb2.DT_RESOURCE:
                 if not loop_body:
-                    raise ControlFlowError(
-                        f"pertower.{_context.name()}: {where} returns the weight's handle "
+                    raise _context.error(ControlFlowError,
+                        f"{where} returns the weight's handle "
                         f"as output {out.name!r}; towers can only rewrite functions that read "
                         "the weight. Leave this weight out of `xs`.")
                 out.type = values[ref][0]
@@ -237,8 +235,8 @@ class FunctionRewriter:
             for i in arguments:
                 out = fdef.signature.output_arg[i]
                 if out.type == types_pb2.DT_RESOURCE:
-                    raise ControlFlowError(
-                        f"pertower.{_context.name()}: {where}: the while loop body returns "
+                    raise _context.error(ControlFlowError,
+                        f"{where}: the while loop body returns "
                         f"another resource than the weight as loop variable {i}; towers "
                         "cannot rewrite it. Leave this weight out of `xs`.")
         self._generated[new_name] = fdef
@@ -248,12 +246,12 @@ class FunctionRewriter:
     def _rewrite_node(self, node, hits, values, renames, extra_nodes, where, tower):
         """Rewrites one function node that consumes weight values at inputs `hits`."""
         dtype, shape = next(iter(hits.values()))  # one weight, except for call ops
-        if node.op == "ReadVariableOp":
+        if node.op in op_types.VARIABLE_READ_OP_TYPES:
             node.op = "Identity"
             del node.attr["dtype"]
             node.attr["T"].type = dtype
             renames[f"{node.name}:value:0"] = f"{node.name}:output:0"
-        elif node.op in GATHER_OP_TYPES and list(hits) == [0]:
+        elif node.op in op_types.HANDLE_GATHER_OP_TYPES and list(hits) == [0]:
             gather_from_value(node, dtype, lambda: _axis_zero_input(node.name, extra_nodes))
         elif node.op == "Identity":
             node.attr["T"].type = dtype
@@ -264,8 +262,8 @@ class FunctionRewriter:
             for i, spec in outputs.items():
                 values[f"{node.name}:output:{i}"] = spec
         else:
-            raise ControlFlowError(
-                f"pertower.{_context.name()}: {where} passes the weight to op "
+            raise _context.error(ControlFlowError,
+                f"{where} passes the weight to op "
                 f"{node.name!r} of type {node.op}; towers can only give their weight copies to "
                 "ReadVariableOp, ResourceGather, Identity and nested While/If/function "
                 "calls inside a function body (a body that writes or otherwise uses the "

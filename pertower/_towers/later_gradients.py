@@ -44,7 +44,7 @@ from tensorflow.python.framework import ops as ops_lib
 from tensorflow.python.ops import control_flow_state
 from tensorflow.python.ops import default_gradient
 
-from pertower._towers import functions as control_flow
+from pertower import _op_types as op_types
 
 __all__ = ["prepare_for_later_gradients"]
 
@@ -68,7 +68,7 @@ def prepare_for_later_gradients(ops):
         without a registered gradient (differentiated through SymbolicGradient, which
         does not edit the forward op) or without a trainable output is skipped.
     """
-    calls = sorted((op for op in ops if op.type in control_flow.CALL_OP_TYPES),
+    calls = sorted((op for op in ops if op.type in op_types.CALL_OP_TYPES),
                    key=lambda op: op._id)  # pylint: disable=protected-access
     for op in calls:
         try:

@@ -23,10 +23,9 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.ops import script_ops  # pylint: disable=no-name-in-module
 import tensorflow as tf
 
-__all__ = ["replicate", "calls_functions", "calls_python", "InputMap", "drop_name_attrs"]
+from pertower import _op_types as op_types
 
-# Ops that run a Python function registered under their `token` attribute.
-_PYTHON_OP_TYPES = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+__all__ = ["replicate", "calls_functions", "calls_python", "InputMap", "drop_name_attrs"]
 
 # NodeDef attributes that tie a node to others by name; they would dangle in a copy.
 _DROPPED_ATTRS = ("_class",)
@@ -61,7 +60,7 @@ def calls_python(ops):
     `tf.compat.v1.py_func`). An `EagerPyFunc`'s gradient closes over its forward op's
     token (it reads the tape that forward run left under that token), so a copy of
     tower 0's backward pass would read tower 0's tape in every tower."""
-    return any(op.type in _PYTHON_OP_TYPES for op in ops)
+    return any(op.type in op_types.PYTHON_OP_TYPES for op in ops)
 
 
 def _own_python_token(node, graph):
@@ -72,7 +71,7 @@ def _own_python_token(node, graph):
     original's token would race for one entry when the towers run in parallel (and
     could read each other's). The function is registered again under a new token and
     kept alive by the graph, as `tf.py_function` does for the original."""
-    if node.op not in _PYTHON_OP_TYPES or "token" not in node.attr:
+    if node.op not in op_types.PYTHON_OP_TYPES or "token" not in node.attr:
         return
     func = script_ops._py_funcs.get(node.attr["token"].s.decode())  # pylint: disable=protected-access
     if func is None:

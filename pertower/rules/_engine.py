@@ -29,22 +29,18 @@ import dataclasses
 
 import tensorflow as tf
 
-from pertower import _checks
 from pertower import _batch_axis
+from pertower import _checks
+from pertower import _context
+from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
-from pertower import _context
 
-# Ops that only re-lay-out the weight's value (same elements, same order).
-_WEIGHT_LAYOUT_OPS = frozenset({"Identity", "Snapshot", "ExpandDims", "Squeeze", "Reshape"})
-# Ops whose gradient is Python code the analysis cannot read.
-_PYTHON_OP_TYPES = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 # The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
 _OVERRIDE_ATTR = "_gradient_op_type"
 # How deep nested function bodies are searched for such ops.
 _MAX_FUNCTION_DEPTH = 8
-# Ops that take a value into a TF1 (v1) while loop's frame.
-_V1_LOOP_ENTER_TYPES = frozenset({"Enter", "RefEnter"})
 
 
 def build_plan(prepared, registry):
@@ -111,7 +107,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
             if op not in ys_upstream:
                 continue
             slots = [j for j, t in enumerate(op.inputs) if t is tensor]
-            if (op.type in _WEIGHT_LAYOUT_OPS and slots == [0] and
+            if (op.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0] and
                     op.outputs[0].shape.is_fully_defined() and
                     all(_batch_axis.static_value(t) is not None for t in op.inputs[1:])):
                 stack.append(op.outputs[0])
@@ -120,7 +116,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
     found = []
     terminals.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
     for op, slot in terminals:
-        if op.type in _V1_LOOP_ENTER_TYPES:
+        if op.type in op_types.V1_ENTER_OP_TYPES:
             return _in_v1_loop(op)
         rule = registry.lookup(op.type)
         if rule is None:
@@ -143,7 +139,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
 def _unassumed_reason(node_op, attrs, where):
     """Why the gradient of a node (type `node_op`, attributes `attrs`) cannot be
     assumed, or None."""
-    if node_op in _PYTHON_OP_TYPES:
+    if node_op in op_types.PYTHON_OP_TYPES:
         return (f"its gradient flows through {where} ({node_op}), a Python function whose "
                 "gradient the rules cannot assume keeps the examples apart")
     if _OVERRIDE_ATTR in attrs:
@@ -167,11 +163,10 @@ class _UnassumedGradients:
     def reason(self, reads, ys_upstream):
         """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
         None."""
-        from pertower import _graph_walk  # pylint: disable=import-outside-toplevel
         starts = list(reads.read_tensors)
         for op in list(reads.gather_ops) + [op for op, _ in reads.call_inputs]:
             starts.extend(op.outputs)
-        path = _graph_walk.downstream_ops(starts, ys_upstream)
+        path = graph_walk.downstream_ops(starts, ys_upstream)
         path |= set(reads.gather_ops) | {op for op, _ in reads.call_inputs}
         for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
             found = _unassumed_reason(op.type, op.node_def.attr, repr(op.name))
@@ -236,7 +231,7 @@ def run_time_checks(prepared):
     checks = []
     B, M = prepared.batch_size, prepared.num_groups
     for j, (b, axis) in enumerate(zip(prepared.batch, prepared.batch_axes)):
-        if _checks.static_batch_size(b, axis) is not None:
+        if graph_walk.static_batch_size(b, axis) is not None:
             continue
         if B is not None:
             checks.append(_checks.fed_batch_size_check(
@@ -247,8 +242,8 @@ def run_time_checks(prepared):
         elif M is not None:
             fed = tf.shape(b)[axis]   # the batch axis (1 for a time-major [T, B, ...])
             message = tf.strings.join([
-                f"pertower.{_context.name()}: `num_microbatches` ({M}) must divide the "
-                f"batch size, but the batch fed to {b.name} has ",
+                _context.prefixed(f"`num_microbatches` ({M}) must divide the batch size, "
+                                  f"but the batch fed to {b.name} has "),
                 tf.strings.as_string(fed), f" examples. Feed a multiple of {M} examples."])
             checks.append(tf.debugging.Assert(
                 tf.equal(tf.math.floormod(fed, M), 0), [message],
@@ -277,7 +272,7 @@ def check_grad_ys(ys, grad_ys):
         return None
     grad_ys = tf.convert_to_tensor(grad_ys, dtype=ys.dtype)
     if not ys.shape.is_compatible_with(grad_ys.shape):
-        raise ValueError("pertower: `grad_ys` must have the shape of `ys`, "
+        raise _context.error(ValueError, "`grad_ys` must have the shape of `ys`, "
                          f"{ys.shape}, but has shape {grad_ys.shape}.")
     return grad_ys
 

@@ -12,6 +12,7 @@ either way; the activation not adjoint.
 
 import tensorflow as tf
 
+from pertower import _op_types as op_types
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
@@ -58,5 +59,5 @@ class BatchMatMulRule(registry_lib.Rule):
 def register(registry):
     """Adds the rule to `registry` for every BatchMatMul version."""
     rule = BatchMatMulRule()
-    for op_type in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+    for op_type in sorted(op_types.BATCH_MATMUL_OP_TYPES):
         registry.register(op_type, rule)

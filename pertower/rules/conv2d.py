@@ -112,6 +112,7 @@ import math
 
 import tensorflow as tf
 
+from pertower import _context
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
@@ -153,15 +154,17 @@ class ConvOptions:
     thin_channels: int = 8
     few_positions: int = 64
 
+    @_context.public("rules.conv2d.ConvOptions")
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"pertower.rules.conv2d.ConvOptions: `strategy` must be one of "
-                             f"{', '.join(STRATEGIES)}, but received {self.strategy!r}.")
+            raise _context.error(ValueError, f"`strategy` must be one of "
+                                             f"{', '.join(STRATEGIES)}, but received "
+                                             f"{self.strategy!r}.")
         for name in ("thin_channels", "few_positions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"pertower.rules.conv2d.ConvOptions: `{name}` must be an "
-                                 f"int >= 0, but received {value!r}.")
+                raise _context.error(ValueError, f"`{name}` must be an int >= 0, but "
+                                                 f"received {value!r}.")
 
 
 def onednn_enabled():
@@ -314,12 +317,13 @@ class Conv2DRule(registry_lib.Rule):
       options: a `ConvOptions` (default: strategy "auto").
     """
 
+    @_context.public("rules.conv2d.Conv2DRule")
     def __init__(self, options=None):
         if options is None:
             options = ConvOptions()
         if not isinstance(options, ConvOptions):
-            raise TypeError("pertower.rules.conv2d.Conv2DRule: `options` must be a "
-                            f"ConvOptions, but received {options!r}.")
+            raise _context.error(TypeError, "`options` must be a ConvOptions, but received "
+                                            f"{options!r}.")
         self.options = options
 
     def match(self, op, slot, analysis):

@@ -38,6 +38,7 @@ rows, so those fall back to towers.)
 
 import tensorflow as tf
 
+from pertower import _context
 from pertower.rules import _rows
 from pertower.rules import conv2d
 from pertower.rules import registry as registry_lib
@@ -50,12 +51,13 @@ class DepthwiseConv2DRule(registry_lib.Rule):
       options: a `conv2d.ConvOptions` (default: strategy "auto").
     """
 
+    @_context.public("rules.depthwise_conv2d.DepthwiseConv2DRule")
     def __init__(self, options=None):
         if options is None:
             options = conv2d.ConvOptions()
         if not isinstance(options, conv2d.ConvOptions):
-            raise TypeError("pertower.rules.depthwise_conv2d.DepthwiseConv2DRule: "
-                            f"`options` must be a ConvOptions, but received {options!r}.")
+            raise _context.error(TypeError, "`options` must be a ConvOptions, but received "
+                                            f"{options!r}.")
         self.options = options
 
     def match(self, op, slot, analysis):

@@ -16,6 +16,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from pertower import _context
 from pertower.rules import _rows
 
 __all__ = ["Rule", "RuleRegistry", "Use", "default_clipped_sum"]
@@ -116,16 +117,17 @@ class RuleRegistry:
     def __init__(self):
         self._rules = {}
 
+    @_context.public("RuleRegistry.register")
     def register(self, op_type, rule):
         """Registers `rule` (a `Rule`) for ops of type `op_type`; replaces any rule
         registered for it before."""
         if not isinstance(op_type, str) or not op_type:
-            raise TypeError(f"pertower.RuleRegistry.register: `op_type` must be an op type "
-                            f"name such as 'MatMul', but received {op_type!r}.")
+            raise _context.error(TypeError, f"`op_type` must be an op type name such as "
+                                            f"'MatMul', but received {op_type!r}.")
         if not (callable(getattr(rule, "match", None)) and
                 callable(getattr(rule, "per_group", None))):
-            raise TypeError(f"pertower.RuleRegistry.register: `rule` must define `match` and "
-                            f"`per_group` (see pertower.rules.Rule), but received {rule!r}.")
+            raise _context.error(TypeError, "`rule` must define `match` and `per_group` (see "
+                                            f"pertower.rules.Rule), but received {rule!r}.")
         self._rules[op_type] = rule
 
     def lookup(self, op_type):
