@@ -183,7 +183,7 @@ class _Scan:
             if value is not INDEPENDENT:
                 self.values[tensor] = value
 
-    # -- what the outputs are --------------------------------------------------------
+    # -- flows, liveness, losses ------------------------------------------------------
 
     def _is_flow(self, op, tensor):
         """Whether `tensor` is a v1 TensorArray's flow (a scalar standing for the

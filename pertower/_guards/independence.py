@@ -113,12 +113,12 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
       check = pertower.check_independence(cost, batch_size=32)
       ok, worst = sess.run([check.independent, check.max_difference], feed)
     """
-    function_name = "check_independence"
+    scope = name or _context.name()   # "check_independence"
     T, towers_argument = _checks.renamed_argument(
         num_microbatches, num_towers, "num_microbatches", "num_towers")
-    towers = _forward_towers(ys, batch, T, batch_size, name or function_name,
-                             towers_argument, batch_axis=batch_axis)
-    with ys.graph.as_default(), tf.name_scope(name or function_name):
+    towers = _forward_towers(ys, batch, T, batch_size, scope, towers_argument,
+                             batch_axis=batch_axis)
+    with ys.graph.as_default(), tf.name_scope(scope):
         difference, bound = _differences(towers.stacked, ys)
         max_difference = tf.reduce_max(difference, name="max_difference")
         independent = tf.less_equal(max_difference, bound, name="independent")

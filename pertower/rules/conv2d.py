@@ -39,37 +39,9 @@ Four ways of computing it, all exact (each tested against the oracle):
                  the filter [Ho, Wo, N, Cout]; ONE `DepthwiseConv2dNative` with stride d
                  and dilation s gives [Cin, kh, kw, N*Cout], summed over each group's T.
 
-Cost model ("auto"). Measured on a 2-core AVX-512 CPU (TF 2.21, float32, B = 64, SAME,
-stride 1), ms per layer of the filter gradients alone on random x and dZ (variables,
-results not fetched), every way in one graph timed in turn, min of 15 runs; the
-machine ran other jobs (load ~9 on 2 cores), so figures vary by ~30% and more. "batch"
-is the batch filter gradient (one Conv2DBackpropFilter) for scale; shifts/t is the
-matmul per tap, shifts/s the stacked taps:
-
-    oneDNN on (TF_ENABLE_ONEDNN_OPTS=1)
-    H   Cin Cout k    P  | batch patches grouped shifts/t shifts/s | P*k^2/sqrt(Cin*Cout)
-    32    3   32 3 1024  |   1.7   25.7     6.1     3.6      3.5   |  940
-    16   32   64 3  256  |  12.1   35.4    23.9    26.3     26.0   |   51
-     8   64   64 3   64  |   7.8   15.8    18.2    10.5     15.4   |    9
-    32    1   16 5 1024  |   1.1   54.0     3.2     8.4      2.7   | 6400
-    16    8    8 3  256  |   0.8    2.9     1.0     1.4      1.7   |  288
-    16   64   64 1  256  |   2.0    3.8     6.6     2.2      2.3   |    4
-     8  256  256 3   64  |  82     140     361      95      124     |    2.3
-     4  128  128 3   16  |   3.9   19.7    88.8    20.0     15.7   |    1.1
-     2  256  256 3    4  |   4.4   13.9   355      26.9     14.6   |    0.14
-    oneDNN off (TF_ENABLE_ONEDNN_OPTS=0; "grouped" cannot run)
-    32    3   32 3 1024  |   5.7   87.6      -     52.1      8.2
-    16   32   64 3  256  |  13.3   25.5      -     20.0     14.8
-     8   64   64 3   64  |   6.8   17.5      -     17.4     14.7
-    32    1   16 5 1024  |   5.4   31.9      -      3.1      4.3
-    16    8    8 3  256  |   1.7    4.2      -      1.6      2.7
-    16   64   64 1  256  |   4.1    5.9      -      4.0      5.5
-     8  256  256 3   64  |  70     224       -     267      176
-     4  128  128 3   16  |   3.4   32.4      -     34.2     31.6
-     2  256  256 3    4  |   5.1   89.3      -    120       86.3
-At B = 128 (oneDNN on, min of 11) the CIFAR-net layers (rows 1-4) gave batch 3.1,
-13.0, 6.4, 1.6; grouped 12.9, 20.4, 16.1, 6.2; shifts (the way "auto" takes) 6.9,
-22.1, 13.6, 5.0; patches 42.5, 32.1, 17.3, 46.1.
+Cost model ("auto"). The ways were timed on a 2-core AVX-512 CPU (TF 2.21, float32,
+B = 64 and 128), ms per layer of the filter gradients alone, with oneDNN on and off;
+the table of those timings is in docs/conv2d_costs.md.
 
 "depthwise" was slower than "patches" in every row of an earlier run (e.g. 114 and
 79 ms on the first two) and is not picked. The shifts beat the patches nearly
@@ -115,11 +87,12 @@ import tensorflow as tf
 from pertower import _context
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
+from pertower.rules._conv_geometry import (attributes, check_convolution, explicitly_padded,
+                                           filter_gradient, fold_groups, groups, mul,
+                                           padded_input, patches, plain_filter_gradient,
+                                           spatial_pads, taps)
 
-__all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "patches", "check_convolution",
-           "explicitly_padded", "fold_groups", "mul", "onednn_enabled", "groups",
-           "plain_filter_gradient", "filter_gradient", "spatial_pads", "padded_input", "taps",
-           "register"]
+__all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled", "register"]
 
 STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
 
@@ -178,138 +151,6 @@ def onednn_enabled():
         return False
 
 
-def _attrs(op):
-    """(strides, dilations, padding, explicit pairs) of a Conv2D-like op."""
-    padding = op.get_attr("padding").decode()
-    pairs = op.get_attr("explicit_paddings") if padding == "EXPLICIT" else None
-    return list(op.get_attr("strides")), list(op.get_attr("dilations")), padding, pairs
-
-
-def explicitly_padded(op):
-    """(x, padding): op's input with any explicit padding applied by `tf.pad`, and the
-    padding ("SAME"/"VALID") that then gives op's output positions."""
-    x = op.inputs[0]
-    _, _, padding, pairs = _attrs(op)
-    if padding == "EXPLICIT":
-        x = tf.pad(x, [pairs[0:2], pairs[2:4], pairs[4:6], pairs[6:8]])
-        padding = "VALID"
-    return x, padding
-
-
-def patches(op, filter_height, filter_width):
-    """[N, Ho, Wo, kh*kw*Cin]: the input patch each output position of `op` sees."""
-    x, padding = explicitly_padded(op)
-    strides, dilations, _, _ = _attrs(op)
-    return tf.image.extract_patches(
-        x, sizes=[1, filter_height, filter_width, 1], strides=[1, strides[1], strides[2], 1],
-        rates=[1, dilations[1], dilations[2], 1], padding=padding)
-
-
-def check_convolution(op, slot, analysis):
-    """The activation's Rows when `op` (Conv2D or DepthwiseConv2dNative) is covered,
-    else a reason string."""
-    if slot != 1:
-        return "the weight is the convolution's input, not its filter"
-    if op.get_attr("data_format") != b"NHWC":
-        return f"data_format {op.get_attr('data_format').decode()} (only NHWC is covered)"
-    if not op.inputs[1].shape.is_fully_defined():
-        return "the filter's shape is not static"
-    if groups(op) is None:
-        return (f"the filter's {op.inputs[1].shape[2]} input channels do not divide the "
-                f"input's channels ({op.inputs[0].shape[-1]}) into groups")
-    return _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
-
-
-def groups(op):
-    """g, the number of channel groups of the convolution `op` (1 for an ordinary one),
-    or None when the input's channels are not static or not a multiple of the filter's
-    input channels (or the output channels not a multiple of g)."""
-    if op.type != "Conv2D":
-        return 1
-    channels = op.inputs[0].shape.with_rank_at_least(1)[-1]
-    _, _, c_in, c_out = op.inputs[1].shape.as_list()
-    channels = tf.compat.dimension_value(channels)
-    if channels is None or channels % c_in or c_out % (channels // c_in):
-        return None
-    return channels // c_in
-
-
-def fold_groups(tensor, G):
-    """[G*T, H, W, C] -> [T, H, W, G*C]: each group's images side by side in channels
-    (group g's channels are g*C ... g*C + C - 1)."""
-    h, w, c = (_rows.dim(tensor, axis) for axis in (1, 2, 3))
-    split = tf.reshape(tensor, _rows.group_shape(G, [-1, h, w, c]))   # [G, T, H, W, C]
-    moved = tf.transpose(split, [1, 2, 3, 0, 4])                       # [T, H, W, G, C]
-    return tf.reshape(moved, _rows.group_shape(-1, [h, w, mul(G, c)]))  # [T, H, W, G*C]
-
-
-def mul(G, c):
-    """G*c, an int when G is."""
-    return G * c if isinstance(G, int) else G * tf.constant(c, G.dtype)
-
-
-def spatial_pads(op, kh, kw):
-    """[(before, after)] for H and W such that a VALID convolution of the padded input
-    with op's strides and dilations gives op's output positions exactly, cropping
-    rows and columns no output position reads; None unless the spatial sizes are static."""
-    strides, dilations, padding, pairs = _attrs(op)
-    x_shape, z_shape = op.inputs[0].shape, op.outputs[0].shape
-    sizes = [tf.compat.dimension_value(d) for d in (x_shape[1], x_shape[2], z_shape[1],
-                                                   z_shape[2])]
-    if any(d is None for d in sizes):
-        return None
-    pads = []
-    for axis, (size, out, k) in enumerate([(sizes[0], sizes[2], kh), (sizes[1], sizes[3], kw)]):
-        s, d = strides[axis + 1], dilations[axis + 1]
-        needed = (out - 1) * s + (k - 1) * d + 1          # input extent the outputs read
-        if padding == "EXPLICIT":
-            before = pairs[2 * (axis + 1)]
-        elif padding == "SAME":
-            before = max(needed - size, 0) // 2
-        else:
-            before = 0
-        pads.append((before, needed - size - before))     # after < 0: crop
-    return pads
-
-
-def padded_input(op, kh, kw):
-    """[N, H', W', C]: op's input padded (and cropped) by `spatial_pads`, so that a
-    VALID convolution of it with op's strides and dilations gives op's output positions
-    and reads every row and column; needs static spatial sizes."""
-    (top, bottom), (left, right) = spatial_pads(op, kh, kw)
-    x = op.inputs[0]
-    x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)], [max(left, 0), max(right, 0)],
-                   [0, 0]])
-    return x[:, :x.shape[1] + min(bottom, 0), :x.shape[2] + min(right, 0), :]
-
-
-def taps(op, kh, kw, tensor=None, axes=(1, 2)):
-    """[[..., Ho, Wo, ...]] for every filter tap (u, v), u-major: the input values each
-    output position of `op` multiplies by the filter's tap (u, v), a strided slice of
-    `padded_input` (rows u*d, u*d + s, ..., columns likewise; no copy of the patches).
-
-    Args:
-      op: the Conv2D or DepthwiseConv2dNative op (static spatial sizes).
-      kh, kw: the filter's height and width.
-      tensor: `padded_input(op, kh, kw)` (default) or a transpose of it whose height
-        and width are the axes `axes`.
-      axes: the height and width axes of `tensor`.
-    """
-    strides, dilations, _, _ = _attrs(op)
-    if tensor is None:
-        tensor = padded_input(op, kh, kw)             # [N, H', W', C]
-    out_h, out_w = (tf.compat.dimension_value(d) for d in op.outputs[0].shape[1:3])
-    result = []
-    for u in range(kh):
-        for v in range(kw):
-            index = [slice(None)] * tensor.shape.rank
-            top, left = u * dilations[1], v * dilations[2]
-            index[axes[0]] = slice(top, top + (out_h - 1) * strides[1] + 1, strides[1])
-            index[axes[1]] = slice(left, left + (out_w - 1) * strides[2] + 1, strides[2])
-            result.append(tensor[tuple(index)])
-    return result                                     # kh*kw x [..., Ho, Wo, ...]
-
-
 class Conv2DRule(registry_lib.Rule):
     """Per-example filter gradients of Conv2D, by the way `options` says.
 
@@ -360,7 +201,7 @@ class Conv2DRule(registry_lib.Rule):
         if strategy == "depthwise":
             if spatial_pads(use.op, 1, 1) is None:
                 return "needs static input and output heights and widths"
-            if not onednn and _attrs(use.op)[0] != [1, 1, 1, 1]:
+            if not onednn and attributes(use.op)[0] != [1, 1, 1, 1]:
                 return ("needs TensorFlow's oneDNN CPU kernels for a strided convolution "
                         "(its other CPU kernels refuse dilated depthwise convolutions)")
         return None
@@ -446,7 +287,7 @@ class Conv2DRule(registry_lib.Rule):
     @staticmethod
     def _grouped(use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
-        strides, dilations, _, _ = _attrs(use.op)
+        strides, dilations, _, _ = attributes(use.op)
         x, padding = explicitly_padded(use.op)
         filter_sizes = _rows.group_shape(kh, [kw, c_in, mul(G, c_out)])
         grad = tf.raw_ops.Conv2DBackpropFilter(
@@ -461,7 +302,7 @@ class Conv2DRule(registry_lib.Rule):
     @staticmethod
     def _depthwise(use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
-        strides, dilations, _, _ = _attrs(use.op)
+        strides, dilations, _, _ = attributes(use.op)
         x = padded_input(use.op, kh, kw)              # [N, H', W', Cin]
         per_image = tf.raw_ops.DepthwiseConv2dNative(
             input=tf.transpose(x, [3, 1, 2, 0]),      # [Cin, H', W', N]
@@ -502,28 +343,6 @@ class Conv2DRule(registry_lib.Rule):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         return filter_gradient(tf.raw_ops.Conv2DBackpropFilter, use,
                                _rows.scale_rows(dZ, factors))
-
-
-def plain_filter_gradient(op):
-    """Whether TensorFlow's batch filter gradient runs everywhere for `op`: no groups
-    and no dilation."""
-    return groups(op) == 1 and all(d == 1 for d in op.get_attr("dilations"))
-
-
-def filter_gradient(backprop_filter, use, out_backprop):
-    """[*w.shape]: the batch filter gradient of `use.op` (Conv2D or
-    DepthwiseConv2dNative) for the output gradient `out_backprop`, with the op's own
-    strides, padding, dilations and data format."""
-    op = use.op
-    attrs = dict(strides=op.get_attr("strides"), padding=op.get_attr("padding"),
-                 explicit_paddings=op.get_attr("explicit_paddings"),
-                 data_format=op.get_attr("data_format"), dilations=op.get_attr("dilations"))
-    if backprop_filter is tf.raw_ops.Conv2DBackpropFilter:
-        attrs["use_cudnn_on_gpu"] = op.get_attr("use_cudnn_on_gpu")
-    grad = backprop_filter(input=op.inputs[0], filter_sizes=use.weight_shape.as_list(),
-                           out_backprop=out_backprop, **attrs)
-    grad.set_shape(use.weight_shape)
-    return grad
 
 
 def register(registry, options=None):

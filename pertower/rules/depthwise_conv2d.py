@@ -13,8 +13,8 @@ computed one of three ways (each tested against the oracle):
                  block is dZ's channel c*M + m of group g, in the same order), so ONE
                  `DepthwiseConv2dNativeBackpropFilter` gives [kh, kw, G*Cin, M];
     "shifts"     per filter tap (u, v), the strided slice of the padded input that the
-                 tap multiplies (`conv2d.taps`) and one contraction with dZ over each
-                 group's positions, [G, Cin, M], stacked to [G, kh, kw, Cin, M]
+                 tap multiplies (`_conv_geometry.taps`) and one contraction with dZ over
+                 each group's positions, [G, Cin, M], stacked to [G, kh, kw, Cin, M]
                  (forced only: "grouped" was faster wherever it runs).
 
 "grouped" is used for float32 without dilation (TensorFlow's CPU backward-filter
@@ -39,6 +39,7 @@ rows, so those fall back to towers.)
 import tensorflow as tf
 
 from pertower import _context
+from pertower.rules import _conv_geometry as geometry
 from pertower.rules import _rows
 from pertower.rules import conv2d
 from pertower.rules import registry as registry_lib
@@ -61,13 +62,13 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         self.options = options
 
     def match(self, op, slot, analysis):
-        rows = conv2d.check_convolution(op, slot, analysis)
+        rows = geometry.check_convolution(op, slot, analysis)
         if isinstance(rows, str):
             return rows
         if self.options.strategy in ("grouped", "depthwise") and not self._grouped_covers(op):
             return (f"the forced strategy {self.options.strategy!r} needs float32 and no "
                     "dilation")
-        if self.options.strategy == "shifts" and conv2d.spatial_pads(op, 1, 1) is None:
+        if self.options.strategy == "shifts" and geometry.spatial_pads(op, 1, 1) is None:
             return ("the forced strategy 'shifts' needs static input and output heights "
                     "and widths")
         return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
@@ -100,18 +101,18 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         dZ_g = tf.reshape(_rows.to_groups(dZ, G, 1),
                           _rows.group_shape(G, [-1, c_in, mult]))  # [G, T*Ho*Wo, Cin, M]
         per_tap = [tf.einsum("gpc,gpcm->gcm", _rows.to_groups(x_tap, G, 1), dZ_g)
-                   for x_tap in conv2d.taps(use.op, kh, kw)]  # kh*kw x [G, Cin, M]
+                   for x_tap in geometry.taps(use.op, kh, kw)]  # kh*kw x [G, Cin, M]
         grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, M]
         return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, mult]))
 
     @staticmethod
     def _grouped(use, dZ, G):
         kh, kw, c_in, mult = use.weight_shape.as_list()
-        x, padding = conv2d.explicitly_padded(use.op)
+        x, padding = geometry.explicitly_padded(use.op)
         grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=conv2d.fold_groups(x, G),                       # [T, H, W, G*Cin]
-            filter_sizes=_rows.group_shape(kh, [kw, conv2d.mul(G, c_in), mult]),
-            out_backprop=conv2d.fold_groups(dZ, G),               # [T, Ho, Wo, G*Cin*M]
+            input=geometry.fold_groups(x, G),                     # [T, H, W, G*Cin]
+            filter_sizes=_rows.group_shape(kh, [kw, geometry.mul(G, c_in), mult]),
+            out_backprop=geometry.fold_groups(dZ, G),             # [T, Ho, Wo, G*Cin*M]
             strides=list(use.op.get_attr("strides")), padding=padding,
             data_format="NHWC")                                   # [kh, kw, G*Cin, M]
         grad = tf.reshape(grad, _rows.group_shape(kh, [kw, G, c_in, mult]))
@@ -121,7 +122,7 @@ class DepthwiseConv2DRule(registry_lib.Rule):
     def _patches(use, dZ, G):
         kh, kw, c_in, mult = use.weight_shape.as_list()
         x_patches = tf.reshape(
-            _rows.to_groups(conv2d.patches(use.op, kh, kw), G, 1),
+            _rows.to_groups(geometry.patches(use.op, kh, kw), G, 1),
             _rows.group_shape(G, [-1, kh * kw, c_in]))   # [G, P, kh*kw, Cin]
         dZ_g = tf.reshape(_rows.to_groups(dZ, G, 1),
                           _rows.group_shape(G, [-1, c_in, mult]))  # [G, P, Cin, M]
@@ -132,10 +133,10 @@ class DepthwiseConv2DRule(registry_lib.Rule):
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per
         # example (dilated filters form the per-example gradients instead)
-        if not conv2d.plain_filter_gradient(use.op):
+        if not geometry.plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
-        return conv2d.filter_gradient(tf.raw_ops.DepthwiseConv2dNativeBackpropFilter, use,
-                                      _rows.scale_rows(dZ, factors))
+        return geometry.filter_gradient(tf.raw_ops.DepthwiseConv2dNativeBackpropFilter, use,
+                                        _rows.scale_rows(dZ, factors))
 
 
 

@@ -1,0 +1,171 @@
+"""What the Conv2D and DepthwiseConv2dNative rules share: a convolution's geometry
+(padding, patches, filter taps, channel groups) and its batch filter gradient.
+
+Notation (as in `conv2d`):
+    N   images in the batch (N = G*T)        G   groups of contiguous examples
+    T   images per group                      H, W    input height, width
+    Ho, Wo  output height, width             kh, kw  filter size
+    Cin  input channels                       s, d  strides, dilations
+"""
+
+import tensorflow as tf
+
+from pertower.rules import _rows
+
+__all__ = ["attributes", "explicitly_padded", "patches", "check_convolution", "groups",
+           "fold_groups", "mul", "spatial_pads", "padded_input", "taps",
+           "plain_filter_gradient", "filter_gradient"]
+
+
+def attributes(op):
+    """(strides, dilations, padding, explicit pairs) of a Conv2D-like op."""
+    padding = op.get_attr("padding").decode()
+    pairs = op.get_attr("explicit_paddings") if padding == "EXPLICIT" else None
+    return list(op.get_attr("strides")), list(op.get_attr("dilations")), padding, pairs
+
+
+def explicitly_padded(op):
+    """(x, padding): op's input with any explicit padding applied by `tf.pad`, and the
+    padding ("SAME"/"VALID") that then gives op's output positions."""
+    x = op.inputs[0]
+    _, _, padding, pairs = attributes(op)
+    if padding == "EXPLICIT":
+        x = tf.pad(x, [pairs[0:2], pairs[2:4], pairs[4:6], pairs[6:8]])
+        padding = "VALID"
+    return x, padding
+
+
+def patches(op, filter_height, filter_width):
+    """[N, Ho, Wo, kh*kw*Cin]: the input patch each output position of `op` sees."""
+    x, padding = explicitly_padded(op)
+    strides, dilations, _, _ = attributes(op)
+    return tf.image.extract_patches(
+        x, sizes=[1, filter_height, filter_width, 1], strides=[1, strides[1], strides[2], 1],
+        rates=[1, dilations[1], dilations[2], 1], padding=padding)
+
+
+def check_convolution(op, slot, analysis):
+    """The activation's Rows when `op` (Conv2D or DepthwiseConv2dNative) is covered,
+    else a reason string."""
+    if slot != 1:
+        return "the weight is the convolution's input, not its filter"
+    if op.get_attr("data_format") != b"NHWC":
+        return f"data_format {op.get_attr('data_format').decode()} (only NHWC is covered)"
+    if not op.inputs[1].shape.is_fully_defined():
+        return "the filter's shape is not static"
+    if groups(op) is None:
+        return (f"the filter's {op.inputs[1].shape[2]} input channels do not divide the "
+                f"input's channels ({op.inputs[0].shape[-1]}) into groups")
+    return _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
+
+
+def groups(op):
+    """g, the number of channel groups of the convolution `op` (1 for an ordinary one),
+    or None when the input's channels are not static or not a multiple of the filter's
+    input channels (or the output channels not a multiple of g)."""
+    if op.type != "Conv2D":
+        return 1
+    channels = op.inputs[0].shape.with_rank_at_least(1)[-1]
+    _, _, c_in, c_out = op.inputs[1].shape.as_list()
+    channels = tf.compat.dimension_value(channels)
+    if channels is None or channels % c_in or c_out % (channels // c_in):
+        return None
+    return channels // c_in
+
+
+def fold_groups(tensor, G):
+    """[G*T, H, W, C] -> [T, H, W, G*C]: each group's images side by side in channels
+    (group g's channels are g*C ... g*C + C - 1)."""
+    h, w, c = (_rows.dim(tensor, axis) for axis in (1, 2, 3))
+    split = tf.reshape(tensor, _rows.group_shape(G, [-1, h, w, c]))   # [G, T, H, W, C]
+    moved = tf.transpose(split, [1, 2, 3, 0, 4])                       # [T, H, W, G, C]
+    return tf.reshape(moved, _rows.group_shape(-1, [h, w, mul(G, c)]))  # [T, H, W, G*C]
+
+
+def mul(G, c):
+    """G*c, an int when G is."""
+    return G * c if isinstance(G, int) else G * tf.constant(c, G.dtype)
+
+
+def spatial_pads(op, kh, kw):
+    """[(before, after)] for H and W such that a VALID convolution of the padded input
+    with op's strides and dilations gives op's output positions exactly, cropping
+    rows and columns no output position reads; None unless the spatial sizes are static."""
+    strides, dilations, padding, pairs = attributes(op)
+    x_shape, z_shape = op.inputs[0].shape, op.outputs[0].shape
+    sizes = [tf.compat.dimension_value(d) for d in (x_shape[1], x_shape[2], z_shape[1],
+                                                   z_shape[2])]
+    if any(d is None for d in sizes):
+        return None
+    pads = []
+    for axis, (size, out, k) in enumerate([(sizes[0], sizes[2], kh), (sizes[1], sizes[3], kw)]):
+        s, d = strides[axis + 1], dilations[axis + 1]
+        needed = (out - 1) * s + (k - 1) * d + 1          # input extent the outputs read
+        if padding == "EXPLICIT":
+            before = pairs[2 * (axis + 1)]
+        elif padding == "SAME":
+            before = max(needed - size, 0) // 2
+        else:
+            before = 0
+        pads.append((before, needed - size - before))     # after < 0: crop
+    return pads
+
+
+def padded_input(op, kh, kw):
+    """[N, H', W', C]: op's input padded (and cropped) by `spatial_pads`, so that a
+    VALID convolution of it with op's strides and dilations gives op's output positions
+    and reads every row and column; needs static spatial sizes."""
+    (top, bottom), (left, right) = spatial_pads(op, kh, kw)
+    x = op.inputs[0]
+    x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)], [max(left, 0), max(right, 0)],
+                   [0, 0]])
+    return x[:, :x.shape[1] + min(bottom, 0), :x.shape[2] + min(right, 0), :]
+
+
+def taps(op, kh, kw, tensor=None, axes=(1, 2)):
+    """[[..., Ho, Wo, ...]] for every filter tap (u, v), u-major: the input values each
+    output position of `op` multiplies by the filter's tap (u, v), a strided slice of
+    `padded_input` (rows u*d, u*d + s, ..., columns likewise; no copy of the patches).
+
+    Args:
+      op: the Conv2D or DepthwiseConv2dNative op (static spatial sizes).
+      kh, kw: the filter's height and width.
+      tensor: `padded_input(op, kh, kw)` (default) or a transpose of it whose height
+        and width are the axes `axes`.
+      axes: the height and width axes of `tensor`.
+    """
+    strides, dilations, _, _ = attributes(op)
+    if tensor is None:
+        tensor = padded_input(op, kh, kw)             # [N, H', W', C]
+    out_h, out_w = (tf.compat.dimension_value(d) for d in op.outputs[0].shape[1:3])
+    result = []
+    for u in range(kh):
+        for v in range(kw):
+            index = [slice(None)] * tensor.shape.rank
+            top, left = u * dilations[1], v * dilations[2]
+            index[axes[0]] = slice(top, top + (out_h - 1) * strides[1] + 1, strides[1])
+            index[axes[1]] = slice(left, left + (out_w - 1) * strides[2] + 1, strides[2])
+            result.append(tensor[tuple(index)])
+    return result                                     # kh*kw x [..., Ho, Wo, ...]
+
+
+def plain_filter_gradient(op):
+    """Whether TensorFlow's batch filter gradient runs everywhere for `op`: no groups
+    and no dilation."""
+    return groups(op) == 1 and all(d == 1 for d in op.get_attr("dilations"))
+
+
+def filter_gradient(backprop_filter, use, out_backprop):
+    """[*w.shape]: the batch filter gradient of `use.op` (Conv2D or
+    DepthwiseConv2dNative) for the output gradient `out_backprop`, with the op's own
+    strides, padding, dilations and data format."""
+    op = use.op
+    attrs = dict(strides=op.get_attr("strides"), padding=op.get_attr("padding"),
+                 explicit_paddings=op.get_attr("explicit_paddings"),
+                 data_format=op.get_attr("data_format"), dilations=op.get_attr("dilations"))
+    if backprop_filter is tf.raw_ops.Conv2DBackpropFilter:
+        attrs["use_cudnn_on_gpu"] = op.get_attr("use_cudnn_on_gpu")
+    grad = backprop_filter(input=op.inputs[0], filter_sizes=use.weight_shape.as_list(),
+                           out_backprop=out_backprop, **attrs)
+    grad.set_shape(use.weight_shape)
+    return grad
