@@ -117,7 +117,7 @@ def _static_size(shape):
 
 def _activation_bytes(request, B):
     """Bytes of the floating outputs of the ops between the batch and `ys` (of the
-    checked request `prepared`), for B examples; tensors whose per-example shape is not
+    checked `request`), for B examples; tensors whose per-example shape is not
     static are left out, and so are elementwise ops (activations, bias adds), whose
     kernels reuse their input's buffer when they can."""
     total = 0
