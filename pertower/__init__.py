@@ -6,6 +6,8 @@ Public surface:
     per_example_norms
     Towers, build_towers
     explain, check_independence, estimate_memory
+    Plan, MemoryEstimate, UnconnectedWeightsWarning (what explain and estimate_memory
+    return, and the warning that names weights `ys` does not reach)
     PerExampleIndexedSlices (sparse=True results for embedding weights)
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
@@ -39,6 +41,9 @@ __all__ = [
     "build_towers",
     "check_independence",
     "estimate_memory",
+    "Plan",
+    "MemoryEstimate",
+    "UnconnectedWeightsWarning",
     "PerExampleIndexedSlices",
     "flatten",
     "flatten_per_example",
@@ -78,6 +83,7 @@ _LAZY = {
     "global_norms": "pertower._reductions",
     "gradient_noise_scale": "pertower._analytics",
     "gradient_variance": "pertower._analytics",
+    "MemoryEstimate": "pertower._guards.memory",
     "microbatch_gradients": "pertower._api.gradients",
     "NoiseScale": "pertower._analytics",
     "pairwise_cosine": "pertower._reductions",
@@ -86,10 +92,12 @@ _LAZY = {
     "per_example_jacobians": "pertower._api.gradients",
     "per_example_norms": "pertower._api.norms",
     "PerExampleIndexedSlices": "pertower._towers.sparse",
+    "Plan": "pertower._plan",
     "similarity_matrix": "pertower._analytics",
     "Towers": "pertower._towers.build",
     "tracin": "pertower._analytics",
     "tracin_over_checkpoints": "pertower._analytics",
+    "UnconnectedWeightsWarning": "pertower._checks",
 }
 
 

@@ -73,30 +73,29 @@ def tracin(train_gradients, test_gradients, learning_rates=1.0):
       test = pertower.per_example_gradients(test_loss, weights, batch_size=5)
       scores = pertower.tracin(train, test, learning_rates=0.1)       # [100, 5]
     """
-    function_name = "tracin"
     if _is_checkpoint_list(train_gradients) or _is_checkpoint_list(test_gradients):
         if not (_is_checkpoint_list(train_gradients) and _is_checkpoint_list(test_gradients)):
-            raise ValueError(
-                f"pertower.{function_name}: one of `train_gradients` and `test_gradients` is "
+            raise _context.error(
+                ValueError, f"one of `train_gradients` and `test_gradients` is "
                 "a list over checkpoints and the other is not; give both per checkpoint.")
         C = len(train_gradients)
         if len(test_gradients) != C:
-            raise ValueError(
-                f"pertower.{function_name}: `train_gradients` has {C} checkpoints but "
+            raise _context.error(
+                ValueError, f"`train_gradients` has {C} checkpoints but "
                 f"`test_gradients` has {len(test_gradients)}.")
         if not isinstance(learning_rates, (list, tuple)) or len(learning_rates) != C:
-            raise ValueError(
-                f"pertower.{function_name}: `learning_rates` must be a sequence of {C} "
+            raise _context.error(
+                ValueError, f"`learning_rates` must be a sequence of {C} "
                 f"learning rates, one per checkpoint, but received {learning_rates!r:.80}.")
         pairs = list(zip(train_gradients, test_gradients, learning_rates))
     else:
         if isinstance(learning_rates, (list, tuple)):
-            raise ValueError(
-                f"pertower.{function_name}: `learning_rates` is a sequence, but the "
+            raise _context.error(
+                ValueError, f"`learning_rates` is a sequence, but the "
                 "gradients are for one checkpoint; pass one learning rate, or the gradients "
                 "as lists over checkpoints.")
         pairs = [(train_gradients, test_gradients, learning_rates)]
-    with tf.name_scope(function_name):
+    with tf.name_scope(_context.name()):
         total = None
         for c, (train, test, rate) in enumerate(pairs):
             train = _per_example_tensors(train, f"train_gradients[{c}]")
@@ -135,19 +134,18 @@ def tracin_over_checkpoints(sess, scores, checkpoints, learning_rates, restore,
       influence = pertower.tracin_over_checkpoints(sess, scores, paths, [0.1] * len(paths),
                                                    saver, {x: X, y: Y, x_test: Xt, y_test: Yt})
     """
-    function_name = "tracin_over_checkpoints"
     checkpoints, learning_rates = list(checkpoints), list(learning_rates)
     if not checkpoints:
-        raise ValueError(f"pertower.{function_name}: `checkpoints` is empty.")
+        raise _context.error(ValueError, "`checkpoints` is empty.")
     if len(learning_rates) != len(checkpoints):
-        raise ValueError(
-            f"pertower.{function_name}: {len(checkpoints)} checkpoints but "
+        raise _context.error(
+            ValueError, f"{len(checkpoints)} checkpoints but "
             f"{len(learning_rates)} learning rates; give one learning rate per checkpoint.")
     if hasattr(restore, "restore"):
         restore = restore.restore
     if not callable(restore):
-        raise TypeError(f"pertower.{function_name}: `restore` must be a tf.compat.v1.train."
-                        f"Saver or a callable(sess, checkpoint), not {type(restore).__name__}.")
+        raise _context.error(TypeError, "`restore` must be a tf.compat.v1.train.Saver or a "
+                             f"callable(sess, checkpoint), not {type(restore).__name__}.")
     several = isinstance(feed_dict, (list, tuple))
     feeds = list(feed_dict) if several else [feed_dict]
     totals = [None] * len(feeds)
@@ -159,6 +157,7 @@ def tracin_over_checkpoints(sess, scores, checkpoints, learning_rates, restore,
     return totals if several else totals[0]
 
 
+@_context.public("similarity_matrix")
 def similarity_matrix(a, b=None, metric="cosine"):
     """Gradient similarities between every example of `a` and every example of `b`.
 
@@ -177,8 +176,8 @@ def similarity_matrix(a, b=None, metric="cosine"):
         return reductions.pairwise_cosine(a, b)
     if metric == "dot":
         return reductions.pairwise_dot(a, b)
-    raise ValueError(f"pertower.similarity_matrix: `metric` must be 'cosine' or 'dot', but "
-                     f"received {metric!r}.")
+    raise _context.error(ValueError, f"`metric` must be 'cosine' or 'dot', but "
+                         f"received {metric!r}.")
 
 
 @_context.public("class_similarity")
@@ -203,13 +202,12 @@ def class_similarity(similarity, labels_a, num_classes, labels_b=None):
     Example:
       heat = pertower.class_similarity(pertower.similarity_matrix(grads), labels, 10)
     """
-    function_name = "class_similarity"
     num_classes = _checks.positive_int(num_classes, "num_classes")
     similarity = tf.convert_to_tensor(similarity)
     if similarity.shape.rank != 2:
-        raise ValueError(f"pertower.{function_name}: `similarity` must be a [B_a, B_b] matrix, "
-                         f"but has shape {similarity.shape}.")
-    with tf.name_scope(function_name):
+        raise _context.error(ValueError, f"`similarity` must be a [B_a, B_b] matrix, "
+                             f"but has shape {similarity.shape}.")
+    with tf.name_scope(_context.name()):
         dtype = similarity.dtype
         one_hot_a = tf.one_hot(labels_a, num_classes, dtype=dtype)           # [B_a, C]
         if labels_b is None:
@@ -252,8 +250,8 @@ def fisher_diagonal(per_example_gradients):
 def _require_two_examples(tensors):
     B = _checks.static_batch_size(tensors[0])
     if B is not None and B < 2:
-        raise ValueError(f"pertower.{_context.name()}: the unbiased estimates need at least 2 "
-                         f"examples, but the per-example gradients have B = {B}.")
+        raise _context.error(ValueError, f"the unbiased estimates need at least 2 "
+                             f"examples, but the per-example gradients have B = {B}.")
 
 
 @_context.public("gradient_variance")
@@ -362,16 +360,15 @@ def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
       jac = pertower.per_example_jacobians(model(x), model.trainable_weights, batch_size=16)
       ntk = pertower.empirical_ntk(jac)                              # [16, K, 16, K]
     """
-    function_name = "empirical_ntk"
     if isinstance(output_rank, bool) or not isinstance(output_rank, numbers.Integral) or (
             output_rank < 0):
-        raise ValueError(f"pertower.{function_name}: `output_rank` must be a non-negative "
-                         f"integer, but received {output_rank!r}.")
+        raise _context.error(ValueError, f"`output_rank` must be a non-negative "
+                             f"integer, but received {output_rank!r}.")
     a = _per_example_tensors(jacobians_a, "jacobians_a")
     b = a if jacobians_b is None else _per_example_tensors(jacobians_b, "jacobians_b")
     if len(a) != len(b):
-        raise ValueError(f"pertower.{function_name}: `jacobians_a` has {len(a)} tensors but "
-                         f"`jacobians_b` has {len(b)}; pass Jacobians of the same weights.")
+        raise _context.error(ValueError, f"`jacobians_a` has {len(a)} tensors but "
+                             f"`jacobians_b` has {len(b)}; pass Jacobians of the same weights.")
     if output_rank == 0:
         return reductions.pairwise_dot(a, b)
     out = None
@@ -379,19 +376,19 @@ def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
         for k, j in enumerate(tensors):
             if j.shape.rank is None or j.shape.rank < 1 + output_rank or not j.shape[
                     1:1 + output_rank].is_fully_defined():
-                raise ValueError(
-                    f"pertower.{function_name}: `{name}[{k}]` has shape {j.shape}; with "
+                raise _context.error(
+                    ValueError, f"`{name}[{k}]` has shape {j.shape}; with "
                     f"output_rank={output_rank} it must be [B, *out, *x.shape] with a static "
                     "`out`.")
             this_out = j.shape[1:1 + output_rank].as_list()
             if out is None:
                 out = this_out
             elif this_out != out:
-                raise ValueError(
-                    f"pertower.{function_name}: `{name}[{k}]` has output axes {this_out} but "
+                raise _context.error(
+                    ValueError, f"`{name}[{k}]` has output axes {this_out} but "
                     f"an earlier tensor has {out}; pass Jacobians of one output.")
     K = int(np.prod(out, dtype=np.int64))
-    with tf.name_scope(function_name):
+    with tf.name_scope(_context.name()):
         total = None
         for ja, jb in zip(a, b):
             # [B, *out, *x.shape] -> [B, K, P_x]

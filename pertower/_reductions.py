@@ -24,27 +24,27 @@ def _tensors(gradient, argument, per_example=False):
     per-example gradients."""
     tensors = _checks.as_list(gradient)
     if not tensors:
-        raise ValueError(f"pertower.{_context.name()}: `{argument}` is empty.")
+        raise _context.error(ValueError, f"`{argument}` is empty.")
     converted = []
     for k, g in enumerate(tensors):
         if g is None:
-            raise ValueError(
-                f"pertower.{_context.name()}: `{argument}[{k}]` is None (a weight the value "
+            raise _context.error(
+                ValueError, f"`{argument}[{k}]` is None (a weight the value "
                 "does not reach, from unconnected_gradients='none'); drop it or use "
                 "unconnected_gradients='zero'.")
         if isinstance(g, tf.IndexedSlices):
             g = tf.convert_to_tensor(g)
         g = tf.convert_to_tensor(g)
         if per_example and g.shape.rank == 0:
-            raise ValueError(
-                f"pertower.{_context.name()}: `{argument}[{k}]` is a scalar, but a "
+            raise _context.error(
+                ValueError, f"`{argument}[{k}]` is a scalar, but a "
                 "per-example gradient has the batch on axis 0 ([B, ...]); pass what "
                 "per_example_gradients returns.")
         converted.append(g)
     dtypes = {g.dtype for g in converted}
     if len(dtypes) > 1:
-        raise TypeError(
-            f"pertower.{_context.name()}: the tensors of `{argument}` have different dtypes "
+        raise _context.error(
+            TypeError, f"the tensors of `{argument}` have different dtypes "
             f"({', '.join(sorted(d.name for d in dtypes))}); cast them to one dtype first.")
     return converted
 
@@ -81,19 +81,19 @@ def flatten_per_example(gradient):
 
 def _check_matching(a_tensors, b_tensors, per_example):
     if len(a_tensors) != len(b_tensors):
-        raise ValueError(
-            f"pertower.{_context.name()}: `a` has {len(a_tensors)} tensors but `b` has "
+        raise _context.error(
+            ValueError, f"`a` has {len(a_tensors)} tensors but `b` has "
             f"{len(b_tensors)}; compare gradients of the same weights.")
     for k, (a, b) in enumerate(zip(a_tensors, b_tensors)):
         a_shape = a.shape[1:] if per_example else a.shape
         b_shape = b.shape[1:] if per_example else b.shape
         if not a_shape.is_compatible_with(b_shape):
-            raise ValueError(
-                f"pertower.{_context.name()}: `a[{k}]` has shape {a.shape} but `b[{k}]` has "
+            raise _context.error(
+                ValueError, f"`a[{k}]` has shape {a.shape} but `b[{k}]` has "
                 f"shape {b.shape}; compare gradients of the same weights.")
         if a.dtype != b.dtype:
-            raise TypeError(
-                f"pertower.{_context.name()}: `a` has dtype {a.dtype.name} but `b` has "
+            raise _context.error(
+                TypeError, f"`a` has dtype {a.dtype.name} but `b` has "
                 f"{b.dtype.name}; cast one of them.")
 
 

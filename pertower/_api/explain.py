@@ -6,6 +6,7 @@ Notation:
 
 from pertower import _checks
 from pertower import _dispatch
+from pertower import _request
 from pertower import _context
 
 __all__ = ["explain", "estimate_memory"]
@@ -35,9 +36,10 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
     """
     _checks.require_graph_mode()
     xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
-    return _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
-                               rules=rules, sparse=sparse, validate=validate,
-                               memory_limit=float("inf"), refuse=False, batch_axis=batch_axis)
+    return _dispatch.make_plan(_request.make_request(
+        ys, xs, batch, batch_size, num_microbatches, method=method, rules=rules,
+        sparse=sparse, validate=validate, memory_limit=float("inf"), refuse=False,
+        batch_axis=batch_axis))
 
 
 @_context.public("estimate_memory")
@@ -67,7 +69,8 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
     _checks.require_graph_mode()
     K = _checks.positive_int(outputs_per_example, "outputs_per_example")
     xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
-    plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_microbatches, method=method,
-                               rules=rules, validate=False, memory_limit=float("inf"),
-                               outputs_per_example=K, refuse=False, batch_axis=batch_axis)
+    plan = _dispatch.make_plan(_request.make_request(
+        ys, xs, batch, batch_size, num_microbatches, method=method, rules=rules,
+        validate=False, memory_limit=float("inf"), outputs_per_example=K, refuse=False,
+        batch_axis=batch_axis))
     return plan.estimate

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _dispatch
+from pertower import _request
 from pertower import _context
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
@@ -113,14 +114,14 @@ def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradient
     _checks.unconnected_gradients_value(unconnected_gradients)
     partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
     xs = partitions.flat
-    plan = _dispatch.make_plan(ys, xs, batch, batch_size, num_groups, method=method,
-                               rules=rules, sparse=sparse, validate=validate,
-                               memory_limit=memory_limit, batch_axis=batch_axis)
+    plan = _dispatch.make_plan(_request.make_request(
+        ys, xs, batch, batch_size, num_groups, method=method, rules=rules, sparse=sparse,
+        validate=validate, memory_limit=memory_limit, batch_axis=batch_axis))
     with _graph_of(ys), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         results = built.gradients(unconnected_gradients=unconnected_gradients,
                                   name="gradients", sparse=sparse)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.prepared.reads)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.request.reads)
         # [G, *partition.shape] each -> [G, *x.shape] per PartitionedVariable
         return partitions.join(built.validated(results))
 
@@ -177,27 +178,26 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
       jac = pertower.per_example_jacobians(model(x), model.trainable_weights,
                                            batch_size=16)        # [16, 10, *w.shape]
     """
-    function_name = "per_example_jacobians"
     _checks.require_graph_mode()
     if isinstance(ys, tf.Tensor) and (ys.shape.rank is None or (
             ys.shape.rank > 0 and not ys.shape[1:].is_fully_defined())):
-        raise ValueError(
-            f"pertower.{function_name}: the output axes of `ys` ({ys.name}, shape "
-            f"{ys.shape}) must be static to build one gradient per output entry; give "
-            "the model's output layer a fixed size, or reshape `ys` to a static shape.")
+        raise _context.error(
+            ValueError, f"the output axes of `ys` ({ys.name}, shape {ys.shape}) must be "
+            "static to build one gradient per output entry; give the model's output layer "
+            "a fixed size, or reshape `ys` to a static shape.")
     K = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
         ys, tf.Tensor) and ys.shape.rank else 1
     devices = _checks.device_list(devices)
     _checks.unconnected_gradients_value(unconnected_gradients)
     partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
     xs = partitions.flat
-    plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
-                               validate=validate, memory_limit=memory_limit,
-                               outputs_per_example=K, batch_axis=batch_axis)
-    with _graph_of(ys), tf.name_scope(name or function_name):
+    plan = _dispatch.make_plan(_request.make_request(
+        ys, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
+        memory_limit=memory_limit, outputs_per_example=K, batch_axis=batch_axis))
+    with _graph_of(ys), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         results = _jacobian_rows(built, ys, unconnected_gradients)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.prepared.reads)
+        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.request.reads)
         # [B, *out, *partition.shape] each -> [B, *out, *x.shape] per PartitionedVariable
         return partitions.join(built.validated(results), lead=max(ys.shape.rank, 1))
 

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _dispatch
+from pertower import _request
 from pertower import _context
 
 __all__ = ["per_example_norms"]
@@ -47,17 +48,16 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
       norms = pertower.per_example_norms(loss, model.trainable_weights)   # [B]
       factors = tf.minimum(1.0, clip / (norms + 1e-12))                  # [B]
     """
-    function_name = "per_example_norms"
     _checks.require_graph_mode()
     devices = _checks.device_list(devices)
     xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
-    plan = _dispatch.make_plan(ys, xs, batch, batch_size, None, method=method, rules=rules,
-                               validate=validate, memory_limit=memory_limit,
-                               forms_gradients=False, batch_axis=batch_axis)
-    with plan.prepared.graph.as_default(), tf.name_scope(name or function_name):
+    plan = _dispatch.make_plan(_request.make_request(
+        ys, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
+        memory_limit=memory_limit, forms_gradients=False, batch_axis=batch_axis))
+    with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         norms = tf.sqrt(built.squared_norms(name="gradients"))           # [B]
         _checks.warn_unconnected(ys, xs, _checks.UNCONNECTED_DEFAULT,
                                  outcome="they add 0 to the norms",
-                                 reads=plan.prepared.reads)
+                                 reads=plan.request.reads)
         return built.validated([norms])[0]

@@ -23,13 +23,13 @@ from pertower import _context
 __all__ = ["compute_epsilon"]
 
 
-@_context.public("compute_epsilon")
 def _number(value, argument, low, high, low_open, high_open):
     """`value` as a float in the given interval; raises with the argument's name."""
     return _checks.real_number(value, argument, low, high, low_open,
                                high_open)
 
 
+@_context.public("compute_epsilon")
 def compute_epsilon(steps, noise_multiplier, sampling_probability, delta):
     """The ε of (ε, δ)-DP after `steps` DP-SGD steps, by the RDP accountant.
 
@@ -53,8 +53,8 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta):
                                      sampling_probability=256 / 60000, delta=1e-5)
     """
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise ValueError(f"pertower.compute_epsilon: `steps` must be a non-negative integer, "
-                         f"but received {steps!r}.")
+        raise _context.error(ValueError, f"`steps` must be a non-negative integer, "
+                             f"but received {steps!r}.")
     noise_multiplier = _number(noise_multiplier, "noise_multiplier", 0, math.inf, True, True)
     sampling_probability = _number(sampling_probability, "sampling_probability", 0, 1,
                                    True, False)
@@ -64,9 +64,8 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta):
     try:
         import dp_accounting  # pylint: disable=import-outside-toplevel
     except ImportError:
-        raise ImportError(
-            "pertower.compute_epsilon needs Google's dp-accounting package: "
-            "pip install dp-accounting") from None
+        raise ImportError(_context.prefix() + " needs Google's dp-accounting package: "
+                          "pip install dp-accounting") from None
     event = dp_accounting.PoissonSampledDpEvent(
         sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier))
     accountant = dp_accounting.rdp.RdpAccountant()

@@ -33,9 +33,10 @@ mode keeps this path: the norms and the sum differentiate the draws of the same 
 Weights without a rule are formed by towers, [B, *x.shape], and contracted with the
 same f (the towers replay the model, so a random op draws its own numbers there; each
 example's clipped gradient, as computed, still has norm <= C). Microbatches (M < B)
-use `microbatch_gradients`, whose result is [M, *x.shape].
+are built by the same dispatch as `microbatch_gradients`, [M, *x.shape].
 """
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -43,11 +44,12 @@ import warnings
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import _dispatch
-from pertower._api import gradients as gradients_lib
-from pertower import _graph_walk as graph_walk
-from pertower import _reductions as reductions
 from pertower import _context
+from pertower import _dispatch
+from pertower import _graph_walk as graph_walk
+from pertower import _plan
+from pertower import _reductions as reductions
+from pertower import _request
 from pertower._dp import noise as noise_lib
 
 __all__ = ["DPOptimizer"]
@@ -56,12 +58,13 @@ _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 _GATE_GRAPH = tf.compat.v1.train.Optimizer.GATE_GRAPH
 
 
-def _weight_name(x):
-    name = getattr(x, "name", None)
-    return name if isinstance(name, str) else repr(x)
+# What a reduced loss is told.
+_ONE_LOSS_PER_EXAMPLE = (
+    "DP needs one loss per example: pass the unreduced loss, [B] (e.g. "
+    "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
+    "reduction='none'), not its mean.")
 
 
-@_context.public("DPOptimizer")
 def _real_number(value, argument, positive):
     """`value` as a float when it is a finite real number (> 0 or >= 0); raises otherwise."""
     return _checks.real_number(value, argument, low=0.0, high=math.inf,
@@ -110,8 +113,8 @@ class DPOptimizer:
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None,
                  seed=None, method="auto"):
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
-            raise TypeError(
-                "pertower.DPOptimizer: `optimizer` must be a tf.compat.v1.train.Optimizer "
+            raise _context.error(
+                TypeError, "`optimizer` must be a tf.compat.v1.train.Optimizer "
                 f"instance (e.g. tf.compat.v1.train.GradientDescentOptimizer(0.1)), but "
                 f"received {type(optimizer).__name__}. Keras optimizers are not supported.")
         self._optimizer = optimizer
@@ -121,10 +124,10 @@ class DPOptimizer:
         self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
             num_microbatches, "num_microbatches"))
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise TypeError(f"pertower.DPOptimizer: `seed` must be an int or None, but received "
-                            f"{type(seed).__name__} ({seed!r:.80}).")
+            raise _context.error(TypeError, "`seed` must be an int or None, but received "
+                                 f"{type(seed).__name__} ({seed!r:.80}).")
         self._seed = None if seed is None else int(seed)
-        self._method = _dispatch.check_method(method)
+        self._method = _request.check_method(method)
         self._computed = False
         self._noise_draws = 0  # noise ops built so far: each gets its own op seed
 
@@ -183,29 +186,22 @@ class DPOptimizer:
           alone, noise moves them at every step (pass `var_list` to choose). A Keras 3
           variable is replaced by the tf.Variable holding its value.
         """
-        function_name = "DPOptimizer.compute_gradients"
         _checks.require_graph_mode()
         if callable(loss) and not isinstance(loss, tf.Tensor):
-            raise TypeError(f"pertower.{function_name}: `loss` must be a graph tensor, not a "
-                            "callable (that is the eager API, which pertower does not serve).")
+            raise _context.error(TypeError, "`loss` must be a graph tensor, not a callable "
+                                 "(that is the eager API, which pertower does not serve).")
         _checks.require_graph_tensor(loss, "loss")
         if grad_loss is not None:
-            raise ValueError(
-                f"pertower.{function_name}: `grad_loss` must be None: DP-SGD weighs every "
-                "example's loss equally; scale the loss instead.")
+            raise _context.error(
+                ValueError, "`grad_loss` must be None: DP-SGD weighs every example's loss "
+                "equally; scale the loss instead.")
         if gate_gradients not in (tf.compat.v1.train.Optimizer.GATE_NONE, _GATE_OP,
                                   _GATE_GRAPH):
-            raise ValueError(f"pertower.{function_name}: `gate_gradients` must be GATE_NONE, "
-                             f"GATE_OP or GATE_GRAPH, but received {gate_gradients!r}.")
-        if not loss.dtype.is_floating:
-            raise TypeError(f"pertower.{function_name}: `loss` must be a floating tensor, but "
-                            f"{loss.name} has dtype {loss.dtype.name}.")
-        if loss.shape.rank is None or loss.shape.rank == 0:
-            raise ValueError(
-                f"pertower.{function_name}: `loss` ({loss.name}) has shape {loss.shape}, but "
-                "DP needs one loss per example: pass the unreduced loss, [B] (e.g. "
-                "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
-                "reduction='none'), not its mean.")
+            raise _context.error(ValueError, "`gate_gradients` must be GATE_NONE, GATE_OP or "
+                                 f"GATE_GRAPH, but received {gate_gradients!r}.")
+        if loss.shape.rank is None:   # (a scalar is refused by the request, below)
+            raise _context.error(ValueError, f"`loss` ({loss.name}) has shape {loss.shape}, "
+                                 f"but {_ONE_LOSS_PER_EXAMPLE}")
         defaulted = var_list is None
         var_list = self._variables(var_list)
         _checks.warn_unconnected(
@@ -216,28 +212,25 @@ class DPOptimizer:
             remedy=("Pass `var_list` with only the variables the loss depends on (it "
                     "defaulted to every trainable variable of the graph)." if defaulted
                     else "Leave them out of `var_list`."))
-        # B when known now (the towers check it against the fed batch at run time)
-        B = (_checks.static_batch_size(loss) if batch_size is None else
-             _checks.positive_int(batch_size, "batch_size"))
         M = self._num_microbatches
-        if M is not None and B is not None and B % M:
-            raise ValueError(
-                f"pertower.{function_name}: `num_microbatches` ({M}) must divide the batch "
-                f"size ({B}); choose a divisor of {B} or None (one microbatch per example).")
 
         with tf.name_scope("dp_compute_gradients"):
             # [B, ...] -> [B]: an example's loss is the mean of its entries
-            per_example_loss = loss if loss.shape.rank == 1 else tf.reduce_mean(
+            per_example_loss = loss if loss.shape.rank <= 1 else tf.reduce_mean(
                 loss, axis=list(range(1, loss.shape.rank)))
-            noisy = graph_walk.random_ops(graph_walk.upstream_ops([per_example_loss]))
-            random_op = noisy[0] if noisy else None
+            # the one request of this call: the dtype, rank, B and M | B checked there
+            with warnings.catch_warnings():   # warned about unreached ones above
+                warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
+                request = _request.make_request(
+                    per_example_loss, var_list, batch, batch_size, M, method=self._method,
+                    batch_axis=batch_axis, ys_argument="loss",
+                    scalar_advice=_ONE_LOSS_PER_EXAMPLE)
+            # B when known now (the towers check it against the fed batch at run time)
+            B = request.batch_size if request.batch_size is not None else request.ys_rows
             if M is None or (B is not None and M == B):
-                clipped_sum, count = self._clipped_sum_per_example(
-                    per_example_loss, var_list, batch, batch_size, gate_gradients,
-                    random_op, batch_axis)
+                clipped_sum, count = self._clipped_sum_per_example(request, gate_gradients)
             else:
-                clipped_sum, count = self._clipped_sum_microbatches(
-                    per_example_loss, var_list, batch, batch_size, M, batch_axis)
+                clipped_sum, count = self._clipped_sum_microbatches(request)
             noised = self._add_noise(clipped_sum)
             # sum / M: the noisy average over microbatches (examples when M = B)
             averaged = [g / tf.cast(count, g.dtype) for g in noised]
@@ -250,13 +243,13 @@ class DPOptimizer:
                 tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES)
             var_list = list({id(v): v for v in var_list}.values())
             if not var_list:
-                raise ValueError(f"pertower.{_context.name()}: the graph has no trainable "
-                                 "variables; pass `var_list`.")
+                raise _context.error(ValueError, "the graph has no trainable variables; "
+                                     "pass `var_list`.")
         else:
             var_list = _checks.weight_list(
                 _checks.Partitions(_checks.as_list(var_list)).flat, "var_list")
             if not var_list:
-                raise ValueError(f"pertower.{_context.name()}: `var_list` is empty.")
+                raise _context.error(ValueError, "`var_list` is empty.")
         return var_list
 
     def _clip_factors(self, norms):
@@ -264,50 +257,47 @@ class DPOptimizer:
         clip = tf.constant(self._l2_norm_clip, norms.dtype)
         return clip / tf.maximum(norms, clip)
 
-    def _clipped_sum_per_example(self, per_example_loss, var_list, batch, batch_size,
-                                 gate_gradients, random_op, batch_axis=None):
+    def _clipped_sum_per_example(self, request, gate_gradients):
         """sum_i clip(g_i) from one forward and one backward pass; and B."""
+        request = request.per_example()
         with warnings.catch_warnings():   # compute_gradients warned about unreached ones
             warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
-            plan = _dispatch.make_plan(per_example_loss, var_list, batch, batch_size, None,
-                                       method=self._method, forms_gradients=False,
-                                       batch_axis=batch_axis)
+            plan = _dispatch.make_plan(dataclasses.replace(
+                request, options=dataclasses.replace(request.options,
+                                                     forms_gradients=False)))
         # towers replay the model with their own draws; row passes (past a TF1 loop)
         # differentiate the model itself, with the draws of the loss
-        if random_op is not None and plan.fallback and plan.loop_op is None:
-            names = ", ".join(_weight_name(var_list[k]) for k in plan.fallback)
-            warnings.warn(
-                f"pertower.{_context.name()}: the loss depends on the random op "
-                f"{random_op.name!r} ({random_op.type}), e.g. dropout in training mode, "
-                f"and no rule covers {names}: their per-example gradients come from towers "
-                "that replay the model and draw their own random numbers. Each example's "
-                "clipped gradient still has norm <= l2_norm_clip.", stacklevel=3)
+        noisy = graph_walk.random_ops(request.ys_upstream)
+        if noisy and plan.fallback and plan.loop_op is None:
+            names = ", ".join(_plan.weight_name(request.xs[k]) for k in plan.fallback)
+            warnings.warn(_context.prefixed(
+                f"the loss depends on the random op {noisy[0].name!r} ({noisy[0].type}), "
+                f"e.g. dropout in training mode, and no rule covers {names}: their "
+                "per-example gradients come from towers that replay the model and draw "
+                "their own random numbers. Each example's clipped gradient still has norm "
+                "<= l2_norm_clip."), stacklevel=3)
         built = _dispatch.build(plan)
         _, _, grads = built.clipped_sum(self._clip_factors, name="clipped_sum")
         if gate_gradients == _GATE_GRAPH:
             grads = list(tf.tuple(grads))
-        return grads, tf.shape(per_example_loss)[0]
+        return grads, tf.shape(request.ys)[0]
 
-    def _clipped_sum_microbatches(self, per_example_loss, var_list, batch, batch_size, M,
-                                  batch_axis=None):
-        """sum_m clip(g_m) with g_m the gradient of microbatch m's mean loss; and M
-        (M None: one microbatch per example)."""
-        sums = gradients_lib.microbatch_gradients(
-            per_example_loss, var_list, batch=batch, num_microbatches=M,
-            batch_size=batch_size, name="microbatch_gradients",
-            method=self._method, batch_axis=batch_axis,
-            unconnected_gradients="zero")  # [M, *x.shape] each; warned in compute_gradients
-        if M is None:
-            means, count = sums, tf.shape(per_example_loss)[0]
-        else:
-            # gradient of the microbatch mean = gradient of its sum / (B/M); B/M counted
-            # on the outer loss (not replayed by the towers)
-            per_microbatch = tf.shape(per_example_loss)[0] // M
-            means, count = [g / tf.cast(per_microbatch, g.dtype) for g in sums], M
+    def _clipped_sum_microbatches(self, request):
+        """sum_m clip(g_m) with g_m the gradient of microbatch m's mean loss; and M."""
+        M, per_example_loss = request.num_groups, request.ys
+        with tf.name_scope("microbatch_gradients"):
+            built = _dispatch.build(_dispatch.make_plan(request))
+            # [M, *x.shape] each
+            sums = built.validated(built.gradients(unconnected_gradients="zero",
+                                                   name="gradients"))
+        # gradient of the microbatch mean = gradient of its sum / (B/M); B/M counted
+        # on the outer loss (not replayed by the towers)
+        per_microbatch = tf.shape(per_example_loss)[0] // M
+        means = [g / tf.cast(per_microbatch, g.dtype) for g in sums]
         factors = self._clip_factors(reductions.global_norms(means))    # [M]
         # [M] x [M, *x.shape] -> [*x.shape]
         clipped_sum = [tf.tensordot(factors, g, axes=1) for g in means]
-        return clipped_sum, count
+        return clipped_sum, M
 
     def _add_noise(self, gradients):
         """g + N(0, (σ C)^2) per entry, from one draw over all weights (so that one
@@ -336,12 +326,13 @@ class DPOptimizer:
                                        else tf.shape(g)), g.dtype)
                 for g, p in zip(gradients, pieces)]
 
+    @_context.public("DPOptimizer.apply_gradients")
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """The wrapped optimizer's `apply_gradients`; refused before `compute_gradients`
         (the gradients it applies must be the private ones)."""
         if not self._computed:
-            raise RuntimeError(
-                "pertower.DPOptimizer.apply_gradients: call compute_gradients first (or "
+            raise _context.error(
+                RuntimeError, "call compute_gradients first (or "
                 "minimize); applying gradients that were not clipped and noised would not "
                 "be differentially private.")
         return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,

@@ -6,7 +6,7 @@ Notation:
     R   rows of the result: B (per-example), M (microbatches)
     s   bytes per number               P_t the scalars of the weights left to towers
 
-The estimate is taken on the plan (`pertower._dispatch.Plan`), so it counts what will
+The estimate is taken on the plan (`pertower._plan.Plan`), so it counts what will
 be built: the per-example result, R x K x P numbers, written once (the rules write
 each covered weight's result directly); the towers' gradients before they are
 stacked, T x K x P_t, only for the weights that fall back to towers; and the forward
@@ -115,13 +115,13 @@ def _static_size(shape):
     return int(np.prod(shape.as_list(), dtype=np.int64))
 
 
-def _activation_bytes(prepared, B):
+def _activation_bytes(request, B):
     """Bytes of the floating outputs of the ops between the batch and `ys` (of the
-    checked request `prepared`), for B examples; tensors whose per-example shape is not
+    checked `request`), for B examples; tensors whose per-example shape is not
     static are left out, and so are elementwise ops (activations, bias adds), whose
     kernels reuse their input's buffer when they can."""
     total = 0
-    for op in prepared.batch_downstream:
+    for op in request.batch_downstream:
         if op.type in _batch_axis.ELEMENTWISE_OP_TYPES:
             continue  # TF kernels write these into their input's buffer when they can
         for out in op.outputs:
@@ -146,7 +146,7 @@ def _weight_bytes(xs):
 
 
 def estimate_plan(plan):
-    """The `MemoryEstimate` of what `plan` (a `pertower._dispatch.Plan`) builds, or None
+    """The `MemoryEstimate` of what `plan` (a `pertower._plan.Plan`) builds, or None
     while B is unknown.
 
     The rules write each covered weight's [R, K, *x.shape] result once; only the
@@ -154,17 +154,17 @@ def estimate_plan(plan):
     stacked, and the forward activations are counted once for the whole batch.
     `per_example_norms` forms per-example gradients only for the towers' weights.
     """
-    prepared = plan.prepared
-    B = prepared.batch_size
+    request = plan.request
+    B = request.batch_size
     if B is None:
         return None
-    rows = B if prepared.num_groups is None else prepared.num_groups
+    rows = B if request.num_groups is None else request.num_groups
     K = int(plan.outputs_per_example)
-    reached = [x for x, r in zip(prepared.xs, prepared.reads) if r.reached]
+    reached = [x for x, r in zip(request.xs, request.reads) if r.reached]
     P, all_bytes = _weight_bytes(reached)
-    _, fallback_bytes = _weight_bytes([prepared.xs[k] for k in plan.fallback])
+    _, fallback_bytes = _weight_bytes([request.xs[k] for k in plan.fallback])
     result_bytes = rows * K * (all_bytes if plan.forms_gradients else fallback_bytes)
-    activations = _activation_bytes(prepared, B)
+    activations = _activation_bytes(request, B)
     return MemoryEstimate(batch_size=B, num_towers=rows, rows=rows, outputs_per_example=K,
                           num_weights=P, result_bytes=result_bytes,
                           tower_gradient_bytes=rows * K * fallback_bytes,
@@ -178,8 +178,8 @@ def resolve_limit(memory_limit):
         return default_memory_limit()
     if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real) or not (
             memory_limit > 0):
-        raise ValueError(
-            f"pertower.{_context.name()}: `memory_limit` must be a positive number of bytes, "
+        raise _context.error(
+            ValueError, f"`memory_limit` must be a positive number of bytes, "
             "None (the default: half of the machine's physical memory) or float('inf') (no "
             f"limit), but received {memory_limit!r}.")
     return memory_limit
@@ -192,14 +192,13 @@ def check_plan(plan, memory_limit):
     estimate = plan.estimate
     if estimate is None or limit == math.inf or estimate.total_bytes <= limit:
         return
-    function_name = plan.function_name
     default = default_memory_limit()
     default_words = ("the default, half of this machine's physical memory"
                      if limit == default else "the memory_limit you passed")
-    norms_words = ("" if function_name == "per_example_norms" else
+    norms_words = ("" if plan.function_name == "per_example_norms" else
                    "per_example_norms if you only need the norms, ")
-    raise ValueError(
-        f"pertower.{function_name}: the per-example result would need about "
+    raise _context.error(
+        ValueError, "the per-example result would need about "
         f"{estimate.describe()}, above the limit of {_gb(limit)} ({default_words}). "
         "Ask for less: microbatch_gradients with fewer microbatches (M x P numbers "
         f"instead of B x P), {norms_words}a smaller batch (batch_size) or fewer weights "

@@ -27,13 +27,15 @@ such as the loop's stacks of forward values, as any training op does).
 
 import tensorflow as tf
 
+from pertower._towers import fallback
 from pertower._towers import sparse
 
 __all__ = ["RowPasses"]
 
 
-class RowPasses:
-    """G backward passes of the original graph, one per group of rows of `ys`.
+class RowPasses(fallback.PerGroupGradients):
+    """G backward passes of the original graph, one per group of rows of `ys`; a fallback
+    builder (`pertower._towers.fallback`: the norms and clipped sum from `gradients`).
 
     Attributes:
       ys: the per-example values, [B, ...].
@@ -42,19 +44,22 @@ class RowPasses:
       num_groups: G.
     """
 
+    scope = "row_passes"
+
     def __init__(self, ys, xs, batch_size, num_groups):
         self.ys = ys
         self.xs = list(xs)
         self.batch_size = batch_size
         self.num_groups = num_groups
 
-    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None):
+    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
         """[G, *x.shape] per x: entry g is d sum(grad_ys * ys over group g's rows) / dx.
 
         Args:
           grad_ys: None (ones) or a tensor shaped like `ys`, [B, ...].
           unconnected_gradients: "zero" or "none", as in `tf.gradients`.
           name: name scope.
+          sparse: ignored (the passes give dense gradients), for the fallback protocol.
 
         Returns:
           One entry per x: [G, *x.shape], or None for a weight `ys` does not reach

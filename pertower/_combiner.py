@@ -1,0 +1,173 @@
+"""The combiner: the rules' results for the covered weights, one fallback's for the rest.
+
+Notation:
+    B   examples in the batch          G   groups: B (per example) or M (microbatches)
+    x   one weight (entry of `xs`)     f   the [G] clipping factors of DP-SGD
+
+`Built` runs what a `pertower._plan.Plan` decided: the rules' batched backward pass
+(`pertower.rules._engine`) for the weights a rule computes, and ONE fallback builder
+(`pertower._towers.fallback`: the towers, or, past a TF1 while loop, row passes) for
+the weights the plan leaves to it; the results are put back in the order of `xs`.
+"""
+
+import tensorflow as tf
+
+from pertower._guards import independence
+from pertower._towers import build as towers_lib
+from pertower._towers import row_passes
+from pertower.rules import _engine
+
+__all__ = ["Built"]
+
+
+class Built:
+    """The covered weights' gradients from the rules, the others' from one fallback
+    built for those weights only; and `ys` recomputed slice by slice for the run-time
+    check.
+
+    `gradients(grad_ys=None, unconnected_gradients="zero", name=None, sparse=False)`
+    gives one [G, *x.shape] entry per x (G = B or M; None for a weight `ys` does not
+    reach with unconnected_gradients="none").
+
+    Attributes:
+      plan: the plan.
+      xs, ys, batch_size: the request's.
+      groups: G (a tensor when B is known only at run time).
+      covered: indices into xs of the weights the rules compute ([] when the towers
+        compute every weight: no rule is used, and the towers are exactly
+        `build_towers`).
+      fallback: the `Towers` or `RowPasses` of the other weights, or None.
+      fallback_indices: indices into xs of the fallback's weights, in its order.
+    """
+
+    def __init__(self, plan, devices=None):
+        request = plan.request
+        self.plan = plan
+        self.xs = tuple(request.xs)
+        self.ys = request.ys
+        self.batch_size = request.batch_size
+        self.groups = _engine.group_count(request, request.num_groups)
+        self.covered = list(plan.covered)
+        self.fallback, self.fallback_indices = None, list(plan.fallback)
+        if plan.fallback and plan.loop_op is not None:
+            self.fallback = row_passes.RowPasses(
+                request.ys, [self.xs[k] for k in plan.fallback], request.batch_size,
+                request.num_groups or request.batch_size)
+        elif plan.fallback and not plan.uses_rules:
+            # no rule used: the towers compute every weight (exactly `build_towers`)
+            self.covered, self.fallback_indices = [], list(range(len(self.xs)))
+            self.fallback = towers_lib.towers_of(request, "towers", devices)
+        elif plan.fallback:
+            self.fallback = towers_lib.towers_of(request.restricted(plan.fallback),
+                                                 "towers", devices)
+        # the fallback serves every weight and checks the fed batch itself (towers)
+        self._alone = (not self.covered and self.fallback is not None
+                       and self.fallback.checks_batch)
+
+    @property
+    def _fallback_scope(self):
+        return self.fallback.scope if self.fallback is not None else None
+
+    def _rule_checks(self):
+        """The run-time checks of the fed batch that the rules' and the row passes' ops
+        wait for (the towers check it where they split the batch)."""
+        if self.plan.uses_rules or (self.fallback is not None
+                                    and not self.fallback.checks_batch):
+            return _engine.run_time_checks(self.plan.request)
+        return []
+
+    def _fallback_formed(self, name):
+        """{k: [G, *xs[k].shape]}: the fallback's per-group gradients (weights without
+        a gradient left out), and its squared norms {k: [G]}."""
+        if self.fallback is None:
+            return {}, {}
+        formed = self.fallback.formed(name=name)
+        squares = self.fallback.squared_norms(formed)
+        at = self.fallback_indices
+        return ({at[i]: g for i, g in formed.items()},
+                {at[i]: s for i, s in squares.items()})
+
+    def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
+        if self._alone:
+            return [independence.gated(g) for g in self.fallback.gradients(
+                grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
+                name=name or "gradients", sparse=sparse)]
+        with tf.name_scope(name or "gradients"):
+            with tf.control_dependencies(self._rule_checks()):
+                results = [None] * len(self.xs)
+                covered = _engine.gradients(self.plan, self.covered, self.groups,
+                                            grad_ys, unconnected_gradients)
+                for k, g in covered.items():
+                    results[k] = g
+                if self.fallback is not None:
+                    for k, g in zip(self.fallback_indices, self.fallback.gradients(
+                            grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
+                            name=self._fallback_scope, sparse=sparse)):
+                        results[k] = g
+                return [independence.gated(g) for g in results]
+
+    def squared_norms(self, name=None):
+        """[G] squared norms of each group's gradient over all xs (norms)."""
+        with tf.name_scope(name or "gradients"):
+            ys = self.plan.request.ys
+            with tf.control_dependencies(self._rule_checks()):
+                squares = list(_engine.squared_norms(self.plan, self.covered,
+                                                     self.groups).values())   # [G] each
+                _, fallback_squares = self._fallback_formed(
+                    "tower_gradients" if self._alone else self._fallback_scope)
+            squares += list(fallback_squares.values())                        # [G] each
+            if not squares:   # no weight is reached
+                squares = [tf.zeros(tf.reshape(self.groups, [1]), dtype=ys.dtype)]
+            return tf.add_n([tf.cast(s, ys.dtype) for s in squares])           # [G]
+
+    def clipped_sum(self, factors_of, name=None):
+        """DP-SGD's clipped sum from one forward pass and one backward pass.
+
+        The rules' norms and their reweighted sum share the dZ of ONE tf.gradients of
+        sum(ys) (`_engine.norm_parts`, `_engine.clipped_sums`), so a random op (dropout)
+        is differentiated with the draws of `ys` in the same run; the weights left to
+        the fallback (towers or row passes) are formed there, [G, *x.shape], and
+        contracted with the factors.
+
+        Args:
+          factors_of: maps the [G] per-group gradient norms to the [G] factors f.
+          name: name scope.
+
+        Returns:
+          (norms [G], factors [G], sums): sums[k] = sum_g f_g grad_g(xs[k]),
+          [*xs[k].shape], zeros for a weight `ys` does not reach; f is held constant.
+        """
+        with tf.name_scope(name or "clipped_sum"):
+            plan, ys, G = self.plan, self.plan.request.ys, self.groups
+            with tf.control_dependencies(self._rule_checks()):
+                d_outputs, squares, formed = _engine.norm_parts(plan, self.covered, G)
+                fallback_formed, fallback_squares = self._fallback_formed(
+                    self._fallback_scope)
+            squares = list(squares.values()) + list(fallback_squares.values())  # [G] each
+            if not squares:   # no weight is reached
+                squares = [tf.zeros(tf.reshape(G, [1]), dtype=ys.dtype)]
+            norms = tf.sqrt(tf.add_n([tf.cast(s, ys.dtype) for s in squares]))
+            norms = self.validated([norms])[0]                                 # [G]
+            factors = tf.stop_gradient(factors_of(norms))                      # [G]
+            sums = _engine.clipped_sums(plan, self.covered, d_outputs, formed, factors)
+            if self.fallback is not None:
+                sums.update(self.fallback.clipped_sum(fallback_formed, factors))
+            results = []
+            for k, x in enumerate(self.xs):
+                if k not in sums:
+                    sums[k] = tf.zeros(x.shape, x.dtype.base_dtype) if \
+                        x.shape.is_fully_defined() else tf.zeros_like(x)
+                results.append(independence.gated(sums[k]))
+            return norms, factors, results
+
+    def validated(self, results):
+        """`results` gated on the run-time independence check when the plan asks for it."""
+        plan = self.plan
+        if not plan.validate:
+            return results
+        stacked = self.fallback.stacked if self.fallback is not None else None
+        if stacked is None:
+            # `ys` recomputed slice by slice: a forward-only replay, no weight copied
+            stacked = towers_lib.towers_of(plan.request.restricted([]),
+                                           "validate_towers").stacked
+        return independence.validated(results, plan.request.ys, stacked)

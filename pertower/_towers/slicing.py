@@ -1,0 +1,122 @@
+"""The towers' slices: each batch tensor split on its batch axis, one slice per tower.
+
+Notation:
+    B   examples in the batch          T   towers; each takes B/T examples
+    g   B/T, the examples of one tower
+
+Also the check that each tower produced one row of `ys` per example of its slice, and
+the device scope of tower t.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from pertower import _checks
+from pertower import _context
+
+__all__ = ["split_batch", "split_segments", "check_tower_rows", "on_device"]
+
+
+def split_batch(batch, B, T, axes, static_sizes):
+    """Each batch tensor [B, ...] -> T slices [B/T, ...] along its batch axis (axes[j];
+    [T', B, ...] -> T x [T', B/T, ...] for a time-major one), checking B at run time
+    where the batch axis is not static (static_sizes[j] None)."""
+    slices = []
+    for j, (b, axis, static) in enumerate(zip(batch, axes, static_sizes)):
+        with tf.name_scope(f"slices_{j}"):
+            if static is None:
+                check = _checks.fed_batch_size_check(
+                    b, axis, B, "the towers",
+                    "or build the towers again for the new batch size.")
+                with tf.control_dependencies([check]):
+                    b = tf.identity(b)
+            # [..., B, ...] -> T x [..., B/T, ...] (the batch on axis `axis`)
+            parts = tf.split(b, T, axis=axis)
+            if b.shape.rank is not None:
+                for part in parts:
+                    part.set_shape(b.shape[:axis].concatenate([B // T])
+                                   .concatenate(b.shape[axis + 1:]))
+            slices.append(parts)
+    return slices
+
+
+def split_segments(batch, segments, B, T, axes, static_sizes):
+    """The slices when `ys` joins several batches along axis 0 (rows of s1, then of
+    s2): tower t holds rows t*g ... (t+1)*g - 1 of that order (g = B/T), which lie in
+    one batch s (`_request` checked it); it gets slice [i*g, (i+1)*g) of each batch
+    tensor of s and an empty [0:0] slice of the others, so that f(empty) adds no row.
+
+    Args:
+      batch: the batch tensors.
+      segments: ((batch indices, B_s), ...) in the order of the rows of `ys`.
+      B: B_1 + B_2 + ... ; T: the number of towers.
+      axes: the batch axis of each batch tensor; static_sizes: its static size or None.
+
+    Returns:
+      slices[j][t]: tower t's slice of batch[j], [g or 0, ...] on its batch axis.
+    """
+    g = B // T
+    size_of = {j: size for indices, size in segments for j in indices}
+    slices = []
+    for j, (b, axis, static) in enumerate(zip(batch, axes, static_sizes)):
+        with tf.name_scope(f"slices_{j}"):
+            B_j = size_of[j]
+            # [..., B_j, ...] -> B_j/g x [..., g, ...] (checked against the fed size)
+            parts = split_batch([b], B_j, B_j // g, [axis], [static])[0]
+            # [..., B_j, ...] -> [..., 0, ...]: the input of f for the other batches' towers
+            empty = tf.gather(b, tf.zeros([0], tf.int32), axis=axis, name="empty")
+            # Every tower gets a slice whose batch axis is not static (g rows or 0), so
+            # that the backward pass built for tower 0 and copied for the others
+            # (`backward.replicated_gradients`) bakes in neither size.
+            slices.append(([_rows_not_static(p, axis) for p in parts],
+                           _rows_not_static(empty, axis)))
+    per_tower = [[] for _ in batch]   # per_tower[j][t]
+    for indices, size in segments:
+        for i in range(size // g):   # the next tower: rows i*g ... of this batch
+            for j, (parts, empty) in enumerate(slices):
+                per_tower[j].append(parts[i] if j in indices else empty)
+    return per_tower
+
+
+def _rows_not_static(tensor, axis):
+    """`tensor` with its batch axis `axis` made not static: [..., None, ...]."""
+    shape = tensor.shape
+    if shape.rank is not None:
+        shape = shape[:axis].concatenate([None]).concatenate(shape[axis + 1:])
+    return tf.compat.v1.placeholder_with_default(tensor, shape)
+
+
+def check_tower_rows(outputs, ys, batch, B, T):
+    """Each tower output must have B/T rows, one per example of its slice; otherwise
+    axis 0 of `ys` is not the batch axis of `batch` (e.g. `ys` is computed from a
+    concatenation of several batch tensors) and the towers would mix examples up."""
+    # The message around the number of rows a tower produced.
+    before = _context.prefixed(
+        f"axis 0 of `ys` ({ys.name}) does not follow the batch "
+        f"({', '.join(b.name for b in batch)}): a tower given {B // T} example(s) produced ")
+    after = (" row(s). This happens when `ys` is computed from several batch tensors "
+             "joined along axis 0 (pass `batch=` the joined tensor and its `batch_size`) "
+             "or when the graph mixes rows across the batch axis.")
+    rows = _checks.static_batch_size(outputs[0])
+    if rows is not None:
+        if rows != B // T:
+            raise ValueError(f"{before}{rows}{after}")
+        return outputs
+    checked = []
+    with tf.name_scope("check_rows"):
+        for t, output in enumerate(outputs):
+            produced = tf.shape(output)[0]
+            message = tf.strings.join([before, tf.strings.as_string(produced), after])
+            check = tf.debugging.Assert(tf.equal(produced, B // T), [message],
+                                        name=f"tower_{t}")
+            with tf.control_dependencies([check]):
+                checked.append(tf.identity(output))
+    return checked
+
+
+def on_device(devices, t):
+    """The device scope of tower t (none when `devices` is None)."""
+    if devices is None:
+        return contextlib.nullcontext()
+    return tf.device(devices[t % len(devices)])
