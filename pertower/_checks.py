@@ -45,17 +45,20 @@ def require_graph_mode():
 def require_graph_tensor(value, argument):
     """Returns `value` when it is a symbolic `tf.Tensor`; raises otherwise."""
     if isinstance(value, tf.Variable):
-        raise _context.error(TypeError,
+        raise _context.error(
+            TypeError,
             f"`{argument}` must be a tensor computed from the "
             f"batch, but received the variable {value.name!r}."
         )
     if not isinstance(value, tf.Tensor):
-        raise _context.error(TypeError,
+        raise _context.error(
+            TypeError,
             f"`{argument}` must be a tf.Tensor, but received "
             f"{type(value).__name__} ({value!r:.80})."
         )
     if not hasattr(value, "graph") or not hasattr(value, "op"):
-        raise _context.error(RuntimeError,
+        raise _context.error(
+            RuntimeError,
             f"`{argument}` is an eager tensor. " + _GRAPH_MODE_HINT
         )
     return value
@@ -73,7 +76,8 @@ def unconnected_gradients_value(value):
     try:
         return tf.UnconnectedGradients(value)
     except ValueError:
-        raise _context.error(ValueError,
+        raise _context.error(
+            ValueError,
             f"`unconnected_gradients` must be 'zero' or 'none' "
             f"(or a tf.UnconnectedGradients member), but received {value!r}."
         ) from None
@@ -131,7 +135,8 @@ def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size"):
 def positive_int(value, argument):
     """Returns `value` as an int when it is a positive integer; raises otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise _context.error(ValueError,
+        raise _context.error(
+            ValueError,
             f"`{argument}` must be a positive integer, but "
             f"received {value!r}.")
     return int(value)
@@ -142,7 +147,8 @@ def device_list(devices):
     if devices is None:
         return None
     if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
-        raise _context.error(TypeError,
+        raise _context.error(
+            TypeError,
             f"`devices` must be a list of device strings (for "
             f"example ['/cpu:0', '/cpu:1']), but received {devices!r:.80}.")
     if not devices:
@@ -173,7 +179,8 @@ def renamed_argument(value, old_value, argument, old_argument):
     if old_value is None:
         return value, argument
     if value is not None:
-        raise _context.error(TypeError,
+        raise _context.error(
+            TypeError,
             f"`{old_argument}` is a deprecated name of "
             f"`{argument}`, and both were given ({old_argument}={old_value!r}, "
             f"{argument}={value!r}). Pass only {argument}=.")
@@ -243,7 +250,8 @@ def weight_list(xs, argument):
     weights = as_list(xs)
     for k, x in enumerate(weights):
         if isinstance(x, variables.PartitionedVariable):
-            raise _context.error(TypeError,
+            raise _context.error(
+                TypeError,
                 f"`{argument}[{k}]` is the PartitionedVariable "
                 f"{x.name!r} ({len(list(x))} partitions), which this function does not "
                 f"take whole; pass its partitions instead, e.g. `list(variable)` in "
@@ -252,7 +260,8 @@ def weight_list(xs, argument):
             continue
         value = x.value
         if not isinstance(value, (tf.Variable, tf.Tensor)) or not hasattr(value, "graph"):
-            raise _context.error(TypeError,
+            raise _context.error(
+                TypeError,
                 f"`{argument}[{k}]` is a Keras 3 variable "
                 f"({getattr(x, 'path', None) or getattr(x, 'name', '?')}) whose value is "
                 f"{type(value).__name__}, not a graph-mode TensorFlow variable. Build the "

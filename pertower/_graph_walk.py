@@ -161,7 +161,8 @@ def find_batch_tensors(ys, ys_upstream):
                 candidates.append(out)
     if sparse_parts:
         head = sorted(sparse_parts)[0]
-        raise _context.error(ValueError,
+        raise _context.error(
+            ValueError,
             f"`ys` ({ys.name}) depends on the sparse placeholder {head!r} (its "
             f"{head}/indices and {head}/values), whose axis 0 counts the non-zero entries, "
             "not the examples, so the batch cannot be split by example. Feed its ids as a "
@@ -174,7 +175,8 @@ def find_batch_tensors(ys, ys_upstream):
     shapeless.sort(key=key)
     if shapeless and candidates:
         listing = ", ".join(t.name for t in shapeless)
-        raise _context.error(ValueError,
+        raise _context.error(
+            ValueError,
             f"`ys` ({ys.name}) depends on the placeholder(s) {listing} of unknown "
             "shape, besides the batch tensors "
             f"({', '.join(t.name for t in candidates)}); whether they carry the batch "
@@ -183,7 +185,8 @@ def find_batch_tensors(ys, ys_upstream):
     if shapeless and not candidates:
         candidates = shapeless
     if not candidates:
-        raise _context.error(ValueError,
+        raise _context.error(
+            ValueError,
             f"`ys` ({ys.name}) depends on no placeholder or tf.data iterator "
             "output with a batch axis, so the batch could not be found. Pass "
             "`batch=` the tensor(s) that carry the batch on axis 0."
@@ -191,7 +194,8 @@ def find_batch_tensors(ys, ys_upstream):
     sizes = {static_batch_size(t) for t in candidates} - {None}
     if len(sizes) > 1:
         listing = ", ".join(f"{t.name} {t.shape}" for t in candidates)
-        raise _context.error(ValueError,
+        raise _context.error(
+            ValueError,
             f"the batch is ambiguous: `ys` depends on inputs whose first axes "
             f"differ ({listing}). Pass `batch=` the tensor(s) that carry the batch on "
             "axis 0 (and `batch_axis=` for one whose batch is on another axis)."
@@ -232,7 +236,8 @@ def _resource_reads(x, name, handle, ys_upstream):
         elif op.type in op_types.V1_LOOP_OP_TYPES:
             loop_inputs.append(op)
         else:
-            raise _context.error(NotImplementedError,
+            raise _context.error(
+                NotImplementedError,
                 f"the weight {name!r} is passed to op "
                 f"{op.name!r} of type {op.type}, which towers cannot give a weight copy to "
                 "(they rewrite ReadVariableOp, ResourceGather and the function-calling ops "
@@ -263,7 +268,8 @@ def weight_reads(x, index, ys_upstream, batch):
     if isinstance(x, tf.Variable):
         handle = getattr(x, "handle", None)
         if handle is None or not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
-            raise _context.error(TypeError,
+            raise _context.error(
+                TypeError,
                 f"`xs[{index}]` is a variable of type "
                 f"{type(x).__name__} without a graph resource handle; pass graph-mode "
                 "resource or reference variables, or tensors."
@@ -274,7 +280,8 @@ def weight_reads(x, index, ys_upstream, batch):
             return _resource_reads(x, x.name, x, ys_upstream)
         x_upstream = upstream_ops([x])
         if any(b.op in x_upstream for b in batch):
-            raise _context.error(ValueError,
+            raise _context.error(
+                ValueError,
                 f"`xs[{index}]` ({x.name}) depends on the batch, "
                 "so it is an activation rather than a weight: each example already has "
                 "its own rows of it, and tf.gradients(ys, activation) gives them. Pass "
@@ -282,7 +289,8 @@ def weight_reads(x, index, ys_upstream, batch):
             )
         reached = x.op in ys_upstream and any(c in ys_upstream for c in x.consumers())
         return WeightReads(x, x.name, [x] if reached else [])
-    raise _context.error(TypeError,
+    raise _context.error(
+        TypeError,
         f"`xs[{index}]` must be a tf.Variable or a tf.Tensor, "
         f"but received {type(x).__name__} ({x!r:.80})."
     )
@@ -349,7 +357,8 @@ def check_replayable(replayed_ops, forward_only=False):
 
 def _v1_loop_error(op):
     """The refusal of towers with weight copies through a TF1 (v1) while loop."""
-    return _context.error(NotImplementedError,
+    return _context.error(
+        NotImplementedError,
         f"`ys` depends on the TF1 (v1) while loop around op "
         f"{op.name!r} ({op.type}), between the batch and `ys`. Towers with weight copies "
         "cannot replay v1 while loops: their gradients need the Python-side loop context "

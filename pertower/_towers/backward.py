@@ -45,7 +45,8 @@ def gradients(towers, grad_ys=None, unconnected_gradients="zero", name=None, spa
         if grad_ys is not None:
             grad_ys = tf.convert_to_tensor(grad_ys, dtype=towers.ys.dtype)
             if not towers.stacked.shape.is_compatible_with(grad_ys.shape):
-                raise _context.error(ValueError,
+                raise _context.error(
+                    ValueError,
                     "`grad_ys` must have the shape of `ys`, "
                     f"{towers.stacked.shape}, but has shape {grad_ys.shape}.")
             # [B, ...] -> T x [B/T, ...]

@@ -163,7 +163,8 @@ _BACKWARDS = _Backwards()
 
 
 def _refusal(op, why):
-    return _context.error(CompiledCallError,
+    return _context.error(
+        CompiledCallError,
         f"the towers cannot differentiate the XLA-compiled "
         f"function call {op.name!r} ({op.type}): {why}. Leave the weights it reads out of "
         "`xs`, or compute them with method='rules' where a rule covers them "

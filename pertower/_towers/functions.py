@@ -114,14 +114,16 @@ class FunctionRewriter:
           value where they passed on the handle (a while loop's loop variable).
         """
         if node.op not in _CALLS:
-            raise _context.error(ControlFlowError,
+            raise _context.error(
+                ControlFlowError,
                 f"{where} reaches op {node.name!r} of type "
                 f"{node.op}, which towers cannot give a weight copy to. Supported: "
                 f"{', '.join(sorted(_CALLS))}. Leave this weight out of `xs`.")
         function_attrs, offset, type_attr, loops = _CALLS[node.op]
         for i, (dtype, _) in positions.items():
             if i < offset or node.attr[type_attr].list.type[i - offset] != types_pb2.DT_RESOURCE:
-                raise _context.error(ControlFlowError,
+                raise _context.error(
+                    ControlFlowError,
                     f"{where}: input {i} of op {node.name!r} "
                     f"({node.op}) is not a resource argument of its functions.")
             node.attr[type_attr].list.type[i - offset] = dtype
@@ -158,7 +160,8 @@ class FunctionRewriter:
             return self._generated[name]
         function = self.graph._get_function(name)  # pylint: disable=protected-access
         if function is None:
-            raise _context.error(ControlFlowError,
+            raise _context.error(
+                ControlFlowError,
                 f"the function {name!r} is not in the graph's "
                 "library, so towers cannot rewrite it.")
         return function.cached_definition
@@ -183,7 +186,8 @@ class FunctionRewriter:
         for i, (dtype, shape) in arguments.items():
             arg = fdef.signature.input_arg[i]
             if arg.type != types_pb2.DT_RESOURCE:
-                raise _context.error(ControlFlowError,
+                raise _context.error(
+                    ControlFlowError,
                     f"{where}: argument {arg.name!r} is not a "
                     "resource.")
             arg.type = dtype
@@ -225,7 +229,8 @@ class FunctionRewriter:
             ref = fdef.ret[out.name]
             if ref in values and out.type == types_pb2.DT_RESOURCE:
                 if not loop_body:
-                    raise _context.error(ControlFlowError,
+                    raise _context.error(
+                        ControlFlowError,
                         f"{where} returns the weight's handle "
                         f"as output {out.name!r}; towers can only rewrite functions that read "
                         "the weight. Leave this weight out of `xs`.")
@@ -235,7 +240,8 @@ class FunctionRewriter:
             for i in arguments:
                 out = fdef.signature.output_arg[i]
                 if out.type == types_pb2.DT_RESOURCE:
-                    raise _context.error(ControlFlowError,
+                    raise _context.error(
+                        ControlFlowError,
                         f"{where}: the while loop body returns "
                         f"another resource than the weight as loop variable {i}; towers "
                         "cannot rewrite it. Leave this weight out of `xs`.")
@@ -262,7 +268,8 @@ class FunctionRewriter:
             for i, spec in outputs.items():
                 values[f"{node.name}:output:{i}"] = spec
         else:
-            raise _context.error(ControlFlowError,
+            raise _context.error(
+                ControlFlowError,
                 f"{where} passes the weight to op "
                 f"{node.name!r} of type {node.op}; towers can only give their weight copies to "
                 "ReadVariableOp, ResourceGather, Identity and nested While/If/function "
