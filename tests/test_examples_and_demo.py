@@ -69,6 +69,7 @@ def test_cli_parses_demo_options_and_rejects_bad_batch_sizes():
 def test_cli_exits_non_zero_when_a_scenario_disagrees(monkeypatch, capsys):
     from pertower.tools import cli
     from pertower.tools import demo
+    from pertower.tools import environment
 
     agreeing = demo.ScenarioResult(
         name="1 fake", description="fake", detail="", batch_size=4, loop_runs=4,
@@ -76,7 +77,8 @@ def test_cli_exits_non_zero_when_a_scenario_disagrees(monkeypatch, capsys):
         pertower_seconds=0.001, loop_seconds=0.004)
     disagreeing = dataclasses.replace(agreeing, name="2 fake", max_abs_diff=1.0,
                                       agrees=False)
-    monkeypatch.setattr(cli, "_graph_mode_tensorflow", lambda: __import__("tensorflow"))
+    monkeypatch.setattr(environment, "graph_mode_tensorflow",
+                        lambda: __import__("tensorflow"))
     monkeypatch.setattr(demo, "run_demo", lambda **kwargs: [agreeing, disagreeing])
     assert cli.main(["demo", "--batch-size", "4"]) == 1
     out = capsys.readouterr().out
