@@ -111,7 +111,8 @@ def run_demo(batch_size=32, repeats=5, report=print):
 
 def _require_legacy_keras():
     """Raises RuntimeError unless TF_USE_LEGACY_KERAS is on (tf.compat.v1.layers needs it)."""
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() not in ("1", "true", "yes"):
+    # the values TensorFlow itself reads as on
+    if os.environ.get("TF_USE_LEGACY_KERAS", "") not in ("1", "true", "True"):
         raise RuntimeError(
             "pertower.demo: scenario 2 builds its model with tf.compat.v1.layers, which "
             "needs Keras 2: set TF_USE_LEGACY_KERAS=1 before TensorFlow is used, or use "

@@ -2,10 +2,8 @@
 on each job's model, written in TensorFlow's layouts (lax.conv_general_dilated with
 ("NHWC", "HWIO", "NHWC")) with the TensorFlow model's weights.
 
-Notation:
-    B   examples        C   clip norm       σ   noise multiplier     lr  learning rate
-    g_i the gradient of example i's loss over all weights; n_i = ||g_i||_2
-    clipped mean = (1/B) sum_i g_i * min(1, C / n_i)
+Notation: that of `pertower.tools.bench.peers_jobs` (B examples, C clip norm, σ noise
+multiplier, lr learning rate, g_i example i's gradient, n_i = ||g_i||_2).
 """
 
 import numpy as np

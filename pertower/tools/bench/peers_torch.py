@@ -2,10 +2,8 @@
 steps by Opacus (hooks and ghost clipping), on each job's model with the TensorFlow
 model's weights.
 
-Notation:
-    B   examples        C   clip norm       σ   noise multiplier     lr  learning rate
-    g_i the gradient of example i's loss over all weights; n_i = ||g_i||_2
-    clipped mean = (1/B) sum_i g_i * min(1, C / n_i)
+Notation: that of `pertower.tools.bench.peers_jobs` (B examples, C clip norm, σ noise
+multiplier, lr learning rate, g_i example i's gradient, n_i = ||g_i||_2).
 
 Layouts. The job folder holds every array in TensorFlow's layout: Dense kernel
 [in, out], Conv2D kernel HWIO [h, w, in, out], images NHWC [B, H, W, C], and the

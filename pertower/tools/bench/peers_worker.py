@@ -14,10 +14,8 @@ The job folders and the measuring are `pertower.tools.bench.peers_jobs`; the PyT
 and JAX entries are `peers_torch` and `peers_jax` (each imports its framework when it
 runs); the TensorFlow entries are here.
 
-Notation:
-    B   examples        C   clip norm       σ   noise multiplier     lr  learning rate
-    g_i the gradient of example i's loss over all weights; n_i = ||g_i||_2
-    clipped mean = (1/B) sum_i g_i * min(1, C / n_i)
+Notation: that of `pertower.tools.bench.peers_jobs` (B examples, C clip norm, σ noise
+multiplier, lr learning rate, g_i example i's gradient, n_i = ||g_i||_2).
 """
 
 import argparse
