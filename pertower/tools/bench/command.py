@@ -116,7 +116,8 @@ def run(args):
     # the measuring modules import TensorFlow: only now, after the environment is set
     # pylint: disable=import-outside-toplevel
     from pertower._api import gradients
-    from pertower.tools.bench import machine, records, report as report_lib, runner
+    from pertower.tools.bench import machine as machine_lib
+    from pertower.tools.bench import records, report as report_lib, runner
     # pylint: enable=import-outside-toplevel
 
     methods = args.methods or list(gradients.METHODS)
@@ -144,7 +145,7 @@ def run(args):
     def report(line):
         print(line, file=out, flush=True)
 
-    machine = machine.machine_info()
+    machine = machine_lib.machine_info()
     settings = {"mode": "full" if args.full else "quick", "models": list(models),
                 "batch_sizes": batch_sizes if isinstance(batch_sizes, dict)
                 else {m: list(batch_sizes) for m in models},
@@ -161,9 +162,9 @@ def run(args):
            "after a warm-up, round-robin\n")
     with environment.quiet_native_logs():   # sessions probe CUDA; traces log profiling
         entries = runner.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
-                                  repeats=repeats, loop_repeats=loop_repeats, report=report,
-                                  peers=args.peers, peer_info=peer_info,
-                                  peer_rounds=tool_peers.ROUNDS[settings["mode"]])
+                                   repeats=repeats, loop_repeats=loop_repeats, report=report,
+                                   peers=args.peers, peer_info=peer_info,
+                                   peer_rounds=tool_peers.ROUNDS[settings["mode"]])
     report("")
     report(report_lib.format_table(entries))
     if args.peers:
@@ -207,7 +208,7 @@ def _run_dp_rows(args, repeats, report):
     report("")
     with environment.quiet_native_logs():
         dp_entries = dp.run_dp_bench(models=args.models, batch_sizes=args.batch_sizes,
-                                        repeats=repeats, report=report)
+                                     repeats=repeats, report=report)
     report("")
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "
