@@ -24,6 +24,7 @@ from pertower.tools import arguments
 from pertower.tools import environment
 from pertower.tools import models as tool_models
 from pertower.tools.bench import peers as tool_peers
+from pertower.tools.bench import records
 
 __all__ = ["HELP", "DESCRIPTION", "BENCH_MODELS", "PEER_MODELS", "add_arguments",
            "build_parser", "main", "run"]
@@ -117,7 +118,7 @@ def run(args):
     # pylint: disable=import-outside-toplevel
     from pertower._api import gradients
     from pertower.tools.bench import machine as machine_lib
-    from pertower.tools.bench import records, report as report_lib, runner
+    from pertower.tools.bench import report as report_lib, runner
     # pylint: enable=import-outside-toplevel
 
     methods = args.methods or list(gradients.METHODS)
