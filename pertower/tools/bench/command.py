@@ -37,6 +37,7 @@ BENCH_MODELS = tool_models.MODEL_NAMES
 PEER_MODELS = tuple(dict.fromkeys(BENCH_MODELS + tool_peers.PEER_MODELS))
 # Set in the child process `bench --env` starts, so it measures instead of starting another.
 _CHILD_MARK = "PERTOWER_BENCH_CHILD"
+
 HELP = "time every per-example gradient method side by side"
 DESCRIPTION = ("Times, in one process and side by side, every pertower method "
                "(per_example_gradients and per_example_norms), the one-example "
@@ -53,43 +54,42 @@ DESCRIPTION = ("Times, in one process and side by side, every pertower method "
 def add_arguments(parser):
     """Adds the `bench` options to `parser`; None defaults are filled by --full or quick."""
     parser.add_argument("--full", action="store_true",
-                      help="both models at B=32,128,512, more repeats (several minutes)")
+                        help="both models at B=32,128,512, more repeats (several minutes)")
     parser.add_argument("--dp", action="store_true",
-                      help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
-                           "plain SGD step on each model (on with --full)")
+                        help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
+                             "plain SGD step on each model (on with --full)")
     parser.add_argument("--models", nargs="+", choices=PEER_MODELS, default=None,
-                      metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)} "
-                                            f"(with --peers: {', '.join(PEER_MODELS)})")
+                        metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)} "
+                                              f"(with --peers: {', '.join(PEER_MODELS)})")
     parser.add_argument("--batch-sizes", nargs="+", type=arguments.positive_int, default=None,
-                      metavar="B", help="batch sizes for every model selected")
+                        metavar="B", help="batch sizes for every model selected")
     parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                      help="pertower methods to run (default: every method)")
+                        help="pertower methods to run (default: every method)")
     parser.add_argument("--repeats", type=arguments.positive_int, default=None, metavar="R",
-                      help="timed sess.run per entry after a warm-up; the median is shown")
+                        help="timed sess.run per entry after a warm-up; the median is shown")
     parser.add_argument("--loop-repeats", type=arguments.positive_int, default=None, metavar="R",
-                      help="timed passes of the one-example loop (B sess.run each)")
+                        help="timed passes of the one-example loop (B sess.run each)")
     parser.add_argument("--json", default=DEFAULT_BENCH_JSON, metavar="FILE",
-                      help=f"where to write the figures (default {DEFAULT_BENCH_JSON}); "
-                           "'-' writes JSON to stdout and the table to stderr")
+                        help=f"where to write the figures (default {DEFAULT_BENCH_JSON}); "
+                             "'-' writes JSON to stdout and the table to stderr")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
-                      help="also draw the figures with matplotlib into this PNG")
+                        help="also draw the figures with matplotlib into this PNG")
     parser.add_argument("--env", action="append", type=arguments.assignment, default=None,
-                      metavar="NAME=VALUE",
-                      help="measure in a child process started with this environment "
-                           "variable (repeatable). Allocator and oneDNN settings are read "
-                           "at process start, e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
-                           "--env MALLOC_TRIM_THRESHOLD_=4294967296, or "
-                           "--env TF_ENABLE_ONEDNN_OPTS=0")
+                        metavar="NAME=VALUE",
+                        help="measure in a child process started with this environment "
+                             "variable (repeatable). Allocator and oneDNN settings are read "
+                             "at process start, e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
+                             "--env MALLOC_TRIM_THRESHOLD_=4294967296, or "
+                             "--env TF_ENABLE_ONEDNN_OPTS=0")
     parser.add_argument("--peers", action="store_true",
-                      help="also run the same models in PyTorch (torch.func vmap(grad), "
-                           "Opacus hooks and ghost clipping) and JAX (jit(vmap(grad)), a "
-                           "DP-SGD step), each in its own child process, with the "
-                           "TensorFlow model's weights, checked against the loop; and "
-                           "DP-SGD steps of plain TensorFlow and pertower.DPOptimizer. "
-                           "Frameworks not installed show as n/a (pip install "
-                           "'pertower[peers]')")
+                        help="also run the same models in PyTorch (torch.func vmap(grad), "
+                             "Opacus hooks and ghost clipping) and JAX (jit(vmap(grad)), a "
+                             "DP-SGD step), each in its own child process, with the "
+                             "TensorFlow model's weights, checked against the loop; and "
+                             "DP-SGD steps of plain TensorFlow and pertower.DPOptimizer. "
+                             "Frameworks not installed show as n/a (pip install "
+                             "'pertower[peers]')")
     parser.set_defaults(run=run)
-
 
 
 def build_parser(prog="pertower bench"):
