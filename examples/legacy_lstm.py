@@ -23,6 +23,9 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+if os.environ["TF_USE_LEGACY_KERAS"] not in ("1", "true", "True"):   # what TensorFlow reads
+    sys.exit(f"legacy_lstm.py: tf.compat.v1.nn.rnn_cell needs Keras 2, but "
+             f"TF_USE_LEGACY_KERAS={os.environ['TF_USE_LEGACY_KERAS']!r}: set it to 1 or unset it.")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -13,10 +13,14 @@ Run:  python examples/scenario2_two_batches_cosine.py
 """
 
 import os
+import sys
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.compat.v1.layers needs Keras 2
+if os.environ["TF_USE_LEGACY_KERAS"] not in ("1", "true", "True"):   # what TensorFlow reads
+    sys.exit(f"scenario2_two_batches_cosine.py: tf.compat.v1.layers needs Keras 2, but "
+             f"TF_USE_LEGACY_KERAS={os.environ['TF_USE_LEGACY_KERAS']!r}: set it to 1 or unset it.")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

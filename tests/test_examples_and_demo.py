@@ -8,6 +8,9 @@ environment: TensorFlow's global state (graph mode, Keras version) is theirs).
 
 import dataclasses
 import importlib.metadata
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -69,6 +72,7 @@ def test_cli_parses_demo_options_and_rejects_bad_batch_sizes():
 def test_cli_exits_non_zero_when_a_scenario_disagrees(monkeypatch, capsys):
     from pertower.tools import cli
     from pertower.tools import demo
+    from pertower.tools import environment
 
     agreeing = demo.ScenarioResult(
         name="1 fake", description="fake", detail="", batch_size=4, loop_runs=4,
@@ -76,7 +80,8 @@ def test_cli_exits_non_zero_when_a_scenario_disagrees(monkeypatch, capsys):
         pertower_seconds=0.001, loop_seconds=0.004)
     disagreeing = dataclasses.replace(agreeing, name="2 fake", max_abs_diff=1.0,
                                       agrees=False)
-    monkeypatch.setattr(cli, "_graph_mode_tensorflow", lambda: __import__("tensorflow"))
+    monkeypatch.setattr(environment, "graph_mode_tensorflow",
+                        lambda: __import__("tensorflow"))
     monkeypatch.setattr(demo, "run_demo", lambda **kwargs: [agreeing, disagreeing])
     assert cli.main(["demo", "--batch-size", "4"]) == 1
     out = capsys.readouterr().out
@@ -84,3 +89,49 @@ def test_cli_exits_non_zero_when_a_scenario_disagrees(monkeypatch, capsys):
 
     monkeypatch.setattr(demo, "run_demo", lambda **kwargs: [agreeing])
     assert cli.main(["demo"]) == 0
+
+
+@pytest.mark.parametrize("script", ["scenario2_two_batches_cosine.py", "legacy_lstm.py"])
+def test_an_example_that_needs_keras_2_says_how_to_get_it(script):
+    """With TF_USE_LEGACY_KERAS off, a script built on tf.compat.v1.layers or rnn_cell
+    stops before TensorFlow with the fix, instead of Keras 3's AttributeError."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="0", PYTHONPATH=root)
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", script)],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    assert "needs Keras 2" in done.stderr and "set it to 1" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("value, accepted", [("1", True), ("true", True), ("True", True),
+                                             ("yes", False), ("0", False), ("", False)])
+def test_the_demo_accepts_what_tensorflow_reads_as_legacy_keras(monkeypatch, value, accepted):
+    from pertower.tools import demo
+
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", value)
+    if accepted:
+        demo._require_legacy_keras()  # pylint: disable=protected-access
+    else:
+        with pytest.raises(RuntimeError, match="set TF_USE_LEGACY_KERAS=1"):
+            demo._require_legacy_keras()  # pylint: disable=protected-access
+
+
+def test_every_example_quiets_tensorflow_before_importing_it():
+    """Each script sets TF_CPP_MIN_LOG_LEVEL (as the `pertower` command does) before its
+    first import of TensorFlow (or of a helper that imports it)."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "examples")
+    scripts = sorted(name for name in os.listdir(folder)
+                     if name.endswith(".py") and name != "digits_common.py")
+    assert len(scripts) >= 10, scripts
+    for name in scripts:
+        with open(os.path.join(folder, name), encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+        quiet = next((n for n, line in enumerate(lines)
+                      if line.startswith('os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")')),
+                     None)
+        first_tf = next(n for n, line in enumerate(lines)
+                        if line.startswith(("import tensorflow", "import tf_keras",
+                                            "import digits_common", "import pertower",
+                                            "from pertower")))
+        assert quiet is not None and quiet < first_tf, name

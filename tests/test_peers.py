@@ -16,10 +16,10 @@ import shutil
 import numpy as np
 import pytest
 
-from pertower.tools import bench
 from pertower.tools import cli
-from pertower.tools import peers
-from pertower.tools import peers_worker
+from pertower.tools.bench import peers
+from pertower.tools.bench import records
+from pertower.tools.bench import report
 
 # find_spec, not importorskip: the peers are never imported in the test process
 _ABSENT = [name for name in ("torch", "jax", "jaxlib")
@@ -71,7 +71,7 @@ def run(jobs, children_env):
 def test_every_peer_agrees_with_the_loop(run, jobs):
     entries, info = run
     expected = sorted(name for framework in peers.FRAMEWORKS
-                      for name, _ in peers_worker.ENTRIES[framework])
+                      for name, _ in records.PEER_ENTRIES[framework])
     problems = []
     for model, _, P, _ in jobs:
         mine = [e for e in entries if e.model == model]
@@ -123,7 +123,7 @@ def wrong(jobs, children_env, tmp_path_factory):
 
 def test_a_peer_that_disagrees_is_marked_wrong(wrong):
     checked = [e for e in wrong if e.status == "ok"]
-    assert {e.name for e in checked} >= {peers_worker.TORCH_VMAP}
+    assert {e.name for e in checked} >= {records.TORCH_VMAP}
     for e in checked:
         assert e.agrees is False and e.max_abs_diff >= 0.4, (e.name, e.max_abs_diff)
         # the shift sits in weight 0; the per-example entry names example 0 too, and
@@ -131,9 +131,9 @@ def test_a_peer_that_disagrees_is_marked_wrong(wrong):
         assert e.note.startswith("w0"), (e.name, e.note)
         if e.computes == "gradients":
             assert e.note.startswith("w0 example 0;") and "(same)" in e.note, e.note
-    table = bench.format_table(wrong)
+    table = report.format_table(wrong)
     assert table.count("WRONG") == 2 * len(checked), table     # row and its note
-    assert f"{peers_worker.TORCH_VMAP} WRONG: largest difference at w0 example 0" in table
+    assert f"{records.TORCH_VMAP} WRONG: largest difference at w0 example 0" in table
 
 
 def test_the_plot_marks_a_wrong_peer(wrong, monkeypatch, tmp_path):
@@ -146,8 +146,8 @@ def test_the_plot_marks_a_wrong_peer(wrong, monkeypatch, tmp_path):
                       for text in ax.get_legend().get_texts())
 
     monkeypatch.setattr(figure_module.Figure, "savefig", savefig)
-    bench.plot(wrong, str(tmp_path / "wrong.png"))
-    assert f"{peers_worker.TORCH_VMAP} (WRONG at some B)" in labels, labels
+    report.plot(wrong, str(tmp_path / "wrong.png"))
+    assert f"{records.TORCH_VMAP} (WRONG at some B)" in labels, labels
 
 
 def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):
@@ -163,7 +163,7 @@ def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):
                      "--repeats", "1", "--json", str(json_path)])
     out = "\n".join(lines)
     assert code == 1, out
-    assert "WRONG" in out and "FAILED" in out and peers_worker.TORCH_VMAP in out
+    assert "WRONG" in out and "FAILED" in out and records.TORCH_VMAP in out
     with open(json_path, encoding="utf-8") as handle:
         figures = json.load(handle)
     assert {e.name for e in wrong} <= {e["name"] for e in figures["entries"]}
@@ -175,7 +175,7 @@ def test_a_missing_framework_is_not_available(jobs, monkeypatch):
                         lambda: {"torch": "torch not installed (pip install 'pertower[peers]')"})
     entries = peers.run_jobs(jobs[:1], repeats=1, rounds=1, report=lambda line: None,
                              frameworks=("torch",))
-    assert [e.name for e in entries] == [n for n, _ in peers_worker.ENTRIES["torch"]]
+    assert [e.name for e in entries] == [n for n, _ in records.PEER_ENTRIES["torch"]]
     for e in entries:
         assert e.status == "n/a" and "pertower[peers]" in e.reason
         assert e.agrees is None and e.median_ms is None

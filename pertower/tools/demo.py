@@ -50,7 +50,8 @@ class ScenarioResult:
       detail: one line with a number or shape from the result.
       batch_size: B.
       loop_runs: how many `sess.run` calls one pass of the loop makes.
-      build_seconds: time of the pertower call that built the towers.
+      build_seconds: time of the pertower call that built its graph (per-op rules,
+        weight-copy towers where no rule applies).
       max_abs_diff: max |pertower - loop| over all entries of all tensors.
       agrees: whether every entry is within the tolerance (RTOL, ATOL).
       first_run_seconds: the first pertower `sess.run` (includes graph optimization).
@@ -110,7 +111,8 @@ def run_demo(batch_size=32, repeats=5, report=print):
 
 def _require_legacy_keras():
     """Raises RuntimeError unless TF_USE_LEGACY_KERAS is on (tf.compat.v1.layers needs it)."""
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() not in ("1", "true", "yes"):
+    # the values TensorFlow itself reads as on
+    if os.environ.get("TF_USE_LEGACY_KERAS", "") not in ("1", "true", "True"):
         raise RuntimeError(
             "pertower.demo: scenario 2 builds its model with tf.compat.v1.layers, which "
             "needs Keras 2: set TF_USE_LEGACY_KERAS=1 before TensorFlow is used, or use "
@@ -125,7 +127,7 @@ def _describe(number, total, r):
         f"      {r.detail}",
         f"      max |pertower - loop| = {r.max_abs_diff:.2e}: {verdict} with the loop",
         f"      pertower {1e3 * r.pertower_seconds:.1f} ms, loop {1e3 * r.loop_seconds:.1f} "
-        f"ms ({r.loop_runs} sess.run), speed-up {r.speedup:.1f}x; towers built in "
+        f"ms ({r.loop_runs} sess.run), speed-up {r.speedup:.1f}x; pertower's graph built in "
         f"{r.build_seconds:.2f} s, first run {r.first_run_seconds:.2f} s",
     ]
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 __all__ = ["TF_DEFAULTS", "SPEED_VARIABLES", "prepare_tensorflow", "quiet_native_logs",
-           "cpu_facts", "describe_cpu_facts", "parse_assignment"]
+           "cpu_facts", "describe_cpu_facts", "parse_assignment", "graph_mode_tensorflow"]
 
 # Set for every command unless the user set them: TensorFlow's C++ log level (2: errors
 # only) and Keras 2 for tf.keras / tf.compat.v1.layers.
@@ -156,3 +156,16 @@ def parse_assignment(text):
         raise ValueError(f"expected NAME=VALUE (an environment variable and its value), "
                          f"got {text!r}")
     return name, value
+
+
+def graph_mode_tensorflow():
+    """Sets the environment TensorFlow and Keras read (`prepare_tensorflow`), imports
+    TensorFlow (its start-up lines, which TensorFlow 2.21 writes before absl logging is
+    set up whatever TF_CPP_MIN_LOG_LEVEL says, are kept off the terminal), switches to
+    graph mode; returns the `tensorflow` module."""
+    prepare_tensorflow()
+    with quiet_native_logs():
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    tf.compat.v1.disable_eager_execution()
+    return tf

@@ -21,7 +21,7 @@ import dataclasses
 
 __all__ = ["MODEL_NAMES", "MLP_WIDTHS", "CNN_INPUT_SHAPE", "CIFAR_INPUT_SHAPE",
            "CIFAR_CLASSES", "BuiltModel", "cnn_keras_model", "cifar_keras_model",
-           "build_mlp", "build_cnn", "build_cifar", "build"]
+           "build_mlp", "build_cnn", "build_cifar", "build", "split_feed"]
 
 MODEL_NAMES = ("mlp", "cnn", "cifar")
 # MLP input width, then the width of each Dense layer.
@@ -162,3 +162,13 @@ def build(name, B, rng):
         raise ValueError(f"pertower.tools.models: unknown model {name!r}; choose from "
                          f"{', '.join(MODEL_NAMES)}.")
     return _BUILDERS[name](B, rng)
+
+
+def split_feed(feed):
+    """(inputs placeholder, targets placeholder) of a built model's two-entry feed: the
+    inputs are the value of the highest rank."""
+    keys = sorted(feed, key=lambda k: feed[k].ndim, reverse=True)
+    if len(keys) != 2:
+        raise ValueError(f"pertower.tools.models: expected a feed of inputs and targets, "
+                         f"got {len(keys)} entries")
+    return keys[0], keys[1]

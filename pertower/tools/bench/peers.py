@@ -8,10 +8,10 @@ Notation:
 
 For each model and B, this driver (in the bench's TensorFlow process) builds the
 TensorFlow model, runs the loop of `pertower.oracle.SliceLoop` once, and writes a job
-folder (see `pertower.tools.peers_worker`): the batch, the weights as numpy in
+folder (see `pertower.tools.bench.peers_jobs`): the batch, the weights as numpy in
 TensorFlow's layout, the loop's per-example gradients [B, *x.shape], their mean and
 their clipped mean (1/B) sum_i g_i min(1, C / n_i). Then, for each round, one child
-process per framework, `python -m pertower.tools.peers_worker --framework F ...`,
+process per framework, `python -m pertower.tools.bench.peers_worker --framework F ...`,
 imports only F, loads the weights into its own model (PyTorch: [out, in] and OIHW,
 NCHW images), and times its entries on every job; the first round also checks each
 result against the loop's. The frameworks alternate (the order rotates each round), so
@@ -32,8 +32,8 @@ run once with σ = 0, with their clipped mean; the plain step with their mean.
 Models: those of `pertower.tools.models` ("mlp", "cnn", "cifar"), rebuilt in each
 framework with the TensorFlow model's weights.
 
-Importing this module imports neither TensorFlow nor the peers (the command-line parser
-reads `PEER_MODELS`).
+Importing this module imports neither TensorFlow, numpy nor the peers (the command-line
+parser reads `PEER_MODELS`): `prepare_job` imports them when it runs.
 """
 
 import importlib.util
@@ -46,9 +46,11 @@ import sys
 import tempfile
 import time
 
-__all__ = ["PEER_MODELS", "FRAMEWORKS", "COLORS", "ROUNDS", "missing_frameworks",
-           "build_tf_model", "split_feed", "prepare_job", "run_jobs",
-           "run_peers", "describe"]
+from pertower.tools import models
+from pertower.tools.bench import records
+
+__all__ = ["PEER_MODELS", "FRAMEWORKS", "ROUNDS", "missing_frameworks", "prepare_job",
+           "run_jobs", "run_peers", "describe"]
 
 PEER_MODELS = ("mlp", "cnn", "cifar")   # = pertower.tools.models.MODEL_NAMES (tested)
 FRAMEWORKS = ("tf", "torch", "jax")
@@ -56,11 +58,6 @@ FRAMEWORKS = ("tf", "torch", "jax")
 ROUNDS = {"quick": 2, "full": 3}
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0
-# The plot's colors for the peers' entries.
-COLORS = {"torch vmap(grad)": "tab:red", "jax jit(vmap(grad))": "darkcyan",
-          "step: tf plain SGD": "dimgrey", "dp step: pertower": "tab:blue",
-          "dp step: opacus hooks": "salmon", "dp step: opacus ghost": "darkred",
-          "dp step: jax": "lime"}
 # What each framework's child needs importable.
 _NEEDS = {"tf": ("tensorflow",), "torch": ("torch",), "jax": ("jax", "jaxlib")}
 _CHILD_TIMEOUT_SECONDS = 1800
@@ -81,23 +78,6 @@ def missing_frameworks():
 # The TensorFlow side ------------------------------------------------------------------
 
 
-def build_tf_model(name, B, rng):
-    """Model `name` (from PEER_MODELS) in the default graph, as a BuiltModel."""
-    from pertower.tools import models  # pylint: disable=import-outside-toplevel
-
-    return models.build(name, B, rng)
-
-
-def split_feed(feed):
-    """(inputs placeholder, targets placeholder) of a model's two-entry feed: the inputs
-    are the value of the highest rank."""
-    keys = sorted(feed, key=lambda k: feed[k].ndim, reverse=True)
-    if len(keys) != 2:
-        raise ValueError(f"pertower.tools.peers: expected a feed of inputs and targets, "
-                         f"got {len(keys)} entries")
-    return keys[0], keys[1]
-
-
 def prepare_job(model_name, B, folder, time_loop=False):
     """Builds `model_name` at B in TensorFlow, runs the loop, writes the job folder.
 
@@ -105,15 +85,18 @@ def prepare_job(model_name, B, folder, time_loop=False):
       (P, loop_ms, max |loop|): the weights' scalar count, the wall milliseconds of a
       second pass of the loop when `time_loop` (else None), the loop result's scale.
     """
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from pertower import oracle  # pylint: disable=import-outside-toplevel
+    # numpy, TensorFlow and pertower only when a job is prepared (see the docstring)
+    # pylint: disable=import-outside-toplevel
+    import numpy as np
+    import tensorflow as tf
+    from pertower import oracle
+    # pylint: enable=import-outside-toplevel
 
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(B)
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(B)
-        model = build_tf_model(model_name, B, rng)
+        model = models.build(model_name, B, rng)
         loop = oracle.SliceLoop(model.ys, model.weights)
         sess.run(tf.compat.v1.global_variables_initializer())
         weights = sess.run(model.weights)
@@ -123,7 +106,7 @@ def prepare_job(model_name, B, folder, time_loop=False):
             start = time.perf_counter()
             loop.run(sess, model.feed, B)
             loop_ms = 1e3 * (time.perf_counter() - start)
-        x_in, t_in = split_feed(model.feed)
+        x_in, t_in = models.split_feed(model.feed)
         P = model.num_weights
     squares = sum(np.square(g.astype(np.float64)).reshape(B, -1).sum(axis=1)
                   for g in grads)                                # [B]
@@ -154,7 +137,10 @@ def prepare_job(model_name, B, folder, time_loop=False):
 def _child_env():
     """os.environ with this pertower first on PYTHONPATH and TensorFlow quiet."""
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # this file is ROOT/pertower/tools/bench/peers.py
+    root = os.path.abspath(__file__)
+    for _ in range(4):
+        root = os.path.dirname(root)
     env["PYTHONPATH"] = os.pathsep.join(
         [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -163,7 +149,7 @@ def _child_env():
 
 def _run_child(framework, folders, repeats, check):
     """Runs one worker; returns (versions, entry dicts) or raises RuntimeError."""
-    command = [sys.executable, "-m", "pertower.tools.peers_worker", "--framework",
+    command = [sys.executable, "-m", "pertower.tools.bench.peers_worker", "--framework",
                framework, "--repeats", str(repeats)] + (["--check"] if check else []) + folders
     done = subprocess.run(command, env=_child_env(), capture_output=True, text=True,
                           timeout=_CHILD_TIMEOUT_SECONDS, check=False)
@@ -176,7 +162,7 @@ def _run_child(framework, folders, repeats, check):
 
 
 def run_jobs(jobs, repeats, rounds, report=print, info=None, frameworks=FRAMEWORKS):
-    """Runs the peers' children on prepared job folders; returns `bench.Entry` rows.
+    """Runs the peers' children on prepared job folders; returns `records.Entry` rows.
 
     Args:
       jobs: (model name, B, P, folder) per job.
@@ -187,16 +173,13 @@ def run_jobs(jobs, repeats, rounds, report=print, info=None, frameworks=FRAMEWOR
       info: a dict that receives {framework: versions, or why it did not run}.
       frameworks: the frameworks to run (default all of FRAMEWORKS).
     """
-    from pertower.tools import bench  # pylint: disable=import-outside-toplevel
-    from pertower.tools import peers_worker  # pylint: disable=import-outside-toplevel
-
     info = {} if info is None else info
     missing = missing_frameworks()
     rows = {}
     for model_name, B, P, _ in jobs:
         for framework in frameworks:
-            for name, computes in peers_worker.ENTRIES[framework]:
-                entry = bench.Entry(model_name, B, P, name, computes)
+            for name, computes in records.PEER_ENTRIES[framework]:
+                entry = records.Entry(model_name, B, P, name, computes)
                 if framework in missing:
                     entry.status, entry.reason = "n/a", missing[framework]
                 rows[model_name, B, name] = entry
@@ -211,7 +194,7 @@ def run_jobs(jobs, repeats, rounds, report=print, info=None, frameworks=FRAMEWOR
                 versions, results = _run_child(framework, folders, repeats, check=r == 0)
             except (RuntimeError, ValueError, subprocess.TimeoutExpired) as error:
                 for (model_name, B, name), entry in rows.items():
-                    if any(name == n for n, _ in peers_worker.ENTRIES[framework]):
+                    if any(name == n for n, _ in records.PEER_ENTRIES[framework]):
                         entry.status, entry.reason = "error", str(error)[:300]
                 report(f"  peers round {r + 1}/{rounds}: {framework} failed: {error}")
                 continue
@@ -238,8 +221,7 @@ def run_jobs(jobs, repeats, rounds, report=print, info=None, frameworks=FRAMEWOR
             continue
         entry.median_ms = statistics.median(entry.runs_ms) if entry.runs_ms else None
         if entry.max_abs_diff is not None:
-            entry.agrees = bool(entry.max_abs_diff
-                                <= bench.TOLERANCE * max(1.0, entry.max_abs_reference))
+            entry.agrees = records.agrees(entry.max_abs_diff, entry.max_abs_reference)
     return list(rows.values())
 
 
@@ -259,7 +241,8 @@ def _where(result):
 
 
 def run_peers(keys, repeats, rounds, report=print, info=None, timed_loops=()):
-    """Prepares a job per (model, B) in `keys`, runs the peers; returns `bench.Entry` rows.
+    """Prepares a job per (model, B) in `keys`, runs the peers; returns `records.Entry`
+    rows.
 
     Args:
       keys: (model name from PEER_MODELS, B) pairs.
@@ -267,8 +250,6 @@ def run_peers(keys, repeats, rounds, report=print, info=None, timed_loops=()):
       timed_loops: (model, B) pairs (models the bench itself does not run) for which a
         "loop" row is added, timed once after the reference pass.
     """
-    from pertower.tools import bench  # pylint: disable=import-outside-toplevel
-
     folder = tempfile.mkdtemp(prefix="pertower-peers-")
     entries, jobs = [], []
     try:
@@ -279,8 +260,8 @@ def run_peers(keys, repeats, rounds, report=print, info=None, timed_loops=()):
             P, loop_ms, scale = prepare_job(model_name, B, job_folder, time_loop=timed)
             jobs.append((model_name, B, P, job_folder))
             if timed:
-                entries.append(bench.Entry(
-                    model_name, B, P, bench.LOOP, "gradients", median_ms=loop_ms,
+                entries.append(records.Entry(
+                    model_name, B, P, records.LOOP, "gradients", median_ms=loop_ms,
                     runs_ms=[loop_ms], max_abs_diff=0.0, max_abs_reference=scale))
         entries += run_jobs(jobs, repeats, rounds, report, info)
     finally:

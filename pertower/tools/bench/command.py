@@ -1,0 +1,241 @@
+"""The `bench` command: its options, and what it runs.
+
+    pertower bench [--full] [--dp] [--models M ...] [--batch-sizes B ...]
+                   [--methods M ...] [--repeats R] [--loop-repeats R] [--json FILE|-]
+                   [--plot FILE.png] [--env NAME=VALUE ...] [--peers]
+
+`pertower bench ...` (`pertower.tools.cli`) and `python -m pertower.tools.bench ...`
+(`main` here) parse the same options and run `run`.
+
+Importing this module imports neither TensorFlow nor numpy: `run` imports the measuring
+modules of this package (`runner`, `machine`, `report`, `dp`) when it runs, after
+`pertower.tools.environment` has set TF_CPP_MIN_LOG_LEVEL=2 and TF_USE_LEGACY_KERAS=1
+where the user set nothing, so `--help` takes a fraction of a second and prints no
+TensorFlow log lines.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from pertower.tools import arguments
+from pertower.tools import environment
+from pertower.tools import models as tool_models
+from pertower.tools.bench import peers as tool_peers
+from pertower.tools.bench import records
+
+__all__ = ["HELP", "DESCRIPTION", "BENCH_MODELS", "PEER_MODELS", "add_arguments",
+           "build_parser", "main", "run"]
+
+DEFAULT_BENCH_REPEATS = 5
+DEFAULT_BENCH_JSON = "bench.json"
+# The bench's models (pertower.tools.models imports TensorFlow only when building).
+BENCH_MODELS = tool_models.MODEL_NAMES
+# With --peers (pertower.tools.bench.peers imports neither TensorFlow nor the peers here).
+PEER_MODELS = tuple(dict.fromkeys(BENCH_MODELS + tool_peers.PEER_MODELS))
+# Set in the child process `bench --env` starts, so it measures instead of starting another.
+_CHILD_MARK = "PERTOWER_BENCH_CHILD"
+
+HELP = "time every per-example gradient method side by side"
+DESCRIPTION = ("Times, in one process and side by side, every pertower method "
+               "(per_example_gradients and per_example_norms), the one-example "
+               "sess.run loop, tf.vectorized_map with tf.gradients inside, one batch "
+               "gradient and (MLP) outer products written by hand, on an MLP "
+               "100-256-256-1 and the scenario-3 CNN. Prints a table (median ms, "
+               "ratios, build s, peak memory, max |diff| against the loop) and writes "
+               "the figures as JSON. Quick by default (MLP at B=32,128, CNN at B=32, "
+               f"{DEFAULT_BENCH_REPEATS} repeats); --full runs both models at "
+               "B=32,128,512 with more repeats. Exits with 1 if an entry fails or "
+               "disagrees with the loop.")
+
+
+def add_arguments(parser):
+    """Adds the `bench` options to `parser`; None defaults are filled by --full or quick."""
+    parser.add_argument("--full", action="store_true",
+                        help="both models at B=32,128,512, more repeats (several minutes)")
+    parser.add_argument("--dp", action="store_true",
+                        help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
+                             "plain SGD step on each model (on with --full)")
+    parser.add_argument("--models", nargs="+", choices=PEER_MODELS, default=None,
+                        metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)} "
+                                              f"(with --peers: {', '.join(PEER_MODELS)})")
+    parser.add_argument("--batch-sizes", nargs="+", type=arguments.positive_int, default=None,
+                        metavar="B", help="batch sizes for every model selected")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                        help="pertower methods to run (default: every method)")
+    parser.add_argument("--repeats", type=arguments.positive_int, default=None, metavar="R",
+                        help="timed sess.run per entry after a warm-up; the median is shown")
+    parser.add_argument("--loop-repeats", type=arguments.positive_int, default=None, metavar="R",
+                        help="timed passes of the one-example loop (B sess.run each)")
+    parser.add_argument("--json", default=DEFAULT_BENCH_JSON, metavar="FILE",
+                        help=f"where to write the figures (default {DEFAULT_BENCH_JSON}); "
+                             "'-' writes JSON to stdout and the table to stderr")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="also draw the figures with matplotlib into this PNG")
+    parser.add_argument("--env", action="append", type=arguments.assignment, default=None,
+                        metavar="NAME=VALUE",
+                        help="measure in a child process started with this environment "
+                             "variable (repeatable). Allocator and oneDNN settings are read "
+                             "at process start, e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
+                             "--env MALLOC_TRIM_THRESHOLD_=4294967296, or "
+                             "--env TF_ENABLE_ONEDNN_OPTS=0")
+    parser.add_argument("--peers", action="store_true",
+                        help="also run the same models in PyTorch (torch.func vmap(grad), "
+                             "Opacus hooks and ghost clipping) and JAX (jit(vmap(grad)), a "
+                             "DP-SGD step), each in its own child process, with the "
+                             "TensorFlow model's weights, checked against the loop; and "
+                             "DP-SGD steps of plain TensorFlow and pertower.DPOptimizer. "
+                             "Frameworks not installed show as n/a (pip install "
+                             "'pertower[peers]')")
+    parser.set_defaults(run=run)
+
+
+def build_parser(prog="pertower bench"):
+    """The `bench` options as a parser of their own (`python -m pertower.tools.bench`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv=None):
+    """`python -m pertower.tools.bench ...`: the same as `pertower bench ...`; returns
+    the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = ["bench"] + argv
+    return run(args)
+
+
+def run(args):
+    """`pertower bench` with parsed `args`: measures, prints the table, writes JSON (and
+    a plot); returns the exit code."""
+    if args.env and os.environ.get(_CHILD_MARK) != "1":
+        return _run_in_child(args)
+    tf = environment.graph_mode_tensorflow()
+    # the measuring modules import TensorFlow: only now, after the environment is set
+    # pylint: disable=import-outside-toplevel
+    from pertower._api import gradients
+    from pertower.tools.bench import machine as machine_lib
+    from pertower.tools.bench import report as report_lib, runner
+    # pylint: enable=import-outside-toplevel
+
+    methods = args.methods or list(gradients.METHODS)
+    unknown = [m for m in methods if m not in gradients.METHODS]
+    if unknown:
+        print(f"pertower bench: --methods {' '.join(unknown)}: unknown; choose from "
+              f"{', '.join(gradients.METHODS)}.", file=sys.stderr)
+        return 2
+    preset = runner.FULL if args.full else runner.QUICK
+    models = args.models or preset["models"]
+    peers_only = [m for m in models if m not in runner.MODELS]
+    if peers_only and not args.peers:
+        print(f"pertower bench: --models {' '.join(peers_only)}: runs only with --peers.",
+              file=sys.stderr)
+        return 2
+    if not isinstance(args.batch_sizes, list) and any(m not in preset["batch_sizes"]
+                                                      for m in models):
+        preset = dict(preset, batch_sizes={m: preset["batch_sizes"].get(m, (32,))
+                                           for m in models})
+    batch_sizes = args.batch_sizes or preset["batch_sizes"]
+    repeats = args.repeats or preset["repeats"]
+    loop_repeats = args.loop_repeats or preset["loop_repeats"]
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def report(line):
+        print(line, file=out, flush=True)
+
+    machine = machine_lib.machine_info()
+    settings = {"mode": "full" if args.full else "quick", "models": list(models),
+                "batch_sizes": batch_sizes if isinstance(batch_sizes, dict)
+                else {m: list(batch_sizes) for m in models},
+                "methods": list(methods), "repeats": repeats, "loop_repeats": loop_repeats}
+    peer_info = {}
+    if args.peers:
+        settings["peers"] = {"rounds": tool_peers.ROUNDS[settings["mode"]],
+                             "frameworks": peer_info}
+    report(f"pertower bench ({settings['mode']}): TensorFlow {tf.__version__}, "
+           f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), load "
+           f"{machine['load_average_1_5_15']}, {machine['date_utc']}")
+    report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
+    report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
+           "after a warm-up, round-robin\n")
+    with environment.quiet_native_logs():   # sessions probe CUDA; traces log profiling
+        entries = runner.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
+                                   repeats=repeats, loop_repeats=loop_repeats, report=report,
+                                   peers=args.peers, peer_info=peer_info,
+                                   peer_rounds=tool_peers.ROUNDS[settings["mode"]])
+    report("")
+    report(report_lib.format_table(entries))
+    if args.peers:
+        report(f"\npeers: {tool_peers.describe(peer_info)}")
+        report(report_lib.PEERS_FOOTNOTE)
+    report("\nms: median per pass (loop: B sess.run); x loop / x batch / x outer: ms "
+           "divided by the loop's / batch gradient's / hand outer products' ms.")
+    report("max|diff|: against the loop's per-example gradients (norms: their norms; "
+           "batch gradient: their sum).")
+    report(report_lib.MEMORY_FOOTNOTE)
+    figures = report_lib.to_json(entries, machine, settings)
+    if args.dp or args.full:
+        figures["dp_steps"] = _run_dp_rows(args, repeats, report)
+    if args.json == "-":
+        json.dump(figures, sys.stdout, indent=1)
+        print()
+    else:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=1)
+        report(f"\nfigures written to {args.json}")
+    if args.plot:
+        try:
+            report_lib.plot(entries, args.plot)
+        except RuntimeError as error:
+            print(f"pertower bench: {error}", file=sys.stderr)
+            return 1
+        report(f"plot written to {args.plot}")
+    failed = [f"{e.model} B={e.batch_size} {e.name}" for e in entries
+              if e.status == "error" or e.agrees is False]
+    if failed:
+        report(f"\nFAILED: {'; '.join(failed)}: error, or result beyond the tolerance "
+               f"({records.TOLERANCE:g} x max(1, |loop|)) from the loop's.")
+        return 1
+    return 0
+
+
+def _run_dp_rows(args, repeats, report):
+    """The DP rows (`dp.run_dp_bench`), printed; returns them for the JSON."""
+    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+
+    report("")
+    with environment.quiet_native_logs():
+        dp_entries = dp.run_dp_bench(models=args.models, batch_sizes=args.batch_sizes,
+                                     repeats=repeats, report=report)
+    report("")
+    report(dp.format_dp_table(dp_entries))
+    report("ms: median per training step (one sess.run of the training op), round-robin; "
+           "x plain: divided by the plain SGD step's ms in the same run.")
+    return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
+             "median_ms": e.median_ms, "runs_ms": e.runs_ms} for e in dp_entries]
+
+
+def _run_in_child(args):
+    """`bench --env NAME=VALUE ...`: runs the same command without --env in a child
+    Python started with those variables (allocators and oneDNN read them at process
+    start); returns its exit code. Its output goes straight to ours."""
+    child_argv, skip = [], False
+    for token in args.argv:
+        if skip:
+            skip = False
+        elif token == "--env":
+            skip = True
+        elif not token.startswith("--env="):
+            child_argv.append(token)
+    env = dict(os.environ)
+    env.update(dict(args.env))
+    env[_CHILD_MARK] = "1"
+    settings = " ".join(f"{name}={value}" for name, value in args.env)
+    print(f"pertower bench: measuring in a child process with {settings}", flush=True,
+          file=sys.stderr if args.json == "-" else sys.stdout)
+    command = [sys.executable, "-m", "pertower"] + child_argv
+    return subprocess.run(command, env=env, check=False).returncode
+

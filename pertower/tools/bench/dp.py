@@ -1,0 +1,109 @@
+"""`pertower bench --dp`: a plain SGD step against `pertower.DPOptimizer`'s step, timed
+side by side (round robin), and their table.
+
+Notation:
+    B   examples        C   clip norm       σ   noise multiplier
+"""
+
+import dataclasses
+import statistics
+
+import numpy as np
+import tensorflow as tf
+
+import pertower
+from pertower.tools import models as models_lib
+from pertower.tools import timing
+from pertower.tools.bench import report as report_lib
+
+__all__ = ["DP_BATCH_SIZES", "DPEntry", "run_dp_bench", "format_dp_table"]
+
+MODELS = models_lib.MODEL_NAMES
+# DP rows: per model, the batch sizes the DP-SGD step is timed at (models the installed
+# `pertower.tools.models` lacks are skipped).
+DP_BATCH_SIZES = {"mlp": (128,), "cnn": (32,), "cifar": (64,)}
+DP_LEARNING_RATE = 1e-3   # small: the timed steps train the weights they measure
+
+
+@dataclasses.dataclass
+class DPEntry:
+    """One DP row: the median ms of a "plain step" and a "dp step[method]"."""
+
+    model: str
+    batch_size: int
+    name: str
+    runs_ms: list = dataclasses.field(default_factory=list)
+
+    @property
+    def median_ms(self):
+        return statistics.median(self.runs_ms) if self.runs_ms else None
+
+
+def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
+                 report=print):
+    """Times a plain SGD step against DPOptimizer's step, side by side (round robin).
+
+    "plain step": GradientDescentOptimizer.minimize of the mean per-example cost;
+    "dp step[method]": `pertower.DPOptimizer` around the same optimizer, C = 1, σ = 1,
+    one microbatch per example; "dp step[method] σ=0": the first method's step without
+    noise (the clipping alone). Each is one sess.run of the training op.
+
+    Args:
+      models: names (default: those of DP_BATCH_SIZES that `models` provides).
+      batch_sizes: a list of B for every model, or a dict model -> list of B.
+      repeats: timed steps of each row after one warm-up step.
+      methods: DPOptimizer methods to time.
+      report: called with each line of progress.
+
+    Returns:
+      A list of `DPEntry`.
+    """
+    available = [m for m in DP_BATCH_SIZES if m in MODELS]
+    models = available if models is None else [m for m in models if m in MODELS]
+    entries = []
+    for model_name in models:
+        sizes = (batch_sizes[model_name] if isinstance(batch_sizes, dict) else
+                 batch_sizes) if batch_sizes else DP_BATCH_SIZES.get(model_name, (32,))
+        for B in sizes:
+            report(f"dp {model_name} B={B}: building ...")
+            rng = np.random.default_rng(B)
+            with tf.Graph().as_default() as graph, \
+                    tf.compat.v1.Session(graph=graph) as sess:
+                tf.compat.v1.set_random_seed(B)
+                model = models_lib.build(model_name, B, rng)
+                loss = model.ys                                  # [B, ...] per example
+                sgd = tf.compat.v1.train.GradientDescentOptimizer
+                steps = [("plain step", sgd(DP_LEARNING_RATE).minimize(
+                    tf.reduce_mean(loss), var_list=model.weights))]
+                for method in methods:
+                    dp = pertower.DPOptimizer(sgd(DP_LEARNING_RATE), l2_norm_clip=1.0,
+                                              noise_multiplier=1.0, method=method, seed=B)
+                    steps.append((f"dp step[{method}]", dp.minimize(
+                        loss, var_list=model.weights, batch_size=B)))
+                # the same step without its noise: what clipping costs, apart from the
+                # P Gaussian draws
+                dp = pertower.DPOptimizer(sgd(DP_LEARNING_RATE), l2_norm_clip=1.0,
+                                          noise_multiplier=0.0, method=methods[0])
+                steps.append((f"dp step[{methods[0]}] σ=0", dp.minimize(
+                    loss, var_list=model.weights, batch_size=B)))
+                sess.run(tf.compat.v1.global_variables_initializer())
+                rows = [DPEntry(model_name, B, name) for name, _ in steps]
+                for _, op in steps:
+                    sess.run(op, model.feed)                     # warm-up
+                times = timing.round_robin(
+                    [(lambda op=op: sess.run(op, model.feed), repeats) for _, op in steps])
+                for row, seconds in zip(rows, times):
+                    row.runs_ms.extend(1e3 * t for t in seconds)
+                entries += rows
+    return entries
+
+
+def format_dp_table(entries):
+    """The DP rows as text: median ms and the ratio to the plain step of the same run."""
+    plain = {(e.model, e.batch_size): e.median_ms for e in entries if e.name == "plain step"}
+    rows = []
+    for e in entries:
+        base = plain.get((e.model, e.batch_size))
+        rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_ms, ".1f"),
+                     report_lib.cell(e.median_ms / base if base else None, ".2f")))
+    return timing.format_table(("model", "B", "step", "ms", "x plain"), rows)
