@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
+from tests import cases
 from tests import common
 
 
@@ -19,7 +20,7 @@ def _weights(case):
 
 
 def test_builders_give_the_same_weights_whatever_ran_before():
-    first = _weights(common.build_mlp(B=2))
+    first = _weights(cases.build_mlp(B=2))
     # what other tests do in between: draw from Python's random, seed Keras globally
     # (the digits examples call keras.utils.set_random_seed), build other graphs
     random.random()
@@ -27,7 +28,7 @@ def test_builders_give_the_same_weights_whatever_ran_before():
     with tf.Graph().as_default():
         keras.layers.Dense(3)(tf.zeros([1, 2]))
     random.random()
-    second = _weights(common.build_mlp(B=2))
+    second = _weights(cases.build_mlp(B=2))
     common.assert_all_close(second, first, 0.0, 0.0, "build_mlp weights")
 
 

@@ -12,13 +12,6 @@ from pertower import oracle
 from tests import common
 
 
-@pytest.fixture(scope="module")
-def mlp():
-    case = common.build_mlp(B=4)
-    yield case
-    case.sess.close()
-
-
 def test_scalar_ys_is_refused(mlp):
     with mlp.graph.as_default():
         with pytest.raises(ValueError, match=r"`ys` .* is a scalar.*batch axis.*reduction=NONE"):

@@ -10,6 +10,7 @@ import pertower
 from pertower import _graph_walk as graph_walk
 from pertower import _batch_axis
 from pertower import oracle
+from tests import cases
 from tests import common
 
 B = 4
@@ -245,7 +246,7 @@ def test_validate_catches_coupling_the_scan_cannot_see(model):
 
 
 def test_check_independence_is_true_for_independent_examples():
-    case = common.build_cnn(B=3)
+    case = cases.build_cnn(B=3)
     with case.graph.as_default():
         check = pertower.check_independence(case.ys, batch_size=case.B)
         two_slices = pertower.check_independence(case.ys, batch_size=case.B, num_microbatches=1)
@@ -268,7 +269,7 @@ def test_check_independence_with_microbatches_sees_coupling_within_them():
 
 
 def test_validate_passes_and_matches_the_oracle_on_an_ordinary_model():
-    case = common.build_embedding(B=4)
+    case = cases.build_embedding(B=4)
     with case.graph.as_default():
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                              validate=True)

@@ -8,6 +8,7 @@ import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
 
@@ -22,7 +23,7 @@ def _densify(values, indices, example_ids, dense_shape):
 def embedding():
     """tests.common's embedding model (ids [B, 4] with repeated ids) and pertower's
     tensors for it, built before the session runs."""
-    case = common.build_embedding()
+    case = cases.build_embedding()
     with case.graph.as_default():
         ids = case.batch[0]
         table = case.xs[0]                                  # the Embedding weight [20, 6]
