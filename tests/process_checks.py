@@ -59,6 +59,9 @@ PROCESSES = {
     # the user-facing commands, as a user runs them: they set their environment up.
     "scenario_examples": _Command((os.path.join(HERE, "scripts", "scenario_examples.py"),),
                                   legacy_keras_env=False),
+    # Keras 3 (tf.keras without TF_USE_LEGACY_KERAS): its own summary line, no checks.
+    "keras3": _Command((os.path.join(HERE, "scripts", "keras3_weights.py"),),
+                       legacy_keras_env=False),
 }
 
 

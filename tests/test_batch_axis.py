@@ -148,8 +148,8 @@ def test_a_mean_over_the_batch_size_is_independent_and_matches_the_definition(fe
         total = tf.gradients(tf.reduce_sum(ys), xs)
         want = common.loop_rows_of_batch(sess, ys, xs, feed)
     got, total = sess.run([got, total], feed)
-    common.assert_all_close(got, want, 1e-5, 1e-6, "rows of the batch")
-    common.assert_all_close([g.sum(axis=0) for g in got], total, 1e-5, 1e-6, "sum")
+    common.assert_all_close(got, want, kind="tight", what="rows of the batch")
+    common.assert_all_close([g.sum(axis=0) for g in got], total, kind="tight", what="sum")
 
 
 def test_a_size_only_shape_argument_is_no_data_edge(features):

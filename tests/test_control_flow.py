@@ -261,8 +261,8 @@ def test_masked_bidirectional_rnn_with_sparse_embedding_matches_oracle():
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
-            common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), 1e-4, 1e-5,
-                                    "masked bidirectional RNN")
+            common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), kind="deep",
+                                    what="masked bidirectional RNN")
 
 
 def _recurrent_model(layer, seed=17):
@@ -317,14 +317,14 @@ def test_recurrent_layer_and_a_training_op_built_after_the_first_run(layer, orde
         got = sess.run(grads, {x: X})
         values = sess.run(xs)
         want, stepped = _plain_tf_reference(layer, values, X, learning_rate)
-        common.assert_all_close(got, want, 1e-4, 1e-5, f"{layer} {order}")
+        common.assert_all_close(got, want, kind="deep", what=f"{layer} {order}")
         if order == "pertower_first":
             train = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).minimize(
                 tf.reduce_mean(ys), var_list=xs)
             sess.run(train, {x: X})
             after = sess.run(xs)
             assert any(not np.allclose(a, v) for a, v in zip(after, values))
-            common.assert_all_close(after, stepped, 1e-4, 1e-5, f"{layer} minimize step")
+            common.assert_all_close(after, stepped, kind="deep", what=f"{layer} minimize step")
 
 
 def test_cond_and_function_and_a_training_op_built_after_the_first_run():

@@ -81,7 +81,7 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
         case.sess.run(train, case.feed)
         updated = case.sess.run(case.xs)
 
-    common.assert_all_close(got_gradient, want_gradient, 1e-5, 1e-6, "DP gradient")
+    common.assert_all_close(got_gradient, want_gradient, kind="tight", what="DP gradient")
     if optimizer_name == "sgd":
         want = [w - LEARNING_RATE * g for w, g in zip(initial, want_gradient)]
     else:
@@ -139,7 +139,7 @@ def test_minimize_with_sparse_embedding_gradients_and_global_step():
         case.sess.run(train, case.feed)
         updated, step_value = case.sess.run([case.xs, step])
     want = [w - LEARNING_RATE * g for w, g in zip(initial, want_gradient)]
-    common.assert_all_close(updated, want, 1e-5, 1e-6, "embedding DP step")
+    common.assert_all_close(updated, want, kind="tight", what="embedding DP step")
     assert step_value == 1
 
 
@@ -153,7 +153,7 @@ def test_default_var_list_is_the_trainable_variables():
         want, _ = _clip_reference(_reference_slices(case, None), 1.0)
     assert {v.name for v in variables} == {v.name for v in case.xs}
     order = [case.xs.index(v) for v in variables]
-    common.assert_all_close(got, [want[k] for k in order], 1e-5, 1e-6, "default var_list")
+    common.assert_all_close(got, [want[k] for k in order], kind="tight", what="default var_list")
 
 
 def _dropout_mlp(B, rate=0.5):
@@ -191,12 +191,12 @@ def test_dropout_clips_the_gradients_of_the_run_s_own_draw():
     masks = []
     for got, g_i, d, o in runs:
         # the head kernel's per-example gradient is d_i ⊗ 2 o_i: the draw of this run
-        common.assert_all_close([g_i[2]], [d[:, :, None] * 2 * o[:, None, :]], 1e-5, 1e-6,
-                                "head kernel per-example gradient")
+        common.assert_all_close([g_i[2]], [d[:, :, None] * 2 * o[:, None, :]], kind="tight",
+                                what="head kernel per-example gradient")
         norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in g_i))   # [B]
         assert (norms > clip * 1.01).any() and (norms < clip * 0.99).any(), norms
         want, _ = _clip_reference(g_i, clip)
-        common.assert_all_close(got, want, 1e-5, 1e-6, "DP gradient with dropout")
+        common.assert_all_close(got, want, kind="tight", what="DP gradient with dropout")
         factors = clip / np.maximum(norms, clip)
         assert np.all(factors * norms <= clip * (1 + 1e-6))
         masks.append(d != 0)

@@ -164,7 +164,7 @@ def test_unrolled_lstm_matches_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.random.RandomState(0).randn(3, 5, 2).astype(np.float32)}
             want = oracle.loop_per_example_gradients(sess, ys, xs, feed)
-            common.assert_all_close(sess.run(grads, feed), want, 1e-5, 1e-6, "unrolled LSTM")
+            common.assert_all_close(sess.run(grads, feed), want, kind="tight", what="unrolled LSTM")
 
 
 def _joined_batches(shape):

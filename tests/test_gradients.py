@@ -166,7 +166,7 @@ def test_tf_data_iterator_outputs_are_found_as_the_batch():
                 want = oracle.loop_per_example_gradients(
                     sess, oracle_ys, dense.trainable_weights,
                     {x: features[4 * step:4 * step + 4]})
-                common.assert_all_close(got, want, 1e-5, 1e-6, f"iterator batch {step}")
+                common.assert_all_close(got, want, kind="tight", what=f"iterator batch {step}")
 
 
 def test_towers_record_and_building_twice_on_one_graph():

@@ -183,4 +183,4 @@ def test_a_limit_of_1_3_times_the_result_is_enough_for_a_rules_covered_mlp():
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             want = oracle.loop_per_example_gradients(sess, cost, xs, feed)
-            common.assert_all_close(sess.run(grads, feed), want, 1e-4, 1e-5, "mlp")
+            common.assert_all_close(sess.run(grads, feed), want, kind="deep", what="mlp")

@@ -138,7 +138,7 @@ def test_batch_norm_in_inference_mode_matches_the_oracle():
         got = pertower.per_example_gradients(out, xs, batch_size=B, validate=True)
         feed = {x: np.random.RandomState(0).randn(B, 6, 6, 2).astype(np.float32)}
         want = oracle.loop_per_example_gradients(sess, out, xs, feed)
-        common.assert_all_close(sess.run(got, feed), want, 1e-4, 1e-5, "BN inference")
+        common.assert_all_close(sess.run(got, feed), want, kind="deep", what="BN inference")
         sess.close()
 
 
@@ -154,8 +154,8 @@ def test_one_microbatch_may_couple_its_examples():
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.random.RandomState(1).randn(B, 6, 6, 2).astype(np.float32)}
             got_values, want_values = sess.run([got, want], feed)
-        common.assert_all_close([g[0] for g in got_values], want_values, 1e-4, 1e-5,
-                                "one microbatch with BN training")
+        common.assert_all_close([g[0] for g in got_values], want_values, kind="deep",
+                                what="one microbatch with BN training")
 
 
 # Graphs the scan must accept: (id, f(h) -> [B, ...]).
@@ -183,7 +183,7 @@ def test_per_example_graphs_are_accepted_and_match_the_oracle(build):
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.random.RandomState(2).randn(B, 3).astype(np.float32)}
             want = oracle.loop_per_example_gradients(sess, ys, [w], feed)
-            common.assert_all_close(sess.run(got, feed), want, 1e-5, 1e-6, "allowed graph")
+            common.assert_all_close(sess.run(got, feed), want, kind="tight", what="allowed graph")
 
 
 def test_find_couplings_lists_every_coupling_in_graph_order():

@@ -150,7 +150,7 @@ def test_tf_data_iterator_with_a_none_batch_axis():
                 # the oracle feeds the iterator's outputs one example at a time
                 want = oracle.loop_per_example_gradients(
                     sess, cost, net.trainable_weights, {x: x_value, y: y_value})
-                common.assert_all_close(got, want, 1e-5, 1e-6, f"iterator batch {step}")
+                common.assert_all_close(got, want, kind="tight", what=f"iterator batch {step}")
             with pytest.raises(tf.errors.InvalidArgumentError,
                                match=r"built for a batch of 4 examples.*has.*2.*examples"):
                 sess.run(grads)

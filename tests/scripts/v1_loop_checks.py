@@ -68,7 +68,7 @@ def _compare(graph, ys, xs, feed, what, num_microbatches=None, **kwargs):
         sess.run(tf.compat.v1.global_variables_initializer())
         got = sess.run(grads, feed)
         want = loop.run(sess, feed, groups)
-    common.assert_all_close(got, want, 1e-4, 1e-5, what)
+    common.assert_all_close(got, want, kind="deep", what=what)
     return plan
 
 
@@ -138,11 +138,11 @@ def check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             got, got_halves, got_norms = sess.run([grads, halves, norms], feed)
             want, want_halves = loop.run(sess, feed, B), loop.run(sess, feed, 2)
-        common.assert_all_close(got, want, 1e-4, 1e-5, "bidirectional per example")
-        common.assert_all_close(got_halves, want_halves, 1e-4, 1e-5,
-                                "bidirectional microbatches")
+        common.assert_all_close(got, want, kind="deep", what="bidirectional per example")
+        common.assert_all_close(got_halves, want_halves, kind="deep",
+                                what="bidirectional microbatches")
         squares = sum(np.sum(w.reshape(B, -1) ** 2, axis=1) for w in want)
-        common.assert_all_close([got_norms], [np.sqrt(squares)], 1e-4, 1e-5, "norms")
+        common.assert_all_close([got_norms], [np.sqrt(squares)], kind="deep", what="norms")
 
 
 def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
@@ -171,7 +171,7 @@ def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             common.assert_all_close(sess.run(jacobians, feed),
                                     oracle.loop_per_example_jacobians(sess, h, xs, feed),
-                                    1e-4, 1e-5, "while_loop Jacobians")
+                                    kind="deep", what="while_loop Jacobians")
 
 
 def check_v1_while_loops_with_resource_variables_use_row_passes():
@@ -284,7 +284,7 @@ def check_static_rnn_with_sequence_length_matches_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = _feed(x, lengths)
             common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
-                                    1e-4, 1e-5, "static_rnn sequence_length")
+                                    kind="deep", what="static_rnn sequence_length")
         return str(plan)
 
 
@@ -310,7 +310,7 @@ def check_v1_loop_restored_from_a_meta_graph_matches_oracle():
             saver.restore(sess, path)
             feed = _feed(x, lengths)
             common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
-                                    1e-4, 1e-5, "restored meta graph")
+                                    kind="deep", what="restored meta graph")
 
 
 def check_v1_loop_training_op_built_after_a_run():
