@@ -244,7 +244,7 @@ def build_case(name, build, feed_shapes, B=4, dtype=tf.float32, ids=None, seed=0
     `tf.gradients` could not be built after it)."""
     graph = tf.Graph()
     with graph.as_default():
-        common.seedrandom_normal_variable(seed)
+        common.seed_weights(seed)
         inputs = [tf.compat.v1.placeholder(dtype if s != "ids" else tf.int32,
                                            [None] + list(ids if s == "ids" else s),
                                            name=f"in{j}")
@@ -406,7 +406,6 @@ RULE_MODELS = {
 }
 
 
-
 def build_cifar_case(B=3):
     """The bench's CIFAR conv net (pertower.tools.models) as a Case; ys [B]."""
     graph = tf.Graph()
@@ -415,10 +414,8 @@ def build_cifar_case(B=3):
         built = models_lib.build("cifar", B, np.random.default_rng(5))
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
-    return Case("cifar", graph, sess, built.ys, built.weights, built.feed,
-                       list(built.feed), B, **common.tolerance(np.float32, "deep"))
-
-
+    return Case("cifar", graph, sess, built.ys, built.weights, built.feed, list(built.feed), B,
+                **common.tolerance(np.float32, "deep"))
 
 
 def build_hidden_features(B=4):
