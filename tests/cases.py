@@ -29,7 +29,8 @@ from pertower.tools import models as models_lib
 from tests import common
 
 __all__ = ["Case", "BUILDERS", "RULE_MODELS", "build_case", "build_cifar_case",
-           "build_hidden_features", "random_normal_variable",
+           "build_hidden_features", "random_normal_variable", "dense_sequence", "mixed",
+           "mixing_op",
            "run_scenario_2_hand_checkable_case", "run_scenario_2_two_placeholders_case",
            "check_scenario_2_two_placeholders_case"]
 
@@ -265,6 +266,7 @@ def build_case(name, build, feed_shapes, B=4, dtype=tf.float32, ids=None, seed=0
 
 
 def random_normal_variable(shape, name, dtype=tf.float32):
+    """A tf.compat.v1 variable of `shape` drawn from N(0, 1) (the graph's seed applies)."""
     return tf.compat.v1.get_variable(name, shape, dtype=dtype,
                                      initializer=tf.compat.v1.random_normal_initializer())
 

@@ -1,8 +1,8 @@
 """method="rules" and "auto": every rule against the one-example oracle and the towers.
 
-Each model below exercises one rule (or the fallback); `expect_fallback` lists the
-weights that must go to the towers, so a test also fails when a rule silently stops
-applying (or starts applying where it must not).
+Each model of `cases.RULE_MODELS` (tests/cases.py) exercises one rule (or the
+fallback); its last field lists the weights that must go to the towers, so a test also
+fails when a rule silently stops applying (or starts applying where it must not).
 """
 
 import numpy as np
