@@ -32,7 +32,10 @@ __all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 _PREFIX = "pertower-check "
-TIMEOUT_SECONDS = 600
+# A process that has not ended by then is taken as hung and killed. Generous: the
+# background processes run at a lower priority, and on a shared, loaded machine the
+# legacy process alone took over 600 s (its checks 40-60 s each instead of a few).
+TIMEOUT_SECONDS = 1800
 
 
 @dataclasses.dataclass(frozen=True)
