@@ -19,6 +19,8 @@ from tests import process_checks  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
 
+from tests import cases  # noqa: E402  (imports Keras and pertower: after the mode is set)
+
 _PROCESSES = pytest.StashKey()
 
 
@@ -47,3 +49,19 @@ def pytest_sessionfinish(session):
 def processes(request):
     """The session's `process_checks.Processes`."""
     return request.config.stash[_PROCESSES]
+
+
+@pytest.fixture(scope="module")
+def mlp_batch_size():
+    """The number of examples of the `mlp` fixture; a module overrides it with a fixture
+    of the same name."""
+    return 4
+
+
+@pytest.fixture(scope="module")
+def mlp(mlp_batch_size):  # pylint: disable=redefined-outer-name
+    """Scenario 1's MLP (`cases.build_mlp`), one graph and session per test module:
+    `mlp.ys` [B, 1], `mlp.outputs` [B, 3], B = `mlp_batch_size`."""
+    case = cases.build_mlp(B=mlp_batch_size)
+    yield case
+    case.sess.close()

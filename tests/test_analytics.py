@@ -16,7 +16,6 @@ from pertower import oracle
 from tests import common
 
 B_A, B_B, K = 5, 3, 3
-RTOL, ATOL = 1e-5, 1e-6
 
 
 class Model:
@@ -86,7 +85,7 @@ def test_tracin_sums_learning_rate_times_dot_products_over_checkpoints(setup):
     got_one, got_both = _run(setup, [one, both])
     want_one = 0.3 * refs[0]["Ga"] @ refs[0]["Gb"].T                   # [B_A, B_B]
     want_both = want_one + 0.05 * refs[1]["Ga"] @ refs[1]["Gb"].T
-    common.assert_all_close([got_one, got_both], [want_one, want_both], RTOL, ATOL, "tracin")
+    common.assert_all_close([got_one, got_both], [want_one, want_both], kind="tight", what="tracin")
     assert got_both.shape == (B_A, B_B)
 
 
@@ -115,8 +114,8 @@ def test_tracin_over_saved_checkpoints(setup, tmp_path):
             [{**feed_a, **feed_b}, {**feed_a, **feed_b}])
         for v, value in zip(model.xs, original):
             v.load(value, sess)
-    common.assert_all_close([got] + listed, [wants[0] + wants[1]] * 3, RTOL, ATOL,
-                            "tracin checkpoints")
+    common.assert_all_close([got] + listed, [wants[0] + wants[1]] * 3, kind="tight",
+                            what="tracin checkpoints")
     assert restored == paths
 
 
@@ -131,7 +130,7 @@ def test_similarity_matrices(setup):
     Ga, Gb = ref["Ga"], ref["Gb"]
     na, nb = np.linalg.norm(Ga, axis=1), np.linalg.norm(Gb, axis=1)
     want = [Ga @ Gb.T, Ga @ Gb.T / np.outer(na, nb), Ga @ Ga.T / np.outer(na, na)]
-    common.assert_all_close(_run(setup, fetches), want, RTOL, ATOL, "similarity")
+    common.assert_all_close(_run(setup, fetches), want, kind="tight", what="similarity")
 
 
 def test_class_similarity_averages_class_blocks():
@@ -164,9 +163,9 @@ def test_fisher_diagonal_and_gradient_variance(setup):
         variance = pertower.gradient_variance(model.grads_a)
     got_fisher, got_variance = _run(setup, [fisher, variance])
     common.assert_all_close(got_fisher, [np.mean(g ** 2, axis=0) for g in ref["ga"]],
-                            RTOL, ATOL, "Fisher diagonal")
+                            kind="tight", what="Fisher diagonal")
     common.assert_all_close(got_variance, [np.var(g, axis=0, ddof=1) for g in ref["ga"]],
-                            RTOL, ATOL, "gradient variance")
+                            kind="tight", what="gradient variance")
 
 
 def test_gradient_noise_scale_matches_the_two_batch_estimators(setup):
@@ -216,7 +215,7 @@ def test_empirical_ntk_is_the_gram_of_flattened_jacobians(setup):
     want = [np.einsum("akp,blp->akbl", Ja, Ja), np.einsum("akp,blp->akbl", Ja, Jb),
             ref["Ga"] @ ref["Gb"].T]
     got = _run(setup, fetches)
-    common.assert_all_close(got, want, RTOL, ATOL, "empirical NTK")
+    common.assert_all_close(got, want, kind="tight", what="empirical NTK")
     assert got[1].shape == (B_A, K, B_B, K)
 
 

@@ -1,6 +1,6 @@
-"""The test helpers of tests/common.py: weights that do not depend on what ran before,
-tolerances that follow the dtype, and the oracle runner that skips only when TensorFlow
-cannot compute the reference on this machine."""
+"""The test helpers of tests/common.py and tests/cases.py: weights that do not depend on
+what ran before, tolerances that follow the dtype and the kind of graph, and the oracle
+runner that skips only when TensorFlow cannot compute the reference on this machine."""
 
 import random
 
@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
+from tests import cases
 from tests import common
 
 
@@ -19,7 +20,7 @@ def _weights(case):
 
 
 def test_builders_give_the_same_weights_whatever_ran_before():
-    first = _weights(common.build_mlp(B=2))
+    first = _weights(cases.build_mlp(B=2))
     # what other tests do in between: draw from Python's random, seed Keras globally
     # (the digits examples call keras.utils.set_random_seed), build other graphs
     random.random()
@@ -27,7 +28,7 @@ def test_builders_give_the_same_weights_whatever_ran_before():
     with tf.Graph().as_default():
         keras.layers.Dense(3)(tf.zeros([1, 2]))
     random.random()
-    second = _weights(common.build_mlp(B=2))
+    second = _weights(cases.build_mlp(B=2))
     common.assert_all_close(second, first, 0.0, 0.0, "build_mlp weights")
 
 
@@ -45,6 +46,22 @@ def test_tolerance_follows_the_dtype():
         common.assert_all_close([base.astype(np.float32) * 1.01], [base.astype(np.float32)],
                                 what="float32")
 
+
+
+def test_every_kind_of_tolerance_is_tighter_in_float64_and_unknown_kinds_are_refused():
+    """TOLERANCES is the one table: each kind has both dtypes, float64 no wider than
+    float32, and assert_all_close reads the kind it is given."""
+    for kind in common.TOLERANCES:
+        f32, f64 = common.tolerance(np.float32, kind), common.tolerance(np.float64, kind)
+        assert f64["rtol"] <= f32["rtol"] and f64["atol"] <= f32["atol"], kind
+    assert common.tolerance(np.float32) == common.tolerance(np.float32, "default")
+    base = np.linspace(1.0, 2.0, 5).astype(np.float32)
+    common.assert_all_close([base * (1 + 5e-5)], [base], kind="deep")
+    with pytest.raises(AssertionError, match=r"tight: \[0\] max abs error"):
+        common.assert_all_close([base * (1 + 5e-5)], [base], what="tight", kind="tight")
+    with pytest.raises(ValueError, match=r"`kind` must be one of .*'default'.*but received "
+                                         r"'loose'"):
+        common.tolerance(np.float32, "loose")
 
 def _conv_gradient_graph(dilations):
     """(sess, loop arguments) for a conv whose weight gradient TF computes with

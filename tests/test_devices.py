@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
@@ -39,7 +40,7 @@ def _ran_on(sess, fetches, feed):
 @pytest.fixture(scope="module", params=["mlp", "embedding"])
 def placed(request):
     """A model from tests.common with towers on two virtual CPUs (B = 4 towers)."""
-    case = common.BUILDERS[request.param]()
+    case = cases.BUILDERS[request.param]()
     case.sess.close()
     with case.graph.as_default():
         loop = oracle.SliceLoop(case.ys, case.xs)
@@ -110,7 +111,7 @@ def test_towers_run_on_their_devices_and_match_oracle(placed):
                                              r"device string"),
 ])
 def test_bad_devices_are_refused(bad, error, words):
-    case = common.build_mlp(B=2)
+    case = cases.build_mlp(B=2)
     case.sess.close()
     with case.graph.as_default():
         with pytest.raises(error, match=r"pertower.per_example_gradients: " + words):

@@ -121,12 +121,12 @@ def test_default_method_and_dp_optimizer_work_for_two_fed_batch_sizes():
         with graph.as_default():
             want = oracle.loop_per_example_gradients(sess, loss, xs, feed)
         got_grads, got_norms, got_clipped = sess.run([grads, norms, clipped], feed)
-        common.assert_all_close(got_grads, want, 1e-5, 1e-6, f"gradients, B={B}")
+        common.assert_all_close(got_grads, want, kind="tight", what=f"gradients, B={B}")
         want_norms = np.sqrt(sum(np.sum(w.reshape(B, -1) ** 2, axis=1) for w in want))
         np.testing.assert_allclose(got_norms, want_norms, rtol=1e-5)
         factors = np.minimum(1.0, 0.5 / want_norms)                    # [B]
         want_clipped = [np.tensordot(factors, w, axes=1) / B for w in want]
-        common.assert_all_close(got_clipped, want_clipped, 1e-5, 1e-6, f"DP, B={B}")
+        common.assert_all_close(got_clipped, want_clipped, kind="tight", what=f"DP, B={B}")
     sess.close()
 
 
@@ -236,4 +236,4 @@ def test_arguments_keep_one_order_everywhere(mixed):
     with graph.as_default():
         got = pertower.microbatch_gradients(ys, xs, None, 5, 5)    # positional M = 5
         want = oracle.loop_per_example_gradients(sess, ys, xs, feed)
-    common.assert_all_close(sess.run(got, feed), want, 1e-5, 1e-6, "positional")
+    common.assert_all_close(sess.run(got, feed), want, kind="tight", what="positional")

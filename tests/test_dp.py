@@ -19,8 +19,8 @@ import pertower
 from pertower import _dispatch
 from pertower import oracle
 from pertower.rules import _engine as rule_engine
+from tests import cases
 from tests import common
-from tests import test_rules
 
 LEARNING_RATE = 0.5
 
@@ -53,7 +53,7 @@ def _adam_step(w, g, lr, beta1=0.9, beta2=0.999, epsilon=1e-8):
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
 @pytest.mark.parametrize("num_microbatches", [None, 3, 6, 1])
 def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_microbatches):
-    case = common.build_mlp(B=6)
+    case = cases.build_mlp(B=6)
     with case.graph.as_default():
         initial = case.sess.run(case.xs)
         slices = _reference_slices(case, num_microbatches)
@@ -81,7 +81,7 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
         case.sess.run(train, case.feed)
         updated = case.sess.run(case.xs)
 
-    common.assert_all_close(got_gradient, want_gradient, 1e-5, 1e-6, "DP gradient")
+    common.assert_all_close(got_gradient, want_gradient, kind="tight", what="DP gradient")
     if optimizer_name == "sgd":
         want = [w - LEARNING_RATE * g for w, g in zip(initial, want_gradient)]
     else:
@@ -92,7 +92,7 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
 
 @pytest.mark.parametrize("num_microbatches", [None, 2])
 def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_microbatches):
-    case = common.build_mlp(B=6)
+    case = cases.build_mlp(B=6)
     with case.graph.as_default():
         loss = case.outputs ** 2                                          # [B, 3]
         M = case.B if num_microbatches is None else num_microbatches
@@ -109,7 +109,7 @@ def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_mic
 
 @pytest.mark.parametrize("builder", ["static_mlp", "shared_layer", "cnn", "mlp_float64"])
 def test_noiseless_dp_gradient_on_other_models(builder):
-    case = common.BUILDERS[builder]()
+    case = cases.BUILDERS[builder]()
     with case.graph.as_default():
         ys, _, feed = case.oracle()
         per_example = oracle.loop_per_example_gradients(case.sess, ys, case.xs, feed)
@@ -125,7 +125,7 @@ def test_noiseless_dp_gradient_on_other_models(builder):
 
 
 def test_minimize_with_sparse_embedding_gradients_and_global_step():
-    case = common.build_embedding(B=4)
+    case = cases.build_embedding(B=4)
     with case.graph.as_default():
         initial = case.sess.run(case.xs)
         slices = _reference_slices(case, None)
@@ -139,12 +139,12 @@ def test_minimize_with_sparse_embedding_gradients_and_global_step():
         case.sess.run(train, case.feed)
         updated, step_value = case.sess.run([case.xs, step])
     want = [w - LEARNING_RATE * g for w, g in zip(initial, want_gradient)]
-    common.assert_all_close(updated, want, 1e-5, 1e-6, "embedding DP step")
+    common.assert_all_close(updated, want, kind="tight", what="embedding DP step")
     assert step_value == 1
 
 
 def test_default_var_list_is_the_trainable_variables():
-    case = common.build_compat_v1_layers(B=4)
+    case = cases.build_compat_v1_layers(B=4)
     with case.graph.as_default():
         dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 1.0, 0.0)
         grads_and_vars = dp.compute_gradients(case.ys, batch_size=case.B)
@@ -153,7 +153,7 @@ def test_default_var_list_is_the_trainable_variables():
         want, _ = _clip_reference(_reference_slices(case, None), 1.0)
     assert {v.name for v in variables} == {v.name for v in case.xs}
     order = [case.xs.index(v) for v in variables]
-    common.assert_all_close(got, [want[k] for k in order], 1e-5, 1e-6, "default var_list")
+    common.assert_all_close(got, [want[k] for k in order], kind="tight", what="default var_list")
 
 
 def _dropout_mlp(B, rate=0.5):
@@ -191,12 +191,12 @@ def test_dropout_clips_the_gradients_of_the_run_s_own_draw():
     masks = []
     for got, g_i, d, o in runs:
         # the head kernel's per-example gradient is d_i ⊗ 2 o_i: the draw of this run
-        common.assert_all_close([g_i[2]], [d[:, :, None] * 2 * o[:, None, :]], 1e-5, 1e-6,
-                                "head kernel per-example gradient")
+        common.assert_all_close([g_i[2]], [d[:, :, None] * 2 * o[:, None, :]], kind="tight",
+                                what="head kernel per-example gradient")
         norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in g_i))   # [B]
         assert (norms > clip * 1.01).any() and (norms < clip * 0.99).any(), norms
         want, _ = _clip_reference(g_i, clip)
-        common.assert_all_close(got, want, 1e-5, 1e-6, "DP gradient with dropout")
+        common.assert_all_close(got, want, kind="tight", what="DP gradient with dropout")
         factors = clip / np.maximum(norms, clip)
         assert np.all(factors * norms <= clip * (1 + 1e-6))
         masks.append(d != 0)
@@ -226,7 +226,7 @@ def test_dropout_with_towers_clips_each_example_to_the_bound():
 @pytest.fixture(scope="module")
 def noise_graph():
     """An MLP with a noiseless and two noisy DP gradients of one batch (seed 7 and 8)."""
-    case = common.build_mlp(B=6)
+    case = cases.build_mlp(B=6)
     with case.graph.as_default():
         def gradients(noise, seed=None):
             dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
@@ -300,7 +300,7 @@ def test_seed_makes_the_noise_repeatable():
 
 
 def test_errors_name_the_argument():
-    case = common.build_mlp(B=6)
+    case = cases.build_mlp(B=6)
     sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
     with case.graph.as_default():
         with pytest.raises(ValueError, match="DP needs one loss per example"):
@@ -401,13 +401,13 @@ def test_public_names_are_exported():
     assert all(hasattr(pertower, name) for name in names)
 
 
-@pytest.mark.parametrize("name", sorted(test_rules.MODELS))
+@pytest.mark.parametrize("name", sorted(cases.RULE_MODELS))
 def test_every_rule_s_clipped_sum_is_the_reweighted_oracle(name):
     # sum_i f_i g_i through each rule's own clipped_sum (dZ scaled per example; no
     # per-example gradient formed), and through Built.clipped_sum (norms, factors and
     # sums of one backward pass; towers for the weights without a rule)
-    build, shapes, options, _ = test_rules.MODELS[name]
-    case = test_rules._model(name, build, shapes, **options)   # pylint: disable=protected-access
+    build, shapes, options, _ = cases.RULE_MODELS[name]
+    case = cases.build_case(name, build, shapes, **options) 
     factors_value = np.linspace(0.2, 1.3, case.B).astype(case.ys.dtype.as_numpy_dtype)
     with case.graph.as_default():
         plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False)

@@ -12,13 +12,6 @@ from pertower import oracle
 from tests import common
 
 
-@pytest.fixture(scope="module")
-def mlp():
-    case = common.build_mlp(B=4)
-    yield case
-    case.sess.close()
-
-
 def test_scalar_ys_is_refused(mlp):
     with mlp.graph.as_default():
         with pytest.raises(ValueError, match=r"`ys` .* is a scalar.*batch axis.*reduction=NONE"):
@@ -171,7 +164,7 @@ def test_unrolled_lstm_matches_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.random.RandomState(0).randn(3, 5, 2).astype(np.float32)}
             want = oracle.loop_per_example_gradients(sess, ys, xs, feed)
-            common.assert_all_close(sess.run(grads, feed), want, 1e-5, 1e-6, "unrolled LSTM")
+            common.assert_all_close(sess.run(grads, feed), want, kind="tight", what="unrolled LSTM")
 
 
 def _joined_batches(shape):

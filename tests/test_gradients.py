@@ -8,12 +8,13 @@ import pertower
 from pertower._api import gradients as gradients_lib
 from pertower import oracle
 from pertower._towers import backward
+from tests import cases
 from tests import common
 
 
-@pytest.fixture(scope="module", params=sorted(common.BUILDERS))
+@pytest.fixture(scope="module", params=sorted(cases.BUILDERS))
 def case(request):
-    built = common.BUILDERS[request.param]()
+    built = cases.BUILDERS[request.param]()
     yield built
     built.sess.close()
 
@@ -165,11 +166,11 @@ def test_tf_data_iterator_outputs_are_found_as_the_batch():
                 want = oracle.loop_per_example_gradients(
                     sess, oracle_ys, dense.trainable_weights,
                     {x: features[4 * step:4 * step + 4]})
-                common.assert_all_close(got, want, 1e-5, 1e-6, f"iterator batch {step}")
+                common.assert_all_close(got, want, kind="tight", what=f"iterator batch {step}")
 
 
 def test_towers_record_and_building_twice_on_one_graph():
-    case = common.build_shared_layer(B=4)
+    case = cases.build_shared_layer(B=4)
     with case.graph.as_default():
         first = pertower.build_towers(case.ys, case.xs, batch_size=4, num_microbatches=2)
         second = pertower.build_towers(case.ys, case.xs, batch_size=4, num_microbatches=2)
@@ -186,7 +187,7 @@ def test_towers_record_and_building_twice_on_one_graph():
 
 
 def test_a_weight_listed_twice_gets_its_gradient_twice():
-    case = common.build_mlp(B=4)
+    case = cases.build_mlp(B=4)
     with case.graph.as_default():
         xs = [case.xs[0], case.xs[1], case.xs[0]]
         got = pertower.per_example_gradients(case.ys, xs, batch_size=4)

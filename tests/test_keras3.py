@@ -1,13 +1,10 @@
 """Keras 3 weights (`keras.Variable`, not TF variables) are accepted in `xs`.
 
-The network test runs tests/scripts/keras3_weights.py in a subprocess: Keras 3 needs
+The network test reads the "keras3" process of tests/process_checks.py
+(tests/scripts/keras3_weights.py, run in the background once per session): Keras 3 needs
 TF_USE_LEGACY_KERAS unset before TensorFlow is imported, and this process sets it to 1
 (conftest.py). The error for a Keras 3 variable without a TF variable behind it is
 checked here, with a stand-in object (Keras 3 is recognised by duck typing)."""
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,20 +13,13 @@ import tensorflow as tf
 import pertower
 from pertower import _checks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-
-def test_keras3_dense_weights_match_the_one_example_loop():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TF_USE_LEGACY_KERAS", None)
-    result = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "keras3_weights.py")],
-                            capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    if "keras 3 unavailable" in result.stdout:
-        pytest.skip(result.stdout.strip())
-    assert "keras 3 checks: 3 passed, 0 failed" in result.stdout, result.stdout
+@pytest.mark.process_checks("keras3")
+def test_keras3_dense_weights_match_the_one_example_loop(processes):
+    done = processes.completed("keras3")
+    assert done.returncode == 0, done.explain()
+    if "keras 3 unavailable" in done.stdout:
+        pytest.skip(done.stdout.strip())
+    assert "keras 3 checks: 3 passed, 0 failed" in done.stdout, done.explain()
 
 
 class _StandIn:

@@ -10,6 +10,7 @@ import pertower
 from pertower import _graph_walk as graph_walk
 from pertower import _batch_axis
 from pertower import oracle
+from tests import cases
 from tests import common
 
 B = 4
@@ -137,7 +138,7 @@ def test_batch_norm_in_inference_mode_matches_the_oracle():
         got = pertower.per_example_gradients(out, xs, batch_size=B, validate=True)
         feed = {x: np.random.RandomState(0).randn(B, 6, 6, 2).astype(np.float32)}
         want = oracle.loop_per_example_gradients(sess, out, xs, feed)
-        common.assert_all_close(sess.run(got, feed), want, 1e-4, 1e-5, "BN inference")
+        common.assert_all_close(sess.run(got, feed), want, kind="deep", what="BN inference")
         sess.close()
 
 
@@ -153,8 +154,8 @@ def test_one_microbatch_may_couple_its_examples():
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.random.RandomState(1).randn(B, 6, 6, 2).astype(np.float32)}
             got_values, want_values = sess.run([got, want], feed)
-        common.assert_all_close([g[0] for g in got_values], want_values, 1e-4, 1e-5,
-                                "one microbatch with BN training")
+        common.assert_all_close([g[0] for g in got_values], want_values, kind="deep",
+                                what="one microbatch with BN training")
 
 
 # Graphs the scan must accept: (id, f(h) -> [B, ...]).
@@ -182,7 +183,7 @@ def test_per_example_graphs_are_accepted_and_match_the_oracle(build):
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: np.random.RandomState(2).randn(B, 3).astype(np.float32)}
             want = oracle.loop_per_example_gradients(sess, ys, [w], feed)
-            common.assert_all_close(sess.run(got, feed), want, 1e-5, 1e-6, "allowed graph")
+            common.assert_all_close(sess.run(got, feed), want, kind="tight", what="allowed graph")
 
 
 def test_find_couplings_lists_every_coupling_in_graph_order():
@@ -245,7 +246,7 @@ def test_validate_catches_coupling_the_scan_cannot_see(model):
 
 
 def test_check_independence_is_true_for_independent_examples():
-    case = common.build_cnn(B=3)
+    case = cases.build_cnn(B=3)
     with case.graph.as_default():
         check = pertower.check_independence(case.ys, batch_size=case.B)
         two_slices = pertower.check_independence(case.ys, batch_size=case.B, num_microbatches=1)
@@ -268,7 +269,7 @@ def test_check_independence_with_microbatches_sees_coupling_within_them():
 
 
 def test_validate_passes_and_matches_the_oracle_on_an_ordinary_model():
-    case = common.build_embedding(B=4)
+    case = cases.build_embedding(B=4)
     with case.graph.as_default():
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                              validate=True)

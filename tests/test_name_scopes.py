@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
-from tests import common
+from tests import cases
 
 
 def _rnn():
@@ -20,7 +20,7 @@ def _rnn():
 
 def _embedding():
     """tests.common's embedding model: the table is read only by a gather."""
-    case = common.build_embedding()
+    case = cases.build_embedding()
     case.sess.close()
     return case.graph, case.ys, case.outputs, case.xs
 

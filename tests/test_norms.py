@@ -11,8 +11,8 @@ from pertower import _batch_axis
 from pertower import oracle
 from pertower import rules as rules_lib
 from pertower.rules import conv2d
+from tests import cases
 from tests import common
-from tests import test_rules
 
 
 def _oracle_norms(case):
@@ -25,9 +25,9 @@ def _oracle_norms(case):
 
 
 def _rules_case(name, B=4):
-    build, shapes, options, _ = test_rules.MODELS[name]
+    build, shapes, options, _ = cases.RULE_MODELS[name]
     options = dict(options, B=options.get("B", B))
-    return test_rules._model(name, build, shapes, **options)  # pylint: disable=protected-access
+    return cases.build_case(name, build, shapes, **options)
 
 
 def _wide_sequence(x):               # Dense(32) on [B, 3, 16]: the ghost norm is cheaper
@@ -46,23 +46,23 @@ GHOST = {"wide_sequence": (_wide_sequence, [(3, 16)]),
 
 def _ghost_case(name):
     build, shapes = GHOST[name]
-    return test_rules._model(name, build, shapes, B=4)  # pylint: disable=protected-access
+    return cases.build_case(name, build, shapes, B=4)
 
 
 CASES = {
     "wide_sequence": lambda: _ghost_case("wide_sequence"),
     "few_positions_conv": lambda: _ghost_case("few_positions_conv"),
-    "mlp": lambda: common.build_mlp(B=4),                      # k = 1 dense: ||a||^2 ||dz||^2
-    "mlp_float64": lambda: common.build_mlp(B=4, dtype=tf.float64),
-    "shared_layer": lambda: common.build_shared_layer(B=4),   # several uses: formed
-    "embedding": lambda: common.build_embedding(B=4),          # ghost norm with [id_t = id_s]
-    "cnn": lambda: common.build_cnn(B=2),                      # conv formed, dense cheap
+    "mlp": lambda: cases.build_mlp(B=4),                      # k = 1 dense: ||a||^2 ||dz||^2
+    "mlp_float64": lambda: cases.build_mlp(B=4, dtype=tf.float64),
+    "shared_layer": lambda: cases.build_shared_layer(B=4),   # several uses: formed
+    "embedding": lambda: cases.build_embedding(B=4),          # ghost norm with [id_t = id_s]
+    "cnn": lambda: cases.build_cnn(B=2),                      # conv formed, dense cheap
     "dense_sequence": lambda: _rules_case("dense_sequence"),   # ghost norm over T
     "batch_matmul": lambda: _rules_case("batch_matmul"),
     "conv_valid_dilated": lambda: _rules_case("conv_valid_dilated"),   # conv formed
     "mixed_fallback": lambda: _rules_case("mixed_fallback"),   # towers for two weights
-    "subclassed": lambda: common.build_subclassed(B=3),        # Conv1D, LayerNorm, Dropout cond
-    "cifar": lambda: test_rules.build_cifar_case(B=3),        # convs formed (grouped, patches)
+    "subclassed": lambda: cases.build_subclassed(B=3),        # Conv1D, LayerNorm, Dropout cond
+    "cifar": lambda: cases.build_cifar_case(B=3),        # convs formed (grouped, patches)
 }
 
 
@@ -122,7 +122,7 @@ def test_conv_norms_take_the_cheaper_of_ghost_and_formed(layer, chosen):
 @pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise", "shifts"])
 def test_formed_conv_norms_match_the_oracle_for_every_strategy(strategy):
     """The CIFAR net's norms (its convolutions formed, not ghost) with each way forced."""
-    case = test_rules.build_cifar_case(B=2)
+    case = cases.build_cifar_case(B=2)
     registry = rules_lib.default_registry()
     conv2d.register(registry, conv2d.ConvOptions(strategy=strategy))
     with case.graph.as_default():
@@ -151,7 +151,7 @@ def test_rules_norms_on_a_none_batch_axis():
 
 
 def test_unreached_weights_add_nothing():
-    case = common.build_mlp(B=4)
+    case = cases.build_mlp(B=4)
     with case.graph.as_default():
         unused = tf.compat.v1.get_variable("unused", [3, 2])
         case.sess.run(unused.initializer)

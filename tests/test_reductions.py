@@ -9,13 +9,14 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
 
 @pytest.fixture(scope="module")
 def grads():
     """(case, pertower per-example gradients as tensors, oracle values as arrays)."""
-    case = common.build_mlp(B=5)
+    case = cases.build_mlp(B=5)
     with case.graph.as_default():
         per_example = pertower.per_example_gradients(case.ys, case.xs, batch_size=5)
         want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)
@@ -118,7 +119,7 @@ def test_reductions_refuse_bad_input():
 def test_scenario_2_hand_checkable_case():
     """dense(s, 1, tanh) with a zero kernel; two batches: g1 = [3, 6, 9], g2 = [3, 6, 10],
     cos = 135 / sqrt(126 * 145)."""
-    g_value, cos_value = common.run_scenario_2_hand_checkable_case()
+    g_value, cos_value = cases.run_scenario_2_hand_checkable_case()
     np.testing.assert_array_equal(g_value, [[3, 6, 9], [3, 6, 10]])
     assert abs(cos_value - 135 / math.sqrt(126 * 145)) < 1e-6
     assert abs(cos_value - 0.9987677) < 1e-6

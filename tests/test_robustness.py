@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import pertower
 from pertower._api import gradients as gradients_lib
 from pertower import oracle
+from tests import cases
 from tests import common
 
 # Methods not built yet, with the reason they are skipped. The lead empties this after
@@ -25,7 +26,6 @@ METHODS = list(gradients_lib.METHODS)
 FEW = settings(max_examples=6, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow])
 
-TOLERANCES = {tf.float32: dict(rtol=1e-4, atol=1e-5), tf.float64: dict(rtol=1e-9, atol=1e-11)}
 ACTIVATIONS = ["tanh", "relu", "sigmoid", "elu", None]
 
 
@@ -43,7 +43,7 @@ def _check_against_oracle(graph, ys, xs, feed, B, M, method, dtype, what):
             values = sess.run(got, feed)
     for g, x in zip(values, xs):
         assert g.dtype == x.dtype.base_dtype.as_numpy_dtype
-    common.assert_all_close(values, want, what=what, **TOLERANCES[dtype])
+    common.assert_all_close(values, want, what=what, **common.tolerance(dtype, "random"))
 
 
 def _microbatches(draw, B):
@@ -150,14 +150,14 @@ def test_tf_data_iterator_with_a_none_batch_axis():
                 # the oracle feeds the iterator's outputs one example at a time
                 want = oracle.loop_per_example_gradients(
                     sess, cost, net.trainable_weights, {x: x_value, y: y_value})
-                common.assert_all_close(got, want, 1e-5, 1e-6, f"iterator batch {step}")
+                common.assert_all_close(got, want, kind="tight", what=f"iterator batch {step}")
             with pytest.raises(tf.errors.InvalidArgumentError,
                                match=r"built for a batch of 4 examples.*has.*2.*examples"):
                 sess.run(grads)
 
 
 def test_saver_keeps_its_variables_and_restores_the_same_gradients(tmp_path):
-    case = common.build_cnn(B=3)
+    case = cases.build_cnn(B=3)
     with case.graph.as_default():
         saver_before = tf.compat.v1.train.Saver()
         variables_before = [v.name for v in tf.compat.v1.global_variables()]
@@ -185,7 +185,7 @@ def test_saver_keeps_its_variables_and_restores_the_same_gradients(tmp_path):
 
 
 def test_several_builds_on_one_graph_leave_each_other_alone():
-    case = common.build_subclassed(B=4)
+    case = cases.build_subclassed(B=4)
     with case.graph.as_default():
         first = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B)
         first_values = case.sess.run(first, case.feed)

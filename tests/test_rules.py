@@ -1,8 +1,8 @@
 """method="rules" and "auto": every rule against the one-example oracle and the towers.
 
-Each model below exercises one rule (or the fallback); `expect_fallback` lists the
-weights that must go to the towers, so a test also fails when a rule silently stops
-applying (or starts applying where it must not).
+Each model of `cases.RULE_MODELS` (tests/cases.py) exercises one rule (or the
+fallback); its last field lists the weights that must go to the towers, so a test also
+fails when a rule silently stops applying (or starts applying where it must not).
 """
 
 import numpy as np
@@ -17,189 +17,14 @@ from pertower import oracle
 from pertower import rules as rules_lib
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
-from pertower.tools import models as models_lib
+from tests import cases
 from tests import common
 
 
-def _model(name, build, feed_shapes, B=4, dtype=tf.float32, ids=None, seed=0,
-           user_gradients=False, **tol):
-    """A Case from `build(inputs) -> (ys, xs)` on None-batch placeholders.
-
-    `user_gradients` builds tf.gradients(sum(ys), xs) before the session's first run,
-    as a training op would: TensorFlow's gradient of a `tf.function` call rewrites the
-    call op, which fails once the session has run the graph (so the oracle's own
-    `tf.gradients` could not be built after it)."""
-    graph = tf.Graph()
-    with graph.as_default():
-        common.seed_weights(seed)
-        inputs = [tf.compat.v1.placeholder(dtype if s != "ids" else tf.int32,
-                                           [None] + list(ids if s == "ids" else s),
-                                           name=f"in{j}")
-                  for j, s in enumerate(feed_shapes)]
-        ys, xs = build(*inputs)
-        if user_gradients:
-            tf.gradients(tf.reduce_sum(ys), xs)
-        sess = tf.compat.v1.Session(graph=graph)
-        sess.run(tf.compat.v1.global_variables_initializer())
-    rng = np.random.RandomState(seed)
-    feed = {}
-    for p, s in zip(inputs, feed_shapes):
-        if s == "ids":
-            feed[p] = np.array([[1, 2, 2, 7], [3, 3, 3, 3], [0, 9, 5, 1], [7, 1, 2, 9]])[:B]
-        else:
-            feed[p] = rng.randn(B, *s).astype(dtype.as_numpy_dtype)
-    if dtype == tf.float64:
-        tol = dict(rtol=1e-10, atol=1e-12)
-    tol = dict(dict(rtol=1e-4, atol=1e-5), **tol)
-    return common.Case(name, graph, sess, ys, xs, feed, inputs, B, **tol)
-
-
-def _weights(shape, name, dtype=tf.float32):
-    return tf.compat.v1.get_variable(name, shape, dtype=dtype,
-                                     initializer=tf.compat.v1.random_normal_initializer())
-
-
-def _dense_sequence(x):            # Keras Dense on [B, T, d]: Tensordot = Reshape + MatMul
-    layer = keras.layers.Dense(3, activation="tanh")
-    return tf.reduce_sum(layer(x) ** 2, axis=[1, 2]), layer.trainable_weights
-
-
-def _matmul_transposed(x):
-    w = _weights([3, 4], "w_t")
-    return tf.reduce_sum(tf.sin(tf.matmul(x, w, transpose_b=True)), axis=1), [w]
-
-
-def _batch_matmul(x):              # [B, 5, 4] @ [4, 3] and adjoint_b
-    w1, w2 = _weights([4, 3], "w1"), _weights([2, 3], "w2")
-    h = tf.tanh(tf.matmul(x, w1))                                   # [B, 5, 3]
-    return tf.reduce_sum(tf.matmul(h, w2, adjoint_b=True) ** 2, axis=[1, 2]), [w1, w2]
-
-
-def _einsum(x):                     # einsum and Keras EinsumDense
-    w = _weights([4, 2, 3], "w_e")
-    dense = keras.layers.EinsumDense("abc,cd->abd", output_shape=(5, 2), bias_axes="d")
-    h = tf.einsum("btd,dhe->bthe", x, w)                             # [B, 5, 2, 3]
-    return (tf.reduce_sum(tf.cos(h), axis=[1, 2, 3]) +
-            tf.reduce_sum(dense(x) ** 2, axis=[1, 2])), [w] + dense.trainable_weights
-
-
-def _broadcast(x):                  # x * scale + offset, w - x, x - v
-    scale, offset = _weights([4], "scale"), _weights([1, 4], "offset")
-    w, v = _weights([4], "w_sub"), _weights([5, 1], "v_sub")
-    h = tf.tanh(x * scale + offset)                                 # [B, 5, 4]
-    return tf.reduce_sum((w - h) ** 2 + tf.sin(h - v), axis=[1, 2]), [scale, offset, w, v]
-
-
-def _layer_norm(x):
-    dense = keras.layers.Dense(3)
-    norm = keras.layers.LayerNormalization()
-    return (tf.reduce_sum(tf.sin(norm(dense(x))), axis=[1, 2]),
-            dense.trainable_weights + norm.trainable_weights)
-
-
-def _conv(strides, padding, dilations, kernel=(3, 2)):
-    def build(x):                   # tf.nn.conv2d on [B, 7, 6, 2]
-        w = _weights(list(kernel) + [2, 3], "filter", x.dtype)
-        b = _weights([3], "bias", x.dtype)
-        z = tf.nn.bias_add(tf.nn.conv2d(x, w, strides, padding, dilations=dilations), b)
-        return tf.reduce_sum(tf.tanh(z) ** 2, axis=[1, 2, 3]), [w, b]
-    return build
-
-
-def _grouped_conv(x):              # tf.nn.conv2d, 2 groups: filter [3, 3, 4/2, 6] on [B, 7, 6, 4]
-    w = _weights([3, 3, 2, 6], "grouped_filter")
-    z = tf.nn.conv2d(x, w, [1, 2, 1, 1], "SAME")
-    return tf.reduce_sum(tf.tanh(z) ** 2, axis=[1, 2, 3]), [w]
-
-
-def _keras_grouped_conv(x):        # Keras Conv2D(groups=2): kernel [3, 3, 4/2, 4] on [B, 5, 5, 4]
-    """Keras 2 runs a grouped convolution through tf.function(jit_compile=True) (TF's
-    CPU kernels without oneDNN have none): the kernel is read by the XLA-compiled call,
-    which no rule covers (towers), the bias by BiasAdd (rules)."""
-    layer = keras.layers.Conv2D(4, 3, groups=2, strides=(1, 2), activation="tanh")
-    return tf.reduce_sum(layer(x) ** 2, axis=[1, 2, 3]), layer.trainable_weights
-
-
-def _keras_convs(x):                # Keras Conv1D (ExpandDims + Conv2D) and Conv2D
-    conv1 = keras.layers.Conv1D(3, 3, strides=2, padding="valid", activation="relu")
-    h = conv1(x)                                                     # [B, 2, 3]
-    dense = keras.layers.Dense(2)
-    return tf.reduce_sum(dense(keras.layers.Flatten()(h)) ** 2, axis=1), (
-        conv1.trainable_weights + dense.trainable_weights)
-
-
-def _depthwise(x):
-    """Keras DepthwiseConv2D (strided, SAME) and the native op (VALID). Dilated
-    depthwise convolutions are not tested: TF's own DepthwiseConv2dNativeBackpropFilter
-    (oneDNN build) fails on them, so the oracle cannot run."""
-    layer = keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2, padding="same")
-    w = _weights([2, 2, 8, 1], "dw")
-    h = tf.compat.v1.nn.depthwise_conv2d_native(layer(x), w, [1, 1, 1, 1], "VALID")
-    return tf.reduce_sum(tf.sin(h), axis=[1, 2, 3]), layer.trainable_weights + [w]
-
-
-def _time_distributed_conv(x):     # [B, 3, 5, 5, 2] -> Reshape [B*3, 5, 5, 2] -> Conv2D
-    layer = keras.layers.TimeDistributed(keras.layers.Conv2D(3, 2, strides=2))
-    return tf.reduce_sum(tf.tanh(layer(x)) ** 2, axis=[1, 2, 3, 4]), layer.trainable_weights
-
-
-def _embedding(ids):
-    emb = keras.layers.Embedding(10, 3)
-    table = _weights([10, 2], "table")
-    h = tf.concat([emb(ids), tf.gather(table, ids)], axis=2)       # [B, 4, 5]
-    return tf.reduce_sum(tf.tanh(h) ** 2, axis=[1, 2]), emb.trainable_weights + [table]
-
-
-def _mixed(x):
-    """Covered and uncovered reads: `k1` only by a MatMul (rules); `k2` by a MatMul and
-    by the Pow of an L2 term (towers); `scale` by a Square, which has no rule (towers)."""
-    k1, k2 = _weights([4, 3], "k1"), _weights([3, 2], "k2")
-    scale = _weights([2], "scale_sq")
-    h = tf.tanh(tf.matmul(x, k1))
-    z = tf.matmul(h, k2) * tf.square(scale)                            # [B, 2]
-    ys = tf.reduce_sum(z ** 2, axis=1) + 0.1 * tf.reduce_sum(k2 ** 2)   # [B]
-    return ys, [k1, k2, scale]
-
-
-def _mixing_op(x):
-    """A cross product of each row with another (the Cross op) keeps rows, but the
-    analysis does not know the op: every weight falls back (sound, and the towers'
-    answer)."""
-    w = _weights([4, 3], "w_cross")
-    h = tf.matmul(x, w)
-    return tf.reduce_sum(tf.linalg.cross(h, tf.sin(h)) ** 2, axis=1), [w]
-
-
-MODELS = {
-    # name: (build, feed shapes, options, names of weights expected to fall back)
-    "dense_sequence": (_dense_sequence, [(5, 4)], {}, []),
-    "matmul_transposed": (_matmul_transposed, [(4,)], {}, []),
-    "batch_matmul": (_batch_matmul, [(5, 4)], {}, []),
-    "einsum": (_einsum, [(5, 4)], {}, []),
-    "broadcast": (_broadcast, [(5, 4)], {}, []),
-    "layer_norm": (_layer_norm, [(4, 5)], {}, []),
-    "conv_same_strided": (_conv([1, 2, 2, 1], "SAME", None), [(7, 6, 2)], {}, []),
-    "conv_valid_dilated": (_conv([1, 1, 1, 1], "VALID", [1, 2, 2, 1]), [(7, 6, 2)], {}, []),
-    "conv_explicit_float64": (_conv([1, 2, 1, 1], [[0, 0], [1, 2], [0, 1], [0, 0]], None),
-                              [(7, 6, 2)], {"dtype": tf.float64}, []),
-    "conv_same_dilated_odd": (_conv([1, 1, 2, 1], "SAME", [1, 2, 1, 1], (2, 3)),
-                              [(7, 6, 2)], {}, []),
-    "grouped_conv": (_grouped_conv, [(7, 6, 4)], {}, []),
-    "keras_grouped_conv": (_keras_grouped_conv, [(5, 5, 4)], {"user_gradients": True},
-                           ["conv2d/kernel"]),
-    "keras_conv1d": (_keras_convs, [(7, 2)], {}, []),
-    "depthwise": (_depthwise, [(7, 6, 4)], {}, []),
-    "time_distributed_conv": (_time_distributed_conv, [(3, 5, 5, 2)], {}, []),
-    "embedding_repeated_ids": (_embedding, ["ids"], {"ids": (4,), "B": 4}, []),
-    "mixed_fallback": (_mixed, [(4,)], {}, ["k2", "scale_sq"]),
-    "mixing_op": (_mixing_op, [(4,)], {}, ["w_cross"]),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(cases.RULE_MODELS))
 def model(request):
-    build, shapes, options, fallback = MODELS[request.param]
-    case = _model(request.param, build, shapes, **options)
+    build, shapes, options, fallback = cases.RULE_MODELS[request.param]
+    case = cases.build_case(request.param, build, shapes, **options)
     case.fallback = fallback
     yield case
     case.sess.close()
@@ -286,8 +111,8 @@ CONV_MODELS = ("conv_same_strided", "conv_valid_dilated", "conv_explicit_float64
 
 @pytest.fixture(scope="module", params=CONV_MODELS)
 def conv_model(request):
-    build, shapes, options, _ = MODELS[request.param]
-    case = _model(request.param, build, shapes, **options)
+    build, shapes, options, _ = cases.RULE_MODELS[request.param]
+    case = cases.build_case(request.param, build, shapes, **options)
     yield case
     case.sess.close()
 
@@ -352,8 +177,8 @@ def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
     """Without oneDNN's kernels (ConvOptions(onednn=False) says so) "grouped" cannot
     compute a Conv2D: the weight falls back to the towers with the reason, and "auto"
     uses the shifts. Bad options are refused, naming the argument."""
-    build, shapes, options, _ = MODELS["conv_same_strided"]
-    case = _model("conv_same_strided", build, shapes, **options)
+    build, shapes, options, _ = cases.RULE_MODELS["conv_same_strided"]
+    case = cases.build_case("conv_same_strided", build, shapes, **options)
     with case.graph.as_default():
         registry = _forced_conv_registry("grouped", onednn=False)
         with pytest.raises(ValueError, match=r"the forced strategy 'grouped' needs "
@@ -421,7 +246,7 @@ def test_keras_grouped_conv_under_the_towers_before_any_gradient():
         # with the extra outputs a tf.gradients through it would add (so that a
         # gradient the user builds after the first run still works)
         assert len(call.outputs) >= outputs and call.get_attr("_XlaMustCompile"), call
-        loop = oracle.SliceLoop(ys, xs)      # before the first run, see `_model`
+        loop = oracle.SliceLoop(ys, xs)      # before the first run, see `cases.build_case`
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
     feed = {x: np.random.RandomState(3).randn(4, 5, 4, 4).astype(np.float32)}
@@ -472,17 +297,15 @@ def test_an_xla_compiled_function_reading_weights_is_replayed_compiled():
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
     feed = {x: np.random.RandomState(4).randn(2, 5, 5, 4).astype(np.float32)}
-    want = common.run_oracle(loop.run, sess, feed, 2)
-    try:
-        reference_penalty = sess.run(want_penalty, feed)
-    except tf.errors.OpError:
-        reference_penalty = None      # plain CPU kernels: no grouped conv without oneDNN
-    got = sess.run([both_w, both_scale, only_w, penalty], feed)
-    common.assert_all_close(got[:3], want + want[:1], what="compiled function, towers")
-    if reference_penalty is not None:
+    with sess:
+        want = common.run_oracle(loop.run, sess, feed, 2)
+        got = sess.run([both_w, both_scale, only_w, penalty], feed)
+        common.assert_all_close(got[:3], want + want[:1], what="compiled function, towers")
+        # plain TensorFlow's second derivative runs the grouped convolution uncompiled:
+        # the plain CPU kernels (no oneDNN) have none, and run_oracle skips, saying so
+        reference_penalty = common.run_oracle(sess.run, want_penalty, feed)
         common.assert_all_close([got[3]], [reference_penalty], rtol=1e-3, atol=1e-4,
                                 what="second derivative")
-    sess.close()
 
 
 def test_an_xla_compiled_function_that_draws_random_numbers_is_refused():
@@ -532,22 +355,10 @@ def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
         assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=True)).strategy(use) == "patches"
 
 
-def build_cifar_case(B=3):
-    """The bench's CIFAR conv net (pertower.tools.models) as a Case; ys [B]."""
-    graph = tf.Graph()
-    with graph.as_default():
-        common.seed_weights(5)
-        built = models_lib.build("cifar", B, np.random.default_rng(5))
-        sess = tf.compat.v1.Session(graph=graph)
-        sess.run(tf.compat.v1.global_variables_initializer())
-    return common.Case("cifar", graph, sess, built.ys, built.weights, built.feed,
-                       list(built.feed), B, rtol=1e-4, atol=1e-5)
-
-
 def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
     """Every weight of the bench's CIFAR net has a rule; its second convolution takes
     the grouped way with oneDNN and the others the shifts, all exact."""
-    case = build_cifar_case()
+    case = cases.build_cifar_case()
     with case.graph.as_default():
         plan = _plan(case)
         assert not plan.fallback, plan.reasons
@@ -572,10 +383,10 @@ def test_an_op_that_mixes_examples_is_refused_by_every_method(method):
     neither the batched dZ (rules) nor one-example towers give "the gradient of example
     i" of `ys`; both methods refuse, naming the op (pertower._batch_axis)."""
     def build(x):
-        w = _weights([4, 3], "w_centered")
+        w = cases.random_normal_variable([4, 3], "w_centered")
         z = tf.matmul(x, w)
         return tf.reduce_sum(tf.sin(z - tf.reduce_mean(z, axis=0, keepdims=True)), axis=1), [w]
-    case = _model("batch_mean", build, [(4,)], B=4)
+    case = cases.build_case("batch_mean", build, [(4,)], B=4)
     with case.graph.as_default(), pytest.raises(ValueError, match=r"Mean.*batch axis"):
         pertower.per_example_gradients(case.ys, case.xs, batch_size=4, method=method)
     case.sess.close()
@@ -585,9 +396,9 @@ def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
     """gradients(grad_ys=w): per example, the Jacobian contracted with w; the mixed
     model has weights on both sides (rules and towers)."""
     def build(x):
-        ys, xs = _mixed(x)
+        ys, xs = cases.mixed(x)
         return tf.stack([ys, tf.cos(ys)], axis=1), xs            # [B, 2]
-    case = _model("grad_ys", build, [(4,)], B=4)
+    case = cases.build_case("grad_ys", build, [(4,)], B=4)
     weights = np.linspace(-1.0, 2.0, 8).reshape(4, 2).astype(np.float32)
     with case.graph.as_default():
         built = _dispatch.build(_dispatch.make_plan(case.ys, case.xs, None, 4))
@@ -602,17 +413,17 @@ def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
 
 
 def test_microbatches_with_a_none_batch_axis_and_rules():
-    case = _model("dense_sequence", _dense_sequence, [(5, 4)], B=4)
+    case = cases.build_case("dense_sequence", cases.dense_sequence, [(5, 4)], B=4)
     with case.graph.as_default():
         got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=2,
                                             method="rules")
         want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, case.feed, 2)
-        common.assert_all_close(case.sess.run(got, case.feed), want, 1e-4, 1e-5,
-                                "2 microbatches of 4")
+        common.assert_all_close(case.sess.run(got, case.feed), want, kind="deep",
+                                what="2 microbatches of 4")
         six = {k: np.concatenate([v, v[:2]]) for k, v in case.feed.items()}
         want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, six, 2)
-        common.assert_all_close(case.sess.run(got, six), want, 1e-4, 1e-5,
-                                "2 microbatches of 6")
+        common.assert_all_close(case.sess.run(got, six), want, kind="deep",
+                                what="2 microbatches of 6")
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=r"`num_microbatches` \(2\) must divide the batch size.*"
                                  r"has 3 examples\. Feed a multiple of 2"):
@@ -623,13 +434,6 @@ def test_microbatches_with_a_none_batch_axis_and_rules():
         want = oracle.loop_per_example_jacobians(case.sess, outputs, case.xs, three)
         common.assert_all_close(case.sess.run(jacobians, three), want, 1e-4, 1e-4,
                                 "Jacobians of 3 examples, no batch_size")
-    case.sess.close()
-
-
-@pytest.fixture(scope="module")
-def mlp():
-    case = common.build_mlp(B=4)
-    yield case
     case.sess.close()
 
 
@@ -723,7 +527,7 @@ def test_a_user_registry_replaces_and_adds_rules(mlp):
     assert counting.calls == 3
     common.assert_all_close(mlp.sess.run(got, mlp.feed), want, mlp.rtol, mlp.atol,
                             "user registry")
-    case = _model("mixed_fallback", _mixed, [(4,)])
+    case = cases.build_case("mixed_fallback", cases.mixed, [(4,)])
     with case.graph.as_default():
         plan = _dispatch.make_plan(case.ys, case.xs, None, 3, rules=registry, validate=False)
     assert "a user rule that declines" in plan.reasons[2]
@@ -752,7 +556,7 @@ class _CrossOfRows(rules_lib.Rule):
 
 
 def test_a_user_rule_can_declare_the_row_layout_of_its_op():
-    case = _model("mixing_op", _mixing_op, [(4,)])
+    case = cases.build_case("mixing_op", cases.mixing_op, [(4,)])
     registry = rules_lib.default_registry()
     registry.register("Cross", _CrossOfRows())
     with case.graph.as_default():

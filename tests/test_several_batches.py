@@ -16,6 +16,7 @@ import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
 B1, B2 = 2, 3
@@ -62,7 +63,7 @@ def two():
 
 
 def test_scenario_2_in_two_placeholders_is_exact():
-    common.check_scenario_2_two_placeholders_case()
+    cases.check_scenario_2_two_placeholders_case()
 
 
 def test_the_oracle_is_each_rows_gradient_on_the_whole_batch(two):

@@ -8,6 +8,7 @@ import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
 
@@ -22,7 +23,7 @@ def _densify(values, indices, example_ids, dense_shape):
 def embedding():
     """tests.common's embedding model (ids [B, 4] with repeated ids) and pertower's
     tensors for it, built before the session runs."""
-    case = common.build_embedding()
+    case = cases.build_embedding()
     with case.graph.as_default():
         ids = case.batch[0]
         table = case.xs[0]                                  # the Embedding weight [20, 6]
@@ -80,8 +81,8 @@ def test_sparse_microbatch_gradients_match_oracle(embedding):
 def test_sparse_rows_sum_to_the_batch_gradient(embedding):
     case, _, built = embedding
     got, batch = case.sess.run([built["sparse/towers"][0], built["batch"]], case.feed)
-    common.assert_all_close([_densify(*got).sum(axis=0)], [batch], 1e-5, 1e-6,
-                            "sum over examples")
+    common.assert_all_close([_densify(*got).sum(axis=0)], [batch], kind="tight",
+                            what="sum over examples")
 
 
 def test_a_weight_also_read_densely_stays_dense():
@@ -101,5 +102,5 @@ def test_a_weight_also_read_densely_stays_dense():
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {ids: np.array([[1, 1, 6], [0, 2, 3], [5, 5, 5]])}
-            common.assert_all_close(sess.run([got], feed), loop.run(sess, feed, 3), 1e-5, 1e-6,
-                                    "tied embedding")
+            common.assert_all_close(sess.run([got], feed), loop.run(sess, feed, 3), kind="tight",
+                                    what="tied embedding")

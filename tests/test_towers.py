@@ -80,9 +80,9 @@ def test_towers_gradients_are_the_rows_of_ys_on_the_whole_batch(model, kind):
             [towers.gradients(), towers.stacked, model.ys[kind]], model.feeds[kind])
     rows, whole = model.definition(kind)
     np.testing.assert_allclose(stacked, ys, rtol=1e-5, atol=1e-6)
-    common.assert_all_close(got, rows, 1e-5, 1e-6, f"{kind}: towers vs rows of ys")
-    common.assert_all_close([g.sum(axis=0) for g in got], whole, 1e-5, 1e-6,
-                            f"{kind}: sum of per-example gradients vs batch gradient")
+    common.assert_all_close(got, rows, kind="tight", what=f"{kind}: towers vs rows of ys")
+    common.assert_all_close([g.sum(axis=0) for g in got], whole, kind="tight",
+                            what=f"{kind}: sum of per-example gradients vs batch gradient")
 
 
 @pytest.mark.parametrize("kind", ["static", "none"])
@@ -93,7 +93,7 @@ def test_microbatch_towers_sum_the_rows_of_each_half(model, kind):
         got = model.sess.run(got, model.feeds[kind])
     rows, _ = model.definition(kind)
     want = [r.reshape((2, B // 2) + r.shape[1:]).sum(axis=1) for r in rows]
-    common.assert_all_close(got, want, 1e-5, 1e-6, f"{kind}: microbatches vs rows")
+    common.assert_all_close(got, want, kind="tight", what=f"{kind}: microbatches vs rows")
 
 
 @pytest.mark.parametrize("kind", ["static", "none", "reshape"])

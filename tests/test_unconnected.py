@@ -64,7 +64,7 @@ def test_default_warns_once_naming_five_and_still_gives_zeros(case, function):
     got = sess.run(grads, feed)
     if function == "per_example_jacobians":                      # [B, 1, *x.shape]
         got = [g[:, 0] for g in got]
-    assert_all_close(got, want, 1e-5, 1e-6, function)           # zeros for the 7
+    assert_all_close(got, want, kind="tight", what=function)           # zeros for the 7
     assert all(not np.any(g) for g in got[2:])
 
 
@@ -81,7 +81,7 @@ def test_explicit_unconnected_gradients_is_silent(case, value):
         with graph.as_default():
             want = oracle.loop_per_example_gradients(sess, ys, everything[:2], feed)
         got = sess.run(grads, feed)
-        assert_all_close(got[:2], want, 1e-5, 1e-6, "explicit zero")
+        assert_all_close(got[:2], want, kind="tight", what="explicit zero")
         assert all(not np.any(g) for g in got[2:])
 
 

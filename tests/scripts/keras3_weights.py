@@ -64,7 +64,7 @@ def main():
                                     ("norms", [got_norms], [want_norms])]:
             checks += 1
             try:
-                assert_all_close(got, expected, 1e-5, 1e-6, f"keras 3 {what}")
+                assert_all_close(got, expected, kind="tight", what=f"keras 3 {what}")
             except AssertionError as error:
                 failed.append(str(error))
     for message in failed:

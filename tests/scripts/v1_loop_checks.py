@@ -9,6 +9,7 @@ of `pertower.oracle`. Imported after disable_v2_behavior() by legacy_mode_checks
 import contextlib
 import io
 import os
+import re
 import runpy
 import sys
 import tempfile
@@ -39,6 +40,17 @@ def _v1_loops_in(graph):
     return any(op.type == "LoopCond" for op in graph.get_operations())
 
 
+def _assert_refused(error_type, pattern, call):
+    """Asserts that `call()` raises `error_type` with a message that `pattern` matches
+    (re.search, as pytest.raises(match=...))."""
+    try:
+        call()
+    except error_type as error:
+        assert re.search(pattern, str(error)), f"{pattern!r} not in: {error}"
+        return
+    raise AssertionError(f"no {error_type.__name__} matching {pattern!r} was raised")
+
+
 def _compare(graph, ys, xs, feed, what, num_microbatches=None, **kwargs):
     """pertower's gradients (and, once, norms) against the loop; returns the plan."""
     assert _v1_loops_in(graph), f"{what}: no v1 while loop in the graph"
@@ -56,7 +68,7 @@ def _compare(graph, ys, xs, feed, what, num_microbatches=None, **kwargs):
         sess.run(tf.compat.v1.global_variables_initializer())
         got = sess.run(grads, feed)
         want = loop.run(sess, feed, groups)
-    common.assert_all_close(got, want, 1e-4, 1e-5, what)
+    common.assert_all_close(got, want, kind="deep", what=what)
     return plan
 
 
@@ -126,11 +138,11 @@ def check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             got, got_halves, got_norms = sess.run([grads, halves, norms], feed)
             want, want_halves = loop.run(sess, feed, B), loop.run(sess, feed, 2)
-        common.assert_all_close(got, want, 1e-4, 1e-5, "bidirectional per example")
-        common.assert_all_close(got_halves, want_halves, 1e-4, 1e-5,
-                                "bidirectional microbatches")
+        common.assert_all_close(got, want, kind="deep", what="bidirectional per example")
+        common.assert_all_close(got_halves, want_halves, kind="deep",
+                                what="bidirectional microbatches")
         squares = sum(np.sum(w.reshape(B, -1) ** 2, axis=1) for w in want)
-        common.assert_all_close([got_norms], [np.sqrt(squares)], 1e-4, 1e-5, "norms")
+        common.assert_all_close([got_norms], [np.sqrt(squares)], kind="deep", what="norms")
 
 
 def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
@@ -159,7 +171,60 @@ def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             common.assert_all_close(sess.run(jacobians, feed),
                                     oracle.loop_per_example_jacobians(sess, h, xs, feed),
-                                    1e-4, 1e-5, "while_loop Jacobians")
+                                    kind="deep", what="while_loop Jacobians")
+
+
+def check_v1_while_loops_with_resource_variables_use_row_passes():
+    """v1 loops with resource variables (use_resource=True): a weight read inside the
+    loop, and a loop over the batch with the weight read after it. Weights no rule
+    covers are computed by one backward pass per example (method "passes" in the plan),
+    also when towers are asked for; method="rules" refuses the weight read inside the
+    loop, saying why, and sparse=True refuses a table read into the loop."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(31)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 3], use_resource=True)
+        _, h = tf.compat.v1.while_loop(lambda i, h: i < 2,
+                                       lambda i, h: (i + 1, tf.matmul(h, w)),
+                                       [tf.constant(0), x])
+        assert _v1_loops_in(graph), "no v1 while loop in the graph"
+        inside = tf.reduce_sum(h, axis=1)                                  # [B]
+        # a v1 loop over the batch alone, the weight read after it
+        _, doubled = tf.compat.v1.while_loop(lambda i, h: i < 2,
+                                             lambda i, h: (i + 1, 2.0 * h),
+                                             [tf.constant(0), x])
+        after = tf.reduce_sum(tf.matmul(doubled, w) ** 2, axis=1)          # [B]
+        plan = pertower.explain(inside, [w], batch_size=2)
+        assert [p.method for p in plan.weights] == ["passes"], str(plan)
+        assert "TF1 (v1) while loop" in str(plan), str(plan)
+        _assert_refused(ValueError, r"pertower.per_example_gradients: method='rules' is "
+                                    r"strict.*read inside the TF1 \(v1\) while loop",
+                        lambda: pertower.per_example_gradients(inside, [w], batch_size=2,
+                                                               method="rules"))
+        table = tf.compat.v1.get_variable("table", [5, 3], use_resource=True)
+        ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
+        _, looked_up = tf.compat.v1.while_loop(lambda i, h: i < 2,
+                                               lambda i, h: (i + 1, h * h),
+                                               [tf.constant(0), tf.gather(table, ids)])
+        _assert_refused(ValueError, r"pertower.per_example_gradients: sparse=True keeps "
+                                    r".*\(table:0\).*TF1 \(v1\) while loop.*Pass "
+                                    r"sparse=False",
+                        lambda: pertower.per_example_gradients(
+                            tf.reduce_sum(looked_up, axis=1), [table], batch_size=2,
+                            sparse=True))
+        results = [pertower.per_example_gradients(inside, [w], batch_size=2),
+                   pertower.per_example_gradients(inside, [w], batch_size=2,
+                                                  method="towers"),
+                   pertower.per_example_gradients(after, [w], batch_size=2)]
+        loops = [oracle.SliceLoop(inside, [w]), oracle.SliceLoop(inside, [w]),
+                 oracle.SliceLoop(after, [w])]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(3).randn(2, 3).astype(np.float32)}
+            for grads, loop, what in zip(results, loops, ["inside", "inside, towers asked",
+                                                          "after"]):
+                common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, 2),
+                                        what=f"weight read {what} the loop")
 
 
 def check_v1_map_fn_and_scan_over_time_match_oracle():
@@ -219,7 +284,7 @@ def check_static_rnn_with_sequence_length_matches_oracle():
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = _feed(x, lengths)
             common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
-                                    1e-4, 1e-5, "static_rnn sequence_length")
+                                    kind="deep", what="static_rnn sequence_length")
         return str(plan)
 
 
@@ -245,7 +310,7 @@ def check_v1_loop_restored_from_a_meta_graph_matches_oracle():
             saver.restore(sess, path)
             feed = _feed(x, lengths)
             common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
-                                    1e-4, 1e-5, "restored meta graph")
+                                    kind="deep", what="restored meta graph")
 
 
 def check_v1_loop_training_op_built_after_a_run():
@@ -335,6 +400,7 @@ CHECKS = [check_v1_dynamic_rnn_lstm_matches_oracle,
           check_v1_dynamic_rnn_basic_rnn_and_multi_rnn_cells_match_oracle,
           check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle,
           check_v1_while_loop_with_a_weight_in_the_body_matches_oracle,
+          check_v1_while_loops_with_resource_variables_use_row_passes,
           check_v1_map_fn_and_scan_over_time_match_oracle,
           check_v1_map_fn_over_the_batch_is_checked_at_run_time,
           check_static_rnn_with_sequence_length_matches_oracle,
