@@ -17,6 +17,10 @@ modes, such as disable_v2_behavior, are refused). The subprocess starts without
 TF_USE_LEGACY_KERAS and with no TensorFlow imported, as a user's process does.
 
 A failure names the block's file and line; the traceback points into the document.
+
+Also checked on the documents' text: every relative link names a file (and heading) that
+exists, and the README names no private module (`pertower/_x`, `pertower._x`), which
+move between versions.
 """
 
 import json
@@ -123,6 +127,45 @@ def test_block_runs_as_pasted(block_results, path, line, code):
                               f"{process.returncode}\n{process.stderr[-3000:]}")
     ok, trace = results[where]
     assert ok, f"the python block at {where} failed:\n{trace}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#+\s+(.*?)\s*$", re.M)
+FENCE = re.compile(r"^\s*```.*?^\s*```", re.M | re.S)
+
+
+def _anchors(path):
+    """The GitHub anchors of the headings of markdown file `path`."""
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+            for title in HEADING.findall(FENCE.sub("", path.read_text(encoding="utf-8")))}
+
+
+def test_every_relative_link_points_at_a_file_and_heading_that_exist():
+    broken, checked = [], 0
+    for document in DOCUMENTS:
+        text = FENCE.sub("", document.read_text(encoding="utf-8"))
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue                                   # https:, mailto:
+            checked += 1
+            path, _, anchor = target.partition("#")
+            where = f"{document.relative_to(ROOT).as_posix()}: ({target})"
+            resolved = (document.parent / path).resolve() if path else document
+            if not resolved.exists():
+                broken.append(f"{where}: no file {path}")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                broken.append(f"{where}: no heading #{anchor} in {path or document.name}")
+    assert checked >= 10, f"only {checked} relative links found: is LINK still right?"
+    assert not broken, "broken relative links:\n" + "\n".join(broken)
+
+
+def test_readme_names_no_private_module():
+    # private modules move between versions; the README names public functions only
+    private = re.compile(r"\bpertower[/.]_[a-z]")
+    lines = [f"README.md:{number}: {line.strip()[:100]}"
+             for number, line in enumerate((ROOT / "README.md").read_text(
+                 encoding="utf-8").splitlines(), 1) if private.search(line)]
+    assert not lines, "the README names private modules:\n" + "\n".join(lines)
 
 
 # Files outside the repository that text must not cite (built so that this file does
