@@ -20,6 +20,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _reductions as reductions
 from pertower import _context
+from pertower import _graph_walk as graph_walk
 
 __all__ = ["tracin", "tracin_over_checkpoints", "similarity_matrix", "class_similarity",
            "fisher_diagonal", "gradient_variance", "NoiseScale", "gradient_noise_scale",
@@ -248,7 +249,7 @@ def fisher_diagonal(per_example_gradients):
 
 
 def _require_two_examples(tensors):
-    B = _checks.static_batch_size(tensors[0])
+    B = graph_walk.static_batch_size(tensors[0])
     if B is not None and B < 2:
         raise _context.error(ValueError, f"the unbiased estimates need at least 2 "
                              f"examples, but the per-example gradients have B = {B}.")

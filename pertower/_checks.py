@@ -17,7 +17,6 @@ from tensorflow.python.ops import variables
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 # (lives where the graph is walked; kept here for callers not yet switched to it)
-from pertower._graph_walk import static_batch_size  # pylint: disable=unused-import
 
 __all__ = [
     "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "device_list",

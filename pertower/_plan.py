@@ -196,7 +196,3 @@ def _batch_listing(request):
     return ", ".join(b.name + (f" (batch axis {a})" if a else "")
                      for b, a in zip(request.batch, request.batch_axes))
 
-
-def weight_name(x):
-    name = getattr(x, "name", None)
-    return name if isinstance(name, str) else repr(x)

@@ -23,6 +23,7 @@ from pertower import _batch_sizes
 from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
 from pertower import rules as rules_lib
 from pertower._guards import memory
 
@@ -218,8 +219,8 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
         batch = _batch_tensors(ys, batch, ys_upstream, graph)
         axes = _batch_sizes.batch_axes(batch_axis, batch)
         # each batch tensor's static size, read once here for every later stage
-        static_sizes = tuple(_checks.static_batch_size(b, a) for b, a in zip(batch, axes))
-        ys_rows = _checks.static_batch_size(ys)
+        static_sizes = tuple(graph_walk.static_batch_size(b, a) for b, a in zip(batch, axes))
+        ys_rows = graph_walk.static_batch_size(ys)
         M = None if num_groups is None else _checks.positive_int(
             num_groups, groups_argument)
         batch_downstream = frozenset(graph_walk.downstream_ops(batch, ys_upstream))
@@ -261,7 +262,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
                  for k, x in enumerate(xs)]
         weight_regions, loop_region = _regions(reads, ys_upstream)
     loops = [op for op in batch_downstream.union(*weight_regions, loop_region)
-             if op.type in graph_walk._V1_LOOP_OP_TYPES]  # pylint: disable=protected-access
+             if op.type in op_types.V1_LOOP_OP_TYPES]
     # pylint: disable-next=protected-access
     loop_op = min(loops, key=lambda op: op._id) if loops else None
     return Request(ys=ys, xs=xs, graph=graph, ys_upstream=ys_upstream, batch=batch,

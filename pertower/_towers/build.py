@@ -50,6 +50,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
 from pertower import _request
 from pertower._towers import backward
 from pertower._towers import fallback
@@ -210,7 +211,7 @@ def towers_of(request, scope, devices=None):
         call_positions = replay_lib.call_positions(reads, xs)
         trial = control_flow.FunctionRewriter(graph, "trial")
         for op in sorted(replayed, key=lambda op: op._id):  # pylint: disable=protected-access
-            if op.type in control_flow.CALL_OP_TYPES:
+            if op.type in op_types.CALL_OP_TYPES:
                 positions = call_positions.get(op, {})
                 trial.rewrite_call(replay_lib.node_def(op),
                                    replay_lib.value_specs(positions, reads),

@@ -46,8 +46,6 @@ from tensorflow.core.framework import types_pb2
 
 from pertower import _context
 from pertower import _op_types as op_types
-# (named here too for the callers not yet switched to `_op_types.CALL_OP_TYPES`)
-from pertower._op_types import CALL_OP_TYPES  # pylint: disable=unused-import
 from pertower._towers import compiled
 
 __all__ = ["ControlFlowError", "FunctionRewriter", "gather_from_value"]

@@ -18,8 +18,9 @@ import dataclasses
 
 import tensorflow as tf
 
-from pertower import _checks
 from pertower import _context
+from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
 from pertower._towers import functions as control_flow
 from pertower._towers import replicate as replicate_lib
 
@@ -29,7 +30,6 @@ __all__ = ["Replay", "replay", "derived_entries", "call_positions", "node_def",
 _BAKED = ("This happens when the graph bakes its batch size into constants; build the "
           "model on placeholders whose batch axis is None.")
 # Ops that open a TF1 (v1) while loop's frame, named by their `frame_name` attribute.
-_V1_ENTER_TYPES = frozenset({"Enter", "RefEnter"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +195,10 @@ def replay(spec):
             node.input[0] = key_for(copies[gathers[op]][t])
             control_flow.gather_from_value(node, reads[gathers[op]].dtype.as_datatype_enum,
                                            lambda: key_for(axis_zero))
-        if op.type in _V1_ENTER_TYPES:   # each tower runs its own copy of the loop frame
+        if op.type in op_types.V1_ENTER_OP_TYPES:   # each tower runs its own copy of the loop frame
             frame = node.attr["frame_name"].s.decode()
             node.attr["frame_name"].s = f"{prefix}t{t}/{frame}".encode()
-        if op.type in control_flow.CALL_OP_TYPES:
+        if op.type in op_types.CALL_OP_TYPES:
             positions = call_positions.get(op, {})
             for i, k in positions.items():  # the handle becomes the copy
                 node.input[i] = key_for(copies[k][t])
@@ -222,6 +222,6 @@ def replay(spec):
     except ValueError as error:
         raise _context.error(
             ValueError, "replaying the graph from the batch to `ys` on slices of "
-            f"{_checks.static_batch_size(slices[0][0])} example(s) failed: {error}. "
+            f"{graph_walk.static_batch_size(slices[0][0])} example(s) failed: {error}. "
             f"{_failure_cause(request)}") from error
     return outputs

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
+from pertower import _graph_walk as graph_walk
 
 __all__ = ["split_batch", "split_segments", "check_tower_rows", "on_device"]
 
@@ -98,7 +99,7 @@ def check_tower_rows(outputs, ys, batch, B, T):
     after = (" row(s). This happens when `ys` is computed from several batch tensors "
              "joined along axis 0 (pass `batch=` the joined tensor and its `batch_size`) "
              "or when the graph mixes rows across the batch axis.")
-    rows = _checks.static_batch_size(outputs[0])
+    rows = graph_walk.static_batch_size(outputs[0])
     if rows is not None:
         if rows != B // T:
             raise ValueError(f"{before}{rows}{after}")
