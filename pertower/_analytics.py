@@ -77,7 +77,7 @@ def tracin(train_gradients, test_gradients, learning_rates=1.0):
     if _is_checkpoint_list(train_gradients) or _is_checkpoint_list(test_gradients):
         if not (_is_checkpoint_list(train_gradients) and _is_checkpoint_list(test_gradients)):
             raise _context.error(
-                ValueError, f"one of `train_gradients` and `test_gradients` is "
+                ValueError, "one of `train_gradients` and `test_gradients` is "
                 "a list over checkpoints and the other is not; give both per checkpoint.")
         C = len(train_gradients)
         if len(test_gradients) != C:
@@ -92,7 +92,7 @@ def tracin(train_gradients, test_gradients, learning_rates=1.0):
     else:
         if isinstance(learning_rates, (list, tuple)):
             raise _context.error(
-                ValueError, f"`learning_rates` is a sequence, but the "
+                ValueError, "`learning_rates` is a sequence, but the "
                 "gradients are for one checkpoint; pass one learning rate, or the gradients "
                 "as lists over checkpoints.")
         pairs = [(train_gradients, test_gradients, learning_rates)]

@@ -151,7 +151,7 @@ def device_list(devices):
             f"`devices` must be a list of device strings (for "
             f"example ['/cpu:0', '/cpu:1']), but received {devices!r:.80}.")
     if not devices:
-        raise _context.error(ValueError, f"`devices` is empty; pass at least one "
+        raise _context.error(ValueError, "`devices` is empty; pass at least one "
                          "device string, or None to leave placement to TensorFlow.")
     canonical = []
     for j, device in enumerate(devices):

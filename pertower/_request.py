@@ -294,7 +294,7 @@ def _batch_tensors(ys, batch, ys_upstream, graph):
         return graph_walk.find_batch_tensors(ys, ys_upstream)
     batch = _checks.as_list(batch)
     if not batch:
-        raise _context.error(ValueError,f"`batch` is empty; pass the batch "
+        raise _context.error(ValueError, "`batch` is empty; pass the batch "
                          "tensor(s), or None to find them.")
     for j, b in enumerate(batch):
         _checks.require_graph_tensor(b, f"batch[{j}]")
