@@ -2,8 +2,7 @@
 ops couple examples, and whether row i of `ys` depends on example i alone.
 
 One forward analysis (`analyze`) serves the per-op rules (row layouts, `Analysis.rows`)
-and the coupling checks of every method (`Analysis.couplings`, `find_couplings`,
-`check_examples_independent`). Modules:
+and the coupling checks of every method (`Analysis.couplings`, `find_couplings`). Modules:
 
     lattice           the values (Rows, INDEPENDENT, SIZE, UNKNOWN), Coupling
     static            static values and shapes of small integer tensors
@@ -20,7 +19,6 @@ The op types it tells apart are named in `pertower._op_types`.
 
 from pertower._batch_axis.analysis import Analysis
 from pertower._batch_axis.analysis import analyze
-from pertower._batch_axis.analysis import check_examples_independent
 from pertower._batch_axis.analysis import find_couplings
 from pertower._batch_axis.lattice import INDEPENDENT
 from pertower._batch_axis.lattice import META
@@ -32,9 +30,7 @@ from pertower._batch_axis.lattice import complete
 from pertower._batch_axis.static import parse_einsum
 from pertower._batch_axis.static import refined_reshape_shape
 from pertower._batch_axis.static import static_value
-# (read by the memory guard; named in `pertower._op_types`)
-from pertower._op_types import ELEMENTWISE_OP_TYPES
 
-__all__ = ["Analysis", "analyze", "check_examples_independent", "find_couplings",
+__all__ = ["Analysis", "analyze", "find_couplings",
            "INDEPENDENT", "META", "SIZE", "UNKNOWN", "Coupling", "Rows", "complete",
-           "parse_einsum", "refined_reshape_shape", "static_value", "ELEMENTWISE_OP_TYPES"]
+           "parse_einsum", "refined_reshape_shape", "static_value"]

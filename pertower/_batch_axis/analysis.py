@@ -43,7 +43,7 @@ from pertower._batch_axis import transfer_index
 from pertower._batch_axis import transfer_layout
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
-__all__ = ["Analysis", "analyze", "find_couplings", "check_examples_independent"]
+__all__ = ["Analysis", "analyze", "find_couplings"]
 
 TRANSFERS = dict(transfer_layout.TRANSFERS)
 TRANSFERS.update(transfer_index.TRANSFERS)
@@ -416,19 +416,3 @@ def find_couplings(replayed_ops, batch):
       for c in pertower._batch_axis.find_couplings(ops, [x]): print(c.op.name, c.reason)
     """
     return _Scan(_seeds(batch), replayed_ops).run().couplings
-
-
-def check_examples_independent(replayed_ops, batch, num_towers=None):
-    """Raises ValueError naming the first op of `replayed_ops` that couples examples.
-
-    Args:
-      replayed_ops: the ops between the batch and `ys`.
-      batch: the batch tensors, [B, ...] each.
-      num_towers: T, the number of slices computed on their own; with T = 1 (one
-        microbatch holding the whole batch) coupling changes nothing and no check runs.
-    """
-    if num_towers == 1:
-        return
-    couplings = find_couplings(replayed_ops, batch)
-    if couplings:
-        raise ValueError(couplings[0].message())

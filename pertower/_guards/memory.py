@@ -40,7 +40,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from pertower import _batch_axis
+from pertower import _op_types as op_types
 from pertower import _context
 
 __all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit"]
@@ -122,7 +122,7 @@ def _activation_bytes(request, B):
     kernels reuse their input's buffer when they can."""
     total = 0
     for op in request.batch_downstream:
-        if op.type in _batch_axis.ELEMENTWISE_OP_TYPES:
+        if op.type in op_types.ELEMENTWISE_OP_TYPES:
             continue  # TF kernels write these into their input's buffer when they can
         for out in op.outputs:
             if not out.dtype.is_floating or out.shape.rank is None or out.shape.rank == 0:
