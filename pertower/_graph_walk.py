@@ -21,7 +21,7 @@ from pertower import _context
 from pertower import _op_types as op_types
 
 __all__ = ["WeightReads", "static_batch_size", "upstream_ops", "downstream_ops",
-           "find_batch_tensors", "weight_reads", "v1_loop_op", "v1_loop_frames",
+           "find_batch_tensors", "weight_reads", "v1_loop_frames",
            "check_replayable", "draws_random_numbers", "random_ops"]
 
 
@@ -40,7 +40,7 @@ class WeightReads:
         their bodies; towers give them their copy (see `pertower._towers.functions`).
       loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's resource
         handle into a loop frame; such a weight is computed by row passes
-        (`pertower._row_passes`).
+        (`pertower._towers.row_passes`).
       handle: the resource handle, or None (reference variables and tensors).
       reached: whether `ys` depends on the weight at all.
       value: a tensor already holding the weight's value (a reference variable's
@@ -294,19 +294,6 @@ def weight_reads(x, index, ys_upstream, batch):
         f"`xs[{index}]` must be a tf.Variable or a tf.Tensor, "
         f"but received {type(x).__name__} ({x!r:.80})."
     )
-
-
-def v1_loop_op(prepared):
-    """The first TF1 (v1) while loop op (Enter, Exit, NextIteration, LoopCond) between
-    the batch or a weight read and `ys` (`prepared`: a `_request.Prepared`), or None."""
-    sources = list(prepared.batch) + [t for r in prepared.reads for t in r.read_tensors]
-    starts = [op for r in prepared.reads
-              for op in r.gather_ops + r.loop_inputs + [o for o, _ in r.call_inputs]]
-    region = downstream_ops(sources, prepared.ys_upstream) | set(starts)
-    for op in starts:
-        region |= downstream_ops(op.outputs, prepared.ys_upstream)
-    loops = [op for op in region if op.type in op_types.V1_LOOP_OP_TYPES]
-    return min(loops, key=lambda op: op._id) if loops else None  # pylint: disable=protected-access
 
 
 def _outermost_loop(op):

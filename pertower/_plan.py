@@ -91,11 +91,6 @@ class Plan:
     checked_by_default: bool = False
 
     @property
-    def prepared(self):
-        """The request (the name the rules engine reads it by)."""
-        return self.request
-
-    @property
     def loop_op(self):
         """The first TF1 (v1) while loop op between the batch and `ys`, or None."""
         return self.request.loop_op

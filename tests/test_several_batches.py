@@ -183,7 +183,7 @@ def test_a_size_list_for_one_batch_is_refused():
             pertower.per_example_gradients(ys, [w], batch=[x, y], batch_size=[2, 3])
         # a list of equal sizes is the one size
         plan = pertower.explain(ys, [w], batch=[x, y], batch_size=[2, 2])
-        assert plan.prepared.batch_size == 2 and plan.prepared.segments is None
+        assert plan.request.batch_size == 2 and plan.request.segments is None
 
 
 def test_explain_shows_the_joined_batches_and_strict_rules_refuse(two):

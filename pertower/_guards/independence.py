@@ -31,8 +31,7 @@ from pertower._towers import sparse
 from pertower._towers import build as towers_lib
 from pertower import _context
 
-__all__ = ["IndependenceCheck", "check_independence", "validated", "gated",
-           "recomputed_by_slices"]
+__all__ = ["IndependenceCheck", "check_independence", "validated", "gated"]
 
 _TOLERANCES = {tf.float64: 1e-9, tf.float32: 1e-4, tf.float16: 1e-2, tf.bfloat16: 1e-2}
 
@@ -116,8 +115,8 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
     scope = name or _context.name()   # "check_independence"
     T, towers_argument = _checks.renamed_argument(
         num_microbatches, num_towers, "num_microbatches", "num_towers")
-    towers = _forward_towers(ys, batch, T, batch_size, scope, towers_argument,
-                             batch_axis=batch_axis)
+    towers = towers_lib.replay_forward(ys, batch, T, batch_size, scope, towers_argument,
+                                       batch_axis=batch_axis)
     with ys.graph.as_default(), tf.name_scope(scope):
         difference, bound = _differences(towers.stacked, ys)
         max_difference = tf.reduce_max(difference, name="max_difference")
@@ -125,26 +124,6 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
     return IndependenceCheck(independent=independent, max_difference=max_difference,
                              per_example_difference=difference, bound=bound,
                              tolerance=tolerance_for(ys.dtype), towers=towers)
-
-
-def _forward_towers(ys, batch, num_towers, batch_size, scope, towers_argument, batch_axis=None):
-    """Towers that replay `ys` slice by slice, without weight copies."""
-    xs = []
-    if isinstance(ys, tf.Tensor) and hasattr(ys, "graph") and not tf.executing_eagerly():
-        with ys.graph.as_default(), tf.name_scope(scope):
-            # No weight copies are needed (the replay reads the weights as they are);
-            # `build` wants one entry in xs, and a constant `ys` does not reach is
-            # left out of the replay.
-            xs = [tf.zeros([], name="no_weights")]
-    return towers_lib.build(ys, xs or [ys], batch, num_towers, batch_size, scope,
-                            towers_argument, batch_axis=batch_axis)
-
-
-def recomputed_by_slices(ys, batch, num_groups, batch_size, groups_argument, batch_axis=None):
-    """`ys` recomputed slice by slice, [B, ...] (towers without weight copies, under the
-    current name scope), for `validate=True` where no towers were built."""
-    return _forward_towers(ys, batch, num_groups, batch_size, "validate_towers",
-                           groups_argument, batch_axis=batch_axis).stacked
 
 
 def gated(result):

@@ -43,7 +43,7 @@ _OVERRIDE_ATTR = "_gradient_op_type"
 _MAX_FUNCTION_DEPTH = 8
 
 
-def build_plan(prepared, registry):
+def build_plan(request, registry):
     """Decides, for every weight, whether the rules cover it. Builds no ops.
 
     Returns:
@@ -51,19 +51,19 @@ def build_plan(prepared, registry):
       not reach x) or None when x falls back to the towers; and why it falls back
       (str) or None.
     """
-    ys, batch = prepared.ys, prepared.batch
-    analysis = prepared.analysis
+    ys, batch = request.ys, request.batch
+    analysis = request.analysis
     if analysis is None or analysis.registry is not registry:
-        analysis = _batch_axis.analyze(ys, batch, prepared.ys_upstream, prepared.batch_size,
-                                       prepared.num_groups, registry)
+        analysis = _batch_axis.analyze(ys, batch, request.ys_upstream, request.batch_size,
+                                       request.num_groups, registry)
     if analysis.verdict != "independent":
         lost = analysis.lost_at
         where = (f"; the proof was lost at {lost[0].name!r} ({lost[0].type}): {lost[1]}"
                  if lost is not None else "")
         reason = (f"the rows of `ys` ({ys.name}) could not be traced to the examples of "
                   f"the batch{where}")
-        return (tuple(None if r.reached else () for r in prepared.reads),
-                tuple(reason if r.reached else None for r in prepared.reads))
+        return (tuple(None if r.reached else () for r in request.reads),
+                tuple(reason if r.reached else None for r in request.reads))
     if analysis.segments is not None:
         # the rows of `ys` are those of s1, then of s2: a weight-consuming op's A rows
         # belong to one batch, so a rule's [B_s] result would have to be placed at its
@@ -72,14 +72,14 @@ def build_plan(prepared, registry):
                                 for segment in analysis.segments)
         reason = (f"`ys` ({ys.name}) joins several batches along axis 0 ({joined}); the "
                   "towers compute it example by example in that order")
-        return (tuple(None if r.reached else () for r in prepared.reads),
-                tuple(reason if r.reached else None for r in prepared.reads))
+        return (tuple(None if r.reached else () for r in request.reads),
+                tuple(reason if r.reached else None for r in request.reads))
     uses, reasons = [], []
-    unassumed = _UnassumedGradients(prepared.graph)
-    for x, reads in zip(prepared.xs, prepared.reads):
-        found = _weight_uses(x, reads, prepared.ys_upstream, analysis, registry)
+    unassumed = _UnassumedGradients(request.graph)
+    for x, reads in zip(request.xs, request.reads):
+        found = _weight_uses(x, reads, request.ys_upstream, analysis, registry)
         if not isinstance(found, str) and found:
-            found = unassumed.reason(reads, prepared.ys_upstream) or found
+            found = unassumed.reason(reads, request.ys_upstream) or found
         if isinstance(found, str):
             uses.append(None)
             reasons.append(found)
@@ -216,22 +216,23 @@ def _in_v1_loop(enter):
             "enters, where tf.gradients cannot reach the dZ a rule needs")
 
 
-def group_count(prepared, num_groups):
+def group_count(request, num_groups):
     """G: M, or B (an int when known, else a scalar tensor read from the batch)."""
     if num_groups is not None:
         return num_groups
-    if prepared.batch_size is not None:
-        return prepared.batch_size
-    return tf.shape(prepared.batch[0])[prepared.batch_axes[0]]
+    if request.batch_size is not None:
+        return request.batch_size
+    return tf.shape(request.batch[0])[request.batch_axes[0]]
 
 
-def run_time_checks(prepared):
+def run_time_checks(request):
     """Assertions on the fed batch: its size equals `batch_size` when one was given
     for a None batch axis; M divides it when B is left to run time."""
     checks = []
-    B, M = prepared.batch_size, prepared.num_groups
-    for j, (b, axis) in enumerate(zip(prepared.batch, prepared.batch_axes)):
-        if graph_walk.static_batch_size(b, axis) is not None:
+    B, M = request.batch_size, request.num_groups
+    for j, (b, axis, size) in enumerate(zip(request.batch, request.batch_axes,
+                                            request.static_sizes)):
+        if size is not None:
             continue
         if B is not None:
             checks.append(_checks.fed_batch_size_check(
@@ -253,7 +254,7 @@ def run_time_checks(prepared):
 
 def _output_gradients(plan, indices, grad_ys, unconnected):
     """{id(Z): dZ} from one tf.gradients call over every use's output."""
-    ys = plan.prepared.ys
+    ys = plan.request.ys
     outputs, seen = [], set()
     for k in indices:
         for use in plan.uses[k]:
@@ -293,11 +294,11 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     that `ys` does not reach, or whose outputs get no gradient, with
     unconnected_gradients="none")."""
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
-    grad_ys = check_grad_ys(plan.prepared.ys, grad_ys)
+    grad_ys = check_grad_ys(plan.request.ys, grad_ys)
     d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
     results = {}
     for k in indices:
-        x = plan.prepared.xs[k]
+        x = plan.request.xs[k]
         parts = []
         for use in plan.uses[k]:
             dZ = d_outputs[id(use.output)]
@@ -346,7 +347,7 @@ def norm_parts(plan, indices, B):
             if cheap is not None:
                 squares[k] = cheap
                 continue
-        x_shape = _per_x_shape(plan.prepared.xs[k], B)
+        x_shape = _per_x_shape(plan.request.xs[k], B)
         # each use's [B, *w.shape at the op] -> [B, *x.shape]
         parts = [tf.reshape(use.rule.per_group(use, d_outputs[id(use.output)], B), x_shape)
                  for use in uses]
@@ -370,7 +371,7 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
     """
     results = {}
     for k in indices:
-        x = plan.prepared.xs[k]
+        x = plan.request.xs[k]
         dtype = x.dtype.base_dtype
         if k in formed:
             g = formed[k]
