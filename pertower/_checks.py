@@ -19,7 +19,8 @@ from pertower import _graph_walk as graph_walk
 # (lives where the graph is walked; kept here for callers not yet switched to it)
 
 __all__ = [
-    "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "device_list",
+    "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "check_memory_limit",
+    "device_list",
     "positive_int", "require_graph_mode", "require_graph_tensor",
     "unconnected_gradients_value", "unreached_weights", "warn_unconnected", "weight_list",
 ]
@@ -358,3 +359,15 @@ def warn_unconnected(ys, xs, unconnected_gradients, argument="xs",
             f"`{ys_argument}` does not depend on {len(names)} of the {count} weights in "
             f"`{argument}` ({listing}), so {outcome}. {remedy}"),
         UnconnectedWeightsWarning, stacklevel=_user_stacklevel())
+
+
+def check_memory_limit(memory_limit):
+    """Raises unless `memory_limit` is None, a positive number of bytes or inf."""
+    if memory_limit is None:
+        return
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real) or not (
+            memory_limit > 0):
+        raise _context.error(
+            ValueError, "`memory_limit` must be a positive number of bytes, "
+            "None (the default: half of the machine's physical memory) or float('inf') (no "
+            f"limit), but received {memory_limit!r}.")

@@ -25,7 +25,6 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import rules as rules_lib
-from pertower._guards import memory
 
 __all__ = ["METHODS", "Options", "Request", "make_request", "check_method"]
 
@@ -187,7 +186,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
     """
     check_method(method, rules)
     _check_validate(validate)
-    memory.resolve_limit(memory_limit)
+    _checks.check_memory_limit(memory_limit)
     registry = None
     if use_rules:
         registry = rules if rules is not None else rules_lib.default_registry()

@@ -34,13 +34,13 @@ nothing is refused. `build_towers` is not guarded.
 
 import dataclasses
 import math
-import numbers
 import os
 
 import numpy as np
 import tensorflow as tf
 
 from pertower import _op_types as op_types
+from pertower import _checks
 from pertower import _context
 
 __all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit"]
@@ -174,15 +174,8 @@ def estimate_plan(plan):
 
 def resolve_limit(memory_limit):
     """The limit in bytes for `memory_limit` (None: the default); raises on bad values."""
-    if memory_limit is None:
-        return default_memory_limit()
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real) or not (
-            memory_limit > 0):
-        raise _context.error(
-            ValueError, f"`memory_limit` must be a positive number of bytes, "
-            "None (the default: half of the machine's physical memory) or float('inf') (no "
-            f"limit), but received {memory_limit!r}.")
-    return memory_limit
+    _checks.check_memory_limit(memory_limit)
+    return default_memory_limit() if memory_limit is None else memory_limit
 
 
 def check_plan(plan, memory_limit):
