@@ -227,9 +227,10 @@ def check_every_broadcast_op():
 
 
 def check_broadcast_dp_step():
-    """DPOptimizer (noise 0) on the Keras BatchNormalization net's kind of weights: the
-    clipped sum of the FusedBatchNorm and broadcast rules (the batch gradient of dZ
-    scaled per example) against the loop's per-example gradients clipped in NumPy."""
+    """DPOptimizer (noise 0) through a FusedBatchNorm (inference) and a Maximum with a
+    broadcast bound: the clipped sum of both rules (the batch gradient of dZ scaled per
+    example) against the loop's per-example gradients clipped in NumPy; and microbatch
+    gradients (2 groups of 2 examples) against the loop."""
     with tf.Graph().as_default() as graph:
         rng = np.random.RandomState(50)
         x = tf.compat.v1.placeholder(tf.float32, [None, 2, 2, 3], name="x")
@@ -259,6 +260,10 @@ def check_broadcast_dp_step():
         got = sess.run([g for g, _ in grads_and_vars], feed)
         assert (norms > clip * 1.01).any() and (norms < clip * 0.99).any()
         common.assert_all_close(got, want, 1e-5, 1e-6, "DP gradient")
+        micro = pertower.microbatch_gradients(ys, xs, num_microbatches=2, method="rules")
+        common.assert_all_close(sess.run(micro, feed),
+                                oracle.loop_microbatch_gradients(sess, ys, xs, feed, 2),
+                                what="microbatch gradients")
 
 
 # -- tests (this process: graph mode, TF2 behaviour) --------------------------------------
