@@ -43,9 +43,11 @@ class FusedBatchNormRule(registry_lib.Rule):
     """Per-example sums of dZ * x_hat (gamma) and of dZ (beta) over positions."""
 
     def match(self, op, slot, analysis):
+        if slot == 0:
+            return "the weight is the normalized input x, not the scale or offset"
         if slot not in (_SCALE, _OFFSET):
-            return ("the weight is the op's input or a moving statistic (input "
-                    f"{slot}), which TensorFlow's gradient in inference mode leaves out")
+            return (f"the weight is a moving statistic (input {slot}), which TensorFlow's "
+                    "gradient in inference mode leaves out")
         if op.get_attr("is_training"):
             return ("the op normalizes with the batch's own statistics "
                     "(is_training=True); call the layer with training=False")
