@@ -312,3 +312,21 @@ def test_batch_norm_in_training_mode_is_not_on_the_rules():
 def test_published_rules_under_disable_v2_behavior(processes, check):
     """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
     processes.assert_passed("published_legacy", check)
+
+
+def test_a_moving_statistic_as_a_weight_falls_back_with_the_reason():
+    """The moving mean and variance get no gradient from TensorFlow's FusedBatchNorm
+    gradient in inference mode; as weights they are left to the towers, saying so, while
+    scale and offset stay on the rules."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2, 2, 3], name="x")
+        scale = tf.compat.v1.get_variable("scale", initializer=tf.ones([3]))
+        offset = tf.compat.v1.get_variable("offset", initializer=tf.zeros([3]))
+        mean = tf.compat.v1.get_variable("moving_mean", initializer=tf.zeros([3]))
+        variance = tf.compat.v1.get_variable("moving_variance", initializer=tf.ones([3]))
+        y = tf.compat.v1.nn.fused_batch_norm(x, scale, offset, mean, variance,
+                                             is_training=False)[0]
+        ys = tf.reduce_sum(y ** 2, axis=[1, 2, 3])
+        plan = pertower.explain(ys, [scale, offset, mean, variance])
+        assert [w.method for w in plan.weights] == ["rules", "rules", "towers", "towers"]
+        assert all("moving statistic" in w.reason for w in plan.weights[2:]), str(plan)
