@@ -65,7 +65,7 @@ def _randomize_batch_norms(sess, layers, seed):
     rng = np.random.RandomState(seed)
     assignments = []
     for layer in layers:
-        if not isinstance(layer, keras.layers.BatchNormalization):
+        if not hasattr(layer, "moving_variance"):   # BatchNormalization (V1 under legacy mode)
             continue
         for weight, low, high in ((layer.gamma, 0.5, 1.5), (layer.beta, -0.3, 0.3),
                                   (layer.moving_mean, -0.3, 0.3),
