@@ -55,6 +55,8 @@ class _Command:
 PROCESSES = {
     # tf.compat.v1.disable_v2_behavior(): reference variables, v1 control flow.
     "legacy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"),)),
+    # the same, for the rules of tests/test_rules_published.py.
+    "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.

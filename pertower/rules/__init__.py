@@ -9,10 +9,12 @@ Built-in rules (each file states its identity and reference):
     batch_matmul.py      BatchMatMul, BatchMatMulV2, BatchMatMulV3
     einsum.py            Einsum
     bias_add.py          BiasAdd
-    broadcast.py         Add, AddV2, Sub, Mul with a broadcast weight
+    broadcast.py         a broadcast weight in Add, AddV2, Sub, Mul, RealDiv, Maximum,
+                         Minimum, SquaredDifference, Pow, SelectV2, ... (one rule)
     conv2d.py            Conv2D (also Conv1D's lowering)
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
+    fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
 """
 
 from pertower.rules import batch_matmul
@@ -21,6 +23,7 @@ from pertower.rules import broadcast
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
 from pertower.rules import einsum
+from pertower.rules import fused_batch_norm
 from pertower.rules import gather
 from pertower.rules import matmul
 from pertower.rules.registry import Rule
@@ -30,7 +33,7 @@ from pertower.rules.registry import Use
 __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, depthwise_conv2d,
-             gather)
+             gather, fused_batch_norm)
 
 
 def default_registry():

@@ -1,15 +1,29 @@
-"""Rules for a weight broadcast into Add, AddV2, Sub and Mul (biases added by hand,
-LayerNormalization's beta and gamma, learned scales).
+"""One rule for a weight broadcast into an elementwise op whose other input carries the
+batch: Add, AddV2, Sub, Mul, RealDiv, Maximum, Minimum, SquaredDifference, Pow,
+SelectV2, ... (biases added by hand, LayerNormalization's beta and gamma, learned
+scales, clipping bounds, exponents).
 
-Identity: with Z = A ∘ W and W broadcast over some axes of Z (W reshaped to Z's rank
-with leading 1s, W_e), dZ/dW sums the elementwise derivative over the broadcast axes:
-    Add/AddV2:  grad_i(W) = sum over example i's rows and W_e's size-1 axes of dz
-    Sub:        the same, negated when W is the subtrahend
-    Mul:        the same of dz * A (A the other operand, broadcast as in the op)
+Notation: A the op's batch-side input, Z its output [B*k, ...] (k rows per example on
+axis 0); w the weight, w_e w reshaped to Z's rank with leading 1s; N = B*k the rows of
+Z; dZ the gradient at Z.
 
-Covered: the other operand depends on the batch with the output's rank (its axis 0 is
-the batch axis); W's static shape is known and does not stretch axis 0 (rank below
-Z's, or a leading 1).
+Identity: broadcasting copies w to every position it reaches; the chain rule adds the
+contributions of the copies. Give each row r of Z a copy of its own,
+    w_b = broadcast of w_e along axis 0 to N rows      [N, *w_e.shape[1:]],
+    Z   = op(..., w_b, ...)        (the same values: the op is elementwise),
+then the gradient with respect to w_b is the op's own registered gradient (which sums
+over the remaining broadcast axes), and row r's entry is the contribution of row r.
+Since the rows of example i are its k rows of Z,
+    grad_i(w) = sum over example i's rows r of  d<dZ, op(..., w_b, ...)>/d w_b[r],
+so no op type needs a formula of its own (the per-example form of the reduction in
+TensorFlow's BroadcastGradientArgs-based gradients; for Mul it is sum over example i's
+rows and broadcast axes of dz * A, as in Goodfellow 2015, arXiv 1510.01799, for a
+diagonal weight). For one group (the clipped sum) w is not broadcast: the op's gradient
+with respect to w itself, the batch gradient.
+
+Covered: the op types registered below (each has a registered gradient for every
+floating input); w's static shape known and not stretching axis 0 (rank below Z's, or a
+leading 1); Z and the batch-side input example-major on axis 0.
 """
 
 import tensorflow as tf
@@ -17,15 +31,20 @@ import tensorflow as tf
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
+__all__ = ["BroadcastRule", "OP_TYPES", "register"]
+
+# Elementwise op types with broadcasting whose registered gradient covers every floating
+# input.
+OP_TYPES = ("Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan",
+            "Maximum", "Minimum", "SquaredDifference", "Pow", "SelectV2", "Atan2",
+            "Xdivy", "Xlogy", "Xlog1py")
+
 
 class BroadcastRule(registry_lib.Rule):
-    """Per-example sums of dZ (times the other operand for Mul) over broadcast axes."""
-
-    def __init__(self, kind):
-        self.kind = kind  # "add", "sub" or "mul"
+    """Per-example gradients of a broadcast weight from the op's own gradient, with the
+    weight copied to every row of the batch."""
 
     def match(self, op, slot, analysis):
-        other = op.inputs[1 - slot]
         out = op.outputs[0]
         w_shape = op.inputs[slot].shape
         if not w_shape.is_fully_defined() or out.shape.rank is None:
@@ -33,28 +52,38 @@ class BroadcastRule(registry_lib.Rule):
         if w_shape.rank > out.shape.rank or (w_shape.rank == out.shape.rank and
                                              w_shape[0] != 1):
             return f"the weight (shape {w_shape}) is broadcast along the batch axis"
-        if other.shape.rank != out.shape.rank:
-            return "the other operand does not have the output's rank"
-        rows = _rows.example_rows(analysis, other, out)
+        carriers = [t for j, t in enumerate(op.inputs)
+                    if j != slot and analysis.rows(t) is not None]
+        if not carriers:
+            return "no other input carries the batch"
+        rows = _rows.example_rows(analysis, carriers[0], out)
         if isinstance(rows, str):
             return rows
-        return registry_lib.Use(op, slot, self, other, out, w_shape, rows)
+        return registry_lib.Use(op, slot, self, carriers[0], out, w_shape, rows)
 
     def per_group(self, use, dZ, G):
-        out_rank = use.output.shape.rank
-        w_dims = [1] * (out_rank - use.weight_shape.rank) + use.weight_shape.as_list()
-        grad = dZ
-        if self.kind == "mul":
-            grad = dZ * use.activation                  # [B*k, ...] (broadcast like Z)
-        elif self.kind == "sub" and use.slot == 1:
-            grad = -dZ
-        axes = [j for j in range(1, out_rank) if w_dims[j] == 1]
-        if axes:
-            grad = tf.reduce_sum(grad, axis=axes, keepdims=True)   # [B*k, *w_dims[1:]]
-        # [B*k, *w_dims[1:]] -> [G, rows, *w_dims[1:]] -> [G, *w_dims[1:]]
+        op, out_rank = use.op, use.output.shape.rank
+        w_shape = use.weight_shape.as_list()
+        w_dims = [1] * (out_rank - len(w_shape)) + w_shape       # w_e's shape
+        w_e = tf.reshape(op.inputs[use.slot], w_dims)             # [1, *w_dims[1:]]
+        if isinstance(G, int) and G == 1:
+            w_b = w_e                       # the op's gradient sums over axis 0 too
+        else:
+            # [1, *w_dims[1:]] -> [N, *w_dims[1:]]: a copy of w per row of Z
+            w_b = tf.broadcast_to(w_e, _rows.group_shape(_rows.dim(use.output, 0),
+                                                         w_dims[1:]))
+        inputs = list(op.inputs)
+        inputs[use.slot] = w_b
+        rebuilt = op.graph._create_op_internal(  # pylint: disable=protected-access
+            op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+            attrs={key: value for key, value in op.node_def.attr.items()
+                   if not key.startswith("_")},
+            op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")
+        grad, = tf.gradients(rebuilt.outputs[0], [w_b], grad_ys=dZ)   # [N or 1, *w_dims[1:]]
+        # [G*T, *w_dims[1:]] -> [G, T, *w_dims[1:]] -> [G, *w_dims[1:]]
         grouped = tf.reduce_sum(_rows.to_groups(grad, G, out_rank - 1), axis=1)
         # [G, *w_dims[1:]] -> [G, *w.shape]
-        return tf.reshape(grouped, _rows.group_shape(G, use.weight_shape.as_list()))
+        return tf.reshape(grouped, _rows.group_shape(G, w_shape))
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
@@ -62,8 +91,7 @@ class BroadcastRule(registry_lib.Rule):
 
 
 def register(registry):
-    """Adds the broadcast rules to `registry`."""
-    registry.register("Add", BroadcastRule("add"))
-    registry.register("AddV2", BroadcastRule("add"))
-    registry.register("Sub", BroadcastRule("sub"))
-    registry.register("Mul", BroadcastRule("mul"))
+    """Adds the broadcast rule to `registry` for every op type of `OP_TYPES`."""
+    rule = BroadcastRule()
+    for op_type in OP_TYPES:
+        registry.register(op_type, rule)

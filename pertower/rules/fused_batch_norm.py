@@ -1,0 +1,86 @@
+"""Rule for FusedBatchNorm, FusedBatchNormV2 and FusedBatchNormV3 in inference mode:
+batch normalization with the moving statistics (Keras BatchNormalization called with
+training=False, or under learning phase 0).
+
+Notation: A the op's input x, [B*k, H, W, C] (NHWC) or [B*k, C, H, W] (NCHW); dZ the
+gradient at its output y; mu, sigma2 the moving mean and variance [C]; eps its epsilon.
+
+Identity: in inference mode every entry is normalized with statistics that do not
+depend on the batch,
+    x_hat = (x - mu) / sqrt(sigma2 + eps),      y = gamma * x_hat + beta   (per channel),
+so y is elementwise in x with gamma and beta broadcast over the examples and the
+spatial positions, and the chain rule sums over the positions each example owns:
+    grad_i(gamma) = sum over example i's rows and positions of dz * x_hat      [C]
+    grad_i(beta)  = sum over example i's rows and positions of dz              [C]
+(Ioffe & Szegedy 2015, "Batch normalization", arXiv 1502.03167, section 3, with the
+population statistics of inference as constants; the per-channel sums are those of
+TensorFlow's own FusedBatchNormGrad with is_training=False, kept per example).
+
+Covered: is_training=False, data_format NHWC, NCHW (and NDHWC, NCDHW), the weight as
+`scale` (input 1) or `offset` (input 2). The moving statistics (inputs 3 and 4) get no
+gradient from TensorFlow's registered gradient in inference mode; as weights they fall
+back. Computed in the dtype of `scale` (float32 for float16 inputs).
+"""
+
+import tensorflow as tf
+
+from pertower.rules import _rows
+from pertower.rules import registry as registry_lib
+
+__all__ = ["FusedBatchNormRule", "register"]
+
+_SCALE, _OFFSET = 1, 2
+_OP_TYPES = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+
+
+def _channel_axis(op, rank):
+    data_format = op.get_attr("data_format")
+    data_format = data_format.decode() if isinstance(data_format, bytes) else data_format
+    return 1 if data_format.startswith("NC") else rank - 1
+
+
+class FusedBatchNormRule(registry_lib.Rule):
+    """Per-example sums of dZ * x_hat (gamma) and of dZ (beta) over positions."""
+
+    def match(self, op, slot, analysis):
+        if slot == 0:
+            return "the weight is the normalized input x, not the scale or offset"
+        if slot not in (_SCALE, _OFFSET):
+            return (f"the weight is a moving statistic (input {slot}), which TensorFlow's "
+                    "gradient in inference mode leaves out")
+        if op.get_attr("is_training"):
+            return ("the op normalizes with the batch's own statistics "
+                    "(is_training=True); call the layer with training=False")
+        if op.inputs[0].shape.rank is None:
+            return "its input has no static rank"
+        return self.example_use(op, slot, analysis)
+
+    def per_group(self, use, dZ, G):
+        A = use.activation                                   # [G*k, ...] with C on `channel`
+        rank = A.shape.rank
+        channel = _channel_axis(use.op, rank)
+        dtype = use.op.inputs[_SCALE].dtype                  # float32 for float16 inputs
+        term = tf.cast(dZ, dtype)                             # [G*k, ...]
+        if use.slot == _SCALE:
+            shape = [1] * rank
+            shape[channel] = -1                               # [C] -> [1, C, 1, 1] or [1, 1, 1, C]
+            mean = tf.reshape(use.op.inputs[3], shape)
+            variance = tf.reshape(use.op.inputs[4], shape)
+            x_hat = (tf.cast(A, dtype) - mean) * tf.math.rsqrt(
+                variance + tf.constant(use.op.get_attr("epsilon"), dtype))
+            term = term * x_hat                               # [G*k, ...]
+        positions = [j for j in range(1, rank) if j != channel]
+        per_row = tf.reduce_sum(term, axis=positions)         # [G*k, C]
+        # [G*k, C] -> [G, k, C] -> [G, C]
+        return tf.reduce_sum(_rows.to_groups(per_row, G, 1), axis=1)
+
+    def clipped_sum(self, use, dZ, factors):
+        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+
+
+def register(registry):
+    """Adds the FusedBatchNorm rules to `registry`."""
+    rule = FusedBatchNormRule()
+    for op_type in _OP_TYPES:
+        registry.register(op_type, rule)
