@@ -34,6 +34,7 @@ from tensorflow.python.framework import function_def_to_graph
 from pertower import _graph_walk as graph_walk
 from pertower._batch_axis import functions
 from pertower._batch_axis import lattice
+from pertower._batch_axis import loop_bounds
 from pertower._batch_axis import static
 from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_layout
@@ -299,7 +300,9 @@ class _Scan:
     def only_bounds(self, op):
         """Where the outputs of `op` go: "bounds" when they only reach shape or axis
         operands and loop bounds (through integer arithmetic), "unclear" when they
-        reach a function or loop whose use of them is not followed, "data" otherwise."""
+        reach a function or loop whose use of them is not followed, "unmasked" when
+        they bound a loop not proven to keep each example's state fixed past its own
+        end (`loop_bounds`), "data" otherwise."""
         verdict = "bounds"
         stack, seen = list(op.outputs), set()
         while stack:
@@ -313,8 +316,11 @@ class _Scan:
                 for j, t in enumerate(consumer.inputs):
                     if t is not tensor or j in transfer_layout.shape_slots(consumer):
                         continue
-                    if consumer.type == "LoopCond":
-                        continue   # it bounds a TF1 loop: the value goes no further
+                    if consumer.type == "LoopCond":   # it bounds a TF1 loop
+                        if not loop_bounds.masked_past_end(
+                                op, loop_bounds.V1Loop(consumer), self.shape_value):
+                            verdict = "unmasked"
+                        continue
                     integral = all(o.dtype.is_integer or o.dtype == tf.bool
                                    for o in consumer.outputs)
                     if integral and (consumer.type in _V1_BOUND_PLUMBING or (
@@ -329,6 +335,8 @@ class _Scan:
                     if consumer.type in _WHILE_OP_TYPES:
                         if not self._passes_through(consumer, j):
                             verdict = "unclear"
+                        elif not self._while_masked_past_end(op, consumer):
+                            verdict = "unmasked" if verdict == "bounds" else verdict
                         continue
                     if consumer.type in functions.TRANSFERS:
                         verdict = "unclear"
@@ -342,6 +350,14 @@ class _Scan:
                         continue
                     return "data"
         return verdict
+
+    def _while_masked_past_end(self, reduction, op):
+        """`loop_bounds.masked_past_end` for the While `op`, which `reduction` bounds."""
+        cond, body = self._function_graph(op, "cond"), self._function_graph(op, "body")
+        if cond is None or body is None or len(cond.inputs) != len(body.inputs):
+            return False
+        return loop_bounds.masked_past_end(
+            reduction, loop_bounds.V2Loop(op, cond, body), self.shape_value)
 
     def _passes_through(self, op, j):
         """Whether loop variable j of a While is handed unchanged from iteration to

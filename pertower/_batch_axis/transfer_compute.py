@@ -75,6 +75,13 @@ def _reduced_batch(scan, op, reason):
     uses = scan.only_bounds(op)
     if uses == "bounds":
         return [SIZE]
+    if uses == "unmasked":
+        scan.lose(op, f"it {reason}; its result bounds a while loop that does not keep "
+                      "each example's state fixed past the example's own end (as "
+                      "dynamic_rnn's select on `time >= sequence_length` does), so in the "
+                      "batch an example may run more (or fewer) steps than alone",
+                  doubt=True)
+        return [SIZE]
     if uses == "unclear":
         scan.lose(op, f"it {reason}; its result only sizes shapes or bounds loops, in a "
                       "way the static analysis cannot follow to the end", doubt=True)
