@@ -34,6 +34,7 @@ from pertower import _request
 from pertower import _row_passes
 from pertower._guards import independence
 from pertower._guards import memory
+from pertower._guards import row_pass_gradients
 from pertower._towers import build as towers_lib
 from pertower import rules as rules_lib
 from pertower.rules import _engine
@@ -286,6 +287,8 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
             if reads.reached:
                 uses[k], reasons[k] = None, "method='towers' was asked for"
     loop_op = graph_walk.v1_loop_op(prepared)
+    if loop_op is not None:
+        _row_passes_assume_no_python_gradient(prepared, uses, reasons, loop_op, refuse)
     if sparse:
         gathered = [k for k, reads in enumerate(prepared.reads)
                     if uses[k] and reads.gather_ops and not reads.read_tensors
@@ -317,6 +320,31 @@ def make_plan(ys, xs, batch=None, batch_size=None, num_groups=None, *, method="a
     if refuse:
         _refuse_what_cannot_be_built(plan)
     return plan
+
+
+def _row_passes_assume_no_python_gradient(prepared, uses, reasons, loop_op, refuse):
+    """Row passes mask grad_ys to one example's rows in a backward pass of the batched
+    graph: a weight whose gradient flows through an op with an overridden or Python
+    gradient not proven row-wise (`row_pass_gradients`) is refused naming the op (with
+    `refuse`; else the reason is shown in the plan)."""
+    for k, reads in enumerate(prepared.reads):
+        if uses[k] is not None or not reads.reached:
+            continue
+        found = row_pass_gradients.unproven_gradient(prepared, reads)
+        if found is None:
+            continue
+        op, why = found
+        text = (f"the weight {reads.name!r} is computed by one backward pass of the "
+                f"original graph per example, as a TF1 (v1) while loop ({loop_op.name!r}, "
+                f"{loop_op.type}) lies between the batch and `ys`; each pass keeps only "
+                f"one example's rows of grad_ys, but its gradient flows through "
+                f"{op.name!r} ({op.type}): {why}. Such a backward pass may spread one "
+                "example's rows over the others, so the pass would not give that example's "
+                "gradient. Write the op's gradient row by row (no reduction or mixing over "
+                "the batch axis), remove the override, or leave this weight out of `xs`.")
+        if refuse:
+            raise _context.error(ValueError, text)
+        reasons[k] = f"refused: {text}"
 
 
 def _listing(plan, indices):

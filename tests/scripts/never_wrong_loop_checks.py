@@ -36,7 +36,7 @@ import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
 from tests import common  # noqa: E402
 
-__all__ = ["CHECKS"]
+__all__ = ["CHECKS", "LEGACY_ONLY_CHECKS"]
 
 B, D, T = 4, 2, 5
 LENGTHS = np.array([1, 3, 2, 4], dtype=np.int32)   # [B]: example 3 runs 4 steps, 0 runs 1
@@ -179,6 +179,97 @@ def check_dynamic_rnn_lstm_with_sequence_length_is_proven_without_check():
     return loop_kind(graph)
 
 
+# Gradients written in Python downstream of a v1 loop (issue 17, item 2): the weights
+# read in the loop are computed by row passes (one backward pass of the batched graph
+# per example), which only v1 loops use: these run under disable_v2_behavior() only.
+
+@tf.custom_gradient
+def _centred(h):
+    """Identity whose backward centres dy over the batch (mixes the examples)."""
+    def grad(dy):
+        return dy - tf.reduce_mean(dy, axis=0, keepdims=True)
+    return tf.identity(h), grad
+
+
+@tf.custom_gradient
+def _swish(h):
+    """swish with its elementwise backward written by hand (row-wise)."""
+    s = tf.sigmoid(h)
+
+    def grad(dy):
+        return dy * (s + h * s * (1.0 - s))
+    return h * s, grad
+
+
+_CENTRE_OVERRIDE = "PertowerNeverWrongCentre"
+
+
+@tf.RegisterGradient(_CENTRE_OVERRIDE)
+def _centre_gradient(op, dy):  # pylint: disable=unused-argument
+    return dy - tf.reduce_mean(dy, axis=0, keepdims=True)
+
+
+def _python_gradient_model(graph, kind):
+    """A v1 loop with the weight w in its body, then `kind` ("centred", "override",
+    "swish") on its result, then w2: ys = sum((f(h) @ w2)^2, 1), [B]."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
+    w = tf.compat.v1.get_variable("w", [D, D], initializer=tf.constant_initializer(
+        [[0.5, -0.3], [0.2, 0.4]]))
+    w2 = tf.compat.v1.get_variable("w2", [D, 3])
+    _, h = tf.compat.v1.while_loop(lambda i, h: i < 3, lambda i, h: (
+        i + 1, tf.tanh(tf.matmul(h, w))), [tf.constant(0), x])
+    if kind == "centred":
+        h = _centred(h)
+    elif kind == "swish":
+        h = _swish(h)
+    else:
+        with graph.gradient_override_map({"Identity": _CENTRE_OVERRIDE}):
+            h = tf.identity(h, name="centred")
+    ys = tf.reduce_sum(tf.matmul(h, w2) ** 2, axis=1)                       # [B]
+    feed = {x: np.random.RandomState(3).randn(B, D).astype(np.float32)}
+    return ys, [w, w2], feed
+
+
+def check_row_passes_refuse_a_python_gradient_that_mixes_the_batch():
+    """dy centred over the batch by tf.custom_gradient and by gradient_override_map:
+    the loop's weight is refused naming the op; explain shows why."""
+    for kind, op_name in (("centred", "'IdentityN'"), ("override", "'centred'")):
+        with tf.Graph().as_default() as graph:
+            common.seed_weights(33)
+            ys, xs, _ = _python_gradient_model(graph, kind)
+            plan = pertower.explain(ys, xs, batch_size=B)
+            row = plan.weights[0]
+            assert row.method == "passes" and "refused" in row.reason, str(plan)
+            for call in (pertower.per_example_gradients, pertower.per_example_norms):
+                try:
+                    call(ys, xs, batch_size=B)
+                except ValueError as error:
+                    text = str(error)
+                else:
+                    raise AssertionError(f"{kind}: {call.__name__} was not refused")
+                assert text.startswith(f"pertower.{call.__name__}: the weight 'w:0'"), text
+                assert f"flows through {op_name}" in text and "mixes the examples" in text, text
+                assert "reduces (Mean) over axis 0" in text, text
+    return loop_kind(graph)
+
+
+def check_row_passes_through_a_row_wise_python_gradient_match_the_loop():
+    """swish with a hand-written elementwise backward (tf.custom_gradient): proven
+    row-wise, the loop's weight is computed by row passes, loop-exact."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(34)
+        ys, xs, feed = _python_gradient_model(graph, "swish")
+        got, want, plan = _run(graph, ys, xs, feed)
+    assert plan.weights[0].method == "passes", str(plan)
+    assert not isinstance(got, Exception), str(got)
+    common.assert_all_close(got, want, 1e-4, 1e-5, "row-wise custom gradient")
+    return loop_kind(graph)
+
+
+LEGACY_ONLY_CHECKS = [check_row_passes_refuse_a_python_gradient_that_mixes_the_batch,
+                      check_row_passes_through_a_row_wise_python_gradient_match_the_loop]
+
+
 CHECKS = [check_max_bounded_loop_masked_by_where_is_proven_and_exact,
           check_max_bounded_loop_masked_by_broadcast_where_is_proven_and_exact,
           check_max_bounded_loop_without_mask_is_checked_and_caught,
@@ -189,4 +280,5 @@ CHECKS = [check_max_bounded_loop_masked_by_where_is_proven_and_exact,
 
 if __name__ == "__main__":
     from tests import process_checks
-    sys.exit(process_checks.run_checks(CHECKS, "never-wrong loop checks"))
+    sys.exit(process_checks.run_checks(CHECKS + LEGACY_ONLY_CHECKS,
+                                       "never-wrong loop checks"))
