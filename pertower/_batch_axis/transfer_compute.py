@@ -28,6 +28,8 @@ _CONVOLUTION_OP_TYPES = {  # op type -> index of the data input
 }
 _POOL_OP_TYPES = frozenset({"MaxPool", "AvgPool", "MaxPoolV2", "MaxPool3D", "AvgPool3D",
                             "MaxPoolWithArgmax", "LRN"})
+# Elementwise arithmetic that keeps constant rows constant (`_constant_rows`).
+_CONSTANT_ARITHMETIC = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "Neg"})
 _BATCH_NORM_OP_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 
 
@@ -68,10 +70,27 @@ def reduction(scan, op, ins):
     return [value.lead if keep else value.lead - sum(1 for r in reduced if r < value.lead)]
 
 
+def _constant_rows(tensor):
+    """Whether every entry of `tensor` is one constant, whatever the batch's values:
+    tf.ones_like(cost), tf.zeros_like(cost), tf.ones(tf.shape(cost)) (through
+    identities and casts)."""
+    while tensor.op.type in ("Identity", "Cast"):
+        tensor = tensor.op.inputs[0]
+    if tensor.op.type in _CONSTANT_ARITHMETIC:   # (tf.zeros_like(cost) + 1.0)
+        return all(static.static_value(t) is not None or _constant_rows(t)
+                   for t in tensor.op.inputs)
+    return tensor.op.type in ("OnesLike", "ZerosLike") or _filled_with_constant(tensor)
+
+
 def _reduced_batch(scan, op, reason):
-    """The result of a reduction over the batch axis: SIZE when it only sizes shapes or
-    bounds loops (tf.compat.v1.nn.dynamic_rnn's max(sequence_length)), a coupling
-    when it enters values."""
+    """The result of a reduction over the batch axis: SIZE when it reduces constant
+    rows (`cost / tf.reduce_sum(tf.ones_like(cost))` divides by B, as with
+    tf.shape/tf.size: the towers read its input from the whole batch, a size-data
+    edge), or when it only sizes shapes or bounds loops (tf.compat.v1.nn.dynamic_rnn's
+    max(sequence_length)); a coupling when it enters values."""
+    if _constant_rows(op.inputs[0]):
+        scan.size_data_edges.append((op, 0))
+        return [SIZE]
     uses = scan.only_bounds(op)
     if uses == "bounds":
         return [SIZE]
