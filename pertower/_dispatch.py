@@ -327,10 +327,11 @@ def _row_passes_assume_no_python_gradient(prepared, uses, reasons, loop_op, refu
     graph: a weight whose gradient flows through an op with an overridden or Python
     gradient not proven row-wise (`row_pass_gradients`) is refused naming the op (with
     `refuse`; else the reason is shown in the plan)."""
+    cache = {}   # each override's backward is built and read once
     for k, reads in enumerate(prepared.reads):
         if uses[k] is not None or not reads.reached:
             continue
-        found = row_pass_gradients.unproven_gradient(prepared, reads)
+        found = row_pass_gradients.unproven_gradient(prepared, reads, cache)
         if found is None:
             continue
         op, why = found

@@ -41,12 +41,14 @@ _PYTHON_OP_TYPES = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 _OVERRIDE_ATTR = "_gradient_op_type"
 
 
-def unproven_gradient(prepared, reads):
+def unproven_gradient(prepared, reads, cache=None):
     """The first op whose gradient row passes may not assume, for one weight.
 
     Args:
       prepared: the checked request (`_request.Prepared`).
       reads: the weight's `graph_walk.WeightReads`.
+      cache: a dict kept across the weights of one request ((op, inputs) -> verdict), so
+        that each override's backward is built and read once.
 
     Returns:
       None when every op on the paths from the weight's reads to `ys` has TensorFlow's
@@ -62,7 +64,13 @@ def unproven_gradient(prepared, reads):
             return op, ("its gradient is a Python function, which the analysis cannot read "
                         "to prove it keeps the examples' rows apart")
         if _OVERRIDE_ATTR in op.node_def.attr:
-            why = _override_not_row_wise(op, path, prepared)
+            # the inputs through which the weight's gradient flows
+            on_path = tuple(j for j, t in enumerate(op.inputs)
+                            if t.op in path or any(t is start for start in starts))
+            cache = {} if cache is None else cache
+            if (op, on_path) not in cache:
+                cache[(op, on_path)] = _override_not_row_wise(op, on_path, prepared)
+            why = cache[(op, on_path)]
             if why is not None:
                 return op, why
         if _calls_unassumed(op):
@@ -88,9 +96,9 @@ def _calls_unassumed(op):
     return False
 
 
-def _override_not_row_wise(op, path, prepared):
-    """None when the overridden gradient of `op` is proven row-wise for every input on
-    `path`; else why not."""
+def _override_not_row_wise(op, on_path, prepared):
+    """None when the overridden gradient of `op` is proven row-wise for each of its
+    inputs `on_path` (indices); else why not."""
     kind = op.get_attr(_OVERRIDE_ATTR)
     kind = kind.decode(errors="replace") if isinstance(kind, bytes) else str(kind)
     said = f"its gradient is overridden ({kind!r}, by gradient_override_map or tf.custom_gradient)"
@@ -98,7 +106,6 @@ def _override_not_row_wise(op, path, prepared):
         gradient_function = framework_ops._gradient_registry.lookup(kind)  # pylint: disable=protected-access
     except LookupError:
         return f"{said} by a function that is not registered"
-    on_path = [j for j, t in enumerate(op.inputs) if t.op in path]
     float_outputs = [t for t in op.outputs if t.dtype.is_floating]
     if len(float_outputs) != len(op.outputs) or any(t.shape.rank in (None, 0)
                                                     for t in op.outputs):
