@@ -70,6 +70,9 @@ def make_plan(request, *arguments, **keywords):
             if reads.reached:
                 uses[k], reasons[k] = None, "method='towers' was asked for"
     loop_op = request.loop_op
+    if loop_op is not None:
+        _refusals.refuse_python_gradients_in_row_passes(request, uses, reasons,
+                                                        options.refuse)
     if options.sparse:
         gathered = [k for k, reads in enumerate(request.reads)
                     if uses[k] and reads.gather_ops and not reads.read_tensors

@@ -13,7 +13,7 @@ __all__ = [
     "CALL_OP_TYPES", "V1_ENTER_OP_TYPES", "V1_EXIT_OP_TYPES", "V1_NEXT_ITERATION_OP_TYPES",
     "V1_LOOP_COND_OP_TYPES", "V1_LOOP_OP_TYPES", "V1_SWITCH_OP_TYPES", "V1_MERGE_OP_TYPES",
     "V1_BOUND_PLUMBING_OP_TYPES", "TENSOR_ARRAY_FLOW_OP_TYPES", "FLOW_PASSING_OP_TYPES",
-    "PYTHON_OP_TYPES", "RANDOM_OP_TYPES", "SHAPE_OP_TYPES", "FILL_OP_TYPES",
+    "PYTHON_OP_TYPES", "GRADIENT_OVERRIDE_ATTR", "RANDOM_OP_TYPES", "SHAPE_OP_TYPES", "FILL_OP_TYPES",
     "SHAPED_BY_SIZE_OP_TYPES", "ELEMENTWISE_OP_TYPES", "REDUCTION_OP_TYPES",
     "POOL_OP_TYPES", "BATCH_NORM_OP_TYPES", "BATCH_MATMUL_OP_TYPES",
     "BOUND_ARITHMETIC_OP_TYPES", "WEIGHT_LAYOUT_OP_TYPES",
@@ -77,6 +77,9 @@ FLOW_PASSING_OP_TYPES = (V1_LOOP_OP_TYPES | V1_SWITCH_OP_TYPES | V1_MERGE_OP_TYP
 # Ops that run a Python function (tf.py_func, tf.numpy_function, tf.py_function): their
 # gradient is Python code, and a run is keyed by their `token` attribute.
 PYTHON_OP_TYPES = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+# The node attribute naming a gradient that overrides an op's registered one
+# (gradient_override_map, tf.custom_gradient).
+GRADIENT_OVERRIDE_ATTR = "_gradient_op_type"
 # Random draws whose first input is the shape of the result (dropout's mask).
 RANDOM_OP_TYPES = frozenset({
     "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",

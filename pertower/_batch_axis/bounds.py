@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from pertower import _op_types as op_types
 from pertower._batch_axis import functions
+from pertower._batch_axis import loop_bounds
 from pertower._batch_axis import transfer_layout
 
 __all__ = ["only_bounds"]
@@ -23,7 +24,9 @@ def _integral(op):
 def only_bounds(scan, op):
     """Where the outputs of `op` go in the scan `scan`: "bounds" when they only reach
     shape or axis operands and loop bounds (through integer arithmetic), "unclear" when
-    they reach a function or loop whose use of them is not followed, "data" otherwise."""
+    they reach a function or loop whose use of them is not followed, "unmasked" when
+    they bound a loop not proven to keep each example's state fixed past its own end
+    (`loop_bounds`), "data" otherwise."""
     verdict = "bounds"
     stack, seen = list(op.outputs), set()
     while stack:
@@ -37,8 +40,11 @@ def only_bounds(scan, op):
             for j, t in enumerate(consumer.inputs):
                 if t is not tensor or j in transfer_layout.shape_slots(consumer):
                     continue
-                if consumer.type in op_types.V1_LOOP_COND_OP_TYPES:
-                    continue   # it bounds a TF1 loop: the value goes no further
+                if consumer.type in op_types.V1_LOOP_COND_OP_TYPES:   # it bounds a TF1 loop
+                    if not loop_bounds.masked_past_end(
+                            op, loop_bounds.V1Loop(consumer), scan.shape_value):
+                        verdict = "unmasked"
+                    continue
                 if _integral(consumer) and (
                         consumer.type in op_types.V1_BOUND_PLUMBING_OP_TYPES or (
                             consumer.type in op_types.V1_SWITCH_OP_TYPES and j == 0)):
@@ -52,6 +58,8 @@ def only_bounds(scan, op):
                 if consumer.type in op_types.WHILE_OP_TYPES:
                     if not _passes_through(scan, consumer, j):
                         verdict = "unclear"
+                    elif not _while_masked_past_end(scan, op, consumer):
+                        verdict = "unmasked" if verdict == "bounds" else verdict
                     continue
                 if consumer.type in functions.TRANSFERS:   # control flow, calls
                     verdict = "unclear"
@@ -64,6 +72,15 @@ def only_bounds(scan, op):
                     continue
                 return "data"
     return verdict
+
+
+def _while_masked_past_end(scan, reduction, op):
+    """`loop_bounds.masked_past_end` for the While `op`, which `reduction` bounds."""
+    cond, body = scan.function_graph(op, "cond"), scan.function_graph(op, "body")
+    if cond is None or body is None or len(cond.inputs) != len(body.inputs):
+        return False
+    return loop_bounds.masked_past_end(
+        reduction, loop_bounds.V2Loop(op, cond, body), scan.shape_value)
 
 
 def _passes_through(scan, op, j):

@@ -26,6 +26,8 @@ _CONVOLUTION_OP_TYPES = {  # op type -> index of the data input
     "ResizeBilinear": 0, "ResizeNearestNeighbor": 0, "ResizeBicubic": 0, "ResizeArea": 0,
     "ScaleAndTranslate": 0, "DepthToSpace": 0, "SpaceToDepth": 0, "Conv": 0, "Conv1D": 0,
 }
+# Elementwise arithmetic that keeps constant rows constant (`_constant_rows`).
+_CONSTANT_ARITHMETIC = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "Neg"})
 
 
 def _decode(value):
@@ -58,12 +60,36 @@ def reduction(scan, op, ins):
     return [value.lead if keep else value.lead - sum(1 for r in reduced if r < value.lead)]
 
 
+def _constant_rows(tensor):
+    """Whether every entry of `tensor` is one constant, whatever the batch's values:
+    tf.ones_like(cost), tf.zeros_like(cost), tf.ones(tf.shape(cost)) (through
+    identities and casts)."""
+    while tensor.op.type in ("Identity", "Cast"):
+        tensor = tensor.op.inputs[0]
+    if tensor.op.type in _CONSTANT_ARITHMETIC:   # (tf.zeros_like(cost) + 1.0)
+        return all(static.static_value(t) is not None or _constant_rows(t)
+                   for t in tensor.op.inputs)
+    return tensor.op.type in ("OnesLike", "ZerosLike") or _filled_with_constant(tensor)
+
+
 def _reduced_batch(scan, op, reason):
-    """The result of a reduction over the batch axis: SIZE when it only sizes shapes or
-    bounds loops (tf.compat.v1.nn.dynamic_rnn's max(sequence_length)), a coupling
-    when it enters values."""
+    """The result of a reduction over the batch axis: SIZE when it reduces constant
+    rows (`cost / tf.reduce_sum(tf.ones_like(cost))` divides by B, as with
+    tf.shape/tf.size: the towers read its input from the whole batch, a size-data
+    edge), or when it only sizes shapes or bounds loops (tf.compat.v1.nn.dynamic_rnn's
+    max(sequence_length)); a coupling when it enters values."""
+    if _constant_rows(op.inputs[0]):
+        scan.size_data_edges.append((op, 0))
+        return [SIZE]
     uses = bounds.only_bounds(scan, op)
     if uses == "bounds":
+        return [SIZE]
+    if uses == "unmasked":
+        scan.lose(op, f"it {reason}; its result bounds a while loop that does not keep "
+                      "each example's state fixed past the example's own end (as "
+                      "dynamic_rnn's select on `time >= sequence_length` does), so in the "
+                      "batch an example may run more (or fewer) steps than alone",
+                  doubt=True)
         return [SIZE]
     if uses == "unclear":
         scan.lose(op, f"it {reason}; its result only sizes shapes or bounds loops, in a "

@@ -203,7 +203,8 @@ class DPOptimizer:
             raise _context.error(ValueError, f"`loss` ({loss.name}) has shape {loss.shape}, "
                                  f"but {_ONE_LOSS_PER_EXAMPLE}")
         defaulted = var_list is None
-        var_list = self._variables(var_list)
+        all_variables = self._variables(var_list)
+        var_list = _without_gradient_free(all_variables)
         _checks.warn_unconnected(
             loss, var_list, _checks.UNCONNECTED_DEFAULT, argument="var_list",
             ys_argument="loss",
@@ -235,9 +236,10 @@ class DPOptimizer:
             # sum / M: the noisy average over microbatches (examples when M = B)
             averaged = [g / tf.cast(count, g.dtype) for g in noised]
         self._computed = True
-        return list(zip(averaged, var_list))
+        noisy_gradients = dict(zip(map(id, var_list), averaged))
+        return [(noisy_gradients.get(id(v)), v) for v in all_variables]
 
-    def _variables(self, var_list):
+    def _variables(self, var_list):  # (every entry, non-float ones included)
         if var_list is None:
             var_list = tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
                 tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES)
@@ -368,3 +370,24 @@ class DPOptimizer:
         return (f"DPOptimizer({type(self._optimizer).__name__}, l2_norm_clip="
                 f"{self._l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
                 f"num_microbatches={self._num_microbatches}, seed={self._seed})")
+
+
+def _without_gradient_free(var_list):
+    """The floating-point entries of `var_list`. The others (an int64 `global_step`, a
+    tf.string variable) have no gradient: as TensorFlow's optimizers and TF Privacy do,
+    they get the gradient None, and a warning names them."""
+    kept = [v for v in var_list if v.dtype.base_dtype.is_floating]
+    skipped = [v for v in var_list if not v.dtype.base_dtype.is_floating]
+    if skipped:
+        names = ", ".join(f"{_plan.weight_name(v)} ({v.dtype.base_dtype.name})"
+                          for v in skipped)
+        warnings.warn(_context.prefixed(
+            f"{len(skipped)} of the variables in `var_list` are not floating-point "
+            f"({names}): they have no gradient, so they get the gradient None and "
+            "apply_gradients leaves them as they are. Leave them out of `var_list`."),
+            stacklevel=4)
+    if not kept:
+        raise _context.error(ValueError, (
+            "`var_list` has no floating-point variable to compute gradients for "
+            f"(received {len(var_list)} of other dtypes); pass the model's weights."))
+    return kept

@@ -60,7 +60,7 @@ _CALLS = {
     **{t: (("f",), 0, "Tin", False) for t in op_types.FUNCTION_CALL_OP_TYPES},
 }
 # Attributes of a call op that refer to the original inputs or gradient of the call.
-_STALE_CALL_ATTRS = ("_gradient_op_type",)
+_STALE_CALL_ATTRS = (op_types.GRADIENT_OVERRIDE_ATTR,)
 
 
 class ControlFlowError(NotImplementedError):

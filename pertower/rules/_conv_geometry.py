@@ -119,7 +119,8 @@ def padded_input(op, kh, kw):
     x = op.inputs[0]
     x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)], [max(left, 0), max(right, 0)],
                    [0, 0]])
-    return x[:, :x.shape[1] + min(bottom, 0), :x.shape[2] + min(right, 0), :]
+    height, width = _rows.static_dims(x)[1:3]             # ints in both shape modes
+    return x[:, :height + min(bottom, 0), :width + min(right, 0), :]
 
 
 def taps(op, kh, kw, tensor=None, axes=(1, 2)):

@@ -38,7 +38,6 @@ from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
 # The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
-_OVERRIDE_ATTR = "_gradient_op_type"
 # How deep nested function bodies are searched for such ops.
 _MAX_FUNCTION_DEPTH = 8
 
@@ -142,8 +141,8 @@ def _unassumed_reason(node_op, attrs, where):
     if node_op in op_types.PYTHON_OP_TYPES:
         return (f"its gradient flows through {where} ({node_op}), a Python function whose "
                 "gradient the rules cannot assume keeps the examples apart")
-    if _OVERRIDE_ATTR in attrs:
-        kind = attrs[_OVERRIDE_ATTR].s.decode(errors="replace")
+    if op_types.GRADIENT_OVERRIDE_ATTR in attrs:
+        kind = attrs[op_types.GRADIENT_OVERRIDE_ATTR].s.decode(errors="replace")
         return (f"its gradient flows through {where} ({node_op}), whose gradient is "
                 f"overridden ({kind!r}, by gradient_override_map or tf.custom_gradient); "
                 "the rules assume TensorFlow's registered gradients, which keep the "

@@ -15,6 +15,14 @@ which for k = 1 is ||a_i||^2 ||dz_i||^2 and never forms the [d, n] gradient.
 import tensorflow as tf
 
 
+def static_dims(tensor):
+    """The static sizes of `tensor`'s axes as Python ints (None where unknown), in
+    both shape modes: under tf.compat.v1.disable_v2_behavior() `tensor.shape[i]` is a
+    `Dimension`, with which int arithmetic (`x.shape[1] - 1`) fails, so rules read
+    sizes through this."""
+    return tensor.shape.as_list()
+
+
 def dim(tensor, axis):
     """The size of `axis` of `tensor`: static int if known, else a scalar tensor."""
     static = tf.compat.dimension_value(tensor.shape[axis])
