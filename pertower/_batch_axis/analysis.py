@@ -279,7 +279,8 @@ class _Scan:
 def _topological(ops):
     """`ops` with every op after the ops it reads (creation order breaks ties; a TF1
     cond adds an op's Switch inputs after the op, so creation order alone is not
-    enough). Back edges of TF1 loops are ignored."""
+    enough). Back edges of TF1 loops (NextIteration -> Merge) are not followed, so a
+    loop's Merge comes before its body."""
     ops = set(ops)
     ordered, done, active = [], set(), set()
     for root in sorted(ops, key=lambda o: o._id):  # pylint: disable=protected-access
@@ -297,9 +298,20 @@ def _topological(ops):
             active.add(op)
             stack.append((op, True))
             for t in reversed(list(op.inputs)):
+                if _back_edge(t, op):
+                    continue
                 if t.op in ops and t.op not in done and t.op not in active:
                     stack.append((t.op, False))
     return ordered
+
+
+def _back_edge(tensor, op):
+    """Whether `tensor` -> `op` is a TF1 loop's back edge (NextIteration -> Merge).
+    Following it would order the body before its Merge when the walk reaches the loop
+    from the Merge (the first pass would then read the loop variable before it has its
+    entry's value)."""
+    return (op.type in op_types.V1_MERGE_OP_TYPES
+            and tensor.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES)
 
 
 class Analysis:
