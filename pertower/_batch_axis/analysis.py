@@ -34,6 +34,7 @@ from tensorflow.python.framework import function_def_to_graph
 
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower._batch_axis import examples
 from pertower._batch_axis import functions
 from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
@@ -111,11 +112,20 @@ class _Scan:
             ins = [self.value_of(t) for t in op.inputs]
             if all(v is INDEPENDENT for v in ins):
                 continue
-            outs = self._user_layouts(op, ins)
+            outs = self._examples(op, ins) if examples.handles(op, ins) else None
+            if outs is None:
+                outs = self._user_layouts(op, ins)
             if outs is None:
                 outs = self._transfer(op, ins)
             self._record_size_edges(op, ins, outs)
             self._store(op, ins, outs)
+
+    def _examples(self, op, ins):
+        try:
+            return examples.transfer(self, op, ins)
+        except lattice.Lost as lost:
+            self.lose(op, lost.reason)
+            return [UNKNOWN] * len(op.outputs)
 
     def _user_layouts(self, op, ins):
         rule = self.registry.lookup(op.type) if self.registry is not None else None
