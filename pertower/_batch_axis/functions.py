@@ -16,6 +16,12 @@ iterations must not depend on the batch's values (LoopCond). A v1 TensorArray (t
 time steps of tf.compat.v1.nn.dynamic_rnn) is followed through its *flow* tensor,
 which holds the value of its elements, as a TensorList's variant does; a TensorArray
 of the batch's examples (tf.compat.v1.map_fn over the batch) is followed by `examples`.
+
+So tf.compat.v1.nn.dynamic_rnn is proven with LSTMCell, GRUCell, BasicRNNCell and a
+MultiRNNCell of them, with or without sequence_length, whether `ys` reads its outputs or
+its final state (the scan visits a loop's Merge before its body: `analysis._topological`
+does not follow the back edge). raw_rnn's loop, which runs until every example has
+finished (a reduce_all over the batch), is not proven: the run-time check decides.
 """
 
 from pertower import _op_types as op_types
