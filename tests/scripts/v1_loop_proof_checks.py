@@ -154,21 +154,28 @@ def check_v1_loops_over_the_batch_that_mix_examples_are_not_proven():
         assert "(the element a loop over the batch's examples reads)" in str(plan) or (
             "carries one example's value into the next" in str(plan)), str(plan)
         assert plan.validate, str(plan)
-        grads = pertower.per_example_gradients(scanned, [w], batch_size=B)
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            try:
-                sess.run(grads, {x: _inputs(5, (B, D))})
-            except tf.errors.InvalidArgumentError as error:
-                assert "pertower" in str(error), str(error)
-            else:
-                raise AssertionError("the run-time check let scan over the batch through")
+        _assert_check_fails(scanned, w, {x: _inputs(5, (B, D))}, "scan over the batch")
 
         mixed = tf.compat.v1.map_fn(
             lambda row: tf.reduce_sum(tf.linalg.matvec(w, row, True) * x), x)
         plan = pertower.explain(mixed, [w], batch_size=B)
         assert plan.verdict == "unproven" and plan.validate, str(plan)
+        _assert_check_fails(mixed, w, {x: _inputs(6, (B, D))}, "map_fn reading the batch")
     return str(plan)
+
+
+def _assert_check_fails(ys, w, feed, what):
+    """The default run-time check stops the run: row i of `ys` recomputed from example
+    i alone differs from the batch's."""
+    grads = pertower.per_example_gradients(ys, [w], batch_size=B)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        try:
+            sess.run(grads, feed)
+        except tf.errors.InvalidArgumentError as error:
+            assert "recomputed one" in str(error), f"{what}: {error}"
+        else:
+            raise AssertionError(f"{what}: the run-time check let it through")
 
 
 # -- item 9: raw_rnn as in its docstring ------------------------------------------------
