@@ -98,11 +98,14 @@ class _Scan:
         order = _topological(self.region)
         merges = [op for op in order if op.type in op_types.V1_MERGE_OP_TYPES and any(
             t.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES for t in op.inputs)]
+        # the values the back edges hand to the Merges (a Merge comes before its body
+        # in `order`, so it reads them on the next pass)
+        back = [t for op in merges for t in op.inputs if _back_edge(t, op)]
         for _ in range(_MAX_LOOP_PASSES):
-            before = [self.value_of(op.outputs[0]) for op in merges]
+            before = [self.value_of(t) for t in back]
             self.couplings, self.losses, self.doubts, self.size_data_edges = [], [], [], []
             self._pass(order)
-            if [self.value_of(op.outputs[0]) for op in merges] == before:
+            if [self.value_of(t) for t in back] == before:
                 return self
         self.lose(merges[0], "the values of its TF1 while loop's variables did not settle")
         return self
