@@ -64,7 +64,7 @@ def transfer(scan, op, ins):
             for t, v in zip(op.inputs, ins)):
         raise lattice.Lost("a loop variable carries one example's value into the next "
                            "iteration (the next example's)")
-    if op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES or op.type.startswith("TensorArray"):
+    if op.type.startswith("TensorArray"):   # (a write is read by `functions`)
         raise lattice.Lost("a TensorArray op reads one example's value other than as the "
                            "value written at the index it was read at")
     return [example] * len(op.outputs)
