@@ -318,7 +318,8 @@ def v1_loop_frames(replayed_ops, ys_upstream):
     on the batch, included): a replay must copy a loop's frame entire, since a frame
     cannot read another frame's tensors. A loop is known by the Python context
     tf.while_loop (or import_meta_graph) attached to its ops, and, for ops without one
-    (a graph imported from a GraphDef), by the frame names of its Enter ops."""
+    (a graph imported from a GraphDef), by the frame names of its Enter ops. Also the
+    ops these read as control inputs in the loop, and the TensorArrays they write."""
     if not any(op.type in op_types.V1_LOOP_OP_TYPES for op in replayed_ops):
         return set()
     contexts = {_outermost_loop(op) for op in replayed_ops} - {None}
@@ -329,6 +330,22 @@ def v1_loop_frames(replayed_ops, ys_upstream):
             frames.add(op)
         elif op.type in op_types.V1_ENTER_OP_TYPES and op.get_attr("frame_name") in names:
             frames.add(op)
+    # A constant in a TF1 cond inside the loop reads the cond's pivot (switch_t) as a
+    # control input only: its copy must read the copied pivot, or it stays in the
+    # original frame ("has inputs from different frames").
+    stack = [c for op in frames for c in op.control_inputs]
+    while stack:
+        op = stack.pop()
+        if op in frames or _outermost_loop(op) not in contexts:
+            continue
+        frames.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    # A TensorArray of a size that does not depend on the batch (raw_rnn's inputs
+    # unstacked into tf.TensorArray(size=T)) is not downstream of the batch, but each
+    # copy must write its own: one array written by every copy fails ("already read").
+    frames |= {t.op for op in set(replayed_ops) | frames for t in op.inputs
+               if t.op.type in op_types.TENSOR_ARRAY_OP_TYPES}
     return frames
 
 

@@ -13,7 +13,9 @@ __all__ = [
     "CALL_OP_TYPES", "V1_ENTER_OP_TYPES", "V1_EXIT_OP_TYPES", "V1_NEXT_ITERATION_OP_TYPES",
     "V1_LOOP_COND_OP_TYPES", "V1_LOOP_OP_TYPES", "V1_SWITCH_OP_TYPES", "V1_MERGE_OP_TYPES",
     "V1_BOUND_PLUMBING_OP_TYPES", "TENSOR_ARRAY_FLOW_OP_TYPES", "FLOW_PASSING_OP_TYPES",
-    "PYTHON_OP_TYPES", "GRADIENT_OVERRIDE_ATTR", "RANDOM_OP_TYPES", "SHAPE_OP_TYPES", "FILL_OP_TYPES",
+    "TENSOR_ARRAY_OP_TYPES",
+    "PYTHON_OP_TYPES", "GRADIENT_OVERRIDE_ATTR", "RANDOM_OP_TYPES", "SHAPE_OP_TYPES",
+    "FILL_OP_TYPES",
     "SHAPED_BY_SIZE_OP_TYPES", "ELEMENTWISE_OP_TYPES", "REDUCTION_OP_TYPES",
     "POOL_OP_TYPES", "BATCH_NORM_OP_TYPES", "BATCH_MATMUL_OP_TYPES",
     "BOUND_ARITHMETIC_OP_TYPES", "WEIGHT_LAYOUT_OP_TYPES",
@@ -68,6 +70,8 @@ V1_BOUND_PLUMBING_OP_TYPES = (V1_ENTER_OP_TYPES | V1_EXIT_OP_TYPES
                               | V1_NEXT_ITERATION_OP_TYPES | V1_MERGE_OP_TYPES)
 # Ops whose output is a v1 TensorArray's flow (a scalar standing for its elements).
 TENSOR_ARRAY_FLOW_OP_TYPES = frozenset({"TensorArrayScatterV3", "TensorArrayWriteV3"})
+# Ops that create a v1 TensorArray (its handle and initial flow).
+TENSOR_ARRAY_OP_TYPES = frozenset({"TensorArrayV3"})
 # Ops that hand a TensorArray flow on (v1 loop and cond plumbing).
 FLOW_PASSING_OP_TYPES = (V1_LOOP_OP_TYPES | V1_SWITCH_OP_TYPES | V1_MERGE_OP_TYPES
                          | {"Identity"})

@@ -34,6 +34,7 @@ from tensorflow.python.framework import function_def_to_graph
 
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower._batch_axis import examples
 from pertower._batch_axis import functions
 from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
@@ -97,11 +98,14 @@ class _Scan:
         order = _topological(self.region)
         merges = [op for op in order if op.type in op_types.V1_MERGE_OP_TYPES and any(
             t.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES for t in op.inputs)]
+        # the values the back edges hand to the Merges (a Merge comes before its body
+        # in `order`, so it reads them on the next pass)
+        back = [t for op in merges for t in op.inputs if _back_edge(t, op)]
         for _ in range(_MAX_LOOP_PASSES):
-            before = [self.value_of(op.outputs[0]) for op in merges]
+            before = [self.value_of(t) for t in back]
             self.couplings, self.losses, self.doubts, self.size_data_edges = [], [], [], []
             self._pass(order)
-            if [self.value_of(op.outputs[0]) for op in merges] == before:
+            if [self.value_of(t) for t in back] == before:
                 return self
         self.lose(merges[0], "the values of its TF1 while loop's variables did not settle")
         return self
@@ -111,11 +115,20 @@ class _Scan:
             ins = [self.value_of(t) for t in op.inputs]
             if all(v is INDEPENDENT for v in ins):
                 continue
-            outs = self._user_layouts(op, ins)
+            outs = self._examples(op, ins) if examples.handles(op, ins) else None
+            if outs is None:
+                outs = self._user_layouts(op, ins)
             if outs is None:
                 outs = self._transfer(op, ins)
             self._record_size_edges(op, ins, outs)
             self._store(op, ins, outs)
+
+    def _examples(self, op, ins):
+        try:
+            return examples.transfer(self, op, ins)
+        except lattice.Lost as lost:
+            self.lose(op, lost.reason)
+            return [UNKNOWN] * len(op.outputs)
 
     def _user_layouts(self, op, ins):
         rule = self.registry.lookup(op.type) if self.registry is not None else None
@@ -279,7 +292,8 @@ class _Scan:
 def _topological(ops):
     """`ops` with every op after the ops it reads (creation order breaks ties; a TF1
     cond adds an op's Switch inputs after the op, so creation order alone is not
-    enough). Back edges of TF1 loops are ignored."""
+    enough). Back edges of TF1 loops (NextIteration -> Merge) are not followed, so a
+    loop's Merge comes before its body."""
     ops = set(ops)
     ordered, done, active = [], set(), set()
     for root in sorted(ops, key=lambda o: o._id):  # pylint: disable=protected-access
@@ -297,9 +311,20 @@ def _topological(ops):
             active.add(op)
             stack.append((op, True))
             for t in reversed(list(op.inputs)):
+                if _back_edge(t, op):
+                    continue
                 if t.op in ops and t.op not in done and t.op not in active:
                     stack.append((t.op, False))
     return ordered
+
+
+def _back_edge(tensor, op):
+    """Whether `tensor` -> `op` is a TF1 loop's back edge (NextIteration -> Merge).
+    Following it would order the body before its Merge when the walk reaches the loop
+    from the Merge (the first pass would then read the loop variable before it has its
+    entry's value)."""
+    return (op.type in op_types.V1_MERGE_OP_TYPES
+            and tensor.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES)
 
 
 class Analysis:

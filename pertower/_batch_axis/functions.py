@@ -14,10 +14,18 @@ values settle, see `analysis._Scan.run`), Switch on LoopCond either continues th
 or leaves through Exit. Each of them passes its data on unchanged; the number of
 iterations must not depend on the batch's values (LoopCond). A v1 TensorArray (the
 time steps of tf.compat.v1.nn.dynamic_rnn) is followed through its *flow* tensor,
-which holds the value of its elements, as a TensorList's variant does.
+which holds the value of its elements, as a TensorList's variant does; a TensorArray
+of the batch's examples (tf.compat.v1.map_fn over the batch) is followed by `examples`.
+
+So tf.compat.v1.nn.dynamic_rnn is proven with LSTMCell, GRUCell, BasicRNNCell and a
+MultiRNNCell of them, with or without sequence_length, whether `ys` reads its outputs or
+its final state (the scan visits a loop's Merge before its body: `analysis._topological`
+does not follow the back edge). raw_rnn's loop, which runs until every example has
+finished (a reduce_all over the batch), is not proven: the run-time check decides.
 """
 
 from pertower import _op_types as op_types
+from pertower._batch_axis import examples
 from pertower._batch_axis import lattice
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
@@ -138,23 +146,36 @@ def tensor_array_scatter(scan, op, ins):
         raise lattice.Lost("its input's batch axis was already lost")
     if not isinstance(value, Rows):
         return [_loop_join(ins[3], SIZE)]
-    if value.lead == 0:
-        raise lattice.Lost("it makes a TensorArray over the batch axis: one element per "
-                           "example, which a loop then visits in turn (tf.compat.v1.map_fn "
-                           "or scan over the batch)")
+    if value.lead == 0:   # one element per example (tf.compat.v1.map_fn over the batch)
+        if value.k != 1 or not examples.identity_indices(op.inputs[1]):
+            raise lattice.Lost("it makes a TensorArray over the batch axis whose elements "
+                               "are not the examples in order (several rows per example, "
+                               "or indices other than 0, 1, ..., B - 1)")
+        return [_loop_join(ins[3], examples.EXAMPLE_ELEMENTS)]
     return [_loop_join(ins[3], Rows(value.lead - 1, value.k, None))]
 
 
 def tensor_array_read(scan, op, ins):
-    """TensorArrayReadV3(handle, index, flow) -> one element."""
+    """TensorArrayReadV3(handle, index, flow) -> one element; of an array whose
+    elements are the examples: one example, Example(index)."""
     _index_checked(ins, 1)
+    if ins[2] == examples.EXAMPLE_ELEMENTS:
+        return [lattice.Example(op.inputs[1].name)]
     return [ins[2]]
 
 
 def tensor_array_write(scan, op, ins):
-    """TensorArrayWriteV3(handle, index, value, flow) -> flow."""
+    """TensorArrayWriteV3(handle, index, value, flow) -> flow; one example's value
+    written at the index it was read at makes an array whose elements are the
+    examples."""
     _index_checked(ins, 1)
-    return [_loop_join(ins[3], ins[2])]
+    value = ins[2]
+    if isinstance(value, lattice.Example):
+        if op.inputs[1].name != value.index:
+            raise lattice.Lost("it writes one example's value (read at "
+                               f"{value.index!r}) at another index")
+        value = examples.EXAMPLE_ELEMENTS
+    return [_loop_join(ins[3], value)]
 
 
 def tensor_array_gather(scan, op, ins):
@@ -165,6 +186,9 @@ def tensor_array_gather(scan, op, ins):
         raise lattice.Lost("its TensorArray's batch axis was already lost")
     if not isinstance(value, Rows):
         return [SIZE]
+    if value == examples.EXAMPLE_ELEMENTS and not examples.identity_indices(op.inputs[1]):
+        raise lattice.Lost("it gathers the examples of a TensorArray at indices other than "
+                           "0, 1, ..., B - 1")
     return [Rows(value.lead + 1, value.k, None)]
 
 

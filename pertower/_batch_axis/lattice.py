@@ -19,6 +19,9 @@ Every tensor between the batch and `ys` gets one value of the lattice:
                   still followed, for finding couplings.
     UNKNOWN       depends on the batch, but the batch axis was lost.
 
+    Example(index) one example's values inside a TF1 loop over the examples
+                  (`Example`; see `examples`).
+
 INDEPENDENT < SIZE < Rows < UNKNOWN: `join` gives the value of a tensor that is one of
 two values (the branches of a cond, a loop variable over iterations).
 """
@@ -30,13 +33,21 @@ import numpy as np
 import tensorflow as tf
 from pertower import _context
 
-__all__ = ["Rows", "INDEPENDENT", "SIZE", "META", "UNKNOWN", "Coupling", "Coupled",
+__all__ = ["Rows", "Example", "INDEPENDENT", "SIZE", "META", "UNKNOWN", "Coupling", "Coupled",
            "Lost", "complete", "contiguous", "join", "describe", "TensorMap"]
 
 
 class Rows(collections.namedtuple("Rows", ["lead", "k", "E"])):
     """The batch axis `lead` of a tensor, k entries per example on it, E elements per
     example; k and E may be None (not known statically)."""
+
+
+class Example(collections.namedtuple("Example", ["index"])):
+    """One example's values: the element that a TF1 loop over the batch's examples
+    (tf.compat.v1.map_fn over the batch) reads from the TensorArray of the batch's rows
+    at the index tensor named `index`, and what the loop body computes from it alone.
+    Such an array's flow has the value Rows(lead=-1, k=1, E=None): its elements are the
+    examples."""
 
 
 class _Marker:
@@ -59,8 +70,8 @@ UNKNOWN = _Marker("UNKNOWN")
 
 
 def depends_on_values(value):
-    """Whether `value` carries the batch's values (Rows or UNKNOWN)."""
-    return isinstance(value, Rows) or value is UNKNOWN
+    """Whether `value` carries the batch's values (Rows, Example or UNKNOWN)."""
+    return isinstance(value, (Rows, Example)) or value is UNKNOWN
 
 
 def _rest_size(shape, axis):
@@ -93,7 +104,7 @@ def complete(layout, shape):
 
 def contiguous(layout, shape):
     """Whether a Rows layout is a row layout: every axis before `lead` has static size 1."""
-    if not isinstance(layout, Rows) or shape.rank is None:
+    if not isinstance(layout, Rows) or layout.lead < 0 or shape.rank is None:
         return False
     return all(tf.compat.dimension_value(d) == 1 for d in shape[:layout.lead])
 

@@ -26,6 +26,7 @@ from tests import cases  # noqa: E402
 from tests import common  # noqa: E402
 from tests import process_checks  # noqa: E402
 from tests.scripts import v1_loop_checks  # noqa: E402
+from tests.scripts import v1_loop_proof_checks  # noqa: E402
 
 
 # Graphs of TF1 code: tf.compat.v1.layers, v1 cond, a Keras model, scenario 2 ----------
@@ -188,7 +189,7 @@ CHECKS = [check_layers_model, check_v1_cond, check_keras_model, check_hand_check
           check_keras_lstm_with_v1_loops_matches_oracle,
           check_lstm_with_control_flow_v2_matches_oracle,
           check_v1_cond_batch_norm_with_a_training_placeholder_is_refused,
-          *v1_loop_checks.CHECKS]
+          *v1_loop_checks.CHECKS, *v1_loop_proof_checks.CHECKS]
 
 
 if __name__ == "__main__":

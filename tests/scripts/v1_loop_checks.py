@@ -245,22 +245,6 @@ def check_v1_map_fn_and_scan_over_time_match_oracle():
         assert plan.verdict == "independent", str(plan)
 
 
-def check_v1_map_fn_over_the_batch_is_checked_at_run_time():
-    """map_fn over the batch axis visits the examples one by one: not proven, so the
-    run-time check (a replay of the v1 frame) decides; the result matches the loop."""
-    with tf.Graph().as_default() as graph:
-        common.seed_weights(25)
-        x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
-        w = tf.compat.v1.get_variable("w", [D, D])
-        h = tf.compat.v1.map_fn(lambda row: tf.tanh(tf.linalg.matvec(w, row, True)), x)
-        ys = tf.reduce_sum(h ** 2, axis=1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = _compare(graph, ys, [w], {x: np.random.RandomState(2).randn(
-                B, D).astype(np.float32)}, "map_fn over the batch")
-        assert plan.verdict == "unproven" and plan.validate, str(plan)
-
-
 def check_static_rnn_with_sequence_length_matches_oracle():
     """static_rnn with sequence_length: its v1 conds on max/min(sequence_length) pick a
     branch for the whole batch, which the analysis does not prove harmless: never
@@ -402,7 +386,6 @@ CHECKS = [check_v1_dynamic_rnn_lstm_matches_oracle,
           check_v1_while_loop_with_a_weight_in_the_body_matches_oracle,
           check_v1_while_loops_with_resource_variables_use_row_passes,
           check_v1_map_fn_and_scan_over_time_match_oracle,
-          check_v1_map_fn_over_the_batch_is_checked_at_run_time,
           check_static_rnn_with_sequence_length_matches_oracle,
           check_v1_loop_restored_from_a_meta_graph_matches_oracle,
           check_v1_loop_training_op_built_after_a_run,
