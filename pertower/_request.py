@@ -241,6 +241,8 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
                 ys, batch, axes, static_sizes, ys_rows, joined, batch_size, M,
                 groups_argument)
         else:
+            if refuse and analysis.couplings and isinstance(batch_size, (list, tuple)):
+                raise ValueError(analysis.couplings[0].message())   # (the real reason)
             batch_size = _batch_sizes.one_batch_size(batch_size, batch, analysis.lost_at)
             if (batch_size_required or any(s is not None for s in static_sizes)
                     or batch_size is not None):
