@@ -197,8 +197,10 @@ def check_the_fed_size_message_of_joined_batches_through_a_v1_loop():
     for key in case.keys[1]:
         short[key] = short[key][:2]
     _refused_at_run_time(case.sess, grads, short,
-                         r"built for a batch of 3 examples \(batch_size\[2\]=3\), but the "
-                         r"batch fed to s2:0 has 2 examples\. Feed batches of 3 examples, "
+                         # (s2 and y2, batch[2] and batch[3], are checked in any order)
+                         r"built for a batch of 3 examples \(batch_size\[(2\]=3\), but the "
+                         r"batch fed to s2|3\]=3\), but the batch fed to y2):0 has 2 "
+                         r"examples\. Feed batches of 3 examples, "
                          r"build the gradients again for the new batch size \(batch_size="
                          r"\[B_1, B_2, \.\.\.\]")
 
