@@ -13,9 +13,14 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
+from pertower import _graph_walk as graph_walk
 
-__all__ = ["batch_axes", "size_hint", "one_batch_size", "segment_sizes", "batch_size_of",
-           "check_ys_rows"]
+__all__ = ["batch_axes", "size_hint", "one_batch_size", "concat_segments", "segment_sizes",
+           "batch_size_of", "check_ys_rows"]
+
+# ops between a concat and `ys` that keep its rows in place (one batch-fed input)
+_ROW_KEEPING = ("Identity", "Neg", "Square", "Sqrt", "Exp", "Log", "Abs", "Cast", "Mul",
+                "RealDiv", "AddV2", "Sub")
 
 
 def batch_axes(batch_axis, batch):
@@ -72,19 +77,64 @@ def size_hint(static_sizes, batch_size):
     return None
 
 
-def one_batch_size(batch_size, batch):
+def one_batch_size(batch_size, batch, lost_at=None):
     """`batch_size` as given, or its one value when it is a list of equal sizes; a list
-    of different sizes is refused (it is for `ys` joining several batches)."""
+    of different sizes is refused (it is for `ys` joining several batches). `lost_at`:
+    the analysis' (op, reason) when it could not trace the rows of `ys`."""
     if not isinstance(batch_size, (list, tuple)):
         return batch_size
     if len(batch_size) != len(batch) or len(set(map(repr, batch_size))) != 1:
+        if lost_at is None:
+            found = ("but the rows of `ys` are the examples of one batch fed to every "
+                     "batch tensor, so pass one int, B.")
+        else:
+            op, why = lost_at
+            found = ("but `ys` is not a concat along axis 0 of values read from disjoint "
+                     "batch tensors, and the analysis could not trace its rows further "
+                     f"(the proof was lost at {op.name!r} ({op.type}): {why}). Join the "
+                     "batches with tf.concat(..., 0) as the last op before `ys`, or feed "
+                     "every batch tensor the same examples and pass one int, B.")
         raise _context.error(
             ValueError, f"`batch_size` is the list {list(batch_size)!r}. A "
             "list gives one size per batch tensor (parallel to `batch`, here "
             f"{', '.join(b.name for b in batch)}) when `ys` joins several batches along "
-            "axis 0 (tf.concat([f(s1), f(s2)], 0)); but the rows of `ys` are the examples "
-            "of one batch fed to every batch tensor, so pass one int, B.")
+            f"axis 0 (tf.concat([f(s1), f(s2)], 0)); {found}")
     return batch_size[0]
+
+
+def concat_segments(ys, batch):
+    """The batches `ys` joins along axis 0 read from the graph alone, for when the
+    batch-axis analysis lost its proof before the join: `ys` is (up to row-keeping
+    elementwise ops with one input from the batch) a concat along axis 0 whose inputs
+    read disjoint sets of batch tensors, together all of them. One tuple of batch
+    indices per input, in row order; None otherwise. What this does not prove (that
+    each input's rows are its batch's examples) the run-time check of the unproven
+    verdict checks: the towers replay each batch's examples in this order."""
+    def reads(tensor):
+        upstream = graph_walk.upstream_ops([tensor])
+        return frozenset(j for j, b in enumerate(batch)
+                         if b is tensor or b.op in upstream)
+
+    tensor = ys
+    while tensor.op.type in _ROW_KEEPING:
+        fed = [t for t in tensor.op.inputs if reads(t)]
+        if len(fed) != 1:
+            return None
+        tensor = fed[0]
+    if tensor.op.type not in ("ConcatV2", "Concat"):
+        return None
+    inputs = list(tensor.op.inputs)
+    axis, parts = (inputs.pop() if tensor.op.type == "ConcatV2" else inputs.pop(0)), []
+    if tf.get_static_value(axis) not in (0,):
+        return None
+    for part in inputs:
+        own = reads(part)
+        if not own or any(own & other for other in parts):
+            return None
+        parts.append(own)
+    if len(parts) < 2 or frozenset().union(*parts) != frozenset(range(len(batch))):
+        return None
+    return tuple(tuple(sorted(p)) for p in parts)
 
 
 def segment_sizes(ys, batch, axes, static_sizes, ys_rows, segments, batch_size, M,

@@ -111,7 +111,7 @@ def real_number(value, argument, low=-math.inf, high=math.inf,
     return value
 
 
-def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size"):
+def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size", given=None):
     """A run-time assertion that the batch fed to `b` has B examples on its batch axis
     `axis`; its error is one string tensor, so it reads as one sentence (a data list
     would print each piece in its own brackets).
@@ -123,10 +123,13 @@ def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size"):
       built: what was built, e.g. "the towers".
       advice: the end of the message: what else to do.
       name: the op's name.
+      given: how the message shows the size asked for (default "batch_size=B"; e.g.
+        "batch_size[1]=3" for one of several joined batches).
     """
     fed = tf.shape(b)[axis]
+    given = given or f"batch_size={B}"
     message = tf.strings.join([
-        f"pertower: {built} were built for a batch of {B} examples (batch_size={B}), but "
+        f"pertower: {built} were built for a batch of {B} examples ({given}), but "
         f"the batch fed to {b.name} has ", tf.strings.as_string(fed),
         f" examples. Feed batches of {B} examples, {advice}"])
     return tf.debugging.Assert(tf.equal(fed, B), [message], name=name)

@@ -73,7 +73,7 @@ class Built:
         wait for (the towers check it where they split the batch)."""
         if self.plan.uses_rules or (self.fallback is not None
                                     and not self.fallback.checks_batch):
-            return _engine.run_time_checks(self.plan.request)
+            return _engine.run_time_checks(self.plan.request, self.plan)
         return []
 
     def _fallback_formed(self, name):

@@ -35,7 +35,8 @@ def refuse_what_cannot_be_built(plan):
         names = ", ".join(f"{b.name} {b.shape}" for b in request.batch)
         what = []
         if plan.fallback:
-            what.append(f"these weights fall back to {plan.fallback_method}, which are "
+            by = "row passes" if plan.fallback_method == "passes" else "towers"
+            what.append(f"these weights fall back to {by}, which are "
                         "built for a fixed number of examples "
                         f"({_listing(plan, plan.fallback)})")
         if plan.validate:

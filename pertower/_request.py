@@ -231,14 +231,19 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
         analysis = _batch_axis.analyze(ys, batch, ys_upstream,
                                        _batch_sizes.size_hint(static_sizes, batch_size), M,
                                        registry, batch_axes=axes)
-        segments = None
-        if analysis.segments is not None:
+        segments, joined = None, analysis.segments
+        if joined is None and analysis.verdict == "unproven":
+            # the proof was lost before a join the graph still shows (checked at run time)
+            joined = _batch_sizes.concat_segments(ys, batch)
+        if joined is not None:
             # `ys` joins several batches along axis 0: B = B_1 + B_2 + ...
             B, segments = _batch_sizes.segment_sizes(
-                ys, batch, axes, static_sizes, ys_rows, analysis.segments, batch_size, M,
+                ys, batch, axes, static_sizes, ys_rows, joined, batch_size, M,
                 groups_argument)
         else:
-            batch_size = _batch_sizes.one_batch_size(batch_size, batch)
+            if refuse and analysis.couplings and isinstance(batch_size, (list, tuple)):
+                raise ValueError(analysis.couplings[0].message())   # (the real reason)
+            batch_size = _batch_sizes.one_batch_size(batch_size, batch, analysis.lost_at)
             if (batch_size_required or any(s is not None for s in static_sizes)
                     or batch_size is not None):
                 B = _batch_sizes.batch_size_of(ys, batch, axes, static_sizes, ys_rows,

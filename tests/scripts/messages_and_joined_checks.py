@@ -1,0 +1,216 @@
+"""Run in a process of its own (tests/test_messages_and_joined.py starts it once):
+joined batches through TF1 (v1) while loops, and the fed-batch-size message of row
+passes, under tf.compat.v1.disable_v2_behavior(), compared with the one-example loop
+(`pertower.oracle.loop_several_batches_gradients`). Prints one `pertower-check` line
+per check; exits 1 on failure.
+"""
+
+import os
+import re
+import sys
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.compat.v1.disable_v2_behavior()
+
+import pertower  # noqa: E402
+from pertower import oracle  # noqa: E402
+from tests import common  # noqa: E402
+from tests import process_checks  # noqa: E402
+
+B1, B2, T, D, U, K = 2, 3, 5, 2, 3, 4
+_CELLS = tf.compat.v1.nn.rnn_cell
+
+
+class _JoinedRnn:
+    """ys = concat([loss(s1, y1), loss(s2, y2)], 0): one shared `dynamic_rnn` (a v1
+    while loop) on each batch, its last output through a shared head `head(h)`, then
+    sparse softmax cross-entropy; with lengths, each batch has its sequence_length."""
+
+    def __init__(self, cell, lengths=False, head=None):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            common.seed_weights(11)
+            make = lambda name, shape, dtype: tf.compat.v1.placeholder(dtype, shape, name)
+            self.s = [make(f"s{j}", [None, T, D], tf.float32) for j in (1, 2)]
+            self.y = [make(f"y{j}", [None], tf.int32) for j in (1, 2)]
+            self.lengths = ([make(f"l{j}", [None], tf.int32) for j in (1, 2)]
+                            if lengths else [None, None])
+            shared = getattr(_CELLS, cell)(U)
+            width = U if head is None else U * U
+            w = tf.compat.v1.get_variable("w", [width, K])
+
+            def loss(s, y, length):
+                with tf.compat.v1.variable_scope("rnn", reuse=tf.compat.v1.AUTO_REUSE):
+                    outputs, _ = tf.compat.v1.nn.dynamic_rnn(
+                        shared, s, sequence_length=length, dtype=tf.float32)
+                h = outputs[:, -1]                                        # [n, U]
+                logits = tf.matmul(h if head is None else head(h), w)    # [n, K]
+                return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                      logits=logits)
+
+            self.ys = tf.concat([loss(s, y, n) for s, y, n in
+                                 zip(self.s, self.y, self.lengths)], 0)   # [B1 + B2]
+            self.xs = tf.compat.v1.trainable_variables()
+            self.keys = [[self.s[j], self.y[j]] + ([self.lengths[j]] if lengths else [])
+                         for j in (0, 1)]
+            self.batch = self.keys[0] + self.keys[1]
+            self.sizes = [B1] * len(self.keys[0]) + [B2] * len(self.keys[1])
+            rng = np.random.RandomState(4)
+            self.feed = {}
+            for keys, n, steps in zip(self.keys, (B1, B2), ([T, 2], [1, 4, 3])):
+                self.feed[keys[0]] = rng.randn(n, T, D).astype(np.float32)
+                self.feed[keys[1]] = rng.randint(0, K, n)
+                if lengths:
+                    self.feed[keys[2]] = np.array(steps)
+            self.sess = tf.compat.v1.Session(graph=self.graph)
+            self.sess.run(tf.compat.v1.global_variables_initializer())
+
+    def assert_loops(self):
+        assert any(op.type == "LoopCond" for op in self.graph.get_operations())
+
+    def oracle(self, num_microbatches=None):
+        with self.graph.as_default():
+            return oracle.loop_several_batches_gradients(self.sess, self.ys, self.xs,
+                                                         self.feed, self.keys,
+                                                         num_microbatches)
+
+
+def _band(h):
+    """[n, U] -> [n, U*U] through MatrixBandPart (the analysis loses its proof)."""
+    return tf.reshape(tf.linalg.band_part(h[:, :, None] * h[:, None, :], 0, -1), [-1, U * U])
+
+
+def _joined_matches(cell, lengths=False, head=None, num_microbatches=None, **kwargs):
+    case = _JoinedRnn(cell, lengths, head)
+    case.assert_loops()
+    with case.graph.as_default():
+        plan = pertower.explain(case.ys, case.xs, batch=case.batch, batch_size=case.sizes,
+                                num_microbatches=num_microbatches)
+        assert plan.request.segments is not None, str(plan)
+        assert plan.fallback_method == "passes" and plan.fallback, str(plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            if num_microbatches is None:
+                grads = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
+                                                       batch_size=case.sizes, **kwargs)
+            else:
+                grads = pertower.microbatch_gradients(
+                    case.ys, case.xs, batch=case.batch, batch_size=case.sizes,
+                    num_microbatches=num_microbatches, **kwargs)
+    got = case.sess.run(grads, case.feed)
+    common.assert_all_close(got, case.oracle(num_microbatches), kind="deep",
+                            what=f"joined {cell} lengths={lengths} M={num_microbatches}")
+    return plan
+
+
+def check_joined_batches_through_a_shared_dynamic_rnn():
+    """Every v1 cell, with and without sequence_length, per example (the proven case)."""
+    for cell in ("LSTMCell", "GRUCell", "BasicRNNCell"):
+        for lengths in (False, True):
+            _joined_matches(cell, lengths)
+
+
+def check_joined_microbatches_through_a_shared_dynamic_rnn():
+    _joined_matches("LSTMCell", True, num_microbatches=5)
+
+
+def check_joined_batches_through_a_v1_loop_after_a_lost_proof():
+    """The proof is lost after the loop (MatrixBandPart): the join is read from the
+    graph, the default run-time check replays the loop per example in the joined order
+    (and passes); validate=False gives the same numbers."""
+    plan = _joined_matches("GRUCell", head=_band)
+    assert plan.verdict == "unproven" and plan.validate, str(plan)
+    _joined_matches("LSTMCell", lengths=True, head=_band, validate=False)
+
+
+def check_dp_optimizer_joined_batches_through_a_v1_loop():
+    """DPOptimizer with batch_size=[2, 2, 3, 3] (features and labels of two batches):
+    clipped per example, against the loop's gradients clipped one by one."""
+    case = _JoinedRnn("LSTMCell")
+    clip = 0.1
+    with case.graph.as_default():
+        optimizer = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                         l2_norm_clip=clip, noise_multiplier=0.0)
+        pairs = optimizer.compute_gradients(case.ys, case.xs, batch=case.batch,
+                                            batch_size=case.sizes)
+    got = case.sess.run([g for g, _ in pairs], case.feed)
+    rows = case.oracle()
+    n = B1 + B2
+    norms = np.sqrt(sum(np.sum(r.reshape(n, -1) ** 2, axis=1) for r in rows))
+    assert np.sum(norms > clip) >= 2, norms
+    factors = clip / np.maximum(norms, clip)
+    want = [np.tensordot(factors, r, axes=1) / n for r in rows]
+    common.assert_all_close(got, want, kind="deep", what="DP-SGD through dynamic_rnn")
+
+
+def _refused_at_run_time(sess, fetches, feed, pattern):
+    try:
+        sess.run(fetches, feed)
+    except tf.errors.InvalidArgumentError as error:
+        assert re.search(pattern, str(error)), str(error)[:2000]
+        return str(error)
+    raise AssertionError(f"no run-time error matching {pattern!r}")
+
+
+def check_the_fed_size_message_of_row_passes():
+    """Weights read inside the loop take row passes, built for B: the message says
+    batch_size cannot be left out (leaving it out is indeed refused)."""
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [None, T, D], name="x")
+        outputs, _ = tf.compat.v1.nn.dynamic_rnn(_CELLS.LSTMCell(U), x, dtype=tf.float32)
+        w = tf.compat.v1.get_variable("w", [U, 1])
+        ys = tf.matmul(outputs[:, -1], w)[:, 0]
+        xs = tf.compat.v1.trainable_variables()
+        grads = pertower.per_example_gradients(ys, xs, batch_size=4)
+        try:
+            pertower.per_example_gradients(ys, xs)
+        except ValueError as error:
+            assert re.search(r"no `batch_size` was given, but these weights fall back to row "
+                             r"passes, which are built for a fixed number of examples",
+                             str(error)), str(error)
+        else:
+            raise AssertionError("row passes were built without batch_size")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            message = _refused_at_run_time(
+                sess, grads, {x: np.zeros((3, T, D), np.float32)},
+                r"built for a batch of 4 examples \(batch_size=4\), but the batch fed to "
+                r"x:0 has 3 examples\. Feed batches of 4 examples, build the gradients "
+                r"again for the new batch size \(batch_size=B\): batch_size cannot be left "
+                r"out, since no rule computes \S*lstm_cell/kernel\S*, \S*lstm_cell/bias\S*, "
+                r"whose gradients come from row passes")
+            assert "leave out" not in message
+
+
+def check_the_fed_size_message_of_joined_batches_through_a_v1_loop():
+    case = _JoinedRnn("LSTMCell")
+    with case.graph.as_default():
+        grads = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
+                                               batch_size=case.sizes)
+    short = dict(case.feed)
+    for key in case.keys[1]:
+        short[key] = short[key][:2]
+    _refused_at_run_time(case.sess, grads, short,
+                         # (s2 and y2, batch[2] and batch[3], are checked in any order)
+                         r"built for a batch of 3 examples \(batch_size\[(2\]=3\), but the "
+                         r"batch fed to s2|3\]=3\), but the batch fed to y2):0 has 2 "
+                         r"examples\. Feed batches of 3 examples, "
+                         r"build the gradients again for the new batch size \(batch_size="
+                         r"\[B_1, B_2, \.\.\.\]")
+
+
+CHECKS = [check_joined_batches_through_a_shared_dynamic_rnn,
+          check_joined_microbatches_through_a_shared_dynamic_rnn,
+          check_joined_batches_through_a_v1_loop_after_a_lost_proof,
+          check_dp_optimizer_joined_batches_through_a_v1_loop,
+          check_the_fed_size_message_of_row_passes,
+          check_the_fed_size_message_of_joined_batches_through_a_v1_loop]
+
+if __name__ == "__main__":
+    sys.exit(process_checks.run_checks(CHECKS, "messages and joined checks"))
