@@ -55,6 +55,8 @@ class _Command:
 PROCESSES = {
     # tf.compat.v1.disable_v2_behavior(): reference variables, v1 control flow.
     "legacy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"),)),
+    # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
+    "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
+from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
@@ -284,7 +285,10 @@ def pack(scan, op, ins):
     rank = require_rank(op.inputs[0])
     along = normalize(op.get_attr("axis"), rank + 1)
     leads, ks = set(), set()
-    for value in ins:
+    rows = [v for v in ins if isinstance(v, Rows)]
+    for tensor, value in zip(op.inputs, ins):
+        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, tensor, rows[0]):
+            value = Rows(0, 1, None)   # tf.range(n): entry i is example i's row index
         if not isinstance(value, Rows):
             raise lattice.Lost("it stacks tensors with and without the batch axis")
         leads.add(value.lead if value.lead < along else value.lead + 1)
