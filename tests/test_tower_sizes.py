@@ -46,8 +46,10 @@ def test_only_the_cast_of_the_size_is_data():
     with labels, a segment id or a num_segments it is no data edge."""
     mean = _analysis(sizes.build("mean"))
     assert [(op.type, j) for op, j in mean.size_data_edges] == [("Cast", 0)]
+    called = _analysis(sizes.build("function_mean"))   # the call's input n, not m
+    assert [(op.type, j) for op, j in called.size_data_edges] == [("PartitionedCall", 1)]
     for kind in ("gather_nd_stack", "segment_sum", "unsorted_segment_sum", "range_as_shape",
-                 "partitioned_lookup"):
+                 "partitioned_lookup", "function_gather_nd"):
         assert _analysis(sizes.build(kind)).size_data_edges == [], kind
 
 

@@ -266,9 +266,11 @@ class _Scan:
             raise lattice.Coupled(
                 f"runs the function {name!r}, whose op {first.op.name!r} ({first.op.type}) "
                 f"{first.reason}", first.advice)
-        if inner.size_data_edges:
+        if inner.size_data_edges:   # the SIZE inputs that reach a data use inside
+            used = graph_walk.upstream_ops([c.inputs[j] for c, j in inner.size_data_edges])
             self.size_data_edges.extend(
-                (op, j + (len(op.inputs) - len(ins))) for j, v in enumerate(ins) if v is SIZE)
+                (op, j + (len(op.inputs) - len(ins))) for j, v in enumerate(ins)
+                if v is SIZE and body.inputs[j].op in used)
         outs = [inner.value_of(t) for t in body.outputs]
         if inner.losses and (inner.doubts or any(v is UNKNOWN for v in outs)):
             inner_op, reason = inner.losses[0]

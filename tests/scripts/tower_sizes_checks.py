@@ -25,7 +25,7 @@ if __name__ == "__main__":
 
 import tensorflow as tf  # noqa: E402
 
-__all__ = ["B", "KINDS", "REFUSED_KINDS", "SizeCase", "build", "check_kind", "CHECKS"]
+__all__ = ["B", "KINDS", "CALL_KINDS", "REFUSED_KINDS", "SizeCase", "build", "check_kind", "CHECKS"]
 
 B, D, C, VOCAB = 4, 3, 5, 10
 # Graphs whose per-example gradients the towers and the rules must give: each uses the
@@ -33,6 +33,9 @@ B, D, C, VOCAB = 4, 3, 5, 10
 KINDS = ("gather_nd_stack", "gather_nd_concat", "gather_nd_size", "segment_sum",
          "unsorted_segment_sum", "range_as_shape", "partitioned_lookup",
          "partitioned_lookup_div", "mean")
+# Graphs that call a tf.function (analyzed only: TensorFlow's own gradient of a call op
+# built in a v1 graph fails on the loop too, "Connecting to invalid output 1").
+CALL_KINDS = ("function_gather_nd", "function_mean")
 # Graphs that mix the rows of the batch by index: refused with pertower's message.
 REFUSED_KINDS = ("permutation", "fixed_rows")
 
@@ -89,8 +92,12 @@ def build(kind, seed=0):
             e = tf.compat.v1.nn.embedding_lookup(table, ids, partition_strategy=strategy)
             ys = tf.reduce_sum(tf.matmul(tf.reduce_sum(e, 1) * x, w) ** 2, 1)  # [B]
             xs = list(table) + [w]
+        elif kind == "function_gather_nd":   # the index built inside a called function
+            ys = -_label_log_probability(logits, labels)
         elif kind == "mean":               # n as data: the whole batch's B
             ys = tf.reduce_sum(logits ** 2, 1) / tf.cast(n, tf.float32)
+        elif kind == "function_mean":      # n as data inside a called function
+            ys = _mean_of_squares(logits, n, tf.size(labels))
         elif kind == "permutation":        # rows mixed by a fed permutation
             perm = tf.compat.v1.placeholder(tf.int32, [None], name="perm")
             feed[perm] = np.array([1, 0, 3, 2], np.int32)
@@ -99,10 +106,25 @@ def build(kind, seed=0):
             picked = tf.gather_nd(logits, tf.constant([[1], [0], [3], [2]]))
             ys = tf.reduce_sum(picked ** 2, 1) + 0.0 * tf.reduce_sum(logits, 1)
         else:
-            raise ValueError(f"`kind` must be one of {KINDS + REFUSED_KINDS}, got {kind!r}")
+            raise ValueError(f"`kind` must be one of {KINDS + CALL_KINDS + REFUSED_KINDS}, got {kind!r}")
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
-    return SizeCase(graph, sess, ys, xs, feed, kind == "mean")
+    return SizeCase(graph, sess, ys, xs, feed, kind in ("mean", "function_mean"))
+
+
+@tf.function
+def _label_log_probability(logits, labels):
+    """[B, C], [B] -> [B]: log p(label_i) of row i, by the row index tf.range(n)."""
+    index = tf.stack([tf.range(tf.shape(logits)[0]), labels], 1)            # [B, 2]
+    return tf.gather_nd(tf.nn.log_softmax(logits), index)
+
+
+@tf.function
+def _mean_of_squares(logits, n, m):
+    """[B, C], B, B -> [B]: each row's sum of squares over the whole batch's B (n, data);
+    m (the same B) only shapes a reshape."""
+    rows = tf.reshape(logits, tf.stack([m, -1]))                            # [B, C]
+    return tf.reduce_sum(rows ** 2, 1) / tf.cast(n, tf.float32)
 
 
 def reference(case):
