@@ -48,14 +48,18 @@ def test_only_the_cast_of_the_size_is_data():
     assert [(op.type, j) for op, j in mean.size_data_edges] == [("Cast", 0)]
     called = _analysis(sizes.build("function_mean"))   # the call's input n, not m
     assert [(op.type, j) for op, j in called.size_data_edges] == [("PartitionedCall", 1)]
-    for kind in ("gather_nd_stack", "segment_sum", "unsorted_segment_sum", "range_as_shape",
-                 "partitioned_lookup", "function_gather_nd"):
+    scaled = _analysis(sizes.build("scaled_labels"))   # labels * n
+    assert [(op.type, j) for op, j in scaled.size_data_edges] == [("Mul", 1)]
+    for kind in ("gather_nd_stack", "gather_nd_concat", "segment_sum", "unsorted_segment_sum",
+                 "segment_mean_repeat", "range_as_shape", "partitioned_lookup",
+                 "function_gather_nd"):
         assert _analysis(sizes.build(kind)).size_data_edges == [], kind
 
 
-@pytest.mark.parametrize("kind", ["gather_nd_stack", "gather_nd_size"])
+@pytest.mark.parametrize("kind", ["gather_nd_stack", "gather_nd_concat", "gather_nd_size"])
 def test_gather_nd_by_the_row_index_is_proven_and_served_by_the_rules(kind):
-    """tf.gather_nd(logits, tf.stack([tf.range(n), labels], 1)) reads example i only:
+    """tf.gather_nd(logits, tf.stack([tf.range(n), labels], 1)) (or the concat of their
+    columns) reads example i only:
     the verdict is independent and the rules serve the weight (no towers)."""
     case = sizes.build(kind)
     analysis = _analysis(case)

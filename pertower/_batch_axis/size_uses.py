@@ -53,7 +53,7 @@ def is_data_use(op, j, ins, outs):
 
 
 def is_row_index(value_of, tensor, rows):
-    """Whether `tensor`, [B], is provably tf.range(n) with n the number of examples
+    """Whether `tensor`, [B] (or [B, 1]), is provably tf.range(n) with n the number of examples
     of a tensor laid out as `rows` (one row per example along `rows.lead`): entry i is
     the row of example i.
 
@@ -63,6 +63,7 @@ def is_row_index(value_of, tensor, rows):
       rows: the `Rows` value of the tensor indexed (its batch axis rows.lead, k rows
         per example).
     """
+    tensor = _column(tensor)
     while tensor.op.type in _SAME_VALUE_OP_TYPES and tensor.op.inputs:
         tensor = tensor.op.inputs[0]
     op = tensor.op
@@ -72,6 +73,19 @@ def is_row_index(value_of, tensor, rows):
     if start is None or delta is None or int(start) != 0 or int(delta) != 1:
         return False
     return _is_batch_size(value_of, op.inputs[1])
+
+
+def _column(tensor):
+    """The [B] tensor of which the [B, 1] `tensor` is a column (tf.expand_dims(r, 1),
+    r[:, None], tf.reshape(r, [-1, 1])); `tensor` itself otherwise."""
+    op = tensor.op
+    if tensor.shape.rank != 2 or tf.compat.dimension_value(tensor.shape[1]) != 1:
+        return tensor
+    if op.type in ("ExpandDims", "Reshape", "StridedSlice") and op.inputs[0].shape.rank == 1:
+        if op.type == "StridedSlice" and op.get_attr("new_axis_mask") != 2:
+            return tensor
+        return op.inputs[0]
+    return tensor
 
 
 def _is_batch_size(value_of, n):

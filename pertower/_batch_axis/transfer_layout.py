@@ -254,8 +254,12 @@ def concat(scan, op, ins):
     if along is None or lattice.depends_on_values(ins[axis_index]):
         raise lattice.Lost("its axis is not static")
     leads, ks = set(), set()
+    rows = [v for v in ins if isinstance(v, Rows)]
     for j in data:
         value = ins[j]
+        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, op.inputs[j],
+                                                             rows[0]):
+            value = Rows(0, 1, None)   # tf.range(n)[:, None]: example i's row index
         if value is UNKNOWN:
             raise lattice.Lost("an input's batch axis was already lost")
         if not isinstance(value, Rows):

@@ -31,8 +31,8 @@ B, D, C, VOCAB = 4, 3, 5, 10
 # Graphs whose per-example gradients the towers and the rules must give: each uses the
 # batch size as something else than data (except "mean" and "scaled_labels", where it is data).
 KINDS = ("gather_nd_stack", "gather_nd_concat", "gather_nd_size", "segment_sum",
-         "unsorted_segment_sum", "range_as_shape", "partitioned_lookup",
-         "partitioned_lookup_div", "mean")
+         "unsorted_segment_sum", "segment_mean_repeat", "range_as_shape", "partitioned_lookup",
+         "partitioned_lookup_div", "mean", "scaled_labels")
 # Graphs that call a tf.function (analyzed only: TensorFlow's own gradient of a call op
 # built in a v1 graph fails on the loop too, "Connecting to invalid output 1").
 CALL_KINDS = ("function_gather_nd", "function_mean")
@@ -79,6 +79,9 @@ def build(kind, seed=0):
             flat = tf.reshape(logits ** 2, [-1])
             ys = (tf.math.segment_sum(flat, ids) if kind == "segment_sum" else
                   tf.math.unsorted_segment_sum(flat, ids, n))                     # [B]
+        elif kind == "segment_mean_repeat":   # ids by tf.repeat, [B*C] -> [B]
+            ids = tf.repeat(tf.range(n), C)
+            ys = tf.math.segment_mean(tf.reshape(logits ** 2, [-1]), ids)
         elif kind == "range_as_shape":     # [B, C] zeros shaped by tf.size(tf.range(n))
             zeros = tf.zeros(tf.stack([tf.size(tf.range(n)), C]))
             ys = tf.reduce_sum((logits + zeros + 1.0) ** 2, 1)
@@ -92,6 +95,8 @@ def build(kind, seed=0):
             e = tf.compat.v1.nn.embedding_lookup(table, ids, partition_strategy=strategy)
             ys = tf.reduce_sum(tf.matmul(tf.reduce_sum(e, 1) * x, w) ** 2, 1)  # [B]
             xs = list(table) + [w]
+        elif kind == "scaled_labels":      # n scales per-example integers: data
+            ys = tf.reduce_sum(logits ** 2, 1) * tf.cast(labels * n + 1, tf.float32)
         elif kind == "function_gather_nd":   # the index built inside a called function
             ys = -_label_log_probability(logits, labels)
         elif kind == "mean":               # n as data: the whole batch's B
@@ -109,7 +114,7 @@ def build(kind, seed=0):
             raise ValueError(f"`kind` must be one of {KINDS + CALL_KINDS + REFUSED_KINDS}, got {kind!r}")
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
-    return SizeCase(graph, sess, ys, xs, feed, kind in ("mean", "function_mean"))
+    return SizeCase(graph, sess, ys, xs, feed, kind in ("mean", "scaled_labels", "function_mean"))
 
 
 @tf.function
