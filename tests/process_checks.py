@@ -57,6 +57,8 @@ PROCESSES = {
     "legacy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"),)),
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
+    # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
+    "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.

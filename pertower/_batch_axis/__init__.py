@@ -12,6 +12,8 @@ and the coupling checks of every method (`Analysis.couplings`, `find_couplings`)
     functions         If/While/calls, TensorLists, v1 Switch/Merge
     bounds            reductions over the batch that only size shapes or bound loops
     joined            several batches joined along the batch axis
+    size_uses         a size used as data (the whole batch's B) or as a size, index
+                      or range (the tower's own), and the row index tf.range(n)
     analysis          the driver, the verdict, size data edges
 
 The op types it tells apart are named in `pertower._op_types`.

@@ -18,7 +18,8 @@ Along the way it finds
   reshape that moves rows across examples, a loop over the examples), and
 * the edges where a value computed from the batch's *size* enters a value computation
   (`cost / tf.cast(tf.shape(x)[0], tf.float32)`), which the towers must feed with the
-  whole batch's value.
+  whole batch's value; a size used as a shape, index, range, segment id or partition
+  keeps the tower's own (`size_uses` tells the two apart).
 
 The verdict is "independent" when `ys` has one row per example (Rows(0, 1, .), a row
 layout) and no op couples examples; "coupled" when one does (the first, in graph
@@ -38,6 +39,7 @@ from pertower._batch_axis import examples
 from pertower._batch_axis import functions
 from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
+from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_index
@@ -226,18 +228,17 @@ class _Scan:
     # -- SIZE values that enter value computations ------------------------------------
 
     def _record_size_edges(self, op, ins, outs):
+        """Records the integer SIZE inputs of `op` used as data (`size_uses`)."""
         if op.type in op_types.SHAPE_OP_TYPES or op.type in functions.TRANSFERS:
             return
         slots = transfer_layout.shape_slots(op)
-        into_values = any(v is not SIZE for v in outs) or any(
-            t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
         for j, value in enumerate(ins):
             if value is not SIZE or j in slots:
                 continue
             dtype = op.inputs[j].dtype
             if dtype.is_floating or dtype.is_complex or dtype == tf.variant:
                 continue   # already a value: it crossed at an edge recorded upstream
-            if into_values:
+            if size_uses.is_data_use(op, j, ins, outs):
                 self.size_data_edges.append((op, j))
 
     # -- function bodies ---------------------------------------------------------------
@@ -278,9 +279,11 @@ class _Scan:
             raise lattice.Coupled(
                 f"runs the function {name!r}, whose op {first.op.name!r} ({first.op.type}) "
                 f"{first.reason}", first.advice)
-        if inner.size_data_edges:
+        if inner.size_data_edges:   # the SIZE inputs that reach a data use inside
+            used = graph_walk.upstream_ops([c.inputs[j] for c, j in inner.size_data_edges])
             self.size_data_edges.extend(
-                (op, j + (len(op.inputs) - len(ins))) for j, v in enumerate(ins) if v is SIZE)
+                (op, j + (len(op.inputs) - len(ins))) for j, v in enumerate(ins)
+                if v is SIZE and body.inputs[j].op in used)
         outs = [inner.value_of(t) for t in body.outputs]
         if inner.losses and (inner.doubts or any(v is UNKNOWN for v in outs)):
             inner_op, reason = inner.losses[0]
@@ -336,7 +339,8 @@ class Analysis:
       lost_at: None, or (op, reason): the first op where the proof was lost (set when
         the verdict is "unproven").
       size_data_edges: (consumer op, input index) pairs where a value computed from the
-        batch's size enters a value computation.
+        batch's size enters the values reaching `ys` (the whole batch's B); its other
+        uses size or index the tower's own tensors (`size_uses`).
       num_groups, registry: as given to `analyze`.
       segments: None when the rows of `ys` are the examples of the batch (every batch
         tensor fed the same examples); else, when `ys` joins several batches along

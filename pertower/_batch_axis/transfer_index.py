@@ -10,6 +10,7 @@ raises `lattice.Coupled`; one whose bounds or axes are not static raises `lattic
 import tensorflow as tf
 
 from pertower._batch_axis import lattice
+from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import SIZE, UNKNOWN, Rows
 from pertower._batch_axis.transfer_layout import (batch_axis_words, normalize,
@@ -132,12 +133,52 @@ def gather(scan, op, ins):
 
 
 def gather_nd(scan, op, ins):
-    if lattice.depends_on_values(ins[0]) or not isinstance(ins[1], Rows):
-        raise lattice.Lost("it gathers from a tensor that carries the batch")
-    rank = require_rank(op.inputs[1])
-    if ins[1].lead >= rank - 1:
-        raise lattice.Lost("the indices' batch axis is their index axis")
-    return [ins[1].lead]
+    """Rows gathered from a weight by per-example indices keep the indices' batch axis;
+    from a tensor that carries the batch (axis 0), only by the row index
+    tf.stack([tf.range(n), ...], 1) (`size_uses.is_row_index`): any other index picks
+    examples by index, a coupling (a fed permutation, fixed positions)."""
+    if UNKNOWN in ins[:2]:
+        raise lattice.Lost("its input's batch axis was already lost")
+    params, indices = op.inputs[0], op.inputs[1]
+    if not lattice.depends_on_values(ins[0]):
+        if not isinstance(ins[1], Rows):
+            raise lattice.Lost("it gathers from a tensor that carries the batch")
+        rank = require_rank(indices)
+        if ins[1].lead >= rank - 1:
+            raise lattice.Lost("the indices' batch axis is their index axis")
+        return [ins[1].lead]
+    if not isinstance(ins[0], Rows) or ins[0].lead != 0:
+        raise lattice.Lost("it gathers from a tensor whose batch axis is not its first")
+    column = _first_column(indices)
+    if (column is not None and (not isinstance(ins[1], Rows) or ins[1].lead == 0)
+            and size_uses.is_row_index(scan.value_of, column, ins[0])):
+        return [0]   # [B, ...] by [[i, c_i], ...]: row i reads example i only
+    raise lattice.Coupled(
+        f"gathers along {batch_axis_words(params, 0)} with the indices "
+        f"{lattice.describe(indices)}, whose first column is not tf.range over the "
+        "batch's examples: it picks examples by index", lattice.POSITION_ADVICE)
+
+
+def _first_column(indices):
+    """The [B] tensor that is column 0 of the [B, m] `indices` when they are built as
+    tf.stack([c0, ...], axis=1), tf.concat([c0[:, None], ...], 1) or c0[:, None]; else None."""
+    if indices.shape.rank != 2:
+        return None
+    op = indices.op
+    if op.type == "Pack" and op.get_attr("axis") in (1, -1):
+        return op.inputs[0] if op.inputs[0].shape.rank == 1 else None
+    if op.type == "ConcatV2":
+        axis = static.static_value(op.inputs[-1])
+        if axis is None or int(axis) not in (1, -1):
+            return None
+        op = op.inputs[0].op
+    if op.type == "ExpandDims":
+        axis = static.static_value(op.inputs[1])
+        ok = axis is not None and int(axis) in (1, -1)
+        return op.inputs[0] if ok and op.inputs[0].shape.rank == 1 else None
+    if op.type == "Reshape" and op.inputs[0].shape.rank == 1:
+        return op.inputs[0]
+    return None
 
 
 def one_hot(scan, op, ins):

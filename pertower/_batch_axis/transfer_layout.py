@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
+from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
@@ -253,8 +254,12 @@ def concat(scan, op, ins):
     if along is None or lattice.depends_on_values(ins[axis_index]):
         raise lattice.Lost("its axis is not static")
     leads, ks = set(), set()
+    rows = [v for v in ins if isinstance(v, Rows)]
     for j in data:
         value = ins[j]
+        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, op.inputs[j],
+                                                             rows[0]):
+            value = Rows(0, 1, None)   # tf.range(n)[:, None]: example i's row index
         if value is UNKNOWN:
             raise lattice.Lost("an input's batch axis was already lost")
         if not isinstance(value, Rows):
@@ -284,7 +289,10 @@ def pack(scan, op, ins):
     rank = require_rank(op.inputs[0])
     along = normalize(op.get_attr("axis"), rank + 1)
     leads, ks = set(), set()
-    for value in ins:
+    rows = [v for v in ins if isinstance(v, Rows)]
+    for tensor, value in zip(op.inputs, ins):
+        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, tensor, rows[0]):
+            value = Rows(0, 1, None)   # tf.range(n): entry i is example i's row index
         if not isinstance(value, Rows):
             raise lattice.Lost("it stacks tensors with and without the batch axis")
         leads.add(value.lead if value.lead < along else value.lead + 1)
