@@ -22,6 +22,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower._towers import functions as control_flow
+from pertower._towers import python_gradients
 from pertower._towers import replicate as replicate_lib
 
 __all__ = ["Replay", "replay", "derived_entries", "call_positions", "node_def",
@@ -195,6 +196,7 @@ def replay(spec):
             node.input[0] = key_for(copies[gathers[op]][t])
             control_flow.gather_from_value(node, reads[gathers[op]].dtype.as_datatype_enum,
                                            lambda: key_for(axis_zero))
+        python.edit_node(node, op, t)   # an overridden gradient, on the tower's tensors
         if op.type in op_types.V1_ENTER_OP_TYPES:   # each tower runs its own copy of the loop frame
             frame = node.attr["frame_name"].s.decode()
             node.attr["frame_name"].s = f"{prefix}t{t}/{frame}".encode()
@@ -213,6 +215,10 @@ def replay(spec):
 
     with tf.name_scope("replay") as prefix:
         pass
+    python = python_gradients.ReplayedGradients(graph, prefix)
+    for t in range(T):
+        python.register_tower(t, per_tower_inputs[t])
+    python.prepare(replayed, batch)
     try:
         outputs = replicate_lib.replicate(
             replayed, range(T), lambda op_name, t: f"{prefix}t{t}/{op_name}", counterpart,

@@ -1,0 +1,217 @@
+"""Gradients written in Python, replayed with each tower's own tensors.
+
+Notation:
+    T   towers                      S   the replayed ops (`Request.replay_region`)
+    op  an op of S whose gradient the user replaced (`tf.custom_gradient`,
+        `gradient_override_map`: its `_gradient_op_type` attribute names a Python
+        function in TensorFlow's gradient registry)
+    dy  the gradients arriving at op's outputs, one per output, [B/T, ...] in a tower
+
+A copied op keeps `_gradient_op_type`, so `tf.gradients` through tower t's copy calls
+the user's function. That function may read the ORIGINAL graph's tensors: a
+`tf.custom_gradient` closure captures the forward tensors it was traced with (tf_keras'
+swish captures its input `features`, [B, d]), and would compute with the whole batch's
+values where the tower holds B/T examples ("Incompatible shapes", or, for a backward
+that broadcasts, numbers of other examples).
+
+So the backward of op is built once, as `tf.gradients` would build it, on fresh dy
+placeholders of op's output shapes (the template, never run), and each tower's copy of
+op gets a gradient function of its own that copies the template
+(`pertower._towers.replicate`) with dy -> the tower's dy and every tensor of S -> the
+tower's replay of it (batch tensors -> the tower's slices, weight reads -> the tower's
+copies). Tower t's backward through op is then the user's function applied to tower
+t's tensors alone: exactly what the one-example loop (T = B) or the microbatch loop runs.
+
+Refused, naming op: an override that is not registered or cannot be built on its own,
+one that takes a variable's handle (`tf.custom_gradient` with `variables`: its
+gradient would go to the variable, not to the tower's copy), and a template that reads
+a tensor computed from the batch outside S (no tower has its own version of it).
+"""
+
+import dataclasses
+import itertools
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as framework_ops
+
+from pertower import _context
+from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
+from pertower._towers import replicate as replicate_lib
+
+__all__ = ["OVERRIDE_ATTR", "overridden_ops", "override_backward", "OverrideBackward",
+           "ReplayedGradients"]
+
+# The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
+OVERRIDE_ATTR = "_gradient_op_type"
+_builds = itertools.count()  # numbers the gradient functions registered per build
+
+
+@dataclasses.dataclass(frozen=True)
+class OverrideBackward:
+    """The backward pass of an overridden op, built once on dy placeholders.
+
+    Attributes:
+      op: the op of the user's graph.
+      dys: one placeholder per output of op, of the output's dtype and shape.
+      grads: the registered function's result, one entry per input of op (a tensor,
+        an IndexedSlices or None).
+      ops: the ops the function added (between dys, the user's tensors and grads).
+    """
+
+    op: tf.Operation
+    dys: tuple
+    grads: tuple
+    ops: tuple
+
+
+def overridden_ops(ops):
+    """The ops of `ops` with a gradient registered in Python by the user (not call ops,
+    whose `_gradient_op_type` the function rewrite handles), in creation order."""
+    return sorted((op for op in ops if OVERRIDE_ATTR in op.node_def.attr
+                   and op.type not in op_types.CALL_OP_TYPES),
+                  key=lambda op: op._id)  # pylint: disable=protected-access
+
+
+def _kind(op):
+    kind = op.get_attr(OVERRIDE_ATTR)
+    return kind.decode(errors="replace") if isinstance(kind, bytes) else str(kind)
+
+
+def override_backward(op, scope="pertower_python_gradient"):
+    """Builds the overridden gradient of `op` once, on dy placeholders, in op's graph.
+
+    Raises:
+      ValueError: the function is not registered, or building it raised (named op).
+    """
+    kind = _kind(op)
+    said = (f"the gradient of op {op.name!r} ({op.type}) is overridden ({kind!r}, by "
+            "gradient_override_map or tf.custom_gradient)")
+    try:
+        gradient_function = framework_ops._gradient_registry.lookup(kind)  # pylint: disable=protected-access
+    except LookupError as error:
+        raise _context.error(ValueError, f"{said} by a function that is not registered; "
+                             "register it with tf.RegisterGradient.") from error
+    graph = op.graph
+    first = len(graph.get_operations())
+    try:
+        with graph.as_default(), tf.name_scope(scope):
+            dys = tuple(tf.compat.v1.placeholder(t.dtype, t.shape, name="dy")
+                        for t in op.outputs)
+            grads = gradient_function(op, *dys)
+    except Exception as error:  # pylint: disable=broad-except  # the user's code may raise anything
+        raise _context.error(
+            ValueError, f"{said}, and building it on its own failed "
+            f"({type(error).__name__}: {error}); the towers replay it once per tower. "
+            "Leave the weights behind this op out of `xs`.") from error
+    grads = tuple(grads) if isinstance(grads, (list, tuple)) else (grads,)
+    made = tuple(graph.get_operations()[first:])
+    return OverrideBackward(op=op, dys=dys, grads=grads, ops=made)
+
+
+class ReplayedGradients:
+    """One build's gradient functions for the towers' copies of overridden ops.
+
+    `prepare(replayed, batch_ops)` builds each template (a refusal comes before any
+    tower op is added); the replay calls `edit_node` on every copied NodeDef and
+    `register_tower` with what tower t reads in place of the user's tensors.
+    """
+
+    def __init__(self, graph, replay_prefix):
+        self.graph = graph
+        self.replay_prefix = replay_prefix   # tower t's copy of op is prefix + f"t{t}/" + name
+        self.name = f"PertowerReplayedGradient_{next(_builds)}"
+        self._templates = {}   # op name -> OverrideBackward
+        self._copies = {}      # copied op name -> (original op, tower)
+        self._inputs = {}      # tower -> {tensor name: tower's tensor}
+        self._replayed = frozenset()
+        framework_ops.RegisterGradient(self.name)(self._gradient)
+
+    def prepare(self, replayed, batch):
+        """Builds the template of every overridden op of `replayed`; refuses (named op)
+        an op that takes a variable's handle, and a template that reads a tensor
+        computed from the `batch` tensors outside `replayed`."""
+        self._replayed = frozenset(replayed)
+        for op in overridden_ops(replayed):
+            if any(t.dtype == tf.resource for t in op.inputs):
+                raise _context.error(
+                    ValueError, f"the gradient of op {op.name!r} ({op.type}) is "
+                    f"overridden ({_kind(op)!r}) and takes a variable's handle "
+                    "(tf.custom_gradient with `variables`): its gradient goes to the "
+                    "variable, not to a tower's copy. Pass the variable's value into the "
+                    "function as an argument, or leave it out of `xs`.")
+            template = override_backward(op)
+            inside = set(template.ops)
+            outside = [tensor for t_op in template.ops for tensor in t_op.inputs
+                       if tensor.op not in inside and tensor.op not in self._replayed
+                       and tensor.name not in self._inputs.get(0, {})]
+            batch_ops = {b.op for b in batch}
+            batch_dependent = batch_ops | graph_walk.downstream_ops(
+                batch, graph_walk.upstream_ops(outside))
+            for tensor in outside:
+                if tensor.op in batch_dependent:
+                        raise _context.error(
+                            ValueError, f"the overridden gradient of op {op.name!r} "
+                            f"({op.type}) reads {tensor.name!r}, which is computed from "
+                            "the batch but not on the way to `ys`: the towers have no "
+                            "version of it for their own examples. Leave the weights "
+                            "behind this op out of `xs`.")
+            self._templates[op.name] = template
+
+    def edit_node(self, node, op, t):
+        """Gives tower t's copy `node` of an overridden `op` this build's gradient."""
+        if op.name in self._templates:
+            node.attr[OVERRIDE_ATTR].s = self.name.encode()
+            self._copies[node.name] = (op, t)
+
+    def register_tower(self, t, inputs):
+        """{tensor name: tower t's tensor} for the batch tensors and weight reads."""
+        self._inputs[t] = inputs
+
+    def _tower_tensor(self, tensor, t):
+        """Tower t's version of the user's `tensor`, or None when the towers share it."""
+        if tensor.name in self._inputs.get(t, {}):
+            return self._inputs[t][tensor.name]
+        if tensor.op in self._replayed:
+            return self.graph.get_tensor_by_name(f"{self.replay_prefix}t{t}/{tensor.name}")
+        return None
+
+    def _gradient(self, copy, *dys):
+        """The gradient function of tower t's copy of op: the template with dy and the
+        user's tensors replaced by tower t's."""
+        op, t = self._copies[copy.name]
+        template = self._templates[op.name]
+        dy_of = {id(p): dy for p, dy in zip(template.dys, dys)}
+
+        dy_op_of = {id(p.op): dy.op for p, dy in zip(template.dys, dys)}
+
+        def counterpart(item, _):
+            if isinstance(item, tf.Tensor):
+                if id(item) in dy_of:
+                    return dy_of[id(item)]
+                return self._tower_tensor(item, t)
+            if id(item) in dy_op_of:   # a control input on dy (swish's backward has one)
+                return dy_op_of[id(item)]
+            if item in self._replayed:
+                return self.graph.get_operation_by_name(f"{self.replay_prefix}t{t}/{item.name}")
+            return None
+
+        returned = [g for g in template.grads if isinstance(g, tf.Tensor)]
+        for g in template.grads:
+            if isinstance(g, tf.IndexedSlices):
+                returned += [g.values, g.indices]
+        with tf.name_scope("replayed") as scope:
+            pass
+        placeholders = {p.op for p in template.dys}
+        ops = [o for o in template.ops if o not in placeholders]
+        (versions,) = replicate_lib.replicate(
+            ops, [0], lambda name, _: scope + name, counterpart, self.graph, returned)
+        version = dict(zip((id(g) for g in returned), versions))
+        result = []
+        for g in template.grads:
+            if isinstance(g, tf.IndexedSlices):
+                result.append(tf.IndexedSlices(version[id(g.values)], version[id(g.indices)],
+                                               g.dense_shape))
+            else:
+                result.append(None if g is None else version[id(g)])
+        return result
