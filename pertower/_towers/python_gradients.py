@@ -22,10 +22,11 @@ tower's replay of it (batch tensors -> the tower's slices, weight reads -> the t
 copies). Tower t's backward through op is then the user's function applied to tower
 t's tensors alone: exactly what the one-example loop (T = B) or the microbatch loop runs.
 
-Refused, naming op: an override that is not registered or cannot be built on its own,
-one that takes a variable's handle (`tf.custom_gradient` with `variables`: its
-gradient would go to the variable, not to the tower's copy), and a template that reads
-a tensor computed from the batch outside S (no tower has its own version of it).
+Forward tensors the backward captured off the way to `ys` (a closure's `s =
+tf.sigmoid(h)`, computed from the batch but not replayed) are recomputed in the copy
+from the tower's tensors. Refused, naming op: an override that is not registered or
+cannot be built on its own, one that takes a variable's handle (its gradient would go
+to the variable, not to the tower's copy), and a captured TF1 loop.
 """
 
 import dataclasses
@@ -128,9 +129,9 @@ class ReplayedGradients:
         framework_ops.RegisterGradient(self.name)(self._gradient)
 
     def prepare(self, replayed, batch):
-        """Builds the template of every overridden op of `replayed`; refuses (named op)
-        an op that takes a variable's handle, and a template that reads a tensor
-        computed from the `batch` tensors outside `replayed`."""
+        """Builds the template of every overridden op of `replayed` (with the ops it
+        reads that are computed from the `batch` tensors outside `replayed`); refuses
+        (named op) an op that takes a variable's handle, and a captured TF1 loop."""
         self._replayed = frozenset(replayed)
         for op in overridden_ops(replayed):
             if any(t.dtype == tf.resource for t in op.inputs):
@@ -143,19 +144,22 @@ class ReplayedGradients:
             template = override_backward(op)
             inside = set(template.ops)
             outside = [tensor for t_op in template.ops for tensor in t_op.inputs
-                       if tensor.op not in inside and tensor.op not in self._replayed
-                       and tensor.name not in self._inputs.get(0, {})]
-            batch_ops = {b.op for b in batch}
-            batch_dependent = batch_ops | graph_walk.downstream_ops(
-                batch, graph_walk.upstream_ops(outside))
-            for tensor in outside:
-                if tensor.op in batch_dependent:
-                        raise _context.error(
-                            ValueError, f"the overridden gradient of op {op.name!r} "
-                            f"({op.type}) reads {tensor.name!r}, which is computed from "
-                            "the batch but not on the way to `ys`: the towers have no "
-                            "version of it for their own examples. Leave the weights "
-                            "behind this op out of `xs`.")
+                       if tensor.op not in inside and tensor.op not in self._replayed]
+            # forward ops the backward captured off the way to `ys` (a closure's
+            # tf.sigmoid(h)): computed from the batch, so each tower recomputes them
+            captured = graph_walk.downstream_ops(batch, graph_walk.upstream_ops(outside))
+            captured -= self._replayed | {b.op for b in batch}
+            for c_op in captured:
+                if c_op.type in op_types.V1_LOOP_OP_TYPES:
+                    raise _context.error(
+                        ValueError, f"the overridden gradient of op {op.name!r} "
+                        f"({op.type}) reads {c_op.name!r} ({c_op.type}), a TF1 loop op "
+                        "computed from the batch off the way to `ys`, which the towers "
+                        "cannot recompute for their own examples. Leave the weights "
+                        "behind this op out of `xs`.")
+            if captured:
+                template = dataclasses.replace(template, ops=template.ops + tuple(
+                    sorted(captured, key=lambda o: o._id)))  # pylint: disable=protected-access
             self._templates[op.name] = template
 
     def edit_node(self, node, op, t):
