@@ -15,7 +15,7 @@ values where the tower holds B/T examples ("Incompatible shapes", or, for a back
 that broadcasts, numbers of other examples).
 
 So the backward of op is built once, as `tf.gradients` would build it, on fresh dy
-placeholders of op's output shapes (the template, never run), and each tower's copy of
+placeholders of op's output shapes (the template, never run: `pertower._overrides`), and each tower's copy of
 op gets a gradient function of its own that copies the template
 (`pertower._towers.replicate`) with dy -> the tower's dy and every tensor of S -> the
 tower's replay of it (batch tensors -> the tower's slices, weight reads -> the tower's
@@ -38,76 +38,20 @@ from tensorflow.python.framework import ops as framework_ops
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _overrides
 from pertower._towers import replicate as replicate_lib
 
-__all__ = ["OVERRIDE_ATTR", "overridden_ops", "override_backward", "OverrideBackward",
-           "ReplayedGradients"]
+__all__ = ["overridden_ops", "ReplayedGradients"]
 
-# The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
-OVERRIDE_ATTR = "_gradient_op_type"
 _builds = itertools.count()  # numbers the gradient functions registered per build
-
-
-@dataclasses.dataclass(frozen=True)
-class OverrideBackward:
-    """The backward pass of an overridden op, built once on dy placeholders.
-
-    Attributes:
-      op: the op of the user's graph.
-      dys: one placeholder per output of op, of the output's dtype and shape.
-      grads: the registered function's result, one entry per input of op (a tensor,
-        an IndexedSlices or None).
-      ops: the ops the function added (between dys, the user's tensors and grads).
-    """
-
-    op: tf.Operation
-    dys: tuple
-    grads: tuple
-    ops: tuple
 
 
 def overridden_ops(ops):
     """The ops of `ops` with a gradient registered in Python by the user (not call ops,
     whose `_gradient_op_type` the function rewrite handles), in creation order."""
-    return sorted((op for op in ops if OVERRIDE_ATTR in op.node_def.attr
+    return sorted((op for op in ops if _overrides.OVERRIDE_ATTR in op.node_def.attr
                    and op.type not in op_types.CALL_OP_TYPES),
                   key=lambda op: op._id)  # pylint: disable=protected-access
-
-
-def _kind(op):
-    kind = op.get_attr(OVERRIDE_ATTR)
-    return kind.decode(errors="replace") if isinstance(kind, bytes) else str(kind)
-
-
-def override_backward(op, scope="pertower_python_gradient"):
-    """Builds the overridden gradient of `op` once, on dy placeholders, in op's graph.
-
-    Raises:
-      ValueError: the function is not registered, or building it raised (named op).
-    """
-    kind = _kind(op)
-    said = (f"the gradient of op {op.name!r} ({op.type}) is overridden ({kind!r}, by "
-            "gradient_override_map or tf.custom_gradient)")
-    try:
-        gradient_function = framework_ops._gradient_registry.lookup(kind)  # pylint: disable=protected-access
-    except LookupError as error:
-        raise _context.error(ValueError, f"{said} by a function that is not registered; "
-                             "register it with tf.RegisterGradient.") from error
-    graph = op.graph
-    first = len(graph.get_operations())
-    try:
-        with graph.as_default(), tf.name_scope(scope):
-            dys = tuple(tf.compat.v1.placeholder(t.dtype, t.shape, name="dy")
-                        for t in op.outputs)
-            grads = gradient_function(op, *dys)
-    except Exception as error:  # pylint: disable=broad-except  # the user's code may raise anything
-        raise _context.error(
-            ValueError, f"{said}, and building it on its own failed "
-            f"({type(error).__name__}: {error}); the towers replay it once per tower. "
-            "Leave the weights behind this op out of `xs`.") from error
-    grads = tuple(grads) if isinstance(grads, (list, tuple)) else (grads,)
-    made = tuple(graph.get_operations()[first:])
-    return OverrideBackward(op=op, dys=dys, grads=grads, ops=made)
 
 
 class ReplayedGradients:
@@ -137,11 +81,11 @@ class ReplayedGradients:
             if any(t.dtype == tf.resource for t in op.inputs):
                 raise _context.error(
                     ValueError, f"the gradient of op {op.name!r} ({op.type}) is "
-                    f"overridden ({_kind(op)!r}) and takes a variable's handle "
+                    f"overridden ({_overrides.kind(op)!r}) and takes a variable's handle "
                     "(tf.custom_gradient with `variables`): its gradient goes to the "
                     "variable, not to a tower's copy. Pass the variable's value into the "
                     "function as an argument, or leave it out of `xs`.")
-            template = override_backward(op)
+            template = _overrides.override_backward(op)
             inside = set(template.ops)
             outside = [tensor for t_op in template.ops for tensor in t_op.inputs
                        if tensor.op not in inside and tensor.op not in self._replayed]
@@ -165,7 +109,7 @@ class ReplayedGradients:
     def edit_node(self, node, op, t):
         """Gives tower t's copy `node` of an overridden `op` this build's gradient."""
         if op.name in self._templates:
-            node.attr[OVERRIDE_ATTR].s = self.name.encode()
+            node.attr[_overrides.OVERRIDE_ATTR].s = self.name.encode()
             self._copies[node.name] = (op, t)
 
     def register_tower(self, t, inputs):

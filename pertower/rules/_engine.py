@@ -34,11 +34,12 @@ from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _overrides
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
 # The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
-_OVERRIDE_ATTR = "_gradient_op_type"
+_OVERRIDE_ATTR = _overrides.OVERRIDE_ATTR
 # How deep nested function bodies are searched for such ops.
 _MAX_FUNCTION_DEPTH = 8
 
@@ -75,7 +76,7 @@ def build_plan(request, registry):
         return (tuple(None if r.reached else () for r in request.reads),
                 tuple(reason if r.reached else None for r in request.reads))
     uses, reasons = [], []
-    unassumed = _UnassumedGradients(request.graph)
+    unassumed = _UnassumedGradients(request)
     for x, reads in zip(request.xs, request.reads):
         found = _weight_uses(x, reads, request.ys_upstream, analysis, registry)
         if not isinstance(found, str) and found:
@@ -154,11 +155,16 @@ def _unassumed_reason(node_op, attrs, where):
 class _UnassumedGradients:
     """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
     TensorFlow's registered one (overridden, or Python code), looking into the bodies of
-    called functions. One per plan: function bodies are read once."""
+    called functions. An override of the graph itself whose backward the batch-axis
+    analysis proves row-wise (`pertower._overrides.not_row_wise`: swish's elementwise
+    backward) keeps the examples apart and is assumed. One per plan: function bodies
+    and overrides are read once."""
 
-    def __init__(self, graph):
-        self.graph = graph
+    def __init__(self, request):
+        self.request = request
+        self.graph = request.graph
         self._functions = {}   # function name -> reason or None
+        self._overrides = {}   # (op, input indices on the path) -> reason or None
 
     def reason(self, reads, ys_upstream):
         """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
@@ -170,11 +176,24 @@ class _UnassumedGradients:
         path |= set(reads.gather_ops) | {op for op, _ in reads.call_inputs}
         for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
             found = _unassumed_reason(op.type, op.node_def.attr, repr(op.name))
+            if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
+                found = self._override(op, path, starts, found)
             if found is None:
                 found = self._in_functions(op.node_def.attr.values(), op.name, 0)
             if found is not None:
                 return found
         return None
+
+    def _override(self, op, path, starts, found):
+        """None when the override of `op` is proven row-wise for the inputs a weight's
+        gradient flows through; else `found`, with why the proof failed."""
+        on_path = tuple(j for j, t in enumerate(op.inputs)
+                        if t.op in path or any(t is start for start in starts))
+        if (op, on_path) not in self._overrides:
+            self._overrides[(op, on_path)] = _overrides.not_row_wise(op, on_path,
+                                                                     self.request)
+        why = self._overrides[(op, on_path)]
+        return None if why is None else f"{found}; {why}"
 
     def _in_functions(self, attr_values, where, depth):
         """The reason found in the functions named by the attribute values, or None."""
