@@ -10,8 +10,10 @@ c_t instead of every read of x (`Replay.copies`); gathers from a weight's handle
 gathers from the copy, and ops that call functions reading a weight inside get the
 copy as an input and rewritten functions (`pertower._towers.functions`). Values
 computed from the batch's size that feed a computation are read from the whole
-batch's graph (the analysis' `size_data_edges`). A replay without copies (every entry
-of `copies` None) recomputes `ys` slice by slice, forward only.
+batch's graph (the analysis' `size_data_edges`). An op whose gradient the user wrote in
+Python gets, in each tower, a gradient that runs it on the tower's own tensors
+(`pertower._towers.python_gradients`). A replay without copies (every entry of `copies`
+None) recomputes `ys` slice by slice, forward only.
 """
 
 import dataclasses
