@@ -131,6 +131,23 @@ def _failing_override(x):
     return tf.reduce_sum(broken(tf.matmul(x, W)) ** 2, axis=1), [W]
 
 
+def _failing_override_before_the_weights(x):
+    @tf.custom_gradient
+    def broken(h):
+        def grad(dy):
+            raise NotImplementedError("no gradient here")
+        return tf.tanh(h), grad
+
+    W = checks._weight([5, 2], "W")  # pylint: disable=protected-access
+    return tf.reduce_sum(tf.tanh(tf.matmul(broken(x), W)) ** 2, axis=1), [W]
+
+
+def test_an_override_no_weight_is_behind_is_left_alone():
+    """No gradient of a weight flows through an override on the input: the towers do
+    not build it (it would raise) and match the loop."""
+    checks.compare_with_loop(checks.build(_failing_override_before_the_weights, [5]))
+
+
 @pytest.mark.parametrize("body, why", [
     (_unregistered_override, "by a function that is not registered"),
     (_failing_override, r"building it on its own failed \(NotImplementedError: no "

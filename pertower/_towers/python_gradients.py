@@ -72,12 +72,14 @@ class ReplayedGradients:
         self._replayed = frozenset()
         framework_ops.RegisterGradient(self.name)(self._gradient)
 
-    def prepare(self, replayed, batch):
-        """Builds the template of every overridden op of `replayed` (with the ops it
-        reads that are computed from the `batch` tensors outside `replayed`); refuses
-        (named op) an op that takes a variable's handle, and a captured TF1 loop."""
+    def prepare(self, replayed, batch, on_weights):
+        """Builds the template of every overridden op of `on_weights` (the ops of
+        `replayed` a weight's gradient flows through), with the ops it reads that are
+        computed from the `batch` tensors outside `replayed`; refuses (named op) an op
+        that takes a variable's handle, and a captured TF1 loop. The other overrides
+        keep their function: no gradient the towers ask for goes through them."""
         self._replayed = frozenset(replayed)
-        for op in overridden_ops(replayed):
+        for op in overridden_ops(on_weights):
             if any(t.dtype == tf.resource for t in op.inputs):
                 raise _context.error(
                     ValueError, f"the gradient of op {op.name!r} ({op.type}) is "

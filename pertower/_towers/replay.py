@@ -220,7 +220,11 @@ def replay(spec):
     python = python_gradients.ReplayedGradients(graph, prefix)
     for t in range(T):
         python.register_tower(t, per_tower_inputs[t])
-    python.prepare(replayed, batch)
+    # the overrides a weight's gradient flows through (downstream of its reads)
+    starts = [t for k in unique for t in reads[k].read_tensors] + [
+        t for k in unique for op in reads[k].gather_ops for t in op.outputs] + [
+        t for op in call_positions for t in op.outputs]
+    python.prepare(replayed, batch, graph_walk.downstream_ops(starts, replayed))
     try:
         outputs = replicate_lib.replicate(
             replayed, range(T), lambda op_name, t: f"{prefix}t{t}/{op_name}", counterpart,
