@@ -77,10 +77,22 @@ def override_backward(op, scope="pertower_python_gradient"):
       ValueError: the function is not registered, or building it raised (named op).
     """
     try:
+        return _build(op, scope)
+    except _Unbuilt as error:
+        raise _context.error(ValueError, str(error)) from error.__cause__
+
+
+class _Unbuilt(Exception):
+    """An override that could not be built on its own (the message says why)."""
+
+
+def _build(op, scope):
+    """`override_backward` raising `_Unbuilt` (no public function's name in it)."""
+    try:
         gradient_function = framework_ops._gradient_registry.lookup(kind(op))  # pylint: disable=protected-access
     except LookupError as error:
-        raise _context.error(ValueError, f"{_said(op)} by a function that is not "
-                             "registered; register it with tf.RegisterGradient.") from error
+        raise _Unbuilt(f"{_said(op)} by a function that is not registered; register it "
+                       "with tf.RegisterGradient.") from error
     graph = op.graph
     first = len(graph.get_operations())
     try:
@@ -89,10 +101,9 @@ def override_backward(op, scope="pertower_python_gradient"):
                         for t in op.outputs)
             grads = gradient_function(op, *dys)
     except Exception as error:  # pylint: disable=broad-except  # the user's code may raise anything
-        raise _context.error(
-            ValueError, f"{_said(op)}, and building it on its own failed "
-            f"({type(error).__name__}: {error}). Leave the weights behind this op out of "
-            "`xs`.") from error
+        raise _Unbuilt(f"{_said(op)}, and building it on its own failed "
+                       f"({type(error).__name__}: {error}). Leave the weights behind this op "
+                       "out of `xs`.") from error
     grads = tuple(grads) if isinstance(grads, (list, tuple)) else (grads,)
     made = tuple(graph.get_operations()[first:])
     return OverrideBackward(op=op, dys=dys, grads=grads, ops=made)
@@ -117,8 +128,8 @@ def not_row_wise(op, on_path, request):
            for r, t in zip(read, op.outputs)):
         return "its outputs are not all float tensors with a batch axis"
     try:
-        backward = override_backward(op, "pertower_gradient_probe")
-    except ValueError as error:
+        backward = _build(op, "pertower_gradient_probe")
+    except _Unbuilt as error:
         return f"it could not be read ({error})"
     rows = [dy for r, dy in zip(read, backward.dys) if r]
     batch = list(request.batch) + rows

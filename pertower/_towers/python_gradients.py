@@ -30,7 +30,7 @@ to the variable, not to the tower's copy), and a captured TF1 loop.
 """
 
 import dataclasses
-import itertools
+import uuid
 
 import tensorflow as tf
 from tensorflow.python.framework import ops as framework_ops
@@ -43,9 +43,6 @@ from pertower._towers import replicate as replicate_lib
 
 __all__ = ["overridden_ops", "ReplayedGradients"]
 
-_builds = itertools.count()  # numbers the gradient functions registered per build
-
-
 def overridden_ops(ops):
     """The ops of `ops` with a gradient registered in Python by the user (not call ops,
     whose `_gradient_op_type` the function rewrite handles), in creation order."""
@@ -57,15 +54,18 @@ def overridden_ops(ops):
 class ReplayedGradients:
     """One build's gradient functions for the towers' copies of overridden ops.
 
-    `prepare(replayed, batch_ops)` builds each template (a refusal comes before any
-    tower op is added); the replay calls `edit_node` on every copied NodeDef and
-    `register_tower` with what tower t reads in place of the user's tensors.
+    The replay calls `register_tower` with what tower t reads in place of the user's
+    tensors, then `prepare` (builds each template; a refusal comes before any tower op
+    is added), then `edit_node` on every copied NodeDef. The gradient is registered
+    in TensorFlow's registry under `name`, unique to the build, and called by
+    `tf.gradients` for each tower's copy.
     """
 
     def __init__(self, graph, replay_prefix):
         self.graph = graph
         self.replay_prefix = replay_prefix   # tower t's copy of op is prefix + f"t{t}/" + name
-        self.name = f"PertowerReplayedGradient_{next(_builds)}"
+        # TensorFlow's gradient registry is the process's: a name no other build has
+        self.name = f"PertowerReplayedGradient_{uuid.uuid4().hex}"
         self._templates = {}   # op name -> OverrideBackward
         self._copies = {}      # copied op name -> (original op, tower)
         self._inputs = {}      # tower -> {tensor name: tower's tensor}
