@@ -22,7 +22,9 @@ whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`:
 `_gradient_op_type` attribute) or whose gradient is Python code (`tf.py_func`,
 `tf.numpy_function`, `tf.py_function`), on any path from a read of x to `ys` (inside
 called functions too), may mix the examples in the backward pass; such a weight is
-left to the towers, where each tower's backward pass sees its own examples only.
+left to the towers, where each tower's backward pass sees its own examples only,
+unless the op is in the graph itself and its backward, built once on dy placeholders,
+is proven row-wise by the batch-axis analysis (`pertower._overrides`: swish's is).
 """
 
 import dataclasses
