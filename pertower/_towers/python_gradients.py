@@ -131,6 +131,8 @@ class ReplayedGradients:
         user's tensors replaced by tower t's."""
         op, t = self._copies[copy.name]
         template = self._templates[op.name]
+        # an output no gradient reaches (None) reads as zeros, never as the placeholder
+        dys = [tf.zeros_like(out) if dy is None else dy for dy, out in zip(dys, copy.outputs)]
         dy_of = {id(p): dy for p, dy in zip(template.dys, dys)}
 
         dy_op_of = {id(p.op): dy.op for p, dy in zip(template.dys, dys)}
