@@ -9,7 +9,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _plan
 from pertower._guards import memory
-from pertower._guards import row_pass_gradients
+from pertower.rules import _engine
 
 __all__ = ["refuse_what_cannot_be_built"]
 
@@ -83,25 +83,25 @@ def _refuse_a_check_that_cannot_pass(plan):
 def refuse_python_gradients_in_row_passes(request, uses, reasons, refuse):
     """Row passes mask grad_ys to one example's rows in a backward pass of the batched
     graph: a weight whose gradient flows through an op with an overridden or Python
-    gradient not proven row-wise (`row_pass_gradients`) is refused naming the op (with
-    `refuse`; else the reason is shown in the plan, `pertower.explain`)."""
+    gradient not proven row-wise (the rules' own test, `_engine.UnassumedGradients`) is
+    refused naming the op (with `refuse`; else the reason is shown in the plan,
+    `pertower.explain`)."""
     loop_op = request.loop_op
-    cache = {}   # each override's backward is built and read once
+    unassumed = _engine.UnassumedGradients(request)   # each override read once
     for k, reads in enumerate(request.reads):
         if uses[k] is not None or not reads.reached:
             continue
-        found = row_pass_gradients.unproven_gradient(request, reads, cache)
-        if found is None:
+        why = unassumed.reason(reads, request.ys_upstream)
+        if why is None:
             continue
-        op, why = found
         text = (f"the weight {reads.name!r} is computed by one backward pass of the "
                 f"original graph per example, as a TF1 (v1) while loop ({loop_op.name!r}, "
                 f"{loop_op.type}) lies between the batch and `ys`; each pass keeps only "
-                f"one example's rows of grad_ys, but its gradient flows through "
-                f"{op.name!r} ({op.type}): {why}. Such a backward pass may spread one "
-                "example's rows over the others, so the pass would not give that example's "
-                "gradient. Write the op's gradient row by row (no reduction or mixing over "
-                "the batch axis), remove the override, or leave this weight out of `xs`.")
+                f"one example's rows of grad_ys, but {why}. Such a backward pass may "
+                "spread one example's rows over the others, so the pass would not give "
+                "that example's gradient. Write the op's gradient row by row (no reduction "
+                "or mixing over the batch axis), remove the override, or leave this weight "
+                "out of `xs`.")
         if refuse:
             raise _context.error(ValueError, text)
         reasons[k] = f"refused: {text}"

@@ -41,6 +41,11 @@ SHAPE_SLOTS = {
     "TensorListReserve": {0, 1}, "TensorListFromTensor": {1}, "TensorListStack": {1},
     "TensorListGetItem": {1, 2}, "TensorListSetItem": {1}, "TensorListElementShape": {0},
     "Zeros": {0}, "Ones": {0}, "MaxPoolV2": {1, 2}, "Empty": {0},
+    # a transposed convolution's output shape, [B, h, w, c] (tf_keras Conv2DTranspose
+    # stacks tf.shape(x)[0] into it), and a filter gradient's filter shape
+    "Conv2DBackpropInput": {0}, "Conv3DBackpropInputV2": {0},
+    "DepthwiseConv2dNativeBackpropInput": {0}, "Conv2DBackpropFilter": {1},
+    "Conv3DBackpropFilterV2": {1}, "DepthwiseConv2dNativeBackpropFilter": {1},
 }
 SHAPE_SLOTS.update({t: {0} for t in op_types.RANDOM_OP_TYPES})
 SHAPE_SLOTS.update({t: {1} for t in op_types.REDUCTION_OP_TYPES})

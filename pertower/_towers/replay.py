@@ -10,8 +10,10 @@ c_t instead of every read of x (`Replay.copies`); gathers from a weight's handle
 gathers from the copy, and ops that call functions reading a weight inside get the
 copy as an input and rewritten functions (`pertower._towers.functions`). Values
 computed from the batch's size that feed a computation are read from the whole
-batch's graph (the analysis' `size_data_edges`). A replay without copies (every entry
-of `copies` None) recomputes `ys` slice by slice, forward only.
+batch's graph (the analysis' `size_data_edges`). An op whose gradient the user wrote in
+Python gets, in each tower, a gradient that runs it on the tower's own tensors
+(`pertower._towers.python_gradients`). A replay without copies (every entry of `copies`
+None) recomputes `ys` slice by slice, forward only.
 """
 
 import dataclasses
@@ -22,6 +24,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower._towers import functions as control_flow
+from pertower._towers import python_gradients
 from pertower._towers import replicate as replicate_lib
 
 __all__ = ["Replay", "replay", "derived_entries", "call_positions", "node_def",
@@ -195,6 +198,7 @@ def replay(spec):
             node.input[0] = key_for(copies[gathers[op]][t])
             control_flow.gather_from_value(node, reads[gathers[op]].dtype.as_datatype_enum,
                                            lambda: key_for(axis_zero))
+        python.edit_node(node, op, t)   # an overridden gradient, on the tower's tensors
         if op.type in op_types.V1_ENTER_OP_TYPES:   # each tower runs its own copy of the loop frame
             frame = node.attr["frame_name"].s.decode()
             node.attr["frame_name"].s = f"{prefix}t{t}/{frame}".encode()
@@ -213,6 +217,14 @@ def replay(spec):
 
     with tf.name_scope("replay") as prefix:
         pass
+    python = python_gradients.ReplayedGradients(graph, prefix)
+    for t in range(T):
+        python.register_tower(t, per_tower_inputs[t])
+    # the overrides a weight's gradient flows through (downstream of its reads)
+    starts = [t for k in unique for t in reads[k].read_tensors] + [
+        t for k in unique for op in reads[k].gather_ops for t in op.outputs] + [
+        t for op in call_positions for t in op.outputs]
+    python.prepare(replayed, batch, graph_walk.downstream_ops(starts, replayed))
     try:
         outputs = replicate_lib.replicate(
             replayed, range(T), lambda op_name, t: f"{prefix}t{t}/{op_name}", counterpart,

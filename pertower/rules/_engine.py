@@ -22,7 +22,9 @@ whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`:
 `_gradient_op_type` attribute) or whose gradient is Python code (`tf.py_func`,
 `tf.numpy_function`, `tf.py_function`), on any path from a read of x to `ys` (inside
 called functions too), may mix the examples in the backward pass; such a weight is
-left to the towers, where each tower's backward pass sees its own examples only.
+left to the towers, where each tower's backward pass sees its own examples only,
+unless the op is in the graph itself and its backward, built once on dy placeholders,
+is proven row-wise by the batch-axis analysis (`pertower._overrides`: swish's is).
 """
 
 import dataclasses
@@ -34,11 +36,11 @@ from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _overrides
 from pertower import _plan
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
-# The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
 # How deep nested function bodies are searched for such ops.
 _MAX_FUNCTION_DEPTH = 8
 
@@ -75,7 +77,7 @@ def build_plan(request, registry):
         return (tuple(None if r.reached else () for r in request.reads),
                 tuple(reason if r.reached else None for r in request.reads))
     uses, reasons = [], []
-    unassumed = _UnassumedGradients(request.graph)
+    unassumed = UnassumedGradients(request)
     for x, reads in zip(request.xs, request.reads):
         found = _weight_uses(x, reads, request.ys_upstream, analysis, registry)
         if not isinstance(found, str) and found:
@@ -151,30 +153,49 @@ def _unassumed_reason(node_op, attrs, where):
     return None
 
 
-class _UnassumedGradients:
+class UnassumedGradients:
     """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
     TensorFlow's registered one (overridden, or Python code), looking into the bodies of
-    called functions. One per plan: function bodies are read once."""
+    called functions. An override of the graph itself whose backward the batch-axis
+    analysis proves row-wise (`pertower._overrides.not_row_wise`: swish's elementwise
+    backward) keeps the examples apart and is assumed. One per plan: function bodies
+    and overrides are read once."""
 
-    def __init__(self, graph):
-        self.graph = graph
+    def __init__(self, request):
+        self.request = request
+        self.graph = request.graph
         self._functions = {}   # function name -> reason or None
+        self._overrides = {}   # (op, input indices on the path) -> reason or None
 
     def reason(self, reads, ys_upstream):
         """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
         None."""
         starts = list(reads.read_tensors)
-        for op in list(reads.gather_ops) + [op for op, _ in reads.call_inputs]:
+        entries = (list(reads.gather_ops) + list(reads.loop_inputs)
+                   + [op for op, _ in reads.call_inputs])
+        for op in entries:
             starts.extend(op.outputs)
-        path = graph_walk.downstream_ops(starts, ys_upstream)
-        path |= set(reads.gather_ops) | {op for op, _ in reads.call_inputs}
+        path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
         for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
             found = _unassumed_reason(op.type, op.node_def.attr, repr(op.name))
+            if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
+                found = self._override(op, path, starts, found)
             if found is None:
                 found = self._in_functions(op.node_def.attr.values(), op.name, 0)
             if found is not None:
                 return found
         return None
+
+    def _override(self, op, path, starts, found):
+        """None when the override of `op` is proven row-wise for the inputs a weight's
+        gradient flows through; else `found`, with why the proof failed."""
+        on_path = tuple(j for j, t in enumerate(op.inputs)
+                        if t.op in path or any(t is start for start in starts))
+        if (op, on_path) not in self._overrides:
+            self._overrides[(op, on_path)] = _overrides.not_row_wise(op, on_path,
+                                                                     self.request)
+        why = self._overrides[(op, on_path)]
+        return None if why is None else f"{found}; {why}"
 
     def _in_functions(self, attr_values, where, depth):
         """The reason found in the functions named by the attribute values, or None."""

@@ -1,0 +1,155 @@
+"""Gradients the user wrote in Python (`tf.custom_gradient`, `gradient_override_map`):
+build one on its own, and prove it keeps the examples' rows apart.
+
+Notation:
+    B   examples in the batch
+    op  an op whose `_gradient_op_type` attribute names a Python function in
+        TensorFlow's gradient registry (the user's override)
+    dy  the gradients arriving at op's outputs, [B, ...] each
+
+`override_backward` builds op's backward once, as `tf.gradients` would (the registered
+function called with op and dy), on fresh dy placeholders of op's output shapes: a
+subgraph from dy and the user's tensors to the gradients of op's inputs, never run.
+Two readers:
+
+- the towers (`pertower._towers.python_gradients`) copy it per tower with the tower's
+  own tensors, so that a closure over the original graph's tensors (tf_keras' swish)
+  computes with the tower's examples;
+- the rules (`pertower.rules._engine`) read it with the batch-axis analysis, the batch
+  and dy as the examples' rows: when row i of each input's gradient depends on example
+  i and row i of dy alone ("independent", e.g. swish's elementwise backward), the one
+  batched backward pass keeps the examples apart through op as through TensorFlow's
+  registered gradients, and the weights behind op may be served by their rules.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as framework_ops
+
+from pertower import _batch_axis
+from pertower import _context
+from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
+
+__all__ = ["OVERRIDE_ATTR", "OverrideBackward", "override_backward", "kind",
+           "not_row_wise"]
+
+# The attribute `gradient_override_map` (and `tf.custom_gradient`) sets on an op.
+OVERRIDE_ATTR = op_types.GRADIENT_OVERRIDE_ATTR
+
+
+@dataclasses.dataclass(frozen=True)
+class OverrideBackward:
+    """The backward pass of an overridden op, built once on dy placeholders.
+
+    Attributes:
+      op: the op of the user's graph.
+      dys: one placeholder per output of op, of the output's dtype and shape.
+      grads: the registered function's result, one entry per input of op (a tensor,
+        an IndexedSlices or None).
+      ops: the ops the function added (between dys, the user's tensors and grads).
+    """
+
+    op: tf.Operation
+    dys: tuple
+    grads: tuple
+    ops: tuple
+
+
+def kind(op):
+    """The name op's gradient is registered under."""
+    name = op.get_attr(OVERRIDE_ATTR)
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+
+def _said(op):
+    return (f"the gradient of op {op.name!r} ({op.type}) is overridden ({kind(op)!r}, by "
+            "gradient_override_map or tf.custom_gradient)")
+
+
+def override_backward(op, scope="pertower_python_gradient"):
+    """Builds the overridden gradient of `op` once, on dy placeholders, in op's graph.
+
+    Returns:
+      An `OverrideBackward`.
+
+    Raises:
+      ValueError: the function is not registered, or building it raised (named op).
+    """
+    try:
+        return _build(op, scope)
+    except _Unbuilt as error:
+        raise _context.error(ValueError, str(error)) from error.__cause__
+
+
+class _Unbuilt(Exception):
+    """An override that could not be built on its own (the message says why)."""
+
+
+def _build(op, scope):
+    """`override_backward` raising `_Unbuilt` (no public function's name in it)."""
+    try:
+        gradient_function = framework_ops._gradient_registry.lookup(kind(op))  # pylint: disable=protected-access
+    except LookupError as error:
+        raise _Unbuilt(f"{_said(op)} by a function that is not registered; register it "
+                       "with tf.RegisterGradient.") from error
+    graph = op.graph
+    first = len(graph.get_operations())
+    try:
+        with graph.as_default(), tf.name_scope(scope):
+            dys = tuple(tf.compat.v1.placeholder(t.dtype, t.shape, name="dy")
+                        for t in op.outputs)
+            grads = gradient_function(op, *dys)
+    except Exception as error:  # pylint: disable=broad-except  # the user's code may raise anything
+        raise _Unbuilt(f"{_said(op)}, and building it on its own failed "
+                       f"({type(error).__name__}: {error}). Leave the weights behind this op "
+                       "out of `xs`.") from error
+    grads = tuple(grads) if isinstance(grads, (list, tuple)) else (grads,)
+    made = tuple(graph.get_operations()[first:])
+    return OverrideBackward(op=op, dys=dys, grads=grads, ops=made)
+
+
+def not_row_wise(op, on_path, request):
+    """None when the overridden gradient of `op` is proven row-wise for each of its
+    inputs `on_path` (indices); else a clause saying why not.
+
+    The dy of each output `ys` depends on is one of the examples' rows (it must be a
+    float tensor with a batch axis); an output `ys` does not read gets dy = 0 in the
+    batched backward pass and is no example's.
+
+    Args:
+      op: the overridden op.
+      on_path: the indices of op's inputs through which a weight's gradient flows.
+      request: the checked `pertower._request.Request` (its batch, batch axes, B and
+        the ops `ys` depends on).
+    """
+    read = [any(c in request.ys_upstream for c in t.consumers()) for t in op.outputs]
+    if any(r and (t.shape.rank in (None, 0) or not t.dtype.is_floating)
+           for r, t in zip(read, op.outputs)):
+        return "its outputs are not all float tensors with a batch axis"
+    try:
+        backward = _build(op, "pertower_gradient_probe")
+    except _Unbuilt as error:
+        return f"it could not be read ({error})"
+    rows = [dy for r, dy in zip(read, backward.dys) if r]
+    batch = list(request.batch) + rows
+    axes = list(request.batch_axes) + [0] * len(rows)
+    for j in on_path:
+        grad = backward.grads[j] if j < len(backward.grads) else None
+        if grad is None:
+            continue
+        if not isinstance(grad, tf.Tensor):
+            return f"the gradient of its input {j} is not a dense tensor"
+        analysis = _batch_axis.analyze(grad, batch, graph_walk.upstream_ops([grad]),
+                                       request.batch_size, batch_axes=axes)
+        if analysis.verdict == "coupled":
+            first = analysis.couplings[0]
+            return (f"its backward pass mixes the examples: {first.op.name!r} "
+                    f"({first.op.type}) {first.reason}")
+        if analysis.verdict != "independent":
+            lost = analysis.lost_at
+            where = f" (lost at {lost[0].name!r} ({lost[0].type}): {lost[1]})" if lost else ""
+            return ("its backward pass could not be proven to keep the examples' rows "
+                    f"apart{where}")
+    return None
