@@ -28,10 +28,11 @@ def test_every_reported_check_is_asserted_by_a_test(processes):
     """A check added to a script needs a test that asserts it (and vice versa: a test's
     check that the script does not report fails in `assert_passed`)."""
     # pylint: disable-next=import-outside-toplevel
-    from tests import test_control_flow, test_dp, test_mixing, test_v1_loops
+    from tests import test_control_flow, test_dp, test_mixing, test_v1_loop_proofs, test_v1_loops
     asserted = {
         "legacy": set(LEGACY_CHECKS) | set(test_control_flow.LEGACY_CHECKS)
-                  | set(test_mixing.LEGACY_CHECKS) | set(test_v1_loops.LEGACY_CHECKS),
+                  | set(test_mixing.LEGACY_CHECKS) | set(test_v1_loops.LEGACY_CHECKS)
+                  | set(test_v1_loop_proofs.PROOF_CHECKS),
         "eager": set(EAGER_CHECKS) | set(test_dp.EAGER_CHECKS),
     }
     for name, checks in asserted.items():
