@@ -59,6 +59,12 @@ PROCESSES = {
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
+    # loops bounded by a batch reduction and Python gradients on row passes, v1 loops
+    "never_wrong_loops": _Command((os.path.join(HERE, "scripts", "never_wrong_loop_checks.py"),)),
+    # non-float variables in DPOptimizer and the rules' static sizes, in each shape mode
+    **{f"never_wrong_{kind}_{mode}": _Command(
+        (os.path.join(HERE, "scripts", f"never_wrong_{kind}_checks.py"), mode))
+       for kind in ("dtype", "shape") for mode in ("graph", "legacy")},
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.
