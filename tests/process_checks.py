@@ -50,6 +50,7 @@ class _Command:
 
     argv: tuple
     legacy_keras_env: bool = True
+    one_thread: bool = True
 
 
 PROCESSES = {
@@ -63,7 +64,8 @@ PROCESSES = {
     "never_wrong_loops": _Command((os.path.join(HERE, "scripts", "never_wrong_loop_checks.py"),)),
     # non-float variables in DPOptimizer and the rules' static sizes, in each shape mode
     **{f"never_wrong_{kind}_{mode}": _Command(
-        (os.path.join(HERE, "scripts", f"never_wrong_{kind}_checks.py"), mode))
+        (os.path.join(HERE, "scripts", f"never_wrong_{kind}_checks.py"), mode),
+        one_thread=False)
        for kind in ("dtype", "shape") for mode in ("graph", "legacy")},
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
@@ -170,8 +172,9 @@ class Processes:
         # In the background of the test process: one TensorFlow thread each and a lower
         # scheduling priority, so that they use the core the test process's Python
         # leaves idle instead of slowing it down (their results are not timed).
-        env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
-        env.setdefault("TF_NUM_INTEROP_THREADS", "1")
+        if command.one_thread:   # (TensorFlow's oneDNN convolutions crash on one thread)
+            env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+            env.setdefault("TF_NUM_INTEROP_THREADS", "1")
         # Files, not pipes: nobody reads while the process runs, and a full pipe blocks.
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         popen = subprocess.Popen([sys.executable, *command.argv], cwd=ROOT, env=env,

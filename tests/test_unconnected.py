@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import pertower
+from tests import common
 from pertower import oracle
 from tests.common import assert_all_close
 
@@ -103,7 +104,7 @@ def test_norms_warn_and_add_zero(case):
     assert text.startswith("pertower.per_example_norms: `ys` does not depend on 7 of the 9")
     assert "so they add 0 to the norms. Leave them out of `xs`." in text
     want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
-    np.testing.assert_allclose(sess.run(norms, feed), want_norms, rtol=1e-5)
+    common.assert_all_close([sess.run(norms, feed)], [want_norms], what="norms", kind="deep")
 
 
 @pytest.mark.parametrize("defaulted", [False, True])
