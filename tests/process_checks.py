@@ -214,6 +214,14 @@ class Processes:
         assert result.ok, f"{check}: {result.message}\n{done.explain()}"
         return result
 
+    def assert_passed_without_abort(self, name, check):
+        """`assert_passed`, after asserting that process `name` ended by itself (exit 0
+        or 1), not by a signal or an abort."""
+        done = self.completed(name)
+        assert done.returncode in (0, 1), (
+            f"{name}: the process ended with {done.returncode} (aborted?)\n{done.explain()}")
+        return self.assert_passed(name, check)
+
     def stop(self):
         """Drops the queue and kills the processes still running (their tests did not
         run to the end)."""

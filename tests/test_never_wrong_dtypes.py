@@ -13,7 +13,4 @@ NAMES = ["check_dp_optimizer_skips_int64_and_string_variables",
 @pytest.mark.parametrize("mode", ["graph", "legacy"])
 @pytest.mark.parametrize("name", NAMES)
 def test_non_float_variables_in_dp_optimizer(processes, mode, name):
-    done = processes.completed(f"never_wrong_dtype_{mode}")
-    assert done.returncode in (0, 1), f"{mode}: the process ended with {done.returncode}" \
-        f" (aborted?)\n{done.explain()}"
-    processes.assert_passed(f"never_wrong_dtype_{mode}", name)
+    processes.assert_passed_without_abort(f"never_wrong_dtype_{mode}", name)

@@ -38,9 +38,6 @@ def _tensorflow_conv_gradient_error():
 @pytest.mark.parametrize("mode", ["graph", "legacy"])
 @pytest.mark.parametrize("name", NAMES)
 def test_rules_in_both_shape_modes(processes, mode, name):
-    done = processes.completed(f"never_wrong_shape_{mode}")
-    assert done.returncode in (0, 1), f"{mode}: the process ended with {done.returncode}" \
-        f" (aborted?)\n{done.explain()}"
     if name == "check_conv2d_strided_valid_that_skips_the_last_rows":
         error = _tensorflow_conv_gradient_error()
         if error > 1e-4:
@@ -48,4 +45,4 @@ def test_rules_in_both_shape_modes(processes, mode, name):
                         f"wrong here (relative error {error:.2g} for a 1x1 stride-2 VALID "
                         "convolution against float64 numpy; oneDNN on a CPU without "
                         "AVX-512), so the rule cannot be checked against the loop")
-    processes.assert_passed(f"never_wrong_shape_{mode}", name)
+    processes.assert_passed_without_abort(f"never_wrong_shape_{mode}", name)

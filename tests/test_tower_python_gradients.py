@@ -120,26 +120,24 @@ def _unregistered_override(x):
     return tf.reduce_sum(h ** 2, axis=1), [W]
 
 
-def _failing_override(x):
+def _broken_tanh():
+    """tanh with a tf.custom_gradient whose backward raises when it is built."""
     @tf.custom_gradient
     def broken(h):
         def grad(dy):
             raise NotImplementedError("no gradient here")
         return tf.tanh(h), grad
+    return broken
 
+
+def _failing_override(x):
     W = checks._weight([5, 2], "W")  # pylint: disable=protected-access
-    return tf.reduce_sum(broken(tf.matmul(x, W)) ** 2, axis=1), [W]
+    return tf.reduce_sum(_broken_tanh()(tf.matmul(x, W)) ** 2, axis=1), [W]
 
 
 def _failing_override_before_the_weights(x):
-    @tf.custom_gradient
-    def broken(h):
-        def grad(dy):
-            raise NotImplementedError("no gradient here")
-        return tf.tanh(h), grad
-
     W = checks._weight([5, 2], "W")  # pylint: disable=protected-access
-    return tf.reduce_sum(tf.tanh(tf.matmul(broken(x), W)) ** 2, axis=1), [W]
+    return tf.reduce_sum(tf.tanh(tf.matmul(_broken_tanh()(x), W)) ** 2, axis=1), [W]
 
 
 def test_an_override_no_weight_is_behind_is_left_alone():
