@@ -61,6 +61,13 @@ PROCESSES = {
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
     # loops bounded by a batch reduction and Python gradients on row passes, v1 loops
+    # joined batches through v1 loops and the row passes' fed-size message
+    "messages_joined_legacy": _Command(
+        (os.path.join(HERE, "scripts", "messages_and_joined_checks.py"),)),
+    # Python gradients and transposed convolutions in the towers, the environment's oneDNN
+    "python_gradients_legacy": _Command(
+        (os.path.join(HERE, "scripts", "python_gradient_checks.py"), "inherit", "legacy"),
+        one_thread=False),
     "never_wrong_loops": _Command((os.path.join(HERE, "scripts", "never_wrong_loop_checks.py"),)),
     # non-float variables in DPOptimizer and the rules' static sizes, in each shape mode
     **{f"never_wrong_{kind}_{mode}": _Command(

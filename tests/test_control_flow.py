@@ -295,8 +295,10 @@ def _plain_tf_reference(layer, values, X, learning_rate):
             return want, sess.run(xs)
 
 
-@pytest.mark.parametrize("layer, order", [("GRU", "pertower_first"), ("LSTM", "pertower_first"),
-                                          ("GRU", "model_run_first")])
+@pytest.mark.parametrize("layer, order", [
+    ("GRU", "pertower_first"),
+    pytest.param("LSTM", "pertower_first", marks=pytest.mark.heavy),
+    pytest.param("GRU", "model_run_first", marks=pytest.mark.heavy)])
 def test_recurrent_layer_and_a_training_op_built_after_the_first_run(layer, order):
     """The towers differentiate copies of the layer's While op; the original is edited
     as a `tf.gradients` through it would edit it (pertower._towers.later_gradients).

@@ -12,7 +12,14 @@ from tests import cases
 from tests import common
 
 
-@pytest.fixture(scope="module", params=sorted(cases.BUILDERS))
+# The Keras subclassed model is the MLP's arithmetic behind another way of building it:
+# its (slow) towers run with the heavy tests (`-m heavy`).
+_SLOW_CASES = ("subclassed",)
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.heavy) if name in _SLOW_CASES else name
+    for name in sorted(cases.BUILDERS)])
 def case(request):
     built = cases.BUILDERS[request.param]()
     yield built

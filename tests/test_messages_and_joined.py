@@ -5,15 +5,14 @@ Joined batches: `ys = tf.concat([f(s1), f(s2)], 0)` with B_1 != B_2, compared wi
 `pertower.oracle.loop_several_batches_gradients` (each row with its own batch fed one
 example and every other batch an empty one). The checks that need v1 control flow
 (`dynamic_rnn` under `disable_v2_behavior()`) run in a subprocess,
-tests/scripts/messages_and_joined_checks.py, started once by the `legacy_joined`
-fixture below.
+tests/scripts/messages_and_joined_checks.py, one of the session's background processes
+(tests/process_checks.py).
 
 Messages: the run-time fed-batch-size message advises leaving out `batch_size` only
 where that works (every weight has a rule); errors inside `DPOptimizer` name it; the
 examples say how to get Keras 2 and quiet TensorFlow's logs.
 """
 
-import json
 import os
 import re
 import subprocess
@@ -315,29 +314,12 @@ def test_an_example_on_keras_2_apis_says_the_fix_when_keras_3_is_asked_for(name)
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "messages_and_joined_checks.py")
 
 
-@pytest.fixture(scope="module")
-def legacy_joined():
-    """{check name: (ok, message)} from one run of the script."""
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-               TF_USE_LEGACY_KERAS="1")
-    done = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=1800, check=False)
-    results = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("pertower-check "):
-            record = json.loads(line[len("pertower-check "):])
-            results[record["name"]] = (record["ok"], record["message"])
-    assert results, done.stdout[-2000:] + done.stderr[-4000:]
-    return results
-
-
 def _legacy_check_names():
     with open(SCRIPT, encoding="utf-8") as f:
         return re.findall(r"^def (check_\w+)\(", f.read(), re.M)
 
 
+@pytest.mark.process_checks("messages_joined_legacy")
 @pytest.mark.parametrize("check", _legacy_check_names())
-def test_v1_loop_checks(legacy_joined, check):
-    assert check in legacy_joined, f"{check} did not report"
-    ok, message = legacy_joined[check]
-    assert ok, message
+def test_v1_loop_checks(processes, check):
+    processes.assert_passed("messages_joined_legacy", check)

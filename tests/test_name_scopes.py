@@ -54,8 +54,10 @@ def models():
 
 
 @pytest.mark.parametrize("model,function", [
-    ("rnn", "per_example_gradients"), ("rnn", "per_example_jacobians"),
-    ("rnn", "per_example_norms")] + [("embedding", f) for f in sorted(CALLS)])
+    ("rnn", "per_example_gradients"),
+    pytest.param("rnn", "per_example_jacobians", marks=pytest.mark.heavy),
+    pytest.param("rnn", "per_example_norms", marks=pytest.mark.heavy)]
+    + [("embedding", f) for f in sorted(CALLS)])
 def test_one_call_adds_ops_under_one_scope(models, model, function):
     graph, ys, out, xs = models[model]
     name = f"{function}_scope"

@@ -12,8 +12,10 @@ under the towers, against the one-example loop (`pertower.oracle`).
 - A transposed convolution's output shape [B, h, w, c] is a shape: each tower's replay
   runs on its own size, with oneDNN on (it aborted TensorFlow) and off.
 
-The same checks run in four processes, each oneDNN setting in each shape mode
-(tests/scripts/python_gradient_checks.py); the v2 ones run here too.
+The same checks run under disable_v2_behavior() in a background process with the
+environment's oneDNN setting (tests/scripts/python_gradient_checks.py), and, in the
+heavy run (`-m heavy`), in four processes: each oneDNN setting in each shape mode. The
+v2 ones run here too.
 """
 
 import os
@@ -66,6 +68,13 @@ def test_transposed_convolution_cost_over_the_batch_size_keeps_the_whole_batch()
     checks.compare_with_loop(checks.build(body, shape), kind="deep", whole_batch=True)
 
 
+@pytest.mark.process_checks("python_gradients_legacy")
+@pytest.mark.parametrize("check", _CHECK_NAMES)
+def test_legacy_mode(processes, check):
+    processes.assert_passed("python_gradients_legacy", check)
+
+
+@pytest.mark.heavy
 @pytest.mark.parametrize("process", sorted(_PROCESSES))
 @pytest.mark.parametrize("check", _CHECK_NAMES)
 def test_each_onednn_setting_and_shape_mode(python_gradient_processes, process, check):

@@ -1,4 +1,5 @@
-"""Run in a process of its own (tests/test_messages_and_joined.py starts it once):
+"""Run in a process of its own (process "messages_joined_legacy" of tests/process_checks.py,
+read by tests/test_messages_and_joined.py):
 joined batches through TF1 (v1) while loops, and the fed-batch-size message of row
 passes, under tf.compat.v1.disable_v2_behavior(), compared with the one-example loop
 (`pertower.oracle.loop_several_batches_gradients`). Prints one `pertower-check` line

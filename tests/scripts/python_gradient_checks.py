@@ -234,7 +234,8 @@ CHECKS = ([_check(n, b, s, "default") for n, (b, s) in PYTHON_GRADIENT_MODELS.it
 
 def main(argv):
     onednn, mode = argv
-    os.environ["TF_ENABLE_ONEDNN_OPTS"] = onednn
+    if onednn != "inherit":   # "inherit": the setting of the environment
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = onednn
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tests import process_checks  # pylint: disable=import-outside-toplevel
     if mode == "legacy":
