@@ -153,7 +153,7 @@ def test_diag_ggn_conv_net_matches_loop(model):
 
 @pytest.mark.parametrize("loss", [
     pytest.param("softmax_cross_entropy", marks=pytest.mark.heavy), "sigmoid_cross_entropy",
-    "mse"])
+    pytest.param("mse", marks=pytest.mark.heavy)])
 def test_diag_ggn_equals_hessian_where_the_network_is_piecewise_linear(model, loss):
     # logits are piecewise linear in each of W1, b1, W2, b2 alone, so d^2 f / dw^2 = 0 and
     # the Hessian of sum_n l(f_n) restricted to one weight is exactly its GGN block
