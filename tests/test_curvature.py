@@ -74,10 +74,19 @@ class Model:
             self.conv_logits = tf.reshape(c, [-1, 75]) @ self.dense        # [B, 4]
             self.conv_xs = [self.kernel, self.conv_bias, self.dense]
             self.conv_loss = tf.reduce_sum(tf.square(self.conv_logits), axis=1)  # [B]
+            # a dense layer on sequences (Tensordot: Reshape + MatMul, k = 3 rows per
+            # example) and one whose kernel is stored transposed
+            self.seq = tf.compat.v1.placeholder(tf.float64, [None, 3, 2], name="seq")
+            self.Ws, self.Wt = v([2, 4], "Ws"), v([3, 4], "Wt")
+            rows = tf.reshape(tf.reshape(self.seq, [-1, 2]) @ self.Ws, [-1, 3, 4])
+            self.seq_logits = tf.matmul(tf.reduce_mean(tf.tanh(rows), axis=1), self.Wt,
+                                        transpose_b=True)                   # [B, 3]
+            self.seq_xs = [self.Ws, self.Wt]
+            self.seq_loss = tf.reduce_sum(tf.sin(self.seq_logits), axis=1)  # [B]
             self.sess = tf.compat.v1.Session(graph=self.graph)
             self.sess.run(tf.compat.v1.global_variables_initializer())
         self.feed = {self.x: rng.randn(B, 5), self.labels: np.array([0, 2, 1, 2]),
-                     self.image: rng.randn(B, 5, 5, 2)}
+                     self.image: rng.randn(B, 5, 5, 2), self.seq: rng.randn(B, 3, 2)}
         self._loops = {}
 
     def run(self, tensors):
@@ -176,8 +185,19 @@ def test_diag_ggn_equals_hessian_where_the_network_is_piecewise_linear(model, lo
     common.assert_all_close(got, want, what=f"diag_ggn vs tf.hessians ({loss})")
 
 
+def test_diag_ggn_sequence_and_transposed_dense_match_loop(model):
+    result = _build(model, pertower.diag_ggn, model.seq_logits, model.seq_xs,
+                    loss="mse", batch_size=B)
+    want = model.loop_ggn(model.seq_logits, model.seq_xs, "mse")
+    common.assert_all_close(model.run(list(result)), [w.sum(0) for w in want],
+                            what="sequence diag_ggn")
+    assert [r.split(":")[0] for r in result.routes] == ["rules, per column",  # k = 3
+                                                        "rules, cheap form"]  # transpose_b
+
+
 def test_sum_grad_squared_matches_loop(model):
-    for ys, xs in ((model.loss, model.xs), (model.conv_loss, model.conv_xs)):
+    for ys, xs in ((model.loss, model.xs), (model.seq_loss, model.seq_xs),
+                   (model.conv_loss, model.conv_xs)):
         result = _build(model, pertower.sum_grad_squared, ys, xs, batch_size=B)
         with model.graph.as_default():
             per_example = oracle.loop_per_example_gradients(model.sess, ys, xs, model.feed)
