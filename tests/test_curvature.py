@@ -315,3 +315,12 @@ def test_diag_ggn_refuses_logits_that_are_not_b_by_k(model):
         _build(model, pertower.diag_ggn, [[1.0]], model.xs[:1], batch_size=B)
     with pytest.raises(ValueError, match="pertower.sum_grad_squared: `xs` is empty"):
         _build(model, pertower.sum_grad_squared, model.loss, [], batch_size=B)
+
+
+@pytest.mark.heavy
+@pytest.mark.process_checks("curvature_legacy")
+def test_legacy_mode_towers_and_row_passes_heavy(processes):
+    # tests/scripts/curvature_legacy_checks.py: disable_v2_behavior(), a Keras MLP with a
+    # towers weight, a TF1 while loop whose inner weight goes to row passes
+    for check in ("check_keras_mlp_with_a_towers_weight", "check_v1_while_loop_row_passes"):
+        processes.assert_passed("curvature_legacy", check)
