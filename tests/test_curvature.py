@@ -324,3 +324,9 @@ def test_legacy_mode_towers_and_row_passes_heavy(processes):
     # towers weight, a TF1 while loop whose inner weight goes to row passes
     for check in ("check_keras_mlp_with_a_towers_weight", "check_v1_while_loop_row_passes"):
         processes.assert_passed("curvature_legacy", check)
+
+
+def test_curvature_functions_are_public():
+    assert {"sum_grad_squared", "diag_ggn"} <= set(pertower.__all__)
+    assert pertower.diag_ggn.__module__ == "pertower._api.curvature"
+    assert pertower.sum_grad_squared.__module__ == "pertower._api.curvature"
