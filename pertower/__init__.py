@@ -14,6 +14,7 @@ Public surface:
     DPOptimizer, compute_epsilon
     tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
     fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
+    sum_grad_squared, diag_ggn (curvature: the GGN / Fisher diagonal)
 
 `pertower.oracle` holds the slow, obviously correct one-example loop that the tests,
 examples and demo compare with.
@@ -63,6 +64,8 @@ __all__ = [
     "NoiseScale",
     "gradient_noise_scale",
     "empirical_ntk",
+    "sum_grad_squared",
+    "diag_ggn",
 ]
 
 # public name -> the module that defines it
@@ -73,6 +76,7 @@ _LAZY = {
     "compute_epsilon": "pertower._dp.accounting",
     "cosine_similarity": "pertower._reductions",
     "dot": "pertower._reductions",
+    "diag_ggn": "pertower._api.curvature",
     "DPOptimizer": "pertower._dp.optimizer",
     "empirical_ntk": "pertower._analytics",
     "estimate_memory": "pertower._api.explain",
@@ -94,6 +98,7 @@ _LAZY = {
     "PerExampleIndexedSlices": "pertower._towers.sparse",
     "Plan": "pertower._plan",
     "similarity_matrix": "pertower._analytics",
+    "sum_grad_squared": "pertower._api.curvature",
     "Towers": "pertower._towers.build",
     "tracin": "pertower._analytics",
     "tracin_over_checkpoints": "pertower._analytics",

@@ -26,6 +26,15 @@ class BiasAddRule(registry_lib.Rule):
         # [G*k, ..., C] -> [G, rows, C] -> [G, C]
         return tf.reduce_sum(_rows.to_groups(dZ, G, 1), axis=1)
 
+    def sum_squared(self, use, dZ_columns, B, per_example=False):
+        # [C, B*k, ..., Ch] -> [C*B, T, Ch] -> [C, B, Ch]: each column's per-example sums
+        C = _rows.dim(dZ_columns, 0)
+        folded = tf.reshape(dZ_columns, tf.concat([[-1], tf.shape(dZ_columns)[2:]], 0))
+        per_column = tf.reduce_sum(_rows.to_groups(folded, C * B, 1), axis=1)    # [C*B, Ch]
+        squares = tf.reduce_sum(tf.reshape(tf.square(per_column), tf.stack(
+            [C, B, -1])), axis=0)                                                # [B, Ch]
+        return squares if per_example else tf.reduce_sum(squares, axis=0)       # [Ch]
+
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
         return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)

@@ -6,6 +6,8 @@ Tensordot form of a Dense layer on [B, k, d]),
     grad_i(W) = sum_t a_it ⊗ dz_it                       [d, n]
 and its squared norm is ||a_i||^2 ||dz_i||^2 for k = 1, or the ghost norm
 sum_{t,s} (a_it·a_is)(dz_it·dz_is) (Li et al. 2021, arXiv 2110.05679) for k > 1.
+For k = 1 the elementwise sum of squares is sum_i grad_i(W)^2 = (A⊙A)^T (dZ⊙dZ)
+(BackPACK's SumGradSquared, Dangel et al. 2020, arXiv 1912.10985).
 The clipped sum sum_i f_i grad_i(W) = A^T (f ⊙ dZ), the batch gradient with example
 i's rows of dZ scaled by f_i (the book-keeping of Bu et al. 2023, arXiv 2210.00038).
 
@@ -40,6 +42,20 @@ class MatMulRule(registry_lib.Rule):
             return None
         return _rows.dense_squared_norms(use.activation, dZ, B, use.rows.k)
 
+    def sum_squared(self, use, dZ_columns, B, per_example=False):
+        # k = 1: grad_{i,c} = a_i ⊗ dz_ic, so sum_c grad_{i,c}^2 = a_i^2 ⊗ sum_c dz_ic^2
+        # and its sum over i is (A⊙A)^T sum_c (dZ_c⊙dZ_c) (Dangel et al. 2020, BackPACK,
+        # arXiv 1912.10985): no [B, d, n] unless asked per example
+        if use.rows.k != 1:
+            return None
+        A2 = tf.square(use.activation)                                   # [B, d]
+        dZ2 = tf.reduce_sum(tf.square(dZ_columns), axis=0)               # [C, B, n] -> [B, n]
+        transposed = use.op.get_attr("transpose_b")
+        if per_example:
+            return _rows.dense_per_group(A2, dZ2, B, transposed)         # [B, d, n] / [B, n, d]
+        if transposed:
+            return tf.matmul(dZ2, A2, transpose_a=True)                  # [n, d]
+        return tf.matmul(A2, dZ2, transpose_a=True)                      # [d, n]
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W) = A^T (f ⊙ dZ): the batch gradient with dZ's rows scaled

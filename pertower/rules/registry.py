@@ -48,7 +48,8 @@ class Use:
 
 class Rule:
     """Base class of per-op rules. Subclasses define `match` and `per_group`, and may
-    define `squared_norms` (a cheap per-example ||grad||^2) and, for an op type that
+    define `squared_norms` (a cheap per-example ||grad||^2), `sum_squared` (a cheap
+    elementwise sum of squared gradients) and, for an op type that
     `pertower._batch_axis` does not know, `output_layouts(op, inputs)`: given one entry per
     input (`_batch_axis.Rows`, `_batch_axis.INDEPENDENT`, `_batch_axis.SIZE` or None for unknown),
     the list of the outputs' layouts, or None when they are unknown."""
@@ -68,6 +69,16 @@ class Rule:
         """[B] squared norms of the per-example gradients through this use, without
         forming them; None when this rule has no cheaper form for `use`."""
         del use, dZ, B
+        return None
+
+    def sum_squared(self, use, dZ_columns, B, per_example=False):
+        """sum_c grad_{i,c}(w) ⊙ grad_{i,c}(w) through this use, where grad_{i,c} is
+        example i's gradient for the output gradient dZ_columns[c] ([C, B*k, ...], C
+        columns: 1 for `pertower.sum_grad_squared`, the loss Hessian's columns for
+        `pertower.diag_ggn`): [B, *use.weight_shape] with per_example, else summed over
+        the examples, [*use.weight_shape]. None when this rule has no cheaper form than
+        forming `per_group` for every column (the caller then does that)."""
+        del use, dZ_columns, B, per_example
         return None
 
     def clipped_sum(self, use, dZ, factors):

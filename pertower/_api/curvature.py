@@ -1,0 +1,186 @@
+"""Curvature: the sum of squared per-example gradients and the GGN (Fisher) diagonal.
+
+Notation:
+    B   examples in the batch       K   logits per example      M   columns of S
+    x   one weight (entry of xs)    g_i the gradient of example i's value
+    S   [M, B, K] a factor of the loss Hessian (`pertower._curvature.loss_hessian`)
+    J_i = d logits_i / d x          H_i = the Hessian of l(logits_i) w.r.t. logits_i
+
+    sum_grad_squared(ys, xs)   = sum_i g_i ⊙ g_i
+    diag_ggn(logits, xs)       = diag(sum_i J_i^T H_i J_i) = sum_{i,m} (J_i^T S[m, i])^2
+
+Both sum over the examples (no 1/B). For a loss averaged over N examples the
+per-example gradients are g_i / N, so its sum of squares is sum_grad_squared / N^2,
+and its GGN is diag_ggn / N. The rules compute covered weights from ONE backward pass (with the M
+columns vectorized, `pertower._curvature.columns`); the other weights come from the
+fallback (towers, or row passes past a TF1 loop), one pass per column.
+"""
+
+import tensorflow as tf
+
+from pertower import _checks
+from pertower import _context
+from pertower import _dispatch
+from pertower import _request
+from pertower._curvature import columns as columns_lib
+from pertower._curvature import loss_hessian
+from pertower._curvature import squares as squares_lib
+
+__all__ = ["sum_grad_squared", "diag_ggn"]
+
+
+def _finish(built, plan, results, routes, columns=None):
+    """The results gated on the run-time check, in a `CurvatureResult`."""
+    xs = plan.request.xs
+    ordered = [results[k] for k in range(len(xs))]
+    ordered = built.validated(ordered)
+    return squares_lib.CurvatureResult(
+        ordered, plan, [routes[k] for k in range(len(xs))],
+        None if columns is None else columns.vectorized,
+        None if columns is None else columns.reason)
+
+
+@_context.public("sum_grad_squared")
+def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="auto",
+                     validate=None, memory_limit=None, devices=None, rules=None,
+                     batch_axis=None):
+    """The elementwise sum over examples of the squared per-example gradients.
+
+    A dense layer with one row per example never forms its per-example gradients:
+    sum_i (a_i ⊗ dz_i)^2 = (A⊙A)^T (dZ⊙dZ) (BackPACK's `SumGradSquared`, Dangel et al.
+    2020, arXiv 1912.10985); other covered weights are formed by their rule and
+    squared; weights no rule covers are formed by the towers. Conventions: a sum over
+    the B examples of ys's rows, no 1/B. BackPACK's `SumGradSquared` squares the
+    gradients of the loss the user backpropagates: for a mean-reduced loss of N
+    examples that is this value divided by N^2. The unbiased variance of the
+    gradients is (sum_grad_squared - B * mean^2) / (B - 1) with mean = sum_i g_i / B
+    (`pertower.gradient_variance`).
+
+    Args:
+      ys, xs, batch, batch_size, name, method, validate, memory_limit, devices, rules,
+        batch_axis: as in `pertower.per_example_norms`.
+
+    Returns:
+      A list (a `CurvatureResult`: `.routes` and `.plan` say how each weight was
+      computed) with one tensor per entry of xs, [*x.shape]: sum_i g_i(x) ⊙ g_i(x),
+      with g_i(x) = tf.gradients(tf.reduce_sum(ys[i]), x) for example i alone; zeros
+      for a weight `ys` does not reach.
+
+    Example:
+      sgs = pertower.sum_grad_squared(per_example_loss, model.trainable_weights)
+    """
+    _checks.require_graph_mode()
+    devices = _checks.device_list(devices)
+    xs = _checks.Partitions(_checks.as_list(xs)).flat
+    plan = _dispatch.make_plan(_request.make_request(
+        ys, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
+        memory_limit=memory_limit, forms_gradients=False, batch_axis=batch_axis))
+    with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
+        built = _dispatch.build(plan, devices)
+        with tf.control_dependencies(built._rule_checks()):  # pylint: disable=protected-access
+            d_outputs = squares_lib.output_gradients(plan, built.covered)
+            results, routes = squares_lib.covered_squares(
+                plan, built.covered, d_outputs, built.groups, per_example=False)
+            more, more_routes = squares_lib.fallback_squares(built, None, False, "fallback")
+        results.update(more)
+        routes.update(more_routes)
+        _checks.warn_unconnected(plan.request.ys, xs, _checks.UNCONNECTED_DEFAULT,
+                                 outcome="they get zeros", reads=plan.request.reads)
+        return _finish(built, plan, results, routes)
+
+
+@_context.public("diag_ggn")
+def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
+             per_example=False, batch=None, batch_size=None, seed=None, name=None,
+             method="auto", validate=None, memory_limit=None, devices=None, rules=None,
+             batch_axis=None):
+    """The diagonal of the generalized Gauss-Newton matrix (the Fisher) of sum_i l(logits_i).
+
+    GGN = sum_i J_i^T H_i J_i with H_i the Hessian of the loss with respect to the
+    logits, which does not depend on the labels for these losses (Martens 2014, "New
+    insights and perspectives on the natural gradient method", arXiv 1412.1193); with
+    S S^T = H_i (`mc_samples=None`, M = K exact columns) its diagonal is
+    sum_{i,m} (J_i^T S[m, i])^2: each column is backpropagated like a gradient, the M
+    columns in one vectorized backward pass. With `mc_samples=M`, the columns come from
+    labels sampled from the model (softmax: (p - onehot(y~)) / sqrt(M)), an unbiased
+    estimate (the true Fisher, not the empirical one). A dense layer (one row per
+    example) gives (A⊙A)^T sum_m (dZ_m⊙dZ_m) without per-example gradients.
+
+    Conventions: a sum over the B examples, no 1/B; for a mean-reduced loss
+    (1/N) sum_i l_i the GGN is this divided by N. BackPACK's `DiagGGNExact` and
+    `DiagGGNMC` (Dangel et al. 2020, arXiv 1912.10985) differentiate the loss module as
+    built, so with `CrossEntropyLoss(reduction="mean")` they return this / N, with
+    reduction="sum" this value; `MSELoss(reduction="sum")` is sum_k (f_k - y_k)^2 as
+    here ("mse"), while reduction="mean" averages over all N*K entries (this / (N K)),
+    and Keras' mean squared error over the K outputs (this / K per example). BackPACK's
+    `BatchDiagGGNExact` / `BatchDiagGGNMC` (one diagonal per example) match
+    per_example=True under the same reduction.
+
+    Args:
+      logits: [B, K] network output the loss reads (K static); row i must depend on
+        example i alone (as `ys` in `pertower.per_example_gradients`).
+      xs: weights, as in `pertower.per_example_gradients`.
+      loss: "softmax_cross_entropy", "sigmoid_cross_entropy" (independent binary labels
+        per output) or "mse" (l = sum_k (f_k - y_k)^2, Hessian 2 I). Labels are not
+        needed: H does not depend on them.
+      mc_samples: None for the exact diagonal (K columns), or M > 0 sampled columns.
+      per_example: False for the sum over examples, [*x.shape]; True for each
+        example's own diagonal J_i^T H_i J_i, [B, *x.shape].
+      batch, batch_size, batch_axis, method, validate, memory_limit, devices, rules: as
+        in `pertower.per_example_gradients` (`memory_limit` counts M outputs per example).
+      seed: an int makes the Monte-Carlo labels reproducible (stateless sampling).
+      name: name scope (default "diag_ggn").
+
+    Returns:
+      A list (a `CurvatureResult`) with one tensor per entry of xs, [*x.shape] or
+      [B, *x.shape], of x's dtype; zeros for a weight `logits` does not reach.
+      `.routes` says per weight whether a rule's cheap form, a rule per column, or the
+      fallback (towers: the per-example Jacobians contracted with the columns, one
+      pass per column) computed it; `.plan` is the plan (`str(result.plan)`), the same
+      `pertower.explain(logits, xs)` prints before building.
+
+    Example (elastic weight consolidation's importance, a Fisher diagonal):
+      fisher = pertower.diag_ggn(model(x), model.trainable_weights, mc_samples=1)
+    """
+    _checks.require_graph_mode()
+    loss = loss_hessian.check_loss(loss)
+    mc_samples = loss_hessian.check_mc_samples(mc_samples)
+    if not isinstance(per_example, bool):
+        raise _context.error(TypeError, "`per_example` must be True or False, but received "
+                                        f"{per_example!r}.")
+    logits = _checks.require_graph_tensor(logits, "logits")
+    if logits.shape.rank != 2 or logits.shape[1] is None:
+        raise _context.error(ValueError, "`logits` must be a [B, K] tensor with a static K "
+                                         f"(one row of K outputs per example), but "
+                                         f"{logits.name} has shape {logits.shape}; reshape "
+                                         "it to [B, K] first.")
+    K = int(logits.shape[1])
+    M = K if mc_samples is None else mc_samples
+    devices = _checks.device_list(devices)
+    xs = _checks.Partitions(_checks.as_list(xs)).flat
+    plan = _dispatch.make_plan(_request.make_request(
+        logits, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
+        memory_limit=memory_limit, outputs_per_example=M, batch_axis=batch_axis,
+        ys_argument="logits"))
+    with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
+        built = _dispatch.build(plan, devices)
+        S = loss_hessian.hessian_factor(logits, loss, mc_samples, seed)   # [M, B, K]
+        S.set_shape([M, None, K])
+        with tf.control_dependencies(built._rule_checks()):  # pylint: disable=protected-access
+            outputs, seen = [], set()
+            for k in built.covered:
+                for use in plan.uses[k]:
+                    if id(use.output) not in seen:
+                        seen.add(id(use.output))
+                        outputs.append(use.output)
+            columns = columns_lib.output_gradient_columns(logits, outputs, S)
+            columns_of = {id(Z): c for Z, c in zip(outputs, columns)}  # [M, *Z.shape]
+            results, routes = squares_lib.covered_squares(
+                plan, built.covered, columns_of, built.groups, per_example)
+            more, more_routes = squares_lib.fallback_squares(built, S, per_example,
+                                                             "column")
+        results.update(more)
+        routes.update(more_routes)
+        _checks.warn_unconnected(logits, xs, _checks.UNCONNECTED_DEFAULT,
+                                 outcome="they get zeros", reads=plan.request.reads)
+        return _finish(built, plan, results, routes, columns if outputs else None)

@@ -1,0 +1,84 @@
+"""The output gradients of M backpropagated columns, from one vectorized backward pass.
+
+Notation:
+    B   examples        K   outputs per example        M   columns
+    S   [M, B, K] columns (e.g. `loss_hessian.hessian_factor`)
+    Z   a tensor the logits depend on (a layer's output), dZ_m its gradient for column m
+
+    dZ[m] = d (sum_n S[m, n] . logits_n) / d Z = tf.gradients(logits, Z, grad_ys=S[m])
+
+The backward pass is linear in grad_ys, so the M passes are one pass over a stacked
+column axis: `pfor` (TensorFlow's vectorizer, the one behind `tf.vectorized_map` and
+`jacobian`) converts each backward op to its batched form over m. When some op of the
+backward pass has no vectorized converter, pfor raises while converting it; that is
+detected (`pfor(..., fallback_to_while_loop=False)` fails), and the columns are then
+computed by a `tf.while_loop` over m (one backward pass per iteration, the same
+numbers), with the reason kept in the result's `reason`.
+"""
+
+import tensorflow as tf
+from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
+
+from pertower import _context
+
+__all__ = ["Columns", "output_gradient_columns"]
+
+
+class Columns(list):
+    """The list of dZ columns, [M, *Z.shape] per entry of `outputs`, and how they were
+    computed: `vectorized` True for one pfor pass, False for the while-loop fallback,
+    whose cause is `reason` (None when vectorized)."""
+
+    def __init__(self, tensors, vectorized, reason=None):
+        super().__init__(tensors)
+        self.vectorized = vectorized
+        self.reason = reason
+
+
+def _column_gradients(logits, outputs, S_m):
+    """[*Z.shape] per output: the gradient of sum(S_m * logits); zeros where unconnected."""
+    grads = tf.gradients(logits, outputs, grad_ys=S_m)
+    return [tf.zeros_like(Z) if g is None else tf.convert_to_tensor(g)
+            for g, Z in zip(grads, outputs)]
+
+
+def output_gradient_columns(logits, outputs, S):
+    """For every column m of S, the gradient of sum_n S[m, n] . logits_n with respect to
+    each tensor in `outputs`.
+
+    Args:
+      logits: [B, K] tensor.
+      outputs: a list of tensors Z that `logits` may depend on.
+      S: [M, B, K] columns of logits' dtype (not differentiated through).
+
+    Returns:
+      A `Columns` list with one [M, *Z.shape] tensor per entry of `outputs` (zeros for a
+      Z that `logits` does not reach); `.vectorized` tells whether one vectorized pass
+      served, `.reason` why not.
+    """
+    outputs = list(outputs)
+    if not outputs:
+        return Columns([], True)
+    logits = tf.convert_to_tensor(logits)
+    S = tf.stop_gradient(tf.convert_to_tensor(S, dtype=logits.dtype))
+    if S.shape.rank is not None and S.shape.rank != 3:
+        raise _context.error(ValueError, "the columns `S` must be [M, B, K] for logits "
+                                         f"[B, K], but received shape {S.shape}.")
+    M = S.shape[0] if S.shape[0] is not None else tf.shape(S)[0]
+
+    def loop_fn(m):
+        return _column_gradients(logits, outputs, tf.gather(S, m))      # per Z: [*Z.shape]
+
+    try:
+        stacked = _pfor.pfor(loop_fn, M, fallback_to_while_loop=False)  # per Z: [M, *Z.shape]
+        return Columns(list(stacked), True)
+    except (ValueError, NotImplementedError, TypeError) as err:   # an op pfor cannot convert
+        reason = f"pfor could not vectorize the backward pass ({str(err).splitlines()[0]})"
+    arrays = [tf.TensorArray(Z.dtype, size=M, element_shape=Z.shape) for Z in outputs]
+
+    def body(m, arrays):
+        grads = loop_fn(m)
+        return m + 1, [a.write(m, g) for a, g in zip(arrays, grads)]
+
+    _, arrays = tf.while_loop(lambda m, _: m < M, body, [tf.constant(0), arrays])
+    return Columns([a.stack() for a in arrays], False, reason)

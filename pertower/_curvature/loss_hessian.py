@@ -1,0 +1,137 @@
+"""A symmetric factor S of the loss Hessian with respect to the network output.
+
+Notation:
+    B   examples in the batch       K   outputs per example (logits_n is [K])
+    M   columns of the factor       p   the model's prediction (softmax or sigmoid)
+    H_n the Hessian of l(logits_n) with respect to logits_n, [K, K]
+
+    sum_m S[m, n] S[m, n]^T = H_n                      (exact, M = K)
+    E[sum_m S[m, n] S[m, n]^T] = H_n                   (Monte-Carlo, M = mc_samples)
+
+The generalized Gauss-Newton matrix of sum_n l(f(x_n, w)) is sum_n J_n^T H_n J_n with
+J_n = d logits_n / d w, so with the columns S[m, n] backpropagated through the network
+(J_n^T S[m, n]) its diagonal is sum_{n, m} (J_n^T S[m, n])^2 (Martens 2014, "New insights
+and perspectives on the natural gradient method", arXiv 1412.1193, section 9; Dangel et
+al. 2020, "BackPACK: packing more into backprop", arXiv 1912.10985, appendix A). For the
+losses here H_n does not depend on the labels, and the Monte-Carlo columns use labels
+sampled from the model, so that the GGN equals the (true) Fisher.
+"""
+
+import tensorflow as tf
+
+from pertower import _context
+
+__all__ = ["LOSSES", "hessian_factor", "check_loss", "check_mc_samples"]
+
+# loss name -> what l(logits_n) is (for messages and docstrings)
+LOSSES = {
+    "softmax_cross_entropy": "-log softmax(f)_y",
+    "sigmoid_cross_entropy": "sum_k of the binary cross-entropy of sigmoid(f_k)",
+    "mse": "sum_k (f_k - y_k)^2",
+}
+
+
+def check_loss(loss):
+    """`loss` when it names a supported loss; else a ValueError naming the argument."""
+    if not isinstance(loss, str) or loss not in LOSSES:
+        raise _context.error(ValueError, f"`loss` must be one of {sorted(LOSSES)}, but "
+                                         f"received {loss!r}.")
+    return loss
+
+
+def check_mc_samples(mc_samples):
+    """`mc_samples` when it is None (exact) or a positive int; else a ValueError."""
+    if mc_samples is None:
+        return None
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        raise _context.error(ValueError, "`mc_samples` must be None (the exact Hessian "
+                                         "factor) or a positive int (the number of sampled "
+                                         f"columns), but received {mc_samples!r}.")
+    return mc_samples
+
+
+def _check_logits(logits):
+    logits = tf.convert_to_tensor(logits)
+    if logits.shape.rank != 2:
+        raise _context.error(ValueError, "`logits` must be a [B, K] tensor (one row of K "
+                                         f"outputs per example), but received shape "
+                                         f"{logits.shape}; reshape it to [B, K] first.")
+    if not logits.dtype.is_floating:
+        raise _context.error(TypeError, "`logits` must be a floating-point tensor, but "
+                                        f"received dtype {logits.dtype.name}.")
+    return logits
+
+
+def hessian_factor(logits, loss, mc_samples=None, seed=None):
+    """S, [M, B, K], with sum_m S[m, n] S[m, n]^T equal (exact) or equal in expectation
+    (Monte-Carlo) to the Hessian of l(logits_n) with respect to logits_n.
+
+    Exact (`mc_samples=None`, M = K):
+      "softmax_cross_entropy": H = diag(p) - p p^T, column v = sqrt(p_v) (e_v - p);
+      "sigmoid_cross_entropy": H = diag(p (1 - p)), S = diag(sqrt(p (1 - p)));
+      "mse" (l = sum_k (f_k - y_k)^2): H = 2 I, S = sqrt(2) I.
+    Monte-Carlo (`mc_samples=M`), labels y~ drawn from the model, one per column:
+      "softmax_cross_entropy": (p - onehot(y~)) / sqrt(M), y~ ~ Categorical(p);
+      "sigmoid_cross_entropy": (p - y~) / sqrt(M), y~_k ~ Bernoulli(p_k);
+      "mse": sqrt(2) eps / sqrt(M), eps ~ N(0, I).
+    Each column's outer product has expectation H (Martens 2014, arXiv 1412.1193;
+    BackPACK, Dangel et al. 2020, arXiv 1912.10985). A mean-reduced loss
+    (1/N) sum_n l scales every column by 1/sqrt(N); this function does not.
+
+    Args:
+      logits: [B, K] floating tensor, the network output the loss reads.
+      loss: "softmax_cross_entropy", "sigmoid_cross_entropy" or "mse".
+      mc_samples: None for the exact factor, or a positive int M of sampled columns.
+      seed: an int for reproducible sampling (stateless random ops), or None.
+
+    Returns:
+      S, [M, B, K] of logits' dtype, wrapped in `tf.stop_gradient`.
+    """
+    loss = check_loss(loss)
+    mc_samples = check_mc_samples(mc_samples)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _context.error(TypeError, f"`seed` must be an int or None, but received "
+                                        f"{seed!r}.")
+    logits = tf.stop_gradient(_check_logits(logits))
+    dtype = logits.dtype
+    B, K = tf.shape(logits)[0], tf.shape(logits)[1]
+    if mc_samples is None:
+        eye = tf.eye(K, dtype=dtype)[:, None, :]                        # [K, 1, K]
+        if loss == "softmax_cross_entropy":
+            p = tf.nn.softmax(logits)                                   # [B, K]
+            S = tf.transpose(tf.sqrt(p))[:, :, None] * (eye - p[None])  # [K, B, K]
+        elif loss == "sigmoid_cross_entropy":
+            p = tf.sigmoid(logits)                                      # [B, K]
+            S = tf.transpose(tf.sqrt(p * (1 - p)))[:, :, None] * eye    # [K, B, K]
+        else:
+            S = tf.tile(tf.sqrt(tf.constant(2.0, dtype)) * eye, [1, B, 1])   # [K, B, K]
+        return tf.stop_gradient(S)
+    M = mc_samples
+    scale = tf.math.rsqrt(tf.constant(float(M), dtype))
+    seeds = None if seed is None else tf.constant([seed, 0], tf.int64)
+    if loss == "softmax_cross_entropy":
+        p = tf.nn.softmax(logits)                                       # [B, K]
+        log_p = tf.cast(tf.nn.log_softmax(logits), tf.float32)
+        if seeds is None:
+            y = tf.random.categorical(log_p, M)                         # [B, M]
+        else:
+            y = tf.random.stateless_categorical(log_p, M, seed=seeds)   # [B, M]
+        onehot = tf.one_hot(tf.transpose(y), K, dtype=dtype)            # [M, B, K]
+        S = (p[None] - onehot) * scale
+    elif loss == "sigmoid_cross_entropy":
+        p = tf.sigmoid(logits)                                          # [B, K]
+        shape = tf.stack([M, B, K])
+        if seeds is None:
+            u = tf.random.uniform(shape, dtype=dtype)
+        else:
+            u = tf.random.stateless_uniform(shape, seed=seeds, dtype=dtype)
+        y = tf.cast(u < p[None], dtype)                                 # [M, B, K]
+        S = (p[None] - y) * scale
+    else:
+        shape = tf.stack([M, B, K])
+        if seeds is None:
+            eps = tf.random.normal(shape, dtype=dtype)
+        else:
+            eps = tf.random.stateless_normal(shape, seed=seeds, dtype=dtype)
+        S = tf.sqrt(tf.constant(2.0, dtype)) * eps * scale              # [M, B, K]
+    return tf.stop_gradient(S)

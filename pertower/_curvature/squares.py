@@ -1,0 +1,162 @@
+"""Sums of squared gradients over examples and columns, from the rules or a fallback.
+
+Notation:
+    B   examples        C   columns (1 for the plain gradient, M for a loss Hessian's factor)
+    x   one weight      A   a layer's input       dZ_c  the gradient at its output for column c
+    g_{i,c}(x)  example i's gradient of x for column c (the output gradient dZ_c)
+
+    squares(x) = sum_c g_{i,c}(x) ⊙ g_{i,c}(x)         [B, *x.shape] per example,
+                                                        [*x.shape] summed over i
+
+Per covered weight (one plan of `pertower._dispatch`), in order of preference:
+  "rules, cheap form": one use whose rule has `sum_squared` (dense, one row per example:
+      (A⊙A)^T sum_c (dZ_c⊙dZ_c); BiasAdd: the per-example sums of dZ_c, squared);
+  "rules, per column": each use's `per_group` for every column, the uses added,
+      squared, summed over the columns.
+A weight no rule covers comes from the plan's fallback (towers or row passes): its
+per-example gradients formed for each column (grad_ys = the column), squared.
+"""
+
+import tensorflow as tf
+from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
+
+from pertower.rules import _engine
+from pertower.rules import _rows
+
+__all__ = ["CurvatureResult", "covered_squares", "fallback_squares"]
+
+CHEAP = "rules, cheap form"
+PER_COLUMN = "rules, per column"
+UNREACHED = "unreached (zeros)"
+
+
+class CurvatureResult(list):
+    """The list of results, one per entry of `xs`, with how each was computed.
+
+    Attributes:
+      plan: the `pertower.Plan` of the call (`str(plan)` is the table of
+        `pertower.explain`: "rules" weights come from the rules, "towers"/"passes"
+        weights from the fallback).
+      routes: per entry of xs, a string: "rules, cheap form: OP (Type)", "rules, per
+        column: OPS", the fallback's description, or "unreached (zeros)".
+      columns_vectorized: for `diag_ggn`, whether the columns' output gradients came
+        from one vectorized backward pass (False: a while loop, see
+        `columns_reason`); None when no rule was used.
+    """
+
+    def __init__(self, tensors, plan, routes, columns_vectorized=None, columns_reason=None):
+        super().__init__(tensors)
+        self.plan = plan
+        self.routes = tuple(routes)
+        self.columns_vectorized = columns_vectorized
+        self.columns_reason = columns_reason
+
+    def explain(self):
+        """One line per weight: its name and route."""
+        return "\n".join(f"{w.name}: {route}" for w, route in zip(self.plan.weights,
+                                                                  self.routes))
+
+
+def _ops(uses):
+    return ", ".join(dict.fromkeys(f"{u.op.name} ({u.op.type})" for u in uses))
+
+
+def _per_x(x, B, per_example):
+    """The target shape of x's result: [B, *x.shape] or [*x.shape]."""
+    dims = x.shape.as_list()
+    return _rows.group_shape(B, dims) if per_example else dims
+
+
+def covered_squares(plan, indices, columns_of, B, per_example):
+    """{k: squares of xs[k]} and {k: route} for the covered weights `indices`.
+
+    Args:
+      plan: the `Plan`.
+      indices: indices into xs of weights the rules compute.
+      columns_of: {id(Z): [C, *Z.shape]} the output gradients of every use's output.
+      B: the number of examples (int or scalar tensor).
+      per_example: [B, *x.shape] results when True, else [*x.shape].
+    """
+    results, routes = {}, {}
+    for k in indices:
+        x, uses = plan.request.xs[k], plan.uses[k]
+        dtype = x.dtype.base_dtype
+        if not uses:
+            results[k], routes[k] = tf.zeros(_per_x(x, B, per_example), dtype), UNREACHED
+            continue
+        if len(uses) == 1 and callable(getattr(uses[0].rule, "sum_squared", None)):
+            use = uses[0]
+            cheap = use.rule.sum_squared(use, columns_of[id(use.output)], B,
+                                         per_example=per_example)
+            if cheap is not None:
+                results[k] = tf.reshape(cheap, _per_x(x, B, per_example))
+                routes[k] = f"{CHEAP}: {_ops(uses)}"
+                continue
+        results[k] = _formed_squares(x, uses, columns_of, B, per_example)
+        routes[k] = f"{PER_COLUMN}: {_ops(uses)}"
+    return results, routes
+
+
+def _formed_squares(x, uses, columns_of, B, per_example):
+    """sum_c (sum over uses of per_group(use, dZ_c))^2, [B, *x] or [*x]."""
+    x_shape = _rows.group_shape(B, x.shape.as_list())
+
+    def square_of_column(c):
+        # each use's [B, *w.shape at the op] -> [B, *x.shape], added over the uses
+        parts = [tf.reshape(u.rule.per_group(u, tf.gather(columns_of[id(u.output)], c), B),
+                            x_shape) for u in uses]
+        g = tf.add_n(parts) if len(parts) > 1 else parts[0]               # [B, *x.shape]
+        return tf.square(g)
+
+    C = _rows.dim(columns_of[id(uses[0].output)], 0)
+    if isinstance(C, int):
+        # one rule contraction per column (the rules' ops are small next to the backward
+        # pass, which the columns share; pfor's conversion of a rule's ops costs seconds
+        # of graph building for a convolution)
+        squares = tf.add_n([square_of_column(c) for c in range(C)])      # [B, *x.shape]
+    else:
+        # vectorized over a run-time number of columns
+        squares = tf.reduce_sum(_pfor.pfor(square_of_column, C), axis=0)  # [B, *x.shape]
+    return squares if per_example else tf.reduce_sum(squares, axis=0)
+
+
+def fallback_squares(built, S, per_example, name):
+    """{k: squares of xs[k]} and {k: route} for the weights of `built.fallback`.
+
+    Args:
+      built: the `Built` of the plan.
+      S: None for the plain gradient (one column, grad_ys None), else the [M, B, K]
+        columns: column m's per-example gradients are the fallback's gradients with
+        grad_ys = S[m], i.e. the per-example Jacobians [B, K, *x] contracted with S[m]
+        (J_i^T S[m, i]) without forming them.
+      per_example, name: as in `covered_squares`; `name` scopes the fallback's ops.
+    """
+    fallback = built.fallback
+    if fallback is None:
+        return {}, {}
+    at = built.fallback_indices
+    kind = built.plan.fallback_method
+    totals = [None] * len(at)
+    columns = [None] if S is None else [S[m] for m in range(S.shape[0])]
+    for m, grad_ys in enumerate(columns):
+        grads = fallback.gradients(grad_ys=grad_ys, name=f"{name}_{m}")  # [B, *x] each
+        for i, g in enumerate(grads):
+            if g is not None:
+                totals[i] = tf.square(g) if totals[i] is None else totals[i] + tf.square(g)
+    results, routes = {}, {}
+    how = (f"{kind}: per-example gradients formed" if S is None else
+           f"{kind}: per-example Jacobians contracted with the columns (one pass per column)")
+    for i, k in enumerate(at):
+        x = built.xs[k]
+        if totals[i] is None:
+            totals[i] = tf.zeros(_per_x(x, built.groups, True), x.dtype.base_dtype)
+        results[k] = totals[i] if per_example else tf.reduce_sum(totals[i], axis=0)
+        routes[k] = f"{how} ({built.plan.reasons[k]})"
+    return results, routes
+
+
+def output_gradients(plan, indices):
+    """{id(Z): [1, *Z.shape]}: dZ of sum(ys) at every use's output, one tf.gradients."""
+    d_outputs = _engine._output_gradients(  # pylint: disable=protected-access
+        plan, indices, None, tf.UnconnectedGradients.ZERO)
+    return {key: dZ[None] for key, dZ in d_outputs.items()}
