@@ -221,3 +221,25 @@ def test_keras_layers_and_bad_arguments():
             pertower.kfac_factors(logits, layer.kernel, loss="hinge")
         with pytest.raises(ValueError, match="`mc_samples` must be None"):
             pertower.kfac_factors(logits, layer.kernel, mc_samples=0)
+
+
+def test_digits_laplace_example_writes_its_plot(tmp_path, capsys):
+    """examples/digits_laplace.py --quick (run in this process through its `main`, like
+    tests/test_digits_examples.py): its own check against the loop passes, it prints
+    one line per predictor and writes the PNG."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    import pathlib  # pylint: disable=import-outside-toplevel
+    import re  # pylint: disable=import-outside-toplevel
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "digits_laplace.py"
+    spec = importlib.util.spec_from_file_location("digits_laplace", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "laplace.png"
+    capsys.readouterr()
+    assert module.main(["--quick", "--samples", "20", "--output", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert "OK: KFLR at one image equals the exact GGN block of the loop" in out, out
+    for label in ("trained network (MAP)", "Laplace, diagonal (diag_ggn)",
+                  "Laplace, Kronecker (kfac_factors)"):
+        assert re.search(re.escape(label) + r" +test accuracy 0\.\d+  test NLL \d", out), out
+    assert f"saved {output}" in out and output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
