@@ -243,3 +243,45 @@ def test_digits_laplace_example_writes_its_plot(tmp_path, capsys):
                   "Laplace, Kronecker (kfac_factors)"):
         assert re.search(re.escape(label) + r" +test accuracy 0\.\d+  test NLL \d", out), out
     assert f"saved {output}" in out and output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_curvature_options_and_table(monkeypatch):
+    """`pertower bench --curvature --peers-python P` parses; the peers' Python is the
+    option, else $PERTOWER_PEERS_PYTHON, else this interpreter; the table divides by
+    TensorFlow's batch gradient of the same model and B. No torch needed."""
+    import sys  # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import command  # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import peers_curvature  # pylint: disable=import-outside-toplevel
+    args = command.build_parser().parse_args(["--curvature", "--peers-python", "/v/python"])
+    assert args.curvature and args.peers_python == "/v/python"
+    monkeypatch.delenv("PERTOWER_PEERS_PYTHON", raising=False)
+    assert peers_curvature.peers_python() == sys.executable
+    monkeypatch.setenv("PERTOWER_PEERS_PYTHON", "/env/python")
+    assert peers_curvature.peers_python() == "/env/python"
+    assert peers_curvature.peers_python("/v/python") == "/v/python"
+    table = peers_curvature.format_rows([
+        ("mlp", 8, "tf batch gradient", 2.0, None, None, ""),
+        ("mlp", 8, "pertower diag_ggn exact", 5.0, None, None, ""),
+        ("mlp", 8, "backpack DiagGGNExact", 9.0, 3e-6, 30.0, "vs pertower")])
+    lines = table.splitlines()
+    assert "2.50" in lines[2] and "4.50" in lines[3] and "3.0e-06" in lines[3], table
+
+
+@pytest.mark.heavy
+def test_backpack_child_agrees_with_pertower(tmp_path):
+    """With torch and BackPACK in $PERTOWER_PEERS_PYTHON's environment: the mlp and
+    cifar rows of `run_curvature` at small B agree (DiagGGNExact, KFLR)."""
+    import os  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import peers_curvature  # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import records  # pylint: disable=import-outside-toplevel
+    python = os.environ.get("PERTOWER_PEERS_PYTHON")
+    if not python or subprocess.run([python, "-c", "import backpack"],
+                                    check=False).returncode != 0:
+        pytest.skip("no Python with torch and BackPACK in $PERTOWER_PEERS_PYTHON")
+    rows, versions = peers_curvature.run_curvature([("mlp", 4), ("cifar", 2)], 1,
+                                                   report=lambda line: None, python=python)
+    assert "backpack" in versions, versions
+    checked = [row for row in rows if row[4] is not None]
+    assert len(checked) == 4, rows
+    assert all(records.agrees(diff, scale) for _, _, _, _, diff, scale, _ in checked), rows
