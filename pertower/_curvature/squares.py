@@ -11,8 +11,8 @@ Notation:
 Per covered weight (one plan of `pertower._dispatch`), in order of preference:
   "rules, cheap form": one use whose rule has `sum_squared` (dense, one row per example:
       (A⊙A)^T sum_c (dZ_c⊙dZ_c); BiasAdd: the per-example sums of dZ_c, squared);
-  "rules, per column": each use's `per_group` for every column (vectorized over the
-      columns with pfor), the uses added, squared, summed over the columns.
+  "rules, per column": each use's `per_group` for every column, the uses added,
+      squared, summed over the columns.
 A weight no rule covers comes from the plan's fallback (towers or row passes): its
 per-example gradients formed for each column (grad_ys = the column), squared.
 """
@@ -109,10 +109,13 @@ def _formed_squares(x, uses, columns_of, B, per_example):
         return tf.square(g)
 
     C = _rows.dim(columns_of[id(uses[0].output)], 0)
-    if C == 1:
-        squares = square_of_column(0)                                     # [B, *x.shape]
+    if isinstance(C, int):
+        # one rule contraction per column (the rules' ops are small next to the backward
+        # pass, which the columns share; pfor's conversion of a rule's ops costs seconds
+        # of graph building for a convolution)
+        squares = tf.add_n([square_of_column(c) for c in range(C)])      # [B, *x.shape]
     else:
-        # vectorized over the columns; an op pfor cannot convert runs in a while loop
+        # vectorized over a run-time number of columns
         squares = tf.reduce_sum(_pfor.pfor(square_of_column, C), axis=0)  # [B, *x.shape]
     return squares if per_example else tf.reduce_sum(squares, axis=0)
 
