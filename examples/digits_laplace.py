@@ -53,7 +53,7 @@ def parse_args(argv=None):
     parser.add_argument("--prior-precision", type=float, default=1.0, help="tau")
     parser.add_argument("--samples", type=int, default=200, help="logit draws per image")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="60 training steps")
+    parser.add_argument("--quick", action="store_true", help="30 training steps (a smoke test)")
     return parser.parse_args(argv)
 
 
@@ -105,7 +105,7 @@ def main(argv=None):
     x_train, x_test = x_train.reshape(-1, 64), x_test.reshape(-1, 64)
     rng = np.random.RandomState(args.seed)
     noise = rng.uniform(0, 1, size=(300, 64)).astype(np.float32)
-    steps = 60 if args.quick else args.steps
+    steps = 30 if args.quick else args.steps
 
     with tf.Graph().as_default():
         digits_common.seed_graph(args.seed)
