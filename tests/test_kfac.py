@@ -54,6 +54,12 @@ class Graphs:
             self.logits = self.Z2 + self.b2                               # [B, 4]
             self.W0 = var(5, 3)
             self.linear = tf.matmul(self.x, self.W0)                      # [B, 3]
+            self.Wt = var(3, 5)                                           # stored [d_out, d_in]
+            self.transposed = tf.matmul(self.x, self.Wt, transpose_b=True)  # [B, 3]
+            self.xs = tf.compat.v1.placeholder(tf.float64, [B, 2, 5])     # k = 2 rows
+            self.Ws = var(5, 3)
+            self.Zs = tf.matmul(tf.reshape(self.xs, [-1, 5]), self.Ws)    # [B*2, 3]
+            self.sequence = tf.reduce_sum(tf.tanh(tf.reshape(self.Zs, [B, 2, 3])), axis=1)
             self.xc = tf.compat.v1.placeholder(tf.float64, [None, 5, 5, 2])
             self.F = var(3, 3, 2, 3)
             self.Zc = tf.nn.conv2d(self.xc, self.F, strides=2, padding="SAME")   # [B, 3, 3, 3]
@@ -65,6 +71,13 @@ class Graphs:
                                                                self.b2])
             self.mlp_warnings = [str(w.message) for w in caught]
             self.lin = pertower.kfac_factors(self.linear, self.W0)
+            self.tr = pertower.kfac_factors(self.transposed, self.Wt)
+            self.seq = pertower.kfac_factors(self.sequence, self.Ws)
+            self.jac_tr = tf.stack([tf.reshape(tf.gradients(self.transposed[0, c], self.Wt)[0],
+                                               [-1]) for c in range(3)])
+            self.jac_Zs = tf.stack([tf.stack([tf.gradients(self.sequence[n, c], self.Zs)[0]
+                                              [2 * n:2 * n + 2] for c in range(3)])
+                                    for n in range(B)])                  # [B, K, 2, 3]
             self.conv = pertower.kfac_factors(self.conv_logits, [self.F, self.Wc])
             self.mc = pertower.kfac_factors(self.logits, [self.W1, self.W2], mc_samples=400,
                                             seed=3)
@@ -79,6 +92,7 @@ class Graphs:
             self.sess.run(tf.compat.v1.global_variables_initializer())
         self.X = rng.randn(B, 5)
         self.XC = rng.randn(B, 5, 5, 2)
+        self.XS = rng.randn(B, 2, 5)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +136,23 @@ def test_factors_of_a_batch_match_the_loop(graphs):
     want = [g.X.T @ g.X / B, _ggn_from_jacobians(jac_Z[0], H),
             h.T @ h / B, _ggn_from_jacobians(jac_Z[1], H)]
     assert_all_close(got, want, what="A and G at B = 3 vs the loop")
+
+
+def test_transposed_kernel_and_rows_per_example(graphs):
+    """MatMul with transpose_b (kernel stored [d_out, d_in]): kron(G, A) is the exact
+    GGN block of the stored kernel at B = 1. A dense layer read with k = 2 rows per
+    example: A = (1/B) sum over the rows, G = (1/k) sum over examples and rows of
+    J^T H J (KFAC-expand)."""
+    g = graphs
+    tr, jac, logits = g.sess.run((g.tr[0], g.jac_tr, g.transposed), {g.x: g.X[:1]})
+    H, _ = _softmax_hessians(logits)
+    seq, jac_s, seq_logits = g.sess.run((g.seq[0], g.jac_Zs, g.sequence), {g.xs: g.XS})
+    H_s, _ = _softmax_hessians(seq_logits)
+    rows = g.XS.reshape(-1, 5)
+    G = np.einsum("nctp,ncd,ndtq->pq", jac_s, H_s, jac_s) / 2
+    assert_all_close([np.kron(tr.G, tr.A), seq.A, seq.G],
+                     [jac.T @ H[0] @ jac, rows.T @ rows / B, G],
+                     what="transposed kernel at B = 1; k = 2 rows per example")
 
 
 def _patches(images, k, stride):
