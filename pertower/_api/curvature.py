@@ -110,10 +110,11 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
     (1/N) sum_i l_i the GGN is this divided by N. BackPACK's `DiagGGNExact` and
     `DiagGGNMC` (Dangel et al. 2020, arXiv 1912.10985) differentiate the loss module as
     built, so with `CrossEntropyLoss(reduction="mean")` they return this / N, with
-    reduction="sum" this value; its `MSELoss` is sum (f - y)^2 as here ("mse"; Keras'
-    mean squared error divides by K, giving this / K per example). BackPACK's
-    `DiagGGNExact(per_example)`-style individual values (`BatchDiagGGN`) match
-    per_example=True for a summed loss.
+    reduction="sum" this value; `MSELoss(reduction="sum")` is sum_k (f_k - y_k)^2 as
+    here ("mse"), while reduction="mean" averages over all N*K entries (this / (N K)),
+    and Keras' mean squared error over the K outputs (this / K per example). BackPACK's
+    `BatchDiagGGNExact` / `BatchDiagGGNMC` (one diagonal per example) match
+    per_example=True under the same reduction.
 
     Args:
       logits: [B, K] network output the loss reads (K static); row i must depend on
