@@ -14,7 +14,8 @@ Public surface:
     DPOptimizer, compute_epsilon
     tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
     fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
-    sum_grad_squared, diag_ggn (curvature: the GGN / Fisher diagonal)
+    sum_grad_squared, diag_ggn (curvature: the GGN / Fisher diagonal),
+    kfac_factors, KroneckerFactors (its Kronecker factors per dense or Conv2D kernel)
 
 `pertower.oracle` holds the slow, obviously correct one-example loop that the tests,
 examples and demo compare with.
@@ -66,6 +67,8 @@ __all__ = [
     "empirical_ntk",
     "sum_grad_squared",
     "diag_ggn",
+    "kfac_factors",
+    "KroneckerFactors",
 ]
 
 # public name -> the module that defines it
@@ -87,6 +90,8 @@ _LAZY = {
     "global_norms": "pertower._reductions",
     "gradient_noise_scale": "pertower._analytics",
     "gradient_variance": "pertower._analytics",
+    "kfac_factors": "pertower._curvature.kfac",
+    "KroneckerFactors": "pertower._curvature.kfac",
     "MemoryEstimate": "pertower._guards.memory",
     "microbatch_gradients": "pertower._api.gradients",
     "NoiseScale": "pertower._analytics",

@@ -89,6 +89,15 @@ def add_arguments(parser):
                              "DP-SGD steps of plain TensorFlow and pertower.DPOptimizer. "
                              "Frameworks not installed show as n/a (pip install "
                              "'pertower[peers]')")
+    parser.add_argument("--curvature", action="store_true",
+                        help="instead of the gradient table: pertower's diag_ggn and "
+                             "kfac_factors (exact and one sample) on the mlp and cifar "
+                             "models, side by side with BackPACK's DiagGGNExact, DiagGGNMC, "
+                             "KFLR and KFAC in a child process, checked against each other")
+    parser.add_argument("--peers-python", default=None, metavar="PYTHON",
+                        help="the Python of the peers' children (default "
+                             "$PERTOWER_PEERS_PYTHON, else this one): torch and BackPACK "
+                             "in an environment of their own")
     parser.set_defaults(run=run)
 
 
@@ -121,6 +130,10 @@ def run(args):
     from pertower.tools.bench import report as report_lib, runner
     # pylint: enable=import-outside-toplevel
 
+    if args.peers_python:   # the torch children's Python (pertower.tools.bench.peers)
+        os.environ[tool_peers.PYTHON_VARIABLE] = args.peers_python
+    if args.curvature:
+        return _run_curvature(args)
     methods = args.methods or list(gradients.METHODS)
     unknown = [m for m in methods if m not in gradients.METHODS]
     if unknown:
@@ -216,6 +229,45 @@ def _run_dp_rows(args, repeats, report):
            "x plain: divided by the plain SGD step's ms in the same run.")
     return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
              "median_ms": e.median_ms, "runs_ms": e.runs_ms} for e in dp_entries]
+
+
+def _run_curvature(args):
+    """`bench --curvature`: pertower's and BackPACK's curvature rows, printed (and
+    written to --json); returns the exit code (1 when a checked value disagrees)."""
+    # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import peers_curvature
+    # pylint: enable=import-outside-toplevel
+    models = [m for m in (args.models or peers_curvature.CURVATURE_MODELS)
+              if m in peers_curvature.CURVATURE_MODELS]
+    sizes = args.batch_sizes or [32]
+    repeats = args.repeats or 3
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def report(line):
+        print(line, file=out, flush=True)
+
+    with environment.quiet_native_logs():
+        rows, versions = peers_curvature.run_curvature(
+            [(m, B) for m in models for B in sizes], repeats, report, args.peers_python)
+    report(peers_curvature.format_rows(rows))
+    report(f"BackPACK child: {versions}")
+    report(f"ms: median of {repeats} runs; x batch: divided by TensorFlow's batch gradient "
+           "(tf.gradients of the summed loss) in the same process.")
+    figures = {"curvature": [dict(zip(("model", "batch_size", "entry", "median_ms",
+                                        "max_abs_diff", "max_abs_reference", "note"), row))
+                             for row in rows], "versions": versions}
+    if args.json == "-":
+        json.dump(figures, sys.stdout, indent=1)
+        print()
+    else:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=1)
+    bad = [f"{m} B={B} {name}" for m, B, name, _, diff, scale, _ in rows
+           if diff is not None and not records.agrees(diff, scale)]
+    if bad or "missing" in versions:
+        report(f"FAILED: {'; '.join(bad) or versions.get('missing')}")
+        return 1
+    return 0
 
 
 def _run_in_child(args):

@@ -61,6 +61,9 @@ NOISE_MULTIPLIER = 1.0
 # What each framework's child needs importable.
 _NEEDS = {"tf": ("tensorflow",), "torch": ("torch",), "jax": ("jax", "jaxlib")}
 _CHILD_TIMEOUT_SECONDS = 1800
+# The Python of the torch child when set (torch in an environment of its own: TensorFlow
+# imports torch when it is installed beside it).
+PYTHON_VARIABLE = "PERTOWER_PEERS_PYTHON"
 
 
 def missing_frameworks():
@@ -68,6 +71,8 @@ def missing_frameworks():
     (checked with importlib.util.find_spec, without importing them)."""
     missing = {}
     for framework, packages in _NEEDS.items():
+        if framework == "torch" and os.environ.get(PYTHON_VARIABLE):
+            continue   # the torch child runs that Python (its own environment)
         absent = [p for p in packages if importlib.util.find_spec(p) is None]
         if absent:
             missing[framework] = (f"{' and '.join(absent)} not installed (pip install "
@@ -149,7 +154,9 @@ def _child_env():
 
 def _run_child(framework, folders, repeats, check):
     """Runs one worker; returns (versions, entry dicts) or raises RuntimeError."""
-    command = [sys.executable, "-m", "pertower.tools.bench.peers_worker", "--framework",
+    python = (os.environ.get(PYTHON_VARIABLE) or sys.executable
+              if framework == "torch" else sys.executable)
+    command = [python, "-m", "pertower.tools.bench.peers_worker", "--framework",
                framework, "--repeats", str(repeats)] + (["--check"] if check else []) + folders
     done = subprocess.run(command, env=_child_env(), capture_output=True, text=True,
                           timeout=_CHILD_TIMEOUT_SECONDS, check=False)

@@ -1,0 +1,225 @@
+"""Kronecker factors of the generalized Gauss-Newton matrix per layer (KFLR, KFAC, KFC).
+
+Notation:
+    B   examples in the batch            K   outputs (logits) per example
+    M   columns of the loss Hessian's factor S, [M, B, K] (M = K exact, or mc_samples)
+    R   rows of a layer: B*k for a dense layer read with k rows per example, B*Ho*Wo
+        for a convolution (one row per output position)
+    a   one row of the layer's input A: [d_in] (a convolution's patch, kh*kw*Cin)
+    dz  the gradient at the layer's output Z of one column m: [d_out]
+
+For a dense layer Z = A W (W [d_in, d_out]) and one example (k = 1), the gradient of
+column m is a ⊗ dz_m, so the GGN block of W flattened row-major is exactly
+
+    sum_m (a ⊗ dz_m)(a ⊗ dz_m)^T = (a a^T) ⊗ (sum_m dz_m dz_m^T).
+
+Over a batch the block is sum_n (a_n a_n^T) ⊗ G_n; K-FAC (Martens & Grosse 2015,
+"Optimizing neural networks with Kronecker-factored approximate curvature", arXiv
+1503.05671) replaces the mean of the products by the product of the means:
+
+    A = (1/B) sum_rows a a^T                       [d_in, d_in]
+    G = (B/R) sum_m sum_rows dz_m dz_m^T           [d_out, d_out]
+    GGN block of W (of the summed loss sum_n l_n) ≈ kron(A, G),
+
+exact at B = 1 for a dense layer with exact columns (KFLR, Botev, Ritter, Barber
+2017, "Practical Gauss-Newton optimisation for deep learning", arXiv 1706.03662), and
+KFAC with Monte-Carlo columns. A convolution is a dense layer applied to the patch at
+every output position (KFC, Grosse & Martens 2016, "A Kronecker-factored approximate
+Fisher matrix for convolution layers", arXiv 1602.01407): the same sums run over the
+R = B*Ho*Wo patches (`tf.image.extract_patches`, ordered like the filter
+[kh, kw, Cin], so that kron(A, G) matches the filter flattened row-major). With
+|T| = R/B positions per example, G is (1/|T|) sum_rows, KFC's Gamma: its Omega ⊗ Gamma
+holds under KFC's assumptions (derivatives uncorrelated across positions, the same
+statistics at every position). A dense layer read with k rows per example (a Dense
+layer on [B, k, d]) is treated the same way, |T| = k (KFAC-expand, Eschenhagen et al.
+2023, arXiv 2311.00636, with the 1/|T| moved from A to G). For k = 1, B/R = 1.
+"""
+
+import typing
+import warnings
+
+import tensorflow as tf
+
+from pertower import _checks
+from pertower import _context
+from pertower import _dispatch
+from pertower import _plan
+from pertower import _request
+from pertower._curvature import columns as columns_lib
+from pertower._curvature import loss_hessian
+from pertower.rules import _conv_geometry
+from pertower.rules import _engine
+from pertower.rules import conv2d
+from pertower.rules import matmul
+
+__all__ = ["KroneckerFactors", "kfac_factors"]
+
+
+class KroneckerFactors(typing.NamedTuple):
+    """The two Kronecker factors of one kernel's GGN block.
+
+    Attributes:
+      A: [d_in, d_in], (1/B) sum over the layer's input rows (or patches) of a a^T.
+      G: [d_out, d_out], sum over the columns and output rows of dz dz^T.
+
+    kron(A, G) approximates the GGN block of the kernel flattened row-major as the
+    layer reads it ([d_in, d_out]; a convolution's [kh, kw, Cin, Cout]). For a kernel
+    stored transposed (MatMul with transpose_b=True, [d_out, d_in]) the block of the
+    stored kernel's row-major flattening is kron(G, A).
+    """
+
+    A: tf.Tensor
+    G: tf.Tensor
+
+
+class _Layer(typing.NamedTuple):
+    """What one covered kernel needs: its input rows [R, d_in] and its output Z."""
+
+    rows: tf.Tensor
+    output: tf.Tensor
+
+
+_INSTEAD = "use pertower.diag_ggn for its GGN diagonal"
+
+
+def _layer_or_reason(use):
+    """A `_Layer` for a dense or convolution kernel covered by its rule, else why not."""
+    op = use.op
+    if isinstance(use.rule, matmul.MatMulRule) and op.type == "MatMul":
+        A = use.activation                                        # [R, d_in]
+        return _Layer(A, use.output)
+    if isinstance(use.rule, conv2d.Conv2DRule) and op.type == "Conv2D":
+        if _conv_geometry.groups(op) != 1:
+            return (f"{op.name!r} is a grouped convolution ({_conv_geometry.groups(op)} "
+                    "groups), whose filter's GGN block has no single Kronecker form")
+        kh, kw, c_in, _ = use.weight_shape.as_list()
+        patches = _conv_geometry.patches(op, kh, kw)               # [N, Ho, Wo, kh*kw*Cin]
+        return _Layer(tf.reshape(patches, [-1, kh * kw * c_in]), use.output)  # [R, D]
+    if op.type == "BiasAdd" or use.weight_shape.rank == 1:
+        return (f"it is a bias or scale (read by {op.name!r}, {op.type}), not a kernel; "
+                "Kronecker "
+                f"factors are built for dense and Conv2D kernels only: {_INSTEAD}")
+    return (f"it is read by {op.name!r} ({op.type}); Kronecker factors are built for the "
+            f"kernels of dense (MatMul) and Conv2D layers only: {_INSTEAD}")
+
+
+def _reasons_and_layers(plan):
+    """Per entry of xs: a `_Layer`, or the reason it gets no factors."""
+    found = []
+    for uses, reason in zip(plan.uses, plan.reasons):
+        if uses is None:
+            found.append(f"no rule covers it ({reason}): {_INSTEAD}")
+        elif not uses:
+            found.append("`logits` does not depend on it")
+        elif len(uses) > 1:
+            names = ", ".join(repr(use.op.name) for use in uses)
+            found.append(f"it is read by {len(uses)} ops ({names}), a shared layer whose "
+                         f"GGN block has no single Kronecker form: {_INSTEAD}")
+        else:
+            found.append(_layer_or_reason(uses[0]))
+    return found
+
+
+def _warn_uncovered(xs, found):
+    """One warning naming every weight that gets None, with why."""
+    lines = [f"  {_plan.weight_name(x)}: {why}" for x, why in zip(xs, found)
+             if isinstance(why, str)]
+    if lines:
+        warnings.warn(_context.prefixed(
+            "no Kronecker factors (None) for these entries of `xs`:\n" + "\n".join(lines)),
+            stacklevel=3)
+
+
+def _outer_sum(rows):
+    """[d, d]: sum over the rows of `rows` [R, d] of r r^T."""
+    return tf.matmul(rows, rows, transpose_a=True)
+
+
+@_context.public("kfac_factors")
+def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batch=None,
+                 batch_size=None, seed=None, name=None):
+    """Kronecker factors (A, G) of the GGN block of each dense or convolution kernel.
+
+    For the summed loss sum_n l(logits_n) and each kernel W that a rule covers (a
+    dense layer's MatMul, a Conv2D filter), with a the rows of the layer's input
+    (a convolution's patches of kh*kw*Cin entries, the KFC form) and dz the gradient at
+    the layer's output of each column of the loss Hessian's factor S (S S^T = the
+    Hessian of l with respect to logits_n; one vectorized backward pass):
+
+        A = (1/B) sum_rows a a^T          G = (1/|T|) sum_columns sum_rows dz dz^T
+        GGN block of W flattened row-major  ≈  kron(A, G)
+
+    with |T| the rows per example (1 for a dense layer on [B, d_in], Ho*Wo for a
+    convolution: KFC's Gamma; k for a dense layer on [B, k, d_in]: KFAC-expand).
+
+    exact at B = 1 for a dense layer with exact columns (`mc_samples=None`: KFLR, Botev
+    et al. 2017, arXiv 1706.03662); with `mc_samples=k` the columns are sampled from the
+    model (KFAC, Martens & Grosse 2015, arXiv 1503.05671), equal to the exact G in
+    expectation. Convolutions: KFC (Grosse & Martens 2016, arXiv 1602.01407), the sums
+    running over every output position.
+
+    Conventions: the loss is the SUM over examples (for a mean loss (1/B) sum_n l_n
+    divide G by B); A is the mean over examples of sum_rows a a^T and G the sum over
+    examples, so that kron(A, G) ≈ sum_n (a_n a_n^T) ⊗ G_n. BackPACK (1.7.1, `KFLR`
+    and `KFAC`) returns the factors of a torch weight [d_out, d_in] (or [Cout, Cin, kh,
+    kw]) in the order [G, A], with the same A (the batch mean of sum_rows a a^T; its
+    patches are ordered [Cin, kh, kw], ours [kh, kw, Cin] like TensorFlow's filter) and,
+    for a dense layer and a loss with reduction="sum", the same G; with its default
+    reduction="mean" its G is this G / B. For a convolution BackPACK's G is
+    sum_columns sum_n (sum_p dz_p)(sum_p dz_p)^T (the GGN of the bias), |T| times KFC's
+    Gamma under KFC's assumptions, where this G is KFC's Gamma itself.
+
+    Args:
+      logits: [B, K] network outputs that `loss` reads.
+      xs: a kernel or a list of weights (e.g. `model.trainable_weights`).
+      loss: "softmax_cross_entropy", "sigmoid_cross_entropy" or "mse"
+        (l = sum_k (f_k - y_k)^2). The labels are not needed.
+      mc_samples: None for the exact columns (M = K), or k sampled columns.
+      batch, batch_size: as in `pertower.per_example_gradients` (the tensors carrying
+        the batch; B when the batch axis is None and B is known).
+      seed: an int for reproducible sampled columns, or None.
+      name: name scope for the new ops (default "kfac_factors").
+
+    Returns:
+      A list parallel to `xs`: a `KroneckerFactors(A, G)` for each covered kernel, A
+      [d_in, d_in] (d_in = kh*kw*Cin for a convolution) and G [d_out, d_out], of the
+      logits' dtype; None for any other entry (a bias, a weight no rule covers, a
+      depthwise or grouped filter, a weight read by several ops), with one UserWarning
+      naming each such entry and why (`pertower.diag_ggn` serves them).
+
+    Example:
+      logits = model(x)                                           # [B, 10]
+      factors = pertower.kfac_factors(logits, model.trainable_weights)
+      A, G = factors[0]                                           # first kernel
+      # a preconditioned gradient of W [d_in, d_out]: (A + λI)^-1 dW (G + λI)^-1
+    """
+    _checks.require_graph_mode()
+    loss = loss_hessian.check_loss(loss)
+    mc_samples = loss_hessian.check_mc_samples(mc_samples)
+    logits = _checks.require_graph_tensor(logits, "logits")
+    xs = _checks.as_list(xs)
+    request = _request.make_request(
+        logits, xs, batch, batch_size, None, method="auto", validate=False,
+        memory_limit=float("inf"), refuse=False, ys_argument="logits")
+    plan = _dispatch.make_plan(request)
+    found = _reasons_and_layers(plan)
+    _warn_uncovered(xs, found)
+    covered = [k for k, layer in enumerate(found) if isinstance(layer, _Layer)]
+    results = [None] * len(xs)
+    if not covered:
+        return results
+    with logits.graph.as_default(), tf.name_scope(name or _context.name()):
+        S = loss_hessian.hessian_factor(logits, loss, mc_samples, seed)     # [M, B, K]
+        outputs = [found[k].output for k in covered]
+        dZ = columns_lib.output_gradient_columns(logits, outputs, S)      # [M, *Z.shape]
+        B = _engine.group_count(request, None)
+        for k, columns in zip(covered, dZ):
+            rows = found[k].rows                                          # [R, d_in]
+            d_out = columns.shape[-1]
+            dz = tf.reshape(columns, [-1, d_out])                         # [M*R, d_out]
+            R = tf.cast(tf.shape(rows)[0], rows.dtype)                    # B * |T|
+            B_ = tf.cast(B, rows.dtype)
+            A = _outer_sum(rows) / B_                                     # [d_in, d_in]
+            G = _outer_sum(dz) * (B_ / R)                                 # [d_out, d_out]
+            results[k] = KroneckerFactors(A, G)
+    return results
