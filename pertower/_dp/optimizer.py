@@ -358,9 +358,10 @@ class DPOptimizer:
         if self._clip.adaptive is None:
             return None if self._clip.kind == "per_layer" else self._clip.l2_norm_clip
         if self._clip_variable is None:
-            with tf.init_scope():
+            with tf.init_scope(), tf.compat.v1.variable_scope(
+                    None, default_name="dp_adaptive_clip"):
                 self._clip_variable = tf.compat.v1.get_variable(
-                    "dp_l2_norm_clip", trainable=False, use_resource=True,
+                    "l2_norm_clip", trainable=False, use_resource=True,
                     initializer=tf.constant(self._clip.l2_norm_clip, dtype))
         return tf.identity(self._clip_variable.read_value(), name="l2_norm_clip")
 
