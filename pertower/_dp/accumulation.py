@@ -15,9 +15,23 @@ batch over N, and T = the number of noised steps (TensorFlow Privacy's
 same way, `pertower.poisson_batches(..., splits=k)`).
 """
 
+import dataclasses
+
 import tensorflow as tf
 
-__all__ = ["Accumulator"]
+__all__ = ["Accumulator", "PendingStep"]
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """What compute_gradients built for apply_gradients to finish: the gradients it
+    returned, the accumulator's totals and flag (accumulation), the adaptive clip's
+    read and its update (adaptive clipping)."""
+    gradients: tuple
+    accumulator: object = None
+    totals: tuple = None
+    is_last: object = None
+    clip_update: object = None     # () -> the scalar new clip norm
 
 
 class Accumulator:

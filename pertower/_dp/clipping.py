@@ -54,7 +54,7 @@ from pertower import _reductions as reductions
 __all__ = ["AdaptiveClipping", "ClippingOptions", "clipping_options", "flat_factors",
            "per_layer_factors", "per_layer_clips",
            "gradient_noise_multiplier", "clipped_sum_per_example",
-           "clipped_sum_microbatches", "adaptive_clip_update"]
+           "clipped_sum_microbatches", "adaptive_clip_update", "clip_variable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,3 +271,11 @@ def adaptive_clip_update(clip, unclipped, expected_groups, options, count_stddev
     noise = tf.cast(count_stddev, dtype) * tf.random.stateless_normal([], key, dtype=dtype)
     fraction = (tf.cast(unclipped, dtype) - m / 2.0 + noise) / m + 0.5     # b̃
     return clip * tf.exp(-options.learning_rate * (fraction - options.target_quantile))
+
+
+def clip_variable(initial, dtype):
+    """The non-trainable scalar resource variable holding adaptive clipping's C (in
+    GLOBAL_VARIABLES), made outside any control flow or dependencies."""
+    with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_adaptive_clip"):
+        return tf.compat.v1.get_variable("l2_norm_clip", trainable=False, use_resource=True,
+                                         initializer=tf.constant(initial, dtype))

@@ -42,7 +42,6 @@ sums between runs, and the division is by the expected batch size when one is gi
 (the sum of an empty Poisson batch is 0, so the step then releases the noise alone).
 """
 
-import dataclasses
 import math
 import numbers
 import warnings
@@ -67,20 +66,6 @@ _ONE_LOSS_PER_EXAMPLE = (
     "DP needs one loss per example: pass the unreduced loss, [B] (e.g. "
     "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
     "reduction='none'), not its mean.")
-
-
-
-
-@dataclasses.dataclass
-class _Step:
-    """What compute_gradients built for apply_gradients to finish: the gradients it
-    returned, the accumulator's totals and flag (accumulation), the adaptive clip's
-    read and its update (adaptive clipping)."""
-    gradients: tuple
-    accumulator: object = None
-    totals: tuple = None
-    is_last: object = None
-    clip_update: object = None     # () -> the scalar new clip norm
 
 
 class DPOptimizer:
@@ -172,7 +157,7 @@ class DPOptimizer:
         self._computed = False
         self._noise_draws = 0  # noise ops built so far: each gets its own op seed
         self._clip_variable = None
-        self._step = None      # the last compute_gradients' `_Step`
+        self._step = None      # the last compute_gradients' `PendingStep`
 
     @property
     def optimizer(self):
@@ -315,7 +300,7 @@ class DPOptimizer:
             # adaptive clipping's count of unclipped examples (norms <= C)
             unclipped = (tf.reduce_sum(tf.cast(norms <= clip, dtype))
                          if self._clip.adaptive is not None else tf.zeros([], dtype))
-            step = _Step(gradients=())
+            step = accumulation_lib.PendingStep(gradients=())
             if self._accumulation_steps > 1:
                 step.accumulator = accumulation_lib.Accumulator(
                     var_list, self._accumulation_steps, dtype)
@@ -358,11 +343,7 @@ class DPOptimizer:
         if self._clip.adaptive is None:
             return None if self._clip.kind == "per_layer" else self._clip.l2_norm_clip
         if self._clip_variable is None:
-            with tf.init_scope(), tf.compat.v1.variable_scope(
-                    None, default_name="dp_adaptive_clip"):
-                self._clip_variable = tf.compat.v1.get_variable(
-                    "l2_norm_clip", trainable=False, use_resource=True,
-                    initializer=tf.constant(self._clip.l2_norm_clip, dtype))
+            self._clip_variable = clipping_lib.clip_variable(self._clip.l2_norm_clip, dtype)
         return tf.identity(self._clip_variable.read_value(), name="l2_norm_clip")
 
     def _noise_key(self):
