@@ -31,10 +31,10 @@ def _loop_weight_norms(case):
 
 # rules with a cheap squared norm (dense, conv, embedding), formed ones, and weights
 # left to towers (mixed_fallback: k2 and scale; mixing_op: every weight)
-# (two fast representatives; the others are heavy)
-_PER_WEIGHT_MODELS = ["mlp", "mixed_fallback"] + [
-    pytest.param(name, marks=pytest.mark.heavy)
-    for name in ("cnn", "embedding", "dense_sequence", "layer_norm", "mixing_op")]
+# (one fast representative; the others are heavy)
+_PER_WEIGHT_MODELS = ["mlp"] + [
+    pytest.param(name, marks=pytest.mark.heavy) for name in (
+        "mixed_fallback", "cnn", "embedding", "dense_sequence", "layer_norm", "mixing_op")]
 
 
 def _build(name):
