@@ -402,3 +402,15 @@ def test_adaptive_clipping_accounting_composes_the_count(accountant):
     assert pertower.AdaptiveClipping().resolved_count_stddev(60) == 3.0
     with pytest.raises(ValueError, match="pertower.compute_epsilon: `accountant` must be"):
         pertower.compute_epsilon(10, 1.0, 0.1, 1e-5, accountant="gdp")
+
+
+def test_the_bench_s_dp_overhead_row_is_dp_minus_plain_minus_noise():
+    from pertower.tools.bench import dp as bench_dp  # pylint: disable=import-outside-toplevel
+    entries = [bench_dp.DPEntry("mlp", 8, "plain step", runs_ms=[2.0]),
+               bench_dp.DPEntry("mlp", 8, "dp step[auto]", runs_ms=[7.5]),
+               bench_dp.DPEntry("mlp", 8, "dp step[auto] σ=0", runs_ms=[6.0]),
+               bench_dp.DPEntry("mlp", 8, "noise draw", runs_ms=[1.5]),
+               bench_dp.DPEntry("cnn", 4, "plain step", runs_ms=[3.0])]   # no DP rows
+    table = bench_dp.format_dp_table(entries)
+    rows = [line for line in table.splitlines() if "dp − plain − noise" in line]
+    assert len(rows) == 1 and rows[0].split()[-2:] == ["4.0", "2.00"], table
