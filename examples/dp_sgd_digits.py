@@ -1,12 +1,14 @@
 """DP-SGD on handwritten digits: a Keras 2 CNN in a Session, with and without privacy.
 
-Trains the same small CNN (same initial weights, same batches) twice on scikit-learn's
+Trains the same small CNN (same initial weights) twice on scikit-learn's
 bundled digits (1,500 training and 297 test images, no download): once with plain
-SGD, once with `pertower.DPOptimizer` (every example's gradient clipped to
---l2-norm-clip, Gaussian noise of --noise-multiplier times the clip). Prints the test
-accuracy of both, the privacy spent by the DP run, (ε, δ) from `pertower.compute_epsilon`
-(RDP accountant, Poisson sampling with q = batch / 1500), and the median time of a
-training step of each.
+SGD on shuffled batches, once with `pertower.DPOptimizer` (every example's gradient
+clipped to --l2-norm-clip, Gaussian noise of --noise-multiplier times the clip) on
+Poisson-sampled batches from `pertower.poisson_batches` (each example joins each batch
+with probability q = batch / 1500, the sampling the accounting assumes; the sum is
+divided by the expected batch size). Prints the test accuracy of both, the privacy
+spent by the DP run, (ε, δ) from `pertower.compute_epsilon` (RDP and PLD accountants),
+and the median time of a training step of each.
 
 Run:  python examples/dp_sgd_digits.py               (about 20 s on 2 cores)
       python examples/dp_sgd_digits.py --quick       (a few steps: a smoke test)
@@ -59,15 +61,17 @@ def train(args, data, private):
         sgd = tf.compat.v1.train.GradientDescentOptimizer(args.learning_rate)
         if private:
             dp = pertower.DPOptimizer(sgd, l2_norm_clip=args.l2_norm_clip,
-                                      noise_multiplier=args.noise_multiplier, seed=args.seed)
-            train_op = dp.minimize(loss, var_list=model.trainable_weights,
-                                   batch_size=args.batch_size)
+                                      noise_multiplier=args.noise_multiplier, seed=args.seed,
+                                      expected_batch_size=args.batch_size)
+            # Poisson batches vary in size: every weight of this CNN has a rule, so no
+            # batch_size is needed
+            train_op = dp.minimize(loss, var_list=model.trainable_weights)
         else:
             train_op = sgd.minimize(tf.reduce_mean(loss), var_list=model.trainable_weights)
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
 
-    rng = np.random.RandomState(args.seed)             # the same batches both runs
+    rng = np.random.RandomState(args.seed)             # the shuffled batches of SGD
     steps_per_epoch = len(y_train) // args.batch_size
     total = 5 if args.quick else args.epochs * steps_per_epoch
     q = args.batch_size / len(y_train)
@@ -77,11 +81,16 @@ def train(args, data, private):
               disable=args.quick) as bar:
         step = 0
         while step < total:
-            for index in digits_common.batches(len(y_train), args.batch_size, rng):
+            # DP: Poisson batches (the accounting's sampling); SGD: shuffled ones
+            batches = (pertower.poisson_batches((x_train, y_train), q, steps=total - step,
+                                                seed=args.seed) if private else
+                       ((x_train[i], y_train[i]) for i in digits_common.batches(
+                           len(y_train), args.batch_size, rng)))
+            for images, labels in batches:
                 if step == total:
                     break
                 start = time.perf_counter()
-                sess.run(train_op, {x: x_train[index], y: y_train[index]})
+                sess.run(train_op, {x: images, y: labels})
                 step_seconds.append(time.perf_counter() - start)
                 step += 1
                 bar.update(1)
@@ -104,10 +113,13 @@ def main(argv=None):
     plain_acc, steps, plain_time = train(args, data, private=False)
     dp_acc, _, dp_time = train(args, data, private=True)
     eps = pertower.compute_epsilon(steps, args.noise_multiplier, q, args.delta)
+    pld = pertower.compute_epsilon(steps, args.noise_multiplier, q, args.delta,
+                                   accountant="pld")
     print(f"SGD     test accuracy {plain_acc:.3f}   epsilon = inf (no privacy)")
     print(f"DP-SGD  test accuracy {dp_acc:.3f}   epsilon = {eps:.2f} at delta = "
           f"{args.delta:g} ({steps} steps, q = {q:.4f}, noise multiplier "
-          f"{args.noise_multiplier}, clip {args.l2_norm_clip})")
+          f"{args.noise_multiplier}, clip {args.l2_norm_clip}; PLD accountant: "
+          f"{pld:.2f})")
     print(f"median step time: SGD {plain_time * 1e3:.1f} ms, DP-SGD {dp_time * 1e3:.1f} ms "
           f"({dp_time / plain_time:.1f}x)")
     return 0

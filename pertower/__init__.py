@@ -11,7 +11,7 @@ Public surface:
     PerExampleIndexedSlices (sparse=True results for embedding weights)
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
-    DPOptimizer, compute_epsilon
+    DPOptimizer, AdaptiveClipping, poisson_batches, compute_epsilon
     tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
     fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
     sum_grad_squared, diag_ggn (curvature: the GGN / Fisher diagonal),
@@ -55,6 +55,8 @@ __all__ = [
     "pairwise_dot",
     "pairwise_cosine",
     "DPOptimizer",
+    "AdaptiveClipping",
+    "poisson_batches",
     "compute_epsilon",
     "tracin",
     "tracin_over_checkpoints",
@@ -73,6 +75,7 @@ __all__ = [
 
 # public name -> the module that defines it
 _LAZY = {
+    "AdaptiveClipping": "pertower._dp.clipping",
     "build_towers": "pertower._towers.build",
     "check_independence": "pertower._guards.independence",
     "class_similarity": "pertower._analytics",
@@ -100,6 +103,7 @@ _LAZY = {
     "per_example_gradients": "pertower._api.gradients",
     "per_example_jacobians": "pertower._api.gradients",
     "per_example_norms": "pertower._api.norms",
+    "poisson_batches": "pertower._dp.sampling",
     "PerExampleIndexedSlices": "pertower._towers.sparse",
     "Plan": "pertower._plan",
     "similarity_matrix": "pertower._analytics",

@@ -106,21 +106,32 @@ class Built:
                         results[k] = g
                 return [independence.gated(g) for g in results]
 
-    def squared_norms(self, name=None):
-        """[G] squared norms of each group's gradient over all xs (norms)."""
+    def squared_norms(self, name=None, per_weight=False):
+        """[G] squared norms of each group's gradient over all xs (norms); with
+        per_weight, [G, len(xs)]: column k the squared norm over xs[k] alone (0 for a
+        weight `ys` does not reach)."""
         with tf.name_scope(name or "gradients"):
             ys = self.plan.request.ys
             with tf.control_dependencies(self._rule_checks()):
-                squares = list(_engine.squared_norms(self.plan, self.covered,
-                                                     self.groups).values())   # [G] each
+                squares = _engine.squared_norms(self.plan, self.covered,
+                                                self.groups)                  # {k: [G]}
                 _, fallback_squares = self._fallback_formed(
                     "tower_gradients" if self._alone else self._fallback_scope)
-            squares += list(fallback_squares.values())                        # [G] each
+            squares.update(fallback_squares)                                  # {k: [G]}
+            if per_weight:
+                return self._per_weight(squares, ys.dtype)                    # [G, K]
+            squares = list(squares.values())
             if not squares:   # no weight is reached
                 squares = [tf.zeros(tf.reshape(self.groups, [1]), dtype=ys.dtype)]
             return tf.add_n([tf.cast(s, ys.dtype) for s in squares])           # [G]
 
-    def clipped_sum(self, factors_of, name=None):
+    def _per_weight(self, squares, dtype):
+        """{k: [G]} -> [G, K], zeros in the columns of the weights not in `squares`."""
+        zeros = tf.zeros(tf.reshape(self.groups, [1]), dtype=dtype)            # [G]
+        return tf.stack([tf.cast(squares[k], dtype) if k in squares else zeros
+                         for k in range(len(self.xs))], axis=1)                # [G, K]
+
+    def clipped_sum(self, factors_of, name=None, per_weight=False):
         """DP-SGD's clipped sum from one forward pass and one backward pass.
 
         The rules' norms and their reweighted sum share the dZ of ONE tf.gradients of
@@ -130,12 +141,16 @@ class Built:
         contracted with the factors.
 
         Args:
-          factors_of: maps the [G] per-group gradient norms to the [G] factors f.
+          factors_of: maps the [G] per-group gradient norms to the [G] factors f; with
+            per_weight, the [G, K] per-weight norms (column k over xs[k]) to [G, K]
+            factors (column k scales the gradients of xs[k]).
           name: name scope.
+          per_weight: whether the norms and factors are per weight (per-layer clipping).
 
         Returns:
-          (norms [G], factors [G], sums): sums[k] = sum_g f_g grad_g(xs[k]),
-          [*xs[k].shape], zeros for a weight `ys` does not reach; f is held constant.
+          (norms [G], factors [G], sums) ([G, K] each with per_weight): sums[k] =
+          sum_g f_g grad_g(xs[k]), [*xs[k].shape], zeros for a weight `ys` does not
+          reach; f is held constant.
         """
         with tf.name_scope(name or "clipped_sum"):
             plan, ys, G = self.plan, self.plan.request.ys, self.groups
@@ -143,15 +158,27 @@ class Built:
                 d_outputs, squares, formed = _engine.norm_parts(plan, self.covered, G)
                 fallback_formed, fallback_squares = self._fallback_formed(
                     self._fallback_scope)
-            squares = list(squares.values()) + list(fallback_squares.values())  # [G] each
-            if not squares:   # no weight is reached
-                squares = [tf.zeros(tf.reshape(G, [1]), dtype=ys.dtype)]
-            norms = tf.sqrt(tf.add_n([tf.cast(s, ys.dtype) for s in squares]))
-            norms = self.validated([norms])[0]                                 # [G]
-            factors = tf.stop_gradient(factors_of(norms))                      # [G]
-            sums = _engine.clipped_sums(plan, self.covered, d_outputs, formed, factors)
-            if self.fallback is not None:
-                sums.update(self.fallback.clipped_sum(fallback_formed, factors))
+            if per_weight:
+                norms = tf.sqrt(self._per_weight({**squares, **fallback_squares},
+                                                 ys.dtype))                    # [G, K]
+            else:
+                squares = list(squares.values()) + list(fallback_squares.values())
+                if not squares:   # no weight is reached
+                    squares = [tf.zeros(tf.reshape(G, [1]), dtype=ys.dtype)]
+                norms = tf.sqrt(tf.add_n([tf.cast(s, ys.dtype) for s in squares]))  # [G]
+            norms = self.validated([norms])[0]
+            factors = tf.stop_gradient(factors_of(norms))             # [G] or [G, K]
+            if per_weight:   # each weight's sum with its own column of factors
+                sums = {}
+                for k in self.covered:
+                    sums.update(_engine.clipped_sums(plan, [k], d_outputs, formed,
+                                                     factors[:, k]))
+                for k, g in fallback_formed.items():
+                    sums.update(self.fallback.clipped_sum({k: g}, factors[:, k]))
+            else:
+                sums = _engine.clipped_sums(plan, self.covered, d_outputs, formed, factors)
+                if self.fallback is not None:
+                    sums.update(self.fallback.clipped_sum(fallback_formed, factors))
             results = []
             for k, x in enumerate(self.xs):
                 if k not in sums:

@@ -300,6 +300,9 @@ def _batch_tensors(ys, batch, ys_upstream, graph):
     if not batch:
         raise _context.error(ValueError, "`batch` is empty; pass the batch "
                          "tensor(s), or None to find them.")
+    # a tf.Variable holding the data stands for its reads on the way to `ys`
+    batch = [t for j, b in enumerate(batch) for t in (
+        _variable_reads(b, j, ys_upstream) if isinstance(b, tf.Variable) else [b])]
     for j, b in enumerate(batch):
         _checks.require_graph_tensor(b, f"batch[{j}]")
         if b.graph is not graph:
@@ -309,6 +312,19 @@ def _batch_tensors(ys, batch, ys_upstream, graph):
             raise _context.error(ValueError,f"`batch[{j}]` ({b.name}) is a "
                              "scalar; batch tensors need the batch on axis 0.")
     return batch
+
+
+def _variable_reads(variable, j, ys_upstream):
+    """The tensors reading `variable` (ReadVariableOp, or a reference variable's Identity)
+    among the ops `ys` depends on, [B, ...] each; raises when `ys` reads none."""
+    source = variable.handle if hasattr(variable, "handle") else variable.op.outputs[0]
+    reads = [op.outputs[0] for op in source.consumers() if op in ys_upstream and (
+        op.type in op_types.VARIABLE_READ_OP_TYPES or op.type == "Identity")]
+    if not reads:
+        raise _context.error(ValueError, f"`batch[{j}]` is the variable {variable.name!r}, "
+                             "but the per-example values do not read it; pass the variable "
+                             "(or tensor) holding the batch they are computed from.")
+    return sorted(reads, key=lambda t: t.op._id)  # pylint: disable=protected-access
 
 
 def _side_input_hint(op, batch):

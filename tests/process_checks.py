@@ -75,6 +75,8 @@ PROCESSES = {
         one_thread=False)
        for kind in ("dtype", "shape") for mode in ("graph", "legacy")},
     "curvature_legacy": _Command((os.path.join(HERE, "scripts", "curvature_legacy_checks.py"),)),
+    # the DP modes and per-weight norms under disable_v2_behavior()
+    "dp_modes_legacy": _Command((os.path.join(HERE, "scripts", "dp_modes_legacy_checks.py"),)),
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.

@@ -30,8 +30,8 @@ __all__ = ["per_example_norms"]
 @_context.public("per_example_norms")
 def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto",
                       validate=None, memory_limit=None, devices=None, rules=None,
-                      batch_axis=None):
-    """The L2 norm of each example's gradient over all of `xs`, [B].
+                      batch_axis=None, per_weight=False):
+    """The L2 norm of each example's gradient over all of `xs`, [B] (or [B, len(xs)]).
 
     Args:
       ys, xs, batch, batch_size, name, method, validate, devices, rules, batch_axis: as in
@@ -39,16 +39,27 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
         UserWarning names such weights.
       memory_limit: as in `pertower.per_example_gradients`, for the per-example
         gradients the norms need to hold: those of the weights left to towers.
+      per_weight: False (default) for one norm per example over all of `xs`; True for
+        one norm per example and weight, from the same squares (a rule's cheap squared
+        norm where it has one, e.g. ||a_i||^2 ||dz_i||^2 for a dense kernel): what
+        per-layer clipping needs. A PartitionedVariable counts as its parts.
 
     Returns:
       A [B] tensor of ys's dtype: entry i is the L2 norm of the concatenation of
-      `tf.gradients(tf.reduce_sum(ys[i]), x)` over every x, for example i alone.
+      `tf.gradients(tf.reduce_sum(ys[i]), x)` over every x, for example i alone. With
+      per_weight, a [B, len(xs)] tensor: entry [i, k] is the L2 norm of
+      `tf.gradients(tf.reduce_sum(ys[i]), xs[k])` (0 where ys does not reach xs[k]);
+      the [B] norms are the square root of each row's sum of squares.
 
     Example (per-example clipping factors for DP-SGD):
       norms = pertower.per_example_norms(loss, model.trainable_weights)   # [B]
       factors = tf.minimum(1.0, clip / (norms + 1e-12))                  # [B]
+      per_layer = pertower.per_example_norms(loss, weights, per_weight=True)  # [B, K]
     """
     _checks.require_graph_mode()
+    if not isinstance(per_weight, bool):
+        raise _context.error(TypeError, "`per_weight` must be True or False, but received "
+                             f"{type(per_weight).__name__} ({per_weight!r:.80}).")
     devices = _checks.device_list(devices)
     xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
     plan = _dispatch.make_plan(_request.make_request(
@@ -56,7 +67,8 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
         memory_limit=memory_limit, forms_gradients=False, batch_axis=batch_axis))
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
-        norms = tf.sqrt(built.squared_norms(name="gradients"))           # [B]
+        # [B], or [B, K] per weight
+        norms = tf.sqrt(built.squared_norms(name="gradients", per_weight=per_weight))
         _checks.warn_unconnected(ys, xs, _checks.UNCONNECTED_DEFAULT,
                                  outcome="they add 0 to the norms",
                                  reads=plan.request.reads)

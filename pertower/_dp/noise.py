@@ -22,7 +22,7 @@ import math
 
 import tensorflow as tf
 
-__all__ = ["standard_normal"]
+__all__ = ["standard_normal", "add_noise"]
 
 
 def standard_normal(n, key, dtype=tf.float32):
@@ -45,3 +45,30 @@ def standard_normal(n, key, dtype=tf.float32):
     angle = (2.0 * math.pi) * u[1]                                   # [h]
     draws = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)  # [2h]
     return tf.cast(draws[:n], dtype)                                 # [n]
+
+
+def add_noise(gradients, stddevs, key):
+    """g_x + s_x N(0, 1) per entry of each weight x, from ONE draw of P numbers over all
+    weights (so that one key gives every weight its own noise).
+
+    Args:
+      gradients: one tensor per weight, [*x.shape].
+      stddevs: one stddev s_x per weight (a float or a scalar tensor).
+      key: [2] int64, the stateless key of the draw.
+
+    Returns:
+      The noised gradients, [*x.shape] each.
+    """
+    dtype = gradients[0].dtype
+    # static sizes where known, so that the draw need not wait for the gradients
+    sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else tf.size(g)
+             for g in gradients]
+    with tf.name_scope("noise"):
+        total = sum(sizes) if all(isinstance(s, int) for s in sizes) else tf.add_n(
+            [tf.convert_to_tensor(s, tf.int32) for s in sizes])
+        noise = standard_normal(total, key, dtype)                              # [P]
+    pieces = tf.split(noise, tf.stack(sizes), num=len(gradients))  # [P] -> [P_x] each
+    # [P_x] -> [*x.shape]
+    return [g + tf.cast(s * tf.reshape(p, g.shape if g.shape.is_fully_defined()
+                                       else tf.shape(g)), g.dtype)
+            for g, p, s in zip(gradients, pieces, stddevs)]

@@ -34,9 +34,14 @@ Weights without a rule are formed by towers, [B, *x.shape], and contracted with 
 same f (the towers replay the model, so a random op draws its own numbers there; each
 example's clipped gradient, as computed, still has norm <= C). Microbatches (M < B)
 are built by the same dispatch as `microbatch_gradients`, [M, *x.shape].
+
+The modes of `_dp.clipping` (per-layer and adaptive clipping), `_dp.accumulation`
+(large logical batches) and `_dp.sampling` (Poisson batches) plug into this step: the
+clipping gives the factors and the noise's stddev per weight, the accumulator holds the
+sums between runs, and the division is by the expected batch size when one is given
+(the sum of an empty Poisson batch is 0, so the step then releases the noise alone).
 """
 
-import dataclasses
 import math
 import numbers
 import warnings
@@ -45,32 +50,22 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
-from pertower import _dispatch
-from pertower import _graph_walk as graph_walk
-from pertower import _plan
-from pertower import _reductions as reductions
 from pertower import _request
+from pertower._dp import accumulation as accumulation_lib
+from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
+from pertower._dp import var_lists
 
 __all__ = ["DPOptimizer"]
 
 _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 _GATE_GRAPH = tf.compat.v1.train.Optimizer.GATE_GRAPH
 
-
 # What a reduced loss is told.
 _ONE_LOSS_PER_EXAMPLE = (
     "DP needs one loss per example: pass the unreduced loss, [B] (e.g. "
     "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
     "reduction='none'), not its mean.")
-
-
-def _real_number(value, argument, positive):
-    """`value` as a float when it is a finite real number (> 0 or >= 0); raises otherwise."""
-    return _checks.real_number(value, argument, low=0.0, high=math.inf,
-                               low_open=positive, high_open=True,
-                               wanted="a positive number" if positive
-                               else "a non-negative number")
 
 
 class DPOptimizer:
@@ -80,15 +75,20 @@ class DPOptimizer:
     microbatch's) gradient is clipped, across all weights together, to L2 norm
     `l2_norm_clip`; the clipped gradients are summed; Gaussian noise of standard
     deviation `noise_multiplier * l2_norm_clip` is added to every entry; the sum is
-    divided by the number of examples (or microbatches) and handed to the wrapped
-    optimizer. Privacy spent: `pertower.compute_epsilon`.
+    divided by the number of examples (or microbatches, or `expected_batch_size`) and
+    handed to the wrapped optimizer. Privacy spent: `pertower.compute_epsilon`, which
+    assumes Poisson-sampled batches (`pertower.poisson_batches`).
 
     Args:
       optimizer: the `tf.compat.v1.train.Optimizer` instance that applies the noisy
         gradients (GradientDescentOptimizer, AdamOptimizer, ...).
-      l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have.
+      l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have (the
+        initial one with adaptive clipping). With clipping="per_layer", a number C split
+        equally over the K variables (C / sqrt(K) each), or a list of K positive
+        numbers C_k, one per floating-point variable of var_list in its order.
       noise_multiplier: σ >= 0; the noise's standard deviation is σ * C before the
-        division by the number of examples (σ = 0 gives clipping without privacy).
+        division (σ = 0 gives clipping without privacy). With adaptive clipping σ is
+        the total, split with the count's noise (`gradient_noise_multiplier`).
       num_microbatches: M, or None for one microbatch per example (M = B). M must
         divide B; a microbatch's loss is the mean of its examples' losses.
       seed: an int making the noise repeatable: the k-th `compute_gradients` call
@@ -99,28 +99,48 @@ class DPOptimizer:
       method: how the per-example norms and gradients are computed: "auto" (default),
         "rules" or "towers", as in `pertower.per_example_gradients`. With a None
         batch axis no `batch_size` is needed when every weight has a rule.
+      clipping: "flat" (default: one norm over all weights) or "per_layer" (McMahan et
+        al. 2018, arXiv 1710.06963: weight k's gradient clipped to C_k on its own, the
+        noise on weight k of stddev σ sqrt(K) C_k, a Gaussian mechanism of multiplier σ;
+        an example's clipped gradient has norm <= sqrt(sum_k C_k^2)).
+      expected_batch_size: None (default: divide by the number of examples fed, at
+        least 1) or the expected size of the (logical) batch, q * N, to divide by
+        instead, as DP-SGD with Poisson sampling does (Opacus' expected_batch_size): the
+        divisor then does not depend on the data. Needed by adaptive clipping; not with
+        num_microbatches.
+      adaptive_clipping: None, or a `pertower.AdaptiveClipping`: the clip norm follows
+        a target quantile of the norms (Andrew et al. 2021, arXiv 1905.03871); it lives
+        in `l2_norm_clip_variable` and moves each time a noised step is applied.
+        Flat clipping only.
+      gradient_accumulation_steps: k >= 1; with k > 1 each run of the training op adds
+        its batch's clipped sum to variables and every k-th run applies one noised step
+        for the k batches together (a logical batch of k physical ones; the accounting
+        uses the logical batch's q and the number of noised steps).
 
     Example:
       loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
                                                           from_logits=True)   # [B]
       dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                l2_norm_clip=1.0, noise_multiplier=1.1)
+                                l2_norm_clip=1.0, noise_multiplier=1.1,
+                                expected_batch_size=64)
       train_op = dp.minimize(loss, var_list=model.trainable_weights)
-      sess.run(train_op, {images: X[:64], labels: Y[:64]})
+      for xb, yb in pertower.poisson_batches((X, Y), 64 / len(X)):
+          sess.run(train_op, {images: xb, labels: yb})
     """
 
     @_context.public("DPOptimizer")
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None,
-                 seed=None, method="auto"):
+                 seed=None, method="auto", clipping="flat", expected_batch_size=None,
+                 adaptive_clipping=None, gradient_accumulation_steps=1):
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise _context.error(
                 TypeError, "`optimizer` must be a tf.compat.v1.train.Optimizer "
                 f"instance (e.g. tf.compat.v1.train.GradientDescentOptimizer(0.1)), but "
                 f"received {type(optimizer).__name__}. Keras optimizers are not supported.")
         self._optimizer = optimizer
-        self._l2_norm_clip = _real_number(l2_norm_clip, "l2_norm_clip", positive=True)
-        self._noise_multiplier = _real_number(noise_multiplier, "noise_multiplier",
-                                              positive=False)
+        self._noise_multiplier = _checks.real_number(
+            noise_multiplier, "noise_multiplier", 0.0, math.inf, high_open=True,
+            wanted="a non-negative number")
         self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
             num_microbatches, "num_microbatches"))
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
@@ -128,8 +148,16 @@ class DPOptimizer:
                                  f"{type(seed).__name__} ({seed!r:.80}).")
         self._seed = None if seed is None else int(seed)
         self._method = _request.check_method(method)
+        # the clipping mode, its clip norms, the divisor and σ_Δ (`_dp.clipping`)
+        self._clip = clipping_lib.clipping_options(
+            clipping, l2_norm_clip, self._noise_multiplier, self._num_microbatches,
+            expected_batch_size, adaptive_clipping)
+        self._accumulation_steps = _checks.positive_int(gradient_accumulation_steps,
+                                                        "gradient_accumulation_steps")
         self._computed = False
         self._noise_draws = 0  # noise ops built so far: each gets its own op seed
+        self._clip_variable = None
+        self._step = None      # the last compute_gradients' `PendingStep`
 
     @property
     def optimizer(self):
@@ -138,11 +166,31 @@ class DPOptimizer:
 
     @property
     def l2_norm_clip(self):
-        return self._l2_norm_clip
+        """C as given (the initial one with adaptive clipping; a list per layer)."""
+        return self._clip.l2_norm_clip
+
+    @property
+    def l2_norm_clip_variable(self):
+        """With adaptive clipping, the non-trainable scalar variable holding the current
+        clip norm (made by the first compute_gradients); else None."""
+        return self._clip_variable
 
     @property
     def noise_multiplier(self):
         return self._noise_multiplier
+
+    @property
+    def gradient_noise_multiplier(self):
+        """σ_Δ, the noise multiplier of the gradient's noise: `noise_multiplier`, or
+        with adaptive clipping (σ^-2 - (2 σ_b)^-2)^(-1/2) (Theorem 1 of arXiv
+        1905.03871)."""
+        return self._clip.gradient_noise_multiplier
+
+    @property
+    def clipping_options(self):
+        """The checked clipping options: a record with kind, l2_norm_clip,
+        expected_batch_size, adaptive, count_stddev (σ_b) and gradient_noise_multiplier."""
+        return self._clip
 
     @property
     def num_microbatches(self):
@@ -151,6 +199,10 @@ class DPOptimizer:
     @property
     def seed(self):
         return self._seed
+
+    @property
+    def gradient_accumulation_steps(self):
+        return self._accumulation_steps
 
     @_context.public("DPOptimizer.compute_gradients")
     def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
@@ -167,7 +219,8 @@ class DPOptimizer:
             as `tf.compat.v1.train.Optimizer.compute_gradients`.
           batch, batch_size: as in `pertower.per_example_gradients` (with a None
             batch axis, batch_size is needed only when some weights fall back to
-            towers, or for microbatches whose gradients a tower computes).
+            towers, or for microbatches whose gradients a tower computes). A
+            `tf.Variable` holding the data may be given in `batch`.
           gate_gradients: as in `tf.compat.v1.train.Optimizer.compute_gradients`
             (GATE_GRAPH groups the gradients with tf.tuple).
           aggregation_method, colocate_gradients_with_ops: accepted for the signature
@@ -184,7 +237,10 @@ class DPOptimizer:
           `var_list` was given or defaulted: unlike the gradients of
           `tf.compat.v1.train.Optimizer`, where they are None and the variable is left
           alone, noise moves them at every step (pass `var_list` to choose). A Keras 3
-          variable is replaced by the tf.Variable holding its value.
+          variable is replaced by the tf.Variable holding its value. With
+          gradient_accumulation_steps k > 1 the gradients are those of the logical
+          batch on every k-th run (zeros on the others), and only the op of
+          `apply_gradients` adds each run's batch to the accumulator.
         """
         _checks.require_graph_mode()
         if callable(loss) and not isinstance(loss, tf.Tensor):
@@ -203,8 +259,8 @@ class DPOptimizer:
             raise _context.error(ValueError, f"`loss` ({loss.name}) has shape {loss.shape}, "
                                  f"but {_ONE_LOSS_PER_EXAMPLE}")
         defaulted = var_list is None
-        all_variables = self._variables(var_list)
-        var_list = _without_gradient_free(all_variables)
+        all_variables = var_lists.variables(var_list)
+        var_list = var_lists.without_gradient_free(all_variables)
         _checks.warn_unconnected(
             loss, var_list, _checks.UNCONNECTED_DEFAULT, argument="var_list",
             ys_argument="loss",
@@ -214,8 +270,12 @@ class DPOptimizer:
                     "defaulted to every trainable variable of the graph)." if defaulted
                     else "Leave them out of `var_list`."))
         M = self._num_microbatches
+        per_layer = self._clip.kind == "per_layer"
+        clips = (clipping_lib.per_layer_clips(self._clip.l2_norm_clip, len(var_list))
+                 if per_layer else None)
 
-        with tf.name_scope("dp_compute_gradients"):
+        with loss.graph.as_default(), tf.name_scope("dp_compute_gradients"):
+            dtype = loss.dtype.base_dtype
             # [B, ...] -> [B]: an example's loss is the mean of its entries
             per_example_loss = loss if loss.shape.rank <= 1 else tf.reduce_mean(
                 loss, axis=list(range(1, loss.shape.rank)))
@@ -226,119 +286,112 @@ class DPOptimizer:
                     per_example_loss, var_list, batch, batch_size, M, method=self._method,
                     batch_axis=batch_axis, ys_argument="loss",
                     scalar_advice=_ONE_LOSS_PER_EXAMPLE)
+            clip = self._clip_read(dtype)              # C: a float, or the variable's read
+            factors_of = (clipping_lib.per_layer_factors(clips) if per_layer
+                          else clipping_lib.flat_factors(clip))
             # B when known now (the towers check it against the fed batch at run time)
             B = request.batch_size if request.batch_size is not None else request.ys_rows
             if M is None or (B is not None and M == B):
-                clipped_sum, count = self._clipped_sum_per_example(request, gate_gradients)
+                clipped_sum, count, norms = clipping_lib.clipped_sum_per_example(
+                    request, factors_of, per_layer, gate_gradients == _GATE_GRAPH)
             else:
-                clipped_sum, count = self._clipped_sum_microbatches(request)
-            noised = self._add_noise(clipped_sum)
-            # sum / M: the noisy average over microbatches (examples when M = B)
-            averaged = [g / tf.cast(count, g.dtype) for g in noised]
+                clipped_sum, count, norms = clipping_lib.clipped_sum_microbatches(
+                    request, factors_of, per_layer)
+            # adaptive clipping's count of unclipped examples (norms <= C)
+            unclipped = (tf.reduce_sum(tf.cast(norms <= clip, dtype))
+                         if self._clip.adaptive is not None else tf.zeros([], dtype))
+            step = accumulation_lib.PendingStep(gradients=())
+            if self._accumulation_steps > 1:
+                step.accumulator = accumulation_lib.Accumulator(
+                    var_list, self._accumulation_steps, dtype)
+                clipped_sum, count, unclipped, step.is_last = step.accumulator.totals(
+                    clipped_sum, count, unclipped)
+                step.totals = (clipped_sum, count, unclipped)
+            stddevs = ([self._noise_multiplier * math.sqrt(len(clips)) * c for c in clips]
+                       if per_layer else [self._clip.gradient_noise_multiplier * clip]
+                       * len(var_list))
+
+            def release():
+                noised = self._add_noise(clipped_sum, stddevs)
+                # sum / the expected batch size, or / M (examples when M = B), >= 1
+                divisor = (tf.constant(self._clip.expected_batch_size, dtype)
+                           if self._clip.expected_batch_size is not None else
+                           tf.maximum(tf.cast(count, dtype), 1))
+                return [g / tf.cast(divisor, g.dtype) for g in noised]
+
+            if step.accumulator is None:
+                averaged = release()
+            else:   # the noise is drawn on the k-th run only
+                averaged = tf.cond(step.is_last, release,
+                                   lambda: [tf.zeros_like(g) for g in clipped_sum])
+                for g, x in zip(averaged, var_list):
+                    g.set_shape(x.shape)
+            if self._clip.adaptive is not None:
+                step.clip_update = lambda: clipping_lib.adaptive_clip_update(
+                    clip, unclipped, self._clip.expected_batch_size, self._clip.adaptive,
+                    self._clip.count_stddev, self._noise_key())
         self._computed = True
+        step.gradients = tuple(averaged)
+        self._step = step
         noisy_gradients = dict(zip(map(id, var_list), averaged))
         return [(noisy_gradients.get(id(v)), v) for v in all_variables]
 
-    def _variables(self, var_list):  # (every entry, non-float ones included)
-        if var_list is None:
-            var_list = tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
-                tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES)
-            var_list = list({id(v): v for v in var_list}.values())
-            if not var_list:
-                raise _context.error(ValueError, "the graph has no trainable variables; "
-                                     "pass `var_list`.")
-        else:
-            var_list = _checks.weight_list(
-                _checks.Partitions(_checks.as_list(var_list)).flat, "var_list")
-            if not var_list:
-                raise _context.error(ValueError, "`var_list` is empty.")
-        return var_list
+    def _clip_read(self, dtype):
+        """C for this step: the float (fixed clipping), or one read of the adaptive clip
+        variable (made on first use, non-trainable), shared by the factors, the noise
+        and the update so that they all see the same C."""
+        if self._clip.adaptive is None:
+            return None if self._clip.kind == "per_layer" else self._clip.l2_norm_clip
+        if self._clip_variable is None:
+            self._clip_variable = clipping_lib.clip_variable(self._clip.l2_norm_clip, dtype)
+        return tf.identity(self._clip_variable.read_value(), name="l2_norm_clip")
 
-    def _clip_factors(self, norms):
-        """f = C / max(n, C) = min(1, C / n): the clip_by_global_norm factors, [M]."""
-        clip = tf.constant(self._l2_norm_clip, norms.dtype)
-        return clip / tf.maximum(norms, clip)
-
-    def _clipped_sum_per_example(self, request, gate_gradients):
-        """sum_i clip(g_i) from one forward and one backward pass; and B."""
-        request = request.per_example()
-        with warnings.catch_warnings():   # compute_gradients warned about unreached ones
-            warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
-            plan = _dispatch.make_plan(dataclasses.replace(
-                request, options=dataclasses.replace(request.options,
-                                                     forms_gradients=False)))
-        # towers replay the model with their own draws; row passes (past a TF1 loop)
-        # differentiate the model itself, with the draws of the loss
-        noisy = graph_walk.random_ops(request.ys_upstream)
-        if noisy and plan.fallback and plan.loop_op is None:
-            names = ", ".join(_plan.weight_name(request.xs[k]) for k in plan.fallback)
-            warnings.warn(_context.prefixed(
-                f"the loss depends on the random op {noisy[0].name!r} ({noisy[0].type}), "
-                f"e.g. dropout in training mode, and no rule covers {names}: their "
-                "per-example gradients come from towers that replay the model and draw "
-                "their own random numbers. Each example's clipped gradient still has norm "
-                "<= l2_norm_clip."), stacklevel=3)
-        built = _dispatch.build(plan)
-        _, _, grads = built.clipped_sum(self._clip_factors, name="clipped_sum")
-        if gate_gradients == _GATE_GRAPH:
-            grads = list(tf.tuple(grads))
-        return grads, tf.shape(request.ys)[0]
-
-    def _clipped_sum_microbatches(self, request):
-        """sum_m clip(g_m) with g_m the gradient of microbatch m's mean loss; and M."""
-        M, per_example_loss = request.num_groups, request.ys
-        with tf.name_scope("microbatch_gradients"):
-            built = _dispatch.build(_dispatch.make_plan(request))
-            # [M, *x.shape] each
-            sums = built.validated(built.gradients(unconnected_gradients="zero",
-                                                   name="gradients"))
-        # gradient of the microbatch mean = gradient of its sum / (B/M); B/M counted
-        # on the outer loss (not replayed by the towers)
-        per_microbatch = tf.shape(per_example_loss)[0] // M
-        means = [g / tf.cast(per_microbatch, g.dtype) for g in sums]
-        factors = self._clip_factors(reductions.global_norms(means))    # [M]
-        # [M] x [M, *x.shape] -> [*x.shape]
-        clipped_sum = [tf.tensordot(factors, g, axes=1) for g in means]
-        return clipped_sum, M
-
-    def _add_noise(self, gradients):
-        """g + N(0, (σ C)^2) per entry, from one draw over all weights (so that one
-        seed gives every weight its own noise)."""
-        if self._noise_multiplier == 0:
-            return gradients
-        dtype = gradients[0].dtype
-        # call k gets op seed seed + k: a second compute_gradients draws other noise
+    def _noise_key(self):
+        """[2] int64: a fresh stateless key per sess.run from a 2-entry stateful draw;
+        call k of this optimizer gets op seed seed + k (repeatable with the graph seed)."""
         seed = None if self._seed is None else self._seed + self._noise_draws
         self._noise_draws += 1
-        # static sizes where known, so that the draw need not wait for the gradients
-        sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else tf.size(g)
-                 for g in gradients]
-        # a fresh key pair per sess.run from a 2-entry stateful draw (repeatable with the
-        # op and graph seeds), then P stateless Box-Muller draws (`_dp.noise`)
-        key = tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=seed,
-                                name="noise_key")                              # [2]
-        with tf.name_scope("noise"):
-            total = sum(sizes) if all(isinstance(s, int) for s in sizes) else tf.add_n(
-                [tf.convert_to_tensor(s, tf.int32) for s in sizes])
-            noise = (self._noise_multiplier * self._l2_norm_clip) * noise_lib.standard_normal(
-                total, key, dtype)                                              # [P]
-        pieces = tf.split(noise, tf.stack(sizes), num=len(gradients))  # [P] -> [P_x] each
-        # [P_x] -> [*x.shape]
-        return [g + tf.cast(tf.reshape(p, g.shape if g.shape.is_fully_defined()
-                                       else tf.shape(g)), g.dtype)
-                for g, p in zip(gradients, pieces)]
+        return tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=seed,
+                                 name="noise_key")                              # [2]
+
+    def _add_noise(self, gradients, stddevs):
+        """g_x + N(0, s_x^2) per entry of weight x, s_x = stddevs[x] (`_dp.noise`)."""
+        if all(isinstance(s, float) and s == 0 for s in stddevs):
+            return list(gradients)
+        return noise_lib.add_noise(gradients, stddevs, self._noise_key())
 
     @_context.public("DPOptimizer.apply_gradients")
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """The wrapped optimizer's `apply_gradients`; refused before `compute_gradients`
-        (the gradients it applies must be the private ones)."""
+        (the gradients it applies must be the private ones). With adaptive clipping the
+        op also moves the clip norm; with gradient accumulation it adds the run's batch
+        to the accumulator and applies on every k-th run only."""
         if not self._computed:
             raise _context.error(
                 RuntimeError, "call compute_gradients first (or "
                 "minimize); applying gradients that were not clipped and noised would not "
                 "be differentially private.")
-        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
-                                               name=name)
+        grads_and_vars = list(grads_and_vars)
+        step = self._step
+        ours = step is not None and {id(g) for g, _ in grads_and_vars if g is not None} <= \
+            {id(g) for g in step.gradients}
+        if (step.accumulator is not None or step.clip_update is not None) and not ours:
+            raise _context.error(
+                ValueError, "with gradient accumulation or adaptive clipping, pass the "
+                "pairs the last compute_gradients returned (the op of apply_gradients "
+                "also updates the accumulator and the clip norm).")
+
+        def apply():
+            applied = self._optimizer.apply_gradients(grads_and_vars,
+                                                      global_step=global_step, name=name)
+            if step.clip_update is None:
+                return applied
+            with tf.control_dependencies([applied]):
+                return tf.group(applied, self._clip_variable.assign(step.clip_update()))
+
+        if step.accumulator is None:
+            return apply()
+        return step.accumulator.finish(step.is_last, step.totals, apply)
 
     def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
                  aggregation_method=None, colocate_gradients_with_ops=False, name=None,
@@ -368,26 +421,5 @@ class DPOptimizer:
 
     def __repr__(self):
         return (f"DPOptimizer({type(self._optimizer).__name__}, l2_norm_clip="
-                f"{self._l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
+                f"{self._clip.l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
                 f"num_microbatches={self._num_microbatches}, seed={self._seed})")
-
-
-def _without_gradient_free(var_list):
-    """The floating-point entries of `var_list`. The others (an int64 `global_step`, a
-    tf.string variable) have no gradient: as TensorFlow's optimizers and TF Privacy do,
-    they get the gradient None, and a warning names them."""
-    kept = [v for v in var_list if v.dtype.base_dtype.is_floating]
-    skipped = [v for v in var_list if not v.dtype.base_dtype.is_floating]
-    if skipped:
-        names = ", ".join(f"{_plan.weight_name(v)} ({v.dtype.base_dtype.name})"
-                          for v in skipped)
-        warnings.warn(_context.prefixed(
-            f"{len(skipped)} of the variables in `var_list` are not floating-point "
-            f"({names}): they have no gradient, so they get the gradient None and "
-            "apply_gradients leaves them as they are. Leave them out of `var_list`."),
-            stacklevel=4)
-    if not kept:
-        raise _context.error(ValueError, (
-            "`var_list` has no floating-point variable to compute gradients for "
-            f"(received {len(var_list)} of other dtypes); pass the model's weights."))
-    return kept

@@ -3,6 +3,12 @@ side by side (round robin), and their table.
 
 Notation:
     B   examples        C   clip norm       σ   noise multiplier
+    P   the weights' entries (the Gaussian numbers one DP step draws)
+
+The DP step's floor is a plain step plus the draw of P Gaussian numbers; the table's
+derived row "dp − plain − noise" is what clipping costs beyond it (the first method's
+step minus the plain step minus the "noise draw" row, the draw alone as the step makes
+it), with its ratio to the plain step.
 """
 
 import dataclasses
@@ -12,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import pertower
+from pertower._dp import noise as noise_lib
 from pertower.tools import models as models_lib
 from pertower.tools import timing
 from pertower.tools.bench import report as report_lib
@@ -86,6 +93,11 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                                           noise_multiplier=0.0, method=methods[0])
                 steps.append((f"dp step[{methods[0]}] σ=0", dp.minimize(
                     loss, var_list=model.weights, batch_size=B)))
+                # the P draws alone, as the DP step makes them (a fresh key per run)
+                P = sum(w.shape.num_elements() for w in model.weights)
+                key = tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=B)
+                steps.append(("noise draw", tf.reduce_sum(
+                    noise_lib.standard_normal(P, key, loss.dtype)[:1])))
                 sess.run(tf.compat.v1.global_variables_initializer())
                 rows = [DPEntry(model_name, B, name) for name, _ in steps]
                 for _, op in steps:
@@ -99,11 +111,31 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
 
 
 def format_dp_table(entries):
-    """The DP rows as text: median ms and the ratio to the plain step of the same run."""
+    """The DP rows as text: median ms and the ratio to the plain step of the same run;
+    after each model's rows, when it has a plain step, a DP step and a noise draw, the
+    row "dp − plain − noise" (the first DP step's median minus the other two)."""
     plain = {(e.model, e.batch_size): e.median_ms for e in entries if e.name == "plain step"}
     rows = []
-    for e in entries:
-        base = plain.get((e.model, e.batch_size))
+    for j, e in enumerate(entries):
+        key = (e.model, e.batch_size)
+        base = plain.get(key)
         rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_ms, ".1f"),
                      report_lib.cell(e.median_ms / base if base else None, ".2f")))
+        last = j + 1 == len(entries) or (entries[j + 1].model,
+                                         entries[j + 1].batch_size) != key
+        if last:
+            rows += _overhead_row(key, [f for f in entries
+                                        if (f.model, f.batch_size) == key], base)
     return timing.format_table(("model", "B", "step", "ms", "x plain"), rows)
+
+
+def _overhead_row(key, entries, base):
+    """[("dp − plain − noise", ms, x plain)] for one model's entries, or []."""
+    dp_steps = [e for e in entries if e.name.startswith("dp step[") and "σ=0" not in e.name]
+    noise = [e for e in entries if e.name == "noise draw"]
+    if not (base and dp_steps and noise and dp_steps[0].median_ms is not None
+            and noise[0].median_ms is not None):
+        return []
+    overhead = dp_steps[0].median_ms - base - noise[0].median_ms
+    return [(key[0], str(key[1]), "dp − plain − noise", report_lib.cell(overhead, ".1f"),
+             report_lib.cell(overhead / base, ".2f"))]

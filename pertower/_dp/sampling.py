@@ -1,0 +1,84 @@
+"""Poisson sampling: the batches DP-SGD's accounting assumes.
+
+Notation:
+    N   training examples      q   sampling_probability
+    T   steps                  B_t the size of batch t, Binomial(N, q)
+
+The subsampled-Gaussian analyses (Abadi et al. 2016, arXiv 1607.00133; Mironov, Talwar
+and Zhang 2019, arXiv 1908.10530) that `compute_epsilon` runs assume each example
+joins each batch independently with probability q: the batch size varies from step to
+step, and may be 0. Fixed-size batches from a shuffle are a different sampling, which
+those numbers do not cover. `DPOptimizer` takes any fed batch size (an empty one
+included: the step then releases the noise alone).
+"""
+
+import numbers
+
+import numpy as np
+
+from pertower import _checks
+from pertower import _context
+
+__all__ = ["poisson_batches"]
+
+
+@_context.public("poisson_batches")
+def poisson_batches(arrays, sampling_probability, steps=None, seed=None, splits=1):
+    """Batches in which every example takes part independently with probability q.
+
+    Each step draws one uniform number per example and keeps those below q, so a
+    batch's size is Binomial(N, q) (0 included) and the examples keep their order.
+    This is the sampling `pertower.compute_epsilon` assumes; feed the batches to a
+    `pertower.DPOptimizer`, best with `expected_batch_size=q * N`.
+
+    Args:
+      arrays: one NumPy array [N, ...], or a tuple or list of arrays sharing N (images,
+        labels, ...).
+      sampling_probability: q in (0, 1].
+      steps: the number of batches T; None for round(1 / q), one epoch in expectation.
+      seed: an int making the batches repeatable, or None.
+      splits: 1 (default) yields each batch; k > 1 yields each batch cut into k
+        consecutive pieces (some possibly empty), a list, for a `DPOptimizer` with
+        `gradient_accumulation_steps=k`: one Poisson batch per noised step, fed over k
+        `sess.run` calls.
+
+    Yields:
+      Per step, the batch: a tuple of arrays [B_t, ...] (one array when `arrays` is
+      one), or with splits=k a list of k such batches.
+
+    Example:
+      for images, labels in pertower.poisson_batches((x_train, y_train), 256 / 60000,
+                                                     seed=0):
+          sess.run(train_op, {x: images, y: labels})   # B_t examples, 0 included
+    """
+    single = isinstance(arrays, np.ndarray)
+    arrays = [arrays] if single else list(arrays) if isinstance(arrays, (tuple, list)) \
+        else None
+    if not arrays or not all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in arrays):
+        raise _context.error(TypeError, "`arrays` must be a NumPy array [N, ...] or a "
+                             "tuple or list of them, sharing N.")
+    N = arrays[0].shape[0]
+    if any(a.shape[0] != N for a in arrays):
+        raise _context.error(ValueError, "`arrays` must share their first dimension N, "
+                             f"but have {[a.shape[0] for a in arrays]}.")
+    q = _checks.real_number(sampling_probability, "sampling_probability", 0.0, 1.0,
+                            low_open=True)
+    steps = int(round(1.0 / q)) if steps is None else steps
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise _context.error(ValueError, "`steps` must be a non-negative integer or None, "
+                             f"but received {steps!r}.")
+    splits = _checks.positive_int(splits, "splits")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise _context.error(TypeError, f"`seed` must be an int or None, but received "
+                             f"{type(seed).__name__}.")
+    return _batches(arrays, single, q, int(steps), seed, splits)
+
+
+def _batches(arrays, single, q, steps, seed, splits):
+    rng = np.random.default_rng(seed)
+    N = arrays[0].shape[0]
+    for _ in range(steps):
+        index = np.flatnonzero(rng.random(N) < q)                         # [B_t]
+        pieces = [tuple(a[part] for a in arrays) for part in np.array_split(index, splits)]
+        pieces = [p[0] if single else p for p in pieces]
+        yield pieces[0] if splits == 1 else pieces
