@@ -54,8 +54,8 @@ APPLICATIONS = {
 RECURRENT = ("ptb_lstm", "dynamic_rnn_lstm")
 CONVOLUTIONAL = tuple(APPLICATIONS) + ("layers_cnn",)
 ZOO = CONVOLUTIONAL + RECURRENT
-# Small enough for the default test run (a few seconds each at B=2).
-FAST = ("layers_cnn", "mobilenet")
+# Small enough for the default test run (a few seconds at B=2).
+FAST = ("layers_cnn",)
 
 
 @dataclasses.dataclass
