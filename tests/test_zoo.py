@@ -145,7 +145,7 @@ def test_bench_models_takes_zoo_names_comma_separated():
     unknown ones with the choices."""
     from pertower.tools import cli  # pylint: disable=import-outside-toplevel
     args = cli.build_parser().parse_args(["bench", "--models", "resnet50,ptb_lstm", "mlp"])
-    assert [name for names in args.models for name in names] == ["resnet50", "ptb_lstm", "mlp"]
+    assert args.models == ["resnet50", "ptb_lstm", "mlp"]
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "--models", "resnet50,alexnet"])
 

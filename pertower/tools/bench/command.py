@@ -59,7 +59,7 @@ def add_arguments(parser):
     parser.add_argument("--dp", action="store_true",
                         help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
                              "plain SGD step on each model (on with --full)")
-    parser.add_argument("--models", nargs="+", type=_model_names, default=None,
+    parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
                              f"{', '.join(PEER_MODELS)}), or networks of the zoo: "
@@ -107,6 +107,13 @@ def _model_names(text):
     return names
 
 
+class _Flatten(argparse.Action):
+    """Stores the lists of names `_model_names` returns as one list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [name for names in values for name in names])
+
+
 def build_parser(prog="pertower bench"):
     """The `bench` options as a parser of their own (`python -m pertower.tools.bench`)."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
@@ -128,10 +135,8 @@ def run(args):
     a plot); returns the exit code."""
     if args.env and os.environ.get(_CHILD_MARK) != "1":
         return _run_in_child(args)
-    if args.models:
-        args.models = [name for names in args.models for name in names]
-        if any(name in zoo.ZOO for name in args.models):
-            return _run_zoo(args)
+    if args.models and any(name in zoo.ZOO for name in args.models):
+        return _run_zoo(args)
     tf = environment.graph_mode_tensorflow()
     # the measuring modules import TensorFlow: only now, after the environment is set
     # pylint: disable=import-outside-toplevel
