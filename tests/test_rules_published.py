@@ -16,7 +16,9 @@ import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from pertower.tools import plan_summary
 from tests import common
+from tests import test_zoo
 
 B = 3
 
@@ -136,41 +138,22 @@ def check_keras_batch_norm_net():
         return str(plan)
 
 
-def build_application(name="MobileNetV2"):
-    """(graph, ys, xs, x, labels, model) of a tf_keras.applications network built with
-    weights=None at 32x32 (MobileNetV2 with alpha=0.35), called with training=False,
-    with a softmax cross-entropy per example."""
-    graph = tf.Graph()
-    with graph.as_default():
-        common.seed_weights(30)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 3], name="images")
-        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
-        model = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3),
-                                               alpha=0.35, classes=10)
-        probabilities = model(x, training=False)                       # [B, 10]
-        ys = keras.losses.sparse_categorical_crossentropy(labels, probabilities)   # [B]
-    return graph, ys, list(model.trainable_weights), x, labels, model
-
-
-def check_application():
-    """MobileNetV2 (alpha 0.35, 32x32, weights=None) in inference mode: every weight on
-    the rules, gradients and norms as the one-example loop's."""
-    graph, ys, xs, x, labels, model = build_application()
-    with graph.as_default():
-        plan = _assert_all_on_rules(ys, xs, "FusedBatchNormV3")
-        sess = _session(graph)
-        _randomize_batch_norms(sess, model.layers, 31)
-        rng = np.random.RandomState(32)
-        feed = {x: rng.rand(B, 32, 32, 3).astype(np.float32),
-                labels: rng.randint(0, 10, B).astype(np.int32)}
-        # the norms' rules are those checked on the small nets; building them again
-        # for 158 weights would double the test's time
-        _check_against_loop(sess, ys, xs, feed, "MobileNetV2", kind="network",
-                            with_norms=False)
-        counts = {}
-        for w in plan.weights:
-            counts[w.method] = counts.get(w.method, 0) + 1
-        return f"MobileNetV2: {counts}"
+def check_application(name="mobilenet_v2"):
+    """A zoo network (pertower/tools/zoo.py: a tf_keras.applications network with
+    weights=None at a small input, inference mode, softmax cross-entropy per example)
+    with random moving statistics: every weight on the rules, no batch_size, gradients
+    as the one-example loop's (tests/test_zoo.py)."""
+    built = test_zoo.Built(name, batch_size=B, seed=30)
+    try:
+        counts = plan_summary.method_counts(built.plan)
+        assert counts["rules"] == len(built.network.weights), (
+            plan_summary.summarize(built.plan, name))
+        assert any("(FusedBatchNormV3)" in op or "(FusedBatchNorm)" in op
+                   for w in built.plan.weights for op in w.ops), str(built.plan)
+        # the norms' rules are those checked on the small nets
+        return test_zoo.check_network(built, with_norms=False)
+    finally:
+        built.close()
 
 
 # -- a weight broadcast into an elementwise op -------------------------------------------
@@ -278,8 +261,10 @@ def test_keras_batch_normalization_net_is_on_rules_and_matches_the_loop():
     check_keras_batch_norm_net()
 
 
-def test_application_network_is_on_rules_and_matches_the_loop():
-    check_application()
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", ["mobilenet_v2", "resnet50", "densenet121"])
+def test_application_network_is_on_rules_and_matches_the_loop(name):
+    check_application(name)
 
 
 @pytest.mark.parametrize("op_type", BROADCAST_OP_TYPES)
@@ -307,11 +292,20 @@ def test_batch_norm_in_training_mode_is_not_on_the_rules():
 
 @pytest.mark.process_checks("published_legacy")
 @pytest.mark.parametrize("check", ["check_every_broadcast_op", "check_raw_fused_batch_norms",
-                                   "check_keras_batch_norm_net", "check_application",
-                                   "check_broadcast_dp_step"])
+                                   "check_keras_batch_norm_net", "check_broadcast_dp_step"])
 def test_published_rules_under_disable_v2_behavior(processes, check):
     """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
     processes.assert_passed("published_legacy", check)
+
+
+@pytest.mark.heavy
+@pytest.mark.process_checks("published_legacy_zoo")
+@pytest.mark.parametrize("check", ["check_zoo_applications", "check_zoo_fast",
+                                   "check_zoo_recurrent"])
+def test_zoo_under_disable_v2_behavior(processes, check):
+    """Zoo networks under tf.compat.v1.disable_v2_behavior() (legacy shape mode):
+    applications on the rules, the layers CNN, the recurrent models (any method)."""
+    processes.assert_passed("published_legacy_zoo", check)
 
 
 def test_a_moving_statistic_as_a_weight_falls_back_with_the_reason():

@@ -166,6 +166,7 @@ class UnassumedGradients:
         self.graph = request.graph
         self._functions = {}   # function name -> reason or None
         self._overrides = {}   # (op, input indices on the path) -> reason or None
+        self._op_reasons = {}  # (op, in its functions) -> reason or None
 
     def reason(self, reads, ys_upstream):
         """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
@@ -177,14 +178,23 @@ class UnassumedGradients:
             starts.extend(op.outputs)
         path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
         for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
-            found = _unassumed_reason(op.type, op.node_def.attr, repr(op.name))
+            found = self._op_reason(op)
             if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
                 found = self._override(op, path, starts, found)
             if found is None:
-                found = self._in_functions(op.node_def.attr.values(), op.name, 0)
+                found = self._op_reason(op, functions=True)
             if found is not None:
                 return found
         return None
+
+    def _op_reason(self, op, functions=False):
+        """The reason of `op` itself (functions: in the functions it calls), once per plan."""
+        if (op, functions) not in self._op_reasons:
+            attrs = op.node_def.attr
+            self._op_reasons[op, functions] = (
+                self._in_functions(attrs.values(), op.name, 0) if functions
+                else _unassumed_reason(op.type, attrs, repr(op.name)))
+        return self._op_reasons[op, functions]
 
     def _override(self, op, path, starts, found):
         """None when the override of `op` is proven row-wise for the inputs a weight's

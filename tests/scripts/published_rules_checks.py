@@ -6,7 +6,9 @@ the one-example oracle.
 
 Started once per test session by tests/process_checks.py ("published_legacy"); prints
 one `pertower-check` line per check and 'published rules checks: N passed, M failed';
-exits 1 on failure.
+exits 1 on failure. With the argument `zoo` ("published_legacy_zoo", heavy), it runs
+the zoo's networks instead (tests/test_zoo.py): applications, the layers CNN and the
+recurrent language models.
 """
 
 import os
@@ -20,7 +22,9 @@ import tensorflow as tf  # noqa: E402
 tf.compat.v1.disable_v2_behavior()
 
 from tests import process_checks  # noqa: E402
+from pertower.tools import zoo  # noqa: E402
 from tests import test_rules_published as published  # noqa: E402
+from tests import test_zoo  # noqa: E402
 
 
 def _require_legacy_mode():
@@ -45,9 +49,29 @@ def check_keras_batch_norm_net():
     published.check_keras_batch_norm_net()
 
 
-def check_application():
+def check_zoo_applications():
     _require_legacy_mode()
-    return published.check_application()
+    return "\n".join(published.check_application(name)
+                     for name in ("mobilenet_v2", "resnet50"))
+
+
+def check_zoo_fast():
+    _require_legacy_mode()
+    return "\n".join(published.check_application(name) for name in zoo.FAST)
+
+
+def check_zoo_recurrent():
+    """The recurrent zoo networks by whatever method their plan picks (batch_size given
+    when it falls back), against the loop."""
+    _require_legacy_mode()
+    summaries = []
+    for name in zoo.RECURRENT:
+        built = test_zoo.Built(name, batch_size=2, seed=7)
+        try:
+            summaries.append(test_zoo.check_network(built))
+        finally:
+            built.close()
+    return "\n".join(summaries)
 
 
 def check_broadcast_dp_step():
@@ -56,6 +80,10 @@ def check_broadcast_dp_step():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["zoo"]:
+        sys.exit(process_checks.run_checks(
+            [check_zoo_fast, check_zoo_applications, check_zoo_recurrent],
+            "zoo checks (legacy mode)"))
     sys.exit(process_checks.run_checks(
         [check_every_broadcast_op, check_raw_fused_batch_norms, check_keras_batch_norm_net,
-         check_application, check_broadcast_dp_step], "published rules checks"))
+         check_broadcast_dp_step], "published rules checks"))

@@ -23,6 +23,7 @@ import sys
 from pertower.tools import arguments
 from pertower.tools import environment
 from pertower.tools import models as tool_models
+from pertower.tools import zoo
 from pertower.tools.bench import peers as tool_peers
 from pertower.tools.bench import records
 
@@ -58,9 +59,13 @@ def add_arguments(parser):
     parser.add_argument("--dp", action="store_true",
                         help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
                              "plain SGD step on each model (on with --full)")
-    parser.add_argument("--models", nargs="+", choices=PEER_MODELS, default=None,
-                        metavar="MODEL", help=f"models to run, from {', '.join(BENCH_MODELS)} "
-                                              f"(with --peers: {', '.join(PEER_MODELS)})")
+    parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
+                        metavar="MODEL[,MODEL...]",
+                        help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
+                             f"{', '.join(PEER_MODELS)}), or networks of the zoo: "
+                             f"{', '.join(zoo.ZOO)} (per-example gradients, norms and a DP "
+                             "step against the batch gradient, a plain step and the loop, "
+                             "build time against tf.gradients; B=8,16,32 by default)")
     parser.add_argument("--batch-sizes", nargs="+", type=arguments.positive_int, default=None,
                         metavar="B", help="batch sizes for every model selected")
     parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
@@ -101,6 +106,23 @@ def add_arguments(parser):
     parser.set_defaults(run=run)
 
 
+def _model_names(text):
+    """--models: 'a,b' -> ['a', 'b'], each a bench model or a zoo network."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEER_MODELS + zoo.ZOO]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown)}: unknown; choose from {', '.join(PEER_MODELS + zoo.ZOO)}")
+    return names
+
+
+class _Flatten(argparse.Action):
+    """Stores the lists of names `_model_names` returns as one list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [name for names in values for name in names])
+
+
 def build_parser(prog="pertower bench"):
     """The `bench` options as a parser of their own (`python -m pertower.tools.bench`)."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
@@ -122,6 +144,8 @@ def run(args):
     a plot); returns the exit code."""
     if args.env and os.environ.get(_CHILD_MARK) != "1":
         return _run_in_child(args)
+    if args.models and any(name in zoo.ZOO for name in args.models):
+        return _run_zoo(args)
     tf = environment.graph_mode_tensorflow()
     # the measuring modules import TensorFlow: only now, after the environment is set
     # pylint: disable=import-outside-toplevel
@@ -266,6 +290,63 @@ def _run_curvature(args):
            if diff is not None and not records.agrees(diff, scale)]
     if bad or "missing" in versions:
         report(f"FAILED: {'; '.join(bad) or versions.get('missing')}")
+        return 1
+    return 0
+
+
+def _run_zoo(args):
+    """`bench --models` with zoo networks (`pertower.tools.bench.zoo_bench`): prints
+    progress and the table, writes the rows as JSON; returns the exit code."""
+    others = [name for name in args.models if name not in zoo.ZOO]
+    if others:
+        print(f"pertower bench: --models {' '.join(others)}: run them apart from the zoo "
+              "networks (a separate command).", file=sys.stderr)
+        return 2
+    tf = environment.graph_mode_tensorflow()
+    tf.get_logger().setLevel("ERROR")     # the v1 idioms' deprecation lines
+    # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import machine as machine_lib, zoo_bench
+    # pylint: enable=import-outside-toplevel
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def report(line):
+        print(line, file=out, flush=True)
+
+    batch_sizes = args.batch_sizes or zoo_bench.DEFAULT_BATCH_SIZES
+    repeats, loop_repeats = args.repeats or DEFAULT_BENCH_REPEATS, args.loop_repeats or 3
+    machine = machine_lib.machine_info()
+    report(f"pertower bench (zoo): TensorFlow {tf.__version__}, {machine['cpu_count']} CPUs "
+           f"({machine['cpu_model']}), load {machine['load_average_1_5_15']}, "
+           f"{machine['date_utc']}")
+    report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
+    report(f"median of {repeats} sess.run per row ({loop_repeats} passes of the loop) after "
+           "a warm-up, round-robin\n")
+    with environment.quiet_native_logs():
+        rows = zoo_bench.run_zoo_bench(args.models, batch_sizes, repeats, loop_repeats,
+                                       report)
+    report("")
+    report(zoo_bench.format_zoo_table(rows))
+    report("\nrules/towers/passes: weights per method of pertower.explain. tf.gradients s / "
+           "pertower s: graph building of tf.gradients(sum(loss), weights) and of "
+           "pertower.per_example_gradients(loss, weights); build x: their ratio. ms: median "
+           "per pass (loop: B sess.run); x batch / x loop: per-example gradients' ms over "
+           "the batch gradient's / the loop's; dp x step: the DP-SGD step (DPOptimizer, "
+           "C=1, sigma=1) over the plain SGD step. max rel diff: per-example gradients "
+           "against the loop, max |diff| / max |loop|.")
+    figures = {"machine": machine, "settings": {
+        "mode": "zoo", "models": args.models, "batch_sizes": list(batch_sizes),
+        "repeats": repeats, "loop_repeats": loop_repeats, "argv": args.argv},
+        "zoo": zoo_bench.to_json(rows)}
+    if args.json == "-":
+        json.dump(figures, sys.stdout, indent=1)
+        print()
+    else:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=1)
+        report(f"\nfigures written to {args.json}")
+    failed = [f"{r.network} B={r.batch_size}" for r in rows if r.error or r.agrees is False]
+    if failed:
+        report(f"\nFAILED: {'; '.join(failed)}: error, or beyond the tolerance of the loop.")
         return 1
     return 0
 
