@@ -27,7 +27,8 @@ import tempfile
 import threading
 import time
 
-__all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks"]
+__all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks",
+           "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,6 +57,8 @@ class _Command:
 PROCESSES = {
     # tf.compat.v1.disable_v2_behavior(): reference variables, v1 control flow.
     "legacy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"),)),
+    # its long checks (LEGACY_HEAVY_CHECKS), for the heavy run (-m heavy)
+    "legacy_heavy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"), "heavy")),
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
     "published_legacy_zoo": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"), "zoo")),
@@ -89,6 +92,34 @@ PROCESSES = {
     "keras3": _Command((os.path.join(HERE, "scripts", "keras3_weights.py"),),
                        legacy_keras_env=False),
 }
+
+
+# The checks of tests/scripts/legacy_mode_checks.py that take several seconds each: they
+# run in the process "legacy_heavy", read by heavy tests only; the others in "legacy".
+LEGACY_HEAVY_CHECKS = frozenset({
+    "check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle",
+    "check_legacy_lstm_example_runs_and_matches_the_loop",
+    "check_v1_dynamic_rnn_final_state_of_each_cell_is_proven",
+    "check_v1_raw_rnn_is_checked_at_run_time_and_matches_oracle",
+    "check_v1_dynamic_rnn_basic_rnn_and_multi_rnn_cells_match_oracle",
+    "check_lstm_with_control_flow_v2_matches_oracle",
+    "check_v1_map_fn_over_the_batch_is_proven",
+    "check_v1_dynamic_rnn_final_state_with_sequence_length_is_proven",
+})
+
+
+def legacy_process(check):
+    """The process that runs legacy check `check`: "legacy_heavy" or "legacy"."""
+    return "legacy_heavy" if check in LEGACY_HEAVY_CHECKS else "legacy"
+
+
+def legacy_params(checks):
+    """pytest parameters for the legacy checks named `checks`, each marked with the
+    process that runs it (and `heavy` for the long ones)."""
+    import pytest  # pylint: disable=import-outside-toplevel  (the scripts import this module)
+    return [pytest.param(check, marks=(pytest.mark.process_checks(legacy_process(check)),)
+                         + ((pytest.mark.heavy,) if check in LEGACY_HEAVY_CHECKS else ()))
+            for check in checks]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import pertower
 from pertower import oracle
 from tests import cases
 from tests import common
+from tests import process_checks
 
 
 @dataclasses.dataclass
@@ -234,12 +235,11 @@ LEGACY_CHECKS = ["check_keras_lstm_with_v1_loops_matches_oracle",
                  "check_lstm_with_control_flow_v2_matches_oracle"]
 
 
-@pytest.mark.process_checks("legacy")
-@pytest.mark.parametrize("check", LEGACY_CHECKS)
+@pytest.mark.parametrize("check", process_checks.legacy_params(LEGACY_CHECKS))
 def test_recurrent_layers_under_disable_v2_behavior(processes, check):
     """Under disable_v2_behavior: the Keras LSTM matches the oracle with v1 loops (row
     passes) and with control flow v2 (towers)."""
-    processes.assert_passed("legacy", check)
+    processes.assert_passed(process_checks.legacy_process(check), check)
 
 
 def test_masked_bidirectional_rnn_with_sparse_embedding_matches_oracle():

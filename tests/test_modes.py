@@ -3,6 +3,7 @@
 tests/process_checks.py, each process started once per session."""
 
 import pytest
+from tests import process_checks
 
 LEGACY_CHECKS = ["check_layers_model", "check_v1_cond", "check_keras_model",
                  "check_hand_checkable_case", "check_hand_checkable_case_in_two_placeholders"]
@@ -10,10 +11,9 @@ EAGER_CHECKS = ["check_eager_is_on", "check_per_example_gradients_refuses_eager"
                 "check_microbatch_gradients_refuses_eager"]
 
 
-@pytest.mark.process_checks("legacy")
-@pytest.mark.parametrize("check", LEGACY_CHECKS)
+@pytest.mark.parametrize("check", process_checks.legacy_params(LEGACY_CHECKS))
 def test_legacy_graphs_under_disable_v2_behavior_match_oracle(processes, check):
-    processes.assert_passed("legacy", check)
+    processes.assert_passed(process_checks.legacy_process(check), check)
 
 
 @pytest.mark.process_checks("eager")
@@ -35,6 +35,15 @@ def test_every_reported_check_is_asserted_by_a_test(processes):
                   | set(test_v1_loop_proofs.PROOF_CHECKS),
         "eager": set(EAGER_CHECKS) | set(test_dp.EAGER_CHECKS),
     }
+    asserted["legacy"] -= process_checks.LEGACY_HEAVY_CHECKS
     for name, checks in asserted.items():
         done = processes.completed(name)
         assert set(done.checks) == checks, done.explain()
+
+
+@pytest.mark.heavy
+@pytest.mark.process_checks("legacy_heavy")
+def test_every_long_legacy_check_is_reported(processes):
+    """The long legacy checks (process "legacy_heavy") are exactly those listed."""
+    done = processes.completed("legacy_heavy")
+    assert set(done.checks) == set(process_checks.LEGACY_HEAVY_CHECKS), done.explain()

@@ -8,11 +8,11 @@ tests/scripts/legacy_mode_checks.py).
 import pytest
 
 from tests.scripts import v1_loop_proof_checks
+from tests import process_checks
 
 PROOF_CHECKS = [check.__name__ for check in v1_loop_proof_checks.CHECKS]
 
 
-@pytest.mark.process_checks("legacy")
-@pytest.mark.parametrize("check", PROOF_CHECKS)
+@pytest.mark.parametrize("check", process_checks.legacy_params(PROOF_CHECKS))
 def test_v1_loop_proofs_match_oracle(processes, check):
-    processes.assert_passed("legacy", check)
+    processes.assert_passed(process_checks.legacy_process(check), check)

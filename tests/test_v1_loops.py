@@ -8,11 +8,11 @@ by tests/scripts/legacy_mode_checks.py), one TensorFlow start-up for every legac
 import pytest
 
 from tests.scripts import v1_loop_checks
+from tests import process_checks
 
 LEGACY_CHECKS = [check.__name__ for check in v1_loop_checks.CHECKS]
 
 
-@pytest.mark.process_checks("legacy")
-@pytest.mark.parametrize("check", LEGACY_CHECKS)
+@pytest.mark.parametrize("check", process_checks.legacy_params(LEGACY_CHECKS))
 def test_v1_loops_match_oracle(processes, check):
-    processes.assert_passed("legacy", check)
+    processes.assert_passed(process_checks.legacy_process(check), check)

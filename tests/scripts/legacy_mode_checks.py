@@ -193,4 +193,8 @@ CHECKS = [check_layers_model, check_v1_cond, check_keras_model, check_hand_check
 
 
 if __name__ == "__main__":
-    sys.exit(process_checks.run_checks(CHECKS, "legacy checks"))
+    # argument "heavy": the long checks (process "legacy_heavy"); none: the others
+    HEAVY = sys.argv[1:] == ["heavy"]
+    sys.exit(process_checks.run_checks(
+        [c for c in CHECKS if (c.__name__ in process_checks.LEGACY_HEAVY_CHECKS) == HEAVY],
+        "legacy checks (the long ones)" if HEAVY else "legacy checks"))
