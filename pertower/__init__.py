@@ -11,7 +11,7 @@ Public surface:
     PerExampleIndexedSlices (sparse=True results for embedding weights)
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
-    DPOptimizer, compute_epsilon
+    DPOptimizer, DPSyncReplicasOptimizer, compute_epsilon
     tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
     fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
 
@@ -53,6 +53,7 @@ __all__ = [
     "pairwise_dot",
     "pairwise_cosine",
     "DPOptimizer",
+    "DPSyncReplicasOptimizer",
     "compute_epsilon",
     "tracin",
     "tracin_over_checkpoints",
@@ -74,6 +75,7 @@ _LAZY = {
     "cosine_similarity": "pertower._reductions",
     "dot": "pertower._reductions",
     "DPOptimizer": "pertower._dp.optimizer",
+    "DPSyncReplicasOptimizer": "pertower._dp.distributed",
     "empirical_ntk": "pertower._analytics",
     "estimate_memory": "pertower._api.explain",
     "explain": "pertower._api.explain",

@@ -232,9 +232,7 @@ class DPOptimizer:
                 clipped_sum, count = self._clipped_sum_per_example(request, gate_gradients)
             else:
                 clipped_sum, count = self._clipped_sum_microbatches(request)
-            noised = self._add_noise(clipped_sum)
-            # sum / M: the noisy average over microbatches (examples when M = B)
-            averaged = [g / tf.cast(count, g.dtype) for g in noised]
+            averaged = self._release(clipped_sum, count)
         self._computed = True
         noisy_gradients = dict(zip(map(id, var_list), averaged))
         return [(noisy_gradients.get(id(v)), v) for v in all_variables]
@@ -300,6 +298,14 @@ class DPOptimizer:
         # [M] x [M, *x.shape] -> [*x.shape]
         clipped_sum = [tf.tensordot(factors, g, axes=1) for g in means]
         return clipped_sum, M
+
+    def _release(self, clipped_sum, count):
+        """What compute_gradients hands on, from sum_m clip(g_m) and M: the noisy average
+        (sum + noise) / M. A subclass releasing elsewhere overrides it (the distributed
+        optimizer, `_dp/distributed.py`, pushes the sums and counts to the chief)."""
+        noised = self._add_noise(clipped_sum)
+        # sum / M: the noisy average over microbatches (examples when M = B)
+        return [g / tf.cast(count, g.dtype) for g in noised]
 
     def _add_noise(self, gradients):
         """g + N(0, (σ C)^2) per entry, from one draw over all weights (so that one
