@@ -8,6 +8,11 @@ shares uncorrelated); split mode refused with partial aggregation. More draws: h
 Here, in the test process: the arguments, the seeds, and one worker on a local session.
 """
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -128,3 +133,25 @@ def test_public_surface(one_worker):
     assert (dp.replicas_to_aggregate, dp.total_num_replicas, dp.noise) == (1, 1, "chief")
     assert repr(dp).startswith("DPSyncReplicasOptimizer(GradientDescentOptimizer, "
                                "l2_norm_clip=1.55, noise_multiplier=0.0")
+
+
+@pytest.mark.heavy
+def test_two_worker_example_prints_loss_accuracy_and_epsilon():
+    """examples/dp_two_workers.py --quick: a ps and two workers as processes, 5 steps."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, os.path.join("examples", "dp_two_workers.py"),
+                           "--quick"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"\[chief\] step \d+: loss ([0-9.]+)", done.stdout)]
+    assert len(losses) == 5 and all(0 < v < 10 for v in losses), done.stdout
+    assert re.search(r"\[chief\] DP test accuracy 0\.\d{3} after 5 steps", done.stdout)
+    eps = re.search(r"\[chief\] epsilon = ([0-9.]+) at delta = 1e-05 \(5 global steps, "
+                    r"q = 0\.0333", done.stdout)
+    assert eps, done.stdout
+    # the global batch (50 of 1500) and the global steps, not one worker's
+    assert float(eps.group(1)) == round(pertower.compute_epsilon(5, 1.1, 50 / 1500, 1e-5), 2)
+    for task in range(2):
+        assert re.search(rf"\[worker {task}\] DP median step [0-9.]+ ms", done.stdout)
