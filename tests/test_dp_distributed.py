@@ -41,6 +41,13 @@ def test_noise_statistics_with_more_draws(processes, check):
     processes.assert_passed("dp_distributed_stats", check)
 
 
+@pytest.mark.heavy
+@pytest.mark.process_checks("dp_distributed_legacy")
+def test_one_step_under_disable_v2_behavior(processes):
+    processes.assert_passed("dp_distributed_legacy",
+                            "check_one_step_equals_single_process_and_loop")
+
+
 def _sgd():
     return tf.compat.v1.train.GradientDescentOptimizer(0.5)
 
@@ -76,9 +83,10 @@ def test_split_seeds_differ_by_task_and_repeat():
     assert all(0 <= s < 2 ** 62 for s in seeds)
 
 
-@pytest.fixture(scope="module")
-def one_worker():
-    """A local session as a one-worker cluster (R = W = 1), σ = 0; B = 4."""
+@pytest.fixture(scope="module", params=[None, 10])
+def one_worker(request):
+    """A local session as a one-worker cluster (R = W = 1), σ = 0; B = 4; the division
+    by the pushed count (None) or by a fixed expected global batch (10)."""
     rng = np.random.RandomState(11)
     weights = [rng.randn(3, 4) * 0.8, rng.randn(4, 2) * 0.8]
     x_value, y_value = rng.randn(4, 3), rng.randint(2, size=4)
@@ -92,7 +100,8 @@ def one_worker():
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         global_step = tf.compat.v1.train.get_or_create_global_step()
         dp = pertower.DPSyncReplicasOptimizer(_sgd(), l2_norm_clip=1.55, noise_multiplier=0.0,
-                                              replicas_to_aggregate=1)
+                                              replicas_to_aggregate=1,
+                                              expected_global_batch=request.param)
         with pytest.raises(RuntimeError, match=r"^pertower.DPSyncReplicasOptimizer."
                                                r"apply_gradients: call compute_gradients"):
             dp.apply_gradients([], global_step=global_step)
@@ -109,11 +118,13 @@ def one_worker():
         pushed, count, _ = sess.run([[g for g, _ in sums], dp.count, train_op], feed)
         after = sess.run(xs)
         sess.close()
-    return dict(dp=dp, before=before, per_example=per_example, pushed=pushed, count=count,
-                after=after)
+    return dict(dp=dp, divisor=request.param or 4, before=before, per_example=per_example,
+                pushed=pushed, count=count, after=after)
 
 
 def test_one_worker_pushes_the_loops_clipped_sum_and_applies_its_mean(one_worker):
+    """The push is the loop's clipped sum; the step divides it by the count, 4, or by
+    expected_global_batch."""
     per_example = one_worker["per_example"]
     norms = np.sqrt(sum((g.reshape(4, -1) ** 2).sum(1) for g in per_example))
     assert (norms > 1.55).any() and (norms < 1.55).any(), norms     # some clipped, some not
@@ -122,7 +133,8 @@ def test_one_worker_pushes_the_loops_clipped_sum_and_applies_its_mean(one_worker
     common.assert_all_close(one_worker["pushed"], clipped_sum, what="pushed", kind="tight")
     assert one_worker["count"] == 4
     common.assert_all_close(one_worker["after"],
-                            [w - 0.5 * s / 4 for w, s in zip(one_worker["before"], clipped_sum)],
+                            [w - 0.5 * s / one_worker["divisor"]
+                             for w, s in zip(one_worker["before"], clipped_sum)],
                             what="the step", kind="tight")
 
 
@@ -131,6 +143,7 @@ def test_public_surface(one_worker):
     assert "DPSyncReplicasOptimizer" in pertower.__all__
     assert isinstance(dp.sync_optimizer, tf.compat.v1.train.SyncReplicasOptimizer)
     assert (dp.replicas_to_aggregate, dp.total_num_replicas, dp.noise) == (1, 1, "chief")
+    assert dp.expected_global_batch in (None, 10.0)
     assert repr(dp).startswith("DPSyncReplicasOptimizer(GradientDescentOptimizer, "
                                "l2_norm_clip=1.55, noise_multiplier=0.0")
 

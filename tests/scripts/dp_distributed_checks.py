@@ -6,7 +6,7 @@ between-graph replication), `pertower.DPSyncReplicasOptimizer` against the singl
 
 Started once per test session by tests/process_checks.py ("dp_distributed"; the
 statistical checks, with more draws, run as "dp_distributed_stats" with the argument
-"stats"); prints one `pertower-check` line per check and a summary; exits 1 on failure.
+"stats", and the σ = 0 step under disable_v2_behavior() as "dp_distributed_legacy"); prints one `pertower-check` line per check and a summary; exits 1 on failure.
 """
 
 import os
@@ -21,7 +21,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from scipy import stats  # noqa: E402
 
-tf.compat.v1.disable_eager_execution()
+LEGACY = sys.argv[1:] == ["legacy"]   # reference variables and v1 control flow
+if LEGACY:
+    tf.compat.v1.disable_v2_behavior()
+else:
+    tf.compat.v1.disable_eager_execution()
 
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
@@ -287,6 +291,9 @@ def main():
     if sys.argv[1:] == ["stats"]:
         checks = noise_checks(steps=5, P=20000)
         title = "dp distributed statistical checks"
+    elif LEGACY:
+        checks = [check_one_step_equals_single_process_and_loop]
+        title = "dp distributed legacy checks"
     else:
         checks = [check_one_step_equals_single_process_and_loop,
                   check_split_mode_refused_with_partial_aggregation,
