@@ -113,8 +113,12 @@ class DPSyncReplicasOptimizer:
     global batch and applies the result with `optimizer`; the workers wait on the sync
     token queue as with `SyncReplicasOptimizer`. One step equals `pertower.DPOptimizer`'s
     step on the union of the workers' batches. Privacy spent: `pertower.compute_epsilon`
-    with the global batch's sampling probability (B / dataset size) and the number of
-    global steps.
+    with the global batch's sampling probability (B / dataset size, the dataset being the
+    union of the workers' shards) and the number of global steps; neighbouring datasets
+    differ by adding or removing one example of that union, as for `DPOptimizer`. Each
+    worker drawing its batch from its shard with the same probability q makes the global
+    batch Poisson-sampled with q; fixed-size shuffled batches make ε an approximation,
+    as in one process.
 
     What is trusted: with noise="chief", the chief and the parameter servers see the
     un-noised sums. With noise="split" every push carries N(0, σ²C²/R), so no task
