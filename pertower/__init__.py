@@ -11,7 +11,8 @@ Public surface:
     PerExampleIndexedSlices (sparse=True results for embedding weights)
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
-    DPOptimizer, AdaptiveClipping, poisson_batches, compute_epsilon
+    DPOptimizer, DPSyncReplicasOptimizer, AdaptiveClipping, poisson_batches,
+    compute_epsilon
     tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
     fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
     sum_grad_squared, diag_ggn (curvature: the GGN / Fisher diagonal),
@@ -55,6 +56,7 @@ __all__ = [
     "pairwise_dot",
     "pairwise_cosine",
     "DPOptimizer",
+    "DPSyncReplicasOptimizer",
     "AdaptiveClipping",
     "poisson_batches",
     "compute_epsilon",
@@ -84,6 +86,7 @@ _LAZY = {
     "dot": "pertower._reductions",
     "diag_ggn": "pertower._api.curvature",
     "DPOptimizer": "pertower._dp.optimizer",
+    "DPSyncReplicasOptimizer": "pertower._dp.distributed",
     "empirical_ntk": "pertower._analytics",
     "estimate_memory": "pertower._api.explain",
     "explain": "pertower._api.explain",

@@ -85,6 +85,11 @@ PROCESSES = {
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.
     "distributed": _Command((os.path.join(HERE, "scripts", "distributed_towers.py"),)),
+    # DPSyncReplicasOptimizer on a ps and two workers (in-process servers, one thread each)
+    **{name: _Command((os.path.join(HERE, "scripts", "dp_distributed_checks.py"), *args),
+                      one_thread=False)
+       for name, args in (("dp_distributed", ()), ("dp_distributed_stats", ("stats",)),
+                          ("dp_distributed_legacy", ("legacy",)))},
     # the user-facing commands, as a user runs them: they set their environment up.
     "scenario_examples": _Command((os.path.join(HERE, "scripts", "scenario_examples.py"),),
                                   legacy_keras_env=False),

@@ -312,12 +312,7 @@ class DPOptimizer:
                        * len(var_list))
 
             def release():
-                noised = self._add_noise(clipped_sum, stddevs)
-                # sum / the expected batch size, or / M (examples when M = B), >= 1
-                divisor = (tf.constant(self._clip.expected_batch_size, dtype)
-                           if self._clip.expected_batch_size is not None else
-                           tf.maximum(tf.cast(count, dtype), 1))
-                return [g / tf.cast(divisor, g.dtype) for g in noised]
+                return self._release(clipped_sum, count, stddevs)
 
             if step.accumulator is None:
                 averaged = release()
@@ -345,6 +340,19 @@ class DPOptimizer:
         if self._clip_variable is None:
             self._clip_variable = clipping_lib.clip_variable(self._clip.l2_norm_clip, dtype)
         return tf.identity(self._clip_variable.read_value(), name="l2_norm_clip")
+
+    def _release(self, clipped_sum, count, stddevs):
+        """What compute_gradients hands on, from sum_m clip(g_m), the count M and the
+        noise's standard deviation per weight: (sum + noise) / the expected batch size,
+        or / M (examples when M = B), at least 1. A subclass releasing elsewhere
+        overrides it (the distributed optimizer, `_dp/distributed.py`, pushes the sums
+        and counts to the chief)."""
+        noised = self._add_noise(clipped_sum, stddevs)
+        dtype = noised[0].dtype
+        divisor = (tf.constant(self._clip.expected_batch_size, dtype)
+                   if self._clip.expected_batch_size is not None else
+                   tf.maximum(tf.cast(count, dtype), 1))
+        return [g / tf.cast(divisor, g.dtype) for g in noised]
 
     def _noise_key(self):
         """[2] int64: a fresh stateless key per sess.run from a 2-entry stateful draw;

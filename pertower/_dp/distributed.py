@@ -1,0 +1,331 @@
+"""DP-SGD across TensorFlow workers: between-graph replication with parameter servers.
+
+Notation:
+    W    workers (total_num_replicas)        R   replicas_to_aggregate, pushes per step
+    s_w  worker w's clipped sum, sum_i clip(g_i) over its batch (as `DPOptimizer`)
+    b_w  the number of examples in worker w's batch
+    C    l2_norm_clip                        σ   noise_multiplier
+    N    the pushes a step's accumulators averaged (N >= R; N = R when R = W)
+
+The release of one synchronous step of DP-SGD over the union of the W batches:
+
+    gradient = (sum_w s_w + N(0, σ²C² I)) / B,     B = sum_w b_w  (or a fixed expected B)
+
+with the noise added once. Every worker clips and sums its batch with `DPOptimizer`'s
+single-pass machinery (its `_release` hook, overridden below, hands on the clipped sum
+and the count instead of the noisy average) and pushes s_w and b_w into the
+`ConditionalAccumulator`s of a `tf.compat.v1.train.SyncReplicasOptimizer` on the
+parameter servers (b_w rides along as the "gradient" of a scalar counter variable).
+The accumulators average: a take returns (1/N) sum of the N pushes, so the chief
+multiplies by R to get the sum, adds the noise (chief mode) and divides by R times the
+averaged count, i.e. by sum_w b_w. The factor N/R cancels in the signal; were N > R
+(possible only when R < W and pushes race the take), the sum the noise covers is scaled
+by R/N <= 1, which lowers its sensitivity: the noise is never short.
+
+Split mode: each push adds N(0, σ²C²/R I) itself, with an op seed derived from (seed,
+task index), and the chief adds nothing: R pushes carry σ²C² in total. Refused for
+R < W, where fewer pushes (and noise shares) than workers would be aggregated.
+"""
+
+import hashlib
+import math
+import numbers
+import secrets
+
+import tensorflow as tf
+
+from pertower import _checks
+from pertower import _context
+from pertower._dp import optimizer as dp_optimizer
+
+__all__ = ["DPSyncReplicasOptimizer"]
+
+_NOISE_MODES = ("chief", "split")
+_GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
+
+
+def split_seed(seed, task_index):
+    """The op seed of worker `task_index`'s noise in split mode: a hash of (seed, task
+    index), so that no two workers draw the same numbers (one seed on every worker would
+    give every worker the same stateless key). seed None: a random one per worker."""
+    if seed is None:
+        return secrets.randbits(62)
+    digest = hashlib.sha256(f"pertower.dp.split:{seed}:{task_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2     # < 2**62: room for DPOptimizer's + k
+
+
+class _ClippedSum(dp_optimizer.DPOptimizer):
+    """`DPOptimizer` whose compute_gradients hands on the clipped sum, noised by its own
+    noise_multiplier (0 in chief mode), and records the count, [] int32 (`count`)."""
+
+    count = None
+
+    def _release(self, clipped_sum, count, stddevs):
+        self.count = count
+        return self._add_noise(clipped_sum, stddevs)
+
+
+class _Release:
+    """The optimizer SyncReplicasOptimizer applies the averaged pushes with: it turns
+    them into the DP gradient (chief mode: the noise, once) and hands that on."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        owner = self._owner
+        pairs = list(grads_and_vars)
+        counter = owner._counter  # pylint: disable=protected-access
+        (mean_count,) = [g for g, v in pairs if v is counter]    # [], the averaged b_w
+        pairs = [(g, v) for g, v in pairs if v is not counter]
+        R = owner.replicas_to_aggregate
+        with tf.name_scope("dp_release"):
+            sums = [g * tf.cast(R, g.dtype) for g, _ in pairs]      # sum_w s_w, [*x.shape]
+            if owner.noise == "chief":
+                stddev = owner.noise_multiplier * owner.l2_norm_clip    # σC, once
+                sums = owner._chief_noise._add_noise(  # pylint: disable=protected-access
+                    sums, [stddev] * len(sums))
+            if owner.expected_global_batch is None:
+                batch = tf.cast(R, mean_count.dtype) * mean_count   # sum_w b_w
+            else:
+                batch = tf.constant(owner.expected_global_batch, mean_count.dtype)
+            gradients = [s / tf.cast(batch, s.dtype) for s in sums]
+        return owner.optimizer.apply_gradients(
+            list(zip(gradients, [v for _, v in pairs])), global_step=global_step, name=name)
+
+    def get_slot(self, *args, **kwargs):
+        return self._owner.optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._owner.optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self):
+        return self._owner.optimizer.variables()
+
+
+class DPSyncReplicasOptimizer:
+    """Synchronous DP-SGD over the workers of a TensorFlow cluster, the noise added once.
+
+    For between-graph replication (`tf.compat.v1.train.ClusterSpec`,
+    `tf.distribute.Server`, `replica_device_setter` with parameter servers): each worker
+    builds the same graph with this optimizer, clips every example of its batch to L2
+    norm C and pushes the clipped sum and its example count into
+    `tf.compat.v1.train.SyncReplicasOptimizer`'s accumulators on the parameter servers;
+    the chief takes the total, adds N(0, σ²C² I) once (noise="chief"), divides by the
+    global batch and applies the result with `optimizer`; the workers wait on the sync
+    token queue as with `SyncReplicasOptimizer`. One step equals `pertower.DPOptimizer`'s
+    step on the union of the workers' batches. Privacy spent: `pertower.compute_epsilon`
+    with the global batch's sampling probability (B / dataset size, the dataset being the
+    union of the workers' shards) and the number of global steps; neighbouring datasets
+    differ by adding or removing one example of that union, as for `DPOptimizer`. Each
+    worker drawing its batch from its shard with the same probability q makes the global
+    batch Poisson-sampled with q; fixed-size shuffled batches make ε an approximation,
+    as in one process.
+
+    What is trusted: with noise="chief", the chief and the parameter servers see the
+    un-noised sums. With noise="split" every push carries N(0, σ²C²/R), so no task
+    sees an un-noised sum, but each push alone has only 1/sqrt(R) of the noise, and every
+    worker is trusted to add its share.
+
+    Args:
+      optimizer: the `tf.compat.v1.train.Optimizer` that applies the DP gradient.
+      l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have.
+      noise_multiplier: σ >= 0; the noise added to the sum of the clipped gradients has
+        standard deviation σ * C per entry.
+      replicas_to_aggregate: R, the pushes aggregated per step (as SyncReplicasOptimizer).
+      total_num_replicas: W, the number of workers (default R).
+      noise: "chief" (default): the chief draws N(0, σ²C²) once per step. "split": each
+        push adds N(0, σ²C²/R) with an op seed derived from (seed, task_index);
+        refused when R < W.
+      seed: an int making the noise repeatable (chief mode: `DPOptimizer`'s seed on the
+        chief; split mode: hashed with task_index), or None.
+      task_index: this worker's index in [0, W); needed with noise="split".
+      expected_global_batch: None (default) divides by the sum of the pushed counts,
+        the global batch that ran (exact for fixed-size batches; equal to
+        `DPOptimizer`'s division by the fed batch). A number divides by it instead: use
+        the expected batch q * dataset size with Poisson sampling, where the realized
+        batch size depends on the data and dividing by it is not covered by the
+        accounting.
+      method: "auto", "rules" or "towers", as in `pertower.DPOptimizer`.
+      name: the SyncReplicasOptimizer's name.
+
+    Example (on every worker; is_chief = task_index == 0):
+      with tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
+              worker_device=f"/job:worker/task:{task_index}", cluster=cluster)):
+          loss = ...                                                    # [B]
+          global_step = tf.compat.v1.train.get_or_create_global_step()
+          dp = pertower.DPSyncReplicasOptimizer(
+              tf.compat.v1.train.GradientDescentOptimizer(0.5), l2_norm_clip=1.0,
+              noise_multiplier=1.1, replicas_to_aggregate=2, total_num_replicas=2)
+          train_op = dp.minimize(loss, global_step=global_step)
+      hook = dp.make_session_run_hook(is_chief)
+      with tf.compat.v1.train.MonitoredTrainingSession(
+              master=server.target, is_chief=is_chief, hooks=[hook]) as sess:
+          sess.run(train_op, feed)
+    """
+
+    @_context.public("DPSyncReplicasOptimizer")
+    def __init__(self, optimizer, l2_norm_clip, noise_multiplier, replicas_to_aggregate,
+                 total_num_replicas=None, noise="chief", seed=None, task_index=None,
+                 expected_global_batch=None, method="auto", name="dp_sync_replicas"):
+        R = _checks.positive_int(replicas_to_aggregate, "replicas_to_aggregate")
+        W = R if total_num_replicas is None else _checks.positive_int(
+            total_num_replicas, "total_num_replicas")
+        if noise not in _NOISE_MODES:
+            raise _context.error(ValueError, f"`noise` must be \"chief\" or \"split\", but "
+                                 f"received {noise!r}.")
+        if noise == "split" and R < W:
+            raise _context.error(
+                ValueError, f"noise=\"split\" needs every worker's push in every step, but "
+                f"`replicas_to_aggregate` ({R}) < `total_num_replicas` ({W}): a step of R "
+                "pushes would carry only R/W of the noise. Set replicas_to_aggregate = "
+                "total_num_replicas, or use noise=\"chief\".")
+        if noise == "split":
+            if (task_index is None or isinstance(task_index, bool)
+                    or not isinstance(task_index, numbers.Integral)
+                    or not 0 <= task_index < W):
+                raise _context.error(
+                    ValueError, f"noise=\"split\" needs `task_index`, this worker's index "
+                    f"in [0, {W}) (it seeds the worker's own noise), but received "
+                    f"{task_index!r}.")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise _context.error(TypeError, "`seed` must be an int or None, but received "
+                                 f"{type(seed).__name__} ({seed!r:.80}).")
+        if expected_global_batch is not None:
+            expected_global_batch = _checks.real_number(
+                expected_global_batch, "expected_global_batch", 0.0, math.inf,
+                low_open=True, high_open=True, wanted="a positive number")
+        sigma = dp_optimizer._real_number(  # pylint: disable=protected-access
+            noise_multiplier, "noise_multiplier", positive=False)
+        # the worker's clipping (and its share of the noise in split mode)
+        self._clipper = _ClippedSum(
+            optimizer, l2_norm_clip, sigma / math.sqrt(R) if noise == "split" else 0.0,
+            seed=split_seed(seed, task_index) if noise == "split" else None, method=method)
+        # the chief's one draw of N(0, σ²C²)
+        self._chief_noise = dp_optimizer.DPOptimizer(optimizer, l2_norm_clip, sigma, seed=seed)
+        self._noise_multiplier = sigma
+        self._replicas_to_aggregate, self._total_num_replicas = R, W
+        self._noise, self._seed, self._task_index = noise, seed, task_index
+        self._expected_global_batch = expected_global_batch
+        self._sync = tf.compat.v1.train.SyncReplicasOptimizer(
+            _Release(self), replicas_to_aggregate=R, total_num_replicas=W, name=name)
+        self._counter = None   # the scalar variable whose "gradient" carries b_w
+        self._count = None     # [] this worker's b_w, from compute_gradients
+
+    optimizer = property(lambda self: self._clipper.optimizer,
+                         doc="The wrapped `tf.compat.v1.train.Optimizer`.")
+    l2_norm_clip = property(lambda self: self._clipper.l2_norm_clip)
+    noise_multiplier = property(lambda self: self._noise_multiplier)
+    replicas_to_aggregate = property(lambda self: self._replicas_to_aggregate)
+    total_num_replicas = property(lambda self: self._total_num_replicas)
+    noise = property(lambda self: self._noise)
+    seed = property(lambda self: self._seed)
+    task_index = property(lambda self: self._task_index)
+    expected_global_batch = property(lambda self: self._expected_global_batch)
+    sync_optimizer = property(lambda self: self._sync,
+                              doc="The `SyncReplicasOptimizer` holding the accumulators.")
+
+    @_context.public("DPSyncReplicasOptimizer.compute_gradients")
+    def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
+                          gate_gradients=_GATE_OP, aggregation_method=None,
+                          colocate_gradients_with_ops=False, grad_loss=None,
+                          batch_axis=None):
+        """This worker's clipped sum (noised by its share in split mode), per variable.
+
+        Args: as `pertower.DPOptimizer.compute_gradients` (loss [B], one per example).
+
+        Returns:
+          A list of (sum_i clip(g_i) [+ N(0, σ²C²/R)], variable) pairs, [*x.shape] each:
+          what this worker pushes. Its example count, B, is pushed with them by
+          `apply_gradients` (read it as `count`).
+        """
+        # DPOptimizer's body without its public-name wrapper: errors name this method
+        pairs = dp_optimizer.DPOptimizer.compute_gradients.__wrapped__(
+            self._clipper, loss, var_list=var_list, batch=batch, batch_size=batch_size,
+            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
+            batch_axis=batch_axis)
+        dtype = next(g.dtype for g, _ in pairs if g is not None)
+        if self._counter is None:
+            # a variable (on a parameter server under replica_device_setter) that only
+            # keys the accumulator of the counts; same name on every worker
+            self._counter = tf.compat.v1.Variable(
+                tf.zeros([], dtype), trainable=False, name="dp_sync_example_count")
+        self._count = tf.cast(self._clipper.count, dtype)
+        return pairs
+
+    @property
+    def count(self):
+        """[] this worker's example count from the last compute_gradients (None before)."""
+        return self._count
+
+    @_context.public("DPSyncReplicasOptimizer.apply_gradients")
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """Pushes the sums and the count; returns the worker's train op, which waits for
+        the step's token (as `SyncReplicasOptimizer.apply_gradients`). `global_step` is
+        required."""
+        if self._count is None:
+            raise _context.error(
+                RuntimeError, "call compute_gradients first (or minimize): the pushed "
+                "sums must be the clipped ones, and their example count goes with them.")
+        if global_step is None:
+            raise _context.error(ValueError, "`global_step` is required (the accumulators "
+                                 "drop stale pushes by it), e.g. "
+                                 "tf.compat.v1.train.get_or_create_global_step().")
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        train_op = self._sync.apply_gradients(pairs + [(self._count, self._counter)],
+                                              global_step=global_step, name=name)
+        # The chief's queue runner waits in the accumulators' take; closing the session
+        # cancels it, which TF's runner reports as an error in its thread: end quietly.
+        runner = self._sync.get_chief_queue_runner()
+        self._sync._chief_queue_runner = tf.compat.v1.train.QueueRunner(  # pylint: disable=protected-access
+            runner.queue, runner.enqueue_ops, queue_closed_exception_types=(
+                tf.errors.OutOfRangeError, tf.errors.CancelledError))
+        return train_op
+
+    def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
+                 aggregation_method=None, colocate_gradients_with_ops=False, name=None,
+                 grad_loss=None, batch=None, batch_size=None, batch_axis=None):
+        """`compute_gradients` then `apply_gradients`; returns the worker's train op."""
+        grads_and_vars = self.compute_gradients(
+            loss, var_list=var_list, batch=batch, batch_size=batch_size,
+            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
+            batch_axis=batch_axis)
+        return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+    def make_session_run_hook(self, is_chief, num_tokens=None):
+        """The `SyncReplicasOptimizer` hook (chief: initial tokens and the queue runner
+        that takes, noises and applies).
+
+        Args:
+          is_chief: whether this worker is the chief.
+          num_tokens: tokens queued at the start; None (default) the fewest that let the
+            first step finish, max(0, R - W), so that with R = W the first step, like
+            every later one, aggregates one push per worker (SyncReplicasOptimizer's own
+            default, R, lets a fast worker push twice into the first step).
+        """
+        if num_tokens is None:
+            num_tokens = max(0, self._replicas_to_aggregate - self._total_num_replicas)
+        return self._sync.make_session_run_hook(is_chief, num_tokens=num_tokens)
+
+    def get_chief_queue_runner(self):
+        return self._sync.get_chief_queue_runner()
+
+    def get_init_tokens_op(self, num_tokens=-1):
+        return self._sync.get_init_tokens_op(num_tokens)
+
+    def get_slot(self, var, name):
+        return self._clipper.get_slot(var, name)
+
+    def get_slot_names(self):
+        return self._clipper.get_slot_names()
+
+    def variables(self):
+        return self._clipper.variables()
+
+    def __repr__(self):
+        return (f"DPSyncReplicasOptimizer({type(self.optimizer).__name__}, l2_norm_clip="
+                f"{self.l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
+                f"replicas_to_aggregate={self._replicas_to_aggregate}, total_num_replicas="
+                f"{self._total_num_replicas}, noise={self._noise!r}, seed={self._seed})")
