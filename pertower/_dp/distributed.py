@@ -195,8 +195,8 @@ class DPSyncReplicasOptimizer:
             expected_global_batch = _checks.real_number(
                 expected_global_batch, "expected_global_batch", 0.0, math.inf,
                 low_open=True, high_open=True, wanted="a positive number")
-        sigma = dp_optimizer._real_number(  # pylint: disable=protected-access
-            noise_multiplier, "noise_multiplier", positive=False)
+        sigma = _checks.real_number(noise_multiplier, "noise_multiplier", 0.0, math.inf,
+                                    high_open=True, wanted="a non-negative number")
         # the worker's clipping (and its share of the noise in split mode)
         self._clipper = _ClippedSum(
             optimizer, l2_norm_clip, sigma / math.sqrt(R) if noise == "split" else 0.0,
