@@ -124,15 +124,15 @@ def check_mixed_float16_dense():
         common.seed_weights(61)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
         labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
-        keras.mixed_precision.set_global_policy("mixed_float16")
-        try:
-            inputs = keras.Input((4, 4, 2))
-            h = keras.layers.Conv2D(3, 3, activation="tanh")(inputs)    # [B, 2, 2, 3]
-            h = keras.layers.Dense(6, activation="tanh")(keras.layers.Flatten()(h))
-            outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(5)(h))
-            model = keras.Model(inputs, outputs)
-        finally:
-            keras.mixed_precision.set_global_policy("float32")
+        # each layer's own policy (the global one needs V2 dtype behaviour, which
+        # disable_v2_behavior() turns off)
+        mixed = keras.mixed_precision.Policy("mixed_float16")
+        inputs = keras.Input((4, 4, 2))
+        h = keras.layers.Conv2D(3, 3, activation="tanh", dtype=mixed)(inputs)   # [B, 2, 2, 3]
+        h = keras.layers.Dense(6, activation="tanh", dtype=mixed)(
+            keras.layers.Flatten(dtype=mixed)(h))
+        h = keras.layers.Dense(5, dtype=mixed)(h)
+        model = keras.Model(inputs, keras.layers.Dense(4, dtype="float32")(h))
         logits = model(x)                                                # [B, 4] float32
         ys = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         xs = list(model.trainable_weights)
