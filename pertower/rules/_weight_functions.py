@@ -40,6 +40,7 @@ from tensorflow.python.framework import ops as tf_ops  # pylint: disable=no-name
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
+from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
 __all__ = ["Exit", "exits", "WeightFunctionRule", "wrap"]
@@ -49,6 +50,10 @@ __all__ = ["Exit", "exits", "WeightFunctionRule", "wrap"]
 _REORDER_FREE = op_types.WEIGHT_LAYOUT_OP_TYPES
 # Ops inverted directly on [G, ...] (else: the vectorized VJP).
 _DIRECT = _REORDER_FREE | {"Transpose", "Cast", "ConcatV2"}
+# Ops computed entry by entry with broadcasting: pulled back by one tf.gradients of the
+# chain rebuilt on [G, ...] copies of x (`WeightFunctionRule._batched_vjp`).
+_ELEMENTWISE = op_types.ELEMENTWISE_OP_TYPES - {"BroadcastTo", "EnsureShape",
+                                                "PlaceholderWithDefault"}
 # Ops whose outputs hold a weight's value through a handle (allowed upstream of a
 # weight-only op: reading a variable is the one stateful op a weight function needs).
 _VARIABLE_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "Variable"})
@@ -178,6 +183,7 @@ class WeightFunctionRule(registry_lib.Rule):
         self.inner, self.exit = inner, exit_
         self.u = exit_.op.inputs[exit_.slot]
         self.steps = _direct_steps(self.u, exit_)
+        self.elementwise = None if self.steps is not None else _elementwise_rank(exit_)
 
     def match(self, op, slot, analysis):   # made by `wrap`, never matched
         raise NotImplementedError
@@ -194,7 +200,38 @@ class WeightFunctionRule(registry_lib.Rule):
             for step in self.steps:
                 P = step(P)
             return P
+        if self.elementwise is not None:
+            return self._batched_vjp(P)
         return tf.vectorized_map(self._vjp, P)
+
+    def _batched_vjp(self, P):
+        """[G, *u.shape] -> [G, *x.shape] for an elementwise chain: the chain rebuilt on
+        G copies of each read of x, [G, 1, ..., *x.shape] (the other inputs broadcast
+        against the trailing axes), and ONE tf.gradients with P as grad_ys."""
+        R, G = self.elementwise, _rows.dim(P, 0)
+        batched = {}
+        for source in self.exit.sources:
+            dims = source.shape.as_list()
+            pad = [1] * (R - len(dims))
+            batched[source.ref()] = tf.broadcast_to(
+                tf.reshape(source, [1] + pad + dims),
+                _rows.group_shape(G, pad + dims))                     # [G, 1.., *x.shape]
+        for op in self.exit.through:
+            inputs = [batched.get(t.ref(), t) for t in op.inputs]
+            copy = op.graph._create_op_internal(  # pylint: disable=protected-access
+                op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+                attrs={key: value for key, value in op.node_def.attr.items()
+                       if not key.startswith("_")},
+                op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")
+            batched[op.outputs[0].ref()] = copy.outputs[0]
+        u_b = batched[self.u.ref()]                                   # [G, 1.., *u.shape]
+        sources = [batched[s.ref()] for s in self.exit.sources]
+        grads = tf.gradients(u_b, sources, grad_ys=tf.reshape(P, tf.shape(u_b)))
+        x_shape = _rows.group_shape(G, self.exit.sources[0].shape.as_list())
+        parts = [tf.reshape(g, x_shape) for g in grads if g is not None]
+        if not parts:
+            return tf.zeros(x_shape, self.exit.sources[0].dtype)
+        return tf.add_n(parts) if len(parts) > 1 else parts[0]       # [G, *x.shape]
 
     def _vjp(self, p):
         """[*u.shape] -> [*x.shape]: d<p, u>/dx over every read of x."""
@@ -218,6 +255,22 @@ class WeightFunctionRule(registry_lib.Rule):
         if self.steps is not None:
             return self.pull_back(part[None])[0]
         return self._vjp(part)                                              # [*x.shape]
+
+
+def _elementwise_rank(exit_):
+    """R, the largest rank in an elementwise chain (every op of `through` elementwise
+    with broadcasting, one output, static ranks), or None."""
+    ranks = [0]
+    for op in exit_.through:
+        if op.type not in _ELEMENTWISE or len(op.outputs) != 1:
+            return None
+        for t in list(op.inputs) + list(op.outputs):
+            if t.shape.rank is None:
+                return None
+            ranks.append(t.shape.rank)
+    if not all(s.shape.is_fully_defined() for s in exit_.sources):
+        return None
+    return max(ranks)
 
 
 def _direct_steps(u, exit_):
