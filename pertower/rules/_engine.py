@@ -7,7 +7,9 @@ Notation:
 
 For every weight x, every read of x that `ys` depends on must reach an op that has a
 rule (`pertower.rules`), possibly through layout-only ops on the weight side
-(Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)); and
+(Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)) or through
+functions of the weights alone (a Cast, g·v/||v||, a non-fused batch norm's scale and
+shift: `rules._weight_functions`, which pulls the rule's result back to x); and
 `pertower._batch_axis` must prove that the op's A and Z rows belong to examples and that
 row i of `ys` depends on example i alone. Then
 
