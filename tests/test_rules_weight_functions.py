@@ -43,7 +43,7 @@ def _plan_through(ys, xs):
     return plan, {w.name: ", ".join(w.ops) for w in plan.weights}
 
 
-def _check_against_loop(sess, ys, xs, feed, what, tolerance=None, micro=True):
+def _check_against_loop(sess, ys, xs, feed, what, tolerance=None, micro=False):
     """Per-example gradients and norms (no batch_size) and microbatch gradients against
     the loop; the sum over examples against tf.gradients."""
     tolerance = tolerance or common.tolerance(np.float32, "deep")
@@ -113,8 +113,27 @@ def check_weight_functions():
         assert not _direct(plan, names.index("v:0")), "weight norm needs the VJP"
         sess = _session(graph)
         feed = {x: rng.randn(B, 5, 5, 2).astype(np.float32)}
-        _check_against_loop(sess, ys, xs, feed, "weight functions")
+        _check_against_loop(sess, ys, xs, feed, "weight functions", micro=True)
         return str(plan)
+
+
+def check_partitioned_variable():
+    """A `get_variable` with a fixed_size_partitioner: its value is the ConcatV2 of the
+    parts, each part an entry of xs, pulled back by slicing the MatMul's rule."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(67)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5], name="x")
+        weight = tf.compat.v1.get_variable(
+            "partitioned", [5, 3], partitioner=tf.compat.v1.fixed_size_partitioner(2))
+        ys = tf.reduce_sum(tf.sin(tf.matmul(x, weight)), axis=1)          # [B]
+        xs = list(weight)
+        assert [p.shape.as_list() for p in xs] == [[3, 3], [2, 3]]
+        plan, through = _plan_through(ys, xs)
+        assert all("(ConcatV2)" in ops for ops in through.values()), through
+        assert _direct(plan, 0) and _direct(plan, 1)
+        sess = _session(graph)
+        feed = {x: np.random.RandomState(68).randn(B, 5).astype(np.float32)}
+        _check_against_loop(sess, ys, xs, feed, "partitioned variable")
 
 
 def check_mixed_float16_dense():
@@ -253,6 +272,10 @@ def test_weight_functions_are_pulled_back_and_match_the_loop():
     check_weight_functions()
 
 
+def test_partitioned_variable_matches_the_loop():
+    check_partitioned_variable()
+
+
 def test_mixed_float16_keras_layers_match_the_loop():
     check_mixed_float16_dense()
 
@@ -271,7 +294,8 @@ def test_random_and_batch_dependent_weight_functions_are_not_followed():
 
 
 @pytest.mark.process_checks("weight_functions_legacy")
-@pytest.mark.parametrize("check", ["check_weight_functions", "check_mixed_float16_dense",
+@pytest.mark.parametrize("check", ["check_weight_functions", "check_partitioned_variable",
+                                   "check_mixed_float16_dense",
                                    "check_non_fused_batch_norms", "check_dp_step",
                                    "check_not_followed"])
 def test_weight_functions_under_disable_v2_behavior(processes, check):

@@ -33,6 +33,11 @@ def check_weight_functions():
     weight_functions.check_weight_functions()
 
 
+def check_partitioned_variable():
+    _require_legacy_mode()
+    weight_functions.check_partitioned_variable()
+
+
 def check_mixed_float16_dense():
     _require_legacy_mode()
     # Keras mixed precision under TF1 behaviour: the documented switch that lets layers
@@ -59,5 +64,6 @@ def check_not_followed():
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
-        [check_weight_functions, check_mixed_float16_dense, check_non_fused_batch_norms,
-         check_dp_step, check_not_followed], "weight function checks"))
+        [check_weight_functions, check_partitioned_variable, check_mixed_float16_dense,
+         check_non_fused_batch_norms, check_dp_step, check_not_followed],
+        "weight function checks"))
