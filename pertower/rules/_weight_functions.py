@@ -35,12 +35,15 @@ random or depends on one (DropConnect's mask: the one-example loop would draw it
 per example), that calls functions or is v1 control flow, or has no registered gradient.
 """
 
+import dataclasses
+
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops  # pylint: disable=no-name-in-module
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower.rules import _rows
+from pertower.rules import broadcast
 from pertower.rules import registry as registry_lib
 
 __all__ = ["Exit", "exits", "WeightFunctionRule", "wrap"]
@@ -50,10 +53,13 @@ __all__ = ["Exit", "exits", "WeightFunctionRule", "wrap"]
 _REORDER_FREE = op_types.WEIGHT_LAYOUT_OP_TYPES
 # Ops inverted directly on [G, ...] (else: the vectorized VJP).
 _DIRECT = _REORDER_FREE | {"Transpose", "Cast", "ConcatV2"}
-# Ops computed entry by entry with broadcasting: pulled back by one tf.gradients of the
-# chain rebuilt on [G, ...] copies of x (`WeightFunctionRule._batched_vjp`).
-_ELEMENTWISE = op_types.ELEMENTWISE_OP_TYPES - {"BroadcastTo", "EnsureShape",
-                                                "PlaceholderWithDefault"}
+# Ops computed entry by entry, with numpy broadcasting where they take several inputs:
+# pulled back by one tf.gradients of the chain rebuilt on [G, ...] copies of x
+# (`WeightFunctionRule._batched_vjp`). Unary elementwise ops (but those with a shape
+# attribute) and the broadcasting binary ops of the broadcast rule; not AddN, Betainc or
+# the *Grad ops, whose inputs must have equal shapes.
+_UNARY_ELEMENTWISE = op_types.ELEMENTWISE_OP_TYPES - {"EnsureShape", "PlaceholderWithDefault"}
+_BROADCASTING = frozenset(broadcast.OP_TYPES)
 # Ops whose outputs hold a weight's value through a handle (allowed upstream of a
 # weight-only op: reading a variable is the one stateful op a weight function needs).
 _VARIABLE_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "Variable"})
@@ -63,6 +69,7 @@ _NOT_FOLLOWED = (op_types.CALL_OP_TYPES | op_types.V1_LOOP_OP_TYPES
                  | op_types.V1_SWITCH_OP_TYPES | op_types.V1_MERGE_OP_TYPES)
 
 
+@dataclasses.dataclass(frozen=True)
 class Exit:
     """One edge out of a weight's weight-only region: input `slot` of `op` holds u.
 
@@ -75,9 +82,11 @@ class Exit:
         [G, *u.shape] is reshaped to [G, *x.shape], as for a direct read).
     """
 
-    def __init__(self, op, slot, through, sources, reorder_only):
-        self.op, self.slot, self.through = op, slot, through
-        self.sources, self.reorder_only = sources, reorder_only
+    op: tf.Operation
+    slot: int
+    through: tuple
+    sources: tuple
+    reorder_only: bool
 
 
 def _is_reorder(op, slots):
@@ -147,7 +156,8 @@ def exits(reads, ys_upstream, analysis):
     result = []
     for op, slot in found:
         through, used = _region(op.inputs[slot], followed, sources)
-        result.append(Exit(op, slot, through, used, all(o in reorder for o in through)))
+        result.append(Exit(op, slot, through, tuple(used),
+                           all(o in reorder for o in through)))
     return result
 
 
@@ -262,7 +272,9 @@ def _elementwise_rank(exit_):
     with broadcasting, one output, static ranks), or None."""
     ranks = [0]
     for op in exit_.through:
-        if op.type not in _ELEMENTWISE or len(op.outputs) != 1:
+        if len(op.outputs) != 1 or not (
+                op.type in _BROADCASTING or
+                (op.type in _UNARY_ELEMENTWISE and len(op.inputs) == 1)):
             return None
         for t in list(op.inputs) + list(op.outputs):
             if t.shape.rank is None:
