@@ -39,7 +39,7 @@ def _plan_through(ys, xs):
     plan = pertower.explain(ys, xs)
     off = {w.name: w.reason for w in plan.weights if w.method != "rules"}
     assert not off, f"weights not on the rules: {off}\n{plan}"
-    assert "towers" not in str(plan).split("couplings")[0].split("rule or reason")[1], str(plan)
+    assert plan.request.batch_size is None and not plan.fallback, str(plan)
     return plan, {w.name: ", ".join(w.ops) for w in plan.weights}
 
 
