@@ -58,7 +58,8 @@ PROCESSES = {
     "legacy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"),)),
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
-    "weight_functions_legacy": _Command((os.path.join(HERE, "scripts", "weight_function_checks.py"),)),
+    "weight_functions_legacy": _Command((os.path.join(HERE, "scripts",
+                                                      "weight_function_checks.py"),)),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
     # loops bounded by a batch reduction and Python gradients on row passes, v1 loops
