@@ -58,6 +58,7 @@ PROCESSES = {
     "legacy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"),)),
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
+    # the same, for the weight functions of tests/test_rules_weight_functions.py.
     "weight_functions_legacy": _Command((os.path.join(HERE, "scripts",
                                                       "weight_function_checks.py"),)),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
