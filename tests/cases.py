@@ -364,11 +364,14 @@ def _embedding(ids):
 
 def mixed(x):
     """Covered and uncovered reads: `k1` only by a MatMul (rules); `k2` by a MatMul and
-    by the Pow of an L2 term (towers); `scale` by a Square, which has no rule (towers)."""
+    by the Pow of an L2 term added to every row (rules, the second through the
+    weight-only Pow, Sum and Mul); `scale` squared and broadcast to the batch's shape by
+    hand (BroadcastTo, which has no rule: towers)."""
     k1, k2 = random_normal_variable([4, 3], "k1"), random_normal_variable([3, 2], "k2")
     scale = random_normal_variable([2], "scale_sq")
     h = tf.tanh(tf.matmul(x, k1))
-    z = tf.matmul(h, k2) * tf.square(scale)                            # [B, 2]
+    z = tf.matmul(h, k2)
+    z = z * tf.broadcast_to(tf.square(scale), tf.shape(z))              # [B, 2]
     ys = tf.reduce_sum(z ** 2, axis=1) + 0.1 * tf.reduce_sum(k2 ** 2)   # [B]
     return ys, [k1, k2, scale]
 
@@ -403,7 +406,7 @@ RULE_MODELS = {
     "depthwise": (_depthwise, [(7, 6, 4)], {}, []),
     "time_distributed_conv": (_time_distributed_conv, [(3, 5, 5, 2)], {}, []),
     "embedding_repeated_ids": (_embedding, ["ids"], {"ids": (4,), "B": 4}, []),
-    "mixed_fallback": (mixed, [(4,)], {}, ["k2", "scale_sq"]),
+    "mixed_fallback": (mixed, [(4,)], {}, ["scale_sq"]),
     "mixing_op": (mixing_op, [(4,)], {}, ["w_cross"]),
 }
 

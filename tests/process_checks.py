@@ -62,6 +62,9 @@ PROCESSES = {
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
     "published_legacy_zoo": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"), "zoo")),
+    # the same, for the weight functions of tests/test_rules_weight_functions.py.
+    "weight_functions_legacy": _Command((os.path.join(HERE, "scripts",
+                                                      "weight_function_checks.py"),)),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
     # loops bounded by a batch reduction and Python gradients on row passes, v1 loops

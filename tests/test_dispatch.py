@@ -22,7 +22,8 @@ def _session(graph):
 
 @pytest.fixture(scope="module")
 def mixed():
-    """A Dense layer (rules) and an elementwise weight no rule covers (towers)."""
+    """A Dense layer (rules) and a weight broadcast to the batch's shape by hand
+    (BroadcastTo, which no rule covers: towers)."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(3)
@@ -30,7 +31,8 @@ def mixed():
         dense = keras.layers.Dense(3, name="dense")
         gain = tf.Variable(np.linspace(0.5, 1.5, 3).astype(np.float32), name="gain")
         h = dense(x)                                           # [B, 3]
-        ys = tf.reduce_sum(tf.sin(h) * tf.exp(gain * 0.1) ** 2, axis=1)   # [B]
+        spread = tf.broadcast_to(tf.exp(gain * 0.1) ** 2, tf.shape(h))    # [B, 3]
+        ys = tf.reduce_sum(tf.sin(h) * spread, axis=1)                   # [B]
         xs = dense.trainable_weights + [gain]
         sess = _session(graph)
     feed = {x: np.random.RandomState(0).randn(5, 4).astype(np.float32)}

@@ -29,7 +29,8 @@ def _weight(shape, name):
 
 
 def _derived_both_used(x):
-    """ys reads W directly and through w_eff = 2 * identity(W) (Mul: no rule)."""
+    """ys reads W directly and through w_eff = 2 * identity(W) (a function of the
+    weights alone: the rules pull the MatMul's rule back through the Mul)."""
     W = _weight([3, 2], "W")
     w_eff = tf.identity(W) * 2.0
     ys = tf.reduce_sum(tf.matmul(x, W) ** 2 + tf.tanh(tf.matmul(x, w_eff)), axis=1)

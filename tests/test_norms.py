@@ -60,7 +60,7 @@ CASES = {
     "dense_sequence": lambda: _rules_case("dense_sequence"),   # ghost norm over T
     "batch_matmul": lambda: _rules_case("batch_matmul"),
     "conv_valid_dilated": lambda: _rules_case("conv_valid_dilated"),   # conv formed
-    "mixed_fallback": lambda: _rules_case("mixed_fallback"),   # towers for two weights
+    "mixed_fallback": lambda: _rules_case("mixed_fallback"),   # towers for one weight
     "subclassed": lambda: cases.build_subclassed(B=3),        # Conv1D, LayerNorm, Dropout cond
     "cifar": lambda: cases.build_cifar_case(B=3),        # convs formed (grouped, patches)
 }

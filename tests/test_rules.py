@@ -402,7 +402,7 @@ def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
     weights = np.linspace(-1.0, 2.0, 8).reshape(4, 2).astype(np.float32)
     with case.graph.as_default():
         built = _dispatch.build(_dispatch.make_plan(case.ys, case.xs, None, 4))
-        assert built.plan.fallback == [1, 2]
+        assert built.plan.fallback == [2]
         got = built.gradients(grad_ys=tf.constant(weights))
         jacobians = oracle.loop_per_example_jacobians(case.sess, case.ys, case.xs, case.feed)
         with pytest.raises(ValueError, match=r"`grad_ys` must have the shape of `ys`"):
@@ -504,8 +504,8 @@ class _CountingRule(rules_lib.Rule):
 
 
 class _SquareRule(rules_lib.Rule):
-    """A user rule for a weight read by Square and broadcast-multiplied: Z = s^2 as a
-    scale is not a rule shape, so this rule refuses with a reason (kept in the plan)."""
+    """A user rule for the BroadcastTo that spreads a squared weight over the batch's
+    shape: it refuses with a reason (kept in the plan)."""
 
     def match(self, op, slot, analysis):
         return "a user rule that declines"
@@ -518,8 +518,8 @@ def test_a_user_registry_replaces_and_adds_rules(mlp):
     registry = rules_lib.default_registry()
     counting = _CountingRule()
     registry.register("MatMul", counting)
-    registry.register("Square", _SquareRule())
-    assert "MatMul" in registry.op_types() and "Square" in registry.op_types()
+    registry.register("BroadcastTo", _SquareRule())
+    assert "MatMul" in registry.op_types() and "BroadcastTo" in registry.op_types()
     assert rules_lib.default_registry().lookup("MatMul") is not counting   # a new one each call
     with mlp.graph.as_default():
         got = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4, rules=registry)

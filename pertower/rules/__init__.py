@@ -15,6 +15,10 @@ Built-in rules (each file states its identity and reference):
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
+
+A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||,
+a non-fused batch norm's scale and shift) gets the rule of the op after them, pulled back
+through them (`_weight_functions.py`, used by the engine for every rule).
 """
 
 from pertower.rules import batch_matmul

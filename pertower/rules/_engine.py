@@ -7,7 +7,9 @@ Notation:
 
 For every weight x, every read of x that `ys` depends on must reach an op that has a
 rule (`pertower.rules`), possibly through layout-only ops on the weight side
-(Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)); and
+(Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)) or through
+functions of the weights alone (a Cast, g·v/||v||, a non-fused batch norm's scale and
+shift: `rules._weight_functions`, which pulls the rule's result back to x); and
 `pertower._batch_axis` must prove that the op's A and Z rows belong to examples and that
 row i of `ys` depends on example i alone. Then
 
@@ -39,6 +41,7 @@ from pertower import _op_types as op_types
 from pertower import _overrides
 from pertower import _plan
 from pertower.rules import _rows
+from pertower.rules import _weight_functions
 from pertower.rules import registry as registry_lib
 
 # How deep nested function bodies are searched for such ops.
@@ -101,31 +104,27 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
                 "no rule looks")
     if reads.loop_inputs:
         return _in_v1_loop(reads.loop_inputs[0])
-    terminals = [(op, 0) for op in reads.gather_ops]
-    stack = list(reads.read_tensors)
-    while stack:
-        tensor = stack.pop()
-        for op in tensor.consumers():
-            if op not in ys_upstream:
-                continue
-            slots = [j for j, t in enumerate(op.inputs) if t is tensor]
-            if (op.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0] and
-                    op.outputs[0].shape.is_fully_defined() and
-                    all(_batch_axis.static_value(t) is not None for t in op.inputs[1:])):
-                stack.append(op.outputs[0])
-                continue
-            terminals.extend((op, j) for j in slots)
+    walked = _weight_functions.exits(reads, ys_upstream, analysis)
+    if isinstance(walked, str):
+        return walked
+    terminals = [_weight_functions.Exit(op, 0, (), (), True) for op in reads.gather_ops]
+    terminals.extend(walked)
     found = []
-    terminals.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
-    for op, slot in terminals:
+    # pylint: disable-next=protected-access
+    terminals.sort(key=lambda e: (e.op._id, e.slot))
+    for exit_ in terminals:
+        op, slot = exit_.op, exit_.slot
         if op.type in op_types.V1_ENTER_OP_TYPES:
             return _in_v1_loop(op)
+        where = f"{op.name!r} ({op.type})" + (
+            "" if exit_.reorder_only else
+            " through " + ", ".join(f"{o.name!r} ({o.type})" for o in exit_.through))
         rule = registry.lookup(op.type)
         if rule is None:
-            return f"it is read by {op.name!r} ({op.type}), which has no rule"
+            return f"it is read by {where}, which has no rule"
         use = rule.match(op, slot, analysis)
         if isinstance(use, str):
-            return f"it is read by {op.name!r} ({op.type}): {use}"
+            return f"it is read by {where}: {use}"
         if use.rule is not rule:   # the registered rule computes what it matched
             use = dataclasses.replace(use, rule=rule)
         if use.weight_shape is None:   # read through a resource handle
@@ -134,6 +133,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
             use = dataclasses.replace(use, weight_shape=x.shape)
         if not use.weight_shape.is_fully_defined():
             return f"its shape at {op.name!r} ({use.weight_shape}) is not static"
+        if not exit_.reorder_only:   # a function of the weights: pulled back to x
+            use = _weight_functions.wrap(use, exit_)
         found.append(use)
     return found
 

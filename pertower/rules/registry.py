@@ -35,6 +35,9 @@ class Use:
       output: the op's output Z whose gradient dZ the rule uses, [B*k, ...].
       weight_shape: the static shape of the weight as the op sees it.
       rows: the `_batch_axis.Rows` of `activation` (k rows per example).
+      through: the ops between the weight's reads and the op that compute the op's
+        weight input from the weights alone (`rules._weight_functions`; the rule's
+        result is pulled back through them), empty for a direct read.
     """
 
     op: tf.Operation
@@ -44,6 +47,7 @@ class Use:
     output: tf.Tensor
     weight_shape: tf.TensorShape
     rows: object
+    through: tuple = ()
 
 
 class Rule:

@@ -1,0 +1,341 @@
+"""Weights read through functions of the weights alone, pulled back from a rule's op.
+
+Notation:
+    B, G  examples, groups (as in `rules.registry`)     x  one weight (entry of xs)
+    u     the tensor at a rule's weight input, u = f(x, other weights, constants)
+    P     the rule's per-group gradients with respect to u, [G, *u.shape]
+
+Between a variable and the op a rule covers there may be ops whose inputs are all
+batch-independent (the batch-axis analysis says INDEPENDENT): Keras' `mixed_float16`
+casts the float32 master weight to float16; weight normalization computes g·v/||v||; a
+non-fused batch norm computes scale = gamma·rsqrt(var + eps) and shift = beta -
+mean·scale before one Mul and one AddV2 with the batch; a partitioned weight is a
+ConcatV2 of its parts; `tanh(W)`, `abs(W)`, Transpose, Reshape. The walk (`exits`)
+follows a weight's reads through such ops to the ops that take the batch ("exits", one
+per (op, input) edge) and `WeightFunctionRule` wraps the rule of each exit.
+
+Identity (the chain rule across the cut of the exit edges): every path from x to `ys`
+leaves the weight-only region through exactly one exit edge, so with u_e the tensor on
+exit edge e and J_e = du_e/dx (the whole weight-only region between x and u_e, every
+path included)
+    grad_i(x) = sum over exits e of  J_e^T rule_e(example i)
+              = sum_e VJP_e(P_e[i]),
+and VJP_e(p) = tf.gradients(u_e, reads of x, grad_ys=p). The [G] pull-backs are one
+vectorized VJP (`tf.vectorized_map`, TensorFlow's pfor over the gradient ops); a chain
+of re-layouts (Identity, Snapshot, Reshape, ExpandDims, Squeeze, Transpose), Casts and
+ConcatV2 slices is inverted directly on the [G, ...] tensor instead. The clipped sum
+sum_i f_i grad_i(x) = VJP_e(sum_i f_i P_e[i]) is ONE VJP of the rule's own clipped sum
+(linearity), with no per-example pull-back. Squared norms: a chain of re-layouts only is
+an isometry (the same entries in another order), so the rule's cheap norm is exact;
+every other chain (casts included: the rule's norm would be summed in the narrower
+dtype) forms the pulled-back gradients and reduces them in x's dtype.
+
+Not covered (the weight falls back, with the reason): a weight-only op that is stateful,
+random or depends on one (DropConnect's mask: the one-example loop would draw it once
+per example), that calls functions or is v1 control flow, or has no registered gradient.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as tf_ops  # pylint: disable=no-name-in-module
+
+from pertower import _batch_axis
+from pertower import _op_types as op_types
+from pertower.rules import _rows
+from pertower.rules import broadcast
+from pertower.rules import registry as registry_lib
+
+__all__ = ["Exit", "exits", "WeightFunctionRule", "wrap"]
+
+# Ops that pass a weight on with the same entries in the same order (one weight input,
+# slot 0, the others static): the rule's result is only reshaped.
+_REORDER_FREE = op_types.WEIGHT_LAYOUT_OP_TYPES
+# Ops inverted directly on [G, ...] (else: the vectorized VJP).
+_DIRECT = _REORDER_FREE | {"Transpose", "Cast", "ConcatV2"}
+# Ops computed entry by entry, with numpy broadcasting where they take several inputs:
+# pulled back by one tf.gradients of the chain rebuilt on [G, ...] copies of x
+# (`WeightFunctionRule._batched_vjp`). Unary elementwise ops (but those with a shape
+# attribute) and the broadcasting binary ops of the broadcast rule; not AddN, Betainc or
+# the *Grad ops, whose inputs must have equal shapes.
+_UNARY_ELEMENTWISE = op_types.ELEMENTWISE_OP_TYPES - {"EnsureShape", "PlaceholderWithDefault"}
+_BROADCASTING = frozenset(broadcast.OP_TYPES)
+# Ops whose outputs hold a weight's value through a handle (allowed upstream of a
+# weight-only op: reading a variable is the one stateful op a weight function needs).
+_VARIABLE_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "Variable"})
+# Ops never followed: functions and v1 control flow (their gradients need more than the
+# op), and the gathers some rules cover.
+_NOT_FOLLOWED = (op_types.CALL_OP_TYPES | op_types.V1_LOOP_OP_TYPES
+                 | op_types.V1_SWITCH_OP_TYPES | op_types.V1_MERGE_OP_TYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """One edge out of a weight's weight-only region: input `slot` of `op` holds u.
+
+    Attributes:
+      op, slot: the op that takes the batch and the input index of u.
+      through: the weight-only ops between x's reads and u (sorted by creation), empty
+        for a direct read.
+      sources: the reads of x that u depends on.
+      reorder_only: whether every op of `through` only re-lays-out x (the rule's
+        [G, *u.shape] is reshaped to [G, *x.shape], as for a direct read).
+    """
+
+    op: tf.Operation
+    slot: int
+    through: tuple
+    sources: tuple
+    reorder_only: bool
+
+
+def _is_reorder(op, slots):
+    """Whether `op` (reading the weight at `slots`) passes its entries on unchanged."""
+    return (op.type in _REORDER_FREE and slots == [0] and
+            op.outputs[0].shape.is_fully_defined() and
+            all(_batch_axis.static_value(t) is not None for t in op.inputs[1:]))
+
+
+def _unfollowable(op, graph_inputs):
+    """Why the weight-only op `op` cannot be pulled back through, or None."""
+    if op.op_def.is_stateful:
+        return "is stateful"
+    try:
+        tf_ops.get_gradient_function(op)
+    except LookupError:
+        return "has no registered gradient"
+    stack, seen = list(graph_inputs), set()
+    while stack:                       # what the op's other inputs are computed from
+        source = stack.pop().op
+        if source in seen:
+            continue
+        seen.add(source)
+        if source.type in _VARIABLE_OP_TYPES:
+            continue
+        if source.type in op_types.RANDOM_OP_TYPES or source.op_def.is_stateful:
+            return (f"depends on {source.name!r} ({source.type}), a random or stateful op "
+                    "(the one-example loop would run it once per example)")
+        stack.extend(source.inputs)
+    return None
+
+
+def exits(reads, ys_upstream, analysis):
+    """The exit edges of the weight of `reads` (a `WeightReads`): a list of `Exit`, or
+    a string saying why the weight cannot be followed."""
+    sources = list(reads.read_tensors)
+    followed = set()               # weight-only ops reached from x's reads
+    reorder = set()                # those of them that only re-lay-out
+    found = {}                     # (op, slot) -> None, in discovery order
+    stack, seen = list(sources), set()
+    while stack:
+        tensor = stack.pop()
+        if tensor.ref() in seen:
+            continue
+        seen.add(tensor.ref())
+        for op in tensor.consumers():
+            if op not in ys_upstream or op in followed:
+                continue
+            slots = [j for j, t in enumerate(op.inputs) if t is tensor]
+            weight_only = op.type not in _NOT_FOLLOWED and all(
+                analysis.value(t) is _batch_axis.INDEPENDENT for t in op.inputs)
+            if _is_reorder(op, slots) or weight_only:
+                if not _is_reorder(op, slots):
+                    why = _unfollowable(op, [t for j, t in enumerate(op.inputs)
+                                             if j not in slots])
+                    if why is not None:
+                        return (f"it is read by {op.name!r} ({op.type}), a function of "
+                                f"the weights alone that {why}")
+                else:
+                    reorder.add(op)
+                followed.add(op)
+                stack.extend(t for t in op.outputs if t.dtype.is_floating or
+                             t.dtype.is_complex)
+                continue
+            for j in slots:
+                found.setdefault((op, j), None)
+    result = []
+    for op, slot in found:
+        through, used = _region(op.inputs[slot], followed, sources)
+        result.append(Exit(op, slot, through, tuple(used),
+                           all(o in reorder for o in through)))
+    return result
+
+
+def _region(u, followed, sources):
+    """(the followed ops u is computed from, sorted; the reads of x among its inputs)."""
+    through, used, stack, seen = set(), [], [u], set()
+    while stack:
+        tensor = stack.pop()
+        if tensor.ref() in seen:
+            continue
+        seen.add(tensor.ref())
+        if any(tensor is s for s in sources):
+            used.append(tensor)
+        elif tensor.op in followed:
+            through.add(tensor.op)
+            stack.extend(tensor.op.inputs)
+    return tuple(sorted(through, key=lambda o: o._id)), used  # pylint: disable=protected-access
+
+
+def wrap(use, exit_):
+    """The `Use` of x through the exit `exit_` whose rule's `Use` (of u) is `use`."""
+    rule = WeightFunctionRule(use, exit_)
+    shape = exit_.sources[0].shape
+    return registry_lib.Use(use.op, use.slot, rule, use.activation, use.output, shape,
+                            use.rows, through=exit_.through)
+
+
+class WeightFunctionRule(registry_lib.Rule):
+    """The rule of one exit, pulled back to x through the weight-only ops before it.
+    Made per use by `wrap` (it holds the inner use); never registered."""
+
+    def __init__(self, inner, exit_):
+        self.inner, self.exit = inner, exit_
+        self.u = exit_.op.inputs[exit_.slot]
+        self.steps = _direct_steps(self.u, exit_)
+        self.elementwise = None if self.steps is not None else _elementwise_rank(exit_)
+
+    def match(self, op, slot, analysis):   # made by `wrap`, never matched
+        raise NotImplementedError
+
+    def _inner_per_group(self, dZ, G):
+        return self.inner.rule.per_group(self.inner, dZ, G)              # [G, *u.shape]
+
+    def per_group(self, use, dZ, G):
+        return self.pull_back(self._inner_per_group(dZ, G))              # [G, *x.shape]
+
+    def pull_back(self, P):
+        """[G, *u.shape] -> [G, *x.shape]: the VJP of each row."""
+        if self.steps is not None:
+            for step in self.steps:
+                P = step(P)
+            return P
+        if self.elementwise is not None:
+            return self._batched_vjp(P)
+        return tf.vectorized_map(self._vjp, P)
+
+    def _batched_vjp(self, P):
+        """[G, *u.shape] -> [G, *x.shape] for an elementwise chain: the chain rebuilt on
+        G copies of each read of x, [G, 1, ..., *x.shape] (the other inputs broadcast
+        against the trailing axes), and ONE tf.gradients with P as grad_ys."""
+        R, G = self.elementwise, _rows.dim(P, 0)
+        batched = {}
+        for source in self.exit.sources:
+            dims = source.shape.as_list()
+            pad = [1] * (R - len(dims))
+            batched[source.ref()] = tf.broadcast_to(
+                tf.reshape(source, [1] + pad + dims),
+                _rows.group_shape(G, pad + dims))                     # [G, 1.., *x.shape]
+        for op in self.exit.through:
+            inputs = [batched.get(t.ref(), t) for t in op.inputs]
+            copy = op.graph._create_op_internal(  # pylint: disable=protected-access
+                op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+                attrs={key: value for key, value in op.node_def.attr.items()
+                       if not key.startswith("_")},
+                op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")
+            batched[op.outputs[0].ref()] = copy.outputs[0]
+        u_b = batched[self.u.ref()]                                   # [G, 1.., *u.shape]
+        sources = [batched[s.ref()] for s in self.exit.sources]
+        grads = tf.gradients(u_b, sources, grad_ys=tf.reshape(P, tf.shape(u_b)))
+        x_shape = _rows.group_shape(G, self.exit.sources[0].shape.as_list())
+        parts = [tf.reshape(g, x_shape) for g in grads if g is not None]
+        if not parts:
+            return tf.zeros(x_shape, self.exit.sources[0].dtype)
+        return tf.add_n(parts) if len(parts) > 1 else parts[0]       # [G, *x.shape]
+
+    def _vjp(self, p):
+        """[*u.shape] -> [*x.shape]: d<p, u>/dx over every read of x."""
+        grads = tf.gradients(self.u, self.exit.sources, grad_ys=p)
+        parts = [tf.convert_to_tensor(g) for g in grads if g is not None]
+        if not parts:
+            return tf.zeros_like(self.exit.sources[0])
+        return tf.add_n(parts) if len(parts) > 1 else parts[0]
+
+    def squared_norms(self, use, dZ, B):
+        if not all(op.type in _REORDER_FREE | {"Transpose"} for op in self.exit.through):
+            return None
+        own = getattr(self.inner.rule, "squared_norms", None)
+        return own(self.inner, dZ, B) if callable(own) else None
+
+    def clipped_sum(self, use, dZ, factors):
+        own = getattr(self.inner.rule, "clipped_sum", None)
+        part = (own(self.inner, dZ, factors) if callable(own) else
+                registry_lib.default_clipped_sum(self.inner.rule, self.inner, dZ, factors))
+        part = tf.reshape(part, self.inner.weight_shape.as_list())          # [*u.shape]
+        if self.steps is not None:
+            return self.pull_back(part[None])[0]
+        return self._vjp(part)                                              # [*x.shape]
+
+
+def _elementwise_rank(exit_):
+    """R, the largest rank in an elementwise chain (every op of `through` elementwise
+    with broadcasting, one output, static ranks), or None."""
+    ranks = [0]
+    for op in exit_.through:
+        if len(op.outputs) != 1 or not (
+                op.type in _BROADCASTING or
+                (op.type in _UNARY_ELEMENTWISE and len(op.inputs) == 1)):
+            return None
+        for t in list(op.inputs) + list(op.outputs):
+            if t.shape.rank is None:
+                return None
+            ranks.append(t.shape.rank)
+    if not all(s.shape.is_fully_defined() for s in exit_.sources):
+        return None
+    return max(ranks)
+
+
+def _direct_steps(u, exit_):
+    """The inverses, applied in order to P [G, *u.shape], of a chain of re-layouts,
+    Casts and ConcatV2 slices from one read of x to u; None when u is another
+    function of x (or a shape is not static)."""
+    steps, tensor = [], u
+    inside = set(exit_.through)
+    while not any(tensor is s for s in exit_.sources):
+        op = tensor.op
+        if op not in inside or op.type not in _DIRECT:
+            return None
+        from_x = [j for j, t in enumerate(op.inputs)
+                  if t.op in inside or any(t is s for s in exit_.sources)]
+        if len(from_x) != 1 or not op.inputs[from_x[0]].shape.is_fully_defined():
+            return None
+        step = _inverse(op, from_x[0])
+        if step is None:
+            return None
+        steps.append(step)
+        tensor = op.inputs[from_x[0]]
+    return steps
+
+
+def _inverse(op, slot):
+    """[G, *op.outputs[0].shape] -> [G, *op.inputs[slot].shape], or None."""
+    source = op.inputs[slot]
+    dims = source.shape.as_list()
+    if op.type in _REORDER_FREE:
+        return lambda P: tf.reshape(P, [-1] + dims)
+    if op.type == "Cast":
+        if not (source.dtype.is_floating and op.outputs[0].dtype.is_floating):
+            return None
+        return lambda P: tf.cast(P, source.dtype)
+    if op.type == "Transpose":
+        perm = _batch_axis.static_value(op.inputs[1])
+        if perm is None or slot != 0:
+            return None
+        inverse = [0] * len(perm)
+        for i, p in enumerate(list(perm)):
+            inverse[int(p)] = i
+        return lambda P: tf.transpose(P, [0] + [1 + i for i in inverse])
+    if op.type == "ConcatV2":
+        axis = _batch_axis.static_value(op.inputs[-1])
+        if axis is None or slot == len(op.inputs) - 1:
+            return None
+        rank = len(dims)
+        axis = int(axis) % rank
+        before = op.inputs[:slot]
+        if not all(t.shape.is_fully_defined() for t in before):
+            return None
+        offset = sum(t.shape.as_list()[axis] for t in before)
+        begin = [0] * (rank + 1)
+        begin[axis + 1] = offset
+        return lambda P: tf.slice(P, begin, [-1] + dims)
+    return None
