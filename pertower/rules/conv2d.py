@@ -76,7 +76,9 @@ The clipped sum sum_i f_i grad_i(W) (DP-SGD) is the batch filter gradient
 (TensorFlow's CPU Conv2DBackpropFilter without oneDNN refuses both).
 
 Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations, groups; the filter
-static (and, for groups, the input's channels).
+static (and, for groups, the input's channels). NCHW and the blocks of a SpaceToBatchND
+(a dilated convolution as TensorFlow builds it without oneDNN) through `_conv_views`:
+the same ways on A and dZ re-laid-out to NHWC with example-major rows.
 """
 
 import dataclasses
@@ -85,6 +87,7 @@ import math
 import tensorflow as tf
 
 from pertower import _context
+from pertower.rules import _conv_views
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 from pertower.rules._conv_geometry import (attributes, check_convolution, explicitly_padded,
@@ -168,6 +171,9 @@ class Conv2DRule(registry_lib.Rule):
         self.options = options
 
     def match(self, op, slot, analysis):
+        view = _conv_views.view_use(self, op, slot, analysis)   # NCHW, SpaceToBatchND blocks
+        if view is not None:
+            return view
         rows = check_convolution(op, slot, analysis)
         if isinstance(rows, str):
             return rows
@@ -230,6 +236,8 @@ class Conv2DRule(registry_lib.Rule):
                                         positions < self.options.few_positions)
 
     def per_group(self, use, dZ, G):
+        if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
+            return self.per_group(*use.view.inner(use, dZ), G)
         strategy = self.strategy(use)
         if strategy == "grouped":
             return self._grouped(use, dZ, G)
@@ -327,6 +335,8 @@ class Conv2DRule(registry_lib.Rule):
                 else "formed")
 
     def squared_norms(self, use, dZ, B):
+        if isinstance(use, _conv_views.ViewUse):
+            return self.squared_norms(*use.view.inner(use, dZ), B)
         # None when forming is cheaper: the engine then forms the per-example gradients
         # itself and keeps them, so that a clipped sum contracts them with the factors
         # instead of running a second (reweighted) filter gradient
@@ -339,6 +349,8 @@ class Conv2DRule(registry_lib.Rule):
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per example
+        if isinstance(use, _conv_views.ViewUse):
+            return self.clipped_sum(*use.view.inner(use, dZ), factors)
         if not plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         return filter_gradient(tf.raw_ops.Conv2DBackpropFilter, use,
