@@ -13,6 +13,7 @@ Built-in rules (each file states its identity and reference):
                          Minimum, SquaredDifference, Pow, SelectV2, ... (one rule)
     conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks)
     conv2d_transpose.py  Conv2DBackpropInput (transposed convolutions)
+    conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks)
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
@@ -23,6 +24,7 @@ from pertower.rules import bias_add
 from pertower.rules import broadcast
 from pertower.rules import conv2d
 from pertower.rules import conv2d_transpose
+from pertower.rules import conv3d
 from pertower.rules import depthwise_conv2d
 from pertower.rules import einsum
 from pertower.rules import fused_batch_norm
@@ -35,7 +37,7 @@ from pertower.rules.registry import Use
 __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
-             depthwise_conv2d, gather, fused_batch_norm)
+             conv3d, depthwise_conv2d, gather, fused_batch_norm)
 
 
 def default_registry():
