@@ -67,6 +67,9 @@ PROCESSES = {
         (os.path.join(HERE, "scripts", f"never_wrong_{kind}_checks.py"), mode),
         one_thread=False)
        for kind in ("dtype", "shape") for mode in ("graph", "legacy")},
+    # tests/test_rules_convs.py under disable_v2_behavior() and with TF_ENABLE_ONEDNN_OPTS=1
+    **{f"convs_{mode}": _Command((os.path.join(HERE, "scripts", "conv_rules_checks.py"), mode),
+                                 one_thread=mode == "legacy") for mode in ("legacy", "onednn")},
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.

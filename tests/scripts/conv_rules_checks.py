@@ -1,0 +1,104 @@
+"""Run in a process of its own: the checks of tests/test_rules_convs.py in another mode.
+
+    python tests/scripts/conv_rules_checks.py legacy   # tf.compat.v1.disable_v2_behavior()
+    python tests/scripts/conv_rules_checks.py onednn   # TF_ENABLE_ONEDNN_OPTS=1
+
+"onednn" also runs `check_onednn_filter_gradients`: with oneDNN forced on (on a CPU
+without AVX-512) TensorFlow's own Conv2DBackpropFilter of a 1x1 stride-2 VALID
+convolution on 8x8 has been seen to be wrong against float64 numpy on some runs; the
+check compares the Conv2D rule (every way that runs) with float64 numpy over 20 runs
+and reports TensorFlow's own error beside it.
+
+Started once per test session by tests/process_checks.py ("convs_legacy",
+"convs_onednn"); prints one `pertower-check` line per check and a summary; exits 1 on
+failure.
+"""
+
+import os
+import sys
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "legacy"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+if MODE == "onednn":
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+if MODE == "legacy":
+    tf.compat.v1.disable_v2_behavior()
+
+import pertower  # noqa: E402
+from pertower.rules import conv2d  # noqa: E402
+from tests import process_checks  # noqa: E402
+from tests import test_rules_convs as convs  # noqa: E402
+
+RUNS = 20
+
+
+def _require_mode():
+    if MODE == "legacy" and (tf.compat.v1.resource_variables_enabled() or
+                             tf.executing_eagerly()):
+        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
+    if MODE == "onednn" and not conv2d.onednn_enabled():
+        raise AssertionError("expected TensorFlow's oneDNN kernels (TF_ENABLE_ONEDNN_OPTS=1)")
+
+
+def _wrapped(name):
+    def check():
+        _require_mode()
+        return getattr(convs, name)()
+    check.__name__ = name
+    return check
+
+
+def check_onednn_filter_gradients():
+    """The 1x1 stride-2 VALID Conv2D on 8x8 (3 -> 4 channels, ys_i = sum(y_i^2)), B = 1
+    and 4: per-example gradients of every Conv2D way that runs ("auto" and forced) and
+    TensorFlow's tf.gradients, each against float64 numpy over 20 runs of fresh inputs.
+    Fails if a way of the rule is off by more than 1e-4 (relative) on any run."""
+    _require_mode()
+    lines, failures = [], []
+    for batch in (1, 4):
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 3])
+            w = tf.compat.v1.placeholder(tf.float32, [1, 1, 3, 4])
+            y = tf.nn.conv2d(x, w, strides=2, padding="VALID")            # [B, 4, 4, 4]
+            ys = tf.reduce_sum(y ** 2, axis=[1, 2, 3])                    # [B]
+            outs = {"tf.gradients (sum)": tf.gradients(tf.reduce_sum(ys), w)[0][None]}
+            for strategy in conv2d.STRATEGIES:
+                registry = pertower.rules.default_registry()
+                registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions(strategy)))
+                outs[strategy] = pertower.per_example_gradients(
+                    ys, [w], method="rules", rules=registry)[0]          # [B, 1, 1, 3, 4]
+            worst = dict.fromkeys(outs, 0.0)
+            rng = np.random.RandomState(batch)
+            with tf.compat.v1.Session() as sess:
+                for _ in range(RUNS):
+                    x_value = rng.randn(batch, 8, 8, 3)
+                    w_value = rng.randn(1, 1, 3, 4)
+                    got = sess.run(outs, {x: x_value.astype(np.float32),
+                                          w: w_value.astype(np.float32)})
+                    rows = x_value[:, ::2, ::2, :].reshape(batch, -1, 3)  # [B, 16, 3]
+                    want = np.einsum("bpc,bpo->bco", rows, 2 * rows @ w_value[0, 0])
+                    want = want[:, None, None]                            # [B, 1, 1, 3, 4]
+                    for key, value in got.items():
+                        ref = want.sum(0, keepdims=True) if key.startswith("tf.") else want
+                        error = float(np.abs(value - ref).max() / np.abs(ref).max())
+                        worst[key] = max(worst[key], error)
+        for key, error in worst.items():
+            lines.append(f"B={batch} {key}: worst relative error {error:.2g} over {RUNS} runs")
+            if not key.startswith("tf.") and error > 1e-4:
+                failures.append(lines[-1])
+    if failures:
+        raise AssertionError("the Conv2D rule is wrong with oneDNN on: " + "; ".join(failures))
+    return "\n".join(lines)
+
+
+CHECKS = {"legacy": [_wrapped(n) for n in convs.CHECKS["legacy"]],
+          "onednn": [_wrapped(n) for n in convs.CHECKS["onednn"][:-1]]
+                    + [check_onednn_filter_gradients]}
+
+if __name__ == "__main__":
+    sys.exit(process_checks.run_checks(CHECKS[MODE], f"conv rules checks ({MODE})"))
