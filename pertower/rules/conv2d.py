@@ -56,6 +56,19 @@ TF_ENABLE_ONEDNN_OPTS=0 and by default on CPUs without AVX-512, refuse grouped
 convolutions); "depthwise" needs float32, and oneDNN for a strided convolution (its
 strides become the depthwise convolution's dilations).
 
+oneDNN. With TF_ENABLE_ONEDNN_OPTS=1 forced on a 2-core AVX2 CPU (TF 2.21),
+TensorFlow's own float32 Conv2DBackpropFilter of an ungrouped 1x1 convolution with
+stride 2 on an even-sized input (8x8; 16x16) is wrong against float64 numpy on every
+run for thin channels: relative errors 0.2-1.1 for Cin = 1..5 at 8x8 and 5..7 at
+16x16 (Cout 4 or 16), while every other shape of a grid of 729 (1x1 to 3x3 filters,
+strides 1-3, 1-12 input channels, 1, 2 or 4 groups, 8x8 to 16x16) and of 192 larger
+ones (Cin 8-64, 16x16 and 32x32) was right, grouped kernels included. "auto" never
+picks "grouped" for such thin channels; with one group (B = 1, or a clipped sum) the
+"grouped" way and the clipped sum would be that kernel itself, so for 1x1 filters with
+strides under oneDNN (`untrusted_filter_gradient`) they take the shifts (one matmul of
+a strided slice, exact) instead, and so does a forced "grouped" unless the number of
+groups is a static int > 1.
+
 Squared norms (Bu, Mao, Xu 2022, "Scalable and efficient training of large
 convolutional neural networks with differential privacy", arXiv 2205.10683, mixed
 ghost clipping): per example, the ghost norm
@@ -227,6 +240,14 @@ class Conv2DRule(registry_lib.Rule):
                 return "grouped"
         return "shifts"
 
+    def untrusted_filter_gradient(self, use):
+        """Whether TensorFlow's own Conv2DBackpropFilter is not used for `use`: oneDNN on,
+        float32, a 1x1 filter with a stride > 1 (see "oneDNN" in the module docstring)."""
+        onednn = self.options.onednn if self.options.onednn is not None else onednn_enabled()
+        strides = attributes(use.op)[0]
+        return (onednn and use.op.inputs[0].dtype == tf.float32 and
+                use.weight_shape.as_list()[:2] == [1, 1] and max(strides) > 1)
+
     def _stacks_taps(self, use):
         """Whether "shifts" stacks the taps into one matmul (thin input channels or few
         positions) rather than running one matmul per tap."""
@@ -239,6 +260,9 @@ class Conv2DRule(registry_lib.Rule):
         if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
             return self.per_group(*use.view.inner(use, dZ), G)
         strategy = self.strategy(use)
+        if (strategy == "grouped" and not (isinstance(G, int) and G > 1) and
+                self.untrusted_filter_gradient(use)):
+            strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
         if strategy == "grouped":
             return self._grouped(use, dZ, G)
         if strategy == "depthwise":
@@ -353,6 +377,8 @@ class Conv2DRule(registry_lib.Rule):
             return self.clipped_sum(*use.view.inner(use, dZ), factors)
         if not plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
+        if self.untrusted_filter_gradient(use):   # one group of "shifts": one matmul
+            return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
         return filter_gradient(tf.raw_ops.Conv2DBackpropFilter, use,
                                _rows.scale_rows(dZ, factors))
 

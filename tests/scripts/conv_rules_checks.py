@@ -30,6 +30,8 @@ if MODE == "legacy":
     tf.compat.v1.disable_v2_behavior()
 
 import pertower  # noqa: E402
+from pertower import _batch_axis  # noqa: E402
+from pertower import _graph_walk  # noqa: E402
 from pertower.rules import conv2d  # noqa: E402
 from tests import process_checks  # noqa: E402
 from tests import test_rules_convs as convs  # noqa: E402
@@ -56,8 +58,9 @@ def _wrapped(name):
 def check_onednn_filter_gradients():
     """The 1x1 stride-2 VALID Conv2D on 8x8 (3 -> 4 channels, ys_i = sum(y_i^2)), B = 1
     and 4: per-example gradients of every Conv2D way that runs ("auto" and forced) and
-    TensorFlow's tf.gradients, each against float64 numpy over 20 runs of fresh inputs.
-    Fails if a way of the rule is off by more than 1e-4 (relative) on any run."""
+    TensorFlow's tf.gradients, and the rule's clipped sum sum_i f_i grad_i(W), each
+    against float64 numpy over 20 runs of fresh inputs. Fails if the rule is off by
+    more than 1e-4 (relative) on any run; reports TensorFlow's own error beside it."""
     _require_mode()
     lines, failures = [], []
     for batch in (1, 4):
@@ -71,20 +74,29 @@ def check_onednn_filter_gradients():
                 registry = pertower.rules.default_registry()
                 registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions(strategy)))
                 outs[strategy] = pertower.per_example_gradients(
-                    ys, [w], method="rules", rules=registry)[0]          # [B, 1, 1, 3, 4]
+                    ys, [w], batch=x, method="rules", rules=registry)[0]  # [B, 1, 1, 3, 4]
+            rule = conv2d.Conv2DRule()
+            analysis = _batch_axis.analyze(ys, [x], _graph_walk.upstream_ops([ys]))
+            use = rule.match(y.op, 1, analysis)
+            factors = tf.compat.v1.placeholder(tf.float32, [None])
+            outs["clipped sum"] = rule.clipped_sum(use, tf.gradients(tf.reduce_sum(ys), y)[0],
+                                                   factors)[None]         # [1, 1, 1, 3, 4]
             worst = dict.fromkeys(outs, 0.0)
             rng = np.random.RandomState(batch)
             with tf.compat.v1.Session() as sess:
                 for _ in range(RUNS):
                     x_value = rng.randn(batch, 8, 8, 3)
                     w_value = rng.randn(1, 1, 3, 4)
-                    got = sess.run(outs, {x: x_value.astype(np.float32),
+                    f_value = rng.uniform(0.1, 1.0, batch)
+                    got = sess.run(outs, {x: x_value.astype(np.float32), factors: f_value,
                                           w: w_value.astype(np.float32)})
                     rows = x_value[:, ::2, ::2, :].reshape(batch, -1, 3)  # [B, 16, 3]
                     want = np.einsum("bpc,bpo->bco", rows, 2 * rows @ w_value[0, 0])
                     want = want[:, None, None]                            # [B, 1, 1, 3, 4]
                     for key, value in got.items():
-                        ref = want.sum(0, keepdims=True) if key.startswith("tf.") else want
+                        ref = (want.sum(0, keepdims=True) if key.startswith("tf.") else
+                               np.tensordot(f_value, want, 1)[None] if key == "clipped sum"
+                               else want)
                         error = float(np.abs(value - ref).max() / np.abs(ref).max())
                         worst[key] = max(worst[key], error)
         for key, error in worst.items():
