@@ -138,7 +138,7 @@ def check_transposed():
 def check_conv3d():
     """tf_keras Conv3D: dilation (2, 1, 1) SAME (SpaceToBatchND without oneDNN), a
     (2, 1, 2) kernel with strides (2, 1, 1) VALID, 9 input channels (one matmul per tap),
-    and tf.nn.conv3d stride 2 SAME."""
+    tf.nn.conv3d stride 2 SAME, and Conv3DTranspose (Conv3DBackpropInputV2)."""
     with tf.Graph().as_default() as graph:
         common.seed_weights(32)
         rng = np.random.RandomState(32)
@@ -150,11 +150,14 @@ def check_conv3d():
         w = tf.compat.v1.get_variable("w", initializer=rng.randn(2, 3, 2, 2, 3).astype(
             np.float32) * 0.3)
         z = tf.nn.conv3d(x, w, [1, 2, 2, 2, 1], "SAME")                   # [B, 3, 2, 3, 3]
-        ys = tf.reduce_sum(tf.sin(h), axis=[1, 2, 3, 4]) + tf.reduce_sum(z ** 2, [1, 2, 3, 4])
+        up = keras.layers.Conv3DTranspose(2, 2, strides=(1, 2, 1), padding="same")
+        ys = (tf.reduce_sum(tf.sin(h), axis=[1, 2, 3, 4]) + tf.reduce_sum(z ** 2, [1, 2, 3, 4])
+              + tf.reduce_sum(tf.cos(up(x)), axis=[1, 2, 3, 4]))          # up: [B, 5, 8, 6, 2]
         xs = (dilated.trainable_weights + strided.trainable_weights + wide.trainable_weights
-              + [w])
+              + [w] + up.trainable_weights)
         feed = {x: rng.randn(B, 5, 4, 6, 2).astype(np.float32)}
-        _check_against_loop(graph, ys, xs, feed, "Conv3D", ["Conv3D"])
+        _check_against_loop(graph, ys, xs, feed, "Conv3D",
+                            ["Conv3D", "Conv3DBackpropInputV2"])
 
 
 # -- NCHW -----------------------------------------------------------------------------------

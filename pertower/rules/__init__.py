@@ -13,7 +13,7 @@ Built-in rules (each file states its identity and reference):
                          Minimum, SquaredDifference, Pow, SelectV2, ... (one rule)
     conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks)
     conv2d_transpose.py  Conv2DBackpropInput (transposed convolutions)
-    conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks)
+    conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks), Conv3DBackpropInputV2
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)

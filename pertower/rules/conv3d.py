@@ -28,7 +28,8 @@ BatchToSpaceND: the rows of A and dZ are then the blocks of `lattice.Interleaved
 the rows).
 
 Covered: NDHWC, any strides, SAME/VALID, dilations; the filter and the spatial sizes
-static; no channel groups.
+static; no channel groups. Also Conv3DBackpropInputV2 (Conv3DTranspose), through the
+Conv3D of dZ (`Conv3DTransposeRule`).
 """
 
 import tensorflow as tf
@@ -38,7 +39,7 @@ from pertower.rules import _conv_views
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
-__all__ = ["Conv3DRule", "register"]
+__all__ = ["Conv3DRule", "Conv3DTransposeRule", "register"]
 
 _THIN_CHANNELS = 8
 
@@ -139,6 +140,56 @@ class Conv3DRule(registry_lib.Rule):
         return grad
 
 
+class _TransposedView:
+    """The forward Conv3D of a Conv3DBackpropInputV2: its input is dZ, its output
+    gradient A."""
+
+    def inner(self, use, dZ):
+        op = use.op
+        dZ = tf.identity(dZ)
+        dZ.set_shape(op.outputs[0].shape)                     # (static sizes for the taps)
+        forward = tf.raw_ops.Conv3D(input=dZ, filter=op.inputs[1], strides=op.get_attr(
+            "strides"), padding=op.get_attr("padding"), data_format="NDHWC",
+            dilations=op.get_attr("dilations")).op
+        return (registry_lib.Use(forward, 1, use.rule, dZ, forward.outputs[0],
+                                 use.weight_shape, use.rows), use.activation)
+
+
+class Conv3DTransposeRule(registry_lib.Rule):
+    """Per-example filter gradients of Conv3DBackpropInputV2 (tf_keras Conv3DTranspose,
+    `tf.nn.conv3d_transpose`), NDHWC: as for `conv2d_transpose`, the op applies the
+    adjoint of x -> conv3d(x, W) to A, so its filter gradient is that of the Conv3D of
+    dZ with W at the output gradient A (TensorFlow's `_Conv3DBackpropInputGrad`:
+    Conv3DBackpropFilterV2(dZ, A)); kept per example, `Conv3DRule` on that Conv3D."""
+
+    def __init__(self):
+        self.convolution = Conv3DRule()
+
+    def match(self, op, slot, analysis):
+        if slot != 1:
+            return ("the weight is the transposed convolution's data or output shape, not "
+                    "its filter")
+        if op.get_attr("data_format") != b"NDHWC":
+            return f"data_format {op.get_attr('data_format').decode()} (only NDHWC is covered)"
+        static = (op.inputs[1].shape, op.inputs[2].shape[1:], op.outputs[0].shape[1:])
+        if op.outputs[0].shape.rank != 5 or not all(s.is_fully_defined() for s in static):
+            return "the filter's, input's and output's sizes (but the batch) are not static"
+        if op.outputs[0].shape[4] != op.inputs[1].shape[3]:
+            return "its output's channels are not the filter's (grouped convolutions)"
+        rows = _rows.example_rows(analysis, op.inputs[2], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return _conv_views.ViewUse(op, slot, self, op.inputs[2], op.outputs[0],
+                                   op.inputs[1].shape, rows, _TransposedView())
+
+    def per_group(self, use, dZ, G):
+        return self.convolution.per_group(*use.view.inner(use, dZ), G)
+
+    def clipped_sum(self, use, dZ, factors):
+        return self.convolution.clipped_sum(*use.view.inner(use, dZ), factors)
+
+
 def register(registry):
-    """Adds the Conv3D rule to `registry`."""
+    """Adds the Conv3D and Conv3DBackpropInputV2 rules to `registry`."""
     registry.register("Conv3D", Conv3DRule())
+    registry.register("Conv3DBackpropInputV2", Conv3DTransposeRule())
