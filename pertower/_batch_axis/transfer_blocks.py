@@ -16,7 +16,9 @@ K*blocks). BatchToSpaceND builds its output row r ([N/K, ...]) from the input ro
 j*(N/K) + r, j < K: it undoes the outermost K blocks, Interleaved(inner, blocks/K), or
 Rows(0, inner) when blocks = K; on any other layout it puts several examples' rows into
 one row, and the batch axis is lost there. A convolution (`ROW_WISE_CONVOLUTION_OP_TYPES`)
-computes output row n from input row n alone and keeps Interleaved.
+computes output row n from input row n alone and keeps Interleaved, and so do
+ExpandDims and Squeeze of other axes than 0 (a dilated Conv1D: SpaceToBatchND ->
+ExpandDims -> Conv2D -> Squeeze -> BatchToSpaceND).
 
 Any other op reading an Interleaved value loses the batch axis (analysis.py): the rules
 need rows grouped by example, which only the rules that know this layout regroup
@@ -29,6 +31,7 @@ from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
 from pertower._batch_axis import static
 from pertower._batch_axis import transfer_compute
+from pertower._batch_axis import transfer_layout
 from pertower._batch_axis.lattice import Interleaved, Rows
 
 __all__ = ["TRANSFERS", "READS_INTERLEAVED", "MISREAD", "misread", "known"]
@@ -98,7 +101,34 @@ def convolution(scan, op, ins):
                         _elements(op.outputs[0], value.inner, value.blocks))]
 
 
+def _keeps_axis_0(op):
+    """Whether an ExpandDims or Squeeze `op` leaves axis 0 in place (static axes, none
+    of them 0)."""
+    if op.type == "ExpandDims":
+        axis = static.static_value(op.inputs[1])
+        rank = op.outputs[0].shape.rank
+        return axis is not None and rank is not None and int(np.reshape(axis, [])) % rank != 0
+    dims = list(op.get_attr("squeeze_dims"))
+    rank = op.inputs[0].shape.rank
+    return bool(dims) and rank is not None and all(d % rank != 0 for d in dims)
+
+
+def layout(scan, op, ins):
+    """ExpandDims and Squeeze of other axes than 0 keep the rows (Conv1D's lowering:
+    ExpandDims -> Conv2D -> Squeeze, between the SpaceToBatchND and BatchToSpaceND of a
+    dilated Conv1D)."""
+    value = ins[0]
+    if not isinstance(value, Interleaved):
+        return _LAYOUT[op.type](scan, op, ins)
+    if any(lattice.depends_on_values(v) for v in ins[1:]) or not _keeps_axis_0(op):
+        raise lattice.Lost("it reshapes axis 0 of the blocks of a SpaceToBatchND")
+    return [Interleaved(value.inner, value.blocks,
+                        _elements(op.outputs[0], value.inner, value.blocks))]
+
+
+_LAYOUT = {op_type: transfer_layout.TRANSFERS[op_type] for op_type in ("ExpandDims", "Squeeze")}
 TRANSFERS = {op_type: space_to_batch for op_type in op_types.SPACE_TO_BATCH_OP_TYPES}
+TRANSFERS.update({op_type: layout for op_type in _LAYOUT})
 TRANSFERS.update({op_type: batch_to_space for op_type in op_types.BATCH_TO_SPACE_OP_TYPES})
 TRANSFERS.update({op_type: convolution for op_type in op_types.ROW_WISE_CONVOLUTION_OP_TYPES})
 # The op types whose transfer functions read Interleaved values.
