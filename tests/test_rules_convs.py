@@ -169,8 +169,10 @@ def check_conv3d():
 # -- NCHW -----------------------------------------------------------------------------------
 
 def _nchw_graph():
-    """tf.nn.conv2d NCHW (stride 2 SAME; explicit padding), depthwise NCHW (VALID),
-    bias_add NCHW and conv2d_transpose NCHW; (graph, ys, xs, feed)."""
+    """tf.nn.conv2d NCHW (stride 2 SAME), depthwise NCHW (VALID), bias_add NCHW and
+    conv2d_transpose NCHW; (graph, ys, xs, feed). (Not explicit padding: TensorFlow's
+    CPU Conv2DBackpropFilter refuses it in NCHW even with oneDNN, so the loop cannot
+    run.)"""
     graph = tf.Graph()
     with graph.as_default():
         rng = np.random.RandomState(33)
@@ -188,12 +190,9 @@ def _nchw_graph():
                                    data_format="NCHW")                   # [B, 8, 3, 2]
         z = tf.nn.conv2d_transpose(h, t, tf.stack([tf.shape(x)[0], 5, 6, 4]), strides=2,
                                    padding="SAME", data_format="NCHW")   # [B, 5, 6, 4]
-        e = weight("e", [2, 2, 3, 2])
-        padded = tf.nn.conv2d(x, e, 1, [[0, 0], [0, 0], [1, 0], [2, 1]],
-                              data_format="NCHW")                        # [B, 2, 7, 8]
-        ys = tf.reduce_sum(tf.sin(z), axis=[1, 2, 3]) + tf.reduce_sum(padded ** 2, [1, 2, 3])
+        ys = tf.reduce_sum(tf.sin(z), axis=[1, 2, 3])
         feed = {x: rng.randn(B, 3, 7, 6).astype(np.float32)}
-    return graph, ys, [w, b, d, t, e], feed
+    return graph, ys, [w, b, d, t], feed
 
 
 def check_nchw():
