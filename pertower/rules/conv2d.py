@@ -62,7 +62,9 @@ stride 2 on an even-sized input (8x8; 16x16) is wrong against float64 numpy on e
 run for thin channels: relative errors 0.2-1.1 for Cin = 1..5 at 8x8 and 5..7 at
 16x16 (Cout 4 or 16), while every other shape of a grid of 729 (1x1 to 3x3 filters,
 strides 1-3, 1-12 input channels, 1, 2 or 4 groups, 8x8 to 16x16) and of 192 larger
-ones (Cin 8-64, 16x16 and 32x32) was right, grouped kernels included. "auto" never
+ones (Cin 8-64, 16x16 and 32x32) was right, grouped kernels included. Its
+DepthwiseConv2dNativeBackpropFilter is wrong likewise for a 1x1 stride-2 filter on one
+channel at 8x8 (4 of 192 shapes; `depthwise_conv2d` takes the same care). "auto" never
 picks "grouped" for such thin channels; with one group (B = 1, or a clipped sum) the
 "grouped" way and the clipped sum would be that kernel itself, so for 1x1 filters with
 strides under oneDNN (`untrusted_filter_gradient`) they take the shifts (one matmul of
@@ -108,7 +110,8 @@ from pertower.rules._conv_geometry import (attributes, check_convolution, explic
                                            padded_input, patches, plain_filter_gradient,
                                            spatial_pads, taps)
 
-__all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled", "register"]
+__all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled",
+           "untrusted_filter_gradient", "register"]
 
 STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
 
@@ -165,6 +168,16 @@ def onednn_enabled():
         return bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
         return False
+
+
+def untrusted_filter_gradient(use, options):
+    """Whether the rules keep `use` (Conv2D or DepthwiseConv2dNative) away from
+    TensorFlow's own backward-filter kernel with one group: oneDNN on (`options.onednn`,
+    else asked), float32, a 1x1 filter with a stride > 1 (see "oneDNN" in the module
+    docstring)."""
+    onednn = options.onednn if options.onednn is not None else onednn_enabled()
+    return (onednn and use.op.inputs[0].dtype == tf.float32 and
+            use.weight_shape.as_list()[:2] == [1, 1] and max(attributes(use.op)[0]) > 1)
 
 
 class Conv2DRule(registry_lib.Rule):
@@ -241,12 +254,9 @@ class Conv2DRule(registry_lib.Rule):
         return "shifts"
 
     def untrusted_filter_gradient(self, use):
-        """Whether TensorFlow's own Conv2DBackpropFilter is not used for `use`: oneDNN on,
-        float32, a 1x1 filter with a stride > 1 (see "oneDNN" in the module docstring)."""
-        onednn = self.options.onednn if self.options.onednn is not None else onednn_enabled()
-        strides = attributes(use.op)[0]
-        return (onednn and use.op.inputs[0].dtype == tf.float32 and
-                use.weight_shape.as_list()[:2] == [1, 1] and max(strides) > 1)
+        """Whether TensorFlow's own Conv2DBackpropFilter is not used for `use`
+        (`untrusted_filter_gradient`)."""
+        return untrusted_filter_gradient(use, self.options)
 
     def _stacks_taps(self, use):
         """Whether "shifts" stacks the taps into one matmul (thin input channels or few

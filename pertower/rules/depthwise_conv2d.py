@@ -84,18 +84,23 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         return (op.inputs[0].dtype == tf.float32 and
                 list(op.get_attr("dilations")) == [1, 1, 1, 1])
 
-    def strategy(self, use):
-        """"grouped", "shifts" or "patches": the way `per_group` computes `use`."""
+    def strategy(self, use, G=None):
+        """"grouped", "shifts" or "patches": the way `per_group` computes `use` (for `G`
+        groups: "grouped" with one group, or maybe one, is TensorFlow's own kernel, which
+        `conv2d.untrusted_filter_gradient` keeps away from 1x1 strided filters)."""
         if self.options.strategy == "shifts":
             return "shifts"
         if self.options.strategy == "patches" or not self._grouped_covers(use.op):
             return "patches"
+        if (not (isinstance(G, int) and G > 1) and
+                conv2d.untrusted_filter_gradient(use, self.options)):
+            return "shifts" if geometry.spatial_pads(use.op, 1, 1) is not None else "patches"
         return "grouped"
 
     def per_group(self, use, dZ, G):
         if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
             return self.per_group(*use.view.inner(use, dZ), G)
-        strategy = self.strategy(use)
+        strategy = self.strategy(use, G)
         if strategy == "grouped":
             return self._grouped(use, dZ, G)
         if strategy == "shifts":
@@ -144,6 +149,8 @@ class DepthwiseConv2DRule(registry_lib.Rule):
             return self.clipped_sum(*use.view.inner(use, dZ), factors)
         if not geometry.plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
+        if conv2d.untrusted_filter_gradient(use, self.options):   # one group of the shifts
+            return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
         return geometry.filter_gradient(tf.raw_ops.DepthwiseConv2dNativeBackpropFilter, use,
                                         _rows.scale_rows(dZ, factors))
 
