@@ -18,7 +18,8 @@ __all__ = [
     "FILL_OP_TYPES",
     "SHAPED_BY_SIZE_OP_TYPES", "ELEMENTWISE_OP_TYPES", "REDUCTION_OP_TYPES",
     "POOL_OP_TYPES", "BATCH_NORM_OP_TYPES", "BATCH_MATMUL_OP_TYPES",
-    "BOUND_ARITHMETIC_OP_TYPES", "WEIGHT_LAYOUT_OP_TYPES",
+    "BOUND_ARITHMETIC_OP_TYPES", "WEIGHT_LAYOUT_OP_TYPES", "SPACE_TO_BATCH_OP_TYPES",
+    "BATCH_TO_SPACE_OP_TYPES", "ROW_WISE_CONVOLUTION_OP_TYPES",
 ]
 
 # -- where the batch and the weights enter --------------------------------------------
@@ -128,6 +129,13 @@ POOL_OP_TYPES = frozenset({"MaxPool", "AvgPool", "MaxPoolV2", "MaxPool3D", "AvgP
 # Fused batch normalization (over the batch when training).
 BATCH_NORM_OP_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 # Batched matrix products (tf.linalg.matmul of rank > 2).
+# Ops that move spatial blocks into the batch axis and back (TensorFlow builds a dilated
+# convolution without oneDNN as SpaceToBatchND -> convolution -> BatchToSpaceND).
+SPACE_TO_BATCH_OP_TYPES = frozenset({"SpaceToBatchND"})
+BATCH_TO_SPACE_OP_TYPES = frozenset({"BatchToSpaceND"})
+# Convolutions whose output row n is computed from input row n alone (input 0 the data,
+# input 1 the filter).
+ROW_WISE_CONVOLUTION_OP_TYPES = frozenset({"Conv2D", "DepthwiseConv2dNative", "Conv3D"})
 BATCH_MATMUL_OP_TYPES = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 # Integer and boolean ops through which a reduction's result may flow and still only
 # size shapes or bound loops.

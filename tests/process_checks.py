@@ -61,13 +61,13 @@ PROCESSES = {
     "legacy_heavy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"), "heavy")),
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
-    "published_legacy_zoo": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"), "zoo")),
+    "published_legacy_zoo": _Command(
+        (os.path.join(HERE, "scripts", "published_rules_checks.py"), "zoo")),
     # the same, for the weight functions of tests/test_rules_weight_functions.py.
     "weight_functions_legacy": _Command((os.path.join(HERE, "scripts",
                                                       "weight_function_checks.py"),)),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
-    # loops bounded by a batch reduction and Python gradients on row passes, v1 loops
     # joined batches through v1 loops and the row passes' fed-size message
     "messages_joined_legacy": _Command(
         (os.path.join(HERE, "scripts", "messages_and_joined_checks.py"),)),
@@ -75,6 +75,7 @@ PROCESSES = {
     "python_gradients_legacy": _Command(
         (os.path.join(HERE, "scripts", "python_gradient_checks.py"), "inherit", "legacy"),
         one_thread=False),
+    # loops bounded by a batch reduction and Python gradients on row passes, v1 loops
     "never_wrong_loops": _Command((os.path.join(HERE, "scripts", "never_wrong_loop_checks.py"),)),
     # non-float variables in DPOptimizer and the rules' static sizes, in each shape mode
     **{f"never_wrong_{kind}_{mode}": _Command(
@@ -84,6 +85,9 @@ PROCESSES = {
     "curvature_legacy": _Command((os.path.join(HERE, "scripts", "curvature_legacy_checks.py"),)),
     # the DP modes and per-weight norms under disable_v2_behavior()
     "dp_modes_legacy": _Command((os.path.join(HERE, "scripts", "dp_modes_legacy_checks.py"),)),
+    # tests/test_rules_convs.py under disable_v2_behavior() and with TF_ENABLE_ONEDNN_OPTS=1
+    **{f"convs_{mode}": _Command((os.path.join(HERE, "scripts", "conv_rules_checks.py"), mode),
+                                 one_thread=mode == "legacy") for mode in ("legacy", "onednn")},
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.

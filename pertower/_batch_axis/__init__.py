@@ -9,6 +9,7 @@ and the coupling checks of every method (`Analysis.couplings`, `find_couplings`)
     transfer_layout   elementwise ops, reshapes, axes, values shaped by the batch
     transfer_index    slices and gathers: entries picked by position or index
     transfer_compute  reductions, products, convolutions, normalizations, losses
+    transfer_blocks   SpaceToBatchND / BatchToSpaceND (dilated convolutions' blocks)
     functions         If/While/calls, TensorLists, v1 Switch/Merge
     bounds            reductions over the batch that only size shapes or bound loops
     joined            several batches joined along the batch axis
@@ -23,6 +24,7 @@ from pertower._batch_axis.analysis import Analysis
 from pertower._batch_axis.analysis import analyze
 from pertower._batch_axis.analysis import find_couplings
 from pertower._batch_axis.lattice import INDEPENDENT
+from pertower._batch_axis.lattice import Interleaved
 from pertower._batch_axis.lattice import META
 from pertower._batch_axis.lattice import SIZE
 from pertower._batch_axis.lattice import UNKNOWN
@@ -34,5 +36,5 @@ from pertower._batch_axis.static import refined_reshape_shape
 from pertower._batch_axis.static import static_value
 
 __all__ = ["Analysis", "analyze", "find_couplings",
-           "INDEPENDENT", "META", "SIZE", "UNKNOWN", "Coupling", "Rows", "complete",
+           "INDEPENDENT", "Interleaved", "META", "SIZE", "UNKNOWN", "Coupling", "Rows", "complete",
            "parse_einsum", "refined_reshape_shape", "static_value"]

@@ -41,6 +41,7 @@ from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
 from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
+from pertower._batch_axis import transfer_blocks
 from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_index
 from pertower._batch_axis import transfer_layout
@@ -51,7 +52,7 @@ __all__ = ["Analysis", "analyze", "find_couplings"]
 TRANSFERS = dict(transfer_layout.TRANSFERS)
 TRANSFERS.update(transfer_index.TRANSFERS)
 TRANSFERS.update(transfer_compute.TRANSFERS)
-TRANSFERS.update(functions.TRANSFERS)
+TRANSFERS.update(functions.TRANSFERS, **transfer_blocks.TRANSFERS)
 # Ops whose transfer functions read UNKNOWN inputs themselves.
 _READS_UNKNOWN = (transfer_compute.READS_UNKNOWN | functions.CONTROL_FLOW_OP_TYPES
                   | {"Reshape", "IdentityN"})
@@ -136,7 +137,7 @@ class _Scan:
         rule = self.registry.lookup(op.type) if self.registry is not None else None
         if rule is None or not hasattr(rule, "output_layouts"):
             return None
-        outs = rule.output_layouts(op, [None if v is UNKNOWN else v for v in ins])
+        outs = rule.output_layouts(op, [transfer_blocks.known(v) for v in ins])
         return None if outs is None else [UNKNOWN if v is None else v for v in outs]
 
     def _transfer(self, op, ins):
@@ -146,9 +147,10 @@ class _Scan:
                 return [UNKNOWN if v is UNKNOWN else SIZE for v in ins]
             return [UNKNOWN if ins[0] is UNKNOWN else SIZE] * n
         slots = transfer_layout.shape_slots(op)
-        if op.type not in _READS_UNKNOWN and any(
-                v is UNKNOWN for j, v in enumerate(ins) if j not in slots):
-            return [UNKNOWN] * n   # the axis was lost upstream: no new loss here
+        lost_upstream = op.type not in _READS_UNKNOWN and any(
+            v is UNKNOWN for j, v in enumerate(ins) if j not in slots)
+        if lost_upstream or transfer_blocks.misread(self, op, ins):
+            return [UNKNOWN] * n   # lost upstream (no new loss), or a SpaceToBatchND's blocks
         if (not any(lattice.depends_on_values(v) for v in ins)
                 and op.type not in op_types.SHAPED_BY_SIZE_OP_TYPES and op.type not in functions.TRANSFERS):
             return [SIZE] * n

@@ -21,6 +21,12 @@ Every tensor between the batch and `ys` gets one value of the lattice:
 
     Example(index) one example's values inside a TF1 loop over the examples
                   (`Example`; see `examples`).
+    Interleaved(inner, blocks, E)
+                  axis 0 is [blocks, B*inner] flattened: example i owns the rows
+                  j*B*inner + i*inner + t (j < blocks, t < inner), as SpaceToBatchND
+                  lays out the blocks of a dilated convolution (`transfer_blocks`). Not
+                  a row layout: only the ops `transfer_blocks` names read it; any other
+                  op loses the batch axis there.
 
 INDEPENDENT < SIZE < Rows < UNKNOWN: `join` gives the value of a tensor that is one of
 two values (the branches of a cond, a loop variable over iterations).
@@ -33,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 from pertower import _context
 
-__all__ = ["Rows", "Example", "INDEPENDENT", "SIZE", "META", "UNKNOWN", "Coupling", "Coupled",
+__all__ = ["Rows", "Example", "Interleaved", "INDEPENDENT", "SIZE", "META", "UNKNOWN", "Coupling", "Coupled",
            "Lost", "complete", "contiguous", "join", "describe", "TensorMap"]
 
 
@@ -48,6 +54,13 @@ class Example(collections.namedtuple("Example", ["index"])):
     at the index tensor named `index`, and what the loop body computes from it alone.
     Such an array's flow has the value Rows(lead=-1, k=1, E=None): its elements are the
     examples."""
+
+
+class Interleaved(collections.namedtuple("Interleaved", ["inner", "blocks", "E"])):
+    """Axis 0 of a tensor as [blocks, B, inner] flattened: example i owns the rows
+    j*B*inner + i*inner + t for j < blocks and t < inner (E elements per example, or
+    None). SpaceToBatchND's output for a batch of Rows(0, inner, .) with
+    prod(block_shape) = blocks."""
 
 
 class _Marker:
@@ -71,7 +84,7 @@ UNKNOWN = _Marker("UNKNOWN")
 
 def depends_on_values(value):
     """Whether `value` carries the batch's values (Rows, Example or UNKNOWN)."""
-    return isinstance(value, (Rows, Example)) or value is UNKNOWN
+    return isinstance(value, (Rows, Example, Interleaved)) or value is UNKNOWN
 
 
 def _rest_size(shape, axis):

@@ -46,6 +46,8 @@ SHAPE_SLOTS = {
     "Conv2DBackpropInput": {0}, "Conv3DBackpropInputV2": {0},
     "DepthwiseConv2dNativeBackpropInput": {0}, "Conv2DBackpropFilter": {1},
     "Conv3DBackpropFilterV2": {1}, "DepthwiseConv2dNativeBackpropFilter": {1},
+    # block shapes and paddings or crops (`transfer_blocks`)
+    "SpaceToBatchND": {1, 2}, "BatchToSpaceND": {1, 2},
 }
 SHAPE_SLOTS.update({t: {0} for t in op_types.RANDOM_OP_TYPES})
 SHAPE_SLOTS.update({t: {1} for t in op_types.REDUCTION_OP_TYPES})

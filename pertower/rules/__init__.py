@@ -11,7 +11,9 @@ Built-in rules (each file states its identity and reference):
     bias_add.py          BiasAdd
     broadcast.py         a broadcast weight in Add, AddV2, Sub, Mul, RealDiv, Maximum,
                          Minimum, SquaredDifference, Pow, SelectV2, ... (one rule)
-    conv2d.py            Conv2D (also Conv1D's lowering)
+    conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks)
+    conv2d_transpose.py  Conv2DBackpropInput (transposed convolutions)
+    conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks), Conv3DBackpropInputV2
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
@@ -25,6 +27,8 @@ from pertower.rules import batch_matmul
 from pertower.rules import bias_add
 from pertower.rules import broadcast
 from pertower.rules import conv2d
+from pertower.rules import conv2d_transpose
+from pertower.rules import conv3d
 from pertower.rules import depthwise_conv2d
 from pertower.rules import einsum
 from pertower.rules import fused_batch_norm
@@ -36,8 +40,8 @@ from pertower.rules.registry import Use
 
 __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
-_BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, depthwise_conv2d,
-             gather, fused_batch_norm)
+_BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
+             conv3d, depthwise_conv2d, gather, fused_batch_norm)
 
 
 def default_registry():

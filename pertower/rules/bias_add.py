@@ -3,7 +3,10 @@
 Identity: dZ/db sums over every position, so grad_i(b) = sum over example i's rows and
 positions of dz, [C]; its squared norm is ||sum_t dz_it||^2 (cheap as it is: [B, C]).
 
-Covered: data_format NHWC (channels last), the Keras and tf.nn default.
+For NCHW (channels on axis 1, [N, C, ...]) the positions after the channel axis are
+summed first, then the rows, as above.
+
+Covered: data_format NHWC (channels last, the Keras and tf.nn default) and NCHW.
 """
 
 import tensorflow as tf
@@ -18,11 +21,15 @@ class BiasAddRule(registry_lib.Rule):
     def match(self, op, slot, analysis):
         if slot != 1:
             return "the weight is BiasAdd's value input, not its bias"
-        if op.get_attr("data_format") not in (b"NHWC", b"N...C"):
+        if op.get_attr("data_format") not in (b"NHWC", b"N...C", b"NCHW", b"NC..."):
             return f"BiasAdd with data_format {op.get_attr('data_format').decode()}"
+        if op.get_attr("data_format").startswith(b"NC") and op.inputs[0].shape.rank is None:
+            return "BiasAdd NCHW on an input without a static rank"
         return self.example_use(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
+        if use.op.get_attr("data_format").startswith(b"NC") and dZ.shape.rank > 2:
+            dZ = tf.reduce_sum(dZ, axis=list(range(2, dZ.shape.rank)))   # [G*k, C, ...] -> [G*k, C]
         # [G*k, ..., C] -> [G, rows, C] -> [G, C]
         return tf.reduce_sum(_rows.to_groups(dZ, G, 1), axis=1)
 

@@ -56,6 +56,21 @@ TF_ENABLE_ONEDNN_OPTS=0 and by default on CPUs without AVX-512, refuse grouped
 convolutions); "depthwise" needs float32, and oneDNN for a strided convolution (its
 strides become the depthwise convolution's dilations).
 
+oneDNN. With TF_ENABLE_ONEDNN_OPTS=1 forced on a 2-core AVX2 CPU (TF 2.21),
+TensorFlow's own float32 Conv2DBackpropFilter of an ungrouped 1x1 convolution with
+stride 2 on an even-sized input (8x8; 16x16) is wrong against float64 numpy on every
+run for thin channels: relative errors 0.2-1.1 for Cin = 1..5 at 8x8 and 5..7 at
+16x16 (Cout 4 or 16), while every other shape of a grid of 729 (1x1 to 3x3 filters,
+strides 1-3, 1-12 input channels, 1, 2 or 4 groups, 8x8 to 16x16) and of 192 larger
+ones (Cin 8-64, 16x16 and 32x32) was right, grouped kernels included. Its
+DepthwiseConv2dNativeBackpropFilter is wrong likewise for a 1x1 stride-2 filter on one
+channel at 8x8 (4 of 192 shapes; `depthwise_conv2d` takes the same care). "auto" never
+picks "grouped" for such thin channels; with one group (B = 1, or a clipped sum) the
+"grouped" way and the clipped sum would be that kernel itself, so for 1x1 filters with
+strides under oneDNN (`untrusted_filter_gradient`) they take the shifts (one matmul of
+a strided slice, exact) instead, and so does a forced "grouped" unless the number of
+groups is a static int > 1.
+
 Squared norms (Bu, Mao, Xu 2022, "Scalable and efficient training of large
 convolutional neural networks with differential privacy", arXiv 2205.10683, mixed
 ghost clipping): per example, the ghost norm
@@ -76,7 +91,9 @@ The clipped sum sum_i f_i grad_i(W) (DP-SGD) is the batch filter gradient
 (TensorFlow's CPU Conv2DBackpropFilter without oneDNN refuses both).
 
 Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations, groups; the filter
-static (and, for groups, the input's channels).
+static (and, for groups, the input's channels). NCHW and the blocks of a SpaceToBatchND
+(a dilated convolution as TensorFlow builds it without oneDNN) through `_conv_views`:
+the same ways on A and dZ re-laid-out to NHWC with example-major rows.
 """
 
 import dataclasses
@@ -85,6 +102,7 @@ import math
 import tensorflow as tf
 
 from pertower import _context
+from pertower.rules import _conv_views
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 from pertower.rules._conv_geometry import (attributes, check_convolution, explicitly_padded,
@@ -92,7 +110,8 @@ from pertower.rules._conv_geometry import (attributes, check_convolution, explic
                                            padded_input, patches, plain_filter_gradient,
                                            spatial_pads, taps)
 
-__all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled", "register"]
+__all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled",
+           "untrusted_filter_gradient", "register"]
 
 STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
 
@@ -151,6 +170,16 @@ def onednn_enabled():
         return False
 
 
+def untrusted_filter_gradient(use, options):
+    """Whether the rules keep `use` (Conv2D or DepthwiseConv2dNative) away from
+    TensorFlow's own backward-filter kernel with one group: oneDNN on (`options.onednn`,
+    else asked), float32, a 1x1 filter with a stride > 1 (see "oneDNN" in the module
+    docstring)."""
+    onednn = options.onednn if options.onednn is not None else onednn_enabled()
+    return (onednn and use.op.inputs[0].dtype == tf.float32 and
+            use.weight_shape.as_list()[:2] == [1, 1] and max(attributes(use.op)[0]) > 1)
+
+
 class Conv2DRule(registry_lib.Rule):
     """Per-example filter gradients of Conv2D, by the way `options` says.
 
@@ -168,6 +197,9 @@ class Conv2DRule(registry_lib.Rule):
         self.options = options
 
     def match(self, op, slot, analysis):
+        view = _conv_views.view_use(self, op, slot, analysis)   # NCHW, SpaceToBatchND blocks
+        if view is not None:
+            return view
         rows = check_convolution(op, slot, analysis)
         if isinstance(rows, str):
             return rows
@@ -221,6 +253,11 @@ class Conv2DRule(registry_lib.Rule):
                 return "grouped"
         return "shifts"
 
+    def untrusted_filter_gradient(self, use):
+        """Whether TensorFlow's own Conv2DBackpropFilter is not used for `use`
+        (`untrusted_filter_gradient`)."""
+        return untrusted_filter_gradient(use, self.options)
+
     def _stacks_taps(self, use):
         """Whether "shifts" stacks the taps into one matmul (thin input channels or few
         positions) rather than running one matmul per tap."""
@@ -230,7 +267,12 @@ class Conv2DRule(registry_lib.Rule):
                                         positions < self.options.few_positions)
 
     def per_group(self, use, dZ, G):
+        if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
+            return self.per_group(*use.view.inner(use, dZ), G)
         strategy = self.strategy(use)
+        if (strategy == "grouped" and not (isinstance(G, int) and G > 1) and
+                self.untrusted_filter_gradient(use)):
+            strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
         if strategy == "grouped":
             return self._grouped(use, dZ, G)
         if strategy == "depthwise":
@@ -327,6 +369,8 @@ class Conv2DRule(registry_lib.Rule):
                 else "formed")
 
     def squared_norms(self, use, dZ, B):
+        if isinstance(use, _conv_views.ViewUse):
+            return self.squared_norms(*use.view.inner(use, dZ), B)
         # None when forming is cheaper: the engine then forms the per-example gradients
         # itself and keeps them, so that a clipped sum contracts them with the factors
         # instead of running a second (reweighted) filter gradient
@@ -339,8 +383,12 @@ class Conv2DRule(registry_lib.Rule):
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per example
+        if isinstance(use, _conv_views.ViewUse):
+            return self.clipped_sum(*use.view.inner(use, dZ), factors)
         if not plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
+        if self.untrusted_filter_gradient(use):   # one group of "shifts": one matmul
+            return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
         return filter_gradient(tf.raw_ops.Conv2DBackpropFilter, use,
                                _rows.scale_rows(dZ, factors))
 

@@ -32,14 +32,16 @@ Force one way with `DepthwiseConv2DRule(conv2d.ConvOptions(strategy=...))` ("gro
 "patches" or "shifts"; "depthwise" means "grouped" here).
 
 Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations; the filter static.
-(Keras builds dilated depthwise convolutions with SpaceToBatchND, which mixes examples'
-rows, so those fall back to towers.)
+NCHW and the blocks of a SpaceToBatchND (Keras' dilated DepthwiseConv2D without
+oneDNN: SpaceToBatchND -> DepthwiseConv2dNative -> BatchToSpaceND) through
+`_conv_views`: the same ways on A and dZ re-laid-out to NHWC, example-major.
 """
 
 import tensorflow as tf
 
 from pertower import _context
 from pertower.rules import _conv_geometry as geometry
+from pertower.rules import _conv_views
 from pertower.rules import _rows
 from pertower.rules import conv2d
 from pertower.rules import registry as registry_lib
@@ -62,6 +64,9 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         self.options = options
 
     def match(self, op, slot, analysis):
+        view = _conv_views.view_use(self, op, slot, analysis)   # NCHW, SpaceToBatchND blocks
+        if view is not None:
+            return view
         rows = geometry.check_convolution(op, slot, analysis)
         if isinstance(rows, str):
             return rows
@@ -79,16 +84,23 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         return (op.inputs[0].dtype == tf.float32 and
                 list(op.get_attr("dilations")) == [1, 1, 1, 1])
 
-    def strategy(self, use):
-        """"grouped", "shifts" or "patches": the way `per_group` computes `use`."""
+    def strategy(self, use, G=None):
+        """"grouped", "shifts" or "patches": the way `per_group` computes `use` (for `G`
+        groups: "grouped" with one group, or maybe one, is TensorFlow's own kernel, which
+        `conv2d.untrusted_filter_gradient` keeps away from 1x1 strided filters)."""
         if self.options.strategy == "shifts":
             return "shifts"
         if self.options.strategy == "patches" or not self._grouped_covers(use.op):
             return "patches"
+        if (not (isinstance(G, int) and G > 1) and
+                conv2d.untrusted_filter_gradient(use, self.options)):
+            return "shifts" if geometry.spatial_pads(use.op, 1, 1) is not None else "patches"
         return "grouped"
 
     def per_group(self, use, dZ, G):
-        strategy = self.strategy(use)
+        if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
+            return self.per_group(*use.view.inner(use, dZ), G)
+        strategy = self.strategy(use, G)
         if strategy == "grouped":
             return self._grouped(use, dZ, G)
         if strategy == "shifts":
@@ -133,8 +145,12 @@ class DepthwiseConv2DRule(registry_lib.Rule):
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per
         # example (dilated filters form the per-example gradients instead)
+        if isinstance(use, _conv_views.ViewUse):
+            return self.clipped_sum(*use.view.inner(use, dZ), factors)
         if not geometry.plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
+        if conv2d.untrusted_filter_gradient(use, self.options):   # one group of the shifts
+            return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
         return geometry.filter_gradient(tf.raw_ops.DepthwiseConv2dNativeBackpropFilter, use,
                                         _rows.scale_rows(dZ, factors))
 

@@ -1,0 +1,104 @@
+"""Rule for Conv2DBackpropInput: the transposed convolution (tf_keras Conv2DTranspose,
+`tf.nn.conv2d_transpose`, Conv1DTranspose's lowering).
+
+Notation (as in `conv2d`): W the filter [kh, kw, Cf, Of] of the convolution that the op
+transposes (Cf its input channels, Of its output channels); A the op's data input
+(out_backprop), [N, Ho, Wo, Of]; Z the op's output [N, H, W, Cf]; dZ the gradient at Z.
+
+Identity. Conv2DBackpropInput computes the input gradient of the convolution
+conv(x, W): [N, H, W, Cf] -> [N, Ho, Wo, Of] at the output gradient A, i.e. it applies
+the adjoint (transpose) of the linear map x -> conv(x, W):
+    Z[n, y, c] = sum_{p, u, v, o : y = p*s + (u, v)*d - pad} W[u, v, c, o] A[n, p, o].
+Differentiating with respect to W,
+    dL/dW[u, v, c, o] = sum_{n, p} dZ[n, p*s + (u, v)*d - pad, c] A[n, p, o],
+which is the filter gradient of the convolution conv(., W) with dZ in the role of its
+input and A in the role of its output gradient: Conv2DBackpropFilter(input=dZ,
+out_backprop=A) (the roles swapped; TensorFlow's registered gradient of
+Conv2DBackpropInput, `_Conv2DBackpropInputGrad` in nn_grad.py, computes exactly this).
+Kept per example it is Rochette et al.'s identity (arXiv 1912.06015; see `conv2d`) for
+that convolution:
+    grad_i(W)[u, v, c, o] = sum_{p} dz_i(p*s + (u, v)*d - pad)[c] a_ip[o],
+so this rule builds (at gradient time, never run) the NHWC Conv2D of dZ with W and the
+op's strides, padding and dilations, whose output has A's shape, and hands dZ as its
+input and A as its output gradient to the Conv2D rule's ways (`Conv2DRule`:
+"shifts"/"grouped"/"patches", squared norms, clipped sums).
+
+Covered: NHWC and NCHW (transposed to NHWC), any strides, SAME/VALID/explicit padding,
+dilations; the filter static; A's rows example-major (k rows per example).
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from pertower import _context
+from pertower.rules import _conv_views
+from pertower.rules import _rows
+from pertower.rules import conv2d
+from pertower.rules import registry as registry_lib
+
+__all__ = ["Conv2DTransposeRule", "register"]
+
+_FILTER, _DATA = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _TransposedView:
+    """The forward convolution of a Conv2DBackpropInput: its input is dZ, its output
+    gradient A (both NHWC)."""
+
+    nchw: bool
+
+    def inner(self, use, dZ):
+        layout = _conv_views.to_nhwc if self.nchw else (lambda t: t)
+        x = layout(dZ)                                         # [N, H, W, Cf]
+        op = _conv_views.nhwc_convolution(use.op, x, use.op.inputs[_FILTER], self.nchw)
+        inner = registry_lib.Use(op, 1, use.rule, x, op.outputs[0], use.weight_shape,
+                                 use.rows)
+        return inner, layout(use.activation)                   # A: [N, Ho, Wo, Of]
+
+
+class Conv2DTransposeRule(registry_lib.Rule):
+    """Per-example filter gradients of Conv2DBackpropInput through the Conv2D rule.
+
+    Args:
+      options: a `conv2d.ConvOptions` for the Conv2D ways (default: "auto").
+    """
+
+    @_context.public("rules.conv2d_transpose.Conv2DTransposeRule")
+    def __init__(self, options=None):
+        self.convolution = conv2d.Conv2DRule(options)
+
+    def match(self, op, slot, analysis):
+        if slot != _FILTER:
+            return ("the weight is the transposed convolution's data or output shape, not "
+                    "its filter")
+        data_format = op.get_attr("data_format").decode()
+        if data_format not in ("NHWC", "NCHW"):
+            return f"data_format {data_format} (NHWC and NCHW are covered)"
+        if not op.inputs[_FILTER].shape.is_fully_defined():
+            return "the filter's shape is not static"
+        channels = op.outputs[0].shape.with_rank(4)[1 if data_format == "NCHW" else 3]
+        if tf.compat.dimension_value(channels) != op.inputs[_FILTER].shape[2]:
+            return "its output's channels are not the filter's (grouped convolutions)"
+        rows = _rows.example_rows(analysis, op.inputs[_DATA], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return _conv_views.ViewUse(op, slot, self, op.inputs[_DATA], op.outputs[0],
+                                   op.inputs[_FILTER].shape, rows,
+                                   _TransposedView(data_format == "NCHW"))
+
+    def per_group(self, use, dZ, G):
+        return self.convolution.per_group(*use.view.inner(use, dZ), G)
+
+    def squared_norms(self, use, dZ, B):
+        return self.convolution.squared_norms(*use.view.inner(use, dZ), B)
+
+    def clipped_sum(self, use, dZ, factors):
+        return self.convolution.clipped_sum(*use.view.inner(use, dZ), factors)
+
+
+def register(registry, options=None):
+    """Adds the Conv2DBackpropInput rule to `registry` (with `options`, a
+    `conv2d.ConvOptions`)."""
+    registry.register("Conv2DBackpropInput", Conv2DTransposeRule(options))
