@@ -141,7 +141,8 @@ class Plan:
             elif not uses:
                 rows.append(WeightPlan(name, shape, "unreached"))
             else:
-                ops = tuple(dict.fromkeys(f"{u.op.name} ({u.op.type})" for u in uses))
+                ops = tuple(dict.fromkeys(getattr(u, "label", f"{u.op.name} ({u.op.type})")
+                                          for u in uses))
                 rows.append(WeightPlan(name, shape, "rules", ops=ops))
         return tuple(rows)
 

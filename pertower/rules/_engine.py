@@ -38,6 +38,7 @@ from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _overrides
 from pertower import _plan
+from pertower.rules import _loops
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
@@ -78,8 +79,9 @@ def build_plan(request, registry):
                 tuple(reason if r.reached else None for r in request.reads))
     uses, reasons = [], []
     unassumed = UnassumedGradients(request)
+    loops = _loops.Loops(request, analysis, registry)
     for x, reads in zip(request.xs, request.reads):
-        found = _weight_uses(x, reads, request.ys_upstream, analysis, registry)
+        found = _weight_uses(x, reads, request.ys_upstream, analysis, registry, loops)
         if not isinstance(found, str) and found:
             found = unassumed.reason(reads, request.ys_upstream) or found
         if isinstance(found, str):
@@ -91,16 +93,16 @@ def build_plan(request, registry):
     return tuple(uses), tuple(reasons)
 
 
-def _weight_uses(x, reads, ys_upstream, analysis, registry):
-    """The `Use`s of x, or a string saying why x is not covered."""
+def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
+    """The `Use`s of x, or a string saying why x is not covered (reads inside TF2 while
+    loops: `pertower.rules._loops`)."""
     if not reads.reached:
         return []
-    if reads.call_inputs:
-        op, _ = reads.call_inputs[0]
-        return (f"it is read inside the function body of {op.name!r} ({op.type}), where "
-                "no rule looks")
     if reads.loop_inputs:
         return _in_v1_loop(reads.loop_inputs[0])
+    found = loops.uses(reads) if reads.call_inputs else []
+    if isinstance(found, str):
+        return found
     terminals = [(op, 0) for op in reads.gather_ops]
     stack = list(reads.read_tensors)
     while stack:
@@ -115,7 +117,6 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry):
                 stack.append(op.outputs[0])
                 continue
             terminals.extend((op, j) for j in slots)
-    found = []
     terminals.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
     for op, slot in terminals:
         if op.type in op_types.V1_ENTER_OP_TYPES:
@@ -300,18 +301,32 @@ def _size_advice(request, plan):
 
 
 def _output_gradients(plan, indices, grad_ys, unconnected):
-    """{id(Z): dZ} from one tf.gradients call over every use's output."""
+    """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
+    while loop gets its dZ from one backward pass of the loop's copy, given the
+    gradients at the loop's outputs from the same call (`pertower.rules._loops`)."""
     ys = plan.request.ys
-    outputs, seen = [], set()
+    outputs, seen, loop_uses = [], set(), []
     for k in indices:
         for use in plan.uses[k]:
-            if id(use.output) not in seen:
-                seen.add(id(use.output))
-                outputs.append(use.output)
+            if isinstance(use, _loops.LoopUse):
+                loop_uses.append(use)
+                use = use.loop
+                targets = use.reached_outputs
+            else:
+                targets = [use.output]
+            for z in targets:
+                if id(z) not in seen:
+                    seen.add(id(z))
+                    outputs.append(z)
     if not outputs:
         return {}
     grads = tf.gradients(ys, outputs, grad_ys=grad_ys, unconnected_gradients=unconnected)
-    return {id(z): g for z, g in zip(outputs, grads)}
+    found = {id(z): g for z, g in zip(outputs, grads)}
+    if loop_uses:
+        found.update(_loops.output_gradients(
+            loop_uses, lambda loop: [found[id(z)] for z in loop.reached_outputs],
+            unconnected))
+    return found
 
 
 def check_grad_ys(ys, grad_ys):
@@ -347,7 +362,7 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     for k in indices:
         x = plan.request.xs[k]
         parts = []
-        for use in plan.uses[k]:
+        for use in _loops.concrete_uses(plan.uses[k]):
             dZ = d_outputs[id(use.output)]
             if dZ is None:
                 continue
@@ -384,7 +399,7 @@ def norm_parts(plan, indices, B):
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
     squares, formed = {}, {}
     for k in indices:
-        uses = plan.uses[k]
+        uses = _loops.concrete_uses(plan.uses[k])
         if not uses:
             continue
         if len(uses) == 1:
@@ -425,7 +440,7 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
             results[k] = tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)   # [*x.shape]
             continue
         parts = []
-        for use in plan.uses[k]:
+        for use in _loops.concrete_uses(plan.uses[k]):
             dZ = d_outputs[id(use.output)]
             own = getattr(use.rule, "clipped_sum", None)
             part = (own(use, dZ, factors) if callable(own) else
