@@ -58,6 +58,8 @@ PROCESSES = {
     "legacy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"),)),
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
+    # weights read inside while loops on the rules (tests/test_rules_recurrent.py)
+    "recurrent_legacy": _Command((os.path.join(HERE, "scripts", "recurrent_rules_checks.py"),)),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
     # loops bounded by a batch reduction and Python gradients on row passes, v1 loops

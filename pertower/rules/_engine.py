@@ -304,28 +304,17 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
     """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
     while loop gets its dZ from one backward pass of the loop's copy, given the
     gradients at the loop's outputs from the same call (`pertower.rules._loops`)."""
-    ys = plan.request.ys
-    outputs, seen, loop_uses = [], set(), []
+    outputs, loop_uses = {}, []   # id(Z) -> Z, in order
     for k in indices:
         for use in plan.uses[k]:
-            if isinstance(use, _loops.LoopUse):
-                loop_uses.append(use)
-                use = use.loop
-                targets = use.reached_outputs
-            else:
-                targets = [use.output]
-            for z in targets:
-                if id(z) not in seen:
-                    seen.add(id(z))
-                    outputs.append(z)
+            loop_uses += [use] if isinstance(use, _loops.LoopUse) else []
+            outputs.update((id(z), z) for z in _loops.differentiated(use))
     if not outputs:
         return {}
-    grads = tf.gradients(ys, outputs, grad_ys=grad_ys, unconnected_gradients=unconnected)
-    found = {id(z): g for z, g in zip(outputs, grads)}
-    if loop_uses:
-        found.update(_loops.output_gradients(
-            loop_uses, lambda loop: [found[id(z)] for z in loop.reached_outputs],
-            unconnected))
+    grads = tf.gradients(plan.request.ys, list(outputs.values()), grad_ys=grad_ys,
+                         unconnected_gradients=unconnected)
+    found = dict(zip(outputs, grads))
+    found.update(_loops.output_gradients(loop_uses, found, unconnected))
     return found
 
 

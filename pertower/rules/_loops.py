@@ -48,17 +48,15 @@ import dataclasses
 
 import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph
-from tensorflow.python.framework import importer
-from tensorflow.python.ops import list_ops
-from tensorflow.python.ops import while_v2
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
+from pertower.rules import _loop_copy
 from pertower.rules import registry as registry_lib
 
-__all__ = ["LoopUse", "Loops", "concrete_uses", "output_gradients"]
+__all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradients"]
 
 # Body op types a copy may hold that are stateful in TensorFlow's sense (the copy
 # reads the same values as the loop).
@@ -90,16 +88,21 @@ def concrete_uses(uses):
     return [u.concrete() if isinstance(u, LoopUse) else u for u in uses]
 
 
-def output_gradients(loop_uses, d_outputs_of, unconnected):
-    """{id(key): dZ_all} for the built loop uses; `d_outputs_of(loop)` gives the list
-    of the gradients of sum(ys) at `loop.reached_outputs` (None where unconnected)."""
-    found, loops = {}, []
-    for use in loop_uses:
-        if use.loop not in loops:
-            loops.append(use.loop)
-    for loop in loops:
-        found.update(loop.built().output_gradients(d_outputs_of(loop), unconnected))
-    return found
+def differentiated(use):
+    """The tensors whose gradients the engine's one `tf.gradients` call takes for `use`:
+    its output Z, or for a read inside a loop the loop's outputs."""
+    return use.loop.reached_outputs if isinstance(use, LoopUse) else [use.output]
+
+
+def output_gradients(loop_uses, found, unconnected):
+    """{id(key): dZ_all} for the loop uses, from one backward pass of each loop's copy;
+    `found` maps id(t) to the gradient of sum(ys) at t for the loops' outputs (None
+    where unconnected)."""
+    results = {}
+    for loop in dict.fromkeys(use.loop for use in loop_uses):
+        results.update(loop.built().output_gradients(
+            [found[id(t)] for t in loop.reached_outputs], unconnected))
+    return results
 
 
 class _BodyAnalysis:
@@ -183,7 +186,7 @@ class LoopCopy:
                 return (f"its body has the stateful op {inner.name!r} ({inner.type}), which "
                         "a copy of the loop would not reproduce")
         self.needed = self._needed_variables()
-        self.live = graph_upstream([body.outputs[i] for i in self.needed])
+        self.live = _loop_copy.graph_upstream([body.outputs[i] for i in self.needed])
         scan = self._settled_scan()
         if isinstance(scan, str):
             return scan
@@ -196,10 +199,10 @@ class LoopCopy:
         upstream = self.loops.request.ys_upstream
         needed = {0} | {i for i, t in enumerate(self.op.outputs)
                         if any(c in upstream for c in t.consumers())}
-        cond_ops = graph_upstream(self.cond.outputs)
+        cond_ops = _loop_copy.graph_upstream(self.cond.outputs)
         needed |= {i for i, t in enumerate(self.cond.inputs) if t.op in cond_ops}
         while True:
-            ops = graph_upstream([self.body.outputs[i] for i in needed])
+            ops = _loop_copy.graph_upstream([self.body.outputs[i] for i in needed])
             more = needed | {i for i, t in enumerate(self.body.inputs) if t.op in ops}
             if more == needed:
                 return sorted(needed)
@@ -222,7 +225,7 @@ class LoopCopy:
                         f"({found[0].type}): {found[1]}")
             outs = [scan.value_of(t) if i in self.needed else values[i]
                     for i, t in enumerate(self.body.outputs)]
-            merged = [functions_loop_join(a, b) for a, b in zip(values, outs)]
+            merged = [_loop_join(a, b) for a, b in zip(values, outs)]
             if merged == values:
                 return scan
             values = merged
@@ -236,7 +239,7 @@ class LoopCopy:
         handle = body.inputs[index]
         if body.outputs[index] is not handle:
             return "the weight's loop variable is not passed on unchanged"
-        if handle.consumers() and any(c in graph_upstream(self.cond.outputs)
+        if handle.consumers() and any(c in _loop_copy.graph_upstream(self.cond.outputs)
                                       for c in self.cond.inputs[index].consumers()):
             return "its condition reads the weight"
         found, stack = [], []
@@ -262,7 +265,7 @@ class LoopCopy:
                 if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
                     # a weight [.., N, ..] read as its N slices along `axis`
                     axis = consumer.get_attr("axis") % tensor.shape.rank
-                    stack.extend((out, placements + (_Slice(axis, i, tensor.shape),))
+                    stack.extend((out, placements + (_loop_copy.Slice(axis, i, tensor.shape),))
                                  for i, out in enumerate(consumer.outputs))
                     continue
                 terminals.extend((consumer, j, placements) for j in slots)
@@ -295,7 +298,7 @@ class LoopCopy:
                               for f in dataclasses.fields(registry_lib.Use)},
                            loop=self, index=len(self.targets))
         if placements:
-            rule = _Placed(rule, placements, target.inputs[slot].shape)
+            rule = _loop_copy.Placed(rule, placements, target.inputs[slot].shape)
         loop_use = dataclasses.replace(loop_use, rule=rule, rows=use.rows._replace(k=k))
         self.targets.append((target, slot))
         self.uses.append(loop_use)
@@ -315,156 +318,8 @@ class LoopCopy:
         """The copy of the loop (built once, on first use): a `_BuiltCopy`."""
         if self._built is None:
             with tf.name_scope(_SCOPE):
-                self._built = _BuiltCopy(self)
+                self._built = _loop_copy.BuiltCopy(self)
         return self._built
-
-
-class _BuiltCopy:
-    """The loop's copy with ε inputs and A outputs; the concrete uses of its reads."""
-
-    def __init__(self, loop):
-        self.loop = loop
-        op, body, request = loop.op, loop.body, loop.loops.request
-        steps = op.outputs[0]                                            # T
-        B = (request.batch_size if request.batch_size is not None else
-             tf.shape(request.batch[0])[request.batch_axes[0]])
-        needed = loop.needed
-        eps, eps_lists, a_lists, a_shapes = [], [], [], []
-        for target, _ in loop.targets:
-            use = loop.uses[len(eps)]
-            z, a = target.outputs[0], use.activation
-            rest = z.shape.as_list()[1:]
-            shape = tf.stack([steps, B * loop.step_rows[len(eps)]] + rest)
-            zeros = tf.zeros(shape, z.dtype)                             # ε [T, B*k, *z]
-            eps.append(zeros)
-            eps_lists.append(list_ops.tensor_list_from_tensor(zeros, [-1] + rest))
-            a_shape = [-1 if d is None else d for d in a.shape.as_list()[1:]]
-            a_shapes.append([-1] + a_shape)
-            a_lists.append(list_ops.tensor_list_reserve([-1] + a_shape, steps, a.dtype))
-        n, J = len(needed), len(loop.targets)
-        body_def = _subgraph(body, [body.outputs[i] for i in needed]
-                             + [u.activation for u in loop.uses])
-        body_def = _perturbed(body_def, [t.name for t, _ in loop.targets])
-        cond_def = _subgraph(loop.cond, loop.cond.outputs)
-        inner_names = [body.inputs[i].name for i in needed]
-        cond_names = [loop.cond.inputs[i].name for i in needed]
-
-        def cond(*values):
-            mapping = _present(cond_def, dict(zip(cond_names, values[:n])))
-            return importer.import_graph_def(
-                cond_def, input_map=mapping, return_elements=[loop.cond.outputs[0].name],
-                name="cond")[0]
-
-        def step(*values):
-            s = values[n]
-            mapping = dict(zip(inner_names, values[:n]))
-            for j in range(J):
-                z = loop.targets[j][0].outputs[0]
-                mapping[f"{_EPS_PREFIX}{j}:0"] = list_ops.tensor_list_get_item(
-                    values[n + 1 + J + j], s, z.dtype, element_shape=[-1] + z.shape.as_list()[1:])
-            returned = importer.import_graph_def(
-                body_def, input_map=_present(body_def, mapping),
-                return_elements=([body.outputs[i].name for i in needed]
-                                 + [u.activation.name for u in loop.uses]), name="body")
-            outs, activations = list(returned[:n]), returned[n:]
-            written = [list_ops.tensor_list_set_item(values[n + 1 + j], s, activations[j])
-                       for j in range(J)]
-            return outs + [s + 1] + written + list(values[n + 1 + J:])
-
-        loop_vars = ([op.inputs[i] for i in needed] + [tf.constant(0, tf.int32)]
-                     + a_lists + eps_lists)
-        results = while_v2.while_loop(cond, step, loop_vars, return_same_structure=False,
-                                      name="copy")
-        self.outputs = {needed[i]: results[i] for i in range(n)}
-        self.eps = eps
-        self.uses = []
-        for j, (target, _) in enumerate(loop.targets):
-            use = loop.uses[j]
-            stacked = list_ops.tensor_list_stack(results[n + 1 + j], use.activation.dtype,
-                                                 element_shape=a_shapes[j])
-            self.uses.append(registry_lib.Use(
-                use.op, use.slot, use.rule, _example_major(stacked), eps[j],
-                use.weight_shape, use.rows))
-
-    def output_gradients(self, d_outputs, unconnected):
-        """{id(ε_j): dZ_all_j, [B*k*T, *z]} from one backward pass of the copy, given
-        the gradients `d_outputs` at `loop.reached_outputs` (None where unconnected)."""
-        loop = self.loop
-        ys, grad_ys = [], []
-        for original, d in zip(loop.reached_outputs, d_outputs):
-            if d is not None:
-                ys.append(self.outputs[original.value_index])
-                grad_ys.append(d)
-        if not ys:
-            grads = [None] * len(self.eps)
-        else:
-            grads = tf.gradients(ys, self.eps, grad_ys=grad_ys,
-                                 unconnected_gradients=unconnected)
-        return {id(e): (None if g is None else _example_major(g))
-                for e, g in zip(self.eps, grads)}
-
-
-_EPS_PREFIX = "pertower_loop_eps_"
-
-
-class _Slice:
-    """Slice `index` along `axis` of a weight of static `shape` (an Unpack's output)."""
-
-    def __init__(self, axis, index, shape):
-        self.axis, self.index, self.shape = axis, index, shape.as_list()
-
-    def place(self, piece, grouped):
-        """The gradient of the slice, [G, *slice] (or [*slice] when not `grouped`),
-        as the gradient of the whole weight: zeros elsewhere, [G, *shape]."""
-        lead = 1 if grouped else 0
-        inner = self.shape[:self.axis] + self.shape[self.axis + 1:]
-        piece = tf.reshape(piece, ([-1] if grouped else []) + inner)
-        piece = tf.expand_dims(piece, self.axis + lead)
-        paddings = [[0, 0]] * (lead + self.axis) + [
-            [self.index, self.shape[self.axis] - 1 - self.index]] + [[0, 0]] * (
-                len(self.shape) - 1 - self.axis)
-        return tf.pad(piece, paddings)
-
-
-class _Placed(registry_lib.Rule):
-    """A rule whose weight input is a slice of the weight (`_Slice`s, outermost last):
-    its results are placed in the weight's shape (zeros elsewhere); the other slices'
-    reads add theirs. A zero-padded gradient has the norm of the slice's."""
-
-    def __init__(self, rule, placements, piece_shape):
-        self.rule, self.placements, self.piece_shape = rule, placements, piece_shape
-
-    def _place(self, result, grouped):
-        for placement in reversed(self.placements):
-            result = placement.place(result, grouped)
-        return result
-
-    def match(self, op, slot, analysis):
-        return self.rule.match(op, slot, analysis)
-
-    def per_group(self, use, dZ, G):
-        return self._place(self.rule.per_group(use, dZ, G), True)
-
-    def squared_norms(self, use, dZ, B):
-        own = getattr(self.rule, "squared_norms", None)
-        return own(use, dZ, B) if callable(own) else None
-
-    def clipped_sum(self, use, dZ, factors):
-        own = getattr(self.rule, "clipped_sum", None)
-        total = (own(use, dZ, factors) if callable(own) else
-                 registry_lib.default_clipped_sum(self.rule, use, dZ, factors))
-        return self._place(total, False)
-
-
-def _example_major(stacked):
-    """[T, B*k, ...] -> [B*k*T, ...]: example i's rows of every step contiguous."""
-    rank = stacked.shape.rank
-    moved = tf.transpose(stacked, [1, 0] + list(range(2, rank)))       # [B*k, T, ...]
-    rest = [d if d is not None else -1 for d in stacked.shape.as_list()[2:]]
-    if -1 in rest:
-        rest_t = tf.shape(stacked)[2:]
-        return tf.reshape(moved, tf.concat([[-1], rest_t], axis=0))
-    return tf.reshape(moved, [-1] + rest)
 
 
 def _function_graph(op, attr):
@@ -482,61 +337,8 @@ def _function_graph(op, attr):
         return None
 
 
-def graph_upstream(tensors):
-    """The ops `tensors` depend on (data and control inputs), inside one graph."""
-    seen, stack = set(), [t.op for t in tensors]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
-
-
-def functions_loop_join(first, second):
+def _loop_join(first, second):
     """A loop variable's value over iterations (as the analysis joins them)."""
     if first in (lattice.INDEPENDENT, lattice.SIZE) and isinstance(second, lattice.Rows):
         return second
     return lattice.join(first, second)
-
-
-def _subgraph(graph, tensors):
-    """The GraphDef of the ops of `graph` that `tensors` depend on."""
-    keep = {op.name for op in graph_upstream(tensors)}
-    full = graph.as_graph_def()
-    part = tf.compat.v1.GraphDef()
-    part.versions.CopyFrom(full.versions)
-    part.node.extend(node for node in full.node if node.name in keep)
-    return part
-
-
-def _perturbed(graph_def, names):
-    """`graph_def` with the output of each node in `names` (j-th) replaced by
-    output + a new placeholder `pertower_loop_eps_<j>` (the node renamed, an AddV2 in
-    its place under its name, so that its consumers read the sum)."""
-    result = tf.compat.v1.GraphDef()
-    result.CopyFrom(graph_def)
-    by_name = {node.name: node for node in result.node}
-    for j, name in enumerate(names):
-        node = by_name[name]
-        inner = f"{name}/pertower_inner"
-        node.name = inner
-        dtype = node.attr["T"].type
-        placeholder = result.node.add()
-        placeholder.name = f"{_EPS_PREFIX}{j}"
-        placeholder.op = "Placeholder"
-        placeholder.attr["dtype"].type = dtype
-        add = result.node.add()
-        add.name = name
-        add.op = "AddV2"
-        add.input.extend([inner, placeholder.name])
-        add.attr["T"].type = dtype
-    return result
-
-
-def _present(graph_def, mapping):
-    """The entries of `mapping` whose node is in `graph_def`."""
-    names = {node.name for node in graph_def.node}
-    return {key: value for key, value in mapping.items() if key.split(":")[0] in names}
