@@ -134,6 +134,34 @@ def check_a_loop_drawing_random_numbers_stays_on_the_towers():
     return str(plan)
 
 
+def check_a_weight_read_inside_and_outside_a_while_loop():
+    """tf.while_loop reading w in its body and w read again after it: the rules add the
+    loop's per-step part and the outer read's, for any fed batch size."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(5)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 3])
+
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(h, w))
+
+        _, h = tf.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x])
+        ys = tf.reduce_sum(tf.matmul(h, w) ** 2, axis=1)                   # [B]
+        plan = pertower.explain(ys, [w], batch=[x])
+        grads = pertower.per_example_gradients(ys, [w], batch=[x])
+        loop = oracle.SliceLoop(ys, [w])
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for B in SIZES:
+                feed = {x: np.random.RandomState(B).randn(B, 3).astype(np.float32)}
+                common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
+                                        kind="deep", what=f"while_loop B={B}")
+    (row,) = plan.weights
+    assert row.method == "rules" and len(row.ops) == 2, str(plan)
+    assert any("per step" in op for op in row.ops), str(plan)
+    return str(plan)
+
+
 @pytest.fixture(scope="module")
 def lstm_lm():
     built = Built("LSTM")
@@ -162,9 +190,13 @@ def test_a_loop_drawing_random_numbers_stays_on_the_towers():
     check_a_loop_drawing_random_numbers_stays_on_the_towers()
 
 
+def test_a_weight_read_inside_and_outside_a_while_loop():
+    check_a_weight_read_inside_and_outside_a_while_loop()
+
+
 @pytest.mark.process_checks("recurrent_legacy")
 @pytest.mark.parametrize("check", ["check_lstm", "check_gru", "check_simple_rnn",
-                                   "check_v1_loop_keeps_row_passes"])
+                                   "check_while_loop", "check_v1_loop_keeps_row_passes"])
 def test_recurrent_rules_under_disable_v2_behavior(processes, check):
     """The same checks under disable_v2_behavior() with control flow v2; and a v1 loop
     (control flow v1) still on row passes."""

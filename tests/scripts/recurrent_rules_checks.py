@@ -51,6 +51,10 @@ def check_simple_rnn():
     return _with_control_flow_v2(lambda: recurrent.check_language_model("SimpleRNN"))
 
 
+def check_while_loop():
+    return _with_control_flow_v2(recurrent.check_a_weight_read_inside_and_outside_a_while_loop)
+
+
 def check_v1_loop_keeps_row_passes():
     """With control flow v1 the LSTM's loop is a TF1 frame: its weights stay on row
     passes (batch_size given), and match the loop."""
@@ -74,5 +78,6 @@ def check_v1_loop_keeps_row_passes():
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
-        [check_lstm, check_gru, check_simple_rnn, check_v1_loop_keeps_row_passes],
+        [check_lstm, check_gru, check_simple_rnn, check_while_loop,
+         check_v1_loop_keeps_row_passes],
         "recurrent rules checks"))
