@@ -201,3 +201,16 @@ def test_recurrent_rules_under_disable_v2_behavior(processes, check):
     """The same checks under disable_v2_behavior() with control flow v2; and a v1 loop
     (control flow v1) still on row passes."""
     processes.assert_passed("recurrent_legacy", check)
+
+
+@pytest.mark.heavy
+def test_the_recurrent_bench_runs_at_a_small_size(capsys):
+    """`python -m pertower.tools.recurrent_bench` (in this process, tiny sizes): its
+    table names every timed row and the methods of the plan."""
+    from pertower.tools import recurrent_bench
+    recurrent_bench.run(recurrent_bench._parse(  # pylint: disable=protected-access
+        ["--batch", "4", "--steps", "3", "--vocab", "13", "--units", "4", "--repeats", "1"]))
+    text = capsys.readouterr().out
+    for row in ("batch gradient", "per-example gradients", "DP step", "loop"):
+        assert row in text, text
+    assert "methods: rules\n" in text, text
