@@ -197,8 +197,9 @@ class LoopCopy:
         """The loop variables the outputs `ys` reads (and the counter) depend on,
         through the body and the condition (accumulators of past gradients are not)."""
         upstream = self.loops.request.ys_upstream
-        needed = {0} | {i for i, t in enumerate(self.op.outputs)
-                        if any(c in upstream for c in t.consumers())}
+        self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys reads
+                     if any(c in upstream for c in t.consumers())]
+        needed = {0} | set(self.read)
         cond_ops = _loop_copy.graph_upstream(self.cond.outputs)
         needed |= {i for i, t in enumerate(self.cond.inputs) if t.op in cond_ops}
         while True:
@@ -307,10 +308,10 @@ class LoopCopy:
 
     @property
     def reached_outputs(self):
-        """The original loop's outputs whose gradients the copy's backward pass takes."""
-        return [self.op.outputs[i] for i in self.needed
-                if self.op.outputs[i].dtype in (tf.variant,) or
-                self.op.outputs[i].dtype.is_floating]
+        """The original loop's outputs that `ys` reads and whose gradients the copy's
+        backward pass takes (floating point and TensorLists)."""
+        return [self.op.outputs[i] for i in self.read
+                if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
 
     # -- building ----------------------------------------------------------------------
 
