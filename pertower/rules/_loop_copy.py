@@ -36,11 +36,10 @@ class BuiltCopy:
              tf.shape(request.batch[0])[request.batch_axes[0]])
         needed = loop.needed
         eps, eps_lists, a_lists, a_shapes = [], [], [], []
-        for target, _ in loop.targets:
-            use = loop.uses[len(eps)]
+        for (target, _), use, k in zip(loop.targets, loop.uses, loop.step_rows):
             z, a = target.outputs[0], use.activation
             rest = z.shape.as_list()[1:]
-            shape = tf.stack([steps, B * loop.step_rows[len(eps)]] + rest)
+            shape = tf.stack([steps, B * k] + rest)
             zeros = tf.zeros(shape, z.dtype)                             # ε [T, B*k, *z]
             eps.append(zeros)
             eps_lists.append(list_ops.tensor_list_from_tensor(zeros, [-1] + rest))

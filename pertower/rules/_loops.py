@@ -294,7 +294,10 @@ class LoopCopy:
         if use.output is not target.outputs[0]:
             return f"the rule of {target.name!r} ({target.type}) reads another output"
         steps = _batch_axis.static_value(self.op.inputs[1])
-        k = use.rows.k * int(steps) if steps is not None and steps.ndim == 0 else None
+        # k*T rows per example (T at most the static maximum_iterations: k only chooses
+        # between a rule's exact forms, e.g. the ghost norm); None when not static
+        k = (use.rows.k * int(steps) if steps is not None and steps.ndim == 0 and steps > 0
+             else None)
         loop_use = LoopUse(**{f.name: getattr(use, f.name)
                               for f in dataclasses.fields(registry_lib.Use)},
                            loop=self, index=len(self.targets))
