@@ -8,7 +8,8 @@ Notation (as in `_loops`):
 need, a step counter, one TensorList of A_t per covered read (written at the counter)
 and one of ε per covered read (read at the counter); its body imports the original
 body's GraphDef (only the ops those outputs need) with each covered op's output
-replaced by output + ε[t]. The user's loop and its functions are not edited. Its
+replaced by output + ε[t]. The user's loop computes what it computed (it gets only
+the edit any `tf.gradients` through it makes, `pertower._towers.later_gradients`). Its
 backward pass, `tf.gradients(copy outputs, ε, grad_ys=dL/dOut)`, gives every step's
 dZ_t; the steps are laid out example-major ([T, B*k, ...] -> [B*k*T, ...]) for the
 op's rule. `Slice` and `Placed` put a rule's result for one slice of a weight (an
@@ -20,6 +21,7 @@ from tensorflow.python.framework import importer
 from tensorflow.python.ops import list_ops
 from tensorflow.python.ops import while_v2
 
+from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
 __all__ = ["BuiltCopy", "Placed", "Slice", "graph_upstream"]
@@ -31,6 +33,9 @@ class BuiltCopy:
     def __init__(self, loop):
         self.loop = loop
         op, body, request = loop.op, loop.body, loop.loops.request
+        # the user's loop is only read here; edit it now as a tf.gradients through it
+        # would, so that a training op built after the first run works (as the towers do)
+        later_gradients.prepare_for_later_gradients([op])
         steps = op.outputs[0]                                            # T
         B = (request.batch_size if request.batch_size is not None else
              tf.shape(request.batch[0])[request.batch_axes[0]])
