@@ -40,6 +40,7 @@ from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _overrides
 from pertower import _plan
+from pertower.rules import _loops
 from pertower.rules import _rows
 from pertower.rules import _weight_functions
 from pertower.rules import registry as registry_lib
@@ -81,8 +82,9 @@ def build_plan(request, registry):
                 tuple(reason if r.reached else None for r in request.reads))
     uses, reasons = [], []
     unassumed = UnassumedGradients(request)
+    loops = _loops.Loops(request, analysis, registry)
     for x, reads in zip(request.xs, request.reads):
-        found = _weight_uses(x, reads, request.ys_upstream, analysis, registry)
+        found = _weight_uses(x, reads, request.ys_upstream, analysis, registry, loops)
         if not isinstance(found, str) and found:
             found = unassumed.reason(reads, request.ys_upstream) or found
         if isinstance(found, str):
@@ -94,22 +96,21 @@ def build_plan(request, registry):
     return tuple(uses), tuple(reasons)
 
 
-def _weight_uses(x, reads, ys_upstream, analysis, registry):
-    """The `Use`s of x, or a string saying why x is not covered."""
+def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
+    """The `Use`s of x, or a string saying why x is not covered (reads inside TF2 while
+    loops: `pertower.rules._loops`)."""
     if not reads.reached:
         return []
-    if reads.call_inputs:
-        op, _ = reads.call_inputs[0]
-        return (f"it is read inside the function body of {op.name!r} ({op.type}), where "
-                "no rule looks")
     if reads.loop_inputs:
         return _in_v1_loop(reads.loop_inputs[0])
+    found = loops.uses(reads) if reads.call_inputs else []
+    if isinstance(found, str):
+        return found
     walked = _weight_functions.exits(reads, ys_upstream, analysis)
     if isinstance(walked, str):
         return walked
     terminals = [_weight_functions.Exit(op, 0, (), (), True) for op in reads.gather_ops]
     terminals.extend(walked)
-    found = []
     # pylint: disable-next=protected-access
     terminals.sort(key=lambda e: (e.op._id, e.slot))
     for exit_ in terminals:
@@ -311,18 +312,21 @@ def _size_advice(request, plan):
 
 
 def _output_gradients(plan, indices, grad_ys, unconnected):
-    """{id(Z): dZ} from one tf.gradients call over every use's output."""
-    ys = plan.request.ys
-    outputs, seen = [], set()
+    """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
+    while loop gets its dZ from one backward pass of the loop's copy, given the
+    gradients at the loop's outputs from the same call (`pertower.rules._loops`)."""
+    outputs, loop_uses = {}, []   # id(Z) -> Z, in order
     for k in indices:
         for use in plan.uses[k]:
-            if id(use.output) not in seen:
-                seen.add(id(use.output))
-                outputs.append(use.output)
+            loop_uses += [use] if isinstance(use, _loops.LoopUse) else []
+            outputs.update((id(z), z) for z in _loops.differentiated(use))
     if not outputs:
         return {}
-    grads = tf.gradients(ys, outputs, grad_ys=grad_ys, unconnected_gradients=unconnected)
-    return {id(z): g for z, g in zip(outputs, grads)}
+    grads = tf.gradients(plan.request.ys, list(outputs.values()), grad_ys=grad_ys,
+                         unconnected_gradients=unconnected)
+    found = dict(zip(outputs, grads))
+    found.update(_loops.output_gradients(loop_uses, found, unconnected))
+    return found
 
 
 def check_grad_ys(ys, grad_ys):
@@ -358,7 +362,7 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     for k in indices:
         x = plan.request.xs[k]
         parts = []
-        for use in plan.uses[k]:
+        for use in _loops.concrete_uses(plan.uses[k]):
             dZ = d_outputs[id(use.output)]
             if dZ is None:
                 continue
@@ -395,7 +399,7 @@ def norm_parts(plan, indices, B):
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
     squares, formed = {}, {}
     for k in indices:
-        uses = plan.uses[k]
+        uses = _loops.concrete_uses(plan.uses[k])
         if not uses:
             continue
         if len(uses) == 1:
@@ -436,7 +440,7 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
             results[k] = tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)   # [*x.shape]
             continue
         parts = []
-        for use in plan.uses[k]:
+        for use in _loops.concrete_uses(plan.uses[k]):
             dZ = d_outputs[id(use.output)]
             own = getattr(use.rule, "clipped_sum", None)
             part = (own(use, dZ, factors) if callable(own) else

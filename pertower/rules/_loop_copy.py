@@ -1,0 +1,230 @@
+"""The copy of a while loop that `pertower.rules._loops` plans: ε in, A_t out.
+
+Notation (as in `_loops`):
+    T   iterations the loop ran        k   rows per example of one step's A and Z
+    ε   zeros [T, B*k, *z] added to a covered op's output Z_t at step t
+
+`BuiltCopy` builds, with `while_v2`, a new loop over the loop variables the outputs
+need, a step counter, one TensorList of A_t per covered read (written at the counter)
+and one of ε per covered read (read at the counter); its body imports the original
+body's GraphDef (only the ops those outputs need) with each covered op's output
+replaced by output + ε[t]. The user's loop computes what it computed (it gets only
+the edit any `tf.gradients` through it makes, `pertower._towers.later_gradients`). Its
+backward pass, `tf.gradients(copy outputs, ε, grad_ys=dL/dOut)`, gives every step's
+dZ_t; the steps are laid out example-major ([T, B*k, ...] -> [B*k*T, ...]) for the
+op's rule. `Slice` and `Placed` put a rule's result for one slice of a weight (an
+`Unpack` of it, as Keras' GRU reads its [2, 3u] bias) into the weight's shape.
+"""
+
+import tensorflow as tf
+from tensorflow.python.framework import importer
+from tensorflow.python.ops import list_ops
+from tensorflow.python.ops import while_v2
+
+from pertower._towers import later_gradients
+from pertower.rules import registry as registry_lib
+
+__all__ = ["BuiltCopy", "Placed", "Slice", "graph_upstream"]
+
+
+class BuiltCopy:
+    """The loop's copy with ε inputs and A outputs; the concrete uses of its reads."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        op, body, request = loop.op, loop.body, loop.loops.request
+        # the user's loop is only read here; edit it now as a tf.gradients through it
+        # would, so that a training op built after the first run works (as the towers do)
+        later_gradients.prepare_for_later_gradients([op])
+        steps = op.outputs[0]                                            # T
+        B = (request.batch_size if request.batch_size is not None else
+             tf.shape(request.batch[0])[request.batch_axes[0]])
+        needed = loop.needed
+        eps, eps_lists, a_lists, a_shapes = [], [], [], []
+        for (target, _), use, k in zip(loop.targets, loop.uses, loop.step_rows):
+            z, a = target.outputs[0], use.activation
+            rest = z.shape.as_list()[1:]
+            shape = tf.stack([steps, B * k] + rest)
+            zeros = tf.zeros(shape, z.dtype)                             # ε [T, B*k, *z]
+            eps.append(zeros)
+            eps_lists.append(list_ops.tensor_list_from_tensor(zeros, [-1] + rest))
+            a_shape = [-1 if d is None else d for d in a.shape.as_list()[1:]]
+            a_shapes.append([-1] + a_shape)
+            a_lists.append(list_ops.tensor_list_reserve([-1] + a_shape, steps, a.dtype))
+        n, J = len(needed), len(loop.targets)
+        body_def = _subgraph(body, [body.outputs[i] for i in needed]
+                             + [u.activation for u in loop.uses])
+        body_def = _perturbed(body_def, [t.name for t, _ in loop.targets])
+        cond_def = _subgraph(loop.cond, loop.cond.outputs)
+        inner_names = [body.inputs[i].name for i in needed]
+        cond_names = [loop.cond.inputs[i].name for i in needed]
+
+        def cond(*values):
+            mapping = _present(cond_def, dict(zip(cond_names, values[:n])))
+            return importer.import_graph_def(
+                cond_def, input_map=mapping, return_elements=[loop.cond.outputs[0].name],
+                name="cond")[0]
+
+        def step(*values):
+            s = values[n]
+            mapping = dict(zip(inner_names, values[:n]))
+            for j in range(J):
+                z = loop.targets[j][0].outputs[0]
+                mapping[f"{_EPS_PREFIX}{j}:0"] = list_ops.tensor_list_get_item(
+                    values[n + 1 + J + j], s, z.dtype, element_shape=[-1] + z.shape.as_list()[1:])
+            returned = importer.import_graph_def(
+                body_def, input_map=_present(body_def, mapping),
+                return_elements=([body.outputs[i].name for i in needed]
+                                 + [u.activation.name for u in loop.uses]), name="body")
+            outs, activations = list(returned[:n]), returned[n:]
+            written = [list_ops.tensor_list_set_item(values[n + 1 + j], s, activations[j])
+                       for j in range(J)]
+            return outs + [s + 1] + written + list(values[n + 1 + J:])
+
+        loop_vars = ([op.inputs[i] for i in needed] + [tf.constant(0, tf.int32)]
+                     + a_lists + eps_lists)
+        results = while_v2.while_loop(cond, step, loop_vars, return_same_structure=False,
+                                      name="copy")
+        self.outputs = {needed[i]: results[i] for i in range(n)}
+        self.eps = eps
+        self.uses = []
+        for j, (target, _) in enumerate(loop.targets):
+            use = loop.uses[j]
+            stacked = list_ops.tensor_list_stack(results[n + 1 + j], use.activation.dtype,
+                                                 element_shape=a_shapes[j])
+            self.uses.append(registry_lib.Use(
+                use.op, use.slot, use.rule, _example_major(stacked), eps[j],
+                use.weight_shape, use.rows))
+
+    def output_gradients(self, d_outputs, unconnected):
+        """{id(ε_j): dZ_all_j, [B*k*T, *z]} from one backward pass of the copy, given
+        the gradients `d_outputs` at `loop.reached_outputs` (None where unconnected)."""
+        loop = self.loop
+        ys, grad_ys = [], []
+        for original, d in zip(loop.reached_outputs, d_outputs):
+            if d is not None:
+                ys.append(self.outputs[original.value_index])
+                grad_ys.append(d)
+        if not ys:
+            grads = [None] * len(self.eps)
+        else:
+            grads = tf.gradients(ys, self.eps, grad_ys=grad_ys,
+                                 unconnected_gradients=unconnected)
+        return {id(e): (None if g is None else _example_major(g))
+                for e, g in zip(self.eps, grads)}
+
+
+_EPS_PREFIX = "pertower_loop_eps_"
+
+
+class Slice:
+    """Slice `index` along `axis` of a weight of static `shape` (an Unpack's output)."""
+
+    def __init__(self, axis, index, shape):
+        self.axis, self.index, self.shape = axis, index, shape.as_list()
+
+    def place(self, piece, grouped):
+        """The gradient of the slice, [G, *slice] (or [*slice] when not `grouped`),
+        as the gradient of the whole weight: zeros elsewhere, [G, *shape]."""
+        lead = 1 if grouped else 0
+        inner = self.shape[:self.axis] + self.shape[self.axis + 1:]
+        piece = tf.reshape(piece, ([-1] if grouped else []) + inner)
+        piece = tf.expand_dims(piece, self.axis + lead)
+        paddings = [[0, 0]] * (lead + self.axis) + [
+            [self.index, self.shape[self.axis] - 1 - self.index]] + [[0, 0]] * (
+                len(self.shape) - 1 - self.axis)
+        return tf.pad(piece, paddings)
+
+
+class Placed(registry_lib.Rule):
+    """A rule whose weight input is a slice of the weight (`Slice`s, outermost last):
+    its results are placed in the weight's shape (zeros elsewhere); the other slices'
+    reads add theirs. A zero-padded gradient has the norm of the slice's."""
+
+    def __init__(self, rule, placements, piece_shape):
+        self.rule, self.placements, self.piece_shape = rule, placements, piece_shape
+
+    def _place(self, result, grouped):
+        for placement in reversed(self.placements):
+            result = placement.place(result, grouped)
+        return result
+
+    def match(self, op, slot, analysis):
+        return self.rule.match(op, slot, analysis)
+
+    def per_group(self, use, dZ, G):
+        return self._place(self.rule.per_group(use, dZ, G), True)
+
+    def squared_norms(self, use, dZ, B):
+        own = getattr(self.rule, "squared_norms", None)
+        return own(use, dZ, B) if callable(own) else None
+
+    def clipped_sum(self, use, dZ, factors):
+        own = getattr(self.rule, "clipped_sum", None)
+        total = (own(use, dZ, factors) if callable(own) else
+                 registry_lib.default_clipped_sum(self.rule, use, dZ, factors))
+        return self._place(total, False)
+
+
+def _example_major(stacked):
+    """[T, B*k, ...] -> [B*k*T, ...]: example i's rows of every step contiguous."""
+    rank = stacked.shape.rank
+    moved = tf.transpose(stacked, [1, 0] + list(range(2, rank)))       # [B*k, T, ...]
+    rest = [d if d is not None else -1 for d in stacked.shape.as_list()[2:]]
+    if -1 in rest:
+        rest_t = tf.shape(stacked)[2:]
+        return tf.reshape(moved, tf.concat([[-1], rest_t], axis=0))
+    return tf.reshape(moved, [-1] + rest)
+
+
+def graph_upstream(tensors):
+    """The ops `tensors` depend on (data and control inputs), inside one graph."""
+    seen, stack = set(), [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def _subgraph(graph, tensors):
+    """The GraphDef of the ops of `graph` that `tensors` depend on."""
+    keep = {op.name for op in graph_upstream(tensors)}
+    full = graph.as_graph_def()
+    part = tf.compat.v1.GraphDef()
+    part.versions.CopyFrom(full.versions)
+    part.node.extend(node for node in full.node if node.name in keep)
+    return part
+
+
+def _perturbed(graph_def, names):
+    """`graph_def` with the output of each node in `names` (j-th) replaced by
+    output + a new placeholder `pertower_loop_eps_<j>` (the node renamed, an AddV2 in
+    its place under its name, so that its consumers read the sum)."""
+    result = tf.compat.v1.GraphDef()
+    result.CopyFrom(graph_def)
+    by_name = {node.name: node for node in result.node}
+    for j, name in enumerate(names):
+        node = by_name[name]
+        inner = f"{name}/pertower_inner"
+        node.name = inner
+        dtype = node.attr["T"].type
+        placeholder = result.node.add()
+        placeholder.name = f"{_EPS_PREFIX}{j}"
+        placeholder.op = "Placeholder"
+        placeholder.attr["dtype"].type = dtype
+        add = result.node.add()
+        add.name = name
+        add.op = "AddV2"
+        add.input.extend([inner, placeholder.name])
+        add.attr["T"].type = dtype
+    return result
+
+
+def _present(graph_def, mapping):
+    """The entries of `mapping` whose node is in `graph_def`."""
+    names = {node.name for node in graph_def.node}
+    return {key: value for key, value in mapping.items() if key.split(":")[0] in names}

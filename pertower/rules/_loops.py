@@ -1,0 +1,348 @@
+"""Weights read inside a TF2 while loop (Keras GRU/LSTM, tf.while_loop): per-step A and dZ.
+
+Notation:
+    B   examples in the batch          G   groups: B (per example) or M (microbatches)
+    T   iterations the loop ran        k   rows per example of one step's A and Z
+    W   a weight read in the loop body by an op that has a rule (`Z_t = A_t W`, ...)
+    ε   zeros [T, B*k, *z] added to the step's Z: Z_t + ε[t]
+
+The rules need, for every read of W, the op's batch-side input A and dZ, the gradient
+of sum(ys) at its output. Inside a loop both exist once per step, and `tf.gradients`
+cannot reach a tensor inside a loop body from outside. So the loop is copied (a new
+`While` built with `while_v2`, the user's op and functions untouched), its body the
+original body's ops with, at every covered op, Z_t replaced by Z_t + ε[t] (ε an extra
+loop input, a TensorList read at the step counter) and A_t written to an extra
+TensorList output [T, B*k, *a]. Since ε = 0, the copy computes what the loop computes,
+and by the chain rule d sum(ys) / dε[t] = dZ_t. With dL/dOut the gradient of sum(ys)
+at the ORIGINAL loop's outputs (from the engine's one `tf.gradients` call; the copy's
+outputs have the same values), ONE backward pass of the copy,
+`tf.gradients(copy outputs, ε, grad_ys=dL/dOut)`, gives dZ_t for every step and every
+covered op at once. Example i's rows of step t are its own (the proof below), so
+
+    grad_i(W) = sum over t of rule(A_t, dZ_t) for example i = rule(A_all, dZ_all),
+
+with A_all, dZ_all the steps laid out example-major ([T, B*k, ...] -> [B*k*T, ...]):
+the op's own rule, unchanged (a dense read is Goodfellow's sum of outer products over
+its k*T rows, its norm the ghost norm of Li et al. 2022, arXiv 2110.05679, and a
+clipped sum the reweighted batch gradient, Bu et al. 2023, arXiv 2210.00038: the
+book-keeping of ghost clipping, through time). Cost: the copy's forward and backward
+pass of the loop (no per-example pass, and ε and A_all are sized by the fed batch, so
+no batch_size is needed), where per-example weight copies [B, *W] inside the body
+(the other way considered) would multiply the loop's weight reads and the backward
+loop's weight-gradient accumulators by B.
+
+Proof obligations, each checked while planning (else the weight stays on the fallback,
+with the reason): the batch-axis analysis proves `ys` row-wise (the engine), and,
+seeded with the loop variables' settled values, proves A_t's and Z_t's rows
+example-major in the body; the loop follows while_v2's layout (input 0 an iteration
+counter starting at 0 that the body increments by 1: T is the original loop's output
+0, known before the copy runs); the body calls no function and has no stateful op but
+variable reads (the copy must draw nothing); the weight is a loop-invariant resource
+input that the body only reads (ReadVariableOp, then the layout-only ops the engine
+allows) and the condition never reads; the covered op's other outputs are unused; and
+Z's shape past axis 0 is static. TF1 (v1) while loops (Enter/Merge/Switch frames) are
+not rewritten: their weights stay on row passes.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+from tensorflow.python.framework import function_def_to_graph
+
+from pertower import _batch_axis
+from pertower import _op_types as op_types
+from pertower._batch_axis import analysis as analysis_lib
+from pertower._batch_axis import lattice
+from pertower.rules import _loop_copy
+from pertower.rules import registry as registry_lib
+
+__all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradients"]
+
+# Body op types a copy may hold that are stateful in TensorFlow's sense (the copy
+# reads the same values as the loop).
+_STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES
+_SCOPE = "loop_weights"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopUse(registry_lib.Use):
+    """A covered read of a weight inside a while loop body: `op`, `activation` and
+    `output` are the body's (A_t, Z_t); `loop` the `LoopCopy` that builds A_all and
+    dZ_all; `index` the read's position among the loop's covered reads."""
+
+    loop: object = None
+    index: int = 0
+
+    @property
+    def label(self):
+        """How `explain` names the read: the body op and the loop op."""
+        return f"{self.op.name} ({self.op.type}) in {self.loop.op.name!r} per step"
+
+    def concrete(self):
+        """The `Use` of A_all, [B*k*T, *a], and the key tensor of dZ_all (built once)."""
+        return self.loop.built().uses[self.index]
+
+
+def concrete_uses(uses):
+    """`uses` with every `LoopUse` replaced by its built `Use` (builds the copies)."""
+    return [u.concrete() if isinstance(u, LoopUse) else u for u in uses]
+
+
+def differentiated(use):
+    """The tensors whose gradients the engine's one `tf.gradients` call takes for `use`:
+    its output Z, or for a read inside a loop the loop's outputs."""
+    return use.loop.reached_outputs if isinstance(use, LoopUse) else [use.output]
+
+
+def output_gradients(loop_uses, found, unconnected):
+    """{id(key): dZ_all} for the loop uses, from one backward pass of each loop's copy;
+    `found` maps id(t) to the gradient of sum(ys) at t for the loops' outputs (None
+    where unconnected)."""
+    results = {}
+    for loop in dict.fromkeys(use.loop for use in loop_uses):
+        results.update(loop.built().output_gradients(
+            [found[id(t)] for t in loop.reached_outputs], unconnected))
+    return results
+
+
+class _BodyAnalysis:
+    """The batch-axis values of a loop body's tensors, read like an `Analysis`."""
+
+    def __init__(self, scan):
+        self._scan = scan
+
+    def value(self, tensor):
+        return self._scan.value_of(tensor)
+
+    def rows(self, tensor):
+        value = self._scan.values.get(tensor)
+        if not lattice.contiguous(value, tensor.shape):
+            return None
+        return lattice.complete(value, tensor.shape)
+
+
+class Loops:
+    """The while loops of one plan whose weights the rules may cover (one `LoopCopy`
+    per loop op, analysed once)."""
+
+    def __init__(self, request, analysis, registry):
+        self.request = request
+        self.analysis = analysis
+        self.registry = registry
+        self._copies = {}
+
+    def uses(self, reads):
+        """The `LoopUse`s of the weight of `reads` (a `WeightReads`) inside the loops
+        it is passed to, or a string saying why they are not covered."""
+        found = []
+        for op, index in reads.call_inputs:
+            if op.type not in op_types.WHILE_OP_TYPES:
+                return (f"it is read inside the function body of {op.name!r} ({op.type}), "
+                        "where no rule looks")
+            if op not in self._copies:
+                self._copies[op] = LoopCopy(op, self)
+            loop = self._copies[op]
+            uses = loop.weight_uses(index)
+            if isinstance(uses, str):
+                return f"it is read inside the while loop {op.name!r} ({op.type}): {uses}"
+            found.extend(uses)
+        return found
+
+
+class LoopCopy:
+    """One while loop: its analysis while planning, its rewritten copy when built."""
+
+    def __init__(self, op, loops):
+        self.op = op
+        self.loops = loops
+        self.targets = []       # (body op, slot): the covered reads, in LoopUse.index order
+        self.uses = []          # the LoopUses, same order
+        self.step_rows = []     # k of each covered read's A_t and Z_t (static)
+        self._built = None
+        self.reason = self._analyse()
+
+    # -- planning ----------------------------------------------------------------------
+
+    def _analyse(self):
+        op = self.op
+        self.body, self.cond = _function_graph(op, "body"), _function_graph(op, "cond")
+        if self.body is None or self.cond is None:
+            return "its body could not be read"
+        body = self.body
+        if len(body.inputs) != len(op.inputs) or len(body.outputs) != len(op.inputs):
+            return "its body's inputs and outputs do not match its loop variables"
+        counter = body.outputs[0].op
+        start = _batch_axis.static_value(op.inputs[0])
+        if not (counter.type in ("AddV2", "Add") and counter.inputs[0] is body.inputs[0]
+                and _batch_axis.static_value(counter.inputs[1]) == 1
+                and start is not None and int(start) == 0):
+            return ("its first loop variable is not an iteration counter from 0 (while_v2's "
+                    "layout), so the number of steps is not known before a copy runs")
+        for inner in body.get_operations():
+            if any(value.HasField("func") or (value.HasField("list") and value.list.func)
+                   for value in inner.node_def.attr.values()):
+                return f"its body calls functions ({inner.name!r}, {inner.type})"
+            if inner.op_def.is_stateful and inner.type not in _STATEFUL_ALLOWED:
+                return (f"its body has the stateful op {inner.name!r} ({inner.type}), which "
+                        "a copy of the loop would not reproduce")
+        self.needed = self._needed_variables()
+        self.live = _loop_copy.graph_upstream([body.outputs[i] for i in self.needed])
+        scan = self._settled_scan()
+        if isinstance(scan, str):
+            return scan
+        self.body_analysis = _BodyAnalysis(scan)
+        return None
+
+    def _needed_variables(self):
+        """The loop variables the outputs `ys` reads (and the counter) depend on,
+        through the body and the condition (accumulators of past gradients are not)."""
+        upstream = self.loops.request.ys_upstream
+        self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys reads
+                     if any(c in upstream for c in t.consumers())]
+        needed = {0} | set(self.read)
+        cond_ops = _loop_copy.graph_upstream(self.cond.outputs)
+        needed |= {i for i, t in enumerate(self.cond.inputs) if t.op in cond_ops}
+        while True:
+            ops = _loop_copy.graph_upstream([self.body.outputs[i] for i in needed])
+            more = needed | {i for i, t in enumerate(self.body.inputs) if t.op in ops}
+            if more == needed:
+                return sorted(needed)
+            needed = more
+
+    def _settled_scan(self):
+        """The body's scan seeded with the loop variables' values over all iterations."""
+        analysis = self.loops.analysis
+        values = [analysis.value(t) for t in self.op.inputs]
+        outputs = [self.body.outputs[i] for i in self.needed]
+        for _ in range(4):
+            seeds = [(t, v) for t, v in zip(self.body.inputs, values) if v != lattice.INDEPENDENT]
+            scan = analysis_lib._Scan(  # pylint: disable=protected-access
+                seeds, self.live, outputs, self.loops.registry,
+                self.loops.request.batch_size, depth=1).run()
+            if scan.couplings or scan.losses:
+                found = (scan.couplings[0].op, scan.couplings[0].reason) if scan.couplings \
+                    else scan.losses[0]
+                return (f"the batch axis of its body is not proven at {found[0].name!r} "
+                        f"({found[0].type}): {found[1]}")
+            outs = [scan.value_of(t) if i in self.needed else values[i]
+                    for i, t in enumerate(self.body.outputs)]
+            merged = [_loop_join(a, b) for a, b in zip(values, outs)]
+            if merged == values:
+                return scan
+            values = merged
+        return "the values of its loop variables did not settle"
+
+    def weight_uses(self, index):
+        """The `LoopUse`s of the weight passed as loop input `index`, or a reason."""
+        if self.reason is not None:
+            return self.reason
+        body = self.body
+        handle = body.inputs[index]
+        if body.outputs[index] is not handle:
+            return "the weight's loop variable is not passed on unchanged"
+        if handle.consumers() and any(c in _loop_copy.graph_upstream(self.cond.outputs)
+                                      for c in self.cond.inputs[index].consumers()):
+            return "its condition reads the weight"
+        found, stack = [], []
+        for consumer in handle.consumers():
+            if consumer not in self.live:
+                continue
+            if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
+                return f"its body passes the weight to {consumer.name!r} ({consumer.type})"
+            stack.append((consumer.outputs[0], ()))
+        terminals = []
+        while stack:
+            tensor, placements = stack.pop()
+            for consumer in tensor.consumers():
+                if consumer not in self.live:
+                    continue
+                slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
+                if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
+                        and consumer.outputs[0].shape.is_fully_defined()
+                        and all(_batch_axis.static_value(t) is not None
+                                for t in consumer.inputs[1:])):
+                    stack.append((consumer.outputs[0], placements))
+                    continue
+                if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
+                    # a weight [.., N, ..] read as its N slices along `axis`
+                    axis = consumer.get_attr("axis") % tensor.shape.rank
+                    stack.extend((out, placements + (_loop_copy.Slice(axis, i, tensor.shape),))
+                                 for i, out in enumerate(consumer.outputs))
+                    continue
+                terminals.extend((consumer, j, placements) for j in slots)
+        for target, slot, placements in sorted(terminals, key=lambda p: (p[0].name, p[1])):
+            use = self._target_use(target, slot, placements)
+            if isinstance(use, str):
+                return use
+            found.append(use)
+        return found
+
+    def _target_use(self, target, slot, placements):
+        rule = self.loops.registry.lookup(target.type)
+        if rule is None:
+            return f"its body reads it by {target.name!r} ({target.type}), which has no rule"
+        use = rule.match(target, slot, self.body_analysis)
+        if isinstance(use, str):
+            return f"its body reads it by {target.name!r} ({target.type}): {use}"
+        if any(c in self.live for out in target.outputs[1:] for c in out.consumers()):
+            return f"the body reads other outputs of {target.name!r} ({target.type})"
+        z_shape = target.outputs[0].shape
+        if z_shape.rank is None or not z_shape[1:].is_fully_defined():
+            return f"the shape of {target.outputs[0].name} past its rows is not static"
+        if use.weight_shape is None or not use.weight_shape.is_fully_defined():
+            return f"its shape at {target.name!r} ({use.weight_shape}) is not static"
+        if use.output is not target.outputs[0]:
+            return f"the rule of {target.name!r} ({target.type}) reads another output"
+        steps = _batch_axis.static_value(self.op.inputs[1])
+        # k*T rows per example (T at most the static maximum_iterations: k only chooses
+        # between a rule's exact forms, e.g. the ghost norm); None when not static
+        k = (use.rows.k * int(steps) if steps is not None and steps.ndim == 0 and steps > 0
+             else None)
+        loop_use = LoopUse(**{f.name: getattr(use, f.name)
+                              for f in dataclasses.fields(registry_lib.Use)},
+                           loop=self, index=len(self.targets))
+        if placements:
+            rule = _loop_copy.Placed(rule, placements, target.inputs[slot].shape)
+        loop_use = dataclasses.replace(loop_use, rule=rule, rows=use.rows._replace(k=k))
+        self.targets.append((target, slot))
+        self.uses.append(loop_use)
+        self.step_rows.append(use.rows.k)
+        return loop_use
+
+    @property
+    def reached_outputs(self):
+        """The original loop's outputs that `ys` reads and whose gradients the copy's
+        backward pass takes (floating point and TensorLists)."""
+        return [self.op.outputs[i] for i in self.read
+                if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
+
+    # -- building ----------------------------------------------------------------------
+
+    def built(self):
+        """The copy of the loop (built once, on first use): a `_BuiltCopy`."""
+        if self._built is None:
+            with tf.name_scope(_SCOPE):
+                self._built = _loop_copy.BuiltCopy(self)
+        return self._built
+
+
+def _function_graph(op, attr):
+    """The graph of the function `attr` ("body" or "cond") of a While op: while_v2's
+    own (shapes inferred), or one read back from the graph's library with the op's input
+    shapes; None when it cannot be read."""
+    own = getattr(op, f"_{attr}_graph", None)
+    if own is not None and len(own.inputs) == len(op.inputs):
+        return own
+    try:
+        definition = op.graph._get_function(op.get_attr(attr).name).cached_definition  # pylint: disable=protected-access
+        return function_def_to_graph.function_def_to_graph(
+            definition, input_shapes=[t.shape for t in op.inputs])
+    except (AttributeError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _loop_join(first, second):
+    """A loop variable's value over iterations (as the analysis joins them)."""
+    if first in (lattice.INDEPENDENT, lattice.SIZE) and isinstance(second, lattice.Rows):
+        return second
+    return lattice.join(first, second)

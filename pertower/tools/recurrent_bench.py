@@ -1,0 +1,119 @@
+"""What recurrent weights cost: a PTB-style LSTM language model, per-example gradients
+against the batch gradient and the one-example loop.
+
+    python -m pertower.tools.recurrent_bench [--batch 32] [--steps 20] [--vocab 1000]
+        [--units 128] [--repeats 7] [--onednn on|off|both] [--layer LSTM|GRU]
+
+The model: Embedding(V, U) -> Keras LSTM(U, return_sequences=True, unroll=False: a TF2
+`While` loop) -> Dense(V); ys = each example's sum over its T steps of the next-token
+cross-entropy, [B]. Timed, round robin after a warm-up (median of --repeats runs):
+
+    batch gradient    tf.gradients(sum(ys), xs): one forward and one backward pass
+    per-example       pertower.per_example_gradients(ys, xs, batch=...), no batch_size:
+                      the loop's weights on the rules of `pertower.rules._loops`
+    norms             pertower.per_example_norms
+    DP step           pertower.DPOptimizer(SGD).minimize (no noise), against a plain
+                      SGD step
+    loop              one `sess.run` of tf.gradients per example (pertower.oracle)
+
+`--onednn both` (the default) runs the model once with oneDNN off and once on, each in
+a child process (TF_ENABLE_ONEDNN_OPTS is read when TensorFlow starts).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+__all__ = ["main", "run"]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m pertower.tools.recurrent_bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32, help="B (default 32)")
+    parser.add_argument("--steps", type=int, default=20, help="T (default 20)")
+    parser.add_argument("--vocab", type=int, default=1000, help="V (default 1000)")
+    parser.add_argument("--units", type=int, default=128, help="U (default 128)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs (default 7)")
+    parser.add_argument("--layer", default="LSTM", choices=("LSTM", "GRU", "SimpleRNN"))
+    parser.add_argument("--onednn", default="both", choices=("on", "off", "both"))
+    return parser.parse_args(argv)
+
+
+def run(args):
+    """Builds the model and prints one table (this process's oneDNN setting)."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+
+    import pertower
+    from pertower import oracle
+    from pertower.tools import timing
+
+    B, T, V, U = args.batch, args.steps, args.vocab, args.units
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        ids = tf.compat.v1.placeholder(tf.int32, [None, T], name="ids")
+        labels = tf.compat.v1.placeholder(tf.int32, [None, T], name="labels")
+        hidden = getattr(keras.layers, args.layer)(U, return_sequences=True)(
+            keras.layers.Embedding(V, U)(ids))                                  # [B, T, U]
+        logits = keras.layers.Dense(V)(hidden)                                   # [B, T, V]
+        ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits), axis=1)                               # [B]
+        xs = tf.compat.v1.trainable_variables()
+        batch = [ids, labels]
+        plan = pertower.explain(ys, xs, batch=batch)
+        per_example = pertower.per_example_gradients(ys, xs, batch=batch)
+        norms = pertower.per_example_norms(ys, xs, batch=batch)
+        batch_gradient = tf.gradients(tf.reduce_sum(ys), xs)
+        dp_step = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.0),
+                                       1.0, 0.0).minimize(ys, var_list=xs)
+        plain_step = tf.compat.v1.train.GradientDescentOptimizer(0.0).minimize(
+            tf.reduce_mean(ys), var_list=xs)
+        loop = oracle.SliceLoop(ys, xs)
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    rng = np.random.RandomState(0)
+    feed = {t: rng.randint(0, V, size=(B, T)).astype(np.int32) for t in batch}
+    rows = [("batch gradient", lambda: sess.run(batch_gradient, feed)),
+            ("per-example gradients", lambda: sess.run(per_example, feed)),
+            ("per-example norms", lambda: sess.run(norms, feed)),
+            ("plain SGD step", lambda: sess.run(plain_step, feed)),
+            ("DP step", lambda: sess.run(dp_step, feed)),
+            ("loop (one example per run)", lambda: loop.run(sess, feed, B, batch=batch))]
+    for _, fetch in rows:   # warm-up
+        fetch()
+    times = timing.round_robin([(fetch, args.repeats) for _, fetch in rows])
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    base = medians[0]
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)")
+    print(f"{args.layer}({U}) language model, B={B}, T={T}, V={V}, "
+          f"TF_ENABLE_ONEDNN_OPTS={onednn}, median of {args.repeats} runs")
+    methods = sorted({row.method for row in plan.weights})
+    print(f"weights: {len(plan.weights)}, methods: {', '.join(methods)}")
+    print(timing.format_table(["", "seconds", "x batch gradient"],
+                              [[name, f"{m:.4f}", f"{m / base:.2f}"]
+                               for (name, _), m in zip(rows, medians)]))
+    sess.close()
+
+
+def main(argv=None):
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.onednn == "both":
+        for setting in ("off", "on"):
+            env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if setting == "on" else "0")
+            command = [sys.executable, "-m", "pertower.tools.recurrent_bench",
+                       *[a for a in (argv if argv is not None else sys.argv[1:])
+                         if not a.startswith("--onednn")], "--onednn", setting]
+            subprocess.run(command, env=env, check=True)
+        return 0
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Run in a process of its own: the checks of tests/test_rules_recurrent.py (weights read
+inside a while loop on the rules) under tf.compat.v1.disable_v2_behavior() (legacy shape
+mode, reference variables) with control flow v2 (Keras then builds `While` loops), and a
+TF1 (v1) loop, which keeps its row passes, against the one-example oracle.
+
+Started once per test session by tests/process_checks.py ("recurrent_legacy"); prints
+one `pertower-check` line per check and 'recurrent rules checks: N passed, M failed';
+exits 1 on failure.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import tensorflow as tf  # noqa: E402
+
+tf.compat.v1.disable_v2_behavior()
+
+import pertower  # noqa: E402
+from pertower import oracle  # noqa: E402
+from tests import common  # noqa: E402
+from tests import process_checks  # noqa: E402
+from tests import test_rules_recurrent as recurrent  # noqa: E402
+
+
+def _require_legacy_mode():
+    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
+        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
+
+
+def _with_control_flow_v2(check):
+    _require_legacy_mode()
+    tf.compat.v1.enable_control_flow_v2()
+    try:
+        return check()
+    finally:
+        tf.compat.v1.disable_control_flow_v2()
+
+
+def check_lstm():
+    return _with_control_flow_v2(lambda: recurrent.check_language_model("LSTM"))
+
+
+def check_gru():
+    return _with_control_flow_v2(lambda: recurrent.check_language_model("GRU"))
+
+
+def check_simple_rnn():
+    return _with_control_flow_v2(lambda: recurrent.check_language_model("SimpleRNN"))
+
+
+def check_while_loop():
+    return _with_control_flow_v2(recurrent.check_a_weight_read_inside_and_outside_a_while_loop)
+
+
+def check_v1_loop_keeps_row_passes():
+    """With control flow v1 the LSTM's loop is a TF1 frame: its weights stay on row
+    passes (batch_size given), and match the loop."""
+    _require_legacy_mode()
+    graph, ys, batch = recurrent._language_model("LSTM")  # pylint: disable=protected-access
+    with graph.as_default():
+        xs = tf.compat.v1.trainable_variables()
+        B = 3
+        plan = pertower.explain(ys, xs, batch=batch, batch_size=B)
+        grads = pertower.per_example_gradients(ys, xs, batch=batch, batch_size=B)
+        loop = oracle.SliceLoop(ys, xs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = recurrent._feed(batch, B, 0)  # pylint: disable=protected-access
+            common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B, batch=batch),
+                                    kind="deep", what="v1 LSTM")
+    methods = {row.name: row.method for row in plan.weights}
+    assert methods["lstm/lstm_cell/kernel:0"] == "passes", str(plan)
+    return str(plan)
+
+
+if __name__ == "__main__":
+    sys.exit(process_checks.run_checks(
+        [check_lstm, check_gru, check_simple_rnn, check_while_loop,
+         check_v1_loop_keeps_row_passes],
+        "recurrent rules checks"))
