@@ -374,3 +374,14 @@ def check_memory_limit(memory_limit):
             ValueError, "`memory_limit` must be a positive number of bytes, "
             "None (the default: half of the machine's physical memory) or float('inf') (no "
             f"limit), but received {memory_limit!r}.")
+
+
+def grad_ys_like(ys, grad_ys):
+    """grad_ys as a tensor of ys's dtype and shape (None stays None)."""
+    if grad_ys is None:
+        return None
+    grad_ys = tf.convert_to_tensor(grad_ys, dtype=ys.dtype)
+    if not ys.shape.is_compatible_with(grad_ys.shape):
+        raise _context.error(ValueError, "`grad_ys` must have the shape of `ys`, "
+                         f"{ys.shape}, but has shape {grad_ys.shape}.")
+    return grad_ys

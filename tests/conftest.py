@@ -4,7 +4,7 @@ Tests that need another process-wide mode (eager, or disable_v2_behavior), serve
 a fresh interpreter read the checks of a process of tests/process_checks.py: mark them
 `@pytest.mark.process_checks("legacy")` and take the `processes` fixture. The processes
 that the collected tests name are queued when collection ends and run one at a time in
-the background, once per session.
+the background, once per session; the tests that read them run after the others.
 """
 
 import os
@@ -39,6 +39,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for marker in item.iter_markers("process_checks"):
             processes.start(marker.args[0])
+    # The tests that read a process run last (in their order): until then the test
+    # process runs the others while the queue runs the processes on the other core.
+    items.sort(key=lambda item: next(item.iter_markers("process_checks"), None) is not None)
 
 
 def pytest_sessionfinish(session):

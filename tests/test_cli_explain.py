@@ -76,9 +76,9 @@ def test_explain_prints_the_plan_of_a_saved_graph(saved, capsys):
                                              if line.startswith("  net/"))}
     assert rows == {"net/conv:0": "rules", "net/bn_scale:0": "rules",
                     "net/bn_offset:0": "rules", "net/dense:0": "rules",
-                    "net/recurrent:0": "towers"}, out
-    assert "model.meta: 5 weights: 4 rules, 1 towers, 0 passes" in out
-    assert "1 fall back:" in out and "(While)" in out and "FusedBatchNormV3" in out
+                    "net/recurrent:0": "rules"}, out
+    assert "model.meta: 5 weights: 5 rules, 0 towers, 0 passes" in out
+    assert "in 'while' per step" in out and "FusedBatchNormV3" in out
 
 
 def test_explain_run_restores_the_checkpoint_and_agrees_with_the_loop(saved, capsys):

@@ -43,7 +43,7 @@ def numpy_columns(H):
 
 
 class Model:
-    """A graph with an MLP (a shared weight, a weight read by sin: no rule) and a conv net,
+    """A graph with an MLP (a shared weight, a weight read by BroadcastTo: no rule) and a conv net,
     its session and batch, and the loop references (built once per logits)."""
 
     def __init__(self):
@@ -62,7 +62,8 @@ class Model:
             self.relu_logits = tf.nn.bias_add(h @ self.W2, self.b2)          # [B, 3]
             shared = tf.nn.relu(h @ self.Wsh) @ self.Wsh                     # two uses
             self.logits = (self.relu_logits + shared @ self.W2 * 0.5 + tf.reduce_sum(
-                tf.sin(self.V) * self.x, axis=1, keepdims=True))             # [B, 3]
+                tf.broadcast_to(tf.sin(self.V), tf.shape(self.x)) * self.x,
+                axis=1, keepdims=True))                                      # [B, 3]
             self.xs = [self.W1, self.b1, self.Wsh, self.W2, self.b2, self.V]
             self.loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=self.labels, logits=self.logits)                     # [B]
@@ -180,7 +181,7 @@ def test_diag_ggn_exact_matches_loop_over_examples_and_columns(model, loss):
                             what=f"diag_ggn({loss})")
     assert result.routes[0].startswith("rules, cheap form")        # W1: dense
     assert result.routes[2].startswith("rules, per column")        # Wsh: two uses
-    assert result.routes[5].startswith("towers: per-example Jacobians")   # V: sin
+    assert result.routes[5].startswith("towers: per-example Jacobians")   # V: BroadcastTo
     assert result.columns_vectorized is True
 
 
@@ -253,7 +254,7 @@ def test_sum_grad_squared_routes(model):
     assert [r.split(":")[0] for r in result.routes] == [
         "rules, cheap form", "rules, cheap form", "rules, per column", "rules, per column",
         "rules, cheap form", "towers"]
-    assert "Sin" in result.routes[5] and "W1" in result.explain()
+    assert "BroadcastTo" in result.routes[5] and "W1" in result.explain()
 
 
 def test_monte_carlo_is_unbiased_within_a_stated_bound(model):

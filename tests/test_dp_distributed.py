@@ -112,7 +112,8 @@ def one_worker(request):
         loop = oracle.SliceLoop(loss, xs)
         feed = {x: x_value, y: y_value}
         sess = tf.compat.v1.train.MonitoredSession(
-            tf.compat.v1.train.ChiefSessionCreator(), hooks=[dp.make_session_run_hook(True)])
+            tf.compat.v1.train.ChiefSessionCreator(), hooks=[dp.make_session_run_hook(True)],
+            stop_grace_period_secs=1)   # the chief's token queue runner waits on its queue
         before = sess.run(xs)
         per_example = loop.run(sess, feed, 4)           # [4, *x.shape] each, at `before`
         pushed, count, _ = sess.run([[g for g, _ in sums], dp.count, train_op], feed)

@@ -137,4 +137,4 @@ def view_use(rule, op, slot, analysis):
             op.inputs[0].shape[1 if nchw else -1]) != op.inputs[1].shape[2]):
         return "grouped convolutions are covered in NHWC only"
     return ViewUse(op, slot, rule, op.inputs[0], op.outputs[0], op.inputs[1].shape, rows,
-                   view)
+                   view=view)

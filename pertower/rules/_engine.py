@@ -329,17 +329,6 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
     return found
 
 
-def check_grad_ys(ys, grad_ys):
-    """grad_ys as a tensor of ys's dtype and shape (None stays None)."""
-    if grad_ys is None:
-        return None
-    grad_ys = tf.convert_to_tensor(grad_ys, dtype=ys.dtype)
-    if not ys.shape.is_compatible_with(grad_ys.shape):
-        raise _context.error(ValueError, "`grad_ys` must have the shape of `ys`, "
-                         f"{ys.shape}, but has shape {grad_ys.shape}.")
-    return grad_ys
-
-
 def _per_x_shape(x, G):
     """[G, *x.shape] as a reshape target."""
     if x.shape.is_fully_defined():
@@ -356,7 +345,7 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     that `ys` does not reach, or whose outputs get no gradient, with
     unconnected_gradients="none")."""
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
-    grad_ys = check_grad_ys(plan.request.ys, grad_ys)
+    grad_ys = _checks.grad_ys_like(plan.request.ys, grad_ys)
     d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
     results = {}
     for k in indices:

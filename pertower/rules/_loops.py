@@ -298,6 +298,9 @@ class LoopCopy:
         # between a rule's exact forms, e.g. the ghost norm); None when not static
         k = (use.rows.k * int(steps) if steps is not None and steps.ndim == 0 and steps > 0
              else None)
+        if type(use) is not registry_lib.Use or use.through:   # e.g. a re-laid-out conv
+            return (f"the rule of {target.name!r} ({target.type}) reads it through a view "
+                    "that the loop's copy does not carry")
         loop_use = LoopUse(**{f.name: getattr(use, f.name)
                               for f in dataclasses.fields(registry_lib.Use)},
                            loop=self, index=len(self.targets))

@@ -86,7 +86,7 @@ class Conv2DTransposeRule(registry_lib.Rule):
             return rows
         return _conv_views.ViewUse(op, slot, self, op.inputs[_DATA], op.outputs[0],
                                    op.inputs[_FILTER].shape, rows,
-                                   _TransposedView(data_format == "NCHW"))
+                                   view=_TransposedView(data_format == "NCHW"))
 
     def per_group(self, use, dZ, G):
         return self.convolution.per_group(*use.view.inner(use, dZ), G)

