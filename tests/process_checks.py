@@ -21,6 +21,7 @@ The script side is `run_checks`, called by the scripts of tests/scripts/.
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import threading
 import time
 
 __all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks",
-           "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params"]
+           "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params", "free_ports"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -344,3 +345,15 @@ def run_checks(checks, title):
         print(_PREFIX + json.dumps(record), flush=True)
     print(f"{title}: {len(checks) - failed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
+
+
+def free_ports(n):
+    """n ports the OS reports free on 127.0.0.1 (bound together, then released), for the
+    scripts that start tf.distribute.Servers."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports

@@ -9,7 +9,6 @@ failure.
 
 import os
 import re
-import socket
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,19 +29,8 @@ from tests import process_checks  # noqa: E402
 TASKS = ["/job:worker/task:0", "/job:worker/task:1"]
 
 
-def _free_ports(n):
-    """n ports the OS reports free on 127.0.0.1 (bound together, then released)."""
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _start_cluster():
-    ports = _free_ports(2)
+    ports = process_checks.free_ports(2)
     cluster = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
     servers = [tf.distribute.Server(cluster, job_name="worker", task_index=i, start=True)
                for i in range(2)]

@@ -10,7 +10,6 @@ statistical checks, with more draws, run as "dp_distributed_stats" with the argu
 """
 
 import os
-import socket
 import sys
 import threading
 
@@ -39,21 +38,10 @@ LR = 0.5
 ALPHA = 1e-6
 
 
-def _free_ports(n):
-    """n ports the OS reports free on 127.0.0.1 (bound together, then released)."""
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _cluster():
     """A fresh cluster (one ps, W workers): the accumulators and the token queue have
     fixed shared names, so every configuration gets servers of its own."""
-    ports = _free_ports(W + 1)
+    ports = process_checks.free_ports(W + 1)
     spec = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"],
                                  "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
     servers = [tf.distribute.Server(spec, job_name="ps", task_index=0)]
