@@ -31,6 +31,11 @@ class Built:
             common.seed_weights(seed)
             self.network = zoo.build(name)
             self.plan = pertower.explain(self.network.loss, self.network.weights)
+            # the batch gradient, built before the first run as a training op would be: a
+            # session that ran a TF2 while loop before anything differentiated it cannot
+            # run a gradient through it (README, "Limits")
+            self.batch_gradients = [tf.convert_to_tensor(g) for g in tf.gradients(
+                tf.reduce_sum(self.network.loss), self.network.weights)]
             self.sess = tf.compat.v1.Session(graph=self.graph)
             self.sess.run(tf.compat.v1.global_variables_initializer())
             zoo.randomize_batch_norm_statistics(self.sess, self.graph, seed + 1)
@@ -54,8 +59,7 @@ def check_network(built, with_norms=False):
         grads = pertower.per_example_gradients(loss, weights, batch_size=batch_size)
         norms = ([pertower.per_example_norms(loss, weights, batch_size=batch_size)]
                  if with_norms else [])
-        batch_grads = [tf.convert_to_tensor(g)
-                       for g in tf.gradients(tf.reduce_sum(loss), weights)]
+        batch_grads = built.batch_gradients
         got, got_norms, batch_values = built.sess.run([grads, norms, batch_grads],
                                                       built.feed)
         want = oracle.loop_per_example_gradients(built.sess, loss, weights, built.feed)
