@@ -216,13 +216,7 @@ def run(args):
     figures = report_lib.to_json(entries, machine, settings)
     if args.dp or args.full:
         figures["dp_steps"] = _run_dp_rows(args, repeats, report)
-    if args.json == "-":
-        json.dump(figures, sys.stdout, indent=1)
-        print()
-    else:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(figures, handle, indent=1)
-        report(f"\nfigures written to {args.json}")
+    _write_figures(figures, args.json, report)
     if args.plot:
         try:
             report_lib.plot(entries, args.plot)
@@ -337,18 +331,23 @@ def _run_zoo(args):
         "mode": "zoo", "models": args.models, "batch_sizes": list(batch_sizes),
         "repeats": repeats, "loop_repeats": loop_repeats, "argv": args.argv},
         "zoo": zoo_bench.to_json(rows)}
-    if args.json == "-":
-        json.dump(figures, sys.stdout, indent=1)
-        print()
-    else:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(figures, handle, indent=1)
-        report(f"\nfigures written to {args.json}")
+    _write_figures(figures, args.json, report)
     failed = [f"{r.network} B={r.batch_size}" for r in rows if r.error or r.agrees is False]
     if failed:
         report(f"\nFAILED: {'; '.join(failed)}: error, or beyond the tolerance of the loop.")
         return 1
     return 0
+
+
+def _write_figures(figures, path, report):
+    """Writes the figures as JSON to `path` ("-": standard output, after the table)."""
+    if path == "-":
+        json.dump(figures, sys.stdout, indent=1)
+        print()
+    else:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=1)
+        report(f"\nfigures written to {path}")
 
 
 def _run_in_child(args):
