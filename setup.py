@@ -60,8 +60,9 @@ setup(
         # JAX. Pinned to a CPU build of torch: elsewhere install a CPU build of torch
         # 2.13.0 first, or pip brings a much larger GPU build.
         "peers": ["torch==2.13.0", "jax", "jaxlib", "opacus"],
-        "test": ["pytest>=7", "hypothesis", "dp-accounting>=0.4", "scikit-learn",
-                 "tqdm", "matplotlib"],
+        # The README's test command runs in two processes (pytest-xdist's -n 2).
+        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis", "dp-accounting>=0.4",
+                 "scikit-learn", "tqdm", "matplotlib"],
     },
     entry_points={"console_scripts": ["pertower=pertower.tools.cli:main"]},
 )

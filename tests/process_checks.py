@@ -10,10 +10,13 @@ many checks and reports each on a line of its own:
 
 The test process queues every process that its collected tests name (with the marker
 `@pytest.mark.process_checks("legacy")`) as soon as collection ends; a background
-thread runs them one at a time, so their start-ups overlap the other tests. Each test
-then waits for its process and asserts the result of its own check
-(`Processes.assert_passed`) or reads its output (`Processes.completed`).
-tests/conftest.py holds the one `Processes` of the session.
+thread runs them one at a time, so their start-ups overlap the other tests. The queued
+members of one of `GROUPS` run in one interpreter (tests/scripts/process_group.py), one
+TensorFlow start-up for all. Each test then waits for its process and asserts the
+result of its own check (`Processes.assert_passed`) or reads its output
+(`Processes.completed`). tests/conftest.py holds the one `Processes` of each test
+process; pytest-xdist's workers share its output directory, and claim files make each
+process run once.
 
 The script side is `run_checks`, called by the scripts of tests/scripts/.
 """
@@ -22,22 +25,17 @@ import dataclasses
 import json
 import os
 import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 
+from tests import process_runner
+from tests.process_runner import CheckResult, Completed, TIMEOUT_SECONDS, section_lines
+
 __all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks",
-           "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params", "free_ports"]
+           "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params", "free_ports", "GROUPS",
+           "section_lines", "TIMEOUT_SECONDS"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-_PREFIX = "pertower-check "
-# A process that has not ended by then is taken as hung and killed. Generous: the
-# background processes run at a lower priority, and on a shared, loaded machine the
-# legacy process alone took over 600 s (its checks 40-60 s each instead of a few).
-TIMEOUT_SECONDS = 1800
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,185 +135,33 @@ def legacy_params(checks):
             for check in checks]
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckResult:
-    """What a process reported for one check.
-
-    Attributes:
-      ok: whether the check passed.
-      message: the error, if it failed.
-      output: what the check returned (e.g. the output of the script it ran), or "".
-    """
-
-    ok: bool
-    message: str
-    output: str
+# Processes that run in one interpreter, one after the other (tests/scripts/
+# process_group.py), when several of them are queued: each would otherwise spend its
+# own TensorFlow start-up. Members share a mode (disable_v2_behavior()) and environment.
+GROUPS = (
+    ("legacy", "published_legacy", "weight_functions_legacy", "recurrent_legacy",
+     "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
+     "convs_legacy", "curvature_legacy"),
+)
+_GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 
 
-@dataclasses.dataclass(frozen=True)
-class Completed:
-    """A finished process: its exit code, output and per-check results.
-
-    Attributes:
-      name: the key of `PROCESSES`.
-      returncode: the exit code.
-      stdout, stderr: the output.
-      checks: check name -> `CheckResult`, in the order reported.
-    """
-
-    name: str
-    returncode: int
-    stdout: str
-    stderr: str
-    checks: dict
-
-    def explain(self):
-        """The exit code and output, for a failure message."""
-        return (f"process {self.name!r}: exit code {self.returncode}\n--- stdout\n"
-                f"{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-4000:]}")
-
-
-class Processes:
-    """The processes of one test session, each run at most once.
-
-    `start` queues a process; a background thread runs the queue one process at a time
-    (the test process keeps one core, the queue the other). `completed` waits for a
-    process, starting it at once if it is still queued.
+class Processes(process_runner.Runner):
+    """The processes of `PROCESSES` (or of `processes`), each run at most once per
+    session: see `process_runner.Runner` (`start`, `completed`, `assert_passed`, `stop`).
 
     Args:
-      processes: name -> `_Command` (default `PROCESSES`).
+      processes: name -> `_Command` (default `PROCESSES`; only then do the members of
+        `GROUPS` run together).
+      directory: the directory for the output files, shared by the test processes of one
+        session; None for a private temporary one (removed by `stop`).
     """
 
-    def __init__(self, processes=None):
-        self._commands = dict(PROCESSES if processes is None else processes)
-        self._lock = threading.Lock()
-        self._queue = []       # names to start, in order
-        self._started = {}     # name -> (Popen, stdout file, stderr file)
-        self._done = {}        # name -> Completed
-        self._thread = None
-
-    def start(self, name):
-        """Queues process `name` to run in the background (once per session)."""
-        if name not in self._commands:
-            raise KeyError(f"unknown process {name!r}; known: {sorted(self._commands)}")
-        with self._lock:
-            if name in self._queue or name in self._started:
-                return
-            self._queue.append(name)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run_queue, daemon=True,
-                                                name="process_checks")
-                self._thread.start()
-
-    def _run_queue(self):
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._thread = None
-                    return
-                name = self._queue.pop(0)
-                popen = self._launch(name)
-            _wait(popen)
-
-    def _launch(self, name):
-        """Starts process `name` (call with the lock held); returns its Popen."""
-        command = self._commands[name]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if command.legacy_keras_env:
-            env["TF_USE_LEGACY_KERAS"] = "1"
-        else:
-            env.pop("TF_USE_LEGACY_KERAS", None)
-        # In the background of the test process: one TensorFlow thread each and a lower
-        # scheduling priority, so that they use the core the test process's Python
-        # leaves idle instead of slowing it down (their results are not timed).
-        if command.one_thread:   # (TensorFlow's oneDNN convolutions crash on one thread)
-            env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
-            env.setdefault("TF_NUM_INTEROP_THREADS", "1")
-        # Files, not pipes: nobody reads while the process runs, and a full pipe blocks.
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        popen = subprocess.Popen([sys.executable, *command.argv], cwd=ROOT, env=env,
-                                 stdout=out, stderr=err, text=True,
-                                 preexec_fn=_lower_priority if os.name == "posix" else None)
-        self._started[name] = (popen, out, err)
-        return popen
-
-    def completed(self, name):
-        """Waits for process `name` (starting it now if it has not started); returns
-        its `Completed`."""
-        if name not in self._commands:
-            raise KeyError(f"unknown process {name!r}; known: {sorted(self._commands)}")
-        with self._lock:
-            if name not in self._started:
-                if name in self._queue:
-                    self._queue.remove(name)
-                self._launch(name)
-            popen, out, err = self._started[name]
-        returncode = _wait(popen)
-        with self._lock:
-            if name not in self._done:
-                texts = []
-                for f in (out, err):
-                    f.seek(0)
-                    texts.append(f.read())
-                    f.close()
-                self._done[name] = _parse(name, returncode, *texts)
-            return self._done[name]
-
-    def assert_passed(self, name, check):
-        """Asserts that process `name` reported check `check` as passed; returns its
-        `CheckResult`."""
-        done = self.completed(name)
-        assert check in done.checks, f"check {check!r} not reported\n{done.explain()}"
-        result = done.checks[check]
-        assert result.ok, f"{check}: {result.message}\n{done.explain()}"
-        return result
-
-    def assert_passed_without_abort(self, name, check):
-        """`assert_passed`, after asserting that process `name` ended by itself (exit 0
-        or 1), not by a signal or an abort."""
-        done = self.completed(name)
-        assert done.returncode in (0, 1), (
-            f"{name}: the process ended with {done.returncode} (aborted?)\n{done.explain()}")
-        return self.assert_passed(name, check)
-
-    def stop(self):
-        """Drops the queue and kills the processes still running (their tests did not
-        run to the end)."""
-        with self._lock:
-            self._queue.clear()
-            for name, (popen, out, err) in self._started.items():
-                if popen.poll() is None:
-                    popen.kill()
-                popen.wait()
-                if name not in self._done:
-                    out.close()
-                    err.close()
-
-
-def _wait(popen):
-    """Waits for `popen` up to TIMEOUT_SECONDS, then kills it; returns the exit code."""
-    try:
-        return popen.wait(timeout=TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        popen.kill()
-        return popen.wait()
-
-
-def _parse(name, returncode, stdout, stderr):
-    """A `Completed` from a finished process's output."""
-    checks = {}
-    for line in stdout.splitlines():
-        if line.startswith(_PREFIX):
-            record = json.loads(line[len(_PREFIX):])
-            checks[record["name"]] = CheckResult(record["ok"], record["message"],
-                                                 record["output"])
-    return Completed(name, returncode, stdout, stderr, checks)
-
-
-def _lower_priority():
-    """Runs in the child before it starts: a nicer scheduling priority."""
-    os.nice(10)
+    def __init__(self, processes=None, directory=None):
+        default = processes is None
+        super().__init__(PROCESSES if default else processes,
+                         groups=GROUPS if default else (), group_script=_GROUP_SCRIPT,
+                         directory=directory)
 
 
 def run_checks(checks, title):
@@ -342,7 +188,7 @@ def run_checks(checks, title):
             record = {"name": check.__name__, "ok": False,
                       "message": f"{type(error).__name__}: {error}", "output": ""}
         record["seconds"] = round(time.perf_counter() - start, 2)
-        print(_PREFIX + json.dumps(record), flush=True)
+        print(process_runner.CHECK_PREFIX + json.dumps(record), flush=True)
     print(f"{title}: {len(checks) - failed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
 

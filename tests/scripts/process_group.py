@@ -1,0 +1,55 @@
+"""Runs several processes of tests/process_checks.PROCESSES in this one interpreter, one
+after the other, so that they share one TensorFlow start-up:
+
+    python tests/scripts/process_group.py legacy tower_sizes ...
+
+Each process's script runs as `__main__` with its own arguments (`PROCESSES[name].argv`);
+its output is framed by the lines of `process_checks.section_lines(name)`, the end line
+carrying the exit code the script gave to `sys.exit`. The members of a group
+(`process_checks.GROUPS`) share a mode (disable_v2_behavior()) and an environment.
+"""
+
+import os
+import runpy
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests import process_checks  # noqa: E402
+
+
+def _exit_code(code):
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def main(names):
+    """Runs the processes `names`; returns 0 if each exited with 0, else 1."""
+    failed = False
+    for name in names:
+        path, *args = process_checks.PROCESSES[name].argv
+        start, end = process_checks.section_lines(name)
+        print(start, flush=True)
+        saved = sys.argv
+        sys.argv = [path, *args]
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as done:
+            code = _exit_code(done.code)
+        except Exception:  # pylint: disable=broad-except  # report, then run the others
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.argv = saved
+        sys.stdout.flush()
+        sys.stderr.flush()
+        print(f"{end} {code}", flush=True)
+        failed = failed or code != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,103 @@
+"""tests/process_runner.py, on small scripts without TensorFlow: each process runs once
+for the test processes that share a directory (pytest-xdist's workers), a group's
+members run in one interpreter and each reads its own section, and a group that ends
+early fails the members it did not finish."""
+
+import os
+import sys
+
+import pytest
+
+from tests import process_checks
+from tests import process_runner
+
+_CHECK = ("import json, sys; print({prefix!r} + json.dumps(dict(name={name!r}, ok={ok}, "
+          "message='', output=str(sys.argv[1:]))), flush=True)")
+
+# A group script: runs each member named in its arguments, framed by section lines;
+# a member "crash" ends the whole process.
+_GROUP = '''
+import sys
+for name in sys.argv[1:]:
+    start, end = {sections}[name]
+    print(start, flush=True)
+    if name == "crash":
+        sys.exit(3)
+    print({prefix!r} + '{{"name": "check_' + name + '", "ok": true, "message": "", "output": ""}}')
+    print(end, 0 if name != "fails" else 1, flush=True)
+'''
+
+
+def _command(tmp_path, name, ok=True):
+    path = tmp_path / f"{name}.py"
+    path.write_text(_CHECK.format(prefix=process_runner.CHECK_PREFIX, name=f"check_{name}",
+                                  ok=ok))
+    return process_checks._Command((str(path), "arg"))  # pylint: disable=protected-access
+
+
+def _runner(tmp_path, commands, directory, groups=()):
+    sections = {name: process_runner.section_lines(name) for name in commands}
+    group = tmp_path / "group.py"
+    group.write_text(_GROUP.format(sections=sections, prefix=process_runner.CHECK_PREFIX))
+    return process_runner.Runner(commands, groups=groups, group_script=str(group),
+                                 directory=str(directory))
+
+
+def test_two_runners_sharing_a_directory_run_each_process_once(tmp_path):
+    commands = {name: _command(tmp_path, name) for name in ("a", "b", "c")}
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    first, second = (_runner(tmp_path, commands, shared) for _ in range(2))
+    for runner in (first, second):
+        for name in commands:
+            runner.start(name)
+    for name in commands:
+        result = second.assert_passed(name, f"check_{name}")
+        assert result.output == "['arg']"
+        assert first.assert_passed(name, f"check_{name}") == result
+    first.stop(wait=True)
+    second.stop(wait=True)
+    runs = sorted(p for p in os.listdir(shared) if p.endswith(".out"))
+    assert runs == ["a.out", "b.out", "c.out"]   # one run each, by one of the two
+
+
+def test_a_failed_check_and_an_unknown_name_are_reported(tmp_path):
+    commands = {"bad": _command(tmp_path, "bad", ok=False)}
+    runner = _runner(tmp_path, commands, tmp_path)
+    with pytest.raises(AssertionError, match=r"(?s)check_bad: .*process 'bad': exit code 0"):
+        runner.assert_passed("bad", "check_bad")
+    with pytest.raises(AssertionError, match=r"check 'check_other' not reported"):
+        runner.assert_passed("bad", "check_other")
+    with pytest.raises(KeyError, match=r"unknown process 'nope'; known: \['bad'\]"):
+        runner.completed("nope")
+    runner.stop()
+
+
+def test_queued_members_of_a_group_run_in_one_process_each_with_its_section(tmp_path):
+    names = ("g1", "fails", "crash", "g2")
+    commands = {name: _command(tmp_path, name) for name in names + ("alone",)}
+    runner = _runner(tmp_path, commands, tmp_path, groups=(names,))
+    for name in ("g1", "fails", "crash", "alone"):   # g2 is not queued: not run
+        runner.start(name)
+    g1 = runner.completed("g1")
+    assert (g1.returncode, sorted(g1.checks)) == (0, ["check_g1"])
+    fails = runner.completed("fails")
+    assert (fails.returncode, sorted(fails.checks)) == (1, ["check_fails"])
+    crash = runner.completed("crash")   # the group process ended in its section
+    assert crash.returncode == 3 and not crash.checks
+    runner.assert_passed("alone", "check_alone")
+    assert runner.completed("g2").checks == {"check_g2": process_runner.CheckResult(
+        True, "", "['arg']")}   # asked for later: run on its own
+    runner.stop()
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == [
+        "alone.out", "g1.out", "g2.out"]
+
+
+def test_every_group_member_is_a_process_that_runs_alone_too():
+    for group in process_checks.GROUPS:
+        for name in group:
+            assert name in process_checks.PROCESSES, name
+            command = process_checks.PROCESSES[name]
+            assert command.legacy_keras_env and command.one_thread, name
+    assert os.path.exists(os.path.join(process_checks.HERE, "scripts", "process_group.py"))
+    assert sys.executable
