@@ -73,10 +73,12 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(trylast=True)   # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
-    processes = config.stash[_PROCESSES]
-    for item in items:
-        for marker in item.iter_markers("process_checks"):
-            processes.start(marker.args[0])
+    names = list(dict.fromkeys(marker.args[0] for item in items
+                               for marker in item.iter_markers("process_checks")))
+    # the members of a group first: together they make the longest run
+    grouped = {name for group in process_checks.GROUPS for name in group}
+    for name in sorted(names, key=lambda name: name not in grouped):
+        config.stash[_PROCESSES].start(name)
     # The tests that read a process run last (in their order): until then the test
     # process runs the others while the queue runs the processes on the other core.
     items.sort(key=lambda item: next(item.iter_markers("process_checks"), None) is not None)
