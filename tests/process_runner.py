@@ -112,14 +112,16 @@ class Runner:
         if name not in self._commands:
             raise KeyError(f"unknown process {name!r}; known: {sorted(self._commands)}")
 
-    def start(self, name):
-        """Queues process `name` to run in the background (once per session)."""
-        self._check_name(name)
+    def start(self, *names):
+        """Queues the processes `names` to run in the background, in this order (each
+        once per session; the members of a group queued together run together)."""
+        for name in names:
+            self._check_name(name)
         with self._lock:
-            if name in self._queue or os.path.exists(self._path(name, "claim")):
-                return
-            self._queue.append(name)
-            if self._thread is None:
+            for name in names:
+                if name not in self._queue and not os.path.exists(self._path(name, "claim")):
+                    self._queue.append(name)
+            if self._queue and self._thread is None:
                 self._thread = threading.Thread(target=self._run_queue, daemon=True,
                                                 name="process_checks")
                 self._thread.start()
