@@ -136,31 +136,33 @@ class Runner:
             if popen is not None:
                 self._finish(run, popen)
 
-    def _claim(self, name, run):
-        """True if this object may run process `name` (in run `run`): nobody has
-        claimed it before in this directory."""
+    def _claim(self, name):
+        """True if this object may run process `name`: nobody has claimed it before in
+        this directory."""
         try:
-            fd = os.open(self._path(name, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.close(os.open(self._path(name, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
-        os.write(fd, run.encode())
-        os.close(fd)
         return True
 
     def _launch(self, name):
         """Starts process `name` if nobody has, with the queued members of its group
         (call with the lock held); takes them off the queue. Returns (run name, Popen),
-        or (None, None) if another test process started it."""
+        or (None, None) if other test processes started them all."""
         group = self._groups.get(name, (name,))
         names = [n for n in group if n == name or n in self._queue]
         for n in names:
             if n in self._queue:
                 self._queue.remove(n)
-        names = [n for n in names if self._claim(n, name)]
+        names = [n for n in names if self._claim(n)]
         if not names:
             return None, None
-        command = self._commands[name]
-        argv = command.argv if names == [name] else (self._group_script, *names)
+        run = names[0]   # the name of the run's files, written into each claim
+        for n in names:
+            with open(self._path(n, "claim"), "w") as f:
+                f.write(run)
+        command = self._commands[run]
+        argv = command.argv if names == [run] else (self._group_script, *names)
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if command.legacy_keras_env:
@@ -174,13 +176,13 @@ class Runner:
             env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
             env.setdefault("TF_NUM_INTEROP_THREADS", "1")
         # Files, not pipes: nobody reads while the process runs, and a full pipe blocks.
-        with open(self._path(name, "out"), "w") as out, \
-                open(self._path(name, "err"), "w") as err:
+        with open(self._path(run, "out"), "w") as out, \
+                open(self._path(run, "err"), "w") as err:
             popen = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
                                      stdout=out, stderr=err, text=True,
                                      preexec_fn=_lower_priority if os.name == "posix" else None)
-        self._started[name] = popen
-        return name, popen
+        self._started[run] = popen
+        return run, popen
 
     def _finish(self, run, popen):
         """Waits for `popen` (run `run`) and writes its exit code to RUN.rc."""
@@ -218,7 +220,7 @@ class Runner:
         while True:
             if not run:
                 run = self._read(name, "claim")   # written just after the claim
-            if run:
+            if run and os.path.exists(self._path(run, "out")):
                 ended = os.path.exists(self._path(run, "rc"))
                 stdout = self._read(run, "out")
                 if run == name and ended and _SECTION_START + name not in stdout:

@@ -100,3 +100,18 @@ def test_every_group_member_is_a_process_that_runs_alone_too():
             assert command.legacy_keras_env and command.one_thread, name
     assert os.path.exists(os.path.join(process_checks.HERE, "scripts", "process_group.py"))
     assert sys.executable
+
+
+def test_a_group_member_claimed_elsewhere_is_read_from_the_run_that_claimed_it(tmp_path):
+    names = ("g1", "g2", "g3")
+    commands = {name: _command(tmp_path, name) for name in names}
+    first, second = (_runner(tmp_path, commands, tmp_path, groups=(names,)) for _ in range(2))
+    first.assert_passed("g2", "check_g2")        # nothing queued: g2 alone
+    second.start(*names)                         # g1 and g3 together, g2 not again
+    for name in names:
+        assert second.assert_passed(name, f"check_{name}").ok
+    assert (tmp_path / "g1.claim").read_text() == "g1"
+    assert (tmp_path / "g3.claim").read_text() == "g1"
+    assert (tmp_path / "g2.claim").read_text() == "g2"
+    first.stop()
+    second.stop()
