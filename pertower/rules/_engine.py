@@ -41,7 +41,7 @@ from pertower import _op_types as op_types
 from pertower import _overrides
 from pertower import _plan
 from pertower.rules import _loops
-from pertower.rules import _rows
+from pertower.rules import _shapes
 from pertower.rules import _weight_functions
 from pertower.rules import registry as registry_lib
 
@@ -329,15 +329,14 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
     return found
 
 
-def _per_x_shape(x, G):
-    """[G, *x.shape] as a reshape target."""
-    if x.shape.is_fully_defined():
-        return _rows.group_shape(G, x.shape.as_list())
-    return tf.concat([[G], tf.shape(x)], axis=0)
-
-
 def _zeros(x, G):
-    return tf.zeros(_per_x_shape(x, G), dtype=x.dtype.base_dtype)
+    """[G, *x.shape] zeros."""
+    if isinstance(G, int) and x.shape.is_fully_defined():
+        return tf.zeros([G] + x.shape.as_list(), dtype=x.dtype.base_dtype)
+    dims = (tf.constant(x.shape.as_list(), tf.int32) if x.shape.is_fully_defined()
+            else tf.shape(x))
+    return tf.zeros(tf.concat([tf.reshape(tf.cast(G, tf.int32), [1]), dims], 0),
+                    dtype=x.dtype.base_dtype)
 
 
 def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
@@ -347,7 +346,7 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     grad_ys = _checks.grad_ys_like(plan.request.ys, grad_ys)
     d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
-    results = {}
+    results, cache = {}, _shapes.ShapeCache(G)
     for k in indices:
         x = plan.request.xs[k]
         parts = []
@@ -356,7 +355,7 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
             if dZ is None:
                 continue
             # the rule's [G, *w.shape at the op] -> [G, *x.shape]
-            parts.append(tf.reshape(use.rule.per_group(use, dZ, G), _per_x_shape(x, G)))
+            parts.append(_shapes.as_per_x(use.rule.per_group(use, dZ, G), x, G, cache))
         if not parts:
             if unconnected == tf.UnconnectedGradients.NONE:
                 results[k] = None
@@ -386,7 +385,7 @@ def norm_parts(plan, indices, B):
       per-example gradients of the weights whose norms needed them formed.
     """
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
-    squares, formed = {}, {}
+    squares, formed, cache = {}, {}, _shapes.ShapeCache(B)
     for k in indices:
         uses = _loops.concrete_uses(plan.uses[k])
         if not uses:
@@ -398,13 +397,12 @@ def norm_parts(plan, indices, B):
             if cheap is not None:
                 squares[k] = cheap
                 continue
-        x_shape = _per_x_shape(plan.request.xs[k], B)
         # each use's [B, *w.shape at the op] -> [B, *x.shape]
-        parts = [tf.reshape(use.rule.per_group(use, d_outputs[id(use.output)], B), x_shape)
-                 for use in uses]
+        parts = [_shapes.as_per_x(use.rule.per_group(use, d_outputs[id(use.output)], B),
+                                  plan.request.xs[k], B, cache) for use in uses]
         total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
         formed[k] = total
-        flat = tf.reshape(total, tf.stack([tf.shape(total)[0], -1]))    # [B, P_x]
+        flat = tf.reshape(total, cache.group_shape([-1]))               # [B, P_x]
         squares[k] = tf.reduce_sum(tf.square(flat), axis=1)             # [B]
     return d_outputs, squares, formed
 
@@ -434,8 +432,7 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
             own = getattr(use.rule, "clipped_sum", None)
             part = (own(use, dZ, factors) if callable(own) else
                     registry_lib.default_clipped_sum(use.rule, use, dZ, factors))
-            parts.append(tf.reshape(part, tf.shape(x) if not x.shape.is_fully_defined()
-                                    else x.shape.as_list()))            # [*x.shape]
+            parts.append(_shapes.as_weight_shape(part, x))               # [*x.shape]
         if not parts:
             results[k] = tf.zeros_like(x) if not isinstance(x, tf.Variable) else tf.zeros(
                 x.shape, dtype)
