@@ -35,7 +35,6 @@ two values (the branches of a cond, a loop variable over iterations).
 import collections
 import dataclasses
 
-import numpy as np
 import tensorflow as tf
 from pertower import _context
 
