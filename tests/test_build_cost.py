@@ -212,3 +212,28 @@ def test_unassumed_gradient_still_found():
         plan = pertower.explain(ys, [w1, w2])
         assert plan.fallback == [0], str(plan)
         assert "overridden" in plan.reasons[0], plan.reasons[0]
+
+
+def test_one_pull_back_per_weight_function():
+    """tanh(W) read by two dense layers (one per half of the input): the two uses'
+    results are summed before ONE pull-back through tanh, and match the loop."""
+    with tf.Graph().as_default() as graph:
+        rng = np.random.RandomState(7)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2, 3])
+        w = tf.Variable(rng.randn(3, 3).astype(np.float32), name="w")
+        u = tf.tanh(w)                                             # a function of w alone
+        h = tf.tanh(tf.matmul(x[:, 0], u)) + tf.matmul(x[:, 1], u)  # [B, 3]
+        ys = tf.reduce_sum(tf.square(h), axis=1)                  # [B]
+        plan = pertower.explain(ys, [w])
+        assert not plan.fallback and len(plan.uses[0]) == 2, str(plan)
+        n = len(graph.get_operations())
+        grads = pertower.per_example_gradients(ys, [w])
+        copies = [op for op in graph.get_operations()[n:]
+                  if op.type == "Tanh" and op.name.endswith("_per_example")]
+        assert len(copies) == 1, [op.name for op in copies]
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: rng.randn(B, 2, 3).astype(np.float32)}
+        want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [w], feed)
+        common.assert_all_close(sess.run(grads, feed), want, what="tanh(W) twice")
+        sess.close()

@@ -230,6 +230,34 @@ def _zeros(x, G):
                     dtype=x.dtype.base_dtype)
 
 
+def _same_static_shape(a, b):
+    return (a.shape.rank is not None and b.shape.rank is not None
+            and a.shape.as_list() == b.shape.as_list())
+
+
+def _per_x_parts(uses, x, G, cache):
+    """[[G, *x.shape]]: each (use, dZ)'s rule result as x's gradient. Uses through a
+    function of the weights with the same exit tensor u (a shared layer reading one
+    Cast of x, say) share its Jacobian du/dx, so their [G, *u.shape] results are summed
+    and pulled back to x ONCE (linearity of the VJP; `rules._weight_functions`)."""
+    parts, pooled = [], {}   # u -> (rule, [[G, *u.shape]])
+    for use, dZ in uses:
+        rule = use.rule
+        if isinstance(rule, _weight_functions.WeightFunctionRule):
+            inner = rule.inner_per_group(dZ, G)                        # [G, *u.shape]
+            entry = pooled.setdefault(rule.u.ref(), (rule, []))
+            if not entry[1] or _same_static_shape(inner, entry[1][0]):
+                entry[1].append(inner)
+                continue
+            parts.append(_shapes.as_per_x(rule.pull_back(inner), x, G, cache))
+            continue
+        parts.append(_shapes.as_per_x(rule.per_group(use, dZ, G), x, G, cache))
+    for rule, inner in pooled.values():
+        summed = tf.add_n(inner) if len(inner) > 1 else inner[0]
+        parts.append(_shapes.as_per_x(rule.pull_back(summed), x, G, cache))
+    return parts
+
+
 def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     """{k: [G, *xs[k].shape]} for the covered weights `indices` (or None for a weight
     that `ys` does not reach, or whose outputs get no gradient, with
@@ -243,10 +271,9 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
         parts = []
         for use in _loops.concrete_uses(plan.uses[k]):
             dZ = d_outputs[id(use.output)]
-            if dZ is None:
-                continue
-            # the rule's [G, *w.shape at the op] -> [G, *x.shape]
-            parts.append(_shapes.as_per_x(use.rule.per_group(use, dZ, G), x, G, cache))
+            if dZ is not None:
+                parts.append((use, dZ))
+        parts = _per_x_parts(parts, x, G, cache)
         if not parts:
             if unconnected == tf.UnconnectedGradients.NONE:
                 results[k] = None
@@ -289,8 +316,8 @@ def norm_parts(plan, indices, B):
                 squares[k] = cheap
                 continue
         # each use's [B, *w.shape at the op] -> [B, *x.shape]
-        parts = [_shapes.as_per_x(use.rule.per_group(use, d_outputs[id(use.output)], B),
-                                  plan.request.xs[k], B, cache) for use in uses]
+        parts = _per_x_parts([(use, d_outputs[id(use.output)]) for use in uses],
+                             plan.request.xs[k], B, cache)
         total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
         formed[k] = total
         flat = tf.reshape(total, cache.group_shape([-1]))               # [B, P_x]
