@@ -20,7 +20,8 @@ from tensorflow.python.ops import ref_variable
 from pertower import _context
 from pertower import _op_types as op_types
 
-__all__ = ["WeightReads", "static_batch_size", "upstream_ops", "downstream_ops",
+__all__ = ["WeightReads", "OpRegion", "static_batch_size", "upstream_ops",
+           "upstream_region", "downstream_ops",
            "find_batch_tensors", "weight_reads", "v1_loop_frames",
            "check_replayable", "draws_random_numbers", "random_ops"]
 
@@ -118,10 +119,42 @@ def upstream_ops(tensors):
     return seen
 
 
+class OpRegion(frozenset):
+    """A frozen set of ops (the ops `ys` depends on) that indexes, the first time a walk
+    asks, each member's consumers among its members: the walks downstream of every
+    weight's reads (`downstream_ops`, once per weight) then read that index instead of
+    asking TensorFlow for each op's consumers again per weight. Ops added to the graph
+    later are never members, so the index stays right."""
+
+    def consumers_within(self):
+        """{op: (its consumers that are members, ...)} for every member."""
+        index = self.__dict__.get("_consumers")
+        if index is None:
+            index = {op: tuple(c for out in op.outputs for c in out.consumers() if c in self)
+                     for op in self}
+            self.__dict__["_consumers"] = index
+        return index
+
+
+def upstream_region(tensors):
+    """`upstream_ops(tensors)` as an `OpRegion`."""
+    return OpRegion(upstream_ops(tensors))
+
+
 def downstream_ops(tensors, within):
-    """Ops in `within` that consume `tensors`, directly or through other such ops."""
+    """Ops in `within` that consume `tensors`, directly or through other such ops (with
+    the index of an `OpRegion` when `within` is one)."""
     seen = set()
     stack = [op for t in tensors for op in t.consumers()]
+    if isinstance(within, OpRegion):
+        index = within.consumers_within()
+        while stack:
+            op = stack.pop()
+            if op in seen or op not in within:
+                continue
+            seen.add(op)
+            stack.extend(index[op])
+        return seen
     while stack:
         op = stack.pop()
         if op in seen or op not in within:

@@ -213,7 +213,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
     if not xs and weights_required:
         raise _context.error(ValueError, "`xs` is empty; pass at least one weight.")
     with graph.as_default():
-        ys_upstream = frozenset(graph_walk.upstream_ops([ys]))
+        ys_upstream = graph_walk.upstream_region([ys])
         found = batch is None
         batch = _batch_tensors(ys, batch, ys_upstream, graph)
         axes = _batch_sizes.batch_axes(batch_axis, batch)

@@ -35,7 +35,6 @@ two values (the branches of a cond, a loop variable over iterations).
 import collections
 import dataclasses
 
-import numpy as np
 import tensorflow as tf
 from pertower import _context
 
@@ -91,8 +90,12 @@ def _rest_size(shape, axis):
     """prod(shape[axis + 1:]) when static, else None."""
     if shape.rank is None:
         return None
-    rest = shape[axis + 1:]
-    return int(np.prod(rest.as_list(), dtype=np.int64)) if rest.is_fully_defined() else None
+    size = 1
+    for d in shape.as_list()[axis + 1:]:
+        if d is None:
+            return None
+        size *= d
+    return size
 
 
 def complete(layout, shape):

@@ -36,18 +36,13 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _checks
 from pertower import _context
-from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
-from pertower import _overrides
 from pertower import _plan
 from pertower.rules import _loops
-from pertower.rules import _rows
+from pertower.rules import _shapes
+from pertower.rules._unassumed import UnassumedGradients
 from pertower.rules import _weight_functions
 from pertower.rules import registry as registry_lib
-
-# How deep nested function bodies are searched for such ops.
-_MAX_FUNCTION_DEPTH = 8
-
 
 def build_plan(request, registry):
     """Decides, for every weight, whether the rules cover it. Builds no ops.
@@ -83,10 +78,10 @@ def build_plan(request, registry):
     uses, reasons = [], []
     unassumed = UnassumedGradients(request)
     loops = _loops.Loops(request, analysis, registry)
-    for x, reads in zip(request.xs, request.reads):
+    for x, reads, region in zip(request.xs, request.reads, request.weight_regions):
         found = _weight_uses(x, reads, request.ys_upstream, analysis, registry, loops)
         if not isinstance(found, str) and found:
-            found = unassumed.reason(reads, request.ys_upstream) or found
+            found = unassumed.reason(reads, request.ys_upstream, region) or found
         if isinstance(found, str):
             uses.append(None)
             reasons.append(found)
@@ -140,110 +135,6 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     return found
 
 
-def _unassumed_reason(node_op, attrs, where):
-    """Why the gradient of a node (type `node_op`, attributes `attrs`) cannot be
-    assumed, or None."""
-    if node_op in op_types.PYTHON_OP_TYPES:
-        return (f"its gradient flows through {where} ({node_op}), a Python function whose "
-                "gradient the rules cannot assume keeps the examples apart")
-    if op_types.GRADIENT_OVERRIDE_ATTR in attrs:
-        kind = attrs[op_types.GRADIENT_OVERRIDE_ATTR].s.decode(errors="replace")
-        return (f"its gradient flows through {where} ({node_op}), whose gradient is "
-                f"overridden ({kind!r}, by gradient_override_map or tf.custom_gradient); "
-                "the rules assume TensorFlow's registered gradients, which keep the "
-                "examples apart")
-    return None
-
-
-class UnassumedGradients:
-    """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
-    TensorFlow's registered one (overridden, or Python code), looking into the bodies of
-    called functions. An override of the graph itself whose backward the batch-axis
-    analysis proves row-wise (`pertower._overrides.not_row_wise`: swish's elementwise
-    backward) keeps the examples apart and is assumed. One per plan: function bodies
-    and overrides are read once."""
-
-    def __init__(self, request):
-        self.request = request
-        self.graph = request.graph
-        self._functions = {}   # function name -> reason or None
-        self._overrides = {}   # (op, input indices on the path) -> reason or None
-        self._op_reasons = {}  # (op, in its functions) -> reason or None
-
-    def reason(self, reads, ys_upstream):
-        """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
-        None."""
-        starts = list(reads.read_tensors)
-        entries = (list(reads.gather_ops) + list(reads.loop_inputs)
-                   + [op for op, _ in reads.call_inputs])
-        for op in entries:
-            starts.extend(op.outputs)
-        path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
-        for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
-            found = self._op_reason(op)
-            if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
-                found = self._override(op, path, starts, found)
-            if found is None:
-                found = self._op_reason(op, functions=True)
-            if found is not None:
-                return found
-        return None
-
-    def _op_reason(self, op, functions=False):
-        """The reason of `op` itself (functions: in the functions it calls), once per plan."""
-        if (op, functions) not in self._op_reasons:
-            attrs = op.node_def.attr
-            self._op_reasons[op, functions] = (
-                self._in_functions(attrs.values(), op.name, 0) if functions
-                else _unassumed_reason(op.type, attrs, repr(op.name)))
-        return self._op_reasons[op, functions]
-
-    def _override(self, op, path, starts, found):
-        """None when the override of `op` is proven row-wise for the inputs a weight's
-        gradient flows through; else `found`, with why the proof failed."""
-        on_path = tuple(j for j, t in enumerate(op.inputs)
-                        if t.op in path or any(t is start for start in starts))
-        if (op, on_path) not in self._overrides:
-            self._overrides[(op, on_path)] = _overrides.not_row_wise(op, on_path,
-                                                                     self.request)
-        why = self._overrides[(op, on_path)]
-        return None if why is None else f"{found}; {why}"
-
-    def _in_functions(self, attr_values, where, depth):
-        """The reason found in the functions named by the attribute values, or None."""
-        for value in attr_values:
-            names = []
-            if value.HasField("func"):
-                names.append(value.func.name)
-            elif value.HasField("list"):
-                names.extend(f.name for f in value.list.func)
-            for name in names:
-                found = self._function(name, depth)
-                if found is not None:
-                    return f"{found} inside the function {name!r} called by {where!r}"
-        return None
-
-    def _function(self, name, depth):
-        """The reason found in the body of the function `name` (or in functions it
-        calls), or None."""
-        if name in self._functions:
-            return self._functions[name]
-        self._functions[name] = None   # a recursive reference adds nothing
-        function = self.graph._get_function(name)  # pylint: disable=protected-access
-        if function is None:
-            found = f"its gradient flows through the function {name!r}, which could not be read"
-        elif depth >= _MAX_FUNCTION_DEPTH:
-            found = f"its gradient flows through functions nested more than {depth} deep"
-        else:
-            definition = getattr(function, "cached_definition", None) or function.definition
-            found = None
-            for node in definition.node_def:
-                found = (_unassumed_reason(node.op, node.attr, repr(node.name))
-                         or self._in_functions(node.attr.values(), node.name, depth + 1))
-                if found is not None:
-                    break
-        self._functions[name] = found
-        return found
 def _in_v1_loop(enter):
     return (f"it is read inside the TF1 (v1) while loop that {enter.name!r} ({enter.type}) "
             "enters, where tf.gradients cannot reach the dZ a rule needs")
@@ -329,15 +220,42 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
     return found
 
 
-def _per_x_shape(x, G):
-    """[G, *x.shape] as a reshape target."""
-    if x.shape.is_fully_defined():
-        return _rows.group_shape(G, x.shape.as_list())
-    return tf.concat([[G], tf.shape(x)], axis=0)
-
-
 def _zeros(x, G):
-    return tf.zeros(_per_x_shape(x, G), dtype=x.dtype.base_dtype)
+    """[G, *x.shape] zeros."""
+    if isinstance(G, int) and x.shape.is_fully_defined():
+        return tf.zeros([G] + x.shape.as_list(), dtype=x.dtype.base_dtype)
+    dims = (tf.constant(x.shape.as_list(), tf.int32) if x.shape.is_fully_defined()
+            else tf.shape(x))
+    return tf.zeros(tf.concat([tf.reshape(tf.cast(G, tf.int32), [1]), dims], 0),
+                    dtype=x.dtype.base_dtype)
+
+
+def _same_static_shape(a, b):
+    return (a.shape.rank is not None and b.shape.rank is not None
+            and a.shape.as_list() == b.shape.as_list())
+
+
+def _per_x_parts(uses, x, G, cache):
+    """[[G, *x.shape]]: each (use, dZ)'s rule result as x's gradient. Uses through a
+    function of the weights with the same exit tensor u (a shared layer reading one
+    Cast of x, say) share its Jacobian du/dx, so their [G, *u.shape] results are summed
+    and pulled back to x ONCE (linearity of the VJP; `rules._weight_functions`)."""
+    parts, pooled = [], {}   # u -> (rule, [[G, *u.shape]])
+    for use, dZ in uses:
+        rule = use.rule
+        if isinstance(rule, _weight_functions.WeightFunctionRule):
+            inner = rule.inner_per_group(dZ, G)                        # [G, *u.shape]
+            entry = pooled.setdefault(rule.u.ref(), (rule, []))
+            if not entry[1] or _same_static_shape(inner, entry[1][0]):
+                entry[1].append(inner)
+                continue
+            parts.append(_shapes.as_per_x(rule.pull_back(inner), x, G, cache))
+            continue
+        parts.append(_shapes.as_per_x(rule.per_group(use, dZ, G), x, G, cache))
+    for rule, inner in pooled.values():
+        summed = tf.add_n(inner) if len(inner) > 1 else inner[0]
+        parts.append(_shapes.as_per_x(rule.pull_back(summed), x, G, cache))
+    return parts
 
 
 def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
@@ -347,16 +265,15 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     grad_ys = _checks.grad_ys_like(plan.request.ys, grad_ys)
     d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
-    results = {}
+    results, cache = {}, _shapes.ShapeCache(G)
     for k in indices:
         x = plan.request.xs[k]
         parts = []
         for use in _loops.concrete_uses(plan.uses[k]):
             dZ = d_outputs[id(use.output)]
-            if dZ is None:
-                continue
-            # the rule's [G, *w.shape at the op] -> [G, *x.shape]
-            parts.append(tf.reshape(use.rule.per_group(use, dZ, G), _per_x_shape(x, G)))
+            if dZ is not None:
+                parts.append((use, dZ))
+        parts = _per_x_parts(parts, x, G, cache)
         if not parts:
             if unconnected == tf.UnconnectedGradients.NONE:
                 results[k] = None
@@ -386,7 +303,7 @@ def norm_parts(plan, indices, B):
       per-example gradients of the weights whose norms needed them formed.
     """
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
-    squares, formed = {}, {}
+    squares, formed, cache = {}, {}, _shapes.ShapeCache(B)
     for k in indices:
         uses = _loops.concrete_uses(plan.uses[k])
         if not uses:
@@ -398,13 +315,12 @@ def norm_parts(plan, indices, B):
             if cheap is not None:
                 squares[k] = cheap
                 continue
-        x_shape = _per_x_shape(plan.request.xs[k], B)
         # each use's [B, *w.shape at the op] -> [B, *x.shape]
-        parts = [tf.reshape(use.rule.per_group(use, d_outputs[id(use.output)], B), x_shape)
-                 for use in uses]
+        parts = _per_x_parts([(use, d_outputs[id(use.output)]) for use in uses],
+                             plan.request.xs[k], B, cache)
         total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
         formed[k] = total
-        flat = tf.reshape(total, tf.stack([tf.shape(total)[0], -1]))    # [B, P_x]
+        flat = tf.reshape(total, cache.group_shape([-1]))               # [B, P_x]
         squares[k] = tf.reduce_sum(tf.square(flat), axis=1)             # [B]
     return d_outputs, squares, formed
 
@@ -434,8 +350,7 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
             own = getattr(use.rule, "clipped_sum", None)
             part = (own(use, dZ, factors) if callable(own) else
                     registry_lib.default_clipped_sum(use.rule, use, dZ, factors))
-            parts.append(tf.reshape(part, tf.shape(x) if not x.shape.is_fully_defined()
-                                    else x.shape.as_list()))            # [*x.shape]
+            parts.append(_shapes.as_weight_shape(part, x))               # [*x.shape]
         if not parts:
             results[k] = tf.zeros_like(x) if not isinstance(x, tf.Variable) else tf.zeros(
                 x.shape, dtype)

@@ -198,11 +198,12 @@ class WeightFunctionRule(registry_lib.Rule):
     def match(self, op, slot, analysis):   # made by `wrap`, never matched
         raise NotImplementedError
 
-    def _inner_per_group(self, dZ, G):
+    def inner_per_group(self, dZ, G):
+        """The wrapped rule's [G, *u.shape], before the pull-back to x."""
         return self.inner.rule.per_group(self.inner, dZ, G)              # [G, *u.shape]
 
     def per_group(self, use, dZ, G):
-        return self.pull_back(self._inner_per_group(dZ, G))              # [G, *x.shape]
+        return self.pull_back(self.inner_per_group(dZ, G))               # [G, *x.shape]
 
     def pull_back(self, P):
         """[G, *u.shape] -> [G, *x.shape]: the VJP of each row."""

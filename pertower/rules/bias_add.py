@@ -12,6 +12,7 @@ Covered: data_format NHWC (channels last, the Keras and tf.nn default) and NCHW.
 import tensorflow as tf
 
 from pertower.rules import _rows
+from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
 
 
@@ -31,7 +32,7 @@ class BiasAddRule(registry_lib.Rule):
         if use.op.get_attr("data_format").startswith(b"NC") and dZ.shape.rank > 2:
             dZ = tf.reduce_sum(dZ, axis=list(range(2, dZ.shape.rank)))   # [G*k, C, ...] -> [G*k, C]
         # [G*k, ..., C] -> [G, rows, C] -> [G, C]
-        return tf.reduce_sum(_rows.to_groups(dZ, G, 1), axis=1)
+        return tf.reduce_sum(_shapes.to_groups(dZ, G, use.rows.k, 1), axis=1)
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
         # [C, B*k, ..., Ch] -> [C*B, T, Ch] -> [C, B, Ch]: each column's per-example sums

@@ -15,6 +15,8 @@ spatial positions, and the chain rule sums over the positions each example owns:
 (Ioffe & Szegedy 2015, "Batch normalization", arXiv 1502.03167, section 3, with the
 population statistics of inference as constants; the per-channel sums are those of
 TensorFlow's own FusedBatchNormGrad with is_training=False, kept per example).
+The [C] factor 1/sqrt(sigma2 + eps) is taken out of the sum: grad_i(gamma) =
+rsqrt(sigma2 + eps) * sum dz * (x - mu), one multiply of the [G, C] sums.
 
 Covered: is_training=False, data_format NHWC, NCHW (and NDHWC, NCDHW), the weight as
 `scale` (input 1) or `offset` (input 2). The moving statistics (inputs 3 and 4) get no
@@ -24,7 +26,7 @@ back. Computed in the dtype of `scale` (float32 for float16 inputs).
 
 import tensorflow as tf
 
-from pertower.rules import _rows
+from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
 
 __all__ = ["FusedBatchNormRule", "register"]
@@ -61,18 +63,21 @@ class FusedBatchNormRule(registry_lib.Rule):
         channel = _channel_axis(use.op, rank)
         dtype = use.op.inputs[_SCALE].dtype                  # float32 for float16 inputs
         term = tf.cast(dZ, dtype)                             # [G*k, ...]
+        scale = None
         if use.slot == _SCALE:
-            shape = [1] * rank
-            shape[channel] = -1                               # [C] -> [1, C, 1, 1] or [1, 1, 1, C]
-            mean = tf.reshape(use.op.inputs[3], shape)
-            variance = tf.reshape(use.op.inputs[4], shape)
-            x_hat = (tf.cast(A, dtype) - mean) * tf.math.rsqrt(
-                variance + tf.constant(use.op.get_attr("epsilon"), dtype))
-            term = term * x_hat                               # [G*k, ...]
-        positions = [j for j in range(1, rank) if j != channel]
-        per_row = tf.reduce_sum(term, axis=positions)         # [G*k, C]
-        # [G*k, C] -> [G, k, C] -> [G, C]
-        return tf.reduce_sum(_rows.to_groups(per_row, G, 1), axis=1)
+            # sum dz * x_hat = rsqrt(sigma2 + eps) * sum dz * (x - mu): the [C] factor is
+            # applied once to the [G, C] sums, not to every position
+            mean = use.op.inputs[3]                           # [C]
+            if channel != rank - 1:                           # [C] -> [C, 1, ...] (NC...)
+                mean = tf.reshape(mean, [-1] + [1] * (rank - 1 - channel))
+            term = term * (tf.cast(A, dtype) - mean)          # [G*k, ...]
+            scale = tf.math.rsqrt(use.op.inputs[4] + tf.constant(
+                use.op.get_attr("epsilon"), dtype))           # [C]
+        if channel != rank - 1:                               # [G*k, C, ...] -> [G*k, C]
+            term = tf.reduce_sum(term, axis=list(range(channel + 1, rank)))
+        # [G*k, ..., C] -> [G, k*positions, C] -> [G, C]
+        per_group = tf.reduce_sum(_shapes.to_groups(term, G, use.rows.k, 1), axis=1)
+        return per_group if scale is None else per_group * scale
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example

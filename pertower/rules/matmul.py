@@ -18,6 +18,7 @@ transposed. A weight on the left (W A) has no rows per example and falls back.
 import tensorflow as tf
 
 from pertower.rules import _rows
+from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
 
 
@@ -32,9 +33,13 @@ class MatMulRule(registry_lib.Rule):
         return self.example_use(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
-        # [G*k, d], [G*k, n] -> [G, d, n] (or [G, n, d] when W is stored transposed)
-        return _rows.dense_per_group(use.activation, dZ, G,
-                                     use.op.get_attr("transpose_b"))
+        # [G*k, d], [G*k, n] -> [G, k, d], [G, k, n] -> [G, d, n] (or [G, n, d] when W
+        # is stored transposed): sum over each group's rows of a ⊗ dz
+        A_g = _shapes.to_groups(use.activation, G, use.rows.k, 1)
+        dZ_g = _shapes.to_groups(dZ, G, use.rows.k, 1)
+        if use.op.get_attr("transpose_b"):
+            return tf.einsum("gtn,gtd->gnd", dZ_g, A_g)
+        return tf.einsum("gtd,gtn->gdn", A_g, dZ_g)
 
     def squared_norms(self, use, dZ, B):
         d, n = use.weight_shape.as_list()

@@ -1,0 +1,140 @@
+"""Reshape targets for the engine and the rules, static wherever the sizes are known.
+
+Notation:
+    G   groups: B (per example) or M (microbatches); an int, or a scalar tensor when B
+        is known only at run time
+    x   one weight (entry of `xs`)
+
+Building a reshape target out of a tensor G (`tf.stack([G, d1, d2, ...])`) adds one
+constant per size and a `Pack` per call; a rule that does it per use (or per filter tap)
+multiplies the ops a graph gets and the time building them takes. When every size but
+G's is a known positive int, the target [-1, d1, d2, ...] says the same (the leading
+axis is what remains, G) with one constant and no `Pack`; and a result whose static
+shape is already [G, *x.shape] needs no reshape at all. `ShapeCache` keeps each
+target that does need G, made once per (G, sizes) for one build and shared by every use.
+"""
+
+import tensorflow as tf
+
+__all__ = ["ShapeCache", "group_target", "groups_target", "to_groups", "as_per_x",
+           "as_weight_shape", "static_sizes"]
+
+
+def static_sizes(dims):
+    """`dims` as Python ints when every entry is a known int >= 0, else None."""
+    out = []
+    for d in dims:
+        if isinstance(d, tf.Tensor) or d is None:
+            return None
+        d = int(d)
+        if d < 0:
+            return None
+        out.append(d)
+    return out
+
+
+def group_target(G, dims):
+    """[G, *dims] as a reshape target, with no op built when it can be static: a list
+    when G is an int, [-1, *dims] when G is a tensor and every size in `dims` is a known
+    positive int (their product > 0, so -1 can only be G); else None (the caller stacks
+    it, or asks a `ShapeCache`)."""
+    dims = list(dims)
+    if isinstance(G, int) and not any(isinstance(d, tf.Tensor) for d in dims):
+        return [G] + dims
+    sizes = static_sizes(dims)
+    if sizes is not None and all(d > 0 for d in sizes):
+        return [-1] + sizes
+    return None
+
+
+def groups_target(tensor, G, k, tail):
+    """A static reshape target [G*T, ...] -> [G, T*prod(middle), *tail] (the last `tail`
+    axes kept), or None when it cannot be static.
+
+    G an int: [G, -1, *tail]. G a tensor: that is B, one group per example (the engine's
+    `group_count`: a microbatch count M is always an int), so T = k, the rows per
+    example of the use, and the target is [-1, k*prod(middle), *tail].
+    """
+    dims = tensor.shape.as_list() if tensor.shape.rank is not None else None
+    if dims is None or tail > len(dims) - 1:
+        return None
+    tail_dims = dims[len(dims) - tail:]
+    if any(d is None or d <= 0 for d in tail_dims):
+        return None
+    if isinstance(G, int):
+        return [G, -1] + tail_dims
+    middle = dims[1:len(dims) - tail]
+    if not isinstance(k, int) or k <= 0 or any(d is None or d <= 0 for d in middle):
+        return None
+    rows = k
+    for d in middle:
+        rows *= d
+    return [-1, rows] + tail_dims
+
+
+def to_groups(tensor, G, k, tail):
+    """[G*T, ...] -> [G, T*prod(middle), *tail], with a static target where
+    `groups_target` gives one (k: the rows per example, T when G is a tensor)."""
+    target = groups_target(tensor, G, k, tail)
+    if target is None:
+        rank = tensor.shape.rank
+        target = tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [G, -1] + [
+            tf.compat.dimension_value(tensor.shape[a]) if tf.compat.dimension_value(
+                tensor.shape[a]) is not None else tf.shape(tensor)[a]
+            for a in range(rank - tail, rank)]])
+    return tf.reshape(tensor, target)
+
+
+class ShapeCache:
+    """The reshape targets of one build that need the tensor G, each made once.
+
+    Args:
+      G: the group count, an int or a scalar int32 tensor.
+    """
+
+    def __init__(self, G):
+        self.G = G
+        self._targets = {}   # tuple of sizes (ints, -1) -> [1 + len] int32 tensor
+
+    def group_shape(self, dims):
+        """[G, *dims] as a reshape target; `dims` ints (at most one -1) or scalar
+        tensors. Static when `group_target` can make it so; else a tensor shared by
+        every caller asking for the same sizes."""
+        static = group_target(self.G, dims)
+        if static is not None:
+            return static
+        if any(isinstance(d, tf.Tensor) for d in dims):   # sizes only known at run time
+            return tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [self.G, *dims]])
+        key = tuple(int(d) for d in dims)
+        if key not in self._targets:
+            self._targets[key] = tf.concat(
+                [tf.reshape(tf.cast(self.G, tf.int32), [1]), tf.constant(key, tf.int32)], 0)
+        return self._targets[key]
+
+
+def as_per_x(part, x, G, cache=None):
+    """A rule's [G, *w.shape at the op] as [G, *x.shape]: `part` itself when its static
+    shape already is that (no op), else reshaped (a static target where the sizes are
+    known)."""
+    x_shape = x.shape
+    if (x_shape.is_fully_defined() and part.shape.rank is not None
+            and part.shape[1:].is_fully_defined()
+            and part.shape[1:].as_list() == x_shape.as_list()):
+        return part
+    if x_shape.is_fully_defined():
+        dims = x_shape.as_list()
+        target = cache.group_shape(dims) if cache is not None else (
+            group_target(G, dims) or tf.stack(
+                [tf.convert_to_tensor(d, tf.int32) for d in [G, *dims]]))
+        return tf.reshape(part, target)
+    return tf.reshape(part, tf.concat([tf.reshape(tf.cast(G, tf.int32), [1]),
+                                       tf.shape(x)], axis=0))
+
+
+def as_weight_shape(part, x):
+    """A rule's [*w.shape at the op] as [*x.shape] (no op when it already is)."""
+    if not x.shape.is_fully_defined():
+        return tf.reshape(part, tf.shape(x))
+    if part.shape.is_fully_defined() and part.shape.as_list() == x.shape.as_list():
+        return part
+    return tf.reshape(part, x.shape.as_list())

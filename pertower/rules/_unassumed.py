@@ -1,0 +1,145 @@
+"""Which weights' gradients flow through ops whose gradient the rules cannot assume.
+
+The rules assume TensorFlow's registered gradients, which keep the examples apart. An op
+whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`: its
+`_gradient_op_type` attribute) or whose gradient is Python code (`tf.py_func`,
+`tf.numpy_function`, `tf.py_function`), on any path from a read of a weight to `ys`
+(inside called functions too), may mix the examples in the backward pass; such a weight
+is left to the towers, unless the op is in the graph itself and its backward is proven
+row-wise by the batch-axis analysis (`pertower._overrides`).
+
+Cost: every op that `ys` depends on is read once per plan (`UnassumedGradients`); when
+none of them (nor a function they call) has such a gradient, no weight's path is walked.
+"""
+
+from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
+from pertower import _overrides
+
+__all__ = ["UnassumedGradients"]
+
+# How deep nested function bodies are searched for such ops.
+_MAX_FUNCTION_DEPTH = 8
+
+
+def _unassumed_reason(node_op, attrs, where):
+    """Why the gradient of a node (type `node_op`, attributes `attrs`) cannot be
+    assumed, or None."""
+    if node_op in op_types.PYTHON_OP_TYPES:
+        return (f"its gradient flows through {where} ({node_op}), a Python function whose "
+                "gradient the rules cannot assume keeps the examples apart")
+    if op_types.GRADIENT_OVERRIDE_ATTR in attrs:
+        kind = attrs[op_types.GRADIENT_OVERRIDE_ATTR].s.decode(errors="replace")
+        return (f"its gradient flows through {where} ({node_op}), whose gradient is "
+                f"overridden ({kind!r}, by gradient_override_map or tf.custom_gradient); "
+                "the rules assume TensorFlow's registered gradients, which keep the "
+                "examples apart")
+    return None
+
+
+class UnassumedGradients:
+    """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
+    TensorFlow's registered one (overridden, or Python code), looking into the bodies of
+    called functions. An override of the graph itself whose backward the batch-axis
+    analysis proves row-wise (`pertower._overrides.not_row_wise`: swish's elementwise
+    backward) keeps the examples apart and is assumed. One per plan: function bodies
+    and overrides are read once."""
+
+    def __init__(self, request):
+        self.request = request
+        self.graph = request.graph
+        self._functions = {}   # function name -> reason or None
+        self._overrides = {}   # (op, input indices on the path) -> reason or None
+        self._op_reasons = {}  # (op, in its functions) -> reason or None
+        self._flagged = {}     # id(ops) -> (ops, whether any of them has a reason)
+
+    def _any_reason(self, ops):
+        """Whether any op of `ops` (or a function it calls) has a reason; once per set."""
+        key = id(ops)
+        if key not in self._flagged:
+            self._flagged[key] = (ops, any(
+                self._op_reason(op) is not None or
+                self._op_reason(op, functions=True) is not None for op in ops))
+        return self._flagged[key][1]
+
+    def reason(self, reads, ys_upstream, region=None):
+        """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
+        None. `region`: the ops downstream of its reads and of its gather and call ops
+        within `ys_upstream` with those ops (the request's `weight_regions` entry),
+        when the caller has it and the weight has no TF1 loop inputs; else walked."""
+        entries = (list(reads.gather_ops) + list(reads.loop_inputs)
+                   + [op for op, _ in reads.call_inputs])
+        if not self._any_reason(ys_upstream) and not self._any_reason(frozenset(entries)):
+            return None   # nothing on any path has an unassumed gradient
+        starts = list(reads.read_tensors)
+        for op in entries:
+            starts.extend(op.outputs)
+        if region is not None and not reads.loop_inputs:
+            path = region
+        else:
+            path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
+        for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
+            found = self._op_reason(op)
+            if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
+                found = self._override(op, path, starts, found)
+            if found is None:
+                found = self._op_reason(op, functions=True)
+            if found is not None:
+                return found
+        return None
+
+    def _op_reason(self, op, functions=False):
+        """The reason of `op` itself (functions: in the functions it calls), once per plan."""
+        if (op, functions) not in self._op_reasons:
+            attrs = op.node_def.attr
+            self._op_reasons[op, functions] = (
+                self._in_functions(attrs.values(), op.name, 0) if functions
+                else _unassumed_reason(op.type, attrs, repr(op.name)))
+        return self._op_reasons[op, functions]
+
+    def _override(self, op, path, starts, found):
+        """None when the override of `op` is proven row-wise for the inputs a weight's
+        gradient flows through; else `found`, with why the proof failed."""
+        on_path = tuple(j for j, t in enumerate(op.inputs)
+                        if t.op in path or any(t is start for start in starts))
+        if (op, on_path) not in self._overrides:
+            self._overrides[(op, on_path)] = _overrides.not_row_wise(op, on_path,
+                                                                     self.request)
+        why = self._overrides[(op, on_path)]
+        return None if why is None else f"{found}; {why}"
+
+    def _in_functions(self, attr_values, where, depth):
+        """The reason found in the functions named by the attribute values, or None."""
+        for value in attr_values:
+            names = []
+            if value.HasField("func"):
+                names.append(value.func.name)
+            elif value.HasField("list"):
+                names.extend(f.name for f in value.list.func)
+            for name in names:
+                found = self._function(name, depth)
+                if found is not None:
+                    return f"{found} inside the function {name!r} called by {where!r}"
+        return None
+
+    def _function(self, name, depth):
+        """The reason found in the body of the function `name` (or in functions it
+        calls), or None."""
+        if name in self._functions:
+            return self._functions[name]
+        self._functions[name] = None   # a recursive reference adds nothing
+        function = self.graph._get_function(name)  # pylint: disable=protected-access
+        if function is None:
+            found = f"its gradient flows through the function {name!r}, which could not be read"
+        elif depth >= _MAX_FUNCTION_DEPTH:
+            found = f"its gradient flows through functions nested more than {depth} deep"
+        else:
+            definition = getattr(function, "cached_definition", None) or function.definition
+            found = None
+            for node in definition.node_def:
+                found = (_unassumed_reason(node.op, node.attr, repr(node.name))
+                         or self._in_functions(node.attr.values(), node.name, depth + 1))
+                if found is not None:
+                    break
+        self._functions[name] = found
+        return found

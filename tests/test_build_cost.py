@@ -1,0 +1,239 @@
+"""What building per-example gradients costs, by mechanism (no timing).
+
+Each rule use adds a bounded number of ops, whatever the number of layers; shapes that
+are static are not rebuilt from tf.shape + Pack; a rule's result that already has the
+weight's shape is not reshaped; the planning walks read each op's consumers once
+(`_graph_walk.OpRegion`) and walk no weight's path for unassumed gradients when no op
+has one. The graph: `LAYERS` blocks of FusedBatchNormV3 (inference, NHWC then NCHW) ->
+BiasAdd -> tanh, then a dense layer (MatMul), on [B, 3, 4, 2] with B left to run time;
+its per-example gradients are checked against the one-example loop.
+"""
+
+import collections
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pertower
+from pertower import _dispatch
+from pertower import _graph_walk
+from pertower import _request
+from pertower import oracle
+from pertower.rules import _shapes
+from pertower.rules import _unassumed
+from tests import common
+
+B = 3
+LAYERS = (1, 4)
+# ops one use may add (rule and engine together), whatever the number of layers:
+# gamma: Sub, Mul, Reshape + Const, Sum + Const, AddV2 + Const, Rsqrt, Mul;
+# beta and BiasAdd: Reshape + Const, Sum + Const; MatMul: 2 x (Reshape + Const), Einsum;
+# channels first (NCHW) adds the sum over the positions (Sum + Const) and, for gamma,
+# the reshape of the mean to [C, 1, 1] (Reshape + Const)
+PER_USE = {("FusedBatchNormV3", 1): 11, ("FusedBatchNormV3", 2): 4, ("BiasAdd", 1): 4,
+           ("MatMul", 1): 5}
+NCHW_EXTRA = {("FusedBatchNormV3", 1): 4, ("FusedBatchNormV3", 2): 2, ("BiasAdd", 1): 2}
+
+
+def _network(layers):
+    """(ys [B], xs, x placeholder, moving statistics) of `layers` blocks."""
+    rng = np.random.RandomState(layers)
+    x = tf.compat.v1.placeholder(tf.float32, [None, 3, 4, 2], name="x")
+    h, xs, statistics = x, [], []
+    for j in range(layers):
+        nchw = j % 2 == 1
+        if nchw:
+            h = tf.transpose(h, [0, 3, 1, 2])                               # [B, 2, 3, 4]
+        gamma = tf.Variable(rng.uniform(0.5, 1.5, 2).astype(np.float32), name=f"gamma{j}")
+        beta = tf.Variable(rng.uniform(-0.5, 0.5, 2).astype(np.float32), name=f"beta{j}")
+        mean = tf.Variable(rng.uniform(-0.5, 0.5, 2).astype(np.float32), trainable=False)
+        variance = tf.Variable(rng.uniform(0.5, 2.0, 2).astype(np.float32), trainable=False)
+        h = tf.raw_ops.FusedBatchNormV3(
+            x=h, scale=gamma, offset=beta, mean=mean, variance=variance, epsilon=0.01,
+            data_format="NCHW" if nchw else "NHWC", is_training=False)[0]
+        bias = tf.Variable(rng.uniform(-0.5, 0.5, 2).astype(np.float32), name=f"bias{j}")
+        h = tf.nn.bias_add(h, bias, data_format="NCHW" if nchw else "NHWC")
+        h = tf.tanh(h)
+        if nchw:
+            h = tf.transpose(h, [0, 2, 3, 1])                               # [B, 3, 4, 2]
+        xs += [gamma, beta, bias]
+        statistics += [mean, variance]
+    w = tf.Variable(rng.randn(24, 5).astype(np.float32), name="w")
+    logits = tf.matmul(tf.reshape(h, [-1, 24]), w)                         # [B, 5]
+    ys = tf.reduce_sum(tf.square(logits), axis=1)                          # [B]
+    return ys, xs + [w], x
+
+
+class _Built:
+    """One graph of `layers` blocks: the ops tf.gradients adds, the ops each rule use
+    adds, the ops the whole build adds, the per-example gradients."""
+
+    def __init__(self, layers):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.ys, self.xs, self.x = _network(layers)
+            graph = self.graph
+            n = len(graph.get_operations())
+            tf.gradients(tf.reduce_sum(self.ys), self.xs)
+            self.tf_gradient_ops = len(graph.get_operations()) - n
+            self.request = _request.make_request(self.ys, self.xs, None, None, None)
+            plan = _dispatch.make_plan(self.request)
+            self.plan = plan
+            self.use_ops = collections.defaultdict(list)   # (op type, slot) -> [op types]
+            rules = {id(u.rule): u.rule for uses in plan.uses for u in uses or ()}
+            for rule in rules.values():
+                rule.per_group = self._counted(rule.per_group)
+            n = len(graph.get_operations())
+            with tf.name_scope("per_example"):
+                self.grads = _dispatch.build(plan).gradients()
+            self.build_ops = graph.get_operations()[n:]
+            for rule in rules.values():
+                del rule.per_group          # the class's own again
+
+    def _counted(self, per_group):
+        def counted(use, dZ, G):
+            n = len(self.graph.get_operations())
+            result = per_group(use, dZ, G)
+            nchw = use.op.type != "MatMul" and use.op.get_attr("data_format") == b"NCHW"
+            self.use_ops[(use.op.type, use.slot)].append(
+                (nchw, [op.type for op in self.graph.get_operations()[n:]]))
+            return result
+        return counted
+
+
+@pytest.fixture(scope="module")
+def built():
+    return {layers: _Built(layers) for layers in LAYERS}
+
+
+def test_every_weight_on_the_rules(built):
+    for b in built.values():
+        assert not b.plan.fallback, str(b.plan)
+
+
+def test_ops_per_use_bounded_and_no_shape_packs(built):
+    for layers, b in built.items():
+        assert set(b.use_ops) == set(PER_USE), sorted(b.use_ops)
+        for key, each in b.use_ops.items():
+            for nchw, types in each:
+                bound = PER_USE[key] + (NCHW_EXTRA[key] if nchw else 0)
+                assert len(types) <= bound, (layers, key, nchw, types)
+                # B is known at run time only, but every other size is static: no
+                # target is stacked out of tf.shape
+                assert "Pack" not in types and "Shape" not in types, (layers, key, types)
+
+
+def test_build_grows_by_a_constant_per_layer(built):
+    """The build's ops per block: its own backward pass to the uses' outputs (as
+    tf.gradients'), the rule uses, one Identity per result; no op per block that grows
+    with the number of blocks."""
+    (few, b_few), (many, b_many) = sorted(built.items())
+    per_block = (len(b_many.build_ops) - len(b_few.build_ops)) / (many - few)
+    tf_per_block = (b_many.tf_gradient_ops - b_few.tf_gradient_ops) / (many - few)
+    rules_per_block = sum(PER_USE[key] + NCHW_EXTRA[key] for key in NCHW_EXTRA)
+    assert per_block <= tf_per_block + rules_per_block + 3, (per_block, tf_per_block)
+    # and no Reshape of a result that already has its weight's shape: the Reshapes are
+    # the rules' own (one per use) and the backward pass's
+    reshapes = sum(t.count("Reshape") for each in b_many.use_ops.values() for _, t in each)
+    backward = sum(op.type == "Reshape" for op in b_many.graph.get_operations()
+                   if op.name.startswith("per_example/gradients/gradients/"))
+    assert sum(op.type == "Reshape" for op in b_many.build_ops) == reshapes + backward
+
+
+def test_matches_the_loop(built):
+    b = built[max(LAYERS)]
+    with b.graph.as_default():
+        sess = tf.compat.v1.Session(graph=b.graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {b.x: np.random.RandomState(5).randn(B, 3, 4, 2).astype(np.float32)}
+        got = sess.run(b.grads, feed)
+        want = common.run_oracle(oracle.loop_per_example_gradients, sess, b.ys, b.xs, feed)
+        common.assert_all_close(got, want, what="per-example gradients", kind="deep")
+        sess.close()
+
+
+def test_static_targets():
+    with tf.Graph().as_default():
+        G = tf.compat.v1.placeholder(tf.int32, [])
+        assert _shapes.group_target(4, [2, 3]) == [4, 2, 3]
+        assert _shapes.group_target(G, [2, 3]) == [-1, 2, 3]
+        assert _shapes.group_target(G, [2, 0]) is None          # -1 would be ambiguous
+        assert _shapes.group_target(G, [-1, 3]) is None
+        cache = _shapes.ShapeCache(G)
+        first = cache.group_shape([-1, 3])
+        assert isinstance(first, tf.Tensor) and cache.group_shape([-1, 3]) is first
+        x = tf.Variable(tf.zeros([2, 3]))
+        part = tf.compat.v1.placeholder(tf.float32, [None, 2, 3])
+        assert _shapes.as_per_x(part, x, G, cache) is part
+        other = tf.compat.v1.placeholder(tf.float32, [None, 6])
+        assert _shapes.as_per_x(other, x, G, cache).shape.as_list() == [None, 2, 3]
+        rows = tf.compat.v1.placeholder(tf.float32, [None, 3, 4, 2])
+        assert _shapes.groups_target(rows, G, 2, 1) == [-1, 24, 2]
+        assert _shapes.groups_target(rows, 5, 2, 1) == [5, -1, 2]
+
+
+def test_planning_reads_consumers_once(built, monkeypatch):
+    b = built[max(LAYERS)]
+    region = b.request.ys_upstream
+    assert isinstance(region, _graph_walk.OpRegion)
+    assert region.consumers_within() is region.consumers_within()
+    for reads in b.request.reads:
+        assert (_graph_walk.downstream_ops(reads.read_tensors, region)
+                == _graph_walk.downstream_ops(reads.read_tensors, frozenset(region)))
+    walks = []
+    original = _unassumed.graph_walk.downstream_ops
+
+    def counted(*args):   # the walks asked for by the check of unassumed gradients
+        if sys._getframe(1).f_globals["__name__"] == _unassumed.__name__:
+            walks.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(_unassumed.graph_walk, "downstream_ops", counted)
+    with b.graph.as_default():
+        _dispatch.make_plan(_request.make_request(b.ys, b.xs, None, None, None))
+    assert not walks   # no op with an unassumed gradient: no weight's path is walked
+
+
+def test_unassumed_gradient_still_found():
+    """The shortcut must not hide an overridden gradient on one weight's path."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        w1 = tf.Variable(tf.ones([3, 3]), name="w1")
+        w2 = tf.Variable(tf.ones([3, 2]), name="w2")
+
+        @tf.custom_gradient
+        def mixing(h):   # a backward pass that mixes the examples
+            return tf.identity(h), lambda dy: dy + tf.reduce_mean(dy, axis=0, keepdims=True)
+
+        h = tf.tanh(mixing(tf.matmul(x, w1)))
+        ys = tf.reduce_sum(tf.matmul(h, w2), axis=1)             # [B]
+        plan = pertower.explain(ys, [w1, w2])
+        assert plan.fallback == [0], str(plan)
+        assert "overridden" in plan.reasons[0], plan.reasons[0]
+
+
+def test_one_pull_back_per_weight_function():
+    """tanh(W) read by two dense layers (one per half of the input): the two uses'
+    results are summed before ONE pull-back through tanh, and match the loop."""
+    with tf.Graph().as_default() as graph:
+        rng = np.random.RandomState(7)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2, 3])
+        w = tf.Variable(rng.randn(3, 3).astype(np.float32), name="w")
+        u = tf.tanh(w)                                             # a function of w alone
+        h = tf.tanh(tf.matmul(x[:, 0], u)) + tf.matmul(x[:, 1], u)  # [B, 3]
+        ys = tf.reduce_sum(tf.square(h), axis=1)                  # [B]
+        plan = pertower.explain(ys, [w])
+        assert not plan.fallback and len(plan.uses[0]) == 2, str(plan)
+        n = len(graph.get_operations())
+        grads = pertower.per_example_gradients(ys, [w])
+        copies = [op for op in graph.get_operations()[n:]
+                  if op.type == "Tanh" and op.name.endswith("_per_example")]
+        assert len(copies) == 1, [op.name for op in copies]
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: rng.randn(B, 2, 3).astype(np.float32)}
+        want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [w], feed)
+        common.assert_all_close(sess.run(grads, feed), want, what="tanh(W) twice")
+        sess.close()
