@@ -1,0 +1,152 @@
+"""The DP step's faster paths against the one-example loop.
+
+Conv2D's `formed_norms` (one batched matmul over the stacked taps, the per-example
+gradients kept in [B, kh*kw, Cout, Cin] for the clipped sum): its norms and clipped
+sums, and a DPOptimizer step with σ = 0, against the loop's per-example gradients
+clipped in NumPy. The per-tap path is forced on small shapes with
+`ConvOptions(thin_channels=1, few_positions=1)`; one model takes it with the default
+options.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import pertower
+from pertower import _dispatch
+from pertower import oracle
+from pertower.rules import conv2d
+from pertower.rules import registry as registry_lib
+from tests import cases
+from tests import common
+
+CLIP = 0.7
+LEARNING_RATE = 0.5
+
+
+def _tap_registry():
+    """The default rules with Conv2D's per-tap "shifts" on any shape."""
+    registry = pertower.rules.default_registry()
+    registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions(
+        thin_channels=1, few_positions=1)))
+    return registry
+
+
+def _conv(strides, padding, dilations, channels=2, dtype=tf.float32):
+    def build(x):                   # tf.nn.conv2d on [B, 7, 6, channels], filter 3x2
+        w = cases.random_normal_variable([3, 2, channels, 3], "filter", dtype)
+        b = cases.random_normal_variable([3], "bias", dtype)
+        z = tf.nn.bias_add(tf.nn.conv2d(x, w, strides, padding, dilations=dilations), b)
+        return tf.reduce_sum(tf.tanh(z) ** 2, axis=[1, 2, 3]), [w, b]
+    return build
+
+
+def _two_convs(x):                 # Keras Conv2D twice (the second on the first's output)
+    first = keras.layers.Conv2D(4, 3, padding="same", activation="tanh")
+    second = keras.layers.Conv2D(2, 2, strides=2, activation="tanh")
+    z = second(first(x))
+    return tf.reduce_sum(z ** 2, axis=[1, 2, 3]), (first.trainable_weights +
+                                                    second.trainable_weights)
+
+
+def _time_distributed(x):          # [B, 3, 6, 6, 2]: 3 images per example
+    layer = keras.layers.TimeDistributed(keras.layers.Conv2D(3, 3, padding="same"))
+    return tf.reduce_sum(tf.tanh(layer(x)) ** 2, axis=[1, 2, 3, 4]), layer.trainable_weights
+
+
+def _conv1d(x):                     # Keras Conv1D: ExpandDims(W) is [1, 3, 2, 3]
+    layer = keras.layers.Conv1D(3, 3, padding="same", activation="tanh")
+    return tf.reduce_sum(layer(x) ** 2, axis=[1, 2]), layer.trainable_weights
+
+
+MEMBERS = {
+    "same": (_conv([1, 1, 1, 1], "SAME", [1, 1, 1, 1]), [(7, 6, 2)], {}),
+    "strided_valid": (_conv([1, 2, 2, 1], "VALID", [1, 1, 1, 1]), [(7, 6, 2)], {}),
+    "explicit": (_conv([1, 1, 2, 1], [[0, 0], [1, 2], [0, 1], [0, 0]], [1, 1, 1, 1]),
+                 [(7, 6, 2)], {}),
+    "float64": (_conv([1, 1, 1, 1], "SAME", [1, 1, 1, 1], dtype=tf.float64),
+                [(7, 6, 2)], {"dtype": tf.float64}),
+    "two_convs": (_two_convs, [(6, 6, 3)], {}),
+    "time_distributed": (_time_distributed, [(3, 6, 6, 2)], {}),
+    "conv1d": (_conv1d, [(9, 2)], {}),
+}
+
+
+def _reference(per_example, clip):
+    """NumPy: (norms [B], sum_i min(1, C/n_i) g_i per weight) of the loop's gradients."""
+    B = per_example[0].shape[0]
+    norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in per_example))
+    factors = clip / np.maximum(norms, clip)
+    return norms, [np.tensordot(factors, g, axes=1) for g in per_example]
+
+
+def _formed_conv_uses(plan):
+    """The Conv2D uses whose norms the rule forms itself (`Conv2DRule.formed_norms`)."""
+    found = []
+    with plan.request.graph.as_default():
+        for uses in plan.uses:
+            for use in uses or ():
+                if isinstance(use.rule, conv2d.Conv2DRule):
+                    dZ = tf.zeros_like(use.output)
+                    if isinstance(use.rule.formed_norms(use, dZ, 3),
+                                  registry_lib.FormedNorms):
+                        found.append(use)
+    return found
+
+
+FAST = ("same", "time_distributed")   # the others are marked heavy
+
+
+@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(
+    name, marks=pytest.mark.heavy) for name in sorted(MEMBERS)])
+def test_formed_norms_and_clipped_sums_are_the_loop_s(name):
+    build, shapes, options = MEMBERS[name]
+    case = cases.build_case(name, build, shapes, B=3, **options)
+    with case.graph.as_default():
+        plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, rules=_tap_registry(),
+                                   validate=False)
+        formed = _formed_conv_uses(plan)
+        built = _dispatch.build(plan)
+        norms, _, sums = built.clipped_sum(lambda n: CLIP / tf.maximum(n, CLIP))
+        squares = built.squared_norms()
+        per_example = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
+                                        case.ys, case.xs, case.feed)
+        got_norms, got_squares, got_sums = case.sess.run([norms, squares, sums], case.feed)
+    case.sess.close()
+    assert formed, f"{name}: no Conv2D use took the formed-norms path"
+    want_norms, want_sums = _reference(per_example, CLIP)
+    assert np.all(want_norms > CLIP * 0.01)
+    common.assert_all_close([got_norms, got_squares], [want_norms, want_norms ** 2],
+                            case.rtol, case.atol, f"{name} norms")
+    common.assert_all_close(got_sums, want_sums, case.rtol, case.atol,
+                            f"{name} clipped sums")
+
+
+def _wide_conv(x):                 # [B, 8, 8, 8]: Cin 8, 64 positions: the default path
+    conv = keras.layers.Conv2D(4, 3, padding="same", activation="tanh")
+    dense = keras.layers.Dense(1)
+    h = tf.reduce_mean(conv(x), axis=[1, 2])
+    return tf.reduce_sum(dense(h) ** 2, axis=1), conv.trainable_weights + dense.trainable_weights
+
+
+def test_dp_optimizer_step_without_noise_is_the_loop_s_on_the_default_path():
+    case = cases.build_case("wide_conv", _wide_conv, [(8, 8, 8)], B=3)
+    with case.graph.as_default():
+        plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False)
+        assert _formed_conv_uses(plan), "the default options did not take the path"
+        per_example = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
+                                        case.ys, case.xs, case.feed)
+        before = case.sess.run(case.xs)
+        norms = np.sqrt(sum(np.sum(g.reshape(case.B, -1) ** 2, axis=1)
+                            for g in per_example))
+        clip = float(np.median(norms))    # some examples clipped, some not
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE),
+                                  l2_norm_clip=clip, noise_multiplier=0.0)
+        step = dp.minimize(case.ys, var_list=case.xs, batch_size=case.B)
+        case.sess.run(step, case.feed)
+        after = case.sess.run(case.xs)
+    case.sess.close()
+    _, sums = _reference(per_example, clip)
+    want = [w - LEARNING_RATE * s / case.B for w, s in zip(before, sums)]
+    common.assert_all_close(after, want, case.rtol, case.atol, "DP step")
