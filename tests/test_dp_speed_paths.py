@@ -150,3 +150,22 @@ def test_dp_optimizer_step_without_noise_is_the_loop_s_on_the_default_path():
     _, sums = _reference(per_example, clip)
     want = [w - LEARNING_RATE * s / case.B for w, s in zip(before, sums)]
     common.assert_all_close(after, want, case.rtol, case.atol, "DP step")
+
+
+def test_add_noise_takes_the_weights_pieces_of_one_aligned_draw():
+    # P = 7 + 12 = 19 (odd): the [2h] draws (h = 16) are split into [7], [12] and an
+    # unused tail; a gradient of unknown shape gets its piece too
+    from pertower._dp import noise as noise_lib  # pylint: disable=import-outside-toplevel
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        key = tf.constant([4, 9], tf.int64)
+        dynamic = tf.compat.v1.placeholder(tf.float32, [None, 4])
+        gradients = [tf.ones([7]), dynamic]
+        noised = noise_lib.add_noise(gradients, [2.0, 0.5], key)
+        pairs = noise_lib.normal_pairs(19, key)
+        first = noise_lib.standard_normal(19, key)
+        got, draws, head = sess.run([noised, pairs, first], {dynamic: np.zeros([3, 4])})
+    assert draws.shape == (32,) and head.shape == (19,)
+    np.testing.assert_array_equal(head, draws[:19])
+    np.testing.assert_allclose(got[0], 1.0 + 2.0 * draws[:7], rtol=1e-6)
+    np.testing.assert_allclose(got[1], 0.5 * draws[7:19].reshape(3, 4), rtol=1e-6)
+    assert len(set(np.round(draws, 6))) == 32   # 32 distinct draws
