@@ -8,6 +8,8 @@ clipped in NumPy. The per-tap path is forced on small shapes with
 options.
 """
 
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -169,3 +171,75 @@ def test_add_noise_takes_the_weights_pieces_of_one_aligned_draw():
     np.testing.assert_allclose(got[0], 1.0 + 2.0 * draws[:7], rtol=1e-6)
     np.testing.assert_allclose(got[1], 0.5 * draws[7:19].reshape(3, 4), rtol=1e-6)
     assert len(set(np.round(draws, 6))) == 32   # 32 distinct draws
+
+
+# The bench's noise reference row, with a stand-in torch on the child's path ----------
+
+_FAKE_TORCH = '''
+__version__ = "0.fake"
+float32 = "float32"
+
+
+class _Tensor:
+    def __init__(self, size):
+        self.size = size
+        self.filled = 0
+
+    def normal_(self):
+        self.filled += 1
+        return self
+
+
+def empty(size, dtype=None):
+    return _Tensor(size)
+
+
+def get_num_threads():
+    return 1
+'''
+
+
+@pytest.fixture
+def fake_torch(tmp_path, monkeypatch):
+    """This interpreter, with a stand-in `torch` module first on the child's path."""
+    (tmp_path / "torch.py").write_text(_FAKE_TORCH)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return sys.executable
+
+
+def test_the_torch_noise_child_times_each_size(fake_torch):
+    from pertower.tools.bench import peers_noise  # pylint: disable=import-outside-toplevel
+    runs = peers_noise.torch_normal_runs([5, 7], 3, fake_torch)
+    assert sorted(runs) == [5, 7] and all(len(r) == 3 and min(r) >= 0 for r in runs.values())
+
+
+def test_the_torch_noise_child_failure_names_its_cause(tmp_path, monkeypatch):
+    from pertower.tools.bench import peers_noise  # pylint: disable=import-outside-toplevel
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no torch here"):
+        peers_noise.torch_normal_runs([5], 1, sys.executable)
+
+
+@pytest.mark.heavy
+def test_dp_bench_shows_the_torch_noise_row_beside_the_draw(fake_torch):
+    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    entries = dp.run_dp_bench(models=["mlp"], batch_sizes=[4], repeats=2,
+                              report=lambda line: None, noise_python=fake_torch)
+    assert [e.name for e in entries][-2:] == ["noise draw", dp.TORCH_NOISE]
+    assert len(entries[-1].runs_ms) == 2 and entries[-1].median_ms >= 0
+    table = dp.format_dp_table(entries)
+    assert dp.TORCH_NOISE in table and "dp − plain − noise" in table
+
+
+def test_a_failed_torch_noise_row_shows_no_figures():
+    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    rows = [dp.DPEntry("cnn", 8, "plain step", runs_ms=[10.0]),
+            dp.DPEntry("cnn", 8, "dp step[auto]", runs_ms=[16.0]),
+            dp.DPEntry("cnn", 8, "noise draw", runs_ms=[4.0]),
+            dp.DPEntry("cnn", 8, dp.TORCH_NOISE)]
+    lines = dp.format_dp_table(rows).splitlines()
+    torch_line = [line for line in lines if dp.TORCH_NOISE in line]
+    overhead = [line for line in lines if "dp − plain − noise" in line]
+    assert len(torch_line) == 1 and torch_line[0].split()[-2:] == ["-", "-"], lines
+    assert overhead[0].split()[-2:] == ["2.0", "0.20"], lines

@@ -240,7 +240,9 @@ def _run_dp_rows(args, repeats, report):
     report("")
     with environment.quiet_native_logs():
         dp_entries = dp.run_dp_bench(models=args.models, batch_sizes=args.batch_sizes,
-                                     repeats=repeats, report=report)
+                                     repeats=repeats, report=report,
+                                     noise_python=os.environ.get(
+                                         tool_peers.PYTHON_VARIABLE) or sys.executable)
     report("")
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "
