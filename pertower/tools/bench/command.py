@@ -59,6 +59,10 @@ def add_arguments(parser):
     parser.add_argument("--dp", action="store_true",
                         help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
                              "plain SGD step on each model (on with --full)")
+    parser.add_argument("--dp-only", action="store_true",
+                        help="only the DP rows of --dp (mlp B=128, cnn B=32, cifar B=64 "
+                             "unless --models / --batch-sizes say otherwise), with the "
+                             "row of PyTorch's normal_ on the same P in the peers' Python")
     parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
@@ -198,6 +202,10 @@ def run(args):
     report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
     report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
            "after a warm-up, round-robin\n")
+    if args.dp_only:
+        figures = {"machine": machine, "dp_steps": _run_dp_rows(args, repeats, report)}
+        _write_figures(figures, args.json, report)
+        return 0
     with environment.quiet_native_logs():   # sessions probe CUDA; traces log profiling
         entries = runner.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
                                    repeats=repeats, loop_repeats=loop_repeats, report=report,
