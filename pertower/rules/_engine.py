@@ -383,8 +383,7 @@ def norm_parts(plan, indices, B):
       (d_outputs, squares, formed): {id(Z): dZ} from ONE tf.gradients of sum(ys);
       {k: [B] squared norms of example i's gradient with respect to xs[k]} (a rule's
       cheap form when x has one use and the rule has one); {k: [B, *xs[k].shape]} the
-      per-example gradients of the weights whose norms needed them formed (or the
-      rule's `registry.FormedNorms`).
+      per-example gradients of the weights whose norms needed them formed (or a FormedNorms).
     """
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
     squares, formed = {}, {}
@@ -393,15 +392,13 @@ def norm_parts(plan, indices, B):
         if not uses:
             continue
         if len(uses) == 1:
-            use = uses[0]
-            cheap = use.rule.squared_norms(use, d_outputs[id(use.output)], B) if callable(
-                getattr(use.rule, "squared_norms", None)) else None
+            use, dZ = uses[0], d_outputs[id(uses[0].output)]
+            cheap = getattr(use.rule, "squared_norms", lambda *_: None)(use, dZ, B)
             if cheap is not None:
                 squares[k] = cheap
                 continue
-            found = use.rule.formed_norms(use, d_outputs[id(use.output)], B) if callable(
-                getattr(use.rule, "formed_norms", None)) else None
-            if found is not None:   # formed in the rule's layout (`registry.FormedNorms`)
+            found = getattr(use.rule, "formed_norms", lambda *_: None)(use, dZ, B)
+            if found is not None:   # a `registry.FormedNorms`, kept for the clipped sum
                 squares[k], formed[k] = found.squares, found
                 continue
         x_shape = _per_x_shape(plan.request.xs[k], B)
@@ -430,13 +427,11 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
     for k in indices:
         x = plan.request.xs[k]
         dtype = x.dtype.base_dtype
-        if isinstance(formed.get(k), registry_lib.FormedNorms):
-            results[k] = tf.reshape(formed[k].clipped_sum(factors), x.shape.as_list()
-                                    if x.shape.is_fully_defined() else tf.shape(x))
-            continue
         if k in formed:
             g = formed[k]
-            results[k] = tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)   # [*x.shape]
+            results[k] = (tf.reshape(g.clipped_sum(factors), _per_x_shape(x, 1)[1:])
+                          if isinstance(g, registry_lib.FormedNorms) else
+                          tf.tensordot(tf.cast(factors, g.dtype), g, axes=1))   # [*x.shape]
             continue
         parts = []
         for use in _loops.concrete_uses(plan.uses[k]):
