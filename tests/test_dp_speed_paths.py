@@ -243,3 +243,38 @@ def test_a_failed_torch_noise_row_shows_no_figures():
     overhead = [line for line in lines if "dp − plain − noise" in line]
     assert len(torch_line) == 1 and torch_line[0].split()[-2:] == ["-", "-"], lines
     assert overhead[0].split()[-2:] == ["2.0", "0.20"], lines
+
+
+def test_a_cluster_s_rows_are_against_its_own_plain_step():
+    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    rows = [dp.DPEntry("mlp", 8, "plain step", runs_ms=[10.0]),
+            dp.DPEntry("mlp", 8, "dp step[auto]", runs_ms=[16.0]),
+            dp.DPEntry("mlp", 8, "noise draw", runs_ms=[4.0]),
+            dp.DPEntry("cnn", 8, "plain step", runs_ms=[1.0]),
+            dp.DPEntry("mlp", 8, "2 workers: plain step", runs_ms=[40.0]),
+            dp.DPEntry("mlp", 8, "2 workers: dp step", runs_ms=[50.0])]
+    lines = dp.format_dp_table(rows).splitlines()
+    cluster = [line.split()[-2:] for line in lines if "workers:" in line]
+    assert cluster == [["40.0", "1.00"], ["50.0", "1.25"]], lines
+    assert sum("dp − plain − noise" in line for line in lines) == 1, lines
+
+
+def test_free_ports_are_distinct_and_bindable():
+    import socket  # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import dp_workers  # pylint: disable=import-outside-toplevel
+    ports = dp_workers.free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.heavy
+def test_the_two_worker_rows_time_every_worker_s_steps():
+    from pertower.tools.bench import dp_workers  # pylint: disable=import-outside-toplevel
+    lines = []
+    entries = dp_workers.run_worker_bench(["mlp"], {"mlp": 4}, steps=4, report=lines.append)
+    assert [e.name for e in entries] == ["2 workers: plain step", "2 workers: dp step"], lines
+    # two workers, each timing its steps after the warm-up
+    assert all(len(e.runs_ms) == 2 * (4 - dp_workers.WARM_UP_STEPS) for e in entries), lines
+    assert all(t > 0 for e in entries for t in e.runs_ms)

@@ -59,6 +59,10 @@ def add_arguments(parser):
     parser.add_argument("--dp", action="store_true",
                         help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
                              "plain SGD step on each model (on with --full)")
+    parser.add_argument("--dp-workers", action="store_true",
+                        help="with --dp or --dp-only: also a DPSyncReplicasOptimizer step on "
+                             "two workers and a parameter server (processes on this "
+                             "machine) against two plain SyncReplicasOptimizer workers")
     parser.add_argument("--dp-only", action="store_true",
                         help="only the DP rows of --dp (mlp B=128, cnn B=32, cifar B=64 "
                              "unless --models / --batch-sizes say otherwise), with the "
@@ -251,6 +255,12 @@ def _run_dp_rows(args, repeats, report):
                                      repeats=repeats, report=report,
                                      noise_python=os.environ.get(
                                          tool_peers.PYTHON_VARIABLE) or sys.executable)
+        if args.dp_workers:
+            # pylint: disable-next=import-outside-toplevel
+            from pertower.tools.bench import dp_workers
+            names = [m for m in args.models or dp.DP_BATCH_SIZES if m in dp.DP_BATCH_SIZES]
+            sizes = {m: (args.batch_sizes or dp.DP_BATCH_SIZES[m])[0] for m in names}
+            dp_entries += dp_workers.run_worker_bench(names, sizes, report=report)
     report("")
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "

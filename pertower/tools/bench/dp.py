@@ -131,23 +131,29 @@ def _torch_noise(model_name, B, P, repeats, python, report):
 
 
 def format_dp_table(entries):
-    """The DP rows as text: median ms and the ratio to the plain step of the same run;
+    """The DP rows as text: median ms and the ratio to the plain step of the same run (a
+    cluster's rows, "W workers: ...", to its "W workers: plain step");
     after each model's rows, when it has a plain step, a DP step and a noise draw, the
     row "dp − plain − noise" (the first DP step's median minus the other two)."""
-    plain = {(e.model, e.batch_size): e.median_ms for e in entries if e.name == "plain step"}
-    rows = []
+    plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
+             if e.name.endswith("plain step")}
+    rows, done = [], set()
     for j, e in enumerate(entries):
         key = (e.model, e.batch_size)
-        base = plain.get(key)
+        # the rows of a cluster (`dp_workers`, "W workers: ...") against its plain step
+        cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
+        base = plain.get(key + (cluster + "plain step",))
         rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_ms, ".1f"),
                      report_lib.cell(
                          e.median_ms / base if base and e.median_ms is not None else None,
                          ".2f")))
         last = j + 1 == len(entries) or (entries[j + 1].model,
                                          entries[j + 1].batch_size) != key
-        if last:
+        if last and key not in done:   # (once per model: its cluster's rows come later)
+            done.add(key)
             rows += _overhead_row(key, [f for f in entries
-                                        if (f.model, f.batch_size) == key], base)
+                                        if (f.model, f.batch_size) == key],
+                                  plain.get(key + ("plain step",)))
     return timing.format_table(("model", "B", "step", "ms", "x plain"), rows)
 
 
