@@ -16,17 +16,53 @@ at once, it runs about 1.6 times as fast as `tf.random.stateless_normal` on a
 2-core AVX-512 CPU for 2.1 M draws (10.1 against 16.4 ms), and the noise over every
 weight is most of a DP-SGD step's extra cost on large models. 1 - u lies in (0, 1],
 so the logarithm is finite.
+
+Copies. TensorFlow slices a tensor along its first axis without copying only when the
+slice starts and ends on its 64-byte alignment, so h is rounded up to a multiple of 16
+(u[0], u[1] and the two halves of the [2h] draws are then views), and `add_noise`
+splits the [2h] draws into the weights' pieces and an unused tail in ONE split, rather
+than cutting [n] first (a copy of all n draws when n is odd). On a loaded 2-core AVX2
+CPU the unaligned slices were about half the draw's time for 2.1 M draws.
 """
 
 import math
 
 import tensorflow as tf
 
-__all__ = ["standard_normal", "add_noise"]
+__all__ = ["standard_normal", "normal_pairs", "add_noise"]
+
+# pairs per row are a multiple of this: 16 float32 (or more float64) = 64 bytes, the
+# alignment at which TensorFlow slices along the first axis without a copy
+_ALIGNED_PAIRS = 16
+
+
+def normal_pairs(n, key, dtype=tf.float32):
+    """[2h] independent N(0, 1) draws, h = ceil(n / 2) rounded up to a multiple of 16:
+    at least n, a function of the [2] int64 `key` and h alone (`standard_normal` and
+    `add_noise` take their first n).
+
+    Args:
+      n: the number of draws wanted (an int or a scalar int32 tensor).
+      key: [2] int64, the stateless Philox key.
+      dtype: float64 draws are computed in float64; any other floating dtype in float32
+        and cast.
+
+    Returns:
+      [2h] of `dtype`.
+    """
+    dtype = tf.as_dtype(dtype)
+    work = tf.float64 if dtype == tf.float64 else tf.float32
+    pairs = ((n + 1) // 2 + _ALIGNED_PAIRS - 1) // _ALIGNED_PAIRS * _ALIGNED_PAIRS
+    u = tf.random.stateless_uniform(tf.stack([2, pairs]), seed=key, dtype=work)  # [2, h]
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))                    # [h], 1 - u0 in (0, 1]
+    angle = (2.0 * math.pi) * u[1]                                   # [h]
+    draws = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)  # [2h]
+    return tf.cast(draws, dtype)
 
 
 def standard_normal(n, key, dtype=tf.float32):
-    """[n] independent N(0, 1) draws, a function of the [2] int64 `key` alone.
+    """[n] independent N(0, 1) draws, a function of the [2] int64 `key` alone (the
+    first n of `normal_pairs`).
 
     Args:
       n: the number of draws (an int or a scalar int32 tensor).
@@ -37,14 +73,7 @@ def standard_normal(n, key, dtype=tf.float32):
     Returns:
       [n] of `dtype`.
     """
-    dtype = tf.as_dtype(dtype)
-    work = tf.float64 if dtype == tf.float64 else tf.float32
-    pairs = (n + 1) // 2
-    u = tf.random.stateless_uniform(tf.stack([2, pairs]), seed=key, dtype=work)  # [2, h]
-    radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))                    # [h], 1 - u0 in (0, 1]
-    angle = (2.0 * math.pi) * u[1]                                   # [h]
-    draws = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)  # [2h]
-    return tf.cast(draws[:n], dtype)                                 # [n]
+    return normal_pairs(n, key, dtype)[:n]                          # [n]
 
 
 def add_noise(gradients, stddevs, key):
@@ -66,8 +95,10 @@ def add_noise(gradients, stddevs, key):
     with tf.name_scope("noise"):
         total = sum(sizes) if all(isinstance(s, int) for s in sizes) else tf.add_n(
             [tf.convert_to_tensor(s, tf.int32) for s in sizes])
-        noise = standard_normal(total, key, dtype)                              # [P]
-    pieces = tf.split(noise, tf.stack(sizes), num=len(gradients))  # [P] -> [P_x] each
+        noise = normal_pairs(total, key, dtype)                           # [2h], 2h >= P
+        tail = tf.size(noise) - total                                     # unused draws
+    # [2h] -> [P_x] each (and the tail), in one split
+    pieces = tf.split(noise, tf.stack(sizes + [tail]), num=len(gradients) + 1)[:-1]
     # [P_x] -> [*x.shape]
     return [g + tf.cast(s * tf.reshape(p, g.shape if g.shape.is_fully_defined()
                                        else tf.shape(g)), g.dtype)

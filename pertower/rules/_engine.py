@@ -300,7 +300,7 @@ def norm_parts(plan, indices, B):
       (d_outputs, squares, formed): {id(Z): dZ} from ONE tf.gradients of sum(ys);
       {k: [B] squared norms of example i's gradient with respect to xs[k]} (a rule's
       cheap form when x has one use and the rule has one); {k: [B, *xs[k].shape]} the
-      per-example gradients of the weights whose norms needed them formed.
+      per-example gradients of the weights whose norms needed them formed (or a FormedNorms).
     """
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
     squares, formed, cache = {}, {}, _shapes.ShapeCache(B)
@@ -309,11 +309,14 @@ def norm_parts(plan, indices, B):
         if not uses:
             continue
         if len(uses) == 1:
-            use = uses[0]
-            cheap = use.rule.squared_norms(use, d_outputs[id(use.output)], B) if callable(
-                getattr(use.rule, "squared_norms", None)) else None
+            use, dZ = uses[0], d_outputs[id(uses[0].output)]
+            cheap = getattr(use.rule, "squared_norms", lambda *_: None)(use, dZ, B)
             if cheap is not None:
                 squares[k] = cheap
+                continue
+            found = getattr(use.rule, "formed_norms", lambda *_: None)(use, dZ, B)
+            if found is not None:   # a `registry.FormedNorms`, kept for the clipped sum
+                squares[k], formed[k] = found.squares, found
                 continue
         # each use's [B, *w.shape at the op] -> [B, *x.shape]
         parts = _per_x_parts([(use, d_outputs[id(use.output)]) for use in uses],
@@ -342,7 +345,9 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
         dtype = x.dtype.base_dtype
         if k in formed:
             g = formed[k]
-            results[k] = tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)   # [*x.shape]
+            results[k] = (_shapes.as_weight_shape(g.clipped_sum(factors), x)
+                          if isinstance(g, registry_lib.FormedNorms) else
+                          tf.tensordot(tf.cast(factors, g.dtype), g, axes=1))   # [*x.shape]
             continue
         parts = []
         for use in _loops.concrete_uses(plan.uses[k]):

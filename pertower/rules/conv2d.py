@@ -381,6 +381,30 @@ class Conv2DRule(registry_lib.Rule):
         return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
                                          use.rows.k * positions)
 
+    def formed_norms(self, use, dZ, G):
+        """Where the norms are formed ("formed" by `norm_strategy`) and "shifts" takes
+        one matmul per tap (no groups, Cin >= `thin_channels`, P >= `few_positions`):
+        the taps' slices stacked, [G, kh*kw, T*P, Cin], under dZ transposed,
+        [G, 1, Cout, T*P], give every tap's gradient in ONE batched matmul,
+        [G, kh*kw, Cout, Cin], whose squared norms are summed as they are; only the
+        clipped sum, [kh*kw, Cout, Cin], is transposed to the filter's order (a
+        `registry.FormedNorms`). None elsewhere (the engine forms `per_group`)."""
+        if isinstance(use, _conv_views.ViewUse):
+            return self.formed_norms(*use.view.inner(use, dZ), G)
+        if (self.norm_strategy(use) != "formed" or groups(use.op) != 1 or
+                self._cannot("shifts", use) or self._stacks_taps(use)):
+            return None
+        kh, kw, c_in, c_out = use.weight_shape.as_list()
+        x_taps = tf.stack([_rows.to_groups(tap, G, 1) for tap in taps(use.op, kh, kw)],
+                          axis=1)                                  # [G, kh*kw, T*P, Cin]
+        dZ_t = tf.transpose(_rows.to_groups(dZ, G, 1), [0, 2, 1])  # [G, Cout, T*P]
+        per_group = tf.matmul(dZ_t[:, tf.newaxis], x_taps)         # [G, kh*kw, Cout, Cin]
+        squares = tf.reduce_sum(tf.square(per_group), axis=[1, 2, 3])           # [G]
+
+        def to_weight(total):   # [kh*kw, Cout, Cin] -> [kh, kw, Cin, Cout]
+            return tf.reshape(tf.transpose(total, [0, 2, 1]), [kh, kw, c_in, c_out])
+        return registry_lib.FormedNorms(squares, per_group, to_weight)
+
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per example
         if isinstance(use, _conv_views.ViewUse):

@@ -19,7 +19,7 @@ import tensorflow as tf
 from pertower import _context
 from pertower.rules import _rows
 
-__all__ = ["Rule", "RuleRegistry", "Use", "default_clipped_sum"]
+__all__ = ["Rule", "RuleRegistry", "Use", "FormedNorms", "default_clipped_sum"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,30 @@ class Use:
     through: tuple = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class FormedNorms:
+    """Squared norms that a rule got by forming the per-group gradients in a layout of
+    its own (`Rule.formed_norms`), kept so that a clipped sum contracts them with the
+    factors instead of forming them again.
+
+    Attributes:
+      squares: [G] squared norms of the per-group gradients.
+      per_example: [G, ...] the per-group gradients in the rule's layout.
+      to_weight: maps a sum over the groups, [...] (the layout without its first axis),
+        to [*w.shape].
+    """
+
+    squares: tf.Tensor
+    per_example: tf.Tensor
+    to_weight: object
+
+    def clipped_sum(self, factors):
+        """[*w.shape]: sum_g factors_g grad_g(w), `factors` [G]."""
+        total = tf.tensordot(tf.cast(factors, self.per_example.dtype), self.per_example,
+                             axes=1)                                   # [...]
+        return self.to_weight(total)
+
+
 class Rule:
     """Base class of per-op rules. Subclasses define `match` and `per_group`, and may
     define `squared_norms` (a cheap per-example ||grad||^2), `sum_squared` (a cheap
@@ -73,6 +97,13 @@ class Rule:
         """[B] squared norms of the per-example gradients through this use, without
         forming them; None when this rule has no cheaper form for `use`."""
         del use, dZ, B
+        return None
+
+    def formed_norms(self, use, dZ, G):
+        """A `FormedNorms` ([G] squared norms of per-group gradients formed in a layout
+        cheaper for the rule than [G, *w.shape], kept for the clipped sum), asked where
+        `squared_norms` has no cheap form; None to let the caller form `per_group`."""
+        del use, dZ, G
         return None
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):

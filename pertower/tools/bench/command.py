@@ -59,6 +59,14 @@ def add_arguments(parser):
     parser.add_argument("--dp", action="store_true",
                         help="also time a DP-SGD step (DPOptimizer, C=1, sigma=1) against a "
                              "plain SGD step on each model (on with --full)")
+    parser.add_argument("--dp-workers", action="store_true",
+                        help="with --dp or --dp-only: also a DPSyncReplicasOptimizer step on "
+                             "two workers and a parameter server (processes on this "
+                             "machine) against two plain SyncReplicasOptimizer workers")
+    parser.add_argument("--dp-only", action="store_true",
+                        help="only the DP rows of --dp (mlp B=128, cnn B=32, cifar B=64 "
+                             "unless --models / --batch-sizes say otherwise), with the "
+                             "row of PyTorch's normal_ on the same P in the peers' Python")
     parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
@@ -198,6 +206,10 @@ def run(args):
     report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
     report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
            "after a warm-up, round-robin\n")
+    if args.dp_only:
+        figures = {"machine": machine, "dp_steps": _run_dp_rows(args, repeats, report)}
+        _write_figures(figures, args.json, report)
+        return 0
     with environment.quiet_native_logs():   # sessions probe CUDA; traces log profiling
         entries = runner.run_bench(models=models, batch_sizes=batch_sizes, methods=methods,
                                    repeats=repeats, loop_repeats=loop_repeats, report=report,
@@ -240,7 +252,15 @@ def _run_dp_rows(args, repeats, report):
     report("")
     with environment.quiet_native_logs():
         dp_entries = dp.run_dp_bench(models=args.models, batch_sizes=args.batch_sizes,
-                                     repeats=repeats, report=report)
+                                     repeats=repeats, report=report,
+                                     noise_python=os.environ.get(
+                                         tool_peers.PYTHON_VARIABLE) or sys.executable)
+        if args.dp_workers:
+            # pylint: disable-next=import-outside-toplevel
+            from pertower.tools.bench import dp_workers
+            names = [m for m in args.models or dp.DP_BATCH_SIZES if m in dp.DP_BATCH_SIZES]
+            sizes = {m: (args.batch_sizes or dp.DP_BATCH_SIZES[m])[0] for m in names}
+            dp_entries += dp_workers.run_worker_bench(names, sizes, report=report)
     report("")
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "

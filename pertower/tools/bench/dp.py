@@ -8,7 +8,10 @@ Notation:
 The DP step's floor is a plain step plus the draw of P Gaussian numbers; the table's
 derived row "dp − plain − noise" is what clipping costs beyond it (the first method's
 step minus the plain step minus the "noise draw" row, the draw alone as the step makes
-it), with its ratio to the plain step.
+it), with its ratio to the plain step. With a peers' Python, the row "noise draw: torch
+normal_" times PyTorch's in-place `normal_` on the same P numbers in a child process
+(`peers_noise`), right after the model's other rows: the fastest draw we know of, which
+the "noise draw" row should stay within 1.2 times of.
 """
 
 import dataclasses
@@ -21,15 +24,17 @@ import pertower
 from pertower._dp import noise as noise_lib
 from pertower.tools import models as models_lib
 from pertower.tools import timing
+from pertower.tools.bench import peers_noise
 from pertower.tools.bench import report as report_lib
 
-__all__ = ["DP_BATCH_SIZES", "DPEntry", "run_dp_bench", "format_dp_table"]
+__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "DPEntry", "run_dp_bench", "format_dp_table"]
 
 MODELS = models_lib.MODEL_NAMES
 # DP rows: per model, the batch sizes the DP-SGD step is timed at (models the installed
 # `pertower.tools.models` lacks are skipped).
 DP_BATCH_SIZES = {"mlp": (128,), "cnn": (32,), "cifar": (64,)}
 DP_LEARNING_RATE = 1e-3   # small: the timed steps train the weights they measure
+TORCH_NOISE = "noise draw: torch normal_"
 
 
 @dataclasses.dataclass
@@ -47,7 +52,7 @@ class DPEntry:
 
 
 def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
-                 report=print):
+                 report=print, noise_python=None):
     """Times a plain SGD step against DPOptimizer's step, side by side (round robin).
 
     "plain step": GradientDescentOptimizer.minimize of the mean per-example cost;
@@ -61,6 +66,8 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
       repeats: timed steps of each row after one warm-up step.
       methods: DPOptimizer methods to time.
       report: called with each line of progress.
+      noise_python: a Python with PyTorch for the row TORCH_NOISE (its median None when
+        the child fails, with the reason reported); None leaves the row out.
 
     Returns:
       A list of `DPEntry`.
@@ -93,11 +100,12 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                                           noise_multiplier=0.0, method=methods[0])
                 steps.append((f"dp step[{methods[0]}] σ=0", dp.minimize(
                     loss, var_list=model.weights, batch_size=B)))
-                # the P draws alone, as the DP step makes them (a fresh key per run)
+                # the P draws alone, as the DP step makes them (a fresh key per run;
+                # `add_noise` splits the padded draws, [2h] >= P, into the weights')
                 P = sum(w.shape.num_elements() for w in model.weights)
                 key = tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=B)
                 steps.append(("noise draw", tf.reduce_sum(
-                    noise_lib.standard_normal(P, key, loss.dtype)[:1])))
+                    noise_lib.normal_pairs(P, key, loss.dtype)[:1])))
                 sess.run(tf.compat.v1.global_variables_initializer())
                 rows = [DPEntry(model_name, B, name) for name, _ in steps]
                 for _, op in steps:
@@ -107,25 +115,45 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 for row, seconds in zip(rows, times):
                     row.runs_ms.extend(1e3 * t for t in seconds)
                 entries += rows
+            if noise_python:
+                entries.append(_torch_noise(model_name, B, P, repeats, noise_python, report))
     return entries
 
 
+def _torch_noise(model_name, B, P, repeats, python, report):
+    """The DPEntry TORCH_NOISE of P draws (no runs when the child fails)."""
+    row = DPEntry(model_name, B, TORCH_NOISE)
+    try:
+        row.runs_ms.extend(peers_noise.torch_normal_runs([P], repeats, python)[P])
+    except (RuntimeError, ValueError, OSError) as error:
+        report(f"dp {model_name} B={B}: {TORCH_NOISE}: {error}")
+    return row
+
+
 def format_dp_table(entries):
-    """The DP rows as text: median ms and the ratio to the plain step of the same run;
+    """The DP rows as text: median ms and the ratio to the plain step of the same run (a
+    cluster's rows, "W workers: ...", to its "W workers: plain step");
     after each model's rows, when it has a plain step, a DP step and a noise draw, the
     row "dp − plain − noise" (the first DP step's median minus the other two)."""
-    plain = {(e.model, e.batch_size): e.median_ms for e in entries if e.name == "plain step"}
-    rows = []
+    plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
+             if e.name.endswith("plain step")}
+    rows, done = [], set()
     for j, e in enumerate(entries):
         key = (e.model, e.batch_size)
-        base = plain.get(key)
+        # the rows of a cluster (`dp_workers`, "W workers: ...") against its plain step
+        cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
+        base = plain.get(key + (cluster + "plain step",))
         rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_ms, ".1f"),
-                     report_lib.cell(e.median_ms / base if base else None, ".2f")))
+                     report_lib.cell(
+                         e.median_ms / base if base and e.median_ms is not None else None,
+                         ".2f")))
         last = j + 1 == len(entries) or (entries[j + 1].model,
                                          entries[j + 1].batch_size) != key
-        if last:
+        if last and key not in done:   # (once per model: its cluster's rows come later)
+            done.add(key)
             rows += _overhead_row(key, [f for f in entries
-                                        if (f.model, f.batch_size) == key], base)
+                                        if (f.model, f.batch_size) == key],
+                                  plain.get(key + ("plain step",)))
     return timing.format_table(("model", "B", "step", "ms", "x plain"), rows)
 
 

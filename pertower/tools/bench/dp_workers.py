@@ -1,0 +1,186 @@
+"""`pertower bench --dp-workers`: the distributed DP step on this machine, two TensorFlow
+workers and a parameter server as processes of their own, against two plain workers.
+
+Notation:
+    W   workers (2)      B   examples per worker (the global batch is W*B)
+
+For each model, the driver (`run_worker_bench`) starts a cluster on 127.0.0.1 (free
+ports, `free_ports`): one parameter server and W workers, each a process running
+
+    python -m pertower.tools.bench.dp_workers --job {ps,worker} --task T --ports ...
+        --model M --batch-size B --steps S [--plain]
+
+Every worker builds the same graph (between-graph replication, `replica_device_setter`):
+the bench model on B examples and either `tf.compat.v1.train.SyncReplicasOptimizer`
+around SGD ("plain", the mean loss) or `pertower.DPSyncReplicasOptimizer` (C = 1, σ = 1,
+noise added once by the chief). It runs S synchronous steps and prints one JSON object,
+{"task": T, "runs_ms": [...]}, the times of its steps after two warm-up steps. The rows
+are the median over the workers' steps of the plain cluster, then of the DP cluster
+(one after the other: two clusters cannot share the two cores fairly at once).
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from pertower.tools.bench import peers as peers_lib
+
+__all__ = ["WORKERS", "WARM_UP_STEPS", "free_ports", "run_worker_bench", "main"]
+
+WORKERS = 2
+WARM_UP_STEPS = 2
+_TIMEOUT_SECONDS = 900
+
+
+def free_ports(n):
+    """n distinct free TCP ports on 127.0.0.1 (bound at once, then released)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _cluster(tf, ports):
+    ports = [int(p) for p in ports.split(",")]
+    return tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"],
+                                 "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
+
+
+def _launch(model, B, steps, plain, python):
+    """Runs one cluster; returns every worker's step times (ms) after the warm-up."""
+    ports = ",".join(map(str, free_ports(WORKERS + 1)))
+    common = [python, "-m", "pertower.tools.bench.dp_workers", "--ports", ports,
+              "--model", model, "--batch-size", str(B), "--steps", str(steps)]
+    common += ["--plain"] if plain else []
+    env = peers_lib._child_env()  # pylint: disable=protected-access
+    ps = subprocess.Popen(common + ["--job", "ps"], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    try:
+        workers = [subprocess.Popen(common + ["--job", "worker", "--task", str(t)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for t in range(WORKERS)]
+        runs = []
+        for worker in workers:
+            out, err = worker.communicate(timeout=_TIMEOUT_SECONDS)
+            lines = out.strip().splitlines()
+            if worker.returncode != 0 or not lines:
+                tail = (err.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"a worker exited with {worker.returncode}: {tail}"[:300])
+            runs.extend(json.loads(lines[-1])["runs_ms"])
+        return runs
+    finally:
+        ps.kill()
+        ps.wait()
+
+
+def run_worker_bench(models, batch_sizes, steps=12, report=print, python=None):
+    """The rows "W workers: plain step" and "W workers: dp step" per model.
+
+    Args:
+      models: model names of `pertower.tools.models`.
+      batch_sizes: a dict model -> B per worker.
+      steps: synchronous steps per worker (the first WARM_UP_STEPS are not timed).
+      report: called with each line of progress.
+      python: the workers' interpreter (default this one).
+
+    Returns:
+      A list of `dp.DPEntry` (no runs when the cluster failed, with the reason reported).
+    """
+    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    entries = []
+    for model in models:
+        B = batch_sizes[model]
+        for plain in (True, False):
+            name = f"{WORKERS} workers: {'plain' if plain else 'dp'} step"
+            report(f"dp {model} B={B}: {name} ...")
+            row = dp.DPEntry(model, B, name)
+            try:
+                row.runs_ms.extend(_launch(model, B, steps, plain, python or sys.executable))
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+                report(f"dp {model} B={B}: {name}: {error}")
+            entries.append(row)
+    return entries
+
+
+def _worker(args):
+    """One worker: S synchronous steps; prints its timed steps as JSON; exits at once."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from pertower.tools import environment  # pylint: disable=import-outside-toplevel
+    tf = environment.graph_mode_tensorflow()
+    import pertower  # pylint: disable=import-outside-toplevel
+    from pertower.tools import models  # pylint: disable=import-outside-toplevel
+    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+
+    spec, task = _cluster(tf, args.ports), args.task
+    server = tf.distribute.Server(spec, job_name="worker", task_index=task)
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
+            worker_device=f"/job:worker/task:{task}", cluster=spec)):
+        tf.compat.v1.set_random_seed(args.batch_size)
+        model = models.build(args.model, args.batch_size,
+                             np.random.default_rng(args.batch_size + task))
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        sgd = tf.compat.v1.train.GradientDescentOptimizer(dp.DP_LEARNING_RATE)
+        if args.plain:
+            sync = tf.compat.v1.train.SyncReplicasOptimizer(sgd, WORKERS, WORKERS)
+            train_op = sync.minimize(tf.reduce_mean(model.ys), global_step=global_step,
+                                     var_list=model.weights)
+            hook = sync.make_session_run_hook(task == 0, num_tokens=0)
+        else:
+            sync = pertower.DPSyncReplicasOptimizer(
+                sgd, l2_norm_clip=1.0, noise_multiplier=1.0, replicas_to_aggregate=WORKERS,
+                total_num_replicas=WORKERS, seed=args.batch_size)
+            train_op = sync.minimize(model.ys, global_step=global_step,
+                                     var_list=model.weights, batch_size=args.batch_size)
+            hook = sync.make_session_run_hook(task == 0)
+        if task == 0:
+            creator = tf.compat.v1.train.ChiefSessionCreator(master=server.target)
+        else:   # poll for the chief's initialization faster than TF's 30 s
+            uninitialized = tf.compat.v1.report_uninitialized_variables(
+                tf.compat.v1.global_variables())
+            with tf.compat.v1.Session(server.target) as probe:
+                while len(probe.run(uninitialized)):
+                    time.sleep(0.2)
+            creator = tf.compat.v1.train.WorkerSessionCreator(master=server.target)
+        sess = tf.compat.v1.train.MonitoredSession(creator, hooks=[hook])
+        runs = []
+        for step in range(args.steps):
+            start = time.perf_counter()
+            sess.run(train_op, model.feed)
+            if step >= WARM_UP_STEPS:
+                runs.append(1e3 * (time.perf_counter() - start))
+    print(json.dumps({"task": task, "runs_ms": runs}), flush=True)
+    # the servers (and the plain chief's queue runner) cannot be stopped in-process
+    os._exit(0)  # pylint: disable=protected-access
+
+
+def main(argv=None):
+    """The cluster's processes (--job ps or worker)."""
+    parser = argparse.ArgumentParser(prog="python -m pertower.tools.bench.dp_workers")
+    parser.add_argument("--job", choices=["ps", "worker"], required=True)
+    parser.add_argument("--task", type=int, default=0)
+    parser.add_argument("--ports", required=True)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--plain", action="store_true")
+    args = parser.parse_args(argv)
+    if args.job == "worker":
+        return _worker(args)
+    from pertower.tools import environment  # pylint: disable=import-outside-toplevel
+    tf = environment.graph_mode_tensorflow()
+    tf.distribute.Server(_cluster(tf, args.ports), job_name="ps", task_index=0).join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
