@@ -117,3 +117,40 @@ def test_conv_squares_legacy_mode(processes):
     # tests/scripts/curvature_conv_checks.py: the same checks under disable_v2_behavior()
     for check in ("check_auto", "check_ghost"):
         processes.assert_passed("curvature_convs_legacy", check)
+
+
+def _guarded(build_logits, memory_limit, per_example=False):
+    with tf.Graph().as_default():
+        logits, xs = build_logits()
+        return pertower.diag_ggn(logits, xs, per_example=per_example, batch_size=64,
+                                 memory_limit=memory_limit)
+
+
+def _mlp():
+    x = tf.compat.v1.placeholder(tf.float32, [64, 100])
+    kernel, head = tf.Variable(tf.zeros([100, 100])), tf.Variable(tf.zeros([100, 10]))
+    return tf.tanh(x @ kernel) @ head, [kernel, head]
+
+
+def _convolution():
+    x = tf.compat.v1.placeholder(tf.float32, [64, 4, 4, 16])
+    kernel, head = tf.Variable(tf.zeros([3, 3, 16, 16])), tf.Variable(tf.zeros([256, 10]))
+    h = tf.reshape(tf.nn.conv2d(x, kernel, 1, "SAME"), [64, 256])
+    return h @ head, [kernel, head]
+
+
+def test_memory_guard_counts_what_each_route_holds():
+    # a dense layer's cheap form holds no per-example gradient: 64 x 10 columns x 11000
+    # weights x 4 bytes (28 MB, what the general guard counts) is not held, only the
+    # columns' output gradients (64 x 10 x 110 x 4 = 0.28 MB) and, per example, the
+    # result 64 x 11000 x 4 = 2.8 MB
+    summed = _guarded(_mlp, 1e6)
+    assert summed.plan.estimate.total_bytes < 1e6, summed.plan.estimate.describe()
+    per_example = _guarded(_mlp, 4e6, per_example=True)
+    assert 2.8e6 < per_example.plan.estimate.total_bytes < 4e6
+    # the convolution's cheap form holds its 10 wide per-example gradients:
+    # 64 x 10 x 2304 x 4 = 5.9 MB (its 16 positions per example exceed the 10 columns)
+    with pytest.raises(ValueError, match=r"pertower.diag_ggn: the per-example result "
+                                         r"would need about 6\.\d+ MB: what the routes hold"):
+        _guarded(_convolution, 6e6)
+    assert _guarded(_convolution, 7e6).plan.estimate.total_bytes < 7e6
