@@ -273,7 +273,8 @@ def _run_curvature(args):
            "(tf.gradients of the summed loss) in the same process.")
     figures = {"curvature": [dict(zip(("model", "batch_size", "entry", "median_ms",
                                         "max_abs_diff", "max_abs_reference", "note"), row))
-                             for row in rows], "versions": versions}
+                             for row in rows], "versions": versions,
+               "targets": peers_curvature.target_rows(rows)}
     if args.json == "-":
         json.dump(figures, sys.stdout, indent=1)
         print()

@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["CURVATURE_MODELS", "PYTHON_VARIABLE", "peers_python", "run_curvature",
-           "format_rows", "main"]
+__all__ = ["CURVATURE_MODELS", "PYTHON_VARIABLE", "TARGETS", "peers_python",
+           "run_curvature", "format_rows", "target_rows", "main"]
 
 CURVATURE_MODELS = ("mlp", "cifar")
 PYTHON_VARIABLE = "PERTOWER_PEERS_PYTHON"
@@ -303,7 +303,38 @@ def format_rows(rows):
                      f"{'' if ratio is None else f'{ratio:.2f}':>8s} "
                      f"{'' if diff is None else f'{diff:.1e}':>10s} "
                      f"{'' if scale is None else f'{scale:.1e}':>9s}  {note}")
-    return "\n".join(lines)
+    return "\n".join(lines + target_rows(rows))
+
+
+# (what, numerator entry, denominator entry, bound): issue 18's targets, each a ratio of
+# two entries' ms in the same run (bound None: shown only)
+TARGETS = (
+    ("exact diag_ggn / batch gradient", "pertower diag_ggn exact", "tf batch gradient", 10.0),
+    ("mc=1 diag_ggn / per-example gradients", "pertower diag_ggn mc=1",
+     "pertower per_example_gradients", 1.5),
+    ("exact diag_ggn / BackPACK DiagGGNExact", "pertower diag_ggn exact",
+     "backpack DiagGGNExact", 1.0),
+    ("mc=1 diag_ggn / BackPACK DiagGGNMC", "pertower diag_ggn mc=1", "backpack DiagGGNMC",
+     1.0),
+    ("BackPACK DiagGGNExact / torch batch gradient", "backpack DiagGGNExact",
+     "torch batch gradient", None),
+)
+
+
+def target_rows(rows):
+    """One line per model, B and target: the ratio of the two entries' ms and whether it
+    is within the bound ("met" / "NOT met"); targets with a missing entry are left out."""
+    ms = {(m, B, name): value for m, B, name, value, *_ in rows}
+    lines = []
+    for model_name, B in dict.fromkeys((m, B) for m, B, *_ in rows):
+        for what, top, bottom, bound in TARGETS:
+            if (model_name, B, top) not in ms or not ms.get((model_name, B, bottom)):
+                continue
+            ratio = ms[model_name, B, top] / ms[model_name, B, bottom]
+            verdict = ("" if bound is None else
+                       f"  (target <= {bound:g}: {'met' if ratio <= bound else 'NOT met'})")
+            lines.append(f"target {model_name:6s} {B:4d}  {what:46s} {ratio:7.2f}{verdict}")
+    return lines
 
 
 if __name__ == "__main__":
