@@ -71,6 +71,9 @@ def output_gradient_columns(logits, outputs, S):
     def loop_fn(m):
         return _column_gradients(logits, outputs, tf.gather(S, m))      # per Z: [*Z.shape]
 
+    if isinstance(M, int) and M == 1:   # one column: one backward pass, nothing to vectorize
+        return Columns([dZ[None] for dZ in loop_fn(0)], True)
+
     logger = tf.get_logger()
     level = logger.level
     logger.setLevel(logging.CRITICAL)   # pfor logs the op it fails on, which is handled here
