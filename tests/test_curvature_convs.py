@@ -154,3 +154,15 @@ def test_memory_guard_counts_what_each_route_holds():
                                          r"would need about 6\.\d+ MB: what the routes hold"):
         _guarded(_convolution, 6e6)
     assert _guarded(_convolution, 7e6).plan.estimate.total_bytes < 7e6
+
+
+def test_bench_prints_the_targets_as_rows():
+    from pertower.tools.bench import peers_curvature  # pylint: disable=import-outside-toplevel
+    rows = [("cifar", 8, name, ms, None, None, "") for name, ms in (
+        ("tf batch gradient", 10.0), ("pertower per_example_gradients", 20.0),
+        ("pertower diag_ggn exact", 120.0), ("pertower diag_ggn mc=1", 25.0),
+        ("backpack DiagGGNExact", 240.0))]
+    lines = peers_curvature.target_rows(rows)
+    assert [line.split("  (")[0].split()[-1] for line in lines] == ["12.00", "1.25", "0.50"]
+    assert [line.endswith("NOT met)") for line in lines] == [True, False, False], lines
+    assert lines[-1] in peers_curvature.format_rows(rows)

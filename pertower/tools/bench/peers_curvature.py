@@ -60,14 +60,19 @@ def _logits(model):
         model.ys.op.inputs[0])
 
 
-def _median_ms(sess, fetches, feed, repeats):
-    sess.run(fetches, feed)                                    # warm-up
-    runs = []
+def _round_robin_ms(sess, entries, feed, repeats):
+    """{name: median ms} of `repeats` runs of each entry, taken in turns (one run of
+    every entry per round), so that a change of the machine's load during the
+    measurement weighs on every entry alike and their ratios stay fair."""
+    for fetches in entries.values():
+        sess.run(fetches, feed)                                # warm-up
+    runs = {name: [] for name in entries}
     for _ in range(repeats):
-        start = time.perf_counter()
-        sess.run(fetches, feed)
-        runs.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(runs)
+        for name, fetches in entries.items():
+            start = time.perf_counter()
+            sess.run(fetches, feed)
+            runs[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in runs.items()}
 
 
 def prepare(model_name, B, folder, repeats):
@@ -82,7 +87,6 @@ def prepare(model_name, B, folder, repeats):
 
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(B)
-    times = {}
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(B)
         model = models.build(model_name, B, rng)
@@ -104,8 +108,7 @@ def prepare(model_name, B, folder, repeats):
         }
         sess.run(tf.compat.v1.global_variables_initializer())
         feed = model.feed
-        for name, fetches in entries.items():
-            times[name] = _median_ms(sess, fetches, feed, repeats)
+        times = _round_robin_ms(sess, entries, feed, repeats)
         values, diag, kfac = sess.run((weights, entries["pertower diag_ggn exact"],
                                        entries["pertower kfac_factors exact (KFLR)"][0]),
                                       feed)
