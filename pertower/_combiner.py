@@ -68,7 +68,7 @@ class Built:
     def _fallback_scope(self):
         return self.fallback.scope if self.fallback is not None else None
 
-    def _rule_checks(self):
+    def rule_checks(self):
         """The run-time checks of the fed batch that the rules' and the row passes' ops
         wait for (the towers check it where they split the batch)."""
         if self.plan.uses_rules or (self.fallback is not None
@@ -93,7 +93,7 @@ class Built:
                 grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
                 name=name or "gradients", sparse=sparse)]
         with tf.name_scope(name or "gradients"):
-            with tf.control_dependencies(self._rule_checks()):
+            with tf.control_dependencies(self.rule_checks()):
                 results = [None] * len(self.xs)
                 covered = _engine.gradients(self.plan, self.covered, self.groups,
                                             grad_ys, unconnected_gradients)
@@ -112,7 +112,7 @@ class Built:
         weight `ys` does not reach)."""
         with tf.name_scope(name or "gradients"):
             ys = self.plan.request.ys
-            with tf.control_dependencies(self._rule_checks()):
+            with tf.control_dependencies(self.rule_checks()):
                 squares = _engine.squared_norms(self.plan, self.covered,
                                                 self.groups)                  # {k: [G]}
                 _, fallback_squares = self._fallback_formed(
@@ -154,7 +154,7 @@ class Built:
         """
         with tf.name_scope(name or "clipped_sum"):
             plan, ys, G = self.plan, self.plan.request.ys, self.groups
-            with tf.control_dependencies(self._rule_checks()):
+            with tf.control_dependencies(self.rule_checks()):
                 d_outputs, squares, formed = _engine.norm_parts(plan, self.covered, G)
                 fallback_formed, fallback_squares = self._fallback_formed(
                     self._fallback_scope)

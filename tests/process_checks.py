@@ -84,6 +84,7 @@ PROCESSES = {
         one_thread=False)
        for kind in ("dtype", "shape") for mode in ("graph", "legacy")},
     "curvature_legacy": _Command((os.path.join(HERE, "scripts", "curvature_legacy_checks.py"),)),
+    "curvature_convs_legacy": _Command((os.path.join(HERE, "scripts", "curvature_conv_checks.py"),)),
     # the DP modes and per-weight norms under disable_v2_behavior()
     "dp_modes_legacy": _Command((os.path.join(HERE, "scripts", "dp_modes_legacy_checks.py"),)),
     # tests/test_rules_convs.py under disable_v2_behavior() and with TF_ENABLE_ONEDNN_OPTS=1

@@ -193,13 +193,13 @@ def test_diag_ggn_per_example_matches_loop(model):
 
 
 def test_diag_ggn_conv_net_matches_loop(model):
-    # per example (the summed value is the same per-column path, reduced over examples)
+    # per example (the summed value is the same contraction, reduced over examples)
     result = _build(model, pertower.diag_ggn, model.conv_logits, model.conv_xs,
                     per_example=True, batch_size=B)
     want = model.loop_ggn(model.conv_logits, model.conv_xs, "softmax_cross_entropy")
     common.assert_all_close(model.run(list(result)), want, kind="deep",
                             what="conv diag_ggn(per_example=True)")
-    assert result.routes[0].startswith("rules, per column")   # Conv2D: per column
+    assert result.routes[0].startswith("rules, cheap form")   # Conv2D: columns in one call
 
 
 @pytest.mark.parametrize("loss", [

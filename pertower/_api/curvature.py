@@ -22,8 +22,10 @@ from pertower import _checks
 from pertower import _context
 from pertower import _dispatch
 from pertower import _request
+from pertower._guards import memory as memory_guard
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
+from pertower._curvature import memory as memory_lib
 from pertower._curvature import squares as squares_lib
 
 __all__ = ["sum_grad_squared", "diag_ggn"]
@@ -72,12 +74,14 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
     _checks.require_graph_mode()
     devices = _checks.device_list(devices)
     xs = _checks.Partitions(_checks.as_list(xs)).flat
+    memory_guard.resolve_limit(memory_limit)
     plan = _dispatch.make_plan(_request.make_request(
         ys, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
-        memory_limit=memory_limit, forms_gradients=False, batch_axis=batch_axis))
+        memory_limit=float("inf"), forms_gradients=False, batch_axis=batch_axis))
+    plan = memory_lib.guard(plan, 1, False, memory_limit)     # what each route holds
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
-        with tf.control_dependencies(built._rule_checks()):  # pylint: disable=protected-access
+        with tf.control_dependencies(built.rule_checks()):
             d_outputs = squares_lib.output_gradients(plan, built.covered)
             results, routes = squares_lib.covered_squares(
                 plan, built.covered, d_outputs, built.groups, per_example=False)
@@ -127,7 +131,10 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
       per_example: False for the sum over examples, [*x.shape]; True for each
         example's own diagonal J_i^T H_i J_i, [B, *x.shape].
       batch, batch_size, batch_axis, method, validate, memory_limit, devices, rules: as
-        in `pertower.per_example_gradients` (`memory_limit` counts M outputs per example).
+        in `pertower.per_example_gradients` (`memory_limit` counts what each
+        weight's route holds: a dense layer's cheap form no per-example gradient, a
+        convolution or a rule per column M of them, the fallback M and its towers' copies;
+        and the M columns of the rules' output gradients).
       seed: an int makes the Monte-Carlo labels reproducible (stateless sampling).
       name: name scope (default "diag_ggn").
 
@@ -158,15 +165,17 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
     M = K if mc_samples is None else mc_samples
     devices = _checks.device_list(devices)
     xs = _checks.Partitions(_checks.as_list(xs)).flat
+    memory_guard.resolve_limit(memory_limit)
     plan = _dispatch.make_plan(_request.make_request(
         logits, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
-        memory_limit=memory_limit, outputs_per_example=M, batch_axis=batch_axis,
+        memory_limit=float("inf"), outputs_per_example=M, batch_axis=batch_axis,
         ys_argument="logits"))
+    plan = memory_lib.guard(plan, M, per_example, memory_limit)   # what each route holds
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         S = loss_hessian.hessian_factor(logits, loss, mc_samples, seed)   # [M, B, K]
         S.set_shape([M, None, K])
-        with tf.control_dependencies(built._rule_checks()):  # pylint: disable=protected-access
+        with tf.control_dependencies(built.rule_checks()):
             outputs, seen = [], set()
             for k in built.covered:
                 for use in plan.uses[k]:

@@ -16,6 +16,8 @@ computed by a `tf.while_loop` over m (one backward pass per iteration, the same
 numbers), with the reason kept in the result's `reason`.
 """
 
+import logging
+
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
 
@@ -69,11 +71,19 @@ def output_gradient_columns(logits, outputs, S):
     def loop_fn(m):
         return _column_gradients(logits, outputs, tf.gather(S, m))      # per Z: [*Z.shape]
 
+    if isinstance(M, int) and M == 1:   # one column: one backward pass, nothing to vectorize
+        return Columns([dZ[None] for dZ in loop_fn(0)], True)
+
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)   # pfor logs the op it fails on, which is handled here
     try:
         stacked = _pfor.pfor(loop_fn, M, fallback_to_while_loop=False)  # per Z: [M, *Z.shape]
         return Columns(list(stacked), True)
     except (ValueError, NotImplementedError, TypeError) as err:   # an op pfor cannot convert
         reason = f"pfor could not vectorize the backward pass ({str(err).splitlines()[0]})"
+    finally:
+        logger.setLevel(level)
     arrays = [tf.TensorArray(Z.dtype, size=M, element_shape=Z.shape) for Z in outputs]
 
     def body(m, arrays):

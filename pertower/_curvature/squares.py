@@ -157,6 +157,5 @@ def fallback_squares(built, S, per_example, name):
 
 def output_gradients(plan, indices):
     """{id(Z): [1, *Z.shape]}: dZ of sum(ys) at every use's output, one tf.gradients."""
-    d_outputs = _engine._output_gradients(  # pylint: disable=protected-access
-        plan, indices, None, tf.UnconnectedGradients.ZERO)
+    d_outputs = _engine.output_gradients(plan, indices)
     return {key: dZ[None] for key, dZ in d_outputs.items()}

@@ -220,6 +220,12 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
     return found
 
 
+def output_gradients(plan, indices, grad_ys=None, unconnected=tf.UnconnectedGradients.ZERO):
+    """{id(Z): dZ} at the outputs of the uses of the covered weights `indices`, from one
+    tf.gradients call (`_output_gradients`; the curvature functions' entry point)."""
+    return _output_gradients(plan, indices, grad_ys, unconnected)
+
+
 def _zeros(x, G):
     """[G, *x.shape] zeros."""
     if isinstance(G, int) and x.shape.is_fully_defined():

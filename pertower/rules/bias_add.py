@@ -43,6 +43,10 @@ class BiasAddRule(registry_lib.Rule):
             [C, B, -1])), axis=0)                                                # [B, Ch]
         return squares if per_example else tf.reduce_sum(squares, axis=0)       # [Ch]
 
+    def sum_squared_size(self, use, C, per_example=False):
+        # numbers per example `sum_squared` holds: C per-column sums (and the result)
+        return use.weight_shape.num_elements() * (C + per_example)
+
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
         return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)

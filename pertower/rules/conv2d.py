@@ -103,6 +103,7 @@ import tensorflow as tf
 
 from pertower import _context
 from pertower.rules import _conv_views
+from pertower.rules import conv2d_squares
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 from pertower.rules._conv_geometry import (attributes, check_convolution, explicitly_padded,
@@ -404,6 +405,12 @@ class Conv2DRule(registry_lib.Rule):
         def to_weight(total):   # [kh*kw, Cout, Cin] -> [kh, kw, Cin, Cout]
             return tf.reshape(tf.transpose(total, [0, 2, 1]), [kh, kw, c_in, c_out])
         return registry_lib.FormedNorms(squares, per_group, to_weight)
+
+    def sum_squared(self, use, dZ_columns, B, per_example=False):
+        return conv2d_squares.sum_squared(self, use, dZ_columns, B, per_example)
+
+    def sum_squared_size(self, use, C, per_example=False):
+        return conv2d_squares.formed_size(use, C, per_example)
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per example

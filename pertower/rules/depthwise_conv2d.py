@@ -44,6 +44,7 @@ from pertower.rules import _conv_geometry as geometry
 from pertower.rules import _conv_views
 from pertower.rules import _rows
 from pertower.rules import conv2d
+from pertower.rules import conv2d_squares
 from pertower.rules import registry as registry_lib
 
 
@@ -141,6 +142,12 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         grad = tf.einsum("gpuc,gpcm->gucm", x_patches, dZ_g)   # [G, kh*kw, Cin, M]
         return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, mult]))
 
+
+    def sum_squared(self, use, dZ_columns, B, per_example=False):
+        return conv2d_squares.sum_squared(self, use, dZ_columns, B, per_example)
+
+    def sum_squared_size(self, use, C, per_example=False):
+        return conv2d_squares.formed_size(use, C, per_example)
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per

@@ -62,6 +62,10 @@ class MatMulRule(registry_lib.Rule):
             return tf.matmul(dZ2, A2, transpose_a=True)                  # [n, d]
         return tf.matmul(A2, dZ2, transpose_a=True)                      # [d, n]
 
+    def sum_squared_size(self, use, C, per_example=False):
+        # numbers per example `sum_squared` holds: only the [B, d, n] result per example
+        return None if use.rows.k != 1 else (use.weight_shape.num_elements() * per_example)
+
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W) = A^T (f ⊙ dZ): the batch gradient with dZ's rows scaled
         scaled = _rows.scale_rows(dZ, factors)                    # [B*k, n]

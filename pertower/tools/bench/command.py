@@ -289,11 +289,13 @@ def _run_curvature(args):
             [(m, B) for m in models for B in sizes], repeats, report, args.peers_python)
     report(peers_curvature.format_rows(rows))
     report(f"BackPACK child: {versions}")
-    report(f"ms: median of {repeats} runs; x batch: divided by TensorFlow's batch gradient "
-           "(tf.gradients of the summed loss) in the same process.")
+    report(f"ms: median of {repeats} runs (TensorFlow's entries taken in turns); x batch: "
+           "divided by TensorFlow's batch gradient (tf.gradients of the summed loss) in "
+           "the same process.")
     figures = {"curvature": [dict(zip(("model", "batch_size", "entry", "median_ms",
                                         "max_abs_diff", "max_abs_reference", "note"), row))
-                             for row in rows], "versions": versions}
+                             for row in rows], "versions": versions,
+               "targets": peers_curvature.target_rows(rows)}
     if args.json == "-":
         json.dump(figures, sys.stdout, indent=1)
         print()

@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["CURVATURE_MODELS", "PYTHON_VARIABLE", "peers_python", "run_curvature",
-           "format_rows", "main"]
+__all__ = ["CURVATURE_MODELS", "PYTHON_VARIABLE", "TARGETS", "peers_python",
+           "run_curvature", "format_rows", "target_rows", "main"]
 
 CURVATURE_MODELS = ("mlp", "cifar")
 PYTHON_VARIABLE = "PERTOWER_PEERS_PYTHON"
@@ -60,14 +60,19 @@ def _logits(model):
         model.ys.op.inputs[0])
 
 
-def _median_ms(sess, fetches, feed, repeats):
-    sess.run(fetches, feed)                                    # warm-up
-    runs = []
+def _round_robin_ms(sess, entries, feed, repeats):
+    """{name: median ms} of `repeats` runs of each entry, taken in turns (one run of
+    every entry per round), so that a change of the machine's load during the
+    measurement weighs on every entry alike and their ratios stay fair."""
+    for fetches in entries.values():
+        sess.run(fetches, feed)                                # warm-up
+    runs = {name: [] for name in entries}
     for _ in range(repeats):
-        start = time.perf_counter()
-        sess.run(fetches, feed)
-        runs.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(runs)
+        for name, fetches in entries.items():
+            start = time.perf_counter()
+            sess.run(fetches, feed)
+            runs[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in runs.items()}
 
 
 def prepare(model_name, B, folder, repeats):
@@ -82,7 +87,6 @@ def prepare(model_name, B, folder, repeats):
 
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(B)
-    times = {}
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(B)
         model = models.build(model_name, B, rng)
@@ -104,8 +108,7 @@ def prepare(model_name, B, folder, repeats):
         }
         sess.run(tf.compat.v1.global_variables_initializer())
         feed = model.feed
-        for name, fetches in entries.items():
-            times[name] = _median_ms(sess, fetches, feed, repeats)
+        times = _round_robin_ms(sess, entries, feed, repeats)
         values, diag, kfac = sess.run((weights, entries["pertower diag_ggn exact"],
                                        entries["pertower kfac_factors exact (KFLR)"][0]),
                                       feed)
@@ -303,7 +306,38 @@ def format_rows(rows):
                      f"{'' if ratio is None else f'{ratio:.2f}':>8s} "
                      f"{'' if diff is None else f'{diff:.1e}':>10s} "
                      f"{'' if scale is None else f'{scale:.1e}':>9s}  {note}")
-    return "\n".join(lines)
+    return "\n".join(lines + target_rows(rows))
+
+
+# (what, numerator entry, denominator entry, bound): issue 18's targets, each a ratio of
+# two entries' ms in the same run (bound None: shown only)
+TARGETS = (
+    ("exact diag_ggn / batch gradient", "pertower diag_ggn exact", "tf batch gradient", 10.0),
+    ("mc=1 diag_ggn / per-example gradients", "pertower diag_ggn mc=1",
+     "pertower per_example_gradients", 1.5),
+    ("exact diag_ggn / BackPACK DiagGGNExact", "pertower diag_ggn exact",
+     "backpack DiagGGNExact", 1.0),
+    ("mc=1 diag_ggn / BackPACK DiagGGNMC", "pertower diag_ggn mc=1", "backpack DiagGGNMC",
+     1.0),
+    ("BackPACK DiagGGNExact / torch batch gradient", "backpack DiagGGNExact",
+     "torch batch gradient", None),
+)
+
+
+def target_rows(rows):
+    """One line per model, B and target: the ratio of the two entries' ms and whether it
+    is within the bound ("met" / "NOT met"); targets with a missing entry are left out."""
+    ms = {(m, B, name): value for m, B, name, value, *_ in rows}
+    lines = []
+    for model_name, B in dict.fromkeys((m, B) for m, B, *_ in rows):
+        for what, top, bottom, bound in TARGETS:
+            if (model_name, B, top) not in ms or not ms.get((model_name, B, bottom)):
+                continue
+            ratio = ms[model_name, B, top] / ms[model_name, B, bottom]
+            verdict = ("" if bound is None else
+                       f"  (target <= {bound:g}: {'met' if ratio <= bound else 'NOT met'})")
+            lines.append(f"target {model_name:6s} {B:4d}  {what:46s} {ratio:7.2f}{verdict}")
+    return lines
 
 
 if __name__ == "__main__":
