@@ -101,9 +101,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     loops: `pertower.rules._loops`)."""
     if not reads.reached:
         return []
-    if reads.loop_inputs:
-        return _in_v1_loop(reads.loop_inputs[0])
-    found = loops.uses(reads) if reads.call_inputs else []
+    found = loops.uses(reads, _in_v1_loop)   # TF2 loops and TF1 frames: rules._loops
     if isinstance(found, str):
         return found
     walked = _weight_functions.exits(reads, ys_upstream, analysis)
@@ -115,8 +113,12 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     terminals.sort(key=lambda e: (e.op._id, e.slot))
     for exit_ in terminals:
         op, slot = exit_.op, exit_.slot
-        if op.type in op_types.V1_ENTER_OP_TYPES:
-            return _in_v1_loop(op)
+        if op.type in op_types.V1_ENTER_OP_TYPES:   # read in a TF1 frame: rules._v1_loops
+            inside = loops.frame_uses(op, _in_v1_loop(op)) if exit_.reorder_only else None
+            if not isinstance(inside, list):
+                return inside or _in_v1_loop(op)
+            found.extend(inside)
+            continue
         where = f"{op.name!r} ({op.type})" + (
             "" if exit_.reorder_only else
             " through " + ", ".join(f"{o.name!r} ({o.type})" for o in exit_.through))

@@ -130,11 +130,26 @@ class Loops:
         self.analysis = analysis
         self.registry = registry
         self._copies = {}
+        self._frames = {}      # TF1 frames by name (`pertower.rules._v1_loops`)
 
-    def uses(self, reads):
+    def frame_uses(self, enter, fallback):
+        """The uses of the weight that the TF1 loop op `enter` (Enter) takes into its
+        frame (`pertower.rules._v1_loops`), or `fallback` (the reason the weight is not
+        covered) with the frame's reason."""
+        from pertower.rules import _v1_loops  # pylint: disable=import-outside-toplevel
+        found = _v1_loops.frame_uses(self._frames, self, enter)
+        return f"{fallback}: {found}" if isinstance(found, str) else found
+
+    def uses(self, reads, fallback=None):
         """The `LoopUse`s of the weight of `reads` (a `WeightReads`) inside the loops
-        it is passed to, or a string saying why they are not covered."""
+        it is passed to (TF2 loops, and TF1 frames when `fallback` gives the reason the
+        weight is not covered in those), or a string saying why they are not covered."""
         found = []
+        for enter in reads.loop_inputs:
+            uses = self.frame_uses(enter, fallback(enter))
+            if isinstance(uses, str):
+                return uses
+            found.extend(uses)
         for op, index in reads.call_inputs:
             if op.type not in op_types.WHILE_OP_TYPES:
                 return (f"it is read inside the function body of {op.name!r} ({op.type}), "
