@@ -54,7 +54,8 @@ class FrameUse(_loops.LoopUse):
 
     @property
     def label(self):
-        return f"{self.op.name} ({self.op.type}) in the TF1 loop {self.loop.name!r} per step"
+        frame = self.loop.name.rsplit("/while_context", 1)[0]
+        return f"{self.op.name} ({self.op.type}) in the TF1 loop {frame!r} per step"
 
 
 def frame_uses(frames, loops, enter):
@@ -107,19 +108,24 @@ class Frame:
         if any(op.type != "Enter" or op.inputs[0].dtype._is_ref_dtype for op in enters):  # pylint: disable=protected-access
             return "it enters a reference-typed tensor"
         self.invariants = {op.outputs[0].ref(): op for op in enters if op.get_attr("is_constant")}
-        self.variables = []
-        for enter in sorted((op for op in enters if not op.get_attr("is_constant")),
-                            key=lambda o: o._id):  # pylint: disable=protected-access
-            found = _variable(enter)
-            if isinstance(found, str):
-                return found
-            self.variables.append(found)
-        if not self.variables:
+        # every loop variable; those a `tf.gradients` through the frame added (its
+        # forward counter, whose increment holds the stack pushes) are not needed by ys
+        parsed = [_variable(op) for op in sorted(
+            (op for op in enters if not op.get_attr("is_constant")),
+            key=lambda o: o._id)]  # pylint: disable=protected-access
+        variables = [v for v in parsed if not isinstance(v, str)]
+        if not variables:
             return "its loop variables could not be read"
-        self.loop_cond = self.variables[0].switch.inputs[1].op
-        by_value = {v.value.ref(): j for j, v in enumerate(self.variables)}
-        by_merge = {v.merge.outputs[0].ref(): j for j, v in enumerate(self.variables)}
-        self.body_ops = self._region([v.next_value for v in self.variables], by_value)
+        self.loop_cond = variables[0].switch.inputs[1].op
+        needed = self._needed(variables)
+        if isinstance(needed, str):
+            return needed
+        if not needed:
+            return "`ys` reads none of its loop variables"
+        self.variables = needed
+        by_value = {v.value.ref(): j for j, v in enumerate(needed)}
+        by_merge = {v.merge.outputs[0].ref(): j for j, v in enumerate(needed)}
+        self.body_ops = self._region([v.next_value for v in needed], by_value)
         if isinstance(self.body_ops, str):
             return self.body_ops
         self.cond_ops = self._region([self.loop_cond.inputs[0]], by_merge)
@@ -127,6 +133,30 @@ class Frame:
             return self.cond_ops
         found = self._arrays() or self._counter() or self._outputs()
         return found
+
+    def _needed(self, variables):
+        """The loop variables that `ys` reads at the frame's exits, that the condition
+        reads, and those their next values read (data edges only), in order."""
+        upstream = self.loops.request.ys_upstream
+        by_value = {v.value.ref(): v for v in variables}
+        by_merge = {v.merge.outputs[0].ref(): v for v in variables}
+        cond = self._region([self.loop_cond.inputs[0]], by_merge)
+        if isinstance(cond, str):
+            return cond
+        needed = {id(v) for v in variables
+                  if v.exit is not None and any(c in upstream for c in v.exit.outputs[0].consumers())}
+        needed |= {id(by_merge[t.ref()]) for op in cond for t in op.inputs if t.ref() in by_merge}
+        needed |= {id(by_merge[t.ref()]) for t in self.loop_cond.inputs if t.ref() in by_merge}
+        while True:
+            region = self._region([v.next_value for v in variables if id(v) in needed], by_value)
+            if isinstance(region, str):
+                return region
+            reads = [t for op in region for t in op.inputs] + [
+                v.next_value for v in variables if id(v) in needed]   # and pass-throughs
+            more = needed | {id(by_value[t.ref()]) for t in reads if t.ref() in by_value}
+            if more == needed:
+                return [v for v in variables if id(v) in needed]
+            needed = more
 
     def _region(self, tensors, stops):
         """The ops of the frame between its loop variables (`stops`: tensor ref -> index)

@@ -1,7 +1,7 @@
 """Run in a process of its own: the checks of tests/test_rules_recurrent.py (weights read
 inside a while loop on the rules) under tf.compat.v1.disable_v2_behavior() (legacy shape
 mode, reference variables) with control flow v2 (Keras then builds `While` loops), and a
-TF1 (v1) loop, which keeps its row passes, against the one-example oracle.
+TF1 (v1) loop (on the rules of pertower.rules._v1_loops), against the one-example oracle.
 
 Started once per test session by tests/process_checks.py ("recurrent_legacy"); prints
 one `pertower-check` line per check and 'recurrent rules checks: N passed, M failed';
@@ -71,24 +71,27 @@ def check_while_loop_with_reference_variables_falls_back():
     return _with_control_flow_v2(check)
 
 
-def check_v1_loop_keeps_row_passes():
-    """With control flow v1 the LSTM's loop is a TF1 frame: its weights stay on row
-    passes (batch_size given), and match the loop."""
+def check_v1_loop_on_the_rules():
+    """With control flow v1 the LSTM's loop is a TF1 frame: its weights are on the
+    rules too (`pertower.rules._v1_loops`), without batch_size, and match the loop."""
     _require_legacy_mode()
     graph, ys, batch = recurrent._language_model("LSTM")  # pylint: disable=protected-access
     with graph.as_default():
+        assert any(op.type == "LoopCond" for op in graph.get_operations()), "no TF1 loop"
         xs = tf.compat.v1.trainable_variables()
-        B = 3
-        plan = pertower.explain(ys, xs, batch=batch, batch_size=B)
-        grads = pertower.per_example_gradients(ys, xs, batch=batch, batch_size=B)
+        plan = pertower.explain(ys, xs, batch=batch)
+        grads = pertower.per_example_gradients(ys, xs, batch=batch)
         loop = oracle.SliceLoop(ys, xs)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            feed = recurrent._feed(batch, B, 0)  # pylint: disable=protected-access
-            common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B, batch=batch),
-                                    kind="deep", what="v1 LSTM")
-    methods = {row.name: row.method for row in plan.weights}
-    assert methods["lstm/lstm_cell/kernel:0"] == "passes", str(plan)
+            for B in recurrent.SIZES:
+                feed = recurrent._feed(batch, B, B)  # pylint: disable=protected-access
+                common.assert_all_close(sess.run(grads, feed),
+                                        loop.run(sess, feed, B, batch=batch),
+                                        kind="deep", what=f"v1 LSTM B={B}")
+    for row in plan.weights:
+        assert row.method == "rules", str(plan)
+    assert sum("per step" in " ".join(row.ops) for row in plan.weights) == 3, str(plan)
     return str(plan)
 
 
@@ -96,5 +99,5 @@ if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
         [check_lstm, check_gru, check_simple_rnn,
          check_while_loop_with_reference_variables_falls_back,
-         check_v1_loop_keeps_row_passes],
+         check_v1_loop_on_the_rules],
         "recurrent rules checks"))
