@@ -196,7 +196,7 @@ def test_a_weight_read_inside_and_outside_a_while_loop():
 
 @pytest.mark.process_checks("recurrent_legacy")
 @pytest.mark.parametrize("check", ["check_lstm", "check_gru", "check_simple_rnn",
-                                   "check_while_loop_with_reference_variables_falls_back",
+                                   "check_while_loop_with_reference_variables_on_the_rules",
                                    "check_v1_loop_on_the_rules"])
 def test_recurrent_rules_under_disable_v2_behavior(processes, check):
     """The same checks under disable_v2_behavior() with control flow v2; and a v1 loop

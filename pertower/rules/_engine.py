@@ -113,10 +113,10 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     terminals.sort(key=lambda e: (e.op._id, e.slot))
     for exit_ in terminals:
         op, slot = exit_.op, exit_.slot
-        if op.type in op_types.V1_ENTER_OP_TYPES:   # read in a TF1 frame: rules._v1_loops
-            inside = loops.frame_uses(op, _in_v1_loop(op)) if exit_.reorder_only else None
-            if not isinstance(inside, list):
-                return inside or _in_v1_loop(op)
+        inside = loops.inner_uses(exit_, _in_v1_loop)   # passed to a loop: rules._loops
+        if inside is not None:
+            if isinstance(inside, str):
+                return inside
             found.extend(inside)
             continue
         where = f"{op.name!r} ({op.type})" + (

@@ -62,6 +62,7 @@ __all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradie
 # reads the same values as the loop).
 _STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES
 _SCOPE = "loop_weights"
+_UNCHANGED = frozenset({"Identity", "Snapshot"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +141,11 @@ class Loops:
         found = _v1_loops.frame_uses(self._frames, self, enter)
         return f"{fallback}: {found}" if isinstance(found, str) else found
 
-    def uses(self, reads, fallback=None):
+    def uses(self, reads, fallback):
         """The `LoopUse`s of the weight of `reads` (a `WeightReads`) inside the loops
-        it is passed to (TF2 loops, and TF1 frames when `fallback` gives the reason the
-        weight is not covered in those), or a string saying why they are not covered."""
+        it is passed to as a resource handle (TF2 loops, and TF1 frames: `fallback(op)`
+        gives the reason the weight is not covered in those), or a string saying why
+        they are not covered."""
         found = []
         for enter in reads.loop_inputs:
             uses = self.frame_uses(enter, fallback(enter))
@@ -154,14 +156,35 @@ class Loops:
             if op.type not in op_types.WHILE_OP_TYPES:
                 return (f"it is read inside the function body of {op.name!r} ({op.type}), "
                         "where no rule looks")
-            if op not in self._copies:
-                self._copies[op] = LoopCopy(op, self)
-            loop = self._copies[op]
-            uses = loop.weight_uses(index)
+            uses = self._loop_uses(op, index)
             if isinstance(uses, str):
-                return f"it is read inside the while loop {op.name!r} ({op.type}): {uses}"
+                return uses
             found.extend(uses)
         return found
+
+    def inner_uses(self, exit_, fallback):
+        """For a weight's value passed to a loop (an exit edge of its weight-only region,
+        `rules._weight_functions.Exit`, into a TF1 Enter or a TF2 While): its uses inside,
+        or a string saying why they are not covered; None for any other op."""
+        op = exit_.op
+        # a reference variable's value comes through its snapshot (Identity)
+        changed = [o for o in exit_.through if o.type not in _UNCHANGED]
+        if op.type in op_types.V1_ENTER_OP_TYPES:
+            return fallback(op) if changed else self.frame_uses(op, fallback(op))
+        if op.type in op_types.WHILE_OP_TYPES:
+            if changed:
+                return (f"it is passed to the while loop {op.name!r} ({op.type}) through "
+                        + ", ".join(f"{o.name!r} ({o.type})" for o in exit_.through))
+            return self._loop_uses(op, exit_.slot)
+        return None
+
+    def _loop_uses(self, op, index):
+        if op not in self._copies:
+            self._copies[op] = LoopCopy(op, self)
+        uses = self._copies[op].weight_uses(index)
+        if isinstance(uses, str):
+            return f"it is read inside the while loop {op.name!r} ({op.type}): {uses}"
+        return uses
 
 
 class LoopCopy:
@@ -248,7 +271,8 @@ class LoopCopy:
         return "the values of its loop variables did not settle"
 
     def weight_uses(self, index):
-        """The `LoopUse`s of the weight passed as loop input `index`, or a reason."""
+        """The `LoopUse`s of the weight passed as loop input `index` (its resource handle
+        or its value), or a reason."""
         if self.reason is not None:
             return self.reason
         body = self.body
@@ -259,7 +283,9 @@ class LoopCopy:
                                       for c in self.cond.inputs[index].consumers()):
             return "its condition reads the weight"
         found, stack = [], []
-        for consumer in handle.consumers():
+        if handle.dtype != tf.resource:     # the weight's value (a reference variable's)
+            stack.append((handle, ()))
+        for consumer in handle.consumers() if handle.dtype == tf.resource else ():
             if consumer not in self.live:
                 continue
             if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:

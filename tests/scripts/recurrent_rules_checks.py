@@ -14,6 +14,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 tf.compat.v1.disable_v2_behavior()
@@ -51,23 +52,33 @@ def check_simple_rnn():
     return _with_control_flow_v2(lambda: recurrent.check_language_model("SimpleRNN"))
 
 
-def check_while_loop_with_reference_variables_falls_back():
-    """A tf.while_loop (control flow v2) over reference variables: the loop reads the
-    weight's value as a loop input, not inside its body, which the rules do not follow
-    yet: the weight falls back (batch_size needed), naming the loop."""
+def check_while_loop_with_reference_variables_on_the_rules():
+    """A tf.while_loop (control flow v2) over reference variables: the loop takes the
+    weight's value as a loop input (not a resource handle) and its body reads it by a
+    MatMul: on the rules, without batch_size, against the loop."""
     def check():
-        with tf.Graph().as_default():
+        with tf.Graph().as_default() as graph:
+            common.seed_weights(2)
             x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-            w = tf.compat.v1.get_variable("w", initializer=tf.eye(3))
+            w = tf.compat.v1.get_variable("w", [3, 3])
             h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.tanh(h @ w)),
                               [0, x])[1]
-            try:
-                pertower.per_example_gradients(tf.reduce_sum(h, axis=1), [w])
-            except ValueError as error:
-                if "batch_size" not in str(error) or "While" not in str(error):
-                    raise
-                return str(error)
-        raise AssertionError("expected the fed-size refusal naming the loop")
+            ys = tf.reduce_sum(tf.square(h - 0.3), axis=1)
+            assert any(op.type in ("While", "StatelessWhile")
+                       for op in graph.get_operations()), "no TF2 loop"
+            plan = pertower.explain(ys, [w], batch=[x])
+            assert plan.weights[0].method == "rules" and "per step" in plan.weights[0].ops[0], \
+                str(plan)
+            grads = pertower.per_example_gradients(ys, [w], batch=[x])
+            loop = oracle.SliceLoop(ys, [w])
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for B in (3, 4):
+                    feed = {x: np.random.RandomState(B).randn(B, 3).astype(np.float32)}
+                    common.assert_all_close(sess.run(grads, feed),
+                                            loop.run(sess, feed, B, batch=[x]),
+                                            kind="deep", what=f"value loop input B={B}")
+        return str(plan)
     return _with_control_flow_v2(check)
 
 
@@ -98,6 +109,6 @@ def check_v1_loop_on_the_rules():
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
         [check_lstm, check_gru, check_simple_rnn,
-         check_while_loop_with_reference_variables_falls_back,
+         check_while_loop_with_reference_variables_on_the_rules,
          check_v1_loop_on_the_rules],
         "recurrent rules checks"))
