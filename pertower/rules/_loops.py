@@ -63,6 +63,21 @@ __all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradie
 _STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES
 _SCOPE = "loop_weights"
 _UNCHANGED = frozenset({"Identity", "Snapshot"})
+# The op types whose own rules read only A, dZ, the weight's shape and the op's
+# attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
+_STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATCH_MATMUL_OP_TYPES
+_STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_add",
+                                "pertower.rules.einsum", "pertower.rules.batch_matmul"})
+
+
+def step_rule_reason(target, rule):
+    """Why `rule` cannot compute a read by `target` inside a loop from the copy's
+    per-step A and dZ (it reads the op's inputs), or None."""
+    if target.type in _STEP_RULE_OP_TYPES and type(rule).__module__ in _STEP_RULE_MODULES:
+        return None
+    return (f"its body reads it by {target.name!r} ({target.type}), whose rule reads the "
+            "op's own inputs, which do not leave the loop (the rules of "
+            f"{', '.join(sorted(_STEP_RULE_OP_TYPES))} do, per step)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +337,8 @@ class LoopCopy:
         rule = self.loops.registry.lookup(target.type)
         if rule is None:
             return f"its body reads it by {target.name!r} ({target.type}), which has no rule"
+        if step_rule_reason(target, rule) is not None:
+            return step_rule_reason(target, rule)
         use = rule.match(target, slot, self.body_analysis)
         if isinstance(use, str):
             return f"its body reads it by {target.name!r} ({target.type}): {use}"

@@ -300,6 +300,8 @@ class Frame:
         rule = self.loops.registry.lookup(target.type)
         if rule is None:
             return f"its body reads it by {where}, which has no rule"
+        if _loops.step_rule_reason(target, rule) is not None:
+            return _loops.step_rule_reason(target, rule)
         use = rule.match(target, slot, self.loops.analysis)
         if isinstance(use, str):
             return f"its body reads it by {where}: {use}"
