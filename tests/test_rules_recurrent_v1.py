@@ -6,7 +6,8 @@ reproduce keeps its row passes. v1 control flow exists only under
 tf.compat.v1.disable_v2_behavior(), so every check runs in the subprocess of
 tests/scripts/recurrent_v1_checks.py ("recurrent_v1"; the longer matrix in
 "recurrent_v1_heavy", read by heavy tests). And a Keras GRU behind a mask (its bias
-read through Unpack outside its TF2 loop and inside) on the rules.
+read through Unpack outside its TF2 loop and inside) on the rules; towers on a TF2 loop
+imported from a meta graph.
 """
 
 import numpy as np
@@ -82,3 +83,40 @@ def test_masked_gru_bias_on_the_rules(masking):
                 common.assert_all_close(sess.run(grads, feed),
                                         loop.run(sess, feed, B, batch=[ids]),
                                         kind="deep", what=f"GRU {masking} B={B}")
+
+
+def test_towers_on_a_while_loop_imported_from_a_meta_graph():
+    """A Keras LSTM (TF2 While) exported with export_meta_graph and imported into a new
+    graph: its functions come back from the library with the resource arguments' handle
+    data, which the towers' rewritten copies drop (the copy takes the weight's value).
+    The rules (planned first: a gradient through an imported loop rewrites its body
+    without the variables' shapes, and the rules then leave its weights to the towers)
+    and towers (asked for) both match the loop."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(4)
+        ids = tf.compat.v1.placeholder(tf.int32, [None, 4], name="ids")
+        hidden = keras.layers.LSTM(5, return_sequences=True)(
+            keras.layers.Embedding(11, 3)(ids))
+        tf.reduce_sum(tf.square(hidden), axis=[1, 2], name="ys")
+        meta = tf.compat.v1.train.export_meta_graph()
+    imported = tf.Graph()
+    with imported.as_default():
+        tf.compat.v1.train.import_meta_graph(meta)
+        ys, ids = imported.get_tensor_by_name("ys:0"), imported.get_tensor_by_name("ids:0")
+        assert any(op.type in ("While", "StatelessWhile") for op in imported.get_operations())
+        xs = tf.compat.v1.trainable_variables()
+        plan = pertower.explain(ys, xs, batch=[ids])
+        assert all(row.method == "rules" for row in plan.weights), str(plan)
+        rules = pertower.per_example_gradients(ys, xs, batch=[ids])
+        towers = pertower.per_example_gradients(ys, xs, batch=[ids], batch_size=3,
+                                                method="towers")
+        loop = oracle.SliceLoop(ys, xs)
+        with tf.compat.v1.Session(graph=imported) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {ids: np.array([[1, 2, 0, 0], [3, 4, 5, 6], [7, 0, 0, 0]], np.int32)}
+            want = loop.run(sess, feed, 3, batch=[ids])
+            common.assert_all_close(sess.run(towers, feed), want, kind="deep",
+                                    what="imported LSTM, towers")
+            common.assert_all_close(sess.run(rules, feed), want, kind="deep",
+                                    what="imported LSTM, rules")
