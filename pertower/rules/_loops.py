@@ -40,8 +40,10 @@ counter starting at 0 that the body increments by 1: T is the original loop's ou
 variable reads (the copy must draw nothing); the weight is a loop-invariant resource
 input that the body only reads (ReadVariableOp, then the layout-only ops the engine
 allows) and the condition never reads; the covered op's other outputs are unused; and
-Z's shape past axis 0 is static. TF1 (v1) while loops (Enter/Merge/Switch frames) are
-not rewritten: their weights stay on row passes.
+Z's shape past axis 0 is static; the op's rule reads only A, dZ, the weight's shape and
+the op's attributes (`step_rule_reason`). A weight's value passed as a loop input (a
+reference variable's snapshot) is read like a resource's value. TF1 (v1) while loops
+(Enter/Merge/Switch frames): `pertower.rules._v1_loops`.
 """
 
 import dataclasses

@@ -87,8 +87,9 @@ class BuiltFrame:
 
             _replay(frame, frame.body_ops, mapping, perturbed)
             outs = [mapping[v.next_value.ref()] for v in variables]
-            written = [list_ops.tensor_list_set_item(
-                values[n + 1 + j], s, mapping[u.activation.ref()]) for j, u in enumerate(frame.uses)]
+            written = [list_ops.tensor_list_set_item(values[n + 1 + j], s,
+                                                     mapping[u.activation.ref()])
+                       for j, u in enumerate(frame.uses)]
             return outs + [s + 1] + written + list(values[n + 1 + J:])
 
         results = while_v2.while_loop(

@@ -102,10 +102,10 @@ class Frame:
         enters = [op for op in self.graph.get_operations()
                   if op.type in op_types.V1_ENTER_OP_TYPES
                   and op.get_attr("frame_name").decode() == self.name]
-        if any(op.inputs[0].op.type in _PLUMBING or op.inputs[0].op._control_flow_context  # pylint: disable=protected-access
-               is not None for op in enters):
+        if any(op.inputs[0].op.type in _PLUMBING or _context_of(op.inputs[0].op) is not None
+               for op in enters):
             return "it is nested in another loop or cond"
-        if any(op.type != "Enter" or op.inputs[0].dtype._is_ref_dtype for op in enters):  # pylint: disable=protected-access
+        if any(op.type != "Enter" for op in enters):   # RefEnter: a reference-typed tensor
             return "it enters a reference-typed tensor"
         self.invariants = {op.outputs[0].ref(): op for op in enters if op.get_attr("is_constant")}
         # every loop variable; those a `tf.gradients` through the frame added (its
@@ -143,8 +143,8 @@ class Frame:
         cond = self._region([self.loop_cond.inputs[0]], by_merge)
         if isinstance(cond, str):
             return cond
-        needed = {id(v) for v in variables
-                  if v.exit is not None and any(c in upstream for c in v.exit.outputs[0].consumers())}
+        needed = {id(v) for v in variables if v.exit is not None
+                  and any(c in upstream for c in v.exit.outputs[0].consumers())}
         needed |= {id(by_merge[t.ref()]) for op in cond for t in op.inputs if t.ref() in by_merge}
         needed |= {id(by_merge[t.ref()]) for t in self.loop_cond.inputs if t.ref() in by_merge}
         while True:
@@ -167,7 +167,7 @@ class Frame:
             op = stack.pop().op
             if op in seen:
                 continue
-            if op.type in _PLUMBING or op._control_flow_context is None:  # pylint: disable=protected-access
+            if op.type in _PLUMBING or _context_of(op) is None:
                 return f"its body or condition holds control flow ({op.name!r}, {op.type})"
             if any(v.HasField("func") or (v.HasField("list") and v.list.func)
                    for v in op.node_def.attr.values()):
@@ -362,6 +362,12 @@ def _variable(enter):
         return f"its loop variable {merge.name!r} is not read through one Identity"
     return LoopVariable(enter, merge, switch, values[0].outputs[0], next_op.inputs[0],
                         exits[0] if exits else None)
+
+
+def _context_of(op):
+    """The op's TF1 control flow context (None outside loops and conds, and in a graph
+    imported without its while contexts)."""
+    return op._control_flow_context  # pylint: disable=protected-access
 
 
 def _counts_from_zero(indices):
