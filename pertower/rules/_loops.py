@@ -251,9 +251,9 @@ class LoopCopy:
     def _needed_variables(self):
         """The loop variables the outputs `ys` reads (and the counter) depend on,
         through the body and the condition (accumulators of past gradients are not)."""
-        upstream = self.loops.request.ys_upstream
-        self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys reads
-                     if any(c in upstream for c in t.consumers())]
+        upstream, ys = self.loops.request.ys_upstream, self.loops.request.ys
+        self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys is or reads
+                     if t is ys or any(c in upstream for c in t.consumers())]
         needed = {0} | set(self.read)
         cond_ops = _loop_copy.graph_upstream(self.cond.outputs)
         needed |= {i for i, t in enumerate(self.cond.inputs) if t.op in cond_ops}

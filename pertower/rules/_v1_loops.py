@@ -143,8 +143,8 @@ class Frame:
         cond = self._region([self.loop_cond.inputs[0]], by_merge)
         if isinstance(cond, str):
             return cond
-        needed = {id(v) for v in variables if v.exit is not None
-                  and any(c in upstream for c in v.exit.outputs[0].consumers())}
+        needed = {id(v) for v in variables
+                  if v.exit is not None and self._reached(v.exit.outputs[0])}
         needed |= {id(by_merge[t.ref()]) for op in cond for t in op.inputs if t.ref() in by_merge}
         needed |= {id(by_merge[t.ref()]) for t in self.loop_cond.inputs if t.ref() in by_merge}
         while True:
@@ -226,6 +226,11 @@ class Frame:
         return ("it has no loop variable counting its iterations from 0 by 1, so the number "
                 "of steps is not known before a copy runs")
 
+    def _reached(self, tensor):
+        """Whether `ys` is `tensor` or reads it."""
+        request = self.loops.request
+        return tensor is request.ys or any(c in request.ys_upstream for c in tensor.consumers())
+
     def _outputs(self):
         """The tensors after the frame that `ys` reads: exits, and gathers or reads of
         the TensorArrays the frame writes."""
@@ -233,13 +238,13 @@ class Frame:
         for j, v in enumerate(self.variables):
             if v.exit is None:
                 continue
+            if v.array is None:
+                if self._reached(v.exit.outputs[0]) and v.exit.outputs[0].dtype.is_floating:
+                    self.after.append((v.exit.outputs[0], j, None))
+                continue
             for consumer in v.exit.outputs[0].consumers():
                 if consumer not in upstream:
                     continue
-                if v.array is None:
-                    if v.exit.outputs[0].dtype.is_floating:
-                        self.after.append((v.exit.outputs[0], j, None))
-                    break
                 if (consumer.type not in _TA_AFTER
                         or consumer.inputs[0] is not v.array.outputs[0]):
                     return (f"the TensorArray it writes is read after it by "

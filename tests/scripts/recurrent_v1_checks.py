@@ -186,9 +186,20 @@ def check_hand_written_while_loop_on_reference_variables():
     """tf.while_loop(i < 3, h -> tanh(h w + b)) over reference variables: w read by a
     MatMul, b by a BiasAdd in the frame."""
     graph, ys, xs, x = _hand_written()
-    return _compare(graph, ys, xs, [x],
+    text = _compare(graph, ys, xs, [x],
                     lambda B, seed: {x: np.random.RandomState(seed).randn(B, D).astype(
                         np.float32)}, "hand-written tf.while_loop")
+    with graph.as_default():   # the Jacobians of the frame's exit itself, [B, D, *x.shape]
+        h = ys.op.inputs[0].op.inputs[0].op.inputs[0]
+        assert h.op.type == "Exit", h.op.type
+        jacobians = pertower.per_example_jacobians(h, xs, batch=[x])
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(5).randn(3, D).astype(np.float32)}
+            common.assert_all_close(sess.run(jacobians, feed),
+                                    oracle.loop_per_example_jacobians(sess, h, xs, feed),
+                                    kind="deep", what="the frame's exit's Jacobians")
+    return text
 
 
 def check_a_frame_drawing_random_numbers_keeps_row_passes():
