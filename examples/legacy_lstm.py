@@ -4,8 +4,8 @@ Everything here is TF1 style under `tf.compat.v1.disable_v2_behavior()`: referen
 variables from `tf.compat.v1.get_variable`, an embedding looked up with
 `tf.nn.embedding_lookup`, and `tf.compat.v1.nn.dynamic_rnn` with `sequence_length`
 (a TF1 while loop: Enter/Exit/NextIteration/LoopCond ops). pertower works on such a
-graph as it is: the weights read inside the loop get one backward pass of the original
-graph per example, the others their per-op rules (`pertower.explain` prints which).
+graph as it is: the weights read inside the loop get their per-op rules per step (from a
+copy of the loop), like the others (`pertower.explain` prints which).
 
 The script prints the plan, checks pertower's per-example gradients and norms against
 the one-example loop (`pertower.oracle`), then trains on synthetic sequences (the

@@ -67,6 +67,9 @@ PROCESSES = {
                                                       "weight_function_checks.py"),)),
     # weights read inside while loops on the rules (tests/test_rules_recurrent.py)
     "recurrent_legacy": _Command((os.path.join(HERE, "scripts", "recurrent_rules_checks.py"),)),
+    "recurrent_v1": _Command((os.path.join(HERE, "scripts", "recurrent_v1_checks.py"),)),
+    "recurrent_v1_heavy": _Command((os.path.join(HERE, "scripts", "recurrent_v1_checks.py"),
+                                    "heavy")),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
     # joined batches through v1 loops and the row passes' fed-size message

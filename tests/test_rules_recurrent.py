@@ -196,11 +196,11 @@ def test_a_weight_read_inside_and_outside_a_while_loop():
 
 @pytest.mark.process_checks("recurrent_legacy")
 @pytest.mark.parametrize("check", ["check_lstm", "check_gru", "check_simple_rnn",
-                                   "check_while_loop_with_reference_variables_falls_back",
-                                   "check_v1_loop_keeps_row_passes"])
+                                   "check_while_loop_with_reference_variables_on_the_rules",
+                                   "check_v1_loop_on_the_rules"])
 def test_recurrent_rules_under_disable_v2_behavior(processes, check):
     """The same checks under disable_v2_behavior() with control flow v2; and a v1 loop
-    (control flow v1) still on row passes."""
+    (control flow v1) on the rules of `pertower.rules._v1_loops`."""
     processes.assert_passed("recurrent_legacy", check)
 
 

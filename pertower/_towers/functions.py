@@ -189,6 +189,9 @@ class FunctionRewriter:
                     f"{where}: argument {arg.name!r} is not a "
                     "resource.")
             arg.type = dtype
+            # a signature read back from a meta graph keeps the handle's variable shape,
+            # which TensorFlow would set on the value ("Shapes must be equal rank")
+            del arg.handle_data[:]
             values[arg.name] = (dtype, shape)
             if i in fdef.arg_attr:
                 attrs = fdef.arg_attr[i].attr
@@ -233,6 +236,7 @@ class FunctionRewriter:
                         f"as output {out.name!r}; towers can only rewrite functions that read "
                         "the weight. Leave this weight out of `xs`.")
                 out.type = values[ref][0]
+                del out.handle_data[:]
             fdef.ret[out.name] = renames.get(ref, ref)
         if loop_body:  # a loop variable must come back as it went in
             for i in arguments:

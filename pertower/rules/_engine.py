@@ -96,9 +96,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     loops: `pertower.rules._loops`)."""
     if not reads.reached:
         return []
-    if reads.loop_inputs:
-        return _in_v1_loop(reads.loop_inputs[0])
-    found = loops.uses(reads) if reads.call_inputs else []
+    found = loops.uses(reads, _in_v1_loop)   # TF2 loops and TF1 frames: rules._loops
     if isinstance(found, str):
         return found
     walked = _weight_functions.exits(reads, ys_upstream, analysis)
@@ -110,8 +108,12 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     terminals.sort(key=lambda e: (e.op._id, e.slot))
     for exit_ in terminals:
         op, slot = exit_.op, exit_.slot
-        if op.type in op_types.V1_ENTER_OP_TYPES:
-            return _in_v1_loop(op)
+        inside = loops.inner_uses(exit_, _in_v1_loop)   # passed to a loop: rules._loops
+        if inside is not None:
+            if isinstance(inside, str):
+                return inside
+            found.extend(inside)
+            continue
         where = f"{op.name!r} ({op.type})" + (
             "" if exit_.reorder_only else
             " through " + ", ".join(f"{o.name!r} ({o.type})" for o in exit_.through))

@@ -24,7 +24,7 @@ from tensorflow.python.ops import while_v2
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BuiltCopy", "Placed", "Slice", "graph_upstream"]
+__all__ = ["BuiltCopy", "Placed", "Slice", "example_major", "graph_upstream"]
 
 
 class BuiltCopy:
@@ -93,7 +93,7 @@ class BuiltCopy:
             stacked = list_ops.tensor_list_stack(results[n + 1 + j], use.activation.dtype,
                                                  element_shape=a_shapes[j])
             self.uses.append(registry_lib.Use(
-                use.op, use.slot, use.rule, _example_major(stacked), eps[j],
+                use.op, use.slot, use.rule, example_major(stacked), eps[j],
                 use.weight_shape, use.rows))
 
     def output_gradients(self, d_outputs, unconnected):
@@ -110,7 +110,7 @@ class BuiltCopy:
         else:
             grads = tf.gradients(ys, self.eps, grad_ys=grad_ys,
                                  unconnected_gradients=unconnected)
-        return {id(e): (None if g is None else _example_major(g))
+        return {id(e): (None if g is None else example_major(g))
                 for e, g in zip(self.eps, grads)}
 
 
@@ -166,7 +166,7 @@ class Placed(registry_lib.Rule):
         return self._place(total, False)
 
 
-def _example_major(stacked):
+def example_major(stacked):
     """[T, B*k, ...] -> [B*k*T, ...]: example i's rows of every step contiguous."""
     rank = stacked.shape.rank
     moved = tf.transpose(stacked, [1, 0] + list(range(2, rank)))       # [B*k, T, ...]

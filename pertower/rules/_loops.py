@@ -40,8 +40,10 @@ counter starting at 0 that the body increments by 1: T is the original loop's ou
 variable reads (the copy must draw nothing); the weight is a loop-invariant resource
 input that the body only reads (ReadVariableOp, then the layout-only ops the engine
 allows) and the condition never reads; the covered op's other outputs are unused; and
-Z's shape past axis 0 is static. TF1 (v1) while loops (Enter/Merge/Switch frames) are
-not rewritten: their weights stay on row passes.
+Z's shape past axis 0 is static; the op's rule reads only A, dZ, the weight's shape and
+the op's attributes (`step_rule_reason`). A weight's value passed as a loop input (a
+reference variable's snapshot) is read like a resource's value. TF1 (v1) while loops
+(Enter/Merge/Switch frames): `pertower.rules._v1_loops`.
 """
 
 import dataclasses
@@ -62,6 +64,22 @@ __all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradie
 # reads the same values as the loop).
 _STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES
 _SCOPE = "loop_weights"
+_UNCHANGED = frozenset({"Identity", "Snapshot"})
+# The op types whose own rules read only A, dZ, the weight's shape and the op's
+# attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
+_STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATCH_MATMUL_OP_TYPES
+_STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_add",
+                                "pertower.rules.einsum", "pertower.rules.batch_matmul"})
+
+
+def step_rule_reason(target, rule):
+    """Why `rule` cannot compute a read by `target` inside a loop from the copy's
+    per-step A and dZ (it reads the op's inputs), or None."""
+    if target.type in _STEP_RULE_OP_TYPES and type(rule).__module__ in _STEP_RULE_MODULES:
+        return None
+    return (f"its body reads it by {target.name!r} ({target.type}), whose rule reads the "
+            "op's own inputs, which do not leave the loop (the rules of "
+            f"{', '.join(sorted(_STEP_RULE_OP_TYPES))} do, per step)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,23 +148,60 @@ class Loops:
         self.analysis = analysis
         self.registry = registry
         self._copies = {}
+        self._frames = {}      # TF1 frames by name (`pertower.rules._v1_loops`)
 
-    def uses(self, reads):
+    def frame_uses(self, enter, fallback):
+        """The uses of the weight that the TF1 loop op `enter` (Enter) takes into its
+        frame (`pertower.rules._v1_loops`), or `fallback` (the reason the weight is not
+        covered) with the frame's reason."""
+        from pertower.rules import _v1_loops  # pylint: disable=import-outside-toplevel
+        found = _v1_loops.frame_uses(self._frames, self, enter)
+        return f"{fallback}: {found}" if isinstance(found, str) else found
+
+    def uses(self, reads, fallback):
         """The `LoopUse`s of the weight of `reads` (a `WeightReads`) inside the loops
-        it is passed to, or a string saying why they are not covered."""
+        it is passed to as a resource handle (TF2 loops, and TF1 frames: `fallback(op)`
+        gives the reason the weight is not covered in those), or a string saying why
+        they are not covered."""
         found = []
+        for enter in reads.loop_inputs:
+            uses = self.frame_uses(enter, fallback(enter))
+            if isinstance(uses, str):
+                return uses
+            found.extend(uses)
         for op, index in reads.call_inputs:
             if op.type not in op_types.WHILE_OP_TYPES:
                 return (f"it is read inside the function body of {op.name!r} ({op.type}), "
                         "where no rule looks")
-            if op not in self._copies:
-                self._copies[op] = LoopCopy(op, self)
-            loop = self._copies[op]
-            uses = loop.weight_uses(index)
+            uses = self._loop_uses(op, index)
             if isinstance(uses, str):
-                return f"it is read inside the while loop {op.name!r} ({op.type}): {uses}"
+                return uses
             found.extend(uses)
         return found
+
+    def inner_uses(self, exit_, fallback):
+        """For a weight's value passed to a loop (an exit edge of its weight-only region,
+        `rules._weight_functions.Exit`, into a TF1 Enter or a TF2 While): its uses inside,
+        or a string saying why they are not covered; None for any other op."""
+        op = exit_.op
+        # a reference variable's value comes through its snapshot (Identity)
+        changed = [o for o in exit_.through if o.type not in _UNCHANGED]
+        if op.type in op_types.V1_ENTER_OP_TYPES:
+            return fallback(op) if changed else self.frame_uses(op, fallback(op))
+        if op.type in op_types.WHILE_OP_TYPES:
+            if changed:
+                return (f"it is passed to the while loop {op.name!r} ({op.type}) through "
+                        + ", ".join(f"{o.name!r} ({o.type})" for o in exit_.through))
+            return self._loop_uses(op, exit_.slot)
+        return None
+
+    def _loop_uses(self, op, index):
+        if op not in self._copies:
+            self._copies[op] = LoopCopy(op, self)
+        uses = self._copies[op].weight_uses(index)
+        if isinstance(uses, str):
+            return f"it is read inside the while loop {op.name!r} ({op.type}): {uses}"
+        return uses
 
 
 class LoopCopy:
@@ -196,9 +251,9 @@ class LoopCopy:
     def _needed_variables(self):
         """The loop variables the outputs `ys` reads (and the counter) depend on,
         through the body and the condition (accumulators of past gradients are not)."""
-        upstream = self.loops.request.ys_upstream
-        self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys reads
-                     if any(c in upstream for c in t.consumers())]
+        upstream, ys = self.loops.request.ys_upstream, self.loops.request.ys
+        self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys is or reads
+                     if t is ys or any(c in upstream for c in t.consumers())]
         needed = {0} | set(self.read)
         cond_ops = _loop_copy.graph_upstream(self.cond.outputs)
         needed |= {i for i, t in enumerate(self.cond.inputs) if t.op in cond_ops}
@@ -233,7 +288,8 @@ class LoopCopy:
         return "the values of its loop variables did not settle"
 
     def weight_uses(self, index):
-        """The `LoopUse`s of the weight passed as loop input `index`, or a reason."""
+        """The `LoopUse`s of the weight passed as loop input `index` (its resource handle
+        or its value), or a reason."""
         if self.reason is not None:
             return self.reason
         body = self.body
@@ -244,7 +300,9 @@ class LoopCopy:
                                       for c in self.cond.inputs[index].consumers()):
             return "its condition reads the weight"
         found, stack = [], []
-        for consumer in handle.consumers():
+        if handle.dtype != tf.resource:     # the weight's value (a reference variable's)
+            stack.append((handle, ()))
+        for consumer in handle.consumers() if handle.dtype == tf.resource else ():
             if consumer not in self.live:
                 continue
             if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
@@ -281,6 +339,8 @@ class LoopCopy:
         rule = self.loops.registry.lookup(target.type)
         if rule is None:
             return f"its body reads it by {target.name!r} ({target.type}), which has no rule"
+        if step_rule_reason(target, rule) is not None:
+            return step_rule_reason(target, rule)
         use = rule.match(target, slot, self.body_analysis)
         if isinstance(use, str):
             return f"its body reads it by {target.name!r} ({target.type}): {use}"

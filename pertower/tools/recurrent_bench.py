@@ -2,7 +2,8 @@
 against the batch gradient and the one-example loop.
 
     python -m pertower.tools.recurrent_bench [--batch 32] [--steps 20] [--vocab 1000]
-        [--units 128] [--repeats 7] [--onednn on|off|both] [--layer LSTM|GRU]
+        [--units 128] [--repeats 7] [--onednn on|off|both] [--layer LSTM|GRU|SimpleRNN]
+        [--v1]
 
 The model: Embedding(V, U) -> Keras LSTM(U, return_sequences=True, unroll=False: a TF2
 `While` loop) -> Dense(V); ys = each example's sum over its T steps of the next-token
@@ -16,6 +17,9 @@ cross-entropy, [B]. Timed, round robin after a warm-up (median of --repeats runs
                       SGD step
     loop              one `sess.run` of tf.gradients per example (pertower.oracle)
 
+`--v1`: the same model in a TF1 graph (tf.compat.v1.disable_v2_behavior(), run in a
+child process): an embedding lookup -> `tf.compat.v1.nn.dynamic_rnn` with LSTMCell,
+GRUCell or BasicRNNCell (a TF1 while frame, `pertower.rules._v1_loops`) -> a dense layer.
 `--onednn both` (the default) runs the model once with oneDNN off and once on, each in
 a child process (TF_ENABLE_ONEDNN_OPTS is read when TensorFlow starts).
 """
@@ -26,6 +30,8 @@ import subprocess
 import sys
 
 __all__ = ["main", "run"]
+
+_V1_CELLS = {"LSTM": "LSTMCell", "GRU": "GRUCell", "SimpleRNN": "BasicRNNCell"}
 
 
 def _parse(argv):
@@ -38,6 +44,8 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=7, help="timed runs (default 7)")
     parser.add_argument("--layer", default="LSTM", choices=("LSTM", "GRU", "SimpleRNN"))
     parser.add_argument("--onednn", default="both", choices=("on", "off", "both"))
+    parser.add_argument("--v1", action="store_true",
+                        help="dynamic_rnn in a TF1 graph (disable_v2_behavior)")
     return parser.parse_args(argv)
 
 
@@ -57,9 +65,16 @@ def run(args):
         tf.compat.v1.set_random_seed(0)
         ids = tf.compat.v1.placeholder(tf.int32, [None, T], name="ids")
         labels = tf.compat.v1.placeholder(tf.int32, [None, T], name="labels")
-        hidden = getattr(keras.layers, args.layer)(U, return_sequences=True)(
-            keras.layers.Embedding(V, U)(ids))                                  # [B, T, U]
-        logits = keras.layers.Dense(V)(hidden)                                   # [B, T, V]
+        if args.v1:
+            cell = getattr(tf.compat.v1.nn.rnn_cell, _V1_CELLS[args.layer])(U)
+            table = tf.compat.v1.get_variable("embedding", [V, U])
+            hidden, _ = tf.compat.v1.nn.dynamic_rnn(
+                cell, tf.nn.embedding_lookup(table, ids), dtype=tf.float32)     # [B, T, U]
+            logits = tf.compat.v1.layers.dense(hidden, V)                        # [B, T, V]
+        else:
+            hidden = getattr(keras.layers, args.layer)(U, return_sequences=True)(
+                keras.layers.Embedding(V, U)(ids))                              # [B, T, U]
+            logits = keras.layers.Dense(V)(hidden)                               # [B, T, V]
         ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits), axis=1)                               # [B]
         xs = tf.compat.v1.trainable_variables()
@@ -89,8 +104,10 @@ def run(args):
     medians = [sorted(t)[len(t) // 2] for t in times]
     base = medians[0]
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)")
-    print(f"{args.layer}({U}) language model, B={B}, T={T}, V={V}, "
-          f"TF_ENABLE_ONEDNN_OPTS={onednn}, median of {args.repeats} runs")
+    kind = f"dynamic_rnn({_V1_CELLS[args.layer]}, TF1 graph)" if args.v1 else args.layer
+    print(f"{kind}({U}) language model, B={B}, T={T}, V={V}, "
+          f"TF_ENABLE_ONEDNN_OPTS={onednn}, median of {args.repeats} runs, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     methods = sorted({row.method for row in plan.weights})
     print(f"weights: {len(plan.weights)}, methods: {', '.join(methods)}")
     print(timing.format_table(["", "seconds", "x batch gradient"],
@@ -104,13 +121,20 @@ def main(argv=None):
     if args.onednn == "both":
         for setting in ("off", "on"):
             env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if setting == "on" else "0")
+            given = list(argv if argv is not None else sys.argv[1:])
+            if "--onednn" in given:   # "--onednn VALUE"
+                del given[given.index("--onednn"):given.index("--onednn") + 2]
             command = [sys.executable, "-m", "pertower.tools.recurrent_bench",
-                       *[a for a in (argv if argv is not None else sys.argv[1:])
-                         if not a.startswith("--onednn")], "--onednn", setting]
+                       *[a for a in given if not a.startswith("--onednn=")],
+                       "--onednn", setting]
             subprocess.run(command, env=env, check=True)
         return 0
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if args.onednn == "on" else "0"
+    if args.v1:   # this process is the child of `--onednn both`, or the user's own
+        os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        tf.compat.v1.disable_v2_behavior()
     run(args)
     return 0
 

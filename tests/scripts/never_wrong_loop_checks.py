@@ -255,12 +255,12 @@ def check_row_passes_refuse_a_python_gradient_that_mixes_the_batch():
 
 def check_row_passes_through_a_row_wise_python_gradient_match_the_loop():
     """swish with a hand-written elementwise backward (tf.custom_gradient): proven
-    row-wise, the loop's weight is computed by row passes, loop-exact."""
+    row-wise, the loop's weight is on the rules (per step), loop-exact."""
     with tf.Graph().as_default() as graph:
         common.seed_weights(34)
         ys, xs, feed = _python_gradient_model(graph, "swish")
         got, want, plan = _run(graph, ys, xs, feed)
-    assert plan.weights[0].method == "passes", str(plan)
+    assert plan.weights[0].method == "rules", str(plan)
     assert not isinstance(got, Exception), str(got)
     common.assert_all_close(got, want, kind="deep", what="row-wise custom gradient")
     return loop_kind(graph)

@@ -1,7 +1,7 @@
 """Run in a process of its own: the checks of tests/test_rules_recurrent.py (weights read
 inside a while loop on the rules) under tf.compat.v1.disable_v2_behavior() (legacy shape
 mode, reference variables) with control flow v2 (Keras then builds `While` loops), and a
-TF1 (v1) loop, which keeps its row passes, against the one-example oracle.
+TF1 (v1) loop (on the rules of pertower.rules._v1_loops), against the one-example oracle.
 
 Started once per test session by tests/process_checks.py ("recurrent_legacy"); prints
 one `pertower-check` line per check and 'recurrent rules checks: N passed, M failed';
@@ -14,6 +14,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 tf.compat.v1.disable_v2_behavior()
@@ -51,50 +52,63 @@ def check_simple_rnn():
     return _with_control_flow_v2(lambda: recurrent.check_language_model("SimpleRNN"))
 
 
-def check_while_loop_with_reference_variables_falls_back():
-    """A tf.while_loop (control flow v2) over reference variables: the loop reads the
-    weight's value as a loop input, not inside its body, which the rules do not follow
-    yet: the weight falls back (batch_size needed), naming the loop."""
+def check_while_loop_with_reference_variables_on_the_rules():
+    """A tf.while_loop (control flow v2) over reference variables: the loop takes the
+    weight's value as a loop input (not a resource handle) and its body reads it by a
+    MatMul: on the rules, without batch_size, against the loop."""
     def check():
-        with tf.Graph().as_default():
+        with tf.Graph().as_default() as graph:
+            common.seed_weights(2)
             x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-            w = tf.compat.v1.get_variable("w", initializer=tf.eye(3))
+            w = tf.compat.v1.get_variable("w", [3, 3])
             h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.tanh(h @ w)),
                               [0, x])[1]
-            try:
-                pertower.per_example_gradients(tf.reduce_sum(h, axis=1), [w])
-            except ValueError as error:
-                if "batch_size" not in str(error) or "While" not in str(error):
-                    raise
-                return str(error)
-        raise AssertionError("expected the fed-size refusal naming the loop")
+            ys = tf.reduce_sum(tf.square(h - 0.3), axis=1)
+            assert any(op.type in ("While", "StatelessWhile")
+                       for op in graph.get_operations()), "no TF2 loop"
+            plan = pertower.explain(ys, [w], batch=[x])
+            assert plan.weights[0].method == "rules" and "per step" in plan.weights[0].ops[0], \
+                str(plan)
+            grads = pertower.per_example_gradients(ys, [w], batch=[x])
+            loop = oracle.SliceLoop(ys, [w])
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for B in (3, 4):
+                    feed = {x: np.random.RandomState(B).randn(B, 3).astype(np.float32)}
+                    common.assert_all_close(sess.run(grads, feed),
+                                            loop.run(sess, feed, B, batch=[x]),
+                                            kind="deep", what=f"value loop input B={B}")
+        return str(plan)
     return _with_control_flow_v2(check)
 
 
-def check_v1_loop_keeps_row_passes():
-    """With control flow v1 the LSTM's loop is a TF1 frame: its weights stay on row
-    passes (batch_size given), and match the loop."""
+def check_v1_loop_on_the_rules():
+    """With control flow v1 the LSTM's loop is a TF1 frame: its weights are on the
+    rules too (`pertower.rules._v1_loops`), without batch_size, and match the loop."""
     _require_legacy_mode()
     graph, ys, batch = recurrent._language_model("LSTM")  # pylint: disable=protected-access
     with graph.as_default():
+        assert any(op.type == "LoopCond" for op in graph.get_operations()), "no TF1 loop"
         xs = tf.compat.v1.trainable_variables()
-        B = 3
-        plan = pertower.explain(ys, xs, batch=batch, batch_size=B)
-        grads = pertower.per_example_gradients(ys, xs, batch=batch, batch_size=B)
+        plan = pertower.explain(ys, xs, batch=batch)
+        grads = pertower.per_example_gradients(ys, xs, batch=batch)
         loop = oracle.SliceLoop(ys, xs)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            feed = recurrent._feed(batch, B, 0)  # pylint: disable=protected-access
-            common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B, batch=batch),
-                                    kind="deep", what="v1 LSTM")
-    methods = {row.name: row.method for row in plan.weights}
-    assert methods["lstm/lstm_cell/kernel:0"] == "passes", str(plan)
+            for B in recurrent.SIZES:
+                feed = recurrent._feed(batch, B, B)  # pylint: disable=protected-access
+                common.assert_all_close(sess.run(grads, feed),
+                                        loop.run(sess, feed, B, batch=batch),
+                                        kind="deep", what=f"v1 LSTM B={B}")
+    for row in plan.weights:
+        assert row.method == "rules", str(plan)
+    assert sum("per step" in " ".join(row.ops) for row in plan.weights) == 3, str(plan)
     return str(plan)
 
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
         [check_lstm, check_gru, check_simple_rnn,
-         check_while_loop_with_reference_variables_falls_back,
-         check_v1_loop_keeps_row_passes],
+         check_while_loop_with_reference_variables_on_the_rules,
+         check_v1_loop_on_the_rules],
         "recurrent rules checks"))

@@ -89,16 +89,16 @@ def _dynamic_rnn_check(make_cell, what, with_lengths=False):
         xs = tf.compat.v1.trainable_variables()
         plan = _compare(graph, ys, xs, _feed(x, lengths), what)
     methods = {w.method for w in plan.weights}
-    assert "passes" in methods, f"{what}: no weight computed by row passes:\n{plan}"
+    assert methods == {"rules"}, f"{what}: the cell's weights on the rules per step:\n{plan}"
     assert plan.verdict == "independent", f"{what}: not proven:\n{plan}"
     return str(plan)
 
 
 def check_v1_dynamic_rnn_lstm_matches_oracle():
-    """dynamic_rnn(LSTMCell) under v1 control flow: row passes for the cell, rules for
-    the dense layer after it; explain names the strategy."""
+    """dynamic_rnn(LSTMCell) under v1 control flow: the cell's weights on the rules per
+    step (`pertower.rules._v1_loops`), as the dense layer after it; explain says so."""
     text = _dynamic_rnn_check(lambda: _CELLS.LSTMCell(UNITS), "LSTMCell")
-    assert "passes" in text and "one backward pass of the original graph" in text, text
+    assert "in the TF1 loop 'rnn/while' per step" in text, text
     return text
 
 
@@ -178,8 +178,8 @@ def check_v1_while_loops_with_resource_variables_use_row_passes():
     """v1 loops with resource variables (use_resource=True): a weight read inside the
     loop, and a loop over the batch with the weight read after it. Weights no rule
     covers are computed by one backward pass per example (method "passes" in the plan),
-    also when towers are asked for; method="rules" refuses the weight read inside the
-    loop, saying why, and sparse=True refuses a table read into the loop."""
+    also when towers are asked for; method="rules" covers the weight read inside the
+    loop (per step), and sparse=True refuses a table read into the loop."""
     with tf.Graph().as_default() as graph:
         common.seed_weights(31)
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
@@ -194,13 +194,12 @@ def check_v1_while_loops_with_resource_variables_use_row_passes():
                                              lambda i, h: (i + 1, 2.0 * h),
                                              [tf.constant(0), x])
         after = tf.reduce_sum(tf.matmul(doubled, w) ** 2, axis=1)          # [B]
-        plan = pertower.explain(inside, [w], batch_size=2)
+        plan = pertower.explain(inside, [w], batch_size=2, method="towers")
         assert [p.method for p in plan.weights] == ["passes"], str(plan)
         assert "TF1 (v1) while loop" in str(plan), str(plan)
-        _assert_refused(ValueError, r"pertower.per_example_gradients: method='rules' is "
-                                    r"strict.*read inside the TF1 \(v1\) while loop",
-                        lambda: pertower.per_example_gradients(inside, [w], batch_size=2,
-                                                               method="rules"))
+        # the rules cover it too (rules._v1_loops): per step, without batch_size
+        plan = pertower.explain(inside, [w], method="rules")
+        assert [p.method for p in plan.weights] == ["rules"], str(plan)
         table = tf.compat.v1.get_variable("table", [5, 3], use_resource=True)
         ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
         _, looked_up = tf.compat.v1.while_loop(lambda i, h: i < 2,
@@ -348,7 +347,7 @@ def check_legacy_lstm_example_runs_and_matches_the_loop():
     assert code == 0, out
     assert ("OK: per-example gradients and norms match the one-example loop (4 examples, "
             "5 weights") in out, out
-    assert "passes" in out and "trained 3 DP-SGD steps" in out, out
+    assert "per step" in out and "trained 3 DP-SGD steps" in out, out
     return out
 
 
