@@ -93,6 +93,8 @@ PROCESSES = {
     # tests/test_rules_convs.py under disable_v2_behavior() and with TF_ENABLE_ONEDNN_OPTS=1
     **{f"convs_{mode}": _Command((os.path.join(HERE, "scripts", "conv_rules_checks.py"), mode),
                                  one_thread=mode == "legacy") for mode in ("legacy", "onednn")},
+    **{f"zoo_speed_{m}": _Command((os.path.join(HERE, "scripts", "zoo_speed_checks.py"), m))
+       for m in ("legacy", "onednn")},   # tests/test_rules_zoo_speed.py in the other modes
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
     "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
     # two tf.distribute.Servers, alive until the process ends.

@@ -23,6 +23,7 @@ __all__ = ["TRANSFERS", "READS_UNKNOWN"]
 _CONVOLUTION_OP_TYPES = {  # op type -> index of the data input
     "Conv2D": 0, "Conv3D": 0, "DepthwiseConv2dNative": 0, "Conv2DBackpropInput": 2,
     "Conv3DBackpropInputV2": 2, "Dilation2D": 0, "ExtractImagePatches": 0,
+    "DepthwiseConv2dNativeBackpropInput": 2,
     "ResizeBilinear": 0, "ResizeNearestNeighbor": 0, "ResizeBicubic": 0, "ResizeArea": 0,
     "ScaleAndTranslate": 0, "DepthToSpace": 0, "SpaceToDepth": 0, "Conv": 0, "Conv1D": 0,
 }

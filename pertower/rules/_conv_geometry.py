@@ -117,6 +117,8 @@ def padded_input(op, kh, kw):
     and reads every row and column; needs static spatial sizes."""
     (top, bottom), (left, right) = spatial_pads(op, kh, kw)
     x = op.inputs[0]
+    if top == bottom == left == right == 0:
+        return x                                          # (no op: fewer to build)
     x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)], [max(left, 0), max(right, 0)],
                    [0, 0]])
     height, width = _rows.static_dims(x)[1:3]             # ints in both shape modes
@@ -142,8 +144,12 @@ def taps(op, kh, kw, tensor=None, axes=(1, 2)):
     result = []
     for u in range(kh):
         for v in range(kw):
-            index = [slice(None)] * tensor.shape.rank
             top, left = u * dilations[1], v * dilations[2]
+            if (top == left == 0 and strides[1] == strides[2] == 1 and
+                    [tf.compat.dimension_value(tensor.shape[a]) for a in axes] == [out_h, out_w]):
+                result.append(tensor)                 # the whole tensor (no op)
+                continue
+            index = [slice(None)] * tensor.shape.rank
             index[axes[0]] = slice(top, top + (out_h - 1) * strides[1] + 1, strides[1])
             index[axes[1]] = slice(left, left + (out_w - 1) * strides[2] + 1, strides[2])
             result.append(tensor[tuple(index)])

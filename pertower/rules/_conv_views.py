@@ -14,7 +14,10 @@ the channel axis is, as long as A and dZ are re-laid-out alike. Three views:
                     rows j*B*inner + i*inner + t of A and dZ (`lattice.Interleaved`);
                     [blocks, B*inner, ...] -> [B*inner, blocks, ...] puts them
                     example-major, k = inner*blocks rows per example.
-    transposed      Conv2DBackpropInput (`conv2d_transpose`): see that rule.
+    transposed      Conv2DBackpropInput (`conv2d_transpose`) and
+                    DepthwiseConv2dNativeBackpropInput (`depthwise_conv2d`): the filter
+                    gradient of the forward convolution the op transposes, with dZ as its
+                    input and A as its output gradient (`TransposedView`).
 
 Each view builds, at gradient time, an NHWC convolution op on the re-laid-out input
 (never run: only its input, attributes and static output shape are read) and the
@@ -29,7 +32,8 @@ from pertower import _batch_axis
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
-__all__ = ["ViewUse", "View", "view_use", "nhwc_convolution", "to_nhwc", "regroup"]
+__all__ = ["ViewUse", "View", "TransposedView", "view_use", "nhwc_convolution", "to_nhwc",
+           "regroup"]
 
 _TO_NHWC = (0, 2, 3, 1)
 
@@ -71,6 +75,24 @@ class View:
         return inner, self.layout(dZ)
 
 
+@dataclasses.dataclass(frozen=True)
+class TransposedView:
+    """The forward convolution of a transposed one (Conv2DBackpropInput,
+    DepthwiseConv2dNativeBackpropInput: filter at input 1, A at input 2): its input is
+    dZ, its output gradient A (both moved to NHWC when `nchw`)."""
+
+    nchw: bool
+
+    def inner(self, use, dZ):
+        """(the `Use` of the forward NHWC convolution of dZ, A as its output gradient)."""
+        layout = to_nhwc if self.nchw else (lambda t: t)
+        x = layout(dZ)                                         # [N, H, W, Cf]
+        op = nhwc_convolution(use.op, x, use.op.inputs[1], self.nchw)
+        inner = registry_lib.Use(op, 1, use.rule, x, op.outputs[0], use.weight_shape,
+                                 use.rows)
+        return inner, layout(use.activation)                   # A: [N, Ho, Wo, Of]
+
+
 def to_nhwc(tensor):
     """[N, C, H, W] -> [N, H, W, C]."""
     return tf.transpose(tensor, _TO_NHWC)
@@ -94,8 +116,9 @@ def _permuted(values, nchw):
 
 
 def nhwc_convolution(op, x, w, nchw):
-    """The NHWC op of `op`'s type (Conv2D or DepthwiseConv2dNative; a
-    Conv2DBackpropInput's forward convolution is a Conv2D) on `x` with filter `w` and
+    """The NHWC op of `op`'s type (Conv2D or DepthwiseConv2dNative; the forward
+    convolution of a Conv2DBackpropInput is a Conv2D, of a
+    DepthwiseConv2dNativeBackpropInput a DepthwiseConv2dNative) on `x` with filter `w` and
     op's strides, padding and dilations (permuted from NCHW when `nchw`)."""
     padding = op.get_attr("padding")
     pairs = list(op.get_attr("explicit_paddings"))
@@ -104,7 +127,7 @@ def nhwc_convolution(op, x, w, nchw):
     attrs = dict(strides=_permuted(op.get_attr("strides"), nchw), padding=padding,
                  explicit_paddings=pairs, dilations=_permuted(op.get_attr("dilations"), nchw),
                  data_format="NHWC")
-    if op.type == "DepthwiseConv2dNative":
+    if op.type.startswith("DepthwiseConv2dNative"):
         return tf.raw_ops.DepthwiseConv2dNative(input=x, filter=w, **attrs).op
     return tf.raw_ops.Conv2D(input=x, filter=w, **attrs).op
 

@@ -19,13 +19,18 @@ Four ways of computing it, all exact (each tested against the oracle):
                      grad_g(W)[u, v] = sum_{t in g, p} x'_tp(u, v) ⊗ dz_tp,
                  one batched matmul [G, T*P, Cin]^T x [G, T*P, Cout] -> [G, Cin, Cout]
                  per tap, stacked to [G, kh*kw, Cin, Cout] (example axis first: no
-                 transpose after). With thin taps (Cin < `ConvOptions.thin_channels`)
-                 or few positions (P < `ConvOptions.few_positions`) those matmuls are
-                 too small to run well, so the slices of the input moved channels-first
-                 ([G, Cin, T, H', W']) are stacked along the contracted rows instead,
-                 [G, kh*kw*Cin, T*P], and ONE matmul with dZ [G, T*P, Cout] gives
-                 [G, kh*kw*Cin, Cout] in the filter's order. Grouped convolutions take
-                 one contraction per tap and group. Any dtype; any oneDNN setting.
+                 transpose after). A 1x1 filter is one tap: ONE batched matmul of
+                 the (strided) input, nothing stacked. With few positions (P <
+                 `ConvOptions.few_positions`) the per-tap matmuls are too small to run
+                 well, and stacking their outputs copies more than the taps hold, so
+                 the taps are put side by side in channels, [G, T*P, kh*kw*Cin] (the
+                 filter's order), and ONE matmul with dZ [G, T*P, Cout] gives
+                 [G, kh*kw*Cin, Cout]; with thin taps (Cin < `ConvOptions.thin_channels`,
+                 where a concat along channels runs slowly) the input is moved
+                 channels-first ([G, Cin, T, H', W']) and the taps stacked along the
+                 contracted rows, [G, kh*kw*Cin, T*P], for the same one matmul. Grouped
+                 convolutions take one contraction per tap and group. Any dtype; any
+                 oneDNN setting.
     "patches"    the patches of `tf.image.extract_patches` ([N, Ho, Wo, kh*kw*Cin],
                  ordered like the filter) and ONE batched matmul per group
                  (the unfold form of Opacus' grad_sample/conv.py and of BackPACK).
@@ -303,8 +308,20 @@ class Conv2DRule(registry_lib.Rule):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         g = groups(use.op)
         dZ_g = _rows.to_groups(dZ, G, 1)                          # [G, T*Ho*Wo, Cout]
+        if g == 1 and kh * kw == 1:
+            # a 1x1 filter: one batched matmul of the (strided) input, nothing stacked
+            x_g = _rows.to_groups(taps(use.op, 1, 1)[0], G, 1)   # [G, T*Ho*Wo, Cin]
+            grad = tf.matmul(x_g, dZ_g, transpose_a=True)         # [G, Cin, Cout]
+            return tf.reshape(grad, _rows.group_shape(G, [1, 1, c_in, c_out]))
+        if self._stacks_taps(use) and c_in >= self.options.thin_channels:
+            # short taps: the taps side by side in channels ([G*T, Ho, Wo, kh*kw*Cin], the
+            # filter's order, no transpose) and one matmul over the positions
+            rows = _rows.to_groups(tf.concat(taps(use.op, kh, kw), axis=3), G, 1)
+            grad = tf.matmul(rows, dZ_g, transpose_a=True)        # [G, kh*kw*Cin, Cout]
+            return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
         if self._stacks_taps(use):
-            # thin or short taps: one matmul over the taps stacked along the contracted rows
+            # thin taps: one matmul over the taps stacked along the contracted rows, the
+            # input moved channels-first (a concat along a thin last axis runs slowly)
             x = padded_input(use.op, kh, kw)                      # [G*T, H', W', Cin]
             height, width = x.shape.as_list()[1:3]
             x = tf.reshape(x, _rows.group_shape(G, [-1, height, width, c_in]))

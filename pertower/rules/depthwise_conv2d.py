@@ -35,6 +35,19 @@ Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations; the filter s
 NCHW and the blocks of a SpaceToBatchND (Keras' dilated DepthwiseConv2D without
 oneDNN: SpaceToBatchND -> DepthwiseConv2dNative -> BatchToSpaceND) through
 `_conv_views`: the same ways on A and dZ re-laid-out to NHWC, example-major.
+
+DepthwiseConv2dNativeBackpropInput (a depthwise transposed convolution; its weight is
+the filter W [kh, kw, C, M], its data input A [N, Ho, Wo, C*M], its output Z
+[N, H, W, C]). It computes the input gradient of the depthwise convolution
+x -> dconv(x, W) at the output gradient A, the adjoint of that linear map:
+    Z[n, y, c] = sum_{p, u, v, m : y = p*s + (u, v)*d - pad} W[u, v, c, m] A[n, p, c*M + m],
+so, differentiating with respect to W,
+    grad_i(W)[u, v, c, m] = sum_p dz_i(p*s + (u, v)*d - pad)[c] a_ip[c*M + m],
+the filter gradient of dconv(., W) with dZ as its input and A as its output gradient
+(as TensorFlow's registered gradient of the op, `_DepthwiseConv2dNativeBackpropInputGrad`
+in nn_grad.py, computes for the batch; the same swap as `conv2d_transpose` for
+Conv2DBackpropInput). `DepthwiseConv2DTransposeRule` builds that forward depthwise
+convolution (never run) and hands it to this rule's ways (`_conv_views.TransposedView`).
 """
 
 import tensorflow as tf
@@ -46,6 +59,10 @@ from pertower.rules import _rows
 from pertower.rules import conv2d
 from pertower.rules import conv2d_squares
 from pertower.rules import registry as registry_lib
+
+__all__ = ["DepthwiseConv2DRule", "DepthwiseConv2DTransposeRule", "register"]
+
+_FILTER, _DATA = 1, 2
 
 
 class DepthwiseConv2DRule(registry_lib.Rule):
@@ -162,9 +179,44 @@ class DepthwiseConv2DRule(registry_lib.Rule):
                                         _rows.scale_rows(dZ, factors))
 
 
+class DepthwiseConv2DTransposeRule(registry_lib.Rule):
+    """Per-example filter gradients of DepthwiseConv2dNativeBackpropInput (a depthwise
+    transposed convolution) through `DepthwiseConv2DRule` on its forward convolution.
+
+    Args:
+      options: a `conv2d.ConvOptions` for the depthwise ways (default: "auto").
+    """
+
+    @_context.public("rules.depthwise_conv2d.DepthwiseConv2DTransposeRule")
+    def __init__(self, options=None):
+        self.convolution = DepthwiseConv2DRule(options)
+
+    def match(self, op, slot, analysis):
+        if slot != _FILTER:
+            return ("the weight is the transposed convolution's data or output shape, not "
+                    "its filter")
+        data_format = op.get_attr("data_format").decode()
+        if data_format not in ("NHWC", "NCHW"):
+            return f"data_format {data_format} (NHWC and NCHW are covered)"
+        if not op.inputs[_FILTER].shape.is_fully_defined():
+            return "the filter's shape is not static"
+        rows = _rows.example_rows(analysis, op.inputs[_DATA], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return _conv_views.ViewUse(op, slot, self, op.inputs[_DATA], op.outputs[0],
+                                   op.inputs[_FILTER].shape, rows,
+                                   view=_conv_views.TransposedView(data_format == "NCHW"))
+
+    def per_group(self, use, dZ, G):
+        return self.convolution.per_group(*use.view.inner(use, dZ), G)
+
+    def clipped_sum(self, use, dZ, factors):
+        return self.convolution.clipped_sum(*use.view.inner(use, dZ), factors)
 
 
 def register(registry, options=None):
-    """Adds the DepthwiseConv2dNative rule to `registry` (with `options`, a
-    `conv2d.ConvOptions`)."""
+    """Adds the DepthwiseConv2dNative and DepthwiseConv2dNativeBackpropInput rules to
+    `registry` (with `options`, a `conv2d.ConvOptions`)."""
     registry.register("DepthwiseConv2dNative", DepthwiseConv2DRule(options))
+    registry.register("DepthwiseConv2dNativeBackpropInput",
+                      DepthwiseConv2DTransposeRule(options))

@@ -71,7 +71,8 @@ def add_arguments(parser):
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
                              f"{', '.join(PEER_MODELS)}), or networks of the zoo: "
-                             f"{', '.join(zoo.ZOO)} (per-example gradients, norms and a DP "
+                             f"{', '.join(zoo.ZOO)}, or 'all' of them (per-example gradients, "
+                             "norms and a DP "
                              "step against the batch gradient, a plain step and the loop, "
                              "build time against tf.gradients; B=8,16,32 by default)")
     parser.add_argument("--batch-sizes", nargs="+", type=arguments.positive_int, default=None,
@@ -117,6 +118,7 @@ def add_arguments(parser):
 def _model_names(text):
     """--models: 'a,b' -> ['a', 'b'], each a bench model or a zoo network."""
     names = [name.strip() for name in text.split(",") if name.strip()]
+    names = [n for name in names for n in (zoo.ZOO if name == "all" else [name])]
     unknown = [name for name in names if name not in PEER_MODELS + zoo.ZOO]
     if unknown:
         raise argparse.ArgumentTypeError(
