@@ -223,8 +223,7 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
 
 
 def output_gradients(plan, indices, grad_ys=None, unconnected=tf.UnconnectedGradients.ZERO):
-    """{id(Z): dZ} at the outputs of the uses of the covered weights `indices`, from one
-    tf.gradients call (`_output_gradients`; the curvature functions' entry point)."""
+    """`_output_gradients`, for the curvature functions (`pertower._curvature`)."""
     return _output_gradients(plan, indices, grad_ys, unconnected)
 
 
