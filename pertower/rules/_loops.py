@@ -52,6 +52,7 @@ import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph
 
 from pertower import _batch_axis
+from pertower import _context
 from pertower import _op_types as op_types
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
@@ -65,6 +66,9 @@ __all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradie
 _STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES
 _SCOPE = "loop_weights"
 _UNCHANGED = frozenset({"Identity", "Snapshot"})
+# Public functions that read the plan's uses themselves (not through the engine), where a
+# TF1 frame's weights keep their row passes.
+_CURVATURE_CALLERS = frozenset({"sum_grad_squared", "diag_ggn", "kfac_factors"})
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
 _STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATCH_MATMUL_OP_TYPES
@@ -155,6 +159,9 @@ class Loops:
         frame (`pertower.rules._v1_loops`), or `fallback` (the reason the weight is not
         covered) with the frame's reason."""
         from pertower.rules import _v1_loops  # pylint: disable=import-outside-toplevel
+        if _context.name() in _CURVATURE_CALLERS:   # they read plan.uses' A and Z directly
+            return (f"{fallback}: {_context.name()} does not take a loop's per-step reads "
+                    "(row passes)")
         found = _v1_loops.frame_uses(self._frames, self, enter)
         return f"{fallback}: {found}" if isinstance(found, str) else found
 
