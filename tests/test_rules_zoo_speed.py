@@ -33,8 +33,8 @@ def _registry(op_type, rule):
 
 
 def _compare(ys, xs, feed, registry, what):
-    """Per-example gradients (method="rules", no batch_size) and their clipped sum
-    against the loop; every weight on the rules."""
+    """Per-example gradients and norms (method="rules", no batch_size) against the
+    loop; every weight on the rules."""
     plan = pertower.explain(ys, xs, rules=registry)
     off = {w.name: w.reason for w in plan.weights if w.method != "rules"}
     assert not off, f"{what}: weights not on the rules: {off}"
