@@ -77,7 +77,8 @@ def pytest_collection_modifyitems(config, items):
                                for marker in item.iter_markers("process_checks")))
     # the members of a group first: together they make the longest run
     grouped = {name for group in process_checks.GROUPS for name in group}
-    config.stash[_PROCESSES].start(*sorted(names, key=lambda name: name not in grouped))
+    if not config.option.collectonly:   # (--collect-only runs no test)
+        config.stash[_PROCESSES].start(*sorted(names, key=lambda name: name not in grouped))
     # The tests that read a process run last (in their order): until then the test
     # process runs the others while the queue runs the processes on the other core.
     items.sort(key=lambda item: next(item.iter_markers("process_checks"), None) is not None)

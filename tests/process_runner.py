@@ -103,6 +103,7 @@ class Runner:
         self._queue = []       # names to start, in order
         self._started = {}     # run name -> Popen, for the runs this object started
         self._done = {}        # name -> Completed
+        self._timeouts = {}    # run name -> seconds before it is taken as hung
         self._thread = None
 
     def _path(self, name, suffix):
@@ -182,11 +183,12 @@ class Runner:
                                      stdout=out, stderr=err, text=True,
                                      preexec_fn=_lower_priority if os.name == "posix" else None)
         self._started[run] = popen
+        self._timeouts[run] = TIMEOUT_SECONDS * len(names)   # each member's own time
         return run, popen
 
     def _finish(self, run, popen):
         """Waits for `popen` (run `run`) and writes its exit code to RUN.rc."""
-        returncode = _wait(popen)
+        returncode = _wait(popen, self._timeouts[run])
         partial = self._path(run, "rc.partial")
         with open(partial, "w") as f:
             f.write(str(returncode))
@@ -215,7 +217,7 @@ class Runner:
     def _wait_for(self, name):
         """The `Completed` of process `name`, once its run has reported its end (another
         test process may still be running it)."""
-        deadline = time.monotonic() + TIMEOUT_SECONDS + 60
+        deadline = time.monotonic() + TIMEOUT_SECONDS * len(self._commands) + 60
         run = ""
         while True:
             if not run:
@@ -234,8 +236,8 @@ class Runner:
                             else "")
                     return _parse(name, section[0], section[1], self._read(run, "err"))
             if time.monotonic() > deadline:
-                raise AssertionError(f"process {name!r}: no end after "
-                                     f"{TIMEOUT_SECONDS + 60} s in {self._directory}")
+                raise AssertionError(f"process {name!r}: no end in time in "
+                                     f"{self._directory}")
             time.sleep(0.2)
 
     def assert_passed(self, name, check):
@@ -293,10 +295,10 @@ def section_lines(name):
     return _SECTION_START + name, _SECTION_END + name
 
 
-def _wait(popen):
-    """Waits for `popen` up to TIMEOUT_SECONDS, then kills it; returns the exit code."""
+def _wait(popen, timeout):
+    """Waits for `popen` up to `timeout` seconds, then kills it; returns the exit code."""
     try:
-        return popen.wait(timeout=TIMEOUT_SECONDS)
+        return popen.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         popen.kill()
         return popen.wait()
