@@ -36,7 +36,6 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _checks
 from pertower import _context
-from pertower import _op_types as op_types
 from pertower import _plan
 from pertower.rules import _loops
 from pertower.rules import _shapes

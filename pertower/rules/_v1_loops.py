@@ -34,7 +34,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower.rules import _loop_copy
-from pertower.rules import _loops
+from pertower.rules import _loop_uses
 from pertower.rules import _v1_loop_copy
 from pertower.rules import registry as registry_lib
 
@@ -49,7 +49,7 @@ _STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES | {_TA_READ, _TA_WRITE}
 
 
 @dataclasses.dataclass(frozen=True)
-class FrameUse(_loops.LoopUse):
+class FrameUse(_loop_uses.LoopUse):
     """A covered read of a weight inside a v1 frame (`loop` is its `Frame`)."""
 
     @property
@@ -137,7 +137,6 @@ class Frame:
     def _needed(self, variables):
         """The loop variables that `ys` reads at the frame's exits, that the condition
         reads, and those their next values read (data edges only), in order."""
-        upstream = self.loops.request.ys_upstream
         by_value = {v.value.ref(): v for v in variables}
         by_merge = {v.merge.outputs[0].ref(): v for v in variables}
         cond = self._region([self.loop_cond.inputs[0]], by_merge)
@@ -305,8 +304,8 @@ class Frame:
         rule = self.loops.registry.lookup(target.type)
         if rule is None:
             return f"its body reads it by {where}, which has no rule"
-        if _loops.step_rule_reason(target, rule) is not None:
-            return _loops.step_rule_reason(target, rule)
+        if _loop_uses.step_rule_reason(target, rule) is not None:
+            return _loop_uses.step_rule_reason(target, rule)
         use = rule.match(target, slot, self.loops.analysis)
         if isinstance(use, str):
             return f"its body reads it by {where}: {use}"
