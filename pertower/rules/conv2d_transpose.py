@@ -27,8 +27,6 @@ Covered: NHWC and NCHW (transposed to NHWC), any strides, SAME/VALID/explicit pa
 dilations; the filter static; A's rows example-major (k rows per example).
 """
 
-import dataclasses
-
 import tensorflow as tf
 
 from pertower import _context
@@ -40,22 +38,6 @@ from pertower.rules import registry as registry_lib
 __all__ = ["Conv2DTransposeRule", "register"]
 
 _FILTER, _DATA = 1, 2
-
-
-@dataclasses.dataclass(frozen=True)
-class _TransposedView:
-    """The forward convolution of a Conv2DBackpropInput: its input is dZ, its output
-    gradient A (both NHWC)."""
-
-    nchw: bool
-
-    def inner(self, use, dZ):
-        layout = _conv_views.to_nhwc if self.nchw else (lambda t: t)
-        x = layout(dZ)                                         # [N, H, W, Cf]
-        op = _conv_views.nhwc_convolution(use.op, x, use.op.inputs[_FILTER], self.nchw)
-        inner = registry_lib.Use(op, 1, use.rule, x, op.outputs[0], use.weight_shape,
-                                 use.rows)
-        return inner, layout(use.activation)                   # A: [N, Ho, Wo, Of]
 
 
 class Conv2DTransposeRule(registry_lib.Rule):
@@ -86,7 +68,7 @@ class Conv2DTransposeRule(registry_lib.Rule):
             return rows
         return _conv_views.ViewUse(op, slot, self, op.inputs[_DATA], op.outputs[0],
                                    op.inputs[_FILTER].shape, rows,
-                                   view=_TransposedView(data_format == "NCHW"))
+                                   view=_conv_views.TransposedView(data_format == "NCHW"))
 
     def per_group(self, use, dZ, G):
         return self.convolution.per_group(*use.view.inner(use, dZ), G)
