@@ -32,10 +32,11 @@ from pertower import _batch_axis
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
-__all__ = ["ViewUse", "View", "TransposedView", "view_use", "nhwc_convolution", "to_nhwc",
-           "regroup"]
+__all__ = ["ViewUse", "View", "TransposedView", "TransposedRule", "view_use",
+           "nhwc_convolution", "to_nhwc", "regroup"]
 
 _TO_NHWC = (0, 2, 3, 1)
+_TRANSPOSED_FILTER, _TRANSPOSED_DATA = 1, 2   # the inputs of a transposed convolution
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,44 @@ class TransposedView:
         inner = registry_lib.Use(op, 1, use.rule, x, op.outputs[0], use.weight_shape,
                                  use.rows)
         return inner, layout(use.activation)                   # A: [N, Ho, Wo, Of]
+
+
+class TransposedRule(registry_lib.Rule):
+    """A rule for a transposed convolution (filter at input 1, data at input 2) that
+    hands the forward convolution of dZ, with A as its output gradient
+    (`TransposedView`), to `self.convolution`, the rule of that forward op.
+    Subclasses set `self.convolution` and may refuse more in `_refuse(op)`."""
+
+    convolution = None
+
+    def _refuse(self, op):   # pylint: disable=unused-argument
+        """Why the op's layout is not covered beyond the shared checks, or None."""
+        return None
+
+    def match(self, op, slot, analysis):
+        if slot != _TRANSPOSED_FILTER:
+            return ("the weight is the transposed convolution's data or output shape, not "
+                    "its filter")
+        data_format = op.get_attr("data_format").decode()
+        if data_format not in ("NHWC", "NCHW"):
+            return f"data_format {data_format} (NHWC and NCHW are covered)"
+        if not op.inputs[_TRANSPOSED_FILTER].shape.is_fully_defined():
+            return "the filter's shape is not static"
+        refused = self._refuse(op)
+        if refused is not None:
+            return refused
+        rows = _rows.example_rows(analysis, op.inputs[_TRANSPOSED_DATA], op.outputs[0])
+        if isinstance(rows, str):
+            return rows
+        return ViewUse(op, slot, self, op.inputs[_TRANSPOSED_DATA], op.outputs[0],
+                       op.inputs[_TRANSPOSED_FILTER].shape, rows,
+                       view=TransposedView(data_format == "NCHW"))
+
+    def per_group(self, use, dZ, G):
+        return self.convolution.per_group(*use.view.inner(use, dZ), G)
+
+    def clipped_sum(self, use, dZ, factors):
+        return self.convolution.clipped_sum(*use.view.inner(use, dZ), factors)
 
 
 def to_nhwc(tensor):

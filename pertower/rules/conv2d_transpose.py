@@ -31,16 +31,14 @@ import tensorflow as tf
 
 from pertower import _context
 from pertower.rules import _conv_views
-from pertower.rules import _rows
 from pertower.rules import conv2d
-from pertower.rules import registry as registry_lib
 
 __all__ = ["Conv2DTransposeRule", "register"]
 
-_FILTER, _DATA = 1, 2
+_FILTER = 1
 
 
-class Conv2DTransposeRule(registry_lib.Rule):
+class Conv2DTransposeRule(_conv_views.TransposedRule):
     """Per-example filter gradients of Conv2DBackpropInput through the Conv2D rule.
 
     Args:
@@ -51,33 +49,15 @@ class Conv2DTransposeRule(registry_lib.Rule):
     def __init__(self, options=None):
         self.convolution = conv2d.Conv2DRule(options)
 
-    def match(self, op, slot, analysis):
-        if slot != _FILTER:
-            return ("the weight is the transposed convolution's data or output shape, not "
-                    "its filter")
+    def _refuse(self, op):
         data_format = op.get_attr("data_format").decode()
-        if data_format not in ("NHWC", "NCHW"):
-            return f"data_format {data_format} (NHWC and NCHW are covered)"
-        if not op.inputs[_FILTER].shape.is_fully_defined():
-            return "the filter's shape is not static"
         channels = op.outputs[0].shape.with_rank(4)[1 if data_format == "NCHW" else 3]
         if tf.compat.dimension_value(channels) != op.inputs[_FILTER].shape[2]:
             return "its output's channels are not the filter's (grouped convolutions)"
-        rows = _rows.example_rows(analysis, op.inputs[_DATA], op.outputs[0])
-        if isinstance(rows, str):
-            return rows
-        return _conv_views.ViewUse(op, slot, self, op.inputs[_DATA], op.outputs[0],
-                                   op.inputs[_FILTER].shape, rows,
-                                   view=_conv_views.TransposedView(data_format == "NCHW"))
-
-    def per_group(self, use, dZ, G):
-        return self.convolution.per_group(*use.view.inner(use, dZ), G)
+        return None
 
     def squared_norms(self, use, dZ, B):
         return self.convolution.squared_norms(*use.view.inner(use, dZ), B)
-
-    def clipped_sum(self, use, dZ, factors):
-        return self.convolution.clipped_sum(*use.view.inner(use, dZ), factors)
 
 
 def register(registry, options=None):

@@ -62,7 +62,6 @@ from pertower.rules import registry as registry_lib
 
 __all__ = ["DepthwiseConv2DRule", "DepthwiseConv2DTransposeRule", "register"]
 
-_FILTER, _DATA = 1, 2
 
 
 class DepthwiseConv2DRule(registry_lib.Rule):
@@ -179,7 +178,7 @@ class DepthwiseConv2DRule(registry_lib.Rule):
                                         _rows.scale_rows(dZ, factors))
 
 
-class DepthwiseConv2DTransposeRule(registry_lib.Rule):
+class DepthwiseConv2DTransposeRule(_conv_views.TransposedRule):
     """Per-example filter gradients of DepthwiseConv2dNativeBackpropInput (a depthwise
     transposed convolution) through `DepthwiseConv2DRule` on its forward convolution.
 
@@ -190,28 +189,6 @@ class DepthwiseConv2DTransposeRule(registry_lib.Rule):
     @_context.public("rules.depthwise_conv2d.DepthwiseConv2DTransposeRule")
     def __init__(self, options=None):
         self.convolution = DepthwiseConv2DRule(options)
-
-    def match(self, op, slot, analysis):
-        if slot != _FILTER:
-            return ("the weight is the transposed convolution's data or output shape, not "
-                    "its filter")
-        data_format = op.get_attr("data_format").decode()
-        if data_format not in ("NHWC", "NCHW"):
-            return f"data_format {data_format} (NHWC and NCHW are covered)"
-        if not op.inputs[_FILTER].shape.is_fully_defined():
-            return "the filter's shape is not static"
-        rows = _rows.example_rows(analysis, op.inputs[_DATA], op.outputs[0])
-        if isinstance(rows, str):
-            return rows
-        return _conv_views.ViewUse(op, slot, self, op.inputs[_DATA], op.outputs[0],
-                                   op.inputs[_FILTER].shape, rows,
-                                   view=_conv_views.TransposedView(data_format == "NCHW"))
-
-    def per_group(self, use, dZ, G):
-        return self.convolution.per_group(*use.view.inner(use, dZ), G)
-
-    def clipped_sum(self, use, dZ, factors):
-        return self.convolution.clipped_sum(*use.view.inner(use, dZ), factors)
 
 
 def register(registry, options=None):
