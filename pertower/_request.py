@@ -14,6 +14,7 @@ size, the batch-axis analysis (for the rules), the ops the towers replay, and th
 first TF1 (v1) while loop between the batch and `ys` (for the row passes).
 """
 
+import collections.abc
 import dataclasses
 
 import tensorflow as tf
@@ -109,7 +110,8 @@ class Request:
         that depend on a batch tensor).
       weight_regions: per entry of xs, the ops of ys_upstream downstream of its reads
         (read tensors, gathers and function calls that read it, and those ops), which
-        the towers replay with its copies besides S.
+        the towers replay with its copies besides S (a `WeightRegions`: walked when
+        asked for).
       loop_op: the first TF1 (v1) while loop op (Enter, Exit, NextIteration, LoopCond)
         between the batch or a weight read and `ys`, or None.
       method: "auto", "rules" or "towers".
@@ -132,7 +134,7 @@ class Request:
     analysis: object
     segments: object
     batch_downstream: frozenset
-    weight_regions: tuple
+    weight_regions: object
     loop_op: object
     method: str = "auto"
     registry: object = None
@@ -264,8 +266,8 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
             raise ValueError(message)
         reads = [graph_walk.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
-        weight_regions, loop_region = _regions(reads, ys_upstream)
-    loops = [op for op in batch_downstream.union(*weight_regions, loop_region)
+        weight_regions, read_region = _regions(reads, ys_upstream)
+    loops = [op for op in batch_downstream.union(read_region)
              if op.type in op_types.V1_LOOP_OP_TYPES]
     # pylint: disable-next=protected-access
     loop_op = min(loops, key=lambda op: op._id) if loops else None
@@ -277,20 +279,52 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
                    registry=registry, options=options)
 
 
+class WeightRegions(collections.abc.Sequence):
+    """Per entry of xs, the ops of ys_upstream downstream of its reads (read tensors,
+    gathers and function calls that read it, and those ops), each walked the first time
+    it is asked for: only the towers (for the weights they compute) and the check of
+    unassumed gradients (when some op has one) need them, and walking every weight's
+    region costs one walk of the network per weight."""
+
+    def __init__(self, reads, ys_upstream):
+        self._reads, self._within, self._found = tuple(reads), ys_upstream, {}
+
+    def __len__(self):
+        return len(self._reads)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return tuple(self[j] for j in range(len(self))[k])
+        k = range(len(self))[k]
+        if k not in self._found:
+            self._found[k] = _weights_region([self._reads[k]], self._within)
+        return self._found[k]
+
+    def walked(self):
+        """How many regions were walked so far."""
+        return len(self._found)
+
+
+def _weights_region(reads, ys_upstream):
+    """The ops of ys_upstream downstream of the reads of the weights of `reads` (one
+    walk for all of them), with their gather and call ops."""
+    starts = {op for r in reads for op in r.gather_ops} | {
+        op for r in reads for op, _ in r.call_inputs}
+    tensors = [t for r in reads for t in r.read_tensors]
+    tensors += [t for op in sorted(starts, key=lambda o: o._id)   # pylint: disable=protected-access
+                for t in op.outputs]
+    return frozenset(graph_walk.downstream_ops(tensors, ys_upstream) | starts)
+
+
 def _regions(reads, ys_upstream):
-    """(per weight, the ops downstream of its reads that the towers replay; the ops a
-    TF1 loop takes the weights' handles into and those downstream of them)."""
-    regions = []
-    for r in reads:
-        starts = set(r.gather_ops) | {op for op, _ in r.call_inputs}
-        region = graph_walk.downstream_ops(r.read_tensors, ys_upstream) | starts
-        for op in starts:
-            region |= graph_walk.downstream_ops(op.outputs, ys_upstream)
-        regions.append(frozenset(region))
+    """(per weight, the ops downstream of its reads that the towers replay, walked when
+    asked for; the ops downstream of any weight's reads and those a TF1 loop takes the
+    weights' handles into and those downstream of them, in one walk each)."""
     loop_region = {op for r in reads for op in r.loop_inputs}
     for op in list(loop_region):
         loop_region |= graph_walk.downstream_ops(op.outputs, ys_upstream)
-    return tuple(regions), frozenset(loop_region)
+    return (WeightRegions(reads, ys_upstream),
+            _weights_region(reads, ys_upstream) | frozenset(loop_region))
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph):

@@ -1,6 +1,7 @@
 """What building per-example gradients costs, by mechanism (no timing).
 
-Each rule use adds a bounded number of ops, whatever the number of layers; shapes that
+Each rule use adds a bounded number of ops, whatever the number of layers, and the
+constants it needs are shared by the whole build (`_shapes.constant`); shapes that
 are static are not rebuilt from tf.shape + Pack; a rule's result that already has the
 weight's shape is not reshaped; the planning walks read each op's consumers once
 (`_graph_walk.OpRegion`) and walk no weight's path for unassumed gradients when no op
@@ -27,15 +28,15 @@ from tests import common
 
 B = 3
 LAYERS = (1, 4)
-# ops one use may add (rule and engine together), whatever the number of layers:
-# gamma: Sub, Mul, Reshape + Const, Sum + Const, AddV2 + Const, Rsqrt, Mul;
-# beta and BiasAdd: Reshape + Const, Sum + Const; MatMul: 2 x (Reshape + Const), Einsum;
-# channels first (NCHW) adds the sum over the positions (Sum + Const) and, for gamma,
-# the reshape of the mean to [C, 1, 1] (Reshape + Const)
-PER_USE = {("FusedBatchNormV3", 1): 11, ("FusedBatchNormV3", 2): 4, ("BiasAdd", 1): 4,
-           ("MatMul", 1): 5}
-NCHW_EXTRA = {("FusedBatchNormV3", 1): 4, ("FusedBatchNormV3", 2): 2, ("BiasAdd", 1): 2}
-
+# ops other than Const one use may add (rule and engine together), whatever the number
+# of layers; B is left to run time, so each group is one row and every sum over a
+# group's positions is one Sum, with no reshape to [G, rows, C] first:
+# gamma: Sub, Mul, Sum, AddV2 (epsilon), Rsqrt, Mul; beta and BiasAdd: Sum;
+# MatMul: Einsum; channels first (NCHW) adds, for gamma, the reshape of the mean to
+# [C, 1, 1]. Every Const (sum axes, reshape targets, epsilon) is shared by the build.
+PER_USE = {("FusedBatchNormV3", 1): 6, ("FusedBatchNormV3", 2): 1, ("BiasAdd", 1): 1,
+           ("MatMul", 1): 1}
+NCHW_EXTRA = {("FusedBatchNormV3", 1): 1, ("FusedBatchNormV3", 2): 0, ("BiasAdd", 1): 0}
 
 def _network(layers):
     """(ys [B], xs, x placeholder, moving statistics) of `layers` blocks."""
@@ -82,6 +83,7 @@ class _Built:
             plan = _dispatch.make_plan(self.request)
             self.plan = plan
             self.use_ops = collections.defaultdict(list)   # (op type, slot) -> [op types]
+            self.use_constants = []   # the Const ops the rule uses created
             rules = {id(u.rule): u.rule for uses in plan.uses for u in uses or ()}
             for rule in rules.values():
                 rule.per_group = self._counted(rule.per_group)
@@ -99,6 +101,8 @@ class _Built:
             nchw = use.op.type != "MatMul" and use.op.get_attr("data_format") == b"NCHW"
             self.use_ops[(use.op.type, use.slot)].append(
                 (nchw, [op.type for op in self.graph.get_operations()[n:]]))
+            self.use_constants += [op for op in self.graph.get_operations()[n:]
+                                   if op.type == "Const"]
             return result
         return counted
 
@@ -119,18 +123,58 @@ def test_ops_per_use_bounded_and_no_shape_packs(built):
         for key, each in b.use_ops.items():
             for nchw, types in each:
                 bound = PER_USE[key] + (NCHW_EXTRA[key] if nchw else 0)
-                assert len(types) <= bound, (layers, key, nchw, types)
+                assert len(types) - types.count("Const") <= bound, (layers, key, nchw, types)
                 # B is known at run time only, but every other size is static: no
                 # target is stacked out of tf.shape
                 assert "Pack" not in types and "Shape" not in types, (layers, key, types)
 
 
+def test_constants_shared_by_the_build(built):
+    """Every Const the rule uses need (sum axes, reshape targets, epsilon) is made once
+    per build: no two with the same value, and as many for 4 blocks as for the kinds of
+    value they hold (not per use)."""
+    for layers, b in built.items():
+        seen = set()
+        for op in b.use_constants:
+            key = (op.get_attr("dtype"), tf.make_ndarray(op.get_attr("value")).tobytes(),
+                   tuple(tf.make_ndarray(op.get_attr("value")).shape))
+            assert key not in seen, (layers, op.name, op.get_attr("value"))
+            seen.add(key)
+        uses = sum(len(each) for each in b.use_ops.values())
+        assert len(b.use_constants) < uses, (layers, len(b.use_constants), uses)
+
+
+def test_shared_constant_per_graph_and_loop_context():
+    with tf.Graph().as_default() as graph:
+        cache = _shapes.ShapeCache(2)
+        assert _shapes.constant([1, 2]) is not _shapes.constant([1, 2])   # no build: new
+        with cache.active():
+            first = _shapes.constant([1, 2])
+            assert _shapes.constant([1, 2]) is first
+            assert _shapes.constant([1, 2], tf.int64) is not first
+            assert _shapes.constant(1e-3, tf.float32) is not _shapes.constant(1e-3, tf.float64)
+            inside = []
+
+            def body(i):   # a while loop's body (its own graph or frame): its own constant
+                inside.append(_shapes.constant([1, 2]))
+                return i + 1
+
+            tf.compat.v1.while_loop(lambda i: i < 3, body, [tf.constant(0)])
+            assert inside and all(c is not first for c in inside)
+            with tf.Graph().as_default():
+                assert _shapes.constant([1, 2]).graph is not graph
+        assert _shapes.constant([1, 2]) is not first
+
+
 def test_build_grows_by_a_constant_per_layer(built):
     """The build's ops per block: its own backward pass to the uses' outputs (as
-    tf.gradients'), the rule uses, one Identity per result; no op per block that grows
+    tf.gradients'), the rule uses (but their shared constants), one Identity per
+    result; no op per block that grows
     with the number of blocks."""
     (few, b_few), (many, b_many) = sorted(built.items())
-    per_block = (len(b_many.build_ops) - len(b_few.build_ops)) / (many - few)
+    # (the rules' shared constants are counted by test_constants_shared_by_the_build)
+    ops = {b: len(b.build_ops) - len(b.use_constants) for b in (b_few, b_many)}
+    per_block = (ops[b_many] - ops[b_few]) / (many - few)
     tf_per_block = (b_many.tf_gradient_ops - b_few.tf_gradient_ops) / (many - few)
     rules_per_block = sum(PER_USE[key] + NCHW_EXTRA[key] for key in NCHW_EXTRA)
     assert per_block <= tf_per_block + rules_per_block + 3, (per_block, tf_per_block)
@@ -192,8 +236,15 @@ def test_planning_reads_consumers_once(built, monkeypatch):
 
     monkeypatch.setattr(_unassumed.graph_walk, "downstream_ops", counted)
     with b.graph.as_default():
-        _dispatch.make_plan(_request.make_request(b.ys, b.xs, None, None, None))
+        request = _request.make_request(b.ys, b.xs, None, None, None)
+        _dispatch.make_plan(request)
     assert not walks   # no op with an unassumed gradient: no weight's path is walked
+    # nor is any weight's region (the towers' replay) walked when no towers are built
+    assert request.weight_regions.walked() == 0
+    for k, reads in enumerate(request.reads):   # and when asked, it is the walk's
+        want = _graph_walk.downstream_ops(reads.read_tensors, frozenset(region))
+        assert request.weight_regions[k] == want, k
+    assert request.weight_regions.walked() == len(b.xs)
 
 
 def test_unassumed_gradient_still_found():
@@ -237,3 +288,24 @@ def test_one_pull_back_per_weight_function():
         want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [w], feed)
         common.assert_all_close(sess.run(grads, feed), want, what="tanh(W) twice")
         sess.close()
+
+
+def test_strided_slice_as_indexing():
+    """`_shapes.strided_slice` gives what Python indexing gives, sharing its bounds."""
+    with tf.Graph().as_default() as graph:
+        value = np.arange(2 * 7 * 6 * 3, dtype=np.float32).reshape(2, 7, 6, 3)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 7, 6, 3])
+        indices = [(slice(None), slice(1, 6, 2), slice(0, 5, 1), slice(None)),
+                   (slice(None), slice(None, 4), slice(2, None, 3)),
+                   (slice(1, None), slice(0, 7, 3))]
+        with _shapes.ShapeCache(2).active():
+            n = len(graph.get_operations())
+            got = [_shapes.strided_slice(x, index) for index in indices]
+            again = _shapes.strided_slice(x, indices[0])
+            assert len(graph.get_operations()) - n <= 4 * len(indices) + 1
+        with tf.compat.v1.Session(graph=graph) as sess:
+            results = sess.run(got + [again], {x: value})
+        for index, result in zip(indices + [indices[0]], results):
+            np.testing.assert_array_equal(result, value[index])
+            assert [d for d in got[indices.index(index)].shape.as_list()[1:]] == list(
+                value[index].shape[1:])

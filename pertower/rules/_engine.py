@@ -77,9 +77,10 @@ def build_plan(request, registry):
     uses, reasons = [], []
     unassumed = UnassumedGradients(request)
     loops = _loops.Loops(request, analysis, registry)
-    for x, reads, region in zip(request.xs, request.reads, request.weight_regions):
+    for k, (x, reads) in enumerate(zip(request.xs, request.reads)):
         found = _weight_uses(x, reads, request.ys_upstream, analysis, registry, loops)
-        if not isinstance(found, str) and found:
+        if not isinstance(found, str) and found:   # (x's region walked only when needed)
+            region = lambda k=k: request.weight_regions[k]   # pylint: disable=cell-var-from-loop
             found = unassumed.reason(reads, request.ys_upstream, region) or found
         if isinstance(found, str):
             uses.append(None)
@@ -272,24 +273,29 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     grad_ys = _checks.grad_ys_like(plan.request.ys, grad_ys)
     d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
     results, cache = {}, _shapes.ShapeCache(G)
-    for k in indices:
-        x = plan.request.xs[k]
-        parts = []
-        for use in _loops.concrete_uses(plan.uses[k]):
-            dZ = d_outputs[id(use.output)]
-            if dZ is not None:
-                parts.append((use, dZ))
-        parts = _per_x_parts(parts, x, G, cache)
-        if not parts:
-            if unconnected == tf.UnconnectedGradients.NONE:
-                results[k] = None
-                continue
-            parts = [_zeros(x, G)]
-        total = tf.add_n(parts) if len(parts) > 1 else parts[0]
-        total.set_shape(tf.TensorShape([G if isinstance(G, int) else None])
-                        .concatenate(x.shape))
-        results[k] = total
+    with cache.active():   # one Const per value for the whole build (`_shapes.constant`)
+        for k in indices:
+            results[k] = _weight_gradient(plan, k, d_outputs, G, cache, unconnected)
     return results
+
+
+def _weight_gradient(plan, k, d_outputs, G, cache, unconnected):
+    """[G, *xs[k].shape]: the sum of the rules' results of every use of xs[k] (None
+    when it gets no gradient and unconnected is NONE)."""
+    x = plan.request.xs[k]
+    parts = []
+    for use in _loops.concrete_uses(plan.uses[k]):
+        dZ = d_outputs[id(use.output)]
+        if dZ is not None:
+            parts.append((use, dZ))
+    parts = _per_x_parts(parts, x, G, cache)
+    if not parts:
+        if unconnected == tf.UnconnectedGradients.NONE:
+            return None
+        parts = [_zeros(x, G)]
+    total = tf.add_n(parts) if len(parts) > 1 else parts[0]
+    total.set_shape(tf.TensorShape([G if isinstance(G, int) else None]).concatenate(x.shape))
+    return total
 
 
 def squared_norms(plan, indices, B):
@@ -310,27 +316,28 @@ def norm_parts(plan, indices, B):
     """
     d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
     squares, formed, cache = {}, {}, _shapes.ShapeCache(B)
-    for k in indices:
-        uses = _loops.concrete_uses(plan.uses[k])
-        if not uses:
-            continue
-        if len(uses) == 1:
-            use, dZ = uses[0], d_outputs[id(uses[0].output)]
-            cheap = getattr(use.rule, "squared_norms", lambda *_: None)(use, dZ, B)
-            if cheap is not None:
-                squares[k] = cheap
+    with cache.active():   # shared constants (`_shapes.constant`)
+        for k in indices:
+            uses = _loops.concrete_uses(plan.uses[k])
+            if not uses:
                 continue
-            found = getattr(use.rule, "formed_norms", lambda *_: None)(use, dZ, B)
-            if found is not None:   # a `registry.FormedNorms`, kept for the clipped sum
-                squares[k], formed[k] = found.squares, found
-                continue
-        # each use's [B, *w.shape at the op] -> [B, *x.shape]
-        parts = _per_x_parts([(use, d_outputs[id(use.output)]) for use in uses],
-                             plan.request.xs[k], B, cache)
-        total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
-        formed[k] = total
-        flat = tf.reshape(total, cache.group_shape([-1]))               # [B, P_x]
-        squares[k] = tf.reduce_sum(tf.square(flat), axis=1)             # [B]
+            if len(uses) == 1:
+                use, dZ = uses[0], d_outputs[id(uses[0].output)]
+                cheap = getattr(use.rule, "squared_norms", lambda *_: None)(use, dZ, B)
+                if cheap is not None:
+                    squares[k] = cheap
+                    continue
+                found = getattr(use.rule, "formed_norms", lambda *_: None)(use, dZ, B)
+                if found is not None:   # a `registry.FormedNorms`, kept for the clipped sum
+                    squares[k], formed[k] = found.squares, found
+                    continue
+            # each use's [B, *w.shape at the op] -> [B, *x.shape]
+            parts = _per_x_parts([(use, d_outputs[id(use.output)]) for use in uses],
+                                 plan.request.xs[k], B, cache)
+            total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
+            formed[k] = total
+            flat = tf.reshape(total, cache.group_shape([-1]))               # [B, P_x]
+            squares[k] = tf.reduce_sum(tf.square(flat), axis=1)             # [B]
     return d_outputs, squares, formed
 
 

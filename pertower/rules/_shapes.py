@@ -12,12 +12,76 @@ G's is a known positive int, the target [-1, d1, d2, ...] says the same (the lea
 axis is what remains, G) with one constant and no `Pack`; and a result whose static
 shape is already [G, *x.shape] needs no reshape at all. `ShapeCache` keeps each
 target that does need G, made once per (G, sizes) for one build and shared by every use.
+
+Every other constant a rule needs (a static reshape target, the axes of a sum, an
+epsilon) is a `Const` op too, built through `make_tensor_proto` at about the cost of any
+other op: while the engine builds (`ShapeCache.active()`), `constant(value)` gives ONE
+`Const` per (value, dtype, graph, control-flow context) shared by every use. And where
+each group is one row (k = 1 rows per example, G = B), the sums over a group's rows and
+positions need no reshape to [G, rows, C] first: `group_sum` reduces the axes directly.
 """
+
+import contextlib
+import contextvars
 
 import tensorflow as tf
 
-__all__ = ["ShapeCache", "group_target", "groups_target", "to_groups", "as_per_x",
-           "as_weight_shape", "static_sizes"]
+__all__ = ["ShapeCache", "constant", "group_sum", "rows_are_groups", "strided_slice",
+           "group_target",
+           "groups_target", "to_groups", "as_per_x", "as_weight_shape", "static_sizes"]
+
+# The ShapeCache of the build running in this context (`ShapeCache.active`), or None.
+_ACTIVE = contextvars.ContextVar("pertower_shape_cache", default=None)
+
+
+def constant(value, dtype=tf.int32):
+    """`tf.constant(value, dtype)`, shared: while a `ShapeCache` is active, one `Const`
+    per (value, dtype) in each graph and control-flow context for the whole build."""
+    cache = _ACTIVE.get()
+    if cache is None:
+        return tf.constant(value, dtype)
+    return cache.constant(value, dtype)
+
+
+def strided_slice(tensor, index):
+    """`tensor[index]` for `index` a tuple of Python slices (int or None bounds and
+    steps, one per leading axis), its begin, end and strides shared constants
+    (`constant`): a filter tap's slice adds one op, not four."""
+    begin, end, strides, begin_mask, end_mask = [], [], [], 0, 0
+    for axis, part in enumerate(index):
+        if part.start is None:
+            begin_mask |= 1 << axis
+        if part.stop is None:
+            end_mask |= 1 << axis
+        begin.append(part.start or 0)
+        end.append(part.stop or 0)
+        strides.append(1 if part.step is None else part.step)
+    return tf.strided_slice(tensor, constant(begin), constant(end), constant(strides),
+                            begin_mask=begin_mask, end_mask=end_mask)
+
+
+def rows_are_groups(tensor, G, k):
+    """Whether each group of `tensor`'s [G*k, ...] rows is exactly one row: k = 1 and G
+    is B (a tensor: the engine's `group_count` gives a tensor only for B, a microbatch
+    count M is always an int) or the static row count equals the int G."""
+    if k != 1 or tensor.shape.rank is None or tensor.shape.rank < 1:
+        return False
+    if isinstance(G, int):
+        return tf.compat.dimension_value(tensor.shape[0]) == G
+    return True
+
+
+def group_sum(tensor, G, k, keep):
+    """[G*k, ...] -> [G, n]: each group's sum over its rows and over every axis but
+    `keep` (>= 1, of size n). One `Sum` when each group is one row (`rows_are_groups`);
+    else the axes after `keep` are summed, the rows grouped ([G, rows, n]) and summed."""
+    rank = tensor.shape.rank
+    if rows_are_groups(tensor, G, k):
+        axes = [a for a in range(1, rank) if a != keep]
+        return tf.reduce_sum(tensor, axis=constant(axes)) if axes else tensor
+    if keep != rank - 1:                              # [G*k, ..., n, ...] -> [G*k, ..., n]
+        tensor = tf.reduce_sum(tensor, axis=constant(list(range(keep + 1, rank))))
+    return tf.reduce_sum(to_groups(tensor, G, k, 1), axis=constant(1))
 
 
 def static_sizes(dims):
@@ -82,11 +146,13 @@ def to_groups(tensor, G, k, tail):
             tf.compat.dimension_value(tensor.shape[a]) if tf.compat.dimension_value(
                 tensor.shape[a]) is not None else tf.shape(tensor)[a]
             for a in range(rank - tail, rank)]])
+    else:
+        target = constant(target)
     return tf.reshape(tensor, target)
 
 
 class ShapeCache:
-    """The reshape targets of one build that need the tensor G, each made once.
+    """The reshape targets and constants of one build, each made once.
 
     Args:
       G: the group count, an int or a scalar int32 tensor.
@@ -95,6 +161,30 @@ class ShapeCache:
     def __init__(self, G):
         self.G = G
         self._targets = {}   # tuple of sizes (ints, -1) -> [1 + len] int32 tensor
+        self._constants = {}   # (graph, context, dtype, value) -> (graph, Const tensor)
+
+    @contextlib.contextmanager
+    def active(self):
+        """While the body runs, `constant` (and the helpers of this module) share this
+        cache's constants."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def constant(self, value, dtype=tf.int32):
+        """One `Const` of `value` (a number or a nested list of numbers) per (value,
+        dtype) in each graph and control-flow context."""
+        graph = tf.compat.v1.get_default_graph()
+        context = graph._get_control_flow_context()   # pylint: disable=protected-access
+        dtype = tf.as_dtype(dtype)
+        key = (id(graph), id(context), dtype, repr(value))
+        found = self._constants.get(key)
+        if found is None:
+            found = (graph, context, tf.constant(value, dtype))   # (held: ids stay unique)
+            self._constants[key] = found
+        return found[-1]
 
     def group_shape(self, dims):
         """[G, *dims] as a reshape target; `dims` ints (at most one -1) or scalar
@@ -102,7 +192,7 @@ class ShapeCache:
         every caller asking for the same sizes."""
         static = group_target(self.G, dims)
         if static is not None:
-            return static
+            return self.constant(static)
         if any(isinstance(d, tf.Tensor) for d in dims):   # sizes only known at run time
             return tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [self.G, *dims]])
         key = tuple(int(d) for d in dims)
@@ -137,4 +227,4 @@ def as_weight_shape(part, x):
         return tf.reshape(part, tf.shape(x))
     if part.shape.is_fully_defined() and part.shape.as_list() == x.shape.as_list():
         return part
-    return tf.reshape(part, x.shape.as_list())
+    return tf.reshape(part, constant(x.shape.as_list()))

@@ -65,8 +65,9 @@ class UnassumedGradients:
     def reason(self, reads, ys_upstream, region=None):
         """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
         None. `region`: the ops downstream of its reads and of its gather and call ops
-        within `ys_upstream` with those ops (the request's `weight_regions` entry),
-        when the caller has it and the weight has no TF1 loop inputs; else walked."""
+        within `ys_upstream` with those ops (the request's `weight_regions` entry, or a
+        function that returns it), when the caller has it and the weight has no TF1
+        loop inputs; else walked."""
         entries = (list(reads.gather_ops) + list(reads.loop_inputs)
                    + [op for op, _ in reads.call_inputs])
         if not self._any_reason(ys_upstream) and not self._any_reason(frozenset(entries)):
@@ -75,7 +76,7 @@ class UnassumedGradients:
         for op in entries:
             starts.extend(op.outputs)
         if region is not None and not reads.loop_inputs:
-            path = region
+            path = region() if callable(region) else region
         else:
             path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
         for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access

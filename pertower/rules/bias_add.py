@@ -29,10 +29,9 @@ class BiasAddRule(registry_lib.Rule):
         return self.example_use(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
-        if use.op.get_attr("data_format").startswith(b"NC") and dZ.shape.rank > 2:
-            dZ = tf.reduce_sum(dZ, axis=list(range(2, dZ.shape.rank)))   # [G*k, C, ...] -> [G*k, C]
-        # [G*k, ..., C] -> [G, rows, C] -> [G, C]
-        return tf.reduce_sum(_shapes.to_groups(dZ, G, use.rows.k, 1), axis=1)
+        # [G*k, ..., C] (or [G*k, C, ...]) -> [G, C]: each group's rows and positions summed
+        channel = 1 if use.op.get_attr("data_format").startswith(b"NC") else dZ.shape.rank - 1
+        return _shapes.group_sum(dZ, G, use.rows.k, channel)
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
         # [C, B*k, ..., Ch] -> [C*B, T, Ch] -> [C, B, Ch]: each column's per-example sums

@@ -63,21 +63,17 @@ class FusedBatchNormRule(registry_lib.Rule):
         channel = _channel_axis(use.op, rank)
         dtype = use.op.inputs[_SCALE].dtype                  # float32 for float16 inputs
         term = tf.cast(dZ, dtype)                             # [G*k, ...]
-        scale = None
-        if use.slot == _SCALE:
-            # sum dz * x_hat = rsqrt(sigma2 + eps) * sum dz * (x - mu): the [C] factor is
-            # applied once to the [G, C] sums, not to every position
-            mean = use.op.inputs[3]                           # [C]
-            if channel != rank - 1:                           # [C] -> [C, 1, ...] (NC...)
-                mean = tf.reshape(mean, [-1] + [1] * (rank - 1 - channel))
-            term = term * (tf.cast(A, dtype) - mean)          # [G*k, ...]
-            scale = tf.math.rsqrt(use.op.inputs[4] + tf.constant(
-                use.op.get_attr("epsilon"), dtype))           # [C]
-        if channel != rank - 1:                               # [G*k, C, ...] -> [G*k, C]
-            term = tf.reduce_sum(term, axis=list(range(channel + 1, rank)))
-        # [G*k, ..., C] -> [G, k*positions, C] -> [G, C]
-        per_group = tf.reduce_sum(_shapes.to_groups(term, G, use.rows.k, 1), axis=1)
-        return per_group if scale is None else per_group * scale
+        if use.slot == _OFFSET:
+            return _shapes.group_sum(term, G, use.rows.k, channel)               # [G, C]
+        # sum dz * x_hat = rsqrt(sigma2 + eps) * sum dz * (x - mu): the [C] factor is
+        # applied once to the [G, C] sums, not to every position
+        mean = use.op.inputs[3]                               # [C]
+        if channel != rank - 1:                               # [C] -> [C, 1, ...] (NC...)
+            mean = tf.reshape(mean, _shapes.constant([-1] + [1] * (rank - 1 - channel)))
+        term = term * (tf.cast(A, dtype) - mean)              # [G*k, ...]
+        scale = tf.math.rsqrt(use.op.inputs[4] + _shapes.constant(
+            use.op.get_attr("epsilon"), dtype))               # [C]
+        return _shapes.group_sum(term, G, use.rows.k, channel) * scale          # [G, C]
 
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example

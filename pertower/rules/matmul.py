@@ -35,7 +35,12 @@ class MatMulRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         # [G*k, d], [G*k, n] -> [G, k, d], [G, k, n] -> [G, d, n] (or [G, n, d] when W
         # is stored transposed): sum over each group's rows of a ⊗ dz
-        A_g = _shapes.to_groups(use.activation, G, use.rows.k, 1)
+        A = use.activation
+        if _shapes.rows_are_groups(A, G, use.rows.k):    # one row per group: no reshape
+            if use.op.get_attr("transpose_b"):
+                return tf.einsum("gn,gd->gnd", dZ, A)
+            return tf.einsum("gd,gn->gdn", A, dZ)
+        A_g = _shapes.to_groups(A, G, use.rows.k, 1)
         dZ_g = _shapes.to_groups(dZ, G, use.rows.k, 1)
         if use.op.get_attr("transpose_b"):
             return tf.einsum("gtn,gtd->gnd", dZ_g, A_g)
