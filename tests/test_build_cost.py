@@ -205,6 +205,10 @@ def test_static_targets():
         assert _shapes.group_target(G, [2, 3]) == [-1, 2, 3]
         assert _shapes.group_target(G, [2, 0]) is None          # -1 would be ambiguous
         assert _shapes.group_target(G, [-1, 3]) is None
+        with _shapes.ShapeCache(G).active():
+            assert _shapes.group_shape(G, [2, 3]) is _shapes.group_shape(G, [2, 3])
+            assert tf.get_static_value(_shapes.group_shape(G, [2, 3])).tolist() == [-1, 2, 3]
+            assert _shapes.group_shape(G, [-1, 3]).op.type == "Pack"
         cache = _shapes.ShapeCache(G)
         first = cache.group_shape([-1, 3])
         assert isinstance(first, tf.Tensor) and cache.group_shape([-1, 3]) is first

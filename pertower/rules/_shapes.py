@@ -26,8 +26,8 @@ import contextvars
 
 import tensorflow as tf
 
-__all__ = ["ShapeCache", "constant", "group_sum", "rows_are_groups", "strided_slice",
-           "group_target",
+__all__ = ["ShapeCache", "constant", "group_shape", "group_sum", "rows_are_groups",
+           "strided_slice", "group_target",
            "groups_target", "to_groups", "as_per_x", "as_weight_shape", "static_sizes"]
 
 # The ShapeCache of the build running in this context (`ShapeCache.active`), or None.
@@ -41,6 +41,15 @@ def constant(value, dtype=tf.int32):
     if cache is None:
         return tf.constant(value, dtype)
     return cache.constant(value, dtype)
+
+
+def group_shape(G, dims):
+    """[G, *dims] as a reshape target (`_rows.group_shape`'s arguments): a shared
+    constant when `group_target` can make it static, else stacked out of G."""
+    static = group_target(G, dims)
+    if static is not None:
+        return constant(static)
+    return tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [G, *dims]])
 
 
 def strided_slice(tensor, index):
