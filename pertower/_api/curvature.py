@@ -39,7 +39,8 @@ def _finish(built, plan, results, routes, columns=None):
     return squares_lib.CurvatureResult(
         ordered, plan, [routes[k] for k in range(len(xs))],
         None if columns is None else columns.vectorized,
-        None if columns is None else columns.reason)
+        None if columns is None else columns.reason,
+        None if columns is None else columns.method)
 
 
 @_context.public("sum_grad_squared")

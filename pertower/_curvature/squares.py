@@ -44,14 +44,19 @@ class CurvatureResult(list):
       columns_vectorized: for `diag_ggn`, whether the columns' output gradients came
         from one vectorized backward pass (False: a while loop, see
         `columns_reason`); None when no rule was used.
+      columns_method: how: "folded" (the columns' own backward pass,
+        `pertower._curvature.folded`), "pfor", "while loop" or "one pass" (one
+        column); None when no rule was used.
     """
 
-    def __init__(self, tensors, plan, routes, columns_vectorized=None, columns_reason=None):
+    def __init__(self, tensors, plan, routes, columns_vectorized=None, columns_reason=None,
+                 columns_method=None):
         super().__init__(tensors)
         self.plan = plan
         self.routes = tuple(routes)
         self.columns_vectorized = columns_vectorized
         self.columns_reason = columns_reason
+        self.columns_method = columns_method
 
     def explain(self):
         """One line per weight: its name and route."""
