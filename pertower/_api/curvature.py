@@ -23,6 +23,7 @@ from pertower import _context
 from pertower import _dispatch
 from pertower import _request
 from pertower._guards import memory as memory_guard
+from pertower.rules import _loop_uses
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower._curvature import memory as memory_lib
@@ -177,14 +178,17 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
         S = loss_hessian.hessian_factor(logits, loss, mc_samples, seed)   # [M, B, K]
         S.set_shape([M, None, K])
         with tf.control_dependencies(built.rule_checks()):
-            outputs, seen = [], set()
+            outputs, seen, in_loops = [], set(), []
             for k in built.covered:
                 for use in plan.uses[k]:
-                    if id(use.output) not in seen:
+                    if isinstance(use, _loop_uses.LoopUse):   # read inside a loop
+                        in_loops.append(k)
+                    elif id(use.output) not in seen:
                         seen.add(id(use.output))
                         outputs.append(use.output)
             columns = columns_lib.output_gradient_columns(logits, outputs, S)
             columns_of = {id(Z): c for Z, c in zip(outputs, columns)}  # [M, *Z.shape]
+            columns_of.update(squares_lib.loop_columns(plan, sorted(set(in_loops)), S))
             results, routes = squares_lib.covered_squares(
                 plan, built.covered, columns_of, built.groups, per_example)
             more, more_routes = squares_lib.fallback_squares(built, S, per_example,

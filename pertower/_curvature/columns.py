@@ -83,6 +83,15 @@ def output_gradient_columns(logits, outputs, S):
     folded_columns, folded_reason = folded.backward(logits, outputs, S)
     if folded_columns is not None:
         return Columns(folded_columns, True, method="folded")
+    flow = folded.crosses_control_flow(logits, outputs)
+    if flow is not None and isinstance(M, int):
+        # the gradient of a loop or call built inside pfor's (or a while loop's) body
+        # cannot reach the forward op's intermediates: one tf.gradients per column
+        per_column = [loop_fn(m) for m in range(M)]
+        return Columns([tf.stack([c[j] for c in per_column]) for j in range(len(outputs))],
+                       False, f"{folded_reason}; {flow.name!r} ({flow.type}) runs control "
+                              "flow on the path: one backward pass per column",
+                       "per column")
 
     logger = tf.get_logger()
     level = logger.level

@@ -30,7 +30,9 @@ pfor (`pertower._curvature.columns`).
 import tensorflow as tf
 from tensorflow.python.ops import math_ops
 
-__all__ = ["backward"]
+from pertower import _op_types as op_types
+
+__all__ = ["backward", "crosses_control_flow"]
 
 _FLOAT = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -292,6 +294,16 @@ def _path(logits, outputs):
             todo.append((t, True))
             todo.extend((i, False) for i in inputs)
     return order[::-1], on_path
+
+
+def crosses_control_flow(logits, outputs):
+    """The first op between `outputs` and `logits` that runs control flow (a TF2 loop,
+    conditional or function call, or an op of a TF1 frame), or None."""
+    for op in _path(logits, outputs)[0]:
+        if (op.type in op_types.CALL_OP_TYPES or op.type in op_types.V1_LOOP_OP_TYPES or
+                op._control_flow_context is not None):  # pylint: disable=protected-access
+            return op
+    return None
 
 
 def backward(logits, outputs, S):

@@ -49,6 +49,7 @@ from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower.rules import _conv_geometry
 from pertower.rules import _engine
+from pertower.rules import _loop_uses
 from pertower.rules import conv2d
 from pertower.rules import matmul
 
@@ -85,6 +86,9 @@ _INSTEAD = "use pertower.diag_ggn for its GGN diagonal"
 def _layer_or_reason(use):
     """A `_Layer` for a dense or convolution kernel covered by its rule, else why not."""
     op = use.op
+    if isinstance(use, _loop_uses.LoopUse):
+        return (f"it is read inside a loop ({use.label}): a weight shared by the steps "
+                f"has no single Kronecker form per layer here: {_INSTEAD}")
     if isinstance(use.rule, matmul.MatMulRule) and op.type == "MatMul":
         A = use.activation                                        # [R, d_in]
         return _Layer(A, use.output)
