@@ -105,7 +105,8 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
     GGN = sum_i J_i^T H_i J_i with H_i the Hessian of the loss with respect to the
     logits, which does not depend on the labels for these losses (Martens 2014, "New
     insights and perspectives on the natural gradient method", arXiv 1412.1193); with
-    S S^T = H_i (`mc_samples=None`, M = K exact columns) its diagonal is
+    S S^T = H_i (`mc_samples=None`, M = K exact columns, K - 1 for the softmax, whose
+    Hessian has rank K - 1) its diagonal is
     sum_{i,m} (J_i^T S[m, i])^2: each column is backpropagated like a gradient, the M
     columns in one vectorized backward pass. With `mc_samples=M`, the columns come from
     labels sampled from the model (softmax: (p - onehot(y~)) / sqrt(M)), an unbiased
@@ -129,7 +130,8 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
       loss: "softmax_cross_entropy", "sigmoid_cross_entropy" (independent binary labels
         per output) or "mse" (l = sum_k (f_k - y_k)^2, Hessian 2 I). Labels are not
         needed: H does not depend on them.
-      mc_samples: None for the exact diagonal (K columns), or M > 0 sampled columns.
+      mc_samples: None for the exact diagonal (K columns; K - 1 for the softmax), or
+        M > 0 sampled columns.
       per_example: False for the sum over examples, [*x.shape]; True for each
         example's own diagonal J_i^T H_i J_i, [B, *x.shape].
       batch, batch_size, batch_axis, method, validate, memory_limit, devices, rules: as
@@ -164,7 +166,7 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
                                          f"{logits.name} has shape {logits.shape}; reshape "
                                          "it to [B, K] first.")
     K = int(logits.shape[1])
-    M = K if mc_samples is None else mc_samples
+    M = loss_hessian.exact_columns(loss, K) if mc_samples is None else mc_samples
     devices = _checks.device_list(devices)
     xs = _checks.Partitions(_checks.as_list(xs)).flat
     memory_guard.resolve_limit(memory_limit)
