@@ -372,7 +372,9 @@ def test_diag_ggn_refuses_logits_that_are_not_b_by_k(model):
 def test_legacy_mode_towers_and_row_passes_heavy(processes):
     # tests/scripts/curvature_legacy_checks.py: disable_v2_behavior(), a Keras MLP with a
     # towers weight, a TF1 while loop whose inner weight goes to row passes
-    for check in ("check_keras_mlp_with_a_towers_weight", "check_v1_while_loop_row_passes"):
+    # and dynamic_rnn's frame reading a BasicRNNCell's weights
+    for check in ("check_keras_mlp_with_a_towers_weight", "check_v1_while_loop_row_passes",
+                  "check_dynamic_rnn_frame_weights"):
         processes.assert_passed("curvature_legacy", check)
 
 

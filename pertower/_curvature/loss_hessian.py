@@ -128,9 +128,11 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
     dtype = logits.dtype
     B, K = tf.shape(logits)[0], tf.shape(logits)[1]
     if mc_samples is None:
+        static_K = tf.compat.dimension_value(logits.shape[1])
         eye = tf.eye(K, dtype=dtype)[:, None, :]                        # [K, 1, K]
-        if loss == "softmax_cross_entropy" and exact_columns(loss, logits.shape[1]) > 1:
-            S = _softmax_factor(tf.nn.softmax(logits), logits.shape[1])  # [K-1, B, K]
+        static_K = tf.compat.dimension_value(logits.shape[1])
+        if loss == "softmax_cross_entropy" and exact_columns(loss, static_K) > 1:
+            S = _softmax_factor(tf.nn.softmax(logits), static_K)        # [K-1, B, K]
         elif loss == "softmax_cross_entropy":
             p = tf.nn.softmax(logits)                                   # [B, K]
             S = tf.transpose(tf.sqrt(p))[:, :, None] * (eye - p[None])  # [K, B, K]
@@ -139,7 +141,7 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
             S = tf.transpose(tf.sqrt(p * (1 - p)))[:, :, None] * eye    # [K, B, K]
         else:
             S = tf.tile(tf.sqrt(tf.constant(2.0, dtype)) * eye, [1, B, 1])   # [K, B, K]
-        S.set_shape([exact_columns(loss, logits.shape[1]), None, logits.shape[1]])
+        S.set_shape([exact_columns(loss, static_K), None, static_K])
         return tf.stop_gradient(S)
     M = mc_samples
     scale = tf.math.rsqrt(tf.constant(float(M), dtype))
