@@ -424,13 +424,9 @@ class Conv2DRule(registry_lib.Rule):
         return registry_lib.FormedNorms(squares, per_group, to_weight)
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
-        rule = self
-        if self.options.strategy == "auto":
-            # the wide filter's C*Cout outputs make every tap's matmul as wide: one matmul
-            # over the taps side by side ("shifts" with stacked taps) took 3/4 of the
-            # CPU time of one matmul per tap (the CIFAR net's 16x16 and 8x8 maps, C*Cout
-            # = 640)
-            rule = Conv2DRule(dataclasses.replace(self.options, few_positions=2 ** 31))
+        # the wide filter (C*Cout outputs): every tap in one matmul (`conv2d_squares`)
+        rule = (Conv2DRule(dataclasses.replace(self.options, few_positions=2 ** 31))
+                if self.options.strategy == "auto" else self)
         return conv2d_squares.sum_squared(rule, use, dZ_columns, B, per_example)
 
     def sum_squared_size(self, use, C, per_example=False):
