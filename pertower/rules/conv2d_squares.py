@@ -19,7 +19,8 @@ Two ways, both exact:
               `sum_squared` has the "shifts" put every tap side by side in ONE matmul:
               with C*Cout outputs as wide, that took 3/4 of the CPU time of one matmul
               per tap on the CIFAR net's 16x16 and 8x8 maps, C*Cout = 640); squared,
-              summed over c, then over i unless per example (two reductions: one over both axes at once ran ~7x slower).
+              summed over c, then over i unless per example (two reductions: one over
+              both axes at once ran ~7x slower).
               DepthwiseConv2dNative likewise with the multiplier: output channel
               ch*mult + j becomes ch*(C*mult) + c*mult + j.
               Cost ~2 B R I C Cout, holds B I C Cout numbers.
