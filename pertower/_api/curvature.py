@@ -23,6 +23,7 @@ from pertower import _context
 from pertower import _dispatch
 from pertower import _request
 from pertower._guards import memory as memory_guard
+from pertower.rules import _loop_uses
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower._curvature import memory as memory_lib
@@ -39,7 +40,8 @@ def _finish(built, plan, results, routes, columns=None):
     return squares_lib.CurvatureResult(
         ordered, plan, [routes[k] for k in range(len(xs))],
         None if columns is None else columns.vectorized,
-        None if columns is None else columns.reason)
+        None if columns is None else columns.reason,
+        None if columns is None else columns.method)
 
 
 @_context.public("sum_grad_squared")
@@ -103,7 +105,8 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
     GGN = sum_i J_i^T H_i J_i with H_i the Hessian of the loss with respect to the
     logits, which does not depend on the labels for these losses (Martens 2014, "New
     insights and perspectives on the natural gradient method", arXiv 1412.1193); with
-    S S^T = H_i (`mc_samples=None`, M = K exact columns) its diagonal is
+    S S^T = H_i (`mc_samples=None`, M = K exact columns, K - 1 for the softmax, whose
+    Hessian has rank K - 1) its diagonal is
     sum_{i,m} (J_i^T S[m, i])^2: each column is backpropagated like a gradient, the M
     columns in one vectorized backward pass. With `mc_samples=M`, the columns come from
     labels sampled from the model (softmax: (p - onehot(y~)) / sqrt(M)), an unbiased
@@ -127,7 +130,8 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
       loss: "softmax_cross_entropy", "sigmoid_cross_entropy" (independent binary labels
         per output) or "mse" (l = sum_k (f_k - y_k)^2, Hessian 2 I). Labels are not
         needed: H does not depend on them.
-      mc_samples: None for the exact diagonal (K columns), or M > 0 sampled columns.
+      mc_samples: None for the exact diagonal (K columns; K - 1 for the softmax), or
+        M > 0 sampled columns.
       per_example: False for the sum over examples, [*x.shape]; True for each
         example's own diagonal J_i^T H_i J_i, [B, *x.shape].
       batch, batch_size, batch_axis, method, validate, memory_limit, devices, rules: as
@@ -162,7 +166,7 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
                                          f"{logits.name} has shape {logits.shape}; reshape "
                                          "it to [B, K] first.")
     K = int(logits.shape[1])
-    M = K if mc_samples is None else mc_samples
+    M = loss_hessian.exact_columns(loss, K) if mc_samples is None else mc_samples
     devices = _checks.device_list(devices)
     xs = _checks.Partitions(_checks.as_list(xs)).flat
     memory_guard.resolve_limit(memory_limit)
@@ -176,14 +180,17 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
         S = loss_hessian.hessian_factor(logits, loss, mc_samples, seed)   # [M, B, K]
         S.set_shape([M, None, K])
         with tf.control_dependencies(built.rule_checks()):
-            outputs, seen = [], set()
+            outputs, seen, in_loops = [], set(), []
             for k in built.covered:
                 for use in plan.uses[k]:
-                    if id(use.output) not in seen:
+                    if isinstance(use, _loop_uses.LoopUse):   # read inside a loop
+                        in_loops.append(k)
+                    elif id(use.output) not in seen:
                         seen.add(id(use.output))
                         outputs.append(use.output)
             columns = columns_lib.output_gradient_columns(logits, outputs, S)
             columns_of = {id(Z): c for Z, c in zip(outputs, columns)}  # [M, *Z.shape]
+            columns_of.update(squares_lib.loop_columns(plan, sorted(set(in_loops)), S))
             results, routes = squares_lib.covered_squares(
                 plan, built.covered, columns_of, built.groups, per_example)
             more, more_routes = squares_lib.fallback_squares(built, S, per_example,

@@ -8,7 +8,10 @@ Notation:
     dZ[m] = d (sum_n S[m, n] . logits_n) / d Z = tf.gradients(logits, Z, grad_ys=S[m])
 
 The backward pass is linear in grad_ys, so the M passes are one pass over a stacked
-column axis: `pfor` (TensorFlow's vectorizer, the one behind `tf.vectorized_map` and
+column axis. First choice: the columns' own backward pass (`pertower._curvature.folded`:
+each op's input gradient on [M, ...] at once, M folded into axis 0 of convolutions,
+poolings and MatMuls, elementwise derivatives broadcast over the columns); where an op
+between the outputs and the logits is not in its table: `pfor` (TensorFlow's vectorizer, the one behind `tf.vectorized_map` and
 `jacobian`) converts each backward op to its batched form over m. When some op of the
 backward pass has no vectorized converter, pfor raises while converting it; that is
 detected (`pfor(..., fallback_to_while_loop=False)` fails), and the columns are then
@@ -22,19 +25,23 @@ import tensorflow as tf
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
 
 from pertower import _context
+from pertower._curvature import folded
 
 __all__ = ["Columns", "output_gradient_columns"]
 
 
 class Columns(list):
     """The list of dZ columns, [M, *Z.shape] per entry of `outputs`, and how they were
-    computed: `vectorized` True for one pfor pass, False for the while-loop fallback,
-    whose cause is `reason` (None when vectorized)."""
+    computed: `vectorized` True for one pass over all columns (`method` "folded": the
+    columns' own backward pass, or "pfor"), False for the while-loop fallback
+    (`method` "while loop"); `reason` says why a preferred way was not taken (None
+    when the columns' own backward pass served)."""
 
-    def __init__(self, tensors, vectorized, reason=None):
+    def __init__(self, tensors, vectorized, reason=None, method=None):
         super().__init__(tensors)
         self.vectorized = vectorized
         self.reason = reason
+        self.method = method or ("pfor" if vectorized else "while loop")
 
 
 def _column_gradients(logits, outputs, S_m):
@@ -72,16 +79,29 @@ def output_gradient_columns(logits, outputs, S):
         return _column_gradients(logits, outputs, tf.gather(S, m))      # per Z: [*Z.shape]
 
     if isinstance(M, int) and M == 1:   # one column: one backward pass, nothing to vectorize
-        return Columns([dZ[None] for dZ in loop_fn(0)], True)
+        return Columns([dZ[None] for dZ in loop_fn(0)], True, method="one pass")
+    folded_columns, folded_reason = folded.backward(logits, outputs, S)
+    if folded_columns is not None:
+        return Columns(folded_columns, True, method="folded")
+    flow = folded.crosses_control_flow(logits, outputs)
+    if flow is not None and isinstance(M, int):
+        # the gradient of a loop or call built inside pfor's (or a while loop's) body
+        # cannot reach the forward op's intermediates: one tf.gradients per column
+        per_column = [loop_fn(m) for m in range(M)]
+        return Columns([tf.stack([c[j] for c in per_column]) for j in range(len(outputs))],
+                       False, f"{folded_reason}; {flow.name!r} ({flow.type}) runs control "
+                              "flow on the path: one backward pass per column",
+                       "per column")
 
     logger = tf.get_logger()
     level = logger.level
     logger.setLevel(logging.CRITICAL)   # pfor logs the op it fails on, which is handled here
     try:
         stacked = _pfor.pfor(loop_fn, M, fallback_to_while_loop=False)  # per Z: [M, *Z.shape]
-        return Columns(list(stacked), True)
+        return Columns(list(stacked), True, folded_reason, "pfor")
     except (ValueError, NotImplementedError, TypeError) as err:   # an op pfor cannot convert
-        reason = f"pfor could not vectorize the backward pass ({str(err).splitlines()[0]})"
+        reason = (f"{folded_reason}; pfor could not vectorize the backward pass "
+                  f"({str(err).splitlines()[0]})")
     finally:
         logger.setLevel(level)
     arrays = [tf.TensorArray(Z.dtype, size=M, element_shape=Z.shape) for Z in outputs]
@@ -91,4 +111,4 @@ def output_gradient_columns(logits, outputs, S):
         return m + 1, [a.write(m, g) for a, g in zip(arrays, grads)]
 
     _, arrays = tf.while_loop(lambda m, _: m < M, body, [tf.constant(0), arrays])
-    return Columns([a.stack() for a in arrays], False, reason)
+    return Columns([a.stack() for a in arrays], False, reason, "while loop")

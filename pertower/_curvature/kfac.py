@@ -2,7 +2,7 @@
 
 Notation:
     B   examples in the batch            K   outputs (logits) per example
-    M   columns of the loss Hessian's factor S, [M, B, K] (M = K exact, or mc_samples)
+    M   columns of the loss Hessian's factor S, [M, B, K] (M = K exact, K - 1 for the softmax, or mc_samples)
     R   rows of a layer: B*k for a dense layer read with k rows per example, B*Ho*Wo
         for a convolution (one row per output position)
     a   one row of the layer's input A: [d_in] (a convolution's patch, kh*kw*Cin)
@@ -49,6 +49,7 @@ from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower.rules import _conv_geometry
 from pertower.rules import _engine
+from pertower.rules import _loop_uses
 from pertower.rules import conv2d
 from pertower.rules import matmul
 
@@ -85,6 +86,9 @@ _INSTEAD = "use pertower.diag_ggn for its GGN diagonal"
 def _layer_or_reason(use):
     """A `_Layer` for a dense or convolution kernel covered by its rule, else why not."""
     op = use.op
+    if isinstance(use, _loop_uses.LoopUse):
+        return (f"it is read inside a loop ({use.label}): a weight shared by the steps "
+                f"has no single Kronecker form per layer here: {_INSTEAD}")
     if isinstance(use.rule, matmul.MatMulRule) and op.type == "MatMul":
         A = use.activation                                        # [R, d_in]
         return _Layer(A, use.output)
@@ -174,7 +178,8 @@ def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batc
       xs: a kernel or a list of weights (e.g. `model.trainable_weights`).
       loss: "softmax_cross_entropy", "sigmoid_cross_entropy" or "mse"
         (l = sum_k (f_k - y_k)^2). The labels are not needed.
-      mc_samples: None for the exact columns (M = K), or k sampled columns.
+      mc_samples: None for the exact columns (M = K; K - 1 for the softmax), or k sampled
+        columns.
       batch, batch_size: as in `pertower.per_example_gradients` (the tensors carrying
         the batch; B when the batch axis is None and B is known).
       seed: an int for reproducible sampled columns, or None.

@@ -5,7 +5,7 @@ Notation:
     M   columns of the factor       p   the model's prediction (softmax or sigmoid)
     H_n the Hessian of l(logits_n) with respect to logits_n, [K, K]
 
-    sum_m S[m, n] S[m, n]^T = H_n                      (exact, M = K)
+    sum_m S[m, n] S[m, n]^T = H_n                      (exact, M = K, K - 1 for softmax)
     E[sum_m S[m, n] S[m, n]^T] = H_n                   (Monte-Carlo, M = mc_samples)
 
 The generalized Gauss-Newton matrix of sum_n l(f(x_n, w)) is sum_n J_n^T H_n J_n with
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from pertower import _context
 
-__all__ = ["LOSSES", "hessian_factor", "check_loss", "check_mc_samples"]
+__all__ = ["LOSSES", "hessian_factor", "exact_columns", "check_loss", "check_mc_samples"]
 
 # loss name -> what l(logits_n) is (for messages and docstrings)
 LOSSES = {
@@ -62,12 +62,44 @@ def _check_logits(logits):
     return logits
 
 
+def exact_columns(loss, K):
+    """M of the exact factor for K static outputs: K - 1 for the softmax (its Hessian
+    has rank K - 1; K when K is 1 or not static), else K."""
+    if loss == "softmax_cross_entropy" and isinstance(K, int) and K > 1:
+        return K - 1
+    return K
+
+
+def _softmax_factor(p, K):
+    """[K-1, B, K]: S with S^T S = diag(p) - p p^T per example, from the K - 1 columns of
+    a Householder reflection that span the complement of q = sqrt(p).
+
+    diag(p) - p p^T = D (I - q q^T) D with D = diag(q), |q| = 1. The reflection
+    R = I - 2 v v^T / |v|^2 with v = q + e_k (k = argmax p, so |v|^2 = 2 + 2 q_k >= 2:
+    no cancellation) has R e_k = -q, so its other K - 1 columns r_j = e_j - q_j v /
+    (1 + q_k) are an orthonormal basis of q's complement and sum_{j != k} r_j r_j^T =
+    I - q q^T: the columns are s_j = q ⊙ r_j, one fewer backpropagated column than
+    sqrt(p_v) (e_v - p)."""
+    q = tf.sqrt(p)                                                      # [B, K]
+    k = tf.argmax(p, axis=1, output_type=tf.int32)                      # [B]
+    e_k = tf.one_hot(k, K, dtype=p.dtype)                               # [B, K]
+    v = q + e_k                                                         # [B, K]
+    scale = 1 / (1 + tf.reduce_sum(q * e_k, axis=1))                    # [B]
+    m = tf.range(K - 1)[:, None]                                        # [K-1, 1]
+    j = m + tf.cast(m >= k[None], tf.int32)                             # [K-1, B]: j != k
+    e_j = tf.one_hot(j, K, dtype=p.dtype)                               # [K-1, B, K]
+    q_j = tf.reduce_sum(e_j * q[None], axis=2)                          # [K-1, B]
+    return q[None] * (e_j - (scale[None] * q_j)[:, :, None] * v[None])  # [K-1, B, K]
+
+
 def hessian_factor(logits, loss, mc_samples=None, seed=None):
     """S, [M, B, K], with sum_m S[m, n] S[m, n]^T equal (exact) or equal in expectation
     (Monte-Carlo) to the Hessian of l(logits_n) with respect to logits_n.
 
-    Exact (`mc_samples=None`, M = K):
-      "softmax_cross_entropy": H = diag(p) - p p^T, column v = sqrt(p_v) (e_v - p);
+    Exact (`mc_samples=None`, M = `exact_columns(loss, K)`):
+      "softmax_cross_entropy": H = diag(p) - p p^T of rank K - 1: M = K - 1 columns
+        sqrt(p) ⊙ r_j, r_j the columns of a Householder reflection spanning the
+        complement of sqrt(p) (`_softmax_factor`); K = 1: the column sqrt(p) (e - p) = 0;
       "sigmoid_cross_entropy": H = diag(p (1 - p)), S = diag(sqrt(p (1 - p)));
       "mse" (l = sum_k (f_k - y_k)^2): H = 2 I, S = sqrt(2) I.
     Monte-Carlo (`mc_samples=M`), labels y~ drawn from the model, one per column:
@@ -96,8 +128,12 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
     dtype = logits.dtype
     B, K = tf.shape(logits)[0], tf.shape(logits)[1]
     if mc_samples is None:
+        static_K = tf.compat.dimension_value(logits.shape[1])
         eye = tf.eye(K, dtype=dtype)[:, None, :]                        # [K, 1, K]
-        if loss == "softmax_cross_entropy":
+        static_K = tf.compat.dimension_value(logits.shape[1])
+        if loss == "softmax_cross_entropy" and exact_columns(loss, static_K) > 1:
+            S = _softmax_factor(tf.nn.softmax(logits), static_K)        # [K-1, B, K]
+        elif loss == "softmax_cross_entropy":
             p = tf.nn.softmax(logits)                                   # [B, K]
             S = tf.transpose(tf.sqrt(p))[:, :, None] * (eye - p[None])  # [K, B, K]
         elif loss == "sigmoid_cross_entropy":
@@ -105,6 +141,7 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
             S = tf.transpose(tf.sqrt(p * (1 - p)))[:, :, None] * eye    # [K, B, K]
         else:
             S = tf.tile(tf.sqrt(tf.constant(2.0, dtype)) * eye, [1, B, 1])   # [K, B, K]
+        S.set_shape([exact_columns(loss, static_K), None, static_K])
         return tf.stop_gradient(S)
     M = mc_samples
     scale = tf.math.rsqrt(tf.constant(float(M), dtype))

@@ -23,9 +23,11 @@ import tensorflow as tf
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
 
 from pertower.rules import _engine
+from pertower.rules import _loop_uses
 from pertower.rules import _rows
 
-__all__ = ["CurvatureResult", "covered_squares", "fallback_squares"]
+__all__ = ["CurvatureResult", "covered_squares", "fallback_squares", "output_gradients",
+           "loop_columns"]
 
 CHEAP = "rules, cheap form"
 PER_COLUMN = "rules, per column"
@@ -44,14 +46,20 @@ class CurvatureResult(list):
       columns_vectorized: for `diag_ggn`, whether the columns' output gradients came
         from one vectorized backward pass (False: a while loop, see
         `columns_reason`); None when no rule was used.
+      columns_method: how: "folded" (the columns' own backward pass,
+        `pertower._curvature.folded`), "pfor", "while loop", "per column" (control
+        flow on the path: one tf.gradients per column) or "one pass" (one column);
+        None when no rule was used.
     """
 
-    def __init__(self, tensors, plan, routes, columns_vectorized=None, columns_reason=None):
+    def __init__(self, tensors, plan, routes, columns_vectorized=None, columns_reason=None,
+                 columns_method=None):
         super().__init__(tensors)
         self.plan = plan
         self.routes = tuple(routes)
         self.columns_vectorized = columns_vectorized
         self.columns_reason = columns_reason
+        self.columns_method = columns_method
 
     def explain(self):
         """One line per weight: its name and route."""
@@ -81,7 +89,9 @@ def covered_squares(plan, indices, columns_of, B, per_example):
     """
     results, routes = {}, {}
     for k in indices:
-        x, uses = plan.request.xs[k], plan.uses[k]
+        x = plan.request.xs[k]
+        # reads inside a loop: the built copy's use (A_all, and the key of dZ_all)
+        uses = _loop_uses.concrete_uses(plan.uses[k])
         dtype = x.dtype.base_dtype
         if not uses:
             results[k], routes[k] = tf.zeros(_per_x(x, B, per_example), dtype), UNREACHED
@@ -158,6 +168,25 @@ def fallback_squares(built, S, per_example, name):
 
 
 def output_gradients(plan, indices):
-    """{id(Z): [1, *Z.shape]}: dZ of sum(ys) at every use's output, one tf.gradients."""
+    """{id(Z): [1, *Z.shape]}: dZ of sum(ys) at every use's output, one tf.gradients
+    (a read inside a loop: at the key of its copy's dZ_all, `pertower.rules._loops`)."""
     d_outputs = _engine.output_gradients(plan, indices)
     return {key: dZ[None] for key, dZ in d_outputs.items()}
+
+
+def loop_columns(plan, indices, S):
+    """{id(key): [M, *dZ_all]} for the reads inside loops of the weights `indices`: per
+    column m, the engine's backward pass with grad_ys = S[m] (one tf.gradients to the
+    loops' outputs and one backward pass of each loop's copy), stacked over m. M passes,
+    where the other uses share one vectorized pass: a loop's backward pass is a while
+    loop of its own, which neither pfor nor the folded pass converts."""
+    keys = [id(use.concrete().output) for k in indices for use in plan.uses[k]
+            if isinstance(use, _loop_uses.LoopUse)]
+    if not keys:
+        return {}
+    per_key = {key: [] for key in keys}
+    for m in range(S.shape[0]):
+        found = _engine.output_gradients(plan, indices, grad_ys=S[m])
+        for key in keys:
+            per_key[key].append(found[key])
+    return {key: tf.stack(columns) for key, columns in per_key.items()}

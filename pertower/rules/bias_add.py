@@ -36,6 +36,9 @@ class BiasAddRule(registry_lib.Rule):
     def sum_squared(self, use, dZ_columns, B, per_example=False):
         # [C, B*k, ..., Ch] -> [C*B, T, Ch] -> [C, B, Ch]: each column's per-example sums
         C = _rows.dim(dZ_columns, 0)
+        if use.op.get_attr("data_format").startswith(b"NC") and dZ_columns.shape.rank > 3:
+            # NCHW: [C, B*k, Ch, ...] -> [C, B*k, Ch], the positions summed first
+            dZ_columns = tf.reduce_sum(dZ_columns, axis=list(range(3, dZ_columns.shape.rank)))
         folded = tf.reshape(dZ_columns, tf.concat([[-1], tf.shape(dZ_columns)[2:]], 0))
         per_column = tf.reduce_sum(_rows.to_groups(folded, C * B, 1), axis=1)    # [C*B, Ch]
         squares = tf.reduce_sum(tf.reshape(tf.square(per_column), tf.stack(

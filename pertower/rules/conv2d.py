@@ -424,7 +424,10 @@ class Conv2DRule(registry_lib.Rule):
         return registry_lib.FormedNorms(squares, per_group, to_weight)
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
-        return conv2d_squares.sum_squared(self, use, dZ_columns, B, per_example)
+        # the wide filter (C*Cout outputs): every tap in one matmul (`conv2d_squares`)
+        rule = (Conv2DRule(dataclasses.replace(self.options, few_positions=2 ** 31))
+                if self.options.strategy == "auto" else self)
+        return conv2d_squares.sum_squared(rule, use, dZ_columns, B, per_example)
 
     def sum_squared_size(self, use, C, per_example=False):
         return conv2d_squares.formed_size(use, C, per_example)

@@ -12,8 +12,10 @@ Prints 'curvature legacy checks: N passed, 0 failed' (exit 0) or the failures (e
 
 import os
 import sys
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # tf.compat.v1.nn.rnn_cell
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -95,6 +97,32 @@ def check_v1_while_loop_row_passes():
                         ["rules, cheap form", "passes", "rules, cheap form"])
 
 
+def check_dynamic_rnn_frame_weights():
+    # a BasicRNNCell's kernel and bias are read inside dynamic_rnn's v1 frame
+    with tf.Graph().as_default():
+        rng = np.random.RandomState(2)
+        x = tf.compat.v1.placeholder(tf.float64, [None, 3, 4])
+        labels = tf.compat.v1.placeholder(tf.int32, [None])
+        cell = tf.compat.v1.nn.rnn_cell.BasicRNNCell(5, dtype=tf.float64)
+        outputs, _ = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float64)
+        w = tf.compat.v1.get_variable("w", initializer=rng.randn(5, 3), use_resource=False)
+        logits = outputs[:, -1] @ w                                        # [B, 3]
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        xs = list(cell.trainable_weights) + [w]
+        feed = {x: rng.randn(B, 3, 4), labels: [0, 2, 1, 1]}
+        routes = [r.split(":")[0] for r in pertower.diag_ggn(logits, xs, batch_size=B).routes]
+        explained = _compare(logits, loss, xs, feed, routes)   # values against the loop
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            factors = pertower.kfac_factors(logits, xs, batch_size=B)
+        if routes[0].startswith("rules"):   # the frame's own rule: kfac refuses by name
+            assert factors[0] is None, factors
+            text = "\n".join(str(c.message) for c in caught)
+            assert xs[0].op.name in text and "inside a loop" in text, text
+        return explained
+
+
 if __name__ == "__main__":
     sys.exit(run_checks([check_keras_mlp_with_a_towers_weight,
-                         check_v1_while_loop_row_passes], "curvature legacy checks"))
+                         check_v1_while_loop_row_passes,
+                         check_dynamic_rnn_frame_weights], "curvature legacy checks"))
