@@ -66,7 +66,10 @@ def add_arguments(parser):
     parser.add_argument("--dp-only", action="store_true",
                         help="only the DP rows of --dp (mlp B=128, cnn B=32, cifar B=64 "
                              "unless --models / --batch-sizes say otherwise), with the "
-                             "row of PyTorch's normal_ on the same P in the peers' Python")
+                             "row of PyTorch's normal_ on the same P in the peers' Python. "
+                             "Both draws are timed as their marginal cost: 10 draws in one "
+                             "sess.run (10 normal_ calls in one timed block), divided by "
+                             "10; the fixed cost of a sess.run is its own row")
     parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
