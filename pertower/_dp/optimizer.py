@@ -236,7 +236,8 @@ class DPOptimizer:
             examples: instead of `batch_size`, the towers are built for N examples
             and any fed batch of b <= N examples (0 included) is padded to N with
             examples whose gradients are dropped (neither summed nor counted); a
-            larger batch fails at run time. `pertower.poisson_capacity` gives an N
+            larger batch fails at run time (when the rules compute every weight, no
+            towers are built and any size is taken). `pertower.poisson_capacity` gives an N
             that a Poisson batch exceeds with a stated probability. Not with
             `batch_size` or `num_microbatches`; with a static batch axis it is unused.
 
