@@ -12,7 +12,7 @@ Public surface:
     flatten, flatten_per_example, dot, cosine_similarity, global_norms,
     pairwise_dot, pairwise_cosine
     DPOptimizer, DPSyncReplicasOptimizer, AdaptiveClipping, poisson_batches,
-    compute_epsilon
+    poisson_capacity, compute_epsilon
     tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
     fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
     sum_grad_squared, diag_ggn (curvature: the GGN / Fisher diagonal),
@@ -59,6 +59,7 @@ __all__ = [
     "DPSyncReplicasOptimizer",
     "AdaptiveClipping",
     "poisson_batches",
+    "poisson_capacity",
     "compute_epsilon",
     "tracin",
     "tracin_over_checkpoints",
@@ -107,6 +108,7 @@ _LAZY = {
     "per_example_jacobians": "pertower._api.gradients",
     "per_example_norms": "pertower._api.norms",
     "poisson_batches": "pertower._dp.sampling",
+    "poisson_capacity": "pertower._dp.sampling",
     "PerExampleIndexedSlices": "pertower._towers.sparse",
     "Plan": "pertower._plan",
     "similarity_matrix": "pertower._analytics",

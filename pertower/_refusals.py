@@ -31,7 +31,8 @@ def refuse_what_cannot_be_built(plan):
             "for the op (pertower.rules.default_registry().register), or leave these "
             "weights out of `xs`. pertower.explain(ys, xs) shows the plan.")
     needs_towers = bool(plan.fallback) or plan.validate
-    if request.batch_size is None and needs_towers:
+    padded = request.options.batch_capacity is not None and plan.fallback_method == "towers"
+    if request.batch_size is None and needs_towers and not padded:
         names = ", ".join(f"{b.name} {b.shape}" for b in request.batch)
         what = []
         if plan.fallback:

@@ -71,6 +71,8 @@ class Options:
       forms_gradients: False for the norms (the rules form no [B, P] tensor).
       refuse: False for `pertower.explain`: couplings and a strict method's uncovered
         weights are recorded in the plan instead of raised.
+      batch_capacity: None, or N for a None batch axis without batch_size (DPOptimizer's
+        `max_batch_size`): the towers take any fed batch of at most N examples, padded.
     """
 
     sparse: bool = False
@@ -79,6 +81,7 @@ class Options:
     outputs_per_example: int = 1
     forms_gradients: bool = True
     refuse: bool = True
+    batch_capacity: object = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ sums between runs, and the division is by the expected batch size when one is gi
 (the sum of an empty Poisson batch is 0, so the step then releases the noise alone).
 """
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -54,6 +55,7 @@ from pertower import _request
 from pertower._dp import accumulation as accumulation_lib
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
+from pertower._dp import sampling
 from pertower._dp import var_lists
 
 __all__ = ["DPOptimizer"]
@@ -208,7 +210,7 @@ class DPOptimizer:
     def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
                           gate_gradients=_GATE_OP, aggregation_method=None,
                           colocate_gradients_with_ops=False, grad_loss=None,
-                          batch_axis=None):
+                          batch_axis=None, max_batch_size=None):
         """The clipped, noised, averaged gradient, as (gradient, variable) pairs.
 
         Args:
@@ -229,6 +231,15 @@ class DPOptimizer:
           grad_loss: must be None (every example's loss has weight 1 in DP-SGD).
           batch_axis: the axis of each batch tensor that carries the batch (None: 0),
             as in `pertower.per_example_gradients`; `loss` keeps it on axis 0.
+          max_batch_size: None, or N for Poisson batches (whose size varies) when some
+            weights fall back to towers, which are built for a fixed number of
+            examples: instead of `batch_size`, the towers are built for N examples
+            and any fed batch of b <= N examples (0 included) is padded to N with
+            examples whose gradients are dropped (neither summed nor counted); a
+            larger batch fails at run time (when the rules compute every weight, no
+            towers are built and any size is taken). `pertower.poisson_capacity` gives an N
+            that a Poisson batch exceeds with a stated probability. Not with
+            `batch_size` or `num_microbatches`; with a static batch axis it is unused.
 
         Returns:
           A list of (gradient, variable) pairs, one per variable, every gradient dense
@@ -270,6 +281,7 @@ class DPOptimizer:
                     "defaulted to every trainable variable of the graph)." if defaulted
                     else "Leave them out of `var_list`."))
         M = self._num_microbatches
+        capacity = sampling.checked_capacity(max_batch_size, batch_size, M)
         per_layer = self._clip.kind == "per_layer"
         clips = (clipping_lib.per_layer_clips(self._clip.l2_norm_clip, len(var_list))
                  if per_layer else None)
@@ -286,6 +298,9 @@ class DPOptimizer:
                     per_example_loss, var_list, batch, batch_size, M, method=self._method,
                     batch_axis=batch_axis, ys_argument="loss",
                     scalar_advice=_ONE_LOSS_PER_EXAMPLE)
+            if capacity is not None:   # the towers pad the fed batch (`_towers.slicing`)
+                request = dataclasses.replace(request, options=dataclasses.replace(
+                    request.options, batch_capacity=capacity))
             clip = self._clip_read(dtype)              # C: a float, or the variable's read
             factors_of = (clipping_lib.per_layer_factors(clips) if per_layer
                           else clipping_lib.flat_factors(clip))
@@ -403,14 +418,15 @@ class DPOptimizer:
 
     def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
                  aggregation_method=None, colocate_gradients_with_ops=False, name=None,
-                 grad_loss=None, batch=None, batch_size=None, batch_axis=None):
+                 grad_loss=None, batch=None, batch_size=None, batch_axis=None,
+                 max_batch_size=None):
         """`compute_gradients` then `apply_gradients`, as
         `tf.compat.v1.train.Optimizer.minimize`; returns the training op."""
         grads_and_vars = self.compute_gradients(
             loss, var_list=var_list, batch=batch, batch_size=batch_size,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
-            batch_axis=batch_axis)
+            batch_axis=batch_axis, max_batch_size=max_batch_size)
         return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
     def get_slot(self, var, name):

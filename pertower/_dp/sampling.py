@@ -9,9 +9,15 @@ and Zhang 2019, arXiv 1908.10530) that `compute_epsilon` runs assume each exampl
 joins each batch independently with probability q: the batch size varies from step to
 step, and may be 0. Fixed-size batches from a shuffle are a different sampling, which
 those numbers do not cover. `DPOptimizer` takes any fed batch size (an empty one
-included: the step then releases the noise alone).
+included: the step then releases the noise alone); where some weights fall back to
+towers, built for a fixed number of examples, it takes `max_batch_size=N` and pads
+each fed batch to N examples whose gradients are dropped. `poisson_capacity` gives the
+N that a Binomial(N_examples, q) batch exceeds with at most a stated probability:
+
+    P(B_t > N) = sum_{k > N} C(N_examples, k) q^k (1 - q)^(N_examples - k).
 """
 
+import math
 import numbers
 
 import numpy as np
@@ -19,7 +25,7 @@ import numpy as np
 from pertower import _checks
 from pertower import _context
 
-__all__ = ["poisson_batches"]
+__all__ = ["poisson_batches", "poisson_capacity", "checked_capacity"]
 
 
 @_context.public("poisson_batches")
@@ -82,3 +88,62 @@ def _batches(arrays, single, q, steps, seed, splits):
         pieces = [tuple(a[part] for a in arrays) for part in np.array_split(index, splits)]
         pieces = [p[0] if single else p for p in pieces]
         yield pieces[0] if splits == 1 else pieces
+
+
+@_context.public("poisson_capacity")
+def poisson_capacity(num_examples, sampling_probability, overflow=1e-6):
+    """The smallest batch capacity N with P(Binomial(num_examples, q) > N) <= overflow.
+
+    For `DPOptimizer.minimize(..., max_batch_size=N)` with Poisson batches: a batch of
+    `poisson_batches` exceeds N, and its step fails at run time, with probability at
+    most `overflow` per step (at most T * overflow over T steps).
+
+    Args:
+      num_examples: the training examples, an int >= 0.
+      sampling_probability: q in (0, 1].
+      overflow: the largest probability of a batch above N, in (0, 1).
+
+    Returns:
+      N, an int in [0, num_examples] (at least 1).
+
+    Example:
+      N = pertower.poisson_capacity(60000, 256 / 60000)   # 256 expected: N = 335
+    """
+    if (isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral)
+            or num_examples < 0):
+        raise _context.error(ValueError, "`num_examples` must be a non-negative integer, "
+                             f"but received {num_examples!r}.")
+    q = _checks.real_number(sampling_probability, "sampling_probability", 0.0, 1.0,
+                            low_open=True)
+    overflow = _checks.real_number(overflow, "overflow", 0.0, 1.0, low_open=True,
+                                   high_open=True)
+    n = int(num_examples)
+    if q == 1.0 or n == 0:
+        return max(n, 1)
+    k = np.arange(n + 1)                                                   # [n + 1]
+    log_pmf = (math.lgamma(n + 1) - _lgamma(k + 1) - _lgamma(n - k + 1)
+               + k * math.log(q) + (n - k) * math.log1p(-q))               # [n + 1]
+    # tail[j] = P(B > j): the sum of the pmf above j, summed from the top
+    pmf = np.exp(log_pmf)                                                  # [n + 1]
+    tail = np.concatenate([np.cumsum(pmf[::-1])[::-1][1:], [0.0]])        # [n + 1]
+    return max(int(np.argmax(tail <= overflow)), 1)
+
+
+def _lgamma(values):
+    """log Γ of each entry of an int array."""
+    return np.array([math.lgamma(v) for v in values.tolist()])
+
+
+def checked_capacity(max_batch_size, batch_size, num_microbatches):
+    """DPOptimizer's `max_batch_size`, checked: None, or a positive int (not with
+    `batch_size` or `num_microbatches`)."""
+    if max_batch_size is None:
+        return None
+    capacity = _checks.positive_int(max_batch_size, "max_batch_size")
+    if batch_size is not None or num_microbatches is not None:
+        raise _context.error(
+            ValueError, "`max_batch_size` is for batches of varying size (Poisson "
+            f"batches), one microbatch per example; but batch_size={batch_size!r} and "
+            f"num_microbatches={num_microbatches!r} were given. Pass either "
+            "max_batch_size or batch_size, and leave num_microbatches None.")
+    return capacity

@@ -83,6 +83,9 @@ class Towers(fallback.PerGroupGradients):
       stacked: the tower outputs concatenated, [B, ...]; equal to `ys`.
       devices: the device strings the towers were placed on round-robin (tower t on
         devices[t % len(devices)]), or None when they were not placed.
+      fed_rows: None, or with a batch capacity (`Options.batch_capacity`) the fed
+        batch size b <= B, a scalar tensor: the batch was padded to B examples, and
+        `stacked` and the gradients keep their first b rows.
     """
 
     checks_batch = True   # the slices check the fed batch size (`slicing.split_batch`)
@@ -98,6 +101,7 @@ class Towers(fallback.PerGroupGradients):
     outputs: tuple
     stacked: tf.Tensor
     devices: tuple = None
+    fed_rows: tf.Tensor = None
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
         """The gradient of each tower's output with respect to its own copies.
@@ -120,9 +124,20 @@ class Towers(fallback.PerGroupGradients):
           sum(grad_ys_t * y_t) with respect to x, computed on tower t's slice alone;
           or None for a weight `ys` does not reach when unconnected_gradients="none".
         """
-        return backward.gradients(self, grad_ys=grad_ys,
-                                  unconnected_gradients=unconnected_gradients, name=name,
-                                  sparse=sparse)
+        if self.fed_rows is None:
+            return backward.gradients(self, grad_ys=grad_ys,
+                                      unconnected_gradients=unconnected_gradients,
+                                      name=name, sparse=sparse)
+        if sparse:
+            raise _context.error(ValueError, "sparse=True is not supported with a batch "
+                                 "capacity (max_batch_size): pass sparse=False.")
+        if grad_ys is not None:   # [b, ...] -> [B, ...], zero rows for the padding
+            grad_ys = slicing.pad_batch(tf.convert_to_tensor(grad_ys, self.ys.dtype), 0,
+                                        self.batch_size)
+        grads = backward.gradients(self, grad_ys=grad_ys,
+                                   unconnected_gradients=unconnected_gradients, name=name)
+        # [B, *x.shape] -> [b, *x.shape]: the padding's rows dropped
+        return [None if g is None else g[:self.fed_rows] for g in grads]
 
 
 @_context.public("build_towers")
@@ -193,6 +208,14 @@ def towers_of(request, scope, devices=None):
     devices = _checks.device_list(devices)
     ys, xs, graph, batch, B = (request.ys, request.xs, request.graph, request.batch,
                                request.batch_size)
+    # a batch capacity: any fed batch of at most B examples, padded to B
+    padded = B is None and request.options.batch_capacity is not None
+    if padded:
+        if request.segments is not None or request.num_groups is not None:
+            raise _context.error(ValueError, "a batch capacity (max_batch_size) takes one "
+                                 "batch of one group per example: leave num_microbatches "
+                                 "None and feed the batch as one tensor per input.")
+        B = request.options.batch_capacity
     T = B if request.num_groups is None else request.num_groups
 
     with graph.as_default():
@@ -229,7 +252,7 @@ def towers_of(request, scope, devices=None):
         with tf.name_scope(scope):
             if request.segments is None:
                 slices = slicing.split_batch(batch, B, T, request.batch_axes,
-                                             request.static_sizes)
+                                             request.static_sizes, padded)
             else:
                 slices = slicing.split_segments(batch, request.segments, B, T,
                                                 request.batch_axes, request.static_sizes)
@@ -252,7 +275,13 @@ def towers_of(request, scope, devices=None):
                     copies[k] = copies[first]
             outputs = slicing.check_tower_rows(outputs, ys, batch, B, T)
             # T x [B/T, ...] -> [B, ...]
-            stacked = tf.concat(outputs, axis=0, name="stacked")
+            fed_rows = None
+            if padded:   # [B, ...] -> [b, ...], the fed rows
+                fed_rows = tf.shape(batch[0])[request.batch_axes[0]]
+                stacked = tf.identity(tf.concat(outputs, axis=0, name="padded_rows")[
+                    :fed_rows], name="stacked")
+            else:
+                stacked = tf.concat(outputs, axis=0, name="stacked")
         if not forward_only:
             # the towers differentiate copies: edit the user's loops, conds and calls
             # as a tf.gradients through them would, for a training op built later
@@ -264,7 +293,7 @@ def towers_of(request, scope, devices=None):
                 | call_ops)
     return Towers(ys=ys, xs=tuple(xs), batch=tuple(batch), batch_size=B, num_towers=T,
                   slices=tuple(zip(*slices)), copies=tuple(copies), outputs=tuple(outputs),
-                  stacked=stacked, devices=devices)
+                  stacked=stacked, devices=devices, fed_rows=fed_rows)
 
 
 def _copies(reads, derived, aliases, T, devices):

@@ -16,17 +16,20 @@ from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 
-__all__ = ["split_batch", "split_segments", "check_tower_rows", "on_device"]
+__all__ = ["split_batch", "pad_batch", "split_segments", "check_tower_rows", "on_device"]
 
 
-def split_batch(batch, B, T, axes, static_sizes):
+def split_batch(batch, B, T, axes, static_sizes, padded=False):
     """Each batch tensor [B, ...] -> T slices [B/T, ...] along its batch axis (axes[j];
     [T', B, ...] -> T x [T', B/T, ...] for a time-major one), checking B at run time
-    where the batch axis is not static (static_sizes[j] None)."""
+    where the batch axis is not static (static_sizes[j] None); with `padded`, a fed
+    batch of b <= B examples is padded with B - b rows of zeros instead (checked)."""
     slices = []
     for j, (b, axis, static) in enumerate(zip(batch, axes, static_sizes)):
         with tf.name_scope(f"slices_{j}"):
-            if static is None:
+            if static is None and padded:
+                b = pad_batch(b, axis, B)
+            elif static is None:
                 check = _checks.fed_batch_size_check(
                     b, axis, B, "the towers",
                     "or build the towers again for the new batch size.")
@@ -40,6 +43,28 @@ def split_batch(batch, B, T, axes, static_sizes):
                                    .concatenate(b.shape[axis + 1:]))
             slices.append(parts)
     return slices
+
+
+def pad_batch(b, axis, B):
+    """[..., b, ...] -> [..., B, ...]: the fed batch and B - b rows of zeros after it
+    on axis `axis`, after a run-time check that b <= B (the towers' capacity, the
+    `max_batch_size` of DPOptimizer)."""
+    fed = tf.shape(b)[axis]
+    message = tf.strings.join([
+        f"pertower: the towers were built for batches of at most {B} examples "
+        f"(max_batch_size={B}), but the batch fed to {b.name} has ",
+        tf.strings.as_string(fed), f" examples. Feed at most {B} examples, or build the "
+        "step again with a larger max_batch_size (for Poisson batches, "
+        "pertower.poisson_capacity gives one with a stated overflow probability)."])
+    check = tf.debugging.Assert(fed <= B, [message], name="check_capacity")
+    with tf.control_dependencies([check]):
+        rank = tf.rank(b)
+        # [rank, 2]: B - b rows after the fed ones on `axis`, none elsewhere
+        paddings = tf.scatter_nd([[axis, 1]], [B - fed], tf.stack([rank, 2]))
+        padded = tf.pad(b, paddings)
+    if b.shape.rank is not None:
+        padded.set_shape(b.shape[:axis].concatenate([B]).concatenate(b.shape[axis + 1:]))
+    return padded
 
 
 def split_segments(batch, segments, B, T, axes, static_sizes):

@@ -113,9 +113,30 @@ def check_adaptive_clip_update():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def check_poisson_batches_padded_on_towers():
+    """max_batch_size: towers built for B examples take 3 and 0 (padded); the σ = 0
+    gradient equals the loop's clipped sum over the fed examples / B."""
+    graph, sess, ys, weights, feed = _model()
+    with graph.as_default():
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 0.5,
+                                  0.0, expected_batch_size=B, method="towers")
+        grads = [g for g, _ in dp.compute_gradients(ys, weights, max_batch_size=B)]
+        loop = oracle.SliceLoop(ys, weights)
+    for b in (3, 0):
+        part = {p: v[:b] for p, v in feed.items()}
+        got = sess.run(grads, part)
+        want = [np.zeros(w.shape.as_list(), np.float32) for w in weights]
+        if b:
+            rows = loop.run(sess, part, b)                                # [b, *x.shape]
+            norms = np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in rows))
+            factors = 0.5 / np.maximum(norms, 0.5)
+            want = [np.tensordot(factors, g, axes=1) / B for g in rows]
+        common.assert_all_close(got, want, what=f"padded towers, {b} fed")
+
+
 CHECKS = [check_per_weight_norms_and_per_layer_clipping,
           check_accumulation_with_an_empty_run_equals_one_step,
-          check_adaptive_clip_update]
+          check_adaptive_clip_update, check_poisson_batches_padded_on_towers]
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(CHECKS, "DP modes legacy checks"))

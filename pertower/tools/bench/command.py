@@ -31,7 +31,6 @@ __all__ = ["HELP", "DESCRIPTION", "BENCH_MODELS", "PEER_MODELS", "add_arguments"
            "build_parser", "main", "run"]
 
 DEFAULT_BENCH_REPEATS = 5
-DEFAULT_BENCH_JSON = "bench.json"
 # The bench's models (pertower.tools.models imports TensorFlow only when building).
 BENCH_MODELS = tool_models.MODEL_NAMES
 # With --peers (pertower.tools.bench.peers imports neither TensorFlow nor the peers here).
@@ -45,8 +44,9 @@ DESCRIPTION = ("Times, in one process and side by side, every pertower method "
                "sess.run loop, tf.vectorized_map with tf.gradients inside, one batch "
                "gradient and (MLP) outer products written by hand, on an MLP "
                "100-256-256-1 and the scenario-3 CNN. Prints a table (median ms, "
-               "ratios, build s, peak memory, max |diff| against the loop) and writes "
-               "the figures as JSON. Quick by default (MLP at B=32,128, CNN at B=32, "
+               "ratios, build s, peak memory, max |diff| against the loop) and, with "
+               "--json FILE, writes the figures as JSON (no file otherwise). Quick by "
+               "default (MLP at B=32,128, CNN at B=32, "
                f"{DEFAULT_BENCH_REPEATS} repeats); --full runs both models at "
                "B=32,128,512 with more repeats. Exits with 1 if an entry fails or "
                "disagrees with the loop.")
@@ -66,7 +66,10 @@ def add_arguments(parser):
     parser.add_argument("--dp-only", action="store_true",
                         help="only the DP rows of --dp (mlp B=128, cnn B=32, cifar B=64 "
                              "unless --models / --batch-sizes say otherwise), with the "
-                             "row of PyTorch's normal_ on the same P in the peers' Python")
+                             "row of PyTorch's normal_ on the same P in the peers' Python. "
+                             "Both draws are timed as their marginal cost: 10 draws in one "
+                             "sess.run (10 normal_ calls in one timed block), divided by "
+                             "10; the fixed cost of a sess.run is its own row")
     parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
@@ -83,9 +86,9 @@ def add_arguments(parser):
                         help="timed sess.run per entry after a warm-up; the median is shown")
     parser.add_argument("--loop-repeats", type=arguments.positive_int, default=None, metavar="R",
                         help="timed passes of the one-example loop (B sess.run each)")
-    parser.add_argument("--json", default=DEFAULT_BENCH_JSON, metavar="FILE",
-                        help=f"where to write the figures (default {DEFAULT_BENCH_JSON}); "
-                             "'-' writes JSON to stdout and the table to stderr")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the figures as JSON to FILE (default: none is "
+                             "written); '-' writes JSON to stdout and the table to stderr")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="also draw the figures with matplotlib into this PNG")
     parser.add_argument("--env", action="append", type=arguments.assignment, default=None,
@@ -273,7 +276,7 @@ def _run_dp_rows(args, repeats, report):
 
 def _run_curvature(args):
     """`bench --curvature`: pertower's and BackPACK's curvature rows, printed (and
-    written to --json); returns the exit code (1 when a checked value disagrees)."""
+    written to --json when given); returns the exit code (1 when a checked value disagrees)."""
     # pylint: disable=import-outside-toplevel
     from pertower.tools.bench import peers_curvature
     # pylint: enable=import-outside-toplevel
@@ -298,12 +301,7 @@ def _run_curvature(args):
                                         "max_abs_diff", "max_abs_reference", "note"), row))
                              for row in rows], "versions": versions,
                "targets": peers_curvature.target_rows(rows)}
-    if args.json == "-":
-        json.dump(figures, sys.stdout, indent=1)
-        print()
-    else:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(figures, handle, indent=1)
+    _write_figures(figures, args.json, report)
     bad = [f"{m} B={B} {name}" for m, B, name, _, diff, scale, _ in rows
            if diff is not None and not records.agrees(diff, scale)]
     if bad or "missing" in versions:
@@ -364,7 +362,11 @@ def _run_zoo(args):
 
 
 def _write_figures(figures, path, report):
-    """Writes the figures as JSON to `path` ("-": standard output, after the table)."""
+    """Writes the figures as JSON to `path` ("-": standard output, after the table;
+    None: nowhere)."""
+    if path is None:
+        report("\nno figures written (pass --json FILE to keep them)")
+        return
     if path == "-":
         json.dump(figures, sys.stdout, indent=1)
         print()

@@ -7,11 +7,19 @@ Notation:
 
 The DP step's floor is a plain step plus the draw of P Gaussian numbers; the table's
 derived row "dp − plain − noise" is what clipping costs beyond it (the first method's
-step minus the plain step minus the "noise draw" row, the draw alone as the step makes
-it), with its ratio to the plain step. With a peers' Python, the row "noise draw: torch
-normal_" times PyTorch's in-place `normal_` on the same P numbers in a child process
-(`peers_noise`), right after the model's other rows: the fastest draw we know of, which
-the "noise draw" row should stay within 1.2 times of.
+step minus the plain step minus the "noise draw" row), with its ratio to the plain step.
+
+What a DP step pays for its draw is the draw's marginal cost inside the step's one
+`sess.run`, not a `sess.run` of its own (whose fixed cost, the row "sess.run overhead",
+a run of one tiny op, is 0.1-0.3 ms on a quiet 2-core machine and more under load). So
+the row "noise draw" is K = 10 draws of P numbers, each as the step makes it (its own
+key), chained by control dependencies in ONE `sess.run`, divided by K; and with a
+peers' Python the row "noise draw: torch normal_" times K in-place `normal_` fills of
+the same P numbers in a child process (`peers_noise`), divided by K, right after the
+model's other rows: the fastest draw we know of, which the "noise draw" row should stay
+within 1.2 times of. The derived row "noise in step (dp − σ=0)" is the first method's
+step minus its step without noise: the draw's cost as the step sees it (noisier: the
+difference of two whole steps).
 """
 
 import dataclasses
@@ -27,7 +35,8 @@ from pertower.tools import timing
 from pertower.tools.bench import peers_noise
 from pertower.tools.bench import report as report_lib
 
-__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "DPEntry", "run_dp_bench", "format_dp_table"]
+__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "SESSION_OVERHEAD", "DRAWS_PER_RUN", "DPEntry",
+           "run_dp_bench", "format_dp_table"]
 
 MODELS = models_lib.MODEL_NAMES
 # DP rows: per model, the batch sizes the DP-SGD step is timed at (models the installed
@@ -35,6 +44,9 @@ MODELS = models_lib.MODEL_NAMES
 DP_BATCH_SIZES = {"mlp": (128,), "cnn": (32,), "cifar": (64,)}
 DP_LEARNING_RATE = 1e-3   # small: the timed steps train the weights they measure
 TORCH_NOISE = "noise draw: torch normal_"
+SESSION_OVERHEAD = "sess.run overhead"
+# draws chained in the one sess.run of the "noise draw" row (see the module notes)
+DRAWS_PER_RUN = 10
 
 
 @dataclasses.dataclass
@@ -58,7 +70,9 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
     "plain step": GradientDescentOptimizer.minimize of the mean per-example cost;
     "dp step[method]": `pertower.DPOptimizer` around the same optimizer, C = 1, σ = 1,
     one microbatch per example; "dp step[method] σ=0": the first method's step without
-    noise (the clipping alone). Each is one sess.run of the training op.
+    noise (the clipping alone). Each is one sess.run of the training op. "sess.run
+    overhead": one run of a [2] random draw, the fixed cost of a call; "noise draw":
+    DRAWS_PER_RUN chained draws of P numbers in one run, ms divided by DRAWS_PER_RUN.
 
     Args:
       models: names (default: those of DP_BATCH_SIZES that `models` provides).
@@ -100,12 +114,11 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                                           noise_multiplier=0.0, method=methods[0])
                 steps.append((f"dp step[{methods[0]}] σ=0", dp.minimize(
                     loss, var_list=model.weights, batch_size=B)))
-                # the P draws alone, as the DP step makes them (a fresh key per run;
-                # `add_noise` splits the padded draws, [2h] >= P, into the weights')
                 P = sum(w.shape.num_elements() for w in model.weights)
-                key = tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=B)
-                steps.append(("noise draw", tf.reduce_sum(
-                    noise_lib.normal_pairs(P, key, loss.dtype)[:1])))
+                keys = tf.random.uniform([DRAWS_PER_RUN, 2], maxval=2 ** 62,
+                                         dtype=tf.int64, seed=B)       # [K, 2]
+                steps.append((SESSION_OVERHEAD, keys[0]))
+                steps.append(("noise draw", _chained_draws(P, keys, loss.dtype)))
                 sess.run(tf.compat.v1.global_variables_initializer())
                 rows = [DPEntry(model_name, B, name) for name, _ in steps]
                 for _, op in steps:
@@ -113,11 +126,23 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 times = timing.round_robin(
                     [(lambda op=op: sess.run(op, model.feed), repeats) for _, op in steps])
                 for row, seconds in zip(rows, times):
-                    row.runs_ms.extend(1e3 * t for t in seconds)
+                    per = DRAWS_PER_RUN if row.name == "noise draw" else 1
+                    row.runs_ms.extend(1e3 * t / per for t in seconds)
                 entries += rows
             if noise_python:
                 entries.append(_torch_noise(model_name, B, P, repeats, noise_python, report))
     return entries
+
+
+def _chained_draws(P, keys, dtype):
+    """The fetch of K = len(keys) draws of P numbers as the DP step makes them
+    (`normal_pairs`, [2h] >= P, one key each), draw k+1 waiting for draw k: their
+    first entries, [K]."""
+    heads = []
+    for k in range(keys.shape[0]):
+        with tf.control_dependencies(heads[-1:]):
+            heads.append(noise_lib.normal_pairs(P, keys[k], dtype)[:1])   # [1]
+    return tf.concat(heads, axis=0)                                        # [K]
 
 
 def _torch_noise(model_name, B, P, repeats, python, report):
@@ -158,12 +183,19 @@ def format_dp_table(entries):
 
 
 def _overhead_row(key, entries, base):
-    """[("dp − plain − noise", ms, x plain)] for one model's entries, or []."""
+    """[("dp − plain − noise", ms, x plain)] for one model's entries (and, with the
+    step without noise, "noise in step (dp − σ=0)"), or []."""
     dp_steps = [e for e in entries if e.name.startswith("dp step[") and "σ=0" not in e.name]
+    quiet = [e for e in entries if e.name.startswith("dp step[") and "σ=0" in e.name]
     noise = [e for e in entries if e.name == "noise draw"]
     if not (base and dp_steps and noise and dp_steps[0].median_ms is not None
             and noise[0].median_ms is not None):
         return []
     overhead = dp_steps[0].median_ms - base - noise[0].median_ms
-    return [(key[0], str(key[1]), "dp − plain − noise", report_lib.cell(overhead, ".1f"),
+    rows = [(key[0], str(key[1]), "dp − plain − noise", report_lib.cell(overhead, ".1f"),
              report_lib.cell(overhead / base, ".2f"))]
+    if quiet and quiet[0].median_ms is not None:
+        in_step = dp_steps[0].median_ms - quiet[0].median_ms
+        rows.append((key[0], str(key[1]), "noise in step (dp − σ=0)",
+                     report_lib.cell(in_step, ".1f"), report_lib.cell(in_step / base, ".2f")))
+    return rows

@@ -1,12 +1,15 @@
 """`pertower bench --dp`'s reference for the noise draw: PyTorch's in-place `normal_`
 on P numbers, timed in a child process of the peers' Python.
 
-    python -m pertower.tools.bench.peers_noise --repeats R P [P ...]
+    python -m pertower.tools.bench.peers_noise --repeats R [--fills K] P [P ...]
 
 imports only PyTorch, fills one preallocated float32 tensor of each size P with N(0, 1)
 draws (`torch.Tensor.normal_`, the fastest way to P Gaussian numbers we know of on a
-CPU), one warm-up and R timed fills, and prints one JSON object on stdout:
-{"torch": version, "threads": torch's intra-op threads, "runs_ms": {"P": [ms, ...]}}.
+CPU), one warm-up and R timed runs of K fills each (K = 10 by default), and prints one
+JSON object on stdout: {"torch": version, "threads": torch's intra-op threads,
+"fills": K, "runs_ms": {"P": [ms, ...]}}, each run's time divided by K: the cost of one
+fill, as the TensorFlow side's "noise draw" row is K chained draws in one `sess.run`
+divided by K (neither side then counts its per-call overhead).
 
 The driver (`torch_normal_runs`) starts it with `--peers-python` or
 $PERTOWER_PEERS_PYTHON (else this interpreter), as the other peers' children.
@@ -21,24 +24,28 @@ import time
 
 from pertower.tools.bench import peers as peers_lib
 
-__all__ = ["torch_normal_runs", "main"]
+__all__ = ["FILLS_PER_RUN", "torch_normal_runs", "main"]
 
 _TIMEOUT_SECONDS = 600
+# fills per timed run: the per-call overhead of Python and of the dispatch is shared
+FILLS_PER_RUN = 10
 
 
-def torch_normal_runs(sizes, repeats, python=None):
-    """{P: [ms, ...]}: `repeats` timed `normal_` fills of P float32 numbers each, in a
-    child process; raises RuntimeError (with the child's last line) when it fails, e.g.
-    when its Python has no torch.
+def torch_normal_runs(sizes, repeats, python=None, fills=FILLS_PER_RUN):
+    """{P: [ms, ...]}: `repeats` timed runs of `fills` `normal_` fills of P float32
+    numbers each, each run's time divided by `fills` (ms per fill), in a child process;
+    raises RuntimeError (with the child's last line) when it fails, e.g. when its
+    Python has no torch.
 
     Args:
       sizes: the P to time.
-      repeats: timed fills per size, after one warm-up.
+      repeats: timed runs per size, after one warm-up.
       python: the child's interpreter (default: $PERTOWER_PEERS_PYTHON, else this one).
+      fills: K, the fills per timed run.
     """
     python = python or os.environ.get(peers_lib.PYTHON_VARIABLE) or sys.executable
     command = [python, "-m", "pertower.tools.bench.peers_noise", "--repeats",
-               str(repeats)] + [str(int(P)) for P in sizes]
+               str(repeats), "--fills", str(int(fills))] + [str(int(P)) for P in sizes]
     # pylint: disable-next=protected-access
     done = subprocess.run(command, env=peers_lib._child_env(), capture_output=True,
                           text=True, timeout=_TIMEOUT_SECONDS, check=False)
@@ -55,6 +62,7 @@ def main(argv=None):
     """The child: times `normal_` on each size; prints the JSON object."""
     parser = argparse.ArgumentParser(prog="python -m pertower.tools.bench.peers_noise")
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--fills", type=int, default=FILLS_PER_RUN)
     parser.add_argument("sizes", type=int, nargs="+")
     args = parser.parse_args(argv)
     import torch  # pylint: disable=import-outside-toplevel
@@ -65,11 +73,12 @@ def main(argv=None):
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            draws.normal_()
-            times.append(1e3 * (time.perf_counter() - start))
+            for _ in range(args.fills):
+                draws.normal_()
+            times.append(1e3 * (time.perf_counter() - start) / args.fills)
         runs[str(P)] = times
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "runs_ms": runs}))
+                      "fills": args.fills, "runs_ms": runs}))
     return 0
 
 
