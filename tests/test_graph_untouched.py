@@ -23,17 +23,13 @@ B = checks.B
 
 
 def _ancestors(returned):
-    """The ops the tensors and ops of `returned` (nested) depend on."""
-    stack = [item.op if isinstance(item, tf.Tensor) else item for item in _leaves(returned)]
-    seen = set()
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
+    """The ops the tensors and ops of `returned` (nested) depend on, through data and
+    control inputs."""
+    leaves = _leaves(returned)
+    graph = leaves[0].graph
+    names = sorted({(leaf.op if isinstance(leaf, tf.Tensor) else leaf).name for leaf in leaves})
+    kept = tf.compat.v1.graph_util.extract_sub_graph(graph.as_graph_def(), names)
+    return {graph.get_operation_by_name(node.name) for node in kept.node}
 
 
 def _leaves(value):
