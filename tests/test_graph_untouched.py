@@ -146,11 +146,39 @@ def test_refused_call_adds_no_op():
 def test_every_added_op_is_needed(model, call):
     result = _assert_needed(model.graph, _calls(model)[call], call)
     if call in ("auto", "towers"):
-        with model.graph.as_default():
-            loop = oracle.SliceLoop(model.ys, model.xs)
-            with tf.compat.v1.Session() as sess:
-                sess.run(tf.compat.v1.global_variables_initializer())
-                got = sess.run(result, model.feed)
-                want = loop.run(sess, model.feed, B, batch=model.x)
-        for g, w in zip(got, want):
-            common.assert_all_close(np.asarray(g), np.asarray(w))
+        _assert_matches_loop(model, result)
+
+
+def _assert_matches_loop(model, result):
+    with model.graph.as_default():
+        loop = oracle.SliceLoop(model.ys, model.xs)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got = sess.run(result, model.feed)
+            want = loop.run(sess, model.feed, B, batch=model.x)
+    assert len(got) == len(want) == len(model.xs)
+    for g, w in zip(got, want):
+        common.assert_all_close(np.asarray(g), np.asarray(w))
+
+
+def test_loop_weights_add_no_orphan():
+    """A Keras recurrent layer (a TF2 While; the copy with ε is built only when the
+    rules' results are) behind a swish activation: explain adds nothing, the per-example
+    gradients no orphan and match the loop."""
+    import tf_keras as keras   # pylint: disable=import-outside-toplevel
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3, 2], name="x")
+        hidden = keras.layers.SimpleRNN(4)(x)
+        out = keras.layers.Dense(2, activation=tf.nn.silu)(hidden)
+        ys = tf.reduce_sum(out ** 2, axis=1)
+        xs = tf.compat.v1.trainable_variables()
+    feed = {x: np.random.RandomState(1).randn(B, 3, 2).astype(np.float32)}
+    model = checks.Model(graph, x, ys, xs, feed)
+    plan, added = _added(graph, lambda: pertower.explain(ys, xs, batch=x))
+    assert {row.method for row in plan.weights} == {"rules"}, plan
+    assert not added, [op.name for op in added]
+    result = _assert_needed(graph, lambda: pertower.per_example_gradients(ys, xs, batch=x),
+                            "loop rules")
+    _assert_matches_loop(model, result)
