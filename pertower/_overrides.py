@@ -8,9 +8,11 @@ Notation:
     dy  the gradients arriving at op's outputs, [B, ...] each
 
 `override_backward` builds op's backward once, as `tf.gradients` would (the registered
-function called with op and dy), on fresh dy placeholders of op's output shapes: a
-subgraph from dy and the user's tensors to the gradients of op's inputs, never run.
-Two readers:
+function called with op and dy), on fresh dy placeholders of op's output shapes, in a
+scratch `FuncGraph` whose outer graph is op's: the user's graph is never changed. The
+user's tensors the function reads (op's inputs and outputs, a closure's forward tensors)
+are captured as placeholders of the scratch graph (`OverrideBackward.captured` maps
+them back). Two readers:
 
 - the towers (`pertower._towers.python_gradients`) copy it per tower with the tower's
   own tensors, so that a closure over the original graph's tensors (tf_keras' swish)
@@ -25,6 +27,7 @@ Two readers:
 import dataclasses
 
 import tensorflow as tf
+from tensorflow.python.framework import func_graph as func_graph_lib
 from tensorflow.python.framework import ops as framework_ops
 
 from pertower import _batch_axis
@@ -41,20 +44,31 @@ OVERRIDE_ATTR = op_types.GRADIENT_OVERRIDE_ATTR
 
 @dataclasses.dataclass(frozen=True)
 class OverrideBackward:
-    """The backward pass of an overridden op, built once on dy placeholders.
+    """The backward pass of an overridden op, built once on dy placeholders in a
+    scratch graph (never run, never part of the user's graph).
 
     Attributes:
       op: the op of the user's graph.
+      graph: the scratch `FuncGraph` holding dys, grads and ops.
       dys: one placeholder per output of op, of the output's dtype and shape.
       grads: the registered function's result, one entry per input of op (a tensor,
         an IndexedSlices or None).
-      ops: the ops the function added (between dys, the user's tensors and grads).
+      ops: the ops the function added (between dys, the captured tensors and grads;
+        not the placeholders of the captures).
+      captured: (scratch placeholder, the user's tensor it stands for) pairs, one per
+        tensor of the user's graph the function read.
     """
 
     op: tf.Operation
+    graph: object
     dys: tuple
     grads: tuple
     ops: tuple
+    captured: tuple
+
+    def outer(self, tensor):
+        """The user's tensor a captured placeholder stands for, else None."""
+        return next((o for i, o in self.captured if i is tensor), None)
 
 
 def kind(op):
@@ -69,7 +83,8 @@ def _said(op):
 
 
 def override_backward(op, scope="pertower_python_gradient"):
-    """Builds the overridden gradient of `op` once, on dy placeholders, in op's graph.
+    """Builds the overridden gradient of `op` once, on dy placeholders, in a scratch
+    graph (`scope` names it); op's graph is left as it was.
 
     Returns:
       An `OverrideBackward`.
@@ -94,10 +109,10 @@ def _build(op, scope):
     except LookupError as error:
         raise _Unbuilt(f"{_said(op)} by a function that is not registered; register it "
                        "with tf.RegisterGradient.") from error
-    graph = op.graph
-    first = len(graph.get_operations())
+    with op.graph.as_default():   # the scratch graph's outer graph is op's
+        scratch = func_graph_lib.FuncGraph(scope)
     try:
-        with graph.as_default(), tf.name_scope(scope):
+        with scratch.as_default():
             dys = tuple(tf.compat.v1.placeholder(t.dtype, t.shape, name="dy")
                         for t in op.outputs)
             grads = gradient_function(op, *dys)
@@ -106,8 +121,16 @@ def _build(op, scope):
                        f"({type(error).__name__}: {error}). Leave the weights behind this op "
                        "out of `xs`.") from error
     grads = tuple(grads) if isinstance(grads, (list, tuple)) else (grads,)
-    made = tuple(graph.get_operations()[first:])
-    return OverrideBackward(op=op, dys=dys, grads=grads, ops=made)
+    captured = tuple((inner, outer) for outer, inner in scratch.captures)
+    if any(not isinstance(outer, tf.Tensor) or outer.graph is not op.graph
+           for _, outer in captured):
+        raise _Unbuilt(f"{_said(op)}, and its backward reads something other than the "
+                       "tensors of op's graph. Leave the weights behind this op out of "
+                       "`xs`.")
+    placeholders = {inner.op for inner, _ in captured}
+    made = tuple(o for o in scratch.get_operations() if o not in placeholders)
+    return OverrideBackward(op=op, graph=scratch, dys=dys, grads=grads, ops=made,
+                            captured=captured)
 
 
 def not_row_wise(op, on_path, request):
@@ -132,24 +155,68 @@ def not_row_wise(op, on_path, request):
         backward = _build(op, "pertower_gradient_probe")
     except _Unbuilt as error:
         return f"it could not be read ({error})"
+    seeds = _captured_rows(backward, request)
+    if isinstance(seeds, str):
+        return seeds
     rows = [dy for r, dy in zip(read, backward.dys) if r]
-    batch = list(request.batch) + rows
-    axes = list(request.batch_axes) + [0] * len(rows)
+    batch = [inner for inner, _ in seeds] + rows
+    axes = [axis for _, axis in seeds] + [0] * len(rows)
     for j in on_path:
         grad = backward.grads[j] if j < len(backward.grads) else None
         if grad is None:
             continue
         if not isinstance(grad, tf.Tensor):
             return f"the gradient of its input {j} is not a dense tensor"
+        if not batch:
+            return "its backward pass reads neither dy nor any example's tensor"
         analysis = _batch_axis.analyze(grad, batch, graph_walk.upstream_ops([grad]),
                                        request.batch_size, batch_axes=axes)
-        if analysis.verdict == "coupled":
-            first = analysis.couplings[0]
-            return (f"its backward pass mixes the examples: {first.op.name!r} "
-                    f"({first.op.type}) {first.reason}")
-        if analysis.verdict != "independent":
-            lost = analysis.lost_at
-            where = f" (lost at {lost[0].name!r} ({lost[0].type}): {lost[1]})" if lost else ""
-            return ("its backward pass could not be proven to keep the examples' rows "
-                    f"apart{where}")
+        why = _why_not(analysis, "its backward pass")
+        if why:
+            return why
     return None
+
+
+def _why_not(analysis, what):
+    """None when `analysis` proves the rows apart; else a clause about `what`."""
+    if analysis.verdict == "coupled":
+        first = analysis.couplings[0]
+        return (f"{what} mixes the examples: {first.op.name!r} "
+                f"({first.op.type}) {first.reason}")
+    if analysis.verdict != "independent":
+        lost = analysis.lost_at
+        where = f" (lost at {lost[0].name!r} ({lost[0].type}): {lost[1]})" if lost else ""
+        return f"{what} could not be proven to keep the examples' rows apart{where}"
+    return None
+
+
+def _captured_rows(backward, request):
+    """(scratch placeholder, batch axis) for each tensor of the user's graph that the
+    backward reads and that holds the examples' rows (the batch's own tensors and those
+    computed from them, analysed in the user's graph); a clause saying why not when one
+    is computed from the batch without one row per example."""
+    batch_ops = {b.op for b in request.batch}
+    outers = [o for _, o in backward.captured]
+    from_batch = graph_walk.downstream_ops(request.batch, graph_walk.upstream_ops(outers))
+    computed = [o for o in outers if o.op in from_batch and o.op not in batch_ops]
+    analysis = None
+    if computed:   # one analysis of the forward up to every such tensor
+        analysis = _batch_axis.analyze(computed[0], request.batch,
+                                       graph_walk.upstream_ops(computed),
+                                       request.batch_size, batch_axes=request.batch_axes)
+        if analysis.couplings or (analysis.verdict != "independent" and analysis.lost_at
+                                  and analysis.lost_at[0] is not computed[0].op):
+            return _why_not(analysis, "the forward pass its backward reads")
+    seeds = []
+    for inner, outer in backward.captured:
+        axis = next((a for b, a in zip(request.batch, request.batch_axes) if b is outer),
+                    None)
+        if axis is None and any(outer is o for o in computed):
+            rows = analysis.rows(outer)
+            if rows is None or rows.lead != 0 or rows.k != 1:
+                return (f"its backward reads {outer.name!r} ({outer.op.type}), computed "
+                        "from the batch without one row per example on axis 0")
+            axis = 0
+        if axis is not None:
+            seeds.append((inner, axis))
+    return seeds

@@ -15,21 +15,21 @@ values where the tower holds B/T examples ("Incompatible shapes", or, for a back
 that broadcasts, numbers of other examples).
 
 So the backward of op is built once, as `tf.gradients` would build it, on fresh dy
-placeholders of op's output shapes (the template, never run: `pertower._overrides`), and each tower's copy of
-op gets a gradient function of its own that copies the template
-(`pertower._towers.replicate`) with dy -> the tower's dy and every tensor of S -> the
-tower's replay of it (batch tensors -> the tower's slices, weight reads -> the tower's
+placeholders of op's output shapes, in a scratch graph (the template, never run and
+never in the user's graph: `pertower._overrides`), and each tower's copy of op gets a
+gradient function of its own that copies the template into the graph
+(`pertower._towers.replicate`) with dy -> the tower's dy and every captured tensor of S
+-> the tower's replay of it (batch tensors -> the tower's slices, weight reads -> the tower's
 copies). Tower t's backward through op is then the user's function applied to tower
 t's tensors alone: exactly what the one-example loop (T = B) or the microbatch loop runs.
 
 Forward tensors the backward captured off the way to `ys` (a closure's `s =
-tf.sigmoid(h)`, computed from the batch but not replayed) are recomputed in the copy
-from the tower's tensors. Refused, naming op: an override that is not registered or
+tf.sigmoid(h)`, computed from the batch but not replayed) are recomputed for the tower
+from the tower's tensors, ahead of the copy. Refused, naming op: an override that is not registered or
 cannot be built on its own, one that takes a variable's handle (its gradient would go
 to the variable, not to the tower's copy), and a captured TF1 loop.
 """
 
-import dataclasses
 import uuid
 
 import tensorflow as tf
@@ -66,7 +66,8 @@ class ReplayedGradients:
         self.replay_prefix = replay_prefix   # tower t's copy of op is prefix + f"t{t}/" + name
         # TensorFlow's gradient registry is the process's: a name no other build has
         self.name = f"PertowerReplayedGradient_{uuid.uuid4().hex}"
-        self._templates = {}   # op name -> OverrideBackward
+        self._templates = {}   # op name -> OverrideBackward (in its scratch graph)
+        self._recomputed = {}  # op name -> the user's forward ops each tower recomputes
         self._copies = {}      # copied op name -> (original op, tower)
         self._inputs = {}      # tower -> {tensor name: tower's tensor}
         self._replayed = frozenset()
@@ -88,9 +89,7 @@ class ReplayedGradients:
                     "variable, not to a tower's copy. Pass the variable's value into the "
                     "function as an argument, or leave it out of `xs`.")
             template = _overrides.override_backward(op)
-            inside = set(template.ops)
-            outside = [tensor for t_op in template.ops for tensor in t_op.inputs
-                       if tensor.op not in inside and tensor.op not in self._replayed]
+            outside = [outer for _, outer in template.captured if outer.op not in self._replayed]
             # forward ops the backward captured off the way to `ys` (a closure's
             # tf.sigmoid(h)): computed from the batch, so each tower recomputes them
             captured = graph_walk.downstream_ops(batch, graph_walk.upstream_ops(outside))
@@ -103,10 +102,8 @@ class ReplayedGradients:
                         "computed from the batch off the way to `ys`, which the towers "
                         "cannot recompute for their own examples. Leave the weights "
                         "behind this op out of `xs`.")
-            if captured:
-                template = dataclasses.replace(template, ops=template.ops + tuple(
-                    sorted(captured, key=lambda o: o._id)))  # pylint: disable=protected-access
             self._templates[op.name] = template
+            self._recomputed[op.name] = tuple(sorted(captured, key=lambda o: o._id))  # pylint: disable=protected-access
 
     def edit_node(self, node, op, t):
         """Gives tower t's copy `node` of an overridden `op` this build's gradient."""
@@ -136,28 +133,58 @@ class ReplayedGradients:
         dy_of = {id(p): dy for p, dy in zip(template.dys, dys)}
 
         dy_op_of = {id(p.op): dy.op for p, dy in zip(template.dys, dys)}
+        outer_of = {id(inner): outer for inner, outer in template.captured}
+
+        def tower_tensor(tensor):
+            return self._tower_tensor(tensor, t)
+
+        def forward_counterpart(item, _):
+            if isinstance(item, tf.Tensor):
+                return tower_tensor(item)
+            if item in self._replayed:
+                return self.graph.get_operation_by_name(f"{self.replay_prefix}t{t}/{item.name}")
+            return None
+
+        with tf.name_scope("replayed") as scope:
+            pass
+        # the user's forward tensors the backward reads, as tower t computes them
+        recomputed = self._recomputed[op.name]
+        read = [outer for _, outer in template.captured]
+        own = {}
+        if recomputed:
+            inside = set(recomputed)
+            wanted = [r for r in read if r.op in inside]
+            (versions,) = replicate_lib.replicate(
+                recomputed, [0], lambda name, _: scope + "forward/" + name,
+                forward_counterpart, self.graph, wanted)
+            own = {id(r): v for r, v in zip(wanted, versions)}
 
         def counterpart(item, _):
             if isinstance(item, tf.Tensor):
                 if id(item) in dy_of:
                     return dy_of[id(item)]
-                return self._tower_tensor(item, t)
+                outer = outer_of[id(item)]   # a capture: the user's tensor
+                if id(outer) in own:
+                    return own[id(outer)]
+                replacement = tower_tensor(outer)
+                return outer if replacement is None else replacement
             if id(item) in dy_op_of:   # a control input on dy (swish's backward has one)
                 return dy_op_of[id(item)]
-            if item in self._replayed:
-                return self.graph.get_operation_by_name(f"{self.replay_prefix}t{t}/{item.name}")
-            return None
+            raise _context.error(
+                ValueError, f"the overridden gradient of op {op.name!r} ({op.type}) has a "
+                f"control input on {item.name!r}, which the towers cannot copy. Leave "
+                "the weights behind this op out of `xs`.")
 
         returned = [g for g in template.grads if isinstance(g, tf.Tensor)]
         for g in template.grads:
             if isinstance(g, tf.IndexedSlices):
                 returned += [g.values, g.indices]
-        with tf.name_scope("replayed") as scope:
-            pass
         placeholders = {p.op for p in template.dys}
         ops = [o for o in template.ops if o not in placeholders]
+        library = template.graph.as_graph_def().library
         (versions,) = replicate_lib.replicate(
-            ops, [0], lambda name, _: scope + name, counterpart, self.graph, returned)
+            ops, [0], lambda name, _: scope + name, counterpart, self.graph, returned,
+            library=library if library.function else None)
         version = dict(zip((id(g) for g in returned), versions))
         result = []
         for g in template.grads:

@@ -24,7 +24,8 @@ from tensorflow.python.ops import while_v2
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BuiltCopy", "Placed", "Slice", "example_major", "graph_upstream"]
+__all__ = ["BuiltCopy", "Placed", "Slice", "eps_gradients", "example_major",
+           "graph_upstream", "stacked_uses"]
 
 
 class BuiltCopy:
@@ -87,31 +88,35 @@ class BuiltCopy:
                                       name="copy")
         self.outputs = {needed[i]: results[i] for i in range(n)}
         self.eps = eps
-        self.uses = []
-        for j, (target, _) in enumerate(loop.targets):
-            use = loop.uses[j]
-            stacked = list_ops.tensor_list_stack(results[n + 1 + j], use.activation.dtype,
-                                                 element_shape=a_shapes[j])
-            self.uses.append(registry_lib.Use(
-                use.op, use.slot, use.rule, example_major(stacked), eps[j],
-                use.weight_shape, use.rows))
+        self.uses = stacked_uses(loop.uses, results[n + 1:], a_shapes, eps)
 
     def output_gradients(self, d_outputs, unconnected):
         """{id(ε_j): dZ_all_j, [B*k*T, *z]} from one backward pass of the copy, given
         the gradients `d_outputs` at `loop.reached_outputs` (None where unconnected)."""
-        loop = self.loop
-        ys, grad_ys = [], []
-        for original, d in zip(loop.reached_outputs, d_outputs):
-            if d is not None:
-                ys.append(self.outputs[original.value_index])
-                grad_ys.append(d)
-        if not ys:
-            grads = [None] * len(self.eps)
-        else:
-            grads = tf.gradients(ys, self.eps, grad_ys=grad_ys,
-                                 unconnected_gradients=unconnected)
-        return {id(e): (None if g is None else example_major(g))
-                for e, g in zip(self.eps, grads)}
+        copied = [self.outputs[original.value_index] for original in self.loop.reached_outputs]
+        return eps_gradients(copied, d_outputs, self.eps, unconnected)
+
+
+def stacked_uses(uses, a_lists, a_shapes, eps):
+    """The built `Use` of each loop use: A_all example-major, [B*k*T, *a], from the
+    copy's TensorList of A_t, and ε as the key of dZ_all."""
+    built = []
+    for use, a_list, a_shape, e in zip(uses, a_lists, a_shapes, eps):
+        stacked = list_ops.tensor_list_stack(a_list, use.activation.dtype,
+                                             element_shape=a_shape)
+        built.append(registry_lib.Use(use.op, use.slot, use.rule, example_major(stacked), e,
+                                      use.weight_shape, use.rows))
+    return built
+
+
+def eps_gradients(copied, d_outputs, eps, unconnected):
+    """{id(ε_j): dZ_all_j, [B*k*T, *z]}: one backward pass of a copy from its outputs
+    `copied` with the gradients `d_outputs` (None where unconnected) to `eps`."""
+    ys = [c for c, d in zip(copied, d_outputs) if d is not None]
+    grad_ys = [d for d in d_outputs if d is not None]
+    grads = (tf.gradients(ys, eps, grad_ys=grad_ys, unconnected_gradients=unconnected)
+             if ys else [None] * len(eps))
+    return {id(e): (None if g is None else example_major(g)) for e, g in zip(eps, grads)}
 
 
 _EPS_PREFIX = "pertower_loop_eps_"

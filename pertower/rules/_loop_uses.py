@@ -3,22 +3,41 @@
 A `LoopUse` is a covered read inside a TF2 `While` body (or a TF1 frame: `FrameUse`
 in `pertower.rules._v1_loops`); the engine asks for the tensors to differentiate
 (`differentiated`), the loops' per-step output gradients (`output_gradients`) and the
-built uses (`concrete_uses`). Both loop kinds import this module; it imports neither.
+built uses (`concrete_uses`). `LoopPlan` is what planning a loop's weights does for
+both kinds: follow a weight from where the body receives it through layout ops to the
+ops that read it, and check each read against what the loop's copy can carry. Both
+loop kinds import this module; it imports neither.
 """
 
 import dataclasses
 
+import tensorflow as tf
+
+from pertower import _batch_axis
 from pertower import _op_types as op_types
+from pertower.rules import _loop_copy
 from pertower.rules import registry as registry_lib
 
-__all__ = ["LoopUse", "concrete_uses", "differentiated", "output_gradients",
-           "step_rule_reason"]
+__all__ = ["LoopPlan", "LoopUse", "concrete_uses", "differentiated", "output_gradients",
+           "step_rule_reason", "unreplayable_reason"]
 
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
 _STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATCH_MATMUL_OP_TYPES
 _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_add",
                                 "pertower.rules.einsum", "pertower.rules.batch_matmul"})
+
+
+def unreplayable_reason(op, stateful_allowed):
+    """Why a loop's copy cannot re-create the body op `op` (it calls a function, or is
+    stateful and not of `stateful_allowed`), or None."""
+    if any(value.HasField("func") or (value.HasField("list") and value.list.func)
+           for value in op.node_def.attr.values()):
+        return f"its body calls functions ({op.name!r}, {op.type})"
+    if op.op_def.is_stateful and op.type not in stateful_allowed:
+        return (f"its body has the stateful op {op.name!r} ({op.type}), which a copy of the "
+                "loop would not reproduce")
+    return None
 
 
 def step_rule_reason(target, rule):
@@ -70,3 +89,105 @@ def output_gradients(loop_uses, found, unconnected):
         results.update(loop.built().output_gradients(
             [found[id(t)] for t in loop.reached_outputs], unconnected))
     return results
+
+
+class LoopPlan:
+    """The planning one loop's weights shares between TF2 loops (`_loops.LoopCopy`) and
+    TF1 frames (`_v1_loops.Frame`), which set `loops`, `reason`, `targets`, `uses`,
+    `step_rows` and `_built`, and define:
+
+      _in_body(op): whether the body op `op` is part of what the copy replays
+      _in_cond(op): whether the condition reads `op`
+      _use_analysis: the analysis a body op's rule is matched with
+      _use_type: the `LoopUse` subclass made
+      _steps_rows(use): k*T, the rows per example of A_all, or None when not static
+      _scope, _make_copy(): the name scope and the copy `built` makes
+    """
+
+    def weight_uses_from(self, tensor):
+        """The `LoopUse`s of the weight the body receives as `tensor` (its resource
+        handle or its value), or a reason."""
+        if self.reason is not None:
+            return self.reason
+        stack, terminals = [], []
+        if tensor.dtype != tf.resource:     # the weight's value (a reference variable's)
+            stack.append((tensor, ()))
+        for consumer in tensor.consumers() if tensor.dtype == tf.resource else ():
+            if self._in_cond(consumer):
+                return "its condition reads the weight"
+            if not self._in_body(consumer):
+                continue
+            if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
+                return f"its body passes the weight to {consumer.name!r} ({consumer.type})"
+            stack.append((consumer.outputs[0], ()))
+        while stack:
+            tensor, placements = stack.pop()
+            for consumer in tensor.consumers():
+                if self._in_cond(consumer):
+                    return "its condition reads the weight"
+                if not self._in_body(consumer):
+                    continue
+                slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
+                if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
+                        and consumer.outputs[0].shape.is_fully_defined()
+                        and all(_batch_axis.static_value(t) is not None
+                                for t in consumer.inputs[1:])):
+                    stack.append((consumer.outputs[0], placements))
+                    continue
+                if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
+                    # a weight [.., N, ..] read as its N slices along `axis`
+                    axis = consumer.get_attr("axis") % tensor.shape.rank
+                    stack.extend((out, placements + (_loop_copy.Slice(axis, i, tensor.shape),))
+                                 for i, out in enumerate(consumer.outputs))
+                    continue
+                terminals.extend((consumer, j, placements) for j in slots)
+        found = []
+        for target, slot, placements in sorted(terminals, key=lambda p: (p[0].name, p[1])):
+            use = self._target_use(target, slot, placements)
+            if isinstance(use, str):
+                return use
+            found.append(use)
+        return found
+
+    def _target_use(self, target, slot, placements):
+        """The `LoopUse` of the read of input `slot` of the body op `target`, or why the
+        copy cannot carry it."""
+        where = f"{target.name!r} ({target.type})"
+        rule = self.loops.registry.lookup(target.type)
+        if rule is None:
+            return f"its body reads it by {where}, which has no rule"
+        if step_rule_reason(target, rule) is not None:
+            return step_rule_reason(target, rule)
+        use = rule.match(target, slot, self._use_analysis)
+        if isinstance(use, str):
+            return f"its body reads it by {where}: {use}"
+        if any(self._in_body(c) for out in target.outputs[1:] for c in out.consumers()):
+            return f"the body reads other outputs of {where}"
+        z_shape = target.outputs[0].shape
+        if z_shape.rank is None or not z_shape[1:].is_fully_defined():
+            return f"the shape of {target.outputs[0].name} past its rows is not static"
+        if use.weight_shape is None or not use.weight_shape.is_fully_defined():
+            return f"its shape at {where} ({use.weight_shape}) is not static"
+        if use.output is not target.outputs[0] or type(use) is not registry_lib.Use or use.through:
+            return (f"the rule of {where} reads it through a view or another output, which "
+                    "the loop's copy does not carry")
+        if (target, slot) in self.targets:   # the same weight asked for twice
+            return self.uses[self.targets.index((target, slot))]
+        loop_use = self._use_type(**{f.name: getattr(use, f.name)
+                                     for f in dataclasses.fields(registry_lib.Use)},
+                                  loop=self, index=len(self.targets))
+        if placements:
+            rule = _loop_copy.Placed(rule, placements, target.inputs[slot].shape)
+        loop_use = dataclasses.replace(loop_use, rule=rule,
+                                       rows=use.rows._replace(k=self._steps_rows(use)))
+        self.targets.append((target, slot))
+        self.uses.append(loop_use)
+        self.step_rows.append(use.rows.k)
+        return loop_use
+
+    def built(self):
+        """The loop's copy (built once, on first use)."""
+        if self._built is None:
+            with tf.name_scope(self._scope):
+                self._built = self._make_copy()
+        return self._built

@@ -46,8 +46,6 @@ reference variable's snapshot) is read like a resource's value. TF1 (v1) while l
 (Enter/Merge/Switch frames): `pertower.rules._v1_loops`.
 """
 
-import dataclasses
-
 import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph
 
@@ -57,10 +55,10 @@ from pertower import _op_types as op_types
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
 from pertower.rules import _loop_copy
+from pertower.rules import _loop_uses
 from pertower.rules import _v1_loops
 from pertower.rules._loop_uses import (LoopUse, concrete_uses, differentiated,  # re-exported
-                                       output_gradients, step_rule_reason)
-from pertower.rules import registry as registry_lib
+                                       output_gradients)
 
 __all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradients"]
 
@@ -155,7 +153,7 @@ class Loops:
         return uses
 
 
-class LoopCopy:
+class LoopCopy(_loop_uses.LoopPlan):
     """One while loop: its analysis while planning, its rewritten copy when built."""
 
     def __init__(self, op, loops):
@@ -185,12 +183,9 @@ class LoopCopy:
             return ("its first loop variable is not an iteration counter from 0 (while_v2's "
                     "layout), so the number of steps is not known before a copy runs")
         for inner in body.get_operations():
-            if any(value.HasField("func") or (value.HasField("list") and value.list.func)
-                   for value in inner.node_def.attr.values()):
-                return f"its body calls functions ({inner.name!r}, {inner.type})"
-            if inner.op_def.is_stateful and inner.type not in _STATEFUL_ALLOWED:
-                return (f"its body has the stateful op {inner.name!r} ({inner.type}), which "
-                        "a copy of the loop would not reproduce")
+            reason = _loop_uses.unreplayable_reason(inner, _STATEFUL_ALLOWED)
+            if reason is not None:
+                return reason
         self.needed = self._needed_variables()
         self.live = _loop_copy.graph_upstream([body.outputs[i] for i in self.needed])
         scan = self._settled_scan()
@@ -250,78 +245,28 @@ class LoopCopy:
         if handle.consumers() and any(c in _loop_copy.graph_upstream(self.cond.outputs)
                                       for c in self.cond.inputs[index].consumers()):
             return "its condition reads the weight"
-        found, stack = [], []
-        if handle.dtype != tf.resource:     # the weight's value (a reference variable's)
-            stack.append((handle, ()))
-        for consumer in handle.consumers() if handle.dtype == tf.resource else ():
-            if consumer not in self.live:
-                continue
-            if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
-                return f"its body passes the weight to {consumer.name!r} ({consumer.type})"
-            stack.append((consumer.outputs[0], ()))
-        terminals = []
-        while stack:
-            tensor, placements = stack.pop()
-            for consumer in tensor.consumers():
-                if consumer not in self.live:
-                    continue
-                slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
-                if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
-                        and consumer.outputs[0].shape.is_fully_defined()
-                        and all(_batch_axis.static_value(t) is not None
-                                for t in consumer.inputs[1:])):
-                    stack.append((consumer.outputs[0], placements))
-                    continue
-                if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
-                    # a weight [.., N, ..] read as its N slices along `axis`
-                    axis = consumer.get_attr("axis") % tensor.shape.rank
-                    stack.extend((out, placements + (_loop_copy.Slice(axis, i, tensor.shape),))
-                                 for i, out in enumerate(consumer.outputs))
-                    continue
-                terminals.extend((consumer, j, placements) for j in slots)
-        for target, slot, placements in sorted(terminals, key=lambda p: (p[0].name, p[1])):
-            use = self._target_use(target, slot, placements)
-            if isinstance(use, str):
-                return use
-            found.append(use)
-        return found
+        return self.weight_uses_from(handle)
 
-    def _target_use(self, target, slot, placements):
-        rule = self.loops.registry.lookup(target.type)
-        if rule is None:
-            return f"its body reads it by {target.name!r} ({target.type}), which has no rule"
-        if step_rule_reason(target, rule) is not None:
-            return step_rule_reason(target, rule)
-        use = rule.match(target, slot, self.body_analysis)
-        if isinstance(use, str):
-            return f"its body reads it by {target.name!r} ({target.type}): {use}"
-        if any(c in self.live for out in target.outputs[1:] for c in out.consumers()):
-            return f"the body reads other outputs of {target.name!r} ({target.type})"
-        z_shape = target.outputs[0].shape
-        if z_shape.rank is None or not z_shape[1:].is_fully_defined():
-            return f"the shape of {target.outputs[0].name} past its rows is not static"
-        if use.weight_shape is None or not use.weight_shape.is_fully_defined():
-            return f"its shape at {target.name!r} ({use.weight_shape}) is not static"
-        if use.output is not target.outputs[0]:
-            return f"the rule of {target.name!r} ({target.type}) reads another output"
+    # what `_loop_uses.LoopPlan` asks of a TF2 loop
+    _scope = _SCOPE
+    _use_type = LoopUse
+
+    def _in_body(self, op):
+        return op in self.live
+
+    def _in_cond(self, op):   # the condition is a function of its own, checked above
+        return False
+
+    @property
+    def _use_analysis(self):
+        return self.body_analysis
+
+    def _steps_rows(self, use):
+        """k*T rows per example (T at most the static maximum_iterations: k only
+        chooses between a rule's exact forms, e.g. the ghost norm); None when not static."""
         steps = _batch_axis.static_value(self.op.inputs[1])
-        # k*T rows per example (T at most the static maximum_iterations: k only chooses
-        # between a rule's exact forms, e.g. the ghost norm); None when not static
-        k = (use.rows.k * int(steps) if steps is not None and steps.ndim == 0 and steps > 0
-             else None)
-        if type(use) is not registry_lib.Use or use.through:   # e.g. a re-laid-out conv
-            return (f"the rule of {target.name!r} ({target.type}) reads it through a view "
-                    "that the loop's copy does not carry")
-        loop_use = LoopUse(**{f.name: getattr(use, f.name)
-                              for f in dataclasses.fields(registry_lib.Use)},
-                           loop=self, index=len(self.targets))
-        if placements:
-            rule = _loop_copy.Placed(rule, placements, target.inputs[slot].shape)
-        loop_use = dataclasses.replace(loop_use, rule=rule, rows=use.rows._replace(k=k))
-        self.targets.append((target, slot))
-        self.uses.append(loop_use)
-        self.step_rows.append(use.rows.k)
-        return loop_use
+        return (use.rows.k * int(steps) if steps is not None and steps.ndim == 0 and steps > 0
+                else None)
 
     @property
     def reached_outputs(self):
@@ -330,14 +275,8 @@ class LoopCopy:
         return [self.op.outputs[i] for i in self.read
                 if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
 
-    # -- building ----------------------------------------------------------------------
-
-    def built(self):
-        """The copy of the loop (built once, on first use): a `_BuiltCopy`."""
-        if self._built is None:
-            with tf.name_scope(_SCOPE):
-                self._built = _loop_copy.BuiltCopy(self)
-        return self._built
+    def _make_copy(self):
+        return _loop_copy.BuiltCopy(self)
 
 
 def _function_graph(op, attr):

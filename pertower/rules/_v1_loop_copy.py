@@ -24,7 +24,6 @@ from tensorflow.python.ops import list_ops
 from tensorflow.python.ops import while_v2
 
 from pertower.rules import _loop_copy
-from pertower.rules import registry as registry_lib
 
 __all__ = ["BuiltFrame"]
 
@@ -109,29 +108,12 @@ class BuiltFrame:
                 [[[0, missing]], tf.zeros([tf.rank(stacked) - 1, 2], tf.int32)], axis=0))
             self.outputs.append(tf.gather(padded, after.inputs[1]))
         self.eps = eps
-        self.uses = []
-        for j, use in enumerate(frame.uses):
-            stacked = list_ops.tensor_list_stack(results[n + 1 + j], use.activation.dtype,
-                                                 element_shape=a_shapes[j])
-            self.uses.append(registry_lib.Use(
-                use.op, use.slot, use.rule, _loop_copy.example_major(stacked), eps[j],
-                use.weight_shape, use.rows))
+        self.uses = _loop_copy.stacked_uses(frame.uses, results[n + 1:], a_shapes, eps)
 
     def output_gradients(self, d_outputs, unconnected):
         """{id(ε_j): dZ_all_j, [B*k*T, *z]} from one backward pass of the copy, given
         the gradients `d_outputs` at `frame.reached_outputs` (None where unconnected)."""
-        ys, grad_ys = [], []
-        for copied, d in zip(self.outputs, d_outputs):
-            if d is not None:
-                ys.append(copied)
-                grad_ys.append(d)
-        if not ys:
-            grads = [None] * len(self.eps)
-        else:
-            grads = tf.gradients(ys, self.eps, grad_ys=grad_ys,
-                                 unconnected_gradients=unconnected)
-        return {id(e): (None if g is None else _loop_copy.example_major(g))
-                for e, g in zip(self.eps, grads)}
+        return _loop_copy.eps_gradients(self.outputs, d_outputs, self.eps, unconnected)
 
 
 def _replay(frame, ops, mapping, perturbed=None):

@@ -33,10 +33,8 @@ import tensorflow as tf
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
-from pertower.rules import _loop_copy
 from pertower.rules import _loop_uses
 from pertower.rules import _v1_loop_copy
-from pertower.rules import registry as registry_lib
 
 __all__ = ["Frame", "FrameUse", "frame_uses"]
 
@@ -82,7 +80,7 @@ class LoopVariable:
     array: object = None
 
 
-class Frame:
+class Frame(_loop_uses.LoopPlan):
     """One v1 frame: its structure and analysis while planning, its copy when built."""
 
     def __init__(self, enter, name, loops):
@@ -168,12 +166,9 @@ class Frame:
                 continue
             if op.type in _PLUMBING or _context_of(op) is None:
                 return f"its body or condition holds control flow ({op.name!r}, {op.type})"
-            if any(v.HasField("func") or (v.HasField("list") and v.list.func)
-                   for v in op.node_def.attr.values()):
-                return f"its body calls functions ({op.name!r}, {op.type})"
-            if op.op_def.is_stateful and op.type not in _STATEFUL_ALLOWED:
-                return (f"its body has the stateful op {op.name!r} ({op.type}), which a copy "
-                        "of the loop would not reproduce")
+            reason = _loop_uses.unreplayable_reason(op, _STATEFUL_ALLOWED)
+            if reason is not None:
+                return reason
             seen.add(op)
             stack.extend(t for t in op.inputs
                          if t.ref() not in stops and t.ref() not in self.invariants)
@@ -258,94 +253,32 @@ class Frame:
             return self.reason
         if not enter.get_attr("is_constant"):
             return "the weight is a loop variable, not a loop invariant"
-        stack, terminals = [], []
-        for consumer in enter.outputs[0].consumers():
-            if consumer in self.cond_ops:
-                return "its condition reads the weight"
-            if consumer not in self.body_ops:
-                continue
-            if enter.outputs[0].dtype == tf.resource:
-                if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
-                    return f"its body passes the weight to {consumer.name!r} ({consumer.type})"
-                stack.append((consumer.outputs[0], ()))
-            else:
-                stack.append((enter.outputs[0], ()))
-                break
-        while stack:
-            tensor, placements = stack.pop()
-            for consumer in tensor.consumers():
-                if consumer not in self.body_ops:
-                    if consumer in self.cond_ops:
-                        return "its condition reads the weight"
-                    continue
-                slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
-                if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
-                        and consumer.outputs[0].shape.is_fully_defined()
-                        and all(_batch_axis.static_value(t) is not None
-                                for t in consumer.inputs[1:])):
-                    stack.append((consumer.outputs[0], placements))
-                    continue
-                if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
-                    axis = consumer.get_attr("axis") % tensor.shape.rank
-                    stack.extend((out, placements + (_loop_copy.Slice(axis, i, tensor.shape),))
-                                 for i, out in enumerate(consumer.outputs))
-                    continue
-                terminals.extend((consumer, j, placements) for j in slots)
-        found = []
-        for target, slot, placements in sorted(terminals, key=lambda p: (p[0].name, p[1])):
-            use = self._target_use(target, slot, placements)
-            if isinstance(use, str):
-                return use
-            found.append(use)
-        return found
+        return self.weight_uses_from(enter.outputs[0])
 
-    def _target_use(self, target, slot, placements):
-        where = f"{target.name!r} ({target.type})"
-        rule = self.loops.registry.lookup(target.type)
-        if rule is None:
-            return f"its body reads it by {where}, which has no rule"
-        if _loop_uses.step_rule_reason(target, rule) is not None:
-            return _loop_uses.step_rule_reason(target, rule)
-        use = rule.match(target, slot, self.loops.analysis)
-        if isinstance(use, str):
-            return f"its body reads it by {where}: {use}"
-        if any(c in self.body_ops for out in target.outputs[1:] for c in out.consumers()):
-            return f"the body reads other outputs of {where}"
-        z_shape = target.outputs[0].shape
-        if z_shape.rank is None or not z_shape[1:].is_fully_defined():
-            return f"the shape of {target.outputs[0].name} past its rows is not static"
-        if use.weight_shape is None or not use.weight_shape.is_fully_defined():
-            return f"its shape at {where} ({use.weight_shape}) is not static"
-        if use.output is not target.outputs[0] or type(use) is not registry_lib.Use or use.through:
-            return (f"the rule of {where} reads it through a view or another output, which "
-                    "the loop's copy does not carry")
-        if (target, slot) in self.targets:   # the same weight asked for twice
-            return self.uses[self.targets.index((target, slot))]
-        frame_use = FrameUse(**{f.name: getattr(use, f.name)
-                                for f in dataclasses.fields(registry_lib.Use)},
-                             loop=self, index=len(self.targets))
-        if placements:
-            rule = _loop_copy.Placed(rule, placements, target.inputs[slot].shape)
-        # k*T rows per example: T is only known when the copy runs
-        frame_use = dataclasses.replace(frame_use, rule=rule, rows=use.rows._replace(k=None))
-        self.targets.append((target, slot))
-        self.uses.append(frame_use)
-        self.step_rows.append(use.rows.k)
-        return frame_use
+    # what `_loop_uses.LoopPlan` asks of a TF1 frame
+    _scope = _SCOPE
+    _use_type = FrameUse
+
+    def _in_body(self, op):
+        return op in self.body_ops
+
+    def _in_cond(self, op):
+        return op in self.cond_ops
+
+    @property
+    def _use_analysis(self):   # the frame's ops are the graph's: the plan's analysis
+        return self.loops.analysis
+
+    def _steps_rows(self, use):   # k*T rows per example: T is only known when the copy runs
+        return None
 
     @property
     def reached_outputs(self):
         """The tensors after the frame that `ys` reads and the copy reproduces."""
         return [t for t, _, _ in self.after]
 
-    # -- building ----------------------------------------------------------------------
-
-    def built(self):
-        """The copy of the frame (built once, on first use): a `_v1_loop_copy.BuiltFrame`."""
-        if self._built is None:
-            with tf.name_scope(_SCOPE):
-                self._built = _v1_loop_copy.BuiltFrame(self)
-        return self._built
+    def _make_copy(self):
+        return _v1_loop_copy.BuiltFrame(self)
 
 
 def _variable(enter):
