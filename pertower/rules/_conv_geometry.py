@@ -11,10 +11,12 @@ Notation (as in `conv2d`):
 import tensorflow as tf
 
 from pertower.rules import _rows
+from pertower.rules import _shapes
 
 __all__ = ["attributes", "explicitly_padded", "patches", "check_convolution", "groups",
            "fold_groups", "mul", "spatial_pads", "padded_input", "taps",
-           "plain_filter_gradient", "filter_gradient"]
+           "plain_filter_gradient", "filter_gradient", "group_target", "split_channels",
+           "to_groups"]
 
 
 def attributes(op):
@@ -73,12 +75,18 @@ def groups(op):
     return channels // c_in
 
 
-def fold_groups(tensor, G):
+def fold_groups(tensor, G, k=None):
     """[G*T, H, W, C] -> [T, H, W, G*C]: each group's images side by side in channels
-    (group g's channels are g*C ... g*C + C - 1)."""
+    (group g's channels are g*C ... g*C + C - 1). k: the rows per example (T when G is
+    a tensor), which makes the reshape targets static."""
     h, w, c = (_rows.dim(tensor, axis) for axis in (1, 2, 3))
-    split = tf.reshape(tensor, _rows.group_shape(G, [-1, h, w, c]))   # [G, T, H, W, C]
+    split = tf.reshape(tensor, group_target(G, [-1, h, w, c], k))    # [G, T, H, W, C]
     moved = tf.transpose(split, [1, 2, 3, 0, 4])                       # [T, H, W, G, C]
+    static = _shapes.static_sizes([h, w, c])
+    if static is not None and isinstance(G, int):
+        return tf.reshape(moved, [-1] + static[:2] + [G * static[2]])
+    if static is not None and isinstance(k, int):
+        return tf.reshape(moved, [k] + static[:2] + [-1])
     return tf.reshape(moved, _rows.group_shape(-1, [h, w, mul(G, c)]))  # [T, H, W, G*C]
 
 
@@ -176,3 +184,30 @@ def filter_gradient(backprop_filter, use, out_backprop):
                            out_backprop=out_backprop, **attrs)
     grad.set_shape(use.weight_shape)
     return grad
+
+
+def to_groups(tensor, G, k):
+    """[G*T, ..., C] -> [G, T*prod(middle), C] (k: rows per example, T when G is a
+    tensor), with a static reshape target where the sizes allow (`_shapes.to_groups`:
+    no Pack per call)."""
+    return _shapes.to_groups(tensor, G, k, 1)
+
+
+def group_target(G, dims, unknown=None):
+    """[G, *dims] as a reshape target, static wherever it can be (`_shapes.group_target`):
+    `dims` may hold one -1 when G is an int; with G a tensor, that -1 is taken to be
+    `unknown` (an int: e.g. T = k rows per example when G is B) where given."""
+    dims = list(dims)
+    if not isinstance(G, int) and unknown is not None:
+        dims = [unknown if d == -1 else d for d in dims]
+    return _shapes.group_target(G, dims) or _rows.group_shape(G, dims)
+
+
+def split_channels(tensor, G, dims):
+    """[G, R, C] -> [G, R, *dims] (prod(dims) = C), with a static target when R is."""
+    rows = tf.compat.dimension_value(tensor.shape[1])
+    if isinstance(G, int):
+        return tf.reshape(tensor, [G, -1] + list(dims))
+    if rows is not None:
+        return tf.reshape(tensor, [-1, rows] + list(dims))
+    return tf.reshape(tensor, tf.concat([tf.shape(tensor)[:2], dims], axis=0))

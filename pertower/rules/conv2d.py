@@ -112,9 +112,10 @@ from pertower.rules import conv2d_squares
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 from pertower.rules._conv_geometry import (attributes, check_convolution, explicitly_padded,
-                                           filter_gradient, fold_groups, groups, mul,
-                                           padded_input, patches, plain_filter_gradient,
-                                           spatial_pads, taps)
+                                           filter_gradient, fold_groups, group_target,
+                                           groups, mul, padded_input, patches,
+                                           plain_filter_gradient, spatial_pads,
+                                           split_channels, taps, to_groups)
 
 __all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled",
            "untrusted_filter_gradient", "register"]
@@ -291,58 +292,60 @@ class Conv2DRule(registry_lib.Rule):
     def _patches(use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         g = groups(use.op)
-        x_patches = _rows.to_groups(patches(use.op, kh, kw), G, 1)  # [G, T*Ho*Wo, kh*kw*g*Cin]
-        dZ_g = _rows.to_groups(dZ, G, 1)                           # [G, T*Ho*Wo, Cout]
+        k = use.rows.k
+        x_patches = to_groups(patches(use.op, kh, kw), G, k)  # [G, T*Ho*Wo, kh*kw*g*Cin]
+        dZ_g = to_groups(dZ, G, k)                      # [G, T*Ho*Wo, Cout]
         if g == 1:
             grad = tf.matmul(x_patches, dZ_g, transpose_a=True)    # [G, kh*kw*Cin, Cout]
-            return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+            return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
         # the patches' channels (kh, kw, g*Cin) and the outputs by group:
         # [G, P, kh*kw*g*Cin] -> [G, P, kh*kw, g, Cin]; [G, P, Cout] -> [G, P, g, Cout/g]
-        x_patches = tf.reshape(x_patches, tf.concat(
-            [tf.shape(x_patches)[:2], [kh * kw, g, c_in]], axis=0))
-        dZ_g = tf.reshape(dZ_g, tf.concat([tf.shape(dZ_g)[:2], [g, c_out // g]], axis=0))
+        x_patches = split_channels(x_patches, G, [kh * kw, g, c_in])
+        dZ_g = split_channels(dZ_g, G, [g, c_out // g])
         grad = tf.einsum("gpkjc,gpjo->gkcjo", x_patches, dZ_g)    # [G, kh*kw, Cin, g, Cout/g]
-        return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+        return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
 
     def _shifts(self, use, dZ, G):
         kh, kw, c_in, c_out = use.weight_shape.as_list()
-        g = groups(use.op)
-        dZ_g = _rows.to_groups(dZ, G, 1)                          # [G, T*Ho*Wo, Cout]
+        g, k = groups(use.op), use.rows.k
+        dZ_g = to_groups(dZ, G, k)                     # [G, T*Ho*Wo, Cout]
         if g == 1 and kh * kw == 1:
             # a 1x1 filter: one batched matmul of the (strided) input, nothing stacked
-            x_g = _rows.to_groups(taps(use.op, 1, 1)[0], G, 1)   # [G, T*Ho*Wo, Cin]
+            x_g = to_groups(taps(use.op, 1, 1)[0], G, k)   # [G, T*Ho*Wo, Cin]
             grad = tf.matmul(x_g, dZ_g, transpose_a=True)         # [G, Cin, Cout]
-            return tf.reshape(grad, _rows.group_shape(G, [1, 1, c_in, c_out]))
+            return tf.reshape(grad, group_target(G, [1, 1, c_in, c_out]))
         if self._stacks_taps(use) and c_in >= self.options.thin_channels:
             # short taps: the taps side by side in channels ([G*T, Ho, Wo, kh*kw*Cin], the
             # filter's order, no transpose) and one matmul over the positions
-            rows = _rows.to_groups(tf.concat(taps(use.op, kh, kw), axis=3), G, 1)
+            rows = to_groups(tf.concat(taps(use.op, kh, kw), axis=3), G, k)
             grad = tf.matmul(rows, dZ_g, transpose_a=True)        # [G, kh*kw*Cin, Cout]
-            return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+            return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
         if self._stacks_taps(use):
             # thin taps: one matmul over the taps stacked along the contracted rows, the
             # input moved channels-first (a concat along a thin last axis runs slowly)
             x = padded_input(use.op, kh, kw)                      # [G*T, H', W', Cin]
             height, width = x.shape.as_list()[1:3]
-            x = tf.reshape(x, _rows.group_shape(G, [-1, height, width, c_in]))
+            x = tf.reshape(x, group_target(G, [-1, height, width, c_in], k))
             x = tf.transpose(x, [0, 4, 1, 2, 3])                  # [G, Cin, T, H', W']
             rows = tf.concat(taps(use.op, kh, kw, x, axes=(3, 4)), axis=1)
-            rows = tf.reshape(rows, _rows.group_shape(G, [kh * kw * c_in, -1]))
+            positions = _rows.static_size(use.output.shape[1:3])
+            rows = tf.reshape(rows, group_target(G, [kh * kw * c_in, -1], k * positions
+                                            if isinstance(k, int) else None))
             grad = tf.matmul(rows, dZ_g)                          # [G, kh*kw*Cin, Cout]
-            return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+            return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
         if g > 1:
-            dZ_g = tf.reshape(dZ_g, tf.concat([tf.shape(dZ_g)[:2], [g, c_out // g]], 0))
+            dZ_g = split_channels(dZ_g, G, [g, c_out // g])     # [G, T*Ho*Wo, g, Cout/g]
         per_tap = []                                              # kh*kw x [G, Cin, Cout]
         for x_tap in taps(use.op, kh, kw):                        # [G*T, Ho, Wo, g*Cin]
-            x_g = _rows.to_groups(x_tap, G, 1)                    # [G, T*Ho*Wo, g*Cin]
+            x_g = to_groups(x_tap, G, k)               # [G, T*Ho*Wo, g*Cin]
             if g == 1:
                 per_tap.append(tf.matmul(x_g, dZ_g, transpose_a=True))
                 continue
-            x_g = tf.reshape(x_g, tf.concat([tf.shape(x_g)[:2], [g, c_in]], 0))
+            x_g = split_channels(x_g, G, [g, c_in])
             tap = tf.einsum("gpjc,gpjo->gcjo", x_g, dZ_g)         # [G, Cin, g, Cout/g]
-            per_tap.append(tf.reshape(tap, _rows.group_shape(G, [c_in, c_out])))
+            per_tap.append(tf.reshape(tap, group_target(G, [c_in, c_out])))
         grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, Cout]
-        return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, c_out]))
+        return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
 
     @staticmethod
     def _grouped(use, dZ, G):
@@ -351,12 +354,12 @@ class Conv2DRule(registry_lib.Rule):
         x, padding = explicitly_padded(use.op)
         filter_sizes = _rows.group_shape(kh, [kw, c_in, mul(G, c_out)])
         grad = tf.raw_ops.Conv2DBackpropFilter(
-            input=fold_groups(x, G),                  # [T, H, W, G*Cin]
+            input=fold_groups(x, G, use.rows.k),      # [T, H, W, G*Cin]
             filter_sizes=filter_sizes,
-            out_backprop=fold_groups(dZ, G),          # [T, Ho, Wo, G*Cout]
+            out_backprop=fold_groups(dZ, G, use.rows.k),   # [T, Ho, Wo, G*Cout]
             strides=strides, padding=padding, dilations=dilations,
             data_format="NHWC")                       # [kh, kw, Cin, G*Cout]
-        grad = tf.reshape(grad, _rows.group_shape(kh, [kw, c_in, G, c_out]))
+        grad = tf.reshape(grad, [kh, kw, c_in, -1, c_out])
         return tf.transpose(grad, [3, 0, 1, 2, 4])    # [G, kh, kw, Cin, Cout]
 
     @staticmethod
@@ -371,7 +374,8 @@ class Conv2DRule(registry_lib.Rule):
             dilations=[1, strides[1], strides[2], 1])  # [Cin, kh, kw, N*Cout]
         per_image = tf.reshape(per_image, [c_in, kh, kw, -1, c_out])  # [Cin, kh, kw, N, Cout]
         per_image = tf.transpose(per_image, [3, 1, 2, 0, 4])         # [N, kh, kw, Cin, Cout]
-        grouped = tf.reshape(per_image, _rows.group_shape(G, [-1, kh, kw, c_in, c_out]))
+        grouped = tf.reshape(per_image, group_target(G, [-1, kh, kw, c_in, c_out],
+                                                       use.rows.k))
         return tf.reduce_sum(grouped, axis=1)         # [G, kh, kw, Cin, Cout]
 
     def norm_strategy(self, use):

@@ -127,36 +127,38 @@ class DepthwiseConv2DRule(registry_lib.Rule):
     @staticmethod
     def _shifts(use, dZ, G):
         kh, kw, c_in, mult = use.weight_shape.as_list()
-        dZ_g = tf.reshape(_rows.to_groups(dZ, G, 1),
-                          _rows.group_shape(G, [-1, c_in, mult]))  # [G, T*Ho*Wo, Cin, M]
-        per_tap = [tf.einsum("gpc,gpcm->gcm", _rows.to_groups(x_tap, G, 1), dZ_g)
+        k = use.rows.k
+        dZ_g = geometry.split_channels(geometry.to_groups(dZ, G, k), G,
+                                       [c_in, mult])              # [G, T*Ho*Wo, Cin, M]
+        per_tap = [tf.einsum("gpc,gpcm->gcm", geometry.to_groups(x_tap, G, k), dZ_g)
                    for x_tap in geometry.taps(use.op, kh, kw)]  # kh*kw x [G, Cin, M]
         grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, M]
-        return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, mult]))
+        return tf.reshape(grad, geometry.group_target(G, [kh, kw, c_in, mult]))
 
     @staticmethod
     def _grouped(use, dZ, G):
         kh, kw, c_in, mult = use.weight_shape.as_list()
         x, padding = geometry.explicitly_padded(use.op)
         grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=geometry.fold_groups(x, G),                     # [T, H, W, G*Cin]
+            input=geometry.fold_groups(x, G, use.rows.k),       # [T, H, W, G*Cin]
             filter_sizes=_rows.group_shape(kh, [kw, geometry.mul(G, c_in), mult]),
-            out_backprop=geometry.fold_groups(dZ, G),             # [T, Ho, Wo, G*Cin*M]
+            out_backprop=geometry.fold_groups(dZ, G, use.rows.k),  # [T, Ho, Wo, G*Cin*M]
             strides=list(use.op.get_attr("strides")), padding=padding,
             data_format="NHWC")                                   # [kh, kw, G*Cin, M]
-        grad = tf.reshape(grad, _rows.group_shape(kh, [kw, G, c_in, mult]))
+        grad = tf.reshape(grad, [kh, kw, -1, c_in, mult])
         return tf.transpose(grad, [2, 0, 1, 3, 4])                # [G, kh, kw, Cin, M]
 
     @staticmethod
     def _patches(use, dZ, G):
         kh, kw, c_in, mult = use.weight_shape.as_list()
-        x_patches = tf.reshape(
-            _rows.to_groups(geometry.patches(use.op, kh, kw), G, 1),
-            _rows.group_shape(G, [-1, kh * kw, c_in]))   # [G, P, kh*kw, Cin]
-        dZ_g = tf.reshape(_rows.to_groups(dZ, G, 1),
-                          _rows.group_shape(G, [-1, c_in, mult]))  # [G, P, Cin, M]
+        k = use.rows.k
+        x_patches = geometry.split_channels(
+            geometry.to_groups(geometry.patches(use.op, kh, kw), G, k), G,
+            [kh * kw, c_in])                                   # [G, P, kh*kw, Cin]
+        dZ_g = geometry.split_channels(geometry.to_groups(dZ, G, k), G,
+                                       [c_in, mult])           # [G, P, Cin, M]
         grad = tf.einsum("gpuc,gpcm->gucm", x_patches, dZ_g)   # [G, kh*kw, Cin, M]
-        return tf.reshape(grad, _rows.group_shape(G, [kh, kw, c_in, mult]))
+        return tf.reshape(grad, geometry.group_target(G, [kh, kw, c_in, mult]))
 
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
