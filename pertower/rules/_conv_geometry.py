@@ -160,7 +160,7 @@ def taps(op, kh, kw, tensor=None, axes=(1, 2)):
             index = [slice(None)] * tensor.shape.rank
             index[axes[0]] = slice(top, top + (out_h - 1) * strides[1] + 1, strides[1])
             index[axes[1]] = slice(left, left + (out_w - 1) * strides[2] + 1, strides[2])
-            result.append(tensor[tuple(index)])
+            result.append(_shapes.strided_slice(tensor, tuple(index)))
     return result                                     # kh*kw x [..., Ho, Wo, ...]
 
 

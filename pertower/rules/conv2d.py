@@ -111,11 +111,10 @@ from pertower.rules import _conv_views
 from pertower.rules import conv2d_squares
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
-from pertower.rules._conv_geometry import (attributes, check_convolution, explicitly_padded,
-                                           filter_gradient, fold_groups, group_target,
-                                           groups, mul, padded_input, patches,
-                                           plain_filter_gradient, spatial_pads,
-                                           split_channels, taps, to_groups)
+from pertower.rules._conv_geometry import (
+    attributes, check_convolution, explicitly_padded, filter_gradient, fold_groups, group_target,
+    groups, mul, padded_input, patches, plain_filter_gradient, spatial_pads, split_channels, taps,
+    to_groups)
 
 __all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled",
            "untrusted_filter_gradient", "register"]
@@ -178,10 +177,9 @@ def onednn_enabled():
 
 
 def untrusted_filter_gradient(use, options):
-    """Whether the rules keep `use` (Conv2D or DepthwiseConv2dNative) away from
-    TensorFlow's own backward-filter kernel with one group: oneDNN on (`options.onednn`,
-    else asked), float32, a 1x1 filter with a stride > 1 (see "oneDNN" in the module
-    docstring)."""
+    """Whether the rules keep `use` (Conv2D or DepthwiseConv2dNative) away from TensorFlow's
+    one-group backward-filter kernel: oneDNN on (`options.onednn`, else asked), float32, a
+    1x1 filter with a stride > 1 (see "oneDNN" in the module docstring)."""
     onednn = options.onednn if options.onednn is not None else onednn_enabled()
     return (onednn and use.op.inputs[0].dtype == tf.float32 and
             use.weight_shape.as_list()[:2] == [1, 1] and max(attributes(use.op)[0]) > 1)
@@ -393,24 +391,22 @@ class Conv2DRule(registry_lib.Rule):
     def squared_norms(self, use, dZ, B):
         if isinstance(use, _conv_views.ViewUse):
             return self.squared_norms(*use.view.inner(use, dZ), B)
-        # None when forming is cheaper: the engine then forms the per-example gradients
-        # itself and keeps them, so that a clipped sum contracts them with the factors
-        # instead of running a second (reweighted) filter gradient
+        # None when forming is cheaper: the engine forms and keeps the per-example gradients
+        # (a clipped sum contracts them, no second reweighted filter gradient)
         if self.norm_strategy(use) != "ghost":
             return None
         kh, kw = use.weight_shape.as_list()[:2]
         positions = _rows.static_size(use.output.shape[1:3])
-        return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B,
-                                         use.rows.k * positions)
+        return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B, use.rows.k * positions)
 
     def formed_norms(self, use, dZ, G):
-        """Where the norms are formed ("formed" by `norm_strategy`) and "shifts" takes
-        one matmul per tap (no groups, Cin >= `thin_channels`, P >= `few_positions`):
-        the taps' slices stacked, [G, kh*kw, T*P, Cin], under dZ transposed,
-        [G, 1, Cout, T*P], give every tap's gradient in ONE batched matmul,
-        [G, kh*kw, Cout, Cin], whose squared norms are summed as they are; only the
-        clipped sum, [kh*kw, Cout, Cin], is transposed to the filter's order (a
-        `registry.FormedNorms`). None elsewhere (the engine forms `per_group`)."""
+        """Where the norms are formed ("formed" by `norm_strategy`) and "shifts" takes one
+        matmul per tap (no groups, Cin >= `thin_channels`, P >= `few_positions`): the taps'
+        slices stacked, [G, kh*kw, T*P, Cin], under dZ transposed, [G, 1, Cout, T*P], give
+        every tap's gradient in ONE batched matmul, [G, kh*kw, Cout, Cin], whose squared
+        norms are summed as they are; only the clipped sum, [kh*kw, Cout, Cin], is
+        transposed to the filter's order (a `registry.FormedNorms`). None elsewhere (the
+        engine forms `per_group`)."""
         if isinstance(use, _conv_views.ViewUse):
             return self.formed_norms(*use.view.inner(use, dZ), G)
         if (self.norm_strategy(use) != "formed" or groups(use.op) != 1 or

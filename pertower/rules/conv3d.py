@@ -37,6 +37,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower.rules import _conv_views
 from pertower.rules import _rows
+from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
 
 __all__ = ["Conv3DRule", "Conv3DTransposeRule", "register"]
@@ -78,7 +79,7 @@ def _taps(op, x):
                 for axis, tap in enumerate((u, v, w)):
                     s, first = strides[axis + 1], tap * dilations[axis + 1]
                     index.append(slice(first, first + (outs[axis] - 1) * s + 1, s))
-                result.append(x[tuple(index + [slice(None)])])
+                result.append(_shapes.strided_slice(x, tuple(index + [slice(None)])))
     return result
 
 
