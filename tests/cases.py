@@ -56,6 +56,8 @@ class Case:
     oracle_feed: dict = None
     rtol: float = common.tolerance(np.float32)["rtol"]
     atol: float = common.tolerance(np.float32)["atol"]
+    # the one-example loop's values on this model, each computed once
+    oracles: common.OracleCache = dataclasses.field(default_factory=common.OracleCache)
 
     def oracle(self):
         """(ys, outputs, feed) for the one-example loop."""

@@ -3,7 +3,8 @@
 `TOLERANCES` holds every tolerance the tests compare floats with, by kind of graph and
 dtype; `tolerance` reads it and `assert_all_close` uses it when no tolerance is passed.
 `run_oracle` runs the one-example loop and skips the test when TensorFlow itself cannot
-compute that reference on this machine; `loop_rows_of_batch` is the definition of a
+compute that reference on this machine (`OracleCache` runs it once per model for the
+tests that share the model's graph); `loop_rows_of_batch` is the definition of a
 per-example gradient on the whole batch; `seed_weights` makes a graph's weights the
 same whatever ran before. The shared models are in tests/cases.py.
 """
@@ -15,8 +16,8 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
-__all__ = ["TOLERANCES", "assert_all_close", "tolerance", "run_oracle", "seed_weights",
-           "loop_rows_of_batch"]
+__all__ = ["TOLERANCES", "assert_all_close", "tolerance", "run_oracle", "OracleCache",
+           "seed_weights", "loop_rows_of_batch"]
 
 # Comparing two computations of the same values in different orders (batched vs one
 # example at a time, other kernels): kind of graph -> {dtype: (rtol, atol)}, rtol for
@@ -127,6 +128,49 @@ def run_oracle(loop, *args, **kwargs):
                 pytest.skip(f"TensorFlow cannot compute the one-example reference on this "
                             f"machine{op}: {found.group(0)} ({why})")
         raise
+
+
+def _key(value):
+    """A hashable key for an argument of a loop: tensors and ops by identity, arrays by
+    their dtype, shape and bytes, containers element by element."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, dict):
+        return ("dict", tuple((_key(k), _key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key(v) for v in value))
+    if isinstance(value, (int, float, str, bool, type(None), np.generic)):
+        return ("value", type(value).__name__, value)
+    return ("object", id(value))
+
+
+class OracleCache:
+    """The one-example loop's values for one model, each computed once (`run_oracle`)
+    and shared by every test that asks for the same loop on the same arguments: a
+    module's tests on one model's graph and session then build and run each reference
+    once. Keep one per model (e.g. `cases.Case.oracles`), next to its graph, so that the
+    tensors it keys on stay alive as long as it does.
+
+    The values are returned as copies: a test may change what it receives."""
+
+    def __init__(self):
+        self._values = {}
+
+    def run(self, loop, *args, **kwargs):
+        """`run_oracle(loop, *args, **kwargs)`, computed once per distinct arguments."""
+        key = (_key(loop), _key(args), _key(kwargs))
+        if key not in self._values:
+            # (the arguments are kept with the values: the ids in the key stay theirs)
+            self._values[key] = (run_oracle(loop, *args, **kwargs), (loop, args, kwargs))
+        return _copied(self._values[key][0])
+
+
+def _copied(values):
+    if isinstance(values, np.ndarray):
+        return values.copy()
+    if isinstance(values, (list, tuple)):
+        return type(values)(_copied(v) for v in values)
+    return values
 
 
 def seed_weights(seed):

@@ -143,11 +143,18 @@ def legacy_params(checks):
 
 # Processes that run in one interpreter, one after the other (tests/scripts/
 # process_group.py), when several of them are queued: each would otherwise spend its
-# own TensorFlow start-up. Members share a mode (disable_v2_behavior()) and environment.
+# own TensorFlow start-up (~10 s of CPU). Members share a mode (disable_v2_behavior(),
+# or graph mode, or oneDNN on) and environment; a group runs on one thread only if each
+# of its members does. Two legacy groups, so that the two test processes' background
+# queues run them side by side.
 GROUPS = (
     ("legacy", "published_legacy", "weight_functions_legacy", "recurrent_legacy",
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
      "convs_legacy", "curvature_legacy"),
+    ("never_wrong_shape_legacy", "never_wrong_dtype_legacy", "python_gradients_legacy",
+     "recurrent_v1", "curvature_convs_legacy", "zoo_speed_legacy"),
+    ("never_wrong_shape_graph", "never_wrong_dtype_graph"),
+    ("convs_onednn", "zoo_speed_onednn"),
 )
 _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 

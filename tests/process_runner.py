@@ -164,6 +164,8 @@ class Runner:
                 f.write(run)
         command = self._commands[run]
         argv = command.argv if names == [run] else (self._group_script, *names)
+        # a group runs on one thread only if each of its members may
+        one_thread = all(self._commands[n].one_thread for n in names)
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if command.legacy_keras_env:
@@ -173,7 +175,7 @@ class Runner:
         # In the background of the test process: one TensorFlow thread each and a lower
         # scheduling priority, so that they use the core the test process's Python
         # leaves idle instead of slowing it down (their results are not timed).
-        if command.one_thread:   # (TensorFlow's oneDNN convolutions crash on one thread)
+        if one_thread:   # (TensorFlow's oneDNN convolutions crash on one thread)
             env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
             env.setdefault("TF_NUM_INTEROP_THREADS", "1")
         # Files, not pipes: nobody reads while the process runs, and a full pipe blocks.

@@ -101,3 +101,25 @@ def test_run_oracle_skips_exactly_when_tensorflow_cannot_compute_the_reference()
         bad = tf.debugging.assert_equal(one, 2, message="not the reference")
         with pytest.raises(tf.errors.InvalidArgumentError, match="not the reference"):
             common.run_oracle(sess.run, bad, {one: 1})
+
+
+def test_oracle_cache_runs_each_loop_once_per_arguments_and_returns_copies():
+    calls = []
+
+    def loop(sess, ys, feed, M=1):
+        calls.append((sess, ys, M))
+        return [feed["x"] * M, feed["x"] + len(calls)]
+
+    cache, sess, ys = common.OracleCache(), object(), object()
+    feed = {"x": np.arange(3.0)}
+    first = cache.run(loop, sess, ys, feed)
+    first[0][:] = -1                        # a test changing what it got
+    again = cache.run(loop, sess, ys, {"x": np.arange(3.0)})   # equal values: cached
+    assert len(calls) == 1
+    np.testing.assert_array_equal(again[0], np.arange(3.0))
+    np.testing.assert_array_equal(again[1], np.arange(3.0) + 1)
+    # other values, another tensor or other arguments: run again
+    np.testing.assert_array_equal(cache.run(loop, sess, ys, {"x": np.ones(3)})[0], np.ones(3))
+    cache.run(loop, sess, object(), feed)
+    np.testing.assert_array_equal(cache.run(loop, sess, ys, feed, M=2)[0], np.arange(3.0) * 2)
+    assert len(calls) == 4

@@ -30,59 +30,86 @@ def _run(case, tensors):
     return case.sess.run(tensors, case.feed)
 
 
-@pytest.mark.parametrize("method", gradients_lib.METHODS)
-def test_per_example_gradients_match_oracle(case, method):
+def _microbatches(case, microbatches):
+    return 2 if microbatches == "two" and case.B % 2 == 0 else case.B
+
+
+@pytest.fixture(scope="module")
+def built(case):
+    """Every public function's tensors on `case`, each method's, built once and run in
+    one `sess.run` (the tests below check one key each): key -> values.
+
+    Keys: ("per_example", method), ("sum", method) -> (summed, batch gradient),
+    ("microbatches", microbatches, method), ("jacobians", method)."""
+    tensors = {}
     with case.graph.as_default():
-        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
-                                             method=method)
-        for g, x in zip(got, case.xs):
-            assert g.dtype == x.dtype.base_dtype
-            assert g.shape.as_list() == [case.B] + x.shape.as_list()
+        for method in gradients_lib.METHODS:
+            got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                                 method=method)
+            for g, x in zip(got, case.xs):
+                assert g.dtype == x.dtype.base_dtype
+                assert g.shape.as_list() == [case.B] + x.shape.as_list()
+            tensors["per_example", method] = got
+        batch_gradient = [tf.convert_to_tensor(g) for g in
+                          tf.gradients(tf.reduce_sum(case.ys), case.xs)]
+        out = case.outputs.shape[1:].as_list()
+        for method in ("auto", "towers"):
+            per_example = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
+                                                         batch_size=case.B, method=method)
+            tensors["sum", method] = ([tf.reduce_sum(g, axis=0) for g in per_example],
+                                      batch_gradient)
+            for microbatches in ("two", "one_per_example"):
+                M = _microbatches(case, microbatches)
+                got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=M,
+                                                    batch_size=case.B, method=method)
+                for g, x in zip(got, case.xs):
+                    assert g.shape.as_list() == [M] + x.shape.as_list()
+                tensors["microbatches", microbatches, method] = got
+            got = pertower.per_example_jacobians(case.outputs, case.xs, batch_size=case.B,
+                                                 method=method)
+            for g, x in zip(got, case.xs):
+                assert g.shape.as_list() == [case.B] + out + x.shape.as_list()
+            tensors["jacobians", method] = got
+    keys = list(tensors)
+    return dict(zip(keys, _run(case, [tensors[k] for k in keys])))
+
+
+@pytest.mark.parametrize("method", gradients_lib.METHODS)
+def test_per_example_gradients_match_oracle(case, built, method):
+    with case.graph.as_default():
         ys, _, feed = case.oracle()
-        want = oracle.loop_per_example_gradients(case.sess, ys, case.xs, feed)
-    common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
+        want = case.oracles.run(oracle.loop_per_example_gradients, case.sess, ys, case.xs,
+                                feed)
+    common.assert_all_close(built["per_example", method], want, case.rtol, case.atol,
                             f"{case.name} per-example gradients by {method}")
 
 
 @pytest.mark.parametrize("method", ["auto", "towers"])
-def test_per_example_gradients_sum_to_batch_gradient(case, method):
-    with case.graph.as_default():
-        per_example = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
-                                                     batch_size=case.B, method=method)
-        summed = [tf.reduce_sum(g, axis=0) for g in per_example]
-        batch_gradient = [tf.convert_to_tensor(g) for g in
-                          tf.gradients(tf.reduce_sum(case.ys), case.xs)]
-    got, want = _run(case, [summed, batch_gradient])
+def test_per_example_gradients_sum_to_batch_gradient(case, built, method):
+    got, want = built["sum", method]
     common.assert_all_close(got, want, case.rtol * 10, case.atol * 10,
                             f"{case.name} sum over examples")
 
 
 @pytest.mark.parametrize("method", ["auto", "towers"])
 @pytest.mark.parametrize("microbatches", ["two", "one_per_example"])
-def test_microbatch_gradients_match_oracle(case, microbatches, method):
-    M = 2 if microbatches == "two" and case.B % 2 == 0 else case.B
+def test_microbatch_gradients_match_oracle(case, built, microbatches, method):
+    M = _microbatches(case, microbatches)
     with case.graph.as_default():
-        got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=M,
-                                            batch_size=case.B, method=method)
-        for g, x in zip(got, case.xs):
-            assert g.shape.as_list() == [M] + x.shape.as_list()
         ys, _, feed = case.oracle()
-        want = oracle.loop_microbatch_gradients(case.sess, ys, case.xs, feed, M)
-    common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
-                            f"{case.name} {M} microbatches by {method}")
+        want = case.oracles.run(oracle.loop_microbatch_gradients, case.sess, ys, case.xs,
+                                feed, M)
+    common.assert_all_close(built["microbatches", microbatches, method], want, case.rtol,
+                            case.atol, f"{case.name} {M} microbatches by {method}")
 
 
 @pytest.mark.parametrize("method", ["auto", "towers"])
-def test_per_example_jacobians_match_oracle(case, method):
+def test_per_example_jacobians_match_oracle(case, built, method):
     with case.graph.as_default():
-        got = pertower.per_example_jacobians(case.outputs, case.xs, batch_size=case.B,
-                                             method=method)
-        out = case.outputs.shape[1:].as_list()
-        for g, x in zip(got, case.xs):
-            assert g.shape.as_list() == [case.B] + out + x.shape.as_list()
         _, outputs, feed = case.oracle()
-        want = oracle.loop_per_example_jacobians(case.sess, outputs, case.xs, feed)
-    common.assert_all_close(_run(case, got), want, case.rtol, case.atol,
+        want = case.oracles.run(oracle.loop_per_example_jacobians, case.sess, outputs,
+                                case.xs, feed)
+    common.assert_all_close(built["jacobians", method], want, case.rtol, case.atol,
                             f"{case.name} per-example Jacobians by {method}")
 
 
@@ -109,7 +136,8 @@ def test_towers_gradients_with_grad_ys_weight_outputs(case):
         towers = pertower.build_towers(case.ys, case.xs, batch_size=B)
         got = towers.gradients(grad_ys=tf.constant(weights, dtype=case.ys.dtype))
         ys, _, feed = case.oracle()
-        jacobians = oracle.loop_per_example_jacobians(case.sess, ys, case.xs, feed)
+        jacobians = case.oracles.run(oracle.loop_per_example_jacobians, case.sess, ys,
+                                      case.xs, feed)
     want = [(j.reshape(B, K, -1) * weights.reshape(B, K, 1)).sum(axis=1).reshape(j.shape[:1] + j.shape[1 + len(out):])
             for j in jacobians]
     common.assert_all_close(_run(case, got), want, case.rtol, case.atol * 10,

@@ -16,14 +16,17 @@ _CHECK = ("import json, sys; print({prefix!r} + json.dumps(dict(name={name!r}, o
 
 # A group script: runs each member named in its arguments, framed by section lines;
 # a member "crash" ends the whole process.
+# Its checks' output: the number of TensorFlow threads the runner set ("" for none).
 _GROUP = '''
-import sys
+import json, os, sys
 for name in sys.argv[1:]:
     start, end = {sections}[name]
     print(start, flush=True)
     if name == "crash":
         sys.exit(3)
-    print({prefix!r} + '{{"name": "check_' + name + '", "ok": true, "message": "", "output": ""}}')
+    threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
+    print({prefix!r} + json.dumps(dict(name="check_" + name, ok=True, message="",
+                                       output=threads)))
     print(end, 0 if name != "fails" else 1, flush=True)
 '''
 
@@ -96,8 +99,9 @@ def test_every_group_member_is_a_process_that_runs_alone_too():
     for group in process_checks.GROUPS:
         for name in group:
             assert name in process_checks.PROCESSES, name
-            command = process_checks.PROCESSES[name]
-            assert command.legacy_keras_env and command.one_thread, name
+            assert process_checks.PROCESSES[name].legacy_keras_env, name
+    grouped = [name for group in process_checks.GROUPS for name in group]
+    assert len(grouped) == len(set(grouped)), "a process in two groups"
     assert os.path.exists(os.path.join(process_checks.HERE, "scripts", "process_group.py"))
     assert sys.executable
 
@@ -115,3 +119,16 @@ def test_a_group_member_claimed_elsewhere_is_read_from_the_run_that_claimed_it(t
     assert (tmp_path / "g2.claim").read_text() == "g2"
     first.stop()
     second.stop()
+
+
+def test_a_group_runs_on_one_thread_only_if_each_of_its_members_does(tmp_path, monkeypatch):
+    monkeypatch.delenv("TF_NUM_INTRAOP_THREADS", raising=False)
+    commands = {name: _command(tmp_path, name) for name in ("o1", "o2", "m1", "m2")}
+    for name in ("m1", "m2"):   # one member that needs TensorFlow's default threads
+        commands[name] = process_checks._Command(  # pylint: disable=protected-access
+            commands[name].argv, one_thread=name != "m2")
+    runner = _runner(tmp_path, commands, tmp_path, groups=(("o1", "o2"), ("m1", "m2")))
+    runner.start("o1", "o2", "m1", "m2")
+    for name, threads in (("o1", "1"), ("o2", "1"), ("m1", ""), ("m2", "")):
+        assert runner.assert_passed(name, f"check_{name}").output == threads, name
+    runner.stop()

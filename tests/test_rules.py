@@ -60,7 +60,7 @@ def test_rules_match_oracle_and_towers(model):
         for g, x in zip(rules, model.xs):
             assert g.dtype == x.dtype.base_dtype
             assert g.shape.as_list() == [model.B] + x.shape.as_list()
-        want = common.run_oracle(oracle.loop_per_example_gradients, model.sess, model.ys,
+        want = model.oracles.run(oracle.loop_per_example_gradients, model.sess, model.ys,
                                  model.xs, model.feed)
     got_rules, got_towers = model.sess.run([rules, towers], model.feed)
     common.assert_all_close(got_rules, want, model.rtol, model.atol, f"{model.name} rules")
@@ -80,7 +80,7 @@ def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
         assert all(g.shape[0] is None or g.shape.as_list()[0] is None for g in rules)
         for size in (1, 3):
             feed = {k: v[:size] for k, v in model.feed.items()}
-            want = common.run_oracle(oracle.loop_per_example_gradients, model.sess, model.ys,
+            want = model.oracles.run(oracle.loop_per_example_gradients, model.sess, model.ys,
                                      model.xs, feed)
             common.assert_all_close(model.sess.run(rules, feed), want, model.rtol, model.atol,
                                     f"{model.name} rules, {size} examples")
@@ -93,9 +93,9 @@ def test_microbatches_and_jacobians_match_oracle(model):
         outputs = tf.stack([model.ys, tf.sin(model.ys)], axis=1)      # [B, 2]
         jacobians = pertower.per_example_jacobians(outputs, model.xs, batch_size=model.B,
                                                    method="auto")
-        want_two = common.run_oracle(oracle.loop_microbatch_gradients, model.sess, model.ys,
+        want_two = model.oracles.run(oracle.loop_microbatch_gradients, model.sess, model.ys,
                                      model.xs, model.feed, 2)
-        want_jacobians = common.run_oracle(oracle.loop_per_example_jacobians, model.sess,
+        want_jacobians = model.oracles.run(oracle.loop_per_example_jacobians, model.sess,
                                            outputs, model.xs, model.feed)
     got_two, got_jacobians = model.sess.run([two, jacobians], model.feed)
     common.assert_all_close(got_two, want_two, model.rtol, model.atol * 10,
@@ -107,14 +107,6 @@ def test_microbatches_and_jacobians_match_oracle(model):
 CONV_MODELS = ("conv_same_strided", "conv_valid_dilated", "conv_explicit_float64",
                "conv_same_dilated_odd", "grouped_conv", "keras_conv1d", "depthwise",
                "time_distributed_conv")
-
-
-@pytest.fixture(scope="module", params=CONV_MODELS)
-def conv_model(request):
-    build, shapes, options, _ = cases.RULE_MODELS[request.param]
-    case = cases.build_case(request.param, build, shapes, **options)
-    yield case
-    case.sess.close()
 
 
 def _forced_conv_registry(strategy, **options):
@@ -131,14 +123,16 @@ def _forced_conv_registry(strategy, **options):
     ("shifts", {}),                      # these models' thin channels: the taps stacked
     ("shifts", {"thin_channels": 0, "few_positions": 0}),    # a matmul per tap
 ])
-def test_every_conv_strategy_matches_the_oracle(conv_model, strategy, options):
+# (the `model` fixture's graphs and oracle values, shared with the tests above)
+@pytest.mark.parametrize("model", CONV_MODELS, indirect=True)
+def test_every_conv_strategy_matches_the_oracle(model, strategy, options):
     """Each way of the convolution rules (rules/conv2d.py), forced on every convolution
     (strides, SAME/VALID/explicit padding, dilations, groups, Conv1D, depthwise, k = 3
     images per example): per-example gradients for a fixed B and for a None batch axis (G read
     at run time), and two microbatches (several images per group), against the oracle.
     Where the way cannot compute a convolution (float64; no oneDNN), method='rules'
     refuses and names the forced strategy."""
-    case = conv_model
+    case = model
     registry = _forced_conv_registry(strategy, **options)
     with case.graph.as_default():
         try:
@@ -157,13 +151,13 @@ def test_every_conv_strategy_matches_the_oracle(conv_model, strategy, options):
         two = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=2,
                                             batch_size=case.B, method="rules",
                                             rules=registry)
-        want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,
-                                 case.xs, case.feed)
-        want_two = common.run_oracle(oracle.loop_microbatch_gradients, case.sess, case.ys,
-                                     case.xs, case.feed, 2)
+        want = case.oracles.run(oracle.loop_per_example_gradients, case.sess, case.ys,
+                                case.xs, case.feed)
+        want_two = case.oracles.run(oracle.loop_microbatch_gradients, case.sess, case.ys,
+                                    case.xs, case.feed, 2)
         three = {k: v[:3] for k, v in case.feed.items()}
-        want_three = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
-                                       case.ys, case.xs, three)
+        want_three = case.oracles.run(oracle.loop_per_example_gradients, case.sess,
+                                      case.ys, case.xs, three)
     got, got_two = case.sess.run([fixed, two], case.feed)
     what = f"{case.name}, strategy {strategy} {options}"
     common.assert_all_close(got, want, case.rtol, case.atol, what)
@@ -188,8 +182,8 @@ def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
         auto = _forced_conv_registry("auto", onednn=False)
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                              method="rules", rules=auto)
-        want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,
-                                 case.xs, case.feed)
+        want = case.oracles.run(oracle.loop_per_example_gradients, case.sess, case.ys,
+                                case.xs, case.feed)
     common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
                             "auto without oneDNN")
     with pytest.raises(ValueError, match=r"`strategy` must be one of auto, patches, "
@@ -370,8 +364,8 @@ def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
             assert chosen == ["shifts"] * 3, chosen
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                              method="rules")
-        want = common.run_oracle(oracle.loop_per_example_gradients, case.sess, case.ys,
-                                 case.xs, case.feed)
+        want = case.oracles.run(oracle.loop_per_example_gradients, case.sess, case.ys,
+                                case.xs, case.feed)
     common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
                             "cifar rules")
     case.sess.close()
