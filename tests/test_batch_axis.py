@@ -1,7 +1,6 @@
 """The batch-axis analysis (`pertower._batch_axis`): verdicts, where a proof is lost,
 SIZE values, and the per-op rules through ops the analysis follows, against the oracle."""
 
-import numpy as np
 import pytest
 import tensorflow as tf
 

@@ -5,7 +5,6 @@ process of tests/process_checks.py)."""
 
 import re
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
