@@ -98,8 +98,8 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
                                      "estimate_bytes", "memory_write_limit", "norms_floor",
                                      "cpu_speed"}
     speed = machine["cpu_speed"]
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
-                 "TF_ENABLE_ONEDNN_OPTS"):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+                 "LD_PRELOAD", "TF_ENABLE_ONEDNN_OPTS"):
         assert speed[name] == os.environ.get(name), name
     assert speed["onednn_enabled"] in (True, False) and speed["avx512"] in (True, False, None)
     assert "TF_ENABLE_ONEDNN_OPTS=" in out and "AVX-512:" in out

@@ -7,6 +7,9 @@ CPU facts (read at process start, so they must be set before Python starts):
     MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_  glibc malloc: by default it hands
         large buffers back to the operating system, so every sess.run page-faults its
         big outputs anew; raising both keeps them in the process
+    MALLOC_ARENA_MAX      glibc malloc's arenas: TensorFlow's worker threads allocate from
+        per-thread arenas, where the thresholds above do not keep large buffers; 1
+        (one arena) with both thresholds raised does
     LD_PRELOAD            another allocator (tcmalloc, jemalloc) preloaded
     TF_ENABLE_ONEDNN_OPTS  TensorFlow's oneDNN kernels (0 off, 1 on; the default is on
         for Linux x86 builds) change convolution speeds several-fold
@@ -26,8 +29,8 @@ __all__ = ["TF_DEFAULTS", "SPEED_VARIABLES", "prepare_tensorflow", "quiet_native
 TF_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
 
 # The environment variables whose values the tools report with their timings.
-SPEED_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
-                   "TF_ENABLE_ONEDNN_OPTS")
+SPEED_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+                   "LD_PRELOAD", "TF_ENABLE_ONEDNN_OPTS")
 
 # Lines TensorFlow's profiler and start-up write to fd 2 through C++/absl logging
 # even when asked to be quiet (they say nothing about the user's results).

@@ -96,7 +96,7 @@ def add_arguments(parser):
                         help="measure in a child process started with this environment "
                              "variable (repeatable). Allocator and oneDNN settings are read "
                              "at process start, e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
-                             "--env MALLOC_TRIM_THRESHOLD_=4294967296, or "
+                             "--env MALLOC_TRIM_THRESHOLD_=4294967296 --env MALLOC_ARENA_MAX=1, or "
                              "--env TF_ENABLE_ONEDNN_OPTS=0")
     parser.add_argument("--peers", action="store_true",
                         help="also run the same models in PyTorch (torch.func vmap(grad), "
