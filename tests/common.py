@@ -17,7 +17,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 __all__ = ["TOLERANCES", "assert_all_close", "tolerance", "run_oracle", "OracleCache",
-           "seed_weights", "loop_rows_of_batch"]
+           "seed_weights", "loop_rows_of_batch", "numpy_hessian", "reference_ggn"]
 
 # Comparing two computations of the same values in different orders (batched vs one
 # example at a time, other kernels): kind of graph -> {dtype: (rtol, atol)}, rtol for
@@ -203,3 +203,24 @@ def loop_rows_of_batch(sess, ys, xs, feed):
                       for g, x in zip(row, xs)])
     rows = sess.run(grads, feed)
     return [np.stack([row[k] for row in rows]) for k in range(len(xs))]
+
+
+def numpy_hessian(loss, f):
+    """H of l(f) with respect to f, [K, K], for one example's logits f [K]."""
+    if loss == "softmax_cross_entropy":
+        p = np.exp(f - f.max())
+        p /= p.sum()
+        return np.diag(p) - np.outer(p, p)
+    if loss == "sigmoid_cross_entropy":
+        p = 1 / (1 + np.exp(-f))
+        return np.diag(p * (1 - p))
+    return 2 * np.eye(len(f))
+
+
+def reference_ggn(sess, logits, xs, feed, loss="softmax_cross_entropy"):
+    """[B, *x.shape] per x: diag(J_n^T H_n J_n), the GGN diagonal of each example, from
+    the one-example Jacobians of `logits` [B, K] (`pertower.oracle`)."""
+    from pertower import oracle  # pylint: disable=import-outside-toplevel
+    jacobians = oracle.loop_per_example_jacobians(sess, logits, xs, feed)  # [B, K, *x]
+    H = np.stack([numpy_hessian(loss, f) for f in sess.run(logits, feed)])  # [B, K, K]
+    return [np.einsum("nk...,nkl,nl...->n...", J, H, J) for J in jacobians]

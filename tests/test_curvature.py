@@ -24,16 +24,7 @@ LOSSES = ("softmax_cross_entropy", "sigmoid_cross_entropy", "mse")
 B = 4
 
 
-def numpy_hessian(loss, f):
-    """H of l(f) with respect to f, [K, K], for one example's logits f [K]."""
-    if loss == "softmax_cross_entropy":
-        p = np.exp(f - f.max())
-        p /= p.sum()
-        return np.diag(p) - np.outer(p, p)
-    if loss == "sigmoid_cross_entropy":
-        p = 1 / (1 + np.exp(-f))
-        return np.diag(p * (1 - p))
-    return 2 * np.eye(len(f))
+numpy_hessian = common.numpy_hessian
 
 
 def numpy_columns(H):

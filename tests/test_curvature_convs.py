@@ -19,7 +19,6 @@ import pertower
 from pertower import oracle
 from pertower.rules import conv2d_squares
 from tests import common
-from tests.test_curvature import numpy_hessian
 
 B, K = 3, 4
 # xs of `conv_case`, and how diag_ggn computes each
@@ -60,13 +59,6 @@ def conv_case(seed=0):
     return logits, loss, list(xs.values()), feed, list(xs)
 
 
-def reference_ggn(sess, logits, xs, feed, loss):
-    """[B, *x.shape] per x: diag(J_n^T H_n J_n) from the one-example Jacobians."""
-    jacobians = oracle.loop_per_example_jacobians(sess, logits, xs, feed)  # [B, K, *x]
-    H = np.stack([numpy_hessian(loss, f) for f in sess.run(logits, feed)])  # [B, K, K]
-    return [np.einsum("nk...,nkl,nl...->n...", J, H, J) for J in jacobians]
-
-
 def check_case(way=None, loss="softmax_cross_entropy"):
     """Builds `conv_case` in a new graph, runs diag_ggn (per example and summed) and
     sum_grad_squared, and compares them with the loops; `way` forces conv2d_squares'
@@ -87,7 +79,7 @@ def check_case(way=None, loss="softmax_cross_entropy"):
                     for name, use in zip(names, summed.plan.uses) if name in WAYS}
             with tf.compat.v1.Session() as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
-                want = reference_ggn(sess, logits, xs, feed, loss)
+                want = common.reference_ggn(sess, logits, xs, feed, loss)
                 grads = oracle.loop_per_example_gradients(sess, per_example_loss, xs, feed)
                 got = sess.run([list(per_example), list(summed), list(squares)], feed)
     finally:

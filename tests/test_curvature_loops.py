@@ -22,16 +22,6 @@ from tests import common
 B = 3
 
 
-def reference_ggn(sess, logits, xs, feed):
-    """[B, *x.shape] per x: the diagonal of J_n^T H_n J_n (softmax cross-entropy)."""
-    jacobians = oracle.loop_per_example_jacobians(sess, logits, xs, feed)   # [B, K, *x]
-    f = sess.run(logits, feed)                                              # [B, K]
-    p = np.exp(f - f.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
-    H = np.stack([np.diag(q) - np.outer(q, q) for q in p])                  # [B, K, K]
-    return [np.einsum("nk...,nkl,nl...->n...", J, H, J) for J in jacobians]
-
-
 class Graphs:
     """One graph and session for the module: a conv net whose path from the rules'
     outputs to the logits holds every op type the folded pass converts; the same net
@@ -82,7 +72,7 @@ class Graphs:
 
     def reference(self, logits, xs):
         with self.graph.as_default():
-            return reference_ggn(self.sess, logits, xs, self.feed)
+            return common.reference_ggn(self.sess, logits, xs, self.feed)
 
     def squares(self, ys, xs):
         with self.graph.as_default():

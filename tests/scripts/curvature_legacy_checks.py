@@ -27,20 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 import tf_keras as keras  # noqa: E402
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
-from tests.common import assert_all_close  # noqa: E402
+from tests.common import assert_all_close, reference_ggn  # noqa: E402
 from tests.process_checks import run_checks  # noqa: E402
 
 B = 4
-
-
-def _reference_ggn(sess, logits, xs, feed):
-    """[B, *x.shape] per x: J_n^T H_n J_n's diagonal, from the one-example Jacobians."""
-    jacobians = oracle.loop_per_example_jacobians(sess, logits, xs, feed)  # [B, K, *x]
-    f = sess.run(logits, feed)                                              # [B, K]
-    p = np.exp(f - f.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
-    H = np.stack([np.diag(q) - np.outer(q, q) for q in p])                 # [B, K, K]
-    return [np.einsum("nk...,nkl,nl...->n...", J, H, J) for J in jacobians]
 
 
 def _compare(logits, loss, xs, feed, expected_routes):
@@ -49,7 +39,7 @@ def _compare(logits, loss, xs, feed, expected_routes):
     squares = pertower.sum_grad_squared(loss, xs, batch_size=B)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        want = _reference_ggn(sess, logits, xs, feed)
+        want = reference_ggn(sess, logits, xs, feed)
         grads = oracle.loop_per_example_gradients(sess, loss, xs, feed)
         got = sess.run([list(per_example), list(summed), list(squares)], feed)
     assert_all_close(got[0], want, what="diag_ggn(per_example=True)", kind="deep")
