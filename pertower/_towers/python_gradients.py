@@ -71,6 +71,7 @@ class ReplayedGradients:
         self._copies = {}      # copied op name -> (original op, tower)
         self._inputs = {}      # tower -> {tensor name: tower's tensor}
         self._replayed = frozenset()
+        self._built = _overrides.Templates()   # one scratch graph per computation
         framework_ops.RegisterGradient(self.name)(self._gradient)
 
     def prepare(self, replayed, batch, on_weights):
@@ -88,7 +89,7 @@ class ReplayedGradients:
                     "(tf.custom_gradient with `variables`): its gradient goes to the "
                     "variable, not to a tower's copy. Pass the variable's value into the "
                     "function as an argument, or leave it out of `xs`.")
-            template = _overrides.override_backward(op)
+            template = _overrides.override_backward(op, templates=self._built)
             outside = [outer for _, outer in template.captured if outer.op not in self._replayed]
             # forward ops the backward captured off the way to `ys` (a closure's
             # tf.sigmoid(h)): computed from the batch, so each tower recomputes them

@@ -50,16 +50,19 @@ class UnassumedGradients:
         self.graph = request.graph
         self._functions = {}   # function name -> reason or None
         self._overrides = {}   # (op, input indices on the path) -> reason or None
+        self.templates = _overrides.Templates()   # overrides' backward passes, shared
         self._op_reasons = {}  # (op, in its functions) -> reason or None
-        self._flagged = {}     # id(ops) -> (ops, whether any of them has a reason)
+        self._flagged = {}     # id(ops) -> (ops, those of them that have a reason)
 
-    def _any_reason(self, ops):
-        """Whether any op of `ops` (or a function it calls) has a reason; once per set."""
+    def _flagged_ops(self, ops):
+        """The ops of `ops` that (or whose called functions) have a reason, sorted by
+        creation; found once per set."""
         key = id(ops)
         if key not in self._flagged:
-            self._flagged[key] = (ops, any(
-                self._op_reason(op) is not None or
-                self._op_reason(op, functions=True) is not None for op in ops))
+            self._flagged[key] = (ops, sorted(
+                (op for op in ops if self._op_reason(op) is not None
+                 or self._op_reason(op, functions=True) is not None),
+                key=lambda o: o._id))  # pylint: disable=protected-access
         return self._flagged[key][1]
 
     def reason(self, reads, ys_upstream, region=None):
@@ -67,10 +70,15 @@ class UnassumedGradients:
         None. `region`: the ops downstream of its reads and of its gather and call ops
         within `ys_upstream` with those ops (the request's `weight_regions` entry, or a
         function that returns it), when the caller has it and the weight has no TF1
-        loop inputs; else walked."""
+        loop inputs; else walked. Only the ops with a reason are looked at, in creation
+        order (the first found is given)."""
         entries = (list(reads.gather_ops) + list(reads.loop_inputs)
                    + [op for op, _ in reads.call_inputs])
-        if not self._any_reason(ys_upstream) and not self._any_reason(frozenset(entries)):
+        flagged = self._flagged_ops(ys_upstream)
+        flagged_entries = [op for op in entries if op not in ys_upstream and (
+            self._op_reason(op) is not None
+            or self._op_reason(op, functions=True) is not None)]
+        if not flagged and not flagged_entries:
             return None   # nothing on any path has an unassumed gradient
         starts = list(reads.read_tensors)
         for op in entries:
@@ -79,7 +87,8 @@ class UnassumedGradients:
             path = region() if callable(region) else region
         else:
             path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
-        for op in sorted(path, key=lambda o: o._id):  # pylint: disable=protected-access
+        candidates = [op for op in flagged if op in path] + flagged_entries
+        for op in sorted(candidates, key=lambda o: o._id):  # pylint: disable=protected-access
             found = self._op_reason(op)
             if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
                 found = self._override(op, path, starts, found)
@@ -104,8 +113,8 @@ class UnassumedGradients:
         on_path = tuple(j for j, t in enumerate(op.inputs)
                         if t.op in path or any(t is start for start in starts))
         if (op, on_path) not in self._overrides:
-            self._overrides[(op, on_path)] = _overrides.not_row_wise(op, on_path,
-                                                                     self.request)
+            self._overrides[(op, on_path)] = _overrides.not_row_wise(
+                op, on_path, self.request, self.templates)
         why = self._overrides[(op, on_path)]
         return None if why is None else f"{found}; {why}"
 
