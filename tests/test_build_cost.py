@@ -313,3 +313,64 @@ def test_strided_slice_as_indexing():
             np.testing.assert_array_equal(result, value[index])
             assert [d for d in got[indices.index(index)].shape.as_list()[1:]] == list(
                 value[index].shape[1:])
+
+
+def test_one_override_backward_per_computation(monkeypatch):
+    """tf.nn.silu (a tf.custom_gradient: one registered function per call) on four
+    dense layers, three of [B, 4] (one with its own beta) and one of [B, 6]: the plan
+    builds the scratch backward once per output shape (2), not per op (4), reads no
+    forward analysis per override, and the gradients match the loop. An override that
+    reads its `op` argument is built per op."""
+    from pertower import _overrides   # pylint: disable=import-outside-toplevel
+    builds, analyses = [], []
+    original_build, original_analyze = _overrides._build, _overrides._batch_axis.analyze
+    monkeypatch.setattr(_overrides, "_build", lambda op, scope: builds.append(op) or
+                        original_build(op, scope))
+    monkeypatch.setattr(_overrides._batch_axis, "analyze", lambda *a, **k: analyses.append(
+        a[0]) or original_analyze(*a, **k))
+    with tf.Graph().as_default() as graph:
+        rng = np.random.RandomState(3)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+        h, xs = x, []
+        for j, (width, beta) in enumerate(((4, 1.0), (4, 1.0), (4, 0.5), (6, 1.0))):
+            w = tf.Variable(rng.randn(int(h.shape[1]), width).astype(np.float32) / 2,
+                            name=f"w{j}")
+            h = tf.nn.silu(tf.matmul(h, w), beta=beta)
+            xs.append(w)
+        ys = tf.reduce_sum(tf.square(h), axis=1)                   # [B]
+        plan = pertower.explain(ys, xs)
+        assert not plan.fallback, str(plan)
+        swishes = [op for op in graph.get_operations() if op.type == "IdentityN"]
+        assert len(swishes) == 4
+        assert len(builds) == 2, [op.name for op in builds]
+        # the request's analysis of ys, then one per distinct backward (its input's
+        # gradient, in a scratch graph); none of the forward per override
+        assert [t for t in analyses if t.graph is graph] == [ys], analyses
+        assert len(analyses) == 3, [t.name for t in analyses]
+        grads = pertower.per_example_gradients(ys, xs)
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: rng.randn(B, 4).astype(np.float32)}
+        want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, xs, feed)
+        common.assert_all_close(sess.run(grads, feed), want, what="silu layers")
+        sess.close()
+        templates = _overrides.Templates()
+        builds.clear()
+        for op in swishes:
+            templates.backward(op, "probe")
+        assert templates.built == 2 and len(builds) == 2
+
+    name = f"Build3ReadsOp{id(builds)}"
+
+    @tf.RegisterGradient(name)
+    def _reads_op(op, dy):   # its result depends on op: never shared
+        return dy * 2.0 * op.inputs[0]
+
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        with graph.gradient_override_map({"Square": name}):
+            squares = [tf.square(x), tf.square(x + 1.0)]
+        templates = _overrides.Templates()
+        backwards = [templates.backward(s.op, "probe") for s in squares]
+        assert templates.built == 2
+        assert backwards[0].graph is not backwards[1].graph
