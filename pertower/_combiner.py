@@ -93,7 +93,8 @@ class Built:
                 grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
                 name=name or "gradients", sparse=sparse)]
         with tf.name_scope(name or "gradients"):
-            with tf.control_dependencies(self.rule_checks()):
+            checks = self.rule_checks()
+            with tf.control_dependencies(checks):
                 results = [None] * len(self.xs)
                 covered = _engine.gradients(self.plan, self.covered, self.groups,
                                             grad_ys, unconnected_gradients)
@@ -104,6 +105,8 @@ class Built:
                             grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
                             name=self._fallback_scope, sparse=sparse)):
                         results[k] = g
+                if not checks:   # (an Identity per result would wait for nothing)
+                    return results
                 return [independence.gated(g) for g in results]
 
     def squared_norms(self, name=None, per_weight=False):
