@@ -163,7 +163,8 @@ class Templates:
 
     def backward(self, op, scope):
         """op's `OverrideBackward`, built or reused. Raises `_Unbuilt`."""
-        where, key = _positions_of(op), _template_key(op)
+        where, seen = _positions_of(op), set()
+        key = _template_key(op, seen)
         if key is not None and key in self._by_key:
             first, positions = self._by_key[key]
             own = {"in": op.inputs, "out": op.outputs}
@@ -172,8 +173,11 @@ class Templates:
             return dataclasses.replace(first, op=op, captured=captured)
         backward = _build(op, scope)
         self.built += 1
-        if key is not None:
-            positions = tuple(where.get(id(outer)) for _, outer in backward.captured)
+        positions = tuple(where.get(id(outer)) for _, outer in backward.captured)
+        # a capture at a position reached otherwise than through the closures (a
+        # global, a walk of the graph) would not move with the op: built per op
+        if key is not None and all(at is None or id(outer) in seen for (_, outer), at
+                                   in zip(backward.captured, positions)):
             self._by_key[key] = (backward, positions)
         return backward
 
@@ -195,9 +199,10 @@ def _positions_of(op):
     return where
 
 
-def _template_key(op):
+def _template_key(op, seen):
     """A hashable key equal for two ops exactly when `Templates` may share their
-    backward (see there), or None."""
+    backward (see there), or None; `seen` gets the ids of the tensors the closures
+    hold."""
     try:
         function = framework_ops._gradient_registry.lookup(kind(op))  # pylint: disable=protected-access
     except LookupError:
@@ -209,7 +214,7 @@ def _template_key(op):
     signature = tuple((where[id(t)], t.dtype.name, None if t.shape.rank is None
                        else tuple(t.shape.as_list())) for t in tensors)
     try:
-        return (op.type, len(op.inputs), signature, _value_key(function, where, 0))
+        return (op.type, len(op.inputs), signature, _value_key(function, where, 0, seen))
     except _NoKey:
         return None
 
@@ -224,7 +229,7 @@ def _reads_op(code):
         if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST")))
 
 
-def _value_key(value, where, depth):
+def _value_key(value, where, depth, seen):
     """`value` compared by content: code, tensors by position among op's tensors
     (`where`) or by identity, scalars, sequences; raises `_NoKey` for anything else."""
     if depth > _MAX_KEY_DEPTH:
@@ -234,9 +239,11 @@ def _value_key(value, where, depth):
     if isinstance(value, tf.DType):
         return ("dtype", value.name)
     if isinstance(value, tf.Tensor):
+        seen.add(id(value))
         return where.get(id(value)) or ("tensor", id(value))
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__,) + tuple(_value_key(v, where, depth + 1) for v in value)
+        return (type(value).__name__,) + tuple(_value_key(v, where, depth + 1, seen)
+                                        for v in value)
     if isinstance(value, types.ModuleType):
         return ("module", value.__name__)
     if isinstance(value, types.FunctionType):
@@ -246,9 +253,9 @@ def _value_key(value, where, depth):
             raise _NoKey() from error
         defaults = tuple(sorted((value.__kwdefaults__ or {}).items()))
         return ("function", value.__code__, id(value.__globals__),
-                _value_key(cells, where, depth + 1),
-                _value_key(value.__defaults__, where, depth + 1),
-                _value_key(defaults, where, depth + 1))
+                _value_key(cells, where, depth + 1, seen),
+                _value_key(value.__defaults__, where, depth + 1, seen),
+                _value_key(defaults, where, depth + 1, seen))
     raise _NoKey()
 
 
