@@ -92,8 +92,9 @@ def test_each_layout_matches_the_loop(convs):
 
 def test_side_by_side_taps_are_one_patches_op_and_one_matmul(convs):
     """The side-by-side layout builds no slice, concat or stack: one
-    ExtractImagePatches (a Pad before it for explicit padding), one BatchMatMulV2, and
-    reshapes; one matmul per tap builds kh*kw matmuls and one stack."""
+    ExtractImagePatches (a Pad before it for explicit padding), one contraction, and
+    reshapes (only the result's with one image per example: Einsum on the [B, Ho, Wo,
+    C] tensors); one matmul per tap builds kh*kw contractions and one stack."""
     graph, _, _, _, _, _, plan = convs
     with graph.as_default():
         for use in _uses(plan):
@@ -104,9 +105,12 @@ def test_side_by_side_taps_are_one_patches_op_and_one_matmul(convs):
             built = collections.Counter(op.type for op in graph.get_operations()[before:])
             assert grad.shape.as_list()[1:] == use.weight_shape.as_list()
             kh, kw = use.weight_shape.as_list()[:2]
+            contractions = built["BatchMatMulV2"] + built["Einsum"]
             if _conv_ways.tap_layout(OPTIONS, use) == "channels":
-                assert built["ExtractImagePatches"] == 1 and built["BatchMatMulV2"] == 1, built
+                assert built["ExtractImagePatches"] == 1 and contractions == 1, built
                 assert not built["StridedSlice"] + built["ConcatV2"] + built["Pack"], built
             else:
-                assert built["BatchMatMulV2"] == kh * kw and built["Pack"] == 1, built
+                assert contractions == kh * kw and built["Pack"] == 1, built
                 assert not built["ExtractImagePatches"], built
+            if use.rows.k == 1:   # the taps and dZ enter their Einsum as they are
+                assert built["Reshape"] == 1, built       # (the result's only)

@@ -76,6 +76,9 @@ def by_shifts(options, use, dZ, G):
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     g, k = groups(use.op), use.rows.k
     layout = tap_layout(options, use)
+    if layout in ("one", "channels", "per_tap") and g == 1 and _shapes.rows_are_groups(
+            dZ, G, k):
+        return _one_image_per_group(use, dZ, G, layout)
     dZ_g = to_groups(dZ, G, k)                     # [G, T*Ho*Wo, Cout]
     if layout == "one":
         x_g = to_groups(taps(use.op, 1, 1)[0], G, k)   # [G, T*Ho*Wo, Cin]
@@ -112,6 +115,21 @@ def by_shifts(options, use, dZ, G):
         tap = tf.einsum("gpjc,gpjo->gcjo", x_g, dZ_g)         # [G, Cin, g, Cout/g]
         per_tap.append(tf.reshape(tap, group_target(G, [c_in, c_out])))
     grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, Cout]
+    return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
+
+
+def _one_image_per_group(use, dZ, G, layout):
+    """"shifts" with one image per group (T = 1, G = N, no channel groups): each
+    contraction over the positions is ONE Einsum of the [N, Ho, Wo, C] tensors as they
+    are (no reshape of the taps or of dZ; the kernel contracts Ho, Wo in place)."""
+    kh, kw, c_in, c_out = use.weight_shape.as_list()
+    if layout == "one":
+        grad = tf.einsum("nhwc,nhwo->nco", taps(use.op, 1, 1)[0], dZ)     # [N, Cin, Cout]
+    elif layout == "channels":
+        grad = tf.einsum("nhwc,nhwo->nco", patches(use.op, kh, kw), dZ)   # [N, kh*kw*Cin, Cout]
+    else:
+        grad = tf.stack([tf.einsum("nhwc,nhwo->nco", x_tap, dZ)
+                         for x_tap in taps(use.op, kh, kw)], axis=1)   # [N, kh*kw, Cin, Cout]
     return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
 
 
