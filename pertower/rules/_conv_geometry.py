@@ -80,9 +80,12 @@ def fold_groups(tensor, G, k=None):
     (group g's channels are g*C ... g*C + C - 1). k: the rows per example (T when G is
     a tensor), which makes the reshape targets static."""
     h, w, c = (_rows.dim(tensor, axis) for axis in (1, 2, 3))
-    split = tf.reshape(tensor, group_target(G, [-1, h, w, c], k))    # [G, T, H, W, C]
-    moved = tf.transpose(split, [1, 2, 3, 0, 4])                       # [T, H, W, G, C]
     static = _shapes.static_sizes([h, w, c])
+    if static is not None and _shapes.rows_are_groups(tensor, G, k):   # T = 1: no split
+        moved = tf.transpose(tensor, _shapes.constant([1, 2, 0, 3]))  # [H, W, N, C]
+        return tf.reshape(moved, _shapes.constant([1] + static[:2] + [-1]))  # [1, H, W, N*C]
+    split = tf.reshape(tensor, group_target(G, [-1, h, w, c], k))    # [G, T, H, W, C]
+    moved = tf.transpose(split, _shapes.constant([1, 2, 3, 0, 4]))  # [T, H, W, G, C]
     if static is not None and isinstance(G, int):
         return tf.reshape(moved, [-1] + static[:2] + [G * static[2]])
     if static is not None and isinstance(k, int):
@@ -200,7 +203,8 @@ def group_target(G, dims, unknown=None):
     dims = list(dims)
     if not isinstance(G, int) and unknown is not None:
         dims = [unknown if d == -1 else d for d in dims]
-    return _shapes.group_target(G, dims) or _rows.group_shape(G, dims)
+    static = _shapes.group_target(G, dims)
+    return _shapes.constant(static) if static is not None else _rows.group_shape(G, dims)
 
 
 def split_channels(tensor, G, dims):

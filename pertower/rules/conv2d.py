@@ -22,13 +22,16 @@ Four ways of computing it, all exact (each tested against the oracle):
                  transpose after). A 1x1 filter is one tap: ONE batched matmul of
                  the (strided) input, nothing stacked. With few positions (P <
                  `ConvOptions.few_positions`) the per-tap matmuls are too small to run
-                 well, and stacking their outputs copies more than the taps hold, so
-                 the taps are put side by side in channels, [G, T*P, kh*kw*Cin] (the
-                 filter's order), and ONE matmul with dZ [G, T*P, Cout] gives
-                 [G, kh*kw*Cin, Cout]; with thin taps (Cin < `ConvOptions.thin_channels`,
-                 where a concat along channels runs slowly) the input is moved
-                 channels-first ([G, Cin, T, H', W']) and the taps stacked along the
-                 contracted rows, [G, kh*kw*Cin, T*P], for the same one matmul. Grouped
+                 well, and where T*P < Cout stacking their outputs copies more than
+                 the taps hold, so there the taps are put side by side in channels,
+                 [G, T*P, kh*kw*Cin] (the filter's order: the patches, written by ONE
+                 ExtractImagePatches instead of kh*kw slices and a concat), and ONE
+                 matmul with dZ [G, T*P, Cout] writes [G, kh*kw*Cin, Cout], the
+                 per-example gradient in its final layout; with thin taps (Cin <
+                 `ConvOptions.thin_channels`, where a concat along channels runs
+                 slowly) the input is moved channels-first ([G, Cin, T, H', W']) and
+                 the taps stacked along the contracted rows, [G, kh*kw*Cin, T*P], for
+                 the same one matmul (`_conv_ways.tap_layout`). Grouped
                  convolutions take one contraction per tap and group. Any dtype; any
                  oneDNN setting.
     "patches"    the patches of `tf.image.extract_patches` ([N, Ho, Wo, kh*kw*Cin],
@@ -108,13 +111,13 @@ import tensorflow as tf
 
 from pertower import _context
 from pertower.rules import _conv_views
+from pertower.rules import _conv_ways
 from pertower.rules import conv2d_squares
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 from pertower.rules._conv_geometry import (
-    attributes, check_convolution, explicitly_padded, filter_gradient, fold_groups, group_target,
-    groups, mul, padded_input, patches, plain_filter_gradient, spatial_pads, split_channels, taps,
-    to_groups)
+    attributes, check_convolution, filter_gradient, groups, patches, plain_filter_gradient,
+    spatial_pads, taps)
 
 __all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled",
            "untrusted_filter_gradient", "register"]
@@ -263,14 +266,6 @@ class Conv2DRule(registry_lib.Rule):
         (`untrusted_filter_gradient`)."""
         return untrusted_filter_gradient(use, self.options)
 
-    def _stacks_taps(self, use):
-        """Whether "shifts" stacks the taps into one matmul (thin input channels or few
-        positions) rather than running one matmul per tap."""
-        c_in = use.weight_shape.as_list()[2]
-        positions = _rows.static_size(use.output.shape[1:3])
-        return groups(use.op) == 1 and (c_in < self.options.thin_channels or
-                                        positions < self.options.few_positions)
-
     def per_group(self, use, dZ, G):
         if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
             return self.per_group(*use.view.inner(use, dZ), G)
@@ -279,102 +274,12 @@ class Conv2DRule(registry_lib.Rule):
                 self.untrusted_filter_gradient(use)):
             strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
         if strategy == "grouped":
-            return self._grouped(use, dZ, G)
+            return _conv_ways.by_grouped(use, dZ, G)
         if strategy == "depthwise":
-            return self._depthwise(use, dZ, G)
+            return _conv_ways.by_depthwise(use, dZ, G)
         if strategy == "shifts":
-            return self._shifts(use, dZ, G)
-        return self._patches(use, dZ, G)
-
-    @staticmethod
-    def _patches(use, dZ, G):
-        kh, kw, c_in, c_out = use.weight_shape.as_list()
-        g = groups(use.op)
-        k = use.rows.k
-        x_patches = to_groups(patches(use.op, kh, kw), G, k)  # [G, T*Ho*Wo, kh*kw*g*Cin]
-        dZ_g = to_groups(dZ, G, k)                      # [G, T*Ho*Wo, Cout]
-        if g == 1:
-            grad = tf.matmul(x_patches, dZ_g, transpose_a=True)    # [G, kh*kw*Cin, Cout]
-            return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
-        # the patches' channels (kh, kw, g*Cin) and the outputs by group:
-        # [G, P, kh*kw*g*Cin] -> [G, P, kh*kw, g, Cin]; [G, P, Cout] -> [G, P, g, Cout/g]
-        x_patches = split_channels(x_patches, G, [kh * kw, g, c_in])
-        dZ_g = split_channels(dZ_g, G, [g, c_out // g])
-        grad = tf.einsum("gpkjc,gpjo->gkcjo", x_patches, dZ_g)    # [G, kh*kw, Cin, g, Cout/g]
-        return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
-
-    def _shifts(self, use, dZ, G):
-        kh, kw, c_in, c_out = use.weight_shape.as_list()
-        g, k = groups(use.op), use.rows.k
-        dZ_g = to_groups(dZ, G, k)                     # [G, T*Ho*Wo, Cout]
-        if g == 1 and kh * kw == 1:
-            # a 1x1 filter: one batched matmul of the (strided) input, nothing stacked
-            x_g = to_groups(taps(use.op, 1, 1)[0], G, k)   # [G, T*Ho*Wo, Cin]
-            grad = tf.matmul(x_g, dZ_g, transpose_a=True)         # [G, Cin, Cout]
-            return tf.reshape(grad, group_target(G, [1, 1, c_in, c_out]))
-        if self._stacks_taps(use) and c_in >= self.options.thin_channels:
-            # short taps: the taps side by side in channels ([G*T, Ho, Wo, kh*kw*Cin], the
-            # filter's order, no transpose) and one matmul over the positions
-            rows = to_groups(tf.concat(taps(use.op, kh, kw), axis=3), G, k)
-            grad = tf.matmul(rows, dZ_g, transpose_a=True)        # [G, kh*kw*Cin, Cout]
-            return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
-        if self._stacks_taps(use):
-            # thin taps: one matmul over the taps stacked along the contracted rows, the
-            # input moved channels-first (a concat along a thin last axis runs slowly)
-            x = padded_input(use.op, kh, kw)                      # [G*T, H', W', Cin]
-            height, width = x.shape.as_list()[1:3]
-            x = tf.reshape(x, group_target(G, [-1, height, width, c_in], k))
-            x = tf.transpose(x, [0, 4, 1, 2, 3])                  # [G, Cin, T, H', W']
-            rows = tf.concat(taps(use.op, kh, kw, x, axes=(3, 4)), axis=1)
-            positions = _rows.static_size(use.output.shape[1:3])
-            rows = tf.reshape(rows, group_target(G, [kh * kw * c_in, -1], k * positions
-                                            if isinstance(k, int) else None))
-            grad = tf.matmul(rows, dZ_g)                          # [G, kh*kw*Cin, Cout]
-            return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
-        if g > 1:
-            dZ_g = split_channels(dZ_g, G, [g, c_out // g])     # [G, T*Ho*Wo, g, Cout/g]
-        per_tap = []                                              # kh*kw x [G, Cin, Cout]
-        for x_tap in taps(use.op, kh, kw):                        # [G*T, Ho, Wo, g*Cin]
-            x_g = to_groups(x_tap, G, k)               # [G, T*Ho*Wo, g*Cin]
-            if g == 1:
-                per_tap.append(tf.matmul(x_g, dZ_g, transpose_a=True))
-                continue
-            x_g = split_channels(x_g, G, [g, c_in])
-            tap = tf.einsum("gpjc,gpjo->gcjo", x_g, dZ_g)         # [G, Cin, g, Cout/g]
-            per_tap.append(tf.reshape(tap, group_target(G, [c_in, c_out])))
-        grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, Cout]
-        return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
-
-    @staticmethod
-    def _grouped(use, dZ, G):
-        kh, kw, c_in, c_out = use.weight_shape.as_list()
-        strides, dilations, _, _ = attributes(use.op)
-        x, padding = explicitly_padded(use.op)
-        filter_sizes = _rows.group_shape(kh, [kw, c_in, mul(G, c_out)])
-        grad = tf.raw_ops.Conv2DBackpropFilter(
-            input=fold_groups(x, G, use.rows.k),      # [T, H, W, G*Cin]
-            filter_sizes=filter_sizes,
-            out_backprop=fold_groups(dZ, G, use.rows.k),   # [T, Ho, Wo, G*Cout]
-            strides=strides, padding=padding, dilations=dilations,
-            data_format="NHWC")                       # [kh, kw, Cin, G*Cout]
-        grad = tf.reshape(grad, [kh, kw, c_in, -1, c_out])
-        return tf.transpose(grad, [3, 0, 1, 2, 4])    # [G, kh, kw, Cin, Cout]
-
-    @staticmethod
-    def _depthwise(use, dZ, G):
-        kh, kw, c_in, c_out = use.weight_shape.as_list()
-        strides, dilations, _, _ = attributes(use.op)
-        x = padded_input(use.op, kh, kw)              # [N, H', W', Cin]
-        per_image = tf.raw_ops.DepthwiseConv2dNative(
-            input=tf.transpose(x, [3, 1, 2, 0]),      # [Cin, H', W', N]
-            filter=tf.transpose(dZ, [1, 2, 0, 3]),    # [Ho, Wo, N, Cout]
-            strides=[1, dilations[1], dilations[2], 1], padding="VALID",
-            dilations=[1, strides[1], strides[2], 1])  # [Cin, kh, kw, N*Cout]
-        per_image = tf.reshape(per_image, [c_in, kh, kw, -1, c_out])  # [Cin, kh, kw, N, Cout]
-        per_image = tf.transpose(per_image, [3, 1, 2, 0, 4])         # [N, kh, kw, Cin, Cout]
-        grouped = tf.reshape(per_image, group_target(G, [-1, kh, kw, c_in, c_out],
-                                                       use.rows.k))
-        return tf.reduce_sum(grouped, axis=1)         # [G, kh, kw, Cin, Cout]
+            return _conv_ways.by_shifts(self.options, use, dZ, G)
+        return _conv_ways.by_patches(use, dZ, G)
 
     def norm_strategy(self, use):
         """"ghost" or "formed": the cheaper way to the squared norms of `use`'s
@@ -401,7 +306,7 @@ class Conv2DRule(registry_lib.Rule):
 
     def formed_norms(self, use, dZ, G):
         """Where the norms are formed ("formed" by `norm_strategy`) and "shifts" takes one
-        matmul per tap (no groups, Cin >= `thin_channels`, P >= `few_positions`): the taps'
+        matmul per tap (`_conv_ways.tap_layout` "per_tap"): the taps'
         slices stacked, [G, kh*kw, T*P, Cin], under dZ transposed, [G, 1, Cout, T*P], give
         every tap's gradient in ONE batched matmul, [G, kh*kw, Cout, Cin], whose squared
         norms are summed as they are; only the clipped sum, [kh*kw, Cout, Cin], is
@@ -410,7 +315,8 @@ class Conv2DRule(registry_lib.Rule):
         if isinstance(use, _conv_views.ViewUse):
             return self.formed_norms(*use.view.inner(use, dZ), G)
         if (self.norm_strategy(use) != "formed" or groups(use.op) != 1 or
-                self._cannot("shifts", use) or self._stacks_taps(use)):
+                self._cannot("shifts", use) or
+                _conv_ways.tap_layout(self.options, use) != "per_tap"):
             return None
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         x_taps = tf.stack([_rows.to_groups(tap, G, 1) for tap in taps(use.op, kh, kw)],

@@ -56,6 +56,7 @@ from pertower import _context
 from pertower.rules import _conv_geometry as geometry
 from pertower.rules import _conv_views
 from pertower.rules import _rows
+from pertower.rules import _shapes
 from pertower.rules import conv2d
 from pertower.rules import conv2d_squares
 from pertower.rules import registry as registry_lib
@@ -145,8 +146,8 @@ class DepthwiseConv2DRule(registry_lib.Rule):
             out_backprop=geometry.fold_groups(dZ, G, use.rows.k),  # [T, Ho, Wo, G*Cin*M]
             strides=list(use.op.get_attr("strides")), padding=padding,
             data_format="NHWC")                                   # [kh, kw, G*Cin, M]
-        grad = tf.reshape(grad, [kh, kw, -1, c_in, mult])
-        return tf.transpose(grad, [2, 0, 1, 3, 4])                # [G, kh, kw, Cin, M]
+        grad = tf.reshape(grad, _shapes.constant([kh, kw, -1, c_in, mult]))
+        return tf.transpose(grad, _shapes.constant([2, 0, 1, 3, 4]))  # [G, kh, kw, Cin, M]
 
     @staticmethod
     def _patches(use, dZ, G):
