@@ -215,11 +215,8 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
             outputs.update((id(z), z) for z in _loops.differentiated(use))
     if not outputs:
         return {}
-    grads = tf.gradients(plan.request.ys, list(outputs.values()), grad_ys=grad_ys,
-                         unconnected_gradients=unconnected)
-    found = dict(zip(outputs, grads))
-    found.update(_loops.output_gradients(loop_uses, found, unconnected))
-    return found
+    return _loops.output_gradients(plan.request.ys, list(outputs.values()), loop_uses,
+                                   grad_ys, unconnected)
 
 
 def output_gradients(plan, indices, grad_ys=None, unconnected=tf.UnconnectedGradients.ZERO):
