@@ -207,7 +207,8 @@ def _size_advice(request, plan):
 def _output_gradients(plan, indices, grad_ys, unconnected):
     """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
     while loop gets its dZ from one backward pass of the loop's copy, given the
-    gradients at the loop's outputs from the same call (`pertower.rules._loops`)."""
+    gradients at the loop's outputs from the same call, which stops there (the copy's
+    pass adds the paths through the loop: `pertower.rules._loops`)."""
     outputs, loop_uses = {}, []   # id(Z) -> Z, in order
     for k in indices:
         for use in plan.uses[k]:
