@@ -207,7 +207,8 @@ def _size_advice(request, plan):
 def _output_gradients(plan, indices, grad_ys, unconnected):
     """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
     while loop gets its dZ from one backward pass of the loop's copy, given the
-    gradients at the loop's outputs from the same call (`pertower.rules._loops`)."""
+    gradients at the loop's outputs from the same call, which stops there (the copy's
+    pass adds the paths through the loop: `pertower.rules._loops`)."""
     outputs, loop_uses = {}, []   # id(Z) -> Z, in order
     for k in indices:
         for use in plan.uses[k]:
@@ -215,11 +216,8 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
             outputs.update((id(z), z) for z in _loops.differentiated(use))
     if not outputs:
         return {}
-    grads = tf.gradients(plan.request.ys, list(outputs.values()), grad_ys=grad_ys,
-                         unconnected_gradients=unconnected)
-    found = dict(zip(outputs, grads))
-    found.update(_loops.output_gradients(loop_uses, found, unconnected))
-    return found
+    return _loops.output_gradients(plan.request.ys, list(outputs.values()), loop_uses,
+                                   grad_ys, unconnected)
 
 
 def output_gradients(plan, indices, grad_ys=None, unconnected=tf.UnconnectedGradients.ZERO):

@@ -24,8 +24,8 @@ from tensorflow.python.ops import while_v2
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BuiltCopy", "Placed", "Slice", "eps_gradients", "example_major",
-           "graph_upstream", "stacked_uses"]
+__all__ = ["BuiltCopy", "Placed", "Slice", "differentiated_before", "eps_gradients",
+           "example_major", "graph_upstream", "stacked_uses"]
 
 
 class BuiltCopy:
@@ -36,7 +36,8 @@ class BuiltCopy:
         op, body, request = loop.op, loop.body, loop.loops.request
         # the user's loop is only read here; edit it now as a tf.gradients through it
         # would, so that a training op built after the first run works (as the towers do)
-        later_gradients.prepare_for_later_gradients([op])
+        if not differentiated_before(op):
+            later_gradients.prepare_for_later_gradients([op])
         steps = op.outputs[0]                                            # T
         B = (request.batch_size if request.batch_size is not None else
              tf.shape(request.batch[0])[request.batch_axes[0]])
@@ -90,11 +91,27 @@ class BuiltCopy:
         self.eps = eps
         self.uses = stacked_uses(loop.uses, results[n + 1:], a_shapes, eps)
 
-    def output_gradients(self, d_outputs, unconnected):
-        """{id(ε_j): dZ_all_j, [B*k*T, *z]} from one backward pass of the copy, given
-        the gradients `d_outputs` at `loop.reached_outputs` (None where unconnected)."""
+    def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
+        """({id(ε_j): dZ_all_j, [B*k*T, *z]}, [gradient at each of `others`, or None])
+        from one backward pass of the copy, given the gradients `d_outputs` at
+        `loop.reached_outputs` (None where unconnected), stopping at `stops`."""
         copied = [self.outputs[original.value_index] for original in self.loop.reached_outputs]
-        return eps_gradients(copied, d_outputs, self.eps, unconnected)
+        return eps_gradients(copied, d_outputs, self.eps, unconnected, others, stops)
+
+
+def differentiated_before(op):
+    """Whether a gradient through the While op `op` has already edited it: TensorFlow's
+    While gradient (while_v2.py `_WhileGrad`) renames the body it gives accumulator
+    outputs to "..._rewritten" and leaves `_num_original_outputs` equal to the op's
+    output count. In graph mode every such gradient differentiates the same outputs
+    (every trainable one, unreached ones with zeros) with respect to every input, so a
+    further gradient finds every accumulator it reads and leaves the op as it is (a
+    loop that needed no accumulator is edited again, at no harm)."""
+    try:
+        return (op.get_attr("body").name.endswith("_rewritten")
+                and op.get_attr("_num_original_outputs") == len(op.outputs))
+    except ValueError:
+        return False
 
 
 def stacked_uses(uses, a_lists, a_shapes, eps):
@@ -109,14 +126,26 @@ def stacked_uses(uses, a_lists, a_shapes, eps):
     return built
 
 
-def eps_gradients(copied, d_outputs, eps, unconnected):
-    """{id(ε_j): dZ_all_j, [B*k*T, *z]}: one backward pass of a copy from its outputs
-    `copied` with the gradients `d_outputs` (None where unconnected) to `eps`."""
+def eps_gradients(copied, d_outputs, eps, unconnected, others=(), stops=()):
+    """One backward pass of a copy from its outputs `copied` with the gradients
+    `d_outputs` (None where unconnected), to `eps` and to `others` (tensors before the
+    loop: the gradients along the paths through it), stopping at `stops`.
+
+    Returns:
+      ({id(ε_j): dZ_all_j, [B*k*T, *z]}, [the gradient at each of `others`, or None]).
+    """
     ys = [c for c, d in zip(copied, d_outputs) if d is not None]
     grad_ys = [d for d in d_outputs if d is not None]
-    grads = (tf.gradients(ys, eps, grad_ys=grad_ys, unconnected_gradients=unconnected)
-             if ys else [None] * len(eps))
-    return {id(e): (None if g is None else example_major(g)) for e, g in zip(eps, grads)}
+    others = list(others)
+    grads = (tf.gradients(ys, list(eps) + others, grad_ys=grad_ys, stop_gradients=list(stops),
+                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+             if ys else [None] * (len(eps) + len(others)))
+    found = {}
+    for e, g in zip(eps, grads):
+        if g is None and unconnected == tf.UnconnectedGradients.ZERO:
+            g = tf.zeros_like(e)
+        found[id(e)] = None if g is None else example_major(g)
+    return found, grads[len(eps):]
 
 
 _EPS_PREFIX = "pertower_loop_eps_"
@@ -223,9 +252,10 @@ def _perturbed(graph_def, names):
         placeholder.attr["dtype"].type = dtype
         add = result.node.add()
         add.name = name
-        add.op = "AddV2"
+        add.op = "AddN"   # its gradient passes dZ to both inputs, without shape ops
         add.input.extend([inner, placeholder.name])
         add.attr["T"].type = dtype
+        add.attr["N"].i = 2
     return result
 
 

@@ -80,15 +80,67 @@ def differentiated(use):
     return use.loop.reached_outputs if isinstance(use, LoopUse) else [use.output]
 
 
-def output_gradients(loop_uses, found, unconnected):
-    """{id(key): dZ_all} for the loop uses, from one backward pass of each loop's copy;
-    `found` maps id(t) to the gradient of sum(ys) at t for the loops' outputs (None
-    where unconnected)."""
+def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
+    """The gradients of sum(grad_ys * ys) the rules need, every while loop differentiated
+    ONCE, through its copy (never the user's loop).
+
+    Args:
+      ys: the outputs, [B, ...].
+      targets: the tensors whose gradients are wanted (uses' Z, and for a read inside a
+        loop the loop's `reached_outputs`: `differentiated`).
+      loop_uses: the `LoopUse`s among the uses.
+      grad_ys: as for `tf.gradients` (None for ones).
+      unconnected: a `tf.UnconnectedGradients`.
+
+    Returns:
+      {id(t): gradient} for `targets` and {id(ε_j): dZ_all_j, [B*k*T, *z]} for the
+      loop uses.
+
+    One `tf.gradients` of ys stops at the loops' outputs (`stop_gradients`: the user's
+    loops are not differentiated, so no backward pass of them is built). Then, for each
+    loop, downstream loops first, one backward pass of its copy from the gradients at
+    its outputs (complete: every path from them to ys avoids this loop, and the loops
+    after it have added theirs) gives dZ_t of every step and, by the same pass, the
+    gradients at the targets upstream of the loop along the paths through it (the
+    copy takes the loop's own inputs), which are added to theirs. A target's gradient
+    is so the sum over its paths to ys: those through no loop from the first call,
+    those through a loop from that loop's copy (its paths from the loop's inputs back to
+    the target again stop at earlier loops, which add their part when their turn comes).
+    """
+    loops = sorted(dict.fromkeys(use.loop for use in loop_uses),
+                   key=lambda loop: -max(t.op._id for t in loop.reached_outputs))  # pylint: disable=protected-access
+    if not loops:
+        grads = tf.gradients(ys, targets, grad_ys=grad_ys, unconnected_gradients=unconnected)
+        return {id(t): g for t, g in zip(targets, grads)}
+    wanted = {id(t): t for t in targets}
+    for loop in loops:
+        wanted.update((id(t), t) for t in loop.reached_outputs)
+    stops = {id(t): t for loop in loops for t in loop.reached_outputs}
+    grads = tf.gradients(ys, list(wanted.values()), grad_ys=grad_ys,
+                         stop_gradients=list(stops.values()),
+                         unconnected_gradients=tf.UnconnectedGradients.NONE)
+    found = dict(zip(wanted, grads))
     results = {}
-    for loop in dict.fromkeys(use.loop for use in loop_uses):
-        results.update(loop.built().output_gradients(
-            [found[id(t)] for t in loop.reached_outputs], unconnected))
+    for loop in loops:   # downstream first: the gradients at its outputs are complete
+        own = {id(t) for t in loop.reached_outputs}
+        others = [t for key, t in wanted.items() if key not in own]
+        eps, more = loop.built().output_gradients(
+            [found[id(t)] for t in loop.reached_outputs], unconnected, others,
+            [t for key, t in stops.items() if key not in own])
+        results.update(eps)
+        for t, g in zip(others, more):
+            if g is not None:
+                found[id(t)] = g if found[id(t)] is None else _add(found[id(t)], g)
+    for key, t in wanted.items():
+        if found[key] is None and unconnected == tf.UnconnectedGradients.ZERO:
+            found[key] = tf.zeros_like(t)
+    results.update(found)
     return results
+
+
+def _add(first, second):
+    """first + second, dense (an IndexedSlices, a gather's gradient, made dense)."""
+    return tf.math.add_n([tf.convert_to_tensor(first), tf.convert_to_tensor(second)])
 
 
 class LoopPlan:

@@ -14,10 +14,12 @@ original body's ops with, at every covered op, Z_t replaced by Z_t + ε[t] (ε a
 loop input, a TensorList read at the step counter) and A_t written to an extra
 TensorList output [T, B*k, *a]. Since ε = 0, the copy computes what the loop computes,
 and by the chain rule d sum(ys) / dε[t] = dZ_t. With dL/dOut the gradient of sum(ys)
-at the ORIGINAL loop's outputs (from the engine's one `tf.gradients` call; the copy's
-outputs have the same values), ONE backward pass of the copy,
+at the ORIGINAL loop's outputs (from the engine's one `tf.gradients` call, which
+stops there; the copy's outputs have the same values), ONE backward pass of the copy,
 `tf.gradients(copy outputs, ε, grad_ys=dL/dOut)`, gives dZ_t for every step and every
-covered op at once. Example i's rows of step t are its own (the proof below), so
+covered op at once, and, in the same pass, the gradients of the tensors before the
+loop along the paths through it (an embedding's dZ): the user's loop is never
+differentiated (`_loop_uses.output_gradients`). Example i's rows of step t are its own (the proof below), so
 
     grad_i(W) = sum over t of rule(A_t, dZ_t) for example i = rule(A_all, dZ_all),
 
@@ -25,8 +27,8 @@ with A_all, dZ_all the steps laid out example-major ([T, B*k, ...] -> [B*k*T, ..
 the op's own rule, unchanged (a dense read is Goodfellow's sum of outer products over
 its k*T rows, its norm the ghost norm of Li et al. 2022, arXiv 2110.05679, and a
 clipped sum the reweighted batch gradient, Bu et al. 2023, arXiv 2210.00038: the
-book-keeping of ghost clipping, through time). Cost: the copy's forward and backward
-pass of the loop (no per-example pass, and ε and A_all are sized by the fed batch, so
+book-keeping of ghost clipping, through time). Cost: the copy's forward pass and one
+backward pass of the loop, the only one (no per-example pass, and ε and A_all are sized by the fed batch, so
 no batch_size is needed), where per-example weight copies [B, *W] inside the body
 (the other way considered) would multiply the loop's weight reads and the backward
 loop's weight-gradient accumulators by B.

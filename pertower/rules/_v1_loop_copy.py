@@ -9,9 +9,10 @@ values on entering), a step counter, one TensorList of A_t per covered read and 
 ε per covered read; its condition and body re-create the frame's condition and body
 ops one by one (same type, attributes and inputs, mapped to the copy's tensors; loop
 invariants read as captures of the tensors the frame enters), with each covered op's
-output replaced by output + ε[t]. A read of an input TensorArray becomes a gather from
-the tensor scattered into it (not differentiated: the copy is differentiated only
-towards ε), and an output TensorArray a TensorList carried as the loop variable (one
+output replaced by output + ε[t]. A read of an input TensorArray becomes an item of a
+TensorList of the tensor scattered into it (a loop variable, so that the copy's
+backward pass reaches that tensor: the gradients of the weights before the loop come
+from it too, `_loop_uses.output_gradients`), and an output TensorArray a TensorList carried as the loop variable (one
 element set per write, grown as written); the gathers or reads of that TensorArray
 after the frame become gathers from the list's elements padded with zeros to the
 TensorArray's size (as a TensorArray's unwritten elements read). T is the frame's own
@@ -66,12 +67,20 @@ class BuiltFrame:
                 initial.append(list_ops.tensor_list_reserve(
                     shape if shape is not None else -1, 0, v.array.get_attr("dtype")))
                 invariants.append(tf.TensorShape([]))
-        invariants += [tf.TensorShape([])] * (1 + 2 * J)
+        # each input TensorArray's scattered tensor [T, ...] as a TensorList loop variable,
+        # read at the step's index: the copy's backward pass reaches the tensor
+        scattered = list({t.ref(): t for t in frame.reads.values()}.values())
+        in_lists = [list_ops.tensor_list_from_tensor(t, _element_shape(t)) for t in scattered]
+        invariants += [tf.TensorShape([])] * (1 + 2 * J + len(scattered))
+
+        def arrays(values):
+            return {t.ref(): (values[n + 1 + 2 * J + i], t)
+                    for i, t in enumerate(scattered)}
         target_index = {target: j for j, (target, _) in enumerate(frame.targets)}
 
         def cond(*values):
             mapping = {v.merge.outputs[0].ref(): values[j] for j, v in enumerate(variables)}
-            _replay(frame, frame.cond_ops, mapping)
+            _replay(frame, frame.cond_ops, mapping, arrays(values))
             return mapping[frame.loop_cond.inputs[0].ref()]
 
         def body(*values):
@@ -80,11 +89,11 @@ class BuiltFrame:
 
             def perturbed(target, z):
                 j = target_index[target]
-                return z + list_ops.tensor_list_get_item(
+                return tf.math.add_n([z, list_ops.tensor_list_get_item(
                     values[n + 1 + J + j], s, z.dtype,
-                    element_shape=[-1] + target.outputs[0].shape.as_list()[1:])
+                    element_shape=[-1] + target.outputs[0].shape.as_list()[1:])])
 
-            _replay(frame, frame.body_ops, mapping, perturbed)
+            _replay(frame, frame.body_ops, mapping, arrays(values), perturbed)
             outs = [mapping[v.next_value.ref()] for v in variables]
             written = [list_ops.tensor_list_set_item(values[n + 1 + j], s,
                                                      mapping[u.activation.ref()])
@@ -92,7 +101,7 @@ class BuiltFrame:
             return outs + [s + 1] + written + list(values[n + 1 + J:])
 
         results = while_v2.while_loop(
-            cond, body, initial + [tf.constant(0, tf.int32)] + a_lists + eps_lists,
+            cond, body, initial + [tf.constant(0, tf.int32)] + a_lists + eps_lists + in_lists,
             shape_invariants=invariants, return_same_structure=False, name="copy")
         self.outputs = []
         for _, j, after in frame.after:
@@ -110,16 +119,26 @@ class BuiltFrame:
         self.eps = eps
         self.uses = _loop_copy.stacked_uses(frame.uses, results[n + 1:], a_shapes, eps)
 
-    def output_gradients(self, d_outputs, unconnected):
-        """{id(ε_j): dZ_all_j, [B*k*T, *z]} from one backward pass of the copy, given
-        the gradients `d_outputs` at `frame.reached_outputs` (None where unconnected)."""
-        return _loop_copy.eps_gradients(self.outputs, d_outputs, self.eps, unconnected)
+    def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
+        """({id(ε_j): dZ_all_j, [B*k*T, *z]}, [gradient at each of `others`, or None])
+        from one backward pass of the copy, given the gradients `d_outputs` at
+        `frame.reached_outputs` (None where unconnected), stopping at `stops`."""
+        return _loop_copy.eps_gradients(self.outputs, d_outputs, self.eps, unconnected,
+                                        others, stops)
 
 
-def _replay(frame, ops, mapping, perturbed=None):
+def _element_shape(tensor):
+    """The element shape of a TensorList of the rows of `tensor` (-1 where unknown)."""
+    if tensor.shape.rank is None:
+        return -1
+    return [-1 if d is None else d for d in tensor.shape.as_list()[1:]]
+
+
+def _replay(frame, ops, mapping, arrays, perturbed=None):
     """Re-creates `ops` (in creation order) in the current graph, reading
     mapping[tensor.ref()] for the frame's tensors and the entered tensor for a loop
-    invariant; adds each op's outputs to `mapping` (a covered op's output Z as
+    invariant, and arrays[ref(scattered)] = (TensorList, scattered) for a read of an input
+    TensorArray; adds each op's outputs to `mapping` (a covered op's output Z as
     `perturbed(op, Z)`)."""
     graph = tf.compat.v1.get_default_graph()
 
@@ -131,7 +150,10 @@ def _replay(frame, ops, mapping, perturbed=None):
 
     for op in ops:
         if op in frame.reads:      # an input TensorArray's element at the step's index
-            outputs = [tf.gather(tf.stop_gradient(frame.reads[op]), read(op.inputs[1]))]
+            items, scattered = arrays[frame.reads[op].ref()]
+            outputs = [list_ops.tensor_list_get_item(
+                items, read(op.inputs[1]), scattered.dtype,
+                element_shape=_element_shape(scattered))]
         elif op in frame.writes:   # an output TensorArray's element: a TensorList item
             outputs = [list_ops.tensor_list_set_item(
                 read(op.inputs[3]), read(op.inputs[1]), read(op.inputs[2]),

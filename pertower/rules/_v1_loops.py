@@ -20,8 +20,8 @@ What the copy can replay (else the weight keeps its fallback, with the reason): 
 nested in no other, whose body and condition hold no control flow (no cond, no inner
 loop), no function call and no stateful op but variable reads and the TensorArray ops
 of `dynamic_rnn`'s layout: reads of an input TensorArray filled outside by one scatter
-at indices 0, 1, ... (replayed as a gather from the scattered tensor, which the copy
-does not differentiate) and one write per step to an output TensorArray carried as a
+at indices 0, 1, ... (replayed as items of a TensorList of the scattered tensor, through
+which the copy's backward pass reaches it) and one write per step to an output TensorArray carried as a
 loop variable, read after the frame by a gather or a read (replayed as a TensorList);
 a loop variable counting iterations from 0 by 1 (T, read from the frame's exit); the
 weight entered as a loop invariant and read only in the body, through layout ops.
