@@ -35,8 +35,8 @@ from pertower.tools import timing
 from pertower.tools.bench import peers_noise
 from pertower.tools.bench import report as report_lib
 
-__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "SESSION_OVERHEAD", "DRAWS_PER_RUN", "DPEntry",
-           "run_dp_bench", "format_dp_table"]
+__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "SESSION_OVERHEAD", "DRAWS_PER_RUN", "FINE_ROWS",
+           "DPEntry", "run_dp_bench", "format_dp_table"]
 
 MODELS = models_lib.MODEL_NAMES
 # DP rows: per model, the batch sizes the DP-SGD step is timed at (models the installed
@@ -47,6 +47,9 @@ TORCH_NOISE = "noise draw: torch normal_"
 SESSION_OVERHEAD = "sess.run overhead"
 # draws chained in the one sess.run of the "noise draw" row (see the module notes)
 DRAWS_PER_RUN = 10
+# rows printed to 0.01 ms: draws of 57 k numbers take tenths of a millisecond, where one
+# decimal would round their ratio to torch's by up to a third
+FINE_ROWS = ("noise draw", TORCH_NOISE, SESSION_OVERHEAD)
 
 
 @dataclasses.dataclass
@@ -156,7 +159,8 @@ def _torch_noise(model_name, B, P, repeats, python, report):
 
 
 def format_dp_table(entries):
-    """The DP rows as text: median ms and the ratio to the plain step of the same run (a
+    """The DP rows as text: median ms (the draws and the sess.run overhead, FINE_ROWS, to
+    0.01 ms) and the ratio to the plain step of the same run (a
     cluster's rows, "W workers: ...", to its "W workers: plain step");
     after each model's rows, when it has a plain step, a DP step and a noise draw, the
     row "dp − plain − noise" (the first DP step's median minus the other two)."""
@@ -168,7 +172,8 @@ def format_dp_table(entries):
         # the rows of a cluster (`dp_workers`, "W workers: ...") against its plain step
         cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
         base = plain.get(key + (cluster + "plain step",))
-        rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_ms, ".1f"),
+        digits = ".2f" if e.name in FINE_ROWS else ".1f"
+        rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_ms, digits),
                      report_lib.cell(
                          e.median_ms / base if base and e.median_ms is not None else None,
                          ".2f")))
