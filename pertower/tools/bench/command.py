@@ -269,9 +269,11 @@ def _run_dp_rows(args, repeats, report):
     report("")
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "
-           "x plain: divided by the plain SGD step's ms in the same run.")
+           "x plain: divided by the plain SGD step's ms in the same run; faults: the "
+           "process's median minor page faults per run (memory mapped again).")
     return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
-             "median_ms": e.median_ms, "runs_ms": e.runs_ms} for e in dp_entries]
+             "median_ms": e.median_ms, "runs_ms": e.runs_ms,
+             "median_faults": e.median_faults} for e in dp_entries]
 
 
 def _run_curvature(args):

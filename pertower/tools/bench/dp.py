@@ -23,6 +23,7 @@ difference of two whole steps).
 """
 
 import dataclasses
+import resource
 import statistics
 
 import numpy as np
@@ -35,8 +36,8 @@ from pertower.tools import timing
 from pertower.tools.bench import peers_noise
 from pertower.tools.bench import report as report_lib
 
-__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "SESSION_OVERHEAD", "DRAWS_PER_RUN", "DPEntry",
-           "run_dp_bench", "format_dp_table"]
+__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "SESSION_OVERHEAD", "DRAWS_PER_RUN", "FINE_ROWS",
+           "DPEntry", "run_dp_bench", "format_dp_table"]
 
 MODELS = models_lib.MODEL_NAMES
 # DP rows: per model, the batch sizes the DP-SGD step is timed at (models the installed
@@ -47,20 +48,30 @@ TORCH_NOISE = "noise draw: torch normal_"
 SESSION_OVERHEAD = "sess.run overhead"
 # draws chained in the one sess.run of the "noise draw" row (see the module notes)
 DRAWS_PER_RUN = 10
+# rows printed to 0.01 ms: draws of 57 k numbers take tenths of a millisecond, where one
+# decimal would round their ratio to torch's by up to a third
+FINE_ROWS = ("noise draw", TORCH_NOISE, SESSION_OVERHEAD)
 
 
 @dataclasses.dataclass
 class DPEntry:
-    """One DP row: the median ms of a "plain step" and a "dp step[method]"."""
+    """One DP row: the median ms of a "plain step" and a "dp step[method]", and the
+    process's minor page faults per run (`faults`: memory the allocator handed back to
+    the system and touched again; empty when not counted)."""
 
     model: str
     batch_size: int
     name: str
     runs_ms: list = dataclasses.field(default_factory=list)
+    faults: list = dataclasses.field(default_factory=list)
 
     @property
     def median_ms(self):
         return statistics.median(self.runs_ms) if self.runs_ms else None
+
+    @property
+    def median_faults(self):
+        return statistics.median(self.faults) if self.faults else None
 
 
 def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
@@ -124,14 +135,25 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 for _, op in steps:
                     sess.run(op, model.feed)                     # warm-up
                 times = timing.round_robin(
-                    [(lambda op=op: sess.run(op, model.feed), repeats) for _, op in steps])
+                    [(_counted(lambda op=op: sess.run(op, model.feed), row.faults), repeats)
+                     for row, (_, op) in zip(rows, steps)])
                 for row, seconds in zip(rows, times):
                     per = DRAWS_PER_RUN if row.name == "noise draw" else 1
                     row.runs_ms.extend(1e3 * t / per for t in seconds)
+                    row.faults[:] = [f / per for f in row.faults]
                 entries += rows
             if noise_python:
                 entries.append(_torch_noise(model_name, B, P, repeats, noise_python, report))
     return entries
+
+
+def _counted(run, faults):
+    """`run` that appends the process's minor page faults during each call to `faults`."""
+    def counted():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        run()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return counted
 
 
 def _chained_draws(P, keys, dtype):
@@ -156,8 +178,10 @@ def _torch_noise(model_name, B, P, repeats, python, report):
 
 
 def format_dp_table(entries):
-    """The DP rows as text: median ms and the ratio to the plain step of the same run (a
-    cluster's rows, "W workers: ...", to its "W workers: plain step");
+    """The DP rows as text: the median minor page faults of a run ("faults"; of a draw
+    for "noise draw"), the median ms (the draws and the sess.run overhead, FINE_ROWS, to
+    0.01 ms) and its ratio to the plain step of the same run (a cluster's rows,
+    "W workers: ...", to its "W workers: plain step");
     after each model's rows, when it has a plain step, a DP step and a noise draw, the
     row "dp − plain − noise" (the first DP step's median minus the other two)."""
     plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
@@ -168,7 +192,9 @@ def format_dp_table(entries):
         # the rows of a cluster (`dp_workers`, "W workers: ...") against its plain step
         cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
         base = plain.get(key + (cluster + "plain step",))
-        rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_ms, ".1f"),
+        digits = ".2f" if e.name in FINE_ROWS else ".1f"
+        rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_faults, ".0f"),
+                     report_lib.cell(e.median_ms, digits),
                      report_lib.cell(
                          e.median_ms / base if base and e.median_ms is not None else None,
                          ".2f")))
@@ -179,7 +205,7 @@ def format_dp_table(entries):
             rows += _overhead_row(key, [f for f in entries
                                         if (f.model, f.batch_size) == key],
                                   plain.get(key + ("plain step",)))
-    return timing.format_table(("model", "B", "step", "ms", "x plain"), rows)
+    return timing.format_table(("model", "B", "step", "faults", "ms", "x plain"), rows)
 
 
 def _overhead_row(key, entries, base):
@@ -192,10 +218,10 @@ def _overhead_row(key, entries, base):
             and noise[0].median_ms is not None):
         return []
     overhead = dp_steps[0].median_ms - base - noise[0].median_ms
-    rows = [(key[0], str(key[1]), "dp − plain − noise", report_lib.cell(overhead, ".1f"),
+    rows = [(key[0], str(key[1]), "dp − plain − noise", "-", report_lib.cell(overhead, ".1f"),
              report_lib.cell(overhead / base, ".2f"))]
     if quiet and quiet[0].median_ms is not None:
         in_step = dp_steps[0].median_ms - quiet[0].median_ms
-        rows.append((key[0], str(key[1]), "noise in step (dp − σ=0)",
+        rows.append((key[0], str(key[1]), "noise in step (dp − σ=0)", "-",
                      report_lib.cell(in_step, ".1f"), report_lib.cell(in_step / base, ".2f")))
     return rows
