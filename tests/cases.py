@@ -227,7 +227,7 @@ def build_compat_v1_layers(B=4):
 
 BUILDERS = {
     "mlp": build_mlp,
-    "mlp_float64": lambda: build_mlp(dtype=tf.float64, name="mlp_float64"),
+    "mlp_float64": lambda B=6: build_mlp(B, dtype=tf.float64, name="mlp_float64"),
     "static_mlp": build_static_mlp,
     "cnn": build_cnn,
     "embedding": build_embedding,

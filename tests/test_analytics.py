@@ -36,6 +36,8 @@ class Model:
         self.grads_b = pertower.per_example_gradients(self.loss_b, self.xs, batch_size=B_B)
         self.jac_a = pertower.per_example_jacobians(self.out_a, self.xs, batch_size=B_A)
         self.jac_b = pertower.per_example_jacobians(self.out_b, self.xs, batch_size=B_B)
+        # the loop's values at the weights the model was built with, each computed once
+        self.oracles = common.OracleCache()
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +59,15 @@ def setup():
     sess.close()
 
 
-def _oracle(sess, model, feed_a, feed_b):
+def _oracle(sess, model, feed_a, feed_b, initial_weights=True):
     """The one-example loop's per-example gradients [B, *x.shape] and Jacobians, flattened
-    to [B, P] and [B, K, P]."""
-    ga = oracle.loop_per_example_gradients(sess, model.loss_a, model.xs, feed_a)
-    gb = oracle.loop_per_example_gradients(sess, model.loss_b, model.xs, feed_b)
-    ja = oracle.loop_per_example_jacobians(sess, model.out_a, model.xs, feed_a)
-    jb = oracle.loop_per_example_jacobians(sess, model.out_b, model.xs, feed_b)
+    to [B, P] and [B, K, P]. With `initial_weights` (the model's weights as initialized)
+    the loops run once per model (`model.oracles`); pass False after changing them."""
+    loop = model.oracles.run if initial_weights else common.run_oracle
+    ga = loop(oracle.loop_per_example_gradients, sess, model.loss_a, model.xs, feed_a)
+    gb = loop(oracle.loop_per_example_gradients, sess, model.loss_b, model.xs, feed_b)
+    ja = loop(oracle.loop_per_example_jacobians, sess, model.out_a, model.xs, feed_a)
+    jb = loop(oracle.loop_per_example_jacobians, sess, model.out_b, model.xs, feed_b)
     flat = lambda g, lead: np.concatenate([x.reshape(lead + [-1]) for x in g], axis=-1)
     return dict(ga=ga, gb=gb, Ga=flat(ga, [B_A]), Gb=flat(gb, [B_B]),
                 Ja=flat(ja, [B_A, K]), Jb=flat(jb, [B_B, K]))
@@ -101,7 +105,7 @@ def test_tracin_over_saved_checkpoints(setup, tmp_path):
                 for v, value in zip(model.xs, original):
                     v.load(value * 1.5 + 0.1, sess)
             paths.append(saver.save(sess, str(tmp_path / f"ckpt_{c}")))
-            ref = _oracle(sess, model, feed_a, feed_b)
+            ref = _oracle(sess, model, feed_a, feed_b, initial_weights=not c)
             wants.append(rate * ref["Ga"] @ ref["Gb"].T)
         scores = pertower.tracin(model.grads_a, model.grads_b)
         got = pertower.tracin_over_checkpoints(sess, scores, paths, [0.2, 0.1], saver,

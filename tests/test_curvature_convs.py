@@ -59,31 +59,69 @@ def conv_case(seed=0):
     return logits, loss, list(xs.values()), feed, list(xs)
 
 
-def check_case(way=None, loss="softmax_cross_entropy"):
-    """Builds `conv_case` in a new graph, runs diag_ggn (per example and summed) and
-    sum_grad_squared, and compares them with the loops; `way` forces conv2d_squares'
-    way for every Conv2D ("formed" or "ghost"). Returns the summed result's routes."""
+class ConvReference:
+    """`conv_case` in a graph and session of its own, with the one-example loop's values
+    on it (the GGN diagonals per loss, the gradients), each computed once: the checks of
+    several ways share them."""
+
+    def __init__(self):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.logits, self.loss, self.xs, self.feed, self.names = conv_case()
+            self.sess = tf.compat.v1.Session(graph=self.graph)
+            self.sess.run(tf.compat.v1.global_variables_initializer())
+        self._ggn = {}
+        self._gradients = None
+
+    def ggn(self, loss):
+        """[B, *x.shape] per x: the reference GGN diagonal of each example."""
+        if loss not in self._ggn:
+            with self.graph.as_default():
+                self._ggn[loss] = common.reference_ggn(self.sess, self.logits, self.xs,
+                                                       self.feed, loss)
+        return self._ggn[loss]
+
+    def gradients(self):
+        """[B, *x.shape] per x: the one-example gradients of the per-example loss."""
+        if self._gradients is None:
+            with self.graph.as_default():
+                self._gradients = oracle.loop_per_example_gradients(
+                    self.sess, self.loss, self.xs, self.feed)
+        return self._gradients
+
+    def close(self):
+        self.sess.close()
+
+
+def check_case(way=None, loss="softmax_cross_entropy", reference=None):
+    """Runs diag_ggn (per example and summed) and sum_grad_squared on `conv_case` and
+    compares them with the loops; `way` forces conv2d_squares' way for every Conv2D
+    ("formed" or "ghost"). `reference`: a `ConvReference` whose graph, session and loop
+    values to use (else a new one, closed at the end). Returns the summed result's
+    routes."""
+    own = reference is None
+    reference = ConvReference() if own else reference
     chosen = conv2d_squares.choose
     if way is not None:
         conv2d_squares.choose = lambda use, C: (None if chosen(use, C) is None else
                                                 way if use.op.type == "Conv2D" else
                                                 "formed")
     try:
-        with tf.Graph().as_default():
-            logits, per_example_loss, xs, feed, names = conv_case()
-            per_example = pertower.diag_ggn(logits, xs, loss=loss, per_example=True,
+        xs, names = reference.xs, reference.names
+        with reference.graph.as_default():
+            per_example = pertower.diag_ggn(reference.logits, xs, loss=loss, per_example=True,
                                             batch_size=B)
-            summed = pertower.diag_ggn(logits, xs, loss=loss, batch_size=B)
-            squares = pertower.sum_grad_squared(per_example_loss, xs, batch_size=B)
+            summed = pertower.diag_ggn(reference.logits, xs, loss=loss, batch_size=B)
+            squares = pertower.sum_grad_squared(reference.loss, xs, batch_size=B)
             ways = {name: chosen(use[0], K) if len(use) == 1 else None
                     for name, use in zip(names, summed.plan.uses) if name in WAYS}
-            with tf.compat.v1.Session() as sess:
-                sess.run(tf.compat.v1.global_variables_initializer())
-                want = common.reference_ggn(sess, logits, xs, feed, loss)
-                grads = oracle.loop_per_example_gradients(sess, per_example_loss, xs, feed)
-                got = sess.run([list(per_example), list(summed), list(squares)], feed)
+        got = reference.sess.run([list(per_example), list(summed), list(squares)],
+                                 reference.feed)
+        want, grads = reference.ggn(loss), reference.gradients()
     finally:
         conv2d_squares.choose = chosen
+        if own:
+            reference.close()
     common.assert_all_close(got[0], want, kind="deep", what=f"diag_ggn per example ({way})")
     common.assert_all_close(got[1], [w.sum(0) for w in want], kind="deep",
                             what=f"diag_ggn ({way})")
@@ -93,15 +131,23 @@ def check_case(way=None, loss="softmax_cross_entropy"):
     return dict(zip(names, (r.split(":")[0] for r in summed.routes)))
 
 
+@pytest.fixture(scope="module")
+def conv_reference():
+    """One `ConvReference` for the module's checks."""
+    reference = ConvReference()
+    yield reference
+    reference.close()
+
+
 @pytest.mark.parametrize("way", [None, "ghost", pytest.param("formed", marks=pytest.mark.heavy)])
-def test_conv_squares_match_the_loop(way):
+def test_conv_squares_match_the_loop(conv_reference, way):
     # None: conv2d_squares' choice ("formed" everywhere but the last convolution)
-    assert check_case(way) == ROUTES
+    assert check_case(way, reference=conv_reference) == ROUTES
 
 
 @pytest.mark.heavy
-def test_conv_squares_mse_match_the_loop_heavy():
-    assert check_case(None, "mse") == ROUTES
+def test_conv_squares_mse_match_the_loop_heavy(conv_reference):
+    assert check_case(None, "mse", reference=conv_reference) == ROUTES
 
 
 @pytest.mark.process_checks("curvature_convs_legacy")

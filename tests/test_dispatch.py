@@ -148,40 +148,41 @@ def _rows_reversed_by_reshapes(x, w):
 
 @pytest.mark.parametrize("build", [_scan_over_the_batch, _rows_reversed_by_reshapes])
 def test_a_lost_proof_switches_the_run_time_check_on_and_it_catches_the_coupling(build):
+    B = 2   # two examples couple already: fewer slices to replay and check
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
         w = tf.Variable(np.arange(6, dtype=np.float32).reshape(3, 2) / 6, name="w")
         ys = build(x, w)
         sess = _session(graph)
-        feed = {x: np.random.RandomState(2).randn(4, 3).astype(np.float32)}
-        plan = pertower.explain(ys, [w], batch_size=4)
+        feed = {x: np.random.RandomState(2).randn(B, 3).astype(np.float32)}
+        plan = pertower.explain(ys, [w], batch_size=B)
         if plan.verdict == "coupled":   # refused statically: also caught
             with pytest.raises(ValueError, match="couples the examples"):
-                pertower.per_example_gradients(ys, [w], batch_size=4)
+                pertower.per_example_gradients(ys, [w], batch_size=B)
             return
         assert plan.verdict == "unproven" and plan.validate, str(plan)
         op, _ = plan.lost_at
         assert f"the proof was lost at {op.name}" in str(plan)
         with pytest.warns(UserWarning, match=rf"the proof was lost at '{op.name}'"):
             try:
-                grads = pertower.per_example_gradients(ys, [w], batch_size=4)
+                grads = pertower.per_example_gradients(ys, [w], batch_size=B)
             except ValueError as error:   # the slices cannot even be recomputed alone
                 assert "replaying the graph from the batch to `ys` on slices" in str(error)
                 return
         with warnings.catch_warnings():
             warnings.simplefilter("error")          # validate=False: no check, no warning
-            unchecked = pertower.per_example_gradients(ys, [w], batch_size=4,
+            unchecked = pertower.per_example_gradients(ys, [w], batch_size=B,
                                                        validate=False)
             # validate=True: the check, without the warning
-            checked = pertower.per_example_gradients(ys, [w], batch_size=4, validate=True)
+            checked = pertower.per_example_gradients(ys, [w], batch_size=B, validate=True)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"recomputed one slice of the batch at a time differs"):
         sess.run(grads, feed)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"recomputed one slice of the batch at a time differs"):
         sess.run(checked, feed)
-    assert sess.run(unchecked, feed)[0].shape == (4, 3, 2)
+    assert sess.run(unchecked, feed)[0].shape == (B, 3, 2)
     sess.close()
 
 

@@ -16,9 +16,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import pertower
-from pertower import _dispatch
 from pertower import oracle
-from pertower.rules import _engine as rule_engine
 from tests import cases
 from tests import common
 
@@ -401,34 +399,8 @@ def test_public_names_are_exported():
     assert all(hasattr(pertower, name) for name in names)
 
 
-@pytest.mark.parametrize("name", sorted(cases.RULE_MODELS))
-def test_every_rule_s_clipped_sum_is_the_reweighted_oracle(name):
-    # sum_i f_i g_i through each rule's own clipped_sum (dZ scaled per example; no
-    # per-example gradient formed), and through Built.clipped_sum (norms, factors and
-    # sums of one backward pass; towers for the weights without a rule)
-    build, shapes, options, _ = cases.RULE_MODELS[name]
-    case = cases.build_case(name, build, shapes, **options) 
-    factors_value = np.linspace(0.2, 1.3, case.B).astype(case.ys.dtype.as_numpy_dtype)
-    with case.graph.as_default():
-        plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False)
-        factors = tf.constant(factors_value)
-        d_outputs, _, _ = rule_engine.norm_parts(plan, plan.covered, case.B)
-        by_rules = rule_engine.clipped_sums(plan, plan.covered, d_outputs, {}, factors)
-        clip = 0.7
-        built = _dispatch.build(plan)
-        norms, built_factors, sums = built.clipped_sum(
-            lambda n: clip / tf.maximum(n, clip))
-        per_example = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
-                                        case.ys, case.xs, case.feed)
-        got_rules, got_built = case.sess.run(
-            [[by_rules[k] for k in plan.covered], [norms, built_factors, sums]], case.feed)
-    want = [np.tensordot(factors_value, per_example[k], axes=1) for k in plan.covered]
-    common.assert_all_close(got_rules, want, case.rtol, case.atol, f"{name} rule clipped sums")
-    want_sums, want_norms = _clip_reference(per_example, clip)
-    common.assert_all_close([got_built[0]], [want_norms], case.rtol, case.atol, f"{name} norms")
-    common.assert_all_close(got_built[2], [g * case.B for g in want_sums], case.rtol,
-                            case.atol, f"{name} Built.clipped_sum")
-    case.sess.close()
+# The rules' clipped sums (`test_every_rule_s_clipped_sum_is_the_reweighted_oracle`) are
+# checked in tests/test_rules.py, on the graphs and oracle values of its `model` fixture.
 
 
 def test_microbatch_epsilon_figures_in_the_docs_are_the_accountant_s():

@@ -15,13 +15,16 @@ from tests import common
 # The Keras subclassed model is the MLP's arithmetic behind another way of building it:
 # its (slow) towers run with the heavy tests (`-m heavy`).
 _SLOW_CASES = ("subclassed",)
+# Fewer towers than the builders' defaults: an even B (microbatches of two examples) and
+# an odd one (shared_layer: "two" falls back to one microbatch per example) stay.
+_SIZES = {"mlp": {"B": 4}, "mlp_float64": {"B": 4}, "shared_layer": {"B": 3}}
 
 
 @pytest.fixture(scope="module", params=[
     pytest.param(name, marks=pytest.mark.heavy) if name in _SLOW_CASES else name
     for name in sorted(cases.BUILDERS)])
 def case(request):
-    built = cases.BUILDERS[request.param]()
+    built = cases.BUILDERS[request.param](**_SIZES.get(request.param, {}))
     yield built
     built.sess.close()
 

@@ -17,6 +17,7 @@ from pertower import oracle
 from pertower import rules as rules_lib
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
+from pertower.rules import _engine as rule_engine
 from tests import cases
 from tests import common
 
@@ -102,6 +103,38 @@ def test_microbatches_and_jacobians_match_oracle(model):
                             f"{model.name} two microbatches")
     common.assert_all_close(got_jacobians, want_jacobians, model.rtol, model.atol,
                             f"{model.name} Jacobians")
+
+
+def test_every_rule_s_clipped_sum_is_the_reweighted_oracle(model):
+    """The DP sums: sum_i f_i g_i through each rule's own clipped_sum (dZ scaled per
+    example; no per-example gradient formed), and through Built.clipped_sum (norms,
+    factors and sums of one backward pass; towers for the weights without a rule),
+    against the one-example loop clipped in NumPy."""
+    case = model
+    factors_value = np.linspace(0.2, 1.3, case.B).astype(case.ys.dtype.as_numpy_dtype)
+    clip = 0.7
+    with case.graph.as_default():
+        plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False)
+        factors = tf.constant(factors_value)
+        d_outputs, _, _ = rule_engine.norm_parts(plan, plan.covered, case.B)
+        by_rules = rule_engine.clipped_sums(plan, plan.covered, d_outputs, {}, factors)
+        built = _dispatch.build(plan)
+        norms, built_factors, sums = built.clipped_sum(
+            lambda n: clip / tf.maximum(n, clip))
+        per_example = case.oracles.run(oracle.loop_per_example_gradients, case.sess,
+                                       case.ys, case.xs, case.feed)
+    got_rules, got_built = case.sess.run(
+        [[by_rules[k] for k in plan.covered], [norms, built_factors, sums]], case.feed)
+    want = [np.tensordot(factors_value, per_example[k], axes=1) for k in plan.covered]
+    common.assert_all_close(got_rules, want, case.rtol, case.atol, f"{case.name} rule clipped sums")
+    flat = [g.reshape(case.B, -1) for g in per_example]
+    want_norms = np.sqrt(sum(np.sum(g ** 2, axis=1) for g in flat))              # [B]
+    want_factors = clip / np.maximum(want_norms, clip)
+    want_sums = [np.tensordot(want_factors, g, axes=1) for g in per_example]
+    common.assert_all_close([got_built[0], got_built[1]], [want_norms, want_factors],
+                            case.rtol, case.atol, f"{case.name} norms and factors")
+    common.assert_all_close(got_built[2], want_sums, case.rtol, case.atol,
+                            f"{case.name} Built.clipped_sum")
 
 
 CONV_MODELS = ("conv_same_strided", "conv_valid_dilated", "conv_explicit_float64",
