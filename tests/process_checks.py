@@ -32,7 +32,7 @@ from tests.process_runner import CheckResult, Completed, TIMEOUT_SECONDS, sectio
 
 __all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks",
            "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params", "free_ports", "GROUPS",
-           "COSTS", "DEFAULT_COST", "queue_order", "section_lines", "TIMEOUT_SECONDS"]
+           "SHARED_GROUPS", "IN_GROUP_ENV", "COSTS", "DEFAULT_COST", "queue_order", "section_lines", "TIMEOUT_SECONDS"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -67,6 +67,8 @@ PROCESSES = {
                                                       "weight_function_checks.py"),)),
     # weights read inside while loops on the rules (tests/test_rules_recurrent.py)
     "recurrent_legacy": _Command((os.path.join(HERE, "scripts", "recurrent_rules_checks.py"),)),
+    "recurrent_legacy_heavy": _Command((os.path.join(HERE, "scripts",
+                                                     "recurrent_rules_checks.py"), "heavy")),
     "recurrent_v1": _Command((os.path.join(HERE, "scripts", "recurrent_v1_checks.py"),)),
     "recurrent_v1_heavy": _Command((os.path.join(HERE, "scripts", "recurrent_v1_checks.py"),
                                     "heavy")),
@@ -145,9 +147,10 @@ def legacy_params(checks):
 # process_group.py), when several of them are queued: each would otherwise spend its
 # own TensorFlow start-up (~9 s of CPU). Members share a mode (disable_v2_behavior(),
 # or graph mode, or oneDNN on) and environment; a group runs on one thread only if each
-# of its members does. Each test process of an xdist session starts a run of a group it
-# queued, and the two runs share its members out as they go (`process_runner.Runner`),
-# so that a group keeps both cores busy until its last member.
+# of its members does. For the long groups (SHARED_GROUPS, the legacy ones) each test
+# process of an xdist session starts a run, and the two runs share the members out as
+# they go (`process_runner.Runner`), so that the group keeps both cores busy until its
+# last member; a shorter group is not worth a second start-up.
 GROUPS = (
     ("legacy", "published_legacy", "weight_functions_legacy", "recurrent_legacy",
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
@@ -159,6 +162,10 @@ GROUPS = (
     ("never_wrong_shape_graph", "never_wrong_dtype_graph", "distributed"),
     ("convs_onednn", "zoo_speed_onednn"),
 )
+SHARED_GROUPS = GROUPS[:2]
+# set in the environment of a group's run (tests/scripts/process_group.py): a member
+# that would end its process with os._exit returns its exit code instead
+IN_GROUP_ENV = "PERTOWER_PROCESS_GROUP"
 _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 
 # Rough CPU seconds of each process's checks after its TensorFlow start-up (the
@@ -167,12 +174,13 @@ _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 # to end are short ones (the test processes wait for them at the end of the session).
 # A process not listed counts as DEFAULT_COST.
 COSTS = {
-    "legacy": 41, "recurrent_v1": 25, "tower_sizes": 15, "messages_joined_legacy": 10,
-    "never_wrong_loops": 10, "convs_legacy": 10, "published_legacy": 5,
-    "python_gradients_legacy": 6, "weight_functions_legacy": 4, "recurrent_legacy": 5,
-    "dp_modes_legacy": 2, "curvature_convs_legacy": 3, "never_wrong_shape_legacy": 3,
-    "never_wrong_dtype_legacy": 0.5, "never_wrong_shape_graph": 2,
-    "never_wrong_dtype_graph": 0.5, "scenario_examples": 20, "dp_distributed": 8,
+    "legacy": 40, "recurrent_v1": 25, "recurrent_legacy": 16, "tower_sizes": 16,
+    "messages_joined_legacy": 10, "never_wrong_loops": 10, "convs_legacy": 10,
+    "weight_functions_legacy": 9, "curvature_convs_legacy": 7,
+    "python_gradients_legacy": 7, "published_legacy": 5, "never_wrong_shape_legacy": 3,
+    "dp_modes_legacy": 2, "never_wrong_dtype_legacy": 0.5, "distributed": 19,
+    "never_wrong_shape_graph": 2.5, "never_wrong_dtype_graph": 0.5,
+    "scenario_examples": 20, "dp_distributed": 8,
 }
 DEFAULT_COST = 5
 
@@ -203,7 +211,7 @@ class Processes(process_runner.Runner):
         default = processes is None
         super().__init__(PROCESSES if default else processes,
                          groups=GROUPS if default else (), group_script=_GROUP_SCRIPT,
-                         directory=directory)
+                         directory=directory, shared=SHARED_GROUPS if default else ())
         self._default = default
 
     def start(self, *names):

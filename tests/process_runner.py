@@ -92,11 +92,16 @@ class Runner:
         (tests/scripts/process_group.py).
       directory: the directory for the output files, shared by the test processes of one
         session; None for a private temporary one (removed by `stop`).
+      shared: the groups (of `groups`) that two runs may share out, each started by one
+        of the test processes sharing `directory` (worth a second start-up only for
+        long groups); the members of another group run in the run that claims the
+        first of them.
     """
 
-    def __init__(self, commands, groups=(), group_script=None, directory=None):
+    def __init__(self, commands, groups=(), group_script=None, directory=None, shared=()):
         self._commands = dict(commands)
         self._groups = {name: group for group in groups for name in group}
+        self._shared = set(shared)
         self._group_script = group_script
         self._private = directory is None
         self._directory = tempfile.mkdtemp(prefix="pertower-processes-") if directory is None \
@@ -155,16 +160,19 @@ class Runner:
 
         The run claims its first member here; a group's run claims each other member
         when it reaches it (`claim_member`) and skips those claimed meanwhile by
-        another run. So two test processes that queue the same group both start a
-        run of it, and the two runs share its members out as they go, side by side on
-        the two cores, until none is left."""
+        another run. So two test processes that queue the same `shared` group both
+        start a run of it, and the two runs share its members out as they go, side by
+        side on the two cores, until none is left."""
         group = self._groups.get(name, (name,))
         # `name` first, then the queued members in the queue's order
         names = [name] + [n for n in self._queue if n in group and n != name]
         for n in names:
             if n in self._queue:
                 self._queue.remove(n)
-        run = next((n for n in names if self._claim(n)), None)
+        if group in self._shared:   # two runs share its members out
+            run = next((n for n in names if self._claim(n)), None)
+        else:   # another run that has `name` runs the others too
+            run = name if self._claim(name) else None
         if run is None:
             return None, None
         with open(self._path(run, "claim"), "w") as f:   # the name of the run's files

@@ -45,12 +45,12 @@ def _command(tmp_path, name, ok=True):
     return process_checks._Command((str(path), "arg"))  # pylint: disable=protected-access
 
 
-def _runner(tmp_path, commands, directory, groups=()):
+def _runner(tmp_path, commands, directory, groups=(), shared=()):
     sections = {name: process_runner.section_lines(name) for name in commands}
     group = tmp_path / "group.py"
     group.write_text(_GROUP.format(sections=sections, prefix=process_runner.CHECK_PREFIX))
     return process_runner.Runner(commands, groups=groups, group_script=str(group),
-                                 directory=str(directory))
+                                 directory=str(directory), shared=shared)
 
 
 def test_two_runners_sharing_a_directory_run_each_process_once(tmp_path):
@@ -144,7 +144,8 @@ def test_a_group_runs_on_one_thread_only_if_each_of_its_members_does(tmp_path, m
 def test_two_runners_queueing_a_group_share_its_members_out_between_two_runs(tmp_path):
     names = ("waits", "b", "c", "d")
     commands = {name: _command(tmp_path, name) for name in names}
-    first, second = (_runner(tmp_path, commands, tmp_path, groups=(names,)) for _ in range(2))
+    first, second = (_runner(tmp_path, commands, tmp_path, groups=(names,), shared=(names,))
+                     for _ in range(2))
     first.start(*names)    # a run of the group, from "waits"
     second.start(*names)   # another run, from "b" (the first run waits for it)
     for name in names:
@@ -174,3 +175,17 @@ def test_the_queue_starts_the_costliest_group_first_and_its_costliest_member_fir
         assert max(where) - min(where) == len(group) - 1, group
         assert [cost[order[i]] for i in sorted(where)] == sorted(
             (cost[name] for name in group), reverse=True), group
+
+
+def test_a_group_not_shared_runs_once_for_two_runners(tmp_path):
+    names = ("g1", "g2", "g3")
+    commands = {name: _command(tmp_path, name) for name in names}
+    first, second = (_runner(tmp_path, commands, tmp_path, groups=(names,)) for _ in range(2))
+    first.start(*names)
+    second.start(*names)
+    for name in names:
+        assert second.assert_passed(name, f"check_{name}").ok
+    first.stop(wait=True)
+    second.stop(wait=True)
+    assert {(tmp_path / f"{name}.claim").read_text() for name in names} == {"g1"}
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == ["g1.out"]

@@ -58,4 +58,10 @@ def main(names):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    os.environ[process_checks.IN_GROUP_ENV] = "1"   # the members leave the exit to us
+    CODE = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # without waiting for what a member leaves running (tf.distribute.Servers cannot
+    # be stopped cleanly in-process)
+    os._exit(CODE)  # pylint: disable=protected-access
