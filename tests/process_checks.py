@@ -77,6 +77,8 @@ PROCESSES = {
     # joined batches through v1 loops and the row passes' fed-size message
     "messages_joined_legacy": _Command(
         (os.path.join(HERE, "scripts", "messages_and_joined_checks.py"),)),
+    "messages_joined_legacy_heavy": _Command(
+        (os.path.join(HERE, "scripts", "messages_and_joined_checks.py"), "heavy")),
     # Python gradients and transposed convolutions in the towers, the environment's oneDNN
     "python_gradients_legacy": _Command(
         (os.path.join(HERE, "scripts", "python_gradient_checks.py"), "inherit", "legacy"),
@@ -175,7 +177,7 @@ _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 # A process not listed counts as DEFAULT_COST.
 COSTS = {
     "legacy": 40, "recurrent_v1": 25, "recurrent_legacy": 16, "tower_sizes": 16,
-    "messages_joined_legacy": 10, "never_wrong_loops": 10, "convs_legacy": 10,
+    "messages_joined_legacy": 30, "never_wrong_loops": 10, "convs_legacy": 10,
     "weight_functions_legacy": 9, "curvature_convs_legacy": 7,
     "python_gradients_legacy": 7, "published_legacy": 5, "never_wrong_shape_legacy": 3,
     "dp_modes_legacy": 2, "never_wrong_dtype_legacy": 0.5, "distributed": 19,
