@@ -159,9 +159,9 @@ GROUPS = (
      "convs_legacy", "curvature_legacy"),
     ("never_wrong_shape_legacy", "never_wrong_dtype_legacy", "python_gradients_legacy",
      "recurrent_v1", "curvature_convs_legacy", "zoo_speed_legacy"),
-    # graph mode (disable_eager_execution()); the servers of "distributed" live on
-    # beside the others' local sessions
-    ("never_wrong_shape_graph", "never_wrong_dtype_graph", "distributed"),
+    # graph mode (disable_eager_execution()); the servers of "distributed" and
+    # "dp_distributed" live on beside the others' clusters and local sessions
+    ("never_wrong_shape_graph", "never_wrong_dtype_graph", "distributed", "dp_distributed"),
     ("convs_onednn", "zoo_speed_onednn"),
 )
 SHARED_GROUPS = GROUPS[:2]
@@ -177,12 +177,12 @@ _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 # A process not listed counts as DEFAULT_COST.
 COSTS = {
     "legacy": 40, "recurrent_v1": 25, "recurrent_legacy": 16, "tower_sizes": 16,
-    "messages_joined_legacy": 30, "never_wrong_loops": 10, "convs_legacy": 10,
+    "messages_joined_legacy": 66, "never_wrong_loops": 10, "convs_legacy": 10,
     "weight_functions_legacy": 9, "curvature_convs_legacy": 7,
     "python_gradients_legacy": 7, "published_legacy": 5, "never_wrong_shape_legacy": 3,
     "dp_modes_legacy": 2, "never_wrong_dtype_legacy": 0.5, "distributed": 19,
     "never_wrong_shape_graph": 2.5, "never_wrong_dtype_graph": 0.5,
-    "scenario_examples": 20, "dp_distributed": 8,
+    "scenario_examples": 20, "dp_distributed": 5,
 }
 DEFAULT_COST = 5
 
