@@ -10,9 +10,11 @@ many checks and reports each on a line of its own:
 
 The test process queues every process that its collected tests name (with the marker
 `@pytest.mark.process_checks("legacy")`) as soon as collection ends; a background
-thread runs them one at a time, so their start-ups overlap the other tests. The queued
-members of one of `GROUPS` run in one interpreter (tests/scripts/process_group.py), one
-TensorFlow start-up for all. Each test then waits for its process and asserts the
+thread runs them one at a time, costliest first (`queue_order`), so their start-ups
+overlap the other tests. The queued members of one of `GROUPS` run in one interpreter
+(tests/scripts/process_group.py), one TensorFlow start-up for all; the two test
+processes of an xdist session share the members of a long group (`SHARED_GROUPS`) out
+between two such interpreters. Each test then waits for its process and asserts the
 result of its own check (`Processes.assert_passed`) or reads its output
 (`Processes.completed`). tests/conftest.py holds the one `Processes` of each test
 process; pytest-xdist's workers share its output directory, and claim files make each
