@@ -10,9 +10,11 @@ many checks and reports each on a line of its own:
 
 The test process queues every process that its collected tests name (with the marker
 `@pytest.mark.process_checks("legacy")`) as soon as collection ends; a background
-thread runs them one at a time, so their start-ups overlap the other tests. The queued
-members of one of `GROUPS` run in one interpreter (tests/scripts/process_group.py), one
-TensorFlow start-up for all. Each test then waits for its process and asserts the
+thread runs them one at a time, costliest first (`queue_order`), so their start-ups
+overlap the other tests. The queued members of one of `GROUPS` run in one interpreter
+(tests/scripts/process_group.py), one TensorFlow start-up for all; the two test
+processes of an xdist session share the members of a long group (`SHARED_GROUPS`) out
+between two such interpreters. Each test then waits for its process and asserts the
 result of its own check (`Processes.assert_passed`) or reads its output
 (`Processes.completed`). tests/conftest.py holds the one `Processes` of each test
 process; pytest-xdist's workers share its output directory, and claim files make each
@@ -32,7 +34,7 @@ from tests.process_runner import CheckResult, Completed, TIMEOUT_SECONDS, sectio
 
 __all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks",
            "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params", "free_ports", "GROUPS",
-           "section_lines", "TIMEOUT_SECONDS"]
+           "SHARED_GROUPS", "IN_GROUP_ENV", "COSTS", "DEFAULT_COST", "queue_order", "section_lines", "TIMEOUT_SECONDS"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -67,6 +69,8 @@ PROCESSES = {
                                                       "weight_function_checks.py"),)),
     # weights read inside while loops on the rules (tests/test_rules_recurrent.py)
     "recurrent_legacy": _Command((os.path.join(HERE, "scripts", "recurrent_rules_checks.py"),)),
+    "recurrent_legacy_heavy": _Command((os.path.join(HERE, "scripts",
+                                                     "recurrent_rules_checks.py"), "heavy")),
     "recurrent_v1": _Command((os.path.join(HERE, "scripts", "recurrent_v1_checks.py"),)),
     "recurrent_v1_heavy": _Command((os.path.join(HERE, "scripts", "recurrent_v1_checks.py"),
                                     "heavy")),
@@ -75,6 +79,8 @@ PROCESSES = {
     # joined batches through v1 loops and the row passes' fed-size message
     "messages_joined_legacy": _Command(
         (os.path.join(HERE, "scripts", "messages_and_joined_checks.py"),)),
+    "messages_joined_legacy_heavy": _Command(
+        (os.path.join(HERE, "scripts", "messages_and_joined_checks.py"), "heavy")),
     # Python gradients and transposed convolutions in the towers, the environment's oneDNN
     "python_gradients_legacy": _Command(
         (os.path.join(HERE, "scripts", "python_gradient_checks.py"), "inherit", "legacy"),
@@ -143,20 +149,55 @@ def legacy_params(checks):
 
 # Processes that run in one interpreter, one after the other (tests/scripts/
 # process_group.py), when several of them are queued: each would otherwise spend its
-# own TensorFlow start-up (~10 s of CPU). Members share a mode (disable_v2_behavior(),
+# own TensorFlow start-up (~9 s of CPU). Members share a mode (disable_v2_behavior(),
 # or graph mode, or oneDNN on) and environment; a group runs on one thread only if each
-# of its members does. Two legacy groups, so that the two test processes' background
-# queues run them side by side.
+# of its members does. For the long groups (SHARED_GROUPS, the legacy ones) each test
+# process of an xdist session starts a run, and the two runs share the members out as
+# they go (`process_runner.Runner`), so that the group keeps both cores busy until its
+# last member; a shorter group is not worth a second start-up.
 GROUPS = (
     ("legacy", "published_legacy", "weight_functions_legacy", "recurrent_legacy",
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
      "convs_legacy", "curvature_legacy"),
     ("never_wrong_shape_legacy", "never_wrong_dtype_legacy", "python_gradients_legacy",
      "recurrent_v1", "curvature_convs_legacy", "zoo_speed_legacy"),
-    ("never_wrong_shape_graph", "never_wrong_dtype_graph"),
+    # graph mode (disable_eager_execution()); the servers of "distributed" and
+    # "dp_distributed" live on beside the others' clusters and local sessions
+    ("never_wrong_shape_graph", "never_wrong_dtype_graph", "distributed", "dp_distributed"),
     ("convs_onednn", "zoo_speed_onednn"),
 )
+SHARED_GROUPS = GROUPS[:2]
+# set in the environment of a group's run (tests/scripts/process_group.py): a member
+# that would end its process with os._exit returns its exit code instead
+IN_GROUP_ENV = "PERTOWER_PROCESS_GROUP"
 _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
+
+# Rough CPU seconds of each process's checks after its TensorFlow start-up (the
+# `cpu_seconds` of their reports, summed; on one thread): the queue starts the costliest
+# group first, and the costliest member of each group first, so that the last runs
+# to end are short ones (the test processes wait for them at the end of the session).
+# A process not listed counts as DEFAULT_COST.
+COSTS = {
+    "legacy": 40, "recurrent_v1": 25, "recurrent_legacy": 16, "tower_sizes": 16,
+    "messages_joined_legacy": 66, "never_wrong_loops": 10, "convs_legacy": 10,
+    "weight_functions_legacy": 9, "curvature_convs_legacy": 7,
+    "python_gradients_legacy": 7, "published_legacy": 5, "never_wrong_shape_legacy": 3,
+    "dp_modes_legacy": 2, "never_wrong_dtype_legacy": 0.5, "distributed": 19,
+    "never_wrong_shape_graph": 2.5, "never_wrong_dtype_graph": 0.5,
+    "scenario_examples": 20, "dp_distributed": 5,
+}
+DEFAULT_COST = 5
+
+
+def queue_order(names):
+    """`names` in the order to start them: by the `COSTS` of their groups' members
+    among `names` (a process of no group: its own), then by their own, the costliest
+    first; ties keep their order."""
+    cost = {name: COSTS.get(name, DEFAULT_COST) for name in names}
+    group_of = {name: group for group in GROUPS for name in group}
+    totals = {name: sum(cost[n] for n in group_of.get(name, (name,)) if n in cost)
+              for name in names}
+    return sorted(names, key=lambda name: (-totals[name], -cost[name]))
 
 
 class Processes(process_runner.Runner):
@@ -174,7 +215,13 @@ class Processes(process_runner.Runner):
         default = processes is None
         super().__init__(PROCESSES if default else processes,
                          groups=GROUPS if default else (), group_script=_GROUP_SCRIPT,
-                         directory=directory)
+                         directory=directory, shared=SHARED_GROUPS if default else ())
+        self._default = default
+
+    def start(self, *names):
+        """`process_runner.Runner.start`, in the order of `queue_order` (for the
+        default processes)."""
+        super().start(*(queue_order(names) if self._default else names))
 
 
 def run_checks(checks, title):
@@ -191,7 +238,7 @@ def run_checks(checks, title):
     """
     failed = 0
     for check in checks:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             output = check()
             record = {"name": check.__name__, "ok": True, "message": "",
@@ -200,7 +247,10 @@ def run_checks(checks, title):
             failed += 1
             record = {"name": check.__name__, "ok": False,
                       "message": f"{type(error).__name__}: {error}", "output": ""}
+        # wall and CPU seconds (user+sys of every thread): the wall time depends on
+        # the machine's load, the CPU time much less
         record["seconds"] = round(time.perf_counter() - start, 2)
+        record["cpu_seconds"] = round(time.process_time() - cpu, 2)
         print(process_runner.CHECK_PREFIX + json.dumps(record), flush=True)
     print(f"{title}: {len(checks) - failed} passed, {failed} failed", flush=True)
     return 1 if failed else 0

@@ -17,7 +17,7 @@ import threading
 import time
 
 __all__ = ["Runner", "Completed", "CheckResult", "CHECK_PREFIX", "TIMEOUT_SECONDS",
-           "section_lines"]
+           "section_lines", "claim_member"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_PREFIX = "pertower-check "
@@ -26,6 +26,8 @@ CHECK_PREFIX = "pertower-check "
 # legacy process alone took over 600 s (its checks 40-60 s each instead of a few).
 TIMEOUT_SECONDS = 1800
 _SECTION_START, _SECTION_END = "pertower-process-start ", "pertower-process-end "
+# what a group's run reads to claim its members (`claim_member`)
+_DIRECTORY_ENV, _RUN_ENV = "PERTOWER_PROCESS_DIRECTORY", "PERTOWER_PROCESS_RUN"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +92,16 @@ class Runner:
         (tests/scripts/process_group.py).
       directory: the directory for the output files, shared by the test processes of one
         session; None for a private temporary one (removed by `stop`).
+      shared: the groups (of `groups`) that two runs may share out, each started by one
+        of the test processes sharing `directory` (worth a second start-up only for
+        long groups); the members of another group run in the run that claims the
+        first of them.
     """
 
-    def __init__(self, commands, groups=(), group_script=None, directory=None):
+    def __init__(self, commands, groups=(), group_script=None, directory=None, shared=()):
         self._commands = dict(commands)
         self._groups = {name: group for group in groups for name in group}
+        self._shared = set(shared)
         self._group_script = group_script
         self._private = directory is None
         self._directory = tempfile.mkdtemp(prefix="pertower-processes-") if directory is None \
@@ -149,25 +156,36 @@ class Runner:
     def _launch(self, name):
         """Starts process `name` if nobody has, with the queued members of its group
         (call with the lock held); takes them off the queue. Returns (run name, Popen),
-        or (None, None) if other test processes started them all."""
+        or (None, None) if other test processes started them all.
+
+        The run claims its first member here; a group's run claims each other member
+        when it reaches it (`claim_member`) and skips those claimed meanwhile by
+        another run. So two test processes that queue the same `shared` group both
+        start a run of it, and the two runs share its members out as they go, side by
+        side on the two cores, until none is left."""
         group = self._groups.get(name, (name,))
-        names = [n for n in group if n == name or n in self._queue]
+        # `name` first, then the queued members in the queue's order
+        names = [name] + [n for n in self._queue if n in group and n != name]
         for n in names:
             if n in self._queue:
                 self._queue.remove(n)
-        names = [n for n in names if self._claim(n)]
-        if not names:
+        if group in self._shared:   # two runs share its members out
+            run = next((n for n in names if self._claim(n)), None)
+        else:   # another run that has `name` runs the others too
+            run = name if self._claim(name) else None
+        if run is None:
             return None, None
-        run = names[0]   # the name of the run's files, written into each claim
-        for n in names:
-            with open(self._path(n, "claim"), "w") as f:
-                f.write(run)
+        with open(self._path(run, "claim"), "w") as f:   # the name of the run's files
+            f.write(run)
+        names = [run] + [n for n in names[names.index(run) + 1:]
+                         if not os.path.exists(self._path(n, "claim"))]
         command = self._commands[run]
         argv = command.argv if names == [run] else (self._group_script, *names)
         # a group runs on one thread only if each of its members may
         one_thread = all(self._commands[n].one_thread for n in names)
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env[_DIRECTORY_ENV], env[_RUN_ENV] = self._directory, run   # for claim_member
         if command.legacy_keras_env:
             env["TF_USE_LEGACY_KERAS"] = "1"
         else:
@@ -295,6 +313,24 @@ def section_lines(name):
     """The lines that open and close member `name`'s output in a group's run (the end
     line is completed with the member's exit code)."""
     return _SECTION_START + name, _SECTION_END + name
+
+
+def claim_member(name):
+    """For a group's run (tests/scripts/process_group.py), before it runs member `name`:
+    True if it may (it claimed `name` in the runner's directory, or was started by hand,
+    outside a `Runner`); False if another run has claimed `name` (it runs or ran there,
+    and its readers read it there)."""
+    directory, run = os.environ.get(_DIRECTORY_ENV), os.environ.get(_RUN_ENV)
+    if not directory or not run or name == run:
+        return True   # the runner claimed the run's first member itself
+    path = os.path.join(directory, f"{name}.claim")
+    try:
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(descriptor, "w") as f:
+        f.write(run)
+    return True
 
 
 def _wait(popen, timeout):

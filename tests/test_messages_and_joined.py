@@ -316,12 +316,24 @@ def test_an_example_on_keras_2_apis_says_the_fix_when_keras_3_is_asked_for(name)
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "messages_and_joined_checks.py")
 
 
+# the checks of the heavy process "messages_joined_legacy_heavy" (the script's HEAVY)
+HEAVY_CHECKS = ["check_joined_batches_through_the_other_cells"]
+
+
 def _legacy_check_names():
     with open(SCRIPT, encoding="utf-8") as f:
-        return re.findall(r"^def (check_\w+)\(", f.read(), re.M)
+        names = re.findall(r"^def (check_\w+)\(", f.read(), re.M)
+    return [name for name in names if name not in HEAVY_CHECKS]
 
 
 @pytest.mark.process_checks("messages_joined_legacy")
 @pytest.mark.parametrize("check", _legacy_check_names())
 def test_v1_loop_checks(processes, check):
     processes.assert_passed("messages_joined_legacy", check)
+
+
+@pytest.mark.heavy
+@pytest.mark.process_checks("messages_joined_legacy_heavy")
+@pytest.mark.parametrize("check", HEAVY_CHECKS)
+def test_v1_loop_checks_heavy(processes, check):
+    processes.assert_passed("messages_joined_legacy_heavy", check)

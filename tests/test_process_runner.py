@@ -14,14 +14,21 @@ from tests import process_runner
 _CHECK = ("import json, sys; print({prefix!r} + json.dumps(dict(name={name!r}, ok={ok}, "
           "message='', output=str(sys.argv[1:]))), flush=True)")
 
-# A group script: runs each member named in its arguments, framed by section lines;
-# a member "crash" ends the whole process.
+# A group script: runs each member named in its arguments that it can claim, framed by
+# section lines; a member "crash" ends the whole process, a member "waits" waits until
+# another run has claimed member "d".
 # Its checks' output: the number of TensorFlow threads the runner set ("" for none).
 _GROUP = '''
-import json, os, sys
+import json, os, sys, time
+from tests import process_runner
 for name in sys.argv[1:]:
+    if not process_runner.claim_member(name):
+        continue
     start, end = {sections}[name]
     print(start, flush=True)
+    while name == "waits" and not os.path.exists(  # until another run claims "d"
+            os.path.join(os.environ["PERTOWER_PROCESS_DIRECTORY"], "d.claim")):
+        time.sleep(0.05)
     if name == "crash":
         sys.exit(3)
     threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
@@ -38,12 +45,12 @@ def _command(tmp_path, name, ok=True):
     return process_checks._Command((str(path), "arg"))  # pylint: disable=protected-access
 
 
-def _runner(tmp_path, commands, directory, groups=()):
+def _runner(tmp_path, commands, directory, groups=(), shared=()):
     sections = {name: process_runner.section_lines(name) for name in commands}
     group = tmp_path / "group.py"
     group.write_text(_GROUP.format(sections=sections, prefix=process_runner.CHECK_PREFIX))
     return process_runner.Runner(commands, groups=groups, group_script=str(group),
-                                 directory=str(directory))
+                                 directory=str(directory), shared=shared)
 
 
 def test_two_runners_sharing_a_directory_run_each_process_once(tmp_path):
@@ -132,3 +139,53 @@ def test_a_group_runs_on_one_thread_only_if_each_of_its_members_does(tmp_path, m
     for name, threads in (("o1", "1"), ("o2", "1"), ("m1", ""), ("m2", "")):
         assert runner.assert_passed(name, f"check_{name}").output == threads, name
     runner.stop()
+
+
+def test_two_runners_queueing_a_group_share_its_members_out_between_two_runs(tmp_path):
+    names = ("waits", "b", "c", "d")
+    commands = {name: _command(tmp_path, name) for name in names}
+    first, second = (_runner(tmp_path, commands, tmp_path, groups=(names,), shared=(names,))
+                     for _ in range(2))
+    first.start(*names)    # a run of the group, from "waits"
+    second.start(*names)   # another run, from "b" (the first run waits for it)
+    for name in names:
+        assert first.assert_passed(name, f"check_{name}").ok
+        assert second.assert_passed(name, f"check_{name}").ok
+    first.stop(wait=True)
+    second.stop(wait=True)
+    claims = {name: (tmp_path / f"{name}.claim").read_text() for name in names}
+    assert claims == {"waits": "waits", "b": "b", "c": "b", "d": "b"}
+    out = {run: (tmp_path / f"{run}.out").read_text() for run in ("waits", "b")}
+    for name in names:   # each member ran once, in the run that claimed it
+        assert [run for run, text in out.items()
+                if process_runner.section_lines(name)[0] + "\n" in text] == [claims[name]]
+
+
+def test_the_queue_starts_the_costliest_group_first_and_its_costliest_member_first():
+    names = list(process_checks.PROCESSES)
+    order = process_checks.queue_order(names)
+    assert sorted(order) == sorted(names)
+    cost = {name: process_checks.COSTS.get(name, process_checks.DEFAULT_COST)
+            for name in names}
+    group_of = {name: group for group in process_checks.GROUPS for name in group}
+    total = {name: sum(cost[n] for n in group_of.get(name, (name,))) for name in names}
+    assert [total[name] for name in order] == sorted(total.values(), reverse=True)
+    for group in process_checks.GROUPS:   # contiguous, the costliest member first
+        where = [order.index(name) for name in group]
+        assert max(where) - min(where) == len(group) - 1, group
+        assert [cost[order[i]] for i in sorted(where)] == sorted(
+            (cost[name] for name in group), reverse=True), group
+
+
+def test_a_group_not_shared_runs_once_for_two_runners(tmp_path):
+    names = ("g1", "g2", "g3")
+    commands = {name: _command(tmp_path, name) for name in names}
+    first, second = (_runner(tmp_path, commands, tmp_path, groups=(names,)) for _ in range(2))
+    first.start(*names)
+    second.start(*names)
+    for name in names:
+        assert second.assert_passed(name, f"check_{name}").ok
+    first.stop(wait=True)
+    second.stop(wait=True)
+    assert {(tmp_path / f"{name}.claim").read_text() for name in names} == {"g1"}
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == ["g1.out"]

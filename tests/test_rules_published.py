@@ -291,8 +291,9 @@ def test_batch_norm_in_training_mode_is_not_on_the_rules():
 
 
 @pytest.mark.process_checks("published_legacy")
-@pytest.mark.parametrize("check", ["check_every_broadcast_op", "check_raw_fused_batch_norms",
-                                   "check_keras_batch_norm_net", "check_broadcast_dp_step"])
+@pytest.mark.parametrize("check", ["check_broadcast_pow_and_select_v2",
+                                   "check_raw_fused_batch_norms", "check_keras_batch_norm_net",
+                                   "check_broadcast_dp_step"])
 def test_published_rules_under_disable_v2_behavior(processes, check):
     """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
     processes.assert_passed("published_legacy", check)
@@ -301,10 +302,11 @@ def test_published_rules_under_disable_v2_behavior(processes, check):
 @pytest.mark.heavy
 @pytest.mark.process_checks("published_legacy_zoo")
 @pytest.mark.parametrize("check", ["check_zoo_applications", "check_zoo_fast",
-                                   "check_zoo_recurrent"])
+                                   "check_zoo_recurrent", "check_every_broadcast_op"])
 def test_zoo_under_disable_v2_behavior(processes, check):
     """Zoo networks under tf.compat.v1.disable_v2_behavior() (legacy shape mode):
-    applications on the rules, the layers CNN, the recurrent models (any method)."""
+    applications on the rules, the layers CNN, the recurrent models (any method); and
+    the broadcast rule on each of its op types (two of them in the default run)."""
     processes.assert_passed("published_legacy_zoo", check)
 
 

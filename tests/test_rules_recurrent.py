@@ -6,7 +6,8 @@ step; a loop the copy cannot reproduce keeps its weights on the towers, with the
 
 The `check_*` functions build their own graphs, so that tests/scripts/
 recurrent_rules_checks.py runs them again under tf.compat.v1.disable_v2_behavior()
-with control flow v2 (the "recurrent_legacy" process).
+with control flow v2 (the "recurrent_legacy" process; the LSTM and GRU language models
+in "recurrent_legacy_heavy", read by heavy tests).
 """
 
 import numpy as np
@@ -195,13 +196,23 @@ def test_a_weight_read_inside_and_outside_a_while_loop():
 
 
 @pytest.mark.process_checks("recurrent_legacy")
-@pytest.mark.parametrize("check", ["check_lstm", "check_gru", "check_simple_rnn",
+@pytest.mark.parametrize("check", ["check_simple_rnn",
                                    "check_while_loop_with_reference_variables_on_the_rules",
                                    "check_v1_loop_on_the_rules"])
 def test_recurrent_rules_under_disable_v2_behavior(processes, check):
     """The same checks under disable_v2_behavior() with control flow v2; and a v1 loop
     (control flow v1) on the rules of `pertower.rules._v1_loops`."""
     processes.assert_passed("recurrent_legacy", check)
+
+
+@pytest.mark.heavy
+@pytest.mark.process_checks("recurrent_legacy_heavy")
+@pytest.mark.parametrize("check", ["check_lstm", "check_gru"])
+def test_recurrent_language_models_under_disable_v2_behavior_heavy(processes, check):
+    """The LSTM and GRU language models under disable_v2_behavior() with control flow
+    v2 (in the default run: the LSTM's in graph mode above, a Keras SimpleRNN's in this
+    mode)."""
+    processes.assert_passed("recurrent_legacy_heavy", check)
 
 
 @pytest.mark.heavy

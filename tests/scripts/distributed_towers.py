@@ -132,6 +132,8 @@ def main():
         [check_cluster_devices_answer, check_graph_placement,
          check_towers_on_two_tasks_match_oracle], "distributed checks")
     sys.stdout.flush()
+    if os.environ.get(process_checks.IN_GROUP_ENV):
+        sys.exit(code)   # the group's script ends the process after its other members
     # Servers cannot be stopped cleanly in-process; leave without waiting for them.
     os._exit(code)  # pylint: disable=protected-access
 

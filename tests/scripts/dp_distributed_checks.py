@@ -290,6 +290,8 @@ def main():
         title = "dp distributed checks"
     code = process_checks.run_checks(checks, title)
     sys.stdout.flush()
+    if os.environ.get(process_checks.IN_GROUP_ENV):
+        sys.exit(code)   # the group's script ends the process after its other members
     # Servers cannot be stopped cleanly in-process; leave without waiting for them.
     os._exit(code)  # pylint: disable=protected-access
 

@@ -1,5 +1,6 @@
 """Run in a process of its own (process "messages_joined_legacy" of tests/process_checks.py,
-read by tests/test_messages_and_joined.py):
+read by tests/test_messages_and_joined.py; with the argument `heavy`,
+"messages_joined_legacy_heavy", the checks of HEAVY):
 joined batches through TF1 (v1) while loops, and the fed-batch-size message of row
 passes, under tf.compat.v1.disable_v2_behavior(), compared with the one-example loop
 (`pertower.oracle.loop_several_batches_gradients`). Prints one `pertower-check` line
@@ -110,11 +111,25 @@ def _joined_matches(cell, lengths=False, head=None, num_microbatches=None, **kwa
     return plan
 
 
+# (cell, sequence_length given): the default run's; the heavy run's are the others
+_JOINED_CASES = (("LSTMCell", False), ("GRUCell", True))
+
+
 def check_joined_batches_through_a_shared_dynamic_rnn():
-    """Every v1 cell, with and without sequence_length, per example (the proven case)."""
+    """Two v1 cells, without and with sequence_length, per example (the proven case);
+    the other cells and lengths: `check_joined_batches_through_the_other_cells`."""
+    for cell, lengths in _JOINED_CASES:
+        _joined_matches(cell, lengths)
+
+
+def check_joined_batches_through_the_other_cells():
+    """The rest of every v1 cell with and without sequence_length (heavy: the join
+    does not depend on the cell; each cell's rules are checked in legacy_mode_checks.py
+    and recurrent_v1_checks.py)."""
     for cell in ("LSTMCell", "GRUCell", "BasicRNNCell"):
         for lengths in (False, True):
-            _joined_matches(cell, lengths)
+            if (cell, lengths) not in _JOINED_CASES:
+                _joined_matches(cell, lengths)
 
 
 def check_joined_microbatches_through_a_shared_dynamic_rnn():
@@ -214,5 +229,8 @@ CHECKS = [check_joined_batches_through_a_shared_dynamic_rnn,
           check_the_fed_size_message_of_row_passes,
           check_the_fed_size_message_of_joined_batches_through_a_v1_loop]
 
+HEAVY = [check_joined_batches_through_the_other_cells]   # "messages_joined_legacy_heavy"
+
 if __name__ == "__main__":
-    sys.exit(process_checks.run_checks(CHECKS, "messages and joined checks"))
+    sys.exit(process_checks.run_checks(HEAVY if sys.argv[1:] == ["heavy"] else CHECKS,
+                                       "messages and joined checks"))

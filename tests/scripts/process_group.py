@@ -7,6 +7,9 @@ Each process's script runs as `__main__` with its own arguments (`PROCESSES[name
 its output is framed by the lines of `process_checks.section_lines(name)`, the end line
 carrying the exit code the script gave to `sys.exit`. The members of a group
 (`process_checks.GROUPS`) share a mode (disable_v2_behavior()) and an environment.
+Started by `process_runner.Runner`, it claims each member before running it
+(`process_runner.claim_member`) and skips the members that another run (of the same
+group, for the other test process) has claimed meanwhile: no line for those.
 """
 
 import os
@@ -17,6 +20,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests import process_checks  # noqa: E402
+from tests import process_runner  # noqa: E402
 
 
 def _exit_code(code):
@@ -29,6 +33,8 @@ def main(names):
     """Runs the processes `names`; returns 0 if each exited with 0, else 1."""
     failed = False
     for name in names:
+        if not process_runner.claim_member(name):
+            continue   # another run has it
         path, *args = process_checks.PROCESSES[name].argv
         start, end = process_checks.section_lines(name)
         print(start, flush=True)
@@ -52,4 +58,10 @@ def main(names):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    os.environ[process_checks.IN_GROUP_ENV] = "1"   # the members leave the exit to us
+    CODE = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # without waiting for what a member leaves running (tf.distribute.Servers cannot
+    # be stopped cleanly in-process)
+    os._exit(CODE)  # pylint: disable=protected-access

@@ -8,7 +8,7 @@ Started once per test session by tests/process_checks.py ("published_legacy"); p
 one `pertower-check` line per check and 'published rules checks: N passed, M failed';
 exits 1 on failure. With the argument `zoo` ("published_legacy_zoo", heavy), it runs
 the zoo's networks instead (tests/test_zoo.py): applications, the layers CNN and the
-recurrent language models.
+recurrent language models; and the broadcast rule on every op type.
 """
 
 import os
@@ -35,6 +35,16 @@ def _require_legacy_mode():
 def check_every_broadcast_op():
     _require_legacy_mode()
     published.check_every_broadcast_op()
+
+
+def check_broadcast_pow_and_select_v2():
+    """Two of the broadcast ops (Pow: each operand a weight in its turn; SelectV2: the
+    two value inputs) on reference variables; every op type of the rule in this mode:
+    `check_every_broadcast_op` (heavy, process "published_legacy_zoo"), and each in
+    graph mode in tests/test_rules_published.py."""
+    _require_legacy_mode()
+    for op_type in ("Pow", "SelectV2"):
+        published.check_broadcast_op(op_type)
 
 
 def check_raw_fused_batch_norms():
@@ -82,8 +92,9 @@ def check_broadcast_dp_step():
 if __name__ == "__main__":
     if sys.argv[1:] == ["zoo"]:
         sys.exit(process_checks.run_checks(
-            [check_zoo_fast, check_zoo_applications, check_zoo_recurrent],
+            [check_zoo_fast, check_zoo_applications, check_zoo_recurrent,
+             check_every_broadcast_op],
             "zoo checks (legacy mode)"))
     sys.exit(process_checks.run_checks(
-        [check_every_broadcast_op, check_raw_fused_batch_norms, check_keras_batch_norm_net,
-         check_broadcast_dp_step], "published rules checks"))
+        [check_broadcast_pow_and_select_v2, check_raw_fused_batch_norms,
+         check_keras_batch_norm_net, check_broadcast_dp_step], "published rules checks"))

@@ -3,7 +3,8 @@ inside a while loop on the rules) under tf.compat.v1.disable_v2_behavior() (lega
 mode, reference variables) with control flow v2 (Keras then builds `While` loops), and a
 TF1 (v1) loop (on the rules of pertower.rules._v1_loops), against the one-example oracle.
 
-Started once per test session by tests/process_checks.py ("recurrent_legacy"); prints
+Started once per test session by tests/process_checks.py ("recurrent_legacy"; with the
+argument `heavy`, "recurrent_legacy_heavy", the LSTM and GRU language models); prints
 one `pertower-check` line per check and 'recurrent rules checks: N passed, M failed';
 exits 1 on failure.
 """
@@ -106,9 +107,15 @@ def check_v1_loop_on_the_rules():
     return str(plan)
 
 
+# the Keras LSTM and GRU language models under this mode, for the heavy run: the LSTM's
+# and the GRU's rules are checked in graph mode in the default run (the LSTM language
+# model of tests/test_rules_recurrent.py, the masked GRU of
+# tests/test_rules_recurrent_v1.py), and a Keras layer's loop over reference variables
+# here by check_simple_rnn
+HEAVY = [check_lstm, check_gru]
+FAST = [check_simple_rnn, check_while_loop_with_reference_variables_on_the_rules,
+        check_v1_loop_on_the_rules]
+
 if __name__ == "__main__":
-    sys.exit(process_checks.run_checks(
-        [check_lstm, check_gru, check_simple_rnn,
-         check_while_loop_with_reference_variables_on_the_rules,
-         check_v1_loop_on_the_rules],
-        "recurrent rules checks"))
+    sys.exit(process_checks.run_checks(HEAVY if sys.argv[1:] == ["heavy"] else FAST,
+                                       "recurrent rules checks"))

@@ -164,14 +164,24 @@ def check_v1_while_loop_with_a_weight_in_the_body_matches_oracle():
         ys = tf.reduce_sum(h ** 2, axis=1)   # [B]
         xs = [w, v]
         feed = {x: np.random.RandomState(1).randn(B, D).astype(np.float32)}
-        _compare(graph, ys, xs, feed, "while_loop")
-        _compare(graph, ys, xs, feed, "while_loop validate=True", validate=True)
+        assert _v1_loops_in(graph), "no v1 while loop in the graph"
+        loop = oracle.SliceLoop(ys, xs)   # one loop and one session for the three
+        grads = pertower.per_example_gradients(ys, xs, batch_size=B)
+        checked = pertower.per_example_gradients(ys, xs, batch_size=B, validate=True)
+        plan = pertower.explain(ys, xs, batch_size=B)
+        if plan.fallback:   # the memory line names what holds the fallback's gradients
+            assert f"the {B} row passes' gradients before stacking" in str(plan), str(plan)
         jacobians = pertower.per_example_jacobians(h, xs, batch_size=B)   # [B, D, *x.shape]
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            common.assert_all_close(sess.run(jacobians, feed),
-                                    oracle.loop_per_example_jacobians(sess, h, xs, feed),
-                                    kind="deep", what="while_loop Jacobians")
+            got, got_checked, got_jacobians = sess.run([grads, checked, jacobians], feed)
+            want = loop.run(sess, feed, B)
+            want_jacobians = oracle.loop_per_example_jacobians(sess, h, xs, feed)
+        common.assert_all_close(got, want, kind="deep", what="while_loop")
+        common.assert_all_close(got_checked, want, kind="deep",
+                                what="while_loop validate=True")
+        common.assert_all_close(got_jacobians, want_jacobians, kind="deep",
+                                what="while_loop Jacobians")
 
 
 def check_v1_while_loops_with_resource_variables_use_row_passes():
