@@ -59,11 +59,14 @@ class UnassumedGradients:
         creation; found once per set."""
         key = id(ops)
         if key not in self._flagged:
-            self._flagged[key] = (ops, sorted(
-                (op for op in ops if self._op_reason(op) is not None
-                 or self._op_reason(op, functions=True) is not None),
-                key=lambda o: o._id))  # pylint: disable=protected-access
+            self._flagged[key] = (ops, sorted(filter(self._has_reason, ops),
+                                              key=lambda o: o._id))  # pylint: disable=protected-access
         return self._flagged[key][1]
+
+    def _has_reason(self, op):
+        """Whether op (or a function it calls) has a reason."""
+        return (self._op_reason(op) is not None
+                or self._op_reason(op, functions=True) is not None)
 
     def reason(self, reads, ys_upstream, region=None):
         """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
@@ -75,9 +78,8 @@ class UnassumedGradients:
         entries = (list(reads.gather_ops) + list(reads.loop_inputs)
                    + [op for op, _ in reads.call_inputs])
         flagged = self._flagged_ops(ys_upstream)
-        flagged_entries = [op for op in entries if op not in ys_upstream and (
-            self._op_reason(op) is not None
-            or self._op_reason(op, functions=True) is not None)]
+        flagged_entries = [op for op in entries
+                           if op not in ys_upstream and self._has_reason(op)]
         if not flagged and not flagged_entries:
             return None   # nothing on any path has an unassumed gradient
         starts = list(reads.read_tensors)
