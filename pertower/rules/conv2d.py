@@ -141,7 +141,9 @@ class ConvOptions:
       thin_channels: below this many input channels "auto" does not pick "grouped",
         and "shifts" stacks the taps into one matmul.
       few_positions: below this many output positions per image "shifts" stacks the
-        taps into one matmul (else one matmul per tap).
+        taps into one matmul (else one matmul per tap); None: the measured defaults,
+        `_conv_ways.FEW_POSITIONS` (512) for the per-example gradients and
+        `_conv_ways.FEW_POSITIONS_NORMS` (64) for the formed norms.
 
     Example:
       registry = pertower.rules.default_registry()
@@ -153,7 +155,7 @@ class ConvOptions:
     grouped_threshold: float = 20.0
     onednn: bool = None
     thin_channels: int = 8
-    few_positions: int = 64
+    few_positions: int = None
 
     @_context.public("rules.conv2d.ConvOptions")
     def __post_init__(self):
@@ -163,6 +165,8 @@ class ConvOptions:
                                              f"{self.strategy!r}.")
         for name in ("thin_channels", "few_positions"):
             value = getattr(self, name)
+            if value is None and name == "few_positions":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise _context.error(ValueError, f"`{name}` must be an int >= 0, but "
                                                  f"received {value!r}.")
@@ -316,7 +320,7 @@ class Conv2DRule(registry_lib.Rule):
             return self.formed_norms(*use.view.inner(use, dZ), G)
         if (self.norm_strategy(use) != "formed" or groups(use.op) != 1 or
                 self._cannot("shifts", use) or
-                _conv_ways.tap_layout(self.options, use) != "per_tap"):
+                _conv_ways.tap_layout(self.options, use, norms=True) != "per_tap"):
             return None
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         x_taps = tf.stack([_rows.to_groups(tap, G, 1) for tap in taps(use.op, kh, kw)],

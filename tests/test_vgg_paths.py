@@ -1,0 +1,159 @@
+"""The paths VGG16's per-example gradients take (issue 20), each against the one-example
+loop (`pertower.oracle`), with the ops each builds bounded by formulas:
+
+- dense layers (`rules/matmul.py` `outer_products`): with one row per example, an
+  outer product whose last axis has at least `MUL_MIN_COLUMNS` entries is ONE broadcast
+  Mul ([B, d, 1] * [B, 1, n]), a shorter one ONE Einsum, either side of transpose_b;
+- 3x3 convolutions with the default `few_positions` (None): below
+  `_conv_ways.FEW_POSITIONS` output positions per image the taps side by side
+  ("channels": one ExtractImagePatches, one contraction), at or above it one matmul
+  per tap; the formed norms keep their own threshold (`FEW_POSITIONS_NORMS`), so
+  their one-matmul-per-tap path (`Conv2DRule.formed_norms`) still serves 8x8 images.
+
+One module graph and session; B = 3, small shapes.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pertower
+from pertower import _dispatch
+from pertower import oracle
+from pertower.rules import _conv_ways
+from pertower.rules import conv2d
+from pertower.rules import matmul
+from tests import common
+
+B = 3
+LONG = matmul.MUL_MIN_COLUMNS          # the shortest last axis that takes the Mul
+# dense weights: name -> (shape, transpose_b, whether the per-example product is a Mul)
+DENSE = {"long": ([4, LONG], False, True),            # [B, 4, LONG]
+         "short": ([LONG, 5], False, False),          # [B, LONG, 5]
+         "long_t": ([2, 5], True, False),             # W^T: [B, 2, 5]
+         "wide_t": ([3, LONG + 1], True, True)}       # W^T on [B, LONG+1]: [B, 3, LONG+1]
+# convolutions: name -> (input side, Cin, Cout, the per-example layout, the norms' layout)
+SIDE_BIG = 23                          # P = 529 >= FEW_POSITIONS (512)
+CONVS = {"few": (8, 8, 8, "channels", "per_tap"),
+         "many": (SIDE_BIG, 8, 4, "per_tap", "per_tap")}
+
+
+@pytest.fixture(scope="module")
+def built():
+    """(graph, session, feed, ys, {name: weight}, plan)."""
+    with tf.Graph().as_default() as graph:
+        rng = np.random.default_rng(20)
+        feed, losses, weights = {}, [], {}
+
+        def weight(name, shape, scale):
+            weights[name] = tf.Variable(rng.normal(0, scale, shape).astype("float32"),
+                                        name=name)
+            return weights[name]
+        a = tf.compat.v1.placeholder(tf.float32, [None, 4], name="a")
+        feed[a] = rng.normal(size=[B, 4]).astype("float32")
+        h = tf.tanh(tf.matmul(a, weight("long", DENSE["long"][0], 0.5)))          # [B, LONG]
+        h = tf.tanh(tf.matmul(h, weight("short", DENSE["short"][0], 0.05)))       # [B, 5]
+        h = tf.tanh(tf.matmul(h, weight("long_t", DENSE["long_t"][0], 0.5),
+                              transpose_b=True))                                   # [B, 2]
+        losses.append(tf.reduce_sum(h ** 2, axis=1))
+        wide = tf.compat.v1.placeholder(tf.float32, [None, LONG + 1], name="wide")
+        feed[wide] = rng.normal(size=[B, LONG + 1]).astype("float32")
+        z = tf.matmul(wide, weight("wide_t", DENSE["wide_t"][0], 0.05), transpose_b=True)
+        losses.append(tf.reduce_sum(tf.sin(z), axis=1))
+        for name, (side, c_in, c_out, _, _) in CONVS.items():
+            x = tf.compat.v1.placeholder(tf.float32, [None, side, side, c_in], name=name + "_x")
+            feed[x] = rng.normal(size=[B, side, side, c_in]).astype("float32")
+            y = tf.nn.conv2d(x, weight(name, [3, 3, c_in, c_out], 0.2), 1, "SAME")
+            losses.append(tf.reduce_mean(tf.tanh(y) ** 2, axis=[1, 2, 3]))
+        ys = tf.add_n(losses)                                                      # [B]
+        plan = _dispatch.make_plan(ys, list(weights.values()), validate=False)
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    yield graph, sess, feed, ys, weights, plan
+    sess.close()
+
+
+def _uses(plan, op_type):
+    return [use for uses in plan.uses for use in uses or () if use.op.type == op_type]
+
+
+def _built_ops(graph, build):
+    """(build()'s value, Counter of the op types it added to `graph`)."""
+    before = len(graph.get_operations())
+    value = build()
+    return value, collections.Counter(op.type for op in graph.get_operations()[before:])
+
+
+def test_paths_match_the_loop(built):
+    graph, sess, feed, ys, weights, plan = built
+    with graph.as_default():
+        assert not plan.fallback, plan.reasons
+        xs = list(weights.values())
+        grads = pertower.per_example_gradients(ys, xs, method="rules")
+        norms = pertower.per_example_norms(ys, xs, method="rules")
+        got, got_norms = sess.run([grads, norms], feed)
+        want = oracle.loop_per_example_gradients(sess, ys, xs, feed)
+    assert all(np.abs(w).max() > 0 for w in want)
+    common.assert_all_close(got, want, what="VGG paths: per-example gradients", kind="deep")
+    want_norms = np.sqrt(sum(np.sum(w.reshape(B, -1) ** 2, axis=1) for w in want))
+    common.assert_all_close([got_norms], [want_norms], what="VGG paths: norms", kind="deep")
+
+
+def test_dense_outer_products_are_one_op(built):
+    """Per MatMul use: ONE Mul (and two ExpandDims) for a long last axis, else ONE
+    Einsum; no BatchMatMul, no transpose, the result [B, *W.shape]."""
+    graph, _, _, _, weights, plan = built
+    uses = _uses(plan, "MatMul")
+    assert len(uses) == len(DENSE)
+    with graph.as_default():
+        for use in uses:
+            name = _weight_name(use, weights)
+            shape, transposed, is_mul = DENSE[name]
+            assert bool(use.op.get_attr("transpose_b")) == transposed
+            dZ = tf.compat.v1.placeholder(tf.float32, use.output.shape)
+            grad, ops = _built_ops(graph, lambda: use.rule.per_group(use, dZ, tf.shape(dZ)[0]))
+            assert grad.shape.as_list() == [None] + shape, (name, grad.shape)
+            if is_mul:
+                assert (ops["Mul"], ops["ExpandDims"], ops["Einsum"]) == (1, 2, 0), ops
+            else:
+                assert (ops["Einsum"], ops["Mul"]) == (1, 0), ops
+            assert not ops["BatchMatMulV2"] + ops["Transpose"], ops
+
+
+def _weight_name(use, weights):
+    """The name in `weights` of the variable `use`'s weight input reads."""
+    handle = use.op.inputs[1]
+    while handle.op.type not in ("VarHandleOp", "VariableV2"):
+        handle = handle.op.inputs[0]
+    return next(name for name, w in weights.items() if w.handle is handle)
+
+
+def test_conv_layouts_follow_the_positions(built):
+    """Below FEW_POSITIONS positions per image: one ExtractImagePatches and one
+    contraction, nothing stacked; at or above it kh*kw contractions and one stack; the
+    formed norms' threshold stays FEW_POSITIONS_NORMS (an 8x8 image: one matmul per tap)."""
+    graph, _, _, _, weights, plan = built
+    options = conv2d.ConvOptions()
+    assert options.few_positions is None
+    assert _conv_ways.FEW_POSITIONS_NORMS <= 8 * 8 < _conv_ways.FEW_POSITIONS <= SIDE_BIG ** 2
+    uses = _uses(plan, "Conv2D")
+    assert len(uses) == len(CONVS)
+    with graph.as_default():
+        for use in uses:
+            _, _, _, layout, norms_layout = CONVS[_weight_name(use, weights)]
+            assert _conv_ways.tap_layout(options, use) == layout
+            assert _conv_ways.tap_layout(options, use, norms=True) == norms_layout
+            dZ = tf.compat.v1.placeholder(tf.float32, use.output.shape)
+            grad, ops = _built_ops(graph, lambda: _conv_ways.by_shifts(
+                options, use, dZ, tf.shape(dZ)[0]))
+            assert grad.shape.as_list()[1:] == use.weight_shape.as_list()
+            contractions = ops["BatchMatMulV2"] + ops["Einsum"]
+            if layout == "channels":
+                assert (ops["ExtractImagePatches"], contractions, ops["Pack"]) == (1, 1, 0), ops
+            else:
+                assert (contractions, ops["Pack"], ops["ExtractImagePatches"]) == (9, 1, 0), ops
+            formed, _ = _built_ops(graph, lambda: use.rule.formed_norms(
+                use, dZ, tf.shape(dZ)[0]))
+            assert formed is not None     # one matmul over the stacked taps (both sizes)
