@@ -10,28 +10,27 @@ weight-consuming op between two of them (layer k's convolution reads what layer 
 made) is differentiated by its registered gradient, which builds the gradient of EVERY
 input: for W a whole op (Conv2DBackpropFilter, DepthwiseConv2dNativeBackpropFilter, a
 MatMul, BiasAddGrad) whose value nothing reads, since the pass stops at the Z's and W is
-not downstream of any of them (every Z is downstream of the batch, W is not). Those ops
-are about a third of what the pass builds on a convolutional network.
+not downstream of any of them (every Z is downstream of the batch, W is not): 31 of the
+87 ops the pass builds on VGG16.
 
 While the pass is built (`input_side_only`), each such op gets a gradient function that
 builds its A's gradient only, the same op with the same attributes as the registered
 gradient builds for A (TensorFlow's `_Conv2DGrad`, `_DepthwiseConv2dNativeGrad`,
 `_MatMulGradAgainstFirstOnly`, `_BiasAddGrad`), and None for W, which
-`tf.gradients` leaves out as it would the unread result. An op is handled only when:
-its type and W's slot are in `_ONE_SIDED` (a MatMul: A not transposed); it is in the graph of `ys` (not in a function
-or loop body); its gradient is TensorFlow's registered one (no `_gradient_op_type`
-override, no gradient function of its own); its dtype is real; and W is not downstream
-of the batch (`Request.batch_downstream`), so that no Z's gradient can flow through W.
-Every op gets its own gradient function back when the pass is built (also on error).
-The functions are set on the ops' Python objects, as the graph's
-`_override_gradient_function` does: a `tf.gradients` another thread builds through the
-same ops meanwhile would see them too.
+`tf.gradients` leaves out as it would the unread result. An op is handled only when: its
+type and W's slot are in `_ONE_SIDED` (a MatMul: A not transposed); it is in the graph
+of `ys` (not in a function or loop body); its gradient is TensorFlow's registered one
+(no `_gradient_op_type` override, no gradient function of its own); its dtype is real;
+and W is not downstream of the batch (`Request.batch_downstream`), so that no Z's
+gradient can flow through W. Every op gets its own gradient function back when the pass
+is built (also on error). The functions are set on the ops' Python objects, as the
+graph's `_override_gradient_function` does: a `tf.gradients` another thread builds
+through the same ops meanwhile would see them too.
 """
 
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.ops import gen_nn_ops   # pylint: disable=no-name-in-module
 
 from pertower.rules import _loop_uses
 
@@ -40,8 +39,9 @@ __all__ = ["input_side_only", "one_sided_ops"]
 
 def _conv2d(op, grad):
     """Conv2D: the input's gradient (`_Conv2DGrad`'s first output)."""
-    return [gen_nn_ops.conv2d_backprop_input(
-        tf.shape(op.inputs[0]), op.inputs[1], grad, dilations=op.get_attr("dilations"),
+    return [tf.raw_ops.Conv2DBackpropInput(
+        input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1], out_backprop=grad,
+        dilations=op.get_attr("dilations"),
         strides=op.get_attr("strides"), padding=op.get_attr("padding"),
         explicit_paddings=op.get_attr("explicit_paddings"),
         use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
@@ -51,8 +51,9 @@ def _conv2d(op, grad):
 def _depthwise(op, grad):
     """DepthwiseConv2dNative: the input's gradient (`_DepthwiseConv2dNativeGrad`'s
     first output)."""
-    return [gen_nn_ops.depthwise_conv2d_native_backprop_input(
-        tf.shape(op.inputs[0]), op.inputs[1], grad, dilations=op.get_attr("dilations"),
+    return [tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
+        input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1], out_backprop=grad,
+        dilations=op.get_attr("dilations"),
         strides=op.get_attr("strides"), padding=op.get_attr("padding"),
         explicit_paddings=op.get_attr("explicit_paddings"),
         data_format=op.get_attr("data_format")), None]

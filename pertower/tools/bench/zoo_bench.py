@@ -8,11 +8,12 @@ Notation:
 Build time, per network: the network is built afresh in a new `tf.Graph()` for every
 timed build (so that nothing one build leaves in a graph serves the next); first one
 `tf.gradients` of the summed loss and one pertower build (`per_example_gradients` of
-the same loss), the latter kept as "first build" (in the process' first network it pays
-pertower's one-time costs: lazy imports, first use of TensorFlow's gradient functions),
-then `build_repeats` alternating `tf.gradients` / pertower builds, whose medians (wall
-and process CPU seconds) and the ratio of medians are reported. A network whose plan
-puts a weight on towers or row passes is built with the first B as its `batch_size`.
+the same loss), the latter kept as "first build" (in the process' first network it
+pays pertower's one-time costs, its lazily imported modules, that a user pays once per
+process), then `build_repeats` alternating `tf.gradients` / pertower builds, whose
+medians (wall and process CPU seconds) and the ratio of medians are reported. A network
+whose plan puts a weight on towers or row passes is built with the first B as its
+`batch_size`.
 
 Run time, per network: one graph: the network (None batch dimension), `tf.gradients` of
 the summed loss, pertower's per-example gradients, the norms, a plain SGD step and a
@@ -293,8 +294,8 @@ def format_zoo_table(rows):
     """The rows as one plain-text table."""
     cell = report_lib.cell
     header = ("network", "B", "P", "rules/towers/passes", "tf.gradients s", "pertower s",
-              "build x", "build x cpu", "first build s", "batch ms", "step ms", "grads ms", "x batch", "x loop",
-              "norms ms", "dp ms", "dp x step", "loop ms", "max rel diff")
+              "build x", "build x cpu", "first build s", "batch ms", "step ms", "grads ms",
+              "x batch", "x loop", "norms ms", "dp ms", "dp x step", "loop ms", "max rel diff")
     table = []
     for r in rows:
         if r.error:
