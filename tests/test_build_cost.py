@@ -374,3 +374,65 @@ def test_one_override_backward_per_computation(monkeypatch):
         backwards = [templates.backward(s.op, "probe") for s in squares]
         assert templates.built == 2
         assert backwards[0].graph is not backwards[1].graph
+
+
+def _stacked_cnn(transpose_b):
+    """ys [B] of Conv2D -> BiasAdd -> relu -> DepthwiseConv2dNative -> BiasAdd -> relu ->
+    Conv2D -> MatMul (W or W^T) -> BiasAdd -> tanh -> MatMul, on [B, 5, 5, 2]: every
+    weight-consuming op but the first lies between two uses' outputs."""
+    rng = np.random.RandomState(7 + transpose_b)
+
+    def weight(name, *shape):
+        return tf.Variable(rng.uniform(-0.5, 0.5, shape).astype(np.float32), name=name)
+
+    x = tf.compat.v1.placeholder(tf.float32, [None, 5, 5, 2], name="x")
+    xs = [weight("k", 3, 3, 2, 3), weight("b1", 3), weight("d", 3, 3, 3, 2), weight("b2", 6),
+          weight("w", 4, 18) if transpose_b else weight("w", 18, 4), weight("b3", 4),
+          weight("v", 4, 2), weight("k2", 3, 3, 6, 2)]
+    h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, xs[0], 1, "SAME"), xs[1]))  # [B, 5, 5, 3]
+    h = tf.nn.relu(tf.nn.bias_add(tf.nn.depthwise_conv2d(h, xs[2], [1, 1, 1, 1], "SAME"),
+                                  xs[3]))                                   # [B, 5, 5, 6]
+    h = tf.nn.conv2d(h, xs[7], 1, "SAME")                                    # [B, 5, 5, 2]
+    h = tf.reshape(h[:, 1:4, 1:4, :], [-1, 18])                             # [B, 18]
+    h = tf.tanh(tf.nn.bias_add(tf.matmul(h, xs[4], transpose_b=transpose_b), xs[5]))
+    ys = tf.reduce_sum(tf.square(tf.matmul(h, xs[6])), axis=1)             # [B]
+    return ys, xs, x
+
+
+BACKWARD_SCOPE = "per_example/per_example_gradients/gradients/gradients/"
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_backward_pass_builds_no_weight_gradient(transpose_b):
+    """The one backward pass to the uses' outputs builds, for the weight-consuming ops it
+    goes through, their batch-side input's gradient only (`rules._input_gradients`): no
+    Conv2DBackpropFilter, DepthwiseConv2dNativeBackpropFilter or BiasAddGrad, no MatMul
+    for a weight; the ops get their own gradient back (a later tf.gradients builds the
+    weights' gradients as before); and the result is the loop's."""
+    with tf.Graph().as_default() as graph:
+        ys, xs, x = _stacked_cnn(transpose_b)
+        n = len(graph.get_operations())
+        with tf.name_scope("per_example"):
+            grads = pertower.per_example_gradients(ys, xs)
+        built = collections.Counter(op.type for op in graph.get_operations()[n:]
+                                    if op.name.startswith(BACKWARD_SCOPE))
+        assert built["Conv2DBackpropInput"] == 1 and built["MatMul"] == 2, built
+        assert built["DepthwiseConv2dNativeBackpropInput"] == 1, built
+        for op_type in ("Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter",
+                        "BiasAddGrad"):
+            assert built[op_type] == 0, (op_type, built)
+        # pylint: disable-next=protected-access
+        assert all(op._gradient_function is None for op in graph.get_operations())
+        n = len(graph.get_operations())
+        batch = tf.gradients(tf.reduce_sum(ys), xs)
+        again = collections.Counter(op.type for op in graph.get_operations()[n:])
+        assert again["Conv2DBackpropFilter"] == 2 and again["BiasAddGrad"] == 3, again
+        assert again["DepthwiseConv2dNativeBackpropFilter"] == 1, again
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(3).randn(B, 5, 5, 2).astype(np.float32)}
+            got, summed = sess.run([grads, batch], feed)
+            want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, xs, feed)
+        common.assert_all_close(got, want, what="per-example gradients", kind="deep")
+        common.assert_all_close([g.sum(axis=0) for g in got], summed, what="their sum",
+                                kind="deep")

@@ -37,6 +37,7 @@ from pertower import _batch_axis
 from pertower import _checks
 from pertower import _context
 from pertower import _plan
+from pertower.rules import _input_gradients
 from pertower.rules import _loops
 from pertower.rules import _shapes
 from pertower.rules._unassumed import UnassumedGradients
@@ -216,8 +217,10 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
             outputs.update((id(z), z) for z in _loops.differentiated(use))
     if not outputs:
         return {}
-    return _loops.output_gradients(plan.request.ys, list(outputs.values()), loop_uses,
-                                   grad_ys, unconnected)
+    # the ops between the Z's build their batch side's gradient only (rules._input_gradients)
+    with _input_gradients.input_side_only(plan, indices):
+        return _loops.output_gradients(plan.request.ys, list(outputs.values()), loop_uses,
+                                       grad_ys, unconnected)
 
 
 def output_gradients(plan, indices, grad_ys=None, unconnected=tf.UnconnectedGradients.ZERO):

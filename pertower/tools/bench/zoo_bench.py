@@ -5,13 +5,21 @@ one-example loop, and what building it costs against `tf.gradients`.
 Notation:
     B   examples in the batch       P   weights (parameters) of the network
 
-Per network, one graph: the network (None batch dimension), then, timed, `tf.gradients`
-of the summed loss ("tf.gradients s") and pertower's per-example gradients of the same
-loss ("pertower s"; their ratio is "build x"); then the norms, a plain SGD step and a
-DP-SGD step (`pertower.DPOptimizer`, C = 1, σ = 1). A network whose plan puts a weight on
-towers or row passes needs a fixed B: its pertower rows are built again per B (the build
-time shown is the first B's). Per B: one run of the per-example gradients checked against
-the loop (max relative difference), then every row timed round-robin (medians).
+Build time, per network: the network is built afresh in a new `tf.Graph()` for every
+timed build (so that nothing one build leaves in a graph serves the next); first one
+`tf.gradients` of the summed loss and one pertower build (`per_example_gradients` of
+the same loss), the latter kept as "first build" (in the process' first network it
+pays pertower's one-time costs, its lazily imported modules, that a user pays once per
+process), then `build_repeats` alternating `tf.gradients` / pertower builds, whose
+medians (wall and process CPU seconds) and the ratio of medians are reported. A network
+whose plan puts a weight on towers or row passes is built with the first B as its
+`batch_size`.
+
+Run time, per network: one graph: the network (None batch dimension), `tf.gradients` of
+the summed loss, pertower's per-example gradients, the norms, a plain SGD step and a
+DP-SGD step (`pertower.DPOptimizer`, C = 1, σ = 1) (pertower's rows built again per B
+when the plan needs a fixed B). Per B: one run of the per-example gradients checked
+against the loop (max relative difference), then every row timed round-robin (medians).
 """
 
 import dataclasses
@@ -28,13 +36,65 @@ from pertower.tools import timing
 from pertower.tools import zoo
 from pertower.tools.bench import report as report_lib
 
-__all__ = ["DEFAULT_BATCH_SIZES", "ROWS", "ZooRow", "run_zoo_bench", "format_zoo_table"]
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_BUILD_REPEATS", "ROWS", "BuildTimes", "ZooRow",
+           "measure_builds", "run_zoo_bench", "format_zoo_table", "to_json"]
 
 DEFAULT_BATCH_SIZES = (8, 16, 32)
+DEFAULT_BUILD_REPEATS = 3
 LEARNING_RATE = 1e-3      # small: the timed steps train the weights they measure
 # agreement with the loop: max |got - loop| <= RELATIVE_TOLERANCE * max |loop|
 RELATIVE_TOLERANCE = 1e-3
+_BUILD_NOTE = ("tf.gradients s / pertower s: medians of the timed builds (wall s, each in a "
+              "fresh graph); build x / build x cpu: ratio of the wall / process-CPU medians; "
+              "first build s: the network's first pertower build (not in the medians).")
 ROWS = ("batch gradient", "plain step", "gradients", "norms", "dp step", "loop")
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def _ratio(numerator, denominator):
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+@dataclasses.dataclass
+class BuildTimes:
+    """Timed builds of one network, each in a fresh graph (seconds).
+
+    Attributes:
+      tf_gradients_s, tf_gradients_cpu_s: wall / process CPU seconds of each timed
+        `tf.gradients` build (the warm-up excluded).
+      pertower_s, pertower_cpu_s: the same of each timed pertower build (the first
+        excluded).
+      first_s, first_cpu_s: the first pertower build of the network (without
+        `batch_size` when the plan allows it, else after that refused attempt).
+      batch_size: the `batch_size` of the pertower builds (None: not needed).
+    """
+
+    tf_gradients_s: list = dataclasses.field(default_factory=list)
+    tf_gradients_cpu_s: list = dataclasses.field(default_factory=list)
+    pertower_s: list = dataclasses.field(default_factory=list)
+    pertower_cpu_s: list = dataclasses.field(default_factory=list)
+    first_s: float = None
+    first_cpu_s: float = None
+    batch_size: int = None
+
+    @property
+    def medians(self):
+        """{field: median} of the four lists of runs."""
+        return {name: _median(getattr(self, name)) for name in
+                ("tf_gradients_s", "tf_gradients_cpu_s", "pertower_s", "pertower_cpu_s")}
+
+    @property
+    def ratio(self):
+        """Median pertower wall seconds / median tf.gradients wall seconds."""
+        return _ratio(_median(self.pertower_s), _median(self.tf_gradients_s))
+
+    @property
+    def cpu_ratio(self):
+        """The same in process CPU seconds."""
+        return _ratio(_median(self.pertower_cpu_s), _median(self.tf_gradients_cpu_s))
 
 
 @dataclasses.dataclass
@@ -44,8 +104,8 @@ class ZooRow:
     Attributes:
       network, batch_size, parameters: the zoo name, B, P.
       counts: weights per method of the plan ({"rules": n, "towers": n, ...}).
-      build_tf_gradients_s: seconds to build tf.gradients of sum(loss) w.r.t. the weights.
-      build_pertower_s: seconds to build pertower.per_example_gradients of the same.
+      builds: the network's `BuildTimes` (tf.gradients of sum(loss) w.r.t. the weights,
+        pertower.per_example_gradients of the same), shared by its rows.
       ms: row name (ROWS) -> median milliseconds of one pass (the loop: B sess.run).
       runs_ms: row name -> every timed pass.
       max_relative_diff: max |per-example gradients - the loop's| / max |loop's|.
@@ -56,19 +116,26 @@ class ZooRow:
     batch_size: int
     parameters: int = 0
     counts: dict = None
-    build_tf_gradients_s: float = None
-    build_pertower_s: float = None
+    builds: BuildTimes = None
     ms: dict = dataclasses.field(default_factory=dict)
     runs_ms: dict = dataclasses.field(default_factory=dict)
     max_relative_diff: float = None
     error: str = ""
 
+    def build(self, name):
+        """The median of `BuildTimes` field `name` ("tf_gradients_s", "pertower_cpu_s",
+        ...), or None."""
+        return None if self.builds is None else self.builds.medians[name]
+
     @property
     def build_ratio(self):
-        """pertower's build time / tf.gradients' build time."""
-        if self.build_pertower_s is None or not self.build_tf_gradients_s:
-            return None
-        return self.build_pertower_s / self.build_tf_gradients_s
+        """Median pertower build / median tf.gradients build (wall seconds)."""
+        return None if self.builds is None else self.builds.ratio
+
+    @property
+    def build_cpu_ratio(self):
+        """The same in process CPU seconds."""
+        return None if self.builds is None else self.builds.cpu_ratio
 
     @property
     def agrees(self):
@@ -82,24 +149,62 @@ class ZooRow:
         return self.ms[row] / self.ms[base]
 
 
-def _timed(build):
-    start = time.perf_counter()
-    value = build()
-    return value, time.perf_counter() - start
+def _tf_gradients(loss, weights):
+    return [tf.convert_to_tensor(g) for g in tf.gradients(tf.reduce_sum(loss), weights)
+            if g is not None]
+
+
+def _timed_build(name, pertower_build, batch_size):
+    """(wall s, process CPU s) of one build in a fresh graph holding only the network."""
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(0)
+        loss, _, _, weights = zoo.build(name)
+        wall, cpu = time.perf_counter(), time.process_time()
+        if pertower_build:
+            pertower.per_example_gradients(loss, weights, batch_size=batch_size)
+        else:
+            _tf_gradients(loss, weights)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure_builds(name, batch_sizes=(None,), repeats=DEFAULT_BUILD_REPEATS):
+    """Times building `tf.gradients` and pertower's per-example gradients of zoo network
+    `name`'s loss, each build in a fresh graph.
+
+    Args:
+      name: a name from `pertower.tools.zoo.ZOO`.
+      batch_sizes: pertower builds without `batch_size`; when that is refused (a plan
+        with towers or row passes needs a fixed B), with `batch_sizes[0]`.
+      repeats: timed builds of each after the first pair (alternating).
+
+    Returns:
+      A `BuildTimes`: the first pertower build apart, then `repeats` runs of each.
+    """
+    times = BuildTimes()
+    _timed_build(name, False, None)                        # tf.gradients' warm-up
+    try:
+        times.first_s, times.first_cpu_s = _timed_build(name, True, None)
+    except ValueError:          # refused without batch_size (raised again if not that)
+        times.batch_size = batch_sizes[0]
+        times.first_s, times.first_cpu_s = _timed_build(name, True, times.batch_size)
+    for _ in range(repeats):
+        for pertower_build, prefix in ((False, "tf_gradients"), (True, "pertower")):
+            wall, cpu = _timed_build(name, pertower_build, times.batch_size)
+            getattr(times, f"{prefix}_s").append(wall)
+            getattr(times, f"{prefix}_cpu_s").append(cpu)
+    return times
 
 
 def _pertower_rows(network, batch_size, seed):
-    """{row: fetch} of pertower's rows (gradients, norms, dp step), and the build
-    seconds of the gradients."""
+    """{row: fetch} of pertower's rows (gradients, norms, dp step)."""
     loss, _, _, weights = network
-    grads, seconds = _timed(lambda: pertower.per_example_gradients(
-        loss, weights, batch_size=batch_size))
+    grads = pertower.per_example_gradients(loss, weights, batch_size=batch_size)
     dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE),
                               l2_norm_clip=1.0, noise_multiplier=1.0, seed=seed)
     rows = {"gradients": grads,
             "norms": pertower.per_example_norms(loss, weights, batch_size=batch_size),
             "dp step": dp.minimize(loss, var_list=weights, batch_size=batch_size)}
-    return rows, seconds
+    return rows
 
 
 def _max_relative_diff(got, want):
@@ -108,29 +213,33 @@ def _max_relative_diff(got, want):
     return worst / scale if scale > 0 else worst
 
 
-def _bench_network(name, batch_sizes, repeats, loop_repeats, report):
+def _method_counts(name):
+    with tf.Graph().as_default():
+        loss, _, _, weights = zoo.build(name)
+        return plan_summary.method_counts(pertower.explain(loss, weights))
+
+
+def _bench_network(name, batch_sizes, repeats, loop_repeats, build_repeats, report):
     rows_out = []
+    builds = measure_builds(name, batch_sizes, build_repeats)
+    counts = _method_counts(name)
+    fixed_b = bool(counts["towers"] + counts["passes"])
+    report(f"  {name}: build {builds.medians['pertower_s']:.2f} s vs tf.gradients "
+           f"{builds.medians['tf_gradients_s']:.2f} s (medians of {build_repeats}, "
+           f"{builds.ratio:.2f}x; CPU {builds.cpu_ratio:.2f}x); first build "
+           f"{builds.first_s:.2f} s")
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(0)
         network = zoo.build(name)
         loss, _, make_feed, weights = network
-        plan = pertower.explain(loss, weights)
-        counts = plan_summary.method_counts(plan)
-        fixed_b = bool(counts["towers"] + counts["passes"])
-        batch_grads, tf_seconds = _timed(lambda: [
-            tf.convert_to_tensor(g) for g in tf.gradients(tf.reduce_sum(loss), weights)
-            if g is not None])
+        batch_grads = _tf_gradients(loss, weights)
         plain = tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE).minimize(
             tf.reduce_mean(loss), var_list=weights)
-        shared, pertower_seconds = (None, None) if fixed_b else _pertower_rows(network,
-                                                                                None, 0)
+        shared = None if fixed_b else _pertower_rows(network, None, 0)
         loop = oracle.SliceLoop(loss, weights)
         for B in batch_sizes:
-            pertower_rows = shared
-            if fixed_b:
-                pertower_rows, seconds = _pertower_rows(network, B, B)
-                pertower_seconds = pertower_seconds or seconds
-            row = ZooRow(name, B, network.num_weights, counts, tf_seconds, pertower_seconds)
+            pertower_rows = _pertower_rows(network, B, B) if fixed_b else shared
+            row = ZooRow(name, B, network.num_weights, counts, builds)
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = make_feed(B, np.random.default_rng(B))
             got = sess.run(pertower_rows["gradients"], feed)
@@ -145,8 +254,7 @@ def _bench_network(name, batch_sizes, repeats, loop_repeats, report):
                 row.runs_ms[row_name] = [1e3 * s for s in seconds]
                 row.ms[row_name] = statistics.median(row.runs_ms[row_name])
             report(f"  {name} B={B}: {plan_summary.counts_cell(counts)} rules/towers/"
-                   f"passes; build {pertower_seconds:.2f} s vs tf.gradients "
-                   f"{tf_seconds:.2f} s; gradients {row.ms['gradients']:.1f} ms = "
+                   f"passes; gradients {row.ms['gradients']:.1f} ms = "
                    f"{row.ratio('gradients', 'batch gradient'):.2f}x batch, "
                    f"{row.ratio('gradients', 'loop'):.2f}x loop; max rel diff "
                    f"{row.max_relative_diff:.1e}")
@@ -155,7 +263,7 @@ def _bench_network(name, batch_sizes, repeats, loop_repeats, report):
 
 
 def run_zoo_bench(networks, batch_sizes=DEFAULT_BATCH_SIZES, repeats=5, loop_repeats=3,
-                  report=print):
+                  report=print, build_repeats=DEFAULT_BUILD_REPEATS):
     """Measures each zoo network at each B; returns a list of `ZooRow`.
 
     Args:
@@ -164,13 +272,16 @@ def run_zoo_bench(networks, batch_sizes=DEFAULT_BATCH_SIZES, repeats=5, loop_rep
       repeats: timed passes of each row after a warm-up (the loop: loop_repeats).
       loop_repeats: timed passes of the one-example loop (B sess.run each).
       report: called with each line of progress.
+      build_repeats: timed builds of tf.gradients and of pertower per network (medians),
+        after a first pair (`measure_builds`).
     """
     rows = []
     for name in networks:
         report(f"{name}: building ...")
         start = time.perf_counter()
         try:
-            rows += _bench_network(name, batch_sizes, repeats, loop_repeats, report)
+            rows += _bench_network(name, batch_sizes, repeats, loop_repeats, build_repeats,
+                                   report)
         except Exception as error:  # pylint: disable=broad-except  # reported in the table
             text = str(error).strip().splitlines()
             rows += [ZooRow(name, B, error=f"{type(error).__name__}: "
@@ -183,8 +294,8 @@ def format_zoo_table(rows):
     """The rows as one plain-text table."""
     cell = report_lib.cell
     header = ("network", "B", "P", "rules/towers/passes", "tf.gradients s", "pertower s",
-              "build x", "batch ms", "step ms", "grads ms", "x batch", "x loop",
-              "norms ms", "dp ms", "dp x step", "loop ms", "max rel diff")
+              "build x", "build x cpu", "first build s", "batch ms", "step ms", "grads ms",
+              "x batch", "x loop", "norms ms", "dp ms", "dp x step", "loop ms", "max rel diff")
     table = []
     for r in rows:
         if r.error:
@@ -192,8 +303,10 @@ def format_zoo_table(rows):
             continue
         table.append((
             r.network, str(r.batch_size), f"{r.parameters / 1e6:.2f}M",
-            plan_summary.counts_cell(r.counts), cell(r.build_tf_gradients_s, ".2f"),
-            cell(r.build_pertower_s, ".2f"), cell(r.build_ratio, ".1f"),
+            plan_summary.counts_cell(r.counts), cell(r.build("tf_gradients_s"), ".2f"),
+            cell(r.build("pertower_s"), ".2f"), cell(r.build_ratio, ".2f"),
+            cell(r.build_cpu_ratio, ".2f"),
+            cell(None if r.builds is None else r.builds.first_s, ".2f"),
             cell(r.ms.get("batch gradient"), ".1f"), cell(r.ms.get("plain step"), ".1f"),
             cell(r.ms.get("gradients"), ".1f"),
             cell(r.ratio("gradients", "batch gradient"), ".2f"),
@@ -202,9 +315,16 @@ def format_zoo_table(rows):
             cell(r.ms.get("loop"), ".1f"),
             cell(r.max_relative_diff, ".1e") + ("" if r.agrees in (None, True)
                                                 else " WRONG")))
-    return timing.format_table(header, table)
+    return timing.format_table(header, table) + "\n" + _BUILD_NOTE
+
 
 
 def to_json(rows):
-    """The rows as JSON-ready dicts (with the build ratio)."""
-    return [dict(dataclasses.asdict(r), build_ratio=r.build_ratio) for r in rows]
+    """The rows as JSON-ready dicts, with the build medians and ratios."""
+    out = []
+    for r in rows:
+        entry = dataclasses.asdict(r)
+        if r.builds is not None:
+            entry["builds"].update({f"median_{k}": v for k, v in r.builds.medians.items()})
+        out.append(dict(entry, build_ratio=r.build_ratio, build_cpu_ratio=r.build_cpu_ratio))
+    return out

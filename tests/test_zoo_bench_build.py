@@ -1,0 +1,101 @@
+"""The zoo bench's build timing (pertower/tools/bench/zoo_bench.py `measure_builds`):
+every timed build in a graph of its own, the first pertower build apart, the medians
+(wall and process CPU) those of the recorded runs, the ratios those of the medians, and
+the table and JSON showing them. No timing threshold: the numbers are checked for
+consistency only.
+"""
+
+import pytest
+import tensorflow as tf
+
+from pertower.tools import zoo
+from pertower.tools.bench import zoo_bench
+
+REPEATS = 2
+
+
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return (ordered[middle] if len(ordered) % 2
+            else (ordered[middle - 1] + ordered[middle]) / 2)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """measure_builds on the layers CNN (2 repeats), and the graph each zoo.build ran in."""
+    graphs = []
+    build = zoo.build
+
+    def recording_build(name):
+        graphs.append(tf.compat.v1.get_default_graph())
+        return build(name)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zoo, "build", recording_build)
+        times = zoo_bench.measure_builds("layers_cnn", repeats=REPEATS)
+    return times, graphs
+
+
+def test_every_build_in_a_fresh_graph(measured):
+    times, graphs = measured
+    # warm-up, first pertower build, then REPEATS pairs
+    assert len(graphs) == 2 + 2 * REPEATS
+    assert len({id(g) for g in graphs}) == len(graphs)
+    assert all(g is not tf.compat.v1.get_default_graph() for g in graphs)
+    assert times.batch_size is None          # every weight on a rule: no batch_size
+
+
+def test_medians_and_ratios_are_those_of_the_recorded_runs(measured):
+    times, _ = measured
+    runs = {name: getattr(times, name) for name in
+            ("tf_gradients_s", "tf_gradients_cpu_s", "pertower_s", "pertower_cpu_s")}
+    assert all(len(v) == REPEATS and all(s > 0 for s in v) for v in runs.values())
+    assert times.first_s > 0 and times.first_cpu_s > 0
+    assert times.medians == {name: _median(v) for name, v in runs.items()}
+    assert times.ratio == pytest.approx(
+        _median(runs["pertower_s"]) / _median(runs["tf_gradients_s"]), rel=1e-12)
+    assert times.cpu_ratio == pytest.approx(
+        _median(runs["pertower_cpu_s"]) / _median(runs["tf_gradients_cpu_s"]), rel=1e-12)
+
+
+def test_table_and_json_show_the_build_columns(measured):
+    times, _ = measured
+    row = zoo_bench.ZooRow("layers_cnn", 2, 1, {"rules": 10, "towers": 0, "passes": 0,
+                            "unreached": 0}, times)
+    lines = zoo_bench.format_zoo_table([row]).splitlines()
+    header, values = lines[0].split(), lines[2].split()
+    for column in ("build x cpu", "first build s"):
+        assert column in lines[0]
+    # columns: network B P counts tf.gradients s | pertower s | build x | build x cpu |
+    # first build s (a header of several words counts as several fields)
+    assert header[:4] == ["network", "B", "P", "rules/towers/passes"]
+    assert values[4:9] == [f"{times.medians['tf_gradients_s']:.2f}",
+                           f"{times.medians['pertower_s']:.2f}", f"{times.ratio:.2f}",
+                           f"{times.cpu_ratio:.2f}", f"{times.first_s:.2f}"]
+    entry = zoo_bench.to_json([row])[0]
+    assert entry["build_ratio"] == times.ratio and entry["build_cpu_ratio"] == times.cpu_ratio
+    assert entry["builds"]["pertower_cpu_s"] == times.pertower_cpu_s
+    assert entry["builds"]["median_pertower_cpu_s"] == _median(times.pertower_cpu_s)
+    assert entry["builds"]["first_s"] == times.first_s
+
+
+def test_a_plan_that_needs_batch_size_is_built_with_the_first_b(monkeypatch):
+    """When the build without batch_size is refused, the first build and every timed
+    pertower build take the first B."""
+    calls = []
+
+    def fake_build(name, pertower_build, batch_size):
+        calls.append((pertower_build, batch_size))
+        if pertower_build and batch_size is None:
+            raise ValueError("batch_size is needed")
+        return 1.0 + len(calls), 0.5 + len(calls)
+
+    monkeypatch.setattr(zoo_bench, "_timed_build", fake_build)
+    times = zoo_bench.measure_builds("layers_cnn", batch_sizes=(16, 32), repeats=REPEATS)
+    assert times.batch_size == 16
+    assert calls == [(False, None), (True, None), (True, 16)] + [
+        (False, 16), (True, 16)] * REPEATS
+    assert (times.first_s, times.first_cpu_s) == (4.0, 3.5)
+    assert times.tf_gradients_s == [5.0, 7.0] and times.pertower_cpu_s == [5.5, 7.5]
+    assert times.medians["pertower_s"] == 7.0 and times.ratio == 7.0 / 6.0
