@@ -57,7 +57,6 @@ from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
 from pertower._dp import sampling
 from pertower._dp import var_lists
-from pertower._towers import slicing
 
 __all__ = ["DPOptimizer"]
 
@@ -233,15 +232,13 @@ class DPOptimizer:
           batch_axis: the axis of each batch tensor that carries the batch (None: 0),
             as in `pertower.per_example_gradients`; `loss` keeps it on axis 0.
           max_batch_size: None, or N, a batch capacity for Poisson batches (whose
-            size varies): any fed batch of b <= N examples (0 included) is taken, and
-            a larger one fails at run time with the same message on every path.
-            Where some weights fall back to towers (built for a fixed number of
-            examples), they are built for N examples instead of `batch_size` and the
-            fed batch is padded to N with examples whose gradients are dropped
-            (neither summed nor counted); where the rules compute every weight, no
-            towers are built and the capacity is only checked.
-            `pertower.poisson_capacity` gives an N that a Poisson batch exceeds with
-            a stated probability. Not with `batch_size` or `num_microbatches`.
+            size varies): a fed batch of b <= N examples (0 included) is taken, a
+            larger one fails at run time (the same message on every path). Towers
+            (for weights the rules do not cover) are built for N examples instead of
+            `batch_size`, the fed batch padded to N with examples whose gradients are
+            dropped (neither summed nor counted). `pertower.poisson_capacity` gives
+            an N that a Poisson batch exceeds with a stated probability. Not with
+            `batch_size` or `num_microbatches`.
 
         Returns:
           A list of (gradient, variable) pairs, one per variable, every gradient dense
@@ -314,11 +311,7 @@ class DPOptimizer:
             else:
                 clipped_sum, count, norms = clipping_lib.clipped_sum_microbatches(
                     request, factors_of, per_layer)
-            if capacity is not None:   # on every path (the towers check their padding too)
-                check = slicing.capacity_check(per_example_loss, 0, capacity,
-                                               "the DP step was")
-                with tf.control_dependencies([check]):
-                    clipped_sum = [tf.identity(g) for g in clipped_sum]
+            clipped_sum = sampling.within_capacity(clipped_sum, per_example_loss, capacity)
             # adaptive clipping's count of unclipped examples (norms <= C)
             unclipped = (tf.reduce_sum(tf.cast(norms <= clip, dtype))
                          if self._clip.adaptive is not None else tf.zeros([], dtype))

@@ -16,7 +16,8 @@ from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 
-__all__ = ["split_batch", "pad_batch", "capacity_check", "split_segments", "check_tower_rows", "on_device"]
+__all__ = ["split_batch", "pad_batch", "capacity_check", "split_segments", "check_tower_rows",
+           "on_device"]
 
 
 def split_batch(batch, B, T, axes, static_sizes, padded=False):

@@ -272,8 +272,9 @@ def _run_dp_rows(args, repeats, report):
            "x plain: divided by the plain SGD step's ms in the same run; faults: the "
            "process's median minor page faults per run (memory mapped again).")
     return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
-             "median_ms": e.median_ms, "runs_ms": e.runs_ms,
-             "median_faults": e.median_faults} for e in dp_entries]
+             "median_ms": e.median_ms, "x_plain": ratio, "runs_ms": e.runs_ms,
+             "median_faults": e.median_faults}
+            for e, ratio in zip(dp_entries, dp.plain_ratios(dp_entries))]
 
 
 def _run_curvature(args):
