@@ -149,3 +149,25 @@ def test_a_batch_above_the_capacity_fails_at_run_time_on_every_path(capacity_ste
                        match=f"the DP step was built for batches of at most {N} examples "
                              f"\\(max_batch_size={N}\\).*has {N + 1} examples"):
         m["sess"].run(m["means" if which == "means" else "sums"], _feed(m, N + 1))
+
+
+def test_the_two_worker_rows_alternate_and_carry_their_ratio_to_plain(monkeypatch):
+    """`run_worker_bench` alternates the clusters (plain, dp, plain, dp) and pools each
+    kind's steps; `plain_ratios` (the table's "x plain", the JSON's "x_plain") divides a
+    cluster's rows by its own plain step, the single-process rows by theirs."""
+    from pertower.tools.bench import dp, dp_workers  # pylint: disable=import-outside-toplevel
+    calls = []
+
+    def launch(model, B, steps, plain, python):
+        calls.append("plain" if plain else "dp")
+        return [40.0 + len(calls)] if plain else [60.0 + len(calls)]
+    monkeypatch.setattr(dp_workers, "_launch", launch)
+    entries = dp_workers.run_worker_bench(["mlp"], {"mlp": 8}, report=lambda line: None,
+                                          rounds=2)
+    assert calls == ["plain", "dp", "plain", "dp"]
+    assert [(e.name, e.runs_ms) for e in entries] == [
+        ("2 workers: plain step", [41.0, 43.0]), ("2 workers: dp step", [62.0, 64.0])]
+    rows = [dp.DPEntry("mlp", 8, "plain step", runs_ms=[10.0]),
+            dp.DPEntry("mlp", 8, "dp step[auto]", runs_ms=[15.0]),
+            dp.DPEntry("mlp", 8, dp.PHILOX_UNIFORMS, runs_ms=[0.5])] + entries
+    assert dp.plain_ratios(rows) == pytest.approx([1.0, 1.5, 0.05, 1.0, 63.0 / 42.0])

@@ -265,7 +265,8 @@ def _run_dp_rows(args, repeats, report):
             from pertower.tools.bench import dp_workers
             names = [m for m in args.models or dp.DP_BATCH_SIZES if m in dp.DP_BATCH_SIZES]
             sizes = {m: (args.batch_sizes or dp.DP_BATCH_SIZES[m])[0] for m in names}
-            dp_entries += dp_workers.run_worker_bench(names, sizes, report=report)
+            dp_entries += dp_workers.run_worker_bench(names, sizes, report=report,
+                                                      rounds=dp_workers.ROUNDS)
     report("")
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "
