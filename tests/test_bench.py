@@ -228,7 +228,7 @@ def test_dp_rows_time_the_plain_step_each_method_and_the_step_without_noise():
                                  methods=("auto", "towers"), report=lambda line: None)
     assert [e.name for e in entries] == ["plain step", "dp step[auto]", "dp step[towers]",
                                          "dp step[auto] σ=0", "sess.run overhead",
-                                         "noise draw"]
+                                         dp.PHILOX_UNIFORMS, "noise draw"]
     for e in entries:
         assert e.model == "mlp" and e.batch_size == B and len(e.runs_ms) == 2, e
         assert all(t > 0 for t in e.runs_ms) and e.median_ms > 0, e

@@ -7,8 +7,8 @@ loop (`pertower.oracle`), with the ops each builds bounded by formulas:
 - 3x3 convolutions with the default `few_positions` (None): below
   `_conv_ways.FEW_POSITIONS` output positions per image the taps side by side
   ("channels": one ExtractImagePatches, one contraction), at or above it one matmul
-  per tap; the formed norms keep their own threshold (`FEW_POSITIONS_NORMS`), so
-  their one-matmul-per-tap path (`Conv2DRule.formed_norms`) still serves 8x8 images.
+  per tap; the formed norms (`Conv2DRule.formed_norms`) take one matmul over the
+  joined taps at every size.
 
 One module graph and session; B = 3, small shapes.
 """
@@ -133,18 +133,17 @@ def _weight_name(use, weights):
 def test_conv_layouts_follow_the_positions(built):
     """Below FEW_POSITIONS positions per image: one ExtractImagePatches and one
     contraction, nothing stacked; at or above it kh*kw contractions and one stack; the
-    formed norms' threshold stays FEW_POSITIONS_NORMS (an 8x8 image: one matmul per tap)."""
+    formed norms are built at both sizes."""
     graph, _, _, _, weights, plan = built
     options = conv2d.ConvOptions()
     assert options.few_positions is None
-    assert _conv_ways.FEW_POSITIONS_NORMS <= 8 * 8 < _conv_ways.FEW_POSITIONS <= SIDE_BIG ** 2
+    assert 8 * 8 < _conv_ways.FEW_POSITIONS <= SIDE_BIG ** 2
     uses = _uses(plan, "Conv2D")
     assert len(uses) == len(CONVS)
     with graph.as_default():
         for use in uses:
-            _, _, _, layout, norms_layout = CONVS[_weight_name(use, weights)]
+            _, _, _, layout, _ = CONVS[_weight_name(use, weights)]
             assert _conv_ways.tap_layout(options, use) == layout
-            assert _conv_ways.tap_layout(options, use, norms=True) == norms_layout
             dZ = tf.compat.v1.placeholder(tf.float32, use.output.shape)
             grad, ops = _built_ops(graph, lambda: _conv_ways.by_shifts(
                 options, use, dZ, tf.shape(dZ)[0]))
@@ -156,4 +155,4 @@ def test_conv_layouts_follow_the_positions(built):
                 assert (contractions, ops["Pack"], ops["ExtractImagePatches"]) == (9, 1, 0), ops
             formed, _ = _built_ops(graph, lambda: use.rule.formed_norms(
                 use, dZ, tf.shape(dZ)[0]))
-            assert formed is not None     # one matmul over the stacked taps (both sizes)
+            assert formed is not None     # one matmul over the joined taps (both sizes)

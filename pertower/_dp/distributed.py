@@ -229,10 +229,12 @@ class DPSyncReplicasOptimizer:
     def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
                           gate_gradients=_GATE_OP, aggregation_method=None,
                           colocate_gradients_with_ops=False, grad_loss=None,
-                          batch_axis=None):
+                          batch_axis=None, max_batch_size=None):
         """This worker's clipped sum (noised by its share in split mode), per variable.
 
-        Args: as `pertower.DPOptimizer.compute_gradients` (loss [B], one per example).
+        Args: as `pertower.DPOptimizer.compute_gradients` (loss [B], one per example);
+          `max_batch_size` N is this worker's batch capacity, as there: a fed batch of
+          more than N examples fails at run time, and towers (if any) are built for N.
 
         Returns:
           A list of (sum_i clip(g_i) [+ N(0, σ²C²/R)], variable) pairs, [*x.shape] each:
@@ -244,7 +246,7 @@ class DPSyncReplicasOptimizer:
             self._clipper, loss, var_list=var_list, batch=batch, batch_size=batch_size,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
-            batch_axis=batch_axis)
+            batch_axis=batch_axis, max_batch_size=max_batch_size)
         dtype = next(g.dtype for g, _ in pairs if g is not None)
         if self._counter is None:
             # a variable (on a parameter server under replica_device_setter) that only
@@ -285,13 +287,14 @@ class DPSyncReplicasOptimizer:
 
     def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
                  aggregation_method=None, colocate_gradients_with_ops=False, name=None,
-                 grad_loss=None, batch=None, batch_size=None, batch_axis=None):
+                 grad_loss=None, batch=None, batch_size=None, batch_axis=None,
+                 max_batch_size=None):
         """`compute_gradients` then `apply_gradients`; returns the worker's train op."""
         grads_and_vars = self.compute_gradients(
             loss, var_list=var_list, batch=batch, batch_size=batch_size,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
-            batch_axis=batch_axis)
+            batch_axis=batch_axis, max_batch_size=max_batch_size)
         return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
     def make_session_run_hook(self, is_chief, num_tokens=None):

@@ -41,11 +41,11 @@ import math
 
 import tensorflow as tf
 
-__all__ = ["standard_normal", "normal_pairs", "add_noise"]
+__all__ = ["ALIGNED_PAIRS", "standard_normal", "normal_pairs", "add_noise"]
 
 # pairs per row are a multiple of this: 16 float32 (or more float64) = 64 bytes, the
 # alignment at which TensorFlow slices along the first axis without a copy
-_ALIGNED_PAIRS = 16
+ALIGNED_PAIRS = 16
 
 
 def normal_pairs(n, key, dtype=tf.float32):
@@ -64,7 +64,7 @@ def normal_pairs(n, key, dtype=tf.float32):
     """
     dtype = tf.as_dtype(dtype)
     work = tf.float64 if dtype == tf.float64 else tf.float32
-    pairs = ((n + 1) // 2 + _ALIGNED_PAIRS - 1) // _ALIGNED_PAIRS * _ALIGNED_PAIRS
+    pairs = ((n + 1) // 2 + ALIGNED_PAIRS - 1) // ALIGNED_PAIRS * ALIGNED_PAIRS
     u = tf.random.stateless_uniform(tf.stack([2, pairs]), seed=key, dtype=work)  # [2, h]
     radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))                    # [h], 1 - u0 in (0, 1]
     angle = (2.0 * math.pi) * u[1]                                   # [h]

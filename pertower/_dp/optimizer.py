@@ -231,15 +231,14 @@ class DPOptimizer:
           grad_loss: must be None (every example's loss has weight 1 in DP-SGD).
           batch_axis: the axis of each batch tensor that carries the batch (None: 0),
             as in `pertower.per_example_gradients`; `loss` keeps it on axis 0.
-          max_batch_size: None, or N for Poisson batches (whose size varies) when some
-            weights fall back to towers, which are built for a fixed number of
-            examples: instead of `batch_size`, the towers are built for N examples
-            and any fed batch of b <= N examples (0 included) is padded to N with
-            examples whose gradients are dropped (neither summed nor counted); a
-            larger batch fails at run time (when the rules compute every weight, no
-            towers are built and any size is taken). `pertower.poisson_capacity` gives an N
-            that a Poisson batch exceeds with a stated probability. Not with
-            `batch_size` or `num_microbatches`; with a static batch axis it is unused.
+          max_batch_size: None, or N, a batch capacity for Poisson batches (whose
+            size varies): a fed batch of b <= N examples (0 included) is taken, a
+            larger one fails at run time (the same message on every path). Towers
+            (for weights the rules do not cover) are built for N examples instead of
+            `batch_size`, the fed batch padded to N with examples whose gradients are
+            dropped (neither summed nor counted). `pertower.poisson_capacity` gives
+            an N that a Poisson batch exceeds with a stated probability. Not with
+            `batch_size` or `num_microbatches`.
 
         Returns:
           A list of (gradient, variable) pairs, one per variable, every gradient dense
@@ -312,6 +311,7 @@ class DPOptimizer:
             else:
                 clipped_sum, count, norms = clipping_lib.clipped_sum_microbatches(
                     request, factors_of, per_layer)
+            clipped_sum = sampling.within_capacity(clipped_sum, per_example_loss, capacity)
             # adaptive clipping's count of unclipped examples (norms <= C)
             unclipped = (tf.reduce_sum(tf.cast(norms <= clip, dtype))
                          if self._clip.adaptive is not None else tf.zeros([], dtype))

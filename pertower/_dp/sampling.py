@@ -9,9 +9,10 @@ and Zhang 2019, arXiv 1908.10530) that `compute_epsilon` runs assume each exampl
 joins each batch independently with probability q: the batch size varies from step to
 step, and may be 0. Fixed-size batches from a shuffle are a different sampling, which
 those numbers do not cover. `DPOptimizer` takes any fed batch size (an empty one
-included: the step then releases the noise alone); where some weights fall back to
-towers, built for a fixed number of examples, it takes `max_batch_size=N` and pads
-each fed batch to N examples whose gradients are dropped. `poisson_capacity` gives the
+included: the step then releases the noise alone); `max_batch_size=N` makes N a
+capacity, checked at run time on every path (`within_capacity`), and where some weights
+fall back to towers, built for a fixed number of examples, they are built for N and
+each fed batch is padded to N examples whose gradients are dropped. `poisson_capacity` gives the
 N that a Binomial(N_examples, q) batch exceeds with at most a stated probability:
 
     P(B_t > N) = sum_{k > N} C(N_examples, k) q^k (1 - q)^(N_examples - k).
@@ -21,11 +22,13 @@ import math
 import numbers
 
 import numpy as np
+import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
+from pertower._towers import slicing
 
-__all__ = ["poisson_batches", "poisson_capacity", "checked_capacity"]
+__all__ = ["poisson_batches", "poisson_capacity", "checked_capacity", "within_capacity"]
 
 
 @_context.public("poisson_batches")
@@ -147,3 +150,14 @@ def checked_capacity(max_batch_size, batch_size, num_microbatches):
             f"num_microbatches={num_microbatches!r} were given. Pass either "
             "max_batch_size or batch_size, and leave num_microbatches None.")
     return capacity
+
+
+def within_capacity(gradients, loss, capacity):
+    """`gradients` after a run-time check that `loss`, [b], has b <= `capacity`
+    examples (`DPOptimizer`'s max_batch_size, the towers' message); as they are when
+    `capacity` is None."""
+    if capacity is None:
+        return gradients
+    check = slicing.capacity_check(loss, 0, capacity, "the DP step was")
+    with tf.control_dependencies([check]):
+        return [tf.identity(g) for g in gradients]

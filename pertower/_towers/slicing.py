@@ -16,7 +16,8 @@ from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 
-__all__ = ["split_batch", "pad_batch", "split_segments", "check_tower_rows", "on_device"]
+__all__ = ["split_batch", "pad_batch", "capacity_check", "split_segments", "check_tower_rows",
+           "on_device"]
 
 
 def split_batch(batch, B, T, axes, static_sizes, padded=False):
@@ -49,14 +50,8 @@ def pad_batch(b, axis, B):
     """[..., b, ...] -> [..., B, ...]: the fed batch and B - b rows of zeros after it
     on axis `axis`, after a run-time check that b <= B (the towers' capacity, the
     `max_batch_size` of DPOptimizer)."""
+    check = capacity_check(b, axis, B, "the towers were")
     fed = tf.shape(b)[axis]
-    message = tf.strings.join([
-        f"pertower: the towers were built for batches of at most {B} examples "
-        f"(max_batch_size={B}), but the batch fed to {b.name} has ",
-        tf.strings.as_string(fed), f" examples. Feed at most {B} examples, or build the "
-        "step again with a larger max_batch_size (for Poisson batches, "
-        "pertower.poisson_capacity gives one with a stated overflow probability)."])
-    check = tf.debugging.Assert(fed <= B, [message], name="check_capacity")
     with tf.control_dependencies([check]):
         rank = tf.rank(b)
         # [rank, 2]: B - b rows after the fed ones on `axis`, none elsewhere
@@ -65,6 +60,21 @@ def pad_batch(b, axis, B):
     if b.shape.rank is not None:
         padded.set_shape(b.shape[:axis].concatenate([B]).concatenate(b.shape[axis + 1:]))
     return padded
+
+
+def capacity_check(b, axis, B, built):
+    """A run-time assertion that the batch fed to `b` has at most B examples on its axis
+    `axis` (a batch capacity, `max_batch_size`): one message on every path, the towers'
+    (`pad_batch`) and the rules' (`pertower.DPOptimizer`), `built` saying what was built
+    ("the towers were", "the DP step was")."""
+    fed = tf.shape(b)[axis]
+    message = tf.strings.join([
+        f"pertower: {built} built for batches of at most {B} examples "
+        f"(max_batch_size={B}), but the batch fed to {b.name} has ",
+        tf.strings.as_string(fed), f" examples. Feed at most {B} examples, or build the "
+        "step again with a larger max_batch_size (for Poisson batches, "
+        "pertower.poisson_capacity gives one with a stated overflow probability)."])
+    return tf.debugging.Assert(fed <= B, [message], name="check_capacity")
 
 
 def split_segments(batch, segments, B, T, axes, static_sizes):

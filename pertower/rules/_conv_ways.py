@@ -20,28 +20,25 @@ from pertower.rules._conv_geometry import (
     attributes, explicitly_padded, fold_groups, group_target, groups, mul, padded_input,
     patches, split_channels, taps, to_groups)
 
-__all__ = ["FEW_POSITIONS", "FEW_POSITIONS_NORMS", "tap_layout", "by_patches", "by_shifts",
+__all__ = ["FEW_POSITIONS", "tap_layout", "by_patches", "by_shifts",
            "by_grouped", "by_depthwise"]
 
 # `ConvOptions.few_positions` None: below this many output positions per image the
-# per-example gradients take "channels" (one ExtractImagePatches, one matmul), and the
-# formed norms (`Conv2DRule.formed_norms`) theirs. On a 2-core CPU without oneDNN (TF
+# per-example gradients take "channels" (one ExtractImagePatches, one matmul). On a 2-core CPU without oneDNN (TF
 # 2.21, float32, B = 16, 3x3 SAME, CPU ms of the per-example filter gradients): 16x16,
 # 64 -> 128 channels: one matmul per tap 47, "channels" 24; 16x16, 128 -> 128: 70, 62;
 # 32x32, 64 -> 64 (P = 1024): 101, 105 (docs/conv2d_costs.md, oneDNN off: 16x16,
 # 32 -> 64 at B = 64: 20.0 per tap, 14.8 stacked).
 FEW_POSITIONS = 512
-FEW_POSITIONS_NORMS = 64
 
 
-def tap_layout(options, use, norms=False):
+def tap_layout(options, use):
     """How "shifts" lays out the taps of `use` (a `ConvOptions` `options`):
 
         "one"       a 1x1 filter (one tap, no groups): one matmul of the (strided) input;
         "thin"      Cin < `thin_channels`: the taps stacked along the contracted rows,
                     the input channels-first, one matmul;
-        "channels"  few positions (P < `few_positions`; None: `FEW_POSITIONS`, or
-                    `FEW_POSITIONS_NORMS` when `norms`, for the formed norms) or
+        "channels"  few positions (P < `few_positions`; None: `FEW_POSITIONS`) or
                     per-tap results larger than the taps (T*P < Cout, so stacking
                     kh*kw results of [Cin, Cout] would copy more than the taps hold): the taps side by side in channels,
                     [G, T*P, kh*kw*Cin] in the filter's order (the patches, written by
@@ -59,9 +56,7 @@ def tap_layout(options, use, norms=False):
         return "thin"
     positions = _rows.static_size(use.output.shape[1:3])
     k = use.rows.k if isinstance(use.rows.k, int) else 1
-    few = options.few_positions
-    if few is None:
-        few = FEW_POSITIONS_NORMS if norms else FEW_POSITIONS
+    few = FEW_POSITIONS if options.few_positions is None else options.few_positions
     if positions < few or k * positions < c_out:
         return "channels"
     return "per_tap"

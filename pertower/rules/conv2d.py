@@ -110,6 +110,7 @@ import math
 import tensorflow as tf
 
 from pertower import _context
+from pertower.rules import _conv_norms
 from pertower.rules import _conv_views
 from pertower.rules import _conv_ways
 from pertower.rules import conv2d_squares
@@ -117,7 +118,7 @@ from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 from pertower.rules._conv_geometry import (
     attributes, check_convolution, filter_gradient, groups, patches, plain_filter_gradient,
-    spatial_pads, taps)
+    spatial_pads)
 
 __all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled",
            "untrusted_filter_gradient", "register"]
@@ -141,9 +142,8 @@ class ConvOptions:
       thin_channels: below this many input channels "auto" does not pick "grouped",
         and "shifts" stacks the taps into one matmul.
       few_positions: below this many output positions per image "shifts" stacks the
-        taps into one matmul (else one matmul per tap); None: the measured defaults,
-        `_conv_ways.FEW_POSITIONS` (512) for the per-example gradients and
-        `_conv_ways.FEW_POSITIONS_NORMS` (64) for the formed norms.
+        taps into one matmul (else one matmul per tap); None: the measured default,
+        `_conv_ways.FEW_POSITIONS` (512).
 
     Example:
       registry = pertower.rules.default_registry()
@@ -309,29 +309,16 @@ class Conv2DRule(registry_lib.Rule):
         return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B, use.rows.k * positions)
 
     def formed_norms(self, use, dZ, G):
-        """Where the norms are formed ("formed" by `norm_strategy`) and "shifts" takes one
-        matmul per tap (`_conv_ways.tap_layout` "per_tap"): the taps'
-        slices stacked, [G, kh*kw, T*P, Cin], under dZ transposed, [G, 1, Cout, T*P], give
-        every tap's gradient in ONE batched matmul, [G, kh*kw, Cout, Cin], whose squared
-        norms are summed as they are; only the clipped sum, [kh*kw, Cout, Cin], is
-        transposed to the filter's order (a `registry.FormedNorms`). None elsewhere (the
+        """Where the norms are formed ("formed" by `norm_strategy`): the per-group
+        gradients in the filter's order, [G, kh*kw*Cin, Cout], from the taps of the
+        channels-first input in ONE batched matmul, and their squared norms
+        (`_conv_norms.formed_norms`, a `registry.FormedNorms`); None elsewhere (the
         engine forms `per_group`)."""
         if isinstance(use, _conv_views.ViewUse):
             return self.formed_norms(*use.view.inner(use, dZ), G)
-        if (self.norm_strategy(use) != "formed" or groups(use.op) != 1 or
-                self._cannot("shifts", use) or
-                _conv_ways.tap_layout(self.options, use, norms=True) != "per_tap"):
+        if self.norm_strategy(use) != "formed":
             return None
-        kh, kw, c_in, c_out = use.weight_shape.as_list()
-        x_taps = tf.stack([_rows.to_groups(tap, G, 1) for tap in taps(use.op, kh, kw)],
-                          axis=1)                                  # [G, kh*kw, T*P, Cin]
-        dZ_t = tf.transpose(_rows.to_groups(dZ, G, 1), [0, 2, 1])  # [G, Cout, T*P]
-        per_group = tf.matmul(dZ_t[:, tf.newaxis], x_taps)         # [G, kh*kw, Cout, Cin]
-        squares = tf.reduce_sum(tf.square(per_group), axis=[1, 2, 3])           # [G]
-
-        def to_weight(total):   # [kh*kw, Cout, Cin] -> [kh, kw, Cin, Cout]
-            return tf.reshape(tf.transpose(total, [0, 2, 1]), [kh, kw, c_in, c_out])
-        return registry_lib.FormedNorms(squares, per_group, to_weight)
+        return _conv_norms.formed_norms(self.options, use, dZ, G)
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
         # the wide filter (C*Cout outputs): every tap in one matmul (`conv2d_squares`)

@@ -265,15 +265,17 @@ def _run_dp_rows(args, repeats, report):
             from pertower.tools.bench import dp_workers
             names = [m for m in args.models or dp.DP_BATCH_SIZES if m in dp.DP_BATCH_SIZES]
             sizes = {m: (args.batch_sizes or dp.DP_BATCH_SIZES[m])[0] for m in names}
-            dp_entries += dp_workers.run_worker_bench(names, sizes, report=report)
+            dp_entries += dp_workers.run_worker_bench(names, sizes, report=report,
+                                                      rounds=dp_workers.ROUNDS)
     report("")
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "
            "x plain: divided by the plain SGD step's ms in the same run; faults: the "
            "process's median minor page faults per run (memory mapped again).")
     return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
-             "median_ms": e.median_ms, "runs_ms": e.runs_ms,
-             "median_faults": e.median_faults} for e in dp_entries]
+             "median_ms": e.median_ms, "x_plain": ratio, "runs_ms": e.runs_ms,
+             "median_faults": e.median_faults}
+            for e, ratio in zip(dp_entries, dp.plain_ratios(dp_entries))]
 
 
 def _run_curvature(args):

@@ -17,9 +17,12 @@ key), chained by control dependencies in ONE `sess.run`, divided by K; and with 
 peers' Python the row "noise draw: torch normal_" times K in-place `normal_` fills of
 the same P numbers in a child process (`peers_noise`), divided by K, right after the
 model's other rows: the fastest draw we know of, which the "noise draw" row should stay
-within 1.2 times of. The derived row "noise in step (dp − σ=0)" is the first method's
-step minus its step without noise: the draw's cost as the step sees it (noisier: the
-difference of two whole steps).
+within 1.2 times of. The row "noise draw: Philox uniforms alone" is the same K chained
+draws of the [2, h] stateless Philox uniforms the draw transforms, without the
+transform: TensorFlow's floor for the draw (on one thread it costs about torch's whole
+`normal_`), against which the ratio of the two rows above reads. The derived row
+"noise in step (dp − σ=0)" is the first method's step minus its step without noise:
+the draw's cost as the step sees it (noisier: the difference of two whole steps).
 """
 
 import dataclasses
@@ -36,8 +39,9 @@ from pertower.tools import timing
 from pertower.tools.bench import peers_noise
 from pertower.tools.bench import report as report_lib
 
-__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "SESSION_OVERHEAD", "DRAWS_PER_RUN", "FINE_ROWS",
-           "DPEntry", "run_dp_bench", "format_dp_table"]
+__all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "PHILOX_UNIFORMS", "SESSION_OVERHEAD",
+           "DRAWS_PER_RUN", "FINE_ROWS", "DPEntry", "run_dp_bench", "format_dp_table",
+           "plain_ratios"]
 
 MODELS = models_lib.MODEL_NAMES
 # DP rows: per model, the batch sizes the DP-SGD step is timed at (models the installed
@@ -45,12 +49,15 @@ MODELS = models_lib.MODEL_NAMES
 DP_BATCH_SIZES = {"mlp": (128,), "cnn": (32,), "cifar": (64,)}
 DP_LEARNING_RATE = 1e-3   # small: the timed steps train the weights they measure
 TORCH_NOISE = "noise draw: torch normal_"
+# the floor of the draw in TensorFlow: its stateless Philox uniforms alone (the [2, h]
+# the draw transforms), chained as the "noise draw" row
+PHILOX_UNIFORMS = "noise draw: Philox uniforms alone"
 SESSION_OVERHEAD = "sess.run overhead"
 # draws chained in the one sess.run of the "noise draw" row (see the module notes)
 DRAWS_PER_RUN = 10
 # rows printed to 0.01 ms: draws of 57 k numbers take tenths of a millisecond, where one
 # decimal would round their ratio to torch's by up to a third
-FINE_ROWS = ("noise draw", TORCH_NOISE, SESSION_OVERHEAD)
+FINE_ROWS = ("noise draw", PHILOX_UNIFORMS, TORCH_NOISE, SESSION_OVERHEAD)
 
 
 @dataclasses.dataclass
@@ -129,6 +136,8 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 keys = tf.random.uniform([DRAWS_PER_RUN, 2], maxval=2 ** 62,
                                          dtype=tf.int64, seed=B)       # [K, 2]
                 steps.append((SESSION_OVERHEAD, keys[0]))
+                steps.append((PHILOX_UNIFORMS, _chained_draws(P, keys, loss.dtype,
+                                                               _uniforms)))
                 steps.append(("noise draw", _chained_draws(P, keys, loss.dtype)))
                 sess.run(tf.compat.v1.global_variables_initializer())
                 rows = [DPEntry(model_name, B, name) for name, _ in steps]
@@ -138,7 +147,7 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                     [(_counted(lambda op=op: sess.run(op, model.feed), row.faults), repeats)
                      for row, (_, op) in zip(rows, steps)])
                 for row, seconds in zip(rows, times):
-                    per = DRAWS_PER_RUN if row.name == "noise draw" else 1
+                    per = DRAWS_PER_RUN if row.name in ("noise draw", PHILOX_UNIFORMS) else 1
                     row.runs_ms.extend(1e3 * t / per for t in seconds)
                     row.faults[:] = [f / per for f in row.faults]
                 entries += rows
@@ -156,15 +165,24 @@ def _counted(run, faults):
     return counted
 
 
-def _chained_draws(P, keys, dtype):
+def _chained_draws(P, keys, dtype, draw=None):
     """The fetch of K = len(keys) draws of P numbers as the DP step makes them
-    (`normal_pairs`, [2h] >= P, one key each), draw k+1 waiting for draw k: their
-    first entries, [K]."""
+    (`normal_pairs`, [2h] >= P, one key each; or `draw(P, key, dtype)`), draw k+1
+    waiting for draw k: their first entries, [K]."""
+    draw = draw or noise_lib.normal_pairs
     heads = []
     for k in range(keys.shape[0]):
         with tf.control_dependencies(heads[-1:]):
-            heads.append(noise_lib.normal_pairs(P, keys[k], dtype)[:1])   # [1]
+            heads.append(tf.reshape(draw(P, keys[k], dtype), [-1])[:1])   # [1]
     return tf.concat(heads, axis=0)                                        # [K]
+
+
+def _uniforms(P, key, dtype):
+    """[2, h]: the stateless Philox uniforms `normal_pairs` draws for P numbers (the same
+    h and working dtype), without their transform to normals."""
+    work = tf.float64 if dtype == tf.float64 else tf.float32
+    pairs = -(-P // (2 * noise_lib.ALIGNED_PAIRS)) * noise_lib.ALIGNED_PAIRS
+    return tf.random.stateless_uniform([2, pairs], seed=key, dtype=work)      # [2, h]
 
 
 def _torch_noise(model_name, B, P, repeats, python, report):
@@ -187,17 +205,11 @@ def format_dp_table(entries):
     plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
              if e.name.endswith("plain step")}
     rows, done = [], set()
-    for j, e in enumerate(entries):
+    for j, (e, ratio) in enumerate(zip(entries, plain_ratios(entries))):
         key = (e.model, e.batch_size)
-        # the rows of a cluster (`dp_workers`, "W workers: ...") against its plain step
-        cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
-        base = plain.get(key + (cluster + "plain step",))
         digits = ".2f" if e.name in FINE_ROWS else ".1f"
         rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_faults, ".0f"),
-                     report_lib.cell(e.median_ms, digits),
-                     report_lib.cell(
-                         e.median_ms / base if base and e.median_ms is not None else None,
-                         ".2f")))
+                     report_lib.cell(e.median_ms, digits), report_lib.cell(ratio, ".2f")))
         last = j + 1 == len(entries) or (entries[j + 1].model,
                                          entries[j + 1].batch_size) != key
         if last and key not in done:   # (once per model: its cluster's rows come later)
@@ -206,6 +218,20 @@ def format_dp_table(entries):
                                         if (f.model, f.batch_size) == key],
                                   plain.get(key + ("plain step",)))
     return timing.format_table(("model", "B", "step", "faults", "ms", "x plain"), rows)
+
+
+def plain_ratios(entries):
+    """Each entry's median ms divided by its plain step's (the same model and B; a
+    cluster's rows, "W workers: ...", by its "W workers: plain step"), None where either
+    is missing: the "x plain" column and the JSON's "x_plain"."""
+    plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
+             if e.name.endswith("plain step")}
+    ratios = []
+    for e in entries:
+        cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
+        base = plain.get((e.model, e.batch_size, cluster + "plain step"))
+        ratios.append(e.median_ms / base if base and e.median_ms is not None else None)
+    return ratios
 
 
 def _overhead_row(key, entries, base):

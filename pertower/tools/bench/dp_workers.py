@@ -15,8 +15,10 @@ the bench model on B examples and either `tf.compat.v1.train.SyncReplicasOptimiz
 around SGD ("plain", the mean loss) or `pertower.DPSyncReplicasOptimizer` (C = 1, σ = 1,
 noise added once by the chief). It runs S synchronous steps and prints one JSON object,
 {"task": T, "runs_ms": [...]}, the times of its steps after two warm-up steps. The rows
-are the median over the workers' steps of the plain cluster, then of the DP cluster
-(one after the other: two clusters cannot share the two cores fairly at once).
+are the median over the workers' steps of the plain cluster, then of the DP cluster:
+one after the other (two clusters cannot share the two cores fairly at once), in
+`rounds` alternations (plain, dp, plain, dp, ...) so that a change of the machine's
+load during the run falls on both rows alike.
 """
 
 import argparse
@@ -29,10 +31,12 @@ import time
 
 from pertower.tools.bench import peers as peers_lib
 
-__all__ = ["WORKERS", "WARM_UP_STEPS", "free_ports", "run_worker_bench", "main"]
+__all__ = ["WORKERS", "WARM_UP_STEPS", "ROUNDS", "free_ports", "run_worker_bench", "main"]
 
 WORKERS = 2
 WARM_UP_STEPS = 2
+# the alternations of `pertower bench --dp-workers` (`run_worker_bench`'s rounds)
+ROUNDS = 2
 _TIMEOUT_SECONDS = 900
 
 
@@ -81,32 +85,37 @@ def _launch(model, B, steps, plain, python):
         ps.wait()
 
 
-def run_worker_bench(models, batch_sizes, steps=12, report=print, python=None):
+def run_worker_bench(models, batch_sizes, steps=12, report=print, python=None, rounds=1):
     """The rows "W workers: plain step" and "W workers: dp step" per model.
 
     Args:
       models: model names of `pertower.tools.models`.
       batch_sizes: a dict model -> B per worker.
-      steps: synchronous steps per worker (the first WARM_UP_STEPS are not timed).
+      steps: synchronous steps per worker and cluster run (the first WARM_UP_STEPS are
+        not timed).
       report: called with each line of progress.
       python: the workers' interpreter (default this one).
+      rounds: cluster runs of each kind, alternated (plain, dp, plain, ...); a row
+        holds the timed steps of all its runs.
 
     Returns:
-      A list of `dp.DPEntry` (no runs when the cluster failed, with the reason reported).
+      A list of `dp.DPEntry` (no runs when a cluster failed, with the reason reported).
     """
     from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
     entries = []
     for model in models:
         B = batch_sizes[model]
-        for plain in (True, False):
-            name = f"{WORKERS} workers: {'plain' if plain else 'dp'} step"
-            report(f"dp {model} B={B}: {name} ...")
-            row = dp.DPEntry(model, B, name)
-            try:
-                row.runs_ms.extend(_launch(model, B, steps, plain, python or sys.executable))
-            except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
-                report(f"dp {model} B={B}: {name}: {error}")
-            entries.append(row)
+        rows = [dp.DPEntry(model, B, f"{WORKERS} workers: {kind} step")
+                for kind in ("plain", "dp")]
+        for _ in range(rounds):
+            for plain, row in zip((True, False), rows):
+                report(f"dp {model} B={B}: {row.name} ...")
+                try:
+                    row.runs_ms.extend(_launch(model, B, steps, plain,
+                                               python or sys.executable))
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+                    report(f"dp {model} B={B}: {row.name}: {error}")
+        entries += rows
     return entries
 
 
