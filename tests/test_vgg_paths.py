@@ -34,10 +34,10 @@ DENSE = {"long": ([4, LONG], False, True),            # [B, 4, LONG]
          "short": ([LONG, 5], False, False),          # [B, LONG, 5]
          "long_t": ([2, 5], True, False),             # W^T: [B, 2, 5]
          "wide_t": ([3, LONG + 1], True, True)}       # W^T on [B, LONG+1]: [B, 3, LONG+1]
-# convolutions: name -> (input side, Cin, Cout, the per-example layout, the norms' layout)
+# convolutions: name -> (input side, Cin, Cout, the per-example layout)
 SIDE_BIG = 23                          # P = 529 >= FEW_POSITIONS (512)
-CONVS = {"few": (8, 8, 8, "channels", "per_tap"),
-         "many": (SIDE_BIG, 8, 4, "per_tap", "per_tap")}
+CONVS = {"few": (8, 8, 8, "channels"),
+         "many": (SIDE_BIG, 8, 4, "per_tap")}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def built():
         feed[wide] = rng.normal(size=[B, LONG + 1]).astype("float32")
         z = tf.matmul(wide, weight("wide_t", DENSE["wide_t"][0], 0.05), transpose_b=True)
         losses.append(tf.reduce_sum(tf.sin(z), axis=1))
-        for name, (side, c_in, c_out, _, _) in CONVS.items():
+        for name, (side, c_in, c_out, _) in CONVS.items():
             x = tf.compat.v1.placeholder(tf.float32, [None, side, side, c_in], name=name + "_x")
             feed[x] = rng.normal(size=[B, side, side, c_in]).astype("float32")
             y = tf.nn.conv2d(x, weight(name, [3, 3, c_in, c_out], 0.2), 1, "SAME")
@@ -142,7 +142,7 @@ def test_conv_layouts_follow_the_positions(built):
     assert len(uses) == len(CONVS)
     with graph.as_default():
         for use in uses:
-            _, _, _, layout, _ = CONVS[_weight_name(use, weights)]
+            _, _, _, layout = CONVS[_weight_name(use, weights)]
             assert _conv_ways.tap_layout(options, use) == layout
             dZ = tf.compat.v1.placeholder(tf.float32, use.output.shape)
             grad, ops = _built_ops(graph, lambda: _conv_ways.by_shifts(
