@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import time
 
 from tests import process_runner
@@ -48,11 +49,18 @@ class _Command:
       argv: the arguments after the Python executable.
       legacy_keras_env: True to pass TF_USE_LEGACY_KERAS=1 (tests/conftest.py sets it in
         this process); False to remove it, so that the process must set it up itself.
+      one_thread: True to run TensorFlow on one thread.
+      environment: (name, value) pairs to set in the process's environment (in a
+        group's run: for all of its members).
     """
 
     argv: tuple
     legacy_keras_env: bool = True
     one_thread: bool = True
+    environment: tuple = ()
+
+
+_ONEDNN_ON = (("TF_ENABLE_ONEDNN_OPTS", "1"),)
 
 
 PROCESSES = {
@@ -76,6 +84,8 @@ PROCESSES = {
                                     "heavy")),
     # batch sizes used as shapes and indices in the towers, under disable_v2_behavior()
     "tower_sizes": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),)),
+    "tower_sizes_heavy": _Command((os.path.join(HERE, "scripts", "tower_sizes_checks.py"),
+                                   "heavy")),
     # joined batches through v1 loops and the row passes' fed-size message
     "messages_joined_legacy": _Command(
         (os.path.join(HERE, "scripts", "messages_and_joined_checks.py"),)),
@@ -87,6 +97,8 @@ PROCESSES = {
         one_thread=False),
     # loops bounded by a batch reduction and Python gradients on row passes, v1 loops
     "never_wrong_loops": _Command((os.path.join(HERE, "scripts", "never_wrong_loop_checks.py"),)),
+    "never_wrong_loops_heavy": _Command(
+        (os.path.join(HERE, "scripts", "never_wrong_loop_checks.py"), "heavy")),
     # non-float variables in DPOptimizer and the rules' static sizes, in each shape mode
     **{f"never_wrong_{kind}_{mode}": _Command(
         (os.path.join(HERE, "scripts", f"never_wrong_{kind}_checks.py"), mode),
@@ -94,17 +106,26 @@ PROCESSES = {
        for kind in ("dtype", "shape") for mode in ("graph", "legacy")},
     "curvature_legacy": _Command((os.path.join(HERE, "scripts", "curvature_legacy_checks.py"),)),
     "curvature_convs_legacy": _Command((os.path.join(HERE, "scripts", "curvature_conv_checks.py"),)),
+    "curvature_convs_legacy_heavy": _Command(
+        (os.path.join(HERE, "scripts", "curvature_conv_checks.py"), "heavy")),
     # the DP modes and per-weight norms under disable_v2_behavior()
     "dp_modes_legacy": _Command((os.path.join(HERE, "scripts", "dp_modes_legacy_checks.py"),)),
     # tests/test_rules_convs.py under disable_v2_behavior() and with TF_ENABLE_ONEDNN_OPTS=1
+    # (the oneDNN ones set TF_ENABLE_ONEDNN_OPTS=1 themselves too, when run alone)
     **{f"convs_{mode}": _Command((os.path.join(HERE, "scripts", "conv_rules_checks.py"), mode),
-                                 one_thread=mode == "legacy") for mode in ("legacy", "onednn")},
-    **{f"zoo_speed_{m}": _Command((os.path.join(HERE, "scripts", "zoo_speed_checks.py"), m))
+                                 one_thread=mode == "legacy",
+                                 environment=_ONEDNN_ON if mode == "onednn" else ())
+       for mode in ("legacy", "onednn")},
+    **{f"zoo_speed_{m}": _Command((os.path.join(HERE, "scripts", "zoo_speed_checks.py"), m),
+                                  environment=_ONEDNN_ON if m == "onednn" else ())
        for m in ("legacy", "onednn")},   # tests/test_rules_zoo_speed.py in the other modes
     # eager execution on (TensorFlow 2's default): pertower refuses, naming the switch.
-    "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),)),
+    "eager": _Command((os.path.join(HERE, "scripts", "eager_mode_checks.py"),),
+                      legacy_keras_env=False),
     # two tf.distribute.Servers, alive until the process ends.
     "distributed": _Command((os.path.join(HERE, "scripts", "distributed_towers.py"),)),
+    "distributed_heavy": _Command((os.path.join(HERE, "scripts", "distributed_towers.py"),
+                                   "heavy")),
     # DPSyncReplicasOptimizer on a ps and two workers (in-process servers, one thread each)
     **{name: _Command((os.path.join(HERE, "scripts", "dp_distributed_checks.py"), *args),
                       one_thread=False)
@@ -119,9 +140,14 @@ PROCESSES = {
 }
 
 
-# The checks of tests/scripts/legacy_mode_checks.py that take several seconds each: they
-# run in the process "legacy_heavy", read by heavy tests only; the others in "legacy".
+# The checks of tests/scripts/legacy_mode_checks.py that take several seconds each and
+# check a mechanism that another legacy check of the default run checks too (v1 frames
+# on the rules: check_v1_dynamic_rnn_gru_with_sequence_length_matches_oracle): they run
+# in the process "legacy_heavy", read by heavy tests only; the others in "legacy".
 LEGACY_HEAVY_CHECKS = frozenset({
+    "check_v1_dynamic_rnn_lstm_matches_oracle",
+    "check_keras_lstm_with_v1_loops_matches_oracle",
+    "check_v1_map_fn_and_scan_over_time_match_oracle",
     "check_v1_bidirectional_dynamic_rnn_microbatches_match_oracle",
     "check_legacy_lstm_example_runs_and_matches_the_loop",
     "check_v1_dynamic_rnn_final_state_of_each_cell_is_proven",
@@ -150,23 +176,28 @@ def legacy_params(checks):
 # Processes that run in one interpreter, one after the other (tests/scripts/
 # process_group.py), when several of them are queued: each would otherwise spend its
 # own TensorFlow start-up (~9 s of CPU). Members share a mode (disable_v2_behavior(),
-# or graph mode, or oneDNN on) and environment; a group runs on one thread only if each
-# of its members does. For the long groups (SHARED_GROUPS, the legacy ones) each test
-# process of an xdist session starts a run, and the two runs share the members out as
-# they go (`process_runner.Runner`), so that the group keeps both cores busy until its
-# last member; a shorter group is not worth a second start-up.
+# or graph mode, or eager execution with Keras 3 in graphs of its own) and environment
+# (`legacy_keras_env`; the `environment` of each member queued is set for the whole
+# run: the graph-mode group runs with oneDNN on when a oneDNN member is queued); a
+# group runs on one thread only if each of its members does. For the long group
+# (SHARED_GROUPS, the legacy one) each test process of an xdist session starts a run,
+# and the two runs share the members out as they go (`process_runner.Runner`), so that
+# the group keeps both cores busy until its last member; a shorter group is not worth a
+# second start-up.
 GROUPS = (
     ("legacy", "published_legacy", "weight_functions_legacy", "recurrent_legacy",
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
-     "convs_legacy", "curvature_legacy"),
-    ("never_wrong_shape_legacy", "never_wrong_dtype_legacy", "python_gradients_legacy",
-     "recurrent_v1", "curvature_convs_legacy", "zoo_speed_legacy"),
+     "convs_legacy", "curvature_legacy", "never_wrong_shape_legacy",
+     "never_wrong_dtype_legacy", "python_gradients_legacy", "recurrent_v1",
+     "curvature_convs_legacy", "zoo_speed_legacy"),
     # graph mode (disable_eager_execution()); the servers of "distributed" and
     # "dp_distributed" live on beside the others' clusters and local sessions
-    ("never_wrong_shape_graph", "never_wrong_dtype_graph", "distributed", "dp_distributed"),
-    ("convs_onednn", "zoo_speed_onednn"),
+    ("never_wrong_shape_graph", "never_wrong_dtype_graph", "distributed", "dp_distributed",
+     "convs_onednn", "zoo_speed_onednn"),
+    # eager execution on; keras3 builds its graph-mode network in a tf.Graph of its own
+    ("eager", "keras3"),
 )
-SHARED_GROUPS = GROUPS[:2]
+SHARED_GROUPS = GROUPS[:1]
 # set in the environment of a group's run (tests/scripts/process_group.py): a member
 # that would end its process with os._exit returns its exit code instead
 IN_GROUP_ENV = "PERTOWER_PROCESS_GROUP"
@@ -224,7 +255,7 @@ class Processes(process_runner.Runner):
         super().start(*(queue_order(names) if self._default else names))
 
 
-def run_checks(checks, title):
+def run_checks(checks, title, heavy=()):
     """Runs each check; prints one `pertower-check` line each and a summary.
 
     Args:
@@ -232,10 +263,20 @@ def run_checks(checks, title):
         return a string (reported as its output). The name reported is the function's
         `__name__`.
       title: the summary's words, e.g. "legacy checks".
+      heavy: the names of the checks of `checks` that belong to the heavy run: they run
+        only when the script's arguments include "heavy" (its `NAME_heavy` process of
+        `PROCESSES`), and then only they; the others run without it.
 
     Returns:
       The exit code: 0 if every check passed, else 1.
     """
+    if heavy:
+        unknown = set(heavy) - {check.__name__ for check in checks}
+        if unknown:
+            raise ValueError(f"run_checks: `heavy` names no check of `checks`: {sorted(unknown)}")
+        wanted = "heavy" in sys.argv[1:]
+        checks = [check for check in checks if (check.__name__ in heavy) == wanted]
+        title += " (heavy)" if wanted else ""
     failed = 0
     for check in checks:
         start, cpu = time.perf_counter(), time.process_time()

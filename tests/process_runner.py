@@ -86,7 +86,8 @@ class Runner:
     Args:
       commands: name -> how to start it (an object with `argv`, the arguments after the
         Python executable; `legacy_keras_env`, True to set TF_USE_LEGACY_KERAS=1, False
-        to remove it; `one_thread`, True for one TensorFlow thread).
+        to remove it; `one_thread`, True for one TensorFlow thread; optionally
+        `environment`, (name, value) pairs to set, for a group's whole run).
       groups: tuples of names that may run together, through `group_script`.
       group_script: the script that runs the names of a group given as its arguments
         (tests/scripts/process_group.py).
@@ -190,6 +191,8 @@ class Runner:
             env["TF_USE_LEGACY_KERAS"] = "1"
         else:
             env.pop("TF_USE_LEGACY_KERAS", None)
+        for n in names:   # each member's own settings, for the whole run
+            env.update(getattr(self._commands[n], "environment", ()))
         # In the background of the test process: one TensorFlow thread each and a lower
         # scheduling priority, so that they use the core the test process's Python
         # leaves idle instead of slowing it down (their results are not timed).

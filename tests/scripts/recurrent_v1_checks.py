@@ -228,11 +228,16 @@ def check_a_frame_drawing_random_numbers_keeps_row_passes():
     return str(plan)
 
 
-FAST = [check_lstm_with_lengths_time_major, check_basic_rnn_cell,
-        check_hand_written_while_loop_on_reference_variables,
+# The default run: a dynamic_rnn frame on the rules (LSTM, lengths, time-major) and a
+# frame that keeps its row passes; the heavy run the other cells and layouts, and the
+# hand-written while loop (in the default run a hand-written v1 while loop over
+# reference variables is checked by legacy_mode_checks.py, v1_loop_checks
+# `check_v1_while_loop_with_a_weight_in_the_body_matches_oracle`).
+FAST = [check_lstm_with_lengths_time_major,
         check_a_frame_drawing_random_numbers_keeps_row_passes]
 HEAVY = [check_gru_with_lengths, check_gru_time_major, check_lstm,
-         check_basic_rnn_cell_with_lengths_time_major, check_lstm_stopping_before_the_last_step]
+         check_basic_rnn_cell_with_lengths_time_major, check_lstm_stopping_before_the_last_step,
+         check_basic_rnn_cell, check_hand_written_while_loop_on_reference_variables]
 
 
 if __name__ == "__main__":
