@@ -194,8 +194,8 @@ def test_two_runners_queueing_a_group_share_its_members_out_between_two_runs(tmp
                 if process_runner.section_lines(name)[0] + "\n" in text] == [claims[name]]
 
 
-def test_the_queue_starts_the_costliest_group_first_and_its_costliest_member_first():
-    names = list(process_checks.PROCESSES)
+def test_the_queue_starts_the_costliest_group_first_and_its_members_in_their_order():
+    names = list(reversed(process_checks.PROCESSES))
     order = process_checks.queue_order(names)
     assert sorted(order) == sorted(names)
     cost = {name: process_checks.COSTS.get(name, process_checks.DEFAULT_COST)
@@ -203,11 +203,11 @@ def test_the_queue_starts_the_costliest_group_first_and_its_costliest_member_fir
     group_of = {name: group for group in process_checks.GROUPS for name in group}
     total = {name: sum(cost[n] for n in group_of.get(name, (name,))) for name in names}
     assert [total[name] for name in order] == sorted(total.values(), reverse=True)
-    for group in process_checks.GROUPS:   # contiguous, the costliest member first
+    for group in process_checks.GROUPS:   # contiguous, in the order queued
         where = [order.index(name) for name in group]
         assert max(where) - min(where) == len(group) - 1, group
-        assert [cost[order[i]] for i in sorted(where)] == sorted(
-            (cost[name] for name in group), reverse=True), group
+        assert [order[i] for i in sorted(where)] == [n for n in names if n in group], group
+    assert order[0] == [n for n in names if n in process_checks.SHARED_GROUPS[0]][0]
 
 
 def test_a_group_not_shared_runs_once_for_two_runners(tmp_path):
