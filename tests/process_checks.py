@@ -117,6 +117,8 @@ PROCESSES = {
                                  one_thread=mode == "legacy", legacy_keras_env=mode == "legacy",
                                  environment=_ONEDNN_ON if mode == "onednn" else ())
        for mode in ("legacy", "onednn")},
+    "convs_legacy_heavy": _Command(
+        (os.path.join(HERE, "scripts", "conv_rules_checks.py"), "legacy", "heavy")),
     **{f"zoo_speed_{m}": _Command((os.path.join(HERE, "scripts", "zoo_speed_checks.py"), m),
                                   legacy_keras_env=m == "legacy",
                                   environment=_ONEDNN_ON if m == "onednn" else ())
@@ -217,8 +219,8 @@ _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 # tests that read them, so that the tests that come first wait least. A process not
 # listed counts as DEFAULT_COST.
 COSTS = {
-    "legacy": 22, "messages_joined_legacy": 12, "recurrent_v1": 9,
-    "weight_functions_legacy": 8, "convs_legacy": 7, "python_gradients_legacy": 7,
+    "legacy": 22, "messages_joined_legacy": 12, "recurrent_v1": 6,
+    "weight_functions_legacy": 8, "convs_legacy": 4, "python_gradients_legacy": 7,
     "never_wrong_loops": 6, "tower_sizes": 6, "published_legacy": 5,
     "curvature_convs_legacy": 4, "recurrent_legacy": 4, "dp_modes_legacy": 3,
     "never_wrong_shape_legacy": 2, "never_wrong_dtype_legacy": 0.3,

@@ -25,7 +25,8 @@ FAST = ["check_lstm_with_lengths_time_major",
 HEAVY = ["check_gru_with_lengths", "check_gru_time_major", "check_lstm",
          "check_basic_rnn_cell_with_lengths_time_major",
          "check_lstm_stopping_before_the_last_step", "check_basic_rnn_cell",
-         "check_hand_written_while_loop_on_reference_variables"]
+         "check_hand_written_while_loop_on_reference_variables",
+         "check_lstm_with_lengths_time_major_in_microbatches_and_dp"]
 
 
 @pytest.mark.process_checks("recurrent_v1")
