@@ -10,8 +10,8 @@ many checks and reports each on a line of its own:
 
 The test process queues every process that its collected tests name (with the marker
 `@pytest.mark.process_checks("legacy")`) as soon as collection ends; a background
-thread runs them one at a time, costliest first (`queue_order`), so their start-ups
-overlap the other tests. The queued members of one of `GROUPS` run in one interpreter
+thread runs them one at a time, the costliest group first (`queue_order`), so their
+start-ups overlap the other tests. The queued members of one of `GROUPS` run in one interpreter
 (tests/scripts/process_group.py), one TensorFlow start-up for all; the two test
 processes of an xdist session share the members of a long group (`SHARED_GROUPS`) out
 between two such interpreters. Each test then waits for its process and asserts the
@@ -20,7 +20,10 @@ result of its own check (`Processes.assert_passed`) or reads its output
 process; pytest-xdist's workers share its output directory, and claim files make each
 process run once.
 
-The script side is `run_checks`, called by the scripts of tests/scripts/.
+The script side is `run_checks`, called by the scripts of tests/scripts/. The default
+run checks each mechanism once in each process-wide mode; a script's matrix of further
+models, sizes and methods runs in its `NAME_heavy` process (the script's argument
+"heavy", `run_checks(heavy=...)`), read by tests marked `heavy`.
 """
 
 import dataclasses

@@ -7,7 +7,7 @@ sequence_length, batch-major and time-major; a hand-written tf.while_loop over r
 variables; a frame the copy cannot reproduce (a random op in its body) keeps its row
 passes. Every model is fed two batch sizes through a None batch dimension, without
 batch_size: per-example gradients, norms, a noiseless DPOptimizer gradient and two
-microbatches against the loop.
+microbatches against the loop (the default run's LSTM: gradients and norms).
 
 Started by tests/process_checks.py ("recurrent_v1"; "recurrent_v1_heavy" with the
 argument `heavy` for the longer matrix); prints one `pertower-check` line per check and
