@@ -213,9 +213,15 @@ class Runner:
         """Waits for `popen` (run `run`) and writes its exit code to RUN.rc."""
         returncode = _wait(popen, self._timeouts[run])
         partial = self._path(run, "rc.partial")
-        with open(partial, "w") as f:
-            f.write(str(returncode))
-        os.replace(partial, self._path(run, "rc"))
+        try:
+            with open(partial, "w") as f:
+                f.write(str(returncode))
+            os.replace(partial, self._path(run, "rc"))
+        except FileNotFoundError:
+            if os.path.isdir(self._directory):
+                raise
+            # `stop` killed the run and removed the private directory: its readers
+            # had read what they needed (a group's run may outlive its last section)
 
     def completed(self, name):
         """Waits for process `name` (starting it now if nobody has started it); returns
