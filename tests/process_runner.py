@@ -86,7 +86,8 @@ class Runner:
     Args:
       commands: name -> how to start it (an object with `argv`, the arguments after the
         Python executable; `legacy_keras_env`, True to set TF_USE_LEGACY_KERAS=1, False
-        to remove it; `one_thread`, True for one TensorFlow thread).
+        to remove it; `one_thread`, True for one TensorFlow thread; optionally
+        `environment`, (name, value) pairs to set, for a group's whole run).
       groups: tuples of names that may run together, through `group_script`.
       group_script: the script that runs the names of a group given as its arguments
         (tests/scripts/process_group.py).
@@ -190,6 +191,8 @@ class Runner:
             env["TF_USE_LEGACY_KERAS"] = "1"
         else:
             env.pop("TF_USE_LEGACY_KERAS", None)
+        for n in names:   # each member's own settings, for the whole run
+            env.update(getattr(self._commands[n], "environment", ()))
         # In the background of the test process: one TensorFlow thread each and a lower
         # scheduling priority, so that they use the core the test process's Python
         # leaves idle instead of slowing it down (their results are not timed).
@@ -210,9 +213,15 @@ class Runner:
         """Waits for `popen` (run `run`) and writes its exit code to RUN.rc."""
         returncode = _wait(popen, self._timeouts[run])
         partial = self._path(run, "rc.partial")
-        with open(partial, "w") as f:
-            f.write(str(returncode))
-        os.replace(partial, self._path(run, "rc"))
+        try:
+            with open(partial, "w") as f:
+                f.write(str(returncode))
+            os.replace(partial, self._path(run, "rc"))
+        except FileNotFoundError:
+            if os.path.isdir(self._directory):
+                raise
+            # `stop` killed the run and removed the private directory: its readers
+            # had read what they needed (a group's run may outlive its last section)
 
     def completed(self, name):
         """Waits for process `name` (starting it now if nobody has started it); returns

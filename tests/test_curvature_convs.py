@@ -150,11 +150,15 @@ def test_conv_squares_mse_match_the_loop_heavy(conv_reference):
     assert check_case(None, "mse", reference=conv_reference) == ROUTES
 
 
-@pytest.mark.process_checks("curvature_convs_legacy")
-def test_conv_squares_legacy_mode(processes):
+@pytest.mark.parametrize("process,check", [
+    pytest.param("curvature_convs_legacy", "check_auto",
+                 marks=pytest.mark.process_checks("curvature_convs_legacy")),
+    pytest.param("curvature_convs_legacy_heavy", "check_ghost",
+                 marks=(pytest.mark.process_checks("curvature_convs_legacy_heavy"),
+                        pytest.mark.heavy))])
+def test_conv_squares_legacy_mode(processes, process, check):
     # tests/scripts/curvature_conv_checks.py: the same checks under disable_v2_behavior()
-    for check in ("check_auto", "check_ghost"):
-        processes.assert_passed("curvature_convs_legacy", check)
+    processes.assert_passed(process, check)
 
 
 def _guarded(build_logits, memory_limit, per_example=False):

@@ -123,3 +123,11 @@ def test_bad_devices_are_refused(bad, error, words):
 def test_towers_on_two_servers_of_a_cluster_match_oracle(processes, check):
     """tests/scripts/distributed_towers.py: two tf.distribute.Servers on 127.0.0.1."""
     processes.assert_passed("distributed", check)
+
+
+@pytest.mark.heavy
+@pytest.mark.process_checks("distributed_heavy")
+def test_towers_with_a_loop_on_two_servers_of_a_cluster_match_oracle(processes):
+    """The same with a GRU branch (a While loop replayed in each tower)."""
+    processes.assert_passed("distributed_heavy",
+                            "check_towers_with_a_loop_on_two_tasks_match_oracle")

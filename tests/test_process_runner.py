@@ -17,7 +17,8 @@ _CHECK = ("import json, sys; print({prefix!r} + json.dumps(dict(name={name!r}, o
 # A group script: runs each member named in its arguments that it can claim, framed by
 # section lines; a member "crash" ends the whole process, a member "waits" waits until
 # another run has claimed member "d".
-# Its checks' output: the number of TensorFlow threads the runner set ("" for none).
+# Its checks' output: the number of TensorFlow threads the runner set ("" for none),
+# then the value of PERTOWER_TEST_SETTING if set.
 _GROUP = '''
 import json, os, sys, time
 from tests import process_runner
@@ -31,7 +32,8 @@ for name in sys.argv[1:]:
         time.sleep(0.05)
     if name == "crash":
         sys.exit(3)
-    threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
+    threads = (os.environ.get("TF_NUM_INTRAOP_THREADS", "")
+               + os.environ.get("PERTOWER_TEST_SETTING", ""))
     print({prefix!r} + json.dumps(dict(name="check_" + name, ok=True, message="",
                                        output=threads)))
     print(end, 0 if name != "fails" else 1, flush=True)
@@ -104,9 +106,10 @@ def test_queued_members_of_a_group_run_in_one_process_each_with_its_section(tmp_
 
 def test_every_group_member_is_a_process_that_runs_alone_too():
     for group in process_checks.GROUPS:
-        for name in group:
+        for name in group:   # in one environment: the first member's Keras setting
             assert name in process_checks.PROCESSES, name
-            assert process_checks.PROCESSES[name].legacy_keras_env, name
+            assert process_checks.PROCESSES[name].legacy_keras_env == \
+                process_checks.PROCESSES[group[0]].legacy_keras_env, name
     grouped = [name for group in process_checks.GROUPS for name in group]
     assert len(grouped) == len(set(grouped)), "a process in two groups"
     assert os.path.exists(os.path.join(process_checks.HERE, "scripts", "process_group.py"))
@@ -141,6 +144,36 @@ def test_a_group_runs_on_one_thread_only_if_each_of_its_members_does(tmp_path, m
     runner.stop()
 
 
+def test_a_members_environment_is_set_for_its_groups_whole_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("PERTOWER_TEST_SETTING", raising=False)
+    monkeypatch.delenv("TF_NUM_INTRAOP_THREADS", raising=False)
+    commands = {name: _command(tmp_path, name) for name in ("e1", "e2", "e3")}
+    commands["e2"] = process_checks._Command(  # pylint: disable=protected-access
+        commands["e2"].argv, environment=(("PERTOWER_TEST_SETTING", "x"),))
+    runner = _runner(tmp_path, commands, tmp_path, groups=(("e1", "e2"),))
+    runner.start("e1", "e2")
+    for name in ("e1", "e2"):   # e1 runs first, in the run that e2's setting is set for
+        assert runner.assert_passed(name, f"check_{name}").output == "1x", name
+    assert runner.assert_passed("e3", "check_e3").output == "['arg']"   # alone, unset
+    runner.stop()
+
+
+def test_run_checks_runs_the_heavy_checks_only_with_the_argument_heavy(monkeypatch, capsys):
+    def check_fast():
+        return "fast"
+
+    def check_long():
+        return "long"
+
+    for argv, ran in ((["script.py"], ["check_fast"]), (["script.py", "heavy"], ["check_long"])):
+        monkeypatch.setattr(sys, "argv", argv)
+        assert process_checks.run_checks([check_fast, check_long], "t", heavy={"check_long"}) == 0
+        out = capsys.readouterr().out
+        assert [name for name in ("check_fast", "check_long") if f'"{name}"' in out] == ran, out
+    with pytest.raises(ValueError, match=r"`heavy` names no check of `checks`: \['check_gone'\]"):
+        process_checks.run_checks([check_fast], "t", heavy={"check_gone"})
+
+
 def test_two_runners_queueing_a_group_share_its_members_out_between_two_runs(tmp_path):
     names = ("waits", "b", "c", "d")
     commands = {name: _command(tmp_path, name) for name in names}
@@ -161,8 +194,8 @@ def test_two_runners_queueing_a_group_share_its_members_out_between_two_runs(tmp
                 if process_runner.section_lines(name)[0] + "\n" in text] == [claims[name]]
 
 
-def test_the_queue_starts_the_costliest_group_first_and_its_costliest_member_first():
-    names = list(process_checks.PROCESSES)
+def test_the_queue_starts_the_costliest_group_first_and_its_members_in_their_order():
+    names = list(reversed(process_checks.PROCESSES))
     order = process_checks.queue_order(names)
     assert sorted(order) == sorted(names)
     cost = {name: process_checks.COSTS.get(name, process_checks.DEFAULT_COST)
@@ -170,11 +203,11 @@ def test_the_queue_starts_the_costliest_group_first_and_its_costliest_member_fir
     group_of = {name: group for group in process_checks.GROUPS for name in group}
     total = {name: sum(cost[n] for n in group_of.get(name, (name,))) for name in names}
     assert [total[name] for name in order] == sorted(total.values(), reverse=True)
-    for group in process_checks.GROUPS:   # contiguous, the costliest member first
+    for group in process_checks.GROUPS:   # contiguous, in the order queued
         where = [order.index(name) for name in group]
         assert max(where) - min(where) == len(group) - 1, group
-        assert [cost[order[i]] for i in sorted(where)] == sorted(
-            (cost[name] for name in group), reverse=True), group
+        assert [order[i] for i in sorted(where)] == [n for n in names if n in group], group
+    assert order[0] == [n for n in names if n in process_checks.SHARED_GROUPS[0]][0]
 
 
 def test_a_group_not_shared_runs_once_for_two_runners(tmp_path):

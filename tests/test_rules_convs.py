@@ -329,10 +329,12 @@ CHECKS = {"legacy": ["check_dilated", "check_transposed", "check_conv3d"],
           "onednn": ["check_nchw", "check_dilated", "check_onednn_filter_gradients"]}
 
 
-@pytest.mark.process_checks("convs_legacy")
-@pytest.mark.process_checks("convs_onednn")
-@pytest.mark.parametrize("mode, check", [(m, c) for m, names in CHECKS.items()
-                                         for c in names])
+@pytest.mark.parametrize("mode, check", [
+    pytest.param(m, c, marks=pytest.mark.process_checks(f"convs_{m}"))
+    for m, names in CHECKS.items() for c in names if (m, c) != ("legacy", "check_dilated")] + [
+    pytest.param("legacy_heavy", "check_dilated",
+                 marks=(pytest.mark.process_checks("convs_legacy_heavy"), pytest.mark.heavy))])
 def test_convolution_rules_in_the_other_processes(processes, mode, check):
-    """legacy: under disable_v2_behavior(); onednn: TF_ENABLE_ONEDNN_OPTS=1."""
+    """legacy: under disable_v2_behavior(); onednn: TF_ENABLE_ONEDNN_OPTS=1 (the dilated
+    convolutions under disable_v2_behavior(): heavy)."""
     processes.assert_passed_without_abort(f"convs_{mode}", check)

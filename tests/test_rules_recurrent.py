@@ -196,8 +196,7 @@ def test_a_weight_read_inside_and_outside_a_while_loop():
 
 
 @pytest.mark.process_checks("recurrent_legacy")
-@pytest.mark.parametrize("check", ["check_simple_rnn",
-                                   "check_while_loop_with_reference_variables_on_the_rules",
+@pytest.mark.parametrize("check", ["check_while_loop_with_reference_variables_on_the_rules",
                                    "check_v1_loop_on_the_rules"])
 def test_recurrent_rules_under_disable_v2_behavior(processes, check):
     """The same checks under disable_v2_behavior() with control flow v2; and a v1 loop
@@ -207,11 +206,11 @@ def test_recurrent_rules_under_disable_v2_behavior(processes, check):
 
 @pytest.mark.heavy
 @pytest.mark.process_checks("recurrent_legacy_heavy")
-@pytest.mark.parametrize("check", ["check_lstm", "check_gru"])
+@pytest.mark.parametrize("check", ["check_lstm", "check_gru", "check_simple_rnn"])
 def test_recurrent_language_models_under_disable_v2_behavior_heavy(processes, check):
-    """The LSTM and GRU language models under disable_v2_behavior() with control flow
-    v2 (in the default run: the LSTM's in graph mode above, a Keras SimpleRNN's in this
-    mode)."""
+    """The LSTM, GRU and SimpleRNN language models under disable_v2_behavior() with
+    control flow v2 (in the default run: the LSTM's in graph mode above, a tf.while_loop
+    over reference variables in this mode)."""
     processes.assert_passed("recurrent_legacy_heavy", check)
 
 

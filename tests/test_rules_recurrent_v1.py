@@ -20,12 +20,13 @@ from pertower import oracle
 from tests import common
 
 # the checks of the script (not imported here: it disables TF2 behavior on import)
-FAST = ["check_lstm_with_lengths_time_major", "check_basic_rnn_cell",
-        "check_hand_written_while_loop_on_reference_variables",
+FAST = ["check_lstm_with_lengths_time_major",
         "check_a_frame_drawing_random_numbers_keeps_row_passes"]
 HEAVY = ["check_gru_with_lengths", "check_gru_time_major", "check_lstm",
          "check_basic_rnn_cell_with_lengths_time_major",
-         "check_lstm_stopping_before_the_last_step"]
+         "check_lstm_stopping_before_the_last_step", "check_basic_rnn_cell",
+         "check_hand_written_while_loop_on_reference_variables",
+         "check_lstm_with_lengths_time_major_in_microbatches_and_dp"]
 
 
 @pytest.mark.process_checks("recurrent_v1")

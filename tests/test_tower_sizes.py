@@ -94,6 +94,14 @@ def test_a_row_index_of_another_length_is_refused():
 
 
 @pytest.mark.process_checks("tower_sizes")
-@pytest.mark.parametrize("check", [check.__name__ for check in sizes.CHECKS])
+@pytest.mark.parametrize("check", [check.__name__ for check in sizes.CHECKS
+                                   if check.__name__ not in sizes.HEAVY])
 def test_legacy_shapes(processes, check):
     processes.assert_passed("tower_sizes", check)
+
+
+@pytest.mark.heavy
+@pytest.mark.process_checks("tower_sizes_heavy")
+@pytest.mark.parametrize("check", sorted(sizes.HEAVY))
+def test_legacy_shapes_heavy(processes, check):
+    processes.assert_passed("tower_sizes_heavy", check)

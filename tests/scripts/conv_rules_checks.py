@@ -1,6 +1,7 @@
 """Run in a process of its own: the checks of tests/test_rules_convs.py in another mode.
 
     python tests/scripts/conv_rules_checks.py legacy   # tf.compat.v1.disable_v2_behavior()
+    python tests/scripts/conv_rules_checks.py legacy heavy   # its heavy-run checks
     python tests/scripts/conv_rules_checks.py onednn   # TF_ENABLE_ONEDNN_OPTS=1
 
 "onednn" also runs `check_onednn_filter_gradients`: with oneDNN forced on (on a CPU
@@ -138,4 +139,9 @@ CHECKS = {"legacy": [_wrapped(n) for n in convs.CHECKS["legacy"]],
                     + [check_onednn_filter_gradients]}
 
 if __name__ == "__main__":
-    sys.exit(process_checks.run_checks(CHECKS[MODE], f"conv rules checks ({MODE})"))
+    # with the argument `heavy` after the mode (process "convs_legacy_heavy"): the
+    # dilated convolutions under disable_v2_behavior() (the default run checks them in
+    # graph mode and with oneDNN, and the legacy shape mode on the transposed and 3-D
+    # convolutions' rules)
+    sys.exit(process_checks.run_checks(CHECKS[MODE], f"conv rules checks ({MODE})",
+                                       heavy={"check_dilated"} if MODE == "legacy" else ()))

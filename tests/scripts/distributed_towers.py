@@ -41,27 +41,32 @@ def _close(got, want, what, rtol=None, atol=None, kind="tight"):
     common.assert_all_close(got, want, rtol, atol, what, kind)
 
 
-def _model():
-    """A Keras MLP and a GRU branch (a While op) with the variables on task 0."""
+def _model(gru=False):
+    """A Keras MLP, with `gru` a GRU branch too (a While op), the variables on task 0."""
     graph = tf.Graph()
     with graph.as_default(), tf.device(TASKS[0]):
         tf.compat.v1.set_random_seed(5)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
-        seq = tf.compat.v1.placeholder(tf.float32, [None, 3, 2], name="seq")
-        dense = keras.layers.Dense(3, activation="tanh")
-        gru = keras.layers.GRU(3)
-        head = keras.layers.Dense(1)
-        out = head(tf.concat([dense(x), gru(seq)], axis=1))         # [B, 1]
+        dense, head = keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)
+        hidden, xs = dense(x), dense.trainable_weights
+        rng = np.random.RandomState(0)
+        feed = {x: rng.randn(4, 4).astype(np.float32)}
+        if gru:
+            seq = tf.compat.v1.placeholder(tf.float32, [None, 3, 2], name="seq")
+            layer = keras.layers.GRU(3)
+            hidden = tf.concat([hidden, layer(seq)], axis=1)
+            xs = xs + layer.trainable_weights
+            feed[seq] = rng.randn(4, 3, 2).astype(np.float32)
+        out = head(hidden)                                          # [B, 1]
         ys = tf.reduce_sum(out ** 2, axis=1)                        # [B]
-        xs = dense.trainable_weights + gru.trainable_weights + head.trainable_weights
-    rng = np.random.RandomState(0)
-    feed = {x: rng.randn(4, 4).astype(np.float32), seq: rng.randn(4, 3, 2).astype(np.float32)}
+        xs = xs + head.trainable_weights
     return graph, ys, xs, feed
 
 
-def check_towers_on_two_tasks(servers):
-    """Per-example gradients and microbatches with towers on task 0 and task 1."""
-    graph, ys, xs, feed = _model()
+def check_towers_on_two_tasks(servers, gru=False):
+    """Per-example gradients and microbatches with towers on task 0 and task 1 (of an
+    MLP, with `gru` a GRU branch too)."""
+    graph, ys, xs, feed = _model(gru)
     with graph.as_default():
         loop = oracle.SliceLoop(ys, xs)
         grads = pertower.per_example_gradients(ys, xs, batch_size=4, devices=TASKS, name="pex",
@@ -128,9 +133,16 @@ def main():
     def check_towers_on_two_tasks_match_oracle():
         check_towers_on_two_tasks(servers)
 
+    def check_towers_with_a_loop_on_two_tasks_match_oracle():
+        check_towers_on_two_tasks(servers, gru=True)
+
+    # with the argument `heavy` (process "distributed_heavy"): the towers replaying a
+    # While loop on the two tasks (placed like the MLP's ops of the default run's check)
     code = process_checks.run_checks(
         [check_cluster_devices_answer, check_graph_placement,
-         check_towers_on_two_tasks_match_oracle], "distributed checks")
+         check_towers_on_two_tasks_match_oracle,
+         check_towers_with_a_loop_on_two_tasks_match_oracle], "distributed checks",
+        heavy={"check_towers_with_a_loop_on_two_tasks_match_oracle"})
     sys.stdout.flush()
     if os.environ.get(process_checks.IN_GROUP_ENV):
         sys.exit(code)   # the group's script ends the process after its other members

@@ -16,8 +16,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-tf.compat.v1.disable_eager_execution()
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 import pertower  # noqa: E402
@@ -41,6 +39,15 @@ def main():
     if keras is None:
         print(f"keras 3 unavailable: {reason}")
         return 0
+    # graph mode inside a graph of its own, not for the whole process: the process may
+    # be shared with the "eager" checks (process_checks.GROUPS), which need eager on
+    with tf.Graph().as_default():
+        return _check(keras)
+
+
+def _check(keras):
+    """The Keras 3 network's per-example gradients, towers and norms against the loop
+    (in the default graph, graph mode); returns the exit code."""
     B = 5
     x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
     y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")

@@ -25,7 +25,8 @@ from pertower import oracle  # noqa: E402
 from tests import common  # noqa: E402
 from tests import process_checks  # noqa: E402
 
-B1, B2, T, D, U, K = 2, 3, 5, 2, 3, 4
+B1, B2, T, D, U, K = 1, 2, 3, 2, 3, 4
+M = B1 + B2   # microbatches of the joined examples
 _CELLS = tf.compat.v1.nn.rnn_cell
 
 
@@ -65,7 +66,7 @@ class _JoinedRnn:
             self.sizes = [B1] * len(self.keys[0]) + [B2] * len(self.keys[1])
             rng = np.random.RandomState(4)
             self.feed = {}
-            for keys, n, steps in zip(self.keys, (B1, B2), ([T, 2], [1, 4, 3])):
+            for keys, n, steps in zip(self.keys, (B1, B2), ([T, 2][:B1], [1, T, 2][:B2])):
                 self.feed[keys[0]] = rng.randn(n, T, D).astype(np.float32)
                 self.feed[keys[1]] = rng.randint(0, K, n)
                 if lengths:
@@ -111,15 +112,11 @@ def _joined_matches(cell, lengths=False, head=None, num_microbatches=None, **kwa
     return plan
 
 
-# (cell, sequence_length given): the default run's; the heavy run's are the others
-_JOINED_CASES = (("LSTMCell", False), ("GRUCell", True))
-
-
 def check_joined_batches_through_a_shared_dynamic_rnn():
-    """Two v1 cells, without and with sequence_length, per example (the proven case);
-    the other cells and lengths: `check_joined_batches_through_the_other_cells`."""
-    for cell, lengths in _JOINED_CASES:
-        _joined_matches(cell, lengths)
+    """GRUCell with sequence_length, per example (the proven case); the other cells and
+    lengths: `check_joined_batches_through_the_other_cells`, microbatches:
+    `check_joined_microbatches_through_a_shared_dynamic_rnn` (both heavy)."""
+    _joined_matches("GRUCell", lengths=True)
 
 
 def check_joined_batches_through_the_other_cells():
@@ -128,20 +125,28 @@ def check_joined_batches_through_the_other_cells():
     and recurrent_v1_checks.py)."""
     for cell in ("LSTMCell", "GRUCell", "BasicRNNCell"):
         for lengths in (False, True):
-            if (cell, lengths) not in _JOINED_CASES:
+            if (cell, lengths) != ("GRUCell", True):
                 _joined_matches(cell, lengths)
 
 
 def check_joined_microbatches_through_a_shared_dynamic_rnn():
-    _joined_matches("LSTMCell", True, num_microbatches=5)
+    """(heavy: microbatches of joined batches through a v1 loop are checked on a GRU in
+    `check_joined_batches_through_a_shared_dynamic_rnn`)"""
+    _joined_matches("LSTMCell", True, num_microbatches=M)
 
 
 def check_joined_batches_through_a_v1_loop_after_a_lost_proof():
     """The proof is lost after the loop (MatrixBandPart): the join is read from the
     graph, the default run-time check replays the loop per example in the joined order
-    (and passes); validate=False gives the same numbers."""
+    (and passes)."""
     plan = _joined_matches("GRUCell", head=_band)
     assert plan.verdict == "unproven" and plan.validate, str(plan)
+
+
+def check_joined_batches_through_a_v1_loop_after_a_lost_proof_unvalidated():
+    """(heavy: the join after a lost proof is checked in
+    `check_joined_batches_through_a_v1_loop_after_a_lost_proof`) validate=False gives
+    the same numbers as the loop."""
     _joined_matches("LSTMCell", lengths=True, head=_band, validate=False)
 
 
@@ -212,24 +217,30 @@ def check_the_fed_size_message_of_joined_batches_through_a_v1_loop():
                                                batch_size=case.sizes)
     short = dict(case.feed)
     for key in case.keys[1]:
-        short[key] = short[key][:2]
+        short[key] = short[key][:B2 - 1]
     _refused_at_run_time(case.sess, grads, short,
                          # (s2 and y2, batch[2] and batch[3], are checked in any order)
-                         r"built for a batch of 3 examples \(batch_size\[(2\]=3\), but the "
-                         r"batch fed to s2|3\]=3\), but the batch fed to y2):0 has 2 "
-                         r"examples\. Feed batches of 3 examples, "
+                         rf"built for a batch of {B2} examples \(batch_size\[(2\]={B2}\), but "
+                         rf"the batch fed to s2|3\]={B2}\), but the batch fed to y2):0 has "
+                         rf"{B2 - 1} examples?\. Feed batches of {B2} examples, "
                          r"build the gradients again for the new batch size \(batch_size="
                          r"\[B_1, B_2, \.\.\.\]")
 
 
+# One check per mechanism that differs under disable_v2_behavior() (joined batches on
+# the row passes of a v1 loop, per example and in microbatches; after a lost proof; the
+# row passes' fed-size message); the rest of the matrix in the heavy run. DPOptimizer
+# and the fed-size message of joined batches take the same joined row passes (their
+# graph-mode tests run in tests/test_messages_and_joined.py).
 CHECKS = [check_joined_batches_through_a_shared_dynamic_rnn,
-          check_joined_microbatches_through_a_shared_dynamic_rnn,
           check_joined_batches_through_a_v1_loop_after_a_lost_proof,
-          check_dp_optimizer_joined_batches_through_a_v1_loop,
-          check_the_fed_size_message_of_row_passes,
-          check_the_fed_size_message_of_joined_batches_through_a_v1_loop]
+          check_the_fed_size_message_of_row_passes]
 
-HEAVY = [check_joined_batches_through_the_other_cells]   # "messages_joined_legacy_heavy"
+HEAVY = [check_joined_batches_through_the_other_cells,   # "messages_joined_legacy_heavy"
+         check_joined_microbatches_through_a_shared_dynamic_rnn,
+         check_joined_batches_through_a_v1_loop_after_a_lost_proof_unvalidated,
+         check_dp_optimizer_joined_batches_through_a_v1_loop,
+         check_the_fed_size_message_of_joined_batches_through_a_v1_loop]
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(HEAVY if sys.argv[1:] == ["heavy"] else CHECKS,

@@ -5,9 +5,9 @@ by tests/test_never_wrong_loops.py, and in a process of its own under
 tf.compat.v1.disable_v2_behavior() (v1 loops, reference variables, `Dimension` shapes)
 when this file is run as a script:
 
-    python tests/scripts/never_wrong_loop_checks.py
+    python tests/scripts/never_wrong_loop_checks.py [heavy]
 
-which prints one `pertower-check` line per check (tests/process_checks.py).
+(with `heavy`: the checks of HEAVY only, else the others), which prints one `pertower-check` line per check (tests/process_checks.py).
 
 Loops bounded by a reduction over the batch: `tf.reduce_max(lengths)` steps on the
 batch, `lengths[i]` steps for example i alone. The analysis proves the loop only when
@@ -278,7 +278,15 @@ CHECKS = [check_max_bounded_loop_masked_by_where_is_proven_and_exact,
           check_dynamic_rnn_lstm_with_sequence_length_is_proven_without_check]
 
 
+# The heavy run's checks (in both modes): the same outcome as a check of the default
+# run on another loop (a proof through a broadcast where: ..._masked_by_where_...; a
+# loop the run-time check catches: ..._without_mask_is_checked_and_caught).
+HEAVY = frozenset({"check_max_bounded_loop_masked_by_broadcast_where_is_proven_and_exact",
+                   "check_max_bounded_loop_masked_on_other_lengths_is_checked_and_caught",
+                   "check_min_bounded_loop_is_checked_and_caught"})
+
+
 if __name__ == "__main__":
     from tests import process_checks
     sys.exit(process_checks.run_checks(CHECKS + LEGACY_ONLY_CHECKS,
-                                       "never-wrong loop checks"))
+                                       "never-wrong loop checks", heavy=HEAVY))

@@ -4,7 +4,8 @@ mode, reference variables) with control flow v2 (Keras then builds `While` loops
 TF1 (v1) loop (on the rules of pertower.rules._v1_loops), against the one-example oracle.
 
 Started once per test session by tests/process_checks.py ("recurrent_legacy"; with the
-argument `heavy`, "recurrent_legacy_heavy", the LSTM and GRU language models); prints
+argument `heavy`, "recurrent_legacy_heavy", the LSTM, GRU and SimpleRNN language
+models); prints
 one `pertower-check` line per check and 'recurrent rules checks: N passed, M failed';
 exits 1 on failure.
 """
@@ -110,11 +111,11 @@ def check_v1_loop_on_the_rules():
 # the Keras LSTM and GRU language models under this mode, for the heavy run: the LSTM's
 # and the GRU's rules are checked in graph mode in the default run (the LSTM language
 # model of tests/test_rules_recurrent.py, the masked GRU of
-# tests/test_rules_recurrent_v1.py), and a Keras layer's loop over reference variables
-# here by check_simple_rnn
-HEAVY = [check_lstm, check_gru]
-FAST = [check_simple_rnn, check_while_loop_with_reference_variables_on_the_rules,
-        check_v1_loop_on_the_rules]
+# tests/test_rules_recurrent_v1.py); and the SimpleRNN (a Keras layer's TF2 loop over
+# reference variables: in the default run, a tf.while_loop's over reference variables
+# by check_while_loop_with_reference_variables_on_the_rules)
+HEAVY = [check_lstm, check_gru, check_simple_rnn]
+FAST = [check_while_loop_with_reference_variables_on_the_rules, check_v1_loop_on_the_rules]
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(HEAVY if sys.argv[1:] == ["heavy"] else FAST,

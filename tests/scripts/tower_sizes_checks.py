@@ -25,7 +25,8 @@ if __name__ == "__main__":
 
 import tensorflow as tf  # noqa: E402
 
-__all__ = ["B", "KINDS", "CALL_KINDS", "REFUSED_KINDS", "SizeCase", "build", "check_kind", "CHECKS"]
+__all__ = ["B", "KINDS", "CALL_KINDS", "REFUSED_KINDS", "SizeCase", "build", "check_kind", "CHECKS",
+           "HEAVY"]
 
 B, D, C, VOCAB = 4, 3, 5, 10
 # Graphs whose per-example gradients the towers and the rules must give: each uses the
@@ -192,12 +193,18 @@ CHECKS = ([_legacy_check(kind, method, "gradients") for kind in KINDS
            for method in ("towers", "auto")]
           + [_legacy_check("partitioned_lookup", "towers", what) for what in ("sparse", "norms")]
           + [_legacy_refusal(kind) for kind in REFUSED_KINDS])
+# The checks of the heavy run (process "tower_sizes_heavy"): under disable_v2_behavior()
+# the default run replays every kind in the towers (where the sizes are `Dimension`s)
+# and checks the refusals; method "auto", sparse rows and norms of every kind are
+# checked in graph mode in the default run (tests/test_tower_sizes.py).
+HEAVY = frozenset(check.__name__ for check in CHECKS
+                  if check.__name__.endswith(("_auto_gradients", "_sparse", "_norms")))
 
 
 def main():
     tf.compat.v1.disable_v2_behavior()
     from tests import process_checks
-    return process_checks.run_checks(CHECKS, "tower size checks")
+    return process_checks.run_checks(CHECKS, "tower size checks", heavy=HEAVY)
 
 
 if __name__ == "__main__":
