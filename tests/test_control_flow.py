@@ -23,6 +23,17 @@ class Built:
     loop: oracle.SliceLoop
     batch_gradient: list
     jacobian_loops: list = None  # one SliceLoop per output entry k of outputs [B, K]
+    fetched: dict = None         # `values()`, once run
+
+    def values(self):
+        """The values of every tensor of `got` (same keys) and of the batch gradient
+        (key "batch_gradient"), from one `sess.run` shared by the tests of this case."""
+        if self.fetched is None:
+            keys = list(self.got)
+            values = self.case.sess.run([self.got[k] for k in keys] + [self.batch_gradient],
+                                        self.case.feed)
+            self.fetched = dict(zip(keys + ["batch_gradient"], values))
+        return self.fetched
 
     def jacobian_oracle(self):
         """[B, K, *x.shape] per x: the one-example loop of d outputs[i, k] / d x."""
@@ -160,9 +171,13 @@ CASES = {
     "GRU_unrolled": lambda: _build(_rnn_case("GRU", True, B=3), microbatches=False),
     "LSTM_unrolled": lambda: _build(_rnn_case("LSTM", True, B=3), microbatches=False),
     "cond": lambda: _build(_cond_case(), methods=("towers", "auto"), jacobians=True),
-    "while_loop": lambda: _build(_while_case(), methods=("towers", "auto")),
+    # two examples and no microbatches where each tower copies a loop (microbatches of
+    # towers over control flow: SimpleRNN's While, cond's If, tf.function's call)
+    "while_loop": lambda: _build(_while_case(B=2), methods=("towers", "auto"),
+                                 microbatches=False),
     "tf.function": lambda: _build(_function_case()),
-    "gathers_in_functions": lambda: _build(_gathers_in_functions_case()),
+    "gathers_in_functions": lambda: _build(_gathers_in_functions_case(B=2),
+                                           microbatches=False),
 }
 # The default run builds one case per mechanism: a Keras RNN's While (SimpleRNN, with
 # microbatches and Jacobians), an If, a hand-written while_loop with a nested cond, a
@@ -184,10 +199,9 @@ def built(request):
 def test_per_example_gradients_match_oracle(built):
     case = built.case
     want = built.loop.run(case.sess, case.feed, case.B)
-    for key, tensors in built.got.items():
+    for key, values in built.values().items():
         if key.startswith("per_example/"):
-            common.assert_all_close(case.sess.run(tensors, case.feed), want, case.rtol,
-                                    case.atol, f"{case.name} {key}")
+            common.assert_all_close(values, want, case.rtol, case.atol, f"{case.name} {key}")
 
 
 def test_microbatch_gradients_match_oracle(built):
@@ -196,14 +210,14 @@ def test_microbatch_gradients_match_oracle(built):
         pytest.skip(f"microbatches are checked on the other control-flow cases ({case.name} "
                     "is slow to build)")
     want = built.loop.run(case.sess, case.feed, 2)
-    common.assert_all_close(case.sess.run(built.got["microbatches"], case.feed), want,
-                            case.rtol, case.atol, f"{case.name} 2 microbatches")
+    common.assert_all_close(built.values()["microbatches"], want, case.rtol, case.atol,
+                            f"{case.name} 2 microbatches")
 
 
 def test_per_example_gradients_sum_to_the_batch_gradient(built):
     case = built.case
-    per_example, batch_gradient = case.sess.run(
-        [built.got["per_example/towers"], built.batch_gradient], case.feed)
+    per_example = built.values()["per_example/towers"]
+    batch_gradient = built.values()["batch_gradient"]
     common.assert_all_close([g.sum(axis=0) for g in per_example], batch_gradient,
                             case.rtol * 10, case.atol * 10, f"{case.name} sum")
 
@@ -212,7 +226,7 @@ def test_per_example_jacobians_match_oracle(built):
     case = built.case
     if "jacobians" not in built.got:
         pytest.skip(f"Jacobians are checked on SimpleRNN and cond, not {case.name}")
-    got = case.sess.run(built.got["jacobians"], case.feed)
+    got = built.values()["jacobians"]
     want = built.jacobian_oracle()
     common.assert_all_close(got, want, case.rtol, case.atol, f"{case.name} Jacobians")
 
