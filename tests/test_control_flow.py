@@ -23,6 +23,17 @@ class Built:
     loop: oracle.SliceLoop
     batch_gradient: list
     jacobian_loops: list = None  # one SliceLoop per output entry k of outputs [B, K]
+    fetched: dict = None         # `values()`, once run
+
+    def values(self):
+        """The values of every tensor of `got` (same keys) and of the batch gradient
+        (key "batch_gradient"), from one `sess.run` shared by the tests of this case."""
+        if self.fetched is None:
+            keys = list(self.got)
+            values = self.case.sess.run([self.got[k] for k in keys] + [self.batch_gradient],
+                                        self.case.feed)
+            self.fetched = dict(zip(keys + ["batch_gradient"], values))
+        return self.fetched
 
     def jacobian_oracle(self):
         """[B, K, *x.shape] per x: the one-example loop of d outputs[i, k] / d x."""
@@ -61,12 +72,12 @@ def _rnn_case(layer, unroll, B=4):
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(11)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2], name="sequences")
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3, 2], name="sequences")
         rnn = getattr(keras.layers, layer)(3, unroll=unroll)
         head = keras.layers.Dense(2)
         out = head(rnn(x))                                     # [B, 2]
         ys = tf.reduce_sum(tf.sin(out), axis=1)                # [B]
-    feed = {x: np.random.RandomState(7).randn(B, 5, 2).astype(np.float32)}
+    feed = {x: np.random.RandomState(7).randn(B, 3, 2).astype(np.float32)}
     xs = list(rnn.trainable_weights) + list(head.trainable_weights)
     return cases.Case(f"{layer}(unroll={unroll})", graph, None, ys, xs, feed, [x], B,
                        outputs=out, **common.tolerance(np.float32, "deep"))
@@ -160,13 +171,25 @@ CASES = {
     "GRU_unrolled": lambda: _build(_rnn_case("GRU", True, B=3), microbatches=False),
     "LSTM_unrolled": lambda: _build(_rnn_case("LSTM", True, B=3), microbatches=False),
     "cond": lambda: _build(_cond_case(), methods=("towers", "auto"), jacobians=True),
-    "while_loop": lambda: _build(_while_case(), methods=("towers", "auto")),
+    # two examples and no microbatches where each tower copies a loop (microbatches of
+    # towers over control flow: SimpleRNN's While, cond's If, tf.function's call)
+    "while_loop": lambda: _build(_while_case(B=2), methods=("towers", "auto"),
+                                 microbatches=False),
     "tf.function": lambda: _build(_function_case()),
-    "gathers_in_functions": lambda: _build(_gathers_in_functions_case()),
+    "gathers_in_functions": lambda: _build(_gathers_in_functions_case(B=2),
+                                           microbatches=False),
 }
+# The default run builds one case per mechanism: a Keras RNN's While (SimpleRNN, with
+# microbatches and Jacobians), an If, a hand-written while_loop with a nested cond, a
+# function call, gathers inside functions. GRU and LSTM read their weights through the
+# same While as SimpleRNN (the LSTM's is also run by tests/test_rules_recurrent.py and
+# the legacy checks) and the unrolled layers hold no control flow: they run with -m heavy.
+HEAVY_CASES = ("GRU", "LSTM", "SimpleRNN_unrolled", "GRU_unrolled", "LSTM_unrolled")
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.heavy) if name in HEAVY_CASES else name
+    for name in sorted(CASES)])
 def built(request):
     result = CASES[request.param]()
     yield result
@@ -176,10 +199,9 @@ def built(request):
 def test_per_example_gradients_match_oracle(built):
     case = built.case
     want = built.loop.run(case.sess, case.feed, case.B)
-    for key, tensors in built.got.items():
+    for key, values in built.values().items():
         if key.startswith("per_example/"):
-            common.assert_all_close(case.sess.run(tensors, case.feed), want, case.rtol,
-                                    case.atol, f"{case.name} {key}")
+            common.assert_all_close(values, want, case.rtol, case.atol, f"{case.name} {key}")
 
 
 def test_microbatch_gradients_match_oracle(built):
@@ -188,14 +210,14 @@ def test_microbatch_gradients_match_oracle(built):
         pytest.skip(f"microbatches are checked on the other control-flow cases ({case.name} "
                     "is slow to build)")
     want = built.loop.run(case.sess, case.feed, 2)
-    common.assert_all_close(case.sess.run(built.got["microbatches"], case.feed), want,
-                            case.rtol, case.atol, f"{case.name} 2 microbatches")
+    common.assert_all_close(built.values()["microbatches"], want, case.rtol, case.atol,
+                            f"{case.name} 2 microbatches")
 
 
 def test_per_example_gradients_sum_to_the_batch_gradient(built):
     case = built.case
-    per_example, batch_gradient = case.sess.run(
-        [built.got["per_example/towers"], built.batch_gradient], case.feed)
+    per_example = built.values()["per_example/towers"]
+    batch_gradient = built.values()["batch_gradient"]
     common.assert_all_close([g.sum(axis=0) for g in per_example], batch_gradient,
                             case.rtol * 10, case.atol * 10, f"{case.name} sum")
 
@@ -204,7 +226,7 @@ def test_per_example_jacobians_match_oracle(built):
     case = built.case
     if "jacobians" not in built.got:
         pytest.skip(f"Jacobians are checked on SimpleRNN and cond, not {case.name}")
-    got = case.sess.run(built.got["jacobians"], case.feed)
+    got = built.values()["jacobians"]
     want = built.jacobian_oracle()
     common.assert_all_close(got, want, case.rtol, case.atol, f"{case.name} Jacobians")
 
@@ -255,22 +277,22 @@ def test_masked_bidirectional_rnn_with_sparse_embedding_matches_oracle():
         ys = keras.layers.Dense(1)(pooled)[:, 0]                                # [B]
         xs = tf.compat.v1.trainable_variables()
         loop = oracle.SliceLoop(ys, xs)
-        grads = pertower.per_example_gradients(ys, xs, batch_size=3, sparse=True)
+        grads = pertower.per_example_gradients(ys, xs, batch_size=2, sparse=True)
         assert isinstance(grads[0], pertower.PerExampleIndexedSlices)
         dense = [grads[0].to_dense()] + grads[1:]
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            feed = {ids: np.array([[1, 2, 3, 0, 0], [4, 4, 0, 0, 0], [9, 8, 7, 6, 5]])}
-            common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 3), kind="deep",
+            feed = {ids: np.array([[1, 2, 3, 0, 0], [9, 8, 7, 6, 5]])}   # masked, full
+            common.assert_all_close(sess.run(dense, feed), loop.run(sess, feed, 2), kind="deep",
                                     what="masked bidirectional RNN")
 
 
 def _recurrent_model(layer, seed=17):
-    """A fresh graph: [B, 4, 2] sequences -> `layer`(3) (a v2 While) -> Dense(2) -> [B]."""
+    """A fresh graph: [B, 3, 2] sequences -> `layer`(3) (a v2 While) -> Dense(2) -> [B]."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(seed)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="sequences")
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3, 2], name="sequences")
         rnn = getattr(keras.layers, layer)(3)
         head = keras.layers.Dense(2)
         ys = tf.reduce_sum(tf.sin(head(rnn(x))), axis=1)                   # [B]
@@ -296,7 +318,8 @@ def _plain_tf_reference(layer, values, X, learning_rate):
 
 
 @pytest.mark.parametrize("layer, order", [
-    ("GRU", "pertower_first"),
+    ("SimpleRNN", "pertower_first"),     # the same While edit as GRU's and LSTM's
+    pytest.param("GRU", "pertower_first", marks=pytest.mark.heavy),
     pytest.param("LSTM", "pertower_first", marks=pytest.mark.heavy),
     pytest.param("GRU", "model_run_first", marks=pytest.mark.heavy)])
 def test_recurrent_layer_and_a_training_op_built_after_the_first_run(layer, order):
@@ -307,7 +330,7 @@ def test_recurrent_layer_and_a_training_op_built_after_the_first_run(layer, orde
     before the first run) and changes the weights. model_run_first: the session runs the
     model before the pertower call; pertower's gradients still run and match the loop."""
     B, learning_rate = 3, 0.5
-    X = np.random.RandomState(5).randn(B, 4, 2).astype(np.float32)
+    X = np.random.RandomState(5).randn(B, 3, 2).astype(np.float32)
     graph, x, ys, xs = _recurrent_model(layer)
     with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
         if order == "model_run_first":

@@ -12,9 +12,11 @@ from tests import cases
 from tests import common
 
 
-# The Keras subclassed model is the MLP's arithmetic behind another way of building it:
-# its (slow) towers run with the heavy tests (`-m heavy`).
-_SLOW_CASES = ("subclassed",)
+# Models whose ops the default run checks on the others, so they run with the heavy
+# tests (`-m heavy`): the Keras subclassed model (slow towers) and the float32 `mlp` are
+# the arithmetic of `mlp_float64` and `static_mlp`; the tf.compat.v1.layers model reads
+# its weights through the same MatMul and BiasAdd as they do.
+_SLOW_CASES = ("subclassed", "mlp", "compat_v1_layers")
 # Fewer towers than the builders' defaults: an even B (microbatches of two examples) and
 # an odd one (shared_layer: "two" falls back to one microbatch per example) stay.
 _SIZES = {"mlp": {"B": 4}, "mlp_float64": {"B": 4}, "shared_layer": {"B": 3}}

@@ -117,19 +117,22 @@ def _feed(batch, seed):
     return {t: rng.randint(0, VOCAB, size=(B, T)).astype(np.int32) for t in batch}
 
 
-def test_paths_around_and_through_stacked_loops_add_up():
-    """Embedding -> LSTM -> GRU, plus the embedding added to the GRU's output (a path
-    around both loops) -> Dense: the embedding's gradient is the sum over three kinds of
-    path, the LSTM's weights' over the paths through the GRU; each loop is copied and
-    differentiated once."""
+@pytest.mark.parametrize("layers", [
+    ("SimpleRNN", "SimpleRNN"), pytest.param(("LSTM", "GRU"), marks=pytest.mark.heavy)],
+    ids="-".join)
+def test_paths_around_and_through_stacked_loops_add_up(layers):
+    """Embedding -> a recurrent layer -> a second one (LSTM -> GRU with -m heavy), plus
+    the embedding added to the second's output (a path around both loops) -> Dense: the
+    embedding's gradient is the sum over three kinds of path, the first layer's weights'
+    over the paths through the second; each loop is copied and differentiated once."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(5)
         ids = tf.compat.v1.placeholder(tf.int32, [None, T], name="ids")
         labels = tf.compat.v1.placeholder(tf.int32, [None, T], name="labels")
         embedded = keras.layers.Embedding(VOCAB, UNITS)(ids)                   # [B, T, U]
-        first = keras.layers.LSTM(UNITS, return_sequences=True)(embedded)
-        second = keras.layers.GRU(UNITS, return_sequences=True)(first)
+        first = getattr(keras.layers, layers[0])(UNITS, return_sequences=True)(embedded)
+        second = getattr(keras.layers, layers[1])(UNITS, return_sequences=True)(first)
         logits = keras.layers.Dense(VOCAB)(second + embedded)                 # [B, T, V]
         ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits), axis=1)                             # [B]
@@ -144,6 +147,6 @@ def test_paths_around_and_through_stacked_loops_add_up():
             feed = _feed([ids, labels], 1)
             common.assert_all_close(sess.run(grads, feed),
                                     loop.run(sess, feed, B, batch=[ids, labels]),
-                                    kind="deep", what="stacked LSTM -> GRU with a skip")
+                                    kind="deep", what=f"stacked {layers} with a skip")
     assert all(row.method == "rules" for row in plan.weights), str(plan)
     assert len(added) == 4, [op.name for op in added]   # two copies and their backward loops

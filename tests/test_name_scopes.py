@@ -10,10 +10,10 @@ from tests import cases
 
 
 def _rnn():
-    """A GRU (a While op reading its weights in the body) and a Dense head."""
+    """A SimpleRNN (a While op reading its weights in the body) and a Dense head."""
     with tf.Graph().as_default() as graph:
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="x")
-        out = keras.layers.Dense(2)(keras.layers.GRU(3)(x))      # [B, 2]
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3, 2], name="x")
+        out = keras.layers.Dense(2)(keras.layers.SimpleRNN(3)(x))   # [B, 2]
         ys = tf.reduce_sum(out, axis=1)                          # [B]
     return graph, ys, out, graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
 

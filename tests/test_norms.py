@@ -66,7 +66,16 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# The same ways as the other cases', on slower or duplicate models: with -m heavy (the
+# norms of the subclassed model's LayerNorm and convolution are checked by the DP sums
+# of tests/test_rules.py on layer_norm and conv_same_strided, `mlp`'s dense norm here on
+# mlp_float64).
+HEAVY_CASES = ("subclassed", "mlp")
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.heavy) if name in HEAVY_CASES else name
+    for name in sorted(CASES)])
 def case(request):
     built = CASES[request.param]()
     yield built

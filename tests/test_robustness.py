@@ -22,9 +22,11 @@ from tests import common
 METHODS = list(gradients_lib.METHODS)
 
 # Few examples and no deadline: every example builds a graph, towers and the oracle
-# loop; derandomized so the suite runs the same cases every time.
-FEW = settings(max_examples=6, deadline=None, derandomize=True,
+# loop; derandomized so the suite runs the same cases every time. The default run draws
+# FEW models per method, the heavy run (`-m heavy`) MORE.
+FEW = settings(max_examples=3, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow])
+MORE = settings(FEW, max_examples=6)
 
 ACTIVATIONS = ["tanh", "relu", "sigmoid", "elu", None]
 
@@ -66,10 +68,7 @@ def mlp_cases(draw):
     )
 
 
-@pytest.mark.parametrize("method", METHODS)
-@FEW
-@given(case=mlp_cases())
-def test_random_mlps_match_the_oracle(method, case):
+def _random_mlp(method, case):
     dtype, B = case["dtype"], case["B"]
     with tf.Graph().as_default() as graph:
         common.seed_weights(case["seed"])
@@ -105,10 +104,7 @@ def cnn_cases(draw):
     )
 
 
-@pytest.mark.parametrize("method", METHODS)
-@FEW
-@given(case=cnn_cases())
-def test_random_cnns_match_the_oracle(method, case):
+def _random_cnn(method, case):
     dtype, B, size = case["dtype"], case["B"], case["size"]
     with tf.Graph().as_default() as graph:
         common.seed_weights(case["seed"])
@@ -127,6 +123,36 @@ def test_random_cnns_match_the_oracle(method, case):
         feed = {x: rng.rand(B, size, size, case["channels"]).astype(dtype.as_numpy_dtype)}
         _check_against_oracle(graph, ys, model.trainable_weights, feed, B, case["M"], method,
                               dtype, f"random CNN {case}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@FEW
+@given(case=mlp_cases())
+def test_random_mlps_match_the_oracle(method, case):
+    _random_mlp(method, case)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@FEW
+@given(case=cnn_cases())
+def test_random_cnns_match_the_oracle(method, case):
+    _random_cnn(method, case)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("method", METHODS)
+@MORE
+@given(case=mlp_cases())
+def test_more_random_mlps_match_the_oracle(method, case):
+    _random_mlp(method, case)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("method", METHODS)
+@MORE
+@given(case=cnn_cases())
+def test_more_random_cnns_match_the_oracle(method, case):
+    _random_cnn(method, case)
 
 
 def test_tf_data_iterator_with_a_none_batch_axis():
@@ -184,8 +210,10 @@ def test_saver_keeps_its_variables_and_restores_the_same_gradients(tmp_path):
     case.sess.close()
 
 
-def test_several_builds_on_one_graph_leave_each_other_alone():
-    case = cases.build_subclassed(B=4)
+@pytest.mark.parametrize("build", [
+    "build_mlp", pytest.param("build_subclassed", marks=pytest.mark.heavy)])
+def test_several_builds_on_one_graph_leave_each_other_alone(build):
+    case = getattr(cases, build)(B=4)
     with case.graph.as_default():
         first = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B)
         first_values = case.sess.run(first, case.feed)

@@ -2,16 +2,20 @@
 
 Each model of `cases.RULE_MODELS` (tests/cases.py) exercises one rule (or the
 fallback); its last field lists the weights that must go to the towers, so a test also
-fails when a rule silently stops applying (or starts applying where it must not).
+fails when a rule silently stops applying (or starts applying where it must not). Every
+model is checked on its rules and the towers in the default run; microbatches,
+Jacobians, a None batch axis and the DP sums on one model per rule family
+(`FAST_MODELS`, the others with -m heavy); each way of the convolution rules on a few
+models (`FAST_CONV_ROWS`, the whole matrix with -m heavy). The rules' arguments and user
+registries are in tests/test_rules_api.py, XLA-compiled calls in
+tests/test_rules_compiled.py.
 """
 
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras as keras
 
 import pertower
-from pertower._api import gradients as gradients_lib
 from pertower import _dispatch
 from pertower import oracle
 from pertower import rules as rules_lib
@@ -21,6 +25,20 @@ from pertower.rules import _engine as rule_engine
 from tests import cases
 from tests import common
 
+# one model per rule family (MatMul through Tensordot, BatchMatMul, Einsum, the
+# broadcasting ops, LayerNorm, Conv2D, depthwise, gathers, rules and towers mixed): the
+# rows of the tests below that check more than the per-example gradients
+FAST_MODELS = ("dense_sequence", "batch_matmul", "einsum", "broadcast", "layer_norm",
+               "conv_same_strided", "depthwise", "embedding_repeated_ids", "mixed_fallback")
+
+
+def _rows(names, fast):
+    """`model` parameters: the names in `fast` in the default run, the others heavy."""
+    return [name if name in fast else pytest.param(name, marks=pytest.mark.heavy)
+            for name in names]
+
+
+ROWS = _rows(sorted(cases.RULE_MODELS), FAST_MODELS)
 
 @pytest.fixture(scope="module", params=sorted(cases.RULE_MODELS))
 def model(request):
@@ -69,6 +87,7 @@ def test_rules_match_oracle_and_towers(model):
                             f"{model.name} rules vs towers")
 
 
+@pytest.mark.parametrize("model", ROWS, indirect=True)
 def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
     if model.fallback:
         with model.graph.as_default():
@@ -87,6 +106,7 @@ def test_rules_on_a_none_batch_axis_work_for_any_fed_size(model):
                                     f"{model.name} rules, {size} examples")
 
 
+@pytest.mark.parametrize("model", ROWS, indirect=True)
 def test_microbatches_and_jacobians_match_oracle(model):
     with model.graph.as_default():
         two = pertower.microbatch_gradients(model.ys, model.xs, num_microbatches=2,
@@ -105,6 +125,7 @@ def test_microbatches_and_jacobians_match_oracle(model):
                             f"{model.name} Jacobians")
 
 
+@pytest.mark.parametrize("model", ROWS, indirect=True)
 def test_every_rule_s_clipped_sum_is_the_reweighted_oracle(model):
     """The DP sums: sum_i f_i g_i through each rule's own clipped_sum (dZ scaled per
     example; no per-example gradient formed), and through Built.clipped_sum (norms,
@@ -151,13 +172,26 @@ def _forced_conv_registry(strategy, **options):
     return registry
 
 
-@pytest.mark.parametrize("strategy, options", [
+STRATEGIES = (
     ("patches", {}), ("grouped", {}), ("depthwise", {}),
     ("shifts", {}),                      # these models' thin channels: the taps stacked
     ("shifts", {"thin_channels": 0, "few_positions": 0}),    # a matmul per tap
-])
+)
+# (model, index in STRATEGIES) in the default run: every way once, on the models whose
+# geometry the tests above leave to "auto" (dilations, groups, explicit padding and
+# float64, Conv1D, k images per example); the whole matrix with -m heavy
+FAST_CONV_ROWS = {("conv_valid_dilated", 0), ("grouped_conv", 0),
+                  ("conv_same_dilated_odd", 1), ("depthwise", 2),
+                  ("conv_explicit_float64", 3), ("time_distributed_conv", 3),
+                  ("keras_conv1d", 4)}
+
+
 # (the `model` fixture's graphs and oracle values, shared with the tests above)
-@pytest.mark.parametrize("model", CONV_MODELS, indirect=True)
+@pytest.mark.parametrize("model, strategy, options", [
+    pytest.param(name, strategy, options, id=f"{name}-{strategy}-options{k}",
+                 marks=() if (name, k) in FAST_CONV_ROWS else pytest.mark.heavy)
+    for name in CONV_MODELS for k, (strategy, options) in enumerate(STRATEGIES)],
+    indirect=["model"])
 def test_every_conv_strategy_matches_the_oracle(model, strategy, options):
     """Each way of the convolution rules (rules/conv2d.py), forced on every convolution
     (strides, SAME/VALID/explicit padding, dilations, groups, Conv1D, depthwise, k = 3
@@ -239,122 +273,6 @@ def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
                                            rules=_forced_conv_registry("shifts"))
 
 
-def _compiled_calls(graph, scope):
-    """The function-call ops under `scope` and whether each is XLA-compiled."""
-    return [(op.type, op.get_attr("_XlaMustCompile") if "_XlaMustCompile" in op.node_def.attr
-             else False)
-            for op in graph.get_operations()
-            if op.name.startswith(scope) and op.type in ("PartitionedCall",
-                                                          "StatefulPartitionedCall")]
-
-
-def test_keras_grouped_conv_under_the_towers_before_any_gradient():
-    """Keras Conv2D(groups=2) when nothing differentiated its XLA-compiled call yet: the
-    towers replay the call compiled (not as an If whose lowering would run the grouped
-    convolution on CPU kernels, which have none without oneDNN) and differentiate it
-    with a compiled call too; per-example gradients, norms and two microbatches match
-    the loop, and the user's call op stays compiled."""
-    graph = tf.Graph()
-    with graph.as_default():
-        common.seed_weights(3)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 4, 4])
-        conv = keras.layers.Conv2D(6, (3, 2), groups=2, padding="same")
-        ys = tf.reduce_sum(tf.sin(conv(x)), axis=[1, 2, 3])
-        xs = conv.trainable_weights
-        (call,) = [op for op in graph.get_operations() if op.type == "PartitionedCall"]
-        outputs = len(call.outputs)
-        grads = pertower.per_example_gradients(ys, xs, batch_size=3, method="towers")
-        norms = pertower.per_example_norms(ys, xs, batch_size=3, method="towers")
-        two = pertower.microbatch_gradients(ys, xs, num_microbatches=2, batch_size=4,
-                                            method="towers")
-        towers = _compiled_calls(graph, "per_example_gradients/")
-        assert towers and all(compiled for _, compiled in towers), towers
-        # the user's call keeps its output and its compilation; the towers may leave it
-        # with the extra outputs a tf.gradients through it would add (so that a
-        # gradient the user builds after the first run still works)
-        assert len(call.outputs) >= outputs and call.get_attr("_XlaMustCompile"), call
-        loop = oracle.SliceLoop(ys, xs)      # before the first run, see `cases.build_case`
-        sess = tf.compat.v1.Session(graph=graph)
-        sess.run(tf.compat.v1.global_variables_initializer())
-    feed = {x: np.random.RandomState(3).randn(4, 5, 4, 4).astype(np.float32)}
-    three = {x: feed[x][:3]}
-    want = common.run_oracle(loop.run, sess, three, 3)
-    want_two = common.run_oracle(loop.run, sess, feed, 2)
-    got, got_norms = sess.run([grads, norms], three)
-    got_two = sess.run(two, feed)
-    common.assert_all_close(got, want, what="Keras grouped conv, towers")
-    common.assert_all_close(
-        [got_norms], [np.sqrt(sum(np.sum(w.reshape(3, -1) ** 2, axis=1) for w in want))],
-        what="Keras grouped conv, norms")
-    common.assert_all_close(got_two, want_two, atol=1e-5, what="two microbatches")
-    sess.close()
-
-
-def test_an_xla_compiled_function_reading_weights_is_replayed_compiled():
-    """A tf.function(jit_compile=True) that reads variables itself (a grouped
-    tf.nn.conv2d filter [3, 3, 4/2, 4] and a scale): the towers give the compiled call
-    their copies as values (one copy of the function for all towers) and
-    differentiate it compiled; the scale, read in the function but left out of `xs`,
-    stays a variable. Against the loop; then a second derivative through the compiled
-    gradient matches plain TensorFlow's."""
-    graph = tf.Graph()
-    with graph.as_default():
-        common.seed_weights(4)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 5, 4])
-        w = tf.compat.v1.get_variable("w_compiled", [3, 3, 2, 4])
-        scale = tf.compat.v1.get_variable("scale_compiled", [],
-                                          initializer=tf.compat.v1.constant_initializer(1.5))
-
-        @tf.function(jit_compile=True)
-        def grouped(images):
-            return tf.nn.conv2d(images, w, 1, "VALID") * scale
-
-        ys = tf.reduce_sum(tf.tanh(grouped(x)) ** 2, axis=[1, 2, 3])
-        (both_w, both_scale) = pertower.per_example_gradients(ys, [w, scale], batch_size=2,
-                                                              method="towers", validate=False)
-        (only_w,) = pertower.per_example_gradients(ys, [w], batch_size=2, method="towers",
-                                                   validate=False)
-        # d/dx sum_i |g_i|^2 (a gradient penalty) through the compiled backward call
-        penalty = tf.gradients(tf.reduce_sum(only_w ** 2), x)[0]
-        loop = oracle.SliceLoop(ys, [w, scale])
-        one = [tf.gradients(tf.reduce_sum(tf.tanh(tf.nn.conv2d(x[i:i + 1], w, 1, "VALID")
-                                                      * scale) ** 2), w)[0]
-               for i in range(2)]
-        want_penalty = tf.gradients(sum(tf.reduce_sum(g ** 2) for g in one), x)[0]
-        sess = tf.compat.v1.Session(graph=graph)
-        sess.run(tf.compat.v1.global_variables_initializer())
-    feed = {x: np.random.RandomState(4).randn(2, 5, 5, 4).astype(np.float32)}
-    with sess:
-        want = common.run_oracle(loop.run, sess, feed, 2)
-        got = sess.run([both_w, both_scale, only_w, penalty], feed)
-        common.assert_all_close(got[:3], want + want[:1], what="compiled function, towers")
-        # plain TensorFlow's second derivative runs the grouped convolution uncompiled:
-        # the plain CPU kernels (no oneDNN) have none, and run_oracle skips, saying so
-        reference_penalty = common.run_oracle(sess.run, want_penalty, feed)
-        common.assert_all_close([got[3]], [reference_penalty], rtol=1e-3, atol=1e-4,
-                                what="second derivative")
-
-
-def test_an_xla_compiled_function_that_draws_random_numbers_is_refused():
-    """The compiled gradient runs the call again; random draws inside it would differ
-    from the forward pass's, so the towers refuse at build time, naming the call."""
-    with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
-        w = tf.compat.v1.get_variable("w_noisy", [4, 3])
-
-        @tf.function(jit_compile=True)
-        def noisy(rows, kernel):
-            return tf.matmul(rows, kernel) * tf.random.uniform([3])
-
-        ys = tf.reduce_sum(noisy(x, tf.convert_to_tensor(w)) ** 2, axis=1)
-        with pytest.raises(NotImplementedError,
-                           match=r"^pertower\.per_example_gradients: .*"
-                                 r"cannot differentiate the XLA-compiled function call "
-                                 r"'.*PartitionedCall'.*draws random numbers "
-                                 r"\(RandomUniform\).*out of `xs`"):
-            pertower.per_example_gradients(ys, [w], batch_size=2, method="towers")
-
-
 @pytest.mark.parametrize("layer, chosen", [
     # (H = W, Cin, Cout, k, stride) of a SAME convolution -> the way "auto" picks with
     # oneDNN (without it: "shifts" for all)
@@ -402,215 +320,3 @@ def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
     common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
                             "cifar rules")
     case.sess.close()
-
-
-@pytest.mark.parametrize("method", ["rules", "towers"])
-def test_an_op_that_mixes_examples_is_refused_by_every_method(method):
-    """x W minus its mean over the batch: example i's value depends on the others, so
-    neither the batched dZ (rules) nor one-example towers give "the gradient of example
-    i" of `ys`; both methods refuse, naming the op (pertower._batch_axis)."""
-    def build(x):
-        w = cases.random_normal_variable([4, 3], "w_centered")
-        z = tf.matmul(x, w)
-        return tf.reduce_sum(tf.sin(z - tf.reduce_mean(z, axis=0, keepdims=True)), axis=1), [w]
-    case = cases.build_case("batch_mean", build, [(4,)], B=4)
-    with case.graph.as_default(), pytest.raises(ValueError, match=r"Mean.*batch axis"):
-        pertower.per_example_gradients(case.ys, case.xs, batch_size=4, method=method)
-    case.sess.close()
-
-
-def test_grad_ys_weights_the_outputs_for_rules_and_towers_alike():
-    """gradients(grad_ys=w): per example, the Jacobian contracted with w; the mixed
-    model has weights on both sides (rules and towers)."""
-    def build(x):
-        ys, xs = cases.mixed(x)
-        return tf.stack([ys, tf.cos(ys)], axis=1), xs            # [B, 2]
-    case = cases.build_case("grad_ys", build, [(4,)], B=4)
-    weights = np.linspace(-1.0, 2.0, 8).reshape(4, 2).astype(np.float32)
-    with case.graph.as_default():
-        built = _dispatch.build(_dispatch.make_plan(case.ys, case.xs, None, 4))
-        assert built.plan.fallback == [2]
-        got = built.gradients(grad_ys=tf.constant(weights))
-        jacobians = oracle.loop_per_example_jacobians(case.sess, case.ys, case.xs, case.feed)
-        with pytest.raises(ValueError, match=r"`grad_ys` must have the shape of `ys`"):
-            built.gradients(grad_ys=tf.ones([4, 3]))
-    want = [np.einsum("bk,bk...->b...", weights, j) for j in jacobians]
-    common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "grad_ys")
-    case.sess.close()
-
-
-def test_microbatches_with_a_none_batch_axis_and_rules():
-    case = cases.build_case("dense_sequence", cases.dense_sequence, [(5, 4)], B=4)
-    with case.graph.as_default():
-        got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=2,
-                                            method="rules")
-        want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, case.feed, 2)
-        common.assert_all_close(case.sess.run(got, case.feed), want, kind="deep",
-                                what="2 microbatches of 4")
-        six = {k: np.concatenate([v, v[:2]]) for k, v in case.feed.items()}
-        want = oracle.loop_microbatch_gradients(case.sess, case.ys, case.xs, six, 2)
-        common.assert_all_close(case.sess.run(got, six), want, kind="deep",
-                                what="2 microbatches of 6")
-        with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=r"`num_microbatches` \(2\) must divide the batch size.*"
-                                 r"has 3 examples\. Feed a multiple of 2"):
-            case.sess.run(got, {k: v[:3] for k, v in case.feed.items()})
-        outputs = tf.stack([case.ys, case.ys ** 2], axis=1)                 # [B, 2]
-        jacobians = pertower.per_example_jacobians(outputs, case.xs, method="rules")
-        three = {k: v[:3] for k, v in case.feed.items()}
-        want = oracle.loop_per_example_jacobians(case.sess, outputs, case.xs, three)
-        common.assert_all_close(case.sess.run(jacobians, three), want, 1e-4, 1e-4,
-                                "Jacobians of 3 examples, no batch_size")
-    case.sess.close()
-
-
-@pytest.mark.parametrize("function", ["per_example_gradients", "microbatch_gradients",
-                                      "per_example_jacobians", "per_example_norms"])
-def test_method_and_rules_arguments_are_checked(mlp, function):
-    call = getattr(pertower, function)
-    ys = mlp.outputs if function == "per_example_jacobians" else mlp.ys
-    with mlp.graph.as_default():
-        with pytest.raises(ValueError, match=rf"pertower.{function}: `method` must be one of "
-                                             r"\('auto', 'towers', 'rules'\), got 'rule'"):
-            call(ys, mlp.xs, batch_size=4, method="rule")
-        with pytest.raises(ValueError, match=r"`rules` is used by method='rules' or 'auto'"):
-            call(ys, mlp.xs, batch_size=4, method="towers",
-                 rules=rules_lib.default_registry())
-        with pytest.raises(TypeError, match=r"`rules` must be a pertower.rules.RuleRegistry"):
-            call(ys, mlp.xs, batch_size=4, rules={"MatMul": None})
-        # the towers are built for a fixed batch size; the rules need none
-        with pytest.raises(ValueError, match=r"batch axis is not static.*Pass batch_size=B"):
-            call(ys, mlp.xs, method="towers")
-        call(ys, mlp.xs, method="auto")
-        call(ys, mlp.xs, method="rules")
-
-
-def test_errors_are_the_same_for_every_method(mlp):
-    for method in gradients_lib.METHODS:
-        with mlp.graph.as_default():
-            with pytest.raises(ValueError, match=r"`num_microbatches` \(3\) must divide the "
-                                                 r"batch size \(4\)"):
-                pertower.microbatch_gradients(mlp.ys, mlp.xs, num_microbatches=3,
-                                              batch_size=4, method=method)
-            with pytest.raises(ValueError, match=r"`batch_size` must be a positive integer"):
-                pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=0, method=method)
-            with pytest.raises(ValueError, match=r"`xs\[0\]` .* depends on the batch"):
-                pertower.per_example_gradients(mlp.ys, [mlp.outputs * 2.0], batch_size=4,
-                                               method=method)
-            with pytest.raises(ValueError, match=r"`ys` .* is a scalar"):
-                pertower.per_example_gradients(tf.reduce_sum(mlp.ys), mlp.xs, batch_size=4,
-                                               method=method)
-
-
-def test_ys_whose_rows_do_not_follow_the_batch_is_refused_with_auto_too():
-    """concat([s1, s1 + s2]) along axis 0 (s1 read in both parts) has no row layout, so
-    the weight goes to the towers, which refuse it as before."""
-    with tf.Graph().as_default():
-        s1 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s1")
-        s2 = tf.compat.v1.placeholder(tf.float32, [None, 3], name="s2")
-        w = tf.compat.v1.get_variable("w", [3, 1])
-        ys = tf.matmul(tf.concat([s1, s1 + s2], axis=0), w)[:, 0]
-        with pytest.raises(ValueError, match=r"axis 0 of `ys` .* does not follow the batch"):
-            pertower.microbatch_gradients(ys, [w], num_microbatches=2, batch_size=2,
-                                          method="auto")
-
-
-class _CountingRule(rules_lib.Rule):
-    """A user rule for MatMul that delegates to the built-in one and counts its uses."""
-
-    def __init__(self):
-        self.inner = rules_lib.matmul.MatMulRule()
-        self.calls = 0
-
-    def match(self, op, slot, analysis):
-        return self.inner.match(op, slot, analysis)
-
-    def per_group(self, use, dZ, G):
-        self.calls += 1
-        return self.inner.per_group(use, dZ, G)
-
-
-class _SquareRule(rules_lib.Rule):
-    """A user rule for the BroadcastTo that spreads a squared weight over the batch's
-    shape: it refuses with a reason (kept in the plan)."""
-
-    def match(self, op, slot, analysis):
-        return "a user rule that declines"
-
-    def per_group(self, use, dZ, G):
-        raise AssertionError("never called")
-
-
-def test_a_user_registry_replaces_and_adds_rules(mlp):
-    registry = rules_lib.default_registry()
-    counting = _CountingRule()
-    registry.register("MatMul", counting)
-    registry.register("BroadcastTo", _SquareRule())
-    assert "MatMul" in registry.op_types() and "BroadcastTo" in registry.op_types()
-    assert rules_lib.default_registry().lookup("MatMul") is not counting   # a new one each call
-    with mlp.graph.as_default():
-        got = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4, rules=registry)
-        want = oracle.loop_per_example_gradients(mlp.sess, mlp.ys, mlp.xs, mlp.feed)
-    assert counting.calls == 3
-    common.assert_all_close(mlp.sess.run(got, mlp.feed), want, mlp.rtol, mlp.atol,
-                            "user registry")
-    case = cases.build_case("mixed_fallback", cases.mixed, [(4,)])
-    with case.graph.as_default():
-        plan = _dispatch.make_plan(case.ys, case.xs, None, 3, rules=registry, validate=False)
-    assert "a user rule that declines" in plan.reasons[2]
-    case.sess.close()
-    with pytest.raises(TypeError, match=r"`rule` must define `match` and `per_group`"):
-        registry.register("Foo", object())
-    with pytest.raises(TypeError, match=r"`op_type` must be an op type name"):
-        registry.register(3, counting)
-
-
-class _CrossOfRows(rules_lib.Rule):
-    """Teaches the analysis that a Cross of two tensors with the same rows keeps them
-    (it reads no weight, so `match` is never asked)."""
-
-    def output_layouts(self, op, inputs):
-        from pertower import _batch_axis  # pylint: disable=import-outside-toplevel
-        if not isinstance(inputs[0], _batch_axis.Rows) or inputs[1] != inputs[0]:
-            return None
-        return [inputs[0]]
-
-    def match(self, op, slot, analysis):
-        return "Cross reads no weight"
-
-    def per_group(self, use, dZ, G):
-        raise AssertionError("never called")
-
-
-def test_a_user_rule_can_declare_the_row_layout_of_its_op():
-    case = cases.build_case("mixing_op", cases.mixing_op, [(4,)])
-    registry = rules_lib.default_registry()
-    registry.register("Cross", _CrossOfRows())
-    with case.graph.as_default():
-        plan = _dispatch.make_plan(case.ys, case.xs, None, 4, rules=registry, validate=False)
-        assert plan.fallback == []
-        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=4, rules=registry)
-        want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)
-    common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "user layout")
-    case.sess.close()
-
-
-def test_dropout_in_training_mode_uses_the_same_draws_as_ys():
-    """Keras Dropout(training=True) inside its cond: the rules differentiate the very
-    draws `ys` used in the same run (no warning, unlike the towers). By hand, for
-    ys_i = sum(dropout(x_i W + b)): grad_i(b) = mask_i / (1 - rate), entries 0 or 2,
-    grad_i(W) = x_i ⊗ grad_i(b), and ys_i = grad_i(b) · (x_i W + b)."""
-    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-        dense = keras.layers.Dense(8)
-        ys = tf.reduce_sum(keras.layers.Dropout(0.5)(dense(x), training=True), axis=1)
-        import warnings  # pylint: disable=import-outside-toplevel
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            grads = pertower.per_example_gradients(ys, dense.trainable_weights, method="rules")
-        sess.run(tf.compat.v1.global_variables_initializer())
-        values = np.random.RandomState(0).randn(5, 3).astype(np.float32)
-        (g_w, g_b), y, w, b = sess.run([grads, ys, dense.kernel, dense.bias], {x: values})
-    assert set(np.unique(g_b)) <= {0.0, 2.0} and 0 < g_b.mean() < 2
-    np.testing.assert_allclose(g_w, values[:, :, None] * g_b[:, None, :], rtol=1e-6)
-    np.testing.assert_allclose(y, np.sum(g_b * (values @ w + b), axis=1), rtol=1e-5)

@@ -86,10 +86,12 @@ def test_masked_gru_bias_on_the_rules(masking):
                                         kind="deep", what=f"GRU {masking} B={B}")
 
 
-def test_towers_on_a_while_loop_imported_from_a_meta_graph():
-    """A Keras LSTM (TF2 While) exported with export_meta_graph and imported into a new
-    graph: its functions come back from the library with the resource arguments' handle
-    data, which the towers' rewritten copies drop (the copy takes the weight's value).
+@pytest.mark.parametrize("layer", ["SimpleRNN", pytest.param("LSTM", marks=pytest.mark.heavy)])
+def test_towers_on_a_while_loop_imported_from_a_meta_graph(layer):
+    """A Keras SimpleRNN (an LSTM with -m heavy; a TF2 While either way) exported with
+    export_meta_graph and imported into a new graph: its functions come back from the
+    library with the resource arguments' handle data, which the towers' rewritten copies
+    drop (the copy takes the weight's value).
     The rules (planned first: a gradient through an imported loop rewrites its body
     without the variables' shapes, and the rules then leave its weights to the towers)
     and towers (asked for) both match the loop."""
@@ -97,7 +99,7 @@ def test_towers_on_a_while_loop_imported_from_a_meta_graph():
     with graph.as_default():
         common.seed_weights(4)
         ids = tf.compat.v1.placeholder(tf.int32, [None, 4], name="ids")
-        hidden = keras.layers.LSTM(5, return_sequences=True)(
+        hidden = getattr(keras.layers, layer)(5, return_sequences=True)(
             keras.layers.Embedding(11, 3)(ids))
         tf.reduce_sum(tf.square(hidden), axis=[1, 2], name="ys")
         meta = tf.compat.v1.train.export_meta_graph()
@@ -118,6 +120,6 @@ def test_towers_on_a_while_loop_imported_from_a_meta_graph():
             feed = {ids: np.array([[1, 2, 0, 0], [3, 4, 5, 6], [7, 0, 0, 0]], np.int32)}
             want = loop.run(sess, feed, 3, batch=[ids])
             common.assert_all_close(sess.run(towers, feed), want, kind="deep",
-                                    what="imported LSTM, towers")
+                                    what=f"imported {layer}, towers")
             common.assert_all_close(sess.run(rules, feed), want, kind="deep",
-                                    what="imported LSTM, rules")
+                                    what=f"imported {layer}, rules")
