@@ -1,7 +1,8 @@
 """The `pertower` command starts without TensorFlow, keeps TensorFlow's log lines off
 the terminal, reports the CPU settings it measured under (also from a child process
-with `--env`), and `import pertower` loads its public names lazily without touching
-the environment. Subprocesses run this worktree's pertower (PYTHONPATH)."""
+with `--env`). Subprocesses run this worktree's pertower (PYTHONPATH). That `import
+pertower` loads its public names lazily without touching the environment is checked
+in tests/test_docs.py, in the fresh process that runs the documents' blocks."""
 
 import json
 import os
@@ -84,37 +85,6 @@ def test_version_is_in_one_place():
         assert "_version.py" in handle.read()
     process = _python(["setup.py", "--version"])
     assert process.stdout.strip().splitlines()[-1] == _version.__version__, process.stderr
-
-
-def test_import_pertower_is_lazy_and_leaves_the_environment_alone():
-    process = _python(
-        "import os, sys\n"
-        # TensorFlow imports jax where it is installed (its lite utilities), and jax
-        # sets TF_CPP_MIN_LOG_LEVEL and other variables: not pertower's doing
-        "sys.modules.setdefault('jax', None)\n"
-        "before = dict(os.environ)\n"
-        "import pertower\n"
-        "assert 'tensorflow' not in sys.modules\n"
-        "assert set(pertower.__all__) <= set(dir(pertower))\n"
-        "gradients = pertower.per_example_gradients\n"
-        "from pertower._api.gradients import per_example_gradients\n"
-        "assert gradients is per_example_gradients\n"
-        "assert 'tensorflow' in sys.modules\n"
-        "namespace = {}\n"
-        "exec('from pertower import *', namespace)\n"
-        "missing = set(pertower.__all__) - set(namespace)\n"
-        "assert not missing, missing\n"
-        "assert pertower.oracle.SliceLoop is not None\n"
-        "try:\n"
-        "    pertower.no_such_name\n"
-        "except AttributeError as error:\n"
-        "    assert 'no_such_name' in str(error)\n"
-        "else:\n"
-        "    raise AssertionError('no AttributeError')\n"
-        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
-        "print('ok')\n")
-    assert process.returncode == 0, process.stderr
-    assert process.stdout.strip() == "ok"
 
 
 def test_bench_env_measures_in_a_child_with_those_settings_and_quiet_stderr():
