@@ -6,13 +6,22 @@ weight, [B, 1, *w.shape], as tensors to `sess.run`, with no optimizer. Then the 
 model with a 3-output head, whose per-example Jacobian is [B, 3, *w.shape]: one row per
 output.
 
-Run:  python examples/scenario3_cnn_jacobian.py
+Run:  python examples/scenario3_cnn_jacobian.py [--batch-size B]    (B = 8 by default;
+      the one-example loop runs 4 B backward passes: a small B makes a quick check)
 """
 
+import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--batch-size", type=int, default=8, metavar="B",
+                    help="examples in the batch (default 8)")
+B = parser.parse_args().batch_size
+if B < 1:
+    parser.error(f"--batch-size must be a positive integer, got {B}")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -22,8 +31,6 @@ import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
-
-B = 8
 
 
 def cnn(outputs):

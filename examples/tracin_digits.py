@@ -15,6 +15,7 @@ top proponents, then its top opponents.
 
 Run:  python examples/tracin_digits.py [--output tracin_digits.png]    (about 30 s)
       python examples/tracin_digits.py --quick      (fewer checkpoints and images)
+      --top N: N proponents and N opponents per test digit (default 4)
 """
 
 import argparse
@@ -41,7 +42,7 @@ import digits_common  # noqa: E402  pylint: disable=wrong-import-position
 tf.compat.v1.disable_eager_execution()
 
 TEST_DIGITS = (1, 3, 7, 8)
-TOP = 4                # proponents and opponents shown per test digit
+TOP = 4                # proponents and opponents shown per test digit (default of --top)
 
 
 def parse_args(argv=None):
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     parser.add_argument("--chunk", type=int, default=100,
                         help="training images per per-example-gradient run (divides 1500)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top", type=int, default=TOP, metavar="N",
+                        help=f"proponents and opponents shown per test digit (default {TOP})")
     parser.add_argument("--quick", action="store_true",
                         help="2 short checkpoints, 100 training images in chunks of 50 "
                              "(a smoke test)")
@@ -61,6 +64,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    top = args.top
+    if top < 1:
+        raise SystemExit(f"--top must be a positive integer, got {top}")
     x_train, y_train, x_test, y_test = digits_common.load_digits(args.seed)
     # the first test image of each chosen digit
     test_index = np.array([np.flatnonzero(y_test == d)[0] for d in TEST_DIGITS])
@@ -135,11 +141,11 @@ def main(argv=None):
         directory.cleanup()
 
     same_label = 0
-    fig, axes = plt.subplots(len(TEST_DIGITS), 1 + 2 * TOP,
-                             figsize=(1.3 * (1 + 2 * TOP), 1.5 * len(TEST_DIGITS)))
+    fig, axes = plt.subplots(len(TEST_DIGITS), 1 + 2 * top,
+                             figsize=(1.3 * (1 + 2 * top), 1.5 * len(TEST_DIGITS)))
     for row, t in enumerate(test_index):
         order = np.argsort(influence[:, row])
-        proponents, opponents = order[::-1][:TOP], order[:TOP]
+        proponents, opponents = order[::-1][:top], order[:top]
         same_label += int(np.sum(y_train[proponents] == y_test[t]))
         print(f"test digit {y_test[t]}: proponents are {y_train[proponents].tolist()}, "
               f"opponents are {y_train[opponents].tolist()}")
@@ -154,12 +160,12 @@ def main(argv=None):
             axis.set_title(title, fontsize=8, color=color)
             axis.set_xticks([])
             axis.set_yticks([])
-    fig.suptitle(f"TracIn on digits: test image, {TOP} proponents (green), {TOP} "
+    fig.suptitle(f"TracIn on digits: test image, {top} proponents (green), {top} "
                  f"opponents (red); label and score", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.output, dpi=100)
     plt.close(fig)
-    print(f"proponents sharing the test digit's label: {same_label}/{TOP * len(TEST_DIGITS)}")
+    print(f"proponents sharing the test digit's label: {same_label}/{top * len(TEST_DIGITS)}")
     print(f"scored {n_scored} training images; saved {args.output}")
     return 0
 

@@ -4,6 +4,8 @@ ratios, medians) on cases worked out by hand; and the memory replay of
 `pertower.tools.traced_memory` on graphs whose peak can be worked out by hand. No timing
 thresholds (shared, noisy machine)."""
 
+import contextlib
+import io
 import json
 import os
 
@@ -26,41 +28,58 @@ B = 3
 FLOAT32_DIFF = 1e-4
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """Runs `pertower bench` once on both models at B=3; returns (exit code, stdout,
-    figures from the JSON file, the PNG path)."""
+# One `pertower bench` run per case: (models, methods, where the JSON goes). The default
+# run benches the mlp with two of the three methods (`--methods` leaves the third out)
+# and writes its JSON to standard output (the table then goes to stderr); the heavy run
+# benches the cnn (conv rules) with every method and writes its JSON to a file.
+SMOKE_CASES = [
+    pytest.param((("mlp",), ("towers", "rules"), "stdout"), id="mlp"),
+    pytest.param((("cnn",), METHODS, "file"), id="cnn", marks=pytest.mark.heavy),
+]
+
+
+@pytest.fixture(scope="module", params=SMOKE_CASES)
+def smoke(request, tmp_path_factory):
+    """Runs `pertower bench` once at B=3 with --plot; returns (exit code, the printed
+    table, figures from the JSON, the PNG path, models, methods)."""
+    models, methods, json_to = request.param
     folder = tmp_path_factory.mktemp("bench")
     json_path, png_path = folder / "figures.json", folder / "figures.png"
-    capture = pytest.MonkeyPatch()
-    lines = []
-    capture.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
-    try:
-        code = cli.main(["bench", "--models", "mlp", "cnn", "--batch-sizes", str(B),
-                         "--repeats", "2", "--loop-repeats", "1", "--json", str(json_path),
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli.main(["bench", "--models", *models, "--batch-sizes", str(B),
+                         "--methods", *methods, "--repeats", "2", "--loop-repeats", "1",
+                         "--json", "-" if json_to == "stdout" else str(json_path),
                          "--plot", str(png_path)])
-    finally:
-        capture.undo()
-    with open(json_path, encoding="utf-8") as handle:
-        figures = json.load(handle)
-    return code, "\n".join(lines), figures, png_path
+    if json_to == "stdout":
+        table = stderr.getvalue()
+        assert code == 0, table
+        figures = json.loads(stdout.getvalue())          # stdout is JSON only
+    else:
+        table = stdout.getvalue()
+        assert code == 0, table + stderr.getvalue()
+        with open(json_path, encoding="utf-8") as handle:
+            figures = json.load(handle)
+    return code, table, figures, png_path, models, methods
 
 
-def _expected_rows(model):
+def _expected_rows(model, methods):
     rows = [records.LOOP, records.BATCH, records.VMAP, records.WRITE_LIMIT, records.NORMS_FLOOR]
-    rows += [f"gradients[{m}]" for m in METHODS] + [f"norms[{m}]" for m in METHODS]
+    rows += [f"gradients[{m}]" for m in methods] + [f"norms[{m}]" for m in methods]
     if model == "mlp":
         rows += [records.OUTER, records.HAND_NORMS]
     return sorted(rows)
 
 
 def test_every_row_is_present_and_agrees_with_the_loop(smoke):
-    code, out, figures, _ = smoke
+    code, out, figures, _, models, methods = smoke
     assert code == 0, out
     entries = figures["entries"]
-    for model in ("mlp", "cnn"):
+    assert {e["model"] for e in entries} == set(models)
+    for model in models:
+        # only the methods asked for (`--methods`)
         names = sorted(e["name"] for e in entries if e["model"] == model)
-        assert names == _expected_rows(model), names
+        assert names == _expected_rows(model, methods), names
     problems = []
     for e in entries:
         where = f"{e['model']} {e['name']}"
@@ -89,11 +108,11 @@ def test_every_row_is_present_and_agrees_with_the_loop(smoke):
 
 
 def test_json_holds_every_figure_and_numbers_are_positive(smoke):
-    _, out, figures, _ = smoke
+    _, out, figures, _, models, _ = smoke
     machine = figures["machine"]
     assert machine["cpu_count"] >= 1 and machine["tensorflow"] == tf.__version__
     assert machine["date_utc"].endswith("UTC")
-    assert figures["settings"]["batch_sizes"] == {"mlp": [B], "cnn": [B]}
+    assert figures["settings"]["batch_sizes"] == {model: [B] for model in models}
     assert set(figures["notes"]) == {"ms", "ratios", "peak_bytes", "max_abs_diff",
                                      "estimate_bytes", "memory_write_limit", "norms_floor",
                                      "cpu_speed"}
@@ -116,7 +135,7 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
         # a median lies between the fastest and the slowest run
         assert min(e["runs_ms"]) <= e["median_ms"] <= max(e["runs_ms"]), where
         assert (e["ratio_to_outer"] is not None) == (e["model"] == "mlp"), where
-    for model in ("mlp", "cnn"):
+    for model in models:
         mine = {e["name"]: e for e in figures["entries"]
                 if e["model"] == model and e["status"] == "ok"}
         # each row against itself is 1; a slower row has the larger ratio, to every base
@@ -135,7 +154,7 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
 def test_memory_of_materialized_gradients_covers_their_size(smoke):
     """A fetched [B, *x.shape] result is live at the end of the run, so the peak holds
     at least its bytes; the hand-written norms never hold it."""
-    _, _, figures, _ = smoke
+    _, _, figures, _, models, _ = smoke
     parameters = {"mlp": 100 * 256 + 256 + 256 * 256 + 256 + 256 + 1,
                   "cnn": 5 * 5 * 16 + 16 + 32 * 32 * 16 * 128 + 128 + 128 + 1}
     for e in figures["entries"]:
@@ -151,26 +170,20 @@ def test_memory_of_materialized_gradients_covers_their_size(smoke):
             assert e["estimate_bytes"] >= towers * result_bytes, (e["model"], e["name"])
         else:
             assert e["estimate_bytes"] is None, (e["model"], e["name"])
-    mlp = {e["name"]: e for e in figures["entries"] if e["model"] == "mlp"}
-    assert mlp[records.HAND_NORMS]["peak_bytes"] < 4 * B * parameters["mlp"]
+    if "mlp" in models:
+        mlp = {e["name"]: e for e in figures["entries"] if e["model"] == "mlp"}
+        assert mlp[records.HAND_NORMS]["peak_bytes"] < 4 * B * parameters["mlp"]
 
 
 def test_plot_writes_a_png(smoke):
-    _, _, _, png_path = smoke
+    png_path = smoke[3]
     with open(png_path, "rb") as handle:
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     assert png_path.stat().st_size > 10_000
 
 
 def test_json_to_stdout_and_unknown_method(capsys):
-    code = cli.main(["bench", "--models", "mlp", "--batch-sizes", "2", "--methods",
-                     "towers", "--repeats", "1", "--loop-repeats", "1", "--json", "-"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    figures = json.loads(captured.out)                 # stdout is JSON only
-    names = {e["name"] for e in figures["entries"]}
-    assert "gradients[towers]" in names and "gradients[auto]" not in names
-    assert "gradients[towers]" in captured.err         # the table went to stderr
+    # a bench with --json - and --methods towers rules: the `smoke` fixture's default case
     assert cli.main(["bench", "--methods", "fastest"]) == 2
     assert "--methods fastest: unknown" in capsys.readouterr().err
 

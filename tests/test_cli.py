@@ -1,7 +1,8 @@
 """The `pertower` command starts without TensorFlow, keeps TensorFlow's log lines off
 the terminal, reports the CPU settings it measured under (also from a child process
-with `--env`), and `import pertower` loads its public names lazily without touching
-the environment. Subprocesses run this worktree's pertower (PYTHONPATH)."""
+with `--env`). Subprocesses run this worktree's pertower (PYTHONPATH). That `import
+pertower` loads its public names lazily without touching the environment is checked
+in tests/test_docs.py, in the fresh process that runs the documents' blocks."""
 
 import json
 import os
@@ -86,37 +87,49 @@ def test_version_is_in_one_place():
     assert process.stdout.strip().splitlines()[-1] == _version.__version__, process.stderr
 
 
-def test_import_pertower_is_lazy_and_leaves_the_environment_alone():
-    process = _python(
-        "import os, sys\n"
-        # TensorFlow imports jax where it is installed (its lite utilities), and jax
-        # sets TF_CPP_MIN_LOG_LEVEL and other variables: not pertower's doing
-        "sys.modules.setdefault('jax', None)\n"
-        "before = dict(os.environ)\n"
-        "import pertower\n"
-        "assert 'tensorflow' not in sys.modules\n"
-        "assert set(pertower.__all__) <= set(dir(pertower))\n"
-        "gradients = pertower.per_example_gradients\n"
-        "from pertower._api.gradients import per_example_gradients\n"
-        "assert gradients is per_example_gradients\n"
-        "assert 'tensorflow' in sys.modules\n"
-        "namespace = {}\n"
-        "exec('from pertower import *', namespace)\n"
-        "missing = set(pertower.__all__) - set(namespace)\n"
-        "assert not missing, missing\n"
-        "assert pertower.oracle.SliceLoop is not None\n"
-        "try:\n"
-        "    pertower.no_such_name\n"
-        "except AttributeError as error:\n"
-        "    assert 'no_such_name' in str(error)\n"
-        "else:\n"
-        "    raise AssertionError('no AttributeError')\n"
-        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
-        "print('ok')\n")
-    assert process.returncode == 0, process.stderr
-    assert process.stdout.strip() == "ok"
+def test_bench_env_starts_the_same_command_in_a_child_with_those_settings(monkeypatch, capsys):
+    """`bench --env NAME=VALUE`: the command without its --env options, in a child Python
+    whose environment has those variables and the child mark (recorded here, not
+    started: the heavy test below starts it); the child, seeing the mark, measures in
+    its own process and reports the variables as set."""
+    from pertower.tools.bench import records
+    from pertower.tools.bench import runner
+    started = []
+
+    def record(argv, env, check):
+        assert check is False
+        started.append((argv, env))
+        return subprocess.CompletedProcess(argv, 3)
+
+    monkeypatch.delenv("PERTOWER_BENCH_CHILD", raising=False)
+    monkeypatch.setattr(subprocess, "run", record)
+    argv = ["bench", "--models", "mlp", "--env", "TF_ENABLE_ONEDNN_OPTS=0", "--batch-sizes",
+            "2", "--env=MALLOC_TRIM_THRESHOLD_=4294967296", "--json", "-"]
+    assert cli.main(argv) == 3                                   # the child's exit code
+    (child_argv, env), = started
+    assert child_argv == [sys.executable, "-m", "pertower", "bench", "--models", "mlp",
+                          "--batch-sizes", "2", "--json", "-"]
+    assert env["TF_ENABLE_ONEDNN_OPTS"] == "0" and env["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
+    assert env["PERTOWER_BENCH_CHILD"] == "1" and env["PATH"] == os.environ["PATH"]
+    assert ("measuring in a child process with TF_ENABLE_ONEDNN_OPTS=0 "
+            "MALLOC_TRIM_THRESHOLD_=4294967296") in capsys.readouterr().err
+
+    # the child: the same arguments, the mark and the variables in its environment
+    for name in ("PERTOWER_BENCH_CHILD", "TF_ENABLE_ONEDNN_OPTS", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.setenv(name, env[name])
+    row = records.Entry("mlp", 2, 10, "gradients[towers]", "gradients", median_ms=1.0,
+                        runs_ms=[1.0], max_abs_diff=0.0, max_abs_reference=1.0, agrees=True)
+    monkeypatch.setattr(runner, "run_bench", lambda **kwargs: [row])
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert len(started) == 1                                     # no second child
+    speed = json.loads(captured.out)["machine"]["cpu_speed"]
+    assert speed["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    assert speed["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in captured.err and "gradients[towers]" in captured.err
 
 
+@pytest.mark.heavy   # a TensorFlow start-up; the default run checks both sides above
 def test_bench_env_measures_in_a_child_with_those_settings_and_quiet_stderr():
     process = _python(["-m", "pertower", "bench", "--models", "mlp", "--batch-sizes", "2",
                        "--methods", "towers", "--repeats", "1", "--loop-repeats", "1",

@@ -44,10 +44,13 @@ def test_dp_sgd_digits_prints_accuracy_epsilon_and_step_times(capsys):
 
 
 def test_tracin_digits_writes_the_grid(tmp_path, capsys):
+    # --top 1: one proponent and one opponent per test digit (12 panels to draw, not 36)
     output = tmp_path / "tracin.png"
-    out = _run("tracin_digits.py", capsys, "--output", str(output))
+    out = _run("tracin_digits.py", capsys, "--output", str(output), "--top", "1")
     assert "OK: TracIn scores match the one-example loop (6 training x 4 test images)" in out
-    assert len(re.findall(r"test digit \d: proponents are \[", out)) == 4, out
+    assert len(re.findall(r"test digit \d: proponents are \[\d\], opponents are \[\d\]",
+                          out)) == 4, out
+    assert re.search(r"proponents sharing the test digit's label: \d/4", out), out
     assert f"saved {output}" in out and _is_png(output)
 
 

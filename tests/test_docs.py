@@ -18,6 +18,13 @@ TF_USE_LEGACY_KERAS and with no TensorFlow imported, as a user's process does.
 
 A failure names the block's file and line; the traceback points into the document.
 
+The same process first checks what only a fresh one can (FRESH_PROCESS_CHECK, before any
+block, so that no TensorFlow start-up is spent on it alone): `import pertower` imports
+no TensorFlow and changes no environment variable, and every public name then loads.
+It sets TF_USE_LEGACY_KERAS=1 first, as the blocks do, so the blocks then share a
+process where TensorFlow is imported; their own order (the variable before TensorFlow)
+is checked on their text.
+
 Also checked on the documents' text: every relative link names a file (and heading) that
 exists, and the README names no private module (`pertower/_x`, `pertower._x`), which
 move between versions.
@@ -94,12 +101,52 @@ def test_runnable_block_sets_its_own_process_wide_modes(path, line, code):
         f"{where}: other process-wide modes cannot share the docs' test process"
 
 
+# Run first in the blocks' process (a fresh interpreter: no TensorFlow imported yet).
+# TF_CPP_MIN_LOG_LEVEL is removed while pertower loads, so that setting it counts as a
+# change; jax, which TensorFlow imports where it is installed, sets variables of its own
+# (not pertower's doing), so it is kept out while pertower loads.
+FRESH_PROCESS_CHECK = """\
+import os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+log_level = os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+sys.modules.setdefault("jax", None)
+before = dict(os.environ)
+import pertower
+assert "tensorflow" not in sys.modules
+assert set(pertower.__all__) <= set(dir(pertower))
+gradients = pertower.per_example_gradients
+from pertower._api.gradients import per_example_gradients
+assert gradients is per_example_gradients
+assert "tensorflow" in sys.modules
+namespace = {}
+exec("from pertower import *", namespace)
+missing = set(pertower.__all__) - set(namespace)
+assert not missing, missing
+assert pertower.oracle.SliceLoop is not None
+try:
+    pertower.no_such_name
+except AttributeError as error:
+    assert "no_such_name" in str(error)
+else:
+    raise AssertionError("no AttributeError")
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+if sys.modules.get("jax", 0) is None:
+    del sys.modules["jax"]
+if log_level is not None:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = log_level
+"""
+FRESH_PROCESS = "tests/test_docs.py-FRESH_PROCESS_CHECK:1"
+
+
 @pytest.fixture(scope="module")
 def block_results(tmp_path_factory):
-    """Runs every runnable block in one subprocess; {"path:line": (ok, traceback)}."""
+    """Runs FRESH_PROCESS_CHECK, then every runnable block, in one subprocess;
+    {"path:line": (ok, traceback)}."""
     spec = tmp_path_factory.mktemp("docs") / "blocks.json"
-    spec.write_text(json.dumps([{"path": p, "line": line, "code": code}
-                                for p, line, code in RUNNABLE]), encoding="utf-8")
+    path, line = FRESH_PROCESS.rsplit(":", 1)
+    first = [{"path": path, "line": int(line), "code": FRESH_PROCESS_CHECK}]
+    spec.write_text(json.dumps(first + [{"path": p, "line": line, "code": code}
+                                        for p, line, code in RUNNABLE]), encoding="utf-8")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TF_USE_LEGACY_KERAS", None)
@@ -127,6 +174,17 @@ def test_block_runs_as_pasted(block_results, path, line, code):
                               f"{process.returncode}\n{process.stderr[-3000:]}")
     ok, trace = results[where]
     assert ok, f"the python block at {where} failed:\n{trace}"
+
+
+def test_import_pertower_is_lazy_and_leaves_the_environment_alone(block_results):
+    """In a fresh process (the blocks' process, before its first block): `import
+    pertower` imports no TensorFlow and sets no environment variable; every name of
+    `__all__` loads (`from pertower import *`), submodules too, unknown names raise."""
+    results, process = block_results
+    assert FRESH_PROCESS in results, (f"the check did not run: exit code "
+                                      f"{process.returncode}\n{process.stderr[-3000:]}")
+    ok, trace = results[FRESH_PROCESS]
+    assert ok, f"in a fresh process:\n{trace}"
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -48,8 +48,10 @@ def _adam_step(w, g, lr, beta1=0.9, beta2=0.999, epsilon=1e-8):
     return w - lr_t * m / (np.sqrt(v) + epsilon)
 
 
-@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
-@pytest.mark.parametrize("num_microbatches", [None, 3, 6, 1])
+# per-example clipping with Adam and microbatches with SGD by default; the rest heavy
+@pytest.mark.parametrize("num_microbatches, optimizer_name", [(None, "adam"), (3, "sgd")] + [
+    pytest.param(m, name, marks=pytest.mark.heavy) for m, name in (
+        (None, "sgd"), (3, "adam"), (6, "sgd"), (6, "adam"), (1, "sgd"), (1, "adam"))])
 def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_microbatches):
     case = cases.build_mlp(B=6)
     with case.graph.as_default():
@@ -88,7 +90,7 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
     assert not np.allclose(case.sess.run(case.ys, case.feed), ys_before)
 
 
-@pytest.mark.parametrize("num_microbatches", [None, 2])
+@pytest.mark.parametrize("num_microbatches", [None, pytest.param(2, marks=pytest.mark.heavy)])
 def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_microbatches):
     case = cases.build_mlp(B=6)
     with case.graph.as_default():
@@ -105,7 +107,10 @@ def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_mic
     common.assert_all_close(got, want, 1e-5, 1e-7, "[B, 3] loss")
 
 
-@pytest.mark.parametrize("builder", ["static_mlp", "shared_layer", "cnn", "mlp_float64"])
+# a static batch axis and float64 by default; a shared layer and the cnn heavy (every
+# rule's clipped sum: test_every_rule_s_clipped_sum_is_the_reweighted_oracle)
+@pytest.mark.parametrize("builder", ["static_mlp", "mlp_float64"] + [
+    pytest.param(name, marks=pytest.mark.heavy) for name in ("shared_layer", "cnn")])
 def test_noiseless_dp_gradient_on_other_models(builder):
     case = cases.BUILDERS[builder]()
     with case.graph.as_default():

@@ -156,13 +156,13 @@ def test_non_tensor_ys_is_refused(mlp):
 def test_unrolled_lstm_matches_oracle():
     with tf.Graph().as_default() as graph:
         common.seed_weights(8)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 2])
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3, 2])              # T = 3 steps
         ys = keras.layers.Dense(1)(keras.layers.LSTM(3, unroll=True)(x))
         xs = tf.compat.v1.trainable_variables()
         grads = pertower.per_example_gradients(ys, xs, batch_size=3)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            feed = {x: np.random.RandomState(0).randn(3, 5, 2).astype(np.float32)}
+            feed = {x: np.random.RandomState(0).randn(3, 3, 2).astype(np.float32)}
             want = oracle.loop_per_example_gradients(sess, ys, xs, feed)
             common.assert_all_close(sess.run(grads, feed), want, kind="tight", what="unrolled LSTM")
 

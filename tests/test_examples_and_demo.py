@@ -24,9 +24,11 @@ EXAMPLES = {
         "cosine = 0.9987677",
         "OK: g1, g2 and their cosine match the one-batch-at-a-time loop",
     ],
+    # (B, 3, 16384, 128): B is 8, or what the process passes as --batch-size
     "scenario3_cnn_jacobian.py": [
-        "(8, 3, 16384, 128)",
-        "OK: per-example Jacobians (1 and 3 outputs) match the one-example loop",
+        ", 3, 16384, 128)",
+        "OK: per-example Jacobians (1 and 3 outputs) match the one-example loop (",
+        " examples, 6 weights)",
     ],
 }
 
