@@ -346,9 +346,7 @@ def _run_zoo(args):
                                        report)
     report("")
     report(zoo_bench.format_zoo_table(rows))
-    report("\nrules/towers/passes: weights per method of pertower.explain. tf.gradients s / "
-           "pertower s: graph building of tf.gradients(sum(loss), weights) and of "
-           "pertower.per_example_gradients(loss, weights); build x: their ratio. ms: median "
+    report("\nrules/towers/passes: weights per method of pertower.explain. ms: median "
            "per pass (loop: B sess.run); x batch / x loop: per-example gradients' ms over "
            "the batch gradient's / the loop's; dp x step: the DP-SGD step (DPOptimizer, "
            "C=1, sigma=1) over the plain SGD step. max rel diff: per-example gradients "

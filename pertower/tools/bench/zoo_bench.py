@@ -44,8 +44,9 @@ DEFAULT_BUILD_REPEATS = 3
 LEARNING_RATE = 1e-3      # small: the timed steps train the weights they measure
 # agreement with the loop: max |got - loop| <= RELATIVE_TOLERANCE * max |loop|
 RELATIVE_TOLERANCE = 1e-3
-_BUILD_NOTE = ("tf.gradients s / pertower s: medians of the timed builds (wall s, each in a "
-              "fresh graph); build x / build x cpu: ratio of the wall / process-CPU medians; "
+_BUILD_NOTE = ("tf.gradients s / pertower s: building tf.gradients(sum(loss), weights) / "
+              "pertower.per_example_gradients(loss, weights), medians of the timed builds "
+              "(wall s, each in a fresh graph); build x / build x cpu: ratio of the wall / process-CPU medians; "
               "first build s: the network's first pertower build (not in the medians).")
 ROWS = ("batch gradient", "plain step", "gradients", "norms", "dp step", "loop")
 
