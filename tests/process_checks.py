@@ -2,17 +2,17 @@
 
 Some checks need a process-wide TensorFlow mode that the test process cannot switch to
 (eager execution, `tf.compat.v1.disable_v2_behavior()`), servers that live until their
-process ends, or a fresh interpreter (the examples and `pertower demo` set up their own
-environment). Each such process is a script or command of `PROCESSES`; a script runs
+process ends, or a fresh interpreter (the documents' Python blocks, the examples and
+`pertower demo` set up their own environment). Each such process is a script or command of `PROCESSES`; a script runs
 many checks and reports each on a line of its own:
 
     pertower-check {"name": "check_v1_cond", "ok": true, "message": ""}
 
 The test process queues every process that its collected tests name (with the marker
 `@pytest.mark.process_checks("legacy")`) as soon as collection ends; a background
-thread runs them one at a time, the costliest group first (`queue_order`), so their
-start-ups overlap the other tests. The queued members of one of `GROUPS` run in one interpreter
-(tests/scripts/process_group.py), one TensorFlow start-up for all; the two test
+thread runs them one at a time, the longest runs first (`queue_order`), so their
+start-ups overlap the other tests. The queued members of one of `GROUPS` run in one
+interpreter (tests/scripts/process_group.py), one TensorFlow start-up for all; the two test
 processes of an xdist session share the members of a long group (`SHARED_GROUPS`) out
 between two such interpreters. Each test then waits for its process and asserts the
 result of its own check (`Processes.assert_passed`) or reads its output
@@ -55,12 +55,17 @@ class _Command:
       one_thread: True to run TensorFlow on one thread.
       environment: (name, value) pairs to set in the process's environment (in a
         group's run: for all of its members).
+      fresh: True for a process that runs as a user's fresh interpreter does: started
+        without TF_USE_LEGACY_KERAS, it sets up Keras and graph mode itself. In a
+        group's run the fresh members run first (in the group's order), before any
+        member has imported TensorFlow or switched a mode; `legacy_keras_env` False.
     """
 
     argv: tuple
     legacy_keras_env: bool = True
     one_thread: bool = True
     environment: tuple = ()
+    fresh: bool = False
 
 
 _ONEDNN_ON = (("TF_ENABLE_ONEDNN_OPTS", "1"),)
@@ -138,9 +143,13 @@ PROCESSES = {
                       one_thread=False)
        for name, args in (("dp_distributed", ()), ("dp_distributed_stats", ("stats",)),
                           ("dp_distributed_legacy", ("legacy",)))},
-    # the user-facing commands, as a user runs them: they set their environment up.
+    # the user-facing commands and the documents' Python blocks, as a user runs them:
+    # they set their environment up (the blocks of tests/test_docs.py first: a fresh
+    # interpreter is what its first check checks)
+    "doc_blocks": _Command((os.path.join(HERE, "scripts", "run_doc_blocks.py"),),
+                           legacy_keras_env=False, fresh=True),
     "scenario_examples": _Command((os.path.join(HERE, "scripts", "scenario_examples.py"),),
-                                  legacy_keras_env=False),
+                                  legacy_keras_env=False, fresh=True),
     # Keras 3 (tf.keras without TF_USE_LEGACY_KERAS): its own summary line, no checks.
     "keras3": _Command((os.path.join(HERE, "scripts", "keras3_weights.py"),),
                        legacy_keras_env=False),
@@ -185,24 +194,29 @@ def legacy_params(checks):
 
 # Processes that run in one interpreter, one after the other (tests/scripts/
 # process_group.py), when several of them are queued: each would otherwise spend its
-# own TensorFlow start-up (~9 s of CPU). Members share a mode (disable_v2_behavior(),
+# own TensorFlow start-up (~7-10 s of CPU). Members share a mode (disable_v2_behavior(),
 # or graph mode, or eager execution with Keras 3 in graphs of its own) and environment
-# (`legacy_keras_env`; the `environment` of each member queued is set for the whole
-# run: the last group runs with oneDNN on when a oneDNN member is queued); a group
-# runs on one thread only if each of its members does. For the long group
-# (SHARED_GROUPS, the legacy one) each test process of an xdist session starts a run,
-# and the two runs share the members out as they go (`process_runner.Runner`), so that
-# the group keeps both cores busy until its last member; a shorter group is not worth a
-# second start-up.
+# (`legacy_keras_env`, which the group's run sets for each member; the `environment` of
+# each member queued is set for the whole run: the last group runs with oneDNN on when
+# a oneDNN member is queued); a group runs on one thread only if each of its members
+# does. The `fresh` members of a group run first, in a fresh interpreter (the
+# documents' blocks, then the examples and the demo, which switch graph mode on and
+# Keras 2 as a user's script does); the graph-mode members follow in that mode. For
+# the long group (SHARED_GROUPS, the legacy one) each test process of an xdist session
+# starts a run, and the two runs share the members out as they go
+# (`process_runner.Runner`), so that the group keeps both cores busy until its last
+# member; a shorter group is not worth a second start-up.
 GROUPS = (
     ("legacy", "published_legacy", "weight_functions_legacy", "recurrent_legacy",
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
      "convs_legacy", "curvature_legacy", "never_wrong_shape_legacy",
      "never_wrong_dtype_legacy", "python_gradients_legacy", "recurrent_v1",
      "curvature_convs_legacy", "zoo_speed_legacy"),
-    # graph mode (disable_eager_execution()); the servers of "distributed" and
-    # "dp_distributed" live on beside the others' clusters and local sessions
-    ("never_wrong_shape_graph", "never_wrong_dtype_graph", "distributed", "dp_distributed"),
+    # graph mode (disable_eager_execution()), after the fresh members that set it up;
+    # the servers of "distributed" and "dp_distributed" live on beside the others'
+    # clusters and local sessions
+    ("doc_blocks", "scenario_examples", "never_wrong_shape_graph", "never_wrong_dtype_graph",
+     "distributed", "dp_distributed"),
     # the processes that leave eager execution on (keras3 and the oneDNN checks build
     # their graphs in a tf.Graph of their own); not with the graph-mode group, whose
     # never_wrong_shape_graph meets TensorFlow's own wrong oneDNN filter gradients
@@ -215,37 +229,47 @@ IN_GROUP_ENV = "PERTOWER_PROCESS_GROUP"
 _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 
 # Rough CPU seconds of each process's checks after its TensorFlow start-up (the
-# `cpu_seconds` of their reports, summed; under load, so roughly): the queue starts
-# the costliest group first (the shared legacy group: both test processes start a run
-# of it at once), then the others, costliest first. Within a group the members run in
-# the order they were queued in: tests/conftest.py queues them in the order of the
-# tests that read them, so that the tests that come first wait least. A process not
-# listed counts as DEFAULT_COST.
+# `cpu_seconds` of their reports, summed; on a loaded machine, so roughly; a fresh
+# member's include the TensorFlow import of its group's run): `queue_order` starts
+# the longest runs first. A process not listed counts as DEFAULT_COST.
 COSTS = {
-    "legacy": 22, "messages_joined_legacy": 12, "recurrent_v1": 6,
-    "weight_functions_legacy": 8, "convs_legacy": 4, "python_gradients_legacy": 7,
-    "never_wrong_loops": 6, "tower_sizes": 6, "published_legacy": 5,
-    "curvature_convs_legacy": 4, "recurrent_legacy": 4, "dp_modes_legacy": 3,
-    "never_wrong_shape_legacy": 2, "never_wrong_dtype_legacy": 0.3,
-    "dp_distributed": 5, "never_wrong_shape_graph": 2, "never_wrong_dtype_graph": 0.4,
-    "distributed": 1, "eager": 0.4, "keras3": 3, "convs_onednn": 5,
-    "scenario_examples": 15,
+    "legacy": 19, "messages_joined_legacy": 14, "recurrent_v1": 5,
+    "weight_functions_legacy": 7, "convs_legacy": 2, "python_gradients_legacy": 5,
+    "never_wrong_loops": 5, "tower_sizes": 5, "published_legacy": 4,
+    "curvature_convs_legacy": 3, "recurrent_legacy": 4, "dp_modes_legacy": 2,
+    "never_wrong_shape_legacy": 3, "never_wrong_dtype_legacy": 0.3, "curvature_legacy": 14,
+    "dp_distributed": 4, "never_wrong_shape_graph": 2, "never_wrong_dtype_graph": 0.2,
+    "distributed": 1, "eager": 0.4, "keras3": 4, "convs_onednn": 5,
+    "doc_blocks": 20, "scenario_examples": 15,
 }
 DEFAULT_COST = 5
 
 
 def queue_order(names):
-    """`names` in the order to start them: by the `COSTS` of their groups' members
-    among `names` (a process of no group: its own), the costliest first; the members of
-    one group together, in their order in `names`."""
+    """`names` in the order to start them (longest first, as two machines share jobs).
+
+    Each group (its members among `names`) or process of no group is a run of the
+    summed `COSTS` of its members. First the runs of one interpreter, the costliest
+    first (the two test processes' queues take one each, then the next as they come
+    free); then the groups of SHARED_GROUPS, whose members the two queues share out
+    as they come free, their costliest members first, so that the short ones fill the
+    end on both cores. The members of another group keep their order in `names`
+    (tests/conftest.py queues them in the order of the tests that read them;
+    `process_runner.Runner` starts the fresh ones first)."""
     cost = {name: COSTS.get(name, DEFAULT_COST) for name in names}
     group_of = {name: group for group in GROUPS for name in group}
-    totals = {name: sum(cost[n] for n in group_of.get(name, (name,)) if n in cost)
-              for name in names}
-    first = {}   # each group's (or lone process's) first position in `names`
+    run = {name: group_of.get(name, (name,)) for name in names}
+    totals, first = {}, {}   # each run's cost and first position in `names`
     for i, name in enumerate(names):
-        first.setdefault(group_of.get(name, name), i)
-    return sorted(names, key=lambda name: (-totals[name], first[group_of.get(name, name)]))
+        totals[run[name]] = totals.get(run[name], 0) + cost[name]
+        first.setdefault(run[name], i)
+
+    def key(name):
+        shared = run[name] in SHARED_GROUPS
+        return (shared, -totals[run[name]], first[run[name]],
+                -cost[name] if shared else 0, names.index(name))
+
+    return sorted(names, key=key)
 
 
 class Processes(process_runner.Runner):

@@ -87,7 +87,9 @@ class Runner:
       commands: name -> how to start it (an object with `argv`, the arguments after the
         Python executable; `legacy_keras_env`, True to set TF_USE_LEGACY_KERAS=1, False
         to remove it; `one_thread`, True for one TensorFlow thread; optionally
-        `environment`, (name, value) pairs to set, for a group's whole run).
+        `environment`, (name, value) pairs to set, for a group's whole run, and
+        `fresh`, True for a member that must run first in its group's run, in a fresh
+        interpreter).
       groups: tuples of names that may run together, through `group_script`.
       group_script: the script that runs the names of a group given as its arguments
         (tests/scripts/process_group.py).
@@ -116,6 +118,9 @@ class Runner:
 
     def _path(self, name, suffix):
         return os.path.join(self._directory, f"{name}.{suffix}")
+
+    def _fresh(self, name):
+        return getattr(self._commands[name], "fresh", False)
 
     def _check_name(self, name):
         if name not in self._commands:
@@ -165,15 +170,17 @@ class Runner:
         start a run of it, and the two runs share its members out as they go, side by
         side on the two cores, until none is left."""
         group = self._groups.get(name, (name,))
-        # `name` first, then the queued members in the queue's order
+        # `name` first, then the queued members in the queue's order; but the fresh
+        # ones before all, in the group's order
         names = [name] + [n for n in self._queue if n in group and n != name]
         for n in names:
             if n in self._queue:
                 self._queue.remove(n)
+        names.sort(key=lambda n: group.index(n) if self._fresh(n) else len(group))
         if group in self._shared:   # two runs share its members out
             run = next((n for n in names if self._claim(n)), None)
-        else:   # another run that has `name` runs the others too
-            run = name if self._claim(name) else None
+        else:   # another run that has its first member runs the others too
+            run = names[0] if self._claim(names[0]) else None
         if run is None:
             return None, None
         with open(self._path(run, "claim"), "w") as f:   # the name of the run's files

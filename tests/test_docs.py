@@ -6,8 +6,9 @@ before its opening fence; it is still compiled. Every other block must run on it
 in a fresh Python process, with its own imports, data and session.
 
 Scheme: starting one Python process with TensorFlow per block would take far too long,
-so all blocks run in ONE subprocess (tests/scripts/run_doc_blocks.py), each in a fresh
-namespace and on a fresh default graph; a missing import or name fails as it would
+so all blocks run in ONE subprocess (tests/scripts/run_doc_blocks.py, process
+"doc_blocks" of tests/process_checks.py: the first member of a run that goes on with the
+examples and graph-mode checks), each in a fresh namespace and on a fresh default graph; a missing import or name fails as it would
 pasted. What a shared process could hide is process-wide state set by an earlier block:
 the Keras version (TF_USE_LEGACY_KERAS, read when TensorFlow is imported) and graph
 mode. So every runnable block must set both itself, which is checked on its text:
@@ -30,12 +31,9 @@ exists, and the README names no private module (`pertower/_x`, `pertower._x`), w
 move between versions.
 """
 
-import json
-import os
 import pathlib
 import re
 import subprocess
-import sys
 
 import pytest
 
@@ -139,21 +137,11 @@ FRESH_PROCESS = "tests/test_docs.py-FRESH_PROCESS_CHECK:1"
 
 
 @pytest.fixture(scope="module")
-def block_results(tmp_path_factory):
-    """Runs FRESH_PROCESS_CHECK, then every runnable block, in one subprocess;
-    {"path:line": (ok, traceback)}."""
-    spec = tmp_path_factory.mktemp("docs") / "blocks.json"
-    path, line = FRESH_PROCESS.rsplit(":", 1)
-    first = [{"path": path, "line": int(line), "code": FRESH_PROCESS_CHECK}]
-    spec.write_text(json.dumps(first + [{"path": p, "line": line, "code": code}
-                                        for p, line, code in RUNNABLE]), encoding="utf-8")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TF_USE_LEGACY_KERAS", None)
-    process = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "run_doc_blocks.py"), str(spec)],
-        cwd=tmp_path_factory.mktemp("cwd"), env=env, capture_output=True, text=True,
-        timeout=600, check=False)
+def block_results(processes):
+    """FRESH_PROCESS_CHECK, then every runnable block, as process "doc_blocks" of
+    tests/process_checks.py ran them (tests/scripts/run_doc_blocks.py, the first member
+    of its group's run); {"path:line": (ok, traceback)}."""
+    process = processes.completed("doc_blocks")
     results, current = {}, None
     for row in process.stdout.splitlines():
         match = re.match(r"BLOCK (\S+) (OK|FAILED)$", row)
@@ -165,6 +153,7 @@ def block_results(tmp_path_factory):
     return results, process
 
 
+@pytest.mark.process_checks("doc_blocks")
 @pytest.mark.parametrize("path, line, code", RUNNABLE, ids=IDS)
 def test_block_runs_as_pasted(block_results, path, line, code):
     del code
@@ -176,6 +165,7 @@ def test_block_runs_as_pasted(block_results, path, line, code):
     assert ok, f"the python block at {where} failed:\n{trace}"
 
 
+@pytest.mark.process_checks("doc_blocks")
 def test_import_pertower_is_lazy_and_leaves_the_environment_alone(block_results):
     """In a fresh process (the blocks' process, before its first block): `import
     pertower` imports no TensorFlow and sets no environment variable; every name of

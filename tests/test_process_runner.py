@@ -106,10 +106,13 @@ def test_queued_members_of_a_group_run_in_one_process_each_with_its_section(tmp_
 
 def test_every_group_member_is_a_process_that_runs_alone_too():
     for group in process_checks.GROUPS:
-        for name in group:   # in one environment: the first member's Keras setting
-            assert name in process_checks.PROCESSES, name
-            assert process_checks.PROCESSES[name].legacy_keras_env == \
-                process_checks.PROCESSES[group[0]].legacy_keras_env, name
+        commands = [process_checks.PROCESSES[name] for name in group]
+        fresh = [command.fresh for command in commands]
+        # the fresh ones first (they run first), each setting Keras up itself
+        assert fresh == sorted(fresh, reverse=True), group
+        assert not any(c.legacy_keras_env for c in commands if c.fresh), group
+        # the others in one environment: one Keras setting
+        assert len({c.legacy_keras_env for c in commands if not c.fresh}) <= 1, group
     grouped = [name for group in process_checks.GROUPS for name in group]
     assert len(grouped) == len(set(grouped)), "a process in two groups"
     assert os.path.exists(os.path.join(process_checks.HERE, "scripts", "process_group.py"))
@@ -194,7 +197,7 @@ def test_two_runners_queueing_a_group_share_its_members_out_between_two_runs(tmp
                 if process_runner.section_lines(name)[0] + "\n" in text] == [claims[name]]
 
 
-def test_the_queue_starts_the_costliest_group_first_and_its_members_in_their_order():
+def test_the_queue_starts_the_longest_runs_first_and_shares_the_shared_group_out_last():
     names = list(reversed(process_checks.PROCESSES))
     order = process_checks.queue_order(names)
     assert sorted(order) == sorted(names)
@@ -202,12 +205,34 @@ def test_the_queue_starts_the_costliest_group_first_and_its_members_in_their_ord
             for name in names}
     group_of = {name: group for group in process_checks.GROUPS for name in group}
     total = {name: sum(cost[n] for n in group_of.get(name, (name,))) for name in names}
-    assert [total[name] for name in order] == sorted(total.values(), reverse=True)
-    for group in process_checks.GROUPS:   # contiguous, in the order queued
+    shared = [name for name in order if group_of.get(name) in process_checks.SHARED_GROUPS]
+    assert shared and order[-len(shared):] == shared   # shared out last,
+    assert [cost[name] for name in shared] == sorted(cost[name] for name in shared)[::-1]
+    alone = order[:-len(shared)]                       # after the longest runs first
+    assert [total[name] for name in alone] == sorted(total[name] for name in alone)[::-1]
+    for group in process_checks.GROUPS:   # contiguous; a group not shared in the order queued
         where = [order.index(name) for name in group]
         assert max(where) - min(where) == len(group) - 1, group
-        assert [order[i] for i in sorted(where)] == [n for n in names if n in group], group
-    assert order[0] == [n for n in names if n in process_checks.SHARED_GROUPS[0]][0]
+        if group not in process_checks.SHARED_GROUPS:
+            assert [order[i] for i in sorted(where)] == [n for n in names if n in group], group
+
+
+def test_the_fresh_members_of_a_group_run_first_in_the_groups_order(tmp_path):
+    names = ("f1", "f2", "g1", "g2")
+    commands = {name: _command(tmp_path, name) for name in names}
+    for name in ("f1", "f2"):
+        commands[name] = process_checks._Command(  # pylint: disable=protected-access
+            commands[name].argv, legacy_keras_env=False, fresh=True)
+    runner = _runner(tmp_path, commands, tmp_path, groups=(names,))
+    runner.start("g2", "f2", "g1", "f1")
+    for name in names:
+        assert runner.assert_passed(name, f"check_{name}").ok
+    runner.stop()
+    out = (tmp_path / "f1.out").read_text()   # one run, from f1, in this order
+    starts = [out.index(process_runner.section_lines(name)[0] + "\n") for name in
+              ("f1", "f2", "g2", "g1")]
+    assert starts == sorted(starts), out
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == ["f1.out"]
 
 
 def test_a_group_not_shared_runs_once_for_two_runners(tmp_path):

@@ -6,7 +6,10 @@ after the other, so that they share one TensorFlow start-up:
 Each process's script runs as `__main__` with its own arguments (`PROCESSES[name].argv`);
 its output is framed by the lines of `process_checks.section_lines(name)`, the end line
 carrying the exit code the script gave to `sys.exit`. The members of a group
-(`process_checks.GROUPS`) share a mode (disable_v2_behavior()) and an environment.
+(`process_checks.GROUPS`) share a mode (disable_v2_behavior()) and an environment;
+TF_USE_LEGACY_KERAS is set (or removed) for each member as its `legacy_keras_env` says,
+so that the members after the fresh ones (which set it themselves) find it as when
+they run alone.
 Started by `process_runner.Runner`, it claims each member before running it
 (`process_runner.claim_member`) and skips the members that another run (of the same
 group, for the other test process) has claimed meanwhile: no line for those.
@@ -35,7 +38,12 @@ def main(names):
     for name in names:
         if not process_runner.claim_member(name):
             continue   # another run has it
-        path, *args = process_checks.PROCESSES[name].argv
+        command = process_checks.PROCESSES[name]
+        path, *args = command.argv
+        if command.legacy_keras_env:
+            os.environ["TF_USE_LEGACY_KERAS"] = "1"
+        else:
+            os.environ.pop("TF_USE_LEGACY_KERAS", None)
         start, end = process_checks.section_lines(name)
         print(start, flush=True)
         saved = sys.argv

@@ -1,12 +1,14 @@
 """Run in a fresh process, as a user runs them: the scenario example scripts, then
 `python -m pertower demo`, one after the other in this one process.
 
-Started once per test session by tests/process_checks.py ("scenario_examples") with
-TF_USE_LEGACY_KERAS removed from the environment: each script and the demo must set up
-its environment itself. Nothing here imports TensorFlow before the first script does;
-before each later one, TF_USE_LEGACY_KERAS is removed again and the default graph
-replaced, and each check asserts that its script set TF_USE_LEGACY_KERAS=1 and left
-graph mode on. Each check returns the script's output (the tests assert its lines).
+Started once per test session by tests/process_checks.py ("scenario_examples", a fresh
+member of its group: after the documents' blocks, if queued, before the graph-mode
+checks) with TF_USE_LEGACY_KERAS removed from the environment: each script and the demo
+must set up its environment itself. Nothing here imports TensorFlow; before each one,
+TF_USE_LEGACY_KERAS is removed again and the default graph replaced, and each check
+asserts that its script set TF_USE_LEGACY_KERAS=1 and left graph mode on (the order
+in each script, the variable before TensorFlow, is checked on its text in
+tests/test_messages_and_joined.py). Each check returns the script's output (the tests assert its lines).
 Prints one `pertower-check` line per check; exits 1 on failure.
 """
 
@@ -20,8 +22,10 @@ import traceback
 from tests import process_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLES = ["scenario1_keras_mlp.py", "scenario2_two_batches_cosine.py",
-            "scenario3_cnn_jacobian.py"]
+# each script with its arguments: scenario 3 at a batch of 2 (its Jacobians' rows are
+# [3, 16384, 128] per example; 8 by default)
+EXAMPLES = {"scenario1_keras_mlp.py": [], "scenario2_two_batches_cosine.py": [],
+            "scenario3_cnn_jacobian.py": ["--batch-size", "2"]}
 # `pertower demo` at a small batch: the same three scenarios as the examples, checked
 # against the loop once more by the demo's own code.
 DEMO_ARGV = ["pertower", "demo", "--batch-size", "4", "--repeats", "2"]
@@ -56,11 +60,11 @@ def _run_as_main(run):
     return out
 
 
-def _example_check(script):
+def _example_check(script, args):
     def check():
         path = os.path.join(ROOT, "examples", script)
         saved = list(sys.argv)
-        sys.argv = [path]
+        sys.argv = [path, *args]
         try:
             return _run_as_main(lambda: runpy.run_path(path, run_name="__main__"))
         finally:
@@ -80,7 +84,7 @@ def demo():
         sys.argv = saved
 
 
-CHECKS = [_example_check(script) for script in EXAMPLES] + [demo]
+CHECKS = [_example_check(script, args) for script, args in EXAMPLES.items()] + [demo]
 
 
 if __name__ == "__main__":
