@@ -233,7 +233,7 @@ _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 # member's include the TensorFlow import of its group's run): `queue_order` starts
 # the longest runs first. A process not listed counts as DEFAULT_COST.
 COSTS = {
-    "legacy": 19, "messages_joined_legacy": 14, "recurrent_v1": 5,
+    "legacy": 19, "messages_joined_legacy": 9, "recurrent_v1": 5,
     "weight_functions_legacy": 7, "convs_legacy": 2, "python_gradients_legacy": 5,
     "never_wrong_loops": 5, "tower_sizes": 5, "published_legacy": 4,
     "curvature_convs_legacy": 3, "recurrent_legacy": 4, "dp_modes_legacy": 2,

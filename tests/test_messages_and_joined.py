@@ -317,7 +317,8 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "messages_and_joined_checks.py")
 
 
 # the checks of the heavy process "messages_joined_legacy_heavy" (the script's HEAVY)
-HEAVY_CHECKS = ["check_joined_batches_through_the_other_cells",
+HEAVY_CHECKS = ["check_joined_batches_through_a_shared_dynamic_rnn",
+                "check_joined_batches_through_the_other_cells",
                 "check_joined_microbatches_through_a_shared_dynamic_rnn",
                 "check_joined_batches_through_a_v1_loop_after_a_lost_proof_unvalidated",
                 "check_dp_optimizer_joined_batches_through_a_v1_loop",

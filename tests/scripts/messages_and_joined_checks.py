@@ -113,7 +113,10 @@ def _joined_matches(cell, lengths=False, head=None, num_microbatches=None, **kwa
 
 
 def check_joined_batches_through_a_shared_dynamic_rnn():
-    """GRUCell with sequence_length, per example (the proven case); the other cells and
+    """GRUCell with sequence_length, per example (the proven case; heavy: the default
+    run's `check_joined_batches_through_a_v1_loop_after_a_lost_proof` takes the same
+    joined row passes through a GRU with sequence_length, and the proof through a v1
+    frame with sequence_length is legacy_mode_checks.py's); the other cells and
     lengths: `check_joined_batches_through_the_other_cells`, microbatches:
     `check_joined_microbatches_through_a_shared_dynamic_rnn` (both heavy)."""
     _joined_matches("GRUCell", lengths=True)
@@ -136,10 +139,10 @@ def check_joined_microbatches_through_a_shared_dynamic_rnn():
 
 
 def check_joined_batches_through_a_v1_loop_after_a_lost_proof():
-    """The proof is lost after the loop (MatrixBandPart): the join is read from the
-    graph, the default run-time check replays the loop per example in the joined order
-    (and passes)."""
-    plan = _joined_matches("GRUCell", head=_band)
+    """GRUCell with sequence_length (each batch its own); the proof is lost after the
+    loop (MatrixBandPart): the join is read from the graph, the default run-time check
+    replays the loop per example in the joined order (and passes)."""
+    plan = _joined_matches("GRUCell", lengths=True, head=_band)
     assert plan.verdict == "unproven" and plan.validate, str(plan)
 
 
@@ -228,15 +231,15 @@ def check_the_fed_size_message_of_joined_batches_through_a_v1_loop():
 
 
 # One check per mechanism that differs under disable_v2_behavior() (joined batches on
-# the row passes of a v1 loop, per example and in microbatches; after a lost proof; the
-# row passes' fed-size message); the rest of the matrix in the heavy run. DPOptimizer
-# and the fed-size message of joined batches take the same joined row passes (their
-# graph-mode tests run in tests/test_messages_and_joined.py).
-CHECKS = [check_joined_batches_through_a_shared_dynamic_rnn,
-          check_joined_batches_through_a_v1_loop_after_a_lost_proof,
+# the row passes of a v1 loop with sequence lengths, checked at run time after a lost
+# proof; the row passes' fed-size message); the rest of the matrix in the heavy run.
+# DPOptimizer and the fed-size message of joined batches take the same joined row
+# passes (their graph-mode tests run in tests/test_messages_and_joined.py).
+CHECKS = [check_joined_batches_through_a_v1_loop_after_a_lost_proof,
           check_the_fed_size_message_of_row_passes]
 
-HEAVY = [check_joined_batches_through_the_other_cells,   # "messages_joined_legacy_heavy"
+HEAVY = [check_joined_batches_through_a_shared_dynamic_rnn,   # "..._heavy"
+         check_joined_batches_through_the_other_cells,
          check_joined_microbatches_through_a_shared_dynamic_rnn,
          check_joined_batches_through_a_v1_loop_after_a_lost_proof_unvalidated,
          check_dp_optimizer_joined_batches_through_a_v1_loop,
