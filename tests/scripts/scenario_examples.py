@@ -7,8 +7,8 @@ checks) with TF_USE_LEGACY_KERAS removed from the environment: each script and t
 must set up its environment itself. Nothing here imports TensorFlow; before each one,
 TF_USE_LEGACY_KERAS is removed again and the default graph replaced, and each check
 asserts that its script set TF_USE_LEGACY_KERAS=1 and left graph mode on (the order
-in each script, the variable before TensorFlow, is checked on its text in
-tests/test_messages_and_joined.py). Each check returns the script's output (the tests assert its lines).
+in each script, the variable before TensorFlow, is checked on its text by the tests).
+Each check returns the script's output (the tests assert its lines).
 Prints one `pertower-check` line per check; exits 1 on failure.
 """
 
@@ -22,8 +22,8 @@ import traceback
 from tests import process_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# each script with its arguments: scenario 3 at a batch of 2 (its Jacobians' rows are
-# [3, 16384, 128] per example; 8 by default)
+# each script with its arguments: scenario3 at B = 2 (its one-example loop runs 4 B
+# backward passes of a CNN whose two Jacobians hold B x 8.4M numbers)
 EXAMPLES = {"scenario1_keras_mlp.py": [], "scenario2_two_batches_cosine.py": [],
             "scenario3_cnn_jacobian.py": ["--batch-size", "2"]}
 # `pertower demo` at a small batch: the same three scenarios as the examples, checked
@@ -60,11 +60,11 @@ def _run_as_main(run):
     return out
 
 
-def _example_check(script, args):
+def _example_check(script, arguments):
     def check():
         path = os.path.join(ROOT, "examples", script)
         saved = list(sys.argv)
-        sys.argv = [path, *args]
+        sys.argv = [path, *arguments]
         try:
             return _run_as_main(lambda: runpy.run_path(path, run_name="__main__"))
         finally:
@@ -84,7 +84,7 @@ def demo():
         sys.argv = saved
 
 
-CHECKS = [_example_check(script, args) for script, args in EXAMPLES.items()] + [demo]
+CHECKS = [_example_check(script, arguments) for script, arguments in EXAMPLES.items()] + [demo]
 
 
 if __name__ == "__main__":
