@@ -150,13 +150,16 @@ class Runner:
             if popen is not None:
                 self._finish(run, popen)
 
-    def _claim(self, name):
+    def _claim(self, name, run=None):
         """True if this object may run process `name`: nobody has claimed it before in
-        this directory."""
+        this directory. The claim names `run` if given (else the run writes it later)."""
         try:
-            os.close(os.open(self._path(name, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            descriptor = os.open(self._path(name, "claim"),
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        with os.fdopen(descriptor, "w") as f:
+            f.write(run or "")
         return True
 
     def _launch(self, name):
@@ -185,8 +188,11 @@ class Runner:
             return None, None
         with open(self._path(run, "claim"), "w") as f:   # the name of the run's files
             f.write(run)
-        names = [run] + [n for n in names[names.index(run) + 1:]
-                         if not os.path.exists(self._path(n, "claim"))]
+        if group in self._shared:   # each run claims the next member when it gets there
+            names = [run] + [n for n in names[names.index(run) + 1:]
+                             if not os.path.exists(self._path(n, "claim"))]
+        else:   # claimed now: a test process that reads one of them waits for this run
+            names = [run] + [n for n in names[1:] if self._claim(n, run)]
         command = self._commands[run]
         argv = command.argv if names == [run] else (self._group_script, *names)
         # a group runs on one thread only if each of its members may
@@ -333,9 +339,10 @@ def section_lines(name):
 
 def claim_member(name):
     """For a group's run (tests/scripts/process_group.py), before it runs member `name`:
-    True if it may (it claimed `name` in the runner's directory, or was started by hand,
-    outside a `Runner`); False if another run has claimed `name` (it runs or ran there,
-    and its readers read it there)."""
+    True if it may (it claimed `name` in the runner's directory, or the runner claimed
+    it for this run, or the run was started by hand, outside a `Runner`); False if
+    another run has claimed `name` (it runs or ran there, and its readers read it
+    there)."""
     directory, run = os.environ.get(_DIRECTORY_ENV), os.environ.get(_RUN_ENV)
     if not directory or not run or name == run:
         return True   # the runner claimed the run's first member itself
@@ -343,7 +350,8 @@ def claim_member(name):
     try:
         descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        return False
+        with open(path, encoding="utf-8") as f:
+            return f.read() == run   # the runner claimed it for this run
     with os.fdopen(descriptor, "w") as f:
         f.write(run)
     return True

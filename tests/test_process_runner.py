@@ -5,6 +5,7 @@ early fails the members it did not finish."""
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -233,6 +234,26 @@ def test_the_fresh_members_of_a_group_run_first_in_the_groups_order(tmp_path):
               ("f1", "f2", "g2", "g1")]
     assert starts == sorted(starts), out
     assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == ["f1.out"]
+
+
+def test_a_member_read_before_its_groups_run_reaches_it_waits_for_that_run(tmp_path):
+    """The run of a group that is not shared claims its queued members when it starts:
+    another test process that reads one of them first waits for that run (it does not
+    start a run of its own)."""
+    names = ("waits", "b", "d")   # "waits" holds the run until "d" is claimed
+    commands = {name: _command(tmp_path, name) for name in names}
+    first, second = (_runner(tmp_path, commands, tmp_path, groups=(names,)) for _ in range(2))
+    first.start(*names)
+    while not (tmp_path / "waits.out").exists():
+        time.sleep(0.05)
+    assert second.assert_passed("d", "check_d").ok   # read from the first's run
+    for name in names:
+        assert first.assert_passed(name, f"check_{name}").ok
+    first.stop(wait=True)
+    second.stop(wait=True)
+    assert {name: (tmp_path / f"{name}.claim").read_text() for name in names} == dict.fromkeys(
+        names, "waits")
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == ["waits.out"]
 
 
 def test_a_group_not_shared_runs_once_for_two_runners(tmp_path):
