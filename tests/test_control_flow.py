@@ -264,10 +264,14 @@ def test_recurrent_layers_under_disable_v2_behavior(processes, check):
     processes.assert_passed(process_checks.legacy_process(check), check)
 
 
+@pytest.mark.heavy
 def test_masked_bidirectional_rnn_with_sparse_embedding_matches_oracle():
     """A text model: Embedding(mask_zero) -> Bidirectional(SimpleRNN) (two While ops with
     a mask; the LSTM's loop is tested on its own above) -> pooling -> Dense, the
-    embedding's gradients sparse."""
+    embedding's gradients sparse. Heavy (two loops with a mask, built for the towers and
+    the oracle): the default run checks a masked Keras loop on the rules
+    (tests/test_rules_recurrent_v1.py, mask_zero), a Keras RNN's While on the towers
+    (SimpleRNN above) and sparse=True (tests/test_sparse.py)."""
     with tf.Graph().as_default() as graph:
         common.seed_weights(15)
         ids = tf.compat.v1.placeholder(tf.int32, [None, 5], name="ids")
