@@ -162,7 +162,10 @@ def _gathers_in_functions_case(B=4):
 
 
 CASES = {
-    "SimpleRNN": lambda: _build(_rnn_case("SimpleRNN", False), jacobians=True),
+    "SimpleRNN": lambda: _build(_rnn_case("SimpleRNN", False)),
+    # the Jacobians of a While (K = 2 gradients through each tower's loop copy): heavy
+    "SimpleRNN_jacobians": lambda: _build(_rnn_case("SimpleRNN", False), microbatches=False,
+                                          jacobians=True),
     # B = 3 where no microbatches are built: each tower builds its own loop gradient
     "GRU": lambda: _build(_rnn_case("GRU", False, B=3), microbatches=False),
     "LSTM": lambda: _build(_rnn_case("LSTM", False, B=3), microbatches=False),
@@ -180,11 +183,14 @@ CASES = {
                                            microbatches=False),
 }
 # The default run builds one case per mechanism: a Keras RNN's While (SimpleRNN, with
-# microbatches and Jacobians), an If, a hand-written while_loop with a nested cond, a
+# microbatches), an If (with Jacobians), a hand-written while_loop with a nested cond, a
 # function call, gathers inside functions. GRU and LSTM read their weights through the
 # same While as SimpleRNN (the LSTM's is also run by tests/test_rules_recurrent.py and
-# the legacy checks) and the unrolled layers hold no control flow: they run with -m heavy.
-HEAVY_CASES = ("GRU", "LSTM", "SimpleRNN_unrolled", "GRU_unrolled", "LSTM_unrolled")
+# the legacy checks) and the unrolled layers hold no control flow: they run with -m
+# heavy, as do the Jacobians through SimpleRNN's While (the towers' Jacobians through
+# control flow: the If of "cond").
+HEAVY_CASES = ("GRU", "LSTM", "SimpleRNN_unrolled", "GRU_unrolled", "LSTM_unrolled",
+               "SimpleRNN_jacobians")
 
 
 @pytest.fixture(scope="module", params=[
@@ -225,7 +231,8 @@ def test_per_example_gradients_sum_to_the_batch_gradient(built):
 def test_per_example_jacobians_match_oracle(built):
     case = built.case
     if "jacobians" not in built.got:
-        pytest.skip(f"Jacobians are checked on SimpleRNN and cond, not {case.name}")
+        pytest.skip(f"Jacobians are checked on cond (and SimpleRNN_jacobians, heavy), not "
+                    f"{case.name}")
     got = built.values()["jacobians"]
     want = built.jacobian_oracle()
     common.assert_all_close(got, want, case.rtol, case.atol, f"{case.name} Jacobians")
