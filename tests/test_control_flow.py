@@ -173,24 +173,25 @@ CASES = {
                                          microbatches=False),
     "GRU_unrolled": lambda: _build(_rnn_case("GRU", True, B=3), microbatches=False),
     "LSTM_unrolled": lambda: _build(_rnn_case("LSTM", True, B=3), microbatches=False),
-    "cond": lambda: _build(_cond_case(), methods=("towers", "auto"), jacobians=True),
+    "cond": lambda: _build(_cond_case(), methods=("towers", "auto")),
+    "cond_jacobians": lambda: _build(_cond_case(), jacobians=True),
     # two examples and no microbatches where each tower copies a loop (microbatches of
     # towers over control flow: SimpleRNN's While, cond's If, tf.function's call)
     "while_loop": lambda: _build(_while_case(B=2), methods=("towers", "auto"),
                                  microbatches=False),
-    "tf.function": lambda: _build(_function_case()),
+    "tf.function": lambda: _build(_function_case(), jacobians=True),
     "gathers_in_functions": lambda: _build(_gathers_in_functions_case(B=2),
                                            microbatches=False),
 }
 # The default run builds one case per mechanism: a Keras RNN's While (SimpleRNN, with
-# microbatches), an If (with Jacobians), a hand-written while_loop with a nested cond, a
-# function call, gathers inside functions. GRU and LSTM read their weights through the
+# microbatches), an If, a hand-written while_loop with a nested cond, a function call
+# (with Jacobians), gathers inside functions. GRU and LSTM read their weights through the
 # same While as SimpleRNN (the LSTM's is also run by tests/test_rules_recurrent.py and
 # the legacy checks) and the unrolled layers hold no control flow: they run with -m
-# heavy, as do the Jacobians through SimpleRNN's While (the towers' Jacobians through
-# control flow: the If of "cond").
+# heavy, as do the Jacobians through SimpleRNN's While and cond's If (the towers'
+# Jacobians through control flow: the function call of "tf.function").
 HEAVY_CASES = ("GRU", "LSTM", "SimpleRNN_unrolled", "GRU_unrolled", "LSTM_unrolled",
-               "SimpleRNN_jacobians")
+               "SimpleRNN_jacobians", "cond_jacobians")
 
 
 @pytest.fixture(scope="module", params=[
@@ -231,8 +232,8 @@ def test_per_example_gradients_sum_to_the_batch_gradient(built):
 def test_per_example_jacobians_match_oracle(built):
     case = built.case
     if "jacobians" not in built.got:
-        pytest.skip(f"Jacobians are checked on cond (and SimpleRNN_jacobians, heavy), not "
-                    f"{case.name}")
+        pytest.skip(f"Jacobians are checked on tf.function (SimpleRNN's and cond's with -m "
+                    f"heavy), not {case.name}")
     got = built.values()["jacobians"]
     want = built.jacobian_oracle()
     common.assert_all_close(got, want, case.rtol, case.atol, f"{case.name} Jacobians")
