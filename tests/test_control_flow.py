@@ -162,7 +162,10 @@ def _gathers_in_functions_case(B=4):
 
 
 CASES = {
-    "SimpleRNN": lambda: _build(_rnn_case("SimpleRNN", False), jacobians=True),
+    "SimpleRNN": lambda: _build(_rnn_case("SimpleRNN", False)),
+    # the Jacobians of a While (K = 2 gradients through each tower's loop copy): heavy
+    "SimpleRNN_jacobians": lambda: _build(_rnn_case("SimpleRNN", False), microbatches=False,
+                                          jacobians=True),
     # B = 3 where no microbatches are built: each tower builds its own loop gradient
     "GRU": lambda: _build(_rnn_case("GRU", False, B=3), microbatches=False),
     "LSTM": lambda: _build(_rnn_case("LSTM", False, B=3), microbatches=False),
@@ -170,21 +173,25 @@ CASES = {
                                          microbatches=False),
     "GRU_unrolled": lambda: _build(_rnn_case("GRU", True, B=3), microbatches=False),
     "LSTM_unrolled": lambda: _build(_rnn_case("LSTM", True, B=3), microbatches=False),
-    "cond": lambda: _build(_cond_case(), methods=("towers", "auto"), jacobians=True),
+    "cond": lambda: _build(_cond_case(), methods=("towers", "auto")),
+    "cond_jacobians": lambda: _build(_cond_case(), jacobians=True),
     # two examples and no microbatches where each tower copies a loop (microbatches of
     # towers over control flow: SimpleRNN's While, cond's If, tf.function's call)
     "while_loop": lambda: _build(_while_case(B=2), methods=("towers", "auto"),
                                  microbatches=False),
-    "tf.function": lambda: _build(_function_case()),
+    "tf.function": lambda: _build(_function_case(), jacobians=True),
     "gathers_in_functions": lambda: _build(_gathers_in_functions_case(B=2),
                                            microbatches=False),
 }
 # The default run builds one case per mechanism: a Keras RNN's While (SimpleRNN, with
-# microbatches and Jacobians), an If, a hand-written while_loop with a nested cond, a
-# function call, gathers inside functions. GRU and LSTM read their weights through the
+# microbatches), an If, a hand-written while_loop with a nested cond, a function call
+# (with Jacobians), gathers inside functions. GRU and LSTM read their weights through the
 # same While as SimpleRNN (the LSTM's is also run by tests/test_rules_recurrent.py and
-# the legacy checks) and the unrolled layers hold no control flow: they run with -m heavy.
-HEAVY_CASES = ("GRU", "LSTM", "SimpleRNN_unrolled", "GRU_unrolled", "LSTM_unrolled")
+# the legacy checks) and the unrolled layers hold no control flow: they run with -m
+# heavy, as do the Jacobians through SimpleRNN's While and cond's If (the towers'
+# Jacobians through control flow: the function call of "tf.function").
+HEAVY_CASES = ("GRU", "LSTM", "SimpleRNN_unrolled", "GRU_unrolled", "LSTM_unrolled",
+               "SimpleRNN_jacobians", "cond_jacobians")
 
 
 @pytest.fixture(scope="module", params=[
@@ -225,7 +232,8 @@ def test_per_example_gradients_sum_to_the_batch_gradient(built):
 def test_per_example_jacobians_match_oracle(built):
     case = built.case
     if "jacobians" not in built.got:
-        pytest.skip(f"Jacobians are checked on SimpleRNN and cond, not {case.name}")
+        pytest.skip(f"Jacobians are checked on tf.function (SimpleRNN's and cond's with -m "
+                    f"heavy), not {case.name}")
     got = built.values()["jacobians"]
     want = built.jacobian_oracle()
     common.assert_all_close(got, want, case.rtol, case.atol, f"{case.name} Jacobians")
@@ -264,10 +272,14 @@ def test_recurrent_layers_under_disable_v2_behavior(processes, check):
     processes.assert_passed(process_checks.legacy_process(check), check)
 
 
+@pytest.mark.heavy
 def test_masked_bidirectional_rnn_with_sparse_embedding_matches_oracle():
     """A text model: Embedding(mask_zero) -> Bidirectional(SimpleRNN) (two While ops with
     a mask; the LSTM's loop is tested on its own above) -> pooling -> Dense, the
-    embedding's gradients sparse."""
+    embedding's gradients sparse. Heavy (two loops with a mask, built for the towers and
+    the oracle): the default run checks a masked Keras loop on the rules
+    (tests/test_rules_recurrent_v1.py, mask_zero), a Keras RNN's While on the towers
+    (SimpleRNN above) and sparse=True (tests/test_sparse.py)."""
     with tf.Graph().as_default() as graph:
         common.seed_weights(15)
         ids = tf.compat.v1.placeholder(tf.int32, [None, 5], name="ids")

@@ -39,44 +39,73 @@ def _microbatches(case, microbatches):
     return 2 if microbatches == "two" and case.B % 2 == 0 else case.B
 
 
-@pytest.fixture(scope="module")
-def built(case):
-    """Every public function's tensors on `case`, each method's, built once and run in
-    one `sess.run` (the tests below check one key each): key -> values.
+class _Built:
+    """Every public function's tensors on `case`, each built (and run) the first time a
+    test asks for its key, so that the heavy tests' keys cost nothing in the default run:
+    key -> values.
 
     Keys: ("per_example", method), ("sum", method) -> (summed, batch gradient),
     ("microbatches", microbatches, method), ("jacobians", method)."""
-    tensors = {}
-    with case.graph.as_default():
-        for method in gradients_lib.METHODS:
-            got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
-                                                 method=method)
-            for g, x in zip(got, case.xs):
-                assert g.dtype == x.dtype.base_dtype
-                assert g.shape.as_list() == [case.B] + x.shape.as_list()
-            tensors["per_example", method] = got
+
+    def __init__(self, case):
+        self.case = case
+        self.values = {}
+
+    def __getitem__(self, key):
+        if key not in self.values:
+            with self.case.graph.as_default():
+                tensors = getattr(self, f"_{key[0]}")(*key[1:])
+            self.values[key] = _run(self.case, tensors)
+        return self.values[key]
+
+    def _per_example(self, method):
+        case = self.case
+        got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
+                                             method=method)
+        for g, x in zip(got, case.xs):
+            assert g.dtype == x.dtype.base_dtype
+            assert g.shape.as_list() == [case.B] + x.shape.as_list()
+        return got
+
+    def _sum(self, method):
+        case = self.case
         batch_gradient = [tf.convert_to_tensor(g) for g in
                           tf.gradients(tf.reduce_sum(case.ys), case.xs)]
+        per_example = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
+                                                     batch_size=case.B, method=method)
+        return [tf.reduce_sum(g, axis=0) for g in per_example], batch_gradient
+
+    def _microbatches(self, microbatches, method):
+        case = self.case
+        M = _microbatches(case, microbatches)
+        got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=M,
+                                            batch_size=case.B, method=method)
+        for g, x in zip(got, case.xs):
+            assert g.shape.as_list() == [M] + x.shape.as_list()
+        return got
+
+    def _jacobians(self, method):
+        case = self.case
         out = case.outputs.shape[1:].as_list()
-        for method in ("auto", "towers"):
-            per_example = pertower.per_example_gradients(case.ys, case.xs, batch=case.batch,
-                                                         batch_size=case.B, method=method)
-            tensors["sum", method] = ([tf.reduce_sum(g, axis=0) for g in per_example],
-                                      batch_gradient)
-            for microbatches in ("two", "one_per_example"):
-                M = _microbatches(case, microbatches)
-                got = pertower.microbatch_gradients(case.ys, case.xs, num_microbatches=M,
-                                                    batch_size=case.B, method=method)
-                for g, x in zip(got, case.xs):
-                    assert g.shape.as_list() == [M] + x.shape.as_list()
-                tensors["microbatches", microbatches, method] = got
-            got = pertower.per_example_jacobians(case.outputs, case.xs, batch_size=case.B,
-                                                 method=method)
-            for g, x in zip(got, case.xs):
-                assert g.shape.as_list() == [case.B] + out + x.shape.as_list()
-            tensors["jacobians", method] = got
-    keys = list(tensors)
-    return dict(zip(keys, _run(case, [tensors[k] for k in keys])))
+        got = pertower.per_example_jacobians(case.outputs, case.xs, batch_size=case.B,
+                                             method=method)
+        for g, x in zip(got, case.xs):
+            assert g.shape.as_list() == [case.B] + out + x.shape.as_list()
+        return got
+
+
+@pytest.fixture(scope="module")
+def built(case):
+    """`_Built(case)`: the tests below share its tensors and values (one key each)."""
+    return _Built(case)
+
+
+def _cases(fast):
+    """`case` parameters of a test that checks one mechanism on every model: the names
+    in `fast` in the default run, the others heavy (and the slow cases heavy anyway)."""
+    return [name if name in fast and name not in _SLOW_CASES
+            else pytest.param(name, marks=pytest.mark.heavy)
+            for name in sorted(cases.BUILDERS)]
 
 
 @pytest.mark.parametrize("method", gradients_lib.METHODS)
@@ -89,16 +118,20 @@ def test_per_example_gradients_match_oracle(case, built, method):
                             f"{case.name} per-example gradients by {method}")
 
 
-@pytest.mark.parametrize("method", ["auto", "towers"])
+@pytest.mark.parametrize("method", ["auto", pytest.param("towers", marks=pytest.mark.heavy)])
 def test_per_example_gradients_sum_to_batch_gradient(case, built, method):
+    """(The towers' sum with -m heavy: the towers match the oracle above.)"""
     got, want = built["sum", method]
     common.assert_all_close(got, want, case.rtol * 10, case.atol * 10,
                             f"{case.name} sum over examples")
 
 
 @pytest.mark.parametrize("method", ["auto", "towers"])
-@pytest.mark.parametrize("microbatches", ["two", "one_per_example"])
+@pytest.mark.parametrize("microbatches", [
+    "two", pytest.param("one_per_example", marks=pytest.mark.heavy)])
 def test_microbatch_gradients_match_oracle(case, built, microbatches, method):
+    """(One microbatch per example with -m heavy: two microbatches here, one per example
+    are the per-example gradients above.)"""
     M = _microbatches(case, microbatches)
     with case.graph.as_default():
         ys, _, feed = case.oracle()
@@ -118,6 +151,7 @@ def test_per_example_jacobians_match_oracle(case, built, method):
                             f"{case.name} per-example Jacobians by {method}")
 
 
+@pytest.mark.parametrize("case", _cases({"static_mlp", "shared_layer"}), indirect=True)
 def test_towers_stack_to_ys_and_leave_the_graph_alone(case):
     with case.graph.as_default():
         variables_before = list(tf.compat.v1.global_variables())
@@ -131,6 +165,7 @@ def test_towers_stack_to_ys_and_leave_the_graph_alone(case):
     np.testing.assert_array_equal(ys_after, ys_before)
 
 
+@pytest.mark.parametrize("case", _cases({"static_mlp", "cnn"}), indirect=True)
 def test_towers_gradients_with_grad_ys_weight_outputs(case):
     """gradients(grad_ys=w) gives, per tower, the gradient of sum_k w[i, k] ys[i, k]:
     the per-example Jacobian contracted with w."""
@@ -154,6 +189,8 @@ def test_towers_gradients_with_grad_ys_weight_outputs(case):
 JOINT_GRADIENT_CASES = {"subclassed"}
 
 
+# the batched matmul (static_mlp; mlp_float64 with -m heavy), a convolution, a gather
+@pytest.mark.parametrize("case", _cases({"static_mlp", "cnn", "embedding"}), indirect=True)
 def test_replicated_backward_pass_equals_one_joint_gradients_call(case):
     """Towers.gradients builds tower 0's backward pass once and copies it for the other
     towers; that copy must be taken (not the joint fallback) and agree with one

@@ -23,8 +23,9 @@ METHODS = list(gradients_lib.METHODS)
 
 # Few examples and no deadline: every example builds a graph, towers and the oracle
 # loop; derandomized so the suite runs the same cases every time. The default run draws
-# FEW models per method, the heavy run (`-m heavy`) MORE.
-FEW = settings(max_examples=3, deadline=None, derandomize=True,
+# FEW models per method (2 MLPs and 2 CNNs for each of the 3 methods), the heavy run
+# (`-m heavy`) MORE.
+FEW = settings(max_examples=2, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow])
 MORE = settings(FEW, max_examples=6)
 

@@ -169,36 +169,55 @@ BROADCAST_OPS = {op_type: _raw(op_type) for op_type in (
     "Minimum", "SquaredDifference", "Pow", "Atan2", "Xdivy", "Xlogy", "Xlog1py")}
 
 
-def check_broadcast_op(op_type):
-    """A weight w0 [3] as the FIRST operand of op(w0, A) on A [B*4, 3] (k = 4 rows per
-    example), and a weight w1 [1, 4, 1] as the SECOND operand of op(A', w1) on
-    A' [B, 4, 3] (broadcast over axes 0 and 2); for SelectV2 the two value inputs."""
+def _broadcast_op_term(op_type, x, rng):
+    """The two weights of `op_type` and its term of ys [B]: a weight w0 [3] as the FIRST
+    operand of op(w0, A) on A [B*4, 3] (k = 4 rows per example), and a weight w1
+    [1, 4, 1] as the SECOND operand of op(A', w1) on A' [B, 4, 3] (broadcast over axes 0
+    and 2); for SelectV2 the two value inputs."""
+    w0 = tf.compat.v1.get_variable(f"{op_type}/w0", initializer=rng.uniform(
+        0.5, 1.5, [3]).astype(np.float32))
+    w1 = tf.compat.v1.get_variable(f"{op_type}/w1", initializer=rng.uniform(
+        0.5, 1.5, [1, 4, 1]).astype(np.float32))
+    positive = tf.nn.softplus(x) + 0.5                              # [B, 4, 3]
+    rows = tf.reshape(positive, [-1, 3])                           # [B*4, 3]
+    if op_type == "SelectV2":
+        first = tf.raw_ops.SelectV2(condition=rows > 1.0, t=w0, e=rows)
+        second = tf.raw_ops.SelectV2(condition=positive > 1.0, t=positive, e=w1)
+    else:
+        first = BROADCAST_OPS[op_type](w0, rows)                   # [B*4, 3]
+        second = BROADCAST_OPS[op_type](positive, w1)              # [B, 4, 3]
+    assert first.op.type == op_type and second.op.type == op_type
+    z = tf.reshape(first, [-1, 4, 3]) * 0.7 + second               # [B, 4, 3]
+    c = tf.constant(rng.randn(4, 3).astype(np.float32))
+    return [w0, w1], tf.reduce_sum(tf.tanh(z) * c, axis=[1, 2])     # [B]
+
+
+def check_broadcast_ops(op_types, with_norms=True):
+    """Each op type of `op_types` with its two broadcast weights (`_broadcast_op_term`),
+    all in one graph, ys [B] the sum of their terms: every weight on the rules of its
+    own op type, the per-example gradients (and, with `with_norms`, the norms) against
+    the loop."""
     with tf.Graph().as_default() as graph:
         rng = np.random.RandomState(40)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4, 3], name="x")
-        w0 = tf.compat.v1.get_variable("w0", initializer=rng.uniform(
-            0.5, 1.5, [3]).astype(np.float32))
-        w1 = tf.compat.v1.get_variable("w1", initializer=rng.uniform(
-            0.5, 1.5, [1, 4, 1]).astype(np.float32))
-        positive = tf.nn.softplus(x) + 0.5                              # [B, 4, 3]
-        rows = tf.reshape(positive, [-1, 3])                           # [B*4, 3]
-        if op_type == "SelectV2":
-            first = tf.raw_ops.SelectV2(condition=rows > 1.0, t=w0, e=rows)
-            second = tf.raw_ops.SelectV2(condition=positive > 1.0, t=positive, e=w1)
-        else:
-            first = BROADCAST_OPS[op_type](w0, rows)                   # [B*4, 3]
-            second = BROADCAST_OPS[op_type](positive, w1)              # [B, 4, 3]
-        assert first.op.type == op_type and second.op.type == op_type
-        z = tf.reshape(first, [-1, 4, 3]) * 0.7 + second               # [B, 4, 3]
-        c = tf.constant(rng.randn(4, 3).astype(np.float32))
-        ys = tf.reduce_sum(tf.tanh(z) * c, axis=[1, 2])                 # [B]
-        xs = [w0, w1]
+        xs, terms = [], []
+        for op_type in op_types:
+            weights, term = _broadcast_op_term(op_type, x, rng)
+            xs += weights
+            terms.append(term)
+        ys = tf.add_n(terms)                                            # [B]
         plan = _assert_all_on_rules(ys, xs)
-        for weight in plan.weights:
+        for weight, op_type in zip(plan.weights, [t for t in op_types for _ in range(2)]):
+            assert weight.name.startswith(f"{op_type}/"), str(plan)
             assert any(f"({op_type})" in op for op in weight.ops), str(plan)
         sess = _session(graph)
         feed = {x: rng.randn(B, 4, 3).astype(np.float32)}
-        _check_against_loop(sess, ys, xs, feed, op_type)
+        _check_against_loop(sess, ys, xs, feed, ", ".join(op_types), with_norms=with_norms)
+
+
+def check_broadcast_op(op_type):
+    """`check_broadcast_ops` of the one op type `op_type`."""
+    check_broadcast_ops([op_type])
 
 
 BROADCAST_OP_TYPES = sorted(BROADCAST_OPS) + ["SelectV2"]
@@ -267,8 +286,18 @@ def test_application_network_is_on_rules_and_matches_the_loop(name):
     check_application(name)
 
 
+def test_broadcast_weights_of_every_op_type_in_one_graph_match_the_loop():
+    """Every op type of the broadcast rule at once (one graph, one plan, one loop), the
+    per-example gradients (the broadcast rule's norms: tests/test_rules.py's clipped
+    sums on its "broadcast" model; each op type's with -m heavy below)."""
+    check_broadcast_ops(BROADCAST_OP_TYPES, with_norms=False)
+
+
+@pytest.mark.heavy
 @pytest.mark.parametrize("op_type", BROADCAST_OP_TYPES)
 def test_broadcast_weight_in_elementwise_op_matches_the_loop(op_type):
+    """Each op type in a graph of its own, with the norms (heavy: the default run
+    checks them all in one graph above)."""
     check_broadcast_op(op_type)
 
 

@@ -280,7 +280,9 @@ def test_mixed_float16_keras_layers_match_the_loop():
     check_mixed_float16_dense()
 
 
-@pytest.mark.parametrize("rank", [2, 4])
+# the same scale and shift on 4-D input after a Conv2D with -m heavy (and in the legacy
+# process's check_non_fused_batch_norms)
+@pytest.mark.parametrize("rank", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_non_fused_keras_batch_norm_in_inference_mode_matches_the_loop(rank):
     check_non_fused_batch_norm(rank)
 
