@@ -1,12 +1,20 @@
 """Run in a fresh process, as a user runs them: the scenario example scripts, then
-`python -m pertower demo`, one after the other in this one process.
+`python -m pertower demo`, then every runnable ```python block of README.md and
+docs/*.md (tests/doc_blocks.py), one after the other in this one process: one
+TensorFlow start-up for all of them.
 
 Started once per test session by tests/process_checks.py ("scenario_examples") with
-TF_USE_LEGACY_KERAS removed from the environment: each script and the demo must set up
-its environment itself. Nothing here imports TensorFlow before the first script does;
-before each later one, TF_USE_LEGACY_KERAS is removed again and the default graph
-replaced, and each check asserts that its script set TF_USE_LEGACY_KERAS=1 and left
-graph mode on. Each check returns the script's output (the tests assert its lines).
+TF_USE_LEGACY_KERAS removed from the environment: each script, the demo and each block
+must set up its environment itself. Nothing here imports TensorFlow before the first
+check, `doc_blocks.FRESH_PROCESS_CHECK` (what only a fresh interpreter can check: `import
+pertower` imports no TensorFlow and changes no environment variable; named
+`doc_blocks.FRESH_PROCESS`). Before each later check, TF_USE_LEGACY_KERAS is removed again
+and the default graph replaced, and each check asserts that its script or block set
+TF_USE_LEGACY_KERAS=1 and left graph mode on (that each sets it before its first
+TensorFlow import is checked on their text, by tests/test_examples_and_demo.py and
+tests/test_docs.py). Each check returns the script's output (the tests assert its
+lines); a block's check is named "path:line" (`doc_blocks.check_name`) and its failure
+holds the traceback, which points into the document.
 Prints one `pertower-check` line per check; exits 1 on failure.
 """
 
@@ -17,11 +25,14 @@ import runpy
 import sys
 import traceback
 
+from tests import doc_blocks
 from tests import process_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLES = ["scenario1_keras_mlp.py", "scenario2_two_batches_cosine.py",
-            "scenario3_cnn_jacobian.py"]
+# each script with its arguments: scenario3 at B = 2 (its one-example loop runs 4 B
+# backward passes of a CNN whose Jacobians hold B x 6.3M numbers)
+EXAMPLES = {"scenario1_keras_mlp.py": [], "scenario2_two_batches_cosine.py": [],
+            "scenario3_cnn_jacobian.py": ["--batch-size", "2"]}
 # `pertower demo` at a small batch: the same three scenarios as the examples, checked
 # against the loop once more by the demo's own code.
 DEMO_ARGV = ["pertower", "demo", "--batch-size", "4", "--repeats", "2"]
@@ -56,11 +67,11 @@ def _run_as_main(run):
     return out
 
 
-def _example_check(script):
+def _example_check(script, arguments):
     def check():
         path = os.path.join(ROOT, "examples", script)
         saved = list(sys.argv)
-        sys.argv = [path]
+        sys.argv = [path, *arguments]
         try:
             return _run_as_main(lambda: runpy.run_path(path, run_name="__main__"))
         finally:
@@ -80,7 +91,32 @@ def demo():
         sys.argv = saved
 
 
-CHECKS = [_example_check(script) for script in EXAMPLES] + [demo]
+def _block_check(path, line, code):
+    def check():
+        return _run_as_main(lambda: doc_blocks.run_block(path, line, code))
+    check.__name__ = doc_blocks.check_name(path, line)
+    return check
+
+
+def _fresh_process_check():
+    """`doc_blocks.FRESH_PROCESS_CHECK`, while no TensorFlow is imported (it sets
+    TF_USE_LEGACY_KERAS=1 itself and leaves eager execution on: the next check switches
+    graph mode on)."""
+    if "tensorflow" in sys.modules:
+        raise AssertionError("TensorFlow was imported before the fresh-process check")
+    path, line = doc_blocks.FRESH_PROCESS.rsplit(":", 1)
+    try:
+        return doc_blocks.run_block(path, int(line), doc_blocks.FRESH_PROCESS_CHECK)
+    finally:   # a failed check leaves jax blocked: the later checks need it importable
+        if sys.modules.get("jax", 0) is None:
+            del sys.modules["jax"]
+
+
+_fresh_process_check.__name__ = doc_blocks.FRESH_PROCESS
+
+CHECKS = ([_fresh_process_check]
+          + [_example_check(script, arguments) for script, arguments in EXAMPLES.items()]
+          + [demo] + [_block_check(*block) for block in doc_blocks.RUNNABLE])
 
 
 if __name__ == "__main__":
