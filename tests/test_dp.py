@@ -23,6 +23,13 @@ from tests import common
 LEARNING_RATE = 0.5
 
 
+@pytest.fixture(scope="module")
+def mlp_batch_size():
+    """The `mlp` fixture (tests/conftest.py) at B = 6: one graph and session for the
+    module's checks on it (each reads the weights as the checks before left them)."""
+    return 6
+
+
 def _clip_reference(per_slice, clip):
     """NumPy: each row of every [M, ...] array clipped to global norm `clip`, averaged."""
     M = per_slice[0].shape[0]
@@ -52,8 +59,8 @@ def _adam_step(w, g, lr, beta1=0.9, beta2=0.999, epsilon=1e-8):
 @pytest.mark.parametrize("num_microbatches, optimizer_name", [(None, "adam"), (3, "sgd")] + [
     pytest.param(m, name, marks=pytest.mark.heavy) for m, name in (
         (None, "sgd"), (3, "adam"), (6, "sgd"), (6, "adam"), (1, "sgd"), (1, "adam"))])
-def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_microbatches):
-    case = cases.build_mlp(B=6)
+def test_one_noiseless_step_equals_the_numpy_reference(mlp, optimizer_name, num_microbatches):
+    case = mlp   # its weights are those left by the tests before: read here
     with case.graph.as_default():
         initial = case.sess.run(case.xs)
         slices = _reference_slices(case, num_microbatches)
@@ -91,8 +98,9 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
 
 
 @pytest.mark.parametrize("num_microbatches", [None, pytest.param(2, marks=pytest.mark.heavy)])
-def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_microbatches):
-    case = cases.build_mlp(B=6)
+def test_a_loss_with_several_entries_per_example_is_averaged_per_example(mlp,
+                                                                         num_microbatches):
+    case = mlp
     with case.graph.as_default():
         loss = case.outputs ** 2                                          # [B, 3]
         M = case.B if num_microbatches is None else num_microbatches
@@ -227,9 +235,9 @@ def test_dropout_with_towers_clips_each_example_to_the_bound():
 
 
 @pytest.fixture(scope="module")
-def noise_graph():
-    """An MLP with a noiseless and two noisy DP gradients of one batch (seed 7 and 8)."""
-    case = cases.build_mlp(B=6)
+def noise_graph(mlp):
+    """The MLP with a noiseless and two noisy DP gradients of one batch (seed 7 and 8)."""
+    case = mlp
     with case.graph.as_default():
         def gradients(noise, seed=None):
             dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
@@ -302,8 +310,8 @@ def test_seed_makes_the_noise_repeatable():
     assert not np.allclose(first[0], other[0])
 
 
-def test_errors_name_the_argument():
-    case = cases.build_mlp(B=6)
+def test_errors_name_the_argument(mlp):
+    case = mlp
     sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
     with case.graph.as_default():
         with pytest.raises(ValueError, match="DP needs one loss per example"):

@@ -69,8 +69,10 @@ CASES = {
 # The same ways as the other cases', on slower or duplicate models: with -m heavy (the
 # norms of the subclassed model's LayerNorm and convolution are checked by the DP sums
 # of tests/test_rules.py on layer_norm and conv_same_strided, `mlp`'s dense norm here on
-# mlp_float64).
-HEAVY_CASES = ("subclassed", "mlp")
+# mlp_float64; the CIFAR net's formed convolution norms by
+# test_formed_conv_norms_match_the_oracle_for_every_strategy, every way, and its towers
+# norms' mechanism on every other case).
+HEAVY_CASES = ("subclassed", "mlp", "cifar")
 
 
 @pytest.fixture(scope="module", params=[
@@ -128,10 +130,19 @@ def test_conv_norms_take_the_cheaper_of_ghost_and_formed(layer, chosen):
         assert conv2d.Conv2DRule().norm_strategy(use) == chosen
 
 
-@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise", "shifts"])
-def test_formed_conv_norms_match_the_oracle_for_every_strategy(strategy):
-    """The CIFAR net's norms (its convolutions formed, not ghost) with each way forced."""
+@pytest.fixture(scope="module")
+def cifar():
+    """The CIFAR net at B = 2 (one graph and session for the strategies' checks) and the
+    norms of the oracle's gradients on it (computed once)."""
     case = cases.build_cifar_case(B=2)
+    yield case, _oracle_norms(case)
+    case.sess.close()
+
+
+@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise", "shifts"])
+def test_formed_conv_norms_match_the_oracle_for_every_strategy(cifar, strategy):
+    """The CIFAR net's norms (its convolutions formed, not ghost) with each way forced."""
+    case, want = cifar
     registry = rules_lib.default_registry()
     conv2d.register(registry, conv2d.ConvOptions(strategy=strategy))
     with case.graph.as_default():
@@ -140,11 +151,9 @@ def test_formed_conv_norms_match_the_oracle_for_every_strategy(strategy):
                                                method="rules", rules=registry)
         except ValueError as refusal:
             assert not conv2d.onednn_enabled(), refusal
-            case.sess.close()
             return
-    np.testing.assert_allclose(case.sess.run(norms, case.feed), _oracle_norms(case),
+    np.testing.assert_allclose(case.sess.run(norms, case.feed), want,
                                rtol=1e-4, atol=1e-6, err_msg=strategy)
-    case.sess.close()
 
 
 def test_rules_norms_on_a_none_batch_axis():
