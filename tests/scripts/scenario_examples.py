@@ -30,7 +30,7 @@ from tests import process_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # each script with its arguments: scenario3 at B = 2 (its one-example loop runs 4 B
-# backward passes of a CNN whose Jacobians hold B x 6.3M numbers)
+# backward passes of a CNN whose two Jacobians hold B x 8.4M numbers)
 EXAMPLES = {"scenario1_keras_mlp.py": [], "scenario2_two_batches_cosine.py": [],
             "scenario3_cnn_jacobian.py": ["--batch-size", "2"]}
 # `pertower demo` at a small batch: the same three scenarios as the examples, checked
