@@ -6,49 +6,74 @@ before its opening fence; it is still compiled. Every other block must run on it
 in a fresh Python process, with its own imports, data and session.
 
 Scheme: starting one Python process with TensorFlow per block would take far too long,
-so all blocks run in ONE fresh process, the one that runs the example scripts and
-`pertower demo` as a user runs them ("scenario_examples" of tests/process_checks.py:
-tests/scripts/scenario_examples.py), each block in a fresh namespace, on a fresh default
-graph and in an empty working directory (tests/doc_blocks.py `run_block`); a missing
-import or name fails as it would pasted. What a shared process could hide is
-process-wide state set by an earlier block or script: the Keras version
-(TF_USE_LEGACY_KERAS, read when TensorFlow is imported) and graph mode. So every
-runnable block must set both itself, which is checked on its text:
+so all blocks run in ONE subprocess (tests/scripts/run_doc_blocks.py), each in a fresh
+namespace and on a fresh default graph; a missing import or name fails as it would
+pasted. What a shared process could hide is process-wide state set by an earlier block:
+the Keras version (TF_USE_LEGACY_KERAS, read when TensorFlow is imported) and graph
+mode. So every runnable block must set both itself, which is checked on its text:
 `os.environ["TF_USE_LEGACY_KERAS"] = "1"` before its first TensorFlow import, and a
 `tf.compat.v1.disable_eager_execution()` call (blocks that switch other process-wide
-modes, such as disable_v2_behavior, are refused); and in the process, where
-TF_USE_LEGACY_KERAS is removed before each block and must be "1" after it, with eager
-execution off. The process starts without TF_USE_LEGACY_KERAS and with no TensorFlow
-imported, as a user's process does.
+modes, such as disable_v2_behavior, are refused). The subprocess starts without
+TF_USE_LEGACY_KERAS and with no TensorFlow imported, as a user's process does.
 
 A failure names the block's file and line; the traceback points into the document.
 
-The same process first checks what only a fresh one can (`doc_blocks.FRESH_PROCESS_CHECK`,
-before any script or block, so that no TensorFlow start-up is spent on it alone):
-`import pertower` imports no TensorFlow and changes no environment variable, and every
-public name then loads. It sets TF_USE_LEGACY_KERAS=1 first, as the blocks do, so the
-blocks then share a process where TensorFlow is imported; their own order (the variable
-before TensorFlow) is checked on their text.
+The same process first checks what only a fresh one can (FRESH_PROCESS_CHECK, before any
+block, so that no TensorFlow start-up is spent on it alone): `import pertower` imports
+no TensorFlow and changes no environment variable, and every public name then loads.
+It sets TF_USE_LEGACY_KERAS=1 first, as the blocks do, so the blocks then share a
+process where TensorFlow is imported; their own order (the variable before TensorFlow)
+is checked on their text.
 
 Also checked on the documents' text: every relative link names a file (and heading) that
 exists, and the README names no private module (`pertower/_x`, `pertower._x`), which
 move between versions.
 """
 
+import json
+import os
+import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
-from tests.doc_blocks import ALL_BLOCKS, DOCUMENTS, FRESH_PROCESS, ROOT, RUNNABLE, check_name
-
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+FRAGMENT = re.compile(r"^\s*<!--\s*fragment\b.*-->\s*$")
+OPENING = re.compile(r"^(\s*)```\s*python\s*$")
 LEGACY_KERAS = 'os.environ["TF_USE_LEGACY_KERAS"] = "1"'
 GRAPH_MODE = "tf.compat.v1.disable_eager_execution()"
 TF_IMPORT = re.compile(r"^\s*(import tensorflow\b|from tensorflow\b|import .*\btensorflow\b)",
                        re.M)
-IDS = [check_name(path, line) for path, line, _ in RUNNABLE]
-# the process that runs the blocks (tests/scripts/scenario_examples.py)
-PROCESS = "scenario_examples"
+
+
+def _blocks(path):
+    """(line of the first code line, code, is_fragment) per ```python block of `path`."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found, k = [], 0
+    while k < len(lines):
+        opening = OPENING.match(lines[k])
+        if not opening:
+            k += 1
+            continue
+        indent = len(opening.group(1))
+        fragment = k > 0 and bool(FRAGMENT.match(lines[k - 1]))
+        end = k + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        assert end < len(lines), f"{path.name}:{k + 1}: unclosed ```python block"
+        code = "\n".join(line[indent:] for line in lines[k + 1:end]) + "\n"
+        found.append((k + 2, code, fragment))
+        k = end + 1
+    return found
+
+
+ALL_BLOCKS = [(path.relative_to(ROOT).as_posix(), line, code, fragment)
+              for path in DOCUMENTS for line, code, fragment in _blocks(path)]
+RUNNABLE = [(path, line, code) for path, line, code, fragment in ALL_BLOCKS if not fragment]
+IDS = [f"{path}:{line}" for path, line, _ in RUNNABLE]
 
 
 def test_the_documents_have_python_blocks():
@@ -76,19 +101,90 @@ def test_runnable_block_sets_its_own_process_wide_modes(path, line, code):
         f"{where}: other process-wide modes cannot share the docs' test process"
 
 
-@pytest.mark.process_checks(PROCESS)
-@pytest.mark.parametrize("path, line", [(path, line) for path, line, _ in RUNNABLE], ids=IDS)
-def test_block_runs_as_pasted(processes, path, line):
-    # the check's message: the block's traceback (it points into the document)
-    processes.assert_passed(PROCESS, check_name(path, line))
+# Run first in the blocks' process (a fresh interpreter: no TensorFlow imported yet).
+# TF_CPP_MIN_LOG_LEVEL is removed while pertower loads, so that setting it counts as a
+# change; jax, which TensorFlow imports where it is installed, sets variables of its own
+# (not pertower's doing), so it is kept out while pertower loads.
+FRESH_PROCESS_CHECK = """\
+import os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+log_level = os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+sys.modules.setdefault("jax", None)
+before = dict(os.environ)
+import pertower
+assert "tensorflow" not in sys.modules
+assert set(pertower.__all__) <= set(dir(pertower))
+gradients = pertower.per_example_gradients
+from pertower._api.gradients import per_example_gradients
+assert gradients is per_example_gradients
+assert "tensorflow" in sys.modules
+namespace = {}
+exec("from pertower import *", namespace)
+missing = set(pertower.__all__) - set(namespace)
+assert not missing, missing
+assert pertower.oracle.SliceLoop is not None
+try:
+    pertower.no_such_name
+except AttributeError as error:
+    assert "no_such_name" in str(error)
+else:
+    raise AssertionError("no AttributeError")
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+if sys.modules.get("jax", 0) is None:
+    del sys.modules["jax"]
+if log_level is not None:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = log_level
+"""
+FRESH_PROCESS = "tests/test_docs.py-FRESH_PROCESS_CHECK:1"
 
 
-@pytest.mark.process_checks(PROCESS)
-def test_import_pertower_is_lazy_and_leaves_the_environment_alone(processes):
-    """In a fresh process (the blocks' process, before its first check): `import
+@pytest.fixture(scope="module")
+def block_results(tmp_path_factory):
+    """Runs FRESH_PROCESS_CHECK, then every runnable block, in one subprocess;
+    {"path:line": (ok, traceback)}."""
+    spec = tmp_path_factory.mktemp("docs") / "blocks.json"
+    path, line = FRESH_PROCESS.rsplit(":", 1)
+    first = [{"path": path, "line": int(line), "code": FRESH_PROCESS_CHECK}]
+    spec.write_text(json.dumps(first + [{"path": p, "line": line, "code": code}
+                                        for p, line, code in RUNNABLE]), encoding="utf-8")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "run_doc_blocks.py"), str(spec)],
+        cwd=tmp_path_factory.mktemp("cwd"), env=env, capture_output=True, text=True,
+        timeout=600, check=False)
+    results, current = {}, None
+    for row in process.stdout.splitlines():
+        match = re.match(r"BLOCK (\S+) (OK|FAILED)$", row)
+        if match:
+            current = match.group(1)
+            results[current] = [match.group(2) == "OK", ""]
+        elif current is not None and row.startswith("    "):
+            results[current][1] += row[4:] + "\n"
+    return results, process
+
+
+@pytest.mark.parametrize("path, line, code", RUNNABLE, ids=IDS)
+def test_block_runs_as_pasted(block_results, path, line, code):
+    del code
+    results, process = block_results
+    where = f"{path}:{line}"
+    assert where in results, (f"{where} did not run (the runner stopped): exit code "
+                              f"{process.returncode}\n{process.stderr[-3000:]}")
+    ok, trace = results[where]
+    assert ok, f"the python block at {where} failed:\n{trace}"
+
+
+def test_import_pertower_is_lazy_and_leaves_the_environment_alone(block_results):
+    """In a fresh process (the blocks' process, before its first block): `import
     pertower` imports no TensorFlow and sets no environment variable; every name of
     `__all__` loads (`from pertower import *`), submodules too, unknown names raise."""
-    processes.assert_passed(PROCESS, FRESH_PROCESS)
+    results, process = block_results
+    assert FRESH_PROCESS in results, (f"the check did not run: exit code "
+                                      f"{process.returncode}\n{process.stderr[-3000:]}")
+    ok, trace = results[FRESH_PROCESS]
+    assert ok, f"in a fresh process:\n{trace}"
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")

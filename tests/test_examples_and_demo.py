@@ -2,11 +2,11 @@
 
 They run as a user runs them, in a fresh process of their own ("scenario_examples" of
 tests/process_checks.py: tests/scripts/scenario_examples.py runs the three scripts and
-then `python -m pertower demo` in that one process, and then the documents' blocks of
-tests/test_docs.py, each checked to set up its own environment: TensorFlow's global
-state (graph mode, Keras version) is theirs). That process imports TensorFlow first for
-a check of tests/test_docs.py; that every script sets TF_USE_LEGACY_KERAS (and quiets
-TensorFlow) before its first TensorFlow import is checked on its text here.
+then `python -m pertower demo` in that one process, each checked to set up its own
+environment: TensorFlow's global state (graph mode, Keras version) is theirs). Only
+the first script there starts TensorFlow in a fresh interpreter: that every script sets
+TF_USE_LEGACY_KERAS (and quiets TensorFlow) before its first TensorFlow import is
+checked on its text here.
 """
 
 import dataclasses

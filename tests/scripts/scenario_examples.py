@@ -1,20 +1,12 @@
 """Run in a fresh process, as a user runs them: the scenario example scripts, then
-`python -m pertower demo`, then every runnable ```python block of README.md and
-docs/*.md (tests/doc_blocks.py), one after the other in this one process: one
-TensorFlow start-up for all of them.
+`python -m pertower demo`, one after the other in this one process.
 
 Started once per test session by tests/process_checks.py ("scenario_examples") with
-TF_USE_LEGACY_KERAS removed from the environment: each script, the demo and each block
-must set up its environment itself. Nothing here imports TensorFlow before the first
-check, `doc_blocks.FRESH_PROCESS_CHECK` (what only a fresh interpreter can check: `import
-pertower` imports no TensorFlow and changes no environment variable; named
-`doc_blocks.FRESH_PROCESS`). Before each later check, TF_USE_LEGACY_KERAS is removed again
-and the default graph replaced, and each check asserts that its script or block set
-TF_USE_LEGACY_KERAS=1 and left graph mode on (that each sets it before its first
-TensorFlow import is checked on their text, by tests/test_examples_and_demo.py and
-tests/test_docs.py). Each check returns the script's output (the tests assert its
-lines); a block's check is named "path:line" (`doc_blocks.check_name`) and its failure
-holds the traceback, which points into the document.
+TF_USE_LEGACY_KERAS removed from the environment: each script and the demo must set up
+its environment itself. Nothing here imports TensorFlow before the first script does;
+before each later one, TF_USE_LEGACY_KERAS is removed again and the default graph
+replaced, and each check asserts that its script set TF_USE_LEGACY_KERAS=1 and left
+graph mode on. Each check returns the script's output (the tests assert its lines).
 Prints one `pertower-check` line per check; exits 1 on failure.
 """
 
@@ -25,7 +17,6 @@ import runpy
 import sys
 import traceback
 
-from tests import doc_blocks
 from tests import process_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -91,32 +82,7 @@ def demo():
         sys.argv = saved
 
 
-def _block_check(path, line, code):
-    def check():
-        return _run_as_main(lambda: doc_blocks.run_block(path, line, code))
-    check.__name__ = doc_blocks.check_name(path, line)
-    return check
-
-
-def _fresh_process_check():
-    """`doc_blocks.FRESH_PROCESS_CHECK`, while no TensorFlow is imported (it sets
-    TF_USE_LEGACY_KERAS=1 itself and leaves eager execution on: the next check switches
-    graph mode on)."""
-    if "tensorflow" in sys.modules:
-        raise AssertionError("TensorFlow was imported before the fresh-process check")
-    path, line = doc_blocks.FRESH_PROCESS.rsplit(":", 1)
-    try:
-        return doc_blocks.run_block(path, int(line), doc_blocks.FRESH_PROCESS_CHECK)
-    finally:   # a failed check leaves jax blocked: the later checks need it importable
-        if sys.modules.get("jax", 0) is None:
-            del sys.modules["jax"]
-
-
-_fresh_process_check.__name__ = doc_blocks.FRESH_PROCESS
-
-CHECKS = ([_fresh_process_check]
-          + [_example_check(script, arguments) for script, arguments in EXAMPLES.items()]
-          + [demo] + [_block_check(*block) for block in doc_blocks.RUNNABLE])
+CHECKS = [_example_check(script, arguments) for script, arguments in EXAMPLES.items()] + [demo]
 
 
 if __name__ == "__main__":
