@@ -236,12 +236,15 @@ def test_the_cli_offers_the_bench_models():
     assert cli.build_parser().parse_args(["bench", "--models", "cifar"]).models == ["cifar"]
 
 
-def test_dp_rows_time_the_plain_step_each_method_and_the_step_without_noise():
+# one method by default (a row per method: the same code for each); both heavy
+@pytest.mark.parametrize("methods", [("auto",), pytest.param(("auto", "towers"),
+                                                             marks=pytest.mark.heavy)])
+def test_dp_rows_time_the_plain_step_each_method_and_the_step_without_noise(methods):
     entries = dp.run_dp_bench(models=["mlp"], batch_sizes=[B], repeats=2,
-                                 methods=("auto", "towers"), report=lambda line: None)
-    assert [e.name for e in entries] == ["plain step", "dp step[auto]", "dp step[towers]",
-                                         "dp step[auto] σ=0", "sess.run overhead",
-                                         dp.PHILOX_UNIFORMS, "noise draw"]
+                              methods=methods, report=lambda line: None)
+    assert [e.name for e in entries] == ["plain step"] + [
+        f"dp step[{m}]" for m in methods] + ["dp step[auto] σ=0", "sess.run overhead",
+                                             dp.PHILOX_UNIFORMS, "noise draw"]
     for e in entries:
         assert e.model == "mlp" and e.batch_size == B and len(e.runs_ms) == 2, e
         assert all(t > 0 for t in e.runs_ms) and e.median_ms > 0, e

@@ -228,24 +228,25 @@ def test_diag_ggn_sequence_and_transposed_dense_match_loop(model):
                                                         "rules, cheap form"]  # transpose_b
 
 
-def test_sum_grad_squared_matches_loop(model):
-    for ys, xs in ((model.loss, model.xs), (model.seq_loss, model.seq_xs),
-                   (model.conv_loss, model.conv_xs)):
-        result = _build(model, pertower.sum_grad_squared, ys, xs, batch_size=B)
-        with model.graph.as_default():
-            per_example = oracle.loop_per_example_gradients(model.sess, ys, xs, model.feed)
-        common.assert_all_close(model.run(list(result)),
-                                [np.square(g).sum(0) for g in per_example], kind="deep",
-                                what=f"sum_grad_squared({ys.name})")
-    assert result.routes[2].startswith("rules, cheap form")        # the dense layer
-
-
-def test_sum_grad_squared_routes(model):
-    result = _build(model, pertower.sum_grad_squared, model.loss, model.xs, batch_size=B)
-    assert [r.split(":")[0] for r in result.routes] == [
-        "rules, cheap form", "rules, cheap form", "rules, per column", "rules, per column",
-        "rules, cheap form", "towers"]
-    assert "BroadcastTo" in result.routes[5] and "W1" in result.explain()
+# the conv net heavy: sum_grad_squared on convolutions (and a dense layer's cheap form:
+# the mlp's routes) is checked against the loop by tests/test_curvature_convs.py
+@pytest.mark.parametrize("net", ["mlp", "seq", pytest.param("conv", marks=pytest.mark.heavy)])
+def test_sum_grad_squared_matches_loop(model, net):
+    ys, xs = {"mlp": (model.loss, model.xs), "seq": (model.seq_loss, model.seq_xs),
+              "conv": (model.conv_loss, model.conv_xs)}[net]
+    result = _build(model, pertower.sum_grad_squared, ys, xs, batch_size=B)
+    with model.graph.as_default():
+        per_example = oracle.loop_per_example_gradients(model.sess, ys, xs, model.feed)
+    common.assert_all_close(model.run(list(result)),
+                            [np.square(g).sum(0) for g in per_example], kind="deep",
+                            what=f"sum_grad_squared({ys.name})")
+    if net == "mlp":   # the routes of its weights
+        assert [r.split(":")[0] for r in result.routes] == [
+            "rules, cheap form", "rules, cheap form", "rules, per column",
+            "rules, per column", "rules, cheap form", "towers"]
+        assert "BroadcastTo" in result.routes[5] and "W1" in result.explain()
+    if net == "conv":
+        assert result.routes[2].startswith("rules, cheap form")    # the dense layer
 
 
 def test_monte_carlo_is_unbiased_within_a_stated_bound(model):

@@ -23,6 +23,11 @@ from tests import common
 LEARNING_RATE = 0.5
 
 
+@pytest.fixture(scope="module")
+def mlp_batch_size():   # tests/conftest.py's `mlp` at B = 6: one graph for the module's checks
+    return 6
+
+
 def _clip_reference(per_slice, clip):
     """NumPy: each row of every [M, ...] array clipped to global norm `clip`, averaged."""
     M = per_slice[0].shape[0]
@@ -52,11 +57,10 @@ def _adam_step(w, g, lr, beta1=0.9, beta2=0.999, epsilon=1e-8):
 @pytest.mark.parametrize("num_microbatches, optimizer_name", [(None, "adam"), (3, "sgd")] + [
     pytest.param(m, name, marks=pytest.mark.heavy) for m, name in (
         (None, "sgd"), (3, "adam"), (6, "sgd"), (6, "adam"), (1, "sgd"), (1, "adam"))])
-def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_microbatches):
-    case = cases.build_mlp(B=6)
-    with case.graph.as_default():
-        initial = case.sess.run(case.xs)
-        slices = _reference_slices(case, num_microbatches)
+def test_one_noiseless_step_equals_the_numpy_reference(mlp, optimizer_name, num_microbatches):
+    with mlp.graph.as_default():
+        initial = mlp.sess.run(mlp.xs)
+        slices = _reference_slices(mlp, num_microbatches)
         M = slices[0].shape[0]
         norms = np.sqrt(sum(np.sum(g.reshape(M, -1) ** 2, axis=1) for g in slices))
         if M > 2:
@@ -70,16 +74,16 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
                  if optimizer_name == "sgd" else tf.compat.v1.train.AdamOptimizer(LEARNING_RATE))
         dp = pertower.DPOptimizer(inner, l2_norm_clip=clip, noise_multiplier=0.0,
                                   num_microbatches=num_microbatches)
-        grads_and_vars = dp.compute_gradients(case.ys, var_list=case.xs, batch_size=case.B)
-        assert [v for _, v in grads_and_vars] == case.xs
+        grads_and_vars = dp.compute_gradients(mlp.ys, var_list=mlp.xs, batch_size=mlp.B)
+        assert [v for _, v in grads_and_vars] == mlp.xs
         before = tf.compat.v1.global_variables()
         train = dp.apply_gradients(grads_and_vars)
-        case.sess.run(tf.compat.v1.variables_initializer(
+        mlp.sess.run(tf.compat.v1.variables_initializer(
             [v for v in tf.compat.v1.global_variables() if v not in before]))
-        got_gradient = case.sess.run([g for g, _ in grads_and_vars], case.feed)
-        ys_before = case.sess.run(case.ys, case.feed)
-        case.sess.run(train, case.feed)
-        updated = case.sess.run(case.xs)
+        got_gradient = mlp.sess.run([g for g, _ in grads_and_vars], mlp.feed)
+        ys_before = mlp.sess.run(mlp.ys, mlp.feed)
+        mlp.sess.run(train, mlp.feed)
+        updated = mlp.sess.run(mlp.xs)
 
     common.assert_all_close(got_gradient, want_gradient, kind="tight", what="DP gradient")
     if optimizer_name == "sgd":
@@ -87,23 +91,22 @@ def test_one_noiseless_step_equals_the_numpy_reference(optimizer_name, num_micro
     else:
         want = [_adam_step(w, g, LEARNING_RATE) for w, g in zip(initial, want_gradient)]
     common.assert_all_close(updated, want, 1e-5, 1e-5, f"{optimizer_name} DP step")
-    assert not np.allclose(case.sess.run(case.ys, case.feed), ys_before)
+    assert not np.allclose(mlp.sess.run(mlp.ys, mlp.feed), ys_before)
 
 
 @pytest.mark.parametrize("num_microbatches", [None, pytest.param(2, marks=pytest.mark.heavy)])
-def test_a_loss_with_several_entries_per_example_is_averaged_per_example(num_microbatches):
-    case = cases.build_mlp(B=6)
-    with case.graph.as_default():
-        loss = case.outputs ** 2                                          # [B, 3]
-        M = case.B if num_microbatches is None else num_microbatches
-        sums = oracle.loop_microbatch_gradients(case.sess, loss, case.xs, case.feed, M)
+def test_a_loss_with_several_entries_per_example_is_averaged_per_example(mlp, num_microbatches):
+    with mlp.graph.as_default():
+        loss = mlp.outputs ** 2                                           # [B, 3]
+        M = mlp.B if num_microbatches is None else num_microbatches
+        sums = oracle.loop_microbatch_gradients(mlp.sess, loss, mlp.xs, mlp.feed, M)
         # the mean over a microbatch's B/M examples and their 3 entries each
-        want, norms = _clip_reference([g / (case.B // M * 3) for g in sums], 0.05)
+        want, norms = _clip_reference([g / (mlp.B // M * 3) for g in sums], 0.05)
         assert (norms > 0.05).any()
         dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 0.05, 0.0,
                                   num_microbatches=num_microbatches)
-        got = case.sess.run([g for g, _ in dp.compute_gradients(loss, case.xs, batch_size=6)],
-                            case.feed)
+        got = mlp.sess.run([g for g, _ in dp.compute_gradients(loss, mlp.xs, batch_size=6)],
+                           mlp.feed)
     common.assert_all_close(got, want, 1e-5, 1e-7, "[B, 3] loss")
 
 
@@ -227,18 +230,17 @@ def test_dropout_with_towers_clips_each_example_to_the_bound():
 
 
 @pytest.fixture(scope="module")
-def noise_graph():
-    """An MLP with a noiseless and two noisy DP gradients of one batch (seed 7 and 8)."""
-    case = cases.build_mlp(B=6)
-    with case.graph.as_default():
+def noise_graph(mlp):
+    """The MLP with a noiseless and two noisy DP gradients of one batch (seed 7 and 8)."""
+    with mlp.graph.as_default():
         def gradients(noise, seed=None):
             dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                       l2_norm_clip=1.5, noise_multiplier=noise, seed=seed)
-            return [g for g, _ in dp.compute_gradients(case.ys, case.xs, batch_size=case.B)]
+            return [g for g, _ in dp.compute_gradients(mlp.ys, mlp.xs, batch_size=mlp.B)]
         clean = gradients(0.0)
         noisy = gradients(2.0, seed=7)
         other = gradients(2.0, seed=8)
-    return case, clean, noisy, other
+    return mlp, clean, noisy, other
 
 
 def _noise_samples(case, clean, noisy, runs):
@@ -302,27 +304,26 @@ def test_seed_makes_the_noise_repeatable():
     assert not np.allclose(first[0], other[0])
 
 
-def test_errors_name_the_argument():
-    case = cases.build_mlp(B=6)
+def test_errors_name_the_argument(mlp):
     sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
-    with case.graph.as_default():
+    with mlp.graph.as_default():
         with pytest.raises(ValueError, match="DP needs one loss per example"):
             pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(
-                tf.reduce_mean(case.ys), case.xs, batch_size=6)
+                tf.reduce_mean(mlp.ys), mlp.xs, batch_size=6)
         with pytest.raises(ValueError, match=r"`num_microbatches` \(4\) must divide the batch "
                                              r"size \(6\)"):
             pertower.DPOptimizer(sgd, 1.0, 1.0, num_microbatches=4).compute_gradients(
-                case.ys, case.xs, batch_size=6)
+                mlp.ys, mlp.xs, batch_size=6)
         with pytest.raises(RuntimeError, match="call compute_gradients first"):
             pertower.DPOptimizer(sgd, 1.0, 1.0).apply_gradients(
-                [(tf.zeros_like(v), v) for v in case.xs])
+                [(tf.zeros_like(v), v) for v in mlp.xs])
         with pytest.raises(ValueError, match="`grad_loss` must be None"):
             pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(
-                case.ys, case.xs, batch_size=6, grad_loss=tf.ones_like(case.ys))
+                mlp.ys, mlp.xs, batch_size=6, grad_loss=tf.ones_like(mlp.ys))
         with pytest.raises(TypeError, match="not a callable"):
-            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(lambda: case.ys, case.xs)
+            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(lambda: mlp.ys, mlp.xs)
         with pytest.raises(ValueError, match="`var_list` is empty"):
-            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(case.ys, [], batch_size=6)
+            pertower.DPOptimizer(sgd, 1.0, 1.0).compute_gradients(mlp.ys, [], batch_size=6)
     for bad_clip in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"`l2_norm_clip` must be a positive number"):
             pertower.DPOptimizer(sgd, bad_clip, 1.0)

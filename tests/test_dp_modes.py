@@ -46,8 +46,10 @@ def _build(name):
 
 @pytest.mark.filterwarnings("ignore:.*could not prove")
 @pytest.mark.parametrize("name", _PER_WEIGHT_MODELS)
-def test_per_weight_norms_equal_the_loop(name):
-    case = _build(name)
+def test_per_weight_norms_equal_the_loop(request, name):
+    # the mlp: the module's graph (the `mlp` fixture); the others their own
+    own = name != "mlp"
+    case = _build(name) if own else request.getfixturevalue("mlp")
     with case.graph.as_default():
         results = {}
         for method in ("auto", "towers"):
@@ -65,7 +67,8 @@ def test_per_weight_norms_equal_the_loop(name):
         # the [B] norms are the rows' root sum of squares
         common.assert_all_close([np.sqrt(np.sum(got ** 2, axis=1))], [total], kind="deep",
                                 what=f"{name} {method} [B] norms")
-    case.sess.close()
+    if own:
+        case.sess.close()
 
 
 def test_per_weight_must_be_a_bool(mlp):
@@ -134,8 +137,8 @@ def test_per_layer_noiseless_gradient_equals_the_loop(mlp):
         common.assert_all_close(run, want, kind="deep", what="per-layer DP gradient")
 
 
-def test_accumulated_steps_equal_one_step_on_the_logical_batch():
-    case = cases.build_mlp(B=4)
+def test_accumulated_steps_equal_one_step_on_the_logical_batch(mlp):
+    case = mlp   # the module's graph: its weights as the checks before left them
     with case.graph.as_default():
         grads = _loop_gradients(case)
         clip = 0.8 * float(np.median(_flat_reference(grads, 1.0, 1)[1]))
@@ -157,7 +160,6 @@ def test_accumulated_steps_equal_one_step_on_the_logical_batch():
     common.assert_all_close([b - a for a, b in zip(after, before)],
                             [LEARNING_RATE * w for w in want], kind="deep",
                             what="one step over two accumulated runs")
-    case.sess.close()
 
 
 def test_an_empty_batch_releases_the_noise_alone(mlp):
@@ -176,8 +178,8 @@ def test_an_empty_batch_releases_the_noise_alone(mlp):
     assert all(np.all(g == 0) for g in got[2])
 
 
-def test_adaptive_clip_follows_the_geometric_update_and_settles_at_the_quantile():
-    case = cases.build_mlp(B=4)
+def test_adaptive_clip_follows_the_geometric_update_and_settles_at_the_quantile(mlp):
+    case = mlp   # the module's graph (learning rate 0: this check leaves its weights)
     with case.graph.as_default():
         grads = _loop_gradients(case)
         _, norms = _flat_reference(grads, 1.0, 1)
@@ -201,7 +203,6 @@ def test_adaptive_clip_follows_the_geometric_update_and_settles_at_the_quantile(
         clip = case.sess.run(variable)
     ordered = np.sort(norms)
     assert ordered[1] <= clip * (1 + 1e-5) and clip < ordered[2], (clip, ordered)
-    case.sess.close()
 
 
 def _noise_draws(mlp, mode):

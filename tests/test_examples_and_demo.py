@@ -3,7 +3,10 @@
 They run as a user runs them, in a fresh process of their own ("scenario_examples" of
 tests/process_checks.py: tests/scripts/scenario_examples.py runs the three scripts and
 then `python -m pertower demo` in that one process, each checked to set up its own
-environment: TensorFlow's global state (graph mode, Keras version) is theirs).
+environment: TensorFlow's global state (graph mode, Keras version) is theirs). Only
+the first script there starts TensorFlow in a fresh interpreter: that every script sets
+TF_USE_LEGACY_KERAS (and quiets TensorFlow) before its first TensorFlow import is
+checked on its text here.
 """
 
 import dataclasses
@@ -119,8 +122,9 @@ def test_the_demo_accepts_what_tensorflow_reads_as_legacy_keras(monkeypatch, val
 
 
 def test_every_example_quiets_tensorflow_before_importing_it():
-    """Each script sets TF_CPP_MIN_LOG_LEVEL (as the `pertower` command does) before its
-    first import of TensorFlow (or of a helper that imports it)."""
+    """Each script sets TF_CPP_MIN_LOG_LEVEL (as the `pertower` command does) and
+    TF_USE_LEGACY_KERAS (read when TensorFlow is imported) before its first import of
+    TensorFlow (or of a helper that imports it)."""
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "examples")
     scripts = sorted(name for name in os.listdir(folder)
@@ -129,11 +133,12 @@ def test_every_example_quiets_tensorflow_before_importing_it():
     for name in scripts:
         with open(os.path.join(folder, name), encoding="utf-8") as handle:
             lines = handle.read().splitlines()
-        quiet = next((n for n, line in enumerate(lines)
-                      if line.startswith('os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")')),
-                     None)
+        quiet, keras_2 = (next((n for n, line in enumerate(lines) if line.startswith(
+            f'os.environ.setdefault("{variable}", "{value}")')), None)
+            for variable, value in (("TF_CPP_MIN_LOG_LEVEL", "2"), ("TF_USE_LEGACY_KERAS", "1")))
         first_tf = next(n for n, line in enumerate(lines)
                         if line.startswith(("import tensorflow", "import tf_keras",
                                             "import digits_common", "import pertower",
                                             "from pertower")))
         assert quiet is not None and quiet < first_tf, name
+        assert keras_2 is not None and keras_2 < first_tf, name

@@ -69,8 +69,10 @@ CASES = {
 # The same ways as the other cases', on slower or duplicate models: with -m heavy (the
 # norms of the subclassed model's LayerNorm and convolution are checked by the DP sums
 # of tests/test_rules.py on layer_norm and conv_same_strided, `mlp`'s dense norm here on
-# mlp_float64).
-HEAVY_CASES = ("subclassed", "mlp")
+# mlp_float64; the CIFAR net's formed convolution norms by
+# test_formed_conv_norms_match_the_oracle_for_every_strategy, every way, and its towers
+# norms' mechanism on every other case).
+HEAVY_CASES = ("subclassed", "mlp", "cifar")
 
 
 @pytest.fixture(scope="module", params=[
@@ -82,11 +84,18 @@ def case(request):
     built.sess.close()
 
 
-def test_norms_match_the_norms_of_the_oracle_gradients(case):
+# The towers' norms (the norms of the towers' formed gradients: one mechanism whatever
+# the model) by default on the cases where a towers gradient goes through ops of its own
+# (one weight on towers under "auto", a Gather, a convolution); on the others with -m heavy
+# (test_towers_norms_match_the_oracle_heavy).
+TOWERS_CASES = ("mixed_fallback", "embedding", "cnn")
+
+
+def _check_norms(case, methods):
     with case.graph.as_default():
         norms = {method: pertower.per_example_norms(case.ys, case.xs, batch_size=case.B,
                                                     method=method)
-                 for method in ("auto", "towers")}
+                 for method in methods}
         for value in norms.values():
             assert value.shape.as_list() == [case.B] and value.dtype == case.ys.dtype
     want = _oracle_norms(case)     # first: skips if TensorFlow cannot compute it here
@@ -94,6 +103,17 @@ def test_norms_match_the_norms_of_the_oracle_gradients(case):
     for method, value in got.items():
         np.testing.assert_allclose(value, want, rtol=case.rtol * 10, atol=case.atol * 10,
                                    err_msg=f"{case.name} norms, method={method}")
+
+
+def test_norms_match_the_norms_of_the_oracle_gradients(case):
+    _check_norms(case, ("auto", "towers") if case.name in TOWERS_CASES else ("auto",))
+
+
+@pytest.mark.heavy
+def test_towers_norms_match_the_oracle_heavy(case):
+    if case.name in TOWERS_CASES:
+        pytest.skip("checked by test_norms_match_the_norms_of_the_oracle_gradients")
+    _check_norms(case, ("towers",))
 
 
 @pytest.mark.parametrize("name", sorted(GHOST))
@@ -128,10 +148,19 @@ def test_conv_norms_take_the_cheaper_of_ghost_and_formed(layer, chosen):
         assert conv2d.Conv2DRule().norm_strategy(use) == chosen
 
 
-@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise", "shifts"])
-def test_formed_conv_norms_match_the_oracle_for_every_strategy(strategy):
-    """The CIFAR net's norms (its convolutions formed, not ghost) with each way forced."""
+@pytest.fixture(scope="module")
+def cifar():
+    """The CIFAR net at B = 2 (one graph and session for the strategies' checks) and the
+    norms of the oracle's gradients on it (computed once)."""
     case = cases.build_cifar_case(B=2)
+    yield case, _oracle_norms(case)
+    case.sess.close()
+
+
+@pytest.mark.parametrize("strategy", ["patches", "grouped", "depthwise", "shifts"])
+def test_formed_conv_norms_match_the_oracle_for_every_strategy(cifar, strategy):
+    """The CIFAR net's norms (its convolutions formed, not ghost) with each way forced."""
+    case, want = cifar
     registry = rules_lib.default_registry()
     conv2d.register(registry, conv2d.ConvOptions(strategy=strategy))
     with case.graph.as_default():
@@ -140,11 +169,9 @@ def test_formed_conv_norms_match_the_oracle_for_every_strategy(strategy):
                                                method="rules", rules=registry)
         except ValueError as refusal:
             assert not conv2d.onednn_enabled(), refusal
-            case.sess.close()
             return
-    np.testing.assert_allclose(case.sess.run(norms, case.feed), _oracle_norms(case),
+    np.testing.assert_allclose(case.sess.run(norms, case.feed), want,
                                rtol=1e-4, atol=1e-6, err_msg=strategy)
-    case.sess.close()
 
 
 def test_rules_norms_on_a_none_batch_axis():
