@@ -176,14 +176,18 @@ FORWARD_CONVS = (
     ("c10", "c9", 3, 3, 32, 256, 1, 1, "VALID", "EXPLICIT"),           # Cin < Cout/2, P 4
 )
 FORWARD_INPUTS = {"x": [3, 4, 16], "y": [9, 9, 16], "v": [4, 4, 16]}
+# dense layers after c10 ([B, 1024]): (W's shape, transpose_b); the input gradient of
+# the first two (A W, min(d, n) >= TURNED_MIN_SIDE) is (W dZ^T)^T, of the third dZ W;
+# the second's outer products (MUL_MIN_COLUMNS columns) are one broadcast Mul
+DENSE_CHAIN = (([1024, 256], False), ([256, LONG], False), ([300, LONG], True))
 
 
 def check_forward_form(batch=3, seed=21):
-    """Per-example gradients through FORWARD_CONVS (and a dense layer of
-    `MUL_MIN_COLUMNS` outputs, the broadcast-Mul outer products) against the loop, with
+    """Per-example gradients through FORWARD_CONVS and DENSE_CHAIN against the loop, with
     the conv rule's oneDNN setting off: each input gradient between them is the forward
     Conv2D or Conv2DBackpropInput the table says (op counts of the build); with it on,
-    every one is Conv2DBackpropInput. Builds its own graph and session (also run under
+    every one is Conv2DBackpropInput; the dense layers' input gradients as DENSE_CHAIN
+    says (oneDNN off). Builds its own graph and session (also run under
     disable_v2_behavior() by tests/scripts/vgg_paths_legacy.py)."""
     rng = np.random.default_rng(seed)
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
@@ -198,12 +202,14 @@ def check_forward_form(batch=3, seed=21):
             z = tf.nn.conv2d(tensors[source], weights[-1], stride, padding, dilations=dilation)
             ops[name] = z.op
             tensors[name] = tf.tanh(z)
-        wide = tf.compat.v1.Variable(rng.normal(0, 0.05, [6, LONG]).astype("float32"))
-        weights.append(wide)
-        dense = tf.matmul(tf.reshape(tensors["c10"], [-1, 2 * 2 * 256])[:, :6], wide)
+        dense = tf.reshape(tensors["c10"], [-1, 2 * 2 * 256])                 # [B, 1024]
+        for shape, transposed in DENSE_CHAIN:
+            weights.append(tf.compat.v1.Variable(
+                rng.normal(0, 1 / np.sqrt(shape[1 - transposed]), shape).astype("float32")))
+            dense = tf.tanh(tf.matmul(dense, weights[-1], transpose_b=transposed))
         ys = (tf.reduce_mean(tensors["c6"] ** 2, axis=[1, 2, 3])
               + tf.reduce_mean(tf.sin(tensors["c8"]), axis=[1, 2, 3])
-              + tf.reduce_sum(tf.sin(dense), axis=1))                    # [B]
+              + tf.reduce_mean(dense ** 2, axis=1))                     # [B]
         for name, *_, form in FORWARD_CONVS:
             taken = _input_gradients._forward_padding(ops[name]) is not None  # pylint: disable=protected-access
             assert taken == (form not in (None, "first")), (name, form)
@@ -225,7 +231,14 @@ def check_forward_form(batch=3, seed=21):
                 assert counts["Conv2DBackpropInput"] == sum(
                     row[-1] is None for row in in_between), counts
             assert [op for op in built if op.type == "Mul"
-                    and op.outputs[0].shape.as_list()[1:] == [6, LONG]], "no outer product"
+                    and op.outputs[0].shape.as_list()[1:] == [256, LONG]], "no outer product"
+            matmuls = [op for op in built if op.type == "MatMul"]
+            turned = [op for op in matmuls if not op.get_attr("grad_a")]
+            if not conv2d.onednn_enabled():
+                assert (len(turned), len(matmuls)) == (2, 3), matmuls
+                assert all(op.inputs[0].op.type != "MatMul" and op.get_attr("transpose_b")
+                           and op.outputs[0].consumers()[0].type == "Transpose"
+                           for op in turned), turned
         sess.run(tf.compat.v1.global_variables_initializer())
         got = sess.run(grads[False], feed)
         want = oracle.loop_per_example_gradients(sess, ys, weights, feed)

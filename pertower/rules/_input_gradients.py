@@ -22,7 +22,9 @@ filter (`_forward_padding`; oneDNN off) instead gets its input's gradient as ONE
 Conv2D of dZ with the filter turned (`_as_forward_convolution`): TensorFlow's CPU
 Conv2DBackpropInput without oneDNN runs 4-11x slower than that on small images with
 many channels (VGG16's blocks 4-5 at 32x32 inputs: 4x4 and 2x2 positions, 512
-channels). An op is handled only when: its
+channels). A MatMul A W with one row per example and a large W (`_turned_matmul`)
+takes dZ W^T as (W dZ^T)^T: TensorFlow's MatMul with transpose_b on few rows runs up
+to 14x slower (VGG16's fc2: 4096 x 4096 at B = 16). An op is handled only when: its
 type and W's slot are in `_ONE_SIDED` (a MatMul: A not transposed); it is in the graph
 of `ys` (not in a function or loop body); its gradient is TensorFlow's registered one
 (no `_gradient_op_type` override, no gradient function of its own); its dtype is real;
@@ -43,7 +45,7 @@ from pertower.rules import _shapes
 from pertower.rules import conv2d
 
 __all__ = ["FORWARD_MIN_CHANNELS", "FORWARD_MIN_FILTER", "FORWARD_FEW_POSITIONS",
-           "input_side_only", "one_sided_ops"]
+           "TURNED_MIN_SIDE", "input_side_only", "one_sided_ops"]
 
 # A stride-1 Conv2D's input gradient is one forward Conv2D of dZ with the filter turned
 # (`_as_forward_convolution`) when the filter has at least FORWARD_MIN_FILTER numbers,
@@ -60,6 +62,9 @@ __all__ = ["FORWARD_MIN_CHANNELS", "FORWARD_MIN_FILTER", "FORWARD_FEW_POSITIONS"
 FORWARD_MIN_FILTER = 1 << 16
 FORWARD_MIN_CHANNELS = 16
 FORWARD_FEW_POSITIONS = 64
+# A MatMul A W with one row per example and both sides of W at least this long takes its
+# input gradient as (W dZ^T)^T (`_turned_matmul`).
+TURNED_MIN_SIDE = 256
 
 
 def _conv2d(op, grad, pads=None):
@@ -160,11 +165,34 @@ def _bias_add(_, grad):
     return [grad, None]
 
 
-def _matmul(op, grad):
+def _matmul(op, grad, turned=False):
     """MatMul A W or A W^T (the rule's cases: A not transposed): A's gradient only,
-    dZ W^T or dZ W (`_MatMulGradAgainstFirstOnly`)."""
+    dZ W^T or dZ W (`_MatMulGradAgainstFirstOnly`); `turned` (for A W, see
+    `_turned_matmul`): dZ W^T as (W dZ^T)^T."""
+    if turned:
+        return [tf.transpose(tf.raw_ops.MatMul(a=op.inputs[1], b=grad, transpose_b=True)),
+                None]
     return [tf.raw_ops.MatMul(a=grad, b=op.inputs[1],
                               transpose_b=not op.get_attr("transpose_b"), grad_a=True), None]
+
+
+def _turned_matmul(use):
+    """Whether the MatMul `use` (A W, W [d, n]) takes dA = dZ W^T as (W dZ^T)^T, a
+    MatMul of W as it is stored and a transpose of the small [d, B] result: with one row
+    per example (k = 1) and min(d, n) >= `TURNED_MIN_SIDE`. TensorFlow's CPU MatMul
+    with transpose_b on few rows runs far below the other's speed (2-core CPU, TF 2.21
+    without oneDNN, float32, one thread, CPU ms, dZ W^T -> (W dZ^T)^T, B rows: d = n =
+    4096: B = 4: 183 -> 12, B = 16: 201 -> 15, B = 128: 306 -> 70, B = 1024: 658 -> 529;
+    d = 512, n = 4096, B = 16: 12.0 -> 2.1; d = n = 256, B = 16: 0.26 -> 0.16; with a
+    thin side it is slower: d = 4096, n = 10, B = 128: 0.75 -> 1.36; and at many rows
+    (B = 1024, d = n = 256: 2.1 -> 3.0). Not measured with oneDNN's kernels: not taken
+    when they are on."""
+    k = getattr(use.rows, "k", None)
+    if (use.op.get_attr("transpose_b") or not (isinstance(k, int) and k == 1)
+            or conv2d.onednn_enabled()):
+        return False
+    return (use.weight_shape.is_fully_defined()
+            and min(use.weight_shape.as_list()) >= TURNED_MIN_SIDE)
 
 
 # (op type, W's input slot) -> the gradient function of the other input alone
@@ -201,7 +229,11 @@ def one_sided_ops(plan, indices):
                     or not _has_registered_gradient(op)
                     or (op.type == "MatMul" and op.get_attr("transpose_a"))):
                 continue
-            found[op] = _with_forward_form(use) if op.type == "Conv2D" else function
+            if op.type == "Conv2D":
+                function = _with_forward_form(use)
+            elif op.type == "MatMul" and _turned_matmul(use):
+                function = functools.partial(_matmul, turned=True)
+            found[op] = function
     return found
 
 
