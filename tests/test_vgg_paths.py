@@ -211,7 +211,7 @@ def check_forward_form(batch=3, seed=21):
               + tf.reduce_mean(tf.sin(tensors["c8"]), axis=[1, 2, 3])
               + tf.reduce_mean(dense ** 2, axis=1))                     # [B]
         for name, *_, form in FORWARD_CONVS:
-            taken = _input_gradients._forward_padding(ops[name]) is not None  # pylint: disable=protected-access
+            taken = _input_gradients.forward_padding(ops[name]) is not None
             assert taken == (form not in (None, "first")), (name, form)
         in_between = [row for row in FORWARD_CONVS if row[-1] != "first"]
         grads = {}
@@ -263,10 +263,10 @@ def test_dilated_input_gradients_as_forward_convolutions():
             x = tf.constant(rng.normal(size=[2, 6, 7, 16]).astype("float32"))
             w = rng.normal(0, 0.02, size=[3, 3, 16, 512]).astype("float32")
             z = tf.nn.conv2d(x, w, 1, padding, dilations=2)
-            pads = _input_gradients._forward_padding(z.op)  # pylint: disable=protected-access
+            pads = _input_gradients.forward_padding(z.op)
             assert pads is not None
             dz = tf.constant(rng.normal(size=z.shape.as_list()).astype("float32"))
-            got = _input_gradients._as_forward_convolution(  # pylint: disable=protected-access
+            got = _input_gradients.as_forward_convolution(
                 z.op, dz, pads)
             written = np.zeros([5, 5, 16, 512], "float32")
             written[::2, ::2] = w

@@ -18,8 +18,8 @@ builds its A's gradient only, the same op with the same attributes as the regist
 gradient builds for A (TensorFlow's `_Conv2DGrad`, `_DepthwiseConv2dNativeGrad`,
 `_MatMulGradAgainstFirstOnly`, `_BiasAddGrad`), and None for W, which
 `tf.gradients` leaves out as it would the unread result. A stride-1 Conv2D with a large
-filter (`_forward_padding`; oneDNN off) instead gets its input's gradient as ONE forward
-Conv2D of dZ with the filter turned (`_as_forward_convolution`): TensorFlow's CPU
+filter (`forward_padding`; oneDNN off) instead gets its input's gradient as ONE forward
+Conv2D of dZ with the filter turned (`as_forward_convolution`): TensorFlow's CPU
 Conv2DBackpropInput without oneDNN runs 4-11x slower than that on small images with
 many channels (VGG16's blocks 4-5 at 32x32 inputs: 4x4 and 2x2 positions, 512
 channels). A MatMul A W with one row per example and a large W (`_turned_matmul`)
@@ -45,10 +45,11 @@ from pertower.rules import _shapes
 from pertower.rules import conv2d
 
 __all__ = ["FORWARD_MIN_CHANNELS", "FORWARD_MIN_FILTER", "FORWARD_FEW_POSITIONS",
-           "TURNED_MIN_SIDE", "input_side_only", "one_sided_ops"]
+           "TURNED_MIN_SIDE", "forward_padding", "as_forward_convolution", "input_side_only",
+           "one_sided_ops"]
 
 # A stride-1 Conv2D's input gradient is one forward Conv2D of dZ with the filter turned
-# (`_as_forward_convolution`) when the filter has at least FORWARD_MIN_FILTER numbers,
+# (`as_forward_convolution`) when the filter has at least FORWARD_MIN_FILTER numbers,
 # Cin >= FORWARD_MIN_CHANNELS and Cin >= Cout / 2 or P <= FORWARD_FEW_POSITIONS output
 # positions; else TensorFlow's Conv2DBackpropInput. Measured (2-core CPU, TF 2.21
 # without oneDNN, float32, B = 16, SAME, one thread, CPU ms of the one op,
@@ -69,9 +70,9 @@ TURNED_MIN_SIDE = 256
 
 def _conv2d(op, grad, pads=None):
     """Conv2D: the input's gradient (`_Conv2DGrad`'s first output): with `pads` (from
-    `_forward_padding`) a forward convolution of dZ, else Conv2DBackpropInput."""
+    `forward_padding`) a forward convolution of dZ, else Conv2DBackpropInput."""
     if pads is not None:
-        return [_as_forward_convolution(op, grad, pads), None]
+        return [as_forward_convolution(op, grad, pads), None]
     return [tf.raw_ops.Conv2DBackpropInput(
         input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1], out_backprop=grad,
         dilations=op.get_attr("dilations"),
@@ -81,9 +82,9 @@ def _conv2d(op, grad, pads=None):
         data_format=op.get_attr("data_format")), None]
 
 
-def _forward_padding(op):
+def forward_padding(op):
     """[(top, bottom), (left, right)]: the padding of dZ for which the input gradient
-    of the Conv2D `op` is a forward convolution (`_as_forward_convolution`), or None
+    of the Conv2D `op` is a forward convolution (`as_forward_convolution`), or None
     when that form is not taken: a stride > 1, channel groups, NCHW, heights or widths
     not static, or where TensorFlow's kernel is measured no slower (thin or few input
     channels for the outputs at many positions, a small filter: `FORWARD_MIN_FILTER`)."""
@@ -119,7 +120,7 @@ def _forward_padding(op):
     return pads
 
 
-def _as_forward_convolution(op, grad, pads):
+def as_forward_convolution(op, grad, pads):
     """dX for the stride-1 Conv2D `op` (x [N, H, W, Cin], W [kh, kw, Cin, Cout], input
     padding (t, b), (l, r), dilation d): with every z[n, i, j] = sum_{u,v,c}
     x[n, i + u*d - t, j + v*d - l, c] W[u, v, c, o] (x zero outside), dX[n, a, b, c] =
@@ -239,14 +240,14 @@ def one_sided_ops(plan, indices):
 
 def _with_forward_form(use):
     """The gradient function of the Conv2D `use`: its input's gradient as a forward
-    convolution where `_forward_padding` gives one and TensorFlow's oneDNN kernels are
+    convolution where `forward_padding` gives one and TensorFlow's oneDNN kernels are
     off (with them on, its Conv2DBackpropInput is as fast as the forward form: 4x4,
     512 -> 512, 3x3: 32 vs 36 CPU ms; 2x2: 13 vs 19), else Conv2DBackpropInput. The
     oneDNN setting is the rule's (`ConvOptions.onednn`), else TensorFlow's."""
     onednn = getattr(getattr(use.rule, "options", None), "onednn", None)
     if onednn is None:
         onednn = conv2d.onednn_enabled()
-    pads = None if onednn else _forward_padding(use.op)
+    pads = None if onednn else forward_padding(use.op)
     return functools.partial(_conv2d, pads=pads)
 
 
