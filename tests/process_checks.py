@@ -118,6 +118,7 @@ PROCESSES = {
         (os.path.join(HERE, "scripts", "curvature_conv_checks.py"), "heavy")),
     # the DP modes and per-weight norms under disable_v2_behavior()
     "dp_modes_legacy": _Command((os.path.join(HERE, "scripts", "dp_modes_legacy_checks.py"),)),
+    "vgg_paths_legacy": _Command((os.path.join(HERE, "scripts", "vgg_paths_legacy.py"),)),
     # tests/test_rules_convs.py under disable_v2_behavior() and with TF_ENABLE_ONEDNN_OPTS=1
     # (the oneDNN ones set TF_ENABLE_ONEDNN_OPTS=1 themselves too, when run alone)
     # (TF_USE_LEGACY_KERAS: they set it themselves, and import tf_keras by name)

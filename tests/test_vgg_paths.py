@@ -23,6 +23,7 @@ import pertower
 from pertower import _dispatch
 from pertower import oracle
 from pertower.rules import _conv_ways
+from pertower.rules import _input_gradients
 from pertower.rules import conv2d
 from pertower.rules import matmul
 from tests import common
@@ -156,3 +157,128 @@ def test_conv_layouts_follow_the_positions(built):
             formed, _ = _built_ops(graph, lambda: use.rule.formed_norms(
                 use, dZ, tf.shape(dZ)[0]))
             assert formed is not None     # one matmul over the joined taps (both sizes)
+
+
+# The input gradients between the convolutions (`rules._input_gradients`): name ->
+# (input name, kh, kw, Cin, Cout, stride, dilation, padding, the forward form's padding
+# or None for TensorFlow's Conv2DBackpropInput, or "first" where none is built)
+FORWARD_CONVS = (
+    ("c0", "x", 3, 3, 16, 96, 1, 1, "SAME", "first"),
+    ("c1", "c0", 3, 3, 96, 96, 1, 1, "SAME", "SAME"),                  # SAME again
+    ("c2", "c1", 2, 2, 96, 192, 1, 1, "SAME", "EXPLICIT"),             # even: (1, 0)
+    ("c3", "c2", 3, 3, 192, 64, 1, 1, [[0, 0], [2, 0], [1, 2], [0, 0]], "EXPLICIT"),
+    ("c4", "c3", 3, 3, 64, 128, 2, 1, "SAME", None),                   # a stride
+    ("c5", "c4", 1, 1, 128, 8, 1, 1, "SAME", None),                    # a small filter
+    ("c6", "c5", 3, 3, 8, 1024, 1, 1, "SAME", None),                   # thin Cin
+    ("c7", "y", 3, 3, 16, 32, 1, 1, "SAME", "first"),
+    ("c8", "c7", 3, 3, 32, 256, 1, 1, "SAME", None),                   # Cin < Cout/2, P 81
+    ("c9", "v", 3, 3, 16, 32, 1, 1, "SAME", "first"),
+    ("c10", "c9", 3, 3, 32, 256, 1, 1, "VALID", "EXPLICIT"),           # Cin < Cout/2, P 4
+)
+FORWARD_INPUTS = {"x": [3, 4, 16], "y": [9, 9, 16], "v": [4, 4, 16]}
+# dense layers after c10 ([B, 1024]): (W's shape, transpose_b); the input gradient of
+# the first two (A W, min(d, n) >= TURNED_MIN_SIDE) is (W dZ^T)^T, of the third dZ W;
+# the second's outer products (MUL_MIN_COLUMNS columns) are one broadcast Mul
+DENSE_CHAIN = (([1024, 256], False), ([256, LONG], False), ([300, LONG], True))
+
+
+def check_forward_form(batch=3, seed=21):
+    """Per-example gradients through FORWARD_CONVS and DENSE_CHAIN against the loop, with
+    the conv rule's oneDNN setting off: each input gradient between them is the forward
+    Conv2D or Conv2DBackpropInput the table says (op counts of the build); with it on,
+    every one is Conv2DBackpropInput; the dense layers' input gradients as DENSE_CHAIN
+    says (oneDNN off). Builds its own graph and session (also run under
+    disable_v2_behavior() by tests/scripts/vgg_paths_legacy.py)."""
+    rng = np.random.default_rng(seed)
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
+        feed, tensors, weights, ops = {}, {}, [], {}
+        for name, shape in FORWARD_INPUTS.items():
+            tensors[name] = tf.compat.v1.placeholder(tf.float32, [None] + shape, name=name)
+            feed[tensors[name]] = rng.normal(size=[batch] + shape).astype("float32")
+        for name, source, kh, kw, c_in, c_out, stride, dilation, padding, _ in FORWARD_CONVS:
+            scale = 1.0 / np.sqrt(kh * kw * c_in)
+            weights.append(tf.compat.v1.Variable(
+                rng.normal(0, scale, [kh, kw, c_in, c_out]).astype("float32"), name=name))
+            z = tf.nn.conv2d(tensors[source], weights[-1], stride, padding, dilations=dilation)
+            ops[name] = z.op
+            tensors[name] = tf.tanh(z)
+        dense = tf.reshape(tensors["c10"], [-1, 2 * 2 * 256])                 # [B, 1024]
+        for shape, transposed in DENSE_CHAIN:
+            weights.append(tf.compat.v1.Variable(
+                rng.normal(0, 1 / np.sqrt(shape[1 - transposed]), shape).astype("float32")))
+            dense = tf.tanh(tf.matmul(dense, weights[-1], transpose_b=transposed))
+        ys = (tf.reduce_mean(tensors["c6"] ** 2, axis=[1, 2, 3])
+              + tf.reduce_mean(tf.sin(tensors["c8"]), axis=[1, 2, 3])
+              + tf.reduce_mean(dense ** 2, axis=1))                     # [B]
+        for name, *_, form in FORWARD_CONVS:
+            taken = _input_gradients.forward_padding(ops[name]) is not None
+            assert taken == (form not in (None, "first")), (name, form)
+        in_between = [row for row in FORWARD_CONVS if row[-1] != "first"]
+        grads = {}
+        for onednn in (False, True):
+            rules = pertower.rules.default_registry()
+            rules.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions(onednn=onednn)))
+            before = len(graph.get_operations())
+            grads[onednn] = pertower.per_example_gradients(ys, weights, rules=rules)
+            built = graph.get_operations()[before:]
+            counts = collections.Counter(op.type for op in built)
+            forward = sorted(op.get_attr("padding").decode() for op in built
+                             if op.type == "Conv2D")
+            if onednn:
+                assert (forward, counts["Conv2DBackpropInput"]) == ([], len(in_between)), counts
+            else:
+                assert forward == sorted(row[-1] for row in in_between if row[-1]), forward
+                assert counts["Conv2DBackpropInput"] == sum(
+                    row[-1] is None for row in in_between), counts
+            assert [op for op in built if op.type == "Mul"
+                    and op.outputs[0].shape.as_list()[1:] == [256, LONG]], "no outer product"
+            matmuls = [op for op in built if op.type == "MatMul"]
+            turned = [op for op in matmuls if not op.get_attr("grad_a")]
+            if not conv2d.onednn_enabled():
+                assert (len(turned), len(matmuls)) == (2, 3), matmuls
+                assert all(op.inputs[0].op.type != "MatMul" and op.get_attr("transpose_b")
+                           and op.outputs[0].consumers()[0].type == "Transpose"
+                           for op in turned), turned
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run(grads[False], feed)
+        want = oracle.loop_per_example_gradients(sess, ys, weights, feed)
+    assert all(np.abs(w).max() > 0 for w in want)
+    common.assert_all_close(got, want, what="forward-form input gradients", kind="deep")
+
+
+def test_input_gradients_as_forward_convolutions():
+    """The forward form of the input gradients: where it is taken (padding SAME, an even
+    filter's, an explicit one's and VALID's EXPLICIT), where not (a stride, a small
+    filter, thin Cin, Cin < Cout/2 at many positions), oneDNN, the loop."""
+    check_forward_form()
+
+
+def test_dilated_input_gradients_as_forward_convolutions():
+    """A dilated convolution's forward form (TensorFlow's CPU gradients without oneDNN
+    refuse dilations, so no loop): against the gradient of the same convolution with
+    the dilated filter written out (zeros between the taps), SAME and explicit."""
+    rng = np.random.default_rng(22)
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        for padding in ("SAME", [[0, 0], [3, 1], [0, 2], [0, 0]]):
+            x = tf.constant(rng.normal(size=[2, 6, 7, 16]).astype("float32"))
+            w = rng.normal(0, 0.02, size=[3, 3, 16, 512]).astype("float32")
+            z = tf.nn.conv2d(x, w, 1, padding, dilations=2)
+            pads = _input_gradients.forward_padding(z.op)
+            assert pads is not None
+            dz = tf.constant(rng.normal(size=z.shape.as_list()).astype("float32"))
+            got = _input_gradients.as_forward_convolution(
+                z.op, dz, pads)
+            written = np.zeros([5, 5, 16, 512], "float32")
+            written[::2, ::2] = w
+            plain = tf.nn.conv2d(x, written, 1, padding)
+            assert plain.shape.as_list() == z.shape.as_list()
+            want = tf.gradients(plain, x, dz)[0]
+            common.assert_all_close(sess.run([got]), sess.run([want]), kind="deep",
+                                    what=f"dilated forward form, {padding}")
+
+
+@pytest.mark.process_checks("vgg_paths_legacy")
+def test_vgg_paths_under_disable_v2_behavior(processes):
+    """`check_forward_form` (with its dense layer of MUL_MIN_COLUMNS outputs: the
+    broadcast-Mul outer products) under tf.compat.v1.disable_v2_behavior()."""
+    processes.assert_passed("vgg_paths_legacy", "check_vgg_paths_legacy")

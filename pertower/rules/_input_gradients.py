@@ -17,7 +17,14 @@ While the pass is built (`input_side_only`), each such op gets a gradient functi
 builds its A's gradient only, the same op with the same attributes as the registered
 gradient builds for A (TensorFlow's `_Conv2DGrad`, `_DepthwiseConv2dNativeGrad`,
 `_MatMulGradAgainstFirstOnly`, `_BiasAddGrad`), and None for W, which
-`tf.gradients` leaves out as it would the unread result. An op is handled only when: its
+`tf.gradients` leaves out as it would the unread result. A stride-1 Conv2D with a large
+filter (`forward_padding`; oneDNN off) instead gets its input's gradient as ONE forward
+Conv2D of dZ with the filter turned (`as_forward_convolution`): TensorFlow's CPU
+Conv2DBackpropInput without oneDNN runs 4-11x slower than that on small images with
+many channels (VGG16's blocks 4-5 at 32x32 inputs: 4x4 and 2x2 positions, 512
+channels). A MatMul A W with one row per example and a large W (`_turned_matmul`)
+takes dZ W^T as (W dZ^T)^T: TensorFlow's MatMul with transpose_b on few rows runs up
+to 14x slower (VGG16's fc2: 4096 x 4096 at B = 16). An op is handled only when: its
 type and W's slot are in `_ONE_SIDED` (a MatMul: A not transposed); it is in the graph
 of `ys` (not in a function or loop body); its gradient is TensorFlow's registered one
 (no `_gradient_op_type` override, no gradient function of its own); its dtype is real;
@@ -29,16 +36,43 @@ through the same ops meanwhile would see them too.
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 
 from pertower.rules import _loop_uses
+from pertower.rules import _shapes
+from pertower.rules import conv2d
 
-__all__ = ["input_side_only", "one_sided_ops"]
+__all__ = ["FORWARD_MIN_CHANNELS", "FORWARD_MIN_FILTER", "FORWARD_FEW_POSITIONS",
+           "TURNED_MIN_SIDE", "forward_padding", "as_forward_convolution", "input_side_only",
+           "one_sided_ops"]
+
+# A stride-1 Conv2D's input gradient is one forward Conv2D of dZ with the filter turned
+# (`as_forward_convolution`) when the filter has at least FORWARD_MIN_FILTER numbers,
+# Cin >= FORWARD_MIN_CHANNELS and Cin >= Cout / 2 or P <= FORWARD_FEW_POSITIONS output
+# positions; else TensorFlow's Conv2DBackpropInput. Measured (2-core CPU, TF 2.21
+# without oneDNN, float32, B = 16, SAME, one thread, CPU ms of the one op,
+# Conv2DBackpropInput -> the forward form with its filter turn): 3x3, 512 -> 512 at 1x1,
+# 2x2, 4x4, 8x8: 141 -> 21, 299 -> 26, 315 -> 41, 368 -> 113; 256 -> 512 at 4x4: 155
+# -> 18; 128 -> 128 at 2x2, 8x8, 32x32: 4.9 -> 1.6, 9.9 -> 7.6, 96 -> 85; 256 -> 64 at
+# 32x32: 102 -> 72; 1x1, 512 -> 512 at 4x4: 20 -> 5.7. The forward form is slower with
+# thin Cin (3 -> 64 at 32x32: 3.1 -> 6.7) and with Cin < Cout / 2 at many positions
+# (64 -> 256 at 16x16, 32x32: 28 -> 32, 88 -> 98; at 8x8: 9.2 -> 6.7); below 2^16
+# filter numbers the two are within noise of each other (64 -> 64 3x3: 0.8-1.2x).
+FORWARD_MIN_FILTER = 1 << 16
+FORWARD_MIN_CHANNELS = 16
+FORWARD_FEW_POSITIONS = 64
+# A MatMul A W with one row per example and both sides of W at least this long takes its
+# input gradient as (W dZ^T)^T (`_turned_matmul`).
+TURNED_MIN_SIDE = 256
 
 
-def _conv2d(op, grad):
-    """Conv2D: the input's gradient (`_Conv2DGrad`'s first output)."""
+def _conv2d(op, grad, pads=None):
+    """Conv2D: the input's gradient (`_Conv2DGrad`'s first output): with `pads` (from
+    `forward_padding`) a forward convolution of dZ, else Conv2DBackpropInput."""
+    if pads is not None:
+        return [as_forward_convolution(op, grad, pads), None]
     return [tf.raw_ops.Conv2DBackpropInput(
         input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1], out_backprop=grad,
         dilations=op.get_attr("dilations"),
@@ -46,6 +80,74 @@ def _conv2d(op, grad):
         explicit_paddings=op.get_attr("explicit_paddings"),
         use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
         data_format=op.get_attr("data_format")), None]
+
+
+def forward_padding(op):
+    """[(top, bottom), (left, right)]: the padding of dZ for which the input gradient
+    of the Conv2D `op` is a forward convolution (`as_forward_convolution`), or None
+    when that form is not taken: a stride > 1, channel groups, NCHW, heights or widths
+    not static, or where TensorFlow's kernel is measured no slower (thin or few input
+    channels for the outputs at many positions, a small filter: `FORWARD_MIN_FILTER`)."""
+    if (op.get_attr("data_format") != b"NHWC" or list(op.get_attr("strides")) != [1] * 4
+            or not op.inputs[1].shape.is_fully_defined()):
+        return None
+    kh, kw, c_in, c_out = op.inputs[1].shape.as_list()
+    x_shape, z_shape = op.inputs[0].shape, op.outputs[0].shape
+    if (x_shape.rank != 4 or z_shape.rank != 4
+            or tf.compat.dimension_value(x_shape[-1]) != c_in
+            or c_in < FORWARD_MIN_CHANNELS or kh * kw * c_in * c_out < FORWARD_MIN_FILTER):
+        return None
+    sizes = [tf.compat.dimension_value(x_shape[i]) for i in (1, 2)]
+    outputs = [tf.compat.dimension_value(z_shape[i]) for i in (1, 2)]
+    if None in sizes + outputs or (2 * c_in < c_out and
+                                   outputs[0] * outputs[1] > FORWARD_FEW_POSITIONS):
+        return None
+    dilations = list(op.get_attr("dilations"))
+    padding = op.get_attr("padding").decode()
+    pads = []
+    for axis, (size, out, k) in enumerate(zip(sizes, outputs, (kh, kw))):
+        span = (k - 1) * dilations[axis + 1]
+        if padding == "VALID":
+            before = 0
+        elif padding == "SAME":
+            before = max(out - 1 + span + 1 - size, 0) // 2
+        else:
+            before = op.get_attr("explicit_paddings")[2 * axis + 2]
+        after = out - 1 + span - (size - 1) - before     # the input's padding after
+        if not 0 <= before <= span or not 0 <= after <= span:
+            return None
+        pads.append((span - before, span - after))
+    return pads
+
+
+def as_forward_convolution(op, grad, pads):
+    """dX for the stride-1 Conv2D `op` (x [N, H, W, Cin], W [kh, kw, Cin, Cout], input
+    padding (t, b), (l, r), dilation d): with every z[n, i, j] = sum_{u,v,c}
+    x[n, i + u*d - t, j + v*d - l, c] W[u, v, c, o] (x zero outside), dX[n, a, b, c] =
+    sum_{u,v,o} dz[n, a + t - u*d, b + l - v*d, o] W[u, v, c, o]: a stride-1
+    convolution of dZ, padded by ((kh-1)*d - t, (kh-1)*d - b) and ((kw-1)*d - l,
+    (kw-1)*d - r), with the filter turned (W[kh-1-u, kw-1-v, c, o] as [kh, kw, Cout,
+    Cin]), the op's dilations. The same op type as `op` (any dtype and dilation it runs
+    with), 2 more ops for the filter (a reverse, a transpose)."""
+    w = op.inputs[1]
+    kh, kw = w.shape.as_list()[:2]
+    if kh * kw > 1:
+        w = tf.reverse(w, _shapes.constant([0, 1]))
+    w = tf.transpose(w, _shapes.constant([0, 1, 3, 2]))           # [kh, kw, Cout, Cin]
+    (top, bottom), (left, right) = pads
+    same = [(span // 2, span - span // 2) for span in
+            ((kh - 1) * op.get_attr("dilations")[1], (kw - 1) * op.get_attr("dilations")[2])]
+    if pads == [(0, 0), (0, 0)]:
+        padding, explicit = "VALID", []
+    elif pads == same:
+        padding, explicit = "SAME", []
+    else:
+        padding, explicit = "EXPLICIT", [0, 0, top, bottom, left, right, 0, 0]
+    return tf.raw_ops.Conv2D(input=grad, filter=w, strides=[1, 1, 1, 1], padding=padding,
+                             explicit_paddings=explicit,
+                             dilations=op.get_attr("dilations"),
+                             use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
+                             data_format="NHWC")
 
 
 def _depthwise(op, grad):
@@ -64,11 +166,34 @@ def _bias_add(_, grad):
     return [grad, None]
 
 
-def _matmul(op, grad):
+def _matmul(op, grad, turned=False):
     """MatMul A W or A W^T (the rule's cases: A not transposed): A's gradient only,
-    dZ W^T or dZ W (`_MatMulGradAgainstFirstOnly`)."""
+    dZ W^T or dZ W (`_MatMulGradAgainstFirstOnly`); `turned` (for A W, see
+    `_turned_matmul`): dZ W^T as (W dZ^T)^T."""
+    if turned:
+        return [tf.transpose(tf.raw_ops.MatMul(a=op.inputs[1], b=grad, transpose_b=True)),
+                None]
     return [tf.raw_ops.MatMul(a=grad, b=op.inputs[1],
                               transpose_b=not op.get_attr("transpose_b"), grad_a=True), None]
+
+
+def _turned_matmul(use):
+    """Whether the MatMul `use` (A W, W [d, n]) takes dA = dZ W^T as (W dZ^T)^T, a
+    MatMul of W as it is stored and a transpose of the small [d, B] result: with one row
+    per example (k = 1) and min(d, n) >= `TURNED_MIN_SIDE`. TensorFlow's CPU MatMul
+    with transpose_b on few rows runs far below the other's speed (2-core CPU, TF 2.21
+    without oneDNN, float32, one thread, CPU ms, dZ W^T -> (W dZ^T)^T, B rows: d = n =
+    4096: B = 4: 183 -> 12, B = 16: 201 -> 15, B = 128: 306 -> 70, B = 1024: 658 -> 529;
+    d = 512, n = 4096, B = 16: 12.0 -> 2.1; d = n = 256, B = 16: 0.26 -> 0.16; with a
+    thin side it is slower: d = 4096, n = 10, B = 128: 0.75 -> 1.36; and at many rows
+    (B = 1024, d = n = 256: 2.1 -> 3.0). Not measured with oneDNN's kernels: not taken
+    when they are on."""
+    k = getattr(use.rows, "k", None)
+    if (use.op.get_attr("transpose_b") or not (isinstance(k, int) and k == 1)
+            or conv2d.onednn_enabled()):
+        return False
+    return (use.weight_shape.is_fully_defined()
+            and min(use.weight_shape.as_list()) >= TURNED_MIN_SIDE)
 
 
 # (op type, W's input slot) -> the gradient function of the other input alone
@@ -105,8 +230,25 @@ def one_sided_ops(plan, indices):
                     or not _has_registered_gradient(op)
                     or (op.type == "MatMul" and op.get_attr("transpose_a"))):
                 continue
+            if op.type == "Conv2D":
+                function = _with_forward_form(use)
+            elif op.type == "MatMul" and _turned_matmul(use):
+                function = functools.partial(_matmul, turned=True)
             found[op] = function
     return found
+
+
+def _with_forward_form(use):
+    """The gradient function of the Conv2D `use`: its input's gradient as a forward
+    convolution where `forward_padding` gives one and TensorFlow's oneDNN kernels are
+    off (with them on, its Conv2DBackpropInput is as fast as the forward form: 4x4,
+    512 -> 512, 3x3: 32 vs 36 CPU ms; 2x2: 13 vs 19), else Conv2DBackpropInput. The
+    oneDNN setting is the rule's (`ConvOptions.onednn`), else TensorFlow's."""
+    onednn = getattr(getattr(use.rule, "options", None), "onednn", None)
+    if onednn is None:
+        onednn = conv2d.onednn_enabled()
+    pads = None if onednn else forward_padding(use.op)
+    return functools.partial(_conv2d, pads=pads)
 
 
 @contextlib.contextmanager

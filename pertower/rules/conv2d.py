@@ -138,7 +138,9 @@ class ConvOptions:
       grouped_threshold: "auto" picks "grouped" (where it runs and Cin >=
         `thin_channels`) when P*k^2/sqrt(Cin*Cout) is at least this, else "shifts".
       onednn: whether TensorFlow's oneDNN CPU kernels (which run grouped and dilated
-        depthwise convolutions) are on; None asks TensorFlow (`onednn_enabled`).
+        depthwise convolutions) are on; None asks TensorFlow (`onednn_enabled`). With
+        them off, the backward pass to dZ takes a stride-1 convolution's input gradient
+        as a forward convolution where that runs faster (`rules._input_gradients`).
       thin_channels: below this many input channels "auto" does not pick "grouped",
         and "shifts" stacks the taps into one matmul.
       few_positions: below this many output positions per image "shifts" stacks the
