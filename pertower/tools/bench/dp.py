@@ -26,6 +26,7 @@ the draw's cost as the step sees it (noisier: the difference of two whole steps)
 """
 
 import dataclasses
+import re
 import resource
 import statistics
 
@@ -58,6 +59,8 @@ DRAWS_PER_RUN = 10
 # rows printed to 0.01 ms: draws of 57 k numbers take tenths of a millisecond, where one
 # decimal would round their ratio to torch's by up to a third
 FINE_ROWS = ("noise draw", PHILOX_UNIFORMS, TORCH_NOISE, SESSION_OVERHEAD)
+# a cluster's row ("2 workers: dp step", "2 workers CPU: plain step"): its prefix up to ": "
+_CLUSTER = re.compile(r"\d+ workers( CPU)?: ")
 
 
 @dataclasses.dataclass
@@ -199,7 +202,7 @@ def format_dp_table(entries):
     """The DP rows as text: the median minor page faults of a run ("faults"; of a draw
     for "noise draw"), the median ms (the draws and the sess.run overhead, FINE_ROWS, to
     0.01 ms) and its ratio to the plain step of the same run (a cluster's rows,
-    "W workers: ...", to its "W workers: plain step");
+    "W workers: ..." and "W workers CPU: ...", to their own plain step, `plain_ratios`);
     after each model's rows, when it has a plain step, a DP step and a noise draw, the
     row "dp − plain − noise" (the first DP step's median minus the other two)."""
     plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
@@ -222,13 +225,14 @@ def format_dp_table(entries):
 
 def plain_ratios(entries):
     """Each entry's median ms divided by its plain step's (the same model and B; a
-    cluster's rows, "W workers: ...", by its "W workers: plain step"), None where either
-    is missing: the "x plain" column and the JSON's "x_plain"."""
+    cluster's rows, "W workers: ..." or "W workers CPU: ...", by its own plain step,
+    "W workers: plain step" or "W workers CPU: plain step"), None where either is
+    missing: the "x plain" column and the JSON's "x_plain"."""
     plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
              if e.name.endswith("plain step")}
     ratios = []
     for e in entries:
-        cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
+        cluster = e.name.split(": ")[0] + ": " if _CLUSTER.match(e.name) else ""
         base = plain.get((e.model, e.batch_size, cluster + "plain step"))
         ratios.append(e.median_ms / base if base and e.median_ms is not None else None)
     return ratios
