@@ -17,7 +17,7 @@ def test_the_cpu_margin_row_is_dp_minus_plain_minus_noise_of_the_cpu_medians():
             dp.DPEntry("cifar", 8, "2 workers CPU: plain step", runs_ms=[9.0]),
             dp.DPEntry("cifar", 8, "2 workers CPU: dp step", runs_ms=[12.0])]
     lines = dp.format_dp_table(rows).splitlines()
-    assert lines[0].split()[-5:] == ["faults", "cpu", "ms", "ms", "x"], lines[0]
+    assert lines[0].split()[-6:] == ["faults", "cpu", "ms", "ms", "x", "plain"], lines[0]
     wall = [line for line in lines if "dp − plain − noise" in line and "CPU" not in line]
     cpu = [line for line in lines if "dp − plain − noise, CPU" in line]
     # wall: 16 - 10 - 1 = 5 ms, 0.50 of the plain step; CPU: 11 - 8 - 0.5 = 2.5, 0.31
