@@ -40,7 +40,8 @@ def test_without_cpu_times_there_is_no_cpu_margin_row():
 
 def test_a_counted_run_records_its_cpu_ms_and_faults():
     row = dp.DPEntry("mlp", 8, "plain step")
-    counted = dp._counted(lambda: sum(i * i for i in range(200_000)), row)  # pylint: disable=protected-access
+    work = lambda: sum(i * i for i in range(200_000))  # noqa: E731
+    counted = dp._counted(work, row)  # pylint: disable=protected-access
     counted()
     counted()
     assert len(row.cpu_ms) == 2 and len(row.faults) == 2
