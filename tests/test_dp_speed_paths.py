@@ -274,7 +274,9 @@ def test_the_two_worker_rows_time_every_worker_s_steps():
     from pertower.tools.bench import dp_workers  # pylint: disable=import-outside-toplevel
     lines = []
     entries = dp_workers.run_worker_bench(["mlp"], {"mlp": 4}, steps=4, report=lines.append)
-    assert [e.name for e in entries] == ["2 workers: plain step", "2 workers: dp step"], lines
-    # two workers, each timing its steps after the warm-up
+    assert [e.name for e in entries] == ["2 workers: plain step", "2 workers: dp step",
+                                         "2 workers CPU: plain step",
+                                         "2 workers CPU: dp step"], lines
+    # two workers, each timing its steps (wall and CPU) after the warm-up
     assert all(len(e.runs_ms) == 2 * (4 - dp_workers.WARM_UP_STEPS) for e in entries), lines
     assert all(t > 0 for e in entries for t in e.runs_ms)

@@ -59,12 +59,12 @@ def test_the_bench_prints_the_draw_rows_to_a_hundredth_of_a_millisecond():
             dp.DPEntry("cifar", 8, dp.SESSION_OVERHEAD, runs_ms=[0.123]),
             dp.DPEntry("cifar", 8, "noise draw", runs_ms=[0.64, 0.66], faults=[0, 2, 30]),
             dp.DPEntry("cifar", 8, dp.TORCH_NOISE, runs_ms=[0.347])]
-    # the columns (model, B, step, faults, ms, x plain) are two or more spaces apart
+    # the columns (model, B, step, faults, cpu ms, ms, x plain) are two or more spaces apart
     lines = [re.split(r"\s{2,}", line.strip())
              for line in dp.format_dp_table(rows).splitlines()[2:]]
 
     def cells(name):
-        found = [line[4:] for line in lines if line[2] == name]
+        found = [line[5:] for line in lines if line[2] == name]
         assert len(found) == 1, lines
         return found[0]
     assert cells("dp step[auto]") == ["60.0", "1.20"]
@@ -82,13 +82,13 @@ def test_the_bench_counts_the_page_faults_of_each_run():
     fresh pages of a new mapping faults at least once per page."""
     import mmap  # pylint: disable=import-outside-toplevel
     from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
-    faults, pages = [], 64
+    row, pages = dp.DPEntry("mlp", 8, "plain step"), 64
 
     def touch():
         with mmap.mmap(-1, pages * mmap.PAGESIZE) as memory:
             for page in range(pages):
                 memory[page * mmap.PAGESIZE] = 1
-    run = dp._counted(touch, faults)   # pylint: disable=protected-access
+    run = dp._counted(touch, row)   # pylint: disable=protected-access
     run()
     run()
-    assert len(faults) == 2 and min(faults) >= pages, faults
+    assert len(row.faults) == 2 and min(row.faults) >= pages, row.faults

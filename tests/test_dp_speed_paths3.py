@@ -160,14 +160,17 @@ def test_the_two_worker_rows_alternate_and_carry_their_ratio_to_plain(monkeypatc
 
     def launch(model, B, steps, plain, python):
         calls.append("plain" if plain else "dp")
-        return [40.0 + len(calls)] if plain else [60.0 + len(calls)]
+        n = len(calls)
+        return ([40.0 + n], [20.0 + n]) if plain else ([60.0 + n], [30.0 + n])
     monkeypatch.setattr(dp_workers, "_launch", launch)
     entries = dp_workers.run_worker_bench(["mlp"], {"mlp": 8}, report=lambda line: None,
                                           rounds=2)
     assert calls == ["plain", "dp", "plain", "dp"]
     assert [(e.name, e.runs_ms) for e in entries] == [
-        ("2 workers: plain step", [41.0, 43.0]), ("2 workers: dp step", [62.0, 64.0])]
+        ("2 workers: plain step", [41.0, 43.0]), ("2 workers: dp step", [62.0, 64.0]),
+        ("2 workers CPU: plain step", [21.0, 23.0]), ("2 workers CPU: dp step", [32.0, 34.0])]
     rows = [dp.DPEntry("mlp", 8, "plain step", runs_ms=[10.0]),
             dp.DPEntry("mlp", 8, "dp step[auto]", runs_ms=[15.0]),
             dp.DPEntry("mlp", 8, dp.PHILOX_UNIFORMS, runs_ms=[0.5])] + entries
-    assert dp.plain_ratios(rows) == pytest.approx([1.0, 1.5, 0.05, 1.0, 63.0 / 42.0])
+    assert dp.plain_ratios(rows) == pytest.approx(
+        [1.0, 1.5, 0.05, 1.0, 63.0 / 42.0, 1.0, 33.0 / 22.0])

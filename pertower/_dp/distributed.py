@@ -280,9 +280,11 @@ class DPSyncReplicasOptimizer:
         # The chief's queue runner waits in the accumulators' take; closing the session
         # cancels it, which TF's runner reports as an error in its thread: end quietly.
         runner = self._sync.get_chief_queue_runner()
-        self._sync._chief_queue_runner = tf.compat.v1.train.QueueRunner(  # pylint: disable=protected-access
-            runner.queue, runner.enqueue_ops, queue_closed_exception_types=(
-                tf.errors.OutOfRangeError, tf.errors.CancelledError))
+        quiet = tf.compat.v1.train.QueueRunner(runner.queue, runner.enqueue_ops,
+                                               queue_closed_exception_types=(
+                                                   tf.errors.OutOfRangeError,
+                                                   tf.errors.CancelledError))
+        self._sync._chief_queue_runner = quiet  # pylint: disable=protected-access
         return train_op
 
     def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,

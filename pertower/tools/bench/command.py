@@ -271,10 +271,13 @@ def _run_dp_rows(args, repeats, report):
     report(dp.format_dp_table(dp_entries))
     report("ms: median per training step (one sess.run of the training op), round-robin; "
            "x plain: divided by the plain SGD step's ms in the same run; faults: the "
-           "process's median minor page faults per run (memory mapped again).")
+           "process's median minor page faults per run (memory mapped again); cpu ms: the "
+           "process's median CPU ms per run, all threads (\"dp − plain − noise, CPU\": "
+           "its x plain is of the plain step's CPU ms).")
     return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
              "median_ms": e.median_ms, "x_plain": ratio, "runs_ms": e.runs_ms,
-             "median_faults": e.median_faults}
+             "median_faults": e.median_faults, "median_cpu_ms": e.median_cpu_ms,
+             "cpu_ms": e.cpu_ms}
             for e, ratio in zip(dp_entries, dp.plain_ratios(dp_entries))]
 
 

@@ -26,8 +26,10 @@ the draw's cost as the step sees it (noisier: the difference of two whole steps)
 """
 
 import dataclasses
+import re
 import resource
 import statistics
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -58,19 +60,24 @@ DRAWS_PER_RUN = 10
 # rows printed to 0.01 ms: draws of 57 k numbers take tenths of a millisecond, where one
 # decimal would round their ratio to torch's by up to a third
 FINE_ROWS = ("noise draw", PHILOX_UNIFORMS, TORCH_NOISE, SESSION_OVERHEAD)
+# a cluster's row ("2 workers: dp step", "2 workers CPU: plain step"): its prefix up to ": "
+_CLUSTER = re.compile(r"\d+ workers( CPU)?: ")
 
 
 @dataclasses.dataclass
 class DPEntry:
-    """One DP row: the median ms of a "plain step" and a "dp step[method]", and the
-    process's minor page faults per run (`faults`: memory the allocator handed back to
-    the system and touched again; empty when not counted)."""
+    """One DP row: the median ms of a "plain step" and a "dp step[method]", the
+    process's CPU ms per run (`cpu_ms`, all its threads: steadier than the wall time on
+    a loaded machine) and its minor page faults per run (`faults`: memory the allocator
+    handed back to the system and touched again); `cpu_ms` and `faults` empty when not
+    counted."""
 
     model: str
     batch_size: int
     name: str
     runs_ms: list = dataclasses.field(default_factory=list)
     faults: list = dataclasses.field(default_factory=list)
+    cpu_ms: list = dataclasses.field(default_factory=list)
 
     @property
     def median_ms(self):
@@ -79,6 +86,10 @@ class DPEntry:
     @property
     def median_faults(self):
         return statistics.median(self.faults) if self.faults else None
+
+    @property
+    def median_cpu_ms(self):
+        return statistics.median(self.cpu_ms) if self.cpu_ms else None
 
 
 def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
@@ -144,24 +155,28 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 for _, op in steps:
                     sess.run(op, model.feed)                     # warm-up
                 times = timing.round_robin(
-                    [(_counted(lambda op=op: sess.run(op, model.feed), row.faults), repeats)
+                    [(_counted(lambda op=op: sess.run(op, model.feed), row), repeats)
                      for row, (_, op) in zip(rows, steps)])
                 for row, seconds in zip(rows, times):
                     per = DRAWS_PER_RUN if row.name in ("noise draw", PHILOX_UNIFORMS) else 1
                     row.runs_ms.extend(1e3 * t / per for t in seconds)
                     row.faults[:] = [f / per for f in row.faults]
+                    row.cpu_ms[:] = [c / per for c in row.cpu_ms]
                 entries += rows
             if noise_python:
                 entries.append(_torch_noise(model_name, B, P, repeats, noise_python, report))
     return entries
 
 
-def _counted(run, faults):
-    """`run` that appends the process's minor page faults during each call to `faults`."""
+def _counted(run, row):
+    """`run` that appends the process's minor page faults and CPU ms during each call to
+    `row.faults` and `row.cpu_ms`."""
     def counted():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.process_time()
         run()
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        row.cpu_ms.append(1e3 * (time.process_time() - start))
+        row.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return counted
 
 
@@ -197,11 +212,14 @@ def _torch_noise(model_name, B, P, repeats, python, report):
 
 def format_dp_table(entries):
     """The DP rows as text: the median minor page faults of a run ("faults"; of a draw
-    for "noise draw"), the median ms (the draws and the sess.run overhead, FINE_ROWS, to
-    0.01 ms) and its ratio to the plain step of the same run (a cluster's rows,
-    "W workers: ...", to its "W workers: plain step");
+    for "noise draw"), the process's median CPU ms ("cpu ms"), the median ms (the draws
+    and the sess.run overhead, FINE_ROWS, to 0.01 ms) and its ratio to the plain step of
+    the same run (a cluster's rows, "W workers: ..." and "W workers CPU: ...", to their
+    own plain step, `plain_ratios`);
     after each model's rows, when it has a plain step, a DP step and a noise draw, the
-    row "dp − plain − noise" (the first DP step's median minus the other two)."""
+    row "dp − plain − noise" (the first DP step's median minus the other two) and the
+    same in CPU ms, "dp − plain − noise, CPU" (its "x plain" of the plain step's CPU
+    ms)."""
     plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
              if e.name.endswith("plain step")}
     rows, done = [], set()
@@ -209,6 +227,7 @@ def format_dp_table(entries):
         key = (e.model, e.batch_size)
         digits = ".2f" if e.name in FINE_ROWS else ".1f"
         rows.append((e.model, str(e.batch_size), e.name, report_lib.cell(e.median_faults, ".0f"),
+                     report_lib.cell(e.median_cpu_ms, digits),
                      report_lib.cell(e.median_ms, digits), report_lib.cell(ratio, ".2f")))
         last = j + 1 == len(entries) or (entries[j + 1].model,
                                          entries[j + 1].batch_size) != key
@@ -217,26 +236,29 @@ def format_dp_table(entries):
             rows += _overhead_row(key, [f for f in entries
                                         if (f.model, f.batch_size) == key],
                                   plain.get(key + ("plain step",)))
-    return timing.format_table(("model", "B", "step", "faults", "ms", "x plain"), rows)
+    return timing.format_table(("model", "B", "step", "faults", "cpu ms", "ms", "x plain"),
+                               rows)
 
 
 def plain_ratios(entries):
     """Each entry's median ms divided by its plain step's (the same model and B; a
-    cluster's rows, "W workers: ...", by its "W workers: plain step"), None where either
-    is missing: the "x plain" column and the JSON's "x_plain"."""
+    cluster's rows, "W workers: ..." or "W workers CPU: ...", by its own plain step,
+    "W workers: plain step" or "W workers CPU: plain step"), None where either is
+    missing: the "x plain" column and the JSON's "x_plain"."""
     plain = {(e.model, e.batch_size, e.name): e.median_ms for e in entries
              if e.name.endswith("plain step")}
     ratios = []
     for e in entries:
-        cluster = e.name.split(": ")[0] + ": " if " workers: " in e.name else ""
+        cluster = e.name.split(": ")[0] + ": " if _CLUSTER.match(e.name) else ""
         base = plain.get((e.model, e.batch_size, cluster + "plain step"))
         ratios.append(e.median_ms / base if base and e.median_ms is not None else None)
     return ratios
 
 
 def _overhead_row(key, entries, base):
-    """[("dp − plain − noise", ms, x plain)] for one model's entries (and, with the
-    step without noise, "noise in step (dp − σ=0)"), or []."""
+    """[("dp − plain − noise", ms, x plain)] for one model's entries (and, with CPU
+    times, "dp − plain − noise, CPU"; with the step without noise, "noise in step
+    (dp − σ=0)"), or []."""
     dp_steps = [e for e in entries if e.name.startswith("dp step[") and "σ=0" not in e.name]
     quiet = [e for e in entries if e.name.startswith("dp step[") and "σ=0" in e.name]
     noise = [e for e in entries if e.name == "noise draw"]
@@ -244,10 +266,17 @@ def _overhead_row(key, entries, base):
             and noise[0].median_ms is not None):
         return []
     overhead = dp_steps[0].median_ms - base - noise[0].median_ms
-    rows = [(key[0], str(key[1]), "dp − plain − noise", "-", report_lib.cell(overhead, ".1f"),
-             report_lib.cell(overhead / base, ".2f"))]
+    rows = [(key[0], str(key[1]), "dp − plain − noise", "-", "-",
+             report_lib.cell(overhead, ".1f"), report_lib.cell(overhead / base, ".2f"))]
+    plain_cpu = [e.median_cpu_ms for e in entries if e.name == "plain step"]
+    if plain_cpu and None not in (plain_cpu[0], dp_steps[0].median_cpu_ms,
+                                  noise[0].median_cpu_ms):
+        cpu = dp_steps[0].median_cpu_ms - plain_cpu[0] - noise[0].median_cpu_ms
+        rows.append((key[0], str(key[1]), "dp − plain − noise, CPU", "-",
+                     report_lib.cell(cpu, ".1f"), "-",
+                     report_lib.cell(cpu / plain_cpu[0], ".2f")))
     if quiet and quiet[0].median_ms is not None:
         in_step = dp_steps[0].median_ms - quiet[0].median_ms
-        rows.append((key[0], str(key[1]), "noise in step (dp − σ=0)", "-",
+        rows.append((key[0], str(key[1]), "noise in step (dp − σ=0)", "-", "-",
                      report_lib.cell(in_step, ".1f"), report_lib.cell(in_step / base, ".2f")))
     return rows

@@ -14,11 +14,20 @@ Every worker builds the same graph (between-graph replication, `replica_device_s
 the bench model on B examples and either `tf.compat.v1.train.SyncReplicasOptimizer`
 around SGD ("plain", the mean loss) or `pertower.DPSyncReplicasOptimizer` (C = 1, σ = 1,
 noise added once by the chief). It runs S synchronous steps and prints one JSON object,
-{"task": T, "runs_ms": [...]}, the times of its steps after two warm-up steps. The rows
-are the median over the workers' steps of the plain cluster, then of the DP cluster:
-one after the other (two clusters cannot share the two cores fairly at once), in
-`rounds` alternations (plain, dp, plain, dp, ...) so that a change of the machine's
-load during the run falls on both rows alike.
+{"task": T, "runs_ms": [...], "cpu_ms": [...]}, the wall and the process CPU times of
+its steps after two warm-up steps. The rows are the median over the workers' steps of
+the plain cluster, then of the DP cluster ("W workers: ... step", wall ms; "W workers
+CPU: ... step", the worker process's CPU ms per step): one after the other (two
+clusters cannot share the two cores fairly at once), in `rounds` alternations (plain,
+dp, plain, dp, ...) so that a change of the machine's load during the run falls on both
+rows alike.
+
+Every process of a cluster runs TensorFlow on THREADS threads (intra- and inter-op):
+W workers on a W-core machine, one core each. With TensorFlow's default (a pool as wide
+as the machine per process) the workers oversubscribe the cores, and on a shared
+machine a cluster's wall time follows how many threads it keeps runnable rather than
+its work: the plain CIFAR step (a chain of large convolution kernels) ran ~2x slower in
+wall time than the DP step (many independent ops), though it used ~30% less CPU.
 """
 
 import argparse
@@ -31,9 +40,12 @@ import time
 
 from pertower.tools.bench import peers as peers_lib
 
-__all__ = ["WORKERS", "WARM_UP_STEPS", "ROUNDS", "free_ports", "run_worker_bench", "main"]
+__all__ = ["WORKERS", "THREADS", "WARM_UP_STEPS", "ROUNDS", "free_ports", "run_worker_bench",
+           "main"]
 
 WORKERS = 2
+# TensorFlow threads (intra- and inter-op) of each process of a cluster (module notes)
+THREADS = 1
 WARM_UP_STEPS = 2
 # the alternations of `pertower bench --dp-workers` (`run_worker_bench`'s rounds)
 ROUNDS = 2
@@ -58,8 +70,14 @@ def _cluster(tf, ports):
                                  "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
 
 
+def _config(tf):
+    return tf.compat.v1.ConfigProto(intra_op_parallelism_threads=THREADS,
+                                    inter_op_parallelism_threads=THREADS)
+
+
 def _launch(model, B, steps, plain, python):
-    """Runs one cluster; returns every worker's step times (ms) after the warm-up."""
+    """Runs one cluster; returns (wall, cpu): every worker's step times (ms) after the
+    warm-up, and its process's CPU ms in the same steps."""
     ports = ",".join(map(str, free_ports(WORKERS + 1)))
     common = [python, "-m", "pertower.tools.bench.dp_workers", "--ports", ports,
               "--model", model, "--batch-size", str(B), "--steps", str(steps)]
@@ -71,22 +89,26 @@ def _launch(model, B, steps, plain, python):
         workers = [subprocess.Popen(common + ["--job", "worker", "--task", str(t)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True) for t in range(WORKERS)]
-        runs = []
+        runs, cpu = [], []
         for worker in workers:
             out, err = worker.communicate(timeout=_TIMEOUT_SECONDS)
             lines = out.strip().splitlines()
             if worker.returncode != 0 or not lines:
                 tail = (err.strip().splitlines() or ["no output"])[-1]
                 raise RuntimeError(f"a worker exited with {worker.returncode}: {tail}"[:300])
-            runs.extend(json.loads(lines[-1])["runs_ms"])
-        return runs
+            record = json.loads(lines[-1])
+            runs.extend(record["runs_ms"])
+            cpu.extend(record["cpu_ms"])
+        return runs, cpu
     finally:
         ps.kill()
         ps.wait()
 
 
 def run_worker_bench(models, batch_sizes, steps=12, report=print, python=None, rounds=1):
-    """The rows "W workers: plain step" and "W workers: dp step" per model.
+    """The rows "W workers: plain step" and "W workers: dp step" per model (wall ms per
+    worker step), then "W workers CPU: plain step" and "W workers CPU: dp step" (the
+    worker process's CPU ms per step).
 
     Args:
       models: model names of `pertower.tools.models`.
@@ -107,15 +129,19 @@ def run_worker_bench(models, batch_sizes, steps=12, report=print, python=None, r
         B = batch_sizes[model]
         rows = [dp.DPEntry(model, B, f"{WORKERS} workers: {kind} step")
                 for kind in ("plain", "dp")]
+        cpu_rows = [dp.DPEntry(model, B, f"{WORKERS} workers CPU: {kind} step")
+                    for kind in ("plain", "dp")]
         for _ in range(rounds):
-            for plain, row in zip((True, False), rows):
+            for plain, row, cpu_row in zip((True, False), rows, cpu_rows):
                 report(f"dp {model} B={B}: {row.name} ...")
                 try:
-                    row.runs_ms.extend(_launch(model, B, steps, plain,
-                                               python or sys.executable))
+                    wall, cpu = _launch(model, B, steps, plain, python or sys.executable)
                 except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
                     report(f"dp {model} B={B}: {row.name}: {error}")
-        entries += rows
+                    continue
+                row.runs_ms.extend(wall)
+                cpu_row.runs_ms.extend(cpu)
+        entries += rows + cpu_rows
     return entries
 
 
@@ -129,7 +155,8 @@ def _worker(args):
     from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
 
     spec, task = _cluster(tf, args.ports), args.task
-    server = tf.distribute.Server(spec, job_name="worker", task_index=task)
+    server = tf.distribute.Server(spec, job_name="worker", task_index=task,
+                                  config=_config(tf))
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
             worker_device=f"/job:worker/task:{task}", cluster=spec)):
@@ -151,22 +178,25 @@ def _worker(args):
                                      var_list=model.weights, batch_size=args.batch_size)
             hook = sync.make_session_run_hook(task == 0)
         if task == 0:
-            creator = tf.compat.v1.train.ChiefSessionCreator(master=server.target)
+            creator = tf.compat.v1.train.ChiefSessionCreator(master=server.target,
+                                                             config=_config(tf))
         else:   # poll for the chief's initialization faster than TF's 30 s
             uninitialized = tf.compat.v1.report_uninitialized_variables(
                 tf.compat.v1.global_variables())
-            with tf.compat.v1.Session(server.target) as probe:
+            with tf.compat.v1.Session(server.target, config=_config(tf)) as probe:
                 while len(probe.run(uninitialized)):
                     time.sleep(0.2)
-            creator = tf.compat.v1.train.WorkerSessionCreator(master=server.target)
+            creator = tf.compat.v1.train.WorkerSessionCreator(master=server.target,
+                                                              config=_config(tf))
         sess = tf.compat.v1.train.MonitoredSession(creator, hooks=[hook])
-        runs = []
+        runs, cpu = [], []
         for step in range(args.steps):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             sess.run(train_op, model.feed)
             if step >= WARM_UP_STEPS:
                 runs.append(1e3 * (time.perf_counter() - start))
-    print(json.dumps({"task": task, "runs_ms": runs}), flush=True)
+                cpu.append(1e3 * (time.process_time() - start_cpu))
+    print(json.dumps({"task": task, "runs_ms": runs, "cpu_ms": cpu}), flush=True)
     # the servers (and the plain chief's queue runner) cannot be stopped in-process
     os._exit(0)  # pylint: disable=protected-access
 
@@ -186,7 +216,8 @@ def main(argv=None):
         return _worker(args)
     from pertower.tools import environment  # pylint: disable=import-outside-toplevel
     tf = environment.graph_mode_tensorflow()
-    tf.distribute.Server(_cluster(tf, args.ports), job_name="ps", task_index=0).join()
+    tf.distribute.Server(_cluster(tf, args.ports), job_name="ps", task_index=0,
+                         config=_config(tf)).join()
     return 0
 
 
