@@ -212,7 +212,7 @@ GROUPS = (
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
      "convs_legacy", "curvature_legacy", "never_wrong_shape_legacy",
      "never_wrong_dtype_legacy", "python_gradients_legacy", "recurrent_v1",
-     "curvature_convs_legacy", "zoo_speed_legacy"),
+     "curvature_convs_legacy", "zoo_speed_legacy", "vgg_paths_legacy"),
     # graph mode (disable_eager_execution()), after the fresh members that set it up;
     # the servers of "distributed" and "dp_distributed" live on beside the others'
     # clusters and local sessions
@@ -241,7 +241,7 @@ COSTS = {
     "never_wrong_shape_legacy": 3, "never_wrong_dtype_legacy": 0.3, "curvature_legacy": 14,
     "dp_distributed": 4, "never_wrong_shape_graph": 2, "never_wrong_dtype_graph": 0.2,
     "distributed": 1, "eager": 0.4, "keras3": 4, "convs_onednn": 5,
-    "doc_blocks": 20, "scenario_examples": 5,
+    "doc_blocks": 20, "scenario_examples": 5, "vgg_paths_legacy": 3,
 }
 DEFAULT_COST = 5
 
