@@ -21,7 +21,9 @@ A failure names the block's file and line; the traceback points into the documen
 
 The same process first checks what only a fresh one can (FRESH_PROCESS_CHECK, before any
 block, so that no TensorFlow start-up is spent on it alone): `import pertower` imports
-no TensorFlow and changes no environment variable, and every public name then loads.
+no TensorFlow, pertower's own code writes no environment variable (TensorFlow's import
+sets some of its own: each write is traced to the file that made it), and every public
+name then loads.
 It sets TF_USE_LEGACY_KERAS=1 first, as the blocks do, so the blocks then share a
 process where TensorFlow is imported; their own order (the variable before TensorFlow)
 is checked on their text.
@@ -109,29 +111,55 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 log_level = os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
 sys.modules.setdefault("jax", None)
 before = dict(os.environ)
-import pertower
-assert "tensorflow" not in sys.modules
-assert set(pertower.__all__) <= set(dir(pertower))
-gradients = pertower.per_example_gradients
-from pertower._api.gradients import per_example_gradients
-assert gradients is per_example_gradients
-assert "tensorflow" in sys.modules
-namespace = {}
-exec("from pertower import *", namespace)
-missing = set(pertower.__all__) - set(namespace)
-assert not missing, missing
-assert pertower.oracle.SliceLoop is not None
+writes = []    # (variable, file of the code that wrote it) for every os.environ write
+_environ = type(os.environ)
+_set, _delete = _environ.__setitem__, _environ.__delitem__
+def _writer():
+    frame = sys._getframe(2)
+    while frame.f_code.co_filename.startswith("<frozen") or frame.f_code.co_filename in (
+            os.__file__, getattr(sys.modules.get("_collections_abc"), "__file__", "")):
+        frame = frame.f_back
+    return frame.f_code.co_filename
+def _recording_set(self, key, value):
+    writes.append((key, _writer()))
+    _set(self, key, value)
+def _recording_delete(self, key):
+    writes.append((key, _writer()))
+    _delete(self, key)
+_environ.__setitem__, _environ.__delitem__ = _recording_set, _recording_delete
 try:
-    pertower.no_such_name
-except AttributeError as error:
-    assert "no_such_name" in str(error)
-else:
-    raise AssertionError("no AttributeError")
-assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
-if sys.modules.get("jax", 0) is None:
-    del sys.modules["jax"]
-if log_level is not None:
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = log_level
+    import pertower
+    assert "tensorflow" not in sys.modules
+    assert set(pertower.__all__) <= set(dir(pertower))
+    gradients = pertower.per_example_gradients
+    from pertower._api.gradients import per_example_gradients
+    assert gradients is per_example_gradients
+    assert "tensorflow" in sys.modules
+    namespace = {}
+    exec("from pertower import *", namespace)
+    missing = set(pertower.__all__) - set(namespace)
+    assert not missing, missing
+    assert pertower.oracle.SliceLoop is not None
+    try:
+        pertower.no_such_name
+    except AttributeError as error:
+        assert "no_such_name" in str(error)
+    else:
+        raise AssertionError("no AttributeError")
+    # pertower's own code writes no environment variable (TensorFlow's import may set
+    # its own, such as TF2_BEHAVIOR: those writes come from TensorFlow's files), and
+    # nothing changed the environment unseen
+    package = os.path.dirname(pertower.__file__)
+    assert not [w for w in writes if w[1].startswith(package)], writes
+    changed = {key for key in set(os.environ) | set(before)
+               if os.environ.get(key) != before.get(key)}
+    assert changed <= {key for key, _ in writes}, (changed, writes)
+finally:
+    _environ.__setitem__, _environ.__delitem__ = _set, _delete
+    if sys.modules.get("jax", 0) is None:
+        del sys.modules["jax"]
+    if log_level is not None:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = log_level
 """
 FRESH_PROCESS = "tests/test_docs.py-FRESH_PROCESS_CHECK:1"
 
