@@ -113,6 +113,8 @@ PROCESSES = {
         one_thread=False)
        for kind in ("dtype", "shape") for mode in ("graph", "legacy")},
     "curvature_legacy": _Command((os.path.join(HERE, "scripts", "curvature_legacy_checks.py"),)),
+    "curvature_legacy_heavy": _Command(
+        (os.path.join(HERE, "scripts", "curvature_legacy_checks.py"), "heavy")),
     "curvature_convs_legacy": _Command((os.path.join(HERE, "scripts", "curvature_conv_checks.py"),)),
     "curvature_convs_legacy_heavy": _Command(
         (os.path.join(HERE, "scripts", "curvature_conv_checks.py"), "heavy")),
@@ -238,7 +240,7 @@ COSTS = {
     "weight_functions_legacy": 7, "convs_legacy": 2, "python_gradients_legacy": 5,
     "never_wrong_loops": 5, "tower_sizes": 5, "published_legacy": 4,
     "curvature_convs_legacy": 3, "recurrent_legacy": 4, "dp_modes_legacy": 2,
-    "never_wrong_shape_legacy": 3, "never_wrong_dtype_legacy": 0.3, "curvature_legacy": 14,
+    "never_wrong_shape_legacy": 3, "never_wrong_dtype_legacy": 0.3, "curvature_legacy": 4,
     "dp_distributed": 4, "never_wrong_shape_graph": 2, "never_wrong_dtype_graph": 0.2,
     "distributed": 1, "eager": 0.4, "keras3": 4, "convs_onednn": 5,
     "doc_blocks": 20, "scenario_examples": 5, "vgg_paths_legacy": 3,

@@ -115,4 +115,6 @@ def check_dynamic_rnn_frame_weights():
 if __name__ == "__main__":
     sys.exit(run_checks([check_keras_mlp_with_a_towers_weight,
                          check_v1_while_loop_row_passes,
-                         check_dynamic_rnn_frame_weights], "curvature legacy checks"))
+                         check_dynamic_rnn_frame_weights], "curvature legacy checks",
+                        heavy=("check_v1_while_loop_row_passes",
+                               "check_dynamic_rnn_frame_weights")))
