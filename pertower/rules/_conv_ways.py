@@ -83,7 +83,8 @@ def by_patches(use, dZ, G):
 
 def by_shifts(options, use, dZ, G):
     """"shifts": the filter taps as strided slices of the padded input (or, laid out
-    side by side, as the patches), contracted with dZ by `tap_layout`."""
+    side by side, as the patches; thin: gathered, `_conv_taps`), contracted with dZ by
+    `tap_layout`."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     g, k = groups(use.op), use.rows.k
     layout = tap_layout(options, use)
