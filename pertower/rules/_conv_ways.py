@@ -14,6 +14,7 @@ results are smaller than the taps they would be stacked from (`tap_layout`).
 
 import tensorflow as tf
 
+from pertower.rules import _conv_taps
 from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules._conv_geometry import (
@@ -82,13 +83,19 @@ def by_patches(use, dZ, G):
 
 def by_shifts(options, use, dZ, G):
     """"shifts": the filter taps as strided slices of the padded input (or, laid out
-    side by side, as the patches), contracted with dZ by `tap_layout`."""
+    side by side, as the patches; thin: gathered, `_conv_taps`), contracted with dZ by
+    `tap_layout`."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     g, k = groups(use.op), use.rows.k
     layout = tap_layout(options, use)
     if layout in ("one", "channels", "per_tap") and g == 1 and _shapes.rows_are_groups(
             dZ, G, k):
         return _one_image_per_group(use, dZ, G, layout)
+    if layout == "thin":
+        # the taps stacked along the contracted rows, the input moved channels-first
+        # (a concat along a thin last axis runs slowly), by one gather of the row taps
+        # and kw column slices or one gather (`_conv_taps`), not one slice per tap
+        return _conv_taps.thin_gradients(use, dZ, G)
     dZ_g = to_groups(dZ, G, k)                     # [G, T*Ho*Wo, Cout]
     if layout == "one":
         x_g = to_groups(taps(use.op, 1, 1)[0], G, k)   # [G, T*Ho*Wo, Cin]
@@ -99,19 +106,6 @@ def by_shifts(options, use, dZ, G):
         # filter's order), one op where kh*kw slices and a concat would be kh*kw + 1
         rows = to_groups(patches(use.op, kh, kw), G, k)        # [G, T*P, kh*kw*Cin]
         grad = tf.matmul(rows, dZ_g, transpose_a=True)        # [G, kh*kw*Cin, Cout]
-        return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
-    if layout == "thin":
-        # the taps stacked along the contracted rows, the input moved channels-first
-        # (a concat along a thin last axis runs slowly)
-        x = padded_input(use.op, kh, kw)                      # [G*T, H', W', Cin]
-        height, width = x.shape.as_list()[1:3]
-        x = tf.reshape(x, group_target(G, [-1, height, width, c_in], k))
-        x = tf.transpose(x, _shapes.constant([0, 4, 1, 2, 3]))  # [G, Cin, T, H', W']
-        rows = tf.concat(taps(use.op, kh, kw, x, axes=(3, 4)), axis=1)
-        positions = _rows.static_size(use.output.shape[1:3])
-        rows = tf.reshape(rows, group_target(G, [kh * kw * c_in, -1], k * positions
-                                             if isinstance(k, int) else None))
-        grad = tf.matmul(rows, dZ_g)                          # [G, kh*kw*Cin, Cout]
         return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
     if g > 1:
         dZ_g = split_channels(dZ_g, G, [g, c_out // g])     # [G, T*Ho*Wo, g, Cout/g]
