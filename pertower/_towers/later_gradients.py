@@ -36,26 +36,42 @@ reads an output a running session may lack. A graph a session has already run be
 the pertower call (the op already ran) keeps running unchanged: that session ignores
 the edit (TF logs the warning quoted above once) and sees only new ops that read no
 new output.
+
+For a While op, only the part of `_WhileGrad` that edits the op runs (`_edit_while`):
+the backward body is built (it decides which accumulators the op gets) but not the
+backward op itself (its condition, its function, its output identities), which S
+would drop anyway; the edit is the same. Where TensorFlow's private While gradient
+helpers differ from what `_edit_while` expects, the whole gradient function runs.
 """
 
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import func_graph as func_graph_lib
 from tensorflow.python.framework import ops as ops_lib
 from tensorflow.python.ops import control_flow_state
+from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import while_v2
 
 from pertower import _op_types as op_types
 
 __all__ = ["prepare_for_later_gradients"]
 
 
-def _zero_output_gradients(op):
+def _zero_output_gradients(op, dense=True, count=None):
     """The output gradients `tf.gradients` passes to op's gradient function when the
     cost reaches none of its outputs, made by TF's own rule (gradients_util.py
     `_GradientsHelper`): `control_flow_state.ZerosLike` for each trainable output that
-    supports a default gradient, None for the others."""
-    return [control_flow_state.ZerosLike(op, i)
-            if backprop_util.IsTrainable(t) and default_gradient.supports_default_grad(t)
+    supports a default gradient, None for the others. With `dense` False, a floating
+    output gets True instead of its zeros (`_edit_while` makes its own); a resource's
+    or a variant's zeros depend on its handle, and are TensorFlow's. With `count`, the
+    outputs past the first `count` get None."""
+    count = len(op.outputs) if count is None else count
+    return [(True if not dense and (t.dtype.is_floating or t.dtype.is_complex)
+             else control_flow_state.ZerosLike(op, i))
+            if i < count and backprop_util.IsTrainable(t)
+            and default_gradient.supports_default_grad(t)
             else None for i, t in enumerate(op.outputs)]
 
 
@@ -82,6 +98,77 @@ def prepare_for_later_gradients(ops):
         with scratch.as_default():
             # S is never called: its ops (the zero gradients, the backward op) and its
             # captures of the op's outputs never enter the user's graph
+            if gradient_function is _WHILE_GRADIENT and _edit_while(op):
+                continue
             output_gradients = _zero_output_gradients(op)
             if any(g is not None for g in output_gradients):
                 gradient_function(op, *output_gradients)
+
+
+# while_v2's registered While gradient and the private helpers `_edit_while` calls
+_WHILE_GRADIENT = getattr(while_v2, "_WhileGrad", None)
+_WHILE_HELPERS = ("_get_graph", "_preprocess_grad", "_create_grad_func", "_copy_handle_data")
+
+
+def _edit_while(op):
+    """Edits the While op `op` as while_v2 `_WhileGrad(op, *zero output gradients)`
+    does, without building the backward op: `_WhileGrad`'s statements up to its
+    `_num_original_outputs` attribute (TF 2.21, while_v2.py), the backward body built by
+    `_create_grad_func` and dropped. Returns False, editing nothing, where those helpers
+    are missing (another TensorFlow) or no output takes a gradient: the caller then runs
+    the whole gradient function.
+
+    The backward body receives each output gradient as a placeholder of its dtype and
+    shape (`func_graph_from_py_func`), so a floating output's zero gradient is a
+    placeholder of S here (one op, not a capture and a `ZerosLike`)."""
+    if not all(callable(getattr(while_v2, name, None)) for name in _WHILE_HELPERS):
+        return False
+    # pylint: disable=protected-access
+    while_op = op.outputs[0].op
+    try:
+        num_original_outputs = while_op.get_attr("_num_original_outputs")
+    except ValueError:
+        num_original_outputs = len(while_op.outputs)
+    # `_WhileGrad` drops the gradients of the accumulator outputs (past the original
+    # ones): none is made for them
+    grads = [tf.compat.v1.placeholder(t.dtype, t.shape) if g is True else g
+             for t, g in zip(op.outputs, _zero_output_gradients(
+                 op, dense=False, count=num_original_outputs))]
+    cond_graph = while_v2._get_graph(while_op, "cond", "_cond_graph")
+    body_graph = while_v2._get_graph(while_op, "body", "_body_graph")
+    orig_num_params = len(body_graph.outputs)
+    maximum_iterations = op.inputs[1]
+    num_intermediates = len(while_op.outputs) - num_original_outputs
+    grads = [while_v2._preprocess_grad(grad, body_out, while_in, while_out)
+             for grad, body_out, while_in, while_out in zip(
+                 grads[:num_original_outputs], body_graph.outputs[:num_original_outputs],
+                 while_op.inputs[:num_original_outputs],
+                 while_op.outputs[:num_original_outputs])] + [None] * num_intermediates
+    chosen = [(y, x, g) for y, x, g in zip(body_graph.outputs, body_graph.inputs, grads)
+              if g is not None]
+    if not chosen:
+        return False
+    ys, xs, non_none_grads = zip(*chosen)
+    body_grad_graph, _ = while_v2._create_grad_func(
+        ys, xs, non_none_grads, cond_graph, body_graph,
+        control_flow_util_v2.unique_grad_fn_name(body_graph.name), op, maximum_iterations)
+    if body_grad_graph.while_op_needs_rewrite:
+        cond_graph.name += "_rewritten"
+        body_graph.name += "_rewritten"
+        new_inputs = body_grad_graph.extra_inputs
+        new_outputs = body_graph.outputs[orig_num_params:]
+        while_op._set_func_attr("cond", control_flow_util_v2.create_new_tf_function(cond_graph))
+        while_op._set_func_attr("body", control_flow_util_v2.create_new_tf_function(body_graph))
+        if len(body_graph.output_types) != len(while_op.inputs) + len(new_inputs):
+            raise AssertionError(
+                f"the edited While op {while_op.name!r} has {len(body_graph.output_types)} "
+                f"output types for {len(while_op.inputs)} inputs and {len(new_inputs)} new "
+                "ones, as TensorFlow's own While gradient would have found")
+        while_op._set_type_list_attr("T", body_graph.output_types)
+        while_op._set_shape_list_attr("output_shapes", body_graph.output_shapes)
+        while_op._add_while_inputs(new_inputs)
+        while_op._add_outputs([t.dtype for t in new_outputs], [t.shape for t in new_outputs])
+        while_v2._copy_handle_data(new_outputs, while_op.outputs[orig_num_params:])
+    while_op._set_attr("_num_original_outputs",
+                       attr_value_pb2.AttrValue(i=len(while_op.outputs)))
+    return True
