@@ -5,8 +5,8 @@ Notation (as in `_loops`):
     ε   zeros [T, B*k, *z] added to a covered op's output Z_t at step t
 
 `BuiltCopy` builds, with `while_v2`, a new loop over the loop variables the outputs
-need, a step counter, one TensorList of A_t per covered read (written at the counter)
-and one of ε per covered read (read at the counter); its body imports the original
+need, a step counter, one TensorList of A_t per covered read (pushed at each step)
+and one of ε per covered read (reversed, popped at each step); its body imports the original
 body's GraphDef (only the ops those outputs need) with each covered op's output
 replaced by output + ε[t]. The user's loop computes what it computed (it gets only
 the edit any `tf.gradients` through it makes, `pertower._towers.later_gradients`). Its
@@ -18,6 +18,7 @@ op's rule. `Slice` and `Placed` put a rule's result for one slice of a weight (a
 
 import tensorflow as tf
 from tensorflow.python.framework import importer
+from tensorflow.python.ops import gen_list_ops
 from tensorflow.python.ops import list_ops
 from tensorflow.python.ops import while_v2
 
@@ -49,10 +50,13 @@ class BuiltCopy:
             shape = tf.stack([steps, B * k] + rest)
             zeros = tf.zeros(shape, z.dtype)                             # ε [T, B*k, *z]
             eps.append(zeros)
-            eps_lists.append(list_ops.tensor_list_from_tensor(zeros, [-1] + rest))
+            # step t pops ε[t] off the back of the reversed list (a pop's gradient is
+            # one push; a read at an index needs the list's shape and length per step)
+            eps_lists.append(list_ops.tensor_list_from_tensor(tf.reverse(zeros, [0]),
+                                                              [-1] + rest))
             a_shape = [-1 if d is None else d for d in a.shape.as_list()[1:]]
             a_shapes.append([-1] + a_shape)
-            a_lists.append(list_ops.tensor_list_reserve([-1] + a_shape, steps, a.dtype))
+            a_lists.append(list_ops.empty_tensor_list([-1] + a_shape, a.dtype))
         n, J = len(needed), len(loop.targets)
         body_def = _subgraph(body, [body.outputs[i] for i in needed]
                              + [u.activation for u in loop.uses])
@@ -70,18 +74,21 @@ class BuiltCopy:
         def step(*values):
             s = values[n]
             mapping = dict(zip(inner_names, values[:n]))
+            popped = []
             for j in range(J):
                 z = loop.targets[j][0].outputs[0]
-                mapping[f"{_EPS_PREFIX}{j}:0"] = list_ops.tensor_list_get_item(
-                    values[n + 1 + J + j], s, z.dtype, element_shape=[-1] + z.shape.as_list()[1:])
+                rest_list, mapping[f"{_EPS_PREFIX}{j}:0"] = gen_list_ops.tensor_list_pop_back(
+                    values[n + 1 + J + j], element_shape=[-1] + z.shape.as_list()[1:],
+                    element_dtype=z.dtype)
+                popped.append(rest_list)
             returned = importer.import_graph_def(
                 body_def, input_map=_present(body_def, mapping),
                 return_elements=([body.outputs[i].name for i in needed]
                                  + [u.activation.name for u in loop.uses]), name="body")
             outs, activations = list(returned[:n]), returned[n:]
-            written = [list_ops.tensor_list_set_item(values[n + 1 + j], s, activations[j])
+            written = [list_ops.tensor_list_push_back(values[n + 1 + j], activations[j])
                        for j in range(J)]
-            return outs + [s + 1] + written + list(values[n + 1 + J:])
+            return outs + [s + 1] + written + popped
 
         loop_vars = ([op.inputs[i] for i in needed] + [tf.constant(0, tf.int32)]
                      + a_lists + eps_lists)
