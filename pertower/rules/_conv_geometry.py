@@ -14,7 +14,7 @@ from pertower.rules import _rows
 from pertower.rules import _shapes
 
 __all__ = ["attributes", "explicitly_padded", "patches", "check_convolution", "groups",
-           "fold_groups", "mul", "spatial_pads", "padded_input", "taps",
+           "fold_groups", "mul", "sizes", "spatial_pads", "padded_input", "taps",
            "plain_filter_gradient", "filter_gradient", "group_target", "split_channels",
            "to_groups"]
 
@@ -90,12 +90,22 @@ def fold_groups(tensor, G, k=None):
         return tf.reshape(moved, [-1] + static[:2] + [G * static[2]])
     if static is not None and isinstance(k, int):
         return tf.reshape(moved, [k] + static[:2] + [-1])
-    return tf.reshape(moved, _rows.group_shape(-1, [h, w, mul(G, c)]))  # [T, H, W, G*C]
+    return tf.reshape(moved, sizes([-1, h, w, mul(G, c)]))           # [T, H, W, G*C]
 
 
 def mul(G, c):
-    """G*c, an int when G is."""
-    return G * c if isinstance(G, int) else G * tf.constant(c, G.dtype)
+    """G*c, an int when G is (else one Mul by a shared constant)."""
+    return G * c if isinstance(G, int) else G * _shapes.constant(c, G.dtype)
+
+
+def sizes(dims):
+    """`dims` (ints, or scalar int32 tensors such as `mul(G, c)`) as a 1-D int32 tensor
+    (a filter size, a reshape target): one shared constant when every entry is an int,
+    else ONE `Pack` of the tensors and shared constants (not one `Const` per int)."""
+    if not any(isinstance(d, tf.Tensor) for d in dims):
+        return _shapes.constant([int(d) for d in dims])
+    return tf.stack([d if isinstance(d, tf.Tensor) else _shapes.constant(int(d))
+                     for d in dims])
 
 
 def spatial_pads(op, kh, kw):
