@@ -1,13 +1,18 @@
 """The zoo bench's build timing (pertower/tools/bench/zoo_bench.py `measure_builds`):
 every timed build in a graph of its own, the first pertower build apart, the medians
-(wall and process CPU) those of the recorded runs, the ratios those of the medians, and
-the table and JSON showing them. No timing threshold: the numbers are checked for
+(wall and process CPU) those of the recorded runs, the ratios those of the medians, the
+garbage of earlier work collected before each timed build, and the table and JSON showing
+them. No timing threshold: the numbers are checked for
 consistency only.
 """
+
+import gc
+import weakref
 
 import pytest
 import tensorflow as tf
 
+import pertower
 from pertower.tools import zoo
 from pertower.tools.bench import zoo_bench
 
@@ -21,24 +26,51 @@ def _median(values):
             else (ordered[middle - 1] + ordered[middle]) / 2)
 
 
+class _Cycle:
+    """Garbage that only the cycle collector frees."""
+
+    def __init__(self):
+        self.itself = self
+
+
 @pytest.fixture(scope="module")
 def measured():
-    """measure_builds on the layers CNN (2 repeats), and the graph each zoo.build ran in."""
-    graphs = []
-    build = zoo.build
+    """measure_builds on the layers CNN (2 repeats), the graph each zoo.build ran in, and
+    per timed call (tf.gradients or pertower) whether the cycle left after its network's
+    build was freed when it started (automatic collection off meanwhile, so only an
+    explicit collection frees it)."""
+    graphs, cycles, freed = [], [], []
+    build, pertower_build, tf_build = (zoo.build, pertower.per_example_gradients,
+                                       zoo_bench._tf_gradients)
 
     def recording_build(name):
         graphs.append(tf.compat.v1.get_default_graph())
-        return build(name)
+        out = build(name)
+        cycles.append(weakref.ref(_Cycle()))
+        return out
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(zoo, "build", recording_build)
-        times = zoo_bench.measure_builds("layers_cnn", repeats=REPEATS)
-    return times, graphs
+    def entered(real):
+        def timed(*args, **kwargs):
+            freed.append(cycles[-1]() is None)
+            return real(*args, **kwargs)
+        return timed
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(zoo, "build", recording_build)
+            patch.setattr(pertower, "per_example_gradients", entered(pertower_build))
+            patch.setattr(zoo_bench, "_tf_gradients", entered(tf_build))
+            times = zoo_bench.measure_builds("layers_cnn", repeats=REPEATS)
+    finally:
+        if collecting:
+            gc.enable()
+    return times, graphs, freed
 
 
 def test_every_build_in_a_fresh_graph(measured):
-    times, graphs = measured
+    times, graphs, _ = measured
     # warm-up, first pertower build, then REPEATS pairs
     assert len(graphs) == 2 + 2 * REPEATS
     assert len({id(g) for g in graphs}) == len(graphs)
@@ -47,7 +79,7 @@ def test_every_build_in_a_fresh_graph(measured):
 
 
 def test_medians_and_ratios_are_those_of_the_recorded_runs(measured):
-    times, _ = measured
+    times, _, _ = measured
     runs = {name: getattr(times, name) for name in
             ("tf_gradients_s", "tf_gradients_cpu_s", "pertower_s", "pertower_cpu_s")}
     assert all(len(v) == REPEATS and all(s > 0 for s in v) for v in runs.values())
@@ -59,8 +91,16 @@ def test_medians_and_ratios_are_those_of_the_recorded_runs(measured):
         _median(runs["pertower_cpu_s"]) / _median(runs["tf_gradients_cpu_s"]), rel=1e-12)
 
 
+def test_every_timed_build_starts_with_no_garbage_pending(measured):
+    """The earlier builds' graphs are reference cycles; left pending, freeing them falls
+    in whichever later timed build triggers a full collection."""
+    _, graphs, freed = measured
+    assert len(freed) == len(graphs) == 2 + 2 * REPEATS
+    assert all(freed)
+
+
 def test_table_and_json_show_the_build_columns(measured):
-    times, _ = measured
+    times, _, _ = measured
     row = zoo_bench.ZooRow("layers_cnn", 2, 1, {"rules": 10, "towers": 0, "passes": 0,
                             "unreached": 0}, times)
     lines = zoo_bench.format_zoo_table([row]).splitlines()

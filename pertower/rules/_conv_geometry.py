@@ -14,7 +14,7 @@ from pertower.rules import _rows
 from pertower.rules import _shapes
 
 __all__ = ["attributes", "explicitly_padded", "patches", "check_convolution", "groups",
-           "fold_groups", "mul", "spatial_pads", "padded_input", "taps",
+           "fold_groups", "mul", "sizes", "spatial_pads", "padded_input", "taps", "window",
            "plain_filter_gradient", "filter_gradient", "group_target", "split_channels",
            "to_groups"]
 
@@ -90,12 +90,22 @@ def fold_groups(tensor, G, k=None):
         return tf.reshape(moved, [-1] + static[:2] + [G * static[2]])
     if static is not None and isinstance(k, int):
         return tf.reshape(moved, [k] + static[:2] + [-1])
-    return tf.reshape(moved, _rows.group_shape(-1, [h, w, mul(G, c)]))  # [T, H, W, G*C]
+    return tf.reshape(moved, sizes([-1, h, w, mul(G, c)]))           # [T, H, W, G*C]
 
 
 def mul(G, c):
-    """G*c, an int when G is."""
-    return G * c if isinstance(G, int) else G * tf.constant(c, G.dtype)
+    """G*c, an int when G is (else one Mul by a shared constant)."""
+    return G * c if isinstance(G, int) else G * _shapes.constant(c, G.dtype)
+
+
+def sizes(dims):
+    """`dims` (ints, or scalar int32 tensors such as `mul(G, c)`) as a 1-D int32 tensor
+    (a filter size, a reshape target): one shared constant when every entry is an int,
+    else ONE `Pack` of the tensors and shared constants (not one `Const` per int)."""
+    if not any(isinstance(d, tf.Tensor) for d in dims):
+        return _shapes.constant([int(d) for d in dims])
+    return tf.stack([d if isinstance(d, tf.Tensor) else _shapes.constant(int(d))
+                     for d in dims])
 
 
 def spatial_pads(op, kh, kw):
@@ -122,18 +132,23 @@ def spatial_pads(op, kh, kw):
     return pads
 
 
-def padded_input(op, kh, kw):
+def padded_input(op, kh, kw, crop=True):
     """[N, H', W', C]: op's input padded (and cropped) by `spatial_pads`, so that a
     VALID convolution of it with op's strides and dilations gives op's output positions
-    and reads every row and column; needs static spatial sizes."""
+    and reads every row and column; needs static spatial sizes. A `Pad` only where a
+    side is padded, a crop (one strided slice) only where one is cropped and `crop`:
+    without it the rows and columns no output position reads stay at the end (for
+    slices that stop before them, such as `taps`')."""
     (top, bottom), (left, right) = spatial_pads(op, kh, kw)
     x = op.inputs[0]
-    if top == bottom == left == right == 0:
-        return x                                          # (no op: fewer to build)
-    x = tf.pad(x, [[0, 0], [max(top, 0), max(bottom, 0)], [max(left, 0), max(right, 0)],
-                   [0, 0]])
-    height, width = _rows.static_dims(x)[1:3]             # ints in both shape modes
-    return x[:, :height + min(bottom, 0), :width + min(right, 0), :]
+    if max(top, bottom, left, right) > 0:
+        x = tf.pad(x, _shapes.constant([[0, 0], [max(top, 0), max(bottom, 0)],
+                                        [max(left, 0), max(right, 0)], [0, 0]]))
+    if crop and min(bottom, right) < 0:
+        height, width = _rows.static_dims(x)[1:3]         # ints in both shape modes
+        x = _shapes.strided_slice(x, (slice(None), slice(None, height + min(bottom, 0)),
+                                      slice(None, width + min(right, 0))))
+    return x
 
 
 def taps(op, kh, kw, tensor=None, axes=(1, 2)):
@@ -149,8 +164,8 @@ def taps(op, kh, kw, tensor=None, axes=(1, 2)):
       axes: the height and width axes of `tensor`.
     """
     strides, dilations, _, _ = attributes(op)
-    if tensor is None:
-        tensor = padded_input(op, kh, kw)             # [N, H', W', C]
+    if tensor is None:   # (uncropped: every slice below stops before what a crop drops)
+        tensor = padded_input(op, kh, kw, crop=False)  # [N, >= H', >= W', C]
     out_h, out_w = (tf.compat.dimension_value(d) for d in op.outputs[0].shape[1:3])
     result = []
     for u in range(kh):
@@ -160,11 +175,24 @@ def taps(op, kh, kw, tensor=None, axes=(1, 2)):
                     [tf.compat.dimension_value(tensor.shape[a]) for a in axes] == [out_h, out_w]):
                 result.append(tensor)                 # the whole tensor (no op)
                 continue
+            if strides[1] == strides[2] == 1:
+                result.append(window(tensor, {axes[0]: (top, out_h), axes[1]: (left, out_w)}))
+                continue
             index = [slice(None)] * tensor.shape.rank
             index[axes[0]] = slice(top, top + (out_h - 1) * strides[1] + 1, strides[1])
             index[axes[1]] = slice(left, left + (out_w - 1) * strides[2] + 1, strides[2])
             result.append(_shapes.strided_slice(tensor, tuple(index)))
     return result                                     # kh*kw x [..., Ho, Wo, ...]
+
+
+def window(tensor, spans):
+    """`tensor` cut to `spans` ({axis: (start, size)}, every other axis whole): ONE
+    `Slice`, its begin a shared constant and its size one shared by every window of the
+    same sizes (a filter's stride-1 taps: one new constant per tap, not two)."""
+    rank = tensor.shape.rank
+    begin = [spans[a][0] if a in spans else 0 for a in range(rank)]
+    size = [spans[a][1] if a in spans else -1 for a in range(rank)]
+    return tf.slice(tensor, _shapes.constant(begin), _shapes.constant(size))
 
 
 def plain_filter_gradient(op):

@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules._conv_geometry import attributes, group_target, padded_input
+from pertower.rules._conv_geometry import attributes, group_target, padded_input, window
 
 __all__ = ["thin_gradients"]
 
@@ -59,13 +59,12 @@ def thin_gradients(use, dZ, G):
     strides, dilations, _, _ = attributes(use.op)
     out_h, out_w = _rows.static_dims(use.op.outputs[0])[1:3]
     positions = out_h * out_w
-    x = padded_input(use.op, kh, kw)                                  # [N, H', W', Cin]
+    x = padded_input(use.op, kh, kw, crop=False)   # [N, >= H', >= W', Cin] (taps stop before)
     x = tf.transpose(x, _shapes.constant([0, 3, 1, 2]))               # [N, Cin, H', W']
     x = tf.gather(x, _shapes.constant(_tap_index(kh, dilations[1], out_h, strides[1])),
                   axis=_shapes.constant(2))                           # [N, Cin, kh, Ho, W']
     if strides[2] == 1:
-        columns = [_shapes.strided_slice(x, (slice(None),) * 4 + (
-            slice(v * dilations[2], v * dilations[2] + out_w),)) for v in range(kw)]
+        columns = [window(x, {4: (v * dilations[2], out_w)}) for v in range(kw)]
         x = tf.stack(columns, axis=3)                           # [N, Cin, kh, kw, Ho, Wo]
         dz = dZ                                                 # [N, Ho, Wo, Cout]
     else:

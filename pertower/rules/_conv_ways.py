@@ -19,7 +19,7 @@ from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules._conv_geometry import (
     attributes, explicitly_padded, fold_groups, group_target, groups, mul, padded_input,
-    patches, split_channels, taps, to_groups)
+    patches, sizes, split_channels, taps, to_groups)
 
 __all__ = ["FEW_POSITIONS", "tap_layout", "by_patches", "by_shifts",
            "by_grouped", "by_depthwise"]
@@ -142,7 +142,7 @@ def by_grouped(use, dZ, G):
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     strides, dilations, _, _ = attributes(use.op)
     x, padding = explicitly_padded(use.op)
-    filter_sizes = _rows.group_shape(kh, [kw, c_in, mul(G, c_out)])
+    filter_sizes = sizes([kh, kw, c_in, mul(G, c_out)])
     grad = tf.raw_ops.Conv2DBackpropFilter(
         input=fold_groups(x, G, use.rows.k),      # [T, H, W, G*Cin]
         filter_sizes=filter_sizes,

@@ -225,7 +225,8 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
 
 def output_gradients(plan, indices, grad_ys=None, unconnected=tf.UnconnectedGradients.ZERO):
     """`_output_gradients`, for the curvature functions (`pertower._curvature`)."""
-    return _output_gradients(plan, indices, grad_ys, unconnected)
+    with _shapes.ShapeCache(None).active():   # the pass's constants shared
+        return _output_gradients(plan, indices, grad_ys, unconnected)
 
 
 def _zeros(x, G):
@@ -272,9 +273,11 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     unconnected_gradients="none")."""
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     grad_ys = _checks.grad_ys_like(plan.request.ys, grad_ys)
-    d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
     results, cache = {}, _shapes.ShapeCache(G)
-    with cache.active():   # one Const per value for the whole build (`_shapes.constant`)
+    # one Const per value for the whole build (`_shapes.constant`), the backward pass's
+    # included (the forward forms of `_input_gradients` turn every filter alike)
+    with cache.active():
+        d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
         for k in indices:
             results[k] = _weight_gradient(plan, k, d_outputs, G, cache, unconnected)
     return results
@@ -315,9 +318,9 @@ def norm_parts(plan, indices, B):
       cheap form when x has one use and the rule has one); {k: [B, *xs[k].shape]} the
       per-example gradients of the weights whose norms needed them formed (or a FormedNorms).
     """
-    d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
     squares, formed, cache = {}, {}, _shapes.ShapeCache(B)
-    with cache.active():   # shared constants (`_shapes.constant`)
+    with cache.active():   # shared constants (`_shapes.constant`), the backward's too
+        d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
         for k in indices:
             uses = _loops.concrete_uses(plan.uses[k])
             if not uses:

@@ -142,7 +142,7 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         x, padding = geometry.explicitly_padded(use.op)
         grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
             input=geometry.fold_groups(x, G, use.rows.k),       # [T, H, W, G*Cin]
-            filter_sizes=_rows.group_shape(kh, [kw, geometry.mul(G, c_in), mult]),
+            filter_sizes=geometry.sizes([kh, kw, geometry.mul(G, c_in), mult]),
             out_backprop=geometry.fold_groups(dZ, G, use.rows.k),  # [T, Ho, Wo, G*Cin*M]
             strides=list(use.op.get_attr("strides")), padding=padding,
             data_format="NHWC")                                   # [kh, kw, G*Cin, M]

@@ -13,7 +13,12 @@ pays pertower's one-time costs, its lazily imported modules, that a user pays on
 process), then `build_repeats` alternating `tf.gradients` / pertower builds, whose
 medians (wall and process CPU seconds) and the ratio of medians are reported. A network
 whose plan puts a weight on towers or row passes is built with the first B as its
-`batch_size`.
+`batch_size`. Python's garbage is collected (`gc.collect()`) after the network is built
+and before each timed build starts: the graphs of earlier builds (and of earlier
+networks) are reference cycles that only a full collection frees, and freeing them costs
+up to seconds; left pending, that cost falls on whichever later build triggers the
+collection (most often pertower's, which allocates more), which a user building once in
+a process never pays.
 
 Run time, per network: one graph: the network (None batch dimension), `tf.gradients` of
 the summed loss, pertower's per-example gradients, the norms, a plain SGD step and a
@@ -23,6 +28,7 @@ against the loop (max relative difference), then every row timed round-robin (me
 """
 
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -156,10 +162,12 @@ def _tf_gradients(loss, weights):
 
 
 def _timed_build(name, pertower_build, batch_size):
-    """(wall s, process CPU s) of one build in a fresh graph holding only the network."""
+    """(wall s, process CPU s) of one build in a fresh graph holding only the network,
+    started with no garbage pending (see the module's docstring)."""
     with tf.Graph().as_default():
         tf.compat.v1.set_random_seed(0)
         loss, _, _, weights = zoo.build(name)
+        gc.collect()
         wall, cpu = time.perf_counter(), time.process_time()
         if pertower_build:
             pertower.per_example_gradients(loss, weights, batch_size=batch_size)
