@@ -36,7 +36,34 @@ from pertower.rules import registry as registry_lib
 from pertower.rules._conv_geometry import (
     group_target, groups, padded_input, spatial_pads, taps, to_groups)
 
-__all__ = ["formed_norms", "squares_of"]
+__all__ = ["FEW_GROUPS", "CHUNK_FLOATS", "chunk_sizes", "formed_norms", "group_products",
+           "squares_of"]
+
+# The rows are built in chunks of whole groups of at most CHUNK_FLOATS numbers each
+# where G and T*P are static, and each group's product is one MatMul where G is static
+# and at most FEW_GROUPS (see the module notes).
+FEW_GROUPS = 128
+CHUNK_FLOATS = 2 ** 20
+
+
+def group_products(rows, columns, n, one_by_one):
+    """rows[g] @ columns[g] for `rows` [n, R, K] and `columns` [n, K, C]: with
+    `one_by_one` (n an int), a list of n [R, C], one MatMul per group on the unstacked
+    operands (an Unpack along axis 0 shares their buffers); else [n, R, C], one batched
+    matmul."""
+    if one_by_one:
+        return [tf.matmul(r, c) for r, c in zip(tf.unstack(rows, n), tf.unstack(columns, n))]
+    return tf.matmul(rows, columns)
+
+
+def chunk_sizes(G, floats_per_group):
+    """The sizes of the chunks of whole groups that `formed_norms` builds the rows in:
+    [G] for a tensor G or an unknown `floats_per_group` (None), else as few near-equal
+    chunks as keep each at most CHUNK_FLOATS numbers (one group at least)."""
+    if not isinstance(G, int) or floats_per_group is None:
+        return [G]
+    count = min(G, max(1, -(-G * floats_per_group // CHUNK_FLOATS)))
+    return [G // count + (1 if j < G % count else 0) for j in range(count)]
 
 
 def squares_of(per_group):
@@ -67,10 +94,22 @@ def formed_norms(options, use, dZ, G):
     height, width = x.shape.as_list()[1:3]
     x = tf.reshape(x, group_target(G, [-1, height, width, c_in], k))  # [G, T, H', W', Cin]
     x = tf.transpose(x, _shapes.constant([0, 4, 1, 2, 3]))            # [G, Cin, T, H', W']
-    rows = tf.concat(taps(use.op, kh, kw, x, axes=(3, 4)), axis=1)   # [G, kh*kw*Cin, T, Ho, Wo]
-    rows = tf.reshape(rows, group_target(
-        G, [kh * kw * c_in, -1], k * positions if isinstance(k, int) else None))
-    per_group = tf.matmul(rows, to_groups(dZ, G, k))                 # [G, kh*kw*Cin, Cout]
+    dZ = to_groups(dZ, G, k)                                         # [G, T*P, Cout]
+    columns = k * positions if isinstance(k, int) else None          # T*P
+    sizes = chunk_sizes(G, kh * kw * c_in * columns if columns else None)
+    if len(sizes) > 1:   # (an op's output split along axis 0 shares its buffer)
+        x, dZ = tf.split(x, sizes), tf.split(dZ, sizes)
+    else:
+        x, dZ = [x], [dZ]
+    one_by_one = isinstance(G, int) and G <= FEW_GROUPS
+    products = []
+    for n, x_part, dZ_part in zip(sizes, x, dZ):
+        rows = tf.concat(taps(use.op, kh, kw, x_part, axes=(3, 4)), axis=1)
+        rows = tf.reshape(rows, group_target(n, [kh * kw * c_in, -1], columns))  # [n, R, T*P]
+        found = group_products(rows, dZ_part, n, one_by_one)        # [n, kh*kw*Cin, Cout]
+        products += found if one_by_one else [found]
+    per_group = (tf.stack(products) if one_by_one else               # [G, kh*kw*Cin, Cout]
+                 products[0] if len(products) == 1 else tf.concat(products, 0))
 
     def to_weight(total):   # [kh*kw*Cin, Cout] -> [kh, kw, Cin, Cout]
         return tf.reshape(total, [kh, kw, c_in, c_out])

@@ -1,0 +1,139 @@
+"""Issue 19, item 7: the formed convolution norms' paths (`rules._conv_norms`) with a
+static group count: the rows built in chunks of whole groups (`chunk_sizes`, split along
+the groups), each group's product one MatMul (G <= FEW_GROUPS) or one batched matmul
+per chunk (G > FEW_GROUPS), and one chunk with one MatMul per group (the defaults on a
+small model); σ = 0 DP gradients (clipped sums) and the per-example norms against the
+one-example loop `pertower.oracle`, on several layer shapes (3x3 SAME, 3x3 stride 2
+VALID, 2x3 SAME, and 3x3 on two images per example).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pertower
+from pertower import oracle
+from pertower.rules import _conv_norms
+from tests import common
+
+B = 4
+CLIP = 7.0   # between the model's per-example norms (5.5-9)
+# the formed-norm convolutions of the model (the 1x1 one takes the engine's path)
+FORMED = 4
+# (name, CHUNK_FLOATS, FEW_GROUPS) while the DP step is built: the defaults (one chunk
+# here), chunks of 1-2 groups (1800 floats: 4, 2, 2 and 3 chunks of the convolutions)
+# with one MatMul per group, and the same chunks with one batched matmul each
+# (FEW_GROUPS below G)
+VARIANTS = [("defaults", _conv_norms.CHUNK_FLOATS, _conv_norms.FEW_GROUPS),
+            ("chunks", 1800, _conv_norms.FEW_GROUPS),
+            ("batched_chunks", 1800, 1)]
+
+
+def _conv(x, w, strides=1, padding="SAME"):
+    return tf.nn.conv2d(x, w, strides=strides, padding=padding)
+
+
+def _scope_ops(graph, scope, op_type):
+    return [op for op in graph.get_operations()
+            if op.type == op_type and op.name.startswith(scope + "/")]
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    """One graph: a σ = 0 DP step (rules alone, batch_size=B so that G is static) per
+    variant of VARIANTS, per-example norms with static B, and the loop's per-example
+    gradients."""
+    rng = np.random.RandomState(7)
+    shapes = [[3, 3, 3, 4], [3, 3, 4, 5], [2, 3, 5, 6], [1, 1, 6, 3], [3, 3, 3, 4], [7, 1]]
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 9, 9, 3], name="x")
+        pairs = tf.compat.v1.placeholder(tf.float32, [None, 2, 5, 5, 3], name="pairs")
+        ws = [tf.Variable(rng.randn(*s).astype(np.float32) * 0.5, name=f"w{k}")
+              for k, s in enumerate(shapes)]
+        h = tf.nn.relu(_conv(x, ws[0]))                                # [B, 9, 9, 4]
+        h = tf.tanh(_conv(h, ws[1], strides=2, padding="VALID"))     # [B, 4, 4, 5]
+        h = tf.nn.relu(_conv(h, ws[2]))                                # [B, 4, 4, 6]
+        h = _conv(h, ws[3])                                            # [B, 4, 4, 3]
+        images = tf.reshape(pairs, [-1, 5, 5, 3])                      # [2B, 5, 5, 3]
+        g = tf.reshape(tf.tanh(_conv(images, ws[4])), [-1, 50, 4])     # [B, 50, 4]
+        features = tf.concat([tf.reduce_mean(h, axis=[1, 2]), tf.reduce_mean(g, axis=1)],
+                             axis=1)                                   # [B, 7]
+        loss = tf.reduce_sum(tf.square(tf.matmul(features, ws[5]) - 1.0), axis=1)   # [B]
+        means, scopes = {}, {}
+        saved = _conv_norms.CHUNK_FLOATS, _conv_norms.FEW_GROUPS
+        try:
+            for name, chunk, few in VARIANTS:
+                _conv_norms.CHUNK_FLOATS, _conv_norms.FEW_GROUPS = chunk, few
+                with tf.name_scope(name) as scope:
+                    dp = pertower.DPOptimizer(
+                        tf.compat.v1.train.GradientDescentOptimizer(0.1), l2_norm_clip=CLIP,
+                        noise_multiplier=0.0, method="rules")
+                    means[name] = [gr for gr, _ in dp.compute_gradients(
+                        loss, var_list=ws, batch_size=B)]
+                scopes[name] = scope.rstrip("/")
+            _conv_norms.CHUNK_FLOATS = 1800
+            with tf.name_scope("norms") as scope:
+                norms = pertower.per_example_norms(loss, ws, batch_size=B, method="rules")
+            scopes["norms"] = scope.rstrip("/")
+        finally:
+            _conv_norms.CHUNK_FLOATS, _conv_norms.FEW_GROUPS = saved
+        loop = oracle.SliceLoop(loss, ws)
+        sess = tf.compat.v1.Session(graph=graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: rng.randn(B, 9, 9, 3).astype(np.float32),
+                pairs: rng.randn(B, 2, 5, 5, 3).astype(np.float32)}
+        got_means, got_norms = sess.run([means, norms], feed)
+        per_example = loop.run(sess, feed, B)                          # [B, *w.shape] each
+        sess.close()
+    return dict(graph=graph, scopes=scopes, means=got_means, norms=got_norms,
+                per_example=per_example)
+
+
+def _loop_clipped_mean(per_example, clip):
+    norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in per_example))
+    factors = clip / np.maximum(norms, clip)
+    return norms, [np.tensordot(factors, g, axes=1) / B for g in per_example]
+
+
+def test_chunk_sizes_cover_the_groups_within_the_budget():
+    for G, floats in [(64, 288 * 256), (64, 576 * 64), (7, 10), (5, 2 ** 21), (3, 1)]:
+        sizes = _conv_norms.chunk_sizes(G, floats)
+        assert sum(sizes) == G and min(sizes) >= 1, (G, floats, sizes)
+        assert max(sizes) - min(sizes) <= 1, sizes                   # near-equal
+        assert max(sizes) == 1 or max(sizes) * floats <= _conv_norms.CHUNK_FLOATS, sizes
+        fewer = len(sizes) - 1                                        # would not fit
+        assert fewer == 0 or -(-G // fewer) * floats > _conv_norms.CHUNK_FLOATS, sizes
+    G = tf.constant(3)
+    assert _conv_norms.chunk_sizes(G, 10) == [G]
+    assert _conv_norms.chunk_sizes(3, None) == [3]
+
+
+@pytest.mark.parametrize("name", [v[0] for v in VARIANTS])
+def test_formed_norm_paths_clip_as_the_loop(model, name):
+    norms, means = _loop_clipped_mean(model["per_example"], CLIP)
+    assert (norms > CLIP).any() and (norms < CLIP).any(), norms       # some clipped
+    graph, scope = model["graph"], model["scopes"][name]
+    squares = [op for op in _scope_ops(graph, scope, "Einsum")
+               if op.get_attr("equation") == b"grc,grc->g"]
+    assert len(squares) == FORMED, [op.name for op in squares]
+    splits = _scope_ops(graph, scope, "SplitV")
+    one_by_one = [op for op in _scope_ops(graph, scope, "MatMul")
+                  if op.inputs[0].op.type == "Unpack"]
+    batched = _scope_ops(graph, scope, "BatchMatMulV2")
+    if name == "defaults":      # one chunk, one MatMul per group
+        assert not splits, [op.name for op in splits]
+    else:                       # every formed convolution's input and dZ split in chunks
+        assert len(splits) == 2 * FORMED, [op.name for op in splits]
+    if name == "batched_chunks":   # one batched matmul per chunk (11 chunks)
+        assert not one_by_one and len(batched) >= 4 + 2 + 2 + 3, [op.name for op in batched]
+    else:
+        assert len(one_by_one) == B * FORMED, [op.name for op in one_by_one]
+    common.assert_all_close(model["means"][name], means, what=f"{name}: clipped mean",
+                            kind="deep")
+
+
+def test_chunked_per_example_norms_equal_the_loop(model):
+    norms, _ = _loop_clipped_mean(model["per_example"], CLIP)
+    assert len(_scope_ops(model["graph"], model["scopes"]["norms"], "SplitV")) == 2 * FORMED
+    common.assert_all_close([model["norms"]], [norms], what="norms", kind="deep")
