@@ -86,7 +86,7 @@ class _Scan:
         self.doubts = []          # ops whose result the analysis could not prove harmless
         self.size_data_edges = []
         self.flows = lattice.TensorMap()   # TensorArray flows carrying Rows
-        self.shape_value = static.ShapeEvaluator(self.value_of)
+        self.shape_value = static.ShapeEvaluator(self.value_of, seeds)
 
     # -- driving ----------------------------------------------------------------------
 

@@ -59,8 +59,10 @@ def constant_sizes(shape_value, op, outs):
     output that `shape_value` (a `ShapeEvaluator`) proves constant, every entry a known
     coefficient times B**0: an entry of tf.shape(x) on a static axis of x and arithmetic
     of such entries, as Keras' GroupNormalization reshapes its weights to
-    [1, 1, 1, G, tf.shape(x)[-1] // G]. A constant does not depend on the batch."""
-    if op.type not in _SHAPE_ARITHMETIC:
+    [1, 1, 1, G, tf.shape(x)[-1] // G]. A constant does not depend on the batch; only
+    where no batch axis is static (`shape_value.dynamic_batch`): a graph built for a
+    static B may hold it in a static dimension (a [3*4, 5] reshape of a [3, 4, 5] batch)."""
+    if op.type not in _SHAPE_ARITHMETIC or not shape_value.dynamic_batch:
         return outs
     result = []
     for tensor, value in zip(op.outputs, outs):
@@ -109,9 +111,14 @@ class ShapeEvaluator:
         unknown dimension is an unknown coefficient.
     """
 
-    def __init__(self, value_of=None):
+    def __init__(self, value_of=None, seeds=None):
         self.value_of = value_of
         self.memo = lattice.TensorMap()
+        # whether the batch axis of every seed ((tensor, Rows) pairs) is not static: then
+        # no static dimension of the graph can hold B (`constant_sizes`)
+        self.dynamic_batch = bool(seeds) and all(
+            isinstance(v, lattice.Rows) and t.shape.rank is not None and 0 <= v.lead <
+            t.shape.rank and t.shape[v.lead] is None for t, v in seeds)
 
     def __call__(self, tensor):
         """A list of (coefficient, power), or None when `tensor` cannot be followed."""
