@@ -137,9 +137,17 @@ def check_case(name):
 
 
 def check_grouped_ops_in_plan(case):
-    """The grouped convolutions' kernels are computed through their calls."""
+    """The grouped convolutions' kernels are computed through their calls, and the
+    call's rule gives the body rule's sum of squared per-example gradients."""
     calls = [w for w in case.plan.weights if any("PartitionedCall" in o for o in w.ops)]
     assert len(calls) == 2, str(case.plan)
+    with case.graph.as_default():
+        squares = pertower.sum_grad_squared(case.loss, case.weights)
+    case.build()
+    got = case.sess.run(list(squares), case.feed)
+    want = [np.sum(g.astype(np.float64) ** 2, axis=0).astype(np.float32)
+            for g in case.loop.run(case.sess, case.feed, B)]
+    common.assert_all_close(got, want, what="grouped: sum_grad_squared", kind="deep")
 
 
 def check_activity_regularizer_refused():

@@ -155,17 +155,29 @@ class FunctionCallRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         return use.inner.rule.per_group(use.inner, dZ, G)
 
+    # the optional methods of `Rule`: the body rule's, or the defaults where it has none
     def squared_norms(self, use, dZ, B):
-        return use.inner.rule.squared_norms(use.inner, dZ, B)
+        own = getattr(use.inner.rule, "squared_norms", None)
+        return own(use.inner, dZ, B) if callable(own) else None
 
     def formed_norms(self, use, dZ, G):
-        return use.inner.rule.formed_norms(use.inner, dZ, G)
+        own = getattr(use.inner.rule, "formed_norms", None)
+        return own(use.inner, dZ, G) if callable(own) else None
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
-        return use.inner.rule.sum_squared(use.inner, dZ_columns, B, per_example)
+        own = getattr(use.inner.rule, "sum_squared", None)
+        return own(use.inner, dZ_columns, B, per_example) if callable(own) else None
+
+    def sum_squared_size(self, use, C, per_example=False):
+        """Numbers per example the body rule's `sum_squared` holds, or None."""
+        own = getattr(use.inner.rule, "sum_squared_size", None)
+        return own(use.inner, C, per_example) if callable(own) else None
 
     def clipped_sum(self, use, dZ, factors):
-        return use.inner.rule.clipped_sum(use.inner, dZ, factors)
+        own = getattr(use.inner.rule, "clipped_sum", None)
+        if callable(own):
+            return own(use.inner, dZ, factors)
+        return registry_lib.default_clipped_sum(use.inner.rule, use.inner, dZ, factors)
 
 
 def _identity_chain(tensor):
