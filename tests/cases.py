@@ -329,7 +329,7 @@ def _grouped_conv(x):              # tf.nn.conv2d, 2 groups: filter [3, 3, 4/2, 
 def _keras_grouped_conv(x):        # Keras Conv2D(groups=2): kernel [3, 3, 4/2, 4] on [B, 5, 5, 4]
     """Keras 2 runs a grouped convolution through tf.function(jit_compile=True) (TF's
     CPU kernels without oneDNN have none): the kernel is read by the XLA-compiled call,
-    which no rule covers (towers), the bias by BiasAdd (rules)."""
+    whose body's Conv2D rule covers it (rules/function_call.py), the bias by BiasAdd."""
     layer = keras.layers.Conv2D(4, 3, groups=2, strides=(1, 2), activation="tanh")
     return tf.reduce_sum(layer(x) ** 2, axis=[1, 2, 3]), layer.trainable_weights
 
@@ -402,8 +402,7 @@ RULE_MODELS = {
     "conv_same_dilated_odd": (_conv([1, 1, 2, 1], "SAME", [1, 2, 1, 1], (2, 3)),
                               [(7, 6, 2)], {}, []),
     "grouped_conv": (_grouped_conv, [(7, 6, 4)], {}, []),
-    "keras_grouped_conv": (_keras_grouped_conv, [(5, 5, 4)], {"user_gradients": True},
-                           ["conv2d/kernel"]),
+    "keras_grouped_conv": (_keras_grouped_conv, [(5, 5, 4)], {"user_gradients": True}, []),
     "keras_conv1d": (_keras_convs, [(7, 2)], {}, []),
     "depthwise": (_depthwise, [(7, 6, 4)], {}, []),
     "time_distributed_conv": (_time_distributed_conv, [(3, 5, 5, 2)], {}, []),

@@ -78,6 +78,7 @@ PROCESSES = {
     "legacy_heavy": _Command((os.path.join(HERE, "scripts", "legacy_mode_checks.py"), "heavy")),
     # the same, for the rules of tests/test_rules_published.py.
     "published_legacy": _Command((os.path.join(HERE, "scripts", "published_rules_checks.py"),)),
+    "unseen_legacy": _Command((os.path.join(HERE, "scripts", "unseen_networks_checks.py"),)),
     "published_legacy_zoo": _Command(
         (os.path.join(HERE, "scripts", "published_rules_checks.py"), "zoo")),
     # the same, for the weight functions of tests/test_rules_weight_functions.py.
@@ -214,7 +215,7 @@ GROUPS = (
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
      "convs_legacy", "curvature_legacy", "never_wrong_shape_legacy",
      "never_wrong_dtype_legacy", "python_gradients_legacy", "recurrent_v1",
-     "curvature_convs_legacy", "zoo_speed_legacy", "vgg_paths_legacy"),
+     "curvature_convs_legacy", "zoo_speed_legacy", "vgg_paths_legacy", "unseen_legacy"),
     # graph mode (disable_eager_execution()), after the fresh members that set it up;
     # the servers of "distributed" and "dp_distributed" live on beside the others'
     # clusters and local sessions

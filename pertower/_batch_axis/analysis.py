@@ -86,7 +86,7 @@ class _Scan:
         self.doubts = []          # ops whose result the analysis could not prove harmless
         self.size_data_edges = []
         self.flows = lattice.TensorMap()   # TensorArray flows carrying Rows
-        self.shape_value = static.ShapeEvaluator(self.value_of)
+        self.shape_value = static.ShapeEvaluator(self.value_of, seeds)
 
     # -- driving ----------------------------------------------------------------------
 
@@ -119,10 +119,9 @@ class _Scan:
             if all(v is INDEPENDENT for v in ins):
                 continue
             outs = self._examples(op, ins) if examples.handles(op, ins) else None
-            if outs is None:
-                outs = self._user_layouts(op, ins)
-            if outs is None:
-                outs = self._transfer(op, ins)
+            outs = outs if outs is not None else self._user_layouts(op, ins)
+            if outs is None:   # (a SIZE that is a constant, tf.shape(x)[-1]: INDEPENDENT)
+                outs = static.constant_sizes(self.shape_value, op, self._transfer(op, ins))
             self._record_size_edges(op, ins, outs)
             self._store(op, ins, outs)
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 from pertower._batch_axis import lattice
 
 __all__ = ["static_value", "parse_einsum", "ShapeEvaluator", "refined_reshape_shape",
-           "resolve_minus_one"]
+           "resolve_minus_one", "constant_sizes"]
 
 # Small integer ops folded where tf.get_static_value stops (the axis arithmetic of
 # tf.nn.softmax(axis=0), tf.sort, ...).
@@ -47,6 +47,30 @@ def static_value(tensor, depth=0):
         return np.asarray(_FOLDED[op.type](*inputs))
     except (ValueError, TypeError):
         return None
+
+
+# Ops of shape arithmetic whose SIZE outputs `constant_sizes` may prove constant.
+_SHAPE_ARITHMETIC = frozenset({"StridedSlice", "Slice", "GatherV2", "Prod", "Mul", "FloorDiv",
+                               "Pack", "ConcatV2", "ExpandDims", "Reshape", "Identity", "Cast"})
+
+
+def constant_sizes(shape_value, op, outs):
+    """`outs` (the lattice values of `op`'s outputs) with INDEPENDENT for each SIZE
+    output that `shape_value` (a `ShapeEvaluator`) proves constant, every entry a known
+    coefficient times B**0: an entry of tf.shape(x) on a static axis of x and arithmetic
+    of such entries, as Keras' GroupNormalization reshapes its weights to
+    [1, 1, 1, G, tf.shape(x)[-1] // G]. A constant does not depend on the batch; only
+    where no batch axis is static (`shape_value.dynamic_batch`): a graph built for a
+    static B may hold it in a static dimension (a [3*4, 5] reshape of a [3, 4, 5] batch)."""
+    if op.type not in _SHAPE_ARITHMETIC or not shape_value.dynamic_batch:
+        return outs
+    result = []
+    for tensor, value in zip(op.outputs, outs):
+        entries = shape_value(tensor) if value is lattice.SIZE and tensor.dtype.is_integer \
+            else None
+        constant = entries is not None and all(c is not None and p == 0 for c, p in entries)
+        result.append(lattice.INDEPENDENT if constant else value)
+    return result
 
 
 def parse_einsum(equation):
@@ -87,9 +111,14 @@ class ShapeEvaluator:
         unknown dimension is an unknown coefficient.
     """
 
-    def __init__(self, value_of=None):
+    def __init__(self, value_of=None, seeds=None):
         self.value_of = value_of
         self.memo = lattice.TensorMap()
+        # whether the batch axis of every seed ((tensor, Rows) pairs) is not static: then
+        # no static dimension of the graph can hold B (`constant_sizes`)
+        self.dynamic_batch = bool(seeds) and all(
+            isinstance(v, lattice.Rows) and t.shape.rank is not None and 0 <= v.lead <
+            t.shape.rank and t.shape[v.lead] is None for t, v in seeds)
 
     def __call__(self, tensor):
         """A list of (coefficient, power), or None when `tensor` cannot be followed."""

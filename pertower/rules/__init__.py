@@ -17,6 +17,8 @@ Built-in rules (each file states its identity and reference):
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
+    function_call.py     PartitionedCall, StatefulPartitionedCall whose body applies one
+                         covered op to the weight (tf_keras' jit-compiled grouped Conv2D)
 
 A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||,
 a non-fused batch norm's scale and shift) gets the rule of the op after them, pulled back
@@ -31,6 +33,7 @@ from pertower.rules import conv2d_transpose
 from pertower.rules import conv3d
 from pertower.rules import depthwise_conv2d
 from pertower.rules import einsum
+from pertower.rules import function_call
 from pertower.rules import fused_batch_norm
 from pertower.rules import gather
 from pertower.rules import matmul
@@ -41,7 +44,7 @@ from pertower.rules.registry import Use
 __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
-             conv3d, depthwise_conv2d, gather, fused_batch_norm)
+             conv3d, depthwise_conv2d, gather, fused_batch_norm, function_call)
 
 
 def default_registry():

@@ -1,0 +1,58 @@
+"""Run in a process of its own: the checks of tests/test_unseen_networks.py (grouped
+convolutions through their function calls, GroupNormalization, regularised losses, an
+activity regularizer refused) under tf.compat.v1.disable_v2_behavior() (legacy shape
+mode, reference variables), against the one-example loop.
+
+Started by tests/process_checks.py ("unseen_legacy", in the legacy group); prints one
+`pertower-check` line per check and 'unseen networks checks: N passed, M failed';
+exits 1 on failure.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import tensorflow as tf  # noqa: E402
+
+tf.compat.v1.disable_v2_behavior()
+
+from tests import process_checks  # noqa: E402
+from tests import test_unseen_networks as unseen  # noqa: E402
+
+
+def _require_legacy_mode():
+    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
+        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
+
+
+def check_grouped():
+    _require_legacy_mode()
+    case = unseen.Case("grouped")
+    try:
+        unseen.check_grouped_ops_in_plan(case)
+        return case.check()
+    finally:
+        case.close()
+
+
+def check_groupnorm():
+    _require_legacy_mode()
+    return unseen.check_case("groupnorm")
+
+
+def check_regularized():
+    _require_legacy_mode()
+    return unseen.check_case("regularized")
+
+
+def check_activity_regularizer_refused():
+    _require_legacy_mode()
+    unseen.check_activity_regularizer_refused()
+
+
+if __name__ == "__main__":
+    sys.exit(process_checks.run_checks(
+        [check_grouped, check_groupnorm, check_regularized,
+         check_activity_regularizer_refused], "unseen networks checks"))
