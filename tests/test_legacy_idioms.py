@@ -47,9 +47,9 @@ def _draw_feeds(draws, i):
     return feeds
 
 
-def _sampled_loss_graph():
-    """A hidden layer, then a sampled softmax loss plus an NCE loss (two samplers, the
-    first with remove_accidental_hits=True, its default) as the per-example loss [B]."""
+def _sampled_loss_graph(nce=True):
+    """A hidden layer, then a sampled softmax loss (remove_accidental_hits=True, its
+    default) plus, with `nce`, an NCE loss (a second sampler) as the per-example loss [B]."""
     graph = tf.Graph()
     with graph.as_default():
         v1.set_random_seed(1)
@@ -61,9 +61,10 @@ def _sampled_loss_graph():
         ys = v1.nn.sampled_softmax_loss(
             v1.get_variable("softmax_w", [CLASSES, DIM]), v1.get_variable("softmax_b", [CLASSES]),
             labels, hidden, num_sampled=SAMPLED, num_classes=CLASSES)
-        ys += v1.nn.nce_loss(
-            v1.get_variable("nce_w", [CLASSES, DIM]), v1.get_variable("nce_b", [CLASSES]),
-            labels, hidden, num_sampled=SAMPLED, num_classes=CLASSES)
+        if nce:
+            ys += v1.nn.nce_loss(
+                v1.get_variable("nce_w", [CLASSES, DIM]), v1.get_variable("nce_b", [CLASSES]),
+                labels, hidden, num_sampled=SAMPLED, num_classes=CLASSES)
         xs = v1.trainable_variables()
     rng = np.random.RandomState(0)
     feed = {x: rng.randn(B, DIM).astype(np.float32), y: rng.randint(0, CLASSES, B)}
@@ -85,19 +86,21 @@ def _loop_with_draws(sess, ys, xs, feed, draws):
     return [np.stack([row[k] for row in rows]) for k in range(len(xs))]
 
 
-def check_sampled_losses_share_the_batch_draw():
+def check_sampled_losses_share_the_batch_draw(full=True):
     """Per-example gradients, norms and a DPOptimizer step (towers, batch_size=B) of a
     sampled softmax + NCE loss against the loop fed the same draw; without batch_size
-    the refusal names `batch_size` and the sampler."""
-    graph, ys, xs, feed = _sampled_loss_graph()
+    the refusal names `batch_size` and the sampler. Without `full`: the sampled softmax
+    loss alone, no norms (the default run's cost)."""
+    graph, ys, xs, feed = _sampled_loss_graph(nce=full)
     with graph.as_default():
         with pytest.raises(ValueError, match=r"(?s)no `batch_size` was given.*CandidateSampler"):
             pertower.per_example_gradients(ys, xs)
         samplers = _samplers(graph)
-        assert len(samplers) == 2, [op.name for op in samplers]
+        assert len(samplers) == (2 if full else 1), [op.name for op in samplers]
         draw_tensors = [list(op.outputs) for op in samplers]
         grads = pertower.per_example_gradients(ys, xs, batch_size=B)
-        norms = pertower.per_example_norms(ys, xs, batch_size=B)
+        norms = (pertower.per_example_norms(ys, xs, batch_size=B) if full
+                 else tf.zeros([B]))
         clip = 0.5
         dp = pertower.DPOptimizer(v1.train.GradientDescentOptimizer(1.0), l2_norm_clip=clip,
                                   noise_multiplier=0.0)
@@ -111,8 +114,10 @@ def check_sampled_losses_share_the_batch_draw():
     want = _loop_with_draws(sess, ys, xs, feed, draws)
     common.assert_all_close(got, want, what="sampled losses: per-example gradients",
                             **tolerance)
-    want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
-    common.assert_all_close([got_norms], [want_norms], what="sampled losses: norms", **tolerance)
+    if full:
+        want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
+        common.assert_all_close([got_norms], [want_norms], what="sampled losses: norms",
+                                **tolerance)
     # the DP step: -(1/B) sum_i min(1, C/||g_i||) g_i, with g_i of the step's own draw
     before = sess.run(xs)
     _, drawn = sess.run([step, draw_tensors], feed)
@@ -161,8 +166,112 @@ def check_sampled_loss_microbatches_and_capacity():
                             what="sampled losses: DP step with a batch capacity", **tolerance)
 
 
+def _partitioned_lookup_graph(extra_use=None):
+    """Two partitioned tables (tf.compat.v1.get_variable with fixed_size_partitioner):
+    "div" over 3 parts and "mod" over 2, looked up by [B, 4] ids (repeated ids, parts
+    an example never reads), then a dense head; `extra_use(graph)` may add to the loss."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.placeholder(tf.int32, [None, 4], name="ids")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        div = v1.get_variable("div_table", [CLASSES, DIM],
+                              partitioner=v1.fixed_size_partitioner(3))
+        with v1.variable_scope("scope", partitioner=v1.fixed_size_partitioner(2)):
+            mod = v1.get_variable("mod_table", [CLASSES, DIM])
+        looked_up = (v1.nn.embedding_lookup(div, ids, partition_strategy="div")
+                     + v1.nn.embedding_lookup(list(mod), ids, partition_strategy="mod"))
+        hidden = tf.reshape(tf.tanh(looked_up), [-1, 4 * DIM])
+        logits = v1.layers.dense(hidden, 3)
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        if extra_use is not None:
+            ys += extra_use(graph)
+        xs = v1.trainable_variables()
+    rng = np.random.RandomState(1)
+    feed = {ids: np.array([[1, 1, 7, 2], [9, 9, 9, 9], [0, 5, 3, 4], [8, 6, 2, 2]])[:B],
+            y: rng.randint(0, 3, B)}
+    four = {ids: np.array([[1, 1, 7, 2], [9, 9, 9, 9], [0, 5, 3, 4], [8, 6, 2, 2]]),
+            y: rng.randint(0, 3, 4)}
+    return graph, ys, xs, feed, four
+
+
+def check_partitioned_lookups_on_the_rules():
+    """Partitioned embedding lookups ("div", "mod"; reference or resource parts): every
+    part on the rules without batch_size (explain), per-example gradients, norms,
+    2 microbatches of 2 and a DPOptimizer step against the loop."""
+    graph, ys, xs, feed, four = _partitioned_lookup_graph()
+    with graph.as_default():
+        plan = pertower.explain(ys, xs)
+        off = {w.name: w.reason for w in plan.weights if w.method != "rules"}
+        assert not off and plan.request.batch_size is None, str(plan)
+        assert sum("part_" in w.name for w in plan.weights) == 5, str(plan)
+        grads = pertower.per_example_gradients(ys, xs)
+        norms = pertower.per_example_norms(ys, xs)
+        micro = pertower.microbatch_gradients(ys, xs, num_microbatches=2)
+        clip = 0.5
+        dp = pertower.DPOptimizer(v1.train.GradientDescentOptimizer(1.0), l2_norm_clip=clip,
+                                  noise_multiplier=0.0)
+        step = dp.minimize(ys, var_list=xs)
+        loop = oracle.SliceLoop(ys, xs)
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    tolerance = common.tolerance(np.float32, "deep")
+    got, got_norms = sess.run([grads, norms], feed)
+    want = loop.run(sess, feed, B)
+    common.assert_all_close(got, want, what="partitioned lookups: per-example gradients",
+                            **tolerance)
+    want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
+    common.assert_all_close([got_norms], [want_norms], what="partitioned lookups: norms",
+                            **tolerance)
+    common.assert_all_close(sess.run(micro, four),
+                            loop.run(sess, four, 2),
+                            what="partitioned lookups: microbatches", **tolerance)
+    before = sess.run(xs)
+    sess.run(step, feed)
+    after = sess.run(xs)
+    factors = np.minimum(1.0, clip / want_norms)
+    common.assert_all_close([a - b for a, b in zip(after, before)],
+                            [-np.tensordot(factors, g, 1) / B for g in want],
+                            what="partitioned lookups: DP step", **tolerance)
+
+
+def check_partitioned_lookup_with_another_use_is_not_proven():
+    """A partition of the ids read outside the lookup (its sum added to the loss), or
+    positions that are not range(n): the analysis loses the batch axis there, so the
+    parts are not on the rules (towers, which need batch_size)."""
+    def partition_sum(graph):
+        split = [op for op in graph.get_operations() if op.type == "DynamicPartition"][0]
+        return tf.cast(tf.reduce_sum(split.outputs[0]), tf.float32)
+
+    graph, ys, xs, _, _ = _partitioned_lookup_graph(partition_sum)
+    with graph.as_default():
+        plan = pertower.explain(ys, xs)
+        assert all(w.method != "rules" for w in plan.weights), str(plan)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.placeholder(tf.int32, [None], name="ids")
+        parts = [v1.get_variable(f"part_{p}", [CLASSES, DIM]) for p in range(2)]
+        which = ids % 2
+        split = tf.dynamic_partition(ids // 2, which, 2)
+        positions = tf.dynamic_partition(tf.reverse(tf.range(tf.size(ids)), [0]), which, 2)
+        rows = tf.dynamic_stitch(positions, [tf.gather(parts[p], split[p]) for p in range(2)])
+        ys = tf.reduce_sum(rows, 1)
+        plan = pertower.explain(ys, parts)
+        assert all(w.method != "rules" for w in plan.weights), str(plan)
+
+
+@pytest.mark.heavy
 def test_sampled_losses_share_the_batch_draw():
+    """(The default run checks the sampled softmax alone, under disable_v2_behavior().)"""
     check_sampled_losses_share_the_batch_draw()
+
+
+def test_partitioned_lookups_on_the_rules():
+    check_partitioned_lookups_on_the_rules()
+
+
+def test_partitioned_lookup_with_another_use_is_not_proven():
+    check_partitioned_lookup_with_another_use_is_not_proven()
 
 
 @pytest.mark.heavy
@@ -171,7 +280,9 @@ def test_sampled_loss_microbatches_and_capacity():
 
 
 @pytest.mark.process_checks("legacy_idioms")
-@pytest.mark.parametrize("check", ["check_sampled_losses_share_the_batch_draw"])
+@pytest.mark.parametrize("check", ["check_sampled_softmax_shares_the_batch_draw",
+                                   "check_partitioned_lookups_on_the_rules",
+                                   "check_partitioned_lookup_with_another_use_is_not_proven"])
 def test_legacy_idioms_under_disable_v2_behavior(processes, check):
     """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
     processes.assert_passed("legacy_idioms", check)
@@ -179,6 +290,7 @@ def test_legacy_idioms_under_disable_v2_behavior(processes, check):
 
 @pytest.mark.heavy
 @pytest.mark.process_checks("legacy_idioms_heavy")
-@pytest.mark.parametrize("check", ["check_sampled_loss_microbatches_and_capacity"])
+@pytest.mark.parametrize("check", ["check_sampled_losses_share_the_batch_draw",
+                                   "check_sampled_loss_microbatches_and_capacity"])
 def test_legacy_idioms_heavy_under_disable_v2_behavior(processes, check):
     processes.assert_passed("legacy_idioms_heavy", check)

@@ -27,6 +27,11 @@ def _require_legacy_mode():
         raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
 
 
+def check_sampled_softmax_shares_the_batch_draw():
+    _require_legacy_mode()
+    idioms.check_sampled_losses_share_the_batch_draw(full=False)
+
+
 def check_sampled_losses_share_the_batch_draw():
     _require_legacy_mode()
     idioms.check_sampled_losses_share_the_batch_draw()
@@ -37,7 +42,20 @@ def check_sampled_loss_microbatches_and_capacity():
     idioms.check_sampled_loss_microbatches_and_capacity()
 
 
+def check_partitioned_lookups_on_the_rules():
+    _require_legacy_mode()
+    idioms.check_partitioned_lookups_on_the_rules()
+
+
+def check_partitioned_lookup_with_another_use_is_not_proven():
+    _require_legacy_mode()
+    idioms.check_partitioned_lookup_with_another_use_is_not_proven()
+
+
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
-        [check_sampled_losses_share_the_batch_draw, check_sampled_loss_microbatches_and_capacity],
-        "legacy idiom checks", heavy={"check_sampled_loss_microbatches_and_capacity"}))
+        [check_sampled_softmax_shares_the_batch_draw, check_partitioned_lookups_on_the_rules,
+         check_partitioned_lookup_with_another_use_is_not_proven,
+         check_sampled_losses_share_the_batch_draw, check_sampled_loss_microbatches_and_capacity],
+        "legacy idiom checks", heavy={"check_sampled_losses_share_the_batch_draw",
+                                      "check_sampled_loss_microbatches_and_capacity"}))
