@@ -246,7 +246,7 @@ COSTS = {
     "never_wrong_shape_legacy": 3, "never_wrong_dtype_legacy": 0.3, "curvature_legacy": 4,
     "dp_distributed": 4, "never_wrong_shape_graph": 2, "never_wrong_dtype_graph": 0.2,
     "distributed": 1, "eager": 0.4, "keras3": 4, "convs_onednn": 5,
-    "doc_blocks": 20, "scenario_examples": 5, "vgg_paths_legacy": 3, "legacy_idioms": 3.5,
+    "doc_blocks": 20, "scenario_examples": 5, "vgg_paths_legacy": 3, "legacy_idioms": 5,
 }
 DEFAULT_COST = 5
 

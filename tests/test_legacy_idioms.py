@@ -199,39 +199,8 @@ def check_partitioned_lookups_on_the_rules():
     part on the rules without batch_size (explain), per-example gradients, norms,
     2 microbatches of 2 and a DPOptimizer step against the loop."""
     graph, ys, xs, feed, four = _partitioned_lookup_graph()
-    with graph.as_default():
-        plan = pertower.explain(ys, xs)
-        off = {w.name: w.reason for w in plan.weights if w.method != "rules"}
-        assert not off and plan.request.batch_size is None, str(plan)
-        assert sum("part_" in w.name for w in plan.weights) == 5, str(plan)
-        grads = pertower.per_example_gradients(ys, xs)
-        norms = pertower.per_example_norms(ys, xs)
-        micro = pertower.microbatch_gradients(ys, xs, num_microbatches=2)
-        clip = 0.5
-        dp = pertower.DPOptimizer(v1.train.GradientDescentOptimizer(1.0), l2_norm_clip=clip,
-                                  noise_multiplier=0.0)
-        step = dp.minimize(ys, var_list=xs)
-        loop = oracle.SliceLoop(ys, xs)
-        sess = v1.Session(graph=graph)
-        sess.run(v1.global_variables_initializer())
-    tolerance = common.tolerance(np.float32, "deep")
-    got, got_norms = sess.run([grads, norms], feed)
-    want = loop.run(sess, feed, B)
-    common.assert_all_close(got, want, what="partitioned lookups: per-example gradients",
-                            **tolerance)
-    want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
-    common.assert_all_close([got_norms], [want_norms], what="partitioned lookups: norms",
-                            **tolerance)
-    common.assert_all_close(sess.run(micro, four),
-                            loop.run(sess, four, 2),
-                            what="partitioned lookups: microbatches", **tolerance)
-    before = sess.run(xs)
-    sess.run(step, feed)
-    after = sess.run(xs)
-    factors = np.minimum(1.0, clip / want_norms)
-    common.assert_all_close([a - b for a, b in zip(after, before)],
-                            [-np.tensordot(factors, g, 1) / B for g in want],
-                            what="partitioned lookups: DP step", **tolerance)
+    assert sum("part_" in x.name for x in xs) == 5, [x.name for x in xs]
+    _check_rules_against_loop(graph, ys, xs, feed, four, "partitioned lookups")
 
 
 def check_partitioned_lookup_with_another_use_is_not_proven():
@@ -261,17 +230,103 @@ def check_partitioned_lookup_with_another_use_is_not_proven():
 
 
 @pytest.mark.heavy
+def _sparse_lookup_graph(extra_use=None):
+    """Ids fed dense [B, 5] (0 = no id), made a SparseTensor in the graph with
+    tf.sparse.from_dense (as pertower's refusal of a sparse placeholder advises) and
+    looked up in three tables with the "sum", "mean" and "sqrtn" combiners
+    (tf.compat.v1.nn.embedding_lookup_sparse), then a dense head; `extra_use(sp)` may add
+    to the loss."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.placeholder(tf.int64, [None, 5], name="ids")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        sp = tf.sparse.from_dense(ids)
+        looked_up = [v1.nn.embedding_lookup_sparse(v1.get_variable(f"{c}_table", [CLASSES, DIM]),
+                                                   sp, None, combiner=c)
+                     for c in ("sum", "mean", "sqrtn")]
+        logits = v1.layers.dense(tf.tanh(tf.concat(looked_up, 1)), 3)
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        if extra_use is not None:
+            ys += extra_use(sp)
+        xs = v1.trainable_variables()
+    rows = np.array([[1, 1, 7, 0, 2], [0, 9, 0, 0, 0], [3, 5, 3, 4, 3], [8, 0, 0, 6, 6]])
+    rng = np.random.RandomState(2)
+    feed = {ids: rows[:B], y: rng.randint(0, 3, B)}
+    four = {ids: rows, y: rng.randint(0, 3, 4)}
+    return graph, ys, xs, feed, four
+
+
+def check_sparse_lookups_on_the_rules():
+    """Sparse lookups of ids made sparse in the graph: every table on the rules without
+    batch_size (explain), per-example gradients, norms, 2 microbatches of 2 and a
+    DPOptimizer step against the loop."""
+    graph, ys, xs, feed, four = _sparse_lookup_graph()
+    _check_rules_against_loop(graph, ys, xs, feed, four, "sparse lookups")
+
+
+def _check_rules_against_loop(graph, ys, xs, feed, four, what):
+    with graph.as_default():
+        plan = pertower.explain(ys, xs)
+        off = {w.name: w.reason for w in plan.weights if w.method != "rules"}
+        assert not off and plan.request.batch_size is None, str(plan)
+        grads = pertower.per_example_gradients(ys, xs)
+        norms = pertower.per_example_norms(ys, xs)
+        micro = pertower.microbatch_gradients(ys, xs, num_microbatches=2)
+        clip = 0.5
+        dp = pertower.DPOptimizer(v1.train.GradientDescentOptimizer(1.0), l2_norm_clip=clip,
+                                  noise_multiplier=0.0)
+        step = dp.minimize(ys, var_list=xs)
+        loop = oracle.SliceLoop(ys, xs)
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    tolerance = common.tolerance(np.float32, "deep")
+    got, got_norms = sess.run([grads, norms], feed)
+    want = loop.run(sess, feed, B)
+    common.assert_all_close(got, want, what=f"{what}: per-example gradients", **tolerance)
+    want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
+    common.assert_all_close([got_norms], [want_norms], what=f"{what}: norms", **tolerance)
+    common.assert_all_close(sess.run(micro, four), loop.run(sess, four, 2),
+                            what=f"{what}: microbatches", **tolerance)
+    before = sess.run(xs)
+    sess.run(step, feed)
+    after = sess.run(xs)
+    factors = np.minimum(1.0, clip / want_norms)
+    common.assert_all_close([a - b for a, b in zip(after, before)],
+                            [-np.tensordot(factors, g, 1) / B for g in want],
+                            what=f"{what}: DP step", **tolerance)
+
+
+def check_sparse_lookup_with_another_use_is_not_proven():
+    """The SparseTensor's coordinates also read by another op (a sparse sum added to
+    the loss): the analysis loses the batch axis at the Where, no table on the rules."""
+    graph, ys, xs, _, _ = _sparse_lookup_graph(
+        lambda sp: tf.cast(tf.sparse.reduce_sum(sp), tf.float32))
+    with graph.as_default():
+        plan = pertower.explain(ys, xs)
+        assert all(w.method != "rules" for w in plan.weights), str(plan)
+
+
 def test_sampled_losses_share_the_batch_draw():
     """(The default run checks the sampled softmax alone, under disable_v2_behavior().)"""
     check_sampled_losses_share_the_batch_draw()
 
 
+@pytest.mark.heavy
 def test_partitioned_lookups_on_the_rules():
+    """(The default run checks it under disable_v2_behavior().)"""
     check_partitioned_lookups_on_the_rules()
 
 
 def test_partitioned_lookup_with_another_use_is_not_proven():
     check_partitioned_lookup_with_another_use_is_not_proven()
+
+
+def test_sparse_lookups_on_the_rules():
+    check_sparse_lookups_on_the_rules()
+
+
+def test_sparse_lookup_with_another_use_is_not_proven():
+    check_sparse_lookup_with_another_use_is_not_proven()
 
 
 @pytest.mark.heavy
@@ -282,7 +337,9 @@ def test_sampled_loss_microbatches_and_capacity():
 @pytest.mark.process_checks("legacy_idioms")
 @pytest.mark.parametrize("check", ["check_sampled_softmax_shares_the_batch_draw",
                                    "check_partitioned_lookups_on_the_rules",
-                                   "check_partitioned_lookup_with_another_use_is_not_proven"])
+                                   "check_partitioned_lookup_with_another_use_is_not_proven",
+                                   "check_sparse_lookups_on_the_rules",
+                                   "check_sparse_lookup_with_another_use_is_not_proven"])
 def test_legacy_idioms_under_disable_v2_behavior(processes, check):
     """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
     processes.assert_passed("legacy_idioms", check)

@@ -17,6 +17,7 @@ Built-in rules (each file states its identity and reference):
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
     partitioned_gather.py  the same on a partitioned table's parts (DynamicPartition ids)
+    sparse_segment.py    SparseSegmentSum/Mean/SqrtN of a SparseTensor of the batch's ids
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
 
 A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||,
@@ -36,6 +37,7 @@ from pertower.rules import fused_batch_norm
 from pertower.rules import gather
 from pertower.rules import matmul
 from pertower.rules import partitioned_gather
+from pertower.rules import sparse_segment
 from pertower.rules.registry import Rule
 from pertower.rules.registry import RuleRegistry
 from pertower.rules.registry import Use
@@ -43,7 +45,8 @@ from pertower.rules.registry import Use
 __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
-             conv3d, depthwise_conv2d, gather, partitioned_gather, fused_batch_norm)
+             conv3d, depthwise_conv2d, gather, partitioned_gather, sparse_segment,
+             fused_batch_norm)
 
 
 def default_registry():
