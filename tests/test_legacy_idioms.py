@@ -22,6 +22,7 @@ import pertower
 from pertower import _op_types as op_types
 from pertower import oracle
 from tests import common
+from tests import legacy_idiom_cases
 
 v1 = tf.compat.v1
 B = 3          # examples per batch
@@ -330,6 +331,18 @@ def test_sparse_lookup_with_another_use_is_not_proven():
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("name", sorted(legacy_idiom_cases.CASES))
+def test_legacy_idiom_matches_the_loop(name):
+    """The matrix of tests/legacy_idiom_cases.py: TF1 idioms against the loop."""
+    legacy_idiom_cases.check_case(name)
+
+
+@pytest.mark.parametrize("name", sorted(legacy_idiom_cases.REFUSED))
+def test_legacy_idiom_is_refused_with_its_reason(name):
+    legacy_idiom_cases.check_refused(name)
+
+
+@pytest.mark.heavy
 def test_sampled_loss_microbatches_and_capacity():
     check_sampled_loss_microbatches_and_capacity()
 
@@ -348,6 +361,7 @@ def test_legacy_idioms_under_disable_v2_behavior(processes, check):
 @pytest.mark.heavy
 @pytest.mark.process_checks("legacy_idioms_heavy")
 @pytest.mark.parametrize("check", ["check_sampled_losses_share_the_batch_draw",
-                                   "check_sampled_loss_microbatches_and_capacity"])
+                                   "check_sampled_loss_microbatches_and_capacity",
+                                   "check_idiom_matrix"])
 def test_legacy_idioms_heavy_under_disable_v2_behavior(processes, check):
     processes.assert_passed("legacy_idioms_heavy", check)

@@ -19,6 +19,7 @@ import tensorflow as tf  # noqa: E402
 tf.compat.v1.disable_v2_behavior()
 
 from tests import process_checks  # noqa: E402
+from tests import legacy_idiom_cases  # noqa: E402
 from tests import test_legacy_idioms as idioms  # noqa: E402
 
 
@@ -62,11 +63,22 @@ def check_sparse_lookup_with_another_use_is_not_proven():
     idioms.check_sparse_lookup_with_another_use_is_not_proven()
 
 
+def check_idiom_matrix():
+    """Every case of tests/legacy_idiom_cases.py against the loop; every refusal."""
+    _require_legacy_mode()
+    for name in sorted(legacy_idiom_cases.CASES):
+        legacy_idiom_cases.check_case(name)
+    for name in sorted(legacy_idiom_cases.REFUSED):
+        legacy_idiom_cases.check_refused(name)
+
+
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
         [check_sampled_softmax_shares_the_batch_draw, check_partitioned_lookups_on_the_rules,
          check_partitioned_lookup_with_another_use_is_not_proven,
          check_sparse_lookups_on_the_rules, check_sparse_lookup_with_another_use_is_not_proven,
-         check_sampled_losses_share_the_batch_draw, check_sampled_loss_microbatches_and_capacity],
+         check_sampled_losses_share_the_batch_draw, check_sampled_loss_microbatches_and_capacity,
+         check_idiom_matrix],
         "legacy idiom checks", heavy={"check_sampled_losses_share_the_batch_draw",
-                                      "check_sampled_loss_microbatches_and_capacity"}))
+                                      "check_sampled_loss_microbatches_and_capacity",
+                                      "check_idiom_matrix"}))
