@@ -267,7 +267,9 @@ def check_sparse_lookups_on_the_rules():
 
 def _check_rules_against_loop(graph, ys, xs, feed, four, what):
     with graph.as_default():
+        ops = len(graph.get_operations())
         plan = pertower.explain(ys, xs)
+        assert len(graph.get_operations()) == ops, "explain added ops to the graph"
         off = {w.name: w.reason for w in plan.weights if w.method != "rules"}
         assert not off and plan.request.batch_size is None, str(plan)
         grads = pertower.per_example_gradients(ys, xs)

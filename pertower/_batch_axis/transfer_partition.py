@@ -20,7 +20,6 @@ and `stitch` takes that loss back once it has matched the whole pattern and foun
 other use of the partitions or the gathered rows between the batch and `ys`.
 """
 
-from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import INDEPENDENT, Rows
@@ -113,4 +112,3 @@ def stitch(scan, op, ins):
 
 TRANSFERS = dict.fromkeys(_STITCH_OP_TYPES, stitch)
 READS_UNKNOWN = frozenset(_STITCH_OP_TYPES)
-assert not READS_UNKNOWN & op_types.REDUCTION_OP_TYPES

@@ -28,12 +28,12 @@ __all__ = ["PartitionedGatherRule", "register"]
 
 
 class _Partition:
-    """What a use of part p needs: the positions its rows came from [n_p], the flat
-    ids' length n = B*k (a scalar tensor) and k."""
+    """What a use of part p needs: the positions its rows came from [n_p], the
+    range(n) they index (n = B*k flat ids) and k."""
 
-    def __init__(self, positions, count, k):
+    def __init__(self, positions, flat_range, k):
         self.positions = positions
-        self.count = count
+        self.flat_range = flat_range
         self.k = k
 
 
@@ -52,8 +52,7 @@ def _partition_of(op, analysis):
     if found is None or op not in found[3] or rows is None or rows.lead != 0 or rows.k is None:
         return None
     where = found[2][1]   # DynamicPartition(range(n), P)
-    count = where.inputs[0]
-    return _Partition(where.outputs[ids.value_index], tf.size(count), rows.k)
+    return _Partition(where.outputs[ids.value_index], where.inputs[0], rows.k)
 
 
 def _through_identities(tensor):
@@ -86,7 +85,8 @@ class PartitionedGatherRule(gather.GatherRule):
         row_shape = use.weight_shape.as_list()[1:]
         D = _rows.static_size(use.weight_shape[1:])
         examples = tf.cast(part.positions // part.k, tf.int64)          # [n_p]
-        per_group = tf.cast(part.count // part.k, tf.int64) // tf.cast(G, tf.int64)
+        count = tf.size(part.flat_range, out_type=tf.int64)              # n = B*k
+        per_group = count // part.k // tf.cast(G, tf.int64)
         groups = examples // tf.maximum(per_group, 1)                     # [n_p]
         segments = groups * V + tf.cast(use.activation, tf.int64)          # [n_p]
         dense = tf.math.unsorted_segment_sum(tf.reshape(dZ, [-1, D]), segments,
