@@ -15,6 +15,7 @@ __all__ = [
     "V1_BOUND_PLUMBING_OP_TYPES", "TENSOR_ARRAY_FLOW_OP_TYPES", "FLOW_PASSING_OP_TYPES",
     "TENSOR_ARRAY_OP_TYPES",
     "PYTHON_OP_TYPES", "GRADIENT_OVERRIDE_ATTR", "RANDOM_OP_TYPES", "SHAPE_OP_TYPES",
+    "FIXED_CANDIDATE_SAMPLER_OP_TYPES",
     "FILL_OP_TYPES",
     "SHAPED_BY_SIZE_OP_TYPES", "ELEMENTWISE_OP_TYPES", "REDUCTION_OP_TYPES",
     "POOL_OP_TYPES", "BATCH_NORM_OP_TYPES", "BATCH_MATMUL_OP_TYPES",
@@ -91,6 +92,15 @@ RANDOM_OP_TYPES = frozenset({
     "StatelessRandomUniform", "StatelessRandomUniformV2", "StatelessRandomNormal",
     "StatelessRandomNormalV2", "StatelessTruncatedNormal", "StatelessTruncatedNormalV2",
     "StatelessRandomUniformInt", "StatelessRandomUniformIntV2"})
+# Candidate samplers of a fixed distribution (tf.nn.sampled_softmax_loss, nce_loss): one
+# draw of classes per run for the whole batch. Outputs (sampled_candidates [S],
+# true_expected_count [B, num_true], sampled_expected_count [S]); the draw and the
+# expected counts (which depend on the draw's number of tries) read only the shape of the
+# true classes, true_expected_count row i their row i. (The learned unigram samplers,
+# whose distribution each run updates, are not among them.)
+FIXED_CANDIDATE_SAMPLER_OP_TYPES = frozenset({
+    "UniformCandidateSampler", "LogUniformCandidateSampler", "FixedUnigramCandidateSampler",
+    "AllCandidateSampler"})
 
 # -- shapes and values shaped by them --------------------------------------------------
 

@@ -122,6 +122,9 @@ PROCESSES = {
     # the DP modes and per-weight norms under disable_v2_behavior()
     "dp_modes_legacy": _Command((os.path.join(HERE, "scripts", "dp_modes_legacy_checks.py"),)),
     "vgg_paths_legacy": _Command((os.path.join(HERE, "scripts", "vgg_paths_legacy.py"),)),
+    # legacy TF1 idioms of tests/test_legacy_idioms.py (sampled losses, v1 layers, cells)
+    **{name: _Command((os.path.join(HERE, "scripts", "legacy_idioms_checks.py"), *args))
+       for name, args in (("legacy_idioms", ()), ("legacy_idioms_heavy", ("heavy",)))},
     # tests/test_rules_convs.py under disable_v2_behavior() and with TF_ENABLE_ONEDNN_OPTS=1
     # (the oneDNN ones set TF_ENABLE_ONEDNN_OPTS=1 themselves too, when run alone)
     # (TF_USE_LEGACY_KERAS: they set it themselves, and import tf_keras by name)
@@ -215,7 +218,8 @@ GROUPS = (
      "tower_sizes", "messages_joined_legacy", "never_wrong_loops", "dp_modes_legacy",
      "convs_legacy", "curvature_legacy", "never_wrong_shape_legacy",
      "never_wrong_dtype_legacy", "python_gradients_legacy", "recurrent_v1",
-     "curvature_convs_legacy", "zoo_speed_legacy", "vgg_paths_legacy", "unseen_legacy"),
+     "curvature_convs_legacy", "zoo_speed_legacy", "vgg_paths_legacy", "unseen_legacy",
+     "legacy_idioms"),
     # graph mode (disable_eager_execution()), after the fresh members that set it up;
     # the servers of "distributed" and "dp_distributed" live on beside the others'
     # clusters and local sessions
@@ -244,7 +248,7 @@ COSTS = {
     "never_wrong_shape_legacy": 3, "never_wrong_dtype_legacy": 0.3, "curvature_legacy": 4,
     "dp_distributed": 4, "never_wrong_shape_graph": 2, "never_wrong_dtype_graph": 0.2,
     "distributed": 1, "eager": 0.4, "keras3": 4, "convs_onednn": 5,
-    "doc_blocks": 20, "scenario_examples": 5, "vgg_paths_legacy": 3,
+    "doc_blocks": 20, "scenario_examples": 5, "vgg_paths_legacy": 3, "legacy_idioms": 5,
 }
 DEFAULT_COST = 5
 

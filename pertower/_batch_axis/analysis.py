@@ -45,6 +45,7 @@ from pertower._batch_axis import transfer_blocks
 from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_index
 from pertower._batch_axis import transfer_layout
+from pertower._batch_axis import transfer_lookups
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
 __all__ = ["Analysis", "analyze", "find_couplings"]
@@ -52,10 +53,10 @@ __all__ = ["Analysis", "analyze", "find_couplings"]
 TRANSFERS = dict(transfer_layout.TRANSFERS)
 TRANSFERS.update(transfer_index.TRANSFERS)
 TRANSFERS.update(transfer_compute.TRANSFERS)
-TRANSFERS.update(functions.TRANSFERS, **transfer_blocks.TRANSFERS)
+TRANSFERS.update(functions.TRANSFERS, **transfer_blocks.TRANSFERS, **transfer_lookups.TRANSFERS)
 # Ops whose transfer functions read UNKNOWN inputs themselves.
 _READS_UNKNOWN = (transfer_compute.READS_UNKNOWN | functions.CONTROL_FLOW_OP_TYPES
-                  | {"Reshape", "IdentityN"})
+                  | transfer_lookups.READS_UNKNOWN | {"Reshape", "IdentityN"})
 # Passes over a region with TF1 loops before their values must have settled.
 _MAX_LOOP_PASSES = 6
 _MAX_DEPTH = 8

@@ -57,6 +57,7 @@ from pertower._towers import fallback
 from pertower._towers import functions as control_flow
 from pertower._towers import later_gradients
 from pertower._towers import replay as replay_lib
+from pertower._towers import shared_draws
 from pertower._towers import slicing
 
 __all__ = ["Towers", "build_towers", "build", "towers_of", "replay_forward"]
@@ -221,6 +222,10 @@ def towers_of(request, scope, devices=None):
     with graph.as_default():
         reads = request.reads
         replayed = set(request.replay_region)
+        # the batch's one draw of sampled classes: read by every tower, not redrawn
+        samplers = (shared_draws.shared_samplers(replayed, request.analysis)
+                    if request.segments is None else [])
+        replayed -= set(samplers)
         gather_ops = {op for r in reads for op in r.gather_ops}
         call_ops = {op for r in reads for op, _ in r.call_inputs}
         # without weight copies (the run-time check's replay of `ys`) no gradient is
@@ -253,9 +258,13 @@ def towers_of(request, scope, devices=None):
             if request.segments is None:
                 slices = slicing.split_batch(batch, B, T, request.batch_axes,
                                              request.static_sizes, padded)
+                drawn = shared_draws.per_example_outputs(samplers)
+                shared_rows = tuple(zip(drawn, slicing.split_batch(
+                    drawn, B, T, [0] * len(drawn), shared_draws.static_rows(drawn), padded)))
             else:
                 slices = slicing.split_segments(batch, request.segments, B, T,
                                                 request.batch_axes, request.static_sizes)
+                shared_rows = ()
             copies, first_index = _copies(reads, derived, aliases, T, devices)
             unique = sorted(k for k in set(first_index.values()) if k not in derived)
             # a token unique in the graph names this build's function copies
@@ -265,6 +274,7 @@ def towers_of(request, scope, devices=None):
                 call_positions=call_positions,
                 rewriter=control_flow.FunctionRewriter(graph, token), slices=slices,
                 replayed=frozenset(replayed), num_towers=T, devices=devices,
+                shared_rows=shared_rows,
                 also=tuple(reads[k].x for k in derived)))
             outputs, derived_copies = [o[0] for o in outputs], [o[1:] for o in outputs]
             for position, k in enumerate(derived):  # the replay's own copy of xs[k]

@@ -52,6 +52,9 @@ class Replay:
       num_towers: T.
       devices: device strings (tower t on devices[t % len(devices)]), or None.
       also: tensors of S whose tower versions are returned after the output.
+      shared_rows: (tensor, its T slices) pairs: per-example values made outside S
+        that tower t reads its slice of (a shared sampler's true_expected_count,
+        `pertower._towers.shared_draws`).
     """
 
     request: object
@@ -64,6 +67,7 @@ class Replay:
     num_towers: int
     devices: object = None
     also: tuple = ()
+    shared_rows: tuple = ()
 
 
 def derived_entries(reads, replayed):
@@ -163,6 +167,9 @@ def replay(spec):
     for j, b in enumerate(batch):
         for t in range(T):
             per_tower_inputs[t][b.name] = slices[j][t]
+    for tensor, parts in spec.shared_rows:
+        for t in range(T):
+            per_tower_inputs[t][tensor.name] = parts[t]
     for k in unique:
         for tensor in reads[k].read_tensors:
             for t in range(T):

@@ -16,6 +16,8 @@ Built-in rules (each file states its identity and reference):
     conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks), Conv3DBackpropInputV2
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
+    partitioned_gather.py  the same on a partitioned table's parts (DynamicPartition ids)
+    sparse_segment.py    SparseSegmentSum/Mean/SqrtN of a SparseTensor of the batch's ids
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
     function_call.py     PartitionedCall, StatefulPartitionedCall whose body applies one
                          covered op to the weight (tf_keras' jit-compiled grouped Conv2D)
@@ -37,6 +39,8 @@ from pertower.rules import function_call
 from pertower.rules import fused_batch_norm
 from pertower.rules import gather
 from pertower.rules import matmul
+from pertower.rules import partitioned_gather
+from pertower.rules import sparse_segment
 from pertower.rules.registry import Rule
 from pertower.rules.registry import RuleRegistry
 from pertower.rules.registry import Use
@@ -44,7 +48,8 @@ from pertower.rules.registry import Use
 __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
-             conv3d, depthwise_conv2d, gather, fused_batch_norm, function_call)
+             conv3d, depthwise_conv2d, gather, partitioned_gather, sparse_segment,
+             fused_batch_norm, function_call)
 
 
 def default_registry():
