@@ -139,3 +139,33 @@ def test_a_plan_that_needs_batch_size_is_built_with_the_first_b(monkeypatch):
     assert (times.first_s, times.first_cpu_s) == (4.0, 3.5)
     assert times.tf_gradients_s == [5.0, 7.0] and times.pertower_cpu_s == [5.5, 7.5]
     assert times.medians["pertower_s"] == 7.0 and times.ratio == 7.0 / 6.0
+
+
+class _FixedLoop:
+    """A stand-in for oracle.SliceLoop whose run returns fixed [B, *w] arrays."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def run(self, sess, feed, B):  # pylint: disable=unused-argument
+        return [a.copy() for a in self.arrays]
+
+
+def test_a_disagreeing_row_names_its_weight_examples_and_whether_reruns_agree():
+    """_disagreement on a graph whose 'per-example gradients' are the loop's with example
+    1 of the second weight off by 10%: it names that weight and example, and both sides
+    repeat themselves exactly (deterministic, so wrong rather than racy)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    want = [np.ones([3, 2], np.float32), np.arange(12, dtype=np.float32).reshape(3, 4)]
+    off = want[1].copy()
+    off[1] *= 1.1
+    with tf.Graph().as_default():
+        weights = [tf.Variable(tf.zeros([2]), name="w0"), tf.Variable(tf.zeros([4]), name="w1")]
+        gradients = [tf.constant(want[0]), tf.constant(off)]
+        with tf.compat.v1.Session() as sess:
+            got = sess.run(gradients)
+            line = zoo_bench._disagreement(sess, gradients, _FixedLoop(want), {}, 3,
+                                           (got, want), weights)
+    assert "worst weight w1:0" in line and "examples [1]" in line, line
+    assert line.count("0.0e+00") == 2 and "(pertower), 0.0e+00 (loop)" in line, line
+    assert f"each other {0.1 * 7 / 11:.1e}" in line, line

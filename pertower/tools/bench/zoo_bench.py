@@ -222,6 +222,25 @@ def _max_relative_diff(got, want):
     return worst / scale if scale > 0 else worst
 
 
+def _disagreement(sess, gradients, loop, feed, B, first, weights):
+    """One line on a row that disagrees with the loop: the worst weight, the examples
+    over the tolerance, and whether a second run of each side gives the same numbers
+    (a side that does not is nondeterministic; one that does is wrong or ill-conditioned).
+    `first` is (pertower's [B, *w] per weight, the loop's), already run once."""
+    got, want = first
+    scale = max(float(np.max(np.abs(w))) for w in want)
+    worst = max(range(len(want)), key=lambda k: float(np.max(np.abs(got[k] - want[k]))))
+    per_example = (np.abs(got[worst] - want[worst]).reshape(B, -1).max(axis=1)
+                   / max(scale, 1e-30))                                        # [B]
+    again = sess.run(gradients, feed), loop.run(sess, feed, B)
+    reruns = [_max_relative_diff(a, b) for a, b in zip(again, first)]
+    return (f"  DISAGREES: worst weight {weights[worst].name}, examples "
+            f"{np.flatnonzero(per_example > RELATIVE_TOLERANCE).tolist()} over "
+            f"{RELATIVE_TOLERANCE:.0e}; a second run differs from the first by "
+            f"{reruns[0]:.1e} (pertower), {reruns[1]:.1e} (loop); second runs against "
+            f"each other {_max_relative_diff(*again):.1e}")
+
+
 def _method_counts(name):
     with tf.Graph().as_default():
         loss, _, _, weights = zoo.build(name)
@@ -252,8 +271,12 @@ def _bench_network(name, batch_sizes, repeats, loop_repeats, build_repeats, repo
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = make_feed(B, np.random.default_rng(B))
             got = sess.run(pertower_rows["gradients"], feed)
-            row.max_relative_diff = _max_relative_diff(got, loop.run(sess, feed, B))
-            del got
+            want = loop.run(sess, feed, B)
+            row.max_relative_diff = _max_relative_diff(got, want)
+            if not row.agrees:
+                report(_disagreement(sess, pertower_rows["gradients"], loop, feed, B,
+                                     (got, want), weights))
+            del got, want
             fetches = {"batch gradient": batch_grads, "plain step": plain, **pertower_rows}
             runs = [(lambda f=f: sess.run(f, feed), repeats) for f in fetches.values()]
             runs.append((lambda: loop.run(sess, feed, B), loop_repeats))
