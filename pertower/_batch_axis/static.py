@@ -118,7 +118,8 @@ class ShapeEvaluator:
         # no static dimension of the graph can hold B (`constant_sizes`)
         self.dynamic_batch = bool(seeds) and all(
             isinstance(v, lattice.Rows) and t.shape.rank is not None and 0 <= v.lead <
-            t.shape.rank and t.shape[v.lead] is None for t, v in seeds)
+            t.shape.rank and tf.compat.dimension_value(t.shape[v.lead]) is None
+            for t, v in seeds)
 
     def __call__(self, tensor):
         """A list of (coefficient, power), or None when `tensor` cannot be followed."""

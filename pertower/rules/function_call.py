@@ -130,7 +130,8 @@ class FunctionCallRule(registry_lib.Rule):
         registry = self.registry if self.registry is not None else analysis.registry
         rule = None if registry is None else registry.lookup(inner.type)
         if rule is None or inner.type in op_types.CALL_OP_TYPES:
-            return f"its function reads the weight by {inner.name!r} ({inner.type}), which has no rule"
+            return (f"its function reads the weight by {inner.name!r} ({inner.type}), which "
+                    "has no rule")
         if len(inner.outputs) != 1:
             return f"its function's {inner.name!r} ({inner.type}) has several outputs"
         arguments = [_argument_of(t, body) for t in inner.inputs]
