@@ -235,16 +235,17 @@ def _sparse_lookup_graph(extra_use=None):
     """Ids fed dense [B, 5] (0 = no id), made a SparseTensor in the graph with
     tf.sparse.from_dense (as pertower's refusal of a sparse placeholder advises) and
     looked up in three tables with the "sum", "mean" and "sqrtn" combiners
-    (tf.compat.v1.nn.embedding_lookup_sparse), then a dense head; `extra_use(sp)` may add
-    to the loss."""
+    (tf.compat.v1.nn.embedding_lookup_sparse; the "mean" one a resource variable, also
+    under disable_v2_behavior()), then a dense head; `extra_use(sp)` may add to the loss."""
     graph = tf.Graph()
     with graph.as_default():
         ids = v1.placeholder(tf.int64, [None, 5], name="ids")
         y = v1.placeholder(tf.int32, [None], name="y")
         sp = tf.sparse.from_dense(ids)
-        looked_up = [v1.nn.embedding_lookup_sparse(v1.get_variable(f"{c}_table", [CLASSES, DIM]),
-                                                   sp, None, combiner=c)
-                     for c in ("sum", "mean", "sqrtn")]
+        # (a resource table: TensorFlow gathers its rows by the unique ids first)
+        looked_up = [v1.nn.embedding_lookup_sparse(
+            v1.get_variable(f"{c}_table", [CLASSES, DIM], use_resource=c == "mean"),
+            sp, None, combiner=c) for c in ("sum", "mean", "sqrtn")]
         logits = v1.layers.dense(tf.tanh(tf.concat(looked_up, 1)), 3)
         ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         if extra_use is not None:
@@ -309,6 +310,37 @@ def check_sparse_lookup_with_another_use_is_not_proven():
         assert all(w.method != "rules" for w in plan.weights), str(plan)
 
 
+def check_training_op_built_first_keeps_the_loop_proof():
+    """A training op built before pertower's call (tf.gradients adds accumulator outputs
+    to a v2 While): dynamic_rnn with sequence_length stays proven (its loop bound is a
+    max over the batch, its state kept past each example's end), no batch_size, against
+    the loop."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3, 2], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        lengths = v1.placeholder(tf.int32, [None], name="lengths")
+        _, state = v1.nn.dynamic_rnn(v1.nn.rnn_cell.BasicRNNCell(2), x,
+                                     sequence_length=lengths, dtype=tf.float32)
+        logits = tf.matmul(state, v1.get_variable("W", [2, 3]))
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        xs = v1.trainable_variables()
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(ys))
+        plan = pertower.explain(ys, xs)
+        assert all(w.method == "rules" for w in plan.weights), str(plan)
+        grads = pertower.per_example_gradients(ys, xs)
+        loop = oracle.SliceLoop(ys, xs)
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    rng = np.random.RandomState(3)
+    feed = {x: rng.randn(B, 3, 2).astype(np.float32), y: rng.randint(0, 3, B),
+            lengths: np.array([1, 3, 2])[:B]}
+    del train
+    common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
+                            what="training op first: per-example gradients",
+                            **common.tolerance(np.float32, "deep"))
+
+
 def test_sampled_losses_share_the_batch_draw():
     """(The default run checks the sampled softmax alone, under disable_v2_behavior().)"""
     check_sampled_losses_share_the_batch_draw()
@@ -324,12 +356,18 @@ def test_partitioned_lookup_with_another_use_is_not_proven():
     check_partitioned_lookup_with_another_use_is_not_proven()
 
 
+@pytest.mark.heavy
 def test_sparse_lookups_on_the_rules():
+    """(The default run checks it under disable_v2_behavior(), both table kinds.)"""
     check_sparse_lookups_on_the_rules()
 
 
 def test_sparse_lookup_with_another_use_is_not_proven():
     check_sparse_lookup_with_another_use_is_not_proven()
+
+
+def test_training_op_built_first_keeps_the_loop_proof():
+    check_training_op_built_first_keeps_the_loop_proof()
 
 
 @pytest.mark.heavy
