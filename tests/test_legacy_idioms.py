@@ -1,5 +1,9 @@
 """Legacy TF1 idioms (placeholders with a None batch, tf.compat.v1.get_variable,
-tf.compat.v1.layers, tf.compat.v1.losses, sampled losses) against the one-example loop.
+tf.compat.v1.layers, tf.compat.v1.losses, sampled losses) against the one-example loop:
+sampled losses sharing the batch's draw, partitioned embedding lookups
+(DynamicPartition/DynamicStitch) and sparse lookups of ids made sparse in the graph on
+the rules, dynamic_rnn with sequence_length after a training op was built, and the
+matrix of tests/legacy_idiom_cases.py (heavy).
 
 Each `check_*` function builds its own graph and compares `pertower` with the loop (or
 checks a refusal's words). The tests here run them in this process (graph mode, TF2
