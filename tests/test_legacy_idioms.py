@@ -304,6 +304,32 @@ def _check_rules_against_loop(graph, ys, xs, feed, four, what):
                             what=f"{what}: DP step", **tolerance)
 
 
+def check_sparse_lookup_with_trailing_empty_examples():
+    """Examples without an id after the last one with ids: the lookup has fewer rows
+    than the batch (so does `ys`); per-example gradients keep the batch's B rows (zeros
+    for those examples, as the loop gives) and microbatches of two group the examples
+    of the batch, not of the lookup's rows."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.placeholder(tf.int64, [None, 4], name="ids")
+        table = v1.get_variable("table", [CLASSES, DIM])
+        rows = v1.nn.embedding_lookup_sparse(table, tf.sparse.from_dense(ids), None,
+                                             combiner="mean")
+        ys = tf.reduce_sum(tf.tanh(rows), 1)
+        grads = pertower.per_example_gradients(ys, [table])
+        micro = pertower.microbatch_gradients(ys, [table], num_microbatches=2)
+        loop = oracle.SliceLoop(ys, [table])
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    feed = {ids: np.array([[1, 1, 0, 0], [0, 0, 0, 0], [4, 5, 6, 7], [0, 0, 0, 0]])}
+    got, got_micro = sess.run([grads, micro], feed)
+    tolerance = common.tolerance(np.float32, "deep")
+    common.assert_all_close(got, loop.run(sess, feed, 4), what="trailing empty examples",
+                            **tolerance)
+    common.assert_all_close(got_micro, loop.run(sess, feed, 2),
+                            what="trailing empty examples: microbatches", **tolerance)
+
+
 def check_sparse_lookup_with_another_use_is_not_proven():
     """The SparseTensor's coordinates also read by another op (a sparse sum added to
     the loss): the analysis loses the batch axis at the Where, no table on the rules."""
@@ -366,6 +392,12 @@ def test_sparse_lookups_on_the_rules():
     check_sparse_lookups_on_the_rules()
 
 
+@pytest.mark.heavy
+def test_sparse_lookup_with_trailing_empty_examples():
+    """(The default run checks it under disable_v2_behavior().)"""
+    check_sparse_lookup_with_trailing_empty_examples()
+
+
 def test_sparse_lookup_with_another_use_is_not_proven():
     check_sparse_lookup_with_another_use_is_not_proven()
 
@@ -396,6 +428,7 @@ def test_sampled_loss_microbatches_and_capacity():
                                    "check_partitioned_lookups_on_the_rules",
                                    "check_partitioned_lookup_with_another_use_is_not_proven",
                                    "check_sparse_lookups_on_the_rules",
+                                   "check_sparse_lookup_with_trailing_empty_examples",
                                    "check_sparse_lookup_with_another_use_is_not_proven"])
 def test_legacy_idioms_under_disable_v2_behavior(processes, check):
     """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
