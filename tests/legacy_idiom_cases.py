@@ -160,6 +160,18 @@ def tied_embedding_with_max_norm():
     return _model([4], build, tf.int32, high=10)
 
 
+@_case
+def sparse_ids_padded_with_minus_one():
+    """Ids padded with -1 (0 a valid id) made sparse by hand: tf.where, tf.gather_nd."""
+    ids = v1.placeholder(tf.int64, [None, 4], name="ids")
+    y = v1.placeholder(tf.int32, [None], name="y")
+    where = tf.where(tf.not_equal(ids, -1))
+    sp = tf.SparseTensor(where, tf.gather_nd(ids, where), tf.shape(ids, out_type=tf.int64))
+    h = v1.nn.embedding_lookup_sparse(v1.get_variable("E", [10, 4]), sp, None, combiner="sqrtn")
+    ys = _xent(tf.matmul(h, v1.get_variable("W", [4, 3])), y)
+    return ys, {ids: np.array([[1, 1, 0, -1], [0, -1, -1, -1], [4, 5, 6, 7]]), y: [0, 1, 2]}
+
+
 def _rnn(cell_fn, runner):
     cells = v1.nn.rnn_cell
 

@@ -1,5 +1,9 @@
 """Legacy TF1 idioms (placeholders with a None batch, tf.compat.v1.get_variable,
-tf.compat.v1.layers, tf.compat.v1.losses, sampled losses) against the one-example loop.
+tf.compat.v1.layers, tf.compat.v1.losses, sampled losses) against the one-example loop:
+sampled losses sharing the batch's draw, partitioned embedding lookups
+(DynamicPartition/DynamicStitch) and sparse lookups of ids made sparse in the graph on
+the rules, dynamic_rnn with sequence_length after a training op was built, and the
+matrix of tests/legacy_idiom_cases.py (heavy).
 
 Each `check_*` function builds its own graph and compares `pertower` with the loop (or
 checks a refusal's words). The tests here run them in this process (graph mode, TF2
@@ -235,16 +239,17 @@ def _sparse_lookup_graph(extra_use=None):
     """Ids fed dense [B, 5] (0 = no id), made a SparseTensor in the graph with
     tf.sparse.from_dense (as pertower's refusal of a sparse placeholder advises) and
     looked up in three tables with the "sum", "mean" and "sqrtn" combiners
-    (tf.compat.v1.nn.embedding_lookup_sparse), then a dense head; `extra_use(sp)` may add
-    to the loss."""
+    (tf.compat.v1.nn.embedding_lookup_sparse; the "mean" one a resource variable, also
+    under disable_v2_behavior()), then a dense head; `extra_use(sp)` may add to the loss."""
     graph = tf.Graph()
     with graph.as_default():
         ids = v1.placeholder(tf.int64, [None, 5], name="ids")
         y = v1.placeholder(tf.int32, [None], name="y")
         sp = tf.sparse.from_dense(ids)
-        looked_up = [v1.nn.embedding_lookup_sparse(v1.get_variable(f"{c}_table", [CLASSES, DIM]),
-                                                   sp, None, combiner=c)
-                     for c in ("sum", "mean", "sqrtn")]
+        # (a resource table: TensorFlow gathers its rows by the unique ids first)
+        looked_up = [v1.nn.embedding_lookup_sparse(
+            v1.get_variable(f"{c}_table", [CLASSES, DIM], use_resource=c == "mean"),
+            sp, None, combiner=c) for c in ("sum", "mean", "sqrtn")]
         logits = v1.layers.dense(tf.tanh(tf.concat(looked_up, 1)), 3)
         ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         if extra_use is not None:
@@ -299,6 +304,32 @@ def _check_rules_against_loop(graph, ys, xs, feed, four, what):
                             what=f"{what}: DP step", **tolerance)
 
 
+def check_sparse_lookup_with_trailing_empty_examples():
+    """Examples without an id after the last one with ids: the lookup has fewer rows
+    than the batch (so does `ys`); per-example gradients keep the batch's B rows (zeros
+    for those examples, as the loop gives) and microbatches of two group the examples
+    of the batch, not of the lookup's rows."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.placeholder(tf.int64, [None, 4], name="ids")
+        table = v1.get_variable("table", [CLASSES, DIM])
+        rows = v1.nn.embedding_lookup_sparse(table, tf.sparse.from_dense(ids), None,
+                                             combiner="mean")
+        ys = tf.reduce_sum(tf.tanh(rows), 1)
+        grads = pertower.per_example_gradients(ys, [table])
+        micro = pertower.microbatch_gradients(ys, [table], num_microbatches=2)
+        loop = oracle.SliceLoop(ys, [table])
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    feed = {ids: np.array([[1, 1, 0, 0], [0, 0, 0, 0], [4, 5, 6, 7], [0, 0, 0, 0]])}
+    got, got_micro = sess.run([grads, micro], feed)
+    tolerance = common.tolerance(np.float32, "deep")
+    common.assert_all_close(got, loop.run(sess, feed, 4), what="trailing empty examples",
+                            **tolerance)
+    common.assert_all_close(got_micro, loop.run(sess, feed, 2),
+                            what="trailing empty examples: microbatches", **tolerance)
+
+
 def check_sparse_lookup_with_another_use_is_not_proven():
     """The SparseTensor's coordinates also read by another op (a sparse sum added to
     the loss): the analysis loses the batch axis at the Where, no table on the rules."""
@@ -307,6 +338,37 @@ def check_sparse_lookup_with_another_use_is_not_proven():
     with graph.as_default():
         plan = pertower.explain(ys, xs)
         assert all(w.method != "rules" for w in plan.weights), str(plan)
+
+
+def check_training_op_built_first_keeps_the_loop_proof():
+    """A training op built before pertower's call (tf.gradients adds accumulator outputs
+    to a v2 While): dynamic_rnn with sequence_length stays proven (its loop bound is a
+    max over the batch, its state kept past each example's end), no batch_size, against
+    the loop."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3, 2], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        lengths = v1.placeholder(tf.int32, [None], name="lengths")
+        _, state = v1.nn.dynamic_rnn(v1.nn.rnn_cell.BasicRNNCell(2), x,
+                                     sequence_length=lengths, dtype=tf.float32)
+        logits = tf.matmul(state, v1.get_variable("W", [2, 3]))
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        xs = v1.trainable_variables()
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(ys))
+        plan = pertower.explain(ys, xs)
+        assert all(w.method == "rules" for w in plan.weights), str(plan)
+        grads = pertower.per_example_gradients(ys, xs)
+        loop = oracle.SliceLoop(ys, xs)
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    rng = np.random.RandomState(3)
+    feed = {x: rng.randn(B, 3, 2).astype(np.float32), y: rng.randint(0, 3, B),
+            lengths: np.array([1, 3, 2])[:B]}
+    del train
+    common.assert_all_close(sess.run(grads, feed), loop.run(sess, feed, B),
+                            what="training op first: per-example gradients",
+                            **common.tolerance(np.float32, "deep"))
 
 
 def test_sampled_losses_share_the_batch_draw():
@@ -324,12 +386,24 @@ def test_partitioned_lookup_with_another_use_is_not_proven():
     check_partitioned_lookup_with_another_use_is_not_proven()
 
 
+@pytest.mark.heavy
 def test_sparse_lookups_on_the_rules():
+    """(The default run checks it under disable_v2_behavior(), both table kinds.)"""
     check_sparse_lookups_on_the_rules()
+
+
+@pytest.mark.heavy
+def test_sparse_lookup_with_trailing_empty_examples():
+    """(The default run checks it under disable_v2_behavior().)"""
+    check_sparse_lookup_with_trailing_empty_examples()
 
 
 def test_sparse_lookup_with_another_use_is_not_proven():
     check_sparse_lookup_with_another_use_is_not_proven()
+
+
+def test_training_op_built_first_keeps_the_loop_proof():
+    check_training_op_built_first_keeps_the_loop_proof()
 
 
 @pytest.mark.heavy
@@ -354,6 +428,7 @@ def test_sampled_loss_microbatches_and_capacity():
                                    "check_partitioned_lookups_on_the_rules",
                                    "check_partitioned_lookup_with_another_use_is_not_proven",
                                    "check_sparse_lookups_on_the_rules",
+                                   "check_sparse_lookup_with_trailing_empty_examples",
                                    "check_sparse_lookup_with_another_use_is_not_proven"])
 def test_legacy_idioms_under_disable_v2_behavior(processes, check):
     """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""

@@ -80,7 +80,7 @@ def _while_masked_past_end(scan, reduction, op):
     if cond is None or body is None or len(cond.inputs) != len(body.inputs):
         return False
     return loop_bounds.masked_past_end(
-        reduction, loop_bounds.V2Loop(op, cond, body), scan.shape_value)
+        reduction, loop_bounds.V2Loop(op, cond, body, scan.region), scan.shape_value)
 
 
 def _passes_through(scan, op, j):

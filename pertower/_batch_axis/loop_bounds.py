@@ -81,10 +81,24 @@ class V1Loop:
 class V2Loop:
     """A `While` op and its two functions: its variables are their input indices."""
 
-    def __init__(self, while_op, cond, body):
+    def __init__(self, while_op, cond, body, region=()):
         self.op, self.cond, self.body = while_op, cond, body
         self.pred = cond.outputs[0]
         self.variables = list(range(len(body.inputs)))
+        self.region = region
+
+    def accumulator(self, variable):
+        """Whether `variable` only records values for a gradient: a list that the body
+        extends (TensorListPushBack) and reads nowhere else, and whose final value no op
+        between the batch and `ys` reads (what tf.gradients adds to a While it
+        differentiates, e.g. a training op built before pertower's call)."""
+        new = _strip(self.next_value(variable))
+        if new.op.type != "TensorListPushBack" or self.in_body(new.op.inputs[0]) != variable:
+            return False
+        if any(c is not new.op for c in self.body.inputs[variable].consumers()):
+            return False
+        return variable < len(self.op.outputs) and not any(
+            c in self.region for c in self.op.outputs[variable].consumers())
 
     @staticmethod
     def _index(tensor, inputs):
@@ -276,4 +290,5 @@ def masked_past_end(reduction, loop, shape_value):
     if counter is None:
         return False
     lengths = _strip(reduction.inputs[0], ("Identity", "Cast"))
-    return all(_kept_past_end(loop, v, counter, lengths) for v in loop.variables)
+    return all(_kept_past_end(loop, v, counter, lengths)
+               or (isinstance(loop, V2Loop) and loop.accumulator(v)) for v in loop.variables)

@@ -31,7 +31,7 @@ def _scatter(segment_op, ids, weight_shape, dZ, G):
     D = _rows.static_size(weight_shape[1:])
     ids = tf.cast(ids, tf.int64)                                           # [m]
     segments = tf.cast(segment_op.inputs[2], tf.int64)                     # [m]
-    rows = tf.reshape(dZ, [-1, D])                                         # [B, D]
+    rows = tf.reshape(dZ, [-1, D])                                         # [B', D]
     B = tf.shape(rows, out_type=tf.int64)[0]
     if segment_op.type != "SparseSegmentSum":
         counts = tf.math.unsorted_segment_sum(tf.ones_like(segments, rows.dtype),
@@ -40,7 +40,9 @@ def _scatter(segment_op, ids, weight_shape, dZ, G):
         scale = 1 / counts if segment_op.type == "SparseSegmentMean" else tf.math.rsqrt(counts)
         rows = rows * scale[:, None]
     entries = tf.gather(rows, segments)                                    # [m, D]
-    groups = segments // tf.maximum(B // tf.cast(G, tf.int64), 1)          # [m]
+    # the batch's B (dZ has B' <= B rows: none after the last example with an id)
+    examples = tf.shape(transfer_sparse.sparse_lookup(segment_op)[1], out_type=tf.int64)[0]
+    groups = segments // tf.maximum(examples // tf.cast(G, tf.int64), 1)   # [m]
     dense = tf.math.unsorted_segment_sum(entries, groups * V + ids,
                                          tf.cast(G, tf.int64) * V)         # [G*V, D]
     return tf.reshape(dense, _rows.group_shape(G, [V] + row_shape))       # [G, V, *row]

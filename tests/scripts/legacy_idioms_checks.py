@@ -58,6 +58,11 @@ def check_sparse_lookups_on_the_rules():
     idioms.check_sparse_lookups_on_the_rules()
 
 
+def check_sparse_lookup_with_trailing_empty_examples():
+    _require_legacy_mode()
+    idioms.check_sparse_lookup_with_trailing_empty_examples()
+
+
 def check_sparse_lookup_with_another_use_is_not_proven():
     _require_legacy_mode()
     idioms.check_sparse_lookup_with_another_use_is_not_proven()
@@ -76,7 +81,8 @@ if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
         [check_sampled_softmax_shares_the_batch_draw, check_partitioned_lookups_on_the_rules,
          check_partitioned_lookup_with_another_use_is_not_proven,
-         check_sparse_lookups_on_the_rules, check_sparse_lookup_with_another_use_is_not_proven,
+         check_sparse_lookups_on_the_rules, check_sparse_lookup_with_trailing_empty_examples,
+         check_sparse_lookup_with_another_use_is_not_proven,
          check_sampled_losses_share_the_batch_draw, check_sampled_loss_microbatches_and_capacity,
          check_idiom_matrix],
         "legacy idiom checks", heavy={"check_sampled_losses_share_the_batch_draw",
