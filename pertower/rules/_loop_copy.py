@@ -20,6 +20,7 @@ import tensorflow as tf
 from tensorflow.python.framework import importer
 from tensorflow.python.ops import gen_list_ops
 from tensorflow.python.ops import list_ops
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops import while_v2
 
 from pertower._towers import later_gradients
@@ -61,6 +62,12 @@ class BuiltCopy:
         body_def = _subgraph(body, [body.outputs[i] for i in needed]
                              + [u.activation for u in loop.uses])
         body_def = _perturbed(body_def, [t.name for t, _ in loop.targets])
+        # a variable the body receives unchanged at every step (no op of the copy writes
+        # one) is read once, before the loop: a read inside the body is a per-step
+        # intermediate, which the copy's backward would accumulate at every step
+        invariant = {body.inputs[i].name: op.inputs[i] for i in needed
+                     if body.inputs[i].dtype == tf.resource and body.outputs[i] is body.inputs[i]}
+        body_def, reads = _hoisted_reads(body_def, invariant)
         cond_def = _subgraph(loop.cond, loop.cond.outputs)
         inner_names = [body.inputs[i].name for i in needed]
         cond_names = [loop.cond.inputs[i].name for i in needed]
@@ -74,6 +81,8 @@ class BuiltCopy:
         def step(*values):
             s = values[n]
             mapping = dict(zip(inner_names, values[:n]))
+            body_graph = tf.compat.v1.get_default_graph()   # the copy's body (a FuncGraph)
+            mapping.update((name, body_graph.capture(read)) for name, read in reads.items())
             popped = []
             for j in range(J):
                 z = loop.targets[j][0].outputs[0]
@@ -264,6 +273,27 @@ def _perturbed(graph_def, names):
         add.attr["T"].type = dtype
         add.attr["N"].i = 2
     return result
+
+
+def _hoisted_reads(graph_def, invariant):
+    """(`graph_def` with each `ReadVariableOp` of a resource input named in `invariant`
+    replaced by a placeholder of its name, {its output name: a read of the outer
+    resource `invariant[...]`, made here, outside the loop})."""
+    result = tf.compat.v1.GraphDef()
+    result.CopyFrom(graph_def)
+    reads = {}
+    for node in result.node:
+        source = f"{node.input[0]}:0" if node.op == "ReadVariableOp" and node.input else None
+        if source not in invariant:
+            continue
+        dtype = tf.dtypes.as_dtype(node.attr["dtype"].type)
+        reads[f"{node.name}:0"] = resource_variable_ops.read_variable_op(invariant[source], dtype)
+        node.op = "Placeholder"
+        del node.input[:]
+        for key in list(node.attr):
+            if key != "dtype":
+                del node.attr[key]
+    return result, reads
 
 
 def _present(graph_def, mapping):
