@@ -20,6 +20,7 @@ import tensorflow as tf
 from tensorflow.python.framework import importer
 from tensorflow.python.ops import gen_list_ops
 from tensorflow.python.ops import list_ops
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops import while_v2
 
 from pertower._towers import later_gradients
@@ -57,11 +58,24 @@ class BuiltCopy:
             a_shape = [-1 if d is None else d for d in a.shape.as_list()[1:]]
             a_shapes.append([-1] + a_shape)
             a_lists.append(list_ops.empty_tensor_list([-1] + a_shape, a.dtype))
-        n, J = len(needed), len(loop.targets)
+        J = len(loop.targets)
         body_def = _subgraph(body, [body.outputs[i] for i in needed]
                              + [u.activation for u in loop.uses])
         body_def = _perturbed(body_def, [t.name for t, _ in loop.targets])
+        # a variable the body receives unchanged at every step (no op of the copy writes
+        # one) is read once, before the loop: a read inside the body is a per-step
+        # intermediate, which the copy's backward would accumulate at every step
+        invariant = {body.inputs[i].name: op.inputs[i] for i in needed
+                     if body.inputs[i].dtype == tf.resource and body.outputs[i] is body.inputs[i]}
+        body_def, reads = _hoisted_reads(body_def, invariant)
         cond_def = _subgraph(loop.cond, loop.cond.outputs)
+        # such a variable no op of the copy reads any more is not carried through it
+        unread = _unread(body_def, [body.inputs[i].name for i in needed
+                                    if body.inputs[i].name in invariant])
+        needed = [i for i in needed if body.inputs[i].name not in unread
+                  or _consumes(cond_def, loop.cond.inputs[i].name)]
+        body_def = _without(body_def, {body.inputs[i].name for i in needed}, unread)
+        n = len(needed)
         inner_names = [body.inputs[i].name for i in needed]
         cond_names = [loop.cond.inputs[i].name for i in needed]
 
@@ -74,6 +88,8 @@ class BuiltCopy:
         def step(*values):
             s = values[n]
             mapping = dict(zip(inner_names, values[:n]))
+            body_graph = tf.compat.v1.get_default_graph()   # the copy's body (a FuncGraph)
+            mapping.update((name, body_graph.capture(read)) for name, read in reads.items())
             popped = []
             for j in range(J):
                 z = loop.targets[j][0].outputs[0]
@@ -263,6 +279,55 @@ def _perturbed(graph_def, names):
         add.input.extend([inner, placeholder.name])
         add.attr["T"].type = dtype
         add.attr["N"].i = 2
+    return result
+
+
+def _hoisted_reads(graph_def, invariant):
+    """(`graph_def` with each `ReadVariableOp` of a resource input named in `invariant`
+    replaced by a placeholder of its name, {its output name: a read of the outer
+    resource `invariant[...]`, made here, outside the loop})."""
+    result = tf.compat.v1.GraphDef()
+    result.CopyFrom(graph_def)
+    reads = {}
+    for node in result.node:
+        source = f"{node.input[0]}:0" if node.op == "ReadVariableOp" and node.input else None
+        if source not in invariant:
+            continue
+        dtype = tf.dtypes.as_dtype(node.attr["dtype"].type)
+        reads[f"{node.name}:0"] = resource_variable_ops.read_variable_op(invariant[source], dtype)
+        node.op = "Placeholder"
+        del node.input[:]
+        for key in list(node.attr):
+            if key != "dtype":
+                del node.attr[key]
+    return result, reads
+
+
+def _input_names(graph_def):
+    """The tensors the nodes of `graph_def` read, "node:index" (control inputs apart)."""
+    return {name if ":" in name else f"{name}:0"
+            for node in graph_def.node for name in node.input if not name.startswith("^")}
+
+
+def _consumes(graph_def, name):
+    """Whether a node of `graph_def` reads the tensor `name` ("node:index")."""
+    return name in _input_names(graph_def)
+
+
+def _unread(graph_def, names):
+    """The tensors among `names` that no node of `graph_def` reads."""
+    read = _input_names(graph_def)
+    return {name for name in names if name not in read}
+
+
+def _without(graph_def, kept, names):
+    """`graph_def` without the nodes of the tensors `names` not in `kept`."""
+    dropped = {name.split(":")[0] for name in names if name not in kept}
+    if not dropped:
+        return graph_def
+    result = tf.compat.v1.GraphDef()
+    result.versions.CopyFrom(graph_def.versions)
+    result.node.extend(node for node in graph_def.node if node.name not in dropped)
     return result
 
 
