@@ -177,9 +177,9 @@ def test_build_cost_paths_match_the_loop(costs):
 
 def test_build_shares_constants_and_builds_no_empty_pad(costs):
     """The two forward forms share one filter-turn permutation (and reverse axes); the
-    rules' own constants are each built once; no Pad pads nothing (the strided 1x1 convolution only crops, and
-    its tap's slice stops before the cropped row); the 3x3 stride-1 taps are 9 Slices
-    sharing one size constant."""
+    rules' own constants are each built once; no Pad pads nothing (the strided 1x1
+    convolution only crops, and its tap's slice stops before the cropped row); the 3x3
+    stride-1 taps are 9 Slices sharing one size constant."""
     _, _, _, _, _, _, built = costs
     types = collections.Counter(op.type for op in built)
     values = _constant_values(built)
