@@ -313,9 +313,10 @@ class Conv2DRule(registry_lib.Rule):
     def formed_norms(self, use, dZ, G):
         """Where the norms are formed ("formed" by `norm_strategy`): the per-group
         gradients in the filter's order, [G, kh*kw*Cin, Cout], from the taps of the
-        channels-first input in ONE batched matmul, and their squared norms
-        (`_conv_norms.formed_norms`, a `registry.FormedNorms`); None elsewhere (the
-        engine forms `per_group`)."""
+        channels-first input (`_conv_norms.formed_norms`: one batched matmul, or with a
+        static G, tap rows in chunks of whole groups and a MatMul per group up to
+        `_conv_norms.FEW_GROUPS`), and their squared norms (a `registry.FormedNorms`);
+        None elsewhere (the engine forms `per_group`)."""
         if isinstance(use, _conv_views.ViewUse):
             return self.formed_norms(*use.view.inner(use, dZ), G)
         if self.norm_strategy(use) != "formed":
