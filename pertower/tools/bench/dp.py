@@ -194,10 +194,8 @@ def _chained_draws(P, keys, dtype, draw=None):
 
 def _uniforms(P, key, dtype):
     """[2, h]: the stateless Philox uniforms `normal_pairs` draws for P numbers (the same
-    h and working dtype), without their transform to normals."""
-    work = tf.float64 if dtype == tf.float64 else tf.float32
-    pairs = -(-P // (2 * noise_lib.ALIGNED_PAIRS)) * noise_lib.ALIGNED_PAIRS
-    return tf.random.stateless_uniform([2, pairs], seed=key, dtype=work)      # [2, h]
+    h and working dtype, `noise.uniform_pairs`), without their transform to normals."""
+    return noise_lib.uniform_pairs(P, key, dtype)                            # [2, h]
 
 
 def _torch_noise(model_name, B, P, repeats, python, report):
