@@ -38,7 +38,8 @@ def draw():
         n = tf.compat.v1.placeholder(tf.int32, [])
         u32 = tf.compat.v1.placeholder(tf.float32, [2, None])
         u64 = tf.compat.v1.placeholder(tf.float64, [2, None])
-        tensors = dict(z=noise_lib.normal_pairs(n, key), z64=noise_lib.normal_pairs(n, key, tf.float64),
+        tensors = dict(z=noise_lib.normal_pairs(n, key),
+                       z64=noise_lib.normal_pairs(n, key, tf.float64),
                        u=noise_lib.uniform_pairs(n, key), bm32=noise_lib.box_muller(u32),
                        bm64=noise_lib.box_muller(u64))
     sess = tf.compat.v1.Session(graph=graph)
