@@ -23,14 +23,26 @@ batch dimension, so one graph serves every B.
     dynamic_rnn_lstm     the same with a v1 `tf.compat.v1.nn.dynamic_rnn` over an
                          LSTMCell(128) and get_variable weights
 
-`build(name)` returns a `ZooNetwork` (loss, batch placeholder, feeds maker, weights);
+`build(name, seed=0)` returns a `ZooNetwork` (loss, batch placeholder, feeds maker, weights);
 `ZOO` lists the names, `CONVOLUTIONAL` those of convolutional networks, `FAST` the
 small ones the default test run uses. Importing this module does not import
 TensorFlow (the command-line parser reads `ZOO`).
+
+Seeds: tf_keras' initializers given no seed (every application's, and ptb_lstm's) do not
+follow the graph's seed (`tf.compat.v1.set_random_seed`): each draws a seed of its own
+from Python's `random` when it is built and is then stateless (every run of the
+initializer gives the same values). Left alone, every process gets other weights, and a
+result seen at one process' weights cannot be reproduced in another. `build` therefore
+seeds Python's `random` with `seed` for the build and puts its state back afterwards
+(after `tf_keras.utils.set_random_seed`, tf_keras draws from a generator of its own,
+which then decides); the v1 idioms (layers_cnn, dynamic_rnn_lstm) follow the graph's seed as before.
 """
 
 import dataclasses
+import random
 import warnings
+
+from pertower import _context
 
 __all__ = ["ZOO", "APPLICATIONS", "CONVOLUTIONAL", "RECURRENT", "FAST", "ZooNetwork",
            "build", "randomize_batch_norm_statistics"]
@@ -201,11 +213,16 @@ def _dynamic_rnn_lstm(name):
                       loss, tokens, _token_feed(tokens, labels), weights, labels)
 
 
-def build(name):
+@_context.public("tools.zoo.build")
+def build(name, seed=0):
     """Builds the zoo network `name` in the default graph (graph mode).
 
     Args:
       name: one of ZOO.
+      seed: the seed of tf_keras' unseeded initializers (Python's `random` is seeded
+        with it for the build, then put back as it was): the same `seed` gives the same
+        initial weights in every process. The v1 idioms' initializers follow the
+        graph's seed instead (`tf.compat.v1.set_random_seed`).
 
     Returns:
       A `ZooNetwork`: `loss` [B], `batch` (placeholder, None batch dimension),
@@ -217,14 +234,19 @@ def build(name):
           print(pertower.explain(loss, weights))
     """
     if name not in ZOO:
-        raise ValueError(f"pertower.tools.zoo.build: `name` must be one of {', '.join(ZOO)}, "
-                         f"but received {name!r}.")
+        raise _context.error(ValueError, f"`name` must be one of {', '.join(ZOO)}, "
+                             f"but received {name!r}.")
     builder = _application if name in APPLICATIONS else {
         "layers_cnn": _layers_cnn, "ptb_lstm": _ptb_lstm,
         "dynamic_rnn_lstm": _dynamic_rnn_lstm}[name]
-    with warnings.catch_warnings():   # the v1 idioms' deprecation warnings, by design
-        warnings.simplefilter("ignore", UserWarning)
-        return builder(name)
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        with warnings.catch_warnings():   # the v1 idioms' deprecation warnings, by design
+            warnings.simplefilter("ignore", UserWarning)
+            return builder(name)
+    finally:
+        random.setstate(state)
 
 
 def randomize_batch_norm_statistics(sess, graph, seed):
