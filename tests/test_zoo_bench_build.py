@@ -176,15 +176,26 @@ def test_a_disagreeing_row_names_its_weight_examples_and_whether_reruns_agree():
     assert f"each other {0.1 * 7 / 11:.1e}" in line, line
 
 
-def _initial_weights(name, seed, python_seed):
-    """zoo.build(name, seed) in a fresh graph after random.seed(python_seed): the initial
-    weights, and Python's next random number after the build."""
+def _initial_weights(name, seed, python_seed, keras_seed=None):
+    """zoo.build(name, seed) in a fresh graph after random.seed(python_seed) (and
+    tf_keras.utils.set_random_seed(keras_seed) when given): the initial weights, and
+    Python's next random number after the build."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    from tf_keras.src import backend  # pylint: disable=import-outside-toplevel
+    before = getattr(backend._SEED_GENERATOR, "generator", None)  # pylint: disable=protected-access
+    if keras_seed is not None:
+        tf_keras.utils.set_random_seed(keras_seed)
     random.seed(python_seed)
-    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
-        weights = zoo.build(name, seed=seed).weights
-        sess.run(tf.compat.v1.global_variables_initializer())
-        values = sess.run(weights)
-    return values, random.random()
+    generator = getattr(backend._SEED_GENERATOR, "generator", None)  # pylint: disable=protected-access
+    try:
+        with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
+            weights = zoo.build(name, seed=seed).weights
+            sess.run(tf.compat.v1.global_variables_initializer())
+            values = sess.run(weights)
+        assert getattr(backend._SEED_GENERATOR, "generator", None) is generator  # put back
+        return values, random.random()
+    finally:
+        backend._SEED_GENERATOR.generator = before  # pylint: disable=protected-access
 
 
 def _tiny_keras(name):
@@ -198,25 +209,31 @@ def _tiny_keras(name):
 
 
 def _check_seeded_builds(name):
-    """zoo.build(name, seed) gives the same weights whatever state Python's random was in,
-    another seed other weights, and Python's random continues as if no build happened."""
+    """zoo.build(name, seed) gives the same weights whatever state Python's random (or
+    tf_keras.utils.set_random_seed's generator) was in, another seed other weights, and
+    Python's random continues as if no build happened."""
     first, after_first = _initial_weights(name, 0, python_seed=1)
     second, _ = _initial_weights(name, 0, python_seed=2)
+    third, _ = _initial_weights(name, 0, python_seed=3, keras_seed=4)
     other, _ = _initial_weights(name, 1, python_seed=1)
-    assert len(first) == len(second) >= 3
-    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    assert len(first) == len(second) == len(third) >= 3
+    assert all(np.array_equal(a, b) and np.array_equal(a, c)
+               for a, b, c in zip(first, second, third))
     assert not np.array_equal(first[0], other[0])
     random.seed(1)
     assert after_first == random.random()
 
 
 def test_zoo_build_gives_the_same_keras_weights_in_every_process(monkeypatch):
-    """tf_keras' unseeded initializers draw their seeds from Python's `random`, not from
-    the graph's seed: before zoo.build seeded them, each process (each state of Python's
-    random) got other weights, so a disagreement seen in one bench run could not be
-    reproduced in another. A tiny tf_keras network in place of ptb_lstm (same path)."""
+    """tf_keras' unseeded initializers draw their seeds from Python's `random` (or from
+    tf_keras.utils.set_random_seed's generator), not from the graph's seed: before the
+    bench seeded them (zoo.build's `seed`), each process got other weights, so a
+    disagreement seen in one bench run could not be reproduced in another. A tiny
+    tf_keras network in place of ptb_lstm (the same path); unseeded, the builds differ."""
     monkeypatch.setattr(zoo, "_ptb_lstm", _tiny_keras)
     _check_seeded_builds("ptb_lstm")
+    unseeded = [_initial_weights("ptb_lstm", None, python_seed=s)[0][0] for s in (1, 2)]
+    assert not np.array_equal(*unseeded)
 
 
 @pytest.mark.heavy

@@ -27,11 +27,11 @@ when the plan needs a fixed B). Per B: the variables initialized afresh (the tim
 of the previous B trained them), one run of the per-example gradients checked against
 the loop (max relative difference), then every row timed round-robin (medians).
 
-The weights compared at: `zoo.build(name)` (seed 0) and the graph's seed 0, so every
-process compares at the same initial weights and the same feeds (tf_keras' initializers
-given no seed follow neither the graph's seed nor the initializer's reruns: before
-`zoo.build` seeded them, each process drew other weights, and a disagreement seen in one
-run could not be reproduced in another). A row over the tolerance of the loop is checked
+The weights compared at: `zoo.build(name, seed=WEIGHTS_SEED)` and the graph's seed 0, so
+every process compares at the same initial weights and the same feeds (tf_keras'
+initializers given no seed follow neither the graph's seed nor the initializer's reruns,
+`zoo`'s docstring: before the bench seeded them, each process drew other weights, and a
+disagreement seen in one run could not be reproduced in another). A row over the tolerance of the loop is checked
 again at the batch's own forward (`zoo_agreement`: the forwards at B and at 1 may round
 to different sides of a ReLU's kink); only a row that disagrees there too is WRONG.
 """
@@ -54,10 +54,11 @@ from pertower.tools.bench import zoo_agreement as agreement
 from pertower.tools.bench.zoo_agreement import RELATIVE_TOLERANCE
 
 __all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_BUILD_REPEATS", "ROWS", "BuildTimes", "ZooRow",
-           "RELATIVE_TOLERANCE", "measure_builds", "run_zoo_bench", "format_zoo_table", "to_json"]
+           "RELATIVE_TOLERANCE", "WEIGHTS_SEED", "measure_builds", "run_zoo_bench", "format_zoo_table", "to_json"]
 
 DEFAULT_BATCH_SIZES = (8, 16, 32)
 DEFAULT_BUILD_REPEATS = 3
+WEIGHTS_SEED = 0          # zoo.build's seed of the tf_keras initializers
 LEARNING_RATE = 1e-3      # small: the timed steps train the weights they measure
 _BUILD_NOTE = ("tf.gradients s / pertower s: building tf.gradients(sum(loss), weights) / "
               "pertower.per_example_gradients(loss, weights), medians of the timed builds "
@@ -252,7 +253,7 @@ def _bench_network(name, batch_sizes, repeats, loop_repeats, build_repeats, repo
            f"{builds.first_s:.2f} s")
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         tf.compat.v1.set_random_seed(0)
-        network = zoo.build(name)
+        network = zoo.build(name, seed=WEIGHTS_SEED)
         loss, _, make_feed, weights = network
         batch_grads = _tf_gradients(loss, weights)
         plain = tf.compat.v1.train.GradientDescentOptimizer(LEARNING_RATE).minimize(
