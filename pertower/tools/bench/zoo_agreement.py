@@ -6,22 +6,25 @@ Notation:
     B   examples in the batch
 
 What a disagreement means: pertower reads the forward pass of the whole batch [B, ...];
-the loop runs the network on one example at a time [1, ...], and TensorFlow's kernels
-(a convolution's blocking depends on the batch size) may round the two forwards
-differently in the last bits. Where a ReLU's (ReLU6's) input is within that rounding of
-its kink (0 or 6), the two forwards take different sides and the gradient of that unit
-is on in one and off in the other: the two differ by the unit's whole term, however
-correct each is for the forward it read (MobileNetV2 at seed 8 on the feed of B = 32:
-example 8's out_relu input, channel 1078, is +5.9e-18 in the batch forward, -6.5e-19
-alone, -7.9e-18 in float64, against a layer scale of 4.5e-11; Conv_1_bn/beta differs by
-1.7e-2 of the scale). So a row over the tolerance is checked once more, for each example
-over it, against that example's gradient at the batch's own forward (`tf.gradients` of
-mask · loss, mask [B] the one-hot of the example, fed the whole batch: TensorFlow's own
-backward of the forward pertower reads). `forward_diff` is pertower's difference from
-it, `loop_forward_diff` the loop's; a row whose `forward_diff` is within the tolerance
-agrees (the difference from the loop lies in the forward pass, in TensorFlow's rounding
-at a kink, not in pertower) and the table says "fwd" beside the number; any other row
-over the tolerance is WRONG.
+the loop runs the network on one example at a time [1, ...], and TensorFlow's kernels (a
+convolution's blocking depends on the batch size) may round the two forwards differently
+in the last bits. Where a ReLU's (ReLU6's) input is within that rounding of its kink (0
+or 6), the two forwards take different sides and the gradient of that unit is on in one
+and off in the other: the two differ by the unit's whole term, however correct each is
+for the forward it read. MobileNetV2 at zoo seed 8, B = 32: example 8's out_relu input,
+channel 1078, is +5.9e-18 in the batch forward, -6.5e-19 alone and -7.9e-18 in float64,
+where the two float32 forwards of that layer differ by up to 3.5e-17; Conv_1_bn/beta's
+gradient differs by 1.7e-2 of the scale. VGG16 at seed 9, B = 16: fc1 unit 2124 of
+example 14, +8.7e-11, -7.1e-11, float64 -1.7e-10; 2.4e-2. Such a unit's side is not
+decided by float32 arithmetic, and TensorFlow's own batch gradient takes the batch
+forward's side, as pertower does. So a row over the tolerance is checked once more, for
+each example over it, against that example's gradient at the batch's own forward
+(`tf.gradients` of mask · loss, mask [B] the one-hot of the example, fed the whole
+batch: TensorFlow's own backward of the forward pertower reads). `forward_diff` is
+pertower's difference from it, `loop_forward_diff` the loop's; a row whose
+`forward_diff` is within the tolerance agrees (the difference from the loop lies in the
+forward pass, in TensorFlow's rounding at a kink, not in pertower) and the table says
+"fwd" beside the number; any other row over the tolerance is WRONG.
 """
 
 import numpy as np

@@ -23,15 +23,17 @@ a process never pays.
 Run time, per network: one graph: the network (None batch dimension), `tf.gradients` of
 the summed loss, pertower's per-example gradients, the norms, a plain SGD step and a
 DP-SGD step (`pertower.DPOptimizer`, C = 1, σ = 1) (pertower's rows built again per B
-when the plan needs a fixed B). Per B: the variables initialized afresh (the timed steps
-of the previous B trained them), one run of the per-example gradients checked against
-the loop (max relative difference), then every row timed round-robin (medians).
+when the plan needs a fixed B). Per B: the variables initialized again (the timed steps
+of the previous B trained them; tf_keras' stateless initializers give the same weights
+at every B, the v1 idioms' stateful ones their next draw), one run of the per-example
+gradients checked against the loop (max relative difference), then every row timed
+round-robin (medians).
 
-The weights compared at: `zoo.build(name, seed=WEIGHTS_SEED)` and the graph's seed 0, so
-every process compares at the same initial weights and the same feeds (tf_keras'
-initializers given no seed follow neither the graph's seed nor the initializer's reruns,
-`zoo`'s docstring: before the bench seeded them, each process drew other weights, and a
-disagreement seen in one run could not be reproduced in another). A row over the tolerance of the loop is checked
+The weights compared at: `zoo.build(name, seed=WEIGHTS_SEED)` under the graph's seed 0,
+so every process compares at the same weights and feeds. (tf_keras' initializers given
+no seed follow neither the graph's seed nor the initializer's reruns, see `zoo`: before
+the bench seeded them, each process drew other weights, and a disagreement seen in one
+run could not be reproduced in another.) A row over the tolerance of the loop is checked
 again at the batch's own forward (`zoo_agreement`: the forwards at B and at 1 may round
 to different sides of a ReLU's kink); only a row that disagrees there too is WRONG.
 """
