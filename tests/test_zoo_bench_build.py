@@ -158,9 +158,9 @@ class _FixedLoop:
 
 
 def test_a_disagreeing_row_names_its_weight_examples_and_whether_reruns_agree():
-    """zoo_agreement.disagreement on a graph whose 'per-example gradients' are the loop's with example
-    1 of the second weight off by 10%: it names that weight and example, and both sides
-    repeat themselves exactly (deterministic, so wrong rather than racy)."""
+    """zoo_agreement.disagreement on a graph whose 'per-example gradients' are the loop's
+    with example 1 of the second weight off by 10%: it names that weight and example, and
+    both sides repeat themselves exactly (deterministic, so wrong rather than racy)."""
     want = [np.ones([3, 2], np.float32), np.arange(12, dtype=np.float32).reshape(3, 4)]
     off = want[1].copy()
     off[1] *= 1.1
@@ -177,25 +177,26 @@ def test_a_disagreeing_row_names_its_weight_examples_and_whether_reruns_agree():
 
 
 def _initial_weights(name, seed, python_seed, keras_seed=None):
-    """zoo.build(name, seed) in a fresh graph after random.seed(python_seed) (and
-    tf_keras.utils.set_random_seed(keras_seed) when given): the initial weights, and
-    Python's next random number after the build."""
-    import tf_keras  # pylint: disable=import-outside-toplevel
+    """zoo.build(name, seed) in a fresh graph after random.seed(python_seed) (and, when
+    keras_seed is given, the generator tf_keras.utils.set_random_seed(keras_seed) would
+    install, without its global seeds): the initial weights, and Python's next random
+    number after the build."""
     from tf_keras.src import backend  # pylint: disable=import-outside-toplevel
-    before = getattr(backend._SEED_GENERATOR, "generator", None)  # pylint: disable=protected-access
+    holder = backend._SEED_GENERATOR  # pylint: disable=protected-access
+    before = getattr(holder, "generator", None)
     if keras_seed is not None:
-        tf_keras.utils.set_random_seed(keras_seed)
+        holder.generator = random.Random(keras_seed)
     random.seed(python_seed)
-    generator = getattr(backend._SEED_GENERATOR, "generator", None)  # pylint: disable=protected-access
+    generator = getattr(holder, "generator", None)
     try:
         with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
             weights = zoo.build(name, seed=seed).weights
             sess.run(tf.compat.v1.global_variables_initializer())
             values = sess.run(weights)
-        assert getattr(backend._SEED_GENERATOR, "generator", None) is generator  # put back
+        assert getattr(holder, "generator", None) is generator            # put back
         return values, random.random()
     finally:
-        backend._SEED_GENERATOR.generator = before  # pylint: disable=protected-access
+        holder.generator = before
 
 
 def _tiny_keras(name):

@@ -56,7 +56,8 @@ from pertower.tools.bench import zoo_agreement as agreement
 from pertower.tools.bench.zoo_agreement import RELATIVE_TOLERANCE
 
 __all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_BUILD_REPEATS", "ROWS", "BuildTimes", "ZooRow",
-           "RELATIVE_TOLERANCE", "WEIGHTS_SEED", "measure_builds", "run_zoo_bench", "format_zoo_table", "to_json"]
+           "RELATIVE_TOLERANCE", "WEIGHTS_SEED", "measure_builds", "run_zoo_bench",
+           "format_zoo_table", "to_json"]
 
 DEFAULT_BATCH_SIZES = (8, 16, 32)
 DEFAULT_BUILD_REPEATS = 3
