@@ -23,14 +23,27 @@ batch dimension, so one graph serves every B.
     dynamic_rnn_lstm     the same with a v1 `tf.compat.v1.nn.dynamic_rnn` over an
                          LSTMCell(128) and get_variable weights
 
-`build(name)` returns a `ZooNetwork` (loss, batch placeholder, feeds maker, weights);
+`build(name, seed=None)` returns a `ZooNetwork` (loss, batch placeholder, feeds maker, weights);
 `ZOO` lists the names, `CONVOLUTIONAL` those of convolutional networks, `FAST` the
 small ones the default test run uses. Importing this module does not import
 TensorFlow (the command-line parser reads `ZOO`).
+
+Seeds: tf_keras' initializers given no seed (every application's, and ptb_lstm's) do not
+follow the graph's seed (`tf.compat.v1.set_random_seed`): each draws a seed of its own
+when it is built, from the generator `tf_keras.utils.set_random_seed` installs if it was
+called, else from Python's `random`, and is then stateless (every run of the initializer
+gives the same values). So unless something seeded those, every process gets other
+weights, and a result seen at one process' weights cannot be reproduced in another.
+`build(name, seed=S)` seeds both for the build and puts them back afterwards; the v1
+idioms (layers_cnn, dynamic_rnn_lstm) follow the graph's seed.
 """
 
+import contextlib
 import dataclasses
+import random
 import warnings
+
+from pertower import _context
 
 __all__ = ["ZOO", "APPLICATIONS", "CONVOLUTIONAL", "RECURRENT", "FAST", "ZooNetwork",
            "build", "randomize_batch_norm_statistics"]
@@ -201,11 +214,17 @@ def _dynamic_rnn_lstm(name):
                       loss, tokens, _token_feed(tokens, labels), weights, labels)
 
 
-def build(name):
+@_context.public("tools.zoo.build")
+def build(name, seed=None):
     """Builds the zoo network `name` in the default graph (graph mode).
 
     Args:
       name: one of ZOO.
+      seed: an int: the seed of tf_keras' unseeded initializers (`_keras_seed`), so the
+        same `seed` gives the same initial weights in every process; None: they draw
+        as tf_keras makes them (from `tf_keras.utils.set_random_seed`'s generator, else
+        from Python's `random`). The v1 idioms' initializers follow the graph's seed
+        (`tf.compat.v1.set_random_seed`) either way.
 
     Returns:
       A `ZooNetwork`: `loss` [B], `batch` (placeholder, None batch dimension),
@@ -217,14 +236,38 @@ def build(name):
           print(pertower.explain(loss, weights))
     """
     if name not in ZOO:
-        raise ValueError(f"pertower.tools.zoo.build: `name` must be one of {', '.join(ZOO)}, "
-                         f"but received {name!r}.")
+        raise _context.error(ValueError, f"`name` must be one of {', '.join(ZOO)}, "
+                             f"but received {name!r}.")
     builder = _application if name in APPLICATIONS else {
         "layers_cnn": _layers_cnn, "ptb_lstm": _ptb_lstm,
         "dynamic_rnn_lstm": _dynamic_rnn_lstm}[name]
-    with warnings.catch_warnings():   # the v1 idioms' deprecation warnings, by design
+    seeding = contextlib.nullcontext() if seed is None else _keras_seed(seed)
+    with seeding, warnings.catch_warnings():  # the v1 idioms' deprecation warnings, by design
         warnings.simplefilter("ignore", UserWarning)
         return builder(name)
+
+
+@contextlib.contextmanager
+def _keras_seed(seed):
+    """Within the body, tf_keras' unseeded initializers draw their seeds from
+    `random.Random(seed)`: Python's `random` is seeded with `seed`, and so is the
+    generator `tf_keras.utils.set_random_seed` installs (tf_keras draws from it when it
+    is set); both are put back as they were afterwards."""
+    try:
+        from tf_keras.src import backend  # pylint: disable=import-outside-toplevel
+        holder = backend._SEED_GENERATOR  # pylint: disable=protected-access
+    except (ImportError, AttributeError):  # another tf_keras: Python's random alone
+        holder = None
+    state, generator = random.getstate(), getattr(holder, "generator", None)
+    random.seed(seed)
+    if holder is not None:
+        holder.generator = random.Random(seed)
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if holder is not None:
+            holder.generator = generator
 
 
 def randomize_batch_norm_statistics(sess, graph, seed):
