@@ -37,8 +37,9 @@ from tests import process_runner
 from tests.process_runner import CheckResult, Completed, TIMEOUT_SECONDS, section_lines
 
 __all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks",
-           "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params", "free_ports", "GROUPS",
-           "SHARED_GROUPS", "IN_GROUP_ENV", "COSTS", "DEFAULT_COST", "queue_order", "section_lines", "TIMEOUT_SECONDS"]
+           "require_legacy_mode", "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params",
+           "free_ports", "GROUPS", "SHARED_GROUPS", "IN_GROUP_ENV", "COSTS", "DEFAULT_COST",
+           "queue_order", "section_lines", "TIMEOUT_SECONDS"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -344,6 +345,17 @@ def run_checks(checks, title, heavy=()):
         print(process_runner.CHECK_PREFIX + json.dumps(record), flush=True)
     print(f"{title}: {len(checks) - failed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
+
+
+def require_legacy_mode(control_flow_v1=False):
+    """For the checks of the legacy scripts: raises AssertionError unless the process runs
+    under `tf.compat.v1.disable_v2_behavior()` (reference variables, graph mode) and, with
+    `control_flow_v1`, v1 control flow."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel  (conftest: no TF here)
+    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
+        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
+    if control_flow_v1 and tf.compat.v1.control_flow_v2_enabled():
+        raise AssertionError("expected control flow v1")
 
 
 def free_ports(n):
