@@ -368,8 +368,14 @@ def check_training_op_built_first_keeps_the_loop_proof():
                             **common.tolerance(np.float32, "deep"))
 
 
+def test_sampled_softmax_shares_the_batch_draw():
+    """The sampled softmax alone (its legacy twin: check_sampled_softmax_shares_the_batch_draw
+    of the default run); with NCE and the norms: the heavy test below, in both modes."""
+    check_sampled_losses_share_the_batch_draw(full=False)
+
+
+@pytest.mark.heavy
 def test_sampled_losses_share_the_batch_draw():
-    """(The default run checks the sampled softmax alone, under disable_v2_behavior().)"""
     check_sampled_losses_share_the_batch_draw()
 
 
