@@ -224,3 +224,46 @@ def reference_ggn(sess, logits, xs, feed, loss="softmax_cross_entropy"):
     jacobians = oracle.loop_per_example_jacobians(sess, logits, xs, feed)  # [B, K, *x]
     H = np.stack([numpy_hessian(loss, f) for f in sess.run(logits, feed)])  # [B, K, K]
     return [np.einsum("nk...,nkl,nl...->n...", J, H, J) for J in jacobians]
+
+
+def formed_norm_convs(rng):
+    """In the default graph: convolutions whose norms are formed (few channels for their
+    positions): 3x3 SAME on 3 channels, 3x3 stride 2 VALID, 2x3 SAME, 1x1 (which takes the
+    engine's path), and 3x3 SAME on two images per example, then a dense layer.
+
+    Args:
+      rng: the `np.random.RandomState` the weights are drawn from.
+
+    Returns:
+      (x, pairs, ws, loss): the placeholders x [B, 9, 9, 3] and pairs [B, 2, 5, 5, 3], the
+      six weights, and the loss [B].
+    """
+    shapes = [[3, 3, 3, 4], [3, 3, 4, 5], [2, 3, 5, 6], [1, 1, 6, 3], [3, 3, 3, 4], [7, 1]]
+    x = tf.compat.v1.placeholder(tf.float32, [None, 9, 9, 3], name="x")
+    pairs = tf.compat.v1.placeholder(tf.float32, [None, 2, 5, 5, 3], name="pairs")
+    ws = [tf.Variable(rng.randn(*s).astype(np.float32) * 0.5, name=f"w{k}")
+          for k, s in enumerate(shapes)]
+
+    def conv(inputs, w, strides=1, padding="SAME"):
+        return tf.nn.conv2d(inputs, w, strides=strides, padding=padding)
+
+    h = tf.nn.relu(conv(x, ws[0]))                                 # [B, 9, 9, 4]
+    h = tf.tanh(conv(h, ws[1], strides=2, padding="VALID"))      # [B, 4, 4, 5]
+    h = tf.nn.relu(conv(h, ws[2]))                                 # [B, 4, 4, 6]
+    h = conv(h, ws[3])                                             # [B, 4, 4, 3]
+    images = tf.reshape(pairs, [-1, 5, 5, 3])                      # [2B, 5, 5, 3]
+    g = tf.reshape(tf.tanh(conv(images, ws[4])), [-1, 50, 4])      # [B, 50, 4]
+    features = tf.concat([tf.reduce_mean(h, axis=[1, 2]), tf.reduce_mean(g, axis=1)],
+                         axis=1)                                   # [B, 7]
+    loss = tf.reduce_sum(tf.square(tf.matmul(features, ws[5]) - 1.0), axis=1)   # [B]
+    return x, pairs, ws, loss
+
+
+def loop_clipped_mean(per_example, clip):
+    """(norms [B], clipped means) of the loop's per-example gradients `per_example`
+    ([B, *w.shape] each) clipped to `clip`: each row scaled by clip / max(norm, clip), the
+    rows summed and divided by B."""
+    b = per_example[0].shape[0]
+    norms = np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in per_example))
+    factors = clip / np.maximum(norms, clip)
+    return norms, [np.tensordot(factors, g, axes=1) / b for g in per_example]

@@ -16,7 +16,8 @@ import pertower
 from pertower import oracle
 from tests import common
 
-__all__ = ["CASES", "REFUSED", "check_case", "check_refused"]
+__all__ = ["CASES", "REFUSED", "check_case", "check_refused",
+           "assert_gradients_and_norms_match_loop"]
 
 v1 = tf.compat.v1
 B = 3
@@ -217,8 +218,9 @@ REFUSED.update({
     "batch_moments": (lambda: _model([4], lambda x, y: _xent(tf.nn.batch_normalization(
         x, *tf.nn.moments(x, [0]), None, None, 1e-3) @ v1.get_variable("W", [4, 3]), y)),
         "couples the examples"),
-    "v1_loss_default_reduction": (lambda: _model([4], lambda x, y: v1.losses.sparse_softmax_cross_entropy(
-        y, v1.layers.dense(x, 3))), "reduction=NONE"),
+    "v1_loss_default_reduction": (lambda: _model(
+        [4], lambda x, y: v1.losses.sparse_softmax_cross_entropy(y, v1.layers.dense(x, 3))),
+        "reduction=NONE"),
 })
 
 
@@ -234,12 +236,20 @@ def check_case(name):
         loop = oracle.SliceLoop(ys, xs)
         sess = v1.Session(graph=graph)
         sess.run(v1.global_variables_initializer())
+    assert_gradients_and_norms_match_loop(sess, grads, norms, loop, feed, name)
+
+
+def assert_gradients_and_norms_match_loop(sess, grads, norms, loop, feed, what):
+    """Runs per-example gradients `grads` and norms `norms` ([B]) on `feed` (B = 3
+    examples) and compares them with the one-example loop `loop`
+    (`oracle.SliceLoop`). Returns (loop's per-example gradients, their norms)."""
     tolerance = common.tolerance(np.float32, "deep")
     got, got_norms = sess.run([grads, norms], feed)
     want = loop.run(sess, feed, B)
-    common.assert_all_close(got, want, what=f"{name}: per-example gradients", **tolerance)
+    common.assert_all_close(got, want, what=f"{what}: per-example gradients", **tolerance)
     want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
-    common.assert_all_close([got_norms], [want_norms], what=f"{name}: norms", **tolerance)
+    common.assert_all_close([got_norms], [want_norms], what=f"{what}: norms", **tolerance)
+    return want, want_norms
 
 
 def check_refused(name):

@@ -37,8 +37,9 @@ from tests import process_runner
 from tests.process_runner import CheckResult, Completed, TIMEOUT_SECONDS, section_lines
 
 __all__ = ["PROCESSES", "Processes", "Completed", "CheckResult", "run_checks",
-           "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params", "free_ports", "GROUPS",
-           "SHARED_GROUPS", "IN_GROUP_ENV", "COSTS", "DEFAULT_COST", "queue_order", "section_lines", "TIMEOUT_SECONDS"]
+           "require_legacy_mode", "LEGACY_HEAVY_CHECKS", "legacy_process", "legacy_params",
+           "free_ports", "GROUPS", "SHARED_GROUPS", "IN_GROUP_ENV", "COSTS", "DEFAULT_COST",
+           "queue_order", "section_lines", "TIMEOUT_SECONDS"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -237,18 +238,20 @@ IN_GROUP_ENV = "PERTOWER_PROCESS_GROUP"
 _GROUP_SCRIPT = os.path.join(HERE, "scripts", "process_group.py")
 
 # Rough CPU seconds of each process's checks after its TensorFlow start-up (the
-# `cpu_seconds` of their reports, summed; on a loaded machine, so roughly; a fresh
-# member's include the TensorFlow import of its group's run): `queue_order` starts
+# `cpu_seconds` of their reports, summed, or the `pertower-member-cost` lines of
+# tests/scripts/process_group.py; on a loaded machine, so roughly; a fresh member's
+# include the TensorFlow import of its group's run): `queue_order` starts
 # the longest runs first. A process not listed counts as DEFAULT_COST.
 COSTS = {
-    "legacy": 19, "messages_joined_legacy": 9, "recurrent_v1": 5,
-    "weight_functions_legacy": 7, "convs_legacy": 2, "python_gradients_legacy": 5,
-    "never_wrong_loops": 5, "tower_sizes": 5, "published_legacy": 4,
-    "curvature_convs_legacy": 3, "recurrent_legacy": 4, "dp_modes_legacy": 2,
-    "never_wrong_shape_legacy": 3, "never_wrong_dtype_legacy": 0.3, "curvature_legacy": 4,
-    "dp_distributed": 4, "never_wrong_shape_graph": 2, "never_wrong_dtype_graph": 0.2,
-    "distributed": 1, "eager": 0.4, "keras3": 4, "convs_onednn": 5,
-    "doc_blocks": 20, "scenario_examples": 5, "vgg_paths_legacy": 3, "legacy_idioms": 5,
+    "legacy": 30, "messages_joined_legacy": 13, "weight_functions_legacy": 10,
+    "legacy_idioms": 7, "python_gradients_legacy": 8, "never_wrong_loops": 8,
+    "unseen_legacy": 7, "tower_sizes": 6, "recurrent_v1": 6, "published_legacy": 5,
+    "curvature_convs_legacy": 5, "recurrent_legacy": 4, "convs_legacy": 4,
+    "dp_modes_legacy": 3, "curvature_legacy": 3, "never_wrong_shape_legacy": 2.5,
+    "vgg_paths_legacy": 2, "never_wrong_dtype_legacy": 1, "zoo_speed_legacy": 3,
+    "dp_distributed": 6, "never_wrong_shape_graph": 2.5, "never_wrong_dtype_graph": 0.4,
+    "distributed": 1, "eager": 0.5, "keras3": 2, "convs_onednn": 6,
+    "doc_blocks": 22, "scenario_examples": 6.5,
 }
 DEFAULT_COST = 5
 
@@ -344,6 +347,17 @@ def run_checks(checks, title, heavy=()):
         print(process_runner.CHECK_PREFIX + json.dumps(record), flush=True)
     print(f"{title}: {len(checks) - failed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
+
+
+def require_legacy_mode(control_flow_v1=False):
+    """For the checks of the legacy scripts: raises AssertionError unless the process runs
+    under `tf.compat.v1.disable_v2_behavior()` (reference variables, graph mode) and, with
+    `control_flow_v1`, v1 control flow."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel  (conftest: no TF here)
+    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
+        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
+    if control_flow_v1 and tf.compat.v1.control_flow_v2_enabled():
+        raise AssertionError("expected control flow v1")
 
 
 def free_ports(n):

@@ -73,7 +73,8 @@ class Runner:
 
     `start` queues a process; a background thread runs the queue one process at a time
     (the test process keeps one core, the queue the other). `completed` waits for a
-    process, starting it at once if nobody has started it yet. Queued members of one
+    process, starting it at once if nobody has started it yet and no run of its shared
+    group that this object started is still going to reach it. Queued members of one
     of `groups` run together in one interpreter.
 
     Each run writes its output to files RUN.out and RUN.err in `directory` and its exit
@@ -114,6 +115,7 @@ class Runner:
         self._started = {}     # run name -> Popen, for the runs this object started
         self._done = {}        # name -> Completed
         self._timeouts = {}    # run name -> seconds before it is taken as hung
+        self._shared_runs = {}   # run name -> its members, for the runs of a shared group
         self._thread = None
 
     def _path(self, name, suffix):
@@ -220,6 +222,8 @@ class Runner:
                                      preexec_fn=_lower_priority if os.name == "posix" else None)
         self._started[run] = popen
         self._timeouts[run] = TIMEOUT_SECONDS * len(names)   # each member's own time
+        if group in self._shared:
+            self._shared_runs[run] = names
         return run, popen
 
     def _finish(self, run, popen):
@@ -240,17 +244,31 @@ class Runner:
         """Waits for process `name` (starting it now if nobody has started it); returns
         its `Completed`."""
         self._check_name(name)
-        with self._lock:
-            if name in self._done:
-                return self._done[name]
-            run, popen = (None, None) if os.path.exists(self._path(name, "claim")) \
-                else self._launch(name)
+        while True:
+            with self._lock:
+                if name in self._done:
+                    return self._done[name]
+                if os.path.exists(self._path(name, "claim")):
+                    run, popen = None, None
+                    break
+                if not self._reaches(name):
+                    run, popen = self._launch(name)
+                    break
+            time.sleep(0.2)   # a run of its shared group will claim it (or end)
         if popen is not None:
             self._finish(run, popen)
         done = self._wait_for(name)
         with self._lock:
             self._done.setdefault(name, done)
             return self._done[name]
+
+    def _reaches(self, name):
+        """True if a run of a shared group that this object started is still going and
+        will reach member `name` (unless the other run claims it first): `completed`
+        waits for it instead of starting `name` alone, which would cost a TensorFlow
+        start-up more (call with the lock held)."""
+        return any(name in names and self._started[run].poll() is None
+                   for run, names in self._shared_runs.items())
 
     def _read(self, run, suffix):
         with open(self._path(run, suffix)) as f:

@@ -21,10 +21,6 @@ CONV_CLIP = 22.0   # between the conv model's per-example norms (19-30)
 FORMED_CONVOLUTIONS = 4
 
 
-def _conv(x, w, strides=1, padding="SAME"):
-    return tf.nn.conv2d(x, w, strides=strides, padding=padding)
-
-
 @pytest.fixture(scope="module")
 def conv_model():
     """Convolutions whose norms are formed (not ghost: few channels for their
@@ -32,23 +28,9 @@ def conv_model():
     on two images per example (k = 2). σ = 0 DP gradients (the clipped mean), the
     per-example norms, and the loop's per-example gradients."""
     rng = np.random.RandomState(5)
-    shapes = [[3, 3, 3, 4], [3, 3, 4, 5], [2, 3, 5, 6], [1, 1, 6, 3], [3, 3, 3, 4], [7, 1]]
     graph = tf.Graph()
     with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 9, 9, 3], name="x")
-        pairs = tf.compat.v1.placeholder(tf.float32, [None, 2, 5, 5, 3], name="pairs")
-        ws = [tf.Variable(rng.randn(*s).astype(np.float32) * 0.5, name=f"w{k}")
-              for k, s in enumerate(shapes)]
-        h = tf.nn.relu(_conv(x, ws[0]))                                # [B, 9, 9, 4]
-        h = tf.tanh(_conv(h, ws[1], strides=2, padding="VALID"))     # [B, 4, 4, 5]
-        h = tf.nn.relu(_conv(h, ws[2]))                                # [B, 4, 4, 6]
-        h = _conv(h, ws[3])                                            # [B, 4, 4, 3]
-        images = tf.reshape(pairs, [-1, 5, 5, 3])                      # [2B, 5, 5, 3]
-        g = tf.reshape(tf.tanh(_conv(images, ws[4])), [-1, 2 * 5 * 5 * 4])   # [B, 200]
-        features = tf.concat([tf.reduce_mean(h, axis=[1, 2]),
-                              tf.reduce_mean(tf.reshape(g, [-1, 50, 4]), axis=1)],
-                             axis=1)                                   # [B, 7]
-        loss = tf.reduce_sum(tf.square(tf.matmul(features, ws[5]) - 1.0), axis=1)   # [B]
+        x, pairs, ws, loss = common.formed_norm_convs(rng)
         dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                   l2_norm_clip=CONV_CLIP, noise_multiplier=0.0, method="rules")
         means = [gr for gr, _ in dp.compute_gradients(loss, var_list=ws)]
@@ -68,15 +50,8 @@ def conv_model():
                 contractions=contractions)
 
 
-def _loop_clipped_mean(per_example, clip):
-    b = per_example[0].shape[0]
-    norms = np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in per_example))
-    factors = clip / np.maximum(norms, clip)
-    return norms, [np.tensordot(factors, g, axes=1) / b for g in per_example]
-
-
 def test_formed_conv_norms_and_clipped_sums_equal_the_loop_s(conv_model):
-    norms, means = _loop_clipped_mean(conv_model["per_example"], CONV_CLIP)
+    norms, means = common.loop_clipped_mean(conv_model["per_example"], CONV_CLIP)
     assert (norms > CONV_CLIP).any() and (norms < CONV_CLIP).any(), norms   # some clipped
     # every convolution but the 1x1 one took the formed layout
     assert len(conv_model["contractions"]) == FORMED_CONVOLUTIONS
@@ -132,7 +107,7 @@ def test_a_batch_within_the_capacity_runs_as_the_loop_on_every_path(capacity_ste
     feed = _feed(m, b)
     sess = m["sess"]
     before = sess.run(m["xs"])
-    _, means = _loop_clipped_mean(m["loop"].run(sess, feed, b), CLIP)
+    _, means = common.loop_clipped_mean(m["loop"].run(sess, feed, b), CLIP)
     got_means, pushed = sess.run([m["means"], m["sums"]], feed)
     common.assert_all_close(got_means, means, what=f"DPOptimizer b={b}", kind="tight")
     common.assert_all_close(pushed, [s * b for s in means], what=f"pushed b={b}",

@@ -29,10 +29,6 @@ VARIANTS = [("defaults", _conv_norms.CHUNK_FLOATS, _conv_norms.FEW_GROUPS),
             ("batched_chunks", 1800, 1)]
 
 
-def _conv(x, w, strides=1, padding="SAME"):
-    return tf.nn.conv2d(x, w, strides=strides, padding=padding)
-
-
 def _scope_ops(graph, scope, op_type):
     return [op for op in graph.get_operations()
             if op.type == op_type and op.name.startswith(scope + "/")]
@@ -44,22 +40,9 @@ def model(request):
     variant of VARIANTS, per-example norms with static B, and the loop's per-example
     gradients."""
     rng = np.random.RandomState(7)
-    shapes = [[3, 3, 3, 4], [3, 3, 4, 5], [2, 3, 5, 6], [1, 1, 6, 3], [3, 3, 3, 4], [7, 1]]
     graph = tf.Graph()
     with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 9, 9, 3], name="x")
-        pairs = tf.compat.v1.placeholder(tf.float32, [None, 2, 5, 5, 3], name="pairs")
-        ws = [tf.Variable(rng.randn(*s).astype(np.float32) * 0.5, name=f"w{k}")
-              for k, s in enumerate(shapes)]
-        h = tf.nn.relu(_conv(x, ws[0]))                                # [B, 9, 9, 4]
-        h = tf.tanh(_conv(h, ws[1], strides=2, padding="VALID"))     # [B, 4, 4, 5]
-        h = tf.nn.relu(_conv(h, ws[2]))                                # [B, 4, 4, 6]
-        h = _conv(h, ws[3])                                            # [B, 4, 4, 3]
-        images = tf.reshape(pairs, [-1, 5, 5, 3])                      # [2B, 5, 5, 3]
-        g = tf.reshape(tf.tanh(_conv(images, ws[4])), [-1, 50, 4])     # [B, 50, 4]
-        features = tf.concat([tf.reduce_mean(h, axis=[1, 2]), tf.reduce_mean(g, axis=1)],
-                             axis=1)                                   # [B, 7]
-        loss = tf.reduce_sum(tf.square(tf.matmul(features, ws[5]) - 1.0), axis=1)   # [B]
+        x, pairs, ws, loss = common.formed_norm_convs(rng)
         means, scopes = {}, {}
         saved = _conv_norms.CHUNK_FLOATS, _conv_norms.FEW_GROUPS
         try:
@@ -90,12 +73,6 @@ def model(request):
                 per_example=per_example)
 
 
-def _loop_clipped_mean(per_example, clip):
-    norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in per_example))
-    factors = clip / np.maximum(norms, clip)
-    return norms, [np.tensordot(factors, g, axes=1) / B for g in per_example]
-
-
 def test_chunk_sizes_cover_the_groups_within_the_budget():
     for G, floats in [(64, 288 * 256), (64, 576 * 64), (7, 10), (5, 2 ** 21), (3, 1)]:
         sizes = _conv_norms.chunk_sizes(G, floats)
@@ -111,7 +88,7 @@ def test_chunk_sizes_cover_the_groups_within_the_budget():
 
 @pytest.mark.parametrize("name", [v[0] for v in VARIANTS])
 def test_formed_norm_paths_clip_as_the_loop(model, name):
-    norms, means = _loop_clipped_mean(model["per_example"], CLIP)
+    norms, means = common.loop_clipped_mean(model["per_example"], CLIP)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms       # some clipped
     graph, scope = model["graph"], model["scopes"][name]
     squares = [op for op in _scope_ops(graph, scope, "Einsum")
@@ -134,6 +111,6 @@ def test_formed_norm_paths_clip_as_the_loop(model, name):
 
 
 def test_chunked_per_example_norms_equal_the_loop(model):
-    norms, _ = _loop_clipped_mean(model["per_example"], CLIP)
+    norms, _ = common.loop_clipped_mean(model["per_example"], CLIP)
     assert len(_scope_ops(model["graph"], model["scopes"]["norms"], "SplitV")) == 2 * FORMED
     common.assert_all_close([model["norms"]], [norms], what="norms", kind="deep")

@@ -287,12 +287,9 @@ def _check_rules_against_loop(graph, ys, xs, feed, four, what):
         loop = oracle.SliceLoop(ys, xs)
         sess = v1.Session(graph=graph)
         sess.run(v1.global_variables_initializer())
+    want, want_norms = legacy_idiom_cases.assert_gradients_and_norms_match_loop(
+        sess, grads, norms, loop, feed, what)
     tolerance = common.tolerance(np.float32, "deep")
-    got, got_norms = sess.run([grads, norms], feed)
-    want = loop.run(sess, feed, B)
-    common.assert_all_close(got, want, what=f"{what}: per-example gradients", **tolerance)
-    want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want))
-    common.assert_all_close([got_norms], [want_norms], what=f"{what}: norms", **tolerance)
     common.assert_all_close(sess.run(micro, four), loop.run(sess, four, 2),
                             what=f"{what}: microbatches", **tolerance)
     before = sess.run(xs)
@@ -371,8 +368,14 @@ def check_training_op_built_first_keeps_the_loop_proof():
                             **common.tolerance(np.float32, "deep"))
 
 
+def test_sampled_softmax_shares_the_batch_draw():
+    """The sampled softmax alone (its legacy twin: check_sampled_softmax_shares_the_batch_draw
+    of the default run); with NCE and the norms: the heavy test below, in both modes."""
+    check_sampled_losses_share_the_batch_draw(full=False)
+
+
+@pytest.mark.heavy
 def test_sampled_losses_share_the_batch_draw():
-    """(The default run checks the sampled softmax alone, under disable_v2_behavior().)"""
     check_sampled_losses_share_the_batch_draw()
 
 

@@ -33,6 +33,8 @@ for name in sys.argv[1:]:
         time.sleep(0.05)
     if name == "crash":
         sys.exit(3)
+    if name == "slow":
+        time.sleep(1.0)
     threads = (os.environ.get("TF_NUM_INTRAOP_THREADS", "")
                + os.environ.get("PERTOWER_TEST_SETTING", ""))
     print({prefix!r} + json.dumps(dict(name="check_" + name, ok=True, message="",
@@ -254,6 +256,22 @@ def test_a_member_read_before_its_groups_run_reaches_it_waits_for_that_run(tmp_p
     assert {name: (tmp_path / f"{name}.claim").read_text() for name in names} == dict.fromkeys(
         names, "waits")
     assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == ["waits.out"]
+
+
+def test_a_member_read_before_its_shared_groups_run_reaches_it_waits_for_that_run(tmp_path):
+    """A run of a shared group claims each member when it reaches it: a test of the test
+    process that started the run, reading a later member first, waits for the run
+    (it does not start the member alone, a TensorFlow start-up more)."""
+    names = ("slow", "b")   # "slow" holds the run for a second before "b"
+    commands = {name: _command(tmp_path, name) for name in names}
+    runner = _runner(tmp_path, commands, tmp_path, groups=(names,), shared=(names,))
+    runner.start(*names)
+    while not (tmp_path / "slow.out").exists():
+        time.sleep(0.05)
+    assert runner.assert_passed("b", "check_b").ok   # before "slow" ends
+    runner.stop(wait=True)
+    assert (tmp_path / "b.claim").read_text() == "slow"
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".out")) == ["slow.out"]
 
 
 def test_a_group_not_shared_runs_once_for_two_runners(tmp_path):

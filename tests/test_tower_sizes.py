@@ -23,8 +23,15 @@ from tests.scripts import tower_sizes_checks as sizes
 B = sizes.B
 
 
-@pytest.mark.parametrize("method", ["towers", "auto"])
-@pytest.mark.parametrize("kind", sizes.KINDS)
+# method="auto" in the default run on one kind per use of the size (a row index, a
+# segment id, a mean's n, a partitioned lookup); the towers on every kind
+_AUTO_DEFAULT_RUN = ("gather_nd_stack", "segment_sum", "mean", "partitioned_lookup")
+
+
+@pytest.mark.parametrize("kind, method", [
+    pytest.param(kind, method, marks=pytest.mark.heavy if method == "auto" and kind not in
+                 _AUTO_DEFAULT_RUN else ())
+    for kind in sizes.KINDS for method in ("towers", "auto")])
 def test_size_uses_match_the_loop(kind, method):
     sizes.check_kind(kind, method)
 

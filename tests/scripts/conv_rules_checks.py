@@ -43,9 +43,8 @@ RUNS = 20
 
 
 def _require_mode():
-    if MODE == "legacy" and (tf.compat.v1.resource_variables_enabled() or
-                             tf.executing_eagerly()):
-        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
+    if MODE == "legacy":
+        process_checks.require_legacy_mode()
     if MODE == "onednn" and not conv2d.onednn_enabled():
         raise AssertionError("expected TensorFlow's oneDNN kernels (TF_ENABLE_ONEDNN_OPTS=1)")
 

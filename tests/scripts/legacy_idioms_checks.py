@@ -23,54 +23,49 @@ from tests import legacy_idiom_cases  # noqa: E402
 from tests import test_legacy_idioms as idioms  # noqa: E402
 
 
-def _require_legacy_mode():
-    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
-        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
-
-
 def check_sampled_softmax_shares_the_batch_draw():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_sampled_losses_share_the_batch_draw(full=False)
 
 
 def check_sampled_losses_share_the_batch_draw():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_sampled_losses_share_the_batch_draw()
 
 
 def check_sampled_loss_microbatches_and_capacity():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_sampled_loss_microbatches_and_capacity()
 
 
 def check_partitioned_lookups_on_the_rules():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_partitioned_lookups_on_the_rules()
 
 
 def check_partitioned_lookup_with_another_use_is_not_proven():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_partitioned_lookup_with_another_use_is_not_proven()
 
 
 def check_sparse_lookups_on_the_rules():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_sparse_lookups_on_the_rules()
 
 
 def check_sparse_lookup_with_trailing_empty_examples():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_sparse_lookup_with_trailing_empty_examples()
 
 
 def check_sparse_lookup_with_another_use_is_not_proven():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     idioms.check_sparse_lookup_with_another_use_is_not_proven()
 
 
 def check_idiom_matrix():
     """Every case of tests/legacy_idiom_cases.py against the loop; every refusal."""
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     for name in sorted(legacy_idiom_cases.CASES):
         legacy_idiom_cases.check_case(name)
     for name in sorted(legacy_idiom_cases.REFUSED):

@@ -18,12 +18,16 @@ group, for the other test process) has claimed meanwhile: no line for those.
 import os
 import runpy
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests import process_checks  # noqa: E402
 from tests import process_runner  # noqa: E402
+
+
+_COST_PREFIX = "pertower-member-cost "
 
 
 def _exit_code(code):
@@ -46,6 +50,7 @@ def main(names):
             os.environ.pop("TF_USE_LEGACY_KERAS", None)
         start, end = process_checks.section_lines(name)
         print(start, flush=True)
+        cpu, wall = time.process_time(), time.perf_counter()
         saved = sys.argv
         sys.argv = [path, *args]
         try:
@@ -61,6 +66,10 @@ def main(names):
         sys.stdout.flush()
         sys.stderr.flush()
         print(f"{end} {code}", flush=True)
+        # (outside the section) the member's CPU and wall seconds, the first member's
+        # including the TensorFlow start-up: what tests/process_checks.COSTS estimates
+        print(f"{_COST_PREFIX}{name} {time.process_time() - cpu:.2f} "
+              f"{time.perf_counter() - wall:.2f}", flush=True)
         failed = failed or code != 0
     return 1 if failed else 0
 

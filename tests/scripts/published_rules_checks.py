@@ -27,13 +27,8 @@ from tests import test_rules_published as published  # noqa: E402
 from tests import test_zoo  # noqa: E402
 
 
-def _require_legacy_mode():
-    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
-        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
-
-
 def check_every_broadcast_op():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     published.check_every_broadcast_op()
 
 
@@ -42,38 +37,38 @@ def check_broadcast_pow_and_select_v2():
     two value inputs) on reference variables; every op type of the rule in this mode:
     `check_every_broadcast_op` (heavy, process "published_legacy_zoo"), and each in
     graph mode in tests/test_rules_published.py."""
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     for op_type in ("Pow", "SelectV2"):
         published.check_broadcast_op(op_type)
 
 
 def check_raw_fused_batch_norms():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     for op_type in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"):
         for data_format in ("NHWC", "NCHW"):
             published.check_raw_fused_batch_norm(op_type, data_format)
 
 
 def check_keras_batch_norm_net():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     published.check_keras_batch_norm_net()
 
 
 def check_zoo_applications():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     return "\n".join(published.check_application(name)
                      for name in ("mobilenet_v2", "resnet50"))
 
 
 def check_zoo_fast():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     return "\n".join(published.check_application(name) for name in zoo.FAST)
 
 
 def check_zoo_recurrent():
     """The recurrent zoo networks by whatever method their plan picks (batch_size given
     when it falls back), against the loop."""
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     summaries = []
     for name in zoo.RECURRENT:
         built = test_zoo.Built(name, batch_size=2, seed=7)
@@ -85,7 +80,7 @@ def check_zoo_recurrent():
 
 
 def check_broadcast_dp_step():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     published.check_broadcast_dp_step()
 
 

@@ -28,13 +28,8 @@ from tests import process_checks  # noqa: E402
 from tests import test_rules_recurrent as recurrent  # noqa: E402
 
 
-def _require_legacy_mode():
-    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
-        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
-
-
 def _with_control_flow_v2(check):
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     tf.compat.v1.enable_control_flow_v2()
     try:
         return check()
@@ -87,7 +82,7 @@ def check_while_loop_with_reference_variables_on_the_rules():
 def check_v1_loop_on_the_rules():
     """With control flow v1 the LSTM's loop is a TF1 frame: its weights are on the
     rules too (`pertower.rules._v1_loops`), without batch_size, and match the loop."""
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     graph, ys, batch = recurrent._language_model("LSTM")  # pylint: disable=protected-access
     with graph.as_default():
         assert any(op.type == "LoopCond" for op in graph.get_operations()), "no TF1 loop"

@@ -35,13 +35,6 @@ SIZES = (3, 4)
 _CELLS = tf.compat.v1.nn.rnn_cell
 
 
-def _require_legacy_mode():
-    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
-        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
-    if tf.compat.v1.control_flow_v2_enabled():
-        raise AssertionError("expected control flow v1")
-
-
 def _clipped_mean(per_example, clip):
     B = per_example[0].shape[0]
     norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in per_example))
@@ -55,7 +48,7 @@ def _compare(graph, ys, xs, batch, make_feed, what, batch_axis=None, on_rules=No
     without batch_size (with combiners=False: the gradients and norms only), against
     the loop at each of SIZES; `on_rules` the weights the plan must show on the rules
     per step (default: all). Returns the plan's text."""
-    _require_legacy_mode()
+    process_checks.require_legacy_mode(control_flow_v1=True)
     kwargs = {"batch": batch} if batch_axis is None else {"batch": batch,
                                                          "batch_axis": batch_axis}
     with graph.as_default():
@@ -219,7 +212,7 @@ def check_hand_written_while_loop_on_reference_variables():
 def check_a_frame_drawing_random_numbers_keeps_row_passes():
     """A random op in the body: the copy would draw again, so the weights keep their
     row passes (batch_size needed, the reason names the op) and still match."""
-    _require_legacy_mode()
+    process_checks.require_legacy_mode(control_flow_v1=True)
     graph, ys, xs, x = _hand_written(with_random=True)
     with graph.as_default():
         plan = pertower.explain(ys, xs, batch=[x], batch_size=3)

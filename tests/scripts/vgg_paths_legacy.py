@@ -22,8 +22,7 @@ from tests import test_vgg_paths  # noqa: E402
 
 
 def check_vgg_paths_legacy():
-    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
-        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
+    process_checks.require_legacy_mode()
     test_vgg_paths.check_forward_form(batch=2)
 
 

@@ -23,23 +23,18 @@ from tests import process_checks  # noqa: E402
 from tests import test_rules_weight_functions as weight_functions  # noqa: E402
 
 
-def _require_legacy_mode():
-    if tf.compat.v1.resource_variables_enabled() or tf.executing_eagerly():
-        raise AssertionError("expected disable_v2_behavior(): reference variables, graph mode")
-
-
 def check_weight_functions():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     weight_functions.check_weight_functions()
 
 
 def check_partitioned_variable():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     weight_functions.check_partitioned_variable()
 
 
 def check_mixed_float16_dense():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     # Keras mixed precision under TF1 behaviour: the documented switch that lets layers
     # cast their inputs to their policy's compute dtype (variables stay reference ones)
     tf.compat.v1.keras.layers.enable_v2_dtype_behavior()
@@ -47,18 +42,18 @@ def check_mixed_float16_dense():
 
 
 def check_non_fused_batch_norms():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     for rank in (2, 4):
         weight_functions.check_non_fused_batch_norm(rank)
 
 
 def check_dp_step():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     weight_functions.check_dp_step()
 
 
 def check_not_followed():
-    _require_legacy_mode()
+    process_checks.require_legacy_mode()
     weight_functions.check_not_followed()
 
 
