@@ -56,6 +56,7 @@ from pertower import _context
 from pertower import _op_types as op_types
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
+from pertower.rules import _loop_backward
 from pertower.rules import _loop_copy
 from pertower.rules import _loop_uses
 from pertower.rules import _v1_loops
@@ -278,7 +279,7 @@ class LoopCopy(_loop_uses.LoopPlan):
                 if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
 
     def _make_copy(self):
-        return _loop_copy.BuiltCopy(self)
+        return _loop_backward.OwnBackward(self)
 
 
 def _function_graph(op, attr):
