@@ -130,6 +130,8 @@ class OwnBackward:
         for target in (op, dup):
             target._set_attr("_num_original_outputs",
                              attr_value_pb2.AttrValue(i=len(target.outputs)))
+        if op.control_inputs:
+            dup._add_control_inputs(op.control_inputs)
         captured = while_v2._resolve_grad_captures(body_graph, body_grad_graph, dup)
         loop_vars = args + captured
 
@@ -250,11 +252,12 @@ def _supported(loop):
 
 
 def _duplicate(op):
-    """D: a While op with `op`'s type, inputs, control inputs and attributes, in the
-    current name scope (it calls the same functions)."""
+    """D: a While op with `op`'s type, inputs and attributes, in the current name scope
+    (it calls the same functions), without control inputs (the caller adds `op`'s after
+    the edit: a data input added after a control input makes an invalid node)."""
     # pylint: disable=protected-access
     attrs = {key: value for key, value in op.node_def.attr.items()}
-    with ops_lib.control_dependencies(op.control_inputs):
+    with control_flow_util_v2.clear_control_inputs():
         dup = op.graph._create_op_internal(op.type, list(op.inputs),
                                            [t.dtype for t in op.outputs], name="copy",
                                            attrs=attrs)
