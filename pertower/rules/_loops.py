@@ -8,7 +8,10 @@ Notation:
 
 The rules need, for every read of W, the op's batch-side input A and dZ, the gradient
 of sum(ys) at its output. Inside a loop both exist once per step, and `tf.gradients`
-cannot reach a tensor inside a loop body from outside. So the loop is copied (a new
+cannot reach a tensor inside a loop body from outside. They come from ONE backward
+pass of the loop, TensorFlow's own with each step's dZ_t and A_t pushed to lists
+(`pertower.rules._loop_backward`, run from a duplicate of the user's op). Where that
+backward cannot be built (TensorFlow's private helpers differ, ...), the loop is copied (a new
 `While` built with `while_v2`, the user's op and functions untouched), its body the
 original body's ops with, at every covered op, Z_t replaced by Z_t + ε[t] (ε an extra
 loop input, a TensorList read at the step counter) and A_t written to an extra
