@@ -132,11 +132,13 @@ def test_one_backward_tensorflows_own_body_plus_the_pushes(edited):
     own = _backward_body(edited.pertower_graph, edited.added)
     assert not reference - own, (edited.layer, reference - own)
     assert set(own - reference) <= {"TensorListPushBack", "Identity"}, own - reference
-    # 3 covered reads (kernel, recurrent kernel, bias): 3 dZ_t and 2 A_t pushed, stacked
+    # LSTM: 3 covered reads (kernel, recurrent kernel, bias): 3 dZ_t and 2 A_t pushed;
+    # GRU: 4 (its bias [2, 3u] is read as two slices, by two BiasAdds): 4 dZ_t, 2 A_t
+    pushes = {"LSTM": 5, "GRU": 6}[edited.layer]
     stacks = [op for op in edited.added if op.type == "TensorListStack"
               and op.inputs[0].op.inputs[0].op.name.endswith("/backward")]
-    assert own["TensorListPushBack"] - reference["TensorListPushBack"] == 5, edited.layer
-    assert len(stacks) == 5, (edited.layer, [op.name for op in stacks])
+    assert own["TensorListPushBack"] - reference["TensorListPushBack"] == pushes, edited.layer
+    assert len(stacks) == pushes, (edited.layer, [op.name for op in stacks])
 
 
 def test_no_tensor_of_pertowers_reads_an_output_the_edit_added(edited):
@@ -149,14 +151,15 @@ def test_no_tensor_of_pertowers_reads_an_output_the_edit_added(edited):
 
 
 def test_op_count_bounded_by_tf_gradients(edited):
-    """pertower's build adds at most 1.5 times the ops `tf.gradients` adds to the same
-    model (the one backward, the duplicate, the stacks, and the rules' products)."""
+    """pertower's build adds at most 1.75 times the ops `tf.gradients` adds to the same
+    model (the one backward, the duplicate, the stacks, and the rules' products; the
+    GRU's sliced bias adds the most: 226 ops against 140)."""
     with tf.Graph().as_default() as graph:
         ys, xs, _, _ = _language_model(edited.layer, 3)
         before = len(graph.get_operations())
         tf.gradients(tf.reduce_sum(ys), xs)
         reference = len(graph.get_operations()) - before
-    assert len(edited.added) <= 1.5 * reference, (edited.layer, len(edited.added), reference)
+    assert len(edited.added) <= 1.75 * reference, (edited.layer, len(edited.added), reference)
 
 
 @pytest.mark.heavy
@@ -168,9 +171,9 @@ def test_the_copy_where_the_backward_cannot_be_built(monkeypatch, how):
     per-example gradients; they match the loop, and the user's op is still edited as by
     `tf.gradients` (a training op built after the first run works)."""
     from pertower.rules import _loop_backward
-    from tensorflow.python.ops import while_v2
-    if how == "helpers":
-        monkeypatch.delattr(while_v2, "_build_while_op")
+    if how == "helpers":   # a TensorFlow without one of them
+        monkeypatch.setattr(_loop_backward, "_HELPERS",
+                            _loop_backward._HELPERS + ("_no_such_helper",))
     else:
         monkeypatch.setattr(_loop_backward, "_DZ_ONLY_OP_TYPES", frozenset())
     copy_test = Edited("LSTM")

@@ -32,7 +32,7 @@ the backward's gradients at the loop's inputs (`tf.gradients` from there).
 Where TensorFlow's private helpers differ, the body graph is not while_v2's own, or the
 backward body needs what this module does not handle (an IndexedSlices gradient, an
 A_t not read), `BuiltCopy` (the loop's copy with ε, `_loop_copy`) is used instead; a
-body graph a failed attempt touched is dropped from the op (TensorFlow rebuilds it).
+body graph a failed attempt touched is replaced by one read back from the op's function.
 Cost: D's forward and one backward pass at run time; one backward body at build time
 (the copy built a forward body, its backward, and the user's backward body).
 """
@@ -92,7 +92,7 @@ class OwnBackward:
             except _Unsupported:
                 if self._uses is not None:
                     raise
-                _forget_graphs(self.loop.op)
+                _fresh_graphs(self.loop.op)
         if self._copy is None:
             self._copy = _loop_copy.BuiltCopy(self.loop)
         return self._copy.output_gradients(d_outputs, unconnected, others, stops)
@@ -104,7 +104,6 @@ class OwnBackward:
         body_graph = while_v2._get_graph(op, "body", "_body_graph")
         if body_graph is not loop.body:
             raise _Unsupported("the body graph is not while_v2's own")
-        dup = _duplicate(op)
         try:
             num_original = op.get_attr("_num_original_outputs")
         except ValueError:
@@ -121,7 +120,10 @@ class OwnBackward:
             raise _Unsupported("an output gradient is an IndexedSlices")
         chosen = [(y, x, g) for y, x, g in zip(body_graph.outputs, body_graph.inputs, grads)
                   if g is not None]
+        if not chosen:
+            raise _Unsupported("no output takes a gradient")
         ys, xs, non_none = (list(part) for part in zip(*chosen))
+        dup = _duplicate(op)
         orig_num_params = len(body_graph.outputs)
         body_grad_graph, args, stand_ins = self._grad_body(
             ys, xs, non_none, cond_graph, body_graph, dup)
@@ -147,8 +149,7 @@ class OwnBackward:
             output_shapes=[t.shape for t in body_grad_graph.outputs],
             parallel_iterations=op.get_attr("parallel_iterations"), name="backward",
             num_original_outputs=len(body_grad_graph.outputs))
-        return self._results(outputs, grads, body_grad_graph, xs, stand_ins, dup,
-                             others, stops)
+        return self._results(outputs, grads, body_grad_graph, xs, stand_ins, others, stops)
 
     def _grad_body(self, ys, xs, grads, cond_graph, body_graph, dup):
         """(the backward body, its arguments, [j: A_t stood in by dZ_t]): while_v2's
@@ -205,7 +206,7 @@ class OwnBackward:
             grad_graph.structured_outputs.append(grad_graph.internal_capture_to_output[key])
         return grad_graph, args, stand_ins
 
-    def _results(self, outputs, grads, body_grad_graph, xs, stand_ins, dup, others, stops):
+    def _results(self, outputs, grads, body_grad_graph, xs, stand_ins, others, stops):
         """({id(key_j): dZ_all_j}, [gradients at `others`]) from the backward's outputs;
         sets the built uses (once)."""
         # pylint: disable=protected-access
@@ -302,12 +303,15 @@ def _already_read(graph, tensor):
         tensor = tensor.op.inputs[0]
 
 
-def _forget_graphs(op):
-    """Drops the body and condition graphs a failed attempt may have given accumulators
-    (TensorFlow rebuilds them from the op's functions)."""
-    for attr in ("_body_graph", "_cond_graph"):
-        if hasattr(op, attr):
-            delattr(op, attr)
+def _fresh_graphs(op):
+    """Replaces the body and condition graphs a failed attempt may have given
+    accumulators (the op itself is not edited yet) with graphs read back from the op's
+    functions, as while_v2 `_get_graph` reads them for an op it did not build; kept on
+    the op, so that every later gradient through it edits and reads the same graph."""
+    shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+    for attr in ("cond", "body"):
+        setattr(op, f"_{attr}_graph", control_flow_util_v2.get_func_graph(
+            op, shapes, op.get_attr(attr).name))
 
 
 def _element_shape(tensor):
