@@ -33,7 +33,8 @@ its k*T rows, its norm the ghost norm of Li et al. 2022, arXiv 2110.05679, and a
 clipped sum the reweighted batch gradient, Bu et al. 2023, arXiv 2210.00038: the
 book-keeping of ghost clipping, through time). Cost: a forward pass of the loop (the
 duplicate, or the copy) and one backward pass, the only one (no per-example pass, and
-the lists are sized by the fed batch, so no batch_size is needed), where per-example weight copies [B, *W] inside the body
+the lists are sized by the fed batch, so no batch_size is needed), where per-example
+weight copies [B, *W] inside the body
 (the other way considered) would multiply the loop's weight reads and the backward
 loop's weight-gradient accumulators by B.
 
