@@ -241,10 +241,12 @@ class OwnBackward:
 
 def _supported(loop):
     """Whether `OwnBackward` may try the loop (else the copy): while_v2's helpers as
-    expected, the op's own body graph planned, no extra output TensorFlow did not add."""
+    expected, the op in the graph being built, its own body graph planned, no extra
+    output TensorFlow did not add."""
     # pylint: disable=protected-access
     op = loop.op
-    return (all(hasattr(while_v2, name) for name in _HELPERS)
+    return (op.graph is tf.compat.v1.get_default_graph()
+            and all(hasattr(while_v2, name) for name in _HELPERS)
             and hasattr(gradients_util, "_GradientsHelper")
             and op.type in op_types.WHILE_OP_TYPES
             and getattr(op, "_body_graph", None) is loop.body
