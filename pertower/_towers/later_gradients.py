@@ -56,19 +56,30 @@ from tensorflow.python.ops import while_v2
 
 from pertower import _op_types as op_types
 
-__all__ = ["prepare_for_later_gradients"]
+__all__ = ["output_gradients", "prepare_for_later_gradients"]
 
 
-def _zero_output_gradients(op, dense=True, count=None):
+def output_gradients(op, given, count):
+    """The output gradients a `tf.gradients` that reaches op's outputs `given`
+    ({output index: gradient}) passes to op's gradient function: those, and for each
+    other output TensorFlow's zero rule (`_zero_output_gradients`); None past the
+    first `count` outputs."""
+    zeros = _zero_output_gradients(op, count=count, skip=given)
+    return [given[i] if i in given and i < count else g for i, g in enumerate(zeros)]
+
+
+def _zero_output_gradients(op, dense=True, count=None, skip=()):
     """The output gradients `tf.gradients` passes to op's gradient function when the
     cost reaches none of its outputs, made by TF's own rule (gradients_util.py
     `_GradientsHelper`): `control_flow_state.ZerosLike` for each trainable output that
     supports a default gradient, None for the others. With `dense` False, a floating
     output gets True instead of its zeros (`_edit_while` makes its own); a resource's
     or a variant's zeros depend on its handle, and are TensorFlow's. With `count`, the
-    outputs past the first `count` get None."""
+    outputs past the first `count` get None, and the outputs in `skip` None (made
+    by the caller)."""
     count = len(op.outputs) if count is None else count
-    return [(True if not dense and (t.dtype.is_floating or t.dtype.is_complex)
+    return [None if i in skip else
+            (True if not dense and (t.dtype.is_floating or t.dtype.is_complex)
              else control_flow_state.ZerosLike(op, i))
             if i < count and backprop_util.IsTrainable(t)
             and default_gradient.supports_default_grad(t)

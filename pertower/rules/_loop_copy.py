@@ -1,4 +1,5 @@
-"""The copy of a while loop that `pertower.rules._loops` plans: ε in, A_t out.
+"""The copy of a while loop that `pertower.rules._loops` plans: ε in, A_t out (where
+`pertower.rules._loop_backward` cannot build the loop's own backward with dZ_t and A_t).
 
 Notation (as in `_loops`):
     T   iterations the loop ran        k   rows per example of one step's A and Z

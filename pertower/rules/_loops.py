@@ -8,7 +8,11 @@ Notation:
 
 The rules need, for every read of W, the op's batch-side input A and dZ, the gradient
 of sum(ys) at its output. Inside a loop both exist once per step, and `tf.gradients`
-cannot reach a tensor inside a loop body from outside. So the loop is copied (a new
+cannot reach a tensor inside a loop body from outside. They come from ONE backward
+pass of the loop, TensorFlow's own with each step's dZ_t and A_t pushed to lists
+(`pertower.rules._loop_backward`, run from a duplicate of the user's op). Where that
+backward cannot be built (TensorFlow's private helpers differ, ...), the loop is
+copied (a new
 `While` built with `while_v2`, the user's op and functions untouched), its body the
 original body's ops with, at every covered op, Z_t replaced by Z_t + ε[t] (ε an extra
 loop input, a TensorList read at the step counter) and A_t written to an extra
@@ -18,8 +22,8 @@ at the ORIGINAL loop's outputs (from the engine's one `tf.gradients` call, which
 stops there; the copy's outputs have the same values), ONE backward pass of the copy,
 `tf.gradients(copy outputs, ε, grad_ys=dL/dOut)`, gives dZ_t for every step and every
 covered op at once, and, in the same pass, the gradients of the tensors before the
-loop along the paths through it (an embedding's dZ): the user's loop is never
-differentiated (`_loop_uses.output_gradients`). Example i's rows of step t are its own (the proof below), so
+loop along the paths through it (an embedding's dZ), as the loop's own backward does
+(`_loop_uses.output_gradients`). Example i's rows of step t are its own (the proof below), so
 
     grad_i(W) = sum over t of rule(A_t, dZ_t) for example i = rule(A_all, dZ_all),
 
@@ -27,9 +31,10 @@ with A_all, dZ_all the steps laid out example-major ([T, B*k, ...] -> [B*k*T, ..
 the op's own rule, unchanged (a dense read is Goodfellow's sum of outer products over
 its k*T rows, its norm the ghost norm of Li et al. 2022, arXiv 2110.05679, and a
 clipped sum the reweighted batch gradient, Bu et al. 2023, arXiv 2210.00038: the
-book-keeping of ghost clipping, through time). Cost: the copy's forward pass and one
-backward pass of the loop, the only one (no per-example pass, and ε and A_all are sized by the fed batch, so
-no batch_size is needed), where per-example weight copies [B, *W] inside the body
+book-keeping of ghost clipping, through time). Cost: a forward pass of the loop (the
+duplicate, or the copy) and one backward pass, the only one (no per-example pass, and
+the lists are sized by the fed batch, so no batch_size is needed), where per-example
+weight copies [B, *W] inside the body
 (the other way considered) would multiply the loop's weight reads and the backward
 loop's weight-gradient accumulators by B.
 
@@ -56,6 +61,7 @@ from pertower import _context
 from pertower import _op_types as op_types
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
+from pertower.rules import _loop_backward
 from pertower.rules import _loop_copy
 from pertower.rules import _loop_uses
 from pertower.rules import _v1_loops
@@ -278,7 +284,7 @@ class LoopCopy(_loop_uses.LoopPlan):
                 if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
 
     def _make_copy(self):
-        return _loop_copy.BuiltCopy(self)
+        return _loop_backward.OwnBackward(self)
 
 
 def _function_graph(op, attr):

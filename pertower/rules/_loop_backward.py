@@ -1,0 +1,330 @@
+"""dZ_t and A_t of a TF2 while loop's covered reads from ONE backward pass: the one
+`tf.gradients` builds for the user's loop, with each covered op's dZ_t and A_t pushed.
+
+Notation (as in `_loops`):
+    T   iterations the loop ran        k   rows per example of one step's A and Z
+    op  the user's While op            D   its duplicate: a While op calling the same
+                                           functions on the same inputs (one op, no
+                                           new function)
+
+`OwnBackward.output_gradients` builds, in the user's graph, D and the backward of D as
+TensorFlow's While gradient builds it (tensorflow/python/ops/while_v2.py `_WhileGrad`,
+`_create_grad_func`, `_grad_fn`; TF 2.21), with two changes: the backward body's
+`_GradientsHelper` call also takes the gradient at each covered op's output Z_t
+(added to its `xs`: the pass is the same, the gradient aggregated at Z_t is read out),
+and the body pushes that dZ_t and A_t (the value the op's own gradient already reads,
+popped from its accumulator) onto two extra loop variables of the backward loop.
+The backward runs the steps backwards, so both lists hold steps T-1 .. 0: aligned, and
+the rules sum over an example's k*T rows in any order.
+
+The edit the backward makes to the forward loop (accumulator outputs for the
+intermediates it reads) is made to D and, identically (the same functions, attributes,
+new inputs and outputs), to the user's op: the backward body reads exactly what
+TensorFlow's reads (the extra `xs` add no op a gradient reads, an A_t not already
+read is not read: a BiasAdd's rule reads only dZ, and its A stand-in is dZ; another
+op's falls back), so the user's op gets the edit any `tf.gradients` through it makes
+(`pertower._towers.later_gradients`), and pertower's tensors read only D's outputs:
+a session that ran the user's graph before the pertower call (and so keeps the op
+unedited) runs them. A loop already differentiated gets no edit (its accumulators are
+found). The gradients at tensors before the loop along the paths through it come from
+the backward's gradients at the loop's inputs (`tf.gradients` from there).
+
+Where TensorFlow's private helpers differ, the body graph is not while_v2's own, or the
+backward body needs what this module does not handle (an IndexedSlices gradient, an
+A_t not read), `BuiltCopy` (the loop's copy with ε, `_loop_copy`) is used instead; a
+body graph a failed attempt touched is replaced by one read back from the op's function.
+Cost: D's forward and one backward pass at run time; one backward body at build time
+(the copy built a forward body, its backward, and the user's backward body).
+"""
+
+import tensorflow as tf
+from tensorflow.python.framework import func_graph as func_graph_lib
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.framework import ops as ops_lib
+from tensorflow.python.ops import control_flow_util_v2
+from tensorflow.python.ops import gradients_util
+from tensorflow.python.ops import list_ops
+from tensorflow.python.ops import while_v2
+from tensorflow.core.framework import attr_value_pb2
+
+from pertower import _op_types as op_types
+from pertower._towers import later_gradients
+from pertower.rules import _loop_copy
+from pertower.rules import registry as registry_lib
+
+__all__ = ["OwnBackward"]
+
+_HELPERS = ("_get_graph", "_preprocess_grad", "_WhileBodyGradFuncGraph",
+            "_resolve_grad_captures", "_build_while_op", "_copy_handle_data",
+            "_get_structured_grad_output")
+# the covered op types whose rules read only dZ (their A is a stand-in)
+_DZ_ONLY_OP_TYPES = frozenset({"BiasAdd"})
+
+
+class _Unsupported(Exception):
+    """The backward body needs what `OwnBackward` does not handle."""
+
+
+class OwnBackward:
+    """The per-step A and dZ of a TF2 loop's covered reads from the loop's own backward
+    (see the module notes); a `BuiltCopy` where that is not possible."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self._copy = None if _supported(loop) else _loop_copy.BuiltCopy(loop)
+        self._uses = None
+
+    @property
+    def uses(self):
+        """The built `Use` of each loop use (A_all example-major, [B*k*T, *a], and the
+        key of dZ_all), known once `output_gradients` has run (else the copy's)."""
+        if self._copy is None and self._uses is None:
+            self._copy = _loop_copy.BuiltCopy(self.loop)   # asked for before the backward
+        return self._copy.uses if self._copy is not None else self._uses
+
+    def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
+        """({id(key_j): dZ_all_j, [B*k*T, *z]}, [gradient at each of `others`, or None])
+        from one backward pass of the loop, given the gradients `d_outputs` at
+        `loop.reached_outputs` (None where unconnected), stopping at `stops`."""
+        if self._copy is None and any(d is not None for d in d_outputs):
+            try:
+                return self._backward(d_outputs, others, stops)
+            except _Unsupported:
+                if self._uses is not None:
+                    raise
+                _fresh_graphs(self.loop.op)
+        if self._copy is None:
+            self._copy = _loop_copy.BuiltCopy(self.loop)
+        return self._copy.output_gradients(d_outputs, unconnected, others, stops)
+
+    def _backward(self, d_outputs, others, stops):
+        # pylint: disable=protected-access
+        loop, op = self.loop, self.loop.op
+        cond_graph = while_v2._get_graph(op, "cond", "_cond_graph")
+        body_graph = while_v2._get_graph(op, "body", "_body_graph")
+        if body_graph is not loop.body:
+            raise _Unsupported("the body graph is not while_v2's own")
+        try:
+            num_original = op.get_attr("_num_original_outputs")
+        except ValueError:
+            num_original = len(op.outputs)
+        given = {t.value_index: d for t, d in zip(loop.reached_outputs, d_outputs)
+                 if d is not None}
+        grads = later_gradients.output_gradients(op, given, num_original)
+        grads = [while_v2._preprocess_grad(g, body_out, while_in, while_out)
+                 for g, body_out, while_in, while_out in zip(
+                     grads[:num_original], body_graph.outputs[:num_original],
+                     op.inputs[:num_original], op.outputs[:num_original])]
+        grads += [None] * (len(op.outputs) - num_original)
+        if any(isinstance(g, indexed_slices.IndexedSlices) for g in grads):
+            raise _Unsupported("an output gradient is an IndexedSlices")
+        chosen = [(y, x, g) for y, x, g in zip(body_graph.outputs, body_graph.inputs, grads)
+                  if g is not None]
+        if not chosen:
+            raise _Unsupported("no output takes a gradient")
+        ys, xs, non_none = (list(part) for part in zip(*chosen))
+        dup = _duplicate(op)
+        orig_num_params = len(body_graph.outputs)
+        body_grad_graph, args, stand_ins = self._grad_body(
+            ys, xs, non_none, cond_graph, body_graph, dup)
+        if body_grad_graph.while_op_needs_rewrite:
+            _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params)
+        for target in (op, dup):
+            target._set_attr("_num_original_outputs",
+                             attr_value_pb2.AttrValue(i=len(target.outputs)))
+        if op.control_inputs:
+            dup._add_control_inputs(op.control_inputs)
+        captured = while_v2._resolve_grad_captures(body_graph, body_grad_graph, dup)
+        loop_vars = args + captured
+
+        def grad_cond(counter, unused_maximum_iterations, forward_loop_iters, *unused):
+            return counter < forward_loop_iters
+
+        cond_name = control_flow_util_v2.unique_grad_fn_name(op.get_attr("cond").name)
+        cond_grad_graph = func_graph_lib.func_graph_from_py_func(
+            cond_name, grad_cond, loop_vars, {},
+            func_graph=control_flow_util_v2.WhileCondFuncGraph(cond_name))
+        outputs = while_v2._build_while_op(
+            loop_vars, cond_grad_graph, body_grad_graph,
+            output_shapes=[t.shape for t in body_grad_graph.outputs],
+            parallel_iterations=op.get_attr("parallel_iterations"), name="backward",
+            num_original_outputs=len(body_grad_graph.outputs))
+        return self._results(outputs, grads, body_grad_graph, xs, stand_ins, others, stops)
+
+    def _grad_body(self, ys, xs, grads, cond_graph, body_graph, dup):
+        """(the backward body, its arguments, [j: A_t stood in by dZ_t]): while_v2's
+        `_create_grad_func` with `_grad_fn` also pushing dZ_t and A_t."""
+        # pylint: disable=protected-access
+        loop = self.loop
+        zs = [target.outputs[0] for target, _ in loop.targets]
+        J = len(zs)
+        dz_lists = [list_ops.empty_tensor_list([-1] + z.shape.as_list()[1:], z.dtype)
+                    for z in zs]
+        a_lists = [list_ops.empty_tensor_list(_element_shape(u.activation), u.activation.dtype)
+                   for u in loop.uses]
+        total_iters = dup.outputs[0]
+        counter = tf.constant(0, dtype=total_iters.dtype, name="grad_counter")
+        maximum_iterations = loop.op.inputs[1]
+        args = [counter, maximum_iterations, total_iters] + grads + dz_lists + a_lists
+        n = len(grads)
+        stand_ins = [False] * J
+
+        def body(*values):
+            found = gradients_util._GradientsHelper(
+                ys, xs + zs, grad_ys=values[3:3 + n], src_graph=body_graph,
+                unconnected_gradients="zero")
+            grad_outs, dzs = found[:len(xs)], found[len(xs):]
+            if any(isinstance(g, indexed_slices.IndexedSlices) for g in grad_outs + dzs):
+                raise _Unsupported("a gradient in the body is an IndexedSlices")
+            graph = ops_lib.get_default_graph()
+            pushed_a = []
+            for j, use in enumerate(loop.uses):
+                a = _already_read(graph, use.activation)
+                if a is None and use.op.type in _DZ_ONLY_OP_TYPES:
+                    stand_ins[j] = True
+                    pushed_a.append(values[3 + n + J + j])
+                    continue
+                if a is None:
+                    raise _Unsupported(f"the backward does not read {use.activation.name}")
+                pushed_a.append(list_ops.tensor_list_push_back(values[3 + n + J + j], a))
+            pushed_dz = [list_ops.tensor_list_push_back(values[3 + n + j], dz)
+                         for j, dz in enumerate(dzs)]
+            return ([values[0] + 1, values[1], values[2]] + list(grad_outs)
+                    + pushed_dz + pushed_a)
+
+        name = control_flow_util_v2.unique_grad_fn_name(body_graph.name)
+        grad_graph = func_graph_lib.func_graph_from_py_func(
+            name, body, args, {},
+            func_graph=while_v2._WhileBodyGradFuncGraph(
+                name, cond_graph, body_graph, maximum_iterations, dup,
+                _IdentitySet(body_graph.inputs), _IdentitySet(body_graph.outputs)))
+        for external, internal in grad_graph.captures:
+            key = ops_lib.tensor_id(internal)
+            if key not in grad_graph.internal_capture_to_output:
+                raise _Unsupported(f"{internal} captures {external} without an output")
+            grad_graph.outputs.append(grad_graph.internal_capture_to_output[key])
+            grad_graph.structured_outputs.append(grad_graph.internal_capture_to_output[key])
+        return grad_graph, args, stand_ins
+
+    def _results(self, outputs, grads, body_grad_graph, xs, stand_ins, others, stops):
+        """({id(key_j): dZ_all_j}, [gradients at `others`]) from the backward's outputs;
+        sets the built uses (once)."""
+        # pylint: disable=protected-access
+        loop, J = self.loop, len(self.loop.targets)
+        first = 3 + len(xs)
+        found, uses = {}, []
+        for j, use in enumerate(loop.uses):
+            z = loop.targets[j][0].outputs[0]
+            dz = _loop_copy.example_major(list_ops.tensor_list_stack(
+                tf.identity(outputs[first + j]), z.dtype,
+                element_shape=[-1] + z.shape.as_list()[1:]))              # [B*k*T, *z]
+            a = dz if stand_ins[j] else _loop_copy.example_major(list_ops.tensor_list_stack(
+                tf.identity(outputs[first + J + j]), use.activation.dtype,
+                element_shape=_element_shape(use.activation)))            # [B*k*T, *a]
+            key = dz if self._uses is None else self._uses[j].output
+            found[id(key)] = dz
+            uses.append(registry_lib.Use(use.op, use.slot, use.rule, a, key,
+                                         use.weight_shape, use.rows))
+        if self._uses is None:
+            self._uses = uses
+        d_inputs = while_v2._get_structured_grad_output(outputs, grads, body_grad_graph)
+        others = list(others)
+        pairs = [(t, tf.identity(g)) for t, g in zip(loop.op.inputs, d_inputs)
+                 if g is not None and (t.dtype.is_floating or t.dtype == tf.variant)]
+        more = [None] * len(others)
+        if others and pairs:
+            more = tf.gradients([t for t, _ in pairs], others, grad_ys=[g for _, g in pairs],
+                                stop_gradients=list(stops),
+                                unconnected_gradients=tf.UnconnectedGradients.NONE)
+        return found, more
+
+
+def _supported(loop):
+    """Whether `OwnBackward` may try the loop (else the copy): while_v2's helpers as
+    expected, the op in the graph being built, its own body graph planned, no extra
+    output TensorFlow did not add."""
+    # pylint: disable=protected-access
+    op = loop.op
+    return (op.graph is tf.compat.v1.get_default_graph()
+            and all(hasattr(while_v2, name) for name in _HELPERS)
+            and hasattr(gradients_util, "_GradientsHelper")
+            and op.type in op_types.WHILE_OP_TYPES
+            and getattr(op, "_body_graph", None) is loop.body
+            and getattr(op, "_cond_graph", None) is not None
+            and len(loop.body.outputs) == len(op.outputs))
+
+
+def _duplicate(op):
+    """D: a While op with `op`'s type, inputs and attributes, in the current name scope
+    (it calls the same functions), without control inputs (the caller adds `op`'s after
+    the edit: a data input added after a control input makes an invalid node)."""
+    # pylint: disable=protected-access
+    attrs = {key: value for key, value in op.node_def.attr.items()}
+    with control_flow_util_v2.clear_control_inputs():
+        dup = op.graph._create_op_internal(op.type, list(op.inputs),
+                                           [t.dtype for t in op.outputs], name="copy",
+                                           attrs=attrs)
+    while_v2._copy_handle_data(op.outputs, dup.outputs)
+    return dup
+
+
+def _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params):
+    """`_WhileGrad`'s edit of the forward op (accumulator inputs and outputs, rewritten
+    functions), made to the user's `op` and to D alike."""
+    # pylint: disable=protected-access
+    cond_graph.name += "_rewritten"
+    body_graph.name += "_rewritten"
+    new_inputs = body_grad_graph.extra_inputs
+    new_outputs = body_graph.outputs[orig_num_params:]
+    cond_function = control_flow_util_v2.create_new_tf_function(cond_graph)
+    body_function = control_flow_util_v2.create_new_tf_function(body_graph)
+    for target in (op, dup):
+        target._set_func_attr("cond", cond_function)
+        target._set_func_attr("body", body_function)
+        if len(body_graph.output_types) != len(target.inputs) + len(new_inputs):
+            raise AssertionError(
+                f"the edited While op {target.name!r} has {len(body_graph.output_types)} "
+                f"output types for {len(target.inputs)} inputs and {len(new_inputs)} new "
+                "ones, as TensorFlow's own While gradient would have found")
+        target._set_type_list_attr("T", body_graph.output_types)
+        target._set_shape_list_attr("output_shapes", body_graph.output_shapes)
+        target._add_while_inputs(new_inputs)
+        target._add_outputs([t.dtype for t in new_outputs], [t.shape for t in new_outputs])
+        while_v2._copy_handle_data(new_outputs, target.outputs[orig_num_params:])
+
+
+def _already_read(graph, tensor):
+    """The backward body's value of the forward body's `tensor` when the gradient has
+    already read it (so reading it adds no accumulator), else None."""
+    # pylint: disable=protected-access
+    captures = graph._indirect_captures
+    while True:
+        found = captures.get(ops_lib.tensor_id(tensor))
+        if found is not None or tensor.op.type != "Identity":
+            return found
+        tensor = tensor.op.inputs[0]
+
+
+def _fresh_graphs(op):
+    """Replaces the body and condition graphs a failed attempt may have given
+    accumulators (the op itself is not edited yet) with graphs read back from the op's
+    functions, as while_v2 `_get_graph` reads them for an op it did not build; kept on
+    the op, so that every later gradient through it edits and reads the same graph."""
+    shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+    for attr in ("cond", "body"):
+        setattr(op, f"_{attr}_graph", control_flow_util_v2.get_func_graph(
+            op, shapes, op.get_attr(attr).name))
+
+
+def _element_shape(tensor):
+    return [-1] + [-1 if d is None else d for d in tensor.shape.as_list()[1:]]
+
+
+class _IdentitySet:
+    """A set of tensors by identity (while_v2's loop-invariant test reads `in`)."""
+
+    def __init__(self, tensors):
+        self._ids = {id(t) for t in tensors}
+
+    def __contains__(self, tensor):
+        return id(tensor) in self._ids
