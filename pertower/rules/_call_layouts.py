@@ -31,6 +31,7 @@ __all__ = ["RELAYOUT_OP_TYPES", "Chain", "source", "returned", "consumers", "rel
            "per_group_to", "MappedAnalysis"]
 
 RELAYOUT_OP_TYPES = frozenset({"Identity", "ExpandDims", "Squeeze", "Reshape"})
+_SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})   # read no values
 
 
 class Chain:
@@ -136,24 +137,27 @@ def consumers(tensor):
 
 
 def returned(tensor, body):
-    """(output index, `Chain` from `tensor` to that body output) when `tensor` reaches
-    exactly one body output through one path of re-layout ops and reaches nothing else;
-    else None."""
-    ops = []
-    current = tensor
-    while True:
-        hits = [k for k, out in enumerate(body.outputs) if out is current]
-        uses = [(op, j) for op in current.consumers()
-                for j, t in enumerate(op.inputs) if t is current]
-        if hits and not uses:
-            return (hits[0], Chain(tensor, current, ops)) if len(hits) == 1 else None
-        if hits or len(uses) != 1:
-            return None
-        op, j = uses[0]
-        if op.type not in RELAYOUT_OP_TYPES or j != 0:
-            return None
-        ops.append(op)
-        current = op.outputs[0]
+    """Every (output index, `Chain` from `tensor` to that body output) along the paths of
+    re-layout ops from `tensor`, when nothing but re-layouts and Shape ops reads those
+    tensors in the body; else None. (After a gradient of the call, TensorFlow's rewrite
+    of the function also returns the tensors its gradient reads, such as the
+    convolution's output before a Squeeze: several outputs.)"""
+    found = []
+
+    def walk(current, ops):
+        found.extend((k, Chain(tensor, current, ops)) for k, out in enumerate(body.outputs)
+                     if out is current)
+        for op in current.consumers():
+            slots = [j for j, t in enumerate(op.inputs) if t is current]
+            if op.type in _SHAPE_OP_TYPES:
+                continue
+            if op.type not in RELAYOUT_OP_TYPES or slots != [0]:
+                return False
+            if not walk(op.outputs[0], ops + [op]):
+                return False
+        return True
+
+    return found if walk(tensor, []) else None
 
 
 def relayout(tensor, target, chain):

@@ -123,10 +123,9 @@ class FunctionCallRule(registry_lib.Rule):
         if None in sources:
             return (f"its function's {inner.name!r} ({inner.type}) reads a tensor that is "
                     "not an argument of the function")
-        returned = layouts.returned(inner.outputs[0], body)
-        if returned is None:
-            return (f"its function does more with the output of {inner.name!r} "
-                    f"({inner.type}) than return it once")
+        returned = _returned(op, inner, body, analysis)
+        if isinstance(returned, str):
+            return returned
         chains = [chain for _, chain in sources] + [returned[1]]
         for chain in chains:
             why = chain.mappable()
@@ -280,6 +279,20 @@ class Relaid:
         if chain.identity:
             return gradients
         return layouts.per_group_to(gradients, chain.start, leading)
+
+
+def _returned(call, inner, body, analysis):
+    """(output index, `Chain`) of the one output of `call` that returns `inner`'s output
+    (past re-layouts) and is read by an op between the batch and `ys`; the others that
+    return it (TensorFlow's rewrite for a gradient of the call) must not be; else why not."""
+    found = layouts.returned(inner.outputs[0], body)
+    feeds_ys = getattr(analysis, "feeds_ys", None)
+    if found and len(found) > 1 and callable(feeds_ys):
+        found = [(k, chain) for k, chain in found if feeds_ys(call.outputs[k])]
+    if not found or len(found) != 1:
+        return (f"its function does more with the output of {inner.name!r} "
+                f"({inner.type}) than return it once")
+    return found[0]
 
 
 def register(registry):
