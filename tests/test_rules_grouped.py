@@ -10,7 +10,8 @@ depthwise rule's ways (`rules/_conv_grouped.py`), one backward-filter kernel for
 group instead of one contraction per tap.
 
 The model (B=3, inference mode, per-example softmax cross-entropy) has one layer of each
-kind, built in one graph and session shared by the module: per-example gradients, norms,
+kind (Conv1D, Conv2D and Conv3D with groups; groups = channels in 1-D and 2-D),
+built in one graph and session shared by the module: per-example gradients, norms,
 sum_grad_squared and a DP clipped mean (σ = 0), all against the loop. Under
 tf.compat.v1.disable_v2_behavior() the same checks run in tests/scripts/
 unseen_networks_checks.py (process "unseen_legacy"). ConvNeXtTiny is heavy.
@@ -36,10 +37,13 @@ def grouped_layers(inputs):
     h = L.Conv1D(4, 3, groups=2, padding="same")(inputs)                  # [B, 12, 4]
     h = L.Conv1D(8, 3, groups=4, padding="causal", strides=2,
                  activation="tanh")(h)                 # g = C, strides [1, 2]: [B, 6, 8]
-    h = L.Reshape((2, 3, 8))(h)                                            # [B, 2, 3, 8]
-    h = L.Conv2D(8, 3, groups=8, padding="same", activation="tanh")(h)     # g = C: [B, 2, 3, 8]
-    h = L.Conv2D(6, 2, groups=2)(h)                                        # [B, 1, 2, 6]
-    return L.Dense(NUM_CLASSES)(L.Flatten()(h))
+    a = L.Reshape((2, 3, 8))(h)                                            # [B, 2, 3, 8]
+    a = L.Conv2D(8, 3, groups=8, padding="same", activation="tanh")(a)     # g = C: [B, 2, 3, 8]
+    a = L.Conv2D(6, 2, groups=2)(a)                                        # [B, 1, 2, 6]
+    b = L.Reshape((1, 2, 3, 8))(h)                                         # [B, 1, 2, 3, 8]
+    b = L.Conv3D(4, (1, 2, 2), groups=2)(b)                                # [B, 1, 1, 2, 4]
+    h = L.Concatenate()([L.Flatten()(a), L.Flatten()(b)])                  # [B, 20]
+    return L.Dense(NUM_CLASSES)(h)
 
 
 class GroupedModel:
@@ -77,11 +81,11 @@ class GroupedModel:
             self.sess.run(tf.compat.v1.global_variables_initializer())
 
     def check_plan(self):
-        """Every weight on the rules, the four grouped kernels through their calls."""
+        """Every weight on the rules, the five grouped kernels through their calls."""
         methods = [w.method for w in self.plan.weights]
         assert methods == ["rules"] * len(self.weights), str(self.plan)
         calls = [w for w in self.plan.weights if any("PartitionedCall" in o for o in w.ops)]
-        assert len(calls) == 4, str(self.plan)
+        assert len(calls) == 5, str(self.plan)
 
     def check_numbers(self):
         """Gradients, norms, sum_grad_squared and the clipped mean as the loop's."""

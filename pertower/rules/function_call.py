@@ -22,10 +22,26 @@ inputs and output the call's tensors (the body's own tensors are never used), so
 batch-axis analysis of the call (`pertower._batch_axis`, which follows function bodies)
 proves the rows of A and Z.
 
+Re-layouts (`_call_layouts`): Keras' Conv1D(groups > 1) body is
+`ExpandDims(inputs), ExpandDims(kernel) -> Conv2D -> Squeeze -> Identity`. When each path
+between the call's tensors and `inner` is a chain of Identity, ExpandDims, Squeeze and
+Reshape that keeps axis 0 (or has static shapes at both ends, as a weight's does), each
+body tensor is reshape(call tensor, its shape) and the example owning a row is
+unchanged. The body rule then matches `inner` on its body tensors, with the rows of the
+call's tensors (`_call_layouts.MappedAnalysis`); at gradient time it runs on the call's
+tensors re-laid-out like the body's (never-run reshapes: `Relaid.inner`), with dZ at the
+call's output reshaped to `inner`'s output, and its per-example gradients are reshaped
+to the weight argument's shape (a reshape's gradient is the reshape back).
+
+A gradient of the call (`tf.gradients` run before) makes TensorFlow return more of the
+body's tensors from the call (the ones its gradient reads); of the outputs that return
+`inner`'s output, exactly one may be read on the way to `ys` (`Analysis.feeds_ys`).
+
 Covered: the reads above, inner any op with a registered rule but a call. Not covered
 (the weight falls back, with the reason): a body that does more with the weight or with
-inner's output (a bias added inside the function, a second read), or whose inner op has
-several outputs or reads a body constant.
+inner's output (a bias added inside the function, a second read), whose inner op has
+several outputs or reads a body constant, or whose paths go through other ops (a
+Transpose; a dilated convolution's SpaceToBatchND; a Reshape that moves the batch axis).
 """
 
 import dataclasses
