@@ -9,12 +9,13 @@ Reshape that keep axis 0, or static ones). A Conv2D with one input channel per g
 depthwise rule's ways (`rules/_conv_grouped.py`), one backward-filter kernel for every
 group instead of one contraction per tap.
 
-The model (B=3, inference mode, per-example softmax cross-entropy) has one layer of each
-kind (Conv1D, Conv2D and Conv3D with groups; groups = channels in 1-D and 2-D),
-built in one graph and session shared by the module: per-example gradients, norms,
-sum_grad_squared and a DP clipped mean (σ = 0), all against the loop. Under
+The fast model (B=3, inference mode, per-example softmax cross-entropy) has Conv1D with
+groups and groups = channels in 1-D and 2-D, in one graph and session shared by the
+module: per-example gradients and norms against the loop. Under
 tf.compat.v1.disable_v2_behavior() the same checks run in tests/scripts/
-unseen_networks_checks.py (process "unseen_legacy"). ConvNeXtTiny is heavy.
+unseen_networks_checks.py (process "unseen_legacy"). Heavy: the full model (also Conv2D
+and Conv3D with groups < channels; sum_grad_squared and a DP clipped mean, σ = 0) and
+ConvNeXtTiny.
 """
 
 import numpy as np
@@ -32,13 +33,17 @@ CLIP = 1.0
 L = keras.layers
 
 
-def grouped_layers(inputs):
-    """[B, 12, 4] -> [B, NUM_CLASSES] through one grouped convolution of each kind."""
+def grouped_layers(inputs, full=True):
+    """[B, 12, 4] -> [B, NUM_CLASSES] through grouped convolutions: Conv1D with groups
+    (re-layouts in its call), groups = channels in 1-D (strides [1, 2]) and in 2-D; with
+    `full` also Conv2D and Conv3D with groups < channels."""
     h = L.Conv1D(4, 3, groups=2, padding="same")(inputs)                  # [B, 12, 4]
     h = L.Conv1D(8, 3, groups=4, padding="causal", strides=2,
                  activation="tanh")(h)                 # g = C, strides [1, 2]: [B, 6, 8]
     a = L.Reshape((2, 3, 8))(h)                                            # [B, 2, 3, 8]
     a = L.Conv2D(8, 3, groups=8, padding="same", activation="tanh")(a)     # g = C: [B, 2, 3, 8]
+    if not full:
+        return L.Dense(NUM_CLASSES)(L.Flatten()(a))
     a = L.Conv2D(6, 2, groups=2)(a)                                        # [B, 1, 2, 6]
     b = L.Reshape((1, 2, 3, 8))(h)                                         # [B, 1, 2, 3, 8]
     b = L.Conv3D(4, (1, 2, 2), groups=2)(b)                                # [B, 1, 1, 2, 4]
@@ -51,14 +56,15 @@ class GroupedModel:
     builds for it (before the first run: a session that ran a function call before
     anything differentiated it cannot run a gradient through it), and one batch."""
 
-    def __init__(self, seed=0):
+    def __init__(self, full=True, seed=0):
+        self.full = full
         self.graph = tf.Graph()
         with self.graph.as_default():
             common.seed_weights(seed)
             x = tf.compat.v1.placeholder(tf.float32, [None, 12, 4], name="x")
             labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
             inputs = keras.Input((12, 4))
-            model = keras.Model(inputs, grouped_layers(inputs))
+            model = keras.Model(inputs, grouped_layers(inputs, full))
             self.loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=labels, logits=model(x, training=False))              # [B]
             self.weights = list(model.trainable_weights)
@@ -67,12 +73,14 @@ class GroupedModel:
             self.grads = pertower.per_example_gradients(self.loss, self.weights)
             self.built_ops = self.graph.get_operations()[before:]
             self.norms = pertower.per_example_norms(self.loss, self.weights)
-            self.squares = pertower.sum_grad_squared(self.loss, self.weights)
-            dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                      l2_norm_clip=CLIP, noise_multiplier=0.0,
-                                      method="rules")
-            self.means = [g for g, _ in dp.compute_gradients(self.loss,
-                                                              var_list=self.weights)]
+            self.squares, self.means = [], []
+            if full:
+                self.squares = list(pertower.sum_grad_squared(self.loss, self.weights))
+                dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                          l2_norm_clip=CLIP, noise_multiplier=0.0,
+                                          method="rules")
+                self.means = [g for g, _ in dp.compute_gradients(self.loss,
+                                                                  var_list=self.weights)]
             self.loop = oracle.SliceLoop(self.loss, self.weights)
             rng = np.random.default_rng(seed + 1)
             self.feed = {x: rng.normal(size=(B, 12, 4)).astype("float32"),
@@ -81,16 +89,17 @@ class GroupedModel:
             self.sess.run(tf.compat.v1.global_variables_initializer())
 
     def check_plan(self):
-        """Every weight on the rules, the five grouped kernels through their calls."""
+        """Every weight on the rules, the grouped kernels through their calls."""
         methods = [w.method for w in self.plan.weights]
         assert methods == ["rules"] * len(self.weights), str(self.plan)
         calls = [w for w in self.plan.weights if any("PartitionedCall" in o for o in w.ops)]
-        assert len(calls) == 5, str(self.plan)
+        assert len(calls) == (5 if self.full else 3), str(self.plan)
 
     def check_numbers(self):
-        """Gradients, norms, sum_grad_squared and the clipped mean as the loop's."""
+        """Gradients, norms (and with `full` sum_grad_squared and the clipped mean) as
+        the loop's."""
         got, norms, squares, means = self.sess.run(
-            [self.grads, self.norms, list(self.squares), self.means], self.feed)
+            [self.grads, self.norms, self.squares, self.means], self.feed)
         want = self.loop.run(self.sess, self.feed, B)                     # [B, *w] each
         assert all(np.abs(g).max() > 0 for g in want), "a zero gradient"
         common.assert_all_close(got, want, what="grouped: per-example gradients",
@@ -99,6 +108,8 @@ class GroupedModel:
         want_norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in want64))
         common.assert_all_close(norms, want_norms.astype(np.float32), kind="deep",
                                 what="grouped: norms")
+        if not self.full:
+            return f"grouped: {len(self.weights)} weights on the rules, as the loop's"
         common.assert_all_close(squares, [np.sum(g ** 2, axis=0).astype(np.float32)
                                           for g in want64],
                                 what="grouped: sum_grad_squared", kind="deep")
@@ -154,7 +165,7 @@ def check_other_bodies_refused():
 
 @pytest.fixture(scope="module")
 def grouped():
-    model = GroupedModel()
+    model = GroupedModel(full=False)
     yield model
     model.close()
 
@@ -180,6 +191,19 @@ def test_other_bodies_are_refused_naming_the_op():
 def test_grouped_under_disable_v2_behavior(processes, check):
     """The same under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
     processes.assert_passed("unseen_legacy", check)
+
+
+@pytest.mark.heavy
+def test_all_grouped_kinds_with_squares_and_clipped_mean():
+    """With Conv2D and Conv3D groups < channels too, sum_grad_squared and a DP
+    clipped mean (σ = 0)."""
+    model = GroupedModel(full=True)
+    try:
+        model.check_plan()
+        model.check_depthwise_form()
+        model.check_numbers()
+    finally:
+        model.close()
 
 
 @pytest.mark.heavy

@@ -43,7 +43,7 @@ def check_grouped_relaid():
     """Conv1D/Conv2D with groups through re-layouts in their calls, and groups =
     channels in the depthwise form (tests/test_rules_grouped.py)."""
     _require_legacy_mode()
-    model = grouped.GroupedModel()
+    model = grouped.GroupedModel(full=False)
     try:
         model.check_plan()
         model.check_depthwise_form()
