@@ -163,6 +163,31 @@ def check_other_bodies_refused():
             assert reason in plan.weights[0].reason, str(plan)
 
 
+def check_sparse_matmul():
+    """SparseMatMul (`tf.matmul(..., b_is_sparse=True)`, as LocallyConnected
+    implementation=2 multiplies) on the MatMul rule, both sides' sparsity hints, against
+    the loop."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(2)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        w1 = tf.compat.v1.get_variable("w1", [4, 5])
+        w2 = tf.compat.v1.get_variable("w2", [3, 5])
+        h = tf.tanh(tf.matmul(x, w1, b_is_sparse=True))                     # [B, 5]
+        z = tf.matmul(h, w2, a_is_sparse=True, transpose_b=True)            # [B, 3]
+        ys = tf.reduce_sum(z ** 2, axis=1)                                  # [B]
+        assert [op.type for op in graph.get_operations()].count("SparseMatMul") == 2
+        plan = pertower.explain(ys, [w1, w2])
+        assert [w.method for w in plan.weights] == ["rules", "rules"], str(plan)
+        grads = pertower.per_example_gradients(ys, [w1, w2])
+        feed = {x: np.random.default_rng(3).normal(size=(B, 4)).astype("float32")}
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            common.assert_all_close(sess.run(grads, feed),
+                                    oracle.SliceLoop(ys, [w1, w2]).run(sess, feed, B),
+                                    what="SparseMatMul: per-example gradients", kind="deep")
+
+
 @pytest.fixture(scope="module")
 def grouped():
     model = GroupedModel(full=False)
@@ -186,8 +211,13 @@ def test_other_bodies_are_refused_naming_the_op():
     check_other_bodies_refused()
 
 
+def test_sparse_matmul_matches_loop():
+    check_sparse_matmul()
+
+
 @pytest.mark.process_checks("unseen_legacy")
-@pytest.mark.parametrize("check", ["check_grouped_relaid", "check_other_bodies_refused"])
+@pytest.mark.parametrize("check", ["check_grouped_relaid", "check_other_bodies_refused",
+                                   "check_sparse_matmul"])
 def test_grouped_under_disable_v2_behavior(processes, check):
     """The same under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
     processes.assert_passed("unseen_legacy", check)

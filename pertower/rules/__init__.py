@@ -6,6 +6,7 @@
 
 Built-in rules (each file states its identity and reference):
     matmul.py            MatMul
+    sparse_matmul.py     SparseMatMul (the same product; LocallyConnected implementation=2)
     batch_matmul.py      BatchMatMul, BatchMatMulV2, BatchMatMulV3
     einsum.py            Einsum
     bias_add.py          BiasAdd
@@ -44,6 +45,7 @@ from pertower.rules import fused_batch_norm
 from pertower.rules import gather
 from pertower.rules import matmul
 from pertower.rules import partitioned_gather
+from pertower.rules import sparse_matmul
 from pertower.rules import sparse_segment
 from pertower.rules.registry import Rule
 from pertower.rules.registry import RuleRegistry
@@ -53,7 +55,7 @@ __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
              conv3d, depthwise_conv2d, gather, partitioned_gather, sparse_segment,
-             fused_batch_norm, function_call)
+             fused_batch_norm, function_call, sparse_matmul)
 
 
 def default_registry():

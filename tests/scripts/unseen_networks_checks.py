@@ -57,6 +57,11 @@ def check_other_bodies_refused():
     grouped.check_other_bodies_refused()
 
 
+def check_sparse_matmul():
+    _require_legacy_mode()
+    grouped.check_sparse_matmul()
+
+
 def check_groupnorm():
     _require_legacy_mode()
     return unseen.check_case("groupnorm")
@@ -74,5 +79,6 @@ def check_activity_regularizer_refused():
 
 if __name__ == "__main__":
     sys.exit(process_checks.run_checks(
-        [check_grouped, check_grouped_relaid, check_other_bodies_refused, check_groupnorm,
+        [check_grouped, check_grouped_relaid, check_other_bodies_refused, check_sparse_matmul,
+         check_groupnorm,
          check_regularized, check_activity_regularizer_refused], "unseen networks checks"))
