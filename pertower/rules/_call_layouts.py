@@ -27,7 +27,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower.rules import _rows
 
-__all__ = ["RELAYOUT_OP_TYPES", "Chain", "source", "returned", "consumers", "relayout",
+__all__ = ["RELAYOUT_OP_TYPES", "Chain", "past_relayouts", "source", "returned", "consumers", "relayout",
            "per_group_to", "MappedAnalysis"]
 
 RELAYOUT_OP_TYPES = frozenset({"Identity", "ExpandDims", "Squeeze", "Reshape"})
@@ -107,6 +107,13 @@ def _product(values):
     for v in values:
         out *= v
     return out
+
+
+def past_relayouts(tensor):
+    """The tensor that `tensor` re-lays out (itself when its op is no re-layout)."""
+    while tensor.op.type in RELAYOUT_OP_TYPES:
+        tensor = tensor.op.inputs[0]
+    return tensor
 
 
 def source(tensor, body):

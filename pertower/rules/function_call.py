@@ -137,8 +137,9 @@ class FunctionCallRule(registry_lib.Rule):
             return f"its function's {inner.name!r} ({inner.type}) has several outputs"
         sources = [layouts.source(t, body) for t in inner.inputs]
         if None in sources:
+            other = layouts.past_relayouts(inner.inputs[sources.index(None)]).op
             return (f"its function's {inner.name!r} ({inner.type}) reads a tensor that is "
-                    "not an argument of the function")
+                    f"not an argument of the function (from {other.name!r}, {other.type})")
         returned = _returned(op, inner, body, analysis)
         if isinstance(returned, str):
             return returned
