@@ -154,7 +154,7 @@ class FunctionCallRule(registry_lib.Rule):
             use = rule.match(view, inner_slot, analysis)
             relaid = None
         else:                                         # on its body tensors, mapped
-            relaid = Relaid(tuple(sources), returned, inner_slot)
+            relaid = Relaid(tuple(sources), returned, inner_slot, inner)
             view = CallView(op, inner, inner.inputs, inner.outputs[0])
             use = rule.match(view, inner_slot,
                              layouts.MappedAnalysis(analysis, relaid.mapping(op, analysis)))
@@ -231,11 +231,13 @@ def _inner(use, dZ):
 class Relaid:
     """The re-layouts between a call's tensors and its body op `inner`
     (`rules._call_layouts`): `sources` (argument index, `Chain`) per input of `inner`,
-    `returned` (output index, `Chain`) of its output, `slot` the weight's input."""
+    `returned` (output index, `Chain`) of its output, `slot` the weight's input,
+    `body_op` the body op `inner`."""
 
     sources: tuple
     returned: tuple
     slot: int
+    body_op: object = None
 
     def mapping(self, call, analysis):
         """{body tensor's ref(): the call's tensor} for the batch-preserving chains (None
@@ -266,7 +268,7 @@ class Relaid:
                   for a, chain in self.sources]
         index, chain = self.returned
         output = layouts.relayout(call.outputs[index], chain.start, chain)
-        view = CallView(call, body_use.op._inner, inputs, output)  # pylint: disable=protected-access
+        view = CallView(call, self.body_op, inputs, output)
         inner = dataclasses.replace(body_use, op=view,
                                     activation=inputs[self.input_index(body_use.activation)],
                                     output=output)
