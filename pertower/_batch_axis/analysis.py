@@ -353,7 +353,7 @@ class Analysis:
     def __init__(self, scan, ys, num_groups, registry=None, num_batch=1):
         self.registry = registry
         self._values = scan.values
-        self._region = frozenset(scan.region)
+        self.region = frozenset(scan.region)   # the ops between the batch and `ys`
         self.couplings = list(scan.couplings)
         self.size_data_edges = list(dict.fromkeys(scan.size_data_edges))
         self.num_groups = num_groups
@@ -388,10 +388,6 @@ class Analysis:
     def value(self, tensor):
         """The lattice value of `tensor` (INDEPENDENT for tensors not from the batch)."""
         return self._values.get(tensor, INDEPENDENT)
-
-    def feeds_ys(self, tensor):
-        """Whether an op between the batch and `ys` (so on a path to `ys`) reads `tensor`."""
-        return any(op in self._region for op in tensor.consumers())
 
     def rows(self, tensor):
         """The Rows of `tensor` when it has a row layout (every axis before `lead` of

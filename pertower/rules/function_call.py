@@ -35,7 +35,7 @@ to the weight argument's shape (a reshape's gradient is the reshape back).
 
 A gradient of the call (`tf.gradients` run before) makes TensorFlow return more of the
 body's tensors from the call (the ones its gradient reads); of the outputs that return
-`inner`'s output, exactly one may be read on the way to `ys` (`Analysis.feeds_ys`).
+`inner`'s output, exactly one may be read on the way to `ys` (`Analysis.region`).
 
 Covered: the reads above, inner any op with a registered rule but a call. Not covered
 (the weight falls back, with the reason): a body that does more with the weight or with
@@ -305,9 +305,10 @@ def _returned(call, inner, body, analysis):
     (past re-layouts) and is read by an op between the batch and `ys`; the others that
     return it (TensorFlow's rewrite for a gradient of the call) must not be; else why not."""
     found = layouts.returned(inner.outputs[0], body)
-    feeds_ys = getattr(analysis, "feeds_ys", None)
-    if found and len(found) > 1 and callable(feeds_ys):
-        found = [(k, chain) for k, chain in found if feeds_ys(call.outputs[k])]
+    region = getattr(analysis, "region", None)   # the ops between the batch and `ys`
+    if found and len(found) > 1 and region is not None:
+        found = [(k, chain) for k, chain in found
+                 if any(op in region for op in call.outputs[k].consumers())]
     if not found or len(found) != 1:
         return (f"its function does more with the output of {inner.name!r} "
                 f"({inner.type}) than return it once")
