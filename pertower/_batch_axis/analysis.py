@@ -353,6 +353,7 @@ class Analysis:
     def __init__(self, scan, ys, num_groups, registry=None, num_batch=1):
         self.registry = registry
         self._values = scan.values
+        self.region = frozenset(scan.region)   # the ops between the batch and `ys`
         self.couplings = list(scan.couplings)
         self.size_data_edges = list(dict.fromkeys(scan.size_data_edges))
         self.num_groups = num_groups

@@ -358,7 +358,7 @@ TRANSFERS.update({
     "LogSoftmax": last_axis, "TopKV2": last_axis, "NthElement": last_axis,
     "Cumsum": cumulative, "Cumprod": cumulative, "CumulativeLogsumexp": cumulative,
     "ReverseV2": reverse, "Roll": roll, "RandomShuffle": random_shuffle,
-    "MatMul": matmul, "Einsum": einsum,
+    "MatMul": matmul, "SparseMatMul": matmul, "Einsum": einsum,
     "SoftmaxCrossEntropyWithLogits": cross_entropy,
     "SparseSoftmaxCrossEntropyWithLogits": cross_entropy, "L2Loss": l2_loss,
 })

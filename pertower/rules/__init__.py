@@ -6,21 +6,26 @@
 
 Built-in rules (each file states its identity and reference):
     matmul.py            MatMul
+    sparse_matmul.py     SparseMatMul (the same product; LocallyConnected implementation=2)
     batch_matmul.py      BatchMatMul, BatchMatMulV2, BatchMatMulV3
     einsum.py            Einsum
     bias_add.py          BiasAdd
     broadcast.py         a broadcast weight in Add, AddV2, Sub, Mul, RealDiv, Maximum,
                          Minimum, SquaredDifference, Pow, SelectV2, ... (one rule)
-    conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks)
+    conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks;
+                         groups = channels through the depthwise rule, `_conv_grouped.py`)
     conv2d_transpose.py  Conv2DBackpropInput (transposed convolutions)
-    conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks), Conv3DBackpropInputV2
+    conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks; channel groups),
+                         Conv3DBackpropInputV2
     depthwise_conv2d.py  DepthwiseConv2dNative
     gather.py            GatherV2, ResourceGather (embedding lookups)
     partitioned_gather.py  the same on a partitioned table's parts (DynamicPartition ids)
     sparse_segment.py    SparseSegmentSum/Mean/SqrtN of a SparseTensor of the batch's ids
     fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
     function_call.py     PartitionedCall, StatefulPartitionedCall whose body applies one
-                         covered op to the weight (tf_keras' jit-compiled grouped Conv2D)
+                         covered op to the weight, its arguments and output possibly
+                         re-laid-out (`_call_layouts.py`; tf_keras' jit-compiled grouped
+                         Conv1D/2D/3D)
 
 A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||,
 a non-fused batch norm's scale and shift) gets the rule of the op after them, pulled back
@@ -40,6 +45,7 @@ from pertower.rules import fused_batch_norm
 from pertower.rules import gather
 from pertower.rules import matmul
 from pertower.rules import partitioned_gather
+from pertower.rules import sparse_matmul
 from pertower.rules import sparse_segment
 from pertower.rules.registry import Rule
 from pertower.rules.registry import RuleRegistry
@@ -49,7 +55,7 @@ __all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
              conv3d, depthwise_conv2d, gather, partitioned_gather, sparse_segment,
-             fused_batch_norm, function_call)
+             fused_batch_norm, function_call, sparse_matmul)
 
 
 def default_registry():

@@ -94,7 +94,10 @@ def fold_groups(tensor, G, k=None):
 
 
 def mul(G, c):
-    """G*c, an int when G is (else one Mul by a shared constant)."""
+    """G*c, an int when G and c are (else one Mul, by a shared constant when c is an
+    int; c a scalar tensor where its size is not static)."""
+    if isinstance(c, tf.Tensor):
+        return tf.cast(G, c.dtype) * c
     return G * c if isinstance(G, int) else G * _shapes.constant(c, G.dtype)
 
 

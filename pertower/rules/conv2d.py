@@ -110,6 +110,7 @@ import math
 import tensorflow as tf
 
 from pertower import _context
+from pertower.rules import _conv_grouped
 from pertower.rules import _conv_norms
 from pertower.rules import _conv_views
 from pertower.rules import _conv_ways
@@ -209,6 +210,16 @@ class Conv2DRule(registry_lib.Rule):
             raise _context.error(TypeError, "`options` must be a ConvOptions, but received "
                                             f"{options!r}.")
         self.options = options
+        self._depthwise_rule = None
+
+    def _depthwise(self):
+        """The depthwise rule (same options) that computes a Conv2D with one input
+        channel per group (`_conv_grouped`)."""
+        if self._depthwise_rule is None:
+            # pylint: disable-next=import-outside-toplevel
+            from pertower.rules import depthwise_conv2d   # (it imports this module)
+            self._depthwise_rule = depthwise_conv2d.DepthwiseConv2DRule(self.options)
+        return self._depthwise_rule
 
     def match(self, op, slot, analysis):
         view = _conv_views.view_use(self, op, slot, analysis)   # NCHW, SpaceToBatchND blocks
@@ -275,6 +286,11 @@ class Conv2DRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
             return self.per_group(*use.view.inner(use, dZ), G)
+        if _conv_grouped.depthwise_like(use.op):   # g = C groups: the depthwise rule's ways
+            depthwise = self._depthwise()
+            return _conv_grouped.to_grouped(
+                depthwise.per_group(_conv_grouped.as_depthwise(use, depthwise), dZ, G),
+                use, [G])
         strategy = self.strategy(use)
         if (strategy == "grouped" and not (isinstance(G, int) and G > 1) and
                 self.untrusted_filter_gradient(use)):
@@ -324,6 +340,12 @@ class Conv2DRule(registry_lib.Rule):
         return _conv_norms.formed_norms(self.options, use, dZ, G)
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
+        if not isinstance(use, _conv_views.ViewUse) and _conv_grouped.depthwise_like(use.op):
+            depthwise = self._depthwise()
+            out = depthwise.sum_squared(_conv_grouped.as_depthwise(use, depthwise),
+                                        dZ_columns, B, per_example)
+            return (None if out is None else
+                    _conv_grouped.to_grouped(out, use, [B] if per_example else []))
         # the wide filter (C*Cout outputs): every tap in one matmul (`conv2d_squares`)
         rule = (Conv2DRule(dataclasses.replace(self.options, few_positions=2 ** 31))
                 if self.options.strategy == "auto" else self)
@@ -336,6 +358,10 @@ class Conv2DRule(registry_lib.Rule):
         # sum_i f_i grad_i(W): the filter gradient of the batch with dZ scaled per example
         if isinstance(use, _conv_views.ViewUse):
             return self.clipped_sum(*use.view.inner(use, dZ), factors)
+        if _conv_grouped.depthwise_like(use.op):
+            depthwise = self._depthwise()
+            return _conv_grouped.to_grouped(depthwise.clipped_sum(
+                _conv_grouped.as_depthwise(use, depthwise), dZ, factors), use, [])
         if not plain_filter_gradient(use.op):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         if self.untrusted_filter_gradient(use):   # one group of "shifts": one matmul

@@ -27,8 +27,14 @@ BatchToSpaceND: the rows of A and dZ are then the blocks of `lattice.Interleaved
 `_conv_views.regroup` puts example-major first (the sums do not depend on the order of
 the rows).
 
-Covered: NDHWC, any strides, SAME/VALID, dilations; the filter and the spatial sizes
-static; no channel groups. Also Conv3DBackpropInputV2 (Conv3DTranspose), through the
+Channel groups (Keras' Conv3D(groups=g), run in a jit-compiled function: `function_call`):
+input channel group j feeds only output group j, so the identity holds group by group,
+grad_g(W)[u, v, w, :, group j] = sum x'_tp(u, v, w)[group j] ⊗ dz_tp[group j]; the taps
+side by side, [G, T*P, k^3, g, Cin], and ONE contraction with dZ [G, T*P, g, Cout/g]
+for every tap and group; their clipped sum is formed.
+
+Covered: NDHWC, any strides, SAME/VALID, dilations, channel groups; the filter and the
+spatial sizes static. Also Conv3DBackpropInputV2 (Conv3DTranspose), through the
 Conv3D of dZ (`Conv3DTransposeRule`).
 """
 
@@ -83,6 +89,17 @@ def _taps(op, x):
     return result
 
 
+def _groups(op):
+    """g, the channel groups of the Conv3D `op` (input channels g*Cin, the filter's Cin;
+    group j's outputs j*Cout/g ... (j+1)*Cout/g - 1, as TensorFlow groups them), or None
+    when they do not divide."""
+    channels = tf.compat.dimension_value(op.inputs[0].shape[4])
+    c_in, c_out = op.inputs[1].shape.as_list()[3:]
+    if channels is None or channels % c_in or c_out % (channels // c_in):
+        return None
+    return channels // c_in
+
+
 class Conv3DRule(registry_lib.Rule):
     """Per-example filter gradients of Conv3D (the 3-D "shifts" way)."""
 
@@ -96,8 +113,9 @@ class Conv3DRule(registry_lib.Rule):
         shapes = (op.inputs[0].shape[1:], op.outputs[0].shape[1:4])
         if op.inputs[0].shape.rank != 5 or not all(s.is_fully_defined() for s in shapes):
             return "the input's and output's depths, heights, widths and channels are not static"
-        if op.inputs[0].shape[4] != op.inputs[1].shape[3]:
-            return "grouped 3-D convolutions are not covered"
+        if _groups(op) is None:
+            return (f"the filter's {op.inputs[1].shape[3]} input channels do not divide the "
+                    f"input's {op.inputs[0].shape[4]} channels into groups")
         value = analysis.value(op.inputs[0])
         if isinstance(value, _batch_axis.Interleaved):
             out = analysis.value(op.outputs[0])
@@ -119,7 +137,13 @@ class Conv3DRule(registry_lib.Rule):
         kd, kh, kw, c_in, c_out = use.weight_shape.as_list()
         taps = _taps(use.op, self._layout(use, use.activation))   # k^3 x [N, Do, Ho, Wo, Cin]
         dZ_g = _rows.to_groups(self._layout(use, dZ), G, 1)       # [G, T*P, Cout]
-        if c_in < _THIN_CHANNELS:
+        g = _groups(use.op)
+        if g > 1:   # every tap and group in one contraction: [G, T*P, k^3, g, Cin]
+            rows = tf.reshape(_rows.to_groups(tf.concat(taps, axis=-1), G, 1),
+                              _rows.group_shape(G, [-1, kd * kh * kw, g, c_in]))
+            dZ_g = tf.reshape(dZ_g, _rows.group_shape(G, [-1, g, c_out // g]))
+            grad = tf.einsum("gpkjc,gpjo->gkcjo", rows, dZ_g)   # [G, k^3, Cin, g, Cout/g]
+        elif c_in < _THIN_CHANNELS:
             rows = _rows.to_groups(tf.concat(taps, axis=-1), G, 1)  # [G, T*P, k^3*Cin]
             grad = tf.matmul(rows, dZ_g, transpose_a=True)          # [G, k^3*Cin, Cout]
         else:
@@ -130,7 +154,8 @@ class Conv3DRule(registry_lib.Rule):
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the batch filter gradient of dZ scaled per example
         op = use.op
-        if list(op.get_attr("dilations")) != [1] * 5 or isinstance(use, _conv_views.ViewUse):
+        if (list(op.get_attr("dilations")) != [1] * 5 or _groups(op) != 1 or
+                isinstance(use, _conv_views.ViewUse)):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         grad = tf.raw_ops.Conv3DBackpropFilterV2(
             input=op.inputs[0], filter_sizes=use.weight_shape.as_list(),

@@ -99,7 +99,10 @@ class DepthwiseConv2DRule(registry_lib.Rule):
 
     @staticmethod
     def _grouped_covers(op):
-        return (op.inputs[0].dtype == tf.float32 and
+        # (TensorFlow's depthwise kernels take equal row and column strides only; a
+        # grouped Conv2D computed as a depthwise one, `_conv_grouped`, may have others)
+        strides = list(op.get_attr("strides"))
+        return (op.inputs[0].dtype == tf.float32 and strides[1] == strides[2] and
                 list(op.get_attr("dilations")) == [1, 1, 1, 1])
 
     def strategy(self, use, G=None):
@@ -173,7 +176,8 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         # example (dilated filters form the per-example gradients instead)
         if isinstance(use, _conv_views.ViewUse):
             return self.clipped_sum(*use.view.inner(use, dZ), factors)
-        if not geometry.plain_filter_gradient(use.op):
+        strides = list(use.op.get_attr("strides"))
+        if not geometry.plain_filter_gradient(use.op) or strides[1] != strides[2]:
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         if conv2d.untrusted_filter_gradient(use, self.options):   # one group of the shifts
             return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)

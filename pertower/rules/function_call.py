@@ -22,22 +22,40 @@ inputs and output the call's tensors (the body's own tensors are never used), so
 batch-axis analysis of the call (`pertower._batch_axis`, which follows function bodies)
 proves the rows of A and Z.
 
+Re-layouts (`_call_layouts`): Keras' Conv1D(groups > 1) body is
+`ExpandDims(inputs), ExpandDims(kernel) -> Conv2D -> Squeeze -> Identity`. When each path
+between the call's tensors and `inner` is a chain of Identity, ExpandDims, Squeeze and
+Reshape that keeps axis 0 (or has static shapes at both ends, as a weight's does), each
+body tensor is reshape(call tensor, its shape) and the example owning a row is
+unchanged. The body rule then matches `inner` on its body tensors, with the rows of the
+call's tensors (`_call_layouts.MappedAnalysis`); at gradient time it runs on the call's
+tensors re-laid-out like the body's (never-run reshapes: `Relaid.inner`), with dZ at the
+call's output reshaped to `inner`'s output, and its per-example gradients are reshaped
+to the weight argument's shape (a reshape's gradient is the reshape back).
+
+A gradient of the call (`tf.gradients` run before) makes TensorFlow return more of the
+body's tensors from the call (the ones its gradient reads); of the outputs that return
+`inner`'s output, exactly one may be read on the way to `ys` (`Analysis.region`).
+
 Covered: the reads above, inner any op with a registered rule but a call. Not covered
 (the weight falls back, with the reason): a body that does more with the weight or with
-inner's output (a bias added inside the function, a second read), or whose inner op has
-several outputs or reads a body constant.
+inner's output (a bias added inside the function, a second read), whose inner op has
+several outputs or reads a body constant, or whose paths go through other ops (a
+Transpose; a dilated convolution's SpaceToBatchND; a Reshape that moves the batch axis).
 """
 
 import dataclasses
 
+import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph  # pylint: disable=no-name-in-module
 
+from pertower import _batch_axis
 from pertower import _op_types as op_types
+from pertower.rules import _call_layouts as layouts
+from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
-__all__ = ["CallView", "CallUse", "FunctionCallRule", "register"]
-
-_PASS_THROUGH = frozenset({"Identity"})
+__all__ = ["CallView", "CallUse", "Relaid", "FunctionCallRule", "register"]
 
 
 class CallView:
@@ -68,30 +86,13 @@ class CallView:
 @dataclasses.dataclass(frozen=True)
 class CallUse(registry_lib.Use):
     """A read of a weight by a call whose body's op `inner.op` has a rule: `op` is the
-    call, `inner` the body rule's `Use` of the `CallView` (the same A, Z and rows)."""
+    call, `inner` the body rule's `Use` of the `CallView` (the same A, Z and rows), and
+    `relaid` None when the body op reads the call's tensors as they are, else the
+    `Relaid` re-layouts between them (`inner` then holds the body's tensors, and each
+    method rebuilds it on the call's tensors re-laid-out)."""
 
     inner: object = None
-
-
-def _through_identities(tensor):
-    """The (consumer op, input index) pairs of `tensor` past Identity ops."""
-    found = []
-    for op in tensor.consumers():
-        if op.type in _PASS_THROUGH:
-            found.extend(_through_identities(op.outputs[0]))
-        else:
-            found.extend((op, j) for j, t in enumerate(op.inputs) if t is tensor)
-    return found
-
-
-def _argument_of(tensor, body):
-    """The index of the body argument that `tensor` is (past Identity ops), or None."""
-    while tensor.op.type in _PASS_THROUGH:
-        tensor = tensor.op.inputs[0]
-    for index, argument in enumerate(body.inputs):
-        if tensor is argument:
-            return index
-    return None
+    relaid: object = None
 
 
 class FunctionCallRule(registry_lib.Rule):
@@ -122,7 +123,7 @@ class FunctionCallRule(registry_lib.Rule):
         body = self._body(op)
         if body is None or len(body.inputs) != len(op.inputs):
             return f"its function {op.name!r} could not be read"
-        reads = _through_identities(body.inputs[slot])
+        reads = layouts.consumers(body.inputs[slot])
         if len(reads) != 1:
             return (f"its function reads the weight {len(reads)} times (a rule covers a "
                     "body that reads it once)")
@@ -134,40 +135,75 @@ class FunctionCallRule(registry_lib.Rule):
                     "has no rule")
         if len(inner.outputs) != 1:
             return f"its function's {inner.name!r} ({inner.type}) has several outputs"
-        arguments = [_argument_of(t, body) for t in inner.inputs]
-        if None in arguments:
+        sources = [layouts.source(t, body) for t in inner.inputs]
+        if None in sources:
+            other = layouts.past_relayouts(inner.inputs[sources.index(None)]).op
             return (f"its function's {inner.name!r} ({inner.type}) reads a tensor that is "
-                    "not an argument of the function")
-        outputs = _through_identities(inner.outputs[0])
-        returned = [k for k, t in enumerate(body.outputs)
-                    if any(t is o for o in _identity_chain(inner.outputs[0]))]
-        if len(returned) != 1 or outputs:
-            return (f"its function does more with the output of {inner.name!r} "
-                    f"({inner.type}) than return it once")
-        view = CallView(op, inner, [op.inputs[a] for a in arguments], op.outputs[returned[0]])
-        use = rule.match(view, inner_slot, analysis)
+                    f"not an argument of the function (from {other.name!r}, {other.type})")
+        returned = _returned(op, inner, body, analysis)
+        if isinstance(returned, str):
+            return returned
+        chains = [chain for _, chain in sources] + [returned[1]]
+        for chain in chains:
+            why = chain.mappable()
+            if why is not None:
+                return f"its function re-lays out a tensor of {inner.name!r}: {why}"
+        if all(chain.identity for chain in chains):   # the body op on the call's tensors
+            view = CallView(op, inner, [op.inputs[a] for a, _ in sources],
+                            op.outputs[returned[0]])
+            use = rule.match(view, inner_slot, analysis)
+            relaid = None
+        else:                                         # on its body tensors, mapped
+            relaid = Relaid(tuple(sources), returned, inner_slot, inner)
+            view = CallView(op, inner, inner.inputs, inner.outputs[0])
+            use = rule.match(view, inner_slot,
+                             layouts.MappedAnalysis(analysis, relaid.mapping(op, analysis)))
+            if not isinstance(use, str) and relaid.input_index(use.activation) is None:
+                return (f"its function's {inner.name!r} ({inner.type}): the rule reads an "
+                        "activation that is not one of the op's inputs")
         if isinstance(use, str):
             return f"its function reads it by {inner.name!r} ({inner.type}): {use}"
         if use.rule is not rule:
             use = dataclasses.replace(use, rule=rule)
-        return CallUse(op, slot, self, use.activation, use.output, use.weight_shape,
-                       use.rows, inner=use)
+        if relaid is None:
+            return CallUse(op, slot, self, use.activation, use.output, use.weight_shape,
+                           use.rows, inner=use)
+        activation = op.inputs[sources[relaid.input_index(use.activation)][0]]
+        return CallUse(op, slot, self, activation, op.outputs[returned[0]],
+                       op.inputs[slot].shape, use.rows, inner=use, relaid=relaid)
 
     def per_group(self, use, dZ, G):
-        return use.inner.rule.per_group(use.inner, dZ, G)
+        if use.relaid is None:
+            return use.inner.rule.per_group(use.inner, dZ, G)
+        inner, dZ = use.relaid.inner(use, dZ)
+        return use.relaid.to_weight(inner.rule.per_group(inner, dZ, G), [G])
 
     # the optional methods of `Rule`: the body rule's, or the defaults where it has none
     def squared_norms(self, use, dZ, B):
-        own = getattr(use.inner.rule, "squared_norms", None)
-        return own(use.inner, dZ, B) if callable(own) else None
+        inner, dZ = _inner(use, dZ)
+        own = getattr(inner.rule, "squared_norms", None)
+        return own(inner, dZ, B) if callable(own) else None
 
     def formed_norms(self, use, dZ, G):
-        own = getattr(use.inner.rule, "formed_norms", None)
-        return own(use.inner, dZ, G) if callable(own) else None
+        inner, dZ = _inner(use, dZ)
+        own = getattr(inner.rule, "formed_norms", None)
+        formed = own(inner, dZ, G) if callable(own) else None
+        if formed is None or use.relaid is None:
+            return formed
+        to_weight = formed.to_weight
+        return dataclasses.replace(
+            formed, to_weight=lambda total: use.relaid.to_weight(to_weight(total), []))
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
-        own = getattr(use.inner.rule, "sum_squared", None)
-        return own(use.inner, dZ_columns, B, per_example) if callable(own) else None
+        inner = use.inner
+        if use.relaid is not None:
+            inner, _ = use.relaid.inner(use, None)
+            dZ_columns = use.relaid.inner_columns(dZ_columns)
+        own = getattr(inner.rule, "sum_squared", None)
+        out = own(inner, dZ_columns, B, per_example) if callable(own) else None
+        if out is None or use.relaid is None:
+            return out
+        return use.relaid.to_weight(out, [B] if per_example else [])
 
     def sum_squared_size(self, use, C, per_example=False):
         """Numbers per example the body rule's `sum_squared` holds, or None."""
@@ -175,19 +211,108 @@ class FunctionCallRule(registry_lib.Rule):
         return own(use.inner, C, per_example) if callable(own) else None
 
     def clipped_sum(self, use, dZ, factors):
-        own = getattr(use.inner.rule, "clipped_sum", None)
+        inner, dZ = _inner(use, dZ)
+        own = getattr(inner.rule, "clipped_sum", None)
         if callable(own):
-            return own(use.inner, dZ, factors)
-        return registry_lib.default_clipped_sum(use.inner.rule, use.inner, dZ, factors)
+            out = own(inner, dZ, factors)
+        else:
+            out = registry_lib.default_clipped_sum(inner.rule, inner, dZ, factors)
+        return out if use.relaid is None else use.relaid.to_weight(out, [])
 
 
-def _identity_chain(tensor):
-    """`tensor` and every tensor Identity ops make of it."""
-    chain = [tensor]
-    for op in tensor.consumers():
-        if op.type in _PASS_THROUGH:
-            chain.extend(_identity_chain(op.outputs[0]))
-    return chain
+def _inner(use, dZ):
+    """(the body rule's `Use` on the call's tensors, dZ in its output's layout)."""
+    if use.relaid is None:
+        return use.inner, dZ
+    return use.relaid.inner(use, dZ)
+
+
+@dataclasses.dataclass(frozen=True)
+class Relaid:
+    """The re-layouts between a call's tensors and its body op `inner`
+    (`rules._call_layouts`): `sources` (argument index, `Chain`) per input of `inner`,
+    `returned` (output index, `Chain`) of its output, `slot` the weight's input,
+    `body_op` the body op `inner`."""
+
+    sources: tuple
+    returned: tuple
+    slot: int
+    body_op: object = None
+
+    def mapping(self, call, analysis):
+        """{body tensor's ref(): the call's tensor} for the batch-preserving chains (None
+        for another chain from a batch-dependent call tensor), for `MappedAnalysis`."""
+        mapping = {}
+        pairs = [(chain.end, call.inputs[a], chain) for a, chain in self.sources]
+        index, chain = self.returned
+        pairs.append((chain.start, call.outputs[index], chain))
+        for body_tensor, call_tensor, chain in pairs:
+            if chain.keeps_batch:
+                mapping[body_tensor.ref()] = call_tensor
+            elif analysis.value(call_tensor) is not _batch_axis.INDEPENDENT:
+                mapping[body_tensor.ref()] = None
+        return mapping
+
+    def input_index(self, tensor):
+        """The index of the body op's input that is `tensor`, or None."""
+        for j, (_, chain) in enumerate(self.sources):
+            if chain.end is tensor:
+                return j
+        return None
+
+    def inner(self, use, dZ):
+        """(the body rule's `Use` with the call's tensors re-laid-out as the body op's,
+        dZ [B*k, ...] at the call's output in the layout of the body op's output)."""
+        call, body_use = use.op, use.inner
+        inputs = [layouts.relayout(call.inputs[a], chain.end, chain)
+                  for a, chain in self.sources]
+        index, chain = self.returned
+        output = layouts.relayout(call.outputs[index], chain.start, chain)
+        view = CallView(call, self.body_op, inputs, output)
+        inner = dataclasses.replace(body_use, op=view,
+                                    activation=inputs[self.input_index(body_use.activation)],
+                                    output=output)
+        return inner, (None if dZ is None else self.inner_gradient(dZ))
+
+    def inner_gradient(self, dZ):
+        """dZ at the call's output [B*k, ...] in the body op's output layout."""
+        _, chain = self.returned
+        return layouts.relayout(dZ, chain.start, chain)
+
+    def inner_columns(self, dZ_columns):
+        """[C, B*k, ...] gradient columns at the call's output in the body op's output
+        layout, [C, B*k', ...]."""
+        _, chain = self.returned
+        if chain.identity:
+            return dZ_columns
+        shape = chain.start.shape.as_list()
+        if chain.keeps_batch:
+            C = _rows.dim(dZ_columns, 0)
+            return tf.reshape(dZ_columns, _rows.group_shape(C, [-1] + shape[1:]))
+        return tf.reshape(dZ_columns, _rows.group_shape(_rows.dim(dZ_columns, 0), shape))
+
+    def to_weight(self, gradients, leading):
+        """Gradients [*leading, *w_inner] of the body op's weight input as [*leading,
+        *w] (the call's weight argument's layout)."""
+        _, chain = self.sources[self.slot]
+        if chain.identity:
+            return gradients
+        return layouts.per_group_to(gradients, chain.start, leading)
+
+
+def _returned(call, inner, body, analysis):
+    """(output index, `Chain`) of the one output of `call` that returns `inner`'s output
+    (past re-layouts) and is read by an op between the batch and `ys`; the others that
+    return it (TensorFlow's rewrite for a gradient of the call) must not be; else why not."""
+    found = layouts.returned(inner.outputs[0], body)
+    region = getattr(analysis, "region", None)   # the ops between the batch and `ys`
+    if found and len(found) > 1 and region is not None:
+        found = [(k, chain) for k, chain in found
+                 if any(op in region for op in call.outputs[k].consumers())]
+    if not found or len(found) != 1:
+        return (f"its function does more with the output of {inner.name!r} "
+                f"({inner.type}) than return it once")
+    return found[0]
 
 
 def register(registry):

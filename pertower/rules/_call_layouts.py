@@ -1,0 +1,218 @@
+"""The re-layouts between a function call's tensors and the body op a rule covers
+(`rules.function_call`).
+
+Notation: B examples, N = B*k rows; `body` the called function's graph, `inner` the body
+op whose rule runs; an argument `arg` of the body is the call's input of the same index.
+
+A re-layout here is an op that only re-reads its input's values in row-major order:
+Identity, ExpandDims, Squeeze, Reshape. A chain of them from a body argument to an input
+of `inner` (or from `inner`'s output to a body output) computes
+    t_inner = reshape(t_arg, shape(t_inner)),
+and its gradient is the same reshape back. Two kinds of chain are mapped exactly:
+
+    batch-preserving  every op keeps axis 0 as axis 0 with the same size (ExpandDims and
+                      Squeeze on other axes; a Reshape [N, *r] -> [N, *r'] with r, r'
+                      static and prod(r) = prod(r') > 0): the body tensor has the call
+                      tensor's rows (example i owns the same rows k*i ... k*i + k - 1),
+                      and t_inner = reshape(t_arg, [-1, *r']).
+    static            the chain's ends have static shapes (a weight's [3, 4, 8] ->
+                      [1, 3, 4, 8]): t_inner = reshape(t_arg, shape(t_inner)).
+
+Anything else (a Transpose, a Reshape that moves the batch axis, an unknown size) is not
+a re-layout of this module, and the rule that asks refuses with the op's name.
+"""
+
+import tensorflow as tf
+
+from pertower import _batch_axis
+from pertower.rules import _rows
+
+__all__ = ["RELAYOUT_OP_TYPES", "Chain", "past_relayouts", "source", "returned", "consumers", "relayout",
+           "per_group_to", "MappedAnalysis"]
+
+RELAYOUT_OP_TYPES = frozenset({"Identity", "ExpandDims", "Squeeze", "Reshape"})
+_SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})   # read no values
+
+
+class Chain:
+    """A re-layout chain from `start` to `end` (body tensors): `ops` in order, whether it
+    keeps the batch axis (`keeps_batch`), and `why` (None, or why it does not)."""
+
+    def __init__(self, start, end, ops):
+        self.start, self.end, self.ops = start, end, tuple(ops)
+        self.why = None
+        for op in self.ops:
+            self.why = _batch_kept(op)
+            if self.why is not None:
+                break
+        self.keeps_batch = self.why is None
+
+    @property
+    def identity(self):
+        """Whether every op of the chain is an Identity (the body tensor is the call's)."""
+        return all(op.type == "Identity" for op in self.ops)
+
+    def mappable(self):
+        """None when `relayout` maps between the chain's ends exactly, both ways (see the
+        module docstring), else why not (a phrase)."""
+        if self.identity:
+            return None
+        ends = (self.start, self.end)
+        if self.keeps_batch and all(t.shape.rank and None not in t.shape.as_list()[1:]
+                                    for t in ends):
+            return None
+        if all(t.shape.is_fully_defined() for t in ends):
+            return None
+        return self.why or (f"{self.ops[-1].name!r} ({self.ops[-1].type}) has sizes that "
+                            "are not static")
+
+
+def _constant(tensor):
+    """The value of a body Const `tensor` as a list of ints, or None."""
+    if tensor.op.type != "Const":
+        return None
+    return [int(v) for v in tf.make_ndarray(tensor.op.get_attr("value")).ravel()]
+
+
+def _batch_kept(op):
+    """None when re-layout `op` keeps axis 0 (the batch's) as axis 0, else why not."""
+    if op.type == "Identity":
+        return None
+    rank_in, rank_out = op.inputs[0].shape.rank, op.outputs[0].shape.rank
+    if rank_in is None or rank_out is None or rank_in == 0 or rank_out == 0:
+        return f"{op.name!r} ({op.type}) has an unknown rank"
+    if op.type == "ExpandDims":
+        axis = _constant(op.inputs[1])
+        if axis is None or len(axis) != 1 or axis[0] % rank_out == 0:
+            return f"{op.name!r} (ExpandDims) adds axis 0"
+        return None
+    if op.type == "Squeeze":
+        dims = [d % rank_in for d in op.get_attr("squeeze_dims")]
+        if not dims or 0 in dims:
+            return f"{op.name!r} (Squeeze) may remove axis 0"
+        return None
+    # Reshape: [N, *r] -> [N, *r'], both r static with the same product > 0
+    rest_in = op.inputs[0].shape.as_list()[1:]
+    rest_out = op.outputs[0].shape.as_list()[1:]
+    if None in rest_in or None in rest_out:
+        return f"{op.name!r} (Reshape) has sizes past axis 0 that are not static"
+    size_in, size_out = _product(rest_in), _product(rest_out)
+    if size_in != size_out or size_in == 0:
+        return f"{op.name!r} (Reshape) moves the batch axis"
+    return None
+
+
+def _product(values):
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def past_relayouts(tensor):
+    """The tensor that `tensor` re-lays out (itself when its op is no re-layout)."""
+    while tensor.op.type in RELAYOUT_OP_TYPES:
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def source(tensor, body):
+    """(argument index, `Chain` from the argument to `tensor`) when `tensor` is a body
+    argument past re-layout ops (their data input), else None."""
+    ops = []
+    current = tensor
+    while current.op.type in RELAYOUT_OP_TYPES:
+        ops.append(current.op)
+        current = current.op.inputs[0]
+    for index, argument in enumerate(body.inputs):
+        if current is argument:
+            return index, Chain(argument, tensor, reversed(ops))
+    return None
+
+
+def consumers(tensor):
+    """The (consumer op, input index) pairs of `tensor` past re-layout ops (through their
+    data input; a re-layout's shape or axis input ends the walk there)."""
+    found = []
+    for op in tensor.consumers():
+        slots = [j for j, t in enumerate(op.inputs) if t is tensor]
+        if op.type in RELAYOUT_OP_TYPES and slots == [0]:
+            found.extend(consumers(op.outputs[0]))
+        else:
+            found.extend((op, j) for j in slots)
+    return found
+
+
+def returned(tensor, body):
+    """Every (output index, `Chain` from `tensor` to that body output) along the paths of
+    re-layout ops from `tensor`, when nothing but re-layouts and Shape ops reads those
+    tensors in the body; else None. (After a gradient of the call, TensorFlow's rewrite
+    of the function also returns the tensors its gradient reads, such as the
+    convolution's output before a Squeeze: several outputs.)"""
+    found = []
+
+    def walk(current, ops):
+        found.extend((k, Chain(tensor, current, ops)) for k, out in enumerate(body.outputs)
+                     if out is current)
+        for op in current.consumers():
+            slots = [j for j, t in enumerate(op.inputs) if t is current]
+            if op.type in _SHAPE_OP_TYPES:
+                continue
+            if op.type not in RELAYOUT_OP_TYPES or slots != [0]:
+                return False
+            if not walk(op.outputs[0], ops + [op]):
+                return False
+        return True
+
+    return found if walk(tensor, []) else None
+
+
+def relayout(tensor, target, chain):
+    """`tensor`, laid out like one end of the mappable `chain` (a call's tensor, or the
+    gradient at it), in the layout of its body tensor `target` (the chain's other end):
+    reshape(tensor, [-1, *shape(target)[1:]]) for a batch-preserving chain, else
+    reshape(tensor, shape(target))."""
+    if chain.identity:
+        return tensor
+    shape = target.shape.as_list()
+    if chain.keeps_batch:
+        out = tf.reshape(tensor, _rows.group_shape(-1, shape[1:]))
+        out.set_shape(tensor.shape[:1].concatenate(shape[1:]))
+        return out
+    return tf.reshape(tensor, shape)
+
+
+def per_group_to(tensor, target, leading):
+    """`tensor` [*leading, ...] (gradients of a body weight tensor, `leading` ints or
+    scalar tensors) as [*leading, *shape(target)], `target` a body tensor of static shape."""
+    return tf.reshape(tensor, _rows.group_shape(leading[0], list(leading[1:]) +
+                                                target.shape.as_list())
+                      if leading else target.shape.as_list())
+
+
+class MappedAnalysis:
+    """A batch-axis analysis in which each body tensor of `mapping` ({body tensor's
+    `ref()`: the call's tensor, batch-preserving chains; or None, a chain that does not
+    keep the batch axis of a call tensor from the batch}) has the layout of its call
+    tensor (None: UNKNOWN, no rows)."""
+
+    def __init__(self, analysis, mapping):
+        self._analysis = analysis
+        self._mapping = mapping
+
+    def value(self, tensor):
+        """The lattice value of `tensor` (of its call tensor when mapped)."""
+        key = tensor.ref()
+        if key in self._mapping and self._mapping[key] is None:
+            return _batch_axis.UNKNOWN
+        return self._analysis.value(self._mapping.get(key, tensor))
+
+    def rows(self, tensor):
+        """The Rows of `tensor` (of its call tensor when mapped)."""
+        key = tensor.ref()
+        if key in self._mapping and self._mapping[key] is None:
+            return None
+        return self._analysis.rows(self._mapping.get(key, tensor))
+
+    def __getattr__(self, name):   # registry, segments, verdict, ...: the analysis's
+        return getattr(self._analysis, name)
