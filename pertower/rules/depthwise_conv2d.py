@@ -54,10 +54,10 @@ import tensorflow as tf
 
 from pertower import _context
 from pertower.rules import _conv_geometry as geometry
+from pertower.rules import _conv_options
 from pertower.rules import _conv_views
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules import conv2d
 from pertower.rules import conv2d_squares
 from pertower.rules import registry as registry_lib
 
@@ -75,8 +75,8 @@ class DepthwiseConv2DRule(registry_lib.Rule):
     @_context.public("rules.depthwise_conv2d.DepthwiseConv2DRule")
     def __init__(self, options=None):
         if options is None:
-            options = conv2d.ConvOptions()
-        if not isinstance(options, conv2d.ConvOptions):
+            options = _conv_options.ConvOptions()
+        if not isinstance(options, _conv_options.ConvOptions):
             raise _context.error(TypeError, "`options` must be a ConvOptions, but received "
                                             f"{options!r}.")
         self.options = options
@@ -108,13 +108,13 @@ class DepthwiseConv2DRule(registry_lib.Rule):
     def strategy(self, use, G=None):
         """"grouped", "shifts" or "patches": the way `per_group` computes `use` (for `G`
         groups: "grouped" with one group, or maybe one, is TensorFlow's own kernel, which
-        `conv2d.untrusted_filter_gradient` keeps away from 1x1 strided filters)."""
+        `_conv_options.untrusted_filter_gradient` keeps away from 1x1 strided filters)."""
         if self.options.strategy == "shifts":
             return "shifts"
         if self.options.strategy == "patches" or not self._grouped_covers(use.op):
             return "patches"
         if (not (isinstance(G, int) and G > 1) and
-                conv2d.untrusted_filter_gradient(use, self.options)):
+                _conv_options.untrusted_filter_gradient(use, self.options)):
             return "shifts" if geometry.spatial_pads(use.op, 1, 1) is not None else "patches"
         return "grouped"
 
@@ -179,7 +179,7 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         strides = list(use.op.get_attr("strides"))
         if not geometry.plain_filter_gradient(use.op) or strides[1] != strides[2]:
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
-        if conv2d.untrusted_filter_gradient(use, self.options):   # one group of the shifts
+        if _conv_options.untrusted_filter_gradient(use, self.options):  # one group of shifts
             return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
         return geometry.filter_gradient(tf.raw_ops.DepthwiseConv2dNativeBackpropFilter, use,
                                         _rows.scale_rows(dZ, factors))

@@ -1,0 +1,86 @@
+"""The options of the convolution rules and the oneDNN question they ask.
+
+`ConvOptions` configures `conv2d.Conv2DRule` and `depthwise_conv2d.DepthwiseConv2DRule`
+(both import it from here, and `conv2d` re-exports it as its public name), so the two rule
+modules need not import each other for their options; the cost model its fields tune is
+described in `conv2d`'s docstring.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from pertower import _context
+from pertower.rules._conv_geometry import attributes
+
+__all__ = ["STRATEGIES", "ConvOptions", "onednn_enabled", "untrusted_filter_gradient"]
+
+STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvOptions:
+    """How `conv2d.Conv2DRule` computes per-example filter gradients.
+
+    Attributes:
+      strategy: "auto" (by the cost model above), or one of "shifts", "patches",
+        "grouped", "depthwise" to force that way for every convolution it covers (a
+        convolution the forced way cannot compute falls back to the towers, with the
+        reason).
+      grouped_threshold: "auto" picks "grouped" (where it runs and Cin >=
+        `thin_channels`) when P*k^2/sqrt(Cin*Cout) is at least this, else "shifts".
+      onednn: whether TensorFlow's oneDNN CPU kernels (which run grouped and dilated
+        depthwise convolutions) are on; None asks TensorFlow (`onednn_enabled`). With
+        them off, the backward pass to dZ takes a stride-1 convolution's input gradient
+        as a forward convolution where that runs faster (`rules._input_gradients`).
+      thin_channels: below this many input channels "auto" does not pick "grouped",
+        and "shifts" stacks the taps into one matmul.
+      few_positions: below this many output positions per image "shifts" stacks the
+        taps into one matmul (else one matmul per tap); None: the measured default,
+        `_conv_ways.FEW_POSITIONS` (512).
+
+    Example:
+      registry = pertower.rules.default_registry()
+      registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions("grouped")))
+      pertower.per_example_gradients(ys, xs, rules=registry)
+    """
+
+    strategy: str = "auto"
+    grouped_threshold: float = 20.0
+    onednn: bool = None
+    thin_channels: int = 8
+    few_positions: int = None
+
+    @_context.public("rules.conv2d.ConvOptions")
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise _context.error(ValueError, f"`strategy` must be one of "
+                                             f"{', '.join(STRATEGIES)}, but received "
+                                             f"{self.strategy!r}.")
+        for name in ("thin_channels", "few_positions"):
+            value = getattr(self, name)
+            if value is None and name == "few_positions":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise _context.error(ValueError, f"`{name}` must be an int >= 0, but "
+                                                 f"received {value!r}.")
+
+
+def onednn_enabled():
+    """Whether this process's TensorFlow runs its oneDNN CPU kernels (False when it
+    does not say)."""
+    try:
+        # pylint: disable-next=import-outside-toplevel
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return False
+
+
+def untrusted_filter_gradient(use, options):
+    """Whether the rules keep `use` (Conv2D or DepthwiseConv2dNative) away from TensorFlow's
+    one-group backward-filter kernel: oneDNN on (`options.onednn`, else asked), float32, a
+    1x1 filter with a stride > 1 (see "oneDNN" in `conv2d`'s docstring)."""
+    onednn = options.onednn if options.onednn is not None else onednn_enabled()
+    return (onednn and use.op.inputs[0].dtype == tf.float32 and
+            use.weight_shape.as_list()[:2] == [1, 1] and max(attributes(use.op)[0]) > 1)
