@@ -56,7 +56,7 @@ from tensorflow.python.ops import while_v2
 
 from pertower import _op_types as op_types
 
-__all__ = ["output_gradients", "prepare_for_later_gradients"]
+__all__ = ["output_gradients", "prepare_for_later_gradients", "set_while_functions"]
 
 
 def output_gradients(op, given, count):
@@ -167,19 +167,30 @@ def _edit_while(op):
         cond_graph.name += "_rewritten"
         body_graph.name += "_rewritten"
         new_inputs = body_grad_graph.extra_inputs
-        new_outputs = body_graph.outputs[orig_num_params:]
-        while_op._set_func_attr("cond", control_flow_util_v2.create_new_tf_function(cond_graph))
-        while_op._set_func_attr("body", control_flow_util_v2.create_new_tf_function(body_graph))
-        if len(body_graph.output_types) != len(while_op.inputs) + len(new_inputs):
-            raise AssertionError(
-                f"the edited While op {while_op.name!r} has {len(body_graph.output_types)} "
-                f"output types for {len(while_op.inputs)} inputs and {len(new_inputs)} new "
-                "ones, as TensorFlow's own While gradient would have found")
-        while_op._set_type_list_attr("T", body_graph.output_types)
-        while_op._set_shape_list_attr("output_shapes", body_graph.output_shapes)
-        while_op._add_while_inputs(new_inputs)
-        while_op._add_outputs([t.dtype for t in new_outputs], [t.shape for t in new_outputs])
-        while_v2._copy_handle_data(new_outputs, while_op.outputs[orig_num_params:])
+        set_while_functions(while_op, control_flow_util_v2.create_new_tf_function(cond_graph),
+                            control_flow_util_v2.create_new_tf_function(body_graph),
+                            body_graph, new_inputs, orig_num_params)
     while_op._set_attr("_num_original_outputs",
                        attr_value_pb2.AttrValue(i=len(while_op.outputs)))
     return True
+
+
+def set_while_functions(while_op, cond_function, body_function, body_graph, new_inputs,
+                        orig_num_params):
+    """Gives `while_op` the rewritten cond and body functions of `_WhileGrad`'s edit and the
+    inputs and outputs they add (`new_inputs`: the accumulators' initial values; the outputs
+    are `body_graph`'s past the first `orig_num_params`), as while_v2's `_WhileGrad` does."""
+    # pylint: disable=protected-access
+    new_outputs = body_graph.outputs[orig_num_params:]
+    while_op._set_func_attr("cond", cond_function)
+    while_op._set_func_attr("body", body_function)
+    if len(body_graph.output_types) != len(while_op.inputs) + len(new_inputs):
+        raise AssertionError(
+            f"the edited While op {while_op.name!r} has {len(body_graph.output_types)} "
+            f"output types for {len(while_op.inputs)} inputs and {len(new_inputs)} new "
+            "ones, as TensorFlow's own While gradient would have found")
+    while_op._set_type_list_attr("T", body_graph.output_types)
+    while_op._set_shape_list_attr("output_shapes", body_graph.output_shapes)
+    while_op._add_while_inputs(new_inputs)
+    while_op._add_outputs([t.dtype for t in new_outputs], [t.shape for t in new_outputs])
+    while_v2._copy_handle_data(new_outputs, while_op.outputs[orig_num_params:])

@@ -271,26 +271,14 @@ def _duplicate(op):
 def _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params):
     """`_WhileGrad`'s edit of the forward op (accumulator inputs and outputs, rewritten
     functions), made to the user's `op` and to D alike."""
-    # pylint: disable=protected-access
     cond_graph.name += "_rewritten"
     body_graph.name += "_rewritten"
     new_inputs = body_grad_graph.extra_inputs
-    new_outputs = body_graph.outputs[orig_num_params:]
     cond_function = control_flow_util_v2.create_new_tf_function(cond_graph)
     body_function = control_flow_util_v2.create_new_tf_function(body_graph)
     for target in (op, dup):
-        target._set_func_attr("cond", cond_function)
-        target._set_func_attr("body", body_function)
-        if len(body_graph.output_types) != len(target.inputs) + len(new_inputs):
-            raise AssertionError(
-                f"the edited While op {target.name!r} has {len(body_graph.output_types)} "
-                f"output types for {len(target.inputs)} inputs and {len(new_inputs)} new "
-                "ones, as TensorFlow's own While gradient would have found")
-        target._set_type_list_attr("T", body_graph.output_types)
-        target._set_shape_list_attr("output_shapes", body_graph.output_shapes)
-        target._add_while_inputs(new_inputs)
-        target._add_outputs([t.dtype for t in new_outputs], [t.shape for t in new_outputs])
-        while_v2._copy_handle_data(new_outputs, target.outputs[orig_num_params:])
+        later_gradients.set_while_functions(target, cond_function, body_function, body_graph,
+                                            new_inputs, orig_num_params)
 
 
 def _already_read(graph, tensor):
