@@ -12,10 +12,10 @@ import sys
 import warnings
 
 import tensorflow as tf
-from tensorflow.python.ops import variables
 
 from pertower import _context
 from pertower import _graph_walk as graph_walk
+from pertower import _tf
 # (lives where the graph is walked; kept here for callers not yet switched to it)
 
 __all__ = [
@@ -216,9 +216,9 @@ class Partitions:
         self.flat = []
         self._layout = []   # per entry of xs: (start in flat, count, axis or None)
         for x in xs:
-            if isinstance(x, variables.PartitionedVariable):
+            if isinstance(x, _tf.PartitionedVariable):
                 parts = list(x)
-                counts = list(x._get_partitions())  # pylint: disable=protected-access
+                counts = _tf.partitions(x)
                 axis = next((a for a, c in enumerate(counts) if c > 1), 0)
                 self._layout.append((len(self.flat), len(parts), axis))
                 self.flat.extend(parts)
@@ -252,7 +252,7 @@ def weight_list(xs, argument):
     ones). Raises when a Keras 3 variable has no TF variable or tensor behind it."""
     weights = as_list(xs)
     for k, x in enumerate(weights):
-        if isinstance(x, variables.PartitionedVariable):
+        if isinstance(x, _tf.PartitionedVariable):
             raise _context.error(
                 TypeError,
                 f"`{argument}[{k}]` is the PartitionedVariable "

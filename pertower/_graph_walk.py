@@ -14,11 +14,10 @@ and function calls that read it in their bodies). Ops that depend on neither
 
 
 import tensorflow as tf
-from tensorflow.python.framework import op_def_registry  # pylint: disable=no-name-in-module
-from tensorflow.python.ops import ref_variable
 
 from pertower import _context
 from pertower import _op_types as op_types
+from pertower import _tf
 
 __all__ = ["WeightReads", "OpRegion", "static_batch_size", "upstream_ops",
            "upstream_region", "downstream_ops",
@@ -89,7 +88,7 @@ def _value_dtype(x):
     """The dtype of the value `x` (a variable, a tensor or a resource handle) holds."""
     if x.dtype != tf.resource:
         return x.dtype.base_dtype
-    handle_data = getattr(x, "_handle_data", None)
+    handle_data = _tf.handle_data(x)
     if handle_data is not None and handle_data.shape_and_type:
         return tf.as_dtype(handle_data.shape_and_type[0].dtype)
     raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; pass the "
@@ -203,7 +202,7 @@ def find_batch_tensors(ys, ys_upstream):
             "the graph (tf.sparse.from_dense, or tf.sparse.retain of the non-padding "
             "entries); then pass `batch=` that dense placeholder and the other per-example "
             "tensors.")
-    key = lambda t: (t.op._id, t.value_index)  # pylint: disable=protected-access
+    key = lambda t: (_tf.op_id(t.op), t.value_index)
     candidates.sort(key=key)
     shapeless.sort(key=key)
     if shapeless and candidates:
@@ -277,11 +276,11 @@ def _resource_reads(x, name, handle, ys_upstream):
                 f"{', '.join(sorted(op_types.CALL_OP_TYPES))}). Leave this weight out "
                 "of `xs`, or compute `ys` with a plain read of it."
             )
-    read_tensors = sorted(set(read_tensors), key=lambda t: t.op._id)  # pylint: disable=protected-access
-    gather_ops = sorted(set(gather_ops), key=lambda op: op._id)  # pylint: disable=protected-access
-    call_inputs.sort(key=lambda pair: (pair[0]._id, pair[1]))  # pylint: disable=protected-access
+    read_tensors = sorted(set(read_tensors), key=lambda t: _tf.op_id(t.op))
+    gather_ops = sorted(set(gather_ops), key=_tf.op_order_key())
+    call_inputs.sort(key=lambda pair: (_tf.op_id(pair[0]), pair[1]))
     loop_inputs = sorted(set(loop_inputs),
-                         key=lambda op: op._id)  # pylint: disable=protected-access
+                         key=_tf.op_order_key())
     return WeightReads(x, name, read_tensors, gather_ops, call_inputs, handle,
                        loop_inputs=loop_inputs)
 
@@ -294,8 +293,8 @@ def weight_reads(x, index, ys_upstream, batch):
     their ref tensor, which the towers map to the copy directly; a plain tensor is
     itself mapped to the copy.
     """
-    if isinstance(x, ref_variable.RefVariable):
-        ref = x._variable  # pylint: disable=protected-access
+    if isinstance(x, _tf.RefVariable):
+        ref = _tf.ref_variable_tensor(x)
         reached = any(c in ys_upstream for c in ref.consumers())
         return WeightReads(x, x.name, [ref] if reached else [], value=x.value())
     if isinstance(x, tf.Variable):
@@ -331,7 +330,7 @@ def weight_reads(x, index, ys_upstream, batch):
 
 def _outermost_loop(op):
     """The outermost TF1 while loop context `op` was built in, or None."""
-    context = op._control_flow_context  # pylint: disable=protected-access
+    context = _tf.control_flow_context(op)
     found = None
     while context is not None:
         if context.IsWhileContext():
@@ -387,7 +386,7 @@ def check_replayable(replayed_ops, forward_only=False):
     loops, unless the replay is `forward_only` (no gradient is built through it)."""
     if forward_only:
         return
-    for op in sorted(replayed_ops, key=lambda o: o._id):  # pylint: disable=protected-access
+    for op in sorted(replayed_ops, key=_tf.op_order_key()):
         if op.type in op_types.V1_LOOP_OP_TYPES:
             raise _v1_loop_error(op)
 
@@ -410,11 +409,11 @@ def _v1_loop_error(op):
 def draws_random_numbers(op_type):
     """Whether ops of type `op_type` draw new random numbers on every run (a stateful
     random op, e.g. the RandomUniform of dropout in training)."""
-    op_def = op_def_registry.get(op_type)
+    op_def = _tf.op_def(op_type)
     return op_def is not None and op_def.is_stateful and "Random" in op_type
 
 
 def random_ops(replayed_ops):
     """Stateful random ops among the replayed ops (for example dropout in training)."""
     return sorted((op for op in replayed_ops if draws_random_numbers(op.type)),
-                  key=lambda o: o._id)  # pylint: disable=protected-access
+                  key=_tf.op_order_key())

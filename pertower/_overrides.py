@@ -29,13 +29,12 @@ import dis
 import types
 
 import tensorflow as tf
-from tensorflow.python.framework import func_graph as func_graph_lib
-from tensorflow.python.framework import ops as framework_ops
 
 from pertower import _batch_axis
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _tf
 
 __all__ = ["OVERRIDE_ATTR", "OverrideBackward", "Templates", "override_backward", "kind",
            "not_row_wise"]
@@ -109,12 +108,12 @@ class _Unbuilt(Exception):
 def _build(op, scope):
     """`override_backward` raising `_Unbuilt` (no public function's name in it)."""
     try:
-        gradient_function = framework_ops._gradient_registry.lookup(kind(op))  # pylint: disable=protected-access
+        gradient_function = _tf.registered_gradient(kind(op))
     except LookupError as error:
         raise _Unbuilt(f"{_said(op)} by a function that is not registered; register it "
                        "with tf.RegisterGradient.") from error
     with op.graph.as_default():   # the scratch graph's outer graph is op's
-        scratch = func_graph_lib.FuncGraph(scope)
+        scratch = _tf.FuncGraph(scope)
     try:
         with scratch.as_default():
             dys = tuple(tf.compat.v1.placeholder(t.dtype, t.shape, name="dy")
@@ -204,7 +203,7 @@ def _template_key(op, seen):
     backward (see there), or None; `seen` gets the ids of the tensors the closures
     hold."""
     try:
-        function = framework_ops._gradient_registry.lookup(kind(op))  # pylint: disable=protected-access
+        function = _tf.registered_gradient(kind(op))
     except LookupError:
         return None
     if not isinstance(function, types.FunctionType) or _reads_op(function.__code__):

@@ -25,6 +25,7 @@ from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower import rules as rules_lib
 
 __all__ = ["METHODS", "Options", "Request", "make_request", "check_method"]
@@ -272,8 +273,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
         weight_regions, read_region = _regions(reads, ys_upstream)
     loops = [op for op in batch_downstream.union(read_region)
              if op.type in op_types.V1_LOOP_OP_TYPES]
-    # pylint: disable-next=protected-access
-    loop_op = min(loops, key=lambda op: op._id) if loops else None
+    loop_op = min(loops, key=_tf.op_order_key()) if loops else None
     return Request(ys=ys, xs=xs, graph=graph, ys_upstream=ys_upstream, batch=batch,
                    batch_axes=tuple(axes), static_sizes=static_sizes, ys_rows=ys_rows,
                    batch_size=B, num_groups=M, groups_argument=groups_argument, reads=reads,
@@ -314,7 +314,7 @@ def _weights_region(reads, ys_upstream):
     starts = {op for r in reads for op in r.gather_ops} | {
         op for r in reads for op, _ in r.call_inputs}
     tensors = [t for r in reads for t in r.read_tensors]
-    tensors += [t for op in sorted(starts, key=lambda o: o._id)   # pylint: disable=protected-access
+    tensors += [t for op in sorted(starts, key=_tf.op_order_key())
                 for t in op.outputs]
     return frozenset(graph_walk.downstream_ops(tensors, ys_upstream) | starts)
 
@@ -361,7 +361,7 @@ def _variable_reads(variable, j, ys_upstream):
         raise _context.error(ValueError, f"`batch[{j}]` is the variable {variable.name!r}, "
                              "but the per-example values do not read it; pass the variable "
                              "(or tensor) holding the batch they are computed from.")
-    return sorted(reads, key=lambda t: t.op._id)  # pylint: disable=protected-access
+    return sorted(reads, key=lambda t: _tf.op_id(t.op))
 
 
 def _side_input_hint(op, batch):

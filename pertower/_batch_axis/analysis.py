@@ -31,10 +31,10 @@ evaluates with the whole batch, as `ys` does).
 """
 
 import tensorflow as tf
-from tensorflow.python.framework import function_def_to_graph
 
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower._batch_axis import examples
 from pertower._batch_axis import functions
 from pertower._batch_axis import joined
@@ -254,8 +254,8 @@ class _Scan:
         key = (id(op.graph), name)
         if key not in self.function_cache:
             try:
-                function = op.graph._get_function(name)  # pylint: disable=protected-access
-                self.function_cache[key] = function_def_to_graph.function_def_to_graph(
+                function = _tf.get_function(op.graph, name)
+                self.function_cache[key] = _tf.function_graph(
                     function.cached_definition)
             except (AttributeError, ValueError, TypeError, KeyError):
                 self.function_cache[key] = None
@@ -301,7 +301,7 @@ def _topological(ops):
     loop's Merge comes before its body."""
     ops = set(ops)
     ordered, done, active = [], set(), set()
-    for root in sorted(ops, key=lambda o: o._id):  # pylint: disable=protected-access
+    for root in sorted(ops, key=_tf.op_order_key()):
         stack = [(root, False)]
         while stack:
             op, expanded = stack.pop()

@@ -22,9 +22,9 @@ numbers), with the reason kept in the result's `reason`.
 import logging
 
 import tensorflow as tf
-from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
 
 from pertower import _context
+from pertower import _tf
 from pertower._curvature import folded
 
 __all__ = ["Columns", "output_gradient_columns"]
@@ -97,7 +97,7 @@ def output_gradient_columns(logits, outputs, S):
     level = logger.level
     logger.setLevel(logging.CRITICAL)   # pfor logs the op it fails on, which is handled here
     try:
-        stacked = _pfor.pfor(loop_fn, M, fallback_to_while_loop=False)  # per Z: [M, *Z.shape]
+        stacked = _tf.pfor(loop_fn, M, fallback_to_while_loop=False)  # per Z: [M, *Z.shape]
         return Columns(list(stacked), True, folded_reason, "pfor")
     except (ValueError, NotImplementedError, TypeError) as err:   # an op pfor cannot convert
         reason = (f"{folded_reason}; pfor could not vectorize the backward pass "

@@ -28,9 +28,9 @@ pfor (`pertower._curvature.columns`).
 """
 
 import tensorflow as tf
-from tensorflow.python.ops import math_ops
 
 from pertower import _op_types as op_types
+from pertower import _tf
 
 __all__ = ["backward", "crosses_control_flow"]
 
@@ -192,7 +192,7 @@ class _Backward:
     def _reduce(self, op, dY, mean):
         x, axes = op.inputs
         dims = _shape(x)
-        kept = math_ops.reduced_shape(tf.shape(x), axes)        # [rank]: 1 on reduced axes
+        kept = _tf.reduced_shape(tf.shape(x), axes)        # [rank]: 1 on reduced axes
         dX = tf.broadcast_to(tf.reshape(dY, tf.concat([[self.M], kept], 0)),
                              _stacked([self.M] + dims))
         if mean:
@@ -301,7 +301,7 @@ def crosses_control_flow(logits, outputs):
     conditional or function call, or an op of a TF1 frame), or None."""
     for op in _path(logits, outputs)[0]:
         if (op.type in op_types.CALL_OP_TYPES or op.type in op_types.V1_LOOP_OP_TYPES or
-                op._control_flow_context is not None):  # pylint: disable=protected-access
+                _tf.control_flow_context(op) is not None):
             return op
     return None
 
@@ -332,7 +332,7 @@ def backward(logits, outputs, S):
             dYs = grads.get(op.outputs[0].ref())
             if not dYs:
                 continue
-            if op._control_flow_context is not None:  # pylint: disable=protected-access
+            if _tf.control_flow_context(op) is not None:
                 raise _Unsupported(f"{op.name} ({op.type}) is inside a control-flow frame")
             convert = getattr(converters, op.type, None) if op.type[0].isupper() else None
             if convert is None:

@@ -20,8 +20,8 @@ per-example gradients formed for each column (grad_ys = the column), squared.
 """
 
 import tensorflow as tf
-from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
 
+from pertower import _tf
 from pertower.rules import _engine
 from pertower.rules import _loop_uses
 from pertower.rules import _rows
@@ -128,7 +128,7 @@ def _formed_squares(x, uses, columns_of, B, per_example):
         squares = tf.add_n([square_of_column(c) for c in range(C)])      # [B, *x.shape]
     else:
         # vectorized over a run-time number of columns
-        squares = tf.reduce_sum(_pfor.pfor(square_of_column, C), axis=0)  # [B, *x.shape]
+        squares = tf.reduce_sum(_tf.pfor(square_of_column, C), axis=0)  # [B, *x.shape]
     return squares if per_example else tf.reduce_sum(squares, axis=0)
 
 

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
+from pertower import _tf
 from pertower._dp import optimizer as dp_optimizer
 
 __all__ = ["DPSyncReplicasOptimizer"]
@@ -284,7 +285,7 @@ class DPSyncReplicasOptimizer:
                                                queue_closed_exception_types=(
                                                    tf.errors.OutOfRangeError,
                                                    tf.errors.CancelledError))
-        self._sync._chief_queue_runner = quiet  # pylint: disable=protected-access
+        _tf.set_chief_queue_runner(self._sync, quiet)
         return train_op
 
     def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,

@@ -52,6 +52,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _request
+from pertower import _tf
 from pertower._towers import backward
 from pertower._towers import fallback
 from pertower._towers import functions as control_flow
@@ -238,7 +239,7 @@ def towers_of(request, scope, devices=None):
         # any op is added; the towers get their own rewrites in the replay.
         call_positions = replay_lib.call_positions(reads, xs)
         trial = control_flow.FunctionRewriter(graph, "trial")
-        for op in sorted(replayed, key=lambda op: op._id):  # pylint: disable=protected-access
+        for op in sorted(replayed, key=_tf.op_order_key()):
             if op.type in op_types.CALL_OP_TYPES:
                 positions = call_positions.get(op, {})
                 trial.rewrite_call(replay_lib.node_def(op),

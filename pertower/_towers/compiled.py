@@ -33,11 +33,11 @@ import weakref
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import function_def_to_graph  # pylint: disable=no-name-in-module
 
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower._towers import replicate
 
 __all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "must_compile", "keep_compiled",
@@ -74,11 +74,11 @@ def _differentiable(dtype):
 def _body(graph, name):
     """(GraphDef of the function `name`'s body without its argument placeholders,
     argument names, output tensor names in the GraphDef)."""
-    fdef = function_def_to_graph.get_function_def(name, graph)
+    fdef = _tf.function_def(name, graph)
     if fdef is None:
         raise CompiledCallError(f"the function {name!r} is not in the graph's library")
     with graph.as_default():   # nested functions are looked up in the default graph
-        body, flat = function_def_to_graph.function_def_to_graph_def(
+        body, flat = _tf.function_graph_def(
             fdef, include_library_functions=True)
     arguments = [arg.name for arg in fdef.signature.input_arg]
     placeholders = set(arguments)
@@ -188,11 +188,9 @@ def _compiled_call_gradient(op, *dv):
     grads = call(args=list(op.inputs) + dv, Tout=[op.inputs[i].dtype for i in wrt], f=name)
     backward_op = grads[0].op
     # compiled like the forward call, and differentiated (a second derivative) the same way
-    # pylint: disable=protected-access
-    backward_op._set_attr(XLA_ATTR, attr_value_pb2.AttrValue(b=True))
-    backward_op._set_attr("_gradient_op_type",
-                          attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))
-    # pylint: enable=protected-access
+    _tf.set_attr(backward_op, XLA_ATTR, attr_value_pb2.AttrValue(b=True))
+    _tf.set_attr(backward_op, "_gradient_op_type",
+                 attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))
     result = [None] * n
     for i, g in zip(wrt, grads):
         result[i] = g

@@ -46,6 +46,7 @@ from tensorflow.core.framework import types_pb2
 
 from pertower import _context
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower._towers import compiled
 
 __all__ = ["ControlFlowError", "FunctionRewriter", "gather_from_value"]
@@ -156,7 +157,7 @@ class FunctionRewriter:
     def _definition(self, name):
         if name in self._generated:
             return self._generated[name]
-        function = self.graph._get_function(name)  # pylint: disable=protected-access
+        function = _tf.get_function(self.graph, name)
         if function is None:
             raise _context.error(
                 ControlFlowError,

@@ -45,16 +45,9 @@ helpers differ from what `_edit_while` expects, the whole gradient function runs
 """
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.eager import backprop_util
-from tensorflow.python.framework import func_graph as func_graph_lib
-from tensorflow.python.framework import ops as ops_lib
-from tensorflow.python.ops import control_flow_state
-from tensorflow.python.ops import control_flow_util_v2
-from tensorflow.python.ops import default_gradient
-from tensorflow.python.ops import while_v2
 
 from pertower import _op_types as op_types
+from pertower import _tf
 
 __all__ = ["output_gradients", "prepare_for_later_gradients", "set_while_functions"]
 
@@ -80,9 +73,9 @@ def _zero_output_gradients(op, dense=True, count=None, skip=()):
     count = len(op.outputs) if count is None else count
     return [None if i in skip else
             (True if not dense and (t.dtype.is_floating or t.dtype.is_complex)
-             else control_flow_state.ZerosLike(op, i))
-            if i < count and backprop_util.IsTrainable(t)
-            and default_gradient.supports_default_grad(t)
+             else _tf.zeros_like_output(op, i))
+            if i < count and _tf.is_trainable(t)
+            and _tf.supports_default_grad(t)
             else None for i, t in enumerate(op.outputs)]
 
 
@@ -96,29 +89,24 @@ def prepare_for_later_gradients(ops):
         does not edit the forward op) or without a trainable output is skipped.
     """
     calls = sorted((op for op in ops if op.type in op_types.CALL_OP_TYPES),
-                   key=lambda op: op._id)  # pylint: disable=protected-access
+                   key=_tf.op_order_key())
     for op in calls:
         try:
-            gradient_function = ops_lib.get_gradient_function(op)
+            gradient_function = _tf.gradient_function(op)
         except LookupError:
             continue
         if gradient_function is None:
             continue
         with op.graph.as_default():
-            scratch = func_graph_lib.FuncGraph(f"pertower_scratch_{op.name.replace('/', '_')}")
+            scratch = _tf.FuncGraph(f"pertower_scratch_{op.name.replace('/', '_')}")
         with scratch.as_default():
             # S is never called: its ops (the zero gradients, the backward op) and its
             # captures of the op's outputs never enter the user's graph
-            if gradient_function is _WHILE_GRADIENT and _edit_while(op):
+            if gradient_function is _tf.while_gradient_function() and _edit_while(op):
                 continue
             output_gradients = _zero_output_gradients(op)
             if any(g is not None for g in output_gradients):
                 gradient_function(op, *output_gradients)
-
-
-# while_v2's registered While gradient and the private helpers `_edit_while` calls
-_WHILE_GRADIENT = getattr(while_v2, "_WhileGrad", None)
-_WHILE_HELPERS = ("_get_graph", "_preprocess_grad", "_create_grad_func", "_copy_handle_data")
 
 
 def _edit_while(op):
@@ -132,9 +120,8 @@ def _edit_while(op):
     The backward body receives each output gradient as a placeholder of its dtype and
     shape (`func_graph_from_py_func`), so a floating output's zero gradient is a
     placeholder of S here (one op, not a capture and a `ZerosLike`)."""
-    if not all(callable(getattr(while_v2, name, None)) for name in _WHILE_HELPERS):
+    if not _tf.while_edit():
         return False
-    # pylint: disable=protected-access
     while_op = op.outputs[0].op
     try:
         num_original_outputs = while_op.get_attr("_num_original_outputs")
@@ -145,12 +132,12 @@ def _edit_while(op):
     grads = [tf.compat.v1.placeholder(t.dtype, t.shape) if g is True else g
              for t, g in zip(op.outputs, _zero_output_gradients(
                  op, dense=False, count=num_original_outputs))]
-    cond_graph = while_v2._get_graph(while_op, "cond", "_cond_graph")
-    body_graph = while_v2._get_graph(while_op, "body", "_body_graph")
+    cond_graph = _tf.while_graph(while_op, "cond")
+    body_graph = _tf.while_graph(while_op, "body")
     orig_num_params = len(body_graph.outputs)
     maximum_iterations = op.inputs[1]
     num_intermediates = len(while_op.outputs) - num_original_outputs
-    grads = [while_v2._preprocess_grad(grad, body_out, while_in, while_out)
+    grads = [_tf.preprocess_grad(grad, body_out, while_in, while_out)
              for grad, body_out, while_in, while_out in zip(
                  grads[:num_original_outputs], body_graph.outputs[:num_original_outputs],
                  while_op.inputs[:num_original_outputs],
@@ -160,18 +147,17 @@ def _edit_while(op):
     if not chosen:
         return False
     ys, xs, non_none_grads = zip(*chosen)
-    body_grad_graph, _ = while_v2._create_grad_func(
+    body_grad_graph, _ = _tf.create_grad_func(
         ys, xs, non_none_grads, cond_graph, body_graph,
-        control_flow_util_v2.unique_grad_fn_name(body_graph.name), op, maximum_iterations)
+        _tf.unique_grad_fn_name(body_graph.name), op, maximum_iterations)
     if body_grad_graph.while_op_needs_rewrite:
         cond_graph.name += "_rewritten"
         body_graph.name += "_rewritten"
         new_inputs = body_grad_graph.extra_inputs
-        set_while_functions(while_op, control_flow_util_v2.create_new_tf_function(cond_graph),
-                            control_flow_util_v2.create_new_tf_function(body_graph),
+        set_while_functions(while_op, _tf.create_new_tf_function(cond_graph),
+                            _tf.create_new_tf_function(body_graph),
                             body_graph, new_inputs, orig_num_params)
-    while_op._set_attr("_num_original_outputs",
-                       attr_value_pb2.AttrValue(i=len(while_op.outputs)))
+    _tf.set_num_original_outputs(while_op)
     return True
 
 
@@ -180,17 +166,10 @@ def set_while_functions(while_op, cond_function, body_function, body_graph, new_
     """Gives `while_op` the rewritten cond and body functions of `_WhileGrad`'s edit and the
     inputs and outputs they add (`new_inputs`: the accumulators' initial values; the outputs
     are `body_graph`'s past the first `orig_num_params`), as while_v2's `_WhileGrad` does."""
-    # pylint: disable=protected-access
-    new_outputs = body_graph.outputs[orig_num_params:]
-    while_op._set_func_attr("cond", cond_function)
-    while_op._set_func_attr("body", body_function)
     if len(body_graph.output_types) != len(while_op.inputs) + len(new_inputs):
         raise AssertionError(
             f"the edited While op {while_op.name!r} has {len(body_graph.output_types)} "
             f"output types for {len(while_op.inputs)} inputs and {len(new_inputs)} new "
             "ones, as TensorFlow's own While gradient would have found")
-    while_op._set_type_list_attr("T", body_graph.output_types)
-    while_op._set_shape_list_attr("output_shapes", body_graph.output_shapes)
-    while_op._add_while_inputs(new_inputs)
-    while_op._add_outputs([t.dtype for t in new_outputs], [t.shape for t in new_outputs])
-    while_v2._copy_handle_data(new_outputs, while_op.outputs[orig_num_params:])
+    _tf.edit_while_op(while_op, cond_function, body_function, body_graph, new_inputs,
+                      orig_num_params)

@@ -33,12 +33,12 @@ to the variable, not to the tower's copy), and a captured TF1 loop.
 import uuid
 
 import tensorflow as tf
-from tensorflow.python.framework import ops as framework_ops
 
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _overrides
+from pertower import _tf
 from pertower._towers import replicate as replicate_lib
 
 __all__ = ["overridden_ops", "ReplayedGradients"]
@@ -48,7 +48,7 @@ def overridden_ops(ops):
     whose `_gradient_op_type` the function rewrite handles), in creation order."""
     return sorted((op for op in ops if _overrides.OVERRIDE_ATTR in op.node_def.attr
                    and op.type not in op_types.CALL_OP_TYPES),
-                  key=lambda op: op._id)  # pylint: disable=protected-access
+                  key=_tf.op_order_key())
 
 
 class ReplayedGradients:
@@ -72,7 +72,7 @@ class ReplayedGradients:
         self._inputs = {}      # tower -> {tensor name: tower's tensor}
         self._replayed = frozenset()
         self._built = _overrides.Templates()   # one scratch graph per computation
-        framework_ops.RegisterGradient(self.name)(self._gradient)
+        tf.RegisterGradient(self.name)(self._gradient)
 
     def prepare(self, replayed, batch, on_weights):
         """Builds the template of every overridden op of `on_weights` (the ops of
@@ -104,7 +104,7 @@ class ReplayedGradients:
                         "cannot recompute for their own examples. Leave the weights "
                         "behind this op out of `xs`.")
             self._templates[op.name] = template
-            self._recomputed[op.name] = tuple(sorted(captured, key=lambda o: o._id))  # pylint: disable=protected-access
+            self._recomputed[op.name] = tuple(sorted(captured, key=_tf.op_order_key()))
 
     def edit_node(self, node, op, t):
         """Gives tower t's copy `node` of an overridden `op` this build's gradient."""

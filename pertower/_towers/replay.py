@@ -23,6 +23,7 @@ import tensorflow as tf
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower._towers import functions as control_flow
 from pertower._towers import python_gradients
 from pertower._towers import replicate as replicate_lib
@@ -125,7 +126,7 @@ def _value_shape(r):
     """The static shape of the weight value of `r` (a WeightReads)."""
     if isinstance(r.x, tf.Variable):
         return r.x.shape
-    handle_data = getattr(r.x, "_handle_data", None)
+    handle_data = _tf.handle_data(r.x)
     if handle_data is not None and handle_data.shape_and_type:
         return tf.TensorShape(handle_data.shape_and_type[0].shape)
     return tf.TensorShape(None)

@@ -20,10 +20,10 @@ Two users:
 """
 
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.ops import script_ops  # pylint: disable=no-name-in-module
 import tensorflow as tf
 
 from pertower import _op_types as op_types
+from pertower import _tf
 
 __all__ = ["replicate", "calls_functions", "calls_python", "InputMap", "drop_name_attrs"]
 
@@ -73,13 +73,10 @@ def _own_python_token(node, graph):
     kept alive by the graph, as `tf.py_function` does for the original."""
     if node.op not in op_types.PYTHON_OP_TYPES or "token" not in node.attr:
         return
-    func = script_ops._py_funcs.get(node.attr["token"].s.decode())  # pylint: disable=protected-access
-    if func is None:
+    token = _tf.reregister_python_function(node.attr["token"].s.decode(), graph)
+    if token is None:
         return
-    node.attr["token"].s = script_ops._py_funcs.insert(func).encode()  # pylint: disable=protected-access
-    if not hasattr(graph, "_py_funcs_used_in_graph"):
-        graph._py_funcs_used_in_graph = []  # pylint: disable=protected-access
-    graph._py_funcs_used_in_graph.append(func)  # pylint: disable=protected-access
+    node.attr["token"].s = token.encode()
 
 
 def calls_functions(ops):
@@ -127,7 +124,7 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
     Returns:
       A list over `replicas` of lists: replica r's versions of `return_tensors`.
     """
-    order = sorted(template_ops, key=lambda op: op._id)  # pylint: disable=protected-access
+    order = sorted(template_ops, key=_tf.op_order_key())
     names = {op.name for op in order}
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
@@ -182,6 +179,6 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
     returned = [outside_returns[i] if n is None else next(imported)
                 for i, n in enumerate(return_names)]
     for node_name, control in controls:
-        graph.get_operation_by_name(node_name)._add_control_inputs([control])  # pylint: disable=protected-access
+        _tf.add_control_inputs(graph.get_operation_by_name(node_name), [control])
     n = len(return_tensors)
     return [returned[i * n:(i + 1) * n] for i in range(len(replicas))]

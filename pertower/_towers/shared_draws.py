@@ -18,6 +18,7 @@ expected counts [S], and its own rows of the true classes' expected counts
 import tensorflow as tf
 
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower._batch_axis.lattice import Rows
 
 __all__ = ["shared_samplers"]
@@ -29,7 +30,7 @@ def shared_samplers(replayed, analysis):
     their draws. Others stay replayed (each tower draws its own; the run-time check of
     `ys` then refuses the result)."""
     shared = []
-    for op in sorted(replayed, key=lambda o: o._id):  # pylint: disable=protected-access
+    for op in sorted(replayed, key=_tf.op_order_key()):
         if op.type not in op_types.FIXED_CANDIDATE_SAMPLER_OP_TYPES:
             continue
         value = analysis.value(op.inputs[0]) if analysis is not None else None

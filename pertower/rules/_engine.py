@@ -37,6 +37,7 @@ from pertower import _batch_axis
 from pertower import _checks
 from pertower import _context
 from pertower import _plan
+from pertower import _tf
 from pertower.rules import _input_gradients
 from pertower.rules import _loops
 from pertower.rules import _shapes
@@ -105,8 +106,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
         return walked
     terminals = [_weight_functions.Exit(op, 0, (), (), True) for op in reads.gather_ops]
     terminals.extend(walked)
-    # pylint: disable-next=protected-access
-    terminals.sort(key=lambda e: (e.op._id, e.slot))
+    terminals.sort(key=lambda e: (_tf.op_id(e.op), e.slot))
     for exit_ in terminals:
         op, slot = exit_.op, exit_.slot
         inside = loops.inner_uses(exit_, _in_v1_loop)   # passed to a loop: rules._loops

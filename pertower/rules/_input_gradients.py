@@ -40,6 +40,7 @@ import functools
 
 import tensorflow as tf
 
+from pertower import _tf
 from pertower.rules import _loop_uses
 from pertower.rules import _shapes
 from pertower.rules import conv2d
@@ -203,8 +204,7 @@ _ONE_SIDED = {("Conv2D", 1): _conv2d, ("DepthwiseConv2dNative", 1): _depthwise,
 
 
 def _has_registered_gradient(op):
-    # pylint: disable-next=protected-access
-    if op._gradient_function is not None:
+    if _tf.has_own_gradient_function(op):
         return False
     try:
         op.get_attr("_gradient_op_type")
@@ -255,11 +255,11 @@ def _with_forward_form(use):
 def input_side_only(plan, indices):
     """While the body runs, the ops of `one_sided_ops(plan, indices)` differentiate
     their batch-side input only."""
-    ops = one_sided_ops(plan, indices)
+    ops = one_sided_ops(plan, indices) if _tf.one_sided_gradients() else {}
     for op, function in ops.items():
-        op._gradient_function = function   # pylint: disable=protected-access
+        _tf.set_gradient_function(op, function)
     try:
         yield
     finally:
         for op in ops:
-            op._gradient_function = None   # pylint: disable=protected-access
+            _tf.set_gradient_function(op, None)

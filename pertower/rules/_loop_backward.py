@@ -38,25 +38,16 @@ Cost: D's forward and one backward pass at run time; one backward body at build 
 """
 
 import tensorflow as tf
-from tensorflow.python.framework import func_graph as func_graph_lib
-from tensorflow.python.framework import indexed_slices
-from tensorflow.python.framework import ops as ops_lib
-from tensorflow.python.ops import control_flow_util_v2
-from tensorflow.python.ops import gradients_util
-from tensorflow.python.ops import list_ops
-from tensorflow.python.ops import while_v2
-from tensorflow.core.framework import attr_value_pb2
 
 from pertower import _op_types as op_types
+from pertower import _tf
+from pertower._tf import list_ops
 from pertower._towers import later_gradients
 from pertower.rules import _loop_copy
 from pertower.rules import registry as registry_lib
 
 __all__ = ["OwnBackward"]
 
-_HELPERS = ("_get_graph", "_preprocess_grad", "_WhileBodyGradFuncGraph",
-            "_resolve_grad_captures", "_build_while_op", "_copy_handle_data",
-            "_get_structured_grad_output")
 # the covered op types whose rules read only dZ (their A is a stand-in)
 _DZ_ONLY_OP_TYPES = frozenset({"BiasAdd"})
 
@@ -98,10 +89,9 @@ class OwnBackward:
         return self._copy.output_gradients(d_outputs, unconnected, others, stops)
 
     def _backward(self, d_outputs, others, stops):
-        # pylint: disable=protected-access
         loop, op = self.loop, self.loop.op
-        cond_graph = while_v2._get_graph(op, "cond", "_cond_graph")
-        body_graph = while_v2._get_graph(op, "body", "_body_graph")
+        cond_graph = _tf.while_graph(op, "cond")
+        body_graph = _tf.while_graph(op, "body")
         if body_graph is not loop.body:
             raise _Unsupported("the body graph is not while_v2's own")
         try:
@@ -111,12 +101,12 @@ class OwnBackward:
         given = {t.value_index: d for t, d in zip(loop.reached_outputs, d_outputs)
                  if d is not None}
         grads = later_gradients.output_gradients(op, given, num_original)
-        grads = [while_v2._preprocess_grad(g, body_out, while_in, while_out)
+        grads = [_tf.preprocess_grad(g, body_out, while_in, while_out)
                  for g, body_out, while_in, while_out in zip(
                      grads[:num_original], body_graph.outputs[:num_original],
                      op.inputs[:num_original], op.outputs[:num_original])]
         grads += [None] * (len(op.outputs) - num_original)
-        if any(isinstance(g, indexed_slices.IndexedSlices) for g in grads):
+        if any(isinstance(g, tf.IndexedSlices) for g in grads):
             raise _Unsupported("an output gradient is an IndexedSlices")
         chosen = [(y, x, g) for y, x, g in zip(body_graph.outputs, body_graph.inputs, grads)
                   if g is not None]
@@ -130,21 +120,20 @@ class OwnBackward:
         if body_grad_graph.while_op_needs_rewrite:
             _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params)
         for target in (op, dup):
-            target._set_attr("_num_original_outputs",
-                             attr_value_pb2.AttrValue(i=len(target.outputs)))
+            _tf.set_num_original_outputs(target)
         if op.control_inputs:
-            dup._add_control_inputs(op.control_inputs)
-        captured = while_v2._resolve_grad_captures(body_graph, body_grad_graph, dup)
+            _tf.add_control_inputs(dup, op.control_inputs)
+        captured = _tf.resolve_grad_captures(body_graph, body_grad_graph, dup)
         loop_vars = args + captured
 
         def grad_cond(counter, unused_maximum_iterations, forward_loop_iters, *unused):
             return counter < forward_loop_iters
 
-        cond_name = control_flow_util_v2.unique_grad_fn_name(op.get_attr("cond").name)
-        cond_grad_graph = func_graph_lib.func_graph_from_py_func(
-            cond_name, grad_cond, loop_vars, {},
-            func_graph=control_flow_util_v2.WhileCondFuncGraph(cond_name))
-        outputs = while_v2._build_while_op(
+        cond_name = _tf.unique_grad_fn_name(op.get_attr("cond").name)
+        cond_grad_graph = _tf.func_graph_from_py_func(
+            cond_name, grad_cond, loop_vars,
+            func_graph=_tf.cond_func_graph(cond_name))
+        outputs = _tf.build_while_op(
             loop_vars, cond_grad_graph, body_grad_graph,
             output_shapes=[t.shape for t in body_grad_graph.outputs],
             parallel_iterations=op.get_attr("parallel_iterations"), name="backward",
@@ -154,7 +143,6 @@ class OwnBackward:
     def _grad_body(self, ys, xs, grads, cond_graph, body_graph, dup):
         """(the backward body, its arguments, [j: A_t stood in by dZ_t]): while_v2's
         `_create_grad_func` with `_grad_fn` also pushing dZ_t and A_t."""
-        # pylint: disable=protected-access
         loop = self.loop
         zs = [target.outputs[0] for target, _ in loop.targets]
         J = len(zs)
@@ -170,13 +158,12 @@ class OwnBackward:
         stand_ins = [False] * J
 
         def body(*values):
-            found = gradients_util._GradientsHelper(
-                ys, xs + zs, grad_ys=values[3:3 + n], src_graph=body_graph,
-                unconnected_gradients="zero")
+            found = _tf.gradients_in_body(
+                ys, xs + zs, grad_ys=values[3:3 + n], src_graph=body_graph)
             grad_outs, dzs = found[:len(xs)], found[len(xs):]
-            if any(isinstance(g, indexed_slices.IndexedSlices) for g in grad_outs + dzs):
+            if any(isinstance(g, tf.IndexedSlices) for g in grad_outs + dzs):
                 raise _Unsupported("a gradient in the body is an IndexedSlices")
-            graph = ops_lib.get_default_graph()
+            graph = tf.compat.v1.get_default_graph()
             pushed_a = []
             for j, use in enumerate(loop.uses):
                 a = _already_read(graph, use.activation)
@@ -192,14 +179,14 @@ class OwnBackward:
             return ([values[0] + 1, values[1], values[2]] + list(grad_outs)
                     + pushed_dz + pushed_a)
 
-        name = control_flow_util_v2.unique_grad_fn_name(body_graph.name)
-        grad_graph = func_graph_lib.func_graph_from_py_func(
-            name, body, args, {},
-            func_graph=while_v2._WhileBodyGradFuncGraph(
+        name = _tf.unique_grad_fn_name(body_graph.name)
+        grad_graph = _tf.func_graph_from_py_func(
+            name, body, args,
+            func_graph=_tf.body_grad_func_graph(
                 name, cond_graph, body_graph, maximum_iterations, dup,
                 _IdentitySet(body_graph.inputs), _IdentitySet(body_graph.outputs)))
         for external, internal in grad_graph.captures:
-            key = ops_lib.tensor_id(internal)
+            key = _tf.tensor_id(internal)
             if key not in grad_graph.internal_capture_to_output:
                 raise _Unsupported(f"{internal} captures {external} without an output")
             grad_graph.outputs.append(grad_graph.internal_capture_to_output[key])
@@ -209,7 +196,6 @@ class OwnBackward:
     def _results(self, outputs, grads, body_grad_graph, xs, stand_ins, others, stops):
         """({id(key_j): dZ_all_j}, [gradients at `others`]) from the backward's outputs;
         sets the built uses (once)."""
-        # pylint: disable=protected-access
         loop, J = self.loop, len(self.loop.targets)
         first = 3 + len(xs)
         found, uses = {}, []
@@ -227,7 +213,7 @@ class OwnBackward:
                                          use.weight_shape, use.rows))
         if self._uses is None:
             self._uses = uses
-        d_inputs = while_v2._get_structured_grad_output(outputs, grads, body_grad_graph)
+        d_inputs = _tf.structured_grad_output(outputs, grads, body_grad_graph)
         others = list(others)
         pairs = [(t, tf.identity(g)) for t, g in zip(loop.op.inputs, d_inputs)
                  if g is not None and (t.dtype.is_floating or t.dtype == tf.variant)]
@@ -243,14 +229,12 @@ def _supported(loop):
     """Whether `OwnBackward` may try the loop (else the copy): while_v2's helpers as
     expected, the op in the graph being built, its own body graph planned, no extra
     output TensorFlow did not add."""
-    # pylint: disable=protected-access
     op = loop.op
     return (op.graph is tf.compat.v1.get_default_graph()
-            and all(hasattr(while_v2, name) for name in _HELPERS)
-            and hasattr(gradients_util, "_GradientsHelper")
+            and _tf.loop_backward()
             and op.type in op_types.WHILE_OP_TYPES
-            and getattr(op, "_body_graph", None) is loop.body
-            and getattr(op, "_cond_graph", None) is not None
+            and _tf.own_function_graph(op, "body") is loop.body
+            and _tf.own_function_graph(op, "cond") is not None
             and len(loop.body.outputs) == len(op.outputs))
 
 
@@ -258,13 +242,12 @@ def _duplicate(op):
     """D: a While op with `op`'s type, inputs and attributes, in the current name scope
     (it calls the same functions), without control inputs (the caller adds `op`'s after
     the edit: a data input added after a control input makes an invalid node)."""
-    # pylint: disable=protected-access
     attrs = {key: value for key, value in op.node_def.attr.items()}
-    with control_flow_util_v2.clear_control_inputs():
-        dup = op.graph._create_op_internal(op.type, list(op.inputs),
-                                           [t.dtype for t in op.outputs], name="copy",
-                                           attrs=attrs)
-    while_v2._copy_handle_data(op.outputs, dup.outputs)
+    with _tf.clear_control_inputs():
+        dup = _tf.create_op(op.graph, op.type, list(op.inputs),
+                            [t.dtype for t in op.outputs], name="copy",
+                            attrs=attrs)
+    _tf.copy_handle_data(op.outputs, dup.outputs)
     return dup
 
 
@@ -274,8 +257,8 @@ def _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params):
     cond_graph.name += "_rewritten"
     body_graph.name += "_rewritten"
     new_inputs = body_grad_graph.extra_inputs
-    cond_function = control_flow_util_v2.create_new_tf_function(cond_graph)
-    body_function = control_flow_util_v2.create_new_tf_function(body_graph)
+    cond_function = _tf.create_new_tf_function(cond_graph)
+    body_function = _tf.create_new_tf_function(body_graph)
     for target in (op, dup):
         later_gradients.set_while_functions(target, cond_function, body_function, body_graph,
                                             new_inputs, orig_num_params)
@@ -284,10 +267,9 @@ def _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params):
 def _already_read(graph, tensor):
     """The backward body's value of the forward body's `tensor` when the gradient has
     already read it (so reading it adds no accumulator), else None."""
-    # pylint: disable=protected-access
-    captures = graph._indirect_captures
+    captures = _tf.indirect_captures(graph)
     while True:
-        found = captures.get(ops_lib.tensor_id(tensor))
+        found = captures.get(_tf.tensor_id(tensor))
         if found is not None or tensor.op.type != "Identity":
             return found
         tensor = tensor.op.inputs[0]
@@ -300,7 +282,7 @@ def _fresh_graphs(op):
     the op, so that every later gradient through it edits and reads the same graph."""
     shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
     for attr in ("cond", "body"):
-        setattr(op, f"_{attr}_graph", control_flow_util_v2.get_func_graph(
+        _tf.set_own_function_graph(op, attr, _tf.read_function_graph(
             op, shapes, op.get_attr(attr).name))
 
 

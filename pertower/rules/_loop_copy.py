@@ -18,12 +18,9 @@ op's rule. `Slice` and `Placed` put a rule's result for one slice of a weight (a
 """
 
 import tensorflow as tf
-from tensorflow.python.framework import importer
-from tensorflow.python.ops import gen_list_ops
-from tensorflow.python.ops import list_ops
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.ops import while_v2
 
+from pertower import _tf
+from pertower._tf import list_ops
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
@@ -82,7 +79,7 @@ class BuiltCopy:
 
         def cond(*values):
             mapping = _present(cond_def, dict(zip(cond_names, values[:n])))
-            return importer.import_graph_def(
+            return tf.graph_util.import_graph_def(
                 cond_def, input_map=mapping, return_elements=[loop.cond.outputs[0].name],
                 name="cond")[0]
 
@@ -94,11 +91,11 @@ class BuiltCopy:
             popped = []
             for j in range(J):
                 z = loop.targets[j][0].outputs[0]
-                rest_list, mapping[f"{_EPS_PREFIX}{j}:0"] = gen_list_ops.tensor_list_pop_back(
+                rest_list, mapping[f"{_EPS_PREFIX}{j}:0"] = list_ops.tensor_list_pop_back(
                     values[n + 1 + J + j], element_shape=[-1] + z.shape.as_list()[1:],
                     element_dtype=z.dtype)
                 popped.append(rest_list)
-            returned = importer.import_graph_def(
+            returned = tf.graph_util.import_graph_def(
                 body_def, input_map=_present(body_def, mapping),
                 return_elements=([body.outputs[i].name for i in needed]
                                  + [u.activation.name for u in loop.uses]), name="body")
@@ -109,8 +106,7 @@ class BuiltCopy:
 
         loop_vars = ([op.inputs[i] for i in needed] + [tf.constant(0, tf.int32)]
                      + a_lists + eps_lists)
-        results = while_v2.while_loop(cond, step, loop_vars, return_same_structure=False,
-                                      name="copy")
+        results = _tf.while_loop(cond, step, loop_vars, name="copy")
         self.outputs = {needed[i]: results[i] for i in range(n)}
         self.eps = eps
         self.uses = stacked_uses(loop.uses, results[n + 1:], a_shapes, eps)
@@ -295,7 +291,7 @@ def _hoisted_reads(graph_def, invariant):
         if source not in invariant:
             continue
         dtype = tf.dtypes.as_dtype(node.attr["dtype"].type)
-        reads[f"{node.name}:0"] = resource_variable_ops.read_variable_op(invariant[source], dtype)
+        reads[f"{node.name}:0"] = tf.raw_ops.ReadVariableOp(resource=invariant[source], dtype=dtype)
         node.op = "Placeholder"
         del node.input[:]
         for key in list(node.attr):

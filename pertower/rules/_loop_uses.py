@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower.rules import _loop_copy
 from pertower.rules import registry as registry_lib
 
@@ -108,7 +109,7 @@ def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
     the target again stop at earlier loops, which add their part when their turn comes).
     """
     loops = sorted(dict.fromkeys(use.loop for use in loop_uses),
-                   key=lambda loop: -max(t.op._id for t in loop.reached_outputs))  # pylint: disable=protected-access
+                   key=lambda loop: -max(_tf.op_id(t.op) for t in loop.reached_outputs))
     if not loops:
         grads = tf.gradients(ys, targets, grad_ys=grad_ys, unconnected_gradients=unconnected)
         return {id(t): g for t, g in zip(targets, grads)}

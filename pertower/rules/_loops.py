@@ -54,11 +54,11 @@ reference variable's snapshot) is read like a resource's value. TF1 (v1) while l
 """
 
 import tensorflow as tf
-from tensorflow.python.framework import function_def_to_graph
 
 from pertower import _batch_axis
 from pertower import _context
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
 from pertower.rules import _loop_backward
@@ -177,6 +177,8 @@ class LoopCopy(_loop_uses.LoopPlan):
 
     def _analyse(self):
         op = self.op
+        if not _tf.loop_copy():
+            return _tf.fallback_reason("loop_copy")
         self.body, self.cond = _function_graph(op, "body"), _function_graph(op, "cond")
         if self.body is None or self.cond is None:
             return "its body could not be read"
@@ -291,12 +293,12 @@ def _function_graph(op, attr):
     """The graph of the function `attr` ("body" or "cond") of a While op: while_v2's
     own (shapes inferred), or one read back from the graph's library with the op's input
     shapes; None when it cannot be read."""
-    own = getattr(op, f"_{attr}_graph", None)
+    own = _tf.own_function_graph(op, attr)
     if own is not None and len(own.inputs) == len(op.inputs):
         return own
     try:
-        definition = op.graph._get_function(op.get_attr(attr).name).cached_definition  # pylint: disable=protected-access
-        return function_def_to_graph.function_def_to_graph(
+        definition = _tf.get_function(op.graph, op.get_attr(attr).name).cached_definition
+        return _tf.function_graph(
             definition, input_shapes=[t.shape for t in op.inputs])
     except (AttributeError, ValueError, TypeError, KeyError):
         return None

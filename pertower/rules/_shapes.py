@@ -26,6 +26,8 @@ import contextvars
 
 import tensorflow as tf
 
+from pertower import _tf
+
 __all__ = ["ShapeCache", "constant", "group_shape", "group_sum", "rows_are_groups",
            "strided_slice", "group_target",
            "groups_target", "to_groups", "as_per_x", "as_weight_shape", "static_sizes"]
@@ -186,7 +188,7 @@ class ShapeCache:
         """One `Const` of `value` (a number or a nested list of numbers) per (value,
         dtype) in each graph and control-flow context."""
         graph = tf.compat.v1.get_default_graph()
-        context = graph._get_control_flow_context()   # pylint: disable=protected-access
+        context = _tf.graph_control_flow_context(graph)
         dtype = tf.as_dtype(dtype)
         key = (id(graph), id(context), dtype, repr(value))
         found = self._constants.get(key)

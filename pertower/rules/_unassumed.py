@@ -15,6 +15,7 @@ none of them (nor a function they call) has such a gradient, no weight's path is
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _overrides
+from pertower import _tf
 
 __all__ = ["UnassumedGradients"]
 
@@ -60,7 +61,7 @@ class UnassumedGradients:
         key = id(ops)
         if key not in self._flagged:
             self._flagged[key] = (ops, sorted(filter(self._has_reason, ops),
-                                              key=lambda o: o._id))  # pylint: disable=protected-access
+                                              key=_tf.op_order_key()))
         return self._flagged[key][1]
 
     def _has_reason(self, op):
@@ -90,7 +91,7 @@ class UnassumedGradients:
         else:
             path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
         candidates = [op for op in flagged if op in path] + flagged_entries
-        for op in sorted(candidates, key=lambda o: o._id):  # pylint: disable=protected-access
+        for op in sorted(candidates, key=_tf.op_order_key()):
             found = self._op_reason(op)
             if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
                 found = self._override(op, path, starts, found)
@@ -140,7 +141,7 @@ class UnassumedGradients:
         if name in self._functions:
             return self._functions[name]
         self._functions[name] = None   # a recursive reference adds nothing
-        function = self.graph._get_function(name)  # pylint: disable=protected-access
+        function = _tf.get_function(self.graph, name)
         if function is None:
             found = f"its gradient flows through the function {name!r}, which could not be read"
         elif depth >= _MAX_FUNCTION_DEPTH:

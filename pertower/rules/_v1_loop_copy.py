@@ -21,9 +21,9 @@ iteration counter at its exit. One backward pass of the copy,
 """
 
 import tensorflow as tf
-from tensorflow.python.ops import list_ops
-from tensorflow.python.ops import while_v2
 
+from pertower import _tf
+from pertower._tf import list_ops
 from pertower.rules import _loop_copy
 
 __all__ = ["BuiltFrame"]
@@ -100,9 +100,9 @@ class BuiltFrame:
                        for j, u in enumerate(frame.uses)]
             return outs + [s + 1] + written + list(values[n + 1 + J:])
 
-        results = while_v2.while_loop(
+        results = _tf.while_loop(
             cond, body, initial + [tf.constant(0, tf.int32)] + a_lists + eps_lists + in_lists,
-            shape_invariants=invariants, return_same_structure=False, name="copy")
+            shape_invariants=invariants, name="copy")
         self.outputs = []
         for _, j, after in frame.after:
             if after is None:
@@ -161,8 +161,8 @@ def _replay(frame, ops, mapping, arrays, perturbed=None):
         else:
             attrs = {key: value for key, value in op.node_def.attr.items()
                      if key not in _DROPPED_ATTRS}
-            copied = graph._create_op_internal(  # pylint: disable=protected-access
-                op.type, [read(t) for t in op.inputs], dtypes=[t.dtype for t in op.outputs],
+            copied = _tf.create_op(
+                graph, op.type, [read(t) for t in op.inputs], dtypes=[t.dtype for t in op.outputs],
                 name=op.name.rsplit("/", 1)[-1], attrs=attrs, op_def=op.op_def)
             outputs = list(copied.outputs)
             if perturbed is not None and any(op is t for t, _ in frame.targets):

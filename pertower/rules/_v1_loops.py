@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower.rules import _loop_uses
 from pertower.rules import _v1_loop_copy
 
@@ -97,6 +98,8 @@ class Frame(_loop_uses.LoopPlan):
     # -- planning ----------------------------------------------------------------------
 
     def _analyse(self):
+        if not _tf.loop_copy():
+            return _tf.fallback_reason("loop_copy")
         enters = [op for op in self.graph.get_operations()
                   if op.type in op_types.V1_ENTER_OP_TYPES
                   and op.get_attr("frame_name").decode() == self.name]
@@ -110,7 +113,7 @@ class Frame(_loop_uses.LoopPlan):
         # forward counter, whose increment holds the stack pushes) are not needed by ys
         parsed = [_variable(op) for op in sorted(
             (op for op in enters if not op.get_attr("is_constant")),
-            key=lambda o: o._id)]  # pylint: disable=protected-access
+            key=_tf.op_order_key())]
         variables = [v for v in parsed if not isinstance(v, str)]
         if not variables:
             return "its loop variables could not be read"
@@ -172,7 +175,7 @@ class Frame(_loop_uses.LoopPlan):
             seen.add(op)
             stack.extend(t for t in op.inputs
                          if t.ref() not in stops and t.ref() not in self.invariants)
-        return sorted(seen, key=lambda o: o._id)  # pylint: disable=protected-access
+        return sorted(seen, key=_tf.op_order_key())
 
     def _arrays(self):
         """Matches the body's TensorArray reads and writes to `dynamic_rnn`'s layout."""
@@ -304,7 +307,7 @@ def _variable(enter):
 def _context_of(op):
     """The op's TF1 control flow context (None outside loops and conds, and in a graph
     imported without its while contexts)."""
-    return op._control_flow_context  # pylint: disable=protected-access
+    return _tf.control_flow_context(op)
 
 
 def _counts_from_zero(indices):

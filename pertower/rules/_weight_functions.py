@@ -38,10 +38,10 @@ per example), that calls functions or is v1 control flow, or has no registered g
 import dataclasses
 
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops  # pylint: disable=no-name-in-module
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower.rules import _rows
 from pertower.rules import broadcast
 from pertower.rules import registry as registry_lib
@@ -101,7 +101,7 @@ def _unfollowable(op, graph_inputs):
     if op.op_def.is_stateful:
         return "is stateful"
     try:
-        tf_ops.get_gradient_function(op)
+        _tf.gradient_function(op)
     except LookupError:
         return "has no registered gradient"
     stack, seen = list(graph_inputs), set()
@@ -174,7 +174,7 @@ def _region(u, followed, sources):
         elif tensor.op in followed:
             through.add(tensor.op)
             stack.extend(tensor.op.inputs)
-    return tuple(sorted(through, key=lambda o: o._id)), used  # pylint: disable=protected-access
+    return tuple(sorted(through, key=_tf.op_order_key())), used
 
 
 def wrap(use, exit_):
@@ -229,8 +229,8 @@ class WeightFunctionRule(registry_lib.Rule):
                 _rows.group_shape(G, pad + dims))                     # [G, 1.., *x.shape]
         for op in self.exit.through:
             inputs = [batched.get(t.ref(), t) for t in op.inputs]
-            copy = op.graph._create_op_internal(  # pylint: disable=protected-access
-                op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+            copy = _tf.create_op(
+                op.graph, op.type, inputs, dtypes=[t.dtype for t in op.outputs],
                 attrs={key: value for key, value in op.node_def.attr.items()
                        if not key.startswith("_")},
                 op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")

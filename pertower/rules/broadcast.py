@@ -28,6 +28,7 @@ leading 1); Z and the batch-side input example-major on axis 0.
 
 import tensorflow as tf
 
+from pertower import _tf
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 
@@ -74,8 +75,8 @@ class BroadcastRule(registry_lib.Rule):
                                                          w_dims[1:]))
         inputs = list(op.inputs)
         inputs[use.slot] = w_b
-        rebuilt = op.graph._create_op_internal(  # pylint: disable=protected-access
-            op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+        rebuilt = _tf.create_op(
+            op.graph, op.type, inputs, dtypes=[t.dtype for t in op.outputs],
             attrs={key: value for key, value in op.node_def.attr.items()
                    if not key.startswith("_")},
             op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")

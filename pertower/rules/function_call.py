@@ -47,10 +47,10 @@ Transpose; a dilated convolution's SpaceToBatchND; a Reshape that moves the batc
 import dataclasses
 
 import tensorflow as tf
-from tensorflow.python.framework import function_def_to_graph  # pylint: disable=no-name-in-module
 
 from pertower import _batch_axis
 from pertower import _op_types as op_types
+from pertower import _tf
 from pertower.rules import _call_layouts as layouts
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
@@ -112,8 +112,8 @@ class FunctionCallRule(registry_lib.Rule):
         key = (id(call.graph), name)
         if key not in self._bodies:
             try:
-                function = call.graph._get_function(name)  # pylint: disable=protected-access
-                self._bodies[key] = function_def_to_graph.function_def_to_graph(
+                function = _tf.get_function(call.graph, name)
+                self._bodies[key] = _tf.function_graph(
                     function.cached_definition)
             except (AttributeError, ValueError, TypeError, KeyError):
                 self._bodies[key] = None

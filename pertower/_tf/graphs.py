@@ -1,0 +1,280 @@
+"""TensorFlow's private graph, op and function API, by name, for the rest of pertower.
+
+Each function reads or writes one private name (listed with its reason and fallback in
+docs/tensorflow_upgrade.md). Where a public, slower way exists it is the fallback of a
+way of `pertower._tf.probe` (`op_order`, `create_op`, `one_sided_gradients`,
+`reduced_shape`, `pfor`); the other names have no public replacement and are checked by
+`probe.require` on first use, so a changed TensorFlow raises an error naming them.
+"""
+
+import operator
+
+import tensorflow as tf
+# pylint: disable=no-name-in-module,protected-access
+from tensorflow.python.framework import func_graph as _func_graph
+from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
+from tensorflow.python.framework import op_def_registry as _op_def_registry
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import math_ops as _math_ops
+from tensorflow.python.ops import ref_variable as _ref_variable
+from tensorflow.python.ops import script_ops as _script_ops
+from tensorflow.python.ops import variables as _variables
+from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
+
+from pertower._tf import probe
+
+__all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_id", "op_order_key",
+           "control_flow_context", "graph_control_flow_context", "get_function",
+           "function_graph", "function_def", "function_graph_def", "op_def", "create_op",
+           "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
+           "gradient_function", "has_own_gradient_function", "set_gradient_function",
+           "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
+           "partitions", "reduced_shape", "pfor", "set_chief_queue_runner"]
+
+FuncGraph = _func_graph.FuncGraph
+RefVariable = _ref_variable.RefVariable
+PartitionedVariable = _variables.PartitionedVariable
+
+
+# -- ops in creation order ----------------------------------------------------------------
+
+_ID = operator.attrgetter("_id")
+_positions = {}     # id(graph) -> (number of ops, {op name: position})
+
+
+def _op_order_reason():
+    if not isinstance(getattr(_ops.Operation, "_id", None), property):
+        return "Operation._id is not a property"
+    with tf.Graph().as_default():
+        first, second = tf.constant(0), tf.constant(1)
+    return None if _ID(first.op) < _ID(second.op) else "Operation._id is not creation order"
+
+
+def _position(op):
+    graph, entry = op.graph, _positions.get(id(op.graph))
+    operations = graph.get_operations()
+    if entry is None or entry[0] != len(operations):
+        entry = (len(operations), {o.name: i for i, o in enumerate(operations)})
+        _positions[id(graph)] = entry
+    return entry[1][op.name]
+
+
+def op_order_key():
+    """The key that sorts ops of one graph by creation: `Operation._id`, else (way
+    `op_order`) their position in `graph.get_operations()`."""
+    return _ID if probe.private_way("op_order") else _position
+
+
+def op_id(op):
+    """A number that orders the ops of one graph by creation (see `op_order_key`)."""
+    return op_order_key()(op)
+
+
+# -- control-flow contexts and function libraries ------------------------------------------
+
+def _an_op():
+    """An op of a graph of its own (a probe reads its instance attributes)."""
+    with tf.Graph().as_default():
+        return tf.constant(0.0).op
+
+
+def control_flow_context(op):
+    """The TF1 control-flow context (while loop or cond) `op` was built in, or None."""
+    probe.require("Operation._control_flow_context",
+                  lambda: probe.missing(_an_op(), "_control_flow_context"))
+    return op._control_flow_context
+
+
+def graph_control_flow_context(graph):
+    """The TF1 control-flow context ops built now in `graph` land in, or None."""
+    probe.require("Graph._get_control_flow_context",
+                  lambda: probe.missing(_ops.Graph, "_get_control_flow_context"))
+    return graph._get_control_flow_context()
+
+
+def get_function(graph, name):
+    """The function `name` of `graph`'s library (an `AtomicFunction`, with
+    `cached_definition`), or None."""
+    probe.require("Graph._get_function", lambda: probe.signature(
+        _ops.Graph, "_get_function", "name"))
+    return graph._get_function(name)
+
+
+def function_graph(definition, input_shapes=None):
+    """A `FuncGraph` of the FunctionDef `definition` (function_def_to_graph)."""
+    probe.require("function_def_to_graph", lambda: probe.signature(
+        _function_def_to_graph, "function_def_to_graph", "fdef",
+        "structured_input_signature", "structured_outputs", "input_shapes"))
+    return _function_def_to_graph.function_def_to_graph(definition, input_shapes=input_shapes)
+
+
+def function_def(name, graph):
+    """The FunctionDef `name` of `graph`'s library (or of an outer graph's), or None."""
+    probe.require("get_function_def", lambda: probe.signature(
+        _function_def_to_graph, "get_function_def", "fname", "graph"))
+    return _function_def_to_graph.get_function_def(name, graph)
+
+
+def function_graph_def(definition, include_library_functions=False):
+    """(GraphDef of the FunctionDef `definition`'s body, {argument or output name:
+    tensor name in it}) (function_def_to_graph_def)."""
+    probe.require("function_def_to_graph_def", lambda: probe.signature(
+        _function_def_to_graph, "function_def_to_graph_def", "fdef",
+        "input_shapes", "include_library_functions"))
+    return _function_def_to_graph.function_def_to_graph_def(
+        definition, include_library_functions=include_library_functions)
+
+
+def op_def(op_type):
+    """The registered OpDef of `op_type`, or None."""
+    return _op_def_registry.get(op_type)
+
+
+# -- creating and editing ops ----------------------------------------------------------------
+
+def _create_op_reason():
+    return probe.signature(_ops.Graph, "_create_op_internal", "op_type",
+                                "inputs", "dtypes", "input_types", "name", "attrs", "op_def")
+
+
+def create_op(graph, op_type, inputs, dtypes, name=None, attrs=None, op_def=None):  # pylint: disable=redefined-outer-name
+    """A new op of `graph` from a NodeDef's parts (`Graph._create_op_internal`; way
+    `create_op`, fallback the deprecated public `Graph.create_op`, which also infers
+    shapes). Ops are created in the current control-dependency scope."""
+    if probe.private_way("create_op"):
+        return graph._create_op_internal(op_type, inputs, dtypes=dtypes, name=name,
+                                         attrs=attrs, op_def=op_def)
+    return graph.create_op(op_type, inputs, dtypes=dtypes, name=name, attrs=attrs,
+                           op_def=op_def)
+
+
+def set_attr(op, name, value):
+    """Sets the attribute `name` of `op` to the AttrValue `value` (Operation._set_attr)."""
+    probe.require("Operation._set_attr", lambda: probe.signature(
+        _ops.Operation, "_set_attr", "attr_name", "attr_value"))
+    op._set_attr(name, value)
+
+
+def add_control_inputs(op, controls):
+    """Adds the ops `controls` as control inputs of `op` (Operation._add_control_inputs)."""
+    probe.require("Operation._add_control_inputs",
+                  lambda: probe.missing(_ops.Operation, "_add_control_inputs"))
+    op._add_control_inputs(list(controls))
+
+
+def handle_data(tensor):
+    """The resource handle data (dtype and shape of the value) `tensor` carries, or None."""
+    return getattr(tensor, "_handle_data", None)
+
+
+# -- gradient functions ---------------------------------------------------------------------
+
+def registered_gradient(op_type):
+    """The gradient function registered for `op_type` (tf.RegisterGradient's registry).
+
+    Raises:
+      LookupError: none is registered.
+    """
+    probe.require("gradient registry", lambda: probe.signature(
+        getattr(_ops, "_gradient_registry", None), "lookup", "name"))
+    return _ops._gradient_registry.lookup(op_type)
+
+
+def gradient_function(op):
+    """The gradient function `tf.gradients` calls for `op` (LookupError when none)."""
+    probe.require("get_gradient_function", lambda: probe.signature(
+        _ops, "get_gradient_function", "op"))
+    return _ops.get_gradient_function(op)
+
+
+def _one_sided_reason():
+    if not hasattr(_an_op(), "_gradient_function"):
+        return "Operation has no _gradient_function"
+    return probe.signature(_ops, "get_gradient_function", "op")
+
+
+def one_sided_gradients():
+    """Whether an op's gradient function may be replaced while a backward is built
+    (way `one_sided_gradients`; its fallback keeps every op's registered gradient)."""
+    return probe.private_way("one_sided_gradients")
+
+
+def has_own_gradient_function(op):
+    """Whether `op` carries a gradient function of its own (set on the op, not
+    registered), which `tf.gradients` calls in place of the registered one."""
+    return getattr(op, "_gradient_function", None) is not None
+
+
+def set_gradient_function(op, function):
+    """Makes `tf.gradients` call `function` (None: the registered one again) for `op`;
+    only where `one_sided_gradients()`."""
+    op._gradient_function = function
+
+
+# -- Python functions, variables ------------------------------------------------------------
+
+def reregister_python_function(token, graph):
+    """A new token for the Python function registered under `token` (tf.py_function's
+    registry), the function kept alive by `graph` as tf.py_function keeps it; None when
+    `token` names none."""
+    probe.require("script_ops._py_funcs", lambda: probe.first_reason(
+        probe.missing(_script_ops, "_py_funcs"),
+        probe.missing(getattr(_script_ops, "_py_funcs", None), "get", "insert")))
+    func = _script_ops._py_funcs.get(token)
+    if func is None:
+        return None
+    if not hasattr(graph, "_py_funcs_used_in_graph"):
+        graph._py_funcs_used_in_graph = []
+    graph._py_funcs_used_in_graph.append(func)
+    return _script_ops._py_funcs.insert(func)
+
+
+def ref_variable_tensor(variable):
+    """The ref tensor a TF1 reference variable's readers consume."""
+    probe.require("RefVariable._variable", lambda: probe.missing(variable, "_variable"))
+    return variable._variable
+
+
+def partitions(variable):
+    """The number of parts of a PartitionedVariable along each axis."""
+    probe.require("PartitionedVariable._get_partitions",
+                  lambda: probe.missing(PartitionedVariable, "_get_partitions"))
+    return list(variable._get_partitions())
+
+
+def set_chief_queue_runner(sync_optimizer, runner):
+    """Replaces the chief queue runner a SyncReplicasOptimizer's `apply_gradients` made."""
+    probe.require("SyncReplicasOptimizer._chief_queue_runner", lambda: None if hasattr(
+        sync_optimizer, "_chief_queue_runner") else "it has no _chief_queue_runner")
+    sync_optimizer._chief_queue_runner = runner
+
+
+# -- public ops with a private shortcut --------------------------------------------------------
+
+def reduced_shape(shape, axes):
+    """The shape `shape` ([rank] int32) with the `axes` set to 1 (a reduction's result
+    with keepdims). Way `reduced_shape`; fallback: the same from public ops."""
+    if probe.private_way("reduced_shape"):
+        return _math_ops.reduced_shape(shape, axes)
+    shape = tf.cast(shape, tf.int32)
+    rank = tf.size(shape)
+    axes = tf.math.floormod(tf.reshape(tf.cast(axes, tf.int32), [-1]), rank)
+    return tf.tensor_scatter_nd_update(shape, axes[:, None], tf.ones_like(axes))
+
+
+def pfor(loop_fn, iters, fallback_to_while_loop=True):
+    """[iters, ...] stacked `loop_fn(i)` for i in range(iters), vectorized
+    (parallel_for's `pfor`; way `pfor`, fallback `tf.vectorized_map` over tf.range)."""
+    if probe.private_way("pfor"):
+        return _pfor.pfor(loop_fn, iters, fallback_to_while_loop=fallback_to_while_loop)
+    return tf.vectorized_map(loop_fn, tf.range(iters),
+                             fallback_to_while_loop=fallback_to_while_loop, warn=False)
+
+
+probe.register("op_order", _op_order_reason)
+probe.register("create_op", _create_op_reason)
+probe.register("one_sided_gradients", _one_sided_reason)
+probe.register("reduced_shape", lambda: probe.signature(
+    _math_ops, "reduced_shape", "input_shape", "axes"))
+probe.register("pfor", lambda: probe.signature(
+    _pfor, "pfor", "loop_fn", "iters", "fallback_to_while_loop"))
