@@ -44,9 +44,12 @@ setup(
     ],
     packages=find_packages(include=["pertower", "pertower.*"]),
     python_requires=">=3.9",
+    # The TensorFlow releases pertower is tested on: it reaches into TensorFlow's private
+    # API through one seam (pertower/_tf), which docs/tensorflow_upgrade.md describes with
+    # what to check before raising the upper bound.
     install_requires=[
-        "tensorflow>=2.16",
-        "tf-keras>=2.16",
+        "tensorflow>=2.16,<2.22",
+        "tf-keras>=2.16,<2.22",
         "numpy",
     ],
     extras_require={
