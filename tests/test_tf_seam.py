@@ -104,13 +104,20 @@ def test_the_tested_release_takes_every_private_way(monkeypatch):
 
 
 @pytest.mark.parametrize("value, forced", [
-    ("1", set(_tf.WAYS)), ("all", set(_tf.WAYS)), ("loop_backward, pfor", {"loop_backward", "pfor"}),
-    ("0", set()), ("", set())])
+    ("1", set(_tf.WAYS)), ("all", set(_tf.WAYS)),
+    ("loop_backward, pfor", {"loop_backward", "pfor"}), ("0", set()), ("", set())])
 def test_the_environment_variable_forces_the_fallbacks(monkeypatch, value, forced):
     monkeypatch.setenv(_tf.ENV_VAR, value)
     report = {f.way: f for f in _tf.report()}
     assert {name for name in _tf.WAYS if not report[name].private} == forced, report
     assert all(_tf.ENV_VAR in report[name].reason for name in forced)
+
+
+def test_an_unknown_way_in_the_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv(_tf.ENV_VAR, "pfor,loop_bakward")
+    with pytest.warns(UserWarning, match=r"unknown way\(s\) \['loop_bakward'\]"):
+        report = {f.way: f for f in _tf.report()}
+    assert not report["pfor"].private and report["loop_backward"].private
 
 
 def test_forced_fallback_nests_and_refuses_unknown_ways(monkeypatch):

@@ -8,6 +8,7 @@ way of `pertower._tf.probe` (`op_order`, `create_op`, `one_sided_gradients`,
 """
 
 import operator
+import weakref
 
 import tensorflow as tf
 # pylint: disable=no-name-in-module,protected-access
@@ -39,7 +40,7 @@ PartitionedVariable = _variables.PartitionedVariable
 # -- ops in creation order ----------------------------------------------------------------
 
 _ID = operator.attrgetter("_id")
-_positions = {}     # id(graph) -> (number of ops, {op name: position})
+_positions = weakref.WeakKeyDictionary()   # graph -> (graph.version, {op name: position})
 
 
 def _op_order_reason():
@@ -51,11 +52,11 @@ def _op_order_reason():
 
 
 def _position(op):
-    graph, entry = op.graph, _positions.get(id(op.graph))
-    operations = graph.get_operations()
-    if entry is None or entry[0] != len(operations):
-        entry = (len(operations), {o.name: i for i, o in enumerate(operations)})
-        _positions[id(graph)] = entry
+    graph = op.graph
+    entry = _positions.get(graph)
+    if entry is None or entry[0] != graph.version:   # version: grows with each op added
+        entry = (graph.version, {o.name: i for i, o in enumerate(graph.get_operations())})
+        _positions[graph] = entry
     return entry[1][op.name]
 
 
@@ -137,7 +138,8 @@ def _create_op_reason():
                                 "inputs", "dtypes", "input_types", "name", "attrs", "op_def")
 
 
-def create_op(graph, op_type, inputs, dtypes, name=None, attrs=None, op_def=None):  # pylint: disable=redefined-outer-name
+# pylint: disable-next=redefined-outer-name
+def create_op(graph, op_type, inputs, dtypes, name=None, attrs=None, op_def=None):
     """A new op of `graph` from a NodeDef's parts (`Graph._create_op_internal`; way
     `create_op`, fallback the deprecated public `Graph.create_op`, which also infers
     shapes). Ops are created in the current control-dependency scope."""

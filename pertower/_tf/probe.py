@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import logging
 import os
+import warnings
 from typing import NamedTuple
 
 __all__ = ["ENV_VAR", "WAYS", "Finding", "fallback_reason", "forced_fallback", "private_way",
@@ -67,6 +68,7 @@ class Finding(NamedTuple):
 _probed = {}        # way -> Finding of the probe (made once)
 _checks = {}        # way -> its check (`register`)
 _forced = []        # stack of in-process forced sets (`forced_fallback`)
+_warned = set()     # values of the environment variable warned about
 
 
 def _forced_names():
@@ -76,6 +78,11 @@ def _forced_names():
         names.update(WAYS)
     elif value not in ("", "0", "false", "no"):
         names.update(part.strip() for part in value.split(",") if part.strip())
+        unknown = sorted(names - set(WAYS))
+        if unknown and value not in _warned:
+            _warned.add(value)
+            warnings.warn(f"{ENV_VAR}={value!r} names unknown way(s) {unknown}, which are "
+                          f"ignored; use 1 (all) or names of {sorted(WAYS)}.", stacklevel=3)
     for forced in _forced:
         names.update(forced)
     return names
