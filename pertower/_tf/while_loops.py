@@ -84,7 +84,10 @@ def _loop_backward_reason():
         probe.signature(_gradients_util, "_GradientsHelper", "ys", "xs",
                              "grad_ys"),
         probe.missing(_util_v2, "WhileCondFuncGraph", "get_func_graph",
-                      "clear_control_inputs"))
+                      "clear_control_inputs"),
+        probe.signature(_func_graph, "func_graph_from_py_func", "name", "python_func", "args",
+                        "kwargs", "signature", "func_graph"),
+        probe.missing(_ops, "tensor_id"))
 
 
 def loop_backward():
@@ -223,16 +226,28 @@ def set_num_original_outputs(op):
 
 # -- what `tf.gradients` feeds an output the cost does not reach -------------------------------
 
+def _zero_rule_reason():
+    return probe.first_reason(
+        probe.signature(_control_flow_state, "ZerosLike", "op", "index"),
+        probe.signature(_backprop_util, "IsTrainable", "tensor_or_dtype"),
+        probe.signature(_default_gradient, "supports_default_grad", "t"))
+
+
 def zeros_like_output(op, index):
     """control_flow_state `ZerosLike(op, index)`: the zero gradient of an output."""
+    probe.require("tf.gradients' zero rule", _zero_rule_reason)
     return _control_flow_state.ZerosLike(op, index)
 
 
 def is_trainable(tensor):
+    """Whether `tf.gradients` differentiates `tensor` (backprop_util `IsTrainable`)."""
+    probe.require("tf.gradients' zero rule", _zero_rule_reason)
     return _backprop_util.IsTrainable(tensor)
 
 
 def supports_default_grad(tensor):
+    """Whether `tensor` has a default zero gradient (default_gradient)."""
+    probe.require("tf.gradients' zero rule", _zero_rule_reason)
     return _default_gradient.supports_default_grad(tensor)
 
 
