@@ -66,23 +66,27 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
 
 
 def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradients, name,
-                     method, validate, memory_limit, sparse, devices, rules, batch_axis=None):
-    """`per_example_gradients` (num_groups None) and `microbatch_gradients`: [G, *x.shape]
+                     method, validate, memory_limit, sparse, devices, rules, batch_axis=None,
+                     K=None):
+    """`per_example_gradients` (num_groups None), `microbatch_gradients` and, given the
+    K outputs per example, `per_example_jacobians`: [G, *x.shape] (or [B, *out, *x.shape])
     per x, G = B or M."""
     _checks.require_graph_mode()
     _checks.unconnected_gradients_value(unconnected_gradients)
     devices, partitions, plan = _dispatch.plan_call(
         ys, xs, devices, _request.Examples(batch, batch_size, num_groups, batch_axis),
         _dispatch.options(method, rules, sparse=sparse, validate=validate,
-                          memory_limit=memory_limit))
-    xs = partitions.flat
+                          memory_limit=memory_limit, outputs_per_example=K or 1))
     with _graph_of(ys), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
-        results = built.gradients(unconnected_gradients=unconnected_gradients,
-                                  name="gradients", sparse=sparse)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.request.reads)
-        # [G, *partition.shape] each -> [G, *x.shape] per PartitionedVariable
-        return partitions.join(built.validated(results))
+        results = (_jacobian_rows(built, ys, unconnected_gradients) if K is not None else
+                   built.gradients(unconnected_gradients=unconnected_gradients,
+                                   name="gradients", sparse=sparse))
+        _checks.warn_unconnected(ys, partitions.flat, unconnected_gradients,
+                                 reads=plan.request.reads)
+        # [G, *out, *partition.shape] each -> [G, *out, *x.shape] per PartitionedVariable
+        return partitions.join(built.validated(results),
+                               lead=1 if K is None else max(ys.shape.rank, 1))
 
 
 @_context.public("microbatch_gradients")
@@ -150,18 +154,9 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
             "a fixed size, or reshape `ys` to a static shape.")
     K = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
         ys, tf.Tensor) and ys.shape.rank else 1
-    _checks.unconnected_gradients_value(unconnected_gradients)
-    devices, partitions, plan = _dispatch.plan_call(
-        ys, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
-        _dispatch.options(method, rules, validate=validate, memory_limit=memory_limit,
-                          outputs_per_example=K))
-    xs = partitions.flat
-    with _graph_of(ys), tf.name_scope(name or _context.name()):
-        built = _dispatch.build(plan, devices)
-        results = _jacobian_rows(built, ys, unconnected_gradients)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.request.reads)
-        # [B, *out, *partition.shape] each -> [B, *out, *x.shape] per PartitionedVariable
-        return partitions.join(built.validated(results), lead=max(ys.shape.rank, 1))
+    return _group_gradients(ys, xs, batch, batch_size, None, unconnected_gradients, name,
+                            method, validate, memory_limit, False, devices, rules,
+                            batch_axis, K=K)
 
 
 def _jacobian_rows(built, ys, unconnected_gradients):

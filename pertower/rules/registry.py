@@ -50,6 +50,13 @@ class Use:
     rows: object
     through: tuple = ()
 
+    @property
+    def label(self):
+        """How `pertower.explain` names the read: the op, and the ops it goes through."""
+        return f"{self.op.name} ({self.op.type})" + "".join(
+            f"{' through ' if j == 0 else ', '}{o.name} ({o.type})"
+            for j, o in enumerate(self.through))
+
 
 @dataclasses.dataclass(frozen=True)
 class FormedNorms:
