@@ -5,7 +5,7 @@ Notation:
     x   one weight (entry of `xs`)     f   the [G] clipping factors of DP-SGD
 
 `Built` runs what a `pertower._plan.Plan` decided: the rules' batched backward pass
-(`pertower.rules._engine`) for the weights a rule computes, and ONE fallback builder
+(`pertower._engine`) for the weights a rule computes, and ONE fallback builder
 (`pertower._towers.fallback`: the towers, or, past a TF1 while loop, row passes) for
 the weights the plan leaves to it; the results are put back in the order of `xs`.
 """
@@ -15,7 +15,7 @@ import tensorflow as tf
 from pertower._guards import independence
 from pertower._towers import build as towers_lib
 from pertower._towers import row_passes
-from pertower.rules import _engine
+from pertower import _engine
 
 __all__ = ["Built"]
 

@@ -4,10 +4,12 @@ Notation:
     B   examples in the batch          G   groups: B (per example) or M (microbatches)
     K   output entries per example     x   one weight (entry of `xs`)
 
-    request  `pertower._request.make_request`, called by the public function: the
-             arguments checked once into a `Request` record (the batch tensors with
-             their axes and static sizes, the batch-axis analysis, the towers' replay
-             region, the first TF1 while loop, the method and its options).
+    request  `pertower._request.make_request`, called by the public function with
+             its `Examples` and its `Options` (`options` here: the method, the
+             rules' registry, what to build): the arguments checked once into a
+             `Request` record (the batch tensors with their axes and static sizes,
+             the batch-axis analysis, the towers' replay region, the first TF1 while
+             loop, the options).
     plan     `make_plan(request)`: per weight, the rule that computes it or the reason it falls
              back to the towers; the analysis' verdict (proven independent, coupled,
              or not proven and where the proof was lost); the memory estimate of
@@ -32,34 +34,68 @@ weight must have a proven rule, else the call is refused listing each weight and
 import dataclasses
 import warnings
 
+from pertower import _checks
 from pertower import _combiner
 from pertower import _context
+from pertower import _engine
 from pertower import _plan
 from pertower import _refusals
 from pertower import _request
+from pertower import rules as rules_lib
 from pertower._guards import memory
-from pertower.rules import _engine
 
-__all__ = ["METHODS", "make_plan", "build", "warn_if_unproven"]
+__all__ = ["METHODS", "options", "plan_call", "make_plan", "build", "warn_if_unproven"]
 
 METHODS = _request.METHODS
+
+
+def options(method="auto", rules=None, **others):
+    """The `pertower._request.Options` of a public call: `method`, the registry of
+    `rules` (checked; None: `pertower.rules.default_registry()`), and the `Options`
+    fields `others` (sparse, validate, memory_limit, ...) as given."""
+    _request.check_method(method)
+    if rules is not None and method == "towers":
+        raise _context.error(
+            ValueError, "`rules` is used by method='rules' or 'auto', but method='towers' "
+            "was given; drop `rules` or choose another method.")
+    if rules is not None and not isinstance(rules, rules_lib.RuleRegistry):
+        raise _context.error(TypeError, "`rules` must be a pertower.rules.RuleRegistry (see "
+                             "pertower.rules.default_registry()), but received "
+                             f"{type(rules).__name__}.")
+    registry = rules if rules is not None else rules_lib.default_registry()
+    return _request.Options(method=method, registry=registry, **others)
+
+
+def plan_call(ys, xs, devices, examples, given, **keywords):
+    """(devices checked, the `_checks.Partitions` of xs, the plan of its parts) of a
+    public call with its `_request.Examples` and `Options` (`given`); `keywords` are
+    those of `_request.make_request`."""
+    devices = _checks.device_list(devices)
+    partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
+    return devices, partitions, make_plan(_request.make_request(
+        ys, partitions.flat, examples, given, **keywords))
 
 
 def make_plan(request, *arguments, **keywords):
     """Decides how every weight of `request` will be computed. Adds no op.
 
     Args:
-      request: a `pertower._request.Request` (made by the public function). The
-        arguments of `pertower._request.make_request` are taken too, as a shorthand
-        that makes the request first.
+      request: a `pertower._request.Request` (made by the public function). Or, as a
+        shorthand that makes the request first: `ys`, then `xs`, the fields of
+        `pertower._request.Examples` (batch, batch_size, num_groups, batch_axis, ...)
+        and the keywords of `options`.
 
     Returns:
       A `Plan`; unless the request's options say refuse=False (`pertower.explain`),
       what cannot be built is refused here (`pertower._refusals`).
     """
     if not isinstance(request, _request.Request):
-        request = _request.make_request(request, *arguments, **keywords)
-    options = request.options
+        xs, *positional = arguments
+        fields = {f: keywords.pop(f) for f in ("batch", "batch_size", "num_groups",
+                                               "batch_axis") if f in keywords}
+        request = _request.make_request(request, xs, _request.Examples(*positional, **fields),
+                                        options(**keywords))
+    given = request.options
     with request.graph.as_default():
         uses, reasons = _engine.build_plan(request, request.registry)
     analysis = request.analysis
@@ -72,12 +108,12 @@ def make_plan(request, *arguments, **keywords):
     loop_op = request.loop_op
     if loop_op is not None:
         _refusals.refuse_python_gradients_in_row_passes(request, uses, reasons,
-                                                        options.refuse)
-    if options.sparse:
+                                                        given.refuse)
+    if given.sparse:
         gathered = [k for k, reads in enumerate(request.reads)
                     if uses[k] and reads.gather_ops and not reads.read_tensors
                     and not reads.call_inputs and not reads.loop_inputs]
-        if gathered and loop_op is not None and not options.refuse:
+        if gathered and loop_op is not None and not given.refuse:
             gathered = []   # (explain shows the plan sparse=False would build)
         if gathered and loop_op is not None:
             names = ", ".join(_plan.weight_name(request.xs[k]) for k in gathered)
@@ -91,18 +127,18 @@ def make_plan(request, *arguments, **keywords):
         for k in gathered:
             uses[k] = None
             reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
-    validate = options.validate
+    validate = given.validate
     checked_by_default = validate is None and verdict == "unproven"
     if validate is None:
         validate = checked_by_default
     plan = _plan.Plan(
         function_name=_context.name(), method=request.method, request=request,
         uses=tuple(uses), reasons=tuple(reasons), couplings=couplings, verdict=verdict,
-        lost_at=lost_at, outputs_per_example=options.outputs_per_example,
-        forms_gradients=options.forms_gradients, estimate=None, validate=bool(validate),
-        memory_limit=options.memory_limit, checked_by_default=checked_by_default)
+        lost_at=lost_at, outputs_per_example=given.outputs_per_example,
+        forms_gradients=given.forms_gradients, estimate=None, validate=bool(validate),
+        memory_limit=given.memory_limit, checked_by_default=checked_by_default)
     plan = dataclasses.replace(plan, estimate=memory.estimate_plan(plan))
-    if options.refuse:
+    if given.refuse:
         _refusals.refuse_what_cannot_be_built(plan)
     return plan
 

@@ -17,7 +17,7 @@ them back). Two readers:
 - the towers (`pertower._towers.python_gradients`) copy it per tower with the tower's
   own tensors, so that a closure over the original graph's tensors (tf_keras' swish)
   computes with the tower's examples;
-- the rules (`pertower.rules._engine`) read it with the batch-axis analysis, the batch
+- the rules (`pertower._engine`) read it with the batch-axis analysis, the batch
   and dy as the examples' rows: when row i of each input's gradient depends on example
   i and row i of dy alone ("independent", e.g. swish's elementwise backward), the one
   batched backward pass keeps the examples apart through op as through TensorFlow's

@@ -141,10 +141,7 @@ class Plan:
             elif not uses:
                 rows.append(WeightPlan(name, shape, "unreached"))
             else:
-                ops = tuple(dict.fromkeys(getattr(u, "label", None) or (
-                    f"{u.op.name} ({u.op.type})" + "".join(
-                        f"{' through ' if j == 0 else ', '}{o.name} ({o.type})"
-                        for j, o in enumerate(getattr(u, "through", ())))) for u in uses))
+                ops = tuple(dict.fromkeys(u.label for u in uses))
                 rows.append(WeightPlan(name, shape, "rules", ops=ops))
         return tuple(rows)
 

@@ -9,7 +9,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _plan
 from pertower._guards import memory
-from pertower.rules import _engine
+from pertower import _engine
 
 __all__ = ["refuse_what_cannot_be_built"]
 

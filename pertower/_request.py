@@ -4,10 +4,12 @@ Notation:
     B   examples in the batch          M   microbatches (groups of B/M examples)
     x   one weight (entry of `xs`)     S   the ops between the batch and `ys`
 
-`make_request` runs the argument checks of every public function (towers, rules, auto,
-DP), so that bad input is refused the same way whichever method computes the
-gradients: the method and its options, `ys`, `xs`, the batch tensors and B, the number
-of groups, that `ys` depends on the batch, that no op couples examples
+`make_request` takes a public call's `ys`, `xs` and two records: `Examples` (where the
+examples are: the batch tensors, B, the batch axis, the number of groups) and `Options`
+(how to compute: the method, the rules' registry, sparse, validate, memory_limit, ...,
+checked when the record is made). It runs the argument checks of every public function
+(towers, rules, auto, DP), so that bad input is refused the same way whichever method
+computes the gradients: `ys`, `xs`, the batch tensors and B, the number of groups, that `ys` depends on the batch, that no op couples examples
 (`pertower._batch_axis`), and where each weight is read. Everything a later stage
 reads is found here once and kept on the record: each batch tensor's axis and static
 size, the batch-axis analysis (for the rules), the ops the towers replay, and the
@@ -26,9 +28,8 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower import rules as rules_lib
 
-__all__ = ["METHODS", "Options", "Request", "make_request", "check_method"]
+__all__ = ["METHODS", "Examples", "Options", "Request", "make_request", "check_method"]
 
 METHODS = ("auto", "towers", "rules")
 
@@ -36,18 +37,10 @@ METHODS = ("auto", "towers", "rules")
 _VALIDATE_VALUES = (None, True, False)
 
 
-def check_method(method, rules=None):
-    """Validates `method` (and that `rules` goes with a method that uses it)."""
+def check_method(method):
+    """Validates `method`."""
     if not isinstance(method, str) or method not in METHODS:
         raise _context.error(ValueError, f"`method` must be one of {METHODS}, got {method!r}.")
-    if rules is not None and method == "towers":
-        raise _context.error(
-            ValueError, "`rules` is used by method='rules' or 'auto', but method='towers' "
-            "was given; drop `rules` or choose another method.")
-    if rules is not None and not isinstance(rules, rules_lib.RuleRegistry):
-        raise _context.error(TypeError, "`rules` must be a pertower.rules.RuleRegistry (see "
-                             "pertower.rules.default_registry()), but received "
-                             f"{type(rules).__name__}.")
     return method
 
 
@@ -61,10 +54,37 @@ def _check_validate(validate):
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """How the caller wants the result built (as given to the public function).
+class Examples:
+    """Where the examples are, as the public function was given them.
 
     Attributes:
+      batch, batch_size: as given to the public function (`batch` None: found).
+      num_groups: M (microbatches or towers), or None for one group per example.
+      batch_axis: as given to the public function.
+      groups_argument: the public name of the argument that gave `num_groups`.
+      size_required: whether a None batch axis needs `batch_size` (the towers'
+        contract); when False and neither is known, B is left to run time.
+    """
+
+    batch: object = None
+    batch_size: object = None
+    num_groups: object = None
+    batch_axis: object = None
+    groups_argument: str = "num_microbatches"
+    size_required: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How the caller wants the result built (as given to the public function), checked
+    when made.
+
+    Attributes:
+      method: "auto", "rules" or "towers".
+      registry: the `pertower.rules.RuleRegistry` the rules come from (the public
+        functions' `rules`, resolved by `pertower._dispatch.options`), or None for the
+        towers alone (`build_towers`): the analysis then runs without the rules' row
+        layouts.
       sparse: keep the per-example rows of gathered weights sparse (towers).
       validate: None (check at run time where the proof was lost), True or False.
       memory_limit: bytes, None for the default, inf for no limit.
@@ -76,6 +96,8 @@ class Options:
         `max_batch_size`): the towers take any fed batch of at most N examples, padded.
     """
 
+    method: str = "auto"
+    registry: object = None
     sparse: bool = False
     validate: object = None
     memory_limit: object = None
@@ -83,6 +105,11 @@ class Options:
     forms_gradients: bool = True
     refuse: bool = True
     batch_capacity: object = None
+
+    def __post_init__(self):
+        check_method(self.method)
+        _check_validate(self.validate)
+        _checks.check_memory_limit(self.memory_limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +145,8 @@ class Request:
         asked for).
       loop_op: the first TF1 (v1) while loop op (Enter, Exit, NextIteration, LoopCond)
         between the batch or a weight read and `ys`, or None.
-      method: "auto", "rules" or "towers".
-      registry: the `pertower.rules.RuleRegistry` the rules come from.
-      options: the `Options` of the call.
+      options: the `Options` of the call (its `method` and `registry` read through
+        the request too).
     """
 
     ys: tf.Tensor
@@ -140,9 +166,17 @@ class Request:
     batch_downstream: frozenset
     weight_regions: object
     loop_op: object
-    method: str = "auto"
-    registry: object = None
     options: Options = Options()
+
+    @property
+    def method(self):
+        """"auto", "rules" or "towers"."""
+        return self.options.method
+
+    @property
+    def registry(self):
+        """The `pertower.rules.RuleRegistry` the rules come from (None: towers alone)."""
+        return self.options.registry
 
     def restricted(self, indices):
         """The same request for xs[k], k in `indices`, only (the weights one method
@@ -166,39 +200,21 @@ class Request:
         return any(size is not None for size in self.static_sizes)
 
 
-def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
-                 groups_argument="num_microbatches", batch_size_required=False,
-                 method="auto", rules=None, sparse=False, validate=None, memory_limit=None,
-                 outputs_per_example=1, forms_gradients=True, refuse=True, batch_axis=None,
-                 ys_argument="ys", scalar_advice=None, use_rules=True,
-                 weights_required=True):
+def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument="ys",
+                 scalar_advice=None, weights_required=True):
     """Checks the arguments of a public function; returns a `Request`.
 
     Args:
-      ys, xs, batch, batch_size, batch_axis: as given to the public function.
-      num_groups: M (microbatches or towers), or None.
-      groups_argument: the name of the argument that gave `num_groups`.
-      batch_size_required: whether a None batch axis needs `batch_size` (the towers'
-        contract); when False and neither is known, B is left to run time.
-      method, rules, sparse, validate, memory_limit: as given to the public function
-        (`rules` None: `pertower.rules.default_registry()`).
-      outputs_per_example, forms_gradients, refuse: see `Options`.
+      ys, xs: as given to the public function.
+      examples: an `Examples` (the batch tensors, B, the batch axis, the groups).
+      options: an `Options` (the method, the registry, what to build).
       ys_argument: the public name of `ys` ("loss" for DPOptimizer), for messages.
       scalar_advice: what to say when `ys` is a scalar (default: pass the unreduced
         per-example values).
-      use_rules: False for the towers alone (`build_towers`): the analysis runs
-        without the rules' row layouts and `registry` is None.
       weights_required: False for a forward-only replay of `ys`, which copies no weight.
     """
-    check_method(method, rules)
-    _check_validate(validate)
-    _checks.check_memory_limit(memory_limit)
-    registry = None
-    if use_rules:
-        registry = rules if rules is not None else rules_lib.default_registry()
-    options = Options(sparse=sparse, validate=validate, memory_limit=memory_limit,
-                      outputs_per_example=outputs_per_example,
-                      forms_gradients=forms_gradients, refuse=refuse)
+    batch, batch_size, num_groups = examples.batch, examples.batch_size, examples.num_groups
+    groups_argument = examples.groups_argument
     _checks.require_graph_mode()
     ys = _checks.require_graph_tensor(ys, ys_argument)
     graph = ys.graph
@@ -222,7 +238,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
         ys_upstream = graph_walk.upstream_region([ys])
         found = batch is None
         batch = _batch_tensors(ys, batch, ys_upstream, graph)
-        axes = _batch_sizes.batch_axes(batch_axis, batch)
+        axes = _batch_sizes.batch_axes(examples.batch_axis, batch)
         # each batch tensor's static size, read once here for every later stage
         static_sizes = tuple(graph_walk.static_batch_size(b, a) for b, a in zip(batch, axes))
         ys_rows = graph_walk.static_batch_size(ys)
@@ -236,7 +252,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
                 "computed from the batch.")
         analysis = _batch_axis.analyze(ys, batch, ys_upstream,
                                        _batch_sizes.size_hint(static_sizes, batch_size), M,
-                                       registry, batch_axes=axes)
+                                       options.registry, batch_axes=axes)
         segments, joined = None, analysis.segments
         if joined is None and analysis.verdict == "unproven":
             # the proof was lost before a join the graph still shows (checked at run time)
@@ -247,10 +263,10 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
                 ys, batch, axes, static_sizes, ys_rows, joined, batch_size, M,
                 groups_argument)
         else:
-            if refuse and analysis.couplings and isinstance(batch_size, (list, tuple)):
+            if options.refuse and analysis.couplings and isinstance(batch_size, (list, tuple)):
                 raise ValueError(analysis.couplings[0].message())   # (the real reason)
             batch_size = _batch_sizes.one_batch_size(batch_size, batch, analysis.lost_at)
-            if (batch_size_required or any(s is not None for s in static_sizes)
+            if (examples.size_required or any(s is not None for s in static_sizes)
                     or batch_size is not None):
                 B = _batch_sizes.batch_size_of(ys, batch, axes, static_sizes, ys_rows,
                                                batch_size)
@@ -263,7 +279,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
                     f"multiple of {M}.")
         # refuse ops that couple examples (with one group holding the whole batch,
         # coupling changes nothing); pertower.explain records them instead
-        if refuse and analysis.couplings and (B if M is None else M) != 1:
+        if options.refuse and analysis.couplings and (B if M is None else M) != 1:
             message = analysis.couplings[0].message()
             if found:
                 message += _side_input_hint(analysis.couplings[0].op, batch)
@@ -278,8 +294,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
                    batch_axes=tuple(axes), static_sizes=static_sizes, ys_rows=ys_rows,
                    batch_size=B, num_groups=M, groups_argument=groups_argument, reads=reads,
                    analysis=analysis, segments=segments, batch_downstream=batch_downstream,
-                   weight_regions=weight_regions, loop_op=loop_op, method=method,
-                   registry=registry, options=options)
+                   weight_regions=weight_regions, loop_op=loop_op, options=options)
 
 
 class WeightRegions(collections.abc.Sequence):

@@ -23,7 +23,7 @@ from pertower import _graph_walk
 from pertower import _request
 from pertower import oracle
 from pertower.rules import _shapes
-from pertower.rules import _unassumed
+from pertower._engine import unassumed as _unassumed
 from tests import common
 
 B = 3
@@ -79,7 +79,7 @@ class _Built:
             n = len(graph.get_operations())
             tf.gradients(tf.reduce_sum(self.ys), self.xs)
             self.tf_gradient_ops = len(graph.get_operations()) - n
-            self.request = _request.make_request(self.ys, self.xs, None, None, None)
+            self.request = _request.make_request(self.ys, self.xs, options=_dispatch.options())
             plan = _dispatch.make_plan(self.request)
             self.plan = plan
             self.use_ops = collections.defaultdict(list)   # (op type, slot) -> [op types]
@@ -240,7 +240,7 @@ def test_planning_reads_consumers_once(built, monkeypatch):
 
     monkeypatch.setattr(_unassumed.graph_walk, "downstream_ops", counted)
     with b.graph.as_default():
-        request = _request.make_request(b.ys, b.xs, None, None, None)
+        request = _request.make_request(b.ys, b.xs, options=_dispatch.options())
         _dispatch.make_plan(request)
     assert not walks   # no op with an unassumed gradient: no weight's path is walked
     # nor is any weight's region (the towers' replay) walked when no towers are built

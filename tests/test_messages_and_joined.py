@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import pertower
-from pertower.rules import _engine
+from pertower import _engine
 from pertower import oracle
 from tests import common
 
@@ -211,7 +211,7 @@ def test_the_fed_size_message_advises_leaving_out_batch_size_only_when_it_works(
     plan = pertower.explain(ys, [w, v], batch_size=4)
     assert re.search(r"build the gradients again for the new batch size \(batch_size=B\): "
                      r"batch_size cannot be left out, since no rule computes v:0, whose "
-                     r"gradients come from towers", _engine._size_advice(plan.request, plan))
+                     r"gradients come from towers", _engine.checks.size_advice(plan.request, plan))
     assert "leave out" not in message, message
     # the advice holds: without batch_size the rules alone serve any fed size; the
     # towers refuse it
@@ -236,7 +236,7 @@ def test_the_fed_size_message_names_the_static_batch_tensor_that_fixes_b():
         # the advice of the rules' size check for this plan (the forward pass itself may
         # fail first on the mismatched rows, so the message is read from the plan)
         assert re.search(r"batch_size cannot be left out, since the batch tensor x:0 has a "
-                         r"static batch size of 4", _engine._size_advice(plan.request, plan))
+                         r"static batch size of 4", _engine.checks.size_advice(plan.request, plan))
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(w.initializer)
             with pytest.raises(tf.errors.InvalidArgumentError):

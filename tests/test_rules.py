@@ -21,7 +21,7 @@ from pertower import oracle
 from pertower import rules as rules_lib
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
-from pertower.rules import _engine as rule_engine
+from pertower import _engine as rule_engine
 from tests import cases
 from tests import common
 

@@ -184,8 +184,7 @@ class _CrossOfRows(rules_lib.Rule):
     (it reads no weight, so `match` is never asked)."""
 
     def output_layouts(self, op, inputs):
-        from pertower import _batch_axis  # pylint: disable=import-outside-toplevel
-        if not isinstance(inputs[0], _batch_axis.Rows) or inputs[1] != inputs[0]:
+        if not isinstance(inputs[0], rules_lib.Rows) or inputs[1] != inputs[0]:
             return None
         return [inputs[0]]
 
@@ -207,6 +206,113 @@ def test_a_user_rule_can_declare_the_row_layout_of_its_op():
         want = oracle.loop_per_example_gradients(case.sess, case.ys, case.xs, case.feed)
     common.assert_all_close(case.sess.run(got, case.feed), want, 1e-5, 1e-5, "user layout")
     case.sess.close()
+
+
+class _DenseOnRows(rules_lib.Rule):
+    """An extension rule for MatMul written against `pertower.rules`' public names only:
+    grad_i(W) = sum_t a_it ⊗ dz_it (k rows t per example), its squared norm for k = 1
+    ||a_i||^2 ||dz_i||^2, its clipped sum the batch gradient of the scaled dZ."""
+
+    def __init__(self):
+        self.asked = []
+
+    def match(self, op, slot, analysis):
+        if slot != 1 or op.get_attr("transpose_a") or op.get_attr("transpose_b"):
+            return "the extension covers x W only"
+        use = self.example_use(op, slot, analysis)
+        if not isinstance(use, str):
+            assert isinstance(use, rules_lib.Use) and isinstance(use.rows, rules_lib.Rows)
+        return use
+
+    def per_group(self, use, dZ, G):
+        self.asked.append("per_group")
+        d, n = use.weight_shape.as_list()
+        A = tf.reshape(use.activation, [G, -1, d])                        # [G, T, d]
+        return tf.einsum("gtd,gtn->gdn", A, tf.reshape(dZ, [G, -1, n]))   # [G, d, n]
+
+    def squared_norms(self, use, dZ, B):
+        self.asked.append("squared_norms")
+        if use.rows.k != 1:
+            return None
+        return (tf.reduce_sum(tf.square(use.activation), axis=1)
+                * tf.reduce_sum(tf.square(dZ), axis=1))                   # [B]
+
+    clipped_sum = rules_lib.batch_gradient_clipped_sum
+
+
+def test_an_extension_rule_on_the_public_names_matches_the_oracle(mlp):
+    """`_DenseOnRows` replaces the built-in MatMul rule: its per-example gradients, its
+    norms (its own cheap form, asked) and its clipped sums equal the one-example loop."""
+    from pertower import _engine  # pylint: disable=import-outside-toplevel
+    registry = rules_lib.default_registry()
+    rule = _DenseOnRows()
+    registry.register("MatMul", rule)
+    factors_value = np.linspace(0.2, 1.3, 4).astype(np.float32)
+    with mlp.graph.as_default():
+        grads = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4, rules=registry,
+                                               method="rules")
+        norms = pertower.per_example_norms(mlp.ys, mlp.xs, batch_size=4, rules=registry,
+                                           method="rules")
+        plan = _dispatch.make_plan(mlp.ys, mlp.xs, None, 4, rules=registry, validate=False)
+        d_outputs, _, _ = _engine.norm_parts(plan, plan.covered, 4)
+        sums = _engine.clipped_sums(plan, plan.covered, d_outputs, {},
+                                    tf.constant(factors_value))
+        want = oracle.loop_per_example_gradients(mlp.sess, mlp.ys, mlp.xs, mlp.feed)
+    assert {"per_group", "squared_norms"} <= set(rule.asked)
+    assert any(use.rule is rule for uses in plan.uses for use in uses or ())
+    got, got_norms, got_sums = mlp.sess.run(
+        [grads, norms, [sums[k] for k in plan.covered]], mlp.feed)
+    common.assert_all_close(got, want, mlp.rtol, mlp.atol, "extension rule")
+    want_norms = np.sqrt(sum(np.sum(g.reshape(4, -1) ** 2, axis=1) for g in want))
+    common.assert_all_close([got_norms], [want_norms], mlp.rtol, mlp.atol, "extension norms")
+    common.assert_all_close(got_sums, [np.tensordot(factors_value, want[k], axes=1)
+                                       for k in plan.covered], mlp.rtol, mlp.atol,
+                            "extension clipped sums")
+
+
+class _DuckDense:
+    """A rule that does not derive from `Rule`: match and per_group only."""
+
+    def __init__(self):
+        self.inner = _DenseOnRows()
+
+    def match(self, op, slot, analysis):
+        return self.inner.match(op, slot, analysis)
+
+    def per_group(self, use, dZ, G):
+        return self.inner.per_group(use, dZ, G)
+
+
+def test_the_registry_adapts_a_duck_typed_rule_and_refuses_a_bad_one(mlp):
+    """An object with `match` and `per_group` is wrapped in a `Rule` (the defaults for
+    the other quantities: no cheap norm, the clipped sum formed); one without them, or
+    with them not callable, is refused naming what is missing."""
+    registry = rules_lib.default_registry()
+    duck = _DuckDense()
+    registry.register("MatMul", duck)
+    adapted = registry.lookup("MatMul")
+    assert isinstance(adapted, rules_lib.Rule) and adapted.per_group == duck.per_group
+    assert adapted.squared_norms(None, None, 4) is None
+    assert adapted.output_layouts(None, []) is None
+    with mlp.graph.as_default():
+        norms = pertower.per_example_norms(mlp.ys, mlp.xs, batch_size=4, rules=registry,
+                                           method="rules")
+        want = oracle.loop_per_example_gradients(mlp.sess, mlp.ys, mlp.xs, mlp.feed)
+    want_norms = np.sqrt(sum(np.sum(g.reshape(4, -1) ** 2, axis=1) for g in want))
+    common.assert_all_close([mlp.sess.run(norms, mlp.feed)], [want_norms], mlp.rtol,
+                            mlp.atol, "duck-typed rule's norms, formed")
+    assert duck.inner.asked and "squared_norms" not in duck.inner.asked
+
+    class _NoPerGroup:
+        match = _DuckDense.match
+        per_group = "not a method"
+
+    with pytest.raises(TypeError, match=r"`rule` must define `match` and `per_group`.*"
+                                        r"which has no `per_group`"):
+        registry.register("MatMul", _NoPerGroup())
+    with pytest.raises(TypeError, match=r"which has no `match` or `per_group`"):
+        registry.register("MatMul", object())
+    assert registry.lookup("MatMul") is adapted   # a refused rule replaces nothing
 
 
 def test_dropout_in_training_mode_uses_the_same_draws_as_ys():

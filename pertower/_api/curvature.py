@@ -19,6 +19,7 @@ fallback (towers, or row passes past a TF1 loop), one pass per column.
 import tensorflow as tf
 
 from pertower import _checks
+from pertower import _docs
 from pertower import _context
 from pertower import _dispatch
 from pertower import _request
@@ -45,6 +46,7 @@ def _finish(built, plan, results, routes, columns=None):
 
 
 @_context.public("sum_grad_squared")
+@_docs.documented
 def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="auto",
                      validate=None, memory_limit=None, devices=None, rules=None,
                      batch_axis=None):
@@ -61,8 +63,9 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
     (`pertower.gradient_variance`).
 
     Args:
-      ys, xs, batch, batch_size, name, method, validate, memory_limit, devices, rules,
-        batch_axis: as in `pertower.per_example_norms`.
+      ys, xs: as in `pertower.per_example_norms`.
+      {options: batch, batch_size, name, method, validate, devices, rules, batch_axis}
+      memory_limit: as in `pertower.diag_ggn`.
 
     Returns:
       A list (a `CurvatureResult`: `.routes` and `.plan` say how each weight was
@@ -74,12 +77,12 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
       sgs = pertower.sum_grad_squared(per_example_loss, model.trainable_weights)
     """
     _checks.require_graph_mode()
-    devices = _checks.device_list(devices)
-    xs = _checks.Partitions(_checks.as_list(xs)).flat
     memory_guard.resolve_limit(memory_limit)
-    plan = _dispatch.make_plan(_request.make_request(
-        ys, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
-        memory_limit=float("inf"), forms_gradients=False, batch_axis=batch_axis))
+    devices, partitions, plan = _dispatch.plan_call(
+        ys, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
+        _dispatch.options(method, rules, validate=validate, memory_limit=float("inf"),
+                          forms_gradients=False))
+    xs = partitions.flat
     plan = memory_lib.guard(plan, 1, False, memory_limit)     # what each route holds
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
@@ -96,6 +99,7 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
 
 
 @_context.public("diag_ggn")
+@_docs.documented
 def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
              per_example=False, batch=None, batch_size=None, seed=None, name=None,
              method="auto", validate=None, memory_limit=None, devices=None, rules=None,
@@ -134,11 +138,11 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
         M > 0 sampled columns.
       per_example: False for the sum over examples, [*x.shape]; True for each
         example's own diagonal J_i^T H_i J_i, [B, *x.shape].
-      batch, batch_size, batch_axis, method, validate, memory_limit, devices, rules: as
-        in `pertower.per_example_gradients` (`memory_limit` counts what each
+      {options: batch, batch_size, batch_axis, method, validate, devices, rules}
+      memory_limit: as in `pertower.per_example_gradients`, counting what each
         weight's route holds: a dense layer's cheap form no per-example gradient, a
         convolution or a rule per column M of them, the fallback M and its towers' copies;
-        and the M columns of the rules' output gradients).
+        and the M columns of the rules' output gradients.
       seed: an int makes the Monte-Carlo labels reproducible (stateless sampling).
       name: name scope (default "diag_ggn").
 
@@ -167,13 +171,12 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
                                          "it to [B, K] first.")
     K = int(logits.shape[1])
     M = loss_hessian.exact_columns(loss, K) if mc_samples is None else mc_samples
-    devices = _checks.device_list(devices)
-    xs = _checks.Partitions(_checks.as_list(xs)).flat
     memory_guard.resolve_limit(memory_limit)
-    plan = _dispatch.make_plan(_request.make_request(
-        logits, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
-        memory_limit=float("inf"), outputs_per_example=M, batch_axis=batch_axis,
-        ys_argument="logits"))
+    devices, partitions, plan = _dispatch.plan_call(
+        logits, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
+        _dispatch.options(method, rules, validate=validate, memory_limit=float("inf"),
+                          outputs_per_example=M), ys_argument="logits")
+    xs = partitions.flat
     plan = memory_lib.guard(plan, M, per_example, memory_limit)   # what each route holds
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)

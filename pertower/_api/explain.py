@@ -5,6 +5,7 @@ Notation:
 """
 
 from pertower import _checks
+from pertower import _docs
 from pertower import _dispatch
 from pertower import _request
 from pertower import _context
@@ -13,13 +14,14 @@ __all__ = ["explain", "estimate_memory"]
 
 
 @_context.public("explain")
+@_docs.documented
 def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="auto",
             rules=None, sparse=False, validate=None, batch_axis=None):
     """How pertower would compute the per-example gradients of `ys`, without building.
 
     Args:
-      ys, xs, batch, batch_size, method, rules, sparse, validate, batch_axis: as in
-        `pertower.per_example_gradients`.
+      ys, xs: as in `pertower.per_example_gradients`.
+      {options: batch, batch_size, method, rules, sparse, validate, batch_axis}
       num_microbatches: M, as in `pertower.microbatch_gradients` (None: per example).
 
     Returns:
@@ -35,14 +37,14 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
       print(pertower.explain(cost, net.trainable_weights))
     """
     _checks.require_graph_mode()
-    xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
-    return _dispatch.make_plan(_request.make_request(
-        ys, xs, batch, batch_size, num_microbatches, method=method, rules=rules,
-        sparse=sparse, validate=validate, memory_limit=float("inf"), refuse=False,
-        batch_axis=batch_axis))
+    return _dispatch.plan_call(
+        ys, xs, None, _request.Examples(batch, batch_size, num_microbatches, batch_axis),
+        _dispatch.options(method, rules, sparse=sparse, validate=validate,
+                          memory_limit=float("inf"), refuse=False))[2]
 
 
 @_context.public("estimate_memory")
+@_docs.documented
 def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
                     outputs_per_example=1, method="auto", rules=None, batch_axis=None):
     """Estimates the bytes per-example gradients of `ys` with respect to `xs` will hold.
@@ -53,8 +55,8 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
     activations once for the whole batch.
 
     Args:
-      ys, xs, batch, batch_size, method, rules, batch_axis: as in
-        `pertower.per_example_gradients`.
+      ys, xs: as in `pertower.per_example_gradients`.
+      {options: batch, batch_size, method, rules, batch_axis}
       num_microbatches: M for microbatch gradients (None: one row per example).
       outputs_per_example: K, the output entries per example for Jacobians.
 
@@ -68,9 +70,7 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
     """
     _checks.require_graph_mode()
     K = _checks.positive_int(outputs_per_example, "outputs_per_example")
-    xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
-    plan = _dispatch.make_plan(_request.make_request(
-        ys, xs, batch, batch_size, num_microbatches, method=method, rules=rules,
-        validate=False, memory_limit=float("inf"), outputs_per_example=K, refuse=False,
-        batch_axis=batch_axis))
-    return plan.estimate
+    return _dispatch.plan_call(
+        ys, xs, None, _request.Examples(batch, batch_size, num_microbatches, batch_axis),
+        _dispatch.options(method, rules, validate=False, memory_limit=float("inf"),
+                          outputs_per_example=K, refuse=False))[2].estimate

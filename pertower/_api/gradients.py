@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from pertower import _checks
+from pertower import _docs
 from pertower import _dispatch
 from pertower import _request
 from pertower import _context
@@ -36,6 +37,7 @@ def _graph_of(ys):
 
 
 @_context.public("per_example_gradients")
+@_docs.documented
 def per_example_gradients(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                           method="auto", validate=None, memory_limit=None, sparse=False,
@@ -45,50 +47,8 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
     Args:
       ys: per-example values, [B, ...]; each example's entries are summed.
       xs: a variable or tensor, or a list of them (e.g. `model.trainable_weights`).
-      batch: the tensor(s) carrying the batch on axis 0 that `ys` depends on; when
-        None they are found by walking back from `ys` to its placeholders and
-        `tf.data` iterator outputs.
-      batch_size: B. With a None batch axis it may be left out when no weight falls
-        back to towers: the gradients then work for any fed batch size
-        ([None, *x.shape]). When some weights fall back (see `pertower.explain`), the
-        towers are built for exactly B examples and feeding another size fails in
-        `sess.run`; without it the call is refused, listing those weights.
-        When `ys` joins several batches along axis 0 (`tf.concat([f(s1), f(s2)], 0)`:
-        its rows are the examples of s1, then those of s2, B = B1 + B2) it may be a
-        list with one size per batch tensor, parallel to `batch` (an int gives every
-        batch tensor that size); those weights are computed by towers.
-      unconnected_gradients: "zero" (zeros for a weight `ys` does not reach) or
-        "none" (None for it), as in `tf.gradients`. Left out, it is "zero" and a
-        UserWarning names the weights `ys` does not reach (for example optimizer
-        slots from `tf.compat.v1.global_variables()`); pass "zero" to keep the zeros
-        without the warning.
-      name: name scope for the new ops.
-      method: "auto" (default: per-op rules where they are proven sound, towers for
-        the other weights), "rules" (strict: refused, listing every weight no rule
-        covers and why) or "towers" (replay the model once per example on weight
-        copies).
-      validate: None (default): where the static analysis cannot prove that row i of
-        `ys` depends on example i alone, a run-time check is added (with a warning
-        naming the op where the proof was lost): fetching the result first checks
-        that `ys` recomputed slice by slice equals `ys` and fails naming the largest
-        difference otherwise. True: always add the check. False: never.
-      memory_limit: refuse when the estimated bytes (see `pertower.estimate_memory`)
-        exceed this; None means half of the machine's physical memory,
-        float("inf") switches the guard off.
-      sparse: False (default) for dense results only; True to get, for each weight
-        read only by gathers (an embedding), a `pertower.PerExampleIndexedSlices`
-        holding just the looked-up rows (see `pertower.sparse`); other weights stay
-        dense. Such weights are computed by towers.
-      devices: None, or device strings: tower t (one per example) runs on
-        devices[t % len(devices)] (see `build_towers`); rules run as one batched
-        computation where TensorFlow places it.
-      rules: a `pertower.rules.RuleRegistry` (default
-        `pertower.rules.default_registry()`), to add rules for your own ops.
-      batch_axis: None (default: the batch is axis 0 of every batch tensor), an int
-        (the batch axis of every batch tensor, e.g. 1 for time-major [T, B, d] inputs
-        of `tf.compat.v1.nn.static_rnn` or `time_major=True`), or a list with one axis
-        per batch tensor, parallel to `batch`. `ys` always keeps the batch on axis 0:
-        transpose a time-major `ys` first.
+      {options: batch, batch_size, unconnected_gradients, name, method, validate,
+                memory_limit, sparse, devices, rules, batch_axis}
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *x.shape], x's dtype: entry i is
@@ -106,27 +66,31 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
 
 
 def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradients, name,
-                     method, validate, memory_limit, sparse, devices, rules, batch_axis=None):
-    """`per_example_gradients` (num_groups None) and `microbatch_gradients`: [G, *x.shape]
+                     method, validate, memory_limit, sparse, devices, rules, batch_axis=None,
+                     K=None):
+    """`per_example_gradients` (num_groups None), `microbatch_gradients` and, given the
+    K outputs per example, `per_example_jacobians`: [G, *x.shape] (or [B, *out, *x.shape])
     per x, G = B or M."""
     _checks.require_graph_mode()
-    devices = _checks.device_list(devices)
     _checks.unconnected_gradients_value(unconnected_gradients)
-    partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
-    xs = partitions.flat
-    plan = _dispatch.make_plan(_request.make_request(
-        ys, xs, batch, batch_size, num_groups, method=method, rules=rules, sparse=sparse,
-        validate=validate, memory_limit=memory_limit, batch_axis=batch_axis))
+    devices, partitions, plan = _dispatch.plan_call(
+        ys, xs, devices, _request.Examples(batch, batch_size, num_groups, batch_axis),
+        _dispatch.options(method, rules, sparse=sparse, validate=validate,
+                          memory_limit=memory_limit, outputs_per_example=K or 1))
     with _graph_of(ys), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
-        results = built.gradients(unconnected_gradients=unconnected_gradients,
-                                  name="gradients", sparse=sparse)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.request.reads)
-        # [G, *partition.shape] each -> [G, *x.shape] per PartitionedVariable
-        return partitions.join(built.validated(results))
+        results = (_jacobian_rows(built, ys, unconnected_gradients) if K is not None else
+                   built.gradients(unconnected_gradients=unconnected_gradients,
+                                   name="gradients", sparse=sparse))
+        _checks.warn_unconnected(ys, partitions.flat, unconnected_gradients,
+                                 reads=plan.request.reads)
+        # [G, *out, *partition.shape] each -> [G, *out, *x.shape] per PartitionedVariable
+        return partitions.join(built.validated(results),
+                               lead=1 if K is None else max(ys.shape.rank, 1))
 
 
 @_context.public("microbatch_gradients")
+@_docs.documented
 def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=None,
                          unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                          method="auto", validate=None, memory_limit=None, sparse=False,
@@ -134,14 +98,15 @@ def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=N
     """The gradient of the sum of `ys` over each of M contiguous, equal microbatches.
 
     Args:
-      ys, xs, batch, batch_size, unconnected_gradients, name, method, validate,
-        memory_limit, sparse, devices, rules, batch_axis: as in `per_example_gradients` (with
-        sparse=True, `example_ids` are microbatch ids; tower m is microbatch m).
+      ys, xs: as in `per_example_gradients`.
+      {options: batch, batch_size, unconnected_gradients, name, method, validate,
+                memory_limit, sparse, devices, rules, batch_axis}
       num_microbatches: M, which must divide B; microbatch m holds examples
         m*B/M ... (m+1)*B/M - 1. None means one microbatch per example (M = B), as in
         TensorFlow Privacy. When `ys` joins several batches along axis 0, no
         microbatch may straddle two of them: with two batches of equal size, M = 2
         gives each batch's gradient; other sizes are refused naming the valid M.
+        With sparse=True, `example_ids` are microbatch ids (tower m is microbatch m).
 
     Returns:
       A list with one tensor per entry of `xs`, [M, *x.shape].
@@ -158,6 +123,7 @@ def microbatch_gradients(ys, xs, batch=None, batch_size=None, num_microbatches=N
 
 
 @_context.public("per_example_jacobians")
+@_docs.documented
 def per_example_jacobians(ys, xs, batch=None, batch_size=None,
                           unconnected_gradients=_checks.UNCONNECTED_DEFAULT, name=None,
                           method="auto", validate=None, memory_limit=None, devices=None,
@@ -166,8 +132,9 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
 
     Args:
       ys: per-example outputs, [B, *out]; `out` must be static (K = prod(out)).
-      xs, batch, batch_size, unconnected_gradients, name, method, validate,
-        memory_limit, devices, rules, batch_axis: as in `per_example_gradients`.
+      xs: as in `per_example_gradients`.
+      {options: batch, batch_size, unconnected_gradients, name, method, validate,
+                memory_limit, devices, rules, batch_axis}
 
     Returns:
       A list with one tensor per entry of `xs`, [B, *out, *x.shape]: entry
@@ -187,19 +154,9 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
             "a fixed size, or reshape `ys` to a static shape.")
     K = int(np.prod(ys.shape[1:].as_list(), dtype=np.int64)) if isinstance(
         ys, tf.Tensor) and ys.shape.rank else 1
-    devices = _checks.device_list(devices)
-    _checks.unconnected_gradients_value(unconnected_gradients)
-    partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
-    xs = partitions.flat
-    plan = _dispatch.make_plan(_request.make_request(
-        ys, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
-        memory_limit=memory_limit, outputs_per_example=K, batch_axis=batch_axis))
-    with _graph_of(ys), tf.name_scope(name or _context.name()):
-        built = _dispatch.build(plan, devices)
-        results = _jacobian_rows(built, ys, unconnected_gradients)
-        _checks.warn_unconnected(ys, xs, unconnected_gradients, reads=plan.request.reads)
-        # [B, *out, *partition.shape] each -> [B, *out, *x.shape] per PartitionedVariable
-        return partitions.join(built.validated(results), lead=max(ys.shape.rank, 1))
+    return _group_gradients(ys, xs, batch, batch_size, None, unconnected_gradients, name,
+                            method, validate, memory_limit, False, devices, rules,
+                            batch_axis, K=K)
 
 
 def _jacobian_rows(built, ys, unconnected_gradients):

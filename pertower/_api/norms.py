@@ -20,6 +20,7 @@ guard counts the gradients the towers form.
 import tensorflow as tf
 
 from pertower import _checks
+from pertower import _docs
 from pertower import _dispatch
 from pertower import _request
 from pertower import _context
@@ -28,15 +29,16 @@ __all__ = ["per_example_norms"]
 
 
 @_context.public("per_example_norms")
+@_docs.documented
 def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="auto",
                       validate=None, memory_limit=None, devices=None, rules=None,
                       batch_axis=None, per_weight=False):
     """The L2 norm of each example's gradient over all of `xs`, [B] (or [B, len(xs)]).
 
     Args:
-      ys, xs, batch, batch_size, name, method, validate, devices, rules, batch_axis: as in
-        `pertower.per_example_gradients`; a weight `ys` does not reach adds 0, and a
-        UserWarning names such weights.
+      ys, xs: as in `pertower.per_example_gradients`; a weight `ys` does not reach adds
+        0, and a UserWarning names such weights.
+      {options: batch, batch_size, name, method, validate, devices, rules, batch_axis}
       memory_limit: as in `pertower.per_example_gradients`, for the per-example
         gradients the norms need to hold: those of the weights left to towers.
       per_weight: False (default) for one norm per example over all of `xs`; True for
@@ -60,11 +62,11 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
     if not isinstance(per_weight, bool):
         raise _context.error(TypeError, "`per_weight` must be True or False, but received "
                              f"{type(per_weight).__name__} ({per_weight!r:.80}).")
-    devices = _checks.device_list(devices)
-    xs = _checks.Partitions(_checks.as_list(xs)).flat   # a PartitionedVariable's parts
-    plan = _dispatch.make_plan(_request.make_request(
-        ys, xs, batch, batch_size, None, method=method, rules=rules, validate=validate,
-        memory_limit=memory_limit, forms_gradients=False, batch_axis=batch_axis))
+    devices, partitions, plan = _dispatch.plan_call(
+        ys, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
+        _dispatch.options(method, rules, validate=validate, memory_limit=memory_limit,
+                          forms_gradients=False))
+    xs = partitions.flat   # a PartitionedVariable's parts
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         # [B], or [B, K] per weight

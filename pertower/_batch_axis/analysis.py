@@ -135,7 +135,7 @@ class _Scan:
 
     def _user_layouts(self, op, ins):
         rule = self.registry.lookup(op.type) if self.registry is not None else None
-        if rule is None or not hasattr(rule, "output_layouts"):
+        if rule is None:
             return None
         outs = rule.output_layouts(op, [transfer_blocks.known(v) for v in ins])
         return None if outs is None else [UNKNOWN if v is None else v for v in outs]

@@ -48,10 +48,9 @@ from pertower import _request
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower.rules import _conv_geometry
-from pertower.rules import _engine
+from pertower import _engine
 from pertower.rules import _loop_uses
 from pertower.rules import conv2d
-from pertower.rules import matmul
 
 __all__ = ["KroneckerFactors", "kfac_factors"]
 
@@ -89,9 +88,9 @@ def _layer_or_reason(use):
     if isinstance(use, _loop_uses.LoopUse):
         return (f"it is read inside a loop ({use.label}): a weight shared by the steps "
                 f"has no single Kronecker form per layer here: {_INSTEAD}")
-    if isinstance(use.rule, matmul.MatMulRule) and op.type == "MatMul":
-        A = use.activation                                        # [R, d_in]
-        return _Layer(A, use.output)
+    rows = use.rule.kfac_rows(use)                                # [R, d_in]
+    if rows is not None:
+        return _Layer(rows, use.output)
     if isinstance(use.rule, conv2d.Conv2DRule) and op.type == "Conv2D":
         if _conv_geometry.groups(op) != 1:
             return (f"{op.name!r} is a grouped convolution ({_conv_geometry.groups(op)} "
@@ -204,8 +203,9 @@ def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batc
     logits = _checks.require_graph_tensor(logits, "logits")
     xs = _checks.as_list(xs)
     request = _request.make_request(
-        logits, xs, batch, batch_size, None, method="auto", validate=False,
-        memory_limit=float("inf"), refuse=False, ys_argument="logits")
+        logits, xs, _request.Examples(batch, batch_size),
+        _dispatch.options(validate=False, memory_limit=float("inf"), refuse=False),
+        ys_argument="logits")
     plan = _dispatch.make_plan(request)
     found = _reasons_and_layers(plan)
     _warn_uncovered(xs, found)

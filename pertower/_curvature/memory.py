@@ -17,7 +17,7 @@ or more than that, so the curvature functions estimate per route:
                          stacking, as the general guard counts them;
   plus, for the rules, the C columns of every use's output gradient, B x C x |Z| per
   example, and the replayed forward activations (as the general guard).
-A rule with a `sum_squared` but no `sum_squared_size` is counted as per column.
+A rule whose `sum_squared_size` is None (the default) is counted as per column.
 """
 
 import dataclasses
@@ -75,8 +75,7 @@ def route_size(uses, x, C, per_example):
     if not uses or size is None:
         return 0 if not uses else None
     if len(uses) == 1:
-        held = getattr(uses[0].rule, "sum_squared_size", None)
-        cheap = held(uses[0], C, per_example) if callable(held) else None
+        cheap = uses[0].rule.sum_squared_size(uses[0], C, per_example)
         if cheap is not None:
             return cheap
     return C * size

@@ -21,8 +21,8 @@ per-example gradients formed for each column (grad_ys = the column), squared.
 
 import tensorflow as tf
 
+from pertower import _engine
 from pertower import _tf
-from pertower.rules import _engine
 from pertower.rules import _loop_uses
 from pertower.rules import _rows
 
@@ -96,7 +96,7 @@ def covered_squares(plan, indices, columns_of, B, per_example):
         if not uses:
             results[k], routes[k] = tf.zeros(_per_x(x, B, per_example), dtype), UNREACHED
             continue
-        if len(uses) == 1 and callable(getattr(uses[0].rule, "sum_squared", None)):
+        if len(uses) == 1:
             use = uses[0]
             cheap = use.rule.sum_squared(use, columns_of[id(use.output)], B,
                                          per_example=per_example)

@@ -51,6 +51,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
+from pertower import _dispatch
 from pertower import _request
 from pertower._dp import accumulation as accumulation_lib
 from pertower._dp import clipping as clipping_lib
@@ -294,8 +295,9 @@ class DPOptimizer:
             with warnings.catch_warnings():   # warned about unreached ones above
                 warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
                 request = _request.make_request(
-                    per_example_loss, var_list, batch, batch_size, M, method=self._method,
-                    batch_axis=batch_axis, ys_argument="loss",
+                    per_example_loss, var_list, _request.Examples(batch, batch_size, M,
+                                                                  batch_axis),
+                    _dispatch.options(self._method), ys_argument="loss",
                     scalar_advice=_ONE_LOSS_PER_EXAMPLE)
             if capacity is not None:   # the towers pad the fed batch (`_towers.slicing`)
                 request = dataclasses.replace(request, options=dataclasses.replace(

@@ -186,9 +186,9 @@ def build(ys, xs, batch, num_towers, batch_size, scope, towers_argument, devices
     through (`pertower._context`); `towers_argument` is the public name of the number
     of towers, kept on the request for its messages."""
     request = _request.make_request(
-        ys, xs, batch, batch_size, num_towers, groups_argument=towers_argument,
-        batch_size_required=True, method="towers", use_rules=False,
-        batch_axis=batch_axis)
+        ys, xs, _request.Examples(batch, batch_size, num_towers, batch_axis,
+                                  towers_argument, size_required=True),
+        _request.Options(method="towers"))
     return towers_of(request, scope, devices)
 
 
@@ -197,9 +197,9 @@ def replay_forward(ys, batch=None, num_towers=None, batch_size=None, scope="towe
     """Towers without weight copies: `ys` recomputed slice by slice (`.stacked`,
     [B, ...]), forward only (no gradient is built through them)."""
     request = _request.make_request(
-        ys, [], batch, batch_size, num_towers, groups_argument=towers_argument,
-        batch_size_required=True, method="towers", use_rules=False,
-        batch_axis=batch_axis, weights_required=False)
+        ys, [], _request.Examples(batch, batch_size, num_towers, batch_axis,
+                                  towers_argument, size_required=True),
+        _request.Options(method="towers"), weights_required=False)
     return towers_of(request, scope)
 
 

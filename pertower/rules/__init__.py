@@ -27,6 +27,12 @@ Built-in rules (each file states its identity and reference):
                          re-laid-out (`_call_layouts.py`; tf_keras' jit-compiled grouped
                          Conv1D/2D/3D)
 
+Writing a rule (the names an extension needs are all here): derive from `Rule`, define
+`match` (return `Rule.example_use(op, slot, analysis)`, a `Use` whose `rows` are the
+activation's `Rows`, or a string saying why not) and `per_group`; define the other
+quantities of `Rule` (squared norms, clipped sum, sum of squares, K-FAC rows, row
+layouts) where the op has a cheaper form (`batch_gradient_clipped_sum` is one).
+
 A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||,
 a non-fused batch norm's scale and shift) gets the rule of the op after them, pulled back
 through them (`_weight_functions.py`, used by the engine for every rule).
@@ -47,11 +53,17 @@ from pertower.rules import matmul
 from pertower.rules import partitioned_gather
 from pertower.rules import sparse_matmul
 from pertower.rules import sparse_segment
+from pertower.rules.registry import FormedNorms
 from pertower.rules.registry import Rule
 from pertower.rules.registry import RuleRegistry
 from pertower.rules.registry import Use
+from pertower.rules.registry import batch_gradient_clipped_sum
+from pertower._batch_axis import INDEPENDENT
+from pertower._batch_axis import Rows
+from pertower._batch_axis import SIZE
 
-__all__ = ["Rule", "RuleRegistry", "Use", "default_registry"]
+__all__ = ["Rule", "RuleRegistry", "Use", "default_registry", "FormedNorms", "Rows",
+           "INDEPENDENT", "SIZE", "batch_gradient_clipped_sum"]
 
 _BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
              conv3d, depthwise_conv2d, gather, partitioned_gather, sparse_segment,

@@ -5,7 +5,7 @@ Notation:
     W   its weight input (a function of the weights alone)
 
 The engine takes dZ for every covered use with ONE `tf.gradients` of sum(grad_ys * ys)
-with respect to the uses' outputs Z (`rules._engine._output_gradients`). A
+with respect to the uses' outputs Z (`pertower._engine.passes`). A
 weight-consuming op between two of them (layer k's convolution reads what layer k-1's
 made) is differentiated by its registered gradient, which builds the gradient of EVERY
 input: for W a whole op (Conv2DBackpropFilter, DepthwiseConv2dNativeBackpropFilter, a

@@ -185,12 +185,12 @@ def wrap(use, exit_):
                             use.rows, through=exit_.through)
 
 
-class WeightFunctionRule(registry_lib.Rule):
+class WeightFunctionRule(registry_lib.ForwardingRule):
     """The rule of one exit, pulled back to x through the weight-only ops before it.
     Made per use by `wrap` (it holds the inner use); never registered."""
 
     def __init__(self, inner, exit_):
-        self.inner, self.exit = inner, exit_
+        self.inner_use, self.exit = inner, exit_
         self.u = exit_.op.inputs[exit_.slot]
         self.steps = _direct_steps(self.u, exit_)
         self.elementwise = None if self.steps is not None else _elementwise_rank(exit_)
@@ -200,10 +200,18 @@ class WeightFunctionRule(registry_lib.Rule):
 
     def inner_per_group(self, dZ, G):
         """The wrapped rule's [G, *u.shape], before the pull-back to x."""
-        return self.inner.rule.per_group(self.inner, dZ, G)              # [G, *u.shape]
+        return self.inner_use.rule.per_group(self.inner_use, dZ, G)      # [G, *u.shape]
 
-    def per_group(self, use, dZ, G):
-        return self.pull_back(self.inner_per_group(dZ, G))               # [G, *x.shape]
+    def inner(self, use, dZ):
+        return self.inner_use, dZ
+
+    def outward(self, result, use, leading):
+        if leading:                                  # [G, *u.shape] -> [G, *x.shape]
+            return self.pull_back(result)
+        part = tf.reshape(result, self.inner_use.weight_shape.as_list())    # [*u.shape]
+        if self.steps is not None:
+            return self.pull_back(part[None])[0]
+        return self._vjp(part)                                              # [*x.shape]
 
     def pull_back(self, P):
         """[G, *u.shape] -> [G, *x.shape]: the VJP of each row."""
@@ -253,19 +261,20 @@ class WeightFunctionRule(registry_lib.Rule):
         return tf.add_n(parts) if len(parts) > 1 else parts[0]
 
     def squared_norms(self, use, dZ, B):
+        # a re-layout keeps the norms; another function of x does not
         if not all(op.type in _REORDER_FREE | {"Transpose"} for op in self.exit.through):
             return None
-        own = getattr(self.inner.rule, "squared_norms", None)
-        return own(self.inner, dZ, B) if callable(own) else None
+        return super().squared_norms(use, dZ, B)
 
-    def clipped_sum(self, use, dZ, factors):
-        own = getattr(self.inner.rule, "clipped_sum", None)
-        part = (own(self.inner, dZ, factors) if callable(own) else
-                registry_lib.default_clipped_sum(self.inner.rule, self.inner, dZ, factors))
-        part = tf.reshape(part, self.inner.weight_shape.as_list())          # [*u.shape]
-        if self.steps is not None:
-            return self.pull_back(part[None])[0]
-        return self._vjp(part)                                              # [*x.shape]
+    # squares do not pull back through a linear map: formed from `per_group` instead
+    def formed_norms(self, use, dZ, G):
+        return None
+
+    def sum_squared(self, use, dZ_columns, B, per_example=False):
+        return None
+
+    def sum_squared_size(self, use, C, per_example=False):
+        return None
 
 
 def _elementwise_rank(exit_):

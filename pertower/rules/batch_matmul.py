@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from pertower import _op_types as op_types
 from pertower.rules import _rows
+from pertower.rules import matmul
 from pertower.rules import registry as registry_lib
 
 
@@ -21,18 +22,14 @@ class BatchMatMulRule(registry_lib.Rule):
     """Z = A W with W shared by every row: per-example sums of outer products."""
 
     def match(self, op, slot, analysis):
-        if slot != 1:
-            return "the weight is the left operand of BatchMatMul"
-        if op.get_attr("adj_x"):
-            return "BatchMatMul takes the adjoint of its batch-side input"
+        reason = matmul.right_operand_reason(op, slot, "adj_x")
+        if reason:
+            return reason
         w_shape = op.inputs[1].shape
         if w_shape.rank is None or w_shape.rank < 2 or not w_shape.is_fully_defined() or any(
                 d != 1 for d in w_shape.as_list()[:-2]):
             return f"the weight of BatchMatMul has shape {w_shape}; only matrices are covered"
-        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
-        if isinstance(rows, str):
-            return rows
-        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0], w_shape, rows)
+        return self.example_use(op, slot, analysis)
 
     def _rows_per_example(self, use):
         """Rows of the product per example: k times the middle axes of A."""
@@ -51,13 +48,10 @@ class BatchMatMulRule(registry_lib.Rule):
             return None
         return _rows.dense_squared_norms(use.activation, dZ, B, rows)
 
-    def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 def register(registry):
     """Adds the rule to `registry` for every BatchMatMul version."""
-    rule = BatchMatMulRule()
-    for op_type in sorted(op_types.BATCH_MATMUL_OP_TYPES):
-        registry.register(op_type, rule)
+    registry_lib.register_each(registry, op_types.BATCH_MATMUL_OP_TYPES, BatchMatMulRule())

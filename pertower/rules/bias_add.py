@@ -49,9 +49,8 @@ class BiasAddRule(registry_lib.Rule):
         # numbers per example `sum_squared` holds: C per-column sums (and the result)
         return use.weight_shape.num_elements() * (C + per_example)
 
-    def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 def register(registry):

@@ -86,13 +86,10 @@ class BroadcastRule(registry_lib.Rule):
         # [G, *w_dims[1:]] -> [G, *w.shape]
         return tf.reshape(grouped, _rows.group_shape(G, w_shape))
 
-    def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 def register(registry):
     """Adds the broadcast rule to `registry` for every op type of `OP_TYPES`."""
-    rule = BroadcastRule()
-    for op_type in OP_TYPES:
-        registry.register(op_type, rule)
+    registry_lib.register_each(registry, OP_TYPES, BroadcastRule())

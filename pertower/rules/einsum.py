@@ -46,9 +46,8 @@ class EinsumRule(registry_lib.Rule):
         # the batch index b now runs over the k rows of a group and is summed
         return tf.einsum(f"{g}{a},{g}{z}->{g}{w}", A_g, dZ_g)
 
-    def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 def _reshape_rows(tensor, G):

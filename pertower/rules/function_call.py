@@ -95,7 +95,7 @@ class CallUse(registry_lib.Use):
     relaid: object = None
 
 
-class FunctionCallRule(registry_lib.Rule):
+class FunctionCallRule(registry_lib.ForwardingRule):
     """Delegates to the rule of the one body op that reads the weight (see the module
     docstring); holds the graphs of the functions it has read."""
 
@@ -172,59 +172,23 @@ class FunctionCallRule(registry_lib.Rule):
         return CallUse(op, slot, self, activation, op.outputs[returned[0]],
                        op.inputs[slot].shape, use.rows, inner=use, relaid=relaid)
 
-    def per_group(self, use, dZ, G):
+    # every quantity: the body rule's, on the call's tensors re-laid-out (`Relaid`)
+    def inner(self, use, dZ):
         if use.relaid is None:
-            return use.inner.rule.per_group(use.inner, dZ, G)
-        inner, dZ = use.relaid.inner(use, dZ)
-        return use.relaid.to_weight(inner.rule.per_group(inner, dZ, G), [G])
+            return use.inner, dZ
+        return use.relaid.inner(use, dZ)
 
-    # the optional methods of `Rule`: the body rule's, or the defaults where it has none
-    def squared_norms(self, use, dZ, B):
-        inner, dZ = _inner(use, dZ)
-        own = getattr(inner.rule, "squared_norms", None)
-        return own(inner, dZ, B) if callable(own) else None
+    def inner_columns(self, use, dZ_columns):
+        if use.relaid is None:
+            return use.inner, dZ_columns
+        return use.relaid.inner(use, None)[0], use.relaid.inner_columns(dZ_columns)
 
-    def formed_norms(self, use, dZ, G):
-        inner, dZ = _inner(use, dZ)
-        own = getattr(inner.rule, "formed_norms", None)
-        formed = own(inner, dZ, G) if callable(own) else None
-        if formed is None or use.relaid is None:
-            return formed
-        to_weight = formed.to_weight
-        return dataclasses.replace(
-            formed, to_weight=lambda total: use.relaid.to_weight(to_weight(total), []))
-
-    def sum_squared(self, use, dZ_columns, B, per_example=False):
-        inner = use.inner
-        if use.relaid is not None:
-            inner, _ = use.relaid.inner(use, None)
-            dZ_columns = use.relaid.inner_columns(dZ_columns)
-        own = getattr(inner.rule, "sum_squared", None)
-        out = own(inner, dZ_columns, B, per_example) if callable(own) else None
-        if out is None or use.relaid is None:
-            return out
-        return use.relaid.to_weight(out, [B] if per_example else [])
+    def outward(self, result, use, leading):
+        return result if use.relaid is None else use.relaid.to_weight(result, leading)
 
     def sum_squared_size(self, use, C, per_example=False):
-        """Numbers per example the body rule's `sum_squared` holds, or None."""
-        own = getattr(use.inner.rule, "sum_squared_size", None)
-        return own(use.inner, C, per_example) if callable(own) else None
-
-    def clipped_sum(self, use, dZ, factors):
-        inner, dZ = _inner(use, dZ)
-        own = getattr(inner.rule, "clipped_sum", None)
-        if callable(own):
-            out = own(inner, dZ, factors)
-        else:
-            out = registry_lib.default_clipped_sum(inner.rule, inner, dZ, factors)
-        return out if use.relaid is None else use.relaid.to_weight(out, [])
-
-
-def _inner(use, dZ):
-    """(the body rule's `Use` on the call's tensors, dZ in its output's layout)."""
-    if use.relaid is None:
-        return use.inner, dZ
-    return use.relaid.inner(use, dZ)
+        # (asked when planning: the body rule's `Use` as matched, no op built)
+        return use.inner.rule.sum_squared_size(use.inner, C, per_example)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +282,4 @@ def _returned(call, inner, body, analysis):
 def register(registry):
     """Adds the function-call rule to `registry` for both call op types (it looks up
     the body op's rule in the registry the analysis was made with)."""
-    rule = FunctionCallRule()
-    for op_type in sorted(op_types.FUNCTION_CALL_OP_TYPES):
-        registry.register(op_type, rule)
+    registry_lib.register_each(registry, op_types.FUNCTION_CALL_OP_TYPES, FunctionCallRule())

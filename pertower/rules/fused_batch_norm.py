@@ -75,13 +75,10 @@ class FusedBatchNormRule(registry_lib.Rule):
             use.op.get_attr("epsilon"), dtype))               # [C]
         return _shapes.group_sum(term, G, use.rows.k, channel) * scale          # [G, C]
 
-    def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 def register(registry):
     """Adds the FusedBatchNorm rules to `registry`."""
-    rule = FusedBatchNormRule()
-    for op_type in _OP_TYPES:
-        registry.register(op_type, rule)
+    registry_lib.register_each(registry, _OP_TYPES, FusedBatchNormRule())

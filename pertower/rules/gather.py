@@ -50,6 +50,8 @@ class GatherRule(registry_lib.Rule):
         return tf.reshape(dense, _rows.group_shape(G, [V] + row_shape))  # [G, V, *row]
 
     def squared_norms(self, use, dZ, B):
+        if not isinstance(use.rows, _batch_axis.Rows):   # a subclass's own row kinds
+            return None
         V = use.weight_shape.as_list()[0]
         D = _rows.static_size(use.weight_shape[1:])
         L = _rows.static_size(use.activation.shape[1:])
@@ -61,13 +63,10 @@ class GatherRule(registry_lib.Rule):
         gram = tf.einsum("btd,bsd->bts", dZ_g, dZ_g)                      # [B, L, L]
         return tf.reduce_sum(same * gram, axis=[1, 2])                    # [B]
 
-    def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 def register(registry):
     """Adds the gather rules to `registry`."""
-    rule = GatherRule()
-    registry.register("GatherV2", rule)
-    registry.register("ResourceGather", rule)
+    registry_lib.register_each(registry, ("GatherV2", "ResourceGather"), GatherRule())

@@ -21,7 +21,8 @@ from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
 
-__all__ = ["MUL_MIN_COLUMNS", "MatMulRule", "outer_products", "register"]
+__all__ = ["MUL_MIN_COLUMNS", "MatMulRule", "outer_products", "right_operand_reason",
+           "register"]
 
 # outer products whose last axis is at least this long are one broadcast Mul
 # (`outer_products`), shorter ones one Einsum
@@ -32,11 +33,8 @@ class MatMulRule(registry_lib.Rule):
     """Z = A W or A W^T: per-example outer products."""
 
     def match(self, op, slot, analysis):
-        if slot != 1:
-            return "the weight is the left operand of MatMul (rows are not examples)"
-        if op.get_attr("transpose_a"):
-            return "MatMul transposes its batch-side input"
-        return self.example_use(op, slot, analysis)
+        return right_operand_reason(op, slot, "transpose_a") or self.example_use(
+            op, slot, analysis)
 
     def per_group(self, use, dZ, G):
         # [G*k, d], [G*k, n] -> [G, k, d], [G, k, n] -> [G, d, n] (or [G, n, d] when W
@@ -81,6 +79,20 @@ class MatMulRule(registry_lib.Rule):
         if use.op.get_attr("transpose_b"):
             return tf.matmul(scaled, use.activation, transpose_a=True)   # [n, d]
         return tf.matmul(use.activation, scaled, transpose_a=True)       # [d, n]
+
+    def kfac_rows(self, use):
+        # Z = A W: the GGN block of W is approximated by kron(A^T A / B, dZ^T dZ)
+        return use.activation if use.op.type == "MatMul" else None       # [R, d]
+
+
+def right_operand_reason(op, slot, transposed_attr):
+    """Why a product's weight is not covered (it must be the right operand and the
+    batch-side input not transposed, attribute `transposed_attr`), or None."""
+    if slot != 1:
+        return f"the weight is the left operand of {op.type} (rows are not examples)"
+    if op.get_attr(transposed_attr):
+        return f"{op.type} transposes (or takes the adjoint of) its batch-side input"
+    return None
 
 
 def outer_products(A, dZ, transposed):

@@ -93,11 +93,6 @@ class PartitionedGatherRule(gather.GatherRule):
                                              tf.cast(G, tf.int64) * V)    # [G*V, D]
         return tf.reshape(dense, _rows.group_shape(G, [V] + row_shape))  # [G, V, *row]
 
-    def squared_norms(self, use, dZ, B):
-        if isinstance(use.rows, _Partition):
-            return None
-        return super().squared_norms(use, dZ, B)
-
     def clipped_sum(self, use, dZ, factors):
         if not isinstance(use.rows, _Partition):
             return super().clipped_sum(use, dZ, factors)
@@ -110,6 +105,5 @@ class PartitionedGatherRule(gather.GatherRule):
 
 def register(registry):
     """Adds the partitioned gather rule (which covers every gather) to `registry`."""
-    rule = PartitionedGatherRule()
-    registry.register("GatherV2", rule)
-    registry.register("ResourceGather", rule)
+    registry_lib.register_each(registry, ("GatherV2", "ResourceGather"),
+                               PartitionedGatherRule())

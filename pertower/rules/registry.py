@@ -19,7 +19,8 @@ import tensorflow as tf
 from pertower import _context
 from pertower.rules import _rows
 
-__all__ = ["Rule", "RuleRegistry", "Use", "FormedNorms", "default_clipped_sum"]
+__all__ = ["Rule", "ForwardingRule", "RuleRegistry", "Use", "FormedNorms",
+           "default_clipped_sum", "batch_gradient_clipped_sum", "register_each"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Use:
       activation: the batch-side input A, [B*k, ...].
       output: the op's output Z whose gradient dZ the rule uses, [B*k, ...].
       weight_shape: the static shape of the weight as the op sees it.
-      rows: the `_batch_axis.Rows` of `activation` (k rows per example).
+      rows: the `Rows` (`pertower.rules.Rows`) of `activation` (k rows per example).
       through: the ops between the weight's reads and the op that compute the op's
         weight input from the weights alone (`rules._weight_functions`; the rule's
         result is pulled back through them), empty for a direct read.
@@ -48,6 +49,13 @@ class Use:
     weight_shape: tf.TensorShape
     rows: object
     through: tuple = ()
+
+    @property
+    def label(self):
+        """How `pertower.explain` names the read: the op, and the ops it goes through."""
+        return f"{self.op.name} ({self.op.type})" + "".join(
+            f"{' through ' if j == 0 else ', '}{o.name} ({o.type})"
+            for j, o in enumerate(self.through))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +83,23 @@ class FormedNorms:
 
 
 class Rule:
-    """Base class of per-op rules. Subclasses define `match` and `per_group`, and may
-    define `squared_norms` (a cheap per-example ||grad||^2), `sum_squared` (a cheap
-    elementwise sum of squared gradients) and, for an op type that
-    `pertower._batch_axis` does not know, `output_layouts(op, inputs)`: given one entry per
-    input (`_batch_axis.Rows`, `_batch_axis.INDEPENDENT`, `_batch_axis.SIZE` or None for unknown),
-    the list of the outputs' layouts, or None when they are unknown."""
+    """Base class of per-op rules: one method per quantity a rule may compute.
+
+    A subclass defines `match` and `per_group`; every other quantity has a default that
+    says "no cheaper form" (None), which the caller then gets from `per_group`:
+
+        per-example gradient   per_group        (required)
+        squared norm           squared_norms    ||grad_i||^2 without forming grad_i
+                               formed_norms     ... formed in a layout of its own
+        sum of squares         sum_squared      sum_c grad_{i,c}^2 (`diag_ggn`'s columns)
+                               sum_squared_size the numbers per example it holds
+        clipped sum            clipped_sum      sum_i f_i grad_i (DP-SGD)
+        K-FAC factors          kfac_rows        the rows whose outer products give A
+        row layouts            output_layouts   for an op type the analysis does not know
+
+    The registry wraps an object that is not a `Rule` but defines `match` and
+    `per_group` (`RuleRegistry.register`), so the engine calls each method directly.
+    """
 
     def match(self, op, slot, analysis):
         """A `Use` when this rule covers the weight at input `slot` of `op`, else a
@@ -116,15 +135,37 @@ class Rule:
         del use, dZ_columns, B, per_example
         return None
 
+    def sum_squared_size(self, use, C, per_example=False):
+        """The numbers per example that `sum_squared` holds for C columns (for the
+        memory guard of the curvature functions); None: counted as C per-example
+        gradients."""
+        del use, C, per_example
+        return None
+
     def clipped_sum(self, use, dZ, factors):
         """[*use.weight_shape]: sum_i factors_i grad_i(w) through this use, the
         per-example gradients reweighted (DP-SGD's clipped sum) and added.
 
         `factors` is [B], one weight per example. Gradients are linear in dZ, so a rule
         may compute this as its batch gradient with dZ's rows scaled per example
-        (`_rows.scale_rows`), without forming [B, *w.shape]; this default forms them
-        with `per_group` and contracts them with the factors."""
+        (`batch_gradient_clipped_sum`), without forming [B, *w.shape]; this default
+        forms them with `per_group` and contracts them with the factors."""
         return default_clipped_sum(self, use, dZ, factors)
+
+    def kfac_rows(self, use):
+        """[R, d_in]: the input rows (or patches) whose outer products sum to the
+        Kronecker factor A of the kernel's GGN block (`pertower.kfac_factors`), its
+        output gradient's rows [R, d_out] giving G; None when the weight has no single
+        Kronecker form here."""
+        del use
+        return None
+
+    def output_layouts(self, op, inputs):
+        """For an op type that `pertower._batch_axis` does not know: given one entry per
+        input (`Rows`, `INDEPENDENT`, `SIZE`, or None for unknown), the list of the
+        outputs' layouts, or None when they are unknown."""
+        del op, inputs
+        return None
 
     def example_use(self, op, slot, analysis):
         """The `Use` of a weight at input `slot` of `op` whose input 0 is the batch-side
@@ -134,6 +175,76 @@ class Rule:
         if isinstance(rows, str):
             return rows
         return Use(op, slot, self, op.inputs[0], op.outputs[0], op.inputs[slot].shape, rows)
+
+
+# the methods of `Rule` a registered object may define (the others take the defaults)
+_METHODS = ("match", "per_group", "squared_norms", "formed_norms", "sum_squared",
+            "sum_squared_size", "clipped_sum", "kfac_rows", "output_layouts")
+
+
+class _Adapted(Rule):
+    """A registered object that defines `match` and `per_group` without deriving from
+    `Rule`: its own methods, and `Rule`'s defaults for the others."""
+
+    def __init__(self, rule):
+        self.wrapped = rule
+        for name in _METHODS:
+            own = getattr(rule, name, None)
+            if callable(own):
+                setattr(self, name, own)
+
+    def __repr__(self):
+        return f"<Rule adapted from {self.wrapped!r}>"
+
+
+class ForwardingRule(Rule):
+    """A rule that computes through another rule's `Use` (a function call's body op, a
+    function of the weights): every quantity is the inner rule's, on the inner use and
+    dZ that `inner` gives, mapped to this use's weight by `outward` (a linear map of the
+    weight's entries, which keeps the norms and squares of a re-layout)."""
+
+    def inner(self, use, dZ):
+        """(the inner rule's `Use`, dZ in its output's layout)."""
+        raise NotImplementedError
+
+    def inner_columns(self, use, dZ_columns):
+        """(the inner `Use`, [C, ...] columns of dZ in its output's layout)."""
+        return self.inner(use, None)[0], dZ_columns
+
+    def outward(self, result, use, leading):
+        """The inner rule's result [*leading, *inner weight] as [*leading, *w.shape]."""
+        del use, leading
+        return result
+
+    def per_group(self, use, dZ, G):
+        inner, dZ = self.inner(use, dZ)
+        return self.outward(inner.rule.per_group(inner, dZ, G), use, [G])
+
+    def squared_norms(self, use, dZ, B):
+        inner, dZ = self.inner(use, dZ)
+        return inner.rule.squared_norms(inner, dZ, B)
+
+    def formed_norms(self, use, dZ, G):
+        inner, dZ = self.inner(use, dZ)
+        formed = inner.rule.formed_norms(inner, dZ, G)
+        if formed is None:
+            return None
+        to_weight = formed.to_weight
+        return dataclasses.replace(
+            formed, to_weight=lambda total: self.outward(to_weight(total), use, []))
+
+    def sum_squared(self, use, dZ_columns, B, per_example=False):
+        inner, dZ_columns = self.inner_columns(use, dZ_columns)
+        out = inner.rule.sum_squared(inner, dZ_columns, B, per_example)
+        return None if out is None else self.outward(out, use, [B] if per_example else [])
+
+    def sum_squared_size(self, use, C, per_example=False):
+        inner = self.inner(use, None)[0]
+        return inner.rule.sum_squared_size(inner, C, per_example)
+
+    def clipped_sum(self, use, dZ, factors):
+        inner, dZ = self.inner(use, dZ)
+        return self.outward(inner.rule.clipped_sum(inner, dZ, factors), use, [])
 
 
 def default_clipped_sum(rule, use, dZ, factors):
@@ -166,14 +277,19 @@ class RuleRegistry:
     @_context.public("RuleRegistry.register")
     def register(self, op_type, rule):
         """Registers `rule` (a `Rule`) for ops of type `op_type`; replaces any rule
-        registered for it before."""
+        registered for it before. An object that is not a `Rule` but defines `match` and
+        `per_group` is wrapped in one (`Rule`'s defaults for its other quantities)."""
         if not isinstance(op_type, str) or not op_type:
             raise _context.error(TypeError, f"`op_type` must be an op type name such as "
                                             f"'MatMul', but received {op_type!r}.")
-        if not (callable(getattr(rule, "match", None)) and
-                callable(getattr(rule, "per_group", None))):
-            raise _context.error(TypeError, "`rule` must define `match` and `per_group` (see "
-                                            f"pertower.rules.Rule), but received {rule!r}.")
+        if not isinstance(rule, Rule):
+            missing = [name for name in _METHODS[:2] if not callable(getattr(rule, name, None))]
+            if missing:
+                raise _context.error(
+                    TypeError, "`rule` must define `match` and `per_group` (derive it from "
+                    f"pertower.rules.Rule), but received {rule!r}, which has no "
+                    f"{' or '.join(f'`{name}`' for name in missing)}.")
+            rule = _Adapted(rule)
         self._rules[op_type] = rule
 
     def lookup(self, op_type):
@@ -189,3 +305,9 @@ class RuleRegistry:
         other = RuleRegistry()
         other._rules = dict(self._rules)  # pylint: disable=protected-access
         return other
+
+
+def register_each(registry, op_types, rule):
+    """Registers `rule` for every op type of `op_types`, in sorted order."""
+    for op_type in sorted(op_types):
+        registry.register(op_type, rule)

@@ -68,9 +68,8 @@ class SparseSegmentRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         return _scatter(use.op, use.op.inputs[1], use.weight_shape, dZ, G)
 
-    def clipped_sum(self, use, dZ, factors):
-        # sum_i f_i grad_i(W): the one-group gradient of dZ's rows scaled per example
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # sum_i f_i grad_i(W): the one-group gradient of dZ's rows scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 class _UniqueLookup:
@@ -100,15 +99,8 @@ class UniqueGatherRule(partitioned_gather.PartitionedGatherRule):
             return super().per_group(use, dZ, G)
         return _scatter(use.rows.segment_op, use.activation, use.weight_shape, dZ, G)
 
-    def squared_norms(self, use, dZ, B):
-        if isinstance(use.rows, _UniqueLookup):
-            return None
-        return super().squared_norms(use, dZ, B)
-
-    def clipped_sum(self, use, dZ, factors):
-        if not isinstance(use.rows, _UniqueLookup):
-            return super().clipped_sum(use, dZ, factors)
-        return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+    # squared norms: the gather's ghost norm, for a gather's `Rows` only; clipped sum:
+    # the batch gradient of dZ scaled per example, through `per_group`, for both
 
 
 def _unique_lookup(op, analysis):
@@ -132,9 +124,6 @@ def _unique_lookup(op, analysis):
 def register(registry):
     """Adds the sparse segment rules to `registry` (and the gather rules, which the
     unique-ids case extends)."""
-    rule = SparseSegmentRule()
-    for op_type in transfer_sparse.SPARSE_SEGMENT_OP_TYPES:
-        registry.register(op_type, rule)
-    gather_rule = UniqueGatherRule()
-    registry.register("GatherV2", gather_rule)
-    registry.register("ResourceGather", gather_rule)
+    registry_lib.register_each(registry, transfer_sparse.SPARSE_SEGMENT_OP_TYPES,
+                               SparseSegmentRule())
+    registry_lib.register_each(registry, ("GatherV2", "ResourceGather"), UniqueGatherRule())

@@ -1,0 +1,115 @@
+"""`build_plan`: which weights the rules cover, through which uses (no op built).
+
+Notation (as in `pertower._engine`): x one weight, A and Z a weight-consuming op's
+batch-side input and output.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from pertower import _batch_axis
+from pertower import _tf
+from pertower._engine.unassumed import UnassumedGradients
+from pertower.rules import _loops
+from pertower.rules import _weight_functions
+
+__all__ = ["build_plan"]
+
+
+def build_plan(request, registry):
+    """Decides, for every weight, whether the rules cover it. Builds no ops.
+
+    Returns:
+      (uses, reasons): per entry of xs, a tuple of `rules.Use` (empty when `ys` does
+      not reach x) or None when x falls back to the towers; and why it falls back
+      (str) or None.
+    """
+    ys, batch = request.ys, request.batch
+    analysis = request.analysis
+    if analysis is None or analysis.registry is not registry:
+        analysis = _batch_axis.analyze(ys, batch, request.ys_upstream, request.batch_size,
+                                       request.num_groups, registry)
+    if analysis.verdict != "independent":
+        lost = analysis.lost_at
+        where = (f"; the proof was lost at {lost[0].name!r} ({lost[0].type}): {lost[1]}"
+                 if lost is not None else "")
+        reason = (f"the rows of `ys` ({ys.name}) could not be traced to the examples of "
+                  f"the batch{where}")
+        return (tuple(None if r.reached else () for r in request.reads),
+                tuple(reason if r.reached else None for r in request.reads))
+    if analysis.segments is not None:
+        # the rows of `ys` are those of s1, then of s2: a weight-consuming op's A rows
+        # belong to one batch, so a rule's [B_s] result would have to be placed at its
+        # batch's rows; the towers, which feed one example of the joined order each, do it
+        joined = ", then ".join(" and ".join(batch[j].name for j in segment)
+                                for segment in analysis.segments)
+        reason = (f"`ys` ({ys.name}) joins several batches along axis 0 ({joined}); the "
+                  "towers compute it example by example in that order")
+        return (tuple(None if r.reached else () for r in request.reads),
+                tuple(reason if r.reached else None for r in request.reads))
+    uses, reasons = [], []
+    unassumed = UnassumedGradients(request)
+    loops = _loops.Loops(request, analysis, registry)
+    for k, (x, reads) in enumerate(zip(request.xs, request.reads)):
+        found = _weight_uses(x, reads, request.ys_upstream, analysis, registry, loops)
+        if not isinstance(found, str) and found:   # (x's region walked only when needed)
+            region = lambda k=k: request.weight_regions[k]
+            found = unassumed.reason(reads, request.ys_upstream, region) or found
+        if isinstance(found, str):
+            uses.append(None)
+            reasons.append(found)
+        else:
+            uses.append(tuple(found))
+            reasons.append(None)
+    return tuple(uses), tuple(reasons)
+
+
+def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
+    """The `Use`s of x, or a string saying why x is not covered (reads inside TF2 while
+    loops: `pertower.rules._loops`)."""
+    if not reads.reached:
+        return []
+    found = loops.uses(reads, _in_v1_loop)   # TF2 loops and TF1 frames: rules._loops
+    if isinstance(found, str):
+        return found
+    walked = _weight_functions.exits(reads, ys_upstream, analysis)
+    if isinstance(walked, str):
+        return walked
+    terminals = [_weight_functions.Exit(op, 0, (), (), True) for op in reads.gather_ops]
+    terminals.extend(walked)
+    terminals.sort(key=lambda e: (_tf.op_id(e.op), e.slot))
+    for exit_ in terminals:
+        op, slot = exit_.op, exit_.slot
+        inside = loops.inner_uses(exit_, _in_v1_loop)   # passed to a loop: rules._loops
+        if inside is not None:
+            if isinstance(inside, str):
+                return inside
+            found.extend(inside)
+            continue
+        where = f"{op.name!r} ({op.type})" + (
+            "" if exit_.reorder_only else
+            " through " + ", ".join(f"{o.name!r} ({o.type})" for o in exit_.through))
+        rule = registry.lookup(op.type)
+        if rule is None:
+            return f"it is read by {where}, which has no rule"
+        use = rule.match(op, slot, analysis)
+        if isinstance(use, str):
+            return f"it is read by {where}: {use}"
+        if use.rule is not rule:   # the registered rule computes what it matched
+            use = dataclasses.replace(use, rule=rule)
+        if use.weight_shape is None:   # read through a resource handle
+            if not isinstance(x, tf.Variable):
+                return f"it is read through a resource handle at {op.name!r} ({op.type})"
+            use = dataclasses.replace(use, weight_shape=x.shape)
+        if not use.weight_shape.is_fully_defined():
+            return f"its shape at {op.name!r} ({use.weight_shape}) is not static"
+        if not exit_.reorder_only:   # a function of the weights: pulled back to x
+            use = _weight_functions.wrap(use, exit_)
+        found.append(use)
+    return found
+
+
+def _in_v1_loop(enter):
+    return (f"it is read inside the TF1 (v1) while loop that {enter.name!r} ({enter.type}) "
+            "enters, where tf.gradients cannot reach the dZ a rule needs")
