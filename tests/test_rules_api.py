@@ -312,6 +312,9 @@ def test_the_registry_adapts_a_duck_typed_rule_and_refuses_a_bad_one(mlp):
         registry.register("MatMul", _NoPerGroup())
     with pytest.raises(TypeError, match=r"which has no `match` or `per_group`"):
         registry.register("MatMul", object())
+    with pytest.raises(TypeError, match=r"received the class _DenseOnRows; pass an "
+                                        r"instance, _DenseOnRows\(\)"):
+        registry.register("MatMul", _DenseOnRows)
     assert registry.lookup("MatMul") is adapted   # a refused rule replaces nothing
 
 
