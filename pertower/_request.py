@@ -9,11 +9,12 @@ examples are: the batch tensors, B, the batch axis, the number of groups) and `O
 (how to compute: the method, the rules' registry, sparse, validate, memory_limit, ...,
 checked when the record is made). It runs the argument checks of every public function
 (towers, rules, auto, DP), so that bad input is refused the same way whichever method
-computes the gradients: `ys`, `xs`, the batch tensors and B, the number of groups, that `ys` depends on the batch, that no op couples examples
-(`pertower._batch_axis`), and where each weight is read. Everything a later stage
-reads is found here once and kept on the record: each batch tensor's axis and static
-size, the batch-axis analysis (for the rules), the ops the towers replay, and the
-first TF1 (v1) while loop between the batch and `ys` (for the row passes).
+computes the gradients: `ys`, `xs`, the batch tensors and B, the number of groups,
+that `ys` depends on the batch, that no op couples examples (`pertower._batch_axis`),
+and where each weight is read. Everything a later stage reads is found here once and
+kept on the record: each batch tensor's axis and static size, the batch-axis analysis
+(for the rules), the ops the towers replay, and the first TF1 (v1) while loop between
+the batch and `ys` (for the row passes).
 """
 
 import collections.abc

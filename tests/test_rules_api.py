@@ -12,6 +12,7 @@ import tf_keras as keras
 import pertower
 from pertower._api import gradients as gradients_lib
 from pertower import _dispatch
+from pertower import _engine
 from pertower import oracle
 from pertower import rules as rules_lib
 from tests import cases
@@ -243,7 +244,6 @@ class _DenseOnRows(rules_lib.Rule):
 def test_an_extension_rule_on_the_public_names_matches_the_oracle(mlp):
     """`_DenseOnRows` replaces the built-in MatMul rule: its per-example gradients, its
     norms (its own cheap form, asked) and its clipped sums equal the one-example loop."""
-    from pertower import _engine  # pylint: disable=import-outside-toplevel
     registry = rules_lib.default_registry()
     rule = _DenseOnRows()
     registry.register("MatMul", rule)
@@ -312,6 +312,9 @@ def test_the_registry_adapts_a_duck_typed_rule_and_refuses_a_bad_one(mlp):
         registry.register("MatMul", _NoPerGroup())
     with pytest.raises(TypeError, match=r"which has no `match` or `per_group`"):
         registry.register("MatMul", object())
+    with pytest.raises(TypeError, match=r"received the class _DenseOnRows; pass an "
+                                        r"instance, _DenseOnRows\(\)"):
+        registry.register("MatMul", _DenseOnRows)
     assert registry.lookup("MatMul") is adapted   # a refused rule replaces nothing
 
 

@@ -42,7 +42,6 @@ sums between runs, and the division is by the expected batch size when one is gi
 (the sum of an empty Poisson batch is 0, so the step then releases the noise alone).
 """
 
-import dataclasses
 import math
 import numbers
 import warnings
@@ -294,14 +293,12 @@ class DPOptimizer:
             # the one request of this call: the dtype, rank, B and M | B checked there
             with warnings.catch_warnings():   # warned about unreached ones above
                 warnings.simplefilter("ignore", _checks.UnconnectedWeightsWarning)
+                # a capacity: the towers pad the fed batch (`_towers.slicing`)
                 request = _request.make_request(
                     per_example_loss, var_list, _request.Examples(batch, batch_size, M,
                                                                   batch_axis),
-                    _dispatch.options(self._method), ys_argument="loss",
-                    scalar_advice=_ONE_LOSS_PER_EXAMPLE)
-            if capacity is not None:   # the towers pad the fed batch (`_towers.slicing`)
-                request = dataclasses.replace(request, options=dataclasses.replace(
-                    request.options, batch_capacity=capacity))
+                    _dispatch.options(self._method, batch_capacity=capacity),
+                    ys_argument="loss", scalar_advice=_ONE_LOSS_PER_EXAMPLE)
             clip = self._clip_read(dtype)              # C: a float, or the variable's read
             factors_of = (clipping_lib.per_layer_factors(clips) if per_layer
                           else clipping_lib.flat_factors(clip))

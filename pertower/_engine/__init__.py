@@ -19,15 +19,9 @@ row i of `ys` depends on example i alone. Then
 the chain rule summed over every use (a shared layer adds its contributions). A weight
 for which anything is unproven is reported with the reason and left to the towers.
 
-The proof that dZ's rows belong to examples (and that the weight side only re-lays-out
-x) holds for TensorFlow's registered gradients of the ops between x and `ys`. An op
-whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`: its
-`_gradient_op_type` attribute) or whose gradient is Python code (`tf.py_func`,
-`tf.numpy_function`, `tf.py_function`), on any path from a read of x to `ys` (inside
-called functions too), may mix the examples in the backward pass; such a weight is
-left to the towers, where each tower's backward pass sees its own examples only,
-unless the op is in the graph itself and its backward, built once on dy placeholders,
-is proven row-wise by the batch-axis analysis (`pertower._overrides`: swish's is).
+The proof that dZ's rows belong to examples holds for TensorFlow's registered gradients
+of the ops between x and `ys`; a weight behind an op whose gradient the user replaced or
+wrote in Python is left to the towers (`unassumed`).
 
 Modules:
     plan        `build_plan`: for every weight, its rules' `Use`s or why it falls back

@@ -282,6 +282,10 @@ class RuleRegistry:
         if not isinstance(op_type, str) or not op_type:
             raise _context.error(TypeError, f"`op_type` must be an op type name such as "
                                             f"'MatMul', but received {op_type!r}.")
+        if isinstance(rule, type):
+            raise _context.error(TypeError, f"`rule` must be a rule object, but received the "
+                                            f"class {rule.__name__}; pass an instance, "
+                                            f"{rule.__name__}().")
         if not isinstance(rule, Rule):
             missing = [name for name in _METHODS[:2] if not callable(getattr(rule, name, None))]
             if missing:
