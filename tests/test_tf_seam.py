@@ -291,3 +291,8 @@ def test_the_curvature_fallbacks(monkeypatch, way, method):
             got = sess.run(list(result), feed)
             want = common.reference_ggn(sess, logits, [W1, W2], feed)
     common.assert_all_close(got, [w.sum(axis=0) for w in want], what=f"diag_ggn, {way} forced")
+
+
+def test_onednn_enabled_answers_as_the_convolution_rules_ask():
+    from pertower.rules import _conv_options  # pylint: disable=import-outside-toplevel
+    assert _tf.onednn_enabled() is _conv_options.onednn_enabled()

@@ -30,7 +30,7 @@ __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_id", "op_order
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
-           "partitions", "reduced_shape", "pfor", "set_chief_queue_runner"]
+           "partitions", "set_chief_queue_runner", "onednn_enabled", "reduced_shape", "pfor"]
 
 FuncGraph = _func_graph.FuncGraph
 RefVariable = _ref_variable.RefVariable
@@ -249,6 +249,17 @@ def set_chief_queue_runner(sync_optimizer, runner):
     probe.require("SyncReplicasOptimizer._chief_queue_runner", lambda: None if hasattr(
         sync_optimizer, "_chief_queue_runner") else "it has no _chief_queue_runner")
     sync_optimizer._chief_queue_runner = runner
+
+
+def onednn_enabled():
+    """Whether this process's TensorFlow runs its oneDNN CPU kernels (util_port
+    `IsMklEnabled`); None when it does not say."""
+    try:
+        # pylint: disable-next=import-outside-toplevel
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return None
 
 
 # -- public ops with a private shortcut --------------------------------------------------------

@@ -1,7 +1,7 @@
 """TensorFlow's TensorList ops (tensorflow/python/ops/list_ops.py, gen_list_ops), by
 name: the lists the loop backward and the loop copies carry per step. These wrappers
-have no public module (their raw ops are `tf.raw_ops.TensorList*`); the names are
-checked once, on first import of `pertower._tf`.
+have no public module (their raw ops are `tf.raw_ops.TensorList*`); a name that moved
+fails the import of `pertower._tf` with an ImportError naming it.
 """
 
 # pylint: disable=no-name-in-module,unused-import
