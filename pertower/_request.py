@@ -25,6 +25,7 @@ from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
+from pertower import _weight_reads
 from pertower import rules as rules_lib
 
 __all__ = ["METHODS", "Options", "Request", "make_request", "check_method"]
@@ -102,7 +103,7 @@ class Request:
         given (allowed only where no towers are built).
       num_groups: M for microbatches, or None for one group per example.
       groups_argument: the public name of the number of groups, for messages.
-      reads: one `graph_walk.WeightReads` per entry of xs.
+      reads: one `_weight_reads.WeightReads` per entry of xs.
       analysis: the `pertower._batch_axis.Analysis` of the ops between the batch and
         `ys` (its `registry` attribute: the rule registry it was run with).
       segments: None when every batch tensor is fed the same B examples; when `ys`
@@ -267,7 +268,7 @@ def make_request(ys, xs, batch=None, batch_size=None, num_groups=None, *,
             if found:
                 message += _side_input_hint(analysis.couplings[0].op, batch)
             raise ValueError(message)
-        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch)
+        reads = [_weight_reads.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
         weight_regions, read_region = _regions(reads, ys_upstream)
     loops = [op for op in batch_downstream.union(read_region)

@@ -77,9 +77,7 @@ def poisson_batches(arrays, sampling_probability, steps=None, seed=None, splits=
         raise _context.error(ValueError, "`steps` must be a non-negative integer or None, "
                              f"but received {steps!r}.")
     splits = _checks.positive_int(splits, "splits")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise _context.error(TypeError, f"`seed` must be an int or None, but received "
-                             f"{type(seed).__name__}.")
+    seed = _checks.optional_seed(seed)
     return _batches(arrays, single, q, int(steps), seed, splits)
 
 
