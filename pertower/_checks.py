@@ -134,13 +134,13 @@ def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size", giv
     return tf.debugging.Assert(tf.equal(fed, B), [message], name=name)
 
 
-def positive_int(value, argument):
-    """Returns `value` as an int when it is a positive integer; raises otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+def positive_int(value, argument, low=1):
+    """Returns `value` as an int when it is an integer >= `low` (a positive one; with
+    low=0 a non-negative one); raises ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise _context.error(
-            ValueError,
-            f"`{argument}` must be a positive integer, but "
-            f"received {value!r}.")
+            ValueError, f"`{argument}` must be a {'non-negative' if low == 0 else 'positive'} "
+            f"integer, but received {value!r}.")
     return int(value)
 
 

@@ -3,8 +3,6 @@
 Notation: as in `pertower._analytics`.
 """
 
-import numbers
-
 import numpy as np
 import tensorflow as tf
 
@@ -108,10 +106,7 @@ def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
       jac = pertower.per_example_jacobians(model(x), model.trainable_weights, batch_size=16)
       ntk = pertower.empirical_ntk(jac)                              # [16, K, 16, K]
     """
-    if isinstance(output_rank, bool) or not isinstance(output_rank, numbers.Integral) or (
-            output_rank < 0):
-        raise _context.error(ValueError, f"`output_rank` must be a non-negative "
-                             f"integer, but received {output_rank!r}.")
+    output_rank = _checks.positive_int(output_rank, "output_rank", low=0)
     a = reductions.checked_tensors(jacobians_a, "jacobians_a", per_example=True)
     b = a if jacobians_b is None else reductions.checked_tensors(
         jacobians_b, "jacobians_b", per_example=True)

@@ -80,6 +80,11 @@ def _shifted(value, shift, what):
     return Rows(value.lead + shift, value.k, None) if isinstance(value, Rows) else SIZE
 
 
+def _index_checked(ins, j):
+    if lattice.depends_on_values(ins[j]):
+        raise lattice.Lost("its index depends on the batch's values")
+
+
 def list_from_tensor(scan, op, ins):
     if isinstance(ins[0], Rows) and ins[0].lead == 0:
         raise lattice.Lost("it makes a TensorList over the batch axis: one element per "
@@ -126,11 +131,6 @@ def v1_loop_pass(scan, op, ins):
         raise lattice.Lost("the number of iterations of its TF1 while loop depends on the "
                            "batch's values")
     return [ins[0]]
-
-
-def _index_checked(ins, j):
-    if lattice.depends_on_values(ins[j]):
-        raise lattice.Lost("its index depends on the batch's values")
 
 
 def tensor_array_scatter(scan, op, ins):
