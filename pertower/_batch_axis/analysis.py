@@ -332,7 +332,6 @@ def _back_edge(tensor, op):
             and tensor.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES)
 
 
-
 def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=None,
             batch_axes=None):
     """Analyses the ops between `batch` and `ys` (see the module docstring).
