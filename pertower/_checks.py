@@ -16,12 +16,11 @@ import tensorflow as tf
 from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _tf
-# (lives where the graph is walked; kept here for callers not yet switched to it)
+from pertower import _weight_reads
 
 __all__ = [
     "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "check_memory_limit",
-    "device_list",
-    "positive_int", "require_graph_mode", "require_graph_tensor",
+    "device_list", "optional_seed", "positive_int", "require_graph_mode", "require_graph_tensor",
     "unconnected_gradients_value", "unreached_weights", "warn_unconnected", "weight_list",
 ]
 
@@ -135,14 +134,22 @@ def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size", giv
     return tf.debugging.Assert(tf.equal(fed, B), [message], name=name)
 
 
-def positive_int(value, argument):
-    """Returns `value` as an int when it is a positive integer; raises otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+def positive_int(value, argument, low=1):
+    """Returns `value` as an int when it is an integer >= `low` (a positive one; with
+    low=0 a non-negative one); raises ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise _context.error(
-            ValueError,
-            f"`{argument}` must be a positive integer, but "
-            f"received {value!r}.")
+            ValueError, f"`{argument}` must be a {'non-negative' if low == 0 else 'positive'} "
+            f"integer, but received {value!r}.")
     return int(value)
+
+
+def optional_seed(seed):
+    """`seed` as an int, or None; raises TypeError for anything else."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise _context.error(TypeError, "`seed` must be an int or None, but received "
+                             f"{type(seed).__name__} ({seed!r:.80}).")
+    return None if seed is None else int(seed)
 
 
 def device_list(devices):
@@ -315,7 +322,7 @@ def unreached_weights(ys, xs):
         weights = weight_list(xs, "xs")
         with ys.graph.as_default():
             upstream = graph_walk.upstream_ops([ys])
-            reads = [graph_walk.weight_reads(x, k, upstream, ())
+            reads = [_weight_reads.weight_reads(x, k, upstream, ())
                      for k, x in enumerate(weights)]
     except (TypeError, ValueError, NotImplementedError, AttributeError):
         return None

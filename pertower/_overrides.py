@@ -12,16 +12,11 @@ function called with op and dy), on fresh dy placeholders of op's output shapes,
 scratch `FuncGraph` whose outer graph is op's: the user's graph is never changed. The
 user's tensors the function reads (op's inputs and outputs, a closure's forward tensors)
 are captured as placeholders of the scratch graph (`OverrideBackward.captured` maps
-them back). Two readers:
-
-- the towers (`pertower._towers.python_gradients`) copy it per tower with the tower's
-  own tensors, so that a closure over the original graph's tensors (tf_keras' swish)
-  computes with the tower's examples;
-- the rules (`pertower._engine`) read it with the batch-axis analysis, the batch
-  and dy as the examples' rows: when row i of each input's gradient depends on example
-  i and row i of dy alone ("independent", e.g. swish's elementwise backward), the one
-  batched backward pass keeps the examples apart through op as through TensorFlow's
-  registered gradients, and the weights behind op may be served by their rules.
+them back). The towers copy it per tower (`pertower._towers.python_gradients`); the
+rules (`not_row_wise`) read it with the batch-axis analysis, the batch and dy as the
+examples' rows: when row i of each input's gradient depends on example i and row i of
+dy alone ("independent", e.g. swish's elementwise backward), the batched backward pass
+keeps the examples apart through op, and the weights behind op may be served by rules.
 """
 
 import dataclasses

@@ -19,7 +19,7 @@ __all__ = ["flatten", "flatten_per_example", "dot", "cosine_similarity", "global
            "pairwise_dot", "pairwise_cosine"]
 
 
-def _tensors(gradient, argument, per_example=False):
+def checked_tensors(gradient, argument, per_example=False):
     """The gradient's tensors, checked: no None, one floating dtype, ranks >= 1 for
     per-example gradients."""
     tensors = _checks.as_list(gradient)
@@ -57,7 +57,7 @@ def flatten(gradient):
       g = tf.gradients(loss, weights)
       vector = pertower.flatten(g)                                   # [P]
     """
-    tensors = _tensors(gradient, "gradient")
+    tensors = checked_tensors(gradient, "gradient")
     return tf.concat([tf.reshape(g, [-1]) for g in tensors], axis=0)  # each -> [P_k]
 
 
@@ -69,7 +69,7 @@ def flatten_per_example(gradient):
       per_example = pertower.per_example_gradients(cost, weights, batch_size=32)
       matrix = pertower.flatten_per_example(per_example)             # [32, P]
     """
-    tensors = _tensors(gradient, "gradient", per_example=True)
+    tensors = checked_tensors(gradient, "gradient", per_example=True)
     rows = []
     for g in tensors:
         if g.shape[1:].is_fully_defined():
@@ -104,8 +104,8 @@ def dot(a, b):
     Example:
       pertower.dot(tf.gradients(loss_1, w), tf.gradients(loss_2, w))
     """
-    a_tensors = _tensors(a, "a")
-    b_tensors = _tensors(b, "b")
+    a_tensors = checked_tensors(a, "a")
+    b_tensors = checked_tensors(b, "b")
     _check_matching(a_tensors, b_tensors, per_example=False)
     return tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a_tensors, b_tensors)])
 
@@ -119,8 +119,8 @@ def cosine_similarity(a, b):
     Example:
       pertower.cosine_similarity(g1, g2)
     """
-    a_tensors = _tensors(a, "a")
-    b_tensors = _tensors(b, "b")
+    a_tensors = checked_tensors(a, "a")
+    b_tensors = checked_tensors(b, "b")
     _check_matching(a_tensors, b_tensors, per_example=False)
     inner = tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a_tensors, b_tensors)])
     return tf.math.divide_no_nan(
@@ -137,7 +137,7 @@ def global_norms(gradient):
     Example:
       norms = pertower.global_norms(pertower.per_example_gradients(cost, w, batch_size=32))
     """
-    tensors = _tensors(gradient, "gradient", per_example=True)
+    tensors = checked_tensors(gradient, "gradient", per_example=True)
     # each [B, ...] -> [B] sum of squares over its non-batch axes
     squares = [tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.rank)))
                if g.shape.rank > 1 else tf.square(g) for g in tensors]
@@ -156,8 +156,8 @@ def _pairwise_dot(a_tensors, b_tensors):
 
 
 def _pairwise_arguments(a, b):
-    a_tensors = _tensors(a, "a", per_example=True)
-    b_tensors = a_tensors if b is None else _tensors(b, "b", per_example=True)
+    a_tensors = checked_tensors(a, "a", per_example=True)
+    b_tensors = a_tensors if b is None else checked_tensors(b, "b", per_example=True)
     _check_matching(a_tensors, b_tensors, per_example=True)
     return a_tensors, b_tensors
 

@@ -29,6 +29,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _tf
+from pertower import _weight_reads
 
 __all__ = ["METHODS", "Examples", "Options", "Request", "make_request", "check_method"]
 
@@ -131,7 +132,7 @@ class Request:
         given (allowed only where no towers are built).
       num_groups: M for microbatches, or None for one group per example.
       groups_argument: the public name of the number of groups, for messages.
-      reads: one `graph_walk.WeightReads` per entry of xs.
+      reads: one `_weight_reads.WeightReads` per entry of xs.
       analysis: the `pertower._batch_axis.Analysis` of the ops between the batch and
         `ys` (its `registry` attribute: the rule registry it was run with).
       segments: None when every batch tensor is fed the same B examples; when `ys`
@@ -285,7 +286,7 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
             if found:
                 message += _side_input_hint(analysis.couplings[0].op, batch)
             raise ValueError(message)
-        reads = [graph_walk.weight_reads(x, k, ys_upstream, batch)
+        reads = [_weight_reads.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
         weight_regions, read_region = _regions(reads, ys_upstream)
     loops = [op for op in batch_downstream.union(read_region)

@@ -15,12 +15,13 @@ and the coupling checks of every method (`Analysis.couplings`, `find_couplings`)
     joined            several batches joined along the batch axis
     size_uses         a size used as data (the whole batch's B) or as a size, index
                       or range (the tower's own), and the row index tf.range(n)
-    analysis          the driver, the verdict, size data edges
+    analysis          the driver (one scan in graph order), size data edges
+    verdict           the verdict: independent, coupled or unproven
 
 The op types it tells apart are named in `pertower._op_types`.
 """
 
-from pertower._batch_axis.analysis import Analysis
+from pertower._batch_axis.verdict import Analysis
 from pertower._batch_axis.analysis import analyze
 from pertower._batch_axis.analysis import find_couplings
 from pertower._batch_axis.lattice import INDEPENDENT

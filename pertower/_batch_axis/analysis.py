@@ -21,13 +21,7 @@ Along the way it finds
   whole batch's value; a size used as a shape, index, range, segment id or partition
   keeps the tower's own (`size_uses` tells the two apart).
 
-The verdict is "independent" when `ys` has one row per example (Rows(0, 1, .), a row
-layout) and no op couples examples; "coupled" when one does (the first, in graph
-order, is what the caller raises); "unproven" otherwise (`lost_at` says where and why).
-The per-op rules (`pertower.rules`) use the row layouts (`Analysis.rows`) only when the
-verdict is "independent": then every tensor on a path from the batch to `ys` was built
-from its own example's rows (or from SIZE values, which the batched backward pass
-evaluates with the whole batch, as `ys` does).
+`verdict.Analysis` turns what the scan found into the verdict.
 """
 
 import tensorflow as tf
@@ -46,6 +40,7 @@ from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_index
 from pertower._batch_axis import transfer_layout
 from pertower._batch_axis import transfer_lookups
+from pertower._batch_axis.verdict import Analysis
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
 __all__ = ["Analysis", "analyze", "find_couplings"]
@@ -219,6 +214,11 @@ class _Scan:
             return True
         return any(c in self.region for c in tensor.consumers())
 
+    def forgive(self, ops):
+        """Takes back the losses recorded at `ops` (inside a pattern a transfer function
+        has matched whole at its last op)."""
+        self.losses = [(o, reason) for o, reason in self.losses if o not in ops]
+
     def lose(self, op, reason, doubt=False):
         """Records that the proof was lost at `op` (the first record is `lost_at`);
         with `doubt`, the verdict cannot be "independent" even if `ys` keeps its rows."""
@@ -330,72 +330,6 @@ def _back_edge(tensor, op):
     entry's value)."""
     return (op.type in op_types.V1_MERGE_OP_TYPES
             and tensor.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES)
-
-
-class Analysis:
-    """The result of `analyze`.
-
-    Attributes:
-      couplings: every `Coupling` found, in graph order.
-      verdict: "independent", "coupled" or "unproven" (see the module docstring).
-      lost_at: None, or (op, reason): the first op where the proof was lost (set when
-        the verdict is "unproven").
-      size_data_edges: (consumer op, input index) pairs where a value computed from the
-        batch's size enters the values reaching `ys` (the whole batch's B); its other
-        uses size or index the tower's own tensors (`size_uses`).
-      num_groups, registry: as given to `analyze`.
-      segments: None when the rows of `ys` are the examples of the batch (every batch
-        tensor fed the same examples); else, when `ys` joins several batches along
-        axis 0 (`tf.concat([f(s1), f(s2)], 0)`), one tuple of batch indices per
-        batch, in the order of the rows of `ys`: ((0,), (1,)).
-    """
-
-    def __init__(self, scan, ys, num_groups, registry=None, num_batch=1):
-        self.registry = registry
-        self._values = scan.values
-        self.region = frozenset(scan.region)   # the ops between the batch and `ys`
-        self.couplings = list(scan.couplings)
-        self.size_data_edges = list(dict.fromkeys(scan.size_data_edges))
-        self.num_groups = num_groups
-        self.lost_at = None
-        self.segments = None
-        ys_rows = None if ys is None else self.rows(ys)
-        parts = () if ys is None else scan.batches.parts_of(ys)
-        covers_batch = frozenset().union(*parts) == frozenset(range(num_batch))
-        if self.couplings:
-            self.verdict = "coupled"
-        elif (ys_rows is not None and ys_rows.lead == 0 and ys_rows.k == 1
-              and not scan.doubts and (len(parts) < 2 or covers_batch)):
-            self.verdict = "independent"
-            if len(parts) > 1:
-                self.segments = tuple(tuple(sorted(p)) for p in parts)
-        elif len(parts) > 1 and not covers_batch and not scan.doubts and not scan.losses:
-            self.verdict = "unproven"
-            self.lost_at = (ys.op, "`ys` joins several batches along axis 0, but not every "
-                                   "batch tensor is part of one of them")
-        else:
-            self.verdict = "unproven"
-            if scan.doubts:
-                self.lost_at = next(l for l in scan.losses if l[0] is scan.doubts[0])
-            elif scan.losses:
-                self.lost_at = scan.losses[0]
-            elif ys is not None:
-                value = scan.value_of(ys)
-                why = ("`ys` carries the batch only through its size" if value is SIZE else
-                       f"`ys` has the layout {value}, not one row per example on axis 0")
-                self.lost_at = (ys.op, why)
-
-    def value(self, tensor):
-        """The lattice value of `tensor` (INDEPENDENT for tensors not from the batch)."""
-        return self._values.get(tensor, INDEPENDENT)
-
-    def rows(self, tensor):
-        """The Rows of `tensor` when it has a row layout (every axis before `lead` of
-        static size 1), k and E completed from its static shape; else None."""
-        value = self._values.get(tensor)
-        if not lattice.contiguous(value, tensor.shape):
-            return None
-        return lattice.complete(value, tensor.shape)
 
 
 def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=None,

@@ -72,38 +72,39 @@ def while_loop(scan, op, ins):
     raise lattice.Lost("the values of its loop variables did not settle")
 
 
-def list_from_tensor(scan, op, ins):
-    value = ins[0]
+def _shifted(value, shift, what):
+    """The Rows of a list's elements (shift -1) or of their stack (shift +1); SIZE for a
+    list that does not hold the batch's rows."""
     if value is UNKNOWN:
-        raise lattice.Lost("its input's batch axis was already lost")
-    if not isinstance(value, Rows):
-        return [SIZE]
-    if value.lead == 0:
+        raise lattice.Lost(f"its {what} batch axis was already lost")
+    return Rows(value.lead + shift, value.k, None) if isinstance(value, Rows) else SIZE
+
+
+def _index_checked(ins, j):
+    if lattice.depends_on_values(ins[j]):
+        raise lattice.Lost("its index depends on the batch's values")
+
+
+def list_from_tensor(scan, op, ins):
+    if isinstance(ins[0], Rows) and ins[0].lead == 0:
         raise lattice.Lost("it makes a TensorList over the batch axis: one element per "
                            "example, which a loop then visits in turn (tf.scan, "
                            "tf.map_fn over the batch)")
-    return [Rows(value.lead - 1, value.k, None)]
+    return [_shifted(ins[0], -1, "input's")]
 
 
 def list_get_item(scan, op, ins):
-    if lattice.depends_on_values(ins[1]):
-        raise lattice.Lost("its index depends on the batch's values")
+    _index_checked(ins, 1)
     return [ins[0]]
 
 
 def list_set_item(scan, op, ins):
-    if lattice.depends_on_values(ins[1]):
-        raise lattice.Lost("its index depends on the batch's values")
+    _index_checked(ins, 1)
     return [_loop_join(ins[0], ins[2])]
 
 
 def list_stack(scan, op, ins):
-    value = ins[0]
-    if value is UNKNOWN:
-        raise lattice.Lost("its list's batch axis was already lost")
-    if not isinstance(value, Rows):
-        return [SIZE]
-    return [Rows(value.lead + 1, value.k, None)]
+    return [_shifted(ins[0], 1, "list's")]
 
 
 def switch(scan, op, ins):
@@ -132,27 +133,19 @@ def v1_loop_pass(scan, op, ins):
     return [ins[0]]
 
 
-def _index_checked(ins, j):
-    if lattice.depends_on_values(ins[j]):
-        raise lattice.Lost("its index depends on the batch's values")
-
-
 def tensor_array_scatter(scan, op, ins):
     """TensorArrayScatterV3(handle, indices, value [N, ...], flow) -> flow: the elements
     are value's rows along axis 0 (N time steps), so the batch axis moves down by one."""
     _index_checked(ins, 1)
     value = ins[2]
-    if value is UNKNOWN:
-        raise lattice.Lost("its input's batch axis was already lost")
-    if not isinstance(value, Rows):
-        return [_loop_join(ins[3], SIZE)]
-    if value.lead == 0:   # one element per example (tf.compat.v1.map_fn over the batch)
+    if isinstance(value, Rows) and value.lead == 0:   # one element per example
+        # (tf.compat.v1.map_fn over the batch)
         if value.k != 1 or not examples.identity_indices(op.inputs[1]):
             raise lattice.Lost("it makes a TensorArray over the batch axis whose elements "
                                "are not the examples in order (several rows per example, "
                                "or indices other than 0, 1, ..., B - 1)")
         return [_loop_join(ins[3], examples.EXAMPLE_ELEMENTS)]
-    return [_loop_join(ins[3], Rows(value.lead - 1, value.k, None))]
+    return [_loop_join(ins[3], _shifted(value, -1, "input's"))]
 
 
 def tensor_array_read(scan, op, ins):
@@ -181,15 +174,10 @@ def tensor_array_write(scan, op, ins):
 def tensor_array_gather(scan, op, ins):
     """TensorArrayGatherV3(handle, indices, flow) -> [N, ...elements]."""
     _index_checked(ins, 1)
-    value = ins[2]
-    if value is UNKNOWN:
-        raise lattice.Lost("its TensorArray's batch axis was already lost")
-    if not isinstance(value, Rows):
-        return [SIZE]
-    if value == examples.EXAMPLE_ELEMENTS and not examples.identity_indices(op.inputs[1]):
+    if ins[2] == examples.EXAMPLE_ELEMENTS and not examples.identity_indices(op.inputs[1]):
         raise lattice.Lost("it gathers the examples of a TensorArray at indices other than "
                            "0, 1, ..., B - 1")
-    return [Rows(value.lead + 1, value.k, None)]
+    return [_shifted(ins[2], 1, "TensorArray's")]
 
 
 def tensor_array_size(scan, op, ins):

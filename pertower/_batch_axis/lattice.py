@@ -188,6 +188,13 @@ class Lost(Exception):
         self.reason = reason
 
 
+def matched(found, reason):
+    """`found` (a pattern matched at an op), or raises Lost(reason) when it is None."""
+    if found is None:
+        raise Lost(reason)
+    return found
+
+
 class TensorMap:
     """A dict keyed by tensors through `tensor.ref()` (tensors of function graphs are
     not hashable)."""

@@ -22,7 +22,7 @@ other use of the partitions or the gathered rows between the batch and `ys`.
 
 from pertower._batch_axis import lattice
 from pertower._batch_axis import static
-from pertower._batch_axis.lattice import INDEPENDENT, Rows
+from pertower._batch_axis.lattice import Rows
 
 __all__ = ["TRANSFERS", "READS_UNKNOWN", "partitioned_lookup"]
 
@@ -85,14 +85,11 @@ def partitioned_lookup(op):
     return where.inputs[1], split.inputs[0], (split, where), gathers, identities
 
 
-def stitch(scan, op, ins):
+def stitch(scan, op, _):
     """Rows(0, k) for the partitioned lookup's DynamicStitch (see the module)."""
-    del ins
-    found = partitioned_lookup(op)
-    if found is None:
-        raise lattice.Lost("its indices and data are not the partitions of one "
-                           "partitioned lookup")
-    partitions, new_ids, partition_ops, gathers, identities = found
+    partitions, new_ids, partition_ops, gathers, identities = lattice.matched(
+        partitioned_lookup(op), "its indices and data are not the partitions of one "
+        "partitioned lookup")
     rows = [scan.value_of(t) for t in (partitions, new_ids)]
     if not all(isinstance(v, Rows) and v.lead == 0 and v.k is not None for v in rows) or (
             rows[0].k != rows[1].k or partitions.shape.rank != 1 or new_ids.shape.rank != 1):
@@ -106,7 +103,7 @@ def stitch(scan, op, ins):
         for tensor in member.outputs:
             if any(c in scan.region and c not in inside for c in tensor.consumers()):
                 raise lattice.Lost(f"{tensor.name} has another use between the batch and `ys`")
-    scan.losses = [(o, reason) for o, reason in scan.losses if o not in partition_ops]
+    scan.forgive(partition_ops)
     return [Rows(0, rows[1].k, None)]
 
 

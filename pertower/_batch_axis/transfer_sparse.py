@@ -149,14 +149,11 @@ def _own_uses(scan, coordinates):
     return True
 
 
-def sparse_segment(scan, op, ins):
+def sparse_segment(scan, op, _):
     """Rows(0, 1) for the sparse lookup's SparseSegment op (see the module)."""
-    del ins
-    found = sparse_lookup(op)
-    if found is None:
-        raise lattice.Lost("its ids and segment ids are not the entries of a SparseTensor "
-                           "built from the batch's dense ids (tf.sparse.from_dense)")
-    coordinates, ids_source, mask, table_gather = found
+    coordinates, ids_source, mask, table_gather = lattice.matched(
+        sparse_lookup(op), "its ids and segment ids are not the entries of a SparseTensor "
+        "built from the batch's dense ids (tf.sparse.from_dense)")
     for tensor in (ids_source, mask):
         value = scan.value_of(tensor)
         if not (isinstance(value, Rows) and value.lead == 0 and value.k == 1):
@@ -167,7 +164,7 @@ def sparse_segment(scan, op, ins):
     if not _own_uses(scan, coordinates):
         raise lattice.Lost(f"the coordinates {coordinates.name} have another use between "
                            "the batch and `ys`")
-    scan.losses = [(o, reason) for o, reason in scan.losses if o is not coordinates.op]
+    scan.forgive([coordinates.op])
     return [Rows(0, 1, None)]
 
 

@@ -19,6 +19,7 @@ sampled from the model, so that the GGN equals the (true) Fisher.
 
 import tensorflow as tf
 
+from pertower import _checks
 from pertower import _context
 
 __all__ = ["LOSSES", "hessian_factor", "exact_columns", "check_loss", "check_mc_samples"]
@@ -121,9 +122,7 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
     """
     loss = check_loss(loss)
     mc_samples = check_mc_samples(mc_samples)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _context.error(TypeError, f"`seed` must be an int or None, but received "
-                                        f"{seed!r}.")
+    seed = _checks.optional_seed(seed)
     logits = tf.stop_gradient(_check_logits(logits))
     dtype = logits.dtype
     B, K = tf.shape(logits)[0], tf.shape(logits)[1]

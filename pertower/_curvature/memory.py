@@ -21,7 +21,6 @@ A rule whose `sum_squared_size` is None (the default) is counted as per column.
 """
 
 import dataclasses
-import math
 
 import tensorflow as tf
 
@@ -47,7 +46,7 @@ class CurvatureEstimate(memory.MemoryEstimate):
         return super().total_bytes + self.column_bytes
 
     def describe(self):
-        gb = _gb
+        gb = memory.gb
         held = (f", the {self.num_towers} {self.fallback}' gradients before stacking "
                 f"{gb(self.tower_gradient_bytes)}" if self.tower_gradient_bytes else "")
         return (f"{gb(self.total_bytes)}: what the routes hold for {self.batch_size} "
@@ -57,21 +56,10 @@ class CurvatureEstimate(memory.MemoryEstimate):
                 f"{gb(self.activation_bytes)}")
 
 
-def _gb(n):
-    return f"{n / 1e9:.3g} GB" if n >= 1e7 else f"{n / 1e6:.3g} MB"
-
-
-def _size(shape):
-    shape = tf.TensorShape(shape)
-    if shape.rank is None or not shape.is_fully_defined():
-        return None
-    return math.prod(shape.as_list())
-
-
 def route_size(uses, x, C, per_example):
     """Numbers per example that the route of weight `x` (covered by `uses`) holds for C
     columns; 0 for a weight no use reaches, None when x's shape is not static."""
-    size = _size(x.shape)
+    size = memory.static_size(tf.TensorShape(x.shape))
     if not uses or size is None:
         return 0 if not uses else None
     if len(uses) == 1:
@@ -104,12 +92,12 @@ def guard(plan, C, per_example, memory_limit):
             continue
         nbytes = tf.as_dtype(x.dtype).base_dtype.size
         if k in plan.fallback:
-            fallback += (_size(x.shape) or 0) * nbytes
+            fallback += (memory.static_size(tf.TensorShape(x.shape)) or 0) * nbytes
             continue
         uses = plan.uses[k] or ()
         covered += (route_size(uses, x, C, per_example) or 0) * nbytes
         for use in uses:
-            per_example_size = _size(use.output.shape[1:])
+            per_example_size = memory.static_size(use.output.shape[1:])
             if id(use.output) in seen or per_example_size is None:
                 continue
             seen.add(id(use.output))

@@ -26,7 +26,6 @@ arXiv 1905.03871, Theorem 1); gradient accumulation makes one step of the logica
 """
 
 import math
-import numbers
 
 from pertower import _checks
 from pertower import _context
@@ -80,9 +79,7 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
       tighter = pertower.compute_epsilon(60 * 60000 // 256, 1.1, 256 / 60000, 1e-5,
                                          accountant="pld")
     """
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise _context.error(ValueError, f"`steps` must be a non-negative integer, "
-                             f"but received {steps!r}.")
+    steps = _checks.positive_int(steps, "steps", low=0)
     noise_multiplier = _number(noise_multiplier, "noise_multiplier", 0, math.inf, True, True)
     sampling_probability = _number(sampling_probability, "sampling_probability", 0, 1,
                                    True, False)

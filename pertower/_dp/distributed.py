@@ -38,11 +38,11 @@ from pertower import _checks
 from pertower import _context
 from pertower import _tf
 from pertower._dp import optimizer as dp_optimizer
+from pertower._dp import wrapper
 
 __all__ = ["DPSyncReplicasOptimizer"]
 
 _NOISE_MODES = ("chief", "split")
-_GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 
 
 def split_seed(seed, task_index):
@@ -66,12 +66,14 @@ class _ClippedSum(dp_optimizer.DPOptimizer):
         return self._add_noise(clipped_sum, stddevs)
 
 
-class _Release:
+class _Release(wrapper.WrappedOptimizer):
     """The optimizer SyncReplicasOptimizer applies the averaged pushes with: it turns
     them into the DP gradient (chief mode: the noise, once) and hands that on."""
 
     def __init__(self, owner):
         self._owner = owner
+
+    optimizer = property(lambda self: self._owner.optimizer)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         owner = self._owner
@@ -94,17 +96,8 @@ class _Release:
         return owner.optimizer.apply_gradients(
             list(zip(gradients, [v for _, v in pairs])), global_step=global_step, name=name)
 
-    def get_slot(self, *args, **kwargs):
-        return self._owner.optimizer.get_slot(*args, **kwargs)
 
-    def get_slot_names(self, *args, **kwargs):
-        return self._owner.optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self):
-        return self._owner.optimizer.variables()
-
-
-class DPSyncReplicasOptimizer:
+class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
     """Synchronous DP-SGD over the workers of a TensorFlow cluster, the noise added once.
 
     For between-graph replication (`tf.compat.v1.train.ClusterSpec`,
@@ -189,9 +182,7 @@ class DPSyncReplicasOptimizer:
                     ValueError, f"noise=\"split\" needs `task_index`, this worker's index "
                     f"in [0, {W}) (it seeds the worker's own noise), but received "
                     f"{task_index!r}.")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise _context.error(TypeError, "`seed` must be an int or None, but received "
-                                 f"{type(seed).__name__} ({seed!r:.80}).")
+        seed = _checks.optional_seed(seed)
         if expected_global_batch is not None:
             expected_global_batch = _checks.real_number(
                 expected_global_batch, "expected_global_batch", 0.0, math.inf,
@@ -228,7 +219,7 @@ class DPSyncReplicasOptimizer:
 
     @_context.public("DPSyncReplicasOptimizer.compute_gradients")
     def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
-                          gate_gradients=_GATE_OP, aggregation_method=None,
+                          gate_gradients=wrapper.GATE_OP, aggregation_method=None,
                           colocate_gradients_with_ops=False, grad_loss=None,
                           batch_axis=None, max_batch_size=None):
         """This worker's clipped sum (noised by its share in split mode), per variable.
@@ -288,18 +279,6 @@ class DPSyncReplicasOptimizer:
         _tf.set_chief_queue_runner(self._sync, quiet)
         return train_op
 
-    def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
-                 aggregation_method=None, colocate_gradients_with_ops=False, name=None,
-                 grad_loss=None, batch=None, batch_size=None, batch_axis=None,
-                 max_batch_size=None):
-        """`compute_gradients` then `apply_gradients`; returns the worker's train op."""
-        grads_and_vars = self.compute_gradients(
-            loss, var_list=var_list, batch=batch, batch_size=batch_size,
-            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
-            batch_axis=batch_axis, max_batch_size=max_batch_size)
-        return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
-
     def make_session_run_hook(self, is_chief, num_tokens=None):
         """The `SyncReplicasOptimizer` hook (chief: initial tokens and the queue runner
         that takes, noises and applies).
@@ -320,15 +299,6 @@ class DPSyncReplicasOptimizer:
 
     def get_init_tokens_op(self, num_tokens=-1):
         return self._sync.get_init_tokens_op(num_tokens)
-
-    def get_slot(self, var, name):
-        return self._clipper.get_slot(var, name)
-
-    def get_slot_names(self):
-        return self._clipper.get_slot_names()
-
-    def variables(self):
-        return self._clipper.variables()
 
     def __repr__(self):
         return (f"DPSyncReplicasOptimizer({type(self.optimizer).__name__}, l2_norm_clip="

@@ -34,16 +34,9 @@ Weights without a rule are formed by towers, [B, *x.shape], and contracted with 
 same f (the towers replay the model, so a random op draws its own numbers there; each
 example's clipped gradient, as computed, still has norm <= C). Microbatches (M < B)
 are built by the same dispatch as `microbatch_gradients`, [M, *x.shape].
-
-The modes of `_dp.clipping` (per-layer and adaptive clipping), `_dp.accumulation`
-(large logical batches) and `_dp.sampling` (Poisson batches) plug into this step: the
-clipping gives the factors and the noise's stddev per weight, the accumulator holds the
-sums between runs, and the division is by the expected batch size when one is given
-(the sum of an empty Poisson batch is 0, so the step then releases the noise alone).
 """
 
 import math
-import numbers
 import warnings
 
 import tensorflow as tf
@@ -57,20 +50,13 @@ from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
 from pertower._dp import sampling
 from pertower._dp import var_lists
+from pertower._dp import wrapper
+from pertower._dp.wrapper import GATE_GRAPH, GATE_OP
 
 __all__ = ["DPOptimizer"]
 
-_GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
-_GATE_GRAPH = tf.compat.v1.train.Optimizer.GATE_GRAPH
 
-# What a reduced loss is told.
-_ONE_LOSS_PER_EXAMPLE = (
-    "DP needs one loss per example: pass the unreduced loss, [B] (e.g. "
-    "tf.nn.sparse_softmax_cross_entropy_with_logits, or a Keras loss with "
-    "reduction='none'), not its mean.")
-
-
-class DPOptimizer:
+class DPOptimizer(wrapper.WrappedOptimizer):
     """DP-SGD around any `tf.compat.v1.train.Optimizer`: per-example clipping and noise.
 
     Same arithmetic as TensorFlow Privacy's Gaussian optimizers: each example's (or
@@ -145,10 +131,7 @@ class DPOptimizer:
             wanted="a non-negative number")
         self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
             num_microbatches, "num_microbatches"))
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise _context.error(TypeError, "`seed` must be an int or None, but received "
-                                 f"{type(seed).__name__} ({seed!r:.80}).")
-        self._seed = None if seed is None else int(seed)
+        self._seed = _checks.optional_seed(seed)
         self._method = _request.check_method(method)
         # the clipping mode, its clip norms, the divisor and σ_Δ (`_dp.clipping`)
         self._clip = clipping_lib.clipping_options(
@@ -161,54 +144,29 @@ class DPOptimizer:
         self._clip_variable = None
         self._step = None      # the last compute_gradients' `PendingStep`
 
-    @property
-    def optimizer(self):
-        """The wrapped `tf.compat.v1.train.Optimizer`."""
-        return self._optimizer
-
-    @property
-    def l2_norm_clip(self):
-        """C as given (the initial one with adaptive clipping; a list per layer)."""
-        return self._clip.l2_norm_clip
-
-    @property
-    def l2_norm_clip_variable(self):
-        """With adaptive clipping, the non-trainable scalar variable holding the current
-        clip norm (made by the first compute_gradients); else None."""
-        return self._clip_variable
-
-    @property
-    def noise_multiplier(self):
-        return self._noise_multiplier
-
-    @property
-    def gradient_noise_multiplier(self):
-        """σ_Δ, the noise multiplier of the gradient's noise: `noise_multiplier`, or
-        with adaptive clipping (σ^-2 - (2 σ_b)^-2)^(-1/2) (Theorem 1 of arXiv
-        1905.03871)."""
-        return self._clip.gradient_noise_multiplier
-
-    @property
-    def clipping_options(self):
-        """The checked clipping options: a record with kind, l2_norm_clip,
-        expected_batch_size, adaptive, count_stddev (σ_b) and gradient_noise_multiplier."""
-        return self._clip
-
-    @property
-    def num_microbatches(self):
-        return self._num_microbatches
-
-    @property
-    def seed(self):
-        return self._seed
-
-    @property
-    def gradient_accumulation_steps(self):
-        return self._accumulation_steps
+    optimizer = property(lambda self: self._optimizer,
+                         doc="The wrapped `tf.compat.v1.train.Optimizer`.")
+    l2_norm_clip = property(lambda self: self._clip.l2_norm_clip, doc=(
+        "C as given (the initial one with adaptive clipping; a list per layer)."))
+    l2_norm_clip_variable = property(lambda self: self._clip_variable, doc=(
+        "With adaptive clipping, the non-trainable scalar variable holding the current "
+        "clip norm (made by the first compute_gradients); else None."))
+    noise_multiplier = property(lambda self: self._noise_multiplier)
+    gradient_noise_multiplier = property(
+        lambda self: self._clip.gradient_noise_multiplier, doc=(
+            "σ_Δ, the noise multiplier of the gradient's noise: `noise_multiplier`, or "
+            "with adaptive clipping (σ^-2 - (2 σ_b)^-2)^(-1/2) (Theorem 1 of arXiv "
+            "1905.03871)."))
+    clipping_options = property(lambda self: self._clip, doc=(
+        "The checked clipping options: a record with kind, l2_norm_clip, "
+        "expected_batch_size, adaptive, count_stddev (σ_b) and gradient_noise_multiplier."))
+    num_microbatches = property(lambda self: self._num_microbatches)
+    seed = property(lambda self: self._seed)
+    gradient_accumulation_steps = property(lambda self: self._accumulation_steps)
 
     @_context.public("DPOptimizer.compute_gradients")
     def compute_gradients(self, loss, var_list=None, batch=None, batch_size=None,
-                          gate_gradients=_GATE_OP, aggregation_method=None,
+                          gate_gradients=GATE_OP, aggregation_method=None,
                           colocate_gradients_with_ops=False, grad_loss=None,
                           batch_axis=None, max_batch_size=None):
         """The clipped, noised, averaged gradient, as (gradient, variable) pairs.
@@ -252,22 +210,7 @@ class DPOptimizer:
           batch on every k-th run (zeros on the others), and only the op of
           `apply_gradients` adds each run's batch to the accumulator.
         """
-        _checks.require_graph_mode()
-        if callable(loss) and not isinstance(loss, tf.Tensor):
-            raise _context.error(TypeError, "`loss` must be a graph tensor, not a callable "
-                                 "(that is the eager API, which pertower does not serve).")
-        _checks.require_graph_tensor(loss, "loss")
-        if grad_loss is not None:
-            raise _context.error(
-                ValueError, "`grad_loss` must be None: DP-SGD weighs every example's loss "
-                "equally; scale the loss instead.")
-        if gate_gradients not in (tf.compat.v1.train.Optimizer.GATE_NONE, _GATE_OP,
-                                  _GATE_GRAPH):
-            raise _context.error(ValueError, "`gate_gradients` must be GATE_NONE, GATE_OP or "
-                                 f"GATE_GRAPH, but received {gate_gradients!r}.")
-        if loss.shape.rank is None:   # (a scalar is refused by the request, below)
-            raise _context.error(ValueError, f"`loss` ({loss.name}) has shape {loss.shape}, "
-                                 f"but {_ONE_LOSS_PER_EXAMPLE}")
+        wrapper.check_compute_arguments(loss, grad_loss, gate_gradients)
         defaulted = var_list is None
         all_variables = var_lists.variables(var_list)
         var_list = var_lists.without_gradient_free(all_variables)
@@ -298,7 +241,7 @@ class DPOptimizer:
                     per_example_loss, var_list, _request.Examples(batch, batch_size, M,
                                                                   batch_axis),
                     _dispatch.options(self._method, batch_capacity=capacity),
-                    ys_argument="loss", scalar_advice=_ONE_LOSS_PER_EXAMPLE)
+                    ys_argument="loss", scalar_advice=wrapper.ONE_LOSS_PER_EXAMPLE)
             clip = self._clip_read(dtype)              # C: a float, or the variable's read
             factors_of = (clipping_lib.per_layer_factors(clips) if per_layer
                           else clipping_lib.flat_factors(clip))
@@ -306,7 +249,7 @@ class DPOptimizer:
             B = request.batch_size if request.batch_size is not None else request.ys_rows
             if M is None or (B is not None and M == B):
                 clipped_sum, count, norms = clipping_lib.clipped_sum_per_example(
-                    request, factors_of, per_layer, gate_gradients == _GATE_GRAPH)
+                    request, factors_of, per_layer, gate_gradients == GATE_GRAPH)
             else:
                 clipped_sum, count, norms = clipping_lib.clipped_sum_microbatches(
                     request, factors_of, per_layer)
@@ -414,30 +357,6 @@ class DPOptimizer:
         if step.accumulator is None:
             return apply()
         return step.accumulator.finish(step.is_last, step.totals, apply)
-
-    def minimize(self, loss, global_step=None, var_list=None, gate_gradients=_GATE_OP,
-                 aggregation_method=None, colocate_gradients_with_ops=False, name=None,
-                 grad_loss=None, batch=None, batch_size=None, batch_axis=None,
-                 max_batch_size=None):
-        """`compute_gradients` then `apply_gradients`, as
-        `tf.compat.v1.train.Optimizer.minimize`; returns the training op."""
-        grads_and_vars = self.compute_gradients(
-            loss, var_list=var_list, batch=batch, batch_size=batch_size,
-            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss,
-            batch_axis=batch_axis, max_batch_size=max_batch_size)
-        return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
-
-    def get_slot(self, var, name):
-        """The wrapped optimizer's slot (e.g. Adam's "m")."""
-        return self._optimizer.get_slot(var, name)
-
-    def get_slot_names(self):
-        return self._optimizer.get_slot_names()
-
-    def variables(self):
-        """The wrapped optimizer's variables (slots, Adam's beta powers)."""
-        return self._optimizer.variables()
 
     def get_name(self):
         return self._optimizer.get_name()

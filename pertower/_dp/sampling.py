@@ -19,7 +19,6 @@ N that a Binomial(N_examples, q) batch exceeds with at most a stated probability
 """
 
 import math
-import numbers
 
 import numpy as np
 import tensorflow as tf
@@ -73,13 +72,9 @@ def poisson_batches(arrays, sampling_probability, steps=None, seed=None, splits=
     q = _checks.real_number(sampling_probability, "sampling_probability", 0.0, 1.0,
                             low_open=True)
     steps = int(round(1.0 / q)) if steps is None else steps
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise _context.error(ValueError, "`steps` must be a non-negative integer or None, "
-                             f"but received {steps!r}.")
+    steps = _checks.positive_int(steps, "steps", low=0)
     splits = _checks.positive_int(splits, "splits")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise _context.error(TypeError, f"`seed` must be an int or None, but received "
-                             f"{type(seed).__name__}.")
+    seed = _checks.optional_seed(seed)
     return _batches(arrays, single, q, int(steps), seed, splits)
 
 
@@ -112,10 +107,7 @@ def poisson_capacity(num_examples, sampling_probability, overflow=1e-6):
     Example:
       N = pertower.poisson_capacity(60000, 256 / 60000)   # 256 expected: N = 335
     """
-    if (isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral)
-            or num_examples < 0):
-        raise _context.error(ValueError, "`num_examples` must be a non-negative integer, "
-                             f"but received {num_examples!r}.")
+    num_examples = _checks.positive_int(num_examples, "num_examples", low=0)
     q = _checks.real_number(sampling_probability, "sampling_probability", 0.0, 1.0,
                             low_open=True)
     overflow = _checks.real_number(overflow, "overflow", 0.0, 1.0, low_open=True,

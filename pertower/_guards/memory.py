@@ -43,7 +43,8 @@ from pertower import _op_types as op_types
 from pertower import _checks
 from pertower import _context
 
-__all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit"]
+__all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit", "gb",
+           "static_size"]
 
 # The default limit: this fraction of the machine's physical memory.
 DEFAULT_FRACTION = 0.5
@@ -63,7 +64,7 @@ def default_memory_limit():
     return math.inf if physical is None else int(DEFAULT_FRACTION * physical)
 
 
-def _gb(n):
+def gb(n):
     return f"{n / 1e9:.3g} GB" if n >= 1e7 else f"{n / 1e6:.3g} MB"
 
 
@@ -103,13 +104,14 @@ class MemoryEstimate:
     def describe(self):
         K = f" x {self.outputs_per_example} outputs" if self.outputs_per_example > 1 else ""
         held = (f", the {self.num_towers} {self.fallback}' gradients before stacking "
-                f"{_gb(self.tower_gradient_bytes)}" if self.tower_gradient_bytes else "")
-        return (f"{_gb(self.total_bytes)}: the result {self.rows}{K} x {self.num_weights} "
-                f"weights = {_gb(self.result_bytes)}{held}, replayed activations "
-                f"{_gb(self.activation_bytes)}")
+                f"{gb(self.tower_gradient_bytes)}" if self.tower_gradient_bytes else "")
+        return (f"{gb(self.total_bytes)}: the result {self.rows}{K} x {self.num_weights} "
+                f"weights = {gb(self.result_bytes)}{held}, replayed activations "
+                f"{gb(self.activation_bytes)}")
 
 
-def _static_size(shape):
+def static_size(shape):
+    """The number of elements of a static `shape`, or None."""
     if shape.rank is None or not shape.is_fully_defined():
         return None
     return int(np.prod(shape.as_list(), dtype=np.int64))
@@ -127,7 +129,7 @@ def _activation_bytes(request, B):
         for out in op.outputs:
             if not out.dtype.is_floating or out.shape.rank is None or out.shape.rank == 0:
                 continue
-            per_example = _static_size(out.shape[1:])
+            per_example = static_size(out.shape[1:])
             if per_example is not None:
                 total += B * per_example * out.dtype.size
     return total
@@ -137,7 +139,7 @@ def _weight_bytes(xs):
     """(scalars, bytes) over the entries of xs whose shape is static."""
     P, nbytes = 0, 0
     for x in xs:
-        size = _static_size(tf.TensorShape(x.shape))
+        size = static_size(tf.TensorShape(x.shape))
         if size is None:
             continue
         P += size
@@ -192,7 +194,7 @@ def check_plan(plan, memory_limit):
                    "per_example_norms if you only need the norms, ")
     raise _context.error(
         ValueError, "the per-example result would need about "
-        f"{estimate.describe()}, above the limit of {_gb(limit)} ({default_words}). "
+        f"{estimate.describe()}, above the limit of {gb(limit)} ({default_words}). "
         "Ask for less: microbatch_gradients with fewer microbatches (M x P numbers "
         f"instead of B x P), {norms_words}a smaller batch (batch_size) or fewer weights "
         "in `xs`. To raise the limit pass "

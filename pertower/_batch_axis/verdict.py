@@ -1,0 +1,82 @@
+"""The verdict of the batch-axis analysis, from one scan of the ops between the batch
+and `ys` (`analysis`).
+
+The verdict is "independent" when `ys` has one row per example (Rows(0, 1, .), a row
+layout) and no op couples examples; "coupled" when one does (the first, in graph
+order, is what the caller raises); "unproven" otherwise (`lost_at` says where and why).
+The per-op rules (`pertower.rules`) use the row layouts (`Analysis.rows`) only when the
+verdict is "independent": then every tensor on a path from the batch to `ys` was built
+from its own example's rows (or from SIZE values, which the batched backward pass
+evaluates with the whole batch, as `ys` does).
+"""
+
+from pertower._batch_axis import lattice
+from pertower._batch_axis.lattice import INDEPENDENT, SIZE
+
+__all__ = ["Analysis"]
+
+
+class Analysis:
+    """The result of `analyze`.
+
+    Attributes:
+      couplings: every `Coupling` found, in graph order.
+      verdict: "independent", "coupled" or "unproven" (see the module docstring).
+      lost_at: None, or (op, reason): the first op where the proof was lost (set when
+        the verdict is "unproven").
+      size_data_edges: (consumer op, input index) pairs where a value computed from the
+        batch's size enters the values reaching `ys` (the whole batch's B); its other
+        uses size or index the tower's own tensors (`size_uses`).
+      num_groups, registry: as given to `analyze`.
+      segments: None when the rows of `ys` are the examples of the batch (every batch
+        tensor fed the same examples); else, when `ys` joins several batches along
+        axis 0 (`tf.concat([f(s1), f(s2)], 0)`), one tuple of batch indices per
+        batch, in the order of the rows of `ys`: ((0,), (1,)).
+    """
+
+    def __init__(self, scan, ys, num_groups, registry=None, num_batch=1):
+        self.registry = registry
+        self._values = scan.values
+        self.region = frozenset(scan.region)   # the ops between the batch and `ys`
+        self.couplings = list(scan.couplings)
+        self.size_data_edges = list(dict.fromkeys(scan.size_data_edges))
+        self.num_groups = num_groups
+        self.lost_at = None
+        self.segments = None
+        ys_rows = None if ys is None else self.rows(ys)
+        parts = () if ys is None else scan.batches.parts_of(ys)
+        covers_batch = frozenset().union(*parts) == frozenset(range(num_batch))
+        if self.couplings:
+            self.verdict = "coupled"
+        elif (ys_rows is not None and ys_rows.lead == 0 and ys_rows.k == 1
+              and not scan.doubts and (len(parts) < 2 or covers_batch)):
+            self.verdict = "independent"
+            if len(parts) > 1:
+                self.segments = tuple(tuple(sorted(p)) for p in parts)
+        elif len(parts) > 1 and not covers_batch and not scan.doubts and not scan.losses:
+            self.verdict = "unproven"
+            self.lost_at = (ys.op, "`ys` joins several batches along axis 0, but not every "
+                                   "batch tensor is part of one of them")
+        else:
+            self.verdict = "unproven"
+            if scan.doubts:
+                self.lost_at = next(l for l in scan.losses if l[0] is scan.doubts[0])
+            elif scan.losses:
+                self.lost_at = scan.losses[0]
+            elif ys is not None:
+                value = scan.value_of(ys)
+                why = ("`ys` carries the batch only through its size" if value is SIZE else
+                       f"`ys` has the layout {value}, not one row per example on axis 0")
+                self.lost_at = (ys.op, why)
+
+    def value(self, tensor):
+        """The lattice value of `tensor` (INDEPENDENT for tensors not from the batch)."""
+        return self._values.get(tensor, INDEPENDENT)
+
+    def rows(self, tensor):
+        """The Rows of `tensor` when it has a row layout (every axis before `lead` of
+        static size 1), k and E completed from its static shape; else None."""
+        value = self._values.get(tensor)
+        if not lattice.contiguous(value, tensor.shape):
+            return None
+        return lattice.complete(value, tensor.shape)

@@ -1,0 +1,173 @@
+"""Where each weight enters the computation of `ys`: its reads, gathers, and the
+function calls and TF1 loops that get its resource handle.
+
+Notation: as in `pertower._graph_walk` (x one entry of `xs`, S the replayed ops).
+"""
+
+import tensorflow as tf
+
+from pertower import _context
+from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
+from pertower import _tf
+
+__all__ = ["WeightReads", "weight_reads"]
+
+
+class WeightReads:
+    """Where one entry of `xs` enters the computation of `ys`.
+
+    Attributes:
+      x: the entry of `xs` as given (variable or tensor).
+      name: a readable name for messages.
+      read_tensors: tensors holding the weight's value that ops in S consume; each
+        tower maps them to its own copy.
+      gather_ops: `ResourceGather` ops in S that read rows through the handle; towers
+        replay them as a plain gather from their copy.
+      call_inputs: (op, input index) pairs of function-calling ops (While, If,
+        PartitionedCall, ...) that get the weight's resource handle and read it in
+        their bodies; towers give them their copy (see `pertower._towers.functions`).
+      loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's resource
+        handle into a loop frame; such a weight is computed by row passes
+        (`pertower._towers.row_passes`).
+      handle: the resource handle, or None (reference variables and tensors).
+      reached: whether `ys` depends on the weight at all.
+      value: a tensor already holding the weight's value (a reference variable's
+        snapshot), or None.
+    """
+
+    def __init__(self, x, name, read_tensors=(), gather_ops=(), call_inputs=(), handle=None,
+                 value=None, loop_inputs=()):
+        self.x = x
+        self.name = name
+        self.read_tensors = list(read_tensors)
+        self.gather_ops = list(gather_ops)
+        self.call_inputs = list(call_inputs)
+        self.loop_inputs = list(loop_inputs)
+        self.handle = handle
+        self.reached = bool(self.read_tensors or self.gather_ops or self.call_inputs
+                            or self.loop_inputs)
+        self._read = value
+
+    @property
+    def copy_source(self):
+        """The tensor the towers' `tf.identity` copies are taken of, or None when `ys`
+        does not reach the weight. A weight read only through its handle (gathers,
+        control-flow bodies) gets one `ReadVariableOp`, made on first use under the
+        name scope current at that time (so it lands in the caller's scope)."""
+        if not self.reached:
+            return None
+        if self._read is None and self.read_tensors:
+            self._read = self.read_tensors[0]
+        if self._read is None:
+            with tf.control_dependencies(None):
+                self._read = tf.raw_ops.ReadVariableOp(
+                    resource=self.handle, dtype=self.dtype, name="read")
+        return self._read
+
+    @property
+    def dtype(self):
+        """The dtype of the weight's value."""
+        if self.gather_ops and not isinstance(self.x, tf.Variable):
+            return self.gather_ops[0].get_attr("dtype")
+        return _value_dtype(self.x)
+
+
+def _value_dtype(x):
+    """The dtype of the value `x` (a variable, a tensor or a resource handle) holds."""
+    if x.dtype != tf.resource:
+        return x.dtype.base_dtype
+    handle_data = _tf.handle_data(x)
+    if handle_data is not None and handle_data.shape_and_type:
+        return tf.as_dtype(handle_data.shape_and_type[0].dtype)
+    raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; pass the "
+                    "variable instead of its handle.")
+
+
+
+def _handle_consumers(handle, within):
+    """(op, input index) pairs of the consumers in `within` of a resource handle,
+    looking through Identity ops."""
+    found = []
+    stack = [handle]
+    while stack:
+        tensor = stack.pop()
+        for op in tensor.consumers():
+            if op not in within:
+                continue
+            if op.type in op_types.HANDLE_FORWARDING_OP_TYPES:
+                stack.extend(out for out in op.outputs if out.dtype == tf.resource)
+            else:
+                found.extend((op, i) for i, t in enumerate(op.inputs) if t is tensor)
+    return found
+
+
+def _resource_reads(x, name, handle, ys_upstream):
+    read_tensors, gather_ops, call_inputs, loop_inputs = [], [], [], []
+    for op, index in _handle_consumers(handle, ys_upstream):
+        if op.type in op_types.VARIABLE_READ_OP_TYPES:
+            read_tensors.append(op.outputs[0])
+        elif op.type in op_types.HANDLE_GATHER_OP_TYPES:
+            gather_ops.append(op)
+        elif op.type in op_types.CALL_OP_TYPES:
+            call_inputs.append((op, index))
+        elif op.type in op_types.V1_LOOP_OP_TYPES:
+            loop_inputs.append(op)
+        else:
+            raise _context.error(
+                NotImplementedError,
+                f"the weight {name!r} is passed to op "
+                f"{op.name!r} of type {op.type}, which towers cannot give a weight copy to "
+                "(they rewrite ReadVariableOp, ResourceGather and the function-calling ops "
+                f"{', '.join(sorted(op_types.CALL_OP_TYPES))}). Leave this weight out "
+                "of `xs`, or compute `ys` with a plain read of it."
+            )
+    read_tensors = sorted(set(read_tensors), key=lambda t: _tf.op_id(t.op))
+    gather_ops = sorted(set(gather_ops), key=_tf.op_order_key())
+    call_inputs.sort(key=lambda pair: (_tf.op_id(pair[0]), pair[1]))
+    loop_inputs = sorted(set(loop_inputs), key=_tf.op_order_key())
+    return WeightReads(x, name, read_tensors, gather_ops, call_inputs, handle,
+                       loop_inputs=loop_inputs)
+
+
+def weight_reads(x, index, ys_upstream, batch):
+    """Finds where `xs[index]` enters the computation of `ys`.
+
+    Resource variables are read by `ReadVariableOp` (mapped to the tower copy) or
+    `ResourceGather` (replayed as a gather from the copy); reference variables by
+    their ref tensor, which the towers map to the copy directly; a plain tensor is
+    itself mapped to the copy.
+    """
+    if isinstance(x, _tf.RefVariable):
+        ref = _tf.ref_variable_tensor(x)
+        reached = any(c in ys_upstream for c in ref.consumers())
+        return WeightReads(x, x.name, [ref] if reached else [], value=x.value())
+    if isinstance(x, tf.Variable):
+        handle = getattr(x, "handle", None)
+        if handle is None or not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
+            raise _context.error(
+                TypeError,
+                f"`xs[{index}]` is a variable of type "
+                f"{type(x).__name__} without a graph resource handle; pass graph-mode "
+                "resource or reference variables, or tensors."
+            )
+        return _resource_reads(x, x.name, handle, ys_upstream)
+    if isinstance(x, tf.Tensor) and hasattr(x, "op"):
+        if x.dtype == tf.resource:
+            return _resource_reads(x, x.name, x, ys_upstream)
+        x_upstream = graph_walk.upstream_ops([x])
+        if any(b.op in x_upstream for b in batch):
+            raise _context.error(
+                ValueError,
+                f"`xs[{index}]` ({x.name}) depends on the batch, "
+                "so it is an activation rather than a weight: each example already has "
+                "its own rows of it, and tf.gradients(ys, activation) gives them. Pass "
+                "weights (variables, or tensors that do not depend on the batch)."
+            )
+        reached = x.op in ys_upstream and any(c in ys_upstream for c in x.consumers())
+        return WeightReads(x, x.name, [x] if reached else [])
+    raise _context.error(
+        TypeError,
+        f"`xs[{index}]` must be a tf.Variable or a tf.Tensor, "
+        f"but received {type(x).__name__} ({x!r:.80})."
+    )
