@@ -1,4 +1,4 @@
-"""argparse types shared by the commands (`pertower demo`, `pertower bench`)."""
+"""argparse types shared by the commands (`pertower demo`, `pertower explain`, `python -m benchmarks`)."""
 
 import argparse
 

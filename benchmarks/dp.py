@@ -38,8 +38,8 @@ import pertower
 from pertower._dp import noise as noise_lib
 from pertower.tools import models as models_lib
 from pertower.tools import timing
-from pertower.tools.bench import peers_noise
-from pertower.tools.bench import report as report_lib
+from benchmarks import peers_noise
+from benchmarks import report as report_lib
 
 __all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "PHILOX_UNIFORMS", "SESSION_OVERHEAD",
            "DRAWS_PER_RUN", "FINE_ROWS", "DPEntry", "run_dp_bench", "format_dp_table",

@@ -26,11 +26,11 @@ from pertower.tools import environment
 from pertower.tools import models as models_lib
 from pertower.tools import timing
 from pertower.tools import traced_memory as run_memory
-from pertower.tools.bench import baselines
-from pertower.tools.bench import compare
-from pertower.tools.bench import machine
-from pertower.tools.bench import peers as peers_lib
-from pertower.tools.bench import records
+from benchmarks import baselines
+from benchmarks import compare
+from benchmarks import machine
+from benchmarks import peers as peers_lib
+from benchmarks import records
 
 __all__ = ["MODELS", "QUICK", "FULL", "run_bench"]
 
@@ -230,13 +230,13 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
       loop_repeats: timed passes of the loop (B sess.run each).
       report: called with each line of progress.
       peers: also run the PyTorch and JAX peers and the DP-SGD steps
-        (`pertower.tools.bench.peers`; models may then include its "cifar").
+        (`benchmarks.peers`; models may then include its "cifar").
       peer_rounds: child processes per peer framework (each times `repeats` passes).
       peer_info: a dict that receives each peer framework's versions.
 
     Example:
       entries = run_bench(models=["mlp"], batch_sizes=[32], repeats=3)
-      print(report.format_table(entries))   # pertower.tools.bench.report
+      print(report.format_table(entries))   # benchmarks.report
     """
     if batch_sizes is None:
         batch_sizes = QUICK["batch_sizes"]
@@ -244,7 +244,7 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
     for model_name in models:
         known = MODELS + (peers_lib.PEER_MODELS if peers else ())
         if model_name not in known:
-            raise ValueError(f"pertower.tools.bench: unknown model {model_name!r}; choose from "
+            raise ValueError(f"benchmarks: unknown model {model_name!r}; choose from "
                              f"{tuple(dict.fromkeys(known))} ({peers_lib.PEER_MODELS} "
                              "with peers).")
         sizes = batch_sizes[model_name] if isinstance(batch_sizes, dict) else batch_sizes

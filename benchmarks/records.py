@@ -23,7 +23,7 @@ LOOP, BATCH, OUTER, HAND_NORMS, VMAP, WRITE_LIMIT, NORMS_FLOOR = (
 # entries whose result is not compared with the loop ("n/c")
 NOT_COMPARED = ("write", "floor")
 
-# The peers' rows (`pertower.tools.bench.peers`), and what each computes: "gradients"
+# The peers' rows (`benchmarks.peers`), and what each computes: "gradients"
 # (per-example, [B, *x.shape]), "step" (a plain SGD step: the mean gradient) or "dp step"
 # (a DP-SGD step: the clipped mean, checked with σ = 0, timed with the job's σ).
 TORCH_VMAP = "torch vmap(grad)"
