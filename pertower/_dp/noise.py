@@ -13,46 +13,23 @@ are two independent N(0, 1) draws (`box_muller`; 1 - u lies in (0, 1], so the lo
 is finite). Each number uses one 32-bit Philox word (float32: 23 of its bits; float64
 draws use two words per uniform). TensorFlow's own normal kernels use the same transform
 on the same kind of uniforms; the largest |z| it reaches is sqrt(-2 ln 2^-23) = 5.65 σ
-from float32 uniforms (8.49 σ from float64). Done as a few elementwise ops over all h
-pairs at once, it runs about 1.6 times as fast as `tf.random.stateless_normal` (whose
-kernel does it one number at a time), and the noise over every weight is most of a
-DP-SGD step's extra cost on large models.
+from float32 uniforms (8.49 σ from float64). Here it is a few elementwise ops over all h
+pairs at once, where `tf.random.stateless_normal`'s kernel transforms one number at a
+time; the noise over every weight is most of a DP-SGD step's extra cost on large models.
 
 Copies. TensorFlow slices a tensor along its first axis without copying only when the
 slice starts and ends on its 64-byte alignment, so h is rounded up to a multiple of 16
 (u[0], u[1] and the two halves of the [2h] draws are then views), and `add_noise`
 splits the [2h] draws into the weights' pieces and an unused tail in ONE split, rather
-than cutting [n] first (a copy of all n draws when n is odd). On a loaded 2-core AVX2
-CPU the unaligned slices were about half the draw's time for 2.1 M draws.
+than cutting [n] first (a copy of all n draws when n is odd).
 
-Cost (2-core AVX2 CPU, 2026-12-02, load 5-14: CPU ms per draw, medians of 15-25
-interleaved runs of 10 chained draws; torch's `normal_` in its own process). At P =
-57 k / 92 k / 2.1 M, on one intra-op thread: the Philox uniforms alone 0.51 / 0.72 /
-14.0, this draw 0.76 / 1.11 / 25-27, torch's whole draw 0.37 / 0.73 / 12.4; with
-TensorFlow's default threads (two) the uniforms cost 0.67 / 0.90 / 14.3 and the draw
-1.30 / 1.78 / 28-29 (the elementwise ops shard small tensors at a loss). The transform
-is per-number work, about 10 ns of CPU per pair on one thread (each of log1p, cos and
-sin about 2 ns per number, sqrt, the multiplies and the concat 0.4-1.4), not per-op
-overhead: TensorFlow's grappler already drops the multiply and add of 1 and 0 that
-`stateless_uniform` puts after the raw Philox op (the raw op alone measures the same)
-and fuses -log1p(-u) into one `_UnaryOpsComposition`. So on one thread the uniforms
-alone cost about torch's whole draw, and 1.2× of torch's time is out of reach of any
-transform made of TensorFlow ops over these uniforms.
-
-Tried and not better (same runs, beyond the noise of ±5%): one `cos` of [2, h] phases
-instead of cos, sin and the concat; log(1 - u) in place of log1p(-u); one broadcast
-multiply of the stacked [2, h] cos and sin by r; √2 moved out of the fused radius.
-Slower: the inverse CDF z = Φ⁻¹(u) (Devroye 1986, "Non-Uniform Random Variate
-Generation", ch. 2) as ONE `tf.math.ndtri` op (Eigen's Cephes ndtri) on the midpoints
-u + 2^-24 = (k + 1/2) 2^-23, 4 ops in all but 8.9-10 ns of CPU per number on one
-thread against this transform's 4.5-6 (2.1 M: 33 against 26 ms), `tf.math.erfinv` the
-same (36 ms); it would also reach only |Φ⁻¹(2^-24)| = 5.29 σ, where a coordinate
-shifted by its sensitivity lands beyond the unshifted noise's support about five times
-as often (for a shift of 1 σ: 8.9e-6 against 1.7e-6 per coordinate); TensorFlow's
-`StatelessRandomNormalV2` (2 ops, scalar Box–Muller: 1.27 / 1.9 / 42 ms); the whole
-draw under XLA (`jit_compile`, about 60×: its Philox expansion), the transform alone
-under XLA (1.5-2.2×). The draw is the same bits on one thread and on a pool (the Philox
-op and the elementwise ops shard by position).
+The inverse CDF z = Φ⁻¹(u) (Devroye 1986, "Non-Uniform Random Variate Generation", ch. 2)
+on the midpoints u + 2^-24 = (k + 1/2) 2^-23 would reach only |Φ⁻¹(2^-24)| = 5.29 σ, where
+a coordinate shifted by its sensitivity lands beyond the unshifted noise's support about
+five times as often (for a shift of 1 σ: 8.9e-6 against 1.7e-6 per coordinate). The draw
+is the same bits on one thread and on a pool (the Philox op and the elementwise ops shard
+by position). What this draw and the ways tried instead cost: docs/benchmark.md, "The
+noise draw".
 """
 
 import math

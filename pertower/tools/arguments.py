@@ -1,4 +1,5 @@
-"""argparse types shared by the commands (`pertower demo`, `pertower explain`, `python -m benchmarks`)."""
+"""argparse types shared by the commands (`pertower demo`, `pertower explain`) and
+`python -m benchmarks`."""
 
 import argparse
 
