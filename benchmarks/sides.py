@@ -16,7 +16,8 @@ its error in that column.
 
 The table has one line per row of the workers' tables, keyed (section, model, B, row):
 
-    section     "gradients" (the gradient table), "dp" (--dp, --dp-only), "zoo"
+    section     "gradients" (the gradient table), "dp" (--dp, --dp-only; each row also
+                as "ROW [cpu ms]": the process's CPU ms, steadier under load), "zoo"
                 (--models with zoo networks; "build s" rows are seconds, not ms),
                 "curvature" (--curvature)
     cell        median ms over the rounds, and in brackets its ratio to the row's
@@ -24,6 +25,10 @@ The table has one line per row of the workers' tables, keyed (section, model, B,
                 rows), the plain SGD step (DP steps)
     on/off      per checkout, its oneDNN-on cell over its off cell
     vs first    per setting, each further checkout's cell over the first checkout's
+
+`python -m benchmarks.sides FIGURES.json [ROW ...]` prints the table again from the JSON
+that `python -m benchmarks --json FIGURES.json` wrote (only the rows whose name contains
+one of ROW, when given).
 """
 
 import json
@@ -35,10 +40,12 @@ import tempfile
 
 import benchmarks
 
-__all__ = ["SETTINGS", "Column", "columns", "worker_argv", "run", "rows_of", "merge",
-           "format_table"]
+__all__ = ["SETTINGS", "CPU", "Column", "columns", "worker_argv", "run", "rows_of", "merge",
+           "format_table", "main"]
 
 SETTINGS = {"off": "0", "on": "1"}
+# the suffix of a DP row's process-CPU twin ("plain step [cpu ms]")
+CPU = " [cpu ms]"
 # driver options: removed from the workers' argv (each takes one value; --env goes to
 # the workers' environment)
 _DRIVER_OPTIONS = ("--onednn", "--pertower", "--rounds", "--json", "--plot", "--env")
@@ -169,6 +176,8 @@ def rows_of(figures):
     for d in figures.get("dp_steps", ()):
         out[("dp", d["model"], d["batch_size"], d["step"])] = (
             d["median_ms"] if d.get("median_ms") is not None else "n/a")
+        if d.get("median_cpu_ms") is not None:   # the process's CPU ms: steadier under load
+            out[("dp", d["model"], d["batch_size"], d["step"] + CPU)] = d["median_cpu_ms"]
     for z in figures.get("zoo", ()):
         if z.get("error"):
             out[("zoo", z["network"], z["batch_size"], "error")] = z["error"][:60]
@@ -204,6 +213,9 @@ def _median_or_note(values):
 def _reference(key):
     """The key of the row a row is divided by in its own column, or None."""
     section, model, B, name = key
+    if name.endswith(CPU):
+        reference = _reference((section, model, B, name[:-len(CPU)]))
+        return reference and reference[:3] + (reference[3] + CPU,)
     if name.startswith("build s") or name == "error":
         return None
     if "dp step" in name:
@@ -230,8 +242,9 @@ def _ratio(a, b):
     return ""
 
 
-def format_table(cols, rows):
-    """The side-by-side table (markdown) of `merge`'s rows."""
+def format_table(cols, rows, only=None):
+    """The side-by-side table (markdown) of `merge`'s rows (those whose name contains one
+    of the strings `only`, when given; their references stay those of all the rows)."""
     checkouts = list(dict.fromkeys(c.checkout for c in cols))
     settings = list(dict.fromkeys(c.onednn for c in cols))
     index = {(c.checkout, c.onednn): k for k, c in enumerate(cols)}
@@ -244,6 +257,8 @@ def format_table(cols, rows):
                    for ck in checkouts[1:]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, cells in rows.items():
+        if only and not any(word in key[3] for word in only):
+            continue
         ref = rows.get(_reference(key)) if _reference(key) else None
         line = [str(k) for k in key]
         line += [_cell(v, ref[k] if ref else None) for k, v in enumerate(cells)]
@@ -255,3 +270,29 @@ def format_table(cols, rows):
                      for s in settings for ck in checkouts[1:]]
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
+
+
+class _Saved(Column):
+    """A column read back from the JSON (its label only)."""
+
+    def __init__(self, label):
+        checkout, onednn = label.rsplit(" ", 1)
+        super().__init__(checkout, onednn, label)
+
+
+def main(argv=None):
+    """`python -m benchmarks.sides FIGURES.json [ROW ...]`: the side-by-side table again."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(__doc__.split("\n\n")[0], file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as handle:
+        figures = json.load(handle)
+    cols = [_Saved(label) for label in figures["columns"]]
+    rows = merge(cols, figures["workers"])
+    print(format_table(cols, rows, only=argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

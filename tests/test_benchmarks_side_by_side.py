@@ -81,6 +81,27 @@ def test_workers_one_per_setting_and_checkout_in_rotated_rounds(monkeypatch, cap
     assert cells[4:8] == ["5.0 (2.50x)", "2.0 (2.00x)", "10.0 (5.00x)", "4.0 (2.00x)"]
     assert cells[8:] == ["0.40", "0.40", "2.00", "2.00"]       # on/off; old / new
 
+    # the same table again from the JSON (python -m benchmarks.sides FIGURES.json ROW)
+    saved = tmp_path / "figures.json"
+    saved.write_text(captured.out)
+    assert sides.main([str(saved), "gradients[auto]"]) == 0
+    again = capsys.readouterr().out.splitlines()
+    assert len(again) == 3 and again[2] == line
+
+
+def test_dp_rows_are_divided_by_the_plain_step_in_wall_and_cpu_ms():
+    figures = {"dp_steps": [
+        {"model": "cifar", "batch_size": 64, "step": "plain step", "median_ms": 20.0,
+         "median_cpu_ms": 30.0},
+        {"model": "cifar", "batch_size": 64, "step": "dp step[auto]", "median_ms": 26.0,
+         "median_cpu_ms": 39.0}]}
+    cols = [sides.Column(None, "off", "x off")]
+    rows = sides.merge(cols, [{"column": 0, "figures": figures}])
+    assert rows[("dp", "cifar", 64, "dp step[auto]" + sides.CPU)] == [39.0]
+    table = sides.format_table(cols, rows)
+    assert "| dp | cifar | 64 | dp step[auto] | 26.0 (1.30x) |" in table
+    assert "| dp | cifar | 64 | dp step[auto] [cpu ms] | 39.0 (1.30x) |" in table
+
 
 def test_as_is_measures_here_and_refuses_the_worker_options(monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("started a worker"))
