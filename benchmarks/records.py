@@ -56,6 +56,8 @@ class Entry:
       reason: why the row is not "ok" (empty when it is).
       median_ms: median milliseconds of one pass (one sess.run; the loop: B of them).
       runs_ms: every timed pass, milliseconds.
+      median_cpu_ms, cpu_ms: the same in the process's CPU milliseconds (all threads;
+        steadier than the wall time on a loaded machine).
       ratio_to_loop: median_ms / the loop's median_ms.
       ratio_to_batch: median_ms / the batch gradient's median_ms.
       ratio_to_outer: median_ms / the hand outer products' median_ms (MLP only).
@@ -83,6 +85,8 @@ class Entry:
     reason: str = ""
     median_ms: float = None
     runs_ms: list = dataclasses.field(default_factory=list)
+    median_cpu_ms: float = None
+    cpu_ms: list = dataclasses.field(default_factory=list)
     ratio_to_loop: float = None
     ratio_to_batch: float = None
     ratio_to_outer: float = None

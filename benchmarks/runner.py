@@ -161,6 +161,8 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
             entry.agrees = records.agrees(entry.max_abs_diff, entry.max_abs_reference)
         if entry.runs_ms:
             entry.median_ms = statistics.median(entry.runs_ms)
+        if entry.cpu_ms:
+            entry.median_cpu_ms = statistics.median(entry.cpu_ms)
     _ratios(entries)
     return entries
 
@@ -169,11 +171,22 @@ def _time_round_robin(sess, candidates, feed, B, repeats, loop_repeats):
     """Times `repeats` runs of each candidate (`loop_repeats` passes of the loop), one
     run of each in turn, so a change of load on the machine hits them alike."""
     runs = []
+
+    def counted(entry, run):
+        """`run`, adding the process's CPU ms (all threads) to `entry.cpu_ms`."""
+        def counted_run():
+            start = time.process_time()
+            run()
+            entry.cpu_ms.append(1e3 * (time.process_time() - start))
+        return counted_run
+
     for candidate in candidates:
         if candidate.loop is not None:
-            runs.append((lambda c=candidate: c.loop.run(sess, feed, B), loop_repeats))
+            runs.append((counted(candidate.entry, lambda c=candidate: c.loop.run(sess, feed, B)),
+                         loop_repeats))
         else:
-            runs.append((lambda c=candidate: sess.run(c.fetches, feed), repeats))
+            runs.append((counted(candidate.entry, lambda c=candidate: sess.run(c.fetches, feed)),
+                         repeats))
     for candidate, times in zip(candidates, timing.round_robin(runs)):
         candidate.entry.runs_ms.extend(1e3 * t for t in times)
 

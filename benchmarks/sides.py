@@ -16,10 +16,10 @@ its error in that column.
 
 The table has one line per row of the workers' tables, keyed (section, model, B, row):
 
-    section     "gradients" (the gradient table), "dp" (--dp, --dp-only; each row also
-                as "ROW [cpu ms]": the process's CPU ms, steadier under load), "zoo"
+    section     "gradients" (the gradient table), "dp" (--dp, --dp-only), "zoo"
                 (--models with zoo networks; "build s" rows are seconds, not ms),
-                "curvature" (--curvature)
+                "curvature" (--curvature); each gradient and DP row also as "ROW [cpu
+                ms]": the process's CPU ms (all threads), steadier under load
     cell        median ms over the rounds, and in brackets its ratio to the row's
                 reference in the same column: the batch gradient (gradients and zoo
                 rows), the plain SGD step (DP steps)
@@ -44,7 +44,7 @@ __all__ = ["SETTINGS", "CPU", "Column", "columns", "worker_argv", "run", "rows_o
            "format_table", "main"]
 
 SETTINGS = {"off": "0", "on": "1"}
-# the suffix of a DP row's process-CPU twin ("plain step [cpu ms]")
+# the suffix of a row's process-CPU twin ("plain step [cpu ms]")
 CPU = " [cpu ms]"
 # driver options: removed from the workers' argv (each takes one value; --env goes to
 # the workers' environment)
@@ -173,6 +173,8 @@ def rows_of(figures):
         key = ("gradients", e["model"], e["batch_size"], e["name"])
         out[key] = e["median_ms"] if e.get("median_ms") is not None else (
             e.get("status") or "n/a")
+        if e.get("median_cpu_ms") is not None:
+            out[key[:3] + (e["name"] + CPU,)] = e["median_cpu_ms"]
     for d in figures.get("dp_steps", ()):
         out[("dp", d["model"], d["batch_size"], d["step"])] = (
             d["median_ms"] if d.get("median_ms") is not None else "n/a")

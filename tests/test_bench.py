@@ -135,6 +135,9 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
             assert e[field] is not None and e[field] > 0, (where, field, e[field])
         # a median lies between the fastest and the slowest run
         assert min(e["runs_ms"]) <= e["median_ms"] <= max(e["runs_ms"]), where
+        # the process's CPU ms of the same runs (all threads: never below zero)
+        assert len(e["cpu_ms"]) == expected_runs and min(e["cpu_ms"]) >= 0, where
+        assert min(e["cpu_ms"]) <= e["median_cpu_ms"] <= max(e["cpu_ms"]), where
         assert (e["ratio_to_outer"] is not None) == (e["model"] == "mlp"), where
     for model in models:
         mine = {e["name"]: e for e in figures["entries"]
