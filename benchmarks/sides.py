@@ -58,6 +58,11 @@ class Column:
     def __init__(self, checkout, onednn, label):
         self.checkout, self.onednn, self.label = checkout, onednn, label
 
+    def library(self):
+        """The folder of the pertower package this column's worker must import."""
+        return os.path.join(benchmarks.python_path(self.checkout).split(os.pathsep)[0],
+                            "pertower")
+
     def environment(self, extra):
         """os.environ for this column's worker, with the --env assignments `extra`."""
         env = dict(os.environ)
@@ -134,20 +139,27 @@ def run(args, report):
                 plot = None
                 if args.plot and r == 0:
                     stem, ext = os.path.splitext(args.plot)
-                    plot = args.plot if len(cols) == 1 else (
-                        f"{stem}.{column.label.replace(' ', '-').replace('@', '-')}{ext}")
+                    plot = os.path.abspath(args.plot if len(cols) == 1 else (
+                        f"{stem}.{column.label.replace(' ', '-').replace('@', '-')}{ext}"))
                 load = _load()
                 report(f"--- round {r + 1}/{args.rounds}: {column.label} (load {load})")
+                # cwd: a folder without pertower/ in it, since `python -m` puts the
+                # current folder first on sys.path, before PYTHONPATH's checkout
                 done = subprocess.run(
                     [sys.executable, "-m", "benchmarks"] + worker_argv(args.argv, path, plot),
-                    env=column.environment(args.env), stdout=sys.stderr if args.json == "-"
-                    else None, check=False)
+                    env=column.environment(args.env), cwd=folder,
+                    stdout=sys.stderr if args.json == "-" else None, check=False)
                 code = max(code, done.returncode)
                 worker = {"column": k, "round": r, "load_1min": load,
                           "exit_code": done.returncode}
                 if os.path.isfile(path):
                     with open(path, encoding="utf-8") as handle:
                         worker["figures"] = json.load(handle)
+                    measured = worker["figures"].get("machine", {}).get("pertower_folder")
+                    if measured != column.library():
+                        report(f"WARNING: {column.label} measured the pertower of {measured}, "
+                               f"not {column.library()}")
+                        code = max(code, 1)
                 figures["workers"].append(worker)
     rows = merge(cols, figures["workers"])
     figures["rows"] = [{"section": key[0], "model": key[1], "batch_size": key[2],

@@ -40,8 +40,10 @@ def test_workers_one_per_setting_and_checkout_in_rotated_rounds(monkeypatch, cap
     measured = {(ROOT, "0"): (2.0, (4.0, 6.0)), (ROOT, "1"): (1.0, (1.0, 3.0)),
                 (str(other), "0"): (2.0, (10.0, 10.0)), (str(other), "1"): (2.0, (3.0, 5.0))}
 
-    def record(argv, env, stdout, check):
+    def record(argv, env, cwd, stdout, check):
         assert check is False and stdout is sys.stderr       # --json -: the table to stderr
+        # `python -m` puts the current folder first on sys.path: none with a pertower/
+        assert not os.path.exists(os.path.join(cwd, "pertower"))
         checkout = env["PYTHONPATH"].split(os.pathsep)[0]
         assert ROOT in env["PYTHONPATH"].split(os.pathsep)[:2]
         assert env["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
@@ -50,7 +52,8 @@ def test_workers_one_per_setting_and_checkout_in_rotated_rounds(monkeypatch, cap
                     and e["TF_ENABLE_ONEDNN_OPTS"] == env["TF_ENABLE_ONEDNN_OPTS"])
         started.append((argv, env))
         figures = {"entries": [vars(_entry(records.BATCH, batch_ms)),
-                               vars(_entry("gradients[auto]", rounds_ms[count]))]}
+                               vars(_entry("gradients[auto]", rounds_ms[count]))],
+                   "machine": {"pertower_folder": os.path.join(checkout, "pertower")}}
         with open(argv[argv.index("--json") + 1], "w", encoding="utf-8") as handle:
             json.dump(figures, handle)
         return subprocess.CompletedProcess(argv, 0)
@@ -87,6 +90,18 @@ def test_workers_one_per_setting_and_checkout_in_rotated_rounds(monkeypatch, cap
     assert sides.main([str(saved), "gradients[auto]"]) == 0
     again = capsys.readouterr().out.splitlines()
     assert len(again) == 3 and again[2] == line
+
+
+def test_a_worker_that_measured_another_pertower_fails_the_run(monkeypatch, capsys):
+    def record(argv, env, cwd, stdout, check):
+        with open(argv[argv.index("--json") + 1], "w", encoding="utf-8") as handle:
+            json.dump({"machine": {"pertower_folder": "/elsewhere/pertower"}}, handle)
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(subprocess, "run", record)
+    monkeypatch.setattr(sides, "_checkout_label", lambda path: "new")
+    assert command.main(["--onednn", "off", "--pertower", ROOT]) == 1
+    assert "measured the pertower of /elsewhere/pertower, not" in capsys.readouterr().out
 
 
 def test_dp_rows_are_divided_by_the_plain_step_in_wall_and_cpu_ms():
