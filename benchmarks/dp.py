@@ -147,9 +147,13 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 keys = tf.random.uniform([DRAWS_PER_RUN, 2], maxval=2 ** 62,
                                          dtype=tf.int64, seed=B)       # [K, 2]
                 steps.append((SESSION_OVERHEAD, keys[0]))
-                steps.append((PHILOX_UNIFORMS, _chained_draws(P, keys, loss.dtype,
-                                                               _uniforms)))
-                steps.append(("noise draw", _chained_draws(P, keys, loss.dtype)))
+                if hasattr(noise_lib, "normal_pairs"):   # older pertowers: no such draw
+                    steps.append((PHILOX_UNIFORMS, _chained_draws(P, keys, loss.dtype,
+                                                                   _uniforms)))
+                    steps.append(("noise draw", _chained_draws(P, keys, loss.dtype)))
+                else:
+                    report(f"dp {model_name} B={B}: no noise draw rows: this pertower has "
+                           "no pertower._dp.noise.normal_pairs (an older version)")
                 sess.run(tf.compat.v1.global_variables_initializer())
                 rows = [DPEntry(model_name, B, name) for name, _ in steps]
                 for _, op in steps:
