@@ -57,12 +57,6 @@ setup(
         "dp": ["dp-accounting>=0.4"],
         # The digits examples: real data (scikit-learn), progress bars, figures.
         "examples": ["dp-accounting>=0.4", "scikit-learn", "tqdm", "matplotlib"],
-        # `pertower bench --plot`.
-        "bench": ["matplotlib"],
-        # `pertower bench --peers`: the same models in PyTorch (torch.func, Opacus) and
-        # JAX. Pinned to a CPU build of torch: elsewhere install a CPU build of torch
-        # 2.13.0 first, or pip brings a much larger GPU build.
-        "peers": ["torch==2.13.0", "jax", "jaxlib", "opacus"],
         # The README's test command runs in two processes (pytest-xdist's -n 2).
         "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis", "dp-accounting>=0.4",
                  "scikit-learn", "tqdm", "matplotlib"],

@@ -4,7 +4,8 @@ The MLP is 100-256-256-1 with cost = (net(x) - y) ** 2, for B = 32 and 128 by de
 For each B it prints the seconds to build the towers and their gradients, and the
 median `sess.run` milliseconds of pertower, of the loop of one-example `sess.run`
 calls (`pertower.oracle.SliceLoop`), and of one batch gradient (the floor).
-This is a stop-gap until `pertower bench`; times on a shared machine are noisy.
+`python -m benchmarks` (from a checkout) times every method on both oneDNN settings;
+times on a shared machine are noisy.
 
 Run:  python examples/time_scenario1_mlp.py [B ...]
 """

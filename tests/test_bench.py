@@ -1,4 +1,4 @@
-"""`pertower bench` on tiny sizes: every row agrees with the loop, the JSON holds every
+"""`python -m benchmarks` on tiny sizes: every row agrees with the loop, the JSON holds every
 figure, --plot writes a PNG; the bench's arithmetic (agreement, comparison, references,
 ratios, medians) on cases worked out by hand; and the memory replay of
 `pertower.tools.traced_memory` on graphs whose peak can be worked out by hand. No timing
@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pertower.tools import cli
 from pertower.tools import traced_memory as run_memory
-from pertower.tools.bench import compare
-from pertower.tools.bench import dp
-from pertower.tools.bench import records
-from pertower.tools.bench import runner
 from pertower._api.gradients import METHODS
+
+from benchmarks import command
+from benchmarks import compare
+from benchmarks import dp
+from benchmarks import records
+from benchmarks import runner
 
 B = 3
 # float32 results against the loop's, from the project's tests (tests/common.py): an
@@ -28,7 +29,7 @@ B = 3
 FLOAT32_DIFF = 1e-4
 
 
-# One `pertower bench` run per case: (models, methods, where the JSON goes). The default
+# One `python -m benchmarks` run per case: (models, methods, where the JSON goes). The default
 # run benches the mlp with two of the three methods (`--methods` leaves the third out)
 # and writes its JSON to standard output (the table then goes to stderr); the heavy run
 # benches the cnn (conv rules) with every method and writes its JSON to a file.
@@ -40,14 +41,14 @@ SMOKE_CASES = [
 
 @pytest.fixture(scope="module", params=SMOKE_CASES)
 def smoke(request, tmp_path_factory):
-    """Runs `pertower bench` once at B=3 with --plot; returns (exit code, the printed
+    """Runs `python -m benchmarks` once at B=3 with --plot; returns (exit code, the printed
     table, figures from the JSON, the PNG path, models, methods)."""
     models, methods, json_to = request.param
     folder = tmp_path_factory.mktemp("bench")
     json_path, png_path = folder / "figures.json", folder / "figures.png"
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(["bench", "--models", *models, "--batch-sizes", str(B),
+        code = command.main(["--onednn", "as-is", "--models", *models, "--batch-sizes", str(B),
                          "--methods", *methods, "--repeats", "2", "--loop-repeats", "1",
                          "--json", "-" if json_to == "stdout" else str(json_path),
                          "--plot", str(png_path)])
@@ -134,6 +135,9 @@ def test_json_holds_every_figure_and_numbers_are_positive(smoke):
             assert e[field] is not None and e[field] > 0, (where, field, e[field])
         # a median lies between the fastest and the slowest run
         assert min(e["runs_ms"]) <= e["median_ms"] <= max(e["runs_ms"]), where
+        # the process's CPU ms of the same runs (all threads: never below zero)
+        assert len(e["cpu_ms"]) == expected_runs and min(e["cpu_ms"]) >= 0, where
+        assert min(e["cpu_ms"]) <= e["median_cpu_ms"] <= max(e["cpu_ms"]), where
         assert (e["ratio_to_outer"] is not None) == (e["model"] == "mlp"), where
     for model in models:
         mine = {e["name"]: e for e in figures["entries"]
@@ -184,7 +188,7 @@ def test_plot_writes_a_png(smoke):
 
 def test_json_to_stdout_and_unknown_method(capsys):
     # a bench with --json - and --methods towers rules: the `smoke` fixture's default case
-    assert cli.main(["bench", "--methods", "fastest"]) == 2
+    assert command.main(["--onednn", "as-is", "--methods", "fastest"]) == 2
     assert "--methods fastest: unknown" in capsys.readouterr().err
 
 
@@ -193,7 +197,7 @@ def test_exit_code_is_1_when_an_entry_disagrees(monkeypatch, capsys):
                           runs_ms=[1.0], max_abs_diff=0.5, max_abs_reference=1.0,
                           agrees=False)
     monkeypatch.setattr(runner, "run_bench", lambda **kwargs: [wrong])
-    assert cli.main(["bench", "--models", "mlp", "--json", "-"]) == 1
+    assert command.main(["--onednn", "as-is", "--models", "mlp", "--json", "-"]) == 1
     assert "FAILED: mlp B=2 gradients[towers]" in capsys.readouterr().err
 
 
@@ -229,11 +233,11 @@ def test_memory_freed_before_the_next_allocation_is_not_added():
     assert 50 * ROW_BYTES <= peak <= 50 * ROW_BYTES + 64, peak
 
 
-def test_the_cli_offers_the_bench_models():
+def test_the_command_offers_the_bench_models():
     from pertower.tools import models
-    from pertower.tools.bench import command
+    from benchmarks import command
     assert command.BENCH_MODELS == runner.MODELS == models.MODEL_NAMES
-    assert cli.build_parser().parse_args(["bench", "--models", "cifar"]).models == ["cifar"]
+    assert command.build_parser().parse_args(["--models", "cifar"]).models == ["cifar"]
 
 
 # one method by default (a row per method: the same code for each); both heavy

@@ -1,10 +1,10 @@
-"""The `pertower` command starts without TensorFlow, keeps TensorFlow's log lines off
-the terminal, reports the CPU settings it measured under (also from a child process
-with `--env`). Subprocesses run this worktree's pertower (PYTHONPATH). That `import
+"""The `pertower` command (`demo`, `explain`; the benchmarks are `python -m benchmarks`,
+tests/test_benchmarks_side_by_side.py) starts without TensorFlow, keeps TensorFlow's
+log lines off the terminal and reports the CPU settings it runs under. Subprocesses run
+this worktree's pertower (PYTHONPATH). That `import
 pertower` loads its public names lazily without touching the environment is checked
 in tests/test_docs.py, in the fresh process that runs the documents' blocks."""
 
-import json
 import os
 import re
 import subprocess
@@ -34,7 +34,7 @@ def test_help_and_version_do_not_import_tensorflow():
     process = _python(
         "import sys\n"
         "import pertower.tools.cli as c\n"
-        "for argv in (['--help'], ['bench', '--help'], ['demo', '--help'], ['--version']):\n"
+        "for argv in (['--help'], ['demo', '--help'], ['explain', '--help'], ['--version']):\n"
         "    try:\n"
         "        c.main(argv)\n"
         "    except SystemExit as exit:\n"
@@ -44,8 +44,15 @@ def test_help_and_version_do_not_import_tensorflow():
         "assert not loaded, loaded\n"
         "print('no tensorflow')\n")
     assert process.returncode == 0, process.stderr
-    assert "no tensorflow" in process.stdout and "--env NAME=VALUE" in process.stdout
+    assert "no tensorflow" in process.stdout and "--batch-size B" in process.stdout
     assert "pertower 0.1.0" in process.stdout
+
+
+def test_the_bench_is_not_a_command_of_the_installed_package(capsys):
+    """`pertower bench` is gone: the benchmarks run from a checkout (python -m benchmarks)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench"])
+    assert exit_info.value.code == 2 and "invalid choice: 'bench'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["module", "script", "bench module"])
@@ -53,7 +60,7 @@ def test_the_command_prints_help_without_tensorflow_log_lines(command):
     if command == "module":
         args = [sys.executable, "-m", "pertower", "--help"]
     elif command == "bench module":
-        args = [sys.executable, "-m", "pertower.tools.bench", "--help"]
+        args = [sys.executable, "-m", "benchmarks", "--help"]
     else:
         # what the `pertower` console script of setup.py's entry point runs (an
         # installed script may predate this checkout's layout, so it is not used)
@@ -66,12 +73,12 @@ def test_the_command_prints_help_without_tensorflow_log_lines(command):
     process = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=600, check=False)
     assert process.returncode == 0, process.stderr
-    assert "bench" in process.stdout
+    assert ("--onednn" if command == "bench module" else "explain") in process.stdout
     # PYTHONPROFILEIMPORTTIME lists every module imported, on stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in process.stderr.splitlines()
                 if line.startswith("import time:")}
-    # `python -m pertower.tools.bench` parses with the bench's own command module
-    assert ("pertower.tools.bench.command" if command == "bench module"
+    # `python -m benchmarks` parses with the bench's own command module
+    assert ("benchmarks.command" if command == "bench module"
             else "pertower.tools.cli") in imported
     assert not {m for m in imported if m.split(".")[0] == "tensorflow"}
     assert not NOISE.search(process.stderr)
@@ -85,74 +92,6 @@ def test_version_is_in_one_place():
         assert "_version.py" in handle.read()
     process = _python(["setup.py", "--version"])
     assert process.stdout.strip().splitlines()[-1] == _version.__version__, process.stderr
-
-
-def test_bench_env_starts_the_same_command_in_a_child_with_those_settings(monkeypatch, capsys):
-    """`bench --env NAME=VALUE`: the command without its --env options, in a child Python
-    whose environment has those variables and the child mark (recorded here, not
-    started: the heavy test below starts it); the child, seeing the mark, measures in
-    its own process and reports the variables as set."""
-    from pertower.tools.bench import records
-    from pertower.tools.bench import runner
-    started = []
-
-    def record(argv, env, check):
-        assert check is False
-        started.append((argv, env))
-        return subprocess.CompletedProcess(argv, 3)
-
-    monkeypatch.delenv("PERTOWER_BENCH_CHILD", raising=False)
-    monkeypatch.setattr(subprocess, "run", record)
-    argv = ["bench", "--models", "mlp", "--env", "TF_ENABLE_ONEDNN_OPTS=0", "--batch-sizes",
-            "2", "--env=MALLOC_TRIM_THRESHOLD_=4294967296", "--json", "-"]
-    assert cli.main(argv) == 3                                   # the child's exit code
-    (child_argv, env), = started
-    assert child_argv == [sys.executable, "-m", "pertower", "bench", "--models", "mlp",
-                          "--batch-sizes", "2", "--json", "-"]
-    assert env["TF_ENABLE_ONEDNN_OPTS"] == "0" and env["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
-    assert env["PERTOWER_BENCH_CHILD"] == "1" and env["PATH"] == os.environ["PATH"]
-    assert ("measuring in a child process with TF_ENABLE_ONEDNN_OPTS=0 "
-            "MALLOC_TRIM_THRESHOLD_=4294967296") in capsys.readouterr().err
-
-    # the child: the same arguments, the mark and the variables in its environment
-    for name in ("PERTOWER_BENCH_CHILD", "TF_ENABLE_ONEDNN_OPTS", "MALLOC_TRIM_THRESHOLD_"):
-        monkeypatch.setenv(name, env[name])
-    row = records.Entry("mlp", 2, 10, "gradients[towers]", "gradients", median_ms=1.0,
-                        runs_ms=[1.0], max_abs_diff=0.0, max_abs_reference=1.0, agrees=True)
-    monkeypatch.setattr(runner, "run_bench", lambda **kwargs: [row])
-    assert cli.main(argv) == 0
-    captured = capsys.readouterr()
-    assert len(started) == 1                                     # no second child
-    speed = json.loads(captured.out)["machine"]["cpu_speed"]
-    assert speed["TF_ENABLE_ONEDNN_OPTS"] == "0"
-    assert speed["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
-    assert "TF_ENABLE_ONEDNN_OPTS=0" in captured.err and "gradients[towers]" in captured.err
-
-
-@pytest.mark.heavy   # a TensorFlow start-up; the default run checks both sides above
-def test_bench_env_measures_in_a_child_with_those_settings_and_quiet_stderr():
-    process = _python(["-m", "pertower", "bench", "--models", "mlp", "--batch-sizes", "2",
-                       "--methods", "towers", "--repeats", "1", "--loop-repeats", "1",
-                       "--json", "-", "--env", "TF_ENABLE_ONEDNN_OPTS=0",
-                       "--env", "MALLOC_TRIM_THRESHOLD_=4294967296"])
-    assert process.returncode == 0, process.stderr
-    figures = json.loads(process.stdout)
-    speed = figures["machine"]["cpu_speed"]
-    assert speed["TF_ENABLE_ONEDNN_OPTS"] == "0" and speed["onednn_enabled"] is False
-    assert speed["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
-    assert "measuring in a child process with TF_ENABLE_ONEDNN_OPTS=0" in process.stderr
-    assert "TF_ENABLE_ONEDNN_OPTS=0" in process.stderr            # the table's header
-    assert "memory-write limit" in process.stderr and "est MiB" in process.stderr
-    assert not NOISE.search(process.stderr), process.stderr
-
-
-def test_bad_env_assignments_are_refused(capsys):
-    for bad in ("NOVALUE", "=1", "1X=2"):
-        with pytest.raises(SystemExit):
-            cli.build_parser().parse_args(["bench", "--env", bad])
-        assert "expected NAME=VALUE" in capsys.readouterr().err
-    args = cli.build_parser().parse_args(["bench", "--env", "A=1=2", "--env", "B="])
-    assert args.env == [("A", "1=2"), ("B", "")]
 
 
 def test_quiet_native_logs_drops_tensorflow_noise_and_keeps_the_rest(capfd):

@@ -199,7 +199,7 @@ def test_memory_guard_counts_what_each_route_holds():
 
 
 def test_bench_prints_the_targets_as_rows():
-    from pertower.tools.bench import peers_curvature  # pylint: disable=import-outside-toplevel
+    from benchmarks import peers_curvature  # pylint: disable=import-outside-toplevel
     rows = [("cifar", 8, name, ms, None, None, "") for name, ms in (
         ("tf batch gradient", 10.0), ("pertower per_example_gradients", 20.0),
         ("pertower diag_ggn exact", 120.0), ("pertower diag_ggn mc=1", 25.0),

@@ -411,7 +411,7 @@ def test_adaptive_clipping_accounting_composes_the_count(accountant):
 
 
 def test_the_bench_s_dp_overhead_row_is_dp_minus_plain_minus_noise():
-    from pertower.tools.bench import dp as bench_dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp as bench_dp  # pylint: disable=import-outside-toplevel
     entries = [bench_dp.DPEntry("mlp", 8, "plain step", runs_ms=[2.0]),
                bench_dp.DPEntry("mlp", 8, "dp step[auto]", runs_ms=[7.5]),
                bench_dp.DPEntry("mlp", 8, "dp step[auto] σ=0", runs_ms=[6.0]),

@@ -208,13 +208,13 @@ def fake_torch(tmp_path, monkeypatch):
 
 
 def test_the_torch_noise_child_times_each_size(fake_torch):
-    from pertower.tools.bench import peers_noise  # pylint: disable=import-outside-toplevel
+    from benchmarks import peers_noise  # pylint: disable=import-outside-toplevel
     runs = peers_noise.torch_normal_runs([5, 7], 3, fake_torch)
     assert sorted(runs) == [5, 7] and all(len(r) == 3 and min(r) >= 0 for r in runs.values())
 
 
 def test_the_torch_noise_child_failure_names_its_cause(tmp_path, monkeypatch):
-    from pertower.tools.bench import peers_noise  # pylint: disable=import-outside-toplevel
+    from benchmarks import peers_noise  # pylint: disable=import-outside-toplevel
     (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="no torch here"):
@@ -223,7 +223,7 @@ def test_the_torch_noise_child_failure_names_its_cause(tmp_path, monkeypatch):
 
 @pytest.mark.heavy
 def test_dp_bench_shows_the_torch_noise_row_beside_the_draw(fake_torch):
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
     entries = dp.run_dp_bench(models=["mlp"], batch_sizes=[4], repeats=2,
                               report=lambda line: None, noise_python=fake_torch)
     assert [e.name for e in entries][-2:] == ["noise draw", dp.TORCH_NOISE]
@@ -233,7 +233,7 @@ def test_dp_bench_shows_the_torch_noise_row_beside_the_draw(fake_torch):
 
 
 def test_a_failed_torch_noise_row_shows_no_figures():
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
     rows = [dp.DPEntry("cnn", 8, "plain step", runs_ms=[10.0]),
             dp.DPEntry("cnn", 8, "dp step[auto]", runs_ms=[16.0]),
             dp.DPEntry("cnn", 8, "noise draw", runs_ms=[4.0]),
@@ -246,7 +246,7 @@ def test_a_failed_torch_noise_row_shows_no_figures():
 
 
 def test_a_cluster_s_rows_are_against_its_own_plain_step():
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
     rows = [dp.DPEntry("mlp", 8, "plain step", runs_ms=[10.0]),
             dp.DPEntry("mlp", 8, "dp step[auto]", runs_ms=[16.0]),
             dp.DPEntry("mlp", 8, "noise draw", runs_ms=[4.0]),
@@ -261,7 +261,7 @@ def test_a_cluster_s_rows_are_against_its_own_plain_step():
 
 def test_free_ports_are_distinct_and_bindable():
     import socket  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import dp_workers  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp_workers  # pylint: disable=import-outside-toplevel
     ports = dp_workers.free_ports(3)
     assert len(set(ports)) == 3
     for port in ports:
@@ -271,7 +271,7 @@ def test_free_ports_are_distinct_and_bindable():
 
 @pytest.mark.heavy
 def test_the_two_worker_rows_time_every_worker_s_steps():
-    from pertower.tools.bench import dp_workers  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp_workers  # pylint: disable=import-outside-toplevel
     lines = []
     entries = dp_workers.run_worker_bench(["mlp"], {"mlp": 4}, steps=4, report=lines.append)
     assert [e.name for e in entries] == ["2 workers: plain step", "2 workers: dp step",

@@ -53,7 +53,7 @@ def test_the_draw_s_pairs_are_independent_normals(draws_by_config):
 
 
 def test_the_bench_prints_the_draw_rows_to_a_hundredth_of_a_millisecond():
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
     rows = [dp.DPEntry("cifar", 8, "plain step", runs_ms=[50.0]),
             dp.DPEntry("cifar", 8, "dp step[auto]", runs_ms=[60.04]),
             dp.DPEntry("cifar", 8, dp.SESSION_OVERHEAD, runs_ms=[0.123]),
@@ -81,7 +81,7 @@ def test_the_bench_counts_the_page_faults_of_each_run():
     """`dp._counted` appends the process's minor page faults of each call: touching
     fresh pages of a new mapping faults at least once per page."""
     import mmap  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
     row, pages = dp.DPEntry("mlp", 8, "plain step"), 64
 
     def touch():

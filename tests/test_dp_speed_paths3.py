@@ -130,7 +130,7 @@ def test_the_two_worker_rows_alternate_and_carry_their_ratio_to_plain(monkeypatc
     """`run_worker_bench` alternates the clusters (plain, dp, plain, dp) and pools each
     kind's steps; `plain_ratios` (the table's "x plain", the JSON's "x_plain") divides a
     cluster's rows by its own plain step, the single-process rows by theirs."""
-    from pertower.tools.bench import dp, dp_workers  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp, dp_workers  # pylint: disable=import-outside-toplevel
     calls = []
 
     def launch(model, B, steps, plain, python):

@@ -4,7 +4,7 @@ thresholds: the checks are the table's arithmetic and what a run records)."""
 
 import pytest
 
-from pertower.tools.bench import dp
+from benchmarks import dp
 
 
 def _entry(name, wall, cpu, model="cifar", B=8):

@@ -281,8 +281,8 @@ def test_bench_curvature_options_and_table(monkeypatch):
     option, else $PERTOWER_PEERS_PYTHON, else this interpreter; the table divides by
     TensorFlow's batch gradient of the same model and B. No torch needed."""
     import sys  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import command  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import peers_curvature  # pylint: disable=import-outside-toplevel
+    from benchmarks import command  # pylint: disable=import-outside-toplevel
+    from benchmarks import peers_curvature  # pylint: disable=import-outside-toplevel
     args = command.build_parser().parse_args(["--curvature", "--peers-python", "/v/python"])
     assert args.curvature and args.peers_python == "/v/python"
     monkeypatch.delenv("PERTOWER_PEERS_PYTHON", raising=False)
@@ -304,8 +304,8 @@ def test_backpack_child_agrees_with_pertower(tmp_path):
     cifar rows of `run_curvature` at small B agree (DiagGGNExact, KFLR)."""
     import os  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import peers_curvature  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import records  # pylint: disable=import-outside-toplevel
+    from benchmarks import peers_curvature  # pylint: disable=import-outside-toplevel
+    from benchmarks import records  # pylint: disable=import-outside-toplevel
     python = os.environ.get("PERTOWER_PEERS_PYTHON")
     if not python or subprocess.run([python, "-c", "import backpack"],
                                     check=False).returncode != 0:

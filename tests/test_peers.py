@@ -1,4 +1,4 @@
-"""`pertower bench --peers` at B=4: every peer (torch.func, Opacus hooks and ghost
+"""`python -m benchmarks --peers` at B=4: every peer (torch.func, Opacus hooks and ghost
 clipping, JAX, the TensorFlow and pertower DP-SGD steps), run in its own child process
 with the TensorFlow model's weights, agrees with the loop of `pertower.oracle`; a peer
 whose result differs is marked WRONG and fails the command; a framework that is not
@@ -16,17 +16,17 @@ import shutil
 import numpy as np
 import pytest
 
-from pertower.tools import cli
-from pertower.tools.bench import peers
-from pertower.tools.bench import records
-from pertower.tools.bench import report
+from benchmarks import command
+from benchmarks import peers
+from benchmarks import records
+from benchmarks import report
 
 # find_spec, not importorskip: the peers are never imported in the test process
 _ABSENT = [name for name in ("torch", "jax", "jaxlib")
            if importlib.util.find_spec(name) is None]
 if _ABSENT:
-    pytest.skip(f"the peers need {', '.join(_ABSENT)} (pip install 'pertower[peers]')",
-                allow_module_level=True)
+    pytest.skip(f"the peers need {', '.join(_ABSENT)} "
+                "(pip install -r benchmarks/requirements-peers.txt)", allow_module_level=True)
 HAVE_OPACUS = importlib.util.find_spec("opacus") is not None
 
 B = 4
@@ -151,7 +151,7 @@ def test_the_plot_marks_a_wrong_peer(wrong, monkeypatch, tmp_path):
 
 
 def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):
-    """`pertower bench --peers` prints the peers' rows, writes them to the JSON and
+    """`python -m benchmarks --peers` prints the peers' rows, writes them to the JSON and
     exits with 1 when one of them disagrees (here the rows of the shifted reference,
     on the cifar model)."""
     monkeypatch.setattr(peers, "run_peers", lambda keys, *args, **kwargs: list(wrong))
@@ -159,7 +159,7 @@ def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):
     monkeypatch.setattr("builtins.print",
                         lambda *a, **k: lines.append(" ".join(map(str, a))))
     json_path = tmp_path / "figures.json"
-    code = cli.main(["bench", "--peers", "--models", "cifar", "--batch-sizes", str(B),
+    code = command.main(["--onednn", "as-is", "--peers", "--models", "cifar", "--batch-sizes", str(B),
                      "--repeats", "1", "--json", str(json_path)])
     out = "\n".join(lines)
     assert code == 1, out
@@ -172,12 +172,13 @@ def test_the_command_fails_on_a_wrong_peer(wrong, monkeypatch, tmp_path):
 
 def test_a_missing_framework_is_not_available(jobs, monkeypatch):
     monkeypatch.setattr(peers, "missing_frameworks",
-                        lambda: {"torch": "torch not installed (pip install 'pertower[peers]')"})
+                        lambda: {"torch": "torch not installed (pip install -r "
+                                          "benchmarks/requirements-peers.txt)"})
     entries = peers.run_jobs(jobs[:1], repeats=1, rounds=1, report=lambda line: None,
                              frameworks=("torch",))
     assert [e.name for e in entries] == [n for n, _ in records.PEER_ENTRIES["torch"]]
     for e in entries:
-        assert e.status == "n/a" and "pertower[peers]" in e.reason
+        assert e.status == "n/a" and "requirements-peers.txt" in e.reason
         assert e.agrees is None and e.median_ms is None
 
 

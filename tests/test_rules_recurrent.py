@@ -216,9 +216,9 @@ def test_recurrent_language_models_under_disable_v2_behavior_heavy(processes, ch
 
 @pytest.mark.heavy
 def test_the_recurrent_bench_runs_at_a_small_size(capsys):
-    """`python -m pertower.tools.recurrent_bench` (in this process, tiny sizes): its
+    """`python -m benchmarks.recurrent` (in this process, tiny sizes): its
     table names every timed row and the methods of the plan."""
-    from pertower.tools import recurrent_bench
+    from benchmarks import recurrent as recurrent_bench
     recurrent_bench.run(recurrent_bench._parse(  # pylint: disable=protected-access
         ["--batch", "4", "--steps", "3", "--vocab", "13", "--units", "4", "--repeats", "1"]))
     text = capsys.readouterr().out

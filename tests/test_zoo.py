@@ -145,20 +145,20 @@ def test_zoo_network_matches_the_loop(name):
 
 
 def test_bench_models_takes_zoo_names_comma_separated():
-    """`pertower bench --models a,b c` reads zoo networks and bench models, and names the
-    unknown ones with the choices."""
-    from pertower.tools import cli  # pylint: disable=import-outside-toplevel
-    args = cli.build_parser().parse_args(["bench", "--models", "resnet50,ptb_lstm", "mlp"])
+    """`python -m benchmarks --models a,b c` reads zoo networks and bench models, and
+    names the unknown ones with the choices."""
+    from benchmarks import command  # pylint: disable=import-outside-toplevel
+    args = command.build_parser().parse_args(["--models", "resnet50,ptb_lstm", "mlp"])
     assert args.models == ["resnet50", "ptb_lstm", "mlp"]
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["bench", "--models", "resnet50,alexnet"])
+        command.build_parser().parse_args(["--models", "resnet50,alexnet"])
 
 
 @pytest.mark.heavy
 def test_zoo_bench_measures_and_checks_against_the_loop():
     """run_zoo_bench on the layers CNN at B=2: every row timed, the build times and the
     method counts filled, the gradients agreeing with the loop; the table shows them."""
-    from pertower.tools.bench import zoo_bench  # pylint: disable=import-outside-toplevel
+    from benchmarks import zoo_bench  # pylint: disable=import-outside-toplevel
     rows = zoo_bench.run_zoo_bench(["layers_cnn"], batch_sizes=(2,), repeats=1,
                                    loop_repeats=1, report=lambda line: None)
     assert len(rows) == 1 and not rows[0].error, rows

@@ -1,11 +1,11 @@
-"""The zoo bench's build timing (pertower/tools/bench/zoo_bench.py `measure_builds`):
+"""The zoo bench's build timing (benchmarks/zoo_bench.py `measure_builds`):
 every timed build in a graph of its own, the first pertower build apart, the medians
 (wall and process CPU) those of the recorded runs, the ratios those of the medians, the
 garbage of earlier work collected before each timed build, and the table and JSON showing
 them. No timing threshold: the numbers are checked for
 consistency only. And what the bench compares the loop at: zoo.build's weights the same
 in every process (seeded), and a row off the loop checked again at the batch's own
-forward (pertower/tools/bench/zoo_agreement.py).
+forward (benchmarks/zoo_agreement.py).
 """
 
 import gc
@@ -19,8 +19,8 @@ import tensorflow as tf
 import pertower
 from pertower import oracle
 from pertower.tools import zoo
-from pertower.tools.bench import zoo_agreement
-from pertower.tools.bench import zoo_bench
+from benchmarks import zoo_agreement
+from benchmarks import zoo_bench
 
 REPEATS = 2
 

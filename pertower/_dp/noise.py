@@ -11,16 +11,25 @@ u1 independent and uniform on (0, 1],
 
 are two independent N(0, 1) draws (`box_muller`; 1 - u lies in (0, 1], so the logarithm
 is finite). Each number uses one 32-bit Philox word (float32: 23 of its bits; float64
-draws use two words per uniform); the largest |z| reached is sqrt(-2 ln 2^-23) = 5.65 σ
-from float32 uniforms (8.49 σ from float64). It runs as a few elementwise ops over all h
-pairs at once (the measurements, and the ways tried and not taken, are in
-docs/dp_noise.md).
+draws use two words per uniform). TensorFlow's own normal kernels use the same transform
+on the same kind of uniforms; the largest |z| it reaches is sqrt(-2 ln 2^-23) = 5.65 σ
+from float32 uniforms (8.49 σ from float64). Here it is a few elementwise ops over all h
+pairs at once, where `tf.random.stateless_normal`'s kernel transforms one number at a
+time; the noise over every weight is most of a DP-SGD step's extra cost on large models.
 
-TensorFlow slices a tensor along its first axis without copying only when the slice
-starts and ends on its 64-byte alignment, so h is rounded up to a multiple of 16 (u[0],
-u[1] and the two halves of the [2h] draws are then views), and `add_noise` splits the
-[2h] draws into the weights' pieces and an unused tail in ONE split, rather than cutting
-[n] first (a copy of all n draws when n is odd).
+Copies. TensorFlow slices a tensor along its first axis without copying only when the
+slice starts and ends on its 64-byte alignment, so h is rounded up to a multiple of 16
+(u[0], u[1] and the two halves of the [2h] draws are then views), and `add_noise`
+splits the [2h] draws into the weights' pieces and an unused tail in ONE split, rather
+than cutting [n] first (a copy of all n draws when n is odd).
+
+The inverse CDF z = Φ⁻¹(u) (Devroye 1986, "Non-Uniform Random Variate Generation", ch. 2)
+on the midpoints u + 2^-24 = (k + 1/2) 2^-23 would reach only |Φ⁻¹(2^-24)| = 5.29 σ, where
+a coordinate shifted by its sensitivity lands beyond the unshifted noise's support about
+five times as often (for a shift of 1 σ: 8.9e-6 against 1.7e-6 per coordinate). The draw
+is the same bits on one thread and on a pool (the Philox op and the elementwise ops shard
+by position). What this draw and the ways tried instead cost: docs/benchmark.md, "The
+noise draw".
 """
 
 import math

@@ -20,11 +20,12 @@ gradient builds for A (TensorFlow's `_Conv2DGrad`, `_DepthwiseConv2dNativeGrad`,
 `tf.gradients` leaves out as it would the unread result. A stride-1 Conv2D with a large
 filter (`forward_padding`; oneDNN off) instead gets its input's gradient as ONE forward
 Conv2D of dZ with the filter turned (`as_forward_convolution`): TensorFlow's CPU
-Conv2DBackpropInput without oneDNN runs 4-11x slower than that on small images with
-many channels (VGG16's blocks 4-5 at 32x32 inputs: 4x4 and 2x2 positions, 512
-channels). A MatMul A W with one row per example and a large W (`_turned_matmul`)
-takes dZ W^T as (W dZ^T)^T: TensorFlow's MatMul with transpose_b on few rows runs up
-to 14x slower (VGG16's fc2: 4096 x 4096 at B = 16). An op is handled only when: its
+Conv2DBackpropInput without oneDNN is the slower of the two on small images with many
+channels (VGG16's blocks 4-5 at 32x32 inputs: 4x4 and 2x2 positions, 512 channels). A
+MatMul A W with one row per example and a large W (`_turned_matmul`) takes dZ W^T as
+(W dZ^T)^T: TensorFlow's MatMul with transpose_b on few rows is the slower one there
+(VGG16's fc2: 4096 x 4096 at B = 16). Timings of both: docs/benchmark.md,
+"Measurements moved from docstrings". An op is handled only when: its
 type and W's slot are in `_ONE_SIDED` (a MatMul: A not transposed); it is in the graph
 of `ys` (not in a function or loop body); its gradient is TensorFlow's registered one
 (no `_gradient_op_type` override, no gradient function of its own); its dtype is real;
@@ -52,15 +53,9 @@ __all__ = ["FORWARD_MIN_CHANNELS", "FORWARD_MIN_FILTER", "FORWARD_FEW_POSITIONS"
 # A stride-1 Conv2D's input gradient is one forward Conv2D of dZ with the filter turned
 # (`as_forward_convolution`) when the filter has at least FORWARD_MIN_FILTER numbers,
 # Cin >= FORWARD_MIN_CHANNELS and Cin >= Cout / 2 or P <= FORWARD_FEW_POSITIONS output
-# positions; else TensorFlow's Conv2DBackpropInput. Measured (2-core CPU, TF 2.21
-# without oneDNN, float32, B = 16, SAME, one thread, CPU ms of the one op,
-# Conv2DBackpropInput -> the forward form with its filter turn): 3x3, 512 -> 512 at 1x1,
-# 2x2, 4x4, 8x8: 141 -> 21, 299 -> 26, 315 -> 41, 368 -> 113; 256 -> 512 at 4x4: 155
-# -> 18; 128 -> 128 at 2x2, 8x8, 32x32: 4.9 -> 1.6, 9.9 -> 7.6, 96 -> 85; 256 -> 64 at
-# 32x32: 102 -> 72; 1x1, 512 -> 512 at 4x4: 20 -> 5.7. The forward form is slower with
-# thin Cin (3 -> 64 at 32x32: 3.1 -> 6.7) and with Cin < Cout / 2 at many positions
-# (64 -> 256 at 16x16, 32x32: 28 -> 32, 88 -> 98; at 8x8: 9.2 -> 6.7); below 2^16
-# filter numbers the two are within noise of each other (64 -> 64 3x3: 0.8-1.2x).
+# positions; else TensorFlow's Conv2DBackpropInput (the forward form loses with thin
+# Cin and with Cin < Cout / 2 at many positions; below 2^16 filter numbers the two are
+# alike; timings without oneDNN: docs/benchmark.md, "Measurements moved from docstrings").
 FORWARD_MIN_FILTER = 1 << 16
 FORWARD_MIN_CHANNELS = 16
 FORWARD_FEW_POSITIONS = 64
@@ -182,13 +177,9 @@ def _turned_matmul(use):
     """Whether the MatMul `use` (A W, W [d, n]) takes dA = dZ W^T as (W dZ^T)^T, a
     MatMul of W as it is stored and a transpose of the small [d, B] result: with one row
     per example (k = 1) and min(d, n) >= `TURNED_MIN_SIDE`. TensorFlow's CPU MatMul
-    with transpose_b on few rows runs far below the other's speed (2-core CPU, TF 2.21
-    without oneDNN, float32, one thread, CPU ms, dZ W^T -> (W dZ^T)^T, B rows: d = n =
-    4096: B = 4: 183 -> 12, B = 16: 201 -> 15, B = 128: 306 -> 70, B = 1024: 658 -> 529;
-    d = 512, n = 4096, B = 16: 12.0 -> 2.1; d = n = 256, B = 16: 0.26 -> 0.16; with a
-    thin side it is slower: d = 4096, n = 10, B = 128: 0.75 -> 1.36; and at many rows
-    (B = 1024, d = n = 256: 2.1 -> 3.0). Not measured with oneDNN's kernels: not taken
-    when they are on."""
+    with transpose_b on few rows runs below the other's speed without oneDNN, except
+    with a thin side or at many rows (timings: docs/benchmark.md, "Measurements moved
+    from docstrings"). Not measured with oneDNN's kernels: not taken when they are on."""
     k = getattr(use.rows, "k", None)
     if (use.op.get_attr("transpose_b") or not (isinstance(k, int) and k == 1)
             or conv2d.onednn_enabled()):
@@ -241,8 +232,8 @@ def one_sided_ops(plan, indices):
 def _with_forward_form(use):
     """The gradient function of the Conv2D `use`: its input's gradient as a forward
     convolution where `forward_padding` gives one and TensorFlow's oneDNN kernels are
-    off (with them on, its Conv2DBackpropInput is as fast as the forward form: 4x4,
-    512 -> 512, 3x3: 32 vs 36 CPU ms; 2x2: 13 vs 19), else Conv2DBackpropInput. The
+    off (with them on, its Conv2DBackpropInput is as fast as the forward form: see
+    docs/benchmark.md, "Measurements moved from docstrings"), else Conv2DBackpropInput. The
     oneDNN setting is the rule's (`ConvOptions.onednn`), else TensorFlow's."""
     onednn = getattr(getattr(use.rule, "options", None), "onednn", None)
     if onednn is None:

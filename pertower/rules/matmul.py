@@ -102,9 +102,8 @@ def outer_products(A, dZ, transposed):
     row ([B, d, 1] * [B, 1, n]): a product with no sum runs as a streaming write, where
     a BatchMatMul or Einsum with a contraction of length 1 goes through the matmul
     kernel's packing for nothing. With a short last axis the broadcast runs slowly and
-    ONE Einsum is used. Measured on a 2-core CPU (TF 2.21, float32, CPU ms, B = 16):
-    d = n = 4096: Einsum 1368, Mul 1208; d = 512, n = 4096: 159, 150; d = 4096, n = 10:
-    1.9, 2.9; B = 128, d = n = 256: 40.2, 40.6."""
+    ONE Einsum is used (timings: docs/benchmark.md, "Measurements moved from
+    docstrings")."""
     if transposed:
         A, dZ = dZ, A
     columns = tf.compat.dimension_value(dZ.shape[-1])

@@ -1,4 +1,5 @@
-"""argparse types shared by the commands (`pertower demo`, `pertower bench`)."""
+"""argparse types shared by the commands (`pertower demo`, `pertower explain`) and
+`python -m benchmarks`."""
 
 import argparse
 

@@ -2,19 +2,15 @@
 
     pertower --version
     pertower demo [--batch-size B] [--repeats R]
-    pertower bench [--full] [--models M ...] [--batch-sizes B ...] [--methods M ...]
-                   [--repeats R] [--loop-repeats R] [--json FILE|-] [--plot FILE.png]
-                   [--env NAME=VALUE ...] [--peers]
     pertower explain MODEL.meta --ys NAME --batch NAME[,NAME...] [--xs trainable|NAME,...]
                      [--batch-size N] [--run FEEDS.npz [--checkpoint PREFIX]]
 
 `demo` runs the three user scenarios on built-in models and compares each with the
-one-example loop of `pertower.oracle`, with timings. `bench` times every way of
-computing per-example gradients side by side (its options and its run are
-`pertower.tools.bench.command`; see `pertower.tools.bench`). `explain` prints the plan
-for a saved meta graph (`pertower.tools.explain_command`).
+one-example loop of `pertower.oracle`, with timings. `explain` prints the plan for a
+saved meta graph (`pertower.tools.explain_command`). The benchmarks are not part of the
+installed package: `python -m benchmarks` from a checkout (its benchmarks/ folder).
 
-This module imports neither TensorFlow nor the demo or the bench's measuring modules:
+This module imports neither TensorFlow nor the demo:
 a command imports them when it runs, after setting TF_CPP_MIN_LOG_LEVEL=2 and
 TF_USE_LEGACY_KERAS=1 where the user set nothing (`pertower.tools.environment`), so
 parsing arguments and `--help` take a fraction of a second and print no TensorFlow
@@ -28,7 +24,6 @@ from pertower._version import __version__
 from pertower.tools import arguments
 from pertower.tools import environment
 from pertower.tools import explain_command
-from pertower.tools.bench import command as bench_command
 
 __all__ = ["build_parser", "main"]
 
@@ -37,7 +32,7 @@ DEFAULT_REPEATS = 5
 
 
 def build_parser():
-    """The argument parser: one subparser per command (`demo`, `bench`, `explain`)."""
+    """The argument parser: one subparser per command (`demo`, `explain`)."""
     parser = argparse.ArgumentParser(
         prog="pertower",
         description="Per-example gradients for TensorFlow graph mode: per-op rules where "
@@ -57,9 +52,6 @@ def build_parser():
                       metavar="R", help="timed runs after a warm-up; the median is shown "
                                         f"(default {DEFAULT_REPEATS})")
     demo.set_defaults(run=_run_demo)
-    bench = commands.add_parser("bench", help=bench_command.HELP,
-                                description=bench_command.DESCRIPTION)
-    bench_command.add_arguments(bench)
     explain = commands.add_parser("explain", help=explain_command.HELP,
                                   description=explain_command.DESCRIPTION)
     explain_command.add_arguments(explain)

@@ -1,4 +1,4 @@
-"""The built-in models of `pertower demo` and `pertower bench`, defined once.
+"""The built-in models of `pertower demo` and the benchmarks (`python -m benchmarks`), defined once.
 
 Notation:
     B   examples in the batch       P   weights (scalars over all trainable weights)

@@ -1,5 +1,5 @@
 """How a plan computes a network's weights, counted: the summary `pertower explain`
-(the command) and `pertower bench --models` print per network.
+(the command) and `python -m benchmarks --models` print per network.
 
 A plan (`pertower.explain`) gives each weight a method: "rules" (per-op rules: one
 batched pass), "towers" (weight-copy towers), "passes" (one backward pass per example,

@@ -1,4 +1,4 @@
-"""Timing and plain-text tables shared by `pertower demo` and `pertower bench`.
+"""Timing and plain-text tables shared by `pertower demo` and the benchmarks (`python -m benchmarks`).
 
 Every figure the tools print is the median of repeated wall-clock runs after a
 warm-up; tables are left-aligned in their first column and right-aligned elsewhere.

@@ -7,7 +7,7 @@ Notation:
 For each model, the driver (`run_worker_bench`) starts a cluster on 127.0.0.1 (free
 ports, `free_ports`): one parameter server and W workers, each a process running
 
-    python -m pertower.tools.bench.dp_workers --job {ps,worker} --task T --ports ...
+    python -m benchmarks.dp_workers --job {ps,worker} --task T --ports ...
         --model M --batch-size B --steps S [--plain]
 
 Every worker builds the same graph (between-graph replication, `replica_device_setter`):
@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from pertower.tools.bench import peers as peers_lib
+from benchmarks import peers as peers_lib
 
 __all__ = ["WORKERS", "THREADS", "WARM_UP_STEPS", "ROUNDS", "free_ports", "run_worker_bench",
            "main"]
@@ -79,7 +79,7 @@ def _launch(model, B, steps, plain, python):
     """Runs one cluster; returns (wall, cpu): every worker's step times (ms) after the
     warm-up, and its process's CPU ms in the same steps."""
     ports = ",".join(map(str, free_ports(WORKERS + 1)))
-    common = [python, "-m", "pertower.tools.bench.dp_workers", "--ports", ports,
+    common = [python, "-m", "benchmarks.dp_workers", "--ports", ports,
               "--model", model, "--batch-size", str(B), "--steps", str(steps)]
     common += ["--plain"] if plain else []
     env = peers_lib._child_env()  # pylint: disable=protected-access
@@ -123,7 +123,7 @@ def run_worker_bench(models, batch_sizes, steps=12, report=print, python=None, r
     Returns:
       A list of `dp.DPEntry` (no runs when a cluster failed, with the reason reported).
     """
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
     entries = []
     for model in models:
         B = batch_sizes[model]
@@ -152,7 +152,7 @@ def _worker(args):
     tf = environment.graph_mode_tensorflow()
     import pertower  # pylint: disable=import-outside-toplevel
     from pertower.tools import models  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
 
     spec, task = _cluster(tf, args.ports), args.task
     server = tf.distribute.Server(spec, job_name="worker", task_index=task,
@@ -203,7 +203,7 @@ def _worker(args):
 
 def main(argv=None):
     """The cluster's processes (--job ps or worker)."""
-    parser = argparse.ArgumentParser(prog="python -m pertower.tools.bench.dp_workers")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dp_workers")
     parser.add_argument("--job", choices=["ps", "worker"], required=True)
     parser.add_argument("--task", type=int, default=0)
     parser.add_argument("--ports", required=True)

@@ -6,7 +6,7 @@ Notation:
     g_i the gradient of example i's loss over all weights; n_i = ||g_i||_2
     clipped mean = (1/B) sum_i g_i * min(1, C / n_i)
 
-A job folder (written by `pertower.tools.bench.peers.prepare_job`):
+A job folder (written by `benchmarks.peers.prepare_job`):
     meta.json     {"model", "batch_size", "lr", "clip", "noise_multiplier", "shapes"}
     x.npy, t.npy  the batch (t: float targets [B, 1], or int labels [B] for "cifar")
     w{k}.npy      weight k, TensorFlow layout, model order (kernel, bias per layer)
@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from pertower.tools.bench import compare as compare_lib
-from pertower.tools.bench import records
+from benchmarks import compare as compare_lib
+from benchmarks import records
 
 __all__ = ["Job", "measure"]
 

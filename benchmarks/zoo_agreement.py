@@ -1,5 +1,5 @@
 """Agreement of the zoo bench's per-example gradients with the one-example loop
-(`pertower.tools.bench.zoo_bench`): the relative difference, the line on a row that
+(`benchmarks.zoo_bench`): the relative difference, the line on a row that
 disagrees, and the check of such a row at the batch's own forward.
 
 Notation:
@@ -30,7 +30,7 @@ forward pass, in TensorFlow's rounding at a kink, not in pertower) and the table
 import numpy as np
 import tensorflow as tf
 
-from pertower.tools.bench import report as report_lib
+from benchmarks import report as report_lib
 
 __all__ = ["RELATIVE_TOLERANCE", "DIFF_NOTE", "BatchForwardGradients", "max_relative_diff",
            "examples_over", "check_at_batch_forward", "disagreement", "diff_cell"]
@@ -40,7 +40,7 @@ RELATIVE_TOLERANCE = 1e-3
 DIFF_NOTE = ("max rel diff ... fwd x: over the tolerance against the loop, and x against "
              "TensorFlow's backward of the batch's own forward for the examples over it "
              "(within the tolerance: the batch and one-example forwards round to "
-             "different sides of a ReLU's kink; see pertower.tools.bench.zoo_agreement).")
+             "different sides of a ReLU's kink; see benchmarks.zoo_agreement).")
 
 
 def max_relative_diff(got, want, scale=None):

@@ -51,9 +51,9 @@ from pertower import oracle
 from pertower.tools import plan_summary
 from pertower.tools import timing
 from pertower.tools import zoo
-from pertower.tools.bench import report as report_lib
-from pertower.tools.bench import zoo_agreement as agreement
-from pertower.tools.bench.zoo_agreement import RELATIVE_TOLERANCE
+from benchmarks import report as report_lib
+from benchmarks import zoo_agreement as agreement
+from benchmarks.zoo_agreement import RELATIVE_TOLERANCE
 
 __all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_BUILD_REPEATS", "ROWS", "BuildTimes", "ZooRow",
            "RELATIVE_TOLERANCE", "WEIGHTS_SEED", "measure_builds", "run_zoo_bench",

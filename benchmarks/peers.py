@@ -8,10 +8,10 @@ Notation:
 
 For each model and B, this driver (in the bench's TensorFlow process) builds the
 TensorFlow model, runs the loop of `pertower.oracle.SliceLoop` once, and writes a job
-folder (see `pertower.tools.bench.peers_jobs`): the batch, the weights as numpy in
+folder (see `benchmarks.peers_jobs`): the batch, the weights as numpy in
 TensorFlow's layout, the loop's per-example gradients [B, *x.shape], their mean and
 their clipped mean (1/B) sum_i g_i min(1, C / n_i). Then, for each round, one child
-process per framework, `python -m pertower.tools.bench.peers_worker --framework F ...`,
+process per framework, `python -m benchmarks.peers_worker --framework F ...`,
 imports only F, loads the weights into its own model (PyTorch: [out, in] and OIHW,
 NCHW images), and times its entries on every job; the first round also checks each
 result against the loop's. The frameworks alternate (the order rotates each round), so
@@ -47,7 +47,9 @@ import tempfile
 import time
 
 from pertower.tools import models
-from pertower.tools.bench import records
+
+import benchmarks
+from benchmarks import records
 
 __all__ = ["PEER_MODELS", "FRAMEWORKS", "ROUNDS", "missing_frameworks", "prepare_job",
            "run_jobs", "run_peers", "describe"]
@@ -76,7 +78,7 @@ def missing_frameworks():
         absent = [p for p in packages if importlib.util.find_spec(p) is None]
         if absent:
             missing[framework] = (f"{' and '.join(absent)} not installed (pip install "
-                                  "'pertower[peers]'; use a CPU build of torch)")
+                                  "-r benchmarks/requirements-peers.txt; a CPU torch)")
     return missing
 
 
@@ -140,14 +142,10 @@ def prepare_job(model_name, B, folder, time_loop=False):
 
 
 def _child_env():
-    """os.environ with this pertower first on PYTHONPATH and TensorFlow quiet."""
+    """os.environ with this process's pertower, then the benchmarks, first on
+    PYTHONPATH and TensorFlow quiet."""
     env = dict(os.environ)
-    # this file is ROOT/pertower/tools/bench/peers.py
-    root = os.path.abspath(__file__)
-    for _ in range(4):
-        root = os.path.dirname(root)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = benchmarks.python_path()
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
@@ -156,7 +154,7 @@ def _run_child(framework, folders, repeats, check):
     """Runs one worker; returns (versions, entry dicts) or raises RuntimeError."""
     python = (os.environ.get(PYTHON_VARIABLE) or sys.executable
               if framework == "torch" else sys.executable)
-    command = [python, "-m", "pertower.tools.bench.peers_worker", "--framework",
+    command = [python, "-m", "benchmarks.peers_worker", "--framework",
                framework, "--repeats", str(repeats)] + (["--check"] if check else []) + folders
     done = subprocess.run(command, env=_child_env(), capture_output=True, text=True,
                           timeout=_CHILD_TIMEOUT_SECONDS, check=False)

@@ -1,20 +1,20 @@
 """The child process of `pertower bench --peers`: one framework, one round.
 
-    python -m pertower.tools.bench.peers_worker --framework {tf,torch,jax} --repeats R
+    python -m benchmarks.peers_worker --framework {tf,torch,jax} --repeats R
         [--check] JOB_DIR [JOB_DIR ...]
 
 imports only its framework (TensorFlow and pertower for "tf", PyTorch and Opacus for
 "torch", JAX for "jax"), builds each job's model with the weights the driver
-(`pertower.tools.bench.peers`) exported from the TensorFlow model, and prints one JSON
+(`benchmarks.peers`) exported from the TensorFlow model, and prints one JSON
 object on stdout: {"framework", "versions", "entries": [...]}. With --check it first
 compares each entry's result with the references in the job folder (the loop's
 per-example gradients, their mean, their clipped mean).
 
-The job folders and the measuring are `pertower.tools.bench.peers_jobs`; the PyTorch
+The job folders and the measuring are `benchmarks.peers_jobs`; the PyTorch
 and JAX entries are `peers_torch` and `peers_jax` (each imports its framework when it
 runs); the TensorFlow entries are here.
 
-Notation: that of `pertower.tools.bench.peers_jobs` (B examples, C clip norm, σ noise
+Notation: that of `benchmarks.peers_jobs` (B examples, C clip norm, σ noise
 multiplier, lr learning rate, g_i example i's gradient, n_i = ||g_i||_2).
 """
 
@@ -26,10 +26,10 @@ import numpy as np
 
 from pertower.tools import environment
 from pertower.tools import models
-from pertower.tools.bench import peers_jax
-from pertower.tools.bench import peers_jobs
-from pertower.tools.bench import peers_torch
-from pertower.tools.bench import records
+from benchmarks import peers_jax
+from benchmarks import peers_jobs
+from benchmarks import peers_torch
+from benchmarks import records
 
 __all__ = ["main"]
 
@@ -97,7 +97,7 @@ _MODULES = {"tensorflow": "tf", "torch": "torch", "jax": "jax"}
 
 def main(argv=None):
     """Runs the jobs for one framework; prints the JSON result on stdout; returns 0."""
-    parser = argparse.ArgumentParser(prog="python -m pertower.tools.bench.peers_worker")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers_worker")
     parser.add_argument("--framework", choices=sorted(_RUNNERS), required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--check", action="store_true")

@@ -26,11 +26,11 @@ from pertower.tools import environment
 from pertower.tools import models as models_lib
 from pertower.tools import timing
 from pertower.tools import traced_memory as run_memory
-from pertower.tools.bench import baselines
-from pertower.tools.bench import compare
-from pertower.tools.bench import machine
-from pertower.tools.bench import peers as peers_lib
-from pertower.tools.bench import records
+from benchmarks import baselines
+from benchmarks import compare
+from benchmarks import machine
+from benchmarks import peers as peers_lib
+from benchmarks import records
 
 __all__ = ["MODELS", "QUICK", "FULL", "run_bench"]
 
@@ -161,6 +161,8 @@ def _bench_one(model_name, B, methods, repeats, loop_repeats, report):
             entry.agrees = records.agrees(entry.max_abs_diff, entry.max_abs_reference)
         if entry.runs_ms:
             entry.median_ms = statistics.median(entry.runs_ms)
+        if entry.cpu_ms:
+            entry.median_cpu_ms = statistics.median(entry.cpu_ms)
     _ratios(entries)
     return entries
 
@@ -169,11 +171,22 @@ def _time_round_robin(sess, candidates, feed, B, repeats, loop_repeats):
     """Times `repeats` runs of each candidate (`loop_repeats` passes of the loop), one
     run of each in turn, so a change of load on the machine hits them alike."""
     runs = []
+
+    def counted(entry, run):
+        """`run`, adding the process's CPU ms (all threads) to `entry.cpu_ms`."""
+        def counted_run():
+            start = time.process_time()
+            run()
+            entry.cpu_ms.append(1e3 * (time.process_time() - start))
+        return counted_run
+
     for candidate in candidates:
         if candidate.loop is not None:
-            runs.append((lambda c=candidate: c.loop.run(sess, feed, B), loop_repeats))
+            runs.append((counted(candidate.entry, lambda c=candidate: c.loop.run(sess, feed, B)),
+                         loop_repeats))
         else:
-            runs.append((lambda c=candidate: sess.run(c.fetches, feed), repeats))
+            runs.append((counted(candidate.entry, lambda c=candidate: sess.run(c.fetches, feed)),
+                         repeats))
     for candidate, times in zip(candidates, timing.round_robin(runs)):
         candidate.entry.runs_ms.extend(1e3 * t for t in times)
 
@@ -230,13 +243,13 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
       loop_repeats: timed passes of the loop (B sess.run each).
       report: called with each line of progress.
       peers: also run the PyTorch and JAX peers and the DP-SGD steps
-        (`pertower.tools.bench.peers`; models may then include its "cifar").
+        (`benchmarks.peers`; models may then include its "cifar").
       peer_rounds: child processes per peer framework (each times `repeats` passes).
       peer_info: a dict that receives each peer framework's versions.
 
     Example:
       entries = run_bench(models=["mlp"], batch_sizes=[32], repeats=3)
-      print(report.format_table(entries))   # pertower.tools.bench.report
+      print(report.format_table(entries))   # benchmarks.report
     """
     if batch_sizes is None:
         batch_sizes = QUICK["batch_sizes"]
@@ -244,7 +257,7 @@ def run_bench(models=QUICK["models"], batch_sizes=None, methods=gradients_lib.ME
     for model_name in models:
         known = MODELS + (peers_lib.PEER_MODELS if peers else ())
         if model_name not in known:
-            raise ValueError(f"pertower.tools.bench: unknown model {model_name!r}; choose from "
+            raise ValueError(f"benchmarks: unknown model {model_name!r}; choose from "
                              f"{tuple(dict.fromkeys(known))} ({peers_lib.PEER_MODELS} "
                              "with peers).")
         sizes = batch_sizes[model_name] if isinstance(batch_sizes, dict) else batch_sizes

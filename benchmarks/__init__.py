@@ -1,4 +1,13 @@
-"""`pertower bench`: every way to get per-example gradients, side by side, in one process.
+"""pertower's benchmarks, run from a checkout: every way to get per-example gradients,
+side by side, on both oneDNN settings (and, with --pertower, on other checkouts).
+
+    python -m benchmarks [--onednn both|off|on|as-is] [--pertower PATH ...] [--rounds N]
+                         [--full] [--dp] [--models M ...] [--batch-sizes B ...] ...
+    python -m benchmarks.recurrent ...      the recurrent language model's rows
+
+They import pertower like any user (pip install -e . or PYTHONPATH), as Opacus and
+BackPACK keep theirs; `pip install -r benchmarks/requirements.txt` adds what --plot
+and --peers use.
 
 Notation:
     B   examples in the batch       P   weights (parameters) of the model
@@ -31,8 +40,10 @@ variables, oneDNN, AVX-512), which change these speeds several-fold.
 
 The package, from the command down (each module imports only those below it):
 
-    command       the `bench` options and their run (`pertower bench`,
-                  `python -m pertower.tools.bench`); imports no TensorFlow until it runs
+    command       the options and their run (`python -m benchmarks`); imports no
+                  TensorFlow until it runs
+    sides         the worker processes (one per oneDNN setting and checkout, in
+                  rounds) and their rows side by side
     dp            `--dp`: a plain SGD step against pertower.DPOptimizer's step
     runner        every row for one model at one B, timed round robin; `run_bench`
     peers         `--peers`: the same models in PyTorch and JAX, each in its own child
@@ -43,8 +54,31 @@ The package, from the command down (each module imports only those below it):
     compare       a result against the loop's (numpy only)
     records       a row (`Entry`), the rows' names, the tolerance (no TensorFlow, no numpy)
 
-Importing this package imports nothing else: import its modules, e.g.
-`from pertower.tools.bench import runner, report`.
+Importing this package imports nothing but `pertower.tools` (which imports neither
+TensorFlow nor the library): the models, zoo, timing and environment modules of
+pertower/tools in this checkout come first on its path, so that with `--pertower PATH`
+the library is PATH's and the models measured are the same on every checkout. Import
+its modules, e.g. `from benchmarks import runner, report`.
 """
 
-__all__ = []
+import os
+
+import pertower.tools
+
+__all__ = ["ROOT", "python_path"]
+
+# the checkout holding this folder: ROOT/benchmarks/__init__.py
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_TOOLS = os.path.join(ROOT, "pertower", "tools")
+if os.path.isdir(_TOOLS) and os.path.realpath(_TOOLS) not in map(os.path.realpath,
+                                                                 pertower.tools.__path__):
+    pertower.tools.__path__.insert(0, _TOOLS)
+
+
+def python_path(library=None):
+    """PYTHONPATH for a child process: `library` (a checkout holding pertower/; default
+    the one this process imports), then ROOT (for `benchmarks`), then os.environ's."""
+    library = library or os.path.dirname(os.path.dirname(os.path.abspath(pertower.__file__)))
+    given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys([os.path.abspath(library), ROOT] + given))

@@ -1,11 +1,15 @@
-"""The `bench` command: its options, and what it runs.
+"""`python -m benchmarks`: its options, and what it runs.
 
-    pertower bench [--full] [--dp] [--models M ...] [--batch-sizes B ...]
-                   [--methods M ...] [--repeats R] [--loop-repeats R] [--json FILE|-]
-                   [--plot FILE.png] [--env NAME=VALUE ...] [--peers]
+    python -m benchmarks [--onednn both|off|on|as-is] [--pertower PATH ...] [--rounds N]
+                         [--full] [--dp] [--models M ...] [--batch-sizes B ...]
+                         [--methods M ...] [--repeats R] [--loop-repeats R] [--json FILE|-]
+                         [--plot FILE.png] [--env NAME=VALUE ...] [--peers]
 
-`pertower bench ...` (`pertower.tools.cli`) and `python -m pertower.tools.bench ...`
-(`main` here) parse the same options and run `run`.
+By default the command measures nothing itself: `benchmarks.sides` runs it again with
+`--onednn as-is` in one worker process per oneDNN setting (and per `--pertower`
+checkout), in `--rounds` interleaved rounds, and prints every row side by side. With
+`--onednn as-is` it measures in this process, on the setting TensorFlow finds
+(`run`).
 
 Importing this module imports neither TensorFlow nor numpy: `run` imports the measuring
 modules of this package (`runner`, `machine`, `report`, `dp`) when it runs, after
@@ -17,29 +21,26 @@ TensorFlow log lines.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from pertower.tools import arguments
 from pertower.tools import environment
 from pertower.tools import models as tool_models
 from pertower.tools import zoo
-from pertower.tools.bench import peers as tool_peers
-from pertower.tools.bench import records
+from benchmarks import peers as tool_peers
+from benchmarks import records
+from benchmarks import sides
 
-__all__ = ["HELP", "DESCRIPTION", "BENCH_MODELS", "PEER_MODELS", "add_arguments",
+__all__ = ["DESCRIPTION", "BENCH_MODELS", "PEER_MODELS", "add_arguments",
            "build_parser", "main", "run"]
 
 DEFAULT_BENCH_REPEATS = 5
 # The bench's models (pertower.tools.models imports TensorFlow only when building).
 BENCH_MODELS = tool_models.MODEL_NAMES
-# With --peers (pertower.tools.bench.peers imports neither TensorFlow nor the peers here).
+# With --peers (benchmarks.peers imports neither TensorFlow nor the peers here).
 PEER_MODELS = tuple(dict.fromkeys(BENCH_MODELS + tool_peers.PEER_MODELS))
-# Set in the child process `bench --env` starts, so it measures instead of starting another.
-_CHILD_MARK = "PERTOWER_BENCH_CHILD"
-
-HELP = "time every per-example gradient method side by side"
-DESCRIPTION = ("Times, in one process and side by side, every pertower method "
+DESCRIPTION = ("Times, side by side and on both oneDNN settings (one worker process "
+               "each), every pertower method "
                "(per_example_gradients and per_example_norms), the one-example "
                "sess.run loop, tf.vectorized_map with tf.gradients inside, one batch "
                "gradient and (MLP) outer products written by hand, on an MLP "
@@ -53,7 +54,19 @@ DESCRIPTION = ("Times, in one process and side by side, every pertower method "
 
 
 def add_arguments(parser):
-    """Adds the `bench` options to `parser`; None defaults are filled by --full or quick."""
+    """Adds the options to `parser`; None defaults are filled by --full or quick."""
+    parser.add_argument("--onednn", default="both", choices=("both", "off", "on", "as-is"),
+                        help="measure every row with oneDNN off and on, each in a worker "
+                             "process of its own (TF_ENABLE_ONEDNN_OPTS=0/1), side by "
+                             "side (both, the default), or one setting; as-is: in this "
+                             "process, on the setting TensorFlow finds")
+    parser.add_argument("--pertower", action="append", default=None, metavar="PATH",
+                        help="the workers import pertower from this checkout (repeatable: "
+                             "one column per checkout and setting; default the pertower "
+                             "this Python imports); the models stay this checkout's")
+    parser.add_argument("--rounds", type=arguments.positive_int, default=1, metavar="N",
+                        help="run every worker N times, interleaved; cells are medians "
+                             "over the rounds (default 1)")
     parser.add_argument("--full", action="store_true",
                         help="both models at B=32,128,512, more repeats (several minutes)")
     parser.add_argument("--dp", action="store_true",
@@ -93,11 +106,11 @@ def add_arguments(parser):
                         help="also draw the figures with matplotlib into this PNG")
     parser.add_argument("--env", action="append", type=arguments.assignment, default=None,
                         metavar="NAME=VALUE",
-                        help="measure in a child process started with this environment "
-                             "variable (repeatable). Allocator and oneDNN settings are read "
-                             "at process start, e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
-                             "--env MALLOC_TRIM_THRESHOLD_=4294967296 --env MALLOC_ARENA_MAX=1, or "
-                             "--env TF_ENABLE_ONEDNN_OPTS=0")
+                        help="start the workers with this environment variable "
+                             "(repeatable). Allocator settings are read at process start, "
+                             "e.g. --env MALLOC_MMAP_THRESHOLD_=4294967296 "
+                             "--env MALLOC_TRIM_THRESHOLD_=4294967296 --env MALLOC_ARENA_MAX=1 "
+                             "(oneDNN: --onednn)")
     parser.add_argument("--peers", action="store_true",
                         help="also run the same models in PyTorch (torch.func vmap(grad), "
                              "Opacus hooks and ghost clipping) and JAX (jit(vmap(grad)), a "
@@ -105,7 +118,7 @@ def add_arguments(parser):
                              "TensorFlow model's weights, checked against the loop; and "
                              "DP-SGD steps of plain TensorFlow and pertower.DPOptimizer. "
                              "Frameworks not installed show as n/a (pip install "
-                             "'pertower[peers]')")
+                             "-r benchmarks/requirements-peers.txt)")
     parser.add_argument("--curvature", action="store_true",
                         help="instead of the gradient table: pertower's diag_ggn and "
                              "kfac_factors (exact and one sample) on the mlp and cifar "
@@ -136,52 +149,56 @@ class _Flatten(argparse.Action):
         setattr(namespace, self.dest, [name for names in values for name in names])
 
 
-def build_parser(prog="pertower bench"):
-    """The `bench` options as a parser of their own (`python -m pertower.tools.bench`)."""
+def build_parser(prog="python -m benchmarks"):
+    """The options as a parser (`python -m benchmarks`)."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(parser)
     return parser
 
 
 def main(argv=None):
-    """`python -m pertower.tools.bench ...`: the same as `pertower bench ...`; returns
-    the exit code."""
+    """`python -m benchmarks ...`; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.argv = ["bench"] + argv
+    args.argv = argv
     return run(args)
 
 
 def run(args):
-    """`pertower bench` with parsed `args`: measures, prints the table, writes JSON (and
-    a plot); returns the exit code."""
-    if args.env and os.environ.get(_CHILD_MARK) != "1":
-        return _run_in_child(args)
+    """`python -m benchmarks` with parsed `args`: measures (in workers, side by side,
+    unless --onednn as-is), prints the table, writes JSON (and a plot); returns the exit
+    code."""
+    if args.onednn != "as-is":
+        return _run_sides(args)
+    if args.env or args.pertower or args.rounds != 1:
+        print("python -m benchmarks: --env, --pertower and --rounds start worker "
+              "processes; drop --onednn as-is.", file=sys.stderr)
+        return 2
     if args.models and any(name in zoo.ZOO for name in args.models):
         return _run_zoo(args)
     tf = environment.graph_mode_tensorflow()
     # the measuring modules import TensorFlow: only now, after the environment is set
     # pylint: disable=import-outside-toplevel
     from pertower._api import gradients
-    from pertower.tools.bench import machine as machine_lib
-    from pertower.tools.bench import report as report_lib, runner
+    from benchmarks import machine as machine_lib
+    from benchmarks import report as report_lib, runner
     # pylint: enable=import-outside-toplevel
 
-    if args.peers_python:   # the torch children's Python (pertower.tools.bench.peers)
+    if args.peers_python:   # the torch children's Python (benchmarks.peers)
         os.environ[tool_peers.PYTHON_VARIABLE] = args.peers_python
     if args.curvature:
         return _run_curvature(args)
     methods = args.methods or list(gradients.METHODS)
     unknown = [m for m in methods if m not in gradients.METHODS]
     if unknown:
-        print(f"pertower bench: --methods {' '.join(unknown)}: unknown; choose from "
+        print(f"python -m benchmarks: --methods {' '.join(unknown)}: unknown; choose from "
               f"{', '.join(gradients.METHODS)}.", file=sys.stderr)
         return 2
     preset = runner.FULL if args.full else runner.QUICK
     models = args.models or preset["models"]
     peers_only = [m for m in models if m not in runner.MODELS]
     if peers_only and not args.peers:
-        print(f"pertower bench: --models {' '.join(peers_only)}: runs only with --peers.",
+        print(f"python -m benchmarks: --models {' '.join(peers_only)}: runs only with --peers.",
               file=sys.stderr)
         return 2
     if not isinstance(args.batch_sizes, list) and any(m not in preset["batch_sizes"]
@@ -205,7 +222,7 @@ def run(args):
     if args.peers:
         settings["peers"] = {"rounds": tool_peers.ROUNDS[settings["mode"]],
                              "frameworks": peer_info}
-    report(f"pertower bench ({settings['mode']}): TensorFlow {tf.__version__}, "
+    report(f"python -m benchmarks ({settings['mode']}): TensorFlow {tf.__version__}, "
            f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), load "
            f"{machine['load_average_1_5_15']}, {machine['date_utc']}")
     report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
@@ -238,7 +255,7 @@ def run(args):
         try:
             report_lib.plot(entries, args.plot)
         except RuntimeError as error:
-            print(f"pertower bench: {error}", file=sys.stderr)
+            print(f"python -m benchmarks: {error}", file=sys.stderr)
             return 1
         report(f"plot written to {args.plot}")
     failed = [f"{e.model} B={e.batch_size} {e.name}" for e in entries
@@ -252,7 +269,7 @@ def run(args):
 
 def _run_dp_rows(args, repeats, report):
     """The DP rows (`dp.run_dp_bench`), printed; returns them for the JSON."""
-    from pertower.tools.bench import dp  # pylint: disable=import-outside-toplevel
+    from benchmarks import dp  # pylint: disable=import-outside-toplevel
 
     report("")
     with environment.quiet_native_logs():
@@ -262,7 +279,7 @@ def _run_dp_rows(args, repeats, report):
                                          tool_peers.PYTHON_VARIABLE) or sys.executable)
         if args.dp_workers:
             # pylint: disable-next=import-outside-toplevel
-            from pertower.tools.bench import dp_workers
+            from benchmarks import dp_workers
             names = [m for m in args.models or dp.DP_BATCH_SIZES if m in dp.DP_BATCH_SIZES]
             sizes = {m: (args.batch_sizes or dp.DP_BATCH_SIZES[m])[0] for m in names}
             dp_entries += dp_workers.run_worker_bench(names, sizes, report=report,
@@ -282,53 +299,31 @@ def _run_dp_rows(args, repeats, report):
 
 
 def _run_curvature(args):
-    """`bench --curvature`: pertower's and BackPACK's curvature rows, printed (and
-    written to --json when given); returns the exit code (1 when a checked value disagrees)."""
-    # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import peers_curvature
-    # pylint: enable=import-outside-toplevel
-    models = [m for m in (args.models or peers_curvature.CURVATURE_MODELS)
-              if m in peers_curvature.CURVATURE_MODELS]
-    sizes = args.batch_sizes or [32]
-    repeats = args.repeats or 3
+    """`--curvature` (`peers_curvature.run_command`): its table and JSON; the exit code."""
+    from benchmarks import peers_curvature  # pylint: disable=import-outside-toplevel
     out = sys.stderr if args.json == "-" else sys.stdout
 
     def report(line):
         print(line, file=out, flush=True)
 
     with environment.quiet_native_logs():
-        rows, versions = peers_curvature.run_curvature(
-            [(m, B) for m in models for B in sizes], repeats, report, args.peers_python)
-    report(peers_curvature.format_rows(rows))
-    report(f"BackPACK child: {versions}")
-    report(f"ms: median of {repeats} runs (TensorFlow's entries taken in turns); x batch: "
-           "divided by TensorFlow's batch gradient (tf.gradients of the summed loss) in "
-           "the same process.")
-    figures = {"curvature": [dict(zip(("model", "batch_size", "entry", "median_ms",
-                                        "max_abs_diff", "max_abs_reference", "note"), row))
-                             for row in rows], "versions": versions,
-               "targets": peers_curvature.target_rows(rows)}
+        figures, code = peers_curvature.run_command(args, report)
     _write_figures(figures, args.json, report)
-    bad = [f"{m} B={B} {name}" for m, B, name, _, diff, scale, _ in rows
-           if diff is not None and not records.agrees(diff, scale)]
-    if bad or "missing" in versions:
-        report(f"FAILED: {'; '.join(bad) or versions.get('missing')}")
-        return 1
-    return 0
+    return code
 
 
 def _run_zoo(args):
-    """`bench --models` with zoo networks (`pertower.tools.bench.zoo_bench`): prints
+    """`bench --models` with zoo networks (`benchmarks.zoo_bench`): prints
     progress and the table, writes the rows as JSON; returns the exit code."""
     others = [name for name in args.models if name not in zoo.ZOO]
     if others:
-        print(f"pertower bench: --models {' '.join(others)}: run them apart from the zoo "
+        print(f"python -m benchmarks: --models {' '.join(others)}: run them apart from the zoo "
               "networks (a separate command).", file=sys.stderr)
         return 2
     tf = environment.graph_mode_tensorflow()
     tf.get_logger().setLevel("ERROR")     # the v1 idioms' deprecation lines
     # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import machine as machine_lib, zoo_bench
+    from benchmarks import machine as machine_lib, zoo_bench
     # pylint: enable=import-outside-toplevel
     out = sys.stderr if args.json == "-" else sys.stdout
 
@@ -338,7 +333,7 @@ def _run_zoo(args):
     batch_sizes = args.batch_sizes or zoo_bench.DEFAULT_BATCH_SIZES
     repeats, loop_repeats = args.repeats or DEFAULT_BENCH_REPEATS, args.loop_repeats or 3
     machine = machine_lib.machine_info()
-    report(f"pertower bench (zoo): TensorFlow {tf.__version__}, {machine['cpu_count']} CPUs "
+    report(f"python -m benchmarks (zoo): TensorFlow {tf.__version__}, {machine['cpu_count']} CPUs "
            f"({machine['cpu_model']}), load {machine['load_average_1_5_15']}, "
            f"{machine['date_utc']}")
     report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
@@ -382,24 +377,17 @@ def _write_figures(figures, path, report):
         report(f"\nfigures written to {path}")
 
 
-def _run_in_child(args):
-    """`bench --env NAME=VALUE ...`: runs the same command without --env in a child
-    Python started with those variables (allocators and oneDNN read them at process
-    start); returns its exit code. Its output goes straight to ours."""
-    child_argv, skip = [], False
-    for token in args.argv:
-        if skip:
-            skip = False
-        elif token == "--env":
-            skip = True
-        elif not token.startswith("--env="):
-            child_argv.append(token)
-    env = dict(os.environ)
-    env.update(dict(args.env))
-    env[_CHILD_MARK] = "1"
-    settings = " ".join(f"{name}={value}" for name, value in args.env)
-    print(f"pertower bench: measuring in a child process with {settings}", flush=True,
-          file=sys.stderr if args.json == "-" else sys.stdout)
-    command = [sys.executable, "-m", "pertower"] + child_argv
-    return subprocess.run(command, env=env, check=False).returncode
+def _run_sides(args):
+    """The workers of `benchmarks.sides`, their table, and the JSON; the exit code."""
+    out = sys.stderr if args.json == "-" else sys.stdout
 
+    def report(line):
+        print(line, file=out, flush=True)
+
+    try:
+        code, figures = sides.run(args, report)
+    except ValueError as error:
+        print(f"python -m benchmarks: {error}", file=sys.stderr)
+        return 2
+    _write_figures(figures, args.json, report)
+    return code

@@ -38,8 +38,8 @@ import pertower
 from pertower._dp import noise as noise_lib
 from pertower.tools import models as models_lib
 from pertower.tools import timing
-from pertower.tools.bench import peers_noise
-from pertower.tools.bench import report as report_lib
+from benchmarks import peers_noise
+from benchmarks import report as report_lib
 
 __all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "PHILOX_UNIFORMS", "SESSION_OVERHEAD",
            "DRAWS_PER_RUN", "FINE_ROWS", "DPEntry", "run_dp_bench", "format_dp_table",
@@ -147,9 +147,13 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 keys = tf.random.uniform([DRAWS_PER_RUN, 2], maxval=2 ** 62,
                                          dtype=tf.int64, seed=B)       # [K, 2]
                 steps.append((SESSION_OVERHEAD, keys[0]))
-                steps.append((PHILOX_UNIFORMS, _chained_draws(P, keys, loss.dtype,
-                                                               _uniforms)))
-                steps.append(("noise draw", _chained_draws(P, keys, loss.dtype)))
+                if hasattr(noise_lib, "normal_pairs"):   # older pertowers: no such draw
+                    steps.append((PHILOX_UNIFORMS, _chained_draws(P, keys, loss.dtype,
+                                                                   _uniforms)))
+                    steps.append(("noise draw", _chained_draws(P, keys, loss.dtype)))
+                else:
+                    report(f"dp {model_name} B={B}: no noise draw rows: this pertower has "
+                           "no pertower._dp.noise.normal_pairs (an older version)")
                 sess.run(tf.compat.v1.global_variables_initializer())
                 rows = [DPEntry(model_name, B, name) for name, _ in steps]
                 for _, op in steps:

@@ -23,7 +23,7 @@ LOOP, BATCH, OUTER, HAND_NORMS, VMAP, WRITE_LIMIT, NORMS_FLOOR = (
 # entries whose result is not compared with the loop ("n/c")
 NOT_COMPARED = ("write", "floor")
 
-# The peers' rows (`pertower.tools.bench.peers`), and what each computes: "gradients"
+# The peers' rows (`benchmarks.peers`), and what each computes: "gradients"
 # (per-example, [B, *x.shape]), "step" (a plain SGD step: the mean gradient) or "dp step"
 # (a DP-SGD step: the clipped mean, checked with σ = 0, timed with the job's σ).
 TORCH_VMAP = "torch vmap(grad)"
@@ -56,6 +56,8 @@ class Entry:
       reason: why the row is not "ok" (empty when it is).
       median_ms: median milliseconds of one pass (one sess.run; the loop: B of them).
       runs_ms: every timed pass, milliseconds.
+      median_cpu_ms, cpu_ms: the same in the process's CPU milliseconds (all threads;
+        steadier than the wall time on a loaded machine).
       ratio_to_loop: median_ms / the loop's median_ms.
       ratio_to_batch: median_ms / the batch gradient's median_ms.
       ratio_to_outer: median_ms / the hand outer products' median_ms (MLP only).
@@ -83,6 +85,8 @@ class Entry:
     reason: str = ""
     median_ms: float = None
     runs_ms: list = dataclasses.field(default_factory=list)
+    median_cpu_ms: float = None
+    cpu_ms: list = dataclasses.field(default_factory=list)
     ratio_to_loop: float = None
     ratio_to_batch: float = None
     ratio_to_outer: float = None

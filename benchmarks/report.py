@@ -5,7 +5,7 @@ import dataclasses
 
 from pertower._api import gradients as gradients_lib
 from pertower.tools import timing
-from pertower.tools.bench import records
+from benchmarks import records
 
 __all__ = ["MEMORY_FOOTNOTE", "PEERS_FOOTNOTE", "cell", "format_table", "to_json", "plot"]
 

@@ -10,9 +10,9 @@ The driver (the bench's TensorFlow process) builds each model ("mlp": MSE, l = s
 (f_k - y_k)^2; "cifar": softmax cross-entropy), times on one batch pertower's
 `diag_ggn` (exact and one sample), `kfac_factors` (exact: KFLR, one sample: KFAC), the
 batch gradient and `per_example_gradients`, and writes a job folder (the
-`pertower.tools.bench.peers_jobs` layout) with the weights, the batch and pertower's
+`benchmarks.peers_jobs` layout) with the weights, the batch and pertower's
 exact diagonal and factors. Then one child, `python -m
-pertower.tools.bench.peers_curvature JOB_DIR ...`, started with the peers' Python
+benchmarks.peers_curvature JOB_DIR ...`, started with the peers' Python
 (`--peers-python`, or the environment variable PERTOWER_PEERS_PYTHON: torch and
 BackPACK live in an environment of their own, since TensorFlow imports torch when it
 is installed beside it), imports torch and BackPACK 1.7.1 only, rebuilds each model as
@@ -36,8 +36,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks import records
+
 __all__ = ["CURVATURE_MODELS", "PYTHON_VARIABLE", "TARGETS", "peers_python",
-           "run_curvature", "format_rows", "target_rows", "main"]
+           "run_curvature", "run_command", "format_rows", "target_rows", "main"]
 
 CURVATURE_MODELS = ("mlp", "cifar")
 PYTHON_VARIABLE = "PERTOWER_PEERS_PYTHON"
@@ -134,7 +136,7 @@ def prepare(model_name, B, folder, repeats):
 
 def _backpack_model(torch, job):
     """The job's model as an nn.Sequential BackPACK can extend, TF's weights loaded."""
-    from pertower.tools.bench import peers_torch  # pylint: disable=import-outside-toplevel
+    from benchmarks import peers_torch  # pylint: disable=import-outside-toplevel
     nn = torch.nn
     shapes = [tuple(s) for s in job.meta["shapes"]]
     if job.model == "mlp":
@@ -228,7 +230,7 @@ def _backpack_job(torch, backpack, job, repeats):
 
 
 def main(argv=None):
-    """The child: `python -m pertower.tools.bench.peers_curvature [--repeats R] JOB ...`;
+    """The child: `python -m benchmarks.peers_curvature [--repeats R] JOB ...`;
     prints one JSON object {"versions", "jobs": {folder: {entry: [ms, diff, scale,
     note]}}}."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -238,7 +240,7 @@ def main(argv=None):
     import torch  # pylint: disable=import-outside-toplevel
     import backpack  # pylint: disable=import-outside-toplevel
     from importlib import metadata  # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import peers_jobs  # pylint: disable=import-outside-toplevel
+    from benchmarks import peers_jobs  # pylint: disable=import-outside-toplevel
     torch.set_float32_matmul_precision("highest")
     stdout, sys.stdout = sys.stdout, sys.stderr
     try:
@@ -265,7 +267,7 @@ def run_curvature(keys, repeats, report=print, python=None):
       |pertower| or None, note); the child's versions, or {"missing": why}.
     """
     # pylint: disable=import-outside-toplevel
-    from pertower.tools.bench import peers as tool_peers
+    from benchmarks import peers as tool_peers
     # pylint: enable=import-outside-toplevel
     folder = tempfile.mkdtemp(prefix="pertower-curvature-")
     rows, jobs = [], []
@@ -277,7 +279,7 @@ def run_curvature(keys, repeats, report=print, python=None):
         jobs.append((model_name, B, job))
     python = peers_python(python)
     report(f"BackPACK child: {python}")
-    command = [python, "-m", "pertower.tools.bench.peers_curvature", "--repeats",
+    command = [python, "-m", "benchmarks.peers_curvature", "--repeats",
                str(repeats)] + [job for _, _, job in jobs]
     done = subprocess.run(command, env=tool_peers._child_env(),  # pylint: disable=protected-access
                           capture_output=True, text=True, timeout=_TIMEOUT_SECONDS,
@@ -292,6 +294,32 @@ def run_curvature(keys, repeats, report=print, python=None):
         for name, (ms, diff, scale, note) in result["jobs"][job].items():
             rows.append((model_name, B, name, ms, diff, scale, note))
     return rows, result["versions"]
+
+
+def run_command(args, report):
+    """`python -m benchmarks --curvature` with parsed `args`: pertower's and BackPACK's
+    rows, printed; returns (the figures, the exit code: 1 when a checked value
+    disagrees or BackPACK is missing)."""
+    models = [m for m in (args.models or CURVATURE_MODELS) if m in CURVATURE_MODELS]
+    sizes = args.batch_sizes or [32]
+    repeats = args.repeats or 3
+    rows, versions = run_curvature([(m, B) for m in models for B in sizes], repeats, report,
+                                   args.peers_python)
+    report(format_rows(rows))
+    report(f"BackPACK child: {versions}")
+    report(f"ms: median of {repeats} runs (TensorFlow's entries taken in turns); x batch: "
+           "divided by TensorFlow's batch gradient (tf.gradients of the summed loss) in "
+           "the same process.")
+    figures = {"curvature": [dict(zip(("model", "batch_size", "entry", "median_ms",
+                                        "max_abs_diff", "max_abs_reference", "note"), row))
+                             for row in rows], "versions": versions,
+               "targets": target_rows(rows)}
+    bad = [f"{m} B={B} {name}" for m, B, name, _, diff, scale, _ in rows
+           if diff is not None and not records.agrees(diff, scale)]
+    if bad or "missing" in versions:
+        report(f"FAILED: {'; '.join(bad) or versions.get('missing')}")
+        return figures, 1
+    return figures, 0
 
 
 def format_rows(rows):

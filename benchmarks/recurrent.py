@@ -1,7 +1,7 @@
 """What recurrent weights cost: a PTB-style LSTM language model, per-example gradients
 against the batch gradient and the one-example loop.
 
-    python -m pertower.tools.recurrent_bench [--batch 32] [--steps 20] [--vocab 1000]
+    python -m benchmarks.recurrent [--batch 32] [--steps 20] [--vocab 1000]
         [--units 128] [--repeats 7] [--onednn on|off|both] [--layer LSTM|GRU|SimpleRNN]
         [--v1]
 
@@ -29,13 +29,15 @@ import os
 import subprocess
 import sys
 
+import benchmarks
+
 __all__ = ["main", "run"]
 
 _V1_CELLS = {"LSTM": "LSTMCell", "GRU": "GRUCell", "SimpleRNN": "BasicRNNCell"}
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m pertower.tools.recurrent_bench",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.recurrent",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=32, help="B (default 32)")
     parser.add_argument("--steps", type=int, default=20, help="T (default 20)")
@@ -120,11 +122,12 @@ def main(argv=None):
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.onednn == "both":
         for setting in ("off", "on"):
-            env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if setting == "on" else "0")
+            env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if setting == "on" else "0",
+                       PYTHONPATH=benchmarks.python_path())
             given = list(argv if argv is not None else sys.argv[1:])
             if "--onednn" in given:   # "--onednn VALUE"
                 del given[given.index("--onednn"):given.index("--onednn") + 2]
-            command = [sys.executable, "-m", "pertower.tools.recurrent_bench",
+            command = [sys.executable, "-m", "benchmarks.recurrent",
                        *[a for a in given if not a.startswith("--onednn=")],
                        "--onednn", setting]
             subprocess.run(command, env=env, check=True)

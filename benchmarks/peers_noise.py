@@ -1,7 +1,7 @@
 """`pertower bench --dp`'s reference for the noise draw: PyTorch's in-place `normal_`
 on P numbers, timed in a child process of the peers' Python.
 
-    python -m pertower.tools.bench.peers_noise --repeats R [--fills K] P [P ...]
+    python -m benchmarks.peers_noise --repeats R [--fills K] P [P ...]
 
 imports only PyTorch, fills one preallocated float32 tensor of each size P with N(0, 1)
 draws (`torch.Tensor.normal_`, the fastest way to P Gaussian numbers we know of on a
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from pertower.tools.bench import peers as peers_lib
+from benchmarks import peers as peers_lib
 
 __all__ = ["FILLS_PER_RUN", "torch_normal_runs", "main"]
 
@@ -44,7 +44,7 @@ def torch_normal_runs(sizes, repeats, python=None, fills=FILLS_PER_RUN):
       fills: K, the fills per timed run.
     """
     python = python or os.environ.get(peers_lib.PYTHON_VARIABLE) or sys.executable
-    command = [python, "-m", "pertower.tools.bench.peers_noise", "--repeats",
+    command = [python, "-m", "benchmarks.peers_noise", "--repeats",
                str(repeats), "--fills", str(int(fills))] + [str(int(P)) for P in sizes]
     # pylint: disable-next=protected-access
     done = subprocess.run(command, env=peers_lib._child_env(), capture_output=True,
@@ -60,7 +60,7 @@ def torch_normal_runs(sizes, repeats, python=None, fills=FILLS_PER_RUN):
 
 def main(argv=None):
     """The child: times `normal_` on each size; prints the JSON object."""
-    parser = argparse.ArgumentParser(prog="python -m pertower.tools.bench.peers_noise")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers_noise")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--fills", type=int, default=FILLS_PER_RUN)
     parser.add_argument("sizes", type=int, nargs="+")

@@ -2,7 +2,7 @@
 steps by Opacus (hooks and ghost clipping), on each job's model with the TensorFlow
 model's weights.
 
-Notation: that of `pertower.tools.bench.peers_jobs` (B examples, C clip norm, σ noise
+Notation: that of `benchmarks.peers_jobs` (B examples, C clip norm, σ noise
 multiplier, lr learning rate, g_i example i's gradient, n_i = ||g_i||_2).
 
 Layouts. The job folder holds every array in TensorFlow's layout: Dense kernel
@@ -19,8 +19,8 @@ import warnings
 
 import numpy as np
 
-from pertower.tools.bench import peers_jobs
-from pertower.tools.bench import records
+from benchmarks import peers_jobs
+from benchmarks import records
 
 __all__ = ["torch_entries"]
 

@@ -2,14 +2,14 @@
 on each job's model, written in TensorFlow's layouts (lax.conv_general_dilated with
 ("NHWC", "HWIO", "NHWC")) with the TensorFlow model's weights.
 
-Notation: that of `pertower.tools.bench.peers_jobs` (B examples, C clip norm, σ noise
+Notation: that of `benchmarks.peers_jobs` (B examples, C clip norm, σ noise
 multiplier, lr learning rate, g_i example i's gradient, n_i = ||g_i||_2).
 """
 
 import numpy as np
 
-from pertower.tools.bench import peers_jobs
-from pertower.tools.bench import records
+from benchmarks import peers_jobs
+from benchmarks import records
 
 __all__ = ["jax_entries"]
 

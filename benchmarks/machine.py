@@ -80,5 +80,6 @@ def machine_info():
         "tf_keras": keras.__version__,
         "numpy": np.__version__,
         "pertower": pertower.__version__,
+        "pertower_folder": os.path.dirname(os.path.abspath(pertower.__file__)),
         "cpu_speed": environment.cpu_facts(),
     }
