@@ -1,4 +1,4 @@
-"""The Conv2D rule's thin taps (`rules/_conv_taps.py`, the "thin" layout of "shifts":
+"""The Conv2D rule's thin taps (`_convolution/taps.py`, the "thin" layout of "shifts":
 Cin < thin_channels) against the one-example loop (`pertower.oracle`), and the ops they
 build: one gather of the row taps and kw column slices (column stride 1) or one more
 gather (column stride > 1), never one slice per tap. Same filter sizes, strides,
@@ -17,7 +17,7 @@ import tensorflow as tf
 import pertower
 from pertower import _dispatch
 from pertower import oracle
-from pertower.rules import _conv_ways
+from pertower._convolution import ways as _conv_ways
 from pertower.rules import _shapes
 from pertower.rules import conv2d
 from tests import common

@@ -110,16 +110,16 @@ import math
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules import _conv_grouped
-from pertower.rules import _conv_options
-from pertower.rules import _conv_norms
-from pertower.rules import _conv_views
-from pertower.rules import _conv_ways
-from pertower.rules import conv2d_squares
+from pertower._convolution import grouped as _conv_grouped
+from pertower._convolution import options as _conv_options
+from pertower._convolution import norms as _conv_norms
+from pertower._convolution import views as _conv_views
+from pertower._convolution import ways as _conv_ways
+from pertower._convolution import squares as conv2d_squares
 from pertower.rules import depthwise_conv2d
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
-from pertower.rules._conv_geometry import (
+from pertower._convolution.geometry import (
     attributes, check_convolution, filter_gradient, groups, patches, plain_filter_gradient,
     spatial_pads)
 

@@ -41,7 +41,7 @@ Conv3D of dZ (`Conv3DTransposeRule`).
 import tensorflow as tf
 
 from pertower import _batch_axis
-from pertower.rules import _conv_views
+from pertower._convolution import views as _conv_views
 from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib

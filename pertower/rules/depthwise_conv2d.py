@@ -53,12 +53,12 @@ convolution (never run) and hands it to this rule's ways (`_conv_views.Transpose
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules import _conv_geometry as geometry
-from pertower.rules import _conv_options
-from pertower.rules import _conv_views
+from pertower._convolution import geometry as geometry
+from pertower._convolution import options as _conv_options
+from pertower._convolution import views as _conv_views
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules import conv2d_squares
+from pertower._convolution import squares as conv2d_squares
 from pertower.rules import registry as registry_lib
 
 __all__ = ["DepthwiseConv2DRule", "DepthwiseConv2DTransposeRule", "register"]

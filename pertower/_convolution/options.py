@@ -11,7 +11,7 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules._conv_geometry import attributes
+from pertower._convolution.geometry import attributes
 
 __all__ = ["STRATEGIES", "ConvOptions", "onednn_enabled", "untrusted_filter_gradient"]
 

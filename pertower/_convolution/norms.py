@@ -50,7 +50,7 @@ import tensorflow as tf
 from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
-from pertower.rules._conv_geometry import (
+from pertower._convolution.geometry import (
     group_target, groups, padded_input, spatial_pads, taps, to_groups)
 
 __all__ = ["FEW_GROUPS", "CHUNK_FLOATS", "chunk_sizes", "formed_norms", "group_products",

@@ -40,8 +40,8 @@ import dataclasses
 
 import tensorflow as tf
 
-from pertower.rules import _conv_geometry as geometry
-from pertower.rules import _conv_views
+from pertower._convolution import geometry
+from pertower._convolution import views as _conv_views
 from pertower.rules import _rows
 
 __all__ = ["WAYS", "choose", "sum_squared", "formed_size"]

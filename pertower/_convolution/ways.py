@@ -14,10 +14,10 @@ results are smaller than the taps they would be stacked from (`tap_layout`).
 
 import tensorflow as tf
 
-from pertower.rules import _conv_taps
+from pertower._convolution import taps as _conv_taps
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules._conv_geometry import (
+from pertower._convolution.geometry import (
     attributes, explicitly_padded, fold_groups, group_target, groups, mul, padded_input,
     patches, sizes, split_channels, taps, to_groups)
 

@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules._conv_geometry import attributes, group_target, padded_input, window
+from pertower._convolution.geometry import attributes, group_target, padded_input, window
 
 __all__ = ["thin_gradients"]
 
