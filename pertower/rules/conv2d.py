@@ -111,6 +111,7 @@ import tensorflow as tf
 
 from pertower import _context
 from pertower._convolution import grouped as _conv_grouped
+from pertower._convolution import live_taps as _live_taps
 from pertower._convolution import options as _conv_options
 from pertower._convolution import norms as _conv_norms
 from pertower._convolution import views as _conv_views
@@ -226,6 +227,9 @@ class Conv2DRule(registry_lib.Rule):
             return _conv_grouped.to_grouped(
                 depthwise.per_group(_conv_grouped.as_depthwise(use, depthwise), dZ, G),
                 use, [G])
+        live = _live_taps.per_group_of_live_taps(self.per_group, use, dZ, G)
+        if live is not None:      # a filter larger than its map: the live taps only
+            return live
         strategy = self.strategy(use)
         if (strategy == "grouped" and not (isinstance(G, int) and G > 1) and
                 self.untrusted_filter_gradient(use)):

@@ -54,6 +54,7 @@ import tensorflow as tf
 
 from pertower import _context
 from pertower._convolution import geometry as geometry
+from pertower._convolution import live_taps as _live_taps
 from pertower._convolution import options as _conv_options
 from pertower._convolution import views as _conv_views
 from pertower.rules import _rows
@@ -121,6 +122,9 @@ class DepthwiseConv2DRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
             return self.per_group(*use.view.inner(use, dZ), G)
+        live = _live_taps.per_group_of_live_taps(self.per_group, use, dZ, G)
+        if live is not None:      # a filter larger than its map: the live taps only
+            return live
         strategy = self.strategy(use, G)
         if strategy == "grouped":
             return self._grouped(use, dZ, G)
