@@ -95,3 +95,26 @@ def test_the_live_taps_of_a_filter_larger_than_its_map():
             x = tf.compat.v1.placeholder(tf.float32, [None, H, H, 2])
             z = tf.nn.conv2d(x, tf.zeros([k, k, 2, 3]), stride, "SAME")
             assert live_taps.live_range(z.op, [k, k]) == want, sizes
+
+
+def test_grouped_depthwise_in_chunks_of_channels_matches_the_loop(monkeypatch):
+    """"grouped" with CHUNK_FLOATS small enough for one call per 1, 2 or 3 channels
+    (uneven chunks: 7 channels), fixed and run-time batch sizes, against the loop."""
+    graph, x, w, ys = _layer("depthwise", 5, 3, 7, 1, "SAME")
+    feed = {x: np.random.RandomState(1).normal(size=[B, 5, 5, 7])}
+    registry = _registry("depthwise", "grouped")
+    with graph.as_default():
+        sess = tf.compat.v1.Session()
+        sess.run(tf.compat.v1.global_variables_initializer())
+        want = oracle.loop_per_example_gradients(sess, ys, [w], feed)[0]
+        for floats in (9 * B, 2 * 9 * B, 3 * 9 * 32):
+            monkeypatch.setattr(depthwise_conv2d, "CHUNK_FLOATS", floats)
+            for batch_size in (B, None):
+                try:
+                    got = pertower.per_example_gradients(ys, [w], batch_size=batch_size,
+                                                         method="rules", rules=registry)[0]
+                except ValueError as refusal:
+                    assert "forced strategy" in str(refusal), refusal
+                    return
+                common.assert_all_close(sess.run(got, feed), want,
+                                        what=f"chunks of {floats}, batch_size {batch_size}")
