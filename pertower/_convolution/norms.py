@@ -121,7 +121,7 @@ def formed_norms(options, use, dZ, G):
     one_by_one = isinstance(G, int) and G <= FEW_GROUPS
     products = []
     for n, x_part, dZ_part in zip(sizes, x, dZ):
-        rows = tf.concat(taps(use.op, kh, kw, x_part, axes=(3, 4)), axis=1)
+        rows = tf.concat(taps(use.op, [kh, kw], x_part, axes=(3, 4)), axis=1)
         rows = tf.reshape(rows, group_target(n, [kh * kw * c_in, -1], columns))  # [n, R, T*P]
         found = group_products(rows, dZ_part, n, one_by_one)        # [n, kh*kw*Cin, Cout]
         products += found if one_by_one else [found]

@@ -98,7 +98,7 @@ def by_shifts(options, use, dZ, G):
         return _conv_taps.thin_gradients(use, dZ, G)
     dZ_g = to_groups(dZ, G, k)                     # [G, T*Ho*Wo, Cout]
     if layout == "one":
-        x_g = to_groups(taps(use.op, 1, 1)[0], G, k)   # [G, T*Ho*Wo, Cin]
+        x_g = to_groups(taps(use.op, [1, 1])[0], G, k)   # [G, T*Ho*Wo, Cin]
         grad = tf.matmul(x_g, dZ_g, transpose_a=True)         # [G, Cin, Cout]
         return tf.reshape(grad, group_target(G, [1, 1, c_in, c_out]))
     if layout == "channels":
@@ -110,7 +110,7 @@ def by_shifts(options, use, dZ, G):
     if g > 1:
         dZ_g = split_channels(dZ_g, G, [g, c_out // g])     # [G, T*Ho*Wo, g, Cout/g]
     per_tap = []                                              # kh*kw x [G, Cin, Cout]
-    for x_tap in taps(use.op, kh, kw):                        # [G*T, Ho, Wo, g*Cin]
+    for x_tap in taps(use.op, [kh, kw]):                        # [G*T, Ho, Wo, g*Cin]
         x_g = to_groups(x_tap, G, k)               # [G, T*Ho*Wo, g*Cin]
         if g == 1:
             per_tap.append(tf.matmul(x_g, dZ_g, transpose_a=True))
@@ -128,12 +128,12 @@ def _one_image_per_group(use, dZ, G, layout):
     are (no reshape of the taps or of dZ; the kernel contracts Ho, Wo in place)."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     if layout == "one":
-        grad = tf.einsum("nhwc,nhwo->nco", taps(use.op, 1, 1)[0], dZ)     # [N, Cin, Cout]
+        grad = tf.einsum("nhwc,nhwo->nco", taps(use.op, [1, 1])[0], dZ)     # [N, Cin, Cout]
     elif layout == "channels":
         grad = tf.einsum("nhwc,nhwo->nco", patches(use.op, kh, kw), dZ)   # [N, kh*kw*Cin, Cout]
     else:
         grad = tf.stack([tf.einsum("nhwc,nhwo->nco", x_tap, dZ)
-                         for x_tap in taps(use.op, kh, kw)], axis=1)   # [N, kh*kw, Cin, Cout]
+                         for x_tap in taps(use.op, [kh, kw])], axis=1)   # [N, kh*kw, Cin, Cout]
     return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
 
 
