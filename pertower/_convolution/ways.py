@@ -1,5 +1,5 @@
-"""The four ways of `conv2d.Conv2DRule.per_group` ("shifts", "patches", "grouped",
-"depthwise"; the identities and the cost model are in `conv2d`'s docstring).
+"""The three ways of `conv2d.Conv2DRule.per_group` ("shifts", "patches", "grouped";
+the identities and the choice are in `conv2d`'s docstring).
 
 Notation (as in `conv2d`):
     N   images in the batch (N = G*T)        G   groups of contiguous examples
@@ -18,18 +18,14 @@ from pertower._convolution import taps as _conv_taps
 from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower._convolution.geometry import (
-    attributes, explicitly_padded, fold_groups, group_target, groups, mul, padded_input,
+    attributes, explicitly_padded, fold_groups, group_target, groups, mul,
     patches, sizes, split_channels, taps, to_groups)
 
-__all__ = ["FEW_POSITIONS", "tap_layout", "by_patches", "by_shifts",
-           "by_grouped", "by_depthwise"]
+__all__ = ["FEW_POSITIONS", "tap_layout", "by_patches", "by_shifts", "by_grouped"]
 
 # `ConvOptions.few_positions` None: below this many output positions per image the
-# per-example gradients take "channels" (one ExtractImagePatches, one matmul). On a 2-core CPU without oneDNN (TF
-# 2.21, float32, B = 16, 3x3 SAME, CPU ms of the per-example filter gradients): 16x16,
-# 64 -> 128 channels: one matmul per tap 47, "channels" 24; 16x16, 128 -> 128: 70, 62;
-# 32x32, 64 -> 64 (P = 1024): 101, 105 (docs/conv2d_costs.md, oneDNN off: 16x16,
-# 32 -> 64 at B = 64: 20.0 per tap, 14.8 stacked).
+# per-example gradients take "channels" (one ExtractImagePatches, one matmul: the
+# per-tap matmuls are too small to run well; docs/conv_ways.md)
 FEW_POSITIONS = 512
 
 
@@ -151,21 +147,3 @@ def by_grouped(use, dZ, G):
         data_format="NHWC")                       # [kh, kw, Cin, G*Cout]
     grad = tf.reshape(grad, _shapes.constant([kh, kw, c_in, -1, c_out]))
     return tf.transpose(grad, _shapes.constant([3, 0, 1, 2, 4]))    # [G, kh, kw, Cin, Cout]
-
-
-def by_depthwise(use, dZ, G):
-    """"depthwise": input channels as the batch, examples as channels, one
-    DepthwiseConv2dNative, summed over each group's T images."""
-    kh, kw, c_in, c_out = use.weight_shape.as_list()
-    strides, dilations, _, _ = attributes(use.op)
-    x = padded_input(use.op, kh, kw)              # [N, H', W', Cin]
-    per_image = tf.raw_ops.DepthwiseConv2dNative(
-        input=tf.transpose(x, _shapes.constant([3, 1, 2, 0])),      # [Cin, H', W', N]
-        filter=tf.transpose(dZ, _shapes.constant([1, 2, 0, 3])),    # [Ho, Wo, N, Cout]
-        strides=[1, dilations[1], dilations[2], 1], padding="VALID",
-        dilations=[1, strides[1], strides[2], 1])  # [Cin, kh, kw, N*Cout]
-    # [Cin, kh, kw, N, Cout] -> [N, kh, kw, Cin, Cout]
-    per_image = tf.reshape(per_image, _shapes.constant([c_in, kh, kw, -1, c_out]))
-    per_image = tf.transpose(per_image, _shapes.constant([3, 1, 2, 0, 4]))
-    grouped = tf.reshape(per_image, group_target(G, [-1, kh, kw, c_in, c_out], use.rows.k))
-    return tf.reduce_sum(grouped, axis=1)         # [G, kh, kw, Cin, Cout]
