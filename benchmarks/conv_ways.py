@@ -6,7 +6,9 @@ Run from a checkout:
 
     PYTHONPATH=$PWD python benchmarks/conv_ways.py              # the full grid
     PYTHONPATH=$PWD python benchmarks/conv_ways.py --quick      # a few shapes
-    PYTHONPATH=$PWD python benchmarks/conv_ways.py --out sweep.json --table
+    PYTHONPATH=$PWD python benchmarks/conv_ways.py --out sweep.json   # keep the records
+    PYTHONPATH=$PWD python benchmarks/conv_ways.py --table sweep.json # their table again
+    PYTHONPATH=$PWD python benchmarks/conv_ways.py --networks        # whole networks
 
 Each row is one layer: rule (conv2d: Conv2D, depthwise: DepthwiseConv2dNative with one
 filter per channel), map size H (= W), filter size k, channels (Cin -> Cout, or C),
@@ -16,6 +18,11 @@ stride s (SAME padding), batch B, float32. Each column is the median process CPU
 one-example loop (B runs, one example fed each, as `pertower.oracle` does); each way
 forced by `ConvOptions(strategy=...)` with method="rules"; "auto" the rule's own pick.
 "-" where a way does not apply (e.g. "grouped" for Conv2D without oneDNN).
+
+--networks: whole tf_keras.applications networks (weights=None, 10 classes, inference
+mode, per-example softmax cross-entropy; NETWORKS: name, input side, B): the median
+process CPU ms of the batch gradient, pertower's per-example gradients (default rules)
+and the one-example loop, one intra-op thread, both oneDNN settings.
 """
 
 import argparse
@@ -117,6 +124,72 @@ def time_layer(case, repeats):
     return result
 
 
+NETWORKS = (("MobileNetV3Small", 32, 8, {}), ("MobileNetV3Small", 64, 8, {}),
+            ("EfficientNetV2B0", 32, 8, {}), ("EfficientNetV2B0", 64, 8, {}),
+            ("MobileNetV2", 32, 16, {"alpha": 0.35}))
+
+
+def time_network(name, side, B, kwargs, repeats):
+    """{column: ms} for one network (see --networks in the module docstring)."""
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+    import pertower
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, side, side, 3])
+        labels = tf.compat.v1.placeholder(tf.int32, [None])
+        model = getattr(tf_keras.applications, name)(
+            input_shape=(side, side, 3), weights=None, classes=10, **kwargs)
+        logits = model(x, training=False)
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        weights = model.trainable_weights
+        fetches = {"batch": tf.gradients(tf.reduce_sum(ys), weights),
+                   "per_example": pertower.per_example_gradients(ys, weights)}
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                      inter_op_parallelism_threads=1)
+    rng = np.random.RandomState(0)
+    feed = {x: rng.uniform(size=[B, side, side, 3]).astype(np.float32),
+            labels: rng.randint(0, 10, size=[B])}
+    result = {}
+    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+        sess.run(init)
+        for column, fetch in fetches.items():
+            result[column] = _median_cpu_ms(lambda f=fetch: sess.run(f, feed), repeats)
+        one = [{x: feed[x][i:i + 1], labels: feed[labels][i:i + 1]} for i in range(B)]
+        result["loop"] = _median_cpu_ms(
+            lambda: [sess.run(fetches["batch"], f) for f in one], repeats)
+    return result
+
+
+def network_worker(args):
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    tf.get_logger().setLevel("ERROR")
+    for name, side, B, kwargs in NETWORKS:
+        record = dict(network=name, side=side, B=B, kwargs=kwargs,
+                      onednn=os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+                      ms=time_network(name, side, B, kwargs, args.repeats))
+        print(json.dumps(record), flush=True)
+
+
+def network_table(records):
+    """One line per network, both oneDNN settings side by side."""
+    by_key = {}
+    for r in records:
+        by_key.setdefault((r["network"], r["side"], r["B"]), {})[r["onednn"]] = r["ms"]
+    lines = ["| network | side | B | batch | per-example | loop || batch | per-example | "
+             "loop |", "|---|---|---|---|---|---||---|---|---|"]
+    for (name, side, B), by in by_key.items():
+        cells = [" | ".join(_cell(by.get(o, {}).get(c)) for c in
+                            ("batch", "per_example", "loop")) for o in ("0", "1")]
+        lines.append(f"| {name} | {side} | {B} | {cells[0]} || {cells[1]} |")
+    return "\n".join(lines)
+
+
 def worker(args):
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()
@@ -162,21 +235,22 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the records (JSON lines) here")
     parser.add_argument("--table", default=None, help="print the table of this JSON-lines file")
+    parser.add_argument("--networks", action="store_true", help="whole networks instead")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.table:
         with open(args.table) as f:
-            print(table([json.loads(line) for line in f if line.strip()]))
+            records = [json.loads(line) for line in f if line.strip()]
+        print(network_table(records) if "network" in records[0] else table(records))
         return
     if args.worker:
-        worker(args)
+        (network_worker if args.networks else worker)(args)
         return
     records = []
     for onednn in ("0", "1"):
         env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="2")
         command = [sys.executable, __file__, "--worker", "--repeats", str(args.repeats)]
-        if args.quick:
-            command.append("--quick")
+        command += ["--quick"] * args.quick + ["--networks"] * args.networks
         done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
         records += [json.loads(line) for line in done.stdout.splitlines()
                     if line.startswith("{")]
@@ -184,7 +258,7 @@ def main():
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
     print(f"load {open('/proc/loadavg').read().split()[:3]}")
-    print(table(records))
+    print(network_table(records) if args.networks else table(records))
 
 
 if __name__ == "__main__":
