@@ -49,16 +49,17 @@ def patches(op, filter_height, filter_width):
 
 
 def check_convolution(op, slot, analysis):
-    """The activation's Rows when `op` (Conv2D or DepthwiseConv2dNative) is covered,
-    else a reason string."""
+    """The activation's Rows when `op` (Conv2D, DepthwiseConv2dNative or Conv3D,
+    channels last) is covered, else a reason string."""
     if slot != 1:
         return "the weight is the convolution's input, not its filter"
-    if op.get_attr("data_format") != b"NHWC":
-        return f"data_format {op.get_attr('data_format').decode()} (only NHWC is covered)"
+    if op.get_attr("data_format") not in (b"NHWC", b"NDHWC"):
+        return (f"data_format {op.get_attr('data_format').decode()} (only channels last, "
+                "NHWC or NDHWC, is covered)")
     if not op.inputs[1].shape.is_fully_defined():
         return "the filter's shape is not static"
     if groups(op) is None:
-        return (f"the filter's {op.inputs[1].shape[2]} input channels do not divide the "
+        return (f"the filter's {op.inputs[1].shape[-2]} input channels do not divide the "
                 f"input's channels ({op.inputs[0].shape[-1]}) into groups")
     return _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
 

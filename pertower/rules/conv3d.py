@@ -40,9 +40,8 @@ Conv3D of dZ (`Conv3DTransposeRule`).
 
 import tensorflow as tf
 
-from pertower import _batch_axis
 from pertower._convolution import views as _conv_views
-from pertower._convolution.geometry import groups, padded_input
+from pertower._convolution.geometry import check_convolution, groups, padded_input
 from pertower._convolution.geometry import taps as geometry_taps
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
@@ -56,28 +55,17 @@ class Conv3DRule(registry_lib.Rule):
     """Per-example filter gradients of Conv3D (the 3-D "shifts" way)."""
 
     def match(self, op, slot, analysis):
-        if slot != 1:
-            return "the weight is the convolution's input, not its filter"
-        if op.get_attr("data_format") != b"NDHWC":
-            return f"data_format {op.get_attr('data_format').decode()} (only NDHWC is covered)"
-        if not op.inputs[1].shape.is_fully_defined():
-            return "the filter's shape is not static"
         shapes = (op.inputs[0].shape[1:], op.outputs[0].shape[1:4])
         if op.inputs[0].shape.rank != 5 or not all(s.is_fully_defined() for s in shapes):
             return "the input's and output's depths, heights, widths and channels are not static"
-        if groups(op) is None:
-            return (f"the filter's {op.inputs[1].shape[3]} input channels do not divide the "
-                    f"input's {op.inputs[0].shape[4]} channels into groups")
-        value = analysis.value(op.inputs[0])
-        if isinstance(value, _batch_axis.Interleaved):
-            out = analysis.value(op.outputs[0])
-            if not isinstance(out, _batch_axis.Interleaved) or out[:2] != value[:2]:
-                return "its input's blocks (SpaceToBatchND) are not its output's"
-            return _conv_views.ViewUse(
-                op, slot, self, op.inputs[0], op.outputs[0], op.inputs[1].shape,
-                _batch_axis.Rows(0, value.inner * value.blocks, value.E),
-                view=_conv_views.View(blocks=(value.inner, value.blocks)))
-        return self.example_use(op, slot, analysis)
+        view = _conv_views.view_use(self, op, slot, analysis)   # SpaceToBatchND blocks
+        if view is not None:
+            return view
+        rows = check_convolution(op, slot, analysis)
+        if isinstance(rows, str):
+            return rows
+        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
+                                op.inputs[1].shape, rows)
 
     @staticmethod
     def _layout(use, tensor):

@@ -133,8 +133,10 @@ class DepthwiseConv2DRule(registry_lib.Rule):
             G if isinstance(G, int) else GUESSED_G)))
         count = -(-c_in // per_call)
         sizes = [c_in // count + (1 if j < c_in % count else 0) for j in range(count)]
-        xs = tf.split(x, sizes, axis=3) if count > 1 else [x]
-        dZs = tf.split(dZ, [c * mult for c in sizes], axis=3) if count > 1 else [dZ]
+        channels = _shapes.constant(3)
+        xs = tf.split(x, _shapes.constant(sizes), channels) if count > 1 else [x]
+        dZs = (tf.split(dZ, _shapes.constant([c * mult for c in sizes]), channels)
+               if count > 1 else [dZ])
         grads = []
         for c, x_part, dZ_part in zip(sizes, xs, dZs):
             grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
@@ -144,7 +146,7 @@ class DepthwiseConv2DRule(registry_lib.Rule):
                 strides=list(use.op.get_attr("strides")), padding=padding,
                 data_format="NHWC")                                   # [kh, kw, G*c, M]
             grads.append(tf.reshape(grad, _shapes.constant([kh, kw, -1, c, mult])))
-        grad = tf.concat(grads, axis=3) if count > 1 else grads[0]    # [kh, kw, G, Cin, M]
+        grad = tf.concat(grads, channels) if count > 1 else grads[0]  # [kh, kw, G, Cin, M]
         return tf.transpose(grad, _shapes.constant([2, 0, 1, 3, 4]))  # [G, kh, kw, Cin, M]
 
     @staticmethod
