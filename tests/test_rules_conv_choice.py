@@ -99,10 +99,13 @@ def test_the_live_taps_of_a_filter_larger_than_its_map():
 
 def test_grouped_depthwise_in_chunks_of_channels_matches_the_loop(monkeypatch):
     """"grouped" with CHUNK_FLOATS small enough for one call per 1, 2 or 3 channels
-    (uneven chunks: 7 channels), fixed and run-time batch sizes, against the loop."""
+    (uneven chunks: 7 channels), fixed and run-time batch sizes, against the loop (the
+    chunks are oneDNN's: `onednn=True` takes them on either setting)."""
     graph, x, w, ys = _layer("depthwise", 5, 3, 7, 1, "SAME")
     feed = {x: np.random.RandomState(1).normal(size=[B, 5, 5, 7])}
-    registry = _registry("depthwise", "grouped")
+    registry = rules_lib.default_registry()
+    registry.register("DepthwiseConv2dNative", depthwise_conv2d.DepthwiseConv2DRule(
+        conv2d.ConvOptions(strategy="grouped", onednn=True)))
     with graph.as_default():
         sess = tf.compat.v1.Session()
         sess.run(tf.compat.v1.global_variables_initializer())

@@ -9,11 +9,12 @@ computed one of two ways (each tested against the oracle):
                  [T, Ho, Wo, G*Cin*M] are the input and output gradient of ONE depthwise
                  convolution with G*Cin channels (channel g*Cin + c of the folded dZ
                  block is dZ's channel c*M + m of group g, in the same order), so
-                 `DepthwiseConv2dNativeBackpropFilter` gives [kh, kw, G*Cin, M]. It is
-                 called on chunks of the input channels, [T, H, W, G*c] each, such that
-                 each call's filter gradient G*c*kh*kw*M holds at most CHUNK_FLOATS
-                 numbers (oneDNN's form of the kernel slows down by an order of magnitude
-                 once it holds more than ~32k: docs/conv_ways.md);
+                 `DepthwiseConv2dNativeBackpropFilter` gives [kh, kw, G*Cin, M]. With
+                 TensorFlow's oneDNN kernels (`ConvOptions.onednn`) it is called on
+                 chunks of the input channels, [T, H, W, G*c] each, such that each call's
+                 filter gradient G*c*kh*kw*M holds at most CHUNK_FLOATS numbers (oneDNN's
+                 form of the kernel slows down by an order of magnitude once it holds
+                 more than ~32k; Eigen's does not: docs/conv_ways.md);
     "patches"    the patches of `tf.image.extract_patches` ordered (kh, kw, Cin) and
                  one batched contraction per group.
 
@@ -124,13 +125,14 @@ class DepthwiseConv2DRule(registry_lib.Rule):
             return self._grouped(use, dZ, G)
         return self._patches(use, dZ, G)
 
-    @staticmethod
-    def _grouped(use, dZ, G):
+    def _grouped(self, use, dZ, G):
         kh, kw, c_in, mult = use.weight_shape.as_list()
         x, padding = geometry.explicitly_padded(use.op)
-        # chunks of c input channels: G*c*kh*kw*M <= CHUNK_FLOATS (G unknown: GUESSED_G)
-        per_call = max(1, CHUNK_FLOATS // (kh * kw * mult * (
-            G if isinstance(G, int) else GUESSED_G)))
+        # oneDNN's kernel: chunks of c input channels, G*c*kh*kw*M <= CHUNK_FLOATS (G
+        # unknown: GUESSED_G); Eigen's: one call
+        onednn = self.options.onednn
+        per_call = c_in if not (_conv_options.onednn_enabled() if onednn is None else onednn) \
+            else max(1, CHUNK_FLOATS // (kh * kw * mult * (G if isinstance(G, int) else GUESSED_G)))
         count = -(-c_in // per_call)
         sizes = [c_in // count + (1 if j < c_in % count else 0) for j in range(count)]
         channels = _shapes.constant(3)
