@@ -1,4 +1,4 @@
-"""The Conv2D rule's thin taps (`rules/_conv_taps.py`, the "thin" layout of "shifts":
+"""The Conv2D rule's thin taps (`_convolution/taps.py`, the "thin" layout of "shifts":
 Cin < thin_channels) against the one-example loop (`pertower.oracle`), and the ops they
 build: one gather of the row taps and kw column slices (column stride 1) or one more
 gather (column stride > 1), never one slice per tap. Same filter sizes, strides,
@@ -17,9 +17,10 @@ import tensorflow as tf
 import pertower
 from pertower import _dispatch
 from pertower import oracle
-from pertower.rules import _conv_ways
+from pertower._convolution import ways as _conv_ways
 from pertower.rules import _shapes
 from pertower.rules import conv2d
+from pertower.rules import depthwise_conv2d
 from tests import common
 
 B = 3
@@ -200,9 +201,11 @@ def test_build_shares_constants_and_builds_no_empty_pad(costs):
 
 
 def test_depthwise_filter_sizes_are_one_pack(costs):
-    """The grouped depthwise way: two folds (a transpose and a reshape each), the filter
-    sizes as ONE Pack (of G*Cin and constants), the kernel, a reshape and a
-    transpose: at most 10 ops other than Const, whatever the filter's size."""
+    """The grouped depthwise way, per chunk of channels (`CHUNK_FLOATS`, G taken as
+    `GUESSED_G` when it is a tensor): two folds (a transpose and a reshape each), the
+    filter sizes as ONE Pack (of G*c and constants), a Mul, the kernel and a reshape;
+    the chunks split (x and dZ) and concatenated once, one transpose: at most 8 ops
+    other than Const per chunk and 4 more, whatever the filter's size."""
     graph, _, _, ys, xs, _, _ = costs
     with graph.as_default():
         plan = _dispatch.make_plan(ys, xs, validate=False)
@@ -217,8 +220,12 @@ def test_depthwise_filter_sizes_are_one_pack(costs):
         new_ops = graph.get_operations()[before:]
         types = collections.Counter(op.type for op in new_ops)
     assert grad.shape.as_list()[1:] == use.weight_shape.as_list()
-    assert types["Pack"] == 1 and types["DepthwiseConv2dNativeBackpropFilter"] == 1, types
-    (pack,) = [op for op in new_ops if op.type == "Pack"]     # [kh, kw, G*Cin, M]
-    sizes = [i.op for i in pack.inputs if i.op.type == "Const"]
-    assert len(sizes) == 3 and len({op.name for op in sizes}) == 2   # kh = kw = 3 shared
-    assert sum(n for t, n in types.items() if t != "Const") <= 10, types
+    kh, kw, c_in, mult = use.weight_shape.as_list()
+    per_call = depthwise_conv2d.CHUNK_FLOATS // (kh * kw * mult * depthwise_conv2d.GUESSED_G)
+    chunks = -(-c_in // per_call) if conv2d.onednn_enabled() else 1   # (oneDNN only)
+    assert chunks > 1 or not conv2d.onednn_enabled()
+    assert types["Pack"] == chunks == types["DepthwiseConv2dNativeBackpropFilter"], types
+    for pack in [op for op in new_ops if op.type == "Pack"]:   # [kh, kw, G*c, M]
+        sizes = [i.op for i in pack.inputs if i.op.type == "Const"]
+        assert len(sizes) == 3 and len({op.name for op in sizes}) == 2   # kh = kw = 3 shared
+    assert sum(n for t, n in types.items() if t != "Const") <= 8 * chunks + 4, types

@@ -1,5 +1,5 @@
 """Curvature on convolutions: the cheap `sum_squared` of Conv2D and DepthwiseConv2dNative
-(`pertower.rules.conv2d_squares`, the C columns folded into one contraction, "formed" or
+(`pertower._convolution.squares`, the C columns folded into one contraction, "formed" or
 "ghost") against the one-example loop, and the memory guard's count per route.
 
 Notation: B examples, K logits, C columns (K exact), H_n the loss Hessian of example n.
@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
-from pertower.rules import conv2d_squares
+from pertower._convolution import squares as conv2d_squares
 from tests import common
 
 B, K = 3, 4

@@ -1,4 +1,4 @@
-"""Issue 19, item 7: the convolutions' formed norms (`rules._conv_norms`: the taps of the
+"""Issue 19, item 7: the convolutions' formed norms (`_convolution.norms`: the taps of the
 channels-first input in one matmul, the squares by one contraction) and their clipped
 sums, against the one-example loop `pertower.oracle`; and `max_batch_size` as a batch
 capacity on every path: `DPOptimizer` with the rules alone (no towers) and

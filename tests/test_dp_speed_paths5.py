@@ -1,4 +1,4 @@
-"""Issue 19, item 7: the formed convolution norms' paths (`rules._conv_norms`) with a
+"""Issue 19, item 7: the formed convolution norms' paths (`_convolution.norms`) with a
 static group count: the rows built in chunks of whole groups (`chunk_sizes`, split along
 the groups), each group's product one MatMul (G <= FEW_GROUPS) or one batched matmul
 per chunk (G > FEW_GROUPS), and one chunk with one MatMul per group (the defaults on a
@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
-from pertower.rules import _conv_norms
+from pertower._convolution import norms as _conv_norms
 from tests import common
 
 B = 4

@@ -1,4 +1,4 @@
-"""What the Conv2D rule's "shifts" builds per use (`rules/_conv_ways.py`): the taps
+"""What the Conv2D rule's "shifts" builds per use (`_convolution/ways.py`): the taps
 side by side (one ExtractImagePatches and one matmul straight into [B, kh, kw, Cin,
 Cout]) where the per-tap results would be larger than the taps (T*P < Cout) or the
 positions few, one matmul per tap elsewhere; each layout against the one-example loop
@@ -17,7 +17,7 @@ import pertower
 from pertower import _dispatch
 from pertower import oracle
 from pertower import rules as rules_lib
-from pertower.rules import _conv_ways
+from pertower._convolution import ways as _conv_ways
 from pertower.rules import conv2d
 from tests import common
 

@@ -1,6 +1,6 @@
 """Convolution rules against the one-example loop: Conv2DBackpropInput (transposed
 convolutions, rules/conv2d_transpose.py), Conv3D (rules/conv3d.py), the NCHW data
-format (rules/_conv_views.py, rules/bias_add.py) and dilated convolutions as TensorFlow
+format (_convolution/views.py, rules/bias_add.py) and dilated convolutions as TensorFlow
 builds them without oneDNN, SpaceToBatchND -> Conv2D -> BatchToSpaceND
 (_batch_axis/transfer_blocks.py).
 

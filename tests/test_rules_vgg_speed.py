@@ -1,4 +1,4 @@
-"""The convolution rules' ways with static reshape targets (rules/_conv_geometry.py
+"""The convolution rules' ways with static reshape targets (_convolution/geometry.py
 `to_groups`, `group_target`, `split_channels`, `fold_groups` with k): every way of the
 Conv2D and depthwise rules against the one-example loop, with the group count G a
 tensor (no batch_size: [-1, k*P, C] targets), an int (batch_size=B) and microbatches

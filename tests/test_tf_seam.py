@@ -294,5 +294,5 @@ def test_the_curvature_fallbacks(monkeypatch, way, method):
 
 
 def test_onednn_enabled_answers_as_the_convolution_rules_ask():
-    from pertower.rules import _conv_options  # pylint: disable=import-outside-toplevel
-    assert _tf.onednn_enabled() is _conv_options.onednn_enabled()
+    from pertower._convolution import options as _conv_options  # pylint: disable=import-outside-toplevel
+    assert bool(_tf.onednn_enabled()) is _conv_options.onednn_enabled()

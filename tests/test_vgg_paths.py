@@ -22,7 +22,7 @@ import tensorflow as tf
 import pertower
 from pertower import _dispatch
 from pertower import oracle
-from pertower.rules import _conv_ways
+from pertower._convolution import ways as _conv_ways
 from pertower.rules import _input_gradients
 from pertower.rules import conv2d
 from pertower.rules import matmul

@@ -22,7 +22,7 @@ ExpandDims -> Conv2D -> Squeeze -> BatchToSpaceND).
 
 Any other op reading an Interleaved value loses the batch axis (analysis.py): the rules
 need rows grouped by example, which only the rules that know this layout regroup
-(`pertower.rules._conv_views`).
+(`pertower._convolution.views`).
 """
 
 import numpy as np

@@ -47,7 +47,7 @@ from pertower import _plan
 from pertower import _request
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
-from pertower.rules import _conv_geometry
+from pertower._convolution import geometry as _conv_geometry
 from pertower import _engine
 from pertower.rules import _loop_uses
 from pertower.rules import conv2d

@@ -12,7 +12,7 @@ Per covered weight (one plan of `pertower._dispatch`), in order of preference:
   "rules, cheap form": one use whose rule has `sum_squared` (dense, one row per example:
       (A⊙A)^T sum_c (dZ_c⊙dZ_c); BiasAdd: the per-example sums of dZ_c, squared;
       Conv2D and DepthwiseConv2dNative: the C columns in one contraction,
-      `pertower.rules.conv2d_squares`);
+      `pertower._convolution.squares`);
   "rules, per column": each use's `per_group` for every column, the uses added,
       squared, summed over the columns.
 A weight no rule covers comes from the plan's fallback (towers or row passes): its

@@ -11,29 +11,22 @@ in convolutional neural networks", arXiv 1912.06015): a convolution is a dense l
 applied at every output position p to the patch x_p of the input that p sees,
     z_p = W^T x_p   (W as [kh*kw*Cin, Cout]),
 so  grad_g(W)[u, v, c, o] = sum_{t in g, p} x_tp[u, v, c] dz_tp[o].
-Four ways of computing it, all exact (each tested against the oracle):
+Three ways of computing it, all exact (each tested against the oracle):
 
     "shifts"     per filter tap (u, v), the input values the tap multiplies are a
                  strided slice of the padded input, x'[:, u*d : : s, v*d : : s, :]
                  ([N, Ho, Wo, Cin], no patches written), so
                      grad_g(W)[u, v] = sum_{t in g, p} x'_tp(u, v) ⊗ dz_tp,
                  one batched matmul [G, T*P, Cin]^T x [G, T*P, Cout] -> [G, Cin, Cout]
-                 per tap, stacked to [G, kh*kw, Cin, Cout] (example axis first: no
-                 transpose after). A 1x1 filter is one tap: ONE batched matmul of
-                 the (strided) input, nothing stacked. With few positions (P <
-                 `ConvOptions.few_positions`) the per-tap matmuls are too small to run
-                 well, and where T*P < Cout stacking their outputs copies more than
-                 the taps hold, so there the taps are put side by side in channels,
-                 [G, T*P, kh*kw*Cin] (the filter's order: the patches, written by ONE
-                 ExtractImagePatches instead of kh*kw slices and a concat), and ONE
-                 matmul with dZ [G, T*P, Cout] writes [G, kh*kw*Cin, Cout], the
-                 per-example gradient in its final layout; with thin taps (Cin <
-                 `ConvOptions.thin_channels`, where a concat along channels runs
-                 slowly) the input is moved channels-first ([G, Cin, T, H', W']) and
-                 the taps stacked along the contracted rows, [G, kh*kw*Cin, T*P], for
-                 the same one matmul (`_conv_ways.tap_layout`). Grouped
-                 convolutions take one contraction per tap and group. Any dtype; any
-                 oneDNN setting.
+                 per tap, stacked to [G, kh*kw, Cin, Cout]. Laid out by
+                 `_convolution.ways.tap_layout`: a 1x1 filter is ONE matmul of the
+                 (strided) input; with few positions (P < `ConvOptions.few_positions`)
+                 or T*P < Cout the taps go side by side in channels, [G, T*P,
+                 kh*kw*Cin] (the patches, ONE ExtractImagePatches), and ONE matmul writes
+                 [G, kh*kw*Cin, Cout]; with thin taps (Cin < `ConvOptions.thin_channels`)
+                 the input moves channels-first and the taps stack along the contracted
+                 rows (`_convolution.taps`). Grouped convolutions take one contraction per
+                 tap and group. Any dtype; any oneDNN setting.
     "patches"    the patches of `tf.image.extract_patches` ([N, Ho, Wo, kh*kw*Cin],
                  ordered like the filter) and ONE batched matmul per group
                  (the unfold form of Opacus' grad_sample/conv.py and of BackPACK).
@@ -41,28 +34,26 @@ Four ways of computing it, all exact (each tested against the oracle):
                  [T, Ho, Wo, G*Cout] are a grouped convolution's input and output
                  gradient (G groups of Cin -> Cout), so ONE `Conv2DBackpropFilter`
                  with filter size [kh, kw, Cin, G*Cout] gives every group's gradient
-                 (Rochette et al. 2019, section 3, the batch as groups).
-    "depthwise"  Rochette et al.'s depthwise form: the input channels are the batch
-                 and the examples the channels, x as [Cin, H', W', N] (padded), dZ as
-                 the filter [Ho, Wo, N, Cout]; ONE `DepthwiseConv2dNative` with stride d
-                 and dilation s gives [Cin, kh, kw, N*Cout], summed over each group's T.
+                 (Rochette et al. 2019, section 3, the batch as groups). Needs float32
+                 and TensorFlow's oneDNN CPU kernels (its Eigen kernels, used with
+                 TF_ENABLE_ONEDNN_OPTS=0 and by default on CPUs without AVX-512, refuse
+                 grouped convolutions).
 
-Cost model ("auto"). The ways were timed on a 2-core AVX-512 CPU (TF 2.21, float32,
-B = 64 and 128), ms per layer of the filter gradients alone, with oneDNN on and off;
-the table of those timings is in docs/conv2d_costs.md.
+The strategy value "depthwise" (a way removed: Rochette et al.'s input channels as the
+batch, one DepthwiseConv2dNative, slower than "patches" on every shape measured) means
+"grouped".
 
-"depthwise" was slower than "patches" in every row of an earlier run (e.g. 114 and
-79 ms on the first two) and is not picked. The shifts beat the patches nearly
-everywhere (`extract_patches` writes the k^2 copies slowly; slices and matmuls do
-not), and the grouped backward-filter kernel beats the shifts only where it runs well
-(many positions per channel pair) and the channels are not thin. So "auto" picks
-"grouped" when oneDNN runs it (float32, no groups), Cin >= `thin_channels` (8) and
-P*k^2/sqrt(Cin*Cout) >= `grouped_threshold` (20); else "shifts"; and "patches" when
-the heights and widths are not static (the shifts' slices need them). "grouped"
-needs float32 and TensorFlow's oneDNN CPU kernels (its Eigen kernels, used with
-TF_ENABLE_ONEDNN_OPTS=0 and by default on CPUs without AVX-512, refuse grouped
-convolutions); "depthwise" needs float32, and oneDNN for a strided convolution (its
-strides become the depthwise convolution's dilations).
+The choice ("auto"), from the shapes. The shifts and the patches write, per example,
+the input values the taps multiply, T*P*kh*kw*Cin numbers, and contract them with dZ;
+the grouped backward-filter kernel reads the input in place and writes the result,
+kh*kw*Cin*Cout numbers per example. So "auto" takes "grouped" where the kernel runs,
+the filter has more than one tap (a 1x1 filter is one matmul of the input as it is),
+the taps are not thin (Cin >= `thin_channels`) and the taps written would be at least
+the result written, T*P >= Cout; else "shifts"; and "patches" where the heights and
+widths are not static (the shifts' slices need them). A filter larger than its map takes
+its live taps only (`_convolution.live_taps`: the taps that read only padding have zero
+gradient). The sweep behind this rule, with oneDNN on and off, is in docs/conv_ways.md
+(benchmarks/conv_ways.py).
 
 oneDNN. With TF_ENABLE_ONEDNN_OPTS=1 forced on a 2-core AVX2 CPU (TF 2.21),
 TensorFlow's own float32 Conv2DBackpropFilter of an ungrouped 1x1 convolution with
@@ -105,21 +96,21 @@ the same ways on A and dZ re-laid-out to NHWC with example-major rows.
 """
 
 import dataclasses
-import math
 
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules import _conv_grouped
-from pertower.rules import _conv_options
-from pertower.rules import _conv_norms
-from pertower.rules import _conv_views
-from pertower.rules import _conv_ways
-from pertower.rules import conv2d_squares
+from pertower._convolution import grouped as _conv_grouped
+from pertower._convolution import live_taps as _live_taps
+from pertower._convolution import options as _conv_options
+from pertower._convolution import norms as _conv_norms
+from pertower._convolution import views as _conv_views
+from pertower._convolution import ways as _conv_ways
+from pertower._convolution import squares as conv2d_squares
 from pertower.rules import depthwise_conv2d
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
-from pertower.rules._conv_geometry import (
+from pertower._convolution.geometry import (
     attributes, check_convolution, filter_gradient, groups, patches, plain_filter_gradient,
     spatial_pads)
 
@@ -179,38 +170,31 @@ class Conv2DRule(registry_lib.Rule):
             if spatial_pads(use.op, 1, 1) is None:
                 return "needs static input and output heights and widths"
             return None
-        if groups(use.op) != 1:
+        if groups(use.op) != 1:      # "grouped" (and "depthwise", which means it)
             return f"does not take grouped convolutions (groups={groups(use.op)})"
         if use.op.inputs[0].dtype != tf.float32:
             return (f"needs float32 (TensorFlow has no CPU kernel for it in "
                     f"{use.op.inputs[0].dtype.name})")
         onednn = self.options.onednn
-        if onednn is None:
-            onednn = onednn_enabled()
-        if strategy == "grouped" and not onednn:
+        if not (onednn_enabled() if onednn is None else onednn):
             return ("needs TensorFlow's oneDNN CPU kernels (its other CPU kernels refuse "
                     "grouped convolutions)")
-        if strategy == "depthwise":
-            if spatial_pads(use.op, 1, 1) is None:
-                return "needs static input and output heights and widths"
-            if not onednn and attributes(use.op)[0] != [1, 1, 1, 1]:
-                return ("needs TensorFlow's oneDNN CPU kernels for a strided convolution "
-                        "(its other CPU kernels refuse dilated depthwise convolutions)")
         return None
 
     def strategy(self, use):
-        """The way `per_group` computes `use`: "shifts", "grouped", "patches" or
-        "depthwise" (the cost model in the module docstring)."""
+        """The way `per_group` computes `use`: "shifts", "grouped" or "patches" (the
+        rule in the module docstring; a forced "depthwise" means "grouped")."""
         if self.options.strategy != "auto":
-            return self.options.strategy
+            return {"depthwise": "grouped"}.get(self.options.strategy, self.options.strategy)
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         positions = _rows.static_size(use.output.shape[1:3])
         if positions is None or self._cannot("shifts", use):
             return "patches"      # shifts need static heights and widths, and so do these
-        if not self._cannot("grouped", use) and c_in >= self.options.thin_channels:
-            ratio = positions * kh * kw / math.sqrt(c_in * c_out)
-            if ratio >= self.options.grouped_threshold:
-                return "grouped"
+        rows = positions * (use.rows.k if use.rows is not None and
+                            isinstance(use.rows.k, int) else 1)          # T*P per example
+        if (kh * kw > 1 and c_in >= self.options.thin_channels and rows >= c_out and
+                not self._cannot("grouped", use)):
+            return "grouped"
         return "shifts"
 
     def untrusted_filter_gradient(self, use):
@@ -226,14 +210,15 @@ class Conv2DRule(registry_lib.Rule):
             return _conv_grouped.to_grouped(
                 depthwise.per_group(_conv_grouped.as_depthwise(use, depthwise), dZ, G),
                 use, [G])
+        live = _live_taps.per_group_of_live_taps(self.per_group, use, dZ, G)
+        if live is not None:      # a filter larger than its map: the live taps only
+            return live
         strategy = self.strategy(use)
         if (strategy == "grouped" and not (isinstance(G, int) and G > 1) and
                 self.untrusted_filter_gradient(use)):
             strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
         if strategy == "grouped":
             return _conv_ways.by_grouped(use, dZ, G)
-        if strategy == "depthwise":
-            return _conv_ways.by_depthwise(use, dZ, G)
         if strategy == "shifts":
             return _conv_ways.by_shifts(self.options, use, dZ, G)
         return _conv_ways.by_patches(use, dZ, G)

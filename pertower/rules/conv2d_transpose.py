@@ -30,7 +30,7 @@ dilations; the filter static; A's rows example-major (k rows per example).
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules import _conv_views
+from pertower._convolution import views as _conv_views
 from pertower.rules import conv2d
 
 __all__ = ["Conv2DTransposeRule", "register"]

@@ -40,10 +40,10 @@ Conv3D of dZ (`Conv3DTransposeRule`).
 
 import tensorflow as tf
 
-from pertower import _batch_axis
-from pertower.rules import _conv_views
+from pertower._convolution import views as _conv_views
+from pertower._convolution.geometry import check_convolution, groups, padded_input
+from pertower._convolution.geometry import taps as geometry_taps
 from pertower.rules import _rows
-from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
 
 __all__ = ["Conv3DRule", "Conv3DTransposeRule", "register"]
@@ -51,81 +51,21 @@ __all__ = ["Conv3DRule", "Conv3DTransposeRule", "register"]
 _THIN_CHANNELS = 8
 
 
-def _pads(op, x):
-    """[(before, after)] for D, H, W such that a VALID convolution of the padded `x`
-    (op's input) with op's strides and dilations gives op's output positions (after < 0:
-    crop what no output position reads)."""
-    strides, dilations = op.get_attr("strides"), op.get_attr("dilations")
-    kernel = op.inputs[1].shape.as_list()[:3]
-    sizes, outs = x.shape.as_list()[1:4], op.outputs[0].shape.as_list()[1:4]
-    pads = []
-    for axis in range(3):
-        s, d = strides[axis + 1], dilations[axis + 1]
-        needed = (outs[axis] - 1) * s + (kernel[axis] - 1) * d + 1
-        before = max(needed - sizes[axis], 0) // 2 if op.get_attr("padding") == b"SAME" else 0
-        pads.append((before, needed - sizes[axis] - before))
-    return pads
-
-
-def _taps(op, x):
-    """[[N, Do, Ho, Wo, Cin]] for every tap (u, v, w), u-major: the input values each
-    output position multiplies by that tap, strided slices of the padded `x`."""
-    pads = _pads(op, x)
-    x = tf.pad(x, [[0, 0]] + [[max(b, 0), max(a, 0)] for b, a in pads] + [[0, 0]])
-    ends = [size + min(a, 0) for size, (_, a) in zip(x.shape.as_list()[1:4], pads)]
-    x = x[:, :ends[0], :ends[1], :ends[2], :]
-    strides, dilations = op.get_attr("strides"), op.get_attr("dilations")
-    kernel = op.inputs[1].shape.as_list()[:3]
-    outs = op.outputs[0].shape.as_list()[1:4]
-    result = []
-    for u in range(kernel[0]):
-        for v in range(kernel[1]):
-            for w in range(kernel[2]):
-                index = [slice(None)]
-                for axis, tap in enumerate((u, v, w)):
-                    s, first = strides[axis + 1], tap * dilations[axis + 1]
-                    index.append(slice(first, first + (outs[axis] - 1) * s + 1, s))
-                result.append(_shapes.strided_slice(x, tuple(index + [slice(None)])))
-    return result
-
-
-def _groups(op):
-    """g, the channel groups of the Conv3D `op` (input channels g*Cin, the filter's Cin;
-    group j's outputs j*Cout/g ... (j+1)*Cout/g - 1, as TensorFlow groups them), or None
-    when they do not divide."""
-    channels = tf.compat.dimension_value(op.inputs[0].shape[4])
-    c_in, c_out = op.inputs[1].shape.as_list()[3:]
-    if channels is None or channels % c_in or c_out % (channels // c_in):
-        return None
-    return channels // c_in
-
-
 class Conv3DRule(registry_lib.Rule):
     """Per-example filter gradients of Conv3D (the 3-D "shifts" way)."""
 
     def match(self, op, slot, analysis):
-        if slot != 1:
-            return "the weight is the convolution's input, not its filter"
-        if op.get_attr("data_format") != b"NDHWC":
-            return f"data_format {op.get_attr('data_format').decode()} (only NDHWC is covered)"
-        if not op.inputs[1].shape.is_fully_defined():
-            return "the filter's shape is not static"
         shapes = (op.inputs[0].shape[1:], op.outputs[0].shape[1:4])
         if op.inputs[0].shape.rank != 5 or not all(s.is_fully_defined() for s in shapes):
             return "the input's and output's depths, heights, widths and channels are not static"
-        if _groups(op) is None:
-            return (f"the filter's {op.inputs[1].shape[3]} input channels do not divide the "
-                    f"input's {op.inputs[0].shape[4]} channels into groups")
-        value = analysis.value(op.inputs[0])
-        if isinstance(value, _batch_axis.Interleaved):
-            out = analysis.value(op.outputs[0])
-            if not isinstance(out, _batch_axis.Interleaved) or out[:2] != value[:2]:
-                return "its input's blocks (SpaceToBatchND) are not its output's"
-            return _conv_views.ViewUse(
-                op, slot, self, op.inputs[0], op.outputs[0], op.inputs[1].shape,
-                _batch_axis.Rows(0, value.inner * value.blocks, value.E),
-                view=_conv_views.View(blocks=(value.inner, value.blocks)))
-        return self.example_use(op, slot, analysis)
+        view = _conv_views.view_use(self, op, slot, analysis)   # SpaceToBatchND blocks
+        if view is not None:
+            return view
+        rows = check_convolution(op, slot, analysis)
+        if isinstance(rows, str):
+            return rows
+        return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
+                                op.inputs[1].shape, rows)
 
     @staticmethod
     def _layout(use, tensor):
@@ -135,9 +75,11 @@ class Conv3DRule(registry_lib.Rule):
 
     def per_group(self, use, dZ, G):
         kd, kh, kw, c_in, c_out = use.weight_shape.as_list()
-        taps = _taps(use.op, self._layout(use, use.activation))   # k^3 x [N, Do, Ho, Wo, Cin]
+        kernel = [kd, kh, kw]
+        x = padded_input(use.op, *kernel, crop=False, x=self._layout(use, use.activation))
+        taps = geometry_taps(use.op, kernel, x)                   # k^3 x [N, Do, Ho, Wo, Cin]
         dZ_g = _rows.to_groups(self._layout(use, dZ), G, 1)       # [G, T*P, Cout]
-        g = _groups(use.op)
+        g = groups(use.op)
         if g > 1:   # every tap and group in one contraction: [G, T*P, k^3, g, Cin]
             rows = tf.reshape(_rows.to_groups(tf.concat(taps, axis=-1), G, 1),
                               _rows.group_shape(G, [-1, kd * kh * kw, g, c_in]))
@@ -154,7 +96,7 @@ class Conv3DRule(registry_lib.Rule):
     def clipped_sum(self, use, dZ, factors):
         # sum_i f_i grad_i(W): the batch filter gradient of dZ scaled per example
         op = use.op
-        if (list(op.get_attr("dilations")) != [1] * 5 or _groups(op) != 1 or
+        if (list(op.get_attr("dilations")) != [1] * 5 or groups(op) != 1 or
                 isinstance(use, _conv_views.ViewUse)):
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         grad = tf.raw_ops.Conv3DBackpropFilterV2(

@@ -3,33 +3,28 @@
 Identity (Rochette et al. 2019, arXiv 1912.06015; as for Conv2D, per channel): output
 channel c*M + m at position p is sum_{u,v} x_p[u, v, c] W[u, v, c, m], so
     grad_i(W)[u, v, c, m] = sum_p x_ip[u, v, c] dz_ip[c, m],
-computed one of three ways (each tested against the oracle):
+computed one of two ways (each tested against the oracle):
 
-    "patches"    the patches of `tf.image.extract_patches` ordered (kh, kw, Cin) and
-                 one batched contraction per group;
     "grouped"    the batch folded into channels: x as [T, H, W, G*Cin] and dZ as
                  [T, Ho, Wo, G*Cin*M] are the input and output gradient of ONE depthwise
                  convolution with G*Cin channels (channel g*Cin + c of the folded dZ
-                 block is dZ's channel c*M + m of group g, in the same order), so ONE
-                 `DepthwiseConv2dNativeBackpropFilter` gives [kh, kw, G*Cin, M];
-    "shifts"     per filter tap (u, v), the strided slice of the padded input that the
-                 tap multiplies (`_conv_geometry.taps`) and one contraction with dZ over
-                 each group's positions, [G, Cin, M], stacked to [G, kh, kw, Cin, M]
-                 (forced only: "grouped" was faster wherever it runs).
+                 block is dZ's channel c*M + m of group g, in the same order), so
+                 `DepthwiseConv2dNativeBackpropFilter` gives [kh, kw, G*Cin, M]. With
+                 TensorFlow's oneDNN kernels (`ConvOptions.onednn`) it is called on
+                 chunks of the input channels, [T, H, W, G*c] each, such that each call's
+                 filter gradient G*c*kh*kw*M holds at most CHUNK_FLOATS numbers (oneDNN's
+                 form of the kernel slows down by an order of magnitude once it holds
+                 more than ~32k; Eigen's does not: docs/conv_ways.md);
+    "patches"    the patches of `tf.image.extract_patches` ordered (kh, kw, Cin) and
+                 one batched contraction per group.
 
-"grouped" is used for float32 without dilation (TensorFlow's CPU backward-filter
-kernel fails on dilations and has no float64 form); it never writes the kh*kw copies of
-the input that the patches hold, which is what the patches form's time is spent on.
-Measured (per_example_gradients of one 3x3 SAME depthwise layer, M = 1, B = 64,
-float32, 2-core AVX-512 CPU shared with other jobs, best of 11, ms):
-
-    H   C    | patches  grouped
-    32   32  |  212      10.0
-    16   64  |  106       7.9
-     8  128  |   55       5.1
-     4  256  |   24       2.4
-Force one way with `DepthwiseConv2DRule(conv2d.ConvOptions(strategy=...))` ("grouped",
-"patches" or "shifts"; "depthwise" means "grouped" here).
+"auto" takes "grouped" wherever it runs: float32, no dilation (TensorFlow's CPU
+backward-filter kernel refuses dilations and has no float64 form), equal row and
+column strides; it never writes the kh*kw copies of the input that the patches hold
+(N*P*kh*kw*Cin numbers against the G*kh*kw*Cin*M of the result). Elsewhere "patches".
+A filter larger than its map takes its live taps only (`_convolution.live_taps`). The
+strategy values "depthwise" and "shifts" (a way removed: one contraction per tap, never
+faster than these two) mean "grouped" and "patches" here.
 
 Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations; the filter static.
 NCHW and the blocks of a SpaceToBatchND (Keras' dilated DepthwiseConv2D without
@@ -53,15 +48,22 @@ convolution (never run) and hands it to this rule's ways (`_conv_views.Transpose
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules import _conv_geometry as geometry
-from pertower.rules import _conv_options
-from pertower.rules import _conv_views
+from pertower._convolution import geometry as geometry
+from pertower._convolution import live_taps as _live_taps
+from pertower._convolution import options as _conv_options
+from pertower._convolution import views as _conv_views
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules import conv2d_squares
+from pertower._convolution import squares as conv2d_squares
 from pertower.rules import registry as registry_lib
 
-__all__ = ["DepthwiseConv2DRule", "DepthwiseConv2DTransposeRule", "register"]
+__all__ = ["CHUNK_FLOATS", "GUESSED_G", "DepthwiseConv2DRule",
+           "DepthwiseConv2DTransposeRule", "register"]
+
+# "grouped": each backward-filter call writes at most CHUNK_FLOATS numbers (32 KB), the
+# number of groups taken as GUESSED_G where it is known only at run time
+CHUNK_FLOATS = 8192
+GUESSED_G = 32
 
 
 
@@ -91,9 +93,6 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         if self.options.strategy in ("grouped", "depthwise") and not self._grouped_covers(op):
             return (f"the forced strategy {self.options.strategy!r} needs float32 and no "
                     "dilation")
-        if self.options.strategy == "shifts" and geometry.spatial_pads(op, 1, 1) is None:
-            return ("the forced strategy 'shifts' needs static input and output heights "
-                    "and widths")
         return registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
                                 op.inputs[1].shape, rows)
 
@@ -106,50 +105,50 @@ class DepthwiseConv2DRule(registry_lib.Rule):
                 list(op.get_attr("dilations")) == [1, 1, 1, 1])
 
     def strategy(self, use, G=None):
-        """"grouped", "shifts" or "patches": the way `per_group` computes `use` (for `G`
-        groups: "grouped" with one group, or maybe one, is TensorFlow's own kernel, which
+        """"grouped" or "patches": the way `per_group` computes `use` (for `G` groups:
+        "grouped" with one group, or maybe one, is TensorFlow's own kernel, which
         `_conv_options.untrusted_filter_gradient` keeps away from 1x1 strided filters)."""
-        if self.options.strategy == "shifts":
-            return "shifts"
-        if self.options.strategy == "patches" or not self._grouped_covers(use.op):
+        if self.options.strategy in ("patches", "shifts") or not self._grouped_covers(use.op):
             return "patches"
         if (not (isinstance(G, int) and G > 1) and
                 _conv_options.untrusted_filter_gradient(use, self.options)):
-            return "shifts" if geometry.spatial_pads(use.op, 1, 1) is not None else "patches"
+            return "patches"
         return "grouped"
 
     def per_group(self, use, dZ, G):
         if isinstance(use, _conv_views.ViewUse):   # the NHWC ways on a re-laid-out copy
             return self.per_group(*use.view.inner(use, dZ), G)
-        strategy = self.strategy(use, G)
-        if strategy == "grouped":
+        live = _live_taps.per_group_of_live_taps(self.per_group, use, dZ, G)
+        if live is not None:      # a filter larger than its map: the live taps only
+            return live
+        if self.strategy(use, G) == "grouped":
             return self._grouped(use, dZ, G)
-        if strategy == "shifts":
-            return self._shifts(use, dZ, G)
         return self._patches(use, dZ, G)
 
-    @staticmethod
-    def _shifts(use, dZ, G):
-        kh, kw, c_in, mult = use.weight_shape.as_list()
-        k = use.rows.k
-        dZ_g = geometry.split_channels(geometry.to_groups(dZ, G, k), G,
-                                       [c_in, mult])              # [G, T*Ho*Wo, Cin, M]
-        per_tap = [tf.einsum("gpc,gpcm->gcm", geometry.to_groups(x_tap, G, k), dZ_g)
-                   for x_tap in geometry.taps(use.op, kh, kw)]  # kh*kw x [G, Cin, M]
-        grad = tf.stack(per_tap, axis=1)                          # [G, kh*kw, Cin, M]
-        return tf.reshape(grad, geometry.group_target(G, [kh, kw, c_in, mult]))
-
-    @staticmethod
-    def _grouped(use, dZ, G):
+    def _grouped(self, use, dZ, G):
         kh, kw, c_in, mult = use.weight_shape.as_list()
         x, padding = geometry.explicitly_padded(use.op)
-        grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=geometry.fold_groups(x, G, use.rows.k),       # [T, H, W, G*Cin]
-            filter_sizes=geometry.sizes([kh, kw, geometry.mul(G, c_in), mult]),
-            out_backprop=geometry.fold_groups(dZ, G, use.rows.k),  # [T, Ho, Wo, G*Cin*M]
-            strides=list(use.op.get_attr("strides")), padding=padding,
-            data_format="NHWC")                                   # [kh, kw, G*Cin, M]
-        grad = tf.reshape(grad, _shapes.constant([kh, kw, -1, c_in, mult]))
+        # oneDNN's kernel: chunks of c input channels, G*c*kh*kw*M <= CHUNK_FLOATS (G
+        # unknown: GUESSED_G); Eigen's: one call
+        onednn = self.options.onednn
+        per_call = c_in if not (_conv_options.onednn_enabled() if onednn is None else onednn) \
+            else max(1, CHUNK_FLOATS // (kh * kw * mult * (G if isinstance(G, int) else GUESSED_G)))
+        count = -(-c_in // per_call)
+        sizes = [c_in // count + (1 if j < c_in % count else 0) for j in range(count)]
+        channels = _shapes.constant(3)
+        xs = tf.split(x, _shapes.constant(sizes), channels) if count > 1 else [x]
+        dZs = (tf.split(dZ, _shapes.constant([c * mult for c in sizes]), channels)
+               if count > 1 else [dZ])
+        grads = []
+        for c, x_part, dZ_part in zip(sizes, xs, dZs):
+            grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+                input=geometry.fold_groups(x_part, G, use.rows.k),     # [T, H, W, G*c]
+                filter_sizes=geometry.sizes([kh, kw, geometry.mul(G, c), mult]),
+                out_backprop=geometry.fold_groups(dZ_part, G, use.rows.k),  # [.., G*c*M]
+                strides=list(use.op.get_attr("strides")), padding=padding,
+                data_format="NHWC")                                   # [kh, kw, G*c, M]
+            grads.append(tf.reshape(grad, _shapes.constant([kh, kw, -1, c, mult])))
+        grad = tf.concat(grads, channels) if count > 1 else grads[0]  # [kh, kw, G, Cin, M]
         return tf.transpose(grad, _shapes.constant([2, 0, 1, 3, 4]))  # [G, kh, kw, Cin, M]
 
     @staticmethod
@@ -163,7 +162,6 @@ class DepthwiseConv2DRule(registry_lib.Rule):
                                        [c_in, mult])           # [G, P, Cin, M]
         grad = tf.einsum("gpuc,gpcm->gucm", x_patches, dZ_g)   # [G, kh*kw, Cin, M]
         return tf.reshape(grad, geometry.group_target(G, [kh, kw, c_in, mult]))
-
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
         return conv2d_squares.sum_squared(self, use, dZ_columns, B, per_example)

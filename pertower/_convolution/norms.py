@@ -15,34 +15,18 @@ gradients [G, kh*kw*Cin, Cout]: the filter's layout without a transpose, so the
 clipped sum, [kh*kw*Cin, Cout], is only reshaped. Their squared norms are one
 contraction of that tensor with itself, straight to [G] (no squared copy of it).
 
-Measured (CPU ms, one thread, median of 25 interleaved runs, B = 64, the per-group
-gradients plus their norms and a clipped sum; a 2-core machine under load 9-12):
-one matmul per tap stacked as [G, kh*kw, Cout, Cin] (the "per_tap" layout before) / the
-patches ([G, P, kh*kw*Cin], channels-last) / this layout, against TensorFlow's own
-Conv2DBackpropFilter of the batch:
-    16x16, 32 -> 64:  39 / 35-40 / 30   (Conv2DBackpropFilter 20)
-     8x8,  64 -> 64:  25 / 25    / 20   (11)
-    32x32,  3 -> 32:  45 / 44-47 / 13   (11)
 A tap-by-tap contraction without the concatenation ([G, Cin, Cout] per tap, no
-stacked rows) was not faster (39 / 21-26 / 39): the taps' strided slices are copied
-either way, and the smaller matmuls run slower.
+stacked rows) copies the taps' strided slices all the same and runs smaller matmuls
+(its cost against this layout: docs/conv_ways.md).
 
 Chunks (G and T*P static). The rows are built for chunks of whole groups, each at most
 CHUNK_FLOATS numbers (4 MB; `chunk_sizes`), the input and dZ split along the groups (a
 split along axis 0 shares its buffer), and with G <= FEW_GROUPS each group's product is
 one MatMul on the unstacked rows (Unpack along axis 0 shares them too), the results
-stacked once. On CIFAR (B = 64) the rows were one 19 MB tensor for conv2 and 9.4 MB for
-conv3: glibc's default allocator mapped them afresh on many steps (4608 + 2304 minor
-faults); a 4 MB chunk is reused from the heap. TensorFlow's BatchMatMulV2 on these
-shapes ([288, 256] x [256, 64], [576, 64] x [64, 64]: above its cost threshold for
-sharding over the batch) runs the groups one after the other, each split over the
-threads, on chipped views of its operands: one MatMul per group was faster (CPU ms,
-B = 64, rows + products + squares + a clipped sum, one chunk, 2 threads, load 7-9:
-conv2 35 -> 30, conv3 22 -> 21, conv1 11 -> 8). The whole CIFAR DP step without noise,
-interleaved in one process with the previous layout (21 runs, load 10): CPU margin over
-the plain step 0.34 -> 0.19 on 2 threads, 0.45 -> 0.31 on one; minor faults per step
-384 -> 2 and 6913 -> 3099. Kept per chunk (stacked and squared per chunk, the clipped
-sum per chunk) it was not faster.
+stacked once: a chunk of 4 MB is reused from the heap where one tensor of the whole rows
+is mapped afresh by glibc's allocator on many steps, and one MatMul per group runs each
+group's product on all threads where BatchMatMulV2 on these shapes runs the groups one
+after the other on chipped views (the measurements: docs/conv_ways.md).
 """
 
 import tensorflow as tf
@@ -50,7 +34,7 @@ import tensorflow as tf
 from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
-from pertower.rules._conv_geometry import (
+from pertower._convolution.geometry import (
     group_target, groups, padded_input, spatial_pads, taps, to_groups)
 
 __all__ = ["FEW_GROUPS", "CHUNK_FLOATS", "chunk_sizes", "formed_norms", "group_products",
@@ -121,7 +105,7 @@ def formed_norms(options, use, dZ, G):
     one_by_one = isinstance(G, int) and G <= FEW_GROUPS
     products = []
     for n, x_part, dZ_part in zip(sizes, x, dZ):
-        rows = tf.concat(taps(use.op, kh, kw, x_part, axes=(3, 4)), axis=1)
+        rows = tf.concat(taps(use.op, [kh, kw], x_part, axes=(3, 4)), axis=1)
         rows = tf.reshape(rows, group_target(n, [kh * kw * c_in, -1], columns))  # [n, R, T*P]
         found = group_products(rows, dZ_part, n, one_by_one)        # [n, kh*kw*Cin, Cout]
         products += found if one_by_one else [found]

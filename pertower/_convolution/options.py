@@ -2,8 +2,8 @@
 
 `ConvOptions` configures `conv2d.Conv2DRule` and `depthwise_conv2d.DepthwiseConv2DRule`
 (both import it from here, and `conv2d` re-exports it as its public name), so the two rule
-modules need not import each other for their options; the cost model its fields tune is
-described in `conv2d`'s docstring.
+modules need not import each other for their options; the choice of way its fields tune
+is described in `conv2d`'s docstring.
 """
 
 import dataclasses
@@ -11,7 +11,8 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules._conv_geometry import attributes
+from pertower import _tf
+from pertower._convolution.geometry import attributes
 
 __all__ = ["STRATEGIES", "ConvOptions", "onednn_enabled", "untrusted_filter_gradient"]
 
@@ -23,21 +24,22 @@ class ConvOptions:
     """How `conv2d.Conv2DRule` computes per-example filter gradients.
 
     Attributes:
-      strategy: "auto" (by the cost model above), or one of "shifts", "patches",
-        "grouped", "depthwise" to force that way for every convolution it covers (a
-        convolution the forced way cannot compute falls back to the towers, with the
-        reason).
-      grouped_threshold: "auto" picks "grouped" (where it runs and Cin >=
-        `thin_channels`) when P*k^2/sqrt(Cin*Cout) is at least this, else "shifts".
+      strategy: "auto" (the rule from the shapes in `conv2d`'s docstring), or one of
+        "shifts", "patches", "grouped" to force that way for every convolution it covers
+        (a convolution the forced way cannot compute falls back to the towers, with the
+        reason). "depthwise" (a way removed) means "grouped"; for the depthwise rule,
+        "shifts" (removed there) means "patches".
+      grouped_threshold: no longer read (the choice of "grouped" is the rule from the
+        shapes in `conv2d`'s docstring); accepted so that code passing it still runs.
       onednn: whether TensorFlow's oneDNN CPU kernels (which run grouped and dilated
         depthwise convolutions) are on; None asks TensorFlow (`onednn_enabled`). With
         them off, the backward pass to dZ takes a stride-1 convolution's input gradient
         as a forward convolution where that runs faster (`rules._input_gradients`).
       thin_channels: below this many input channels "auto" does not pick "grouped",
-        and "shifts" stacks the taps into one matmul.
+        and "shifts" stacks the taps into one matmul (`_convolution.taps`).
       few_positions: below this many output positions per image "shifts" stacks the
-        taps into one matmul (else one matmul per tap); None: the measured default,
-        `_conv_ways.FEW_POSITIONS` (512).
+        taps into one matmul (else one matmul per tap); None: the default,
+        `_convolution.ways.FEW_POSITIONS` (512).
 
     Example:
       registry = pertower.rules.default_registry()
@@ -69,12 +71,7 @@ class ConvOptions:
 def onednn_enabled():
     """Whether this process's TensorFlow runs its oneDNN CPU kernels (False when it
     does not say)."""
-    try:
-        # pylint: disable-next=import-outside-toplevel
-        from tensorflow.python.util import _pywrap_util_port
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):
-        return False
+    return bool(_tf.onednn_enabled())
 
 
 def untrusted_filter_gradient(use, options):

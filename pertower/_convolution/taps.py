@@ -25,12 +25,8 @@ Then one batched matmul per image, [N, Cin*kh*kw, P] x [N, P, Cout], summed over
 group's T images where a group holds several, and the small result moved to the filter's
 order [G, kh, kw, Cin, Cout].
 
-Cost (2-core CPU without oneDNN, TF 2.21, float32, CPU ms of the filter gradients at
-B = 16 / 32, against kh*kw slices and a concat): 28x28x1 -> 32, 5x5 SAME: 3.0 / 4.6 vs
-3.0 / 5.2; 32x32x3 -> 64, 3x3 SAME: 6.4 / 11.2 vs 6.5 / 10.9; 38x38x3 -> 64, 7x7
-stride 2 VALID (ResNet50's first convolution): 6.2 / 13.1 (the column gather) vs 18.5 /
-35.3. Ops built: about 3*kw + 12 (stride 1) or about 14 (strided), against about
-3*kh*kw + 8.
+Ops built: about 3*kw + 12 (stride 1) or about 14 (strided), against about 3*kh*kw + 8
+for kh*kw slices and a concat (their cost: docs/conv_ways.md).
 """
 
 import numpy as np
@@ -38,7 +34,7 @@ import tensorflow as tf
 
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules._conv_geometry import attributes, group_target, padded_input, window
+from pertower._convolution.geometry import attributes, group_target, padded_input, window
 
 __all__ = ["thin_gradients"]
 

@@ -1,5 +1,5 @@
-"""The four ways of `conv2d.Conv2DRule.per_group` ("shifts", "patches", "grouped",
-"depthwise"; the identities and the cost model are in `conv2d`'s docstring).
+"""The three ways of `conv2d.Conv2DRule.per_group` ("shifts", "patches", "grouped";
+the identities and the choice are in `conv2d`'s docstring).
 
 Notation (as in `conv2d`):
     N   images in the batch (N = G*T)        G   groups of contiguous examples
@@ -14,22 +14,18 @@ results are smaller than the taps they would be stacked from (`tap_layout`).
 
 import tensorflow as tf
 
-from pertower.rules import _conv_taps
+from pertower._convolution import taps as _conv_taps
 from pertower.rules import _rows
 from pertower.rules import _shapes
-from pertower.rules._conv_geometry import (
-    attributes, explicitly_padded, fold_groups, group_target, groups, mul, padded_input,
+from pertower._convolution.geometry import (
+    attributes, explicitly_padded, fold_groups, group_target, groups, mul,
     patches, sizes, split_channels, taps, to_groups)
 
-__all__ = ["FEW_POSITIONS", "tap_layout", "by_patches", "by_shifts",
-           "by_grouped", "by_depthwise"]
+__all__ = ["FEW_POSITIONS", "tap_layout", "by_patches", "by_shifts", "by_grouped"]
 
 # `ConvOptions.few_positions` None: below this many output positions per image the
-# per-example gradients take "channels" (one ExtractImagePatches, one matmul). On a 2-core CPU without oneDNN (TF
-# 2.21, float32, B = 16, 3x3 SAME, CPU ms of the per-example filter gradients): 16x16,
-# 64 -> 128 channels: one matmul per tap 47, "channels" 24; 16x16, 128 -> 128: 70, 62;
-# 32x32, 64 -> 64 (P = 1024): 101, 105 (docs/conv2d_costs.md, oneDNN off: 16x16,
-# 32 -> 64 at B = 64: 20.0 per tap, 14.8 stacked).
+# per-example gradients take "channels" (one ExtractImagePatches, one matmul: the
+# per-tap matmuls are too small to run well; docs/conv_ways.md)
 FEW_POSITIONS = 512
 
 
@@ -98,7 +94,7 @@ def by_shifts(options, use, dZ, G):
         return _conv_taps.thin_gradients(use, dZ, G)
     dZ_g = to_groups(dZ, G, k)                     # [G, T*Ho*Wo, Cout]
     if layout == "one":
-        x_g = to_groups(taps(use.op, 1, 1)[0], G, k)   # [G, T*Ho*Wo, Cin]
+        x_g = to_groups(taps(use.op, [1, 1])[0], G, k)   # [G, T*Ho*Wo, Cin]
         grad = tf.matmul(x_g, dZ_g, transpose_a=True)         # [G, Cin, Cout]
         return tf.reshape(grad, group_target(G, [1, 1, c_in, c_out]))
     if layout == "channels":
@@ -110,7 +106,7 @@ def by_shifts(options, use, dZ, G):
     if g > 1:
         dZ_g = split_channels(dZ_g, G, [g, c_out // g])     # [G, T*Ho*Wo, g, Cout/g]
     per_tap = []                                              # kh*kw x [G, Cin, Cout]
-    for x_tap in taps(use.op, kh, kw):                        # [G*T, Ho, Wo, g*Cin]
+    for x_tap in taps(use.op, [kh, kw]):                        # [G*T, Ho, Wo, g*Cin]
         x_g = to_groups(x_tap, G, k)               # [G, T*Ho*Wo, g*Cin]
         if g == 1:
             per_tap.append(tf.matmul(x_g, dZ_g, transpose_a=True))
@@ -128,12 +124,12 @@ def _one_image_per_group(use, dZ, G, layout):
     are (no reshape of the taps or of dZ; the kernel contracts Ho, Wo in place)."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     if layout == "one":
-        grad = tf.einsum("nhwc,nhwo->nco", taps(use.op, 1, 1)[0], dZ)     # [N, Cin, Cout]
+        grad = tf.einsum("nhwc,nhwo->nco", taps(use.op, [1, 1])[0], dZ)     # [N, Cin, Cout]
     elif layout == "channels":
         grad = tf.einsum("nhwc,nhwo->nco", patches(use.op, kh, kw), dZ)   # [N, kh*kw*Cin, Cout]
     else:
         grad = tf.stack([tf.einsum("nhwc,nhwo->nco", x_tap, dZ)
-                         for x_tap in taps(use.op, kh, kw)], axis=1)   # [N, kh*kw, Cin, Cout]
+                         for x_tap in taps(use.op, [kh, kw])], axis=1)   # [N, kh*kw, Cin, Cout]
     return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
 
 
@@ -151,21 +147,3 @@ def by_grouped(use, dZ, G):
         data_format="NHWC")                       # [kh, kw, Cin, G*Cout]
     grad = tf.reshape(grad, _shapes.constant([kh, kw, c_in, -1, c_out]))
     return tf.transpose(grad, _shapes.constant([3, 0, 1, 2, 4]))    # [G, kh, kw, Cin, Cout]
-
-
-def by_depthwise(use, dZ, G):
-    """"depthwise": input channels as the batch, examples as channels, one
-    DepthwiseConv2dNative, summed over each group's T images."""
-    kh, kw, c_in, c_out = use.weight_shape.as_list()
-    strides, dilations, _, _ = attributes(use.op)
-    x = padded_input(use.op, kh, kw)              # [N, H', W', Cin]
-    per_image = tf.raw_ops.DepthwiseConv2dNative(
-        input=tf.transpose(x, _shapes.constant([3, 1, 2, 0])),      # [Cin, H', W', N]
-        filter=tf.transpose(dZ, _shapes.constant([1, 2, 0, 3])),    # [Ho, Wo, N, Cout]
-        strides=[1, dilations[1], dilations[2], 1], padding="VALID",
-        dilations=[1, strides[1], strides[2], 1])  # [Cin, kh, kw, N*Cout]
-    # [Cin, kh, kw, N, Cout] -> [N, kh, kw, Cin, Cout]
-    per_image = tf.reshape(per_image, _shapes.constant([c_in, kh, kw, -1, c_out]))
-    per_image = tf.transpose(per_image, _shapes.constant([3, 1, 2, 0, 4]))
-    grouped = tf.reshape(per_image, group_target(G, [-1, kh, kw, c_in, c_out], use.rows.k))
-    return tf.reduce_sum(grouped, axis=1)         # [G, kh, kw, Cin, Cout]

@@ -16,11 +16,10 @@ Two ways, both exact:
               whose output gradient is dZ moved to [N, Ho, Wo, C, Cout] (one copy of
               dZ, Cout kept contiguous; A is not copied), so ONE call of the rule's
               own `per_group` gives [B, kh, kw, Cin, C*Cout] (with "auto", Conv2D's
-              `sum_squared` has the "shifts" put every tap side by side in ONE matmul:
-              with C*Cout outputs as wide, that took 3/4 of the CPU time of one matmul
-              per tap on the CIFAR net's 16x16 and 8x8 maps, C*Cout = 640); squared,
-              summed over c, then over i unless per example (two reductions: one over
-              both axes at once ran ~7x slower).
+              `sum_squared` has the "shifts" put every tap side by side in ONE matmul,
+              the outputs being C times as wide: docs/conv_ways.md); squared, summed
+              over c, then over i unless per example (two reductions, not one over
+              both axes at once: docs/conv_ways.md).
               DepthwiseConv2dNative likewise with the multiplier: output channel
               ch*mult + j becomes ch*(C*mult) + c*mult + j.
               Cost ~2 B R I C Cout, holds B I C Cout numbers.
@@ -40,8 +39,8 @@ import dataclasses
 
 import tensorflow as tf
 
-from pertower.rules import _conv_geometry as geometry
-from pertower.rules import _conv_views
+from pertower._convolution import geometry
+from pertower._convolution import views as _conv_views
 from pertower.rules import _rows
 
 __all__ = ["WAYS", "choose", "sum_squared", "formed_size"]

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
-from pertower.rules._conv_geometry import groups, group_target
+from pertower._convolution.geometry import groups, group_target
 
 __all__ = ["depthwise_like", "as_depthwise", "to_grouped"]
 

@@ -8,6 +8,8 @@ Notation (as in `conv2d`):
     Cin  input channels                       s, d  strides, dilations
 """
 
+import itertools
+
 import tensorflow as tf
 
 from pertower.rules import _rows
@@ -47,28 +49,30 @@ def patches(op, filter_height, filter_width):
 
 
 def check_convolution(op, slot, analysis):
-    """The activation's Rows when `op` (Conv2D or DepthwiseConv2dNative) is covered,
-    else a reason string."""
+    """The activation's Rows when `op` (Conv2D, DepthwiseConv2dNative or Conv3D,
+    channels last) is covered, else a reason string."""
     if slot != 1:
         return "the weight is the convolution's input, not its filter"
-    if op.get_attr("data_format") != b"NHWC":
-        return f"data_format {op.get_attr('data_format').decode()} (only NHWC is covered)"
+    if op.get_attr("data_format") not in (b"NHWC", b"NDHWC"):
+        return (f"data_format {op.get_attr('data_format').decode()} (only channels last, "
+                "NHWC or NDHWC, is covered)")
     if not op.inputs[1].shape.is_fully_defined():
         return "the filter's shape is not static"
     if groups(op) is None:
-        return (f"the filter's {op.inputs[1].shape[2]} input channels do not divide the "
+        return (f"the filter's {op.inputs[1].shape[-2]} input channels do not divide the "
                 f"input's channels ({op.inputs[0].shape[-1]}) into groups")
     return _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
 
 
 def groups(op):
-    """g, the number of channel groups of the convolution `op` (1 for an ordinary one),
-    or None when the input's channels are not static or not a multiple of the filter's
-    input channels (or the output channels not a multiple of g)."""
-    if op.type != "Conv2D":
+    """g, the number of channel groups of the convolution `op` (Conv2D, Conv3D: 1 for an
+    ordinary one; DepthwiseConv2dNative: 1), or None when the input's channels are not
+    static or not a multiple of the filter's input channels (or the output channels not
+    a multiple of g)."""
+    if op.type.startswith("DepthwiseConv2dNative"):
         return 1
     channels = op.inputs[0].shape.with_rank_at_least(1)[-1]
-    _, _, c_in, c_out = op.inputs[1].shape.as_list()
+    c_in, c_out = op.inputs[1].shape.as_list()[-2:]
     channels = tf.compat.dimension_value(channels)
     if channels is None or channels % c_in or c_out % (channels // c_in):
         return None
@@ -111,22 +115,22 @@ def sizes(dims):
                      for d in dims])
 
 
-def spatial_pads(op, kh, kw):
-    """[(before, after)] for H and W such that a VALID convolution of the padded input
-    with op's strides and dilations gives op's output positions exactly, cropping
-    rows and columns no output position reads; None unless the spatial sizes are static."""
+def spatial_pads(op, *kernel):
+    """[(before, after)] per spatial axis (H, W; D, H, W for 3-D) such that a VALID
+    convolution of the padded input with op's strides and dilations gives op's output
+    positions exactly, cropping what no output position reads (after < 0); None unless
+    the spatial sizes are static. `kernel`: the filter's spatial sizes."""
     strides, dilations, padding, pairs = attributes(op)
-    x_shape, z_shape = op.inputs[0].shape, op.outputs[0].shape
-    sizes = [tf.compat.dimension_value(d) for d in (x_shape[1], x_shape[2], z_shape[1],
-                                                   z_shape[2])]
-    if any(d is None for d in sizes):
+    spatial = range(1, len(kernel) + 1)
+    sizes = [tf.compat.dimension_value(op.inputs[0].shape[a]) for a in spatial]
+    outs = [tf.compat.dimension_value(op.outputs[0].shape[a]) for a in spatial]
+    if None in sizes or None in outs:
         return None
     pads = []
-    for axis, (size, out, k) in enumerate([(sizes[0], sizes[2], kh), (sizes[1], sizes[3], kw)]):
-        s, d = strides[axis + 1], dilations[axis + 1]
-        needed = (out - 1) * s + (k - 1) * d + 1          # input extent the outputs read
+    for axis, size, out, k in zip(spatial, sizes, outs, kernel):
+        needed = (out - 1) * strides[axis] + (k - 1) * dilations[axis] + 1  # what is read
         if padding == "EXPLICIT":
-            before = pairs[2 * (axis + 1)]
+            before = pairs[2 * axis]
         elif padding == "SAME":
             before = max(needed - size, 0) // 2
         else:
@@ -135,57 +139,58 @@ def spatial_pads(op, kh, kw):
     return pads
 
 
-def padded_input(op, kh, kw, crop=True):
-    """[N, H', W', C]: op's input padded (and cropped) by `spatial_pads`, so that a
-    VALID convolution of it with op's strides and dilations gives op's output positions
-    and reads every row and column; needs static spatial sizes. A `Pad` only where a
-    side is padded, a crop (one strided slice) only where one is cropped and `crop`:
-    without it the rows and columns no output position reads stay at the end (for
-    slices that stop before them, such as `taps`')."""
-    (top, bottom), (left, right) = spatial_pads(op, kh, kw)
-    x = op.inputs[0]
-    if max(top, bottom, left, right) > 0:
-        x = tf.pad(x, _shapes.constant([[0, 0], [max(top, 0), max(bottom, 0)],
-                                        [max(left, 0), max(right, 0)], [0, 0]]))
-    if crop and min(bottom, right) < 0:
-        height, width = _rows.static_dims(x)[1:3]         # ints in both shape modes
-        x = _shapes.strided_slice(x, (slice(None), slice(None, height + min(bottom, 0)),
-                                      slice(None, width + min(right, 0))))
+def padded_input(op, *kernel, crop=True, x=None):
+    """[N, H', W', C] (or [N, D', H', W', C]): op's input (or `x`, a re-layout of it)
+    padded (and cropped) by `spatial_pads`, so that a VALID convolution of it with op's
+    strides and dilations gives op's output positions and reads every row and column;
+    needs static spatial sizes. A `Pad` only where a side is padded, a crop (one strided
+    slice) only where one is cropped and `crop`: without it what no output position
+    reads stays at the end (for slices that stop before it, such as `taps`')."""
+    pads = spatial_pads(op, *kernel)
+    x = op.inputs[0] if x is None else x
+    if max(max(p) for p in pads) > 0:
+        x = tf.pad(x, _shapes.constant([[0, 0]] + [[max(b, 0), max(a, 0)] for b, a in pads]
+                                       + [[0, 0]]))
+    if crop and min(a for _, a in pads) < 0:
+        ends = _rows.static_dims(x)[1:len(kernel) + 1]    # ints in both shape modes
+        x = _shapes.strided_slice(x, (slice(None),) + tuple(
+            slice(None, end + min(a, 0)) for end, (_, a) in zip(ends, pads)))
     return x
 
 
-def taps(op, kh, kw, tensor=None, axes=(1, 2)):
-    """[[..., Ho, Wo, ...]] for every filter tap (u, v), u-major: the input values each
-    output position of `op` multiplies by the filter's tap (u, v), a strided slice of
+def taps(op, kernel, tensor=None, axes=None):
+    """[[..., Ho, Wo, ...]] for every filter tap (u, v) (or (u, v, w)), u-major: the input
+    values each output position of `op` multiplies by that tap, a strided slice of
     `padded_input` (rows u*d, u*d + s, ..., columns likewise; no copy of the patches).
 
     Args:
-      op: the Conv2D or DepthwiseConv2dNative op (static spatial sizes).
-      kh, kw: the filter's height and width.
-      tensor: `padded_input(op, kh, kw)` (default) or a transpose of it whose height
-        and width are the axes `axes`.
-      axes: the height and width axes of `tensor`.
+      op: the convolution (static spatial sizes).
+      kernel: the filter's spatial sizes, [kh, kw] (or [kd, kh, kw]).
+      tensor: `padded_input(op, *kernel)` (default) or a transpose of it whose spatial
+        axes are `axes` (default 1, 2, ...).
+      axes: the spatial axes of `tensor`.
     """
     strides, dilations, _, _ = attributes(op)
+    axes = tuple(range(1, len(kernel) + 1)) if axes is None else tuple(axes)
     if tensor is None:   # (uncropped: every slice below stops before what a crop drops)
-        tensor = padded_input(op, kh, kw, crop=False)  # [N, >= H', >= W', C]
-    out_h, out_w = (tf.compat.dimension_value(d) for d in op.outputs[0].shape[1:3])
+        tensor = padded_input(op, *kernel, crop=False)  # [N, >= H', >= W', C]
+    outs = [tf.compat.dimension_value(op.outputs[0].shape[a])
+            for a in range(1, len(kernel) + 1)]
+    unit = all(strides[a] == 1 for a in range(1, len(kernel) + 1))
     result = []
-    for u in range(kh):
-        for v in range(kw):
-            top, left = u * dilations[1], v * dilations[2]
-            if (top == left == 0 and strides[1] == strides[2] == 1 and
-                    [tf.compat.dimension_value(tensor.shape[a]) for a in axes] == [out_h, out_w]):
-                result.append(tensor)                 # the whole tensor (no op)
-                continue
-            if strides[1] == strides[2] == 1:
-                result.append(window(tensor, {axes[0]: (top, out_h), axes[1]: (left, out_w)}))
-                continue
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        firsts = [t * dilations[a + 1] for a, t in enumerate(tap)]
+        if (unit and not any(firsts) and
+                [tf.compat.dimension_value(tensor.shape[a]) for a in axes] == outs):
+            result.append(tensor)                 # the whole tensor (no op)
+        elif unit:
+            result.append(window(tensor, {a: (f, o) for a, f, o in zip(axes, firsts, outs)}))
+        else:
             index = [slice(None)] * tensor.shape.rank
-            index[axes[0]] = slice(top, top + (out_h - 1) * strides[1] + 1, strides[1])
-            index[axes[1]] = slice(left, left + (out_w - 1) * strides[2] + 1, strides[2])
+            for j, (a, f, o) in enumerate(zip(axes, firsts, outs)):
+                index[a] = slice(f, f + (o - 1) * strides[j + 1] + 1, strides[j + 1])
             result.append(_shapes.strided_slice(tensor, tuple(index)))
-    return result                                     # kh*kw x [..., Ho, Wo, ...]
+    return result                                     # prod(kernel) x [..., Ho, Wo, ...]
 
 
 def window(tensor, spans):
