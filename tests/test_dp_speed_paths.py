@@ -4,8 +4,8 @@ Conv2D's `formed_norms` (one batched matmul over the stacked taps, the per-examp
 gradients kept in [B, kh*kw, Cout, Cin] for the clipped sum): its norms and clipped
 sums, and a DPOptimizer step with σ = 0, against the loop's per-example gradients
 clipped in NumPy. The per-tap path is forced on small shapes with
-`ConvOptions(thin_channels=1, few_positions=1)`; one model takes it with the default
-options.
+`ConvOptions("shifts", thin_channels=1, few_positions=1)`; one model takes it with the
+default options (with oneDNN on, the grouped way the cost model picks for it instead).
 """
 
 import sys
@@ -31,7 +31,7 @@ def _tap_registry():
     """The default rules with Conv2D's per-tap "shifts" on any shape."""
     registry = pertower.rules.default_registry()
     registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions(
-        thin_channels=1, few_positions=1)))
+        "shifts", thin_channels=1, few_positions=1)))
     return registry
 
 
@@ -136,7 +136,14 @@ def test_dp_optimizer_step_without_noise_is_the_loop_s_on_the_default_path():
     case = cases.build_case("wide_conv", _wide_conv, [(8, 8, 8)], B=3)
     with case.graph.as_default():
         plan = _dispatch.make_plan(case.ys, case.xs, None, case.B, validate=False)
-        assert _formed_conv_uses(plan), "the default options did not take the path"
+        # the rule forms the norms itself unless its cost model picks oneDNN's grouped
+        # kernel (oneDNN on: Cin 8, 64 positions), whose per-group gradients the engine
+        # keeps
+        convs = [use for uses in plan.uses for use in uses or ()
+                 if isinstance(use.rule, conv2d.Conv2DRule)]
+        grouped = [use for use in convs if use.rule.strategy(use) == "grouped"]
+        assert len(convs) == 1 and bool(grouped) == conv2d.onednn_enabled(), convs
+        assert bool(_formed_conv_uses(plan)) != bool(grouped), "not the default path"
         per_example = common.run_oracle(oracle.loop_per_example_gradients, case.sess,
                                         case.ys, case.xs, case.feed)
         before = case.sess.run(case.xs)

@@ -1,5 +1,5 @@
 """Issue 19, item 7: the convolutions' formed norms (`_convolution.norms`: the taps of the
-channels-first input in one matmul, the squares by one contraction) and their clipped
+channels-first input in one matmul, the squares by one reduction) and their clipped
 sums, against the one-example loop `pertower.oracle`; and `max_batch_size` as a batch
 capacity on every path: `DPOptimizer` with the rules alone (no towers) and
 `DPSyncReplicasOptimizer` (one worker on a local session), a fed batch within it
@@ -35,9 +35,9 @@ def conv_model():
                                   l2_norm_clip=CONV_CLIP, noise_multiplier=0.0, method="rules")
         means = [gr for gr, _ in dp.compute_gradients(loss, var_list=ws)]
         norms = pertower.per_example_norms(loss, ws, method="rules")   # [B]
-        contractions = [op for op in graph.get_operations() if op.type == "Einsum" and
-                        op.get_attr("equation") == b"grc,grc->g" and
-                        op.name.startswith("dp_compute_gradients/")]
+        contractions = [op for op in graph.get_operations() if op.type == "Sum" and
+                        op.name.split("/")[-1].startswith("formed_squares") and
+                        op.name.startswith("dp_compute_gradients/")]   # `squares_of`
         loop = oracle.SliceLoop(loss, ws)
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())

@@ -1,7 +1,7 @@
 """Issue 19, item 7: the formed convolution norms' paths (`_convolution.norms`) with a
 static group count: the rows built in chunks of whole groups (`chunk_sizes`, split along
-the groups), each group's product one MatMul (G <= FEW_GROUPS) or one batched matmul
-per chunk (G > FEW_GROUPS), and one chunk with one MatMul per group (the defaults on a
+the groups), each group's product one MatMul (G <= FEW_GROUPS, oneDNN off) or one
+batched matmul per chunk (G > FEW_GROUPS, or oneDNN on), and one chunk (the defaults on a
 small model); σ = 0 DP gradients (clipped sums) and the per-example norms against the
 one-example loop `pertower.oracle`, on several layer shapes (3x3 SAME, 3x3 stride 2
 VALID, 2x3 SAME, and 3x3 on two images per example).
@@ -14,6 +14,7 @@ import tensorflow as tf
 import pertower
 from pertower import oracle
 from pertower._convolution import norms as _conv_norms
+from pertower.rules import conv2d
 from tests import common
 
 B = 4
@@ -91,8 +92,8 @@ def test_formed_norm_paths_clip_as_the_loop(model, name):
     norms, means = common.loop_clipped_mean(model["per_example"], CLIP)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms       # some clipped
     graph, scope = model["graph"], model["scopes"][name]
-    squares = [op for op in _scope_ops(graph, scope, "Einsum")
-               if op.get_attr("equation") == b"grc,grc->g"]
+    squares = [op for op in _scope_ops(graph, scope, "Sum")     # `_conv_norms.squares_of`
+               if op.name.split("/")[-1].startswith("formed_squares")]
     assert len(squares) == FORMED, [op.name for op in squares]
     splits = _scope_ops(graph, scope, "SplitV")
     one_by_one = [op for op in _scope_ops(graph, scope, "MatMul")
@@ -102,8 +103,10 @@ def test_formed_norm_paths_clip_as_the_loop(model, name):
         assert not splits, [op.name for op in splits]
     else:                       # every formed convolution's input and dZ split in chunks
         assert len(splits) == 2 * FORMED, [op.name for op in splits]
-    if name == "batched_chunks":   # one batched matmul per chunk (11 chunks)
-        assert not one_by_one and len(batched) >= 4 + 2 + 2 + 3, [op.name for op in batched]
+    if name == "batched_chunks" or conv2d.onednn_enabled():
+        # one batched matmul per chunk (11 chunks; with oneDNN on, always batched)
+        least = FORMED if name == "defaults" else 4 + 2 + 2 + 3
+        assert not one_by_one and len(batched) >= least, [op.name for op in batched]
     else:
         assert len(one_by_one) == B * FORMED, [op.name for op in one_by_one]
     common.assert_all_close(model["means"][name], means, what=f"{name}: clipped mean",

@@ -154,9 +154,14 @@ def test_conv_layouts_follow_the_positions(built):
                 assert (ops["ExtractImagePatches"], contractions, ops["Pack"]) == (1, 1, 0), ops
             else:
                 assert (contractions, ops["Pack"], ops["ExtractImagePatches"]) == (9, 1, 0), ops
-            formed, _ = _built_ops(graph, lambda: use.rule.formed_norms(
+            shifts = conv2d.Conv2DRule(conv2d.ConvOptions("shifts"))
+            formed, _ = _built_ops(graph, lambda: shifts.formed_norms(
                 use, dZ, tf.shape(dZ)[0]))
             assert formed is not None     # one matmul over the joined taps (both sizes)
+            # "auto" too, unless its cost model picks oneDNN's grouped kernel (per_group)
+            formed, _ = _built_ops(graph, lambda: use.rule.formed_norms(
+                use, dZ, tf.shape(dZ)[0]))
+            assert (formed is None) == (use.rule.strategy(use) == "grouped"), use.op.name
 
 
 # The input gradients between the convolutions (`rules._input_gradients`): name ->

@@ -21,9 +21,10 @@ stacked rows) copies the taps' strided slices all the same and runs smaller matm
 
 Chunks (G and T*P static). The rows are built for chunks of whole groups, each at most
 CHUNK_FLOATS numbers (4 MB; `chunk_sizes`), the input and dZ split along the groups (a
-split along axis 0 shares its buffer), and with G <= FEW_GROUPS each group's product is
-one MatMul on the unstacked rows (Unpack along axis 0 shares them too), the results
-stacked once: a chunk of 4 MB is reused from the heap where one tensor of the whole rows
+split along axis 0 shares its buffer), and with G <= FEW_GROUPS and oneDNN off each
+group's product is one MatMul on the unstacked rows (Unpack along axis 0 shares them
+too), the results stacked once (with oneDNN on, its batched matmul is one primitive over
+the chunk while each MatMul pays oneDNN's dispatch: one batched matmul per chunk): a chunk of 4 MB is reused from the heap where one tensor of the whole rows
 is mapped afresh by glibc's allocator on many steps, and one MatMul per group runs each
 group's product on all threads where BatchMatMulV2 on these shapes runs the groups one
 after the other on chipped views (the measurements: docs/conv_ways.md).
@@ -34,6 +35,7 @@ import tensorflow as tf
 from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
+from pertower._convolution.options import onednn_enabled
 from pertower._convolution.geometry import (
     group_target, groups, padded_input, spatial_pads, taps, to_groups)
 
@@ -68,9 +70,12 @@ def chunk_sizes(G, floats_per_group):
 
 
 def squares_of(per_group):
-    """[G]: the squared Frobenius norm of each [G, R, C] slice, one contraction (no
-    squared copy)."""
-    return tf.einsum("grc,grc->g", per_group, per_group)
+    """[G]: the squared Frobenius norm of each [G, R, C] slice, a sum of squares over
+    its R*C entries (an einsum "grc,grc->g" would be a batched matmul of [G, 1, R*C] by
+    [G, R*C, 1], one long dot product per group)."""
+    size = per_group.shape[1:].num_elements()                     # R*C (the filter's)
+    flat = tf.reshape(per_group, _shapes.constant([-1, size]))    # [G, R*C]
+    return tf.reduce_sum(tf.square(flat), axis=1, name="formed_squares")
 
 
 def formed_norms(options, use, dZ, G):
@@ -102,7 +107,8 @@ def formed_norms(options, use, dZ, G):
         x, dZ = tf.split(x, sizes), tf.split(dZ, sizes)
     else:
         x, dZ = [x], [dZ]
-    one_by_one = isinstance(G, int) and G <= FEW_GROUPS
+    onednn = options.onednn if options.onednn is not None else onednn_enabled()
+    one_by_one = isinstance(G, int) and G <= FEW_GROUPS and not onednn
     products = []
     for n, x_part, dZ_part in zip(sizes, x, dZ):
         rows = tf.concat(taps(use.op, [kh, kw], x_part, axes=(3, 4)), axis=1)

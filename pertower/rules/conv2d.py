@@ -250,12 +250,13 @@ class Conv2DRule(registry_lib.Rule):
         """Where the norms are formed ("formed" by `norm_strategy`): the per-group
         gradients in the filter's order, [G, kh*kw*Cin, Cout], from the taps of the
         channels-first input (`_conv_norms.formed_norms`: one batched matmul, or with a
-        static G, tap rows in chunks of whole groups and a MatMul per group up to
-        `_conv_norms.FEW_GROUPS`), and their squared norms (a `registry.FormedNorms`);
-        None elsewhere (the engine forms `per_group`)."""
+        static G and oneDNN off, tap rows in chunks of whole groups and a MatMul per
+        group up to `_conv_norms.FEW_GROUPS`), and their squared norms (a
+        `registry.FormedNorms`); None elsewhere (the engine forms `per_group`), and where
+        `strategy` picks "grouped" (one grouped backward-filter op forms them)."""
         if isinstance(use, _conv_views.ViewUse):
             return self.formed_norms(*use.view.inner(use, dZ), G)
-        if self.norm_strategy(use) != "formed":
+        if self.norm_strategy(use) != "formed" or self.strategy(use) == "grouped":
             return None
         return _conv_norms.formed_norms(self.options, use, dZ, G)
 
