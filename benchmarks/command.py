@@ -306,8 +306,10 @@ def _run_curvature(args):
     def report(line):
         print(line, file=out, flush=True)
 
+    import pertower  # pylint: disable=import-outside-toplevel
     with environment.quiet_native_logs():
         figures, code = peers_curvature.run_command(args, report)
+    figures["machine"] = {"pertower_folder": os.path.dirname(os.path.abspath(pertower.__file__))}
     _write_figures(figures, args.json, report)
     return code
 

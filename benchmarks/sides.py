@@ -156,7 +156,7 @@ def run(args, report):
                     with open(path, encoding="utf-8") as handle:
                         worker["figures"] = json.load(handle)
                     measured = worker["figures"].get("machine", {}).get("pertower_folder")
-                    if measured != column.library():
+                    if os.path.realpath(str(measured)) != os.path.realpath(column.library()):
                         report(f"WARNING: {column.label} measured the pertower of {measured}, "
                                f"not {column.library()}")
                         code = max(code, 1)
