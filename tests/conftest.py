@@ -11,8 +11,8 @@ built, so the tests of each mode run as a pytest session of their own:
 
 A folder's conftest.py sets its mode when pytest imports it, before any test module
 imports TensorFlow. A session of tests/ leaves the mode folders out (name a folder to run
-it); a session that names two modes is refused. The README's test command runs the
-three sessions. What needs a fresh interpreter (an environment variable read when
+it); a session that names two modes is refused. The README's test command,
+`bash tests/run.sh`, runs the three sessions side by side. What needs a fresh interpreter (an environment variable read when
 TensorFlow is imported, servers alive until their process ends, the documents' blocks
 run as a user runs them) runs in a subprocess (`tests.common.run_python`).
 
