@@ -12,7 +12,8 @@ built, so the tests of each mode run as a pytest session of their own:
 A folder's conftest.py sets its mode when pytest imports it, before any test module
 imports TensorFlow. A session of tests/ leaves the mode folders out (name a folder to run
 it); a session that names two modes is refused. The README's test command,
-`bash tests/run.sh`, runs the three sessions side by side. What needs a fresh interpreter (an environment variable read when
+`bash tests/run.sh`, runs the three sessions one after the other. What needs a fresh
+interpreter (an environment variable read when
 TensorFlow is imported, servers alive until their process ends, the documents' blocks
 run as a user runs them) runs in a subprocess (`tests.common.run_python`).
 
