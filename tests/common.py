@@ -6,10 +6,14 @@ dtype; `tolerance` reads it and `assert_all_close` uses it when no tolerance is 
 compute that reference on this machine (`OracleCache` runs it once per model for the
 tests that share the model's graph); `loop_rows_of_batch` is the definition of a
 per-example gradient on the whole batch; `seed_weights` makes a graph's weights the
-same whatever ran before. The shared models are in tests/cases.py.
+same whatever ran before; `run_python` runs what needs a fresh interpreter. The shared
+models are in tests/cases.py.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +21,10 @@ import tensorflow as tf
 import tf_keras as keras
 
 __all__ = ["TOLERANCES", "assert_all_close", "tolerance", "run_oracle", "OracleCache",
-           "seed_weights", "loop_rows_of_batch", "numpy_hessian", "reference_ggn"]
+           "seed_weights", "loop_rows_of_batch", "numpy_hessian", "reference_ggn",
+           "run_python", "ROOT"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Comparing two computations of the same values in different orders (batched vs one
 # example at a time, other kernels): kind of graph -> {dtype: (rtol, atol)}, rtol for
@@ -267,3 +274,42 @@ def loop_clipped_mean(per_example, clip):
     norms = np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in per_example))
     factors = clip / np.maximum(norms, clip)
     return norms, [np.tensordot(factors, g, axes=1) / b for g in per_example]
+
+
+def run_python(*argv, env=(), check=True, timeout=900):
+    """Runs `python *argv` in a fresh interpreter, in the repository's root, for what the
+    test process cannot do itself: an environment variable read when TensorFlow is
+    imported (TF_ENABLE_ONEDNN_OPTS, TF_USE_LEGACY_KERAS), servers that live until
+    their process ends, a script run as a user runs it. Fails the test, with the
+    output, unless the process exits with 0 (or `check` is False).
+
+    Args:
+      *argv: the arguments after the Python executable, e.g. ("-c", snippet) or
+        (script, argument, ...).
+      env: (name, value) pairs set in the child's environment; a value None removes the
+        variable. The child gets PYTHONPATH with the repository first (this checkout's
+        pertower) and TF_CPP_MIN_LOG_LEVEL=2 unless given.
+      check: False to return whatever the exit code (the caller reads the output).
+      timeout: seconds before the child is taken as hung (and the test fails).
+
+    Returns:
+      The `subprocess.CompletedProcess` (stdout and stderr as text).
+    """
+    child = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    child.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name, value in dict(env).items():
+        if value is None:
+            child.pop(name, None)
+        else:
+            child[name] = value
+    try:
+        done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=child, text=True,
+                              capture_output=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"python {' '.join(argv)[:200]}: no end in {timeout} s\n--- stdout\n"
+                    f"{error.stdout}\n--- stderr\n{error.stderr}")
+    if check and done.returncode != 0:
+        pytest.fail(f"python {' '.join(argv)[:200]}: exit code {done.returncode}\n"
+                    f"--- stdout\n{done.stdout[-6000:]}\n--- stderr\n{done.stderr[-6000:]}")
+    return done

@@ -1,51 +1,84 @@
-"""Test set-up: graph mode for each test process, before any test imports TensorFlow.
+"""Test set-up: one pytest session per TensorFlow mode.
 
-Tests that need another process-wide mode (eager, or disable_v2_behavior), servers or
-a fresh interpreter read the checks of a process of tests/process_checks.py: mark them
-`@pytest.mark.process_checks("legacy")` and take the `processes` fixture. The processes
-that the collected tests name are queued when collection ends and run in the
-background, once per session; the tests that read them run after the others.
+TensorFlow's execution mode is process-wide and must be chosen before the first graph is
+built, so the tests of each mode run as a pytest session of their own:
 
-With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each module's tests
-run in one worker (its module-scoped graphs are built once), the readers one by one;
-the workers share the processes' output directory, and each process runs in the first
-worker that starts it. The controller imports no TensorFlow.
+- tests/          graph mode (`tf.compat.v1.disable_eager_execution()`), tf_keras: set here;
+- tests/legacy/   `tf.compat.v1.disable_v2_behavior()` (reference variables, v1 control
+                  flow, `Dimension` shapes): set by tests/legacy/conftest.py;
+- tests/eager/    TensorFlow 2 as a new user starts it (eager execution, Keras 3, oneDNN
+                  on): set by tests/eager/conftest.py.
+
+A folder's conftest.py sets its mode when pytest imports it, before any test module
+imports TensorFlow. A session of tests/ leaves the mode folders out (name a folder to run
+it); a session that names two modes is refused. The README's test command,
+`bash tests/run.sh`, runs the three sessions one after the other. What needs a fresh
+interpreter (an environment variable read when
+TensorFlow is imported, servers alive until their process ends, the documents' blocks
+run as a user runs them) runs in a subprocess (`tests.common.run_python`).
+
+With pytest-xdist (`-n 2 --dist loadfile`) each test module runs in one worker, so its
+module-scoped graphs and sessions are built once.
 """
 
 import gc
 import os
-import shutil
-import tempfile
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import pytest  # noqa: E402
 
-from tests import process_checks  # noqa: E402  (imports no TensorFlow)
+HERE = pathlib.Path(__file__).resolve().parent
+# the folders whose tests run in a mode of their own (a session each)
+MODE_FOLDERS = ("legacy", "eager")
+_MODE = pytest.StashKey()
 
-_PROCESSES = pytest.StashKey()
-_SHARED_DIRECTORY = pytest.StashKey()
-_DIRECTORY_KEY = "pertower_processes_directory"   # in an xdist worker's workerinput
+
+def _session_mode(config):
+    """"graph", or the mode folder that every path of the command line is in."""
+    modes = set()
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        try:
+            parts = path.relative_to(HERE).parts
+        except ValueError:   # a path above tests/ (the repository): graph mode
+            parts = ()
+        modes.add(parts[0] if parts and parts[0] in MODE_FOLDERS else "graph")
+    if len(modes) > 1:
+        raise pytest.UsageError(
+            f"these paths need {len(modes)} TensorFlow modes ({', '.join(sorted(modes))}): "
+            f"run each of tests/, " + ", ".join(f"tests/{m}/" for m in MODE_FOLDERS)
+            + " as a pytest session of its own (the README's test command does)")
+    return modes.pop() if modes else "graph"
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "process_checks(name): the test reads the checks of process `name` of "
-                   "tests/process_checks.PROCESSES (started once per session).")
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is None and config.getoption("dist", "no") != "no":
+    config.stash[_MODE] = _session_mode(config)
+    if getattr(config, "workerinput", None) is None and config.getoption("dist", "no") != "no":
         return   # pytest-xdist's controller: it runs no test, so needs no TensorFlow
-    # Graph mode for the whole process, before any test module imports TensorFlow.
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    tf.compat.v1.disable_eager_execution()
+    if config.stash[_MODE] == "graph":
+        # Graph mode for the whole process, before any test module imports TensorFlow.
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        tf.compat.v1.disable_eager_execution()
     _freeze_what_is_alive()
-    if workerinput is not None and _DIRECTORY_KEY in workerinput:
-        # a pytest-xdist worker: the workers share the directory of the processes
-        config.stash[_PROCESSES] = process_checks.Processes(
-            directory=workerinput[_DIRECTORY_KEY])
-    else:
-        config.stash[_PROCESSES] = process_checks.Processes()
+
+
+def pytest_report_header(config):
+    mode = config.stash[_MODE]
+    if mode == "graph":
+        return ("TensorFlow mode: graph (the sessions of "
+                + ", ".join(f"tests/{m}/" for m in MODE_FOLDERS) + " run apart)")
+    return f"TensorFlow mode: tests/{mode}/conftest.py's"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A session of tests/ (graph mode) leaves the mode folders out."""
+    if config.stash[_MODE] == "graph" and collection_path.parent == HERE \
+            and collection_path.name in MODE_FOLDERS:
+        return True
+    return None
 
 
 def _freeze_what_is_alive():
@@ -59,63 +92,10 @@ def _freeze_what_is_alive():
     gc.freeze()
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """pytest-xdist's controller, for each worker: one directory for the session's
-    processes, shared by the workers (removed when the session ends)."""
-    config = node.config
-    if _SHARED_DIRECTORY not in config.stash:
-        config.stash[_SHARED_DIRECTORY] = tempfile.mkdtemp(prefix="pertower-processes-")
-    node.workerinput[_DIRECTORY_KEY] = config.stash[_SHARED_DIRECTORY]
-
-
-def pytest_unconfigure(config):
-    if _SHARED_DIRECTORY in config.stash:
-        shutil.rmtree(config.stash[_SHARED_DIRECTORY], ignore_errors=True)
-
-
-def pytest_itemcollected(item):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`): each test module's tests go to one
-    worker (an `xdist_group` per module, so that module-scoped graphs and sessions are
-    built once); the tests that read a process go one at a time."""
-    if getattr(item.config, "workerinput", None) is None:
-        return
-    if next(item.iter_markers("process_checks"), None) is None:
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
-@pytest.hookimpl(trylast=True)   # after -k / -m deselection
-def pytest_collection_modifyitems(config, items):
-    names = list(dict.fromkeys(marker.args[0] for item in items
-                               for marker in item.iter_markers("process_checks")))
-    # the members of a group first: together they make the longest run
-    grouped = {name for group in process_checks.GROUPS for name in group}
-    if not config.option.collectonly:   # (--collect-only runs no test)
-        config.stash[_PROCESSES].start(*sorted(names, key=lambda name: name not in grouped))
-    # The tests that read a process run last (in their order): until then the test
-    # process runs the others while the queue runs the processes on the other core.
-    items.sort(key=lambda item: next(item.iter_markers("process_checks"), None) is not None)
-
-
 def pytest_collection_finish(session):
-    if _PROCESSES in session.config.stash:   # (not xdist's controller)
+    if getattr(session.config, "workerinput", None) is not None \
+            or session.config.getoption("dist", "no") == "no":
         _freeze_what_is_alive()   # the test modules and what they imported
-
-
-def pytest_sessionfinish(session):
-    if _PROCESSES not in session.config.stash:
-        return   # xdist's controller
-    # An xdist worker waits for the processes it started (another worker may read
-    # them), unless the session was stopped early.
-    shared = getattr(session.config, "workerinput", None) is not None
-    session.config.stash[_PROCESSES].stop(
-        wait=shared and not (session.shouldstop or session.shouldfail))
-
-
-@pytest.fixture(scope="session")
-def processes(request):
-    """The session's `process_checks.Processes`."""
-    return request.config.stash[_PROCESSES]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import pertower
 from pertower import oracle
 from tests import cases
 from tests import common
-from tests import process_checks
 
 
 @dataclasses.dataclass
@@ -258,18 +257,6 @@ def test_a_body_that_writes_the_weight_is_refused_with_its_op():
             pertower.per_example_gradients(ys, [w], batch_size=2)
         # refused before any op was added
         assert len(tf.compat.v1.get_default_graph().get_operations()) == ops_before
-
-
-# checks of tests/scripts/legacy_mode_checks.py ("legacy" process, once per session)
-LEGACY_CHECKS = ["check_keras_lstm_with_v1_loops_matches_oracle",
-                 "check_lstm_with_control_flow_v2_matches_oracle"]
-
-
-@pytest.mark.parametrize("check", process_checks.legacy_params(LEGACY_CHECKS))
-def test_recurrent_layers_under_disable_v2_behavior(processes, check):
-    """Under disable_v2_behavior: the Keras LSTM matches the oracle with v1 loops (row
-    passes) and with control flow v2 (towers)."""
-    processes.assert_passed(process_checks.legacy_process(check), check)
 
 
 @pytest.mark.heavy

@@ -359,22 +359,6 @@ def test_diag_ggn_refuses_logits_that_are_not_b_by_k(model):
         _build(model, pertower.sum_grad_squared, model.loss, [], batch_size=B)
 
 
-@pytest.mark.process_checks("curvature_legacy")
-def test_legacy_mode_rules_and_towers(processes):
-    # tests/scripts/curvature_legacy_checks.py: disable_v2_behavior(), a Keras MLP (rules)
-    # with a reference variable on the towers
-    processes.assert_passed("curvature_legacy", "check_keras_mlp_with_a_towers_weight")
-
-
-@pytest.mark.heavy
-@pytest.mark.process_checks("curvature_legacy_heavy")
-def test_legacy_mode_row_passes_and_loop_frames_heavy(processes):
-    # the same script's heavy part: a TF1 while loop whose inner weight goes to row
-    # passes, and dynamic_rnn's frame reading a BasicRNNCell's weights
-    for check in ("check_v1_while_loop_row_passes", "check_dynamic_rnn_frame_weights"):
-        processes.assert_passed("curvature_legacy_heavy", check)
-
-
 def test_curvature_functions_are_public():
     assert {"sum_grad_squared", "diag_ggn"} <= set(pertower.__all__)
     assert pertower.diag_ggn.__module__ == "pertower._api.curvature"

@@ -8,7 +8,7 @@ The reference GGN diagonal of example n is diag(J_n^T H_n J_n), J_n [K, *x] from
 `pertower.oracle.loop_per_example_jacobians` (one tf.gradients per example and logit)
 and H_n computed in NumPy; the reference sum of squares squares the one-example
 gradients of `pertower.oracle.loop_per_example_gradients`. The same checks run under
-tf.compat.v1.disable_v2_behavior() in tests/scripts/curvature_conv_checks.py.
+tf.compat.v1.disable_v2_behavior() in tests/legacy/test_curvature_convs.py.
 """
 
 import numpy as np
@@ -148,17 +148,6 @@ def test_conv_squares_match_the_loop(conv_reference, way):
 @pytest.mark.heavy
 def test_conv_squares_mse_match_the_loop_heavy(conv_reference):
     assert check_case(None, "mse", reference=conv_reference) == ROUTES
-
-
-@pytest.mark.parametrize("process,check", [
-    pytest.param("curvature_convs_legacy", "check_auto",
-                 marks=pytest.mark.process_checks("curvature_convs_legacy")),
-    pytest.param("curvature_convs_legacy_heavy", "check_ghost",
-                 marks=(pytest.mark.process_checks("curvature_convs_legacy_heavy"),
-                        pytest.mark.heavy))])
-def test_conv_squares_legacy_mode(processes, process, check):
-    # tests/scripts/curvature_conv_checks.py: the same checks under disable_v2_behavior()
-    processes.assert_passed(process, check)
 
 
 def _guarded(build_logits, memory_limit, per_example=False):

@@ -6,9 +6,8 @@ before its opening fence; it is still compiled. Every other block must run on it
 in a fresh Python process, with its own imports, data and session.
 
 Scheme: starting one Python process with TensorFlow per block would take far too long,
-so all blocks run in ONE subprocess (tests/scripts/run_doc_blocks.py, process
-"doc_blocks" of tests/process_checks.py: the first member of a run that goes on with the
-examples and graph-mode checks), each in a fresh namespace and on a fresh default graph; a missing import or name fails as it would
+so all blocks run in ONE subprocess (tests/scripts/run_doc_blocks.py, run by
+`common.run_python`), each in a fresh namespace and on a fresh default graph; a missing import or name fails as it would
 pasted. What a shared process could hide is process-wide state set by an earlier block:
 the Keras version (TF_USE_LEGACY_KERAS, read when TensorFlow is imported) and graph
 mode. So every runnable block must set both itself, which is checked on its text:
@@ -165,11 +164,13 @@ FRESH_PROCESS = "tests/test_docs.py-FRESH_PROCESS_CHECK:1"
 
 
 @pytest.fixture(scope="module")
-def block_results(processes):
-    """FRESH_PROCESS_CHECK, then every runnable block, as process "doc_blocks" of
-    tests/process_checks.py ran them (tests/scripts/run_doc_blocks.py, the first member
-    of its group's run); {"path:line": (ok, traceback)}."""
-    process = processes.completed("doc_blocks")
+def block_results():
+    """FRESH_PROCESS_CHECK, then every runnable block, as tests/scripts/run_doc_blocks.py
+    ran them in a fresh interpreter without TF_USE_LEGACY_KERAS; ({"path:line": (ok,
+    traceback)}, the `subprocess.CompletedProcess`)."""
+    from tests import common  # pylint: disable=import-outside-toplevel  (imports TensorFlow)
+    process = common.run_python("tests/scripts/run_doc_blocks.py", check=False,
+                                env={"TF_USE_LEGACY_KERAS": None})
     results, current = {}, None
     for row in process.stdout.splitlines():
         match = re.match(r"BLOCK (\S+) (OK|FAILED)$", row)
@@ -181,7 +182,6 @@ def block_results(processes):
     return results, process
 
 
-@pytest.mark.process_checks("doc_blocks")
 @pytest.mark.parametrize("path, line, code", RUNNABLE, ids=IDS)
 def test_block_runs_as_pasted(block_results, path, line, code):
     del code
@@ -193,7 +193,6 @@ def test_block_runs_as_pasted(block_results, path, line, code):
     assert ok, f"the python block at {where} failed:\n{trace}"
 
 
-@pytest.mark.process_checks("doc_blocks")
 def test_import_pertower_is_lazy_and_leaves_the_environment_alone(block_results):
     """In a fresh process (the blocks' process, before its first block): `import
     pertower` imports no TensorFlow and sets no environment variable; every name of

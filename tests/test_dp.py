@@ -339,15 +339,6 @@ def test_errors_name_the_argument(mlp):
         pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer, 1.0, 1.0)
 
 
-# checks of tests/scripts/eager_mode_checks.py ("eager" process, once per session)
-EAGER_CHECKS = ["check_dp_optimizer_refuses_eager"]
-
-
-@pytest.mark.process_checks("eager")
-def test_eager_mode_is_refused(processes):
-    processes.assert_passed("eager", EAGER_CHECKS[0])
-
-
 def _direct_epsilon(steps, noise, q, delta):
     accountant = dp_accounting.rdp.RdpAccountant()
     accountant.compose(dp_accounting.PoissonSampledDpEvent(

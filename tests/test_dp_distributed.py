@@ -1,7 +1,7 @@
 """pertower.DPSyncReplicasOptimizer: DP-SGD across the workers of a TensorFlow cluster.
 
 The cluster checks (one parameter server, two workers as threads with their own graphs
-and sessions) run in a process of their own, tests/scripts/dp_distributed_checks.py:
+and sessions) run in a fresh interpreter, tests/scripts/dp_distributed_checks.py:
 one step with σ = 0 against DPOptimizer on the concatenated batch and the loop's
 clipped mean; the noise against chi-square bounds (chief mode draws once, split mode's
 shares uncorrelated); split mode refused with partial aggregation. More draws: heavy.
@@ -22,30 +22,22 @@ from pertower import oracle
 from pertower._dp import distributed
 from tests import common
 
-FAST_CHECKS = ["check_one_step_equals_single_process_and_loop",
-               "check_split_mode_refused_with_partial_aggregation",
-               "check_chief_noise_drawn_once", "check_split_noise_shares_uncorrelated"]
-
-
-@pytest.mark.process_checks("dp_distributed")
-@pytest.mark.parametrize("check", FAST_CHECKS)
-def test_cluster_of_a_ps_and_two_workers(processes, check):
-    processes.assert_passed("dp_distributed", check)
-
-
-@pytest.mark.heavy
-@pytest.mark.process_checks("dp_distributed_stats")
-@pytest.mark.parametrize("check", ["check_chief_noise_drawn_once",
-                                   "check_split_noise_shares_uncorrelated"])
-def test_noise_statistics_with_more_draws(processes, check):
-    processes.assert_passed("dp_distributed_stats", check)
+def test_cluster_of_a_ps_and_two_workers():
+    """tests/scripts/dp_distributed_checks.py in a fresh interpreter (its servers live
+    until it ends): one step against DPOptimizer and the loop, split mode refused with
+    partial aggregation, the noise of each mode against chi-square bounds."""
+    done = common.run_python("tests/scripts/dp_distributed_checks.py")
+    for check in ("check_one_step_equals_single_process_and_loop",
+                  "check_split_mode_refused_with_partial_aggregation",
+                  "check_chief_noise_drawn_once", "check_split_noise_shares_uncorrelated"):
+        assert f"passed {check}" in done.stdout, done.stdout
 
 
 @pytest.mark.heavy
-@pytest.mark.process_checks("dp_distributed_legacy")
-def test_one_step_under_disable_v2_behavior(processes):
-    processes.assert_passed("dp_distributed_legacy",
-                            "check_one_step_equals_single_process_and_loop")
+@pytest.mark.parametrize("argument", ["stats", "legacy"])
+def test_noise_statistics_with_more_draws_and_one_step_under_disable_v2_behavior(argument):
+    done = common.run_python("tests/scripts/dp_distributed_checks.py", argument)
+    assert ", 0 failed" in done.stdout, done.stdout
 
 
 def _sgd():

@@ -1,7 +1,8 @@
 """The DP noise draw's quality (`pertower._dp.noise`, issue 19 item 7): its numbers against
 N(0, 1) (moments, a chi-square over equiprobable bins, the tails), its symmetry, finite
 draws at the extreme Philox words, and its keys (the same key gives the same draws,
-different keys independent ones).
+different keys independent ones), the same draws on one thread and on thread pools, and
+the statistics of its pairs.
 
 Every statistical bound is 6 standard errors of the statistic under N(0, 1) (or a p-value
 above 1e-6): a correct draw fails one with probability about 2e-9, and the keys are fixed,
@@ -185,3 +186,48 @@ def test_many_draws_are_standard_normal(draw, key):
     z64 = draw.run("z64", key=key, n=2 ** 20)
     _check_normal(z64, bins=128)
     assert scipy.stats.kstest(z64, "norm").pvalue > 1e-6
+
+
+# -- the same draws whatever the thread pools, and the pairs' statistics -----------------
+
+# large enough that TensorFlow shards the Philox op and the elementwise ops over its
+# intra-op threads: the draws must not depend on how the work was cut
+P = 300_001
+
+
+@pytest.fixture(scope="module")
+def draws_by_config():
+    """{(intra, inter): [2h] draws of key [7, 2]} and the draws of key [8, 2] (two threads)."""
+    results, other = {}, None
+    for intra, inter in [(1, 1), (2, 2), (0, 0)]:
+        config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=intra,
+                                          inter_op_parallelism_threads=inter)
+        with tf.Graph().as_default(), tf.compat.v1.Session(config=config) as sess:
+            key = tf.compat.v1.placeholder(tf.int64, [2])
+            draws = noise_lib.normal_pairs(P, key)                         # [2h]
+            results[(intra, inter)] = sess.run(draws, {key: [7, 2]})
+            if intra == 2:
+                other = sess.run(draws, {key: [8, 2]})
+    return results, other
+
+
+def test_the_draw_is_the_same_on_one_thread_and_on_a_pool(draws_by_config):
+    results, other = draws_by_config
+    single = results[(1, 1)]
+    assert single.shape == (2 * 150_016,) and single.dtype == np.float32
+    for config, draws in results.items():
+        np.testing.assert_array_equal(draws, single, err_msg=str(config))
+    assert np.mean(other == single) < 1e-3   # another key: other draws
+
+
+def test_the_draw_s_pairs_are_independent_normals(draws_by_config):
+    """The two halves are z0 = r cos(θ), z1 = r sin(θ) of the same pairs: each half is
+    N(0, 1), the halves are uncorrelated, and z0² + z1² is χ² with 2 degrees of freedom
+    (what a wrong radius or a half paired with the wrong angle would break)."""
+    draws = draws_by_config[0][(1, 1)].astype(np.float64)
+    z0, z1 = np.split(draws, 2)                                            # [h] each
+    for half in (z0, z1):
+        assert scipy.stats.kstest(half, "norm").pvalue > 1e-6
+    assert abs(np.corrcoef(z0, z1)[0, 1]) < 6 / np.sqrt(z0.size)
+    assert abs(np.corrcoef(z0 ** 2, z1 ** 2)[0, 1]) < 6 / np.sqrt(z0.size)
+    assert scipy.stats.kstest(z0 ** 2 + z1 ** 2, "chi2", args=(2,)).pvalue > 1e-6

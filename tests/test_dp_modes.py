@@ -420,12 +420,3 @@ def test_the_bench_s_dp_overhead_row_is_dp_minus_plain_minus_noise():
     table = bench_dp.format_dp_table(entries)
     rows = [line for line in table.splitlines() if "dp − plain − noise" in line]
     assert len(rows) == 1 and rows[0].split()[-2:] == ["4.0", "2.00"], table
-
-
-@pytest.mark.process_checks("dp_modes_legacy")
-@pytest.mark.parametrize("name", ["check_per_weight_norms_and_per_layer_clipping",
-                                  "check_accumulation_with_an_empty_run_equals_one_step",
-                                  "check_adaptive_clip_update"])
-def test_dp_modes_under_disable_v2_behavior(processes, name):
-    """tests/scripts/dp_modes_legacy_checks.py: reference variables, v1 control flow."""
-    processes.assert_passed("dp_modes_legacy", name)

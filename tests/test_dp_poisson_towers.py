@@ -130,9 +130,3 @@ def test_poisson_capacity_errors_name_the_argument():
         pertower.poisson_capacity(-1, 0.5)
     with pytest.raises(ValueError, match="`overflow` must be in"):
         pertower.poisson_capacity(10, 0.5, 1.0)
-
-
-@pytest.mark.process_checks("dp_modes_legacy")
-def test_padded_towers_under_disable_v2_behavior(processes):
-    """tests/scripts/dp_modes_legacy_checks.py: reference variables, legacy shapes."""
-    processes.assert_passed("dp_modes_legacy", "check_poisson_batches_padded_on_towers")

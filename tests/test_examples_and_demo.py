@@ -1,8 +1,8 @@
 """The example scripts and `pertower demo` run, exit 0 and report agreement with the loop.
 
-They run as a user runs them, in a fresh process of their own ("scenario_examples" of
-tests/process_checks.py: tests/scripts/scenario_examples.py runs the three scripts and
-then `python -m pertower demo` in that one process, each checked to set up its own
+They run as a user runs them, in a fresh process of their own
+(tests/scripts/scenario_examples.py runs the three scripts and then
+`python -m pertower demo` in that one process, each checked to set up its own
 environment: TensorFlow's global state (graph mode, Keras version) is theirs). Only
 the first script there starts TensorFlow in a fresh interpreter: that every script sets
 TF_USE_LEGACY_KERAS (and quiets TensorFlow) before its first TensorFlow import is
@@ -11,11 +11,14 @@ checked on its text here.
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests import common
 
 EXAMPLES = {
     "scenario1_keras_mlp.py": [
@@ -36,17 +39,25 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.process_checks("scenario_examples")
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """{script or "demo": its output}, from tests/scripts/scenario_examples.py run in a
+    fresh interpreter without TF_USE_LEGACY_KERAS (each sets it up itself)."""
+    path = tmp_path_factory.mktemp("examples") / "outputs.json"
+    common.run_python("tests/scripts/scenario_examples.py", str(path),
+                      env={"TF_USE_LEGACY_KERAS": None})
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
-def test_example_runs_and_matches_the_loop(processes, script):
-    out = processes.assert_passed("scenario_examples", script).output
+def test_example_runs_and_matches_the_loop(outputs, script):
+    out = outputs[script]
     for expected in EXAMPLES[script]:
         assert expected in out, f"missing {expected!r}\n--- stdout\n{out}"
 
 
-@pytest.mark.process_checks("scenario_examples")
-def test_demo_runs_and_every_scenario_agrees(processes):
-    out = processes.assert_passed("scenario_examples", "demo").output
+def test_demo_runs_and_every_scenario_agrees(outputs):
+    out = outputs["demo"]
     explain = f"--- stdout\n{out}"
     assert out.count("agrees with the loop") == 3, explain
     assert "All scenarios match the one-example loop." in out, explain

@@ -17,7 +17,7 @@ import tensorflow as tf
 import pertower
 from pertower import oracle
 from tests import common
-from tests.scripts import python_gradient_checks as checks
+from tests import python_gradient_cases as checks
 
 B = checks.B
 

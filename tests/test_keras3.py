@@ -1,10 +1,7 @@
-"""Keras 3 weights (`keras.Variable`, not TF variables) are accepted in `xs`.
-
-The network test reads the "keras3" process of tests/process_checks.py
-(tests/scripts/keras3_weights.py, run in the background once per session): Keras 3 needs
-TF_USE_LEGACY_KERAS unset before TensorFlow is imported, and this process sets it to 1
-(conftest.py). The error for a Keras 3 variable without a TF variable behind it is
-checked here, with a stand-in object (Keras 3 is recognised by duck typing)."""
+"""Keras 3 weights (`keras.Variable`, not TF variables) in `xs`, with a stand-in object
+(Keras 3 is recognised by duck typing): replaced by the TF variable behind it, or
+refused with what to do. A real Keras 3 network needs TF_USE_LEGACY_KERAS unset when
+TensorFlow is imported: tests/eager/test_keras3_weights.py."""
 
 import numpy as np
 import pytest
@@ -12,15 +9,6 @@ import tensorflow as tf
 
 import pertower
 from pertower import _checks
-
-@pytest.mark.process_checks("keras3")
-def test_keras3_dense_weights_match_the_one_example_loop(processes):
-    done = processes.completed("keras3")
-    assert done.returncode == 0, done.explain()
-    if "keras 3 unavailable" in done.stdout:
-        pytest.skip(done.stdout.strip())
-    assert "keras 3 checks: 3 passed, 0 failed" in done.stdout, done.explain()
-
 
 class _StandIn:
     """Looks like a Keras 3 variable to the duck typing: module "keras...", `.value`."""

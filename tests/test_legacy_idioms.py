@@ -7,7 +7,7 @@ matrix of tests/legacy_idiom_cases.py (heavy).
 
 Each `check_*` function builds its own graph and compares `pertower` with the loop (or
 checks a refusal's words). The tests here run them in this process (graph mode, TF2
-behaviour); tests/scripts/legacy_idioms_checks.py runs them under
+behaviour); tests/legacy/test_legacy_idioms.py runs them under
 `tf.compat.v1.disable_v2_behavior()` (reference variables, `Dimension` shapes).
 
 Sampled losses (`tf.nn.sampled_softmax_loss`, `tf.nn.nce_loss`) draw one set of S classes
@@ -424,24 +424,3 @@ def test_legacy_idiom_is_refused_with_its_reason(name):
 @pytest.mark.heavy
 def test_sampled_loss_microbatches_and_capacity():
     check_sampled_loss_microbatches_and_capacity()
-
-
-@pytest.mark.process_checks("legacy_idioms")
-@pytest.mark.parametrize("check", ["check_sampled_softmax_shares_the_batch_draw",
-                                   "check_partitioned_lookups_on_the_rules",
-                                   "check_partitioned_lookup_with_another_use_is_not_proven",
-                                   "check_sparse_lookups_on_the_rules",
-                                   "check_sparse_lookup_with_trailing_empty_examples",
-                                   "check_sparse_lookup_with_another_use_is_not_proven"])
-def test_legacy_idioms_under_disable_v2_behavior(processes, check):
-    """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
-    processes.assert_passed("legacy_idioms", check)
-
-
-@pytest.mark.heavy
-@pytest.mark.process_checks("legacy_idioms_heavy")
-@pytest.mark.parametrize("check", ["check_sampled_losses_share_the_batch_draw",
-                                   "check_sampled_loss_microbatches_and_capacity",
-                                   "check_idiom_matrix"])
-def test_legacy_idioms_heavy_under_disable_v2_behavior(processes, check):
-    processes.assert_passed("legacy_idioms_heavy", check)

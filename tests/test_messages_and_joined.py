@@ -4,9 +4,8 @@ pass a TF1 (v1) loop, and the messages that must give the advice that works.
 Joined batches: `ys = tf.concat([f(s1), f(s2)], 0)` with B_1 != B_2, compared with
 `pertower.oracle.loop_several_batches_gradients` (each row with its own batch fed one
 example and every other batch an empty one). The checks that need v1 control flow
-(`dynamic_rnn` under `disable_v2_behavior()`) run in a subprocess,
-tests/scripts/messages_and_joined_checks.py, one of the session's background processes
-(tests/process_checks.py).
+(`dynamic_rnn` under `disable_v2_behavior()`) are in
+tests/legacy/test_messages_and_joined.py.
 
 Messages: the run-time fed-batch-size message advises leaving out `batch_size` only
 where that works (every weight has a rule); errors inside `DPOptimizer` name it; the
@@ -335,16 +334,3 @@ def _legacy_check_names():
     with open(SCRIPT, encoding="utf-8") as f:
         names = re.findall(r"^def (check_\w+)\(", f.read(), re.M)
     return [name for name in names if name not in HEAVY_CHECKS]
-
-
-@pytest.mark.process_checks("messages_joined_legacy")
-@pytest.mark.parametrize("check", _legacy_check_names())
-def test_v1_loop_checks(processes, check):
-    processes.assert_passed("messages_joined_legacy", check)
-
-
-@pytest.mark.heavy
-@pytest.mark.process_checks("messages_joined_legacy_heavy")
-@pytest.mark.parametrize("check", HEAVY_CHECKS)
-def test_v1_loop_checks_heavy(processes, check):
-    processes.assert_passed("messages_joined_legacy_heavy", check)

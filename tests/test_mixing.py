@@ -379,14 +379,3 @@ def test_v1_select_with_a_row_condition_and_identity_n_keep_the_batch_axis():
         mixed = tf.reduce_sum(passed, axis=0, name="over_batch")
         assert [c.op.name for c in _batch_axis.find_couplings(_replayed(mixed, [x]), [x])] == [
             "over_batch"]
-
-
-# checks of tests/scripts/legacy_mode_checks.py ("legacy" process, once per session)
-LEGACY_CHECKS = ["check_v1_cond_batch_norm_with_a_training_placeholder_is_refused"]
-
-
-@pytest.mark.process_checks("legacy")
-def test_v1_cond_batch_norm_with_a_training_placeholder_is_refused(processes):
-    """disable_v2_behavior graphs (Switch/Merge conds): a batch norm with a training
-    placeholder is refused, in inference mode accepted."""
-    processes.assert_passed("legacy", LEGACY_CHECKS[0])

@@ -7,9 +7,10 @@ builds them without oneDNN, SpaceToBatchND -> Conv2D -> BatchToSpaceND
 Each `check_*` function builds its own graph, asserts that `pertower.explain` puts every
 weight on the rules (none on the towers, no batch_size) and that per-example gradients
 and norms match `pertower.oracle`. The tests here run them in this process (graph mode,
-TF2 behaviour, oneDNN as this machine sets it); tests/scripts/conv_rules_checks.py runs
-them under `tf.compat.v1.disable_v2_behavior()` ("legacy") and with
-TF_ENABLE_ONEDNN_OPTS=1 ("onednn": NCHW convolutions run on the CPU only with oneDNN, and
+TF2 behaviour, oneDNN as this machine sets it); tests/legacy/test_conv_rules.py runs
+`CHECKS["legacy"]` under `tf.compat.v1.disable_v2_behavior()` and
+tests/eager/test_onednn_convs.py `CHECKS["onednn"]` with TF_ENABLE_ONEDNN_OPTS=1 (NCHW
+convolutions run on the CPU only with oneDNN, and
 the oneDNN filter-gradient check).
 """
 
@@ -327,14 +328,3 @@ def test_batch_to_space_on_plain_rows_loses_the_batch_axis():
 
 CHECKS = {"legacy": ["check_dilated", "check_transposed", "check_conv3d"],
           "onednn": ["check_nchw", "check_dilated", "check_onednn_filter_gradients"]}
-
-
-@pytest.mark.parametrize("mode, check", [
-    pytest.param(m, c, marks=pytest.mark.process_checks(f"convs_{m}"))
-    for m, names in CHECKS.items() for c in names if (m, c) != ("legacy", "check_dilated")] + [
-    pytest.param("legacy_heavy", "check_dilated",
-                 marks=(pytest.mark.process_checks("convs_legacy_heavy"), pytest.mark.heavy))])
-def test_convolution_rules_in_the_other_processes(processes, mode, check):
-    """legacy: under disable_v2_behavior(); onednn: TF_ENABLE_ONEDNN_OPTS=1 (the dilated
-    convolutions under disable_v2_behavior(): heavy)."""
-    processes.assert_passed_without_abort(f"convs_{mode}", check)

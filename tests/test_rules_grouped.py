@@ -12,8 +12,8 @@ group instead of one contraction per tap.
 The fast model (B=3, inference mode, per-example softmax cross-entropy) has Conv1D with
 groups and groups = channels in 1-D and 2-D, in one graph and session shared by the
 module: per-example gradients and norms against the loop. Under
-tf.compat.v1.disable_v2_behavior() the same checks run in tests/scripts/
-unseen_networks_checks.py (process "unseen_legacy"). Heavy: the full model (also Conv2D
+tf.compat.v1.disable_v2_behavior() the same checks run in
+tests/legacy/test_unseen_networks.py. Heavy: the full model (also Conv2D
 and Conv3D with groups < channels; sum_grad_squared and a DP clipped mean, σ = 0) and
 ConvNeXtTiny.
 """
@@ -213,14 +213,6 @@ def test_other_bodies_are_refused_naming_the_op():
 
 def test_sparse_matmul_matches_loop():
     check_sparse_matmul()
-
-
-@pytest.mark.process_checks("unseen_legacy")
-@pytest.mark.parametrize("check", ["check_grouped_relaid", "check_other_bodies_refused",
-                                   "check_sparse_matmul"])
-def test_grouped_under_disable_v2_behavior(processes, check):
-    """The same under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
-    processes.assert_passed("unseen_legacy", check)
 
 
 @pytest.mark.heavy

@@ -5,7 +5,7 @@ broadcast into an elementwise op (rules/broadcast.py, one rule for every op type
 Each `check_*` function builds its own graph, asserts that `pertower.explain` puts every
 weight on the rules (none on the towers, no batch_size given) and that the results
 match `pertower.oracle`. The tests here run them in this process (graph mode, TF2
-behaviour); tests/scripts/published_rules_checks.py runs the same functions under
+behaviour); tests/legacy/test_rules_published.py runs the same functions under
 `tf.compat.v1.disable_v2_behavior()` (legacy shape mode, reference variables).
 """
 
@@ -317,26 +317,6 @@ def test_batch_norm_in_training_mode_is_not_on_the_rules():
         plan = pertower.explain(ys, [scale, offset], batch_size=3)
         assert [w.method for w in plan.weights] != ["rules", "rules"]
         assert "is_training=True" in str(plan)
-
-
-@pytest.mark.process_checks("published_legacy")
-@pytest.mark.parametrize("check", ["check_broadcast_pow_and_select_v2",
-                                   "check_raw_fused_batch_norms", "check_keras_batch_norm_net",
-                                   "check_broadcast_dp_step"])
-def test_published_rules_under_disable_v2_behavior(processes, check):
-    """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
-    processes.assert_passed("published_legacy", check)
-
-
-@pytest.mark.heavy
-@pytest.mark.process_checks("published_legacy_zoo")
-@pytest.mark.parametrize("check", ["check_zoo_applications", "check_zoo_fast",
-                                   "check_zoo_recurrent", "check_every_broadcast_op"])
-def test_zoo_under_disable_v2_behavior(processes, check):
-    """Zoo networks under tf.compat.v1.disable_v2_behavior() (legacy shape mode):
-    applications on the rules, the layers CNN, the recurrent models (any method); and
-    the broadcast rule on each of its op types (two of them in the default run)."""
-    processes.assert_passed("published_legacy_zoo", check)
 
 
 def test_a_moving_statistic_as_a_weight_falls_back_with_the_reason():

@@ -4,10 +4,10 @@ gradients, norms, microbatches and a DPOptimizer step, with a None batch dimensi
 two batch sizes and no batch_size; `explain` shows each loop weight on the rules, per
 step; a loop the copy cannot reproduce keeps its weights on the towers, with the reason.
 
-The `check_*` functions build their own graphs, so that tests/scripts/
-recurrent_rules_checks.py runs them again under tf.compat.v1.disable_v2_behavior()
-with control flow v2 (the "recurrent_legacy" process; the LSTM and GRU language models
-in "recurrent_legacy_heavy", read by heavy tests).
+The `check_*` functions build their own graphs, so that
+tests/legacy/test_rules_recurrent.py runs them again under
+tf.compat.v1.disable_v2_behavior() with control flow v2 (the LSTM and GRU language
+models in the heavy run).
 """
 
 import numpy as np
@@ -193,25 +193,6 @@ def test_a_loop_drawing_random_numbers_stays_on_the_towers():
 
 def test_a_weight_read_inside_and_outside_a_while_loop():
     check_a_weight_read_inside_and_outside_a_while_loop()
-
-
-@pytest.mark.process_checks("recurrent_legacy")
-@pytest.mark.parametrize("check", ["check_while_loop_with_reference_variables_on_the_rules",
-                                   "check_v1_loop_on_the_rules"])
-def test_recurrent_rules_under_disable_v2_behavior(processes, check):
-    """The same checks under disable_v2_behavior() with control flow v2; and a v1 loop
-    (control flow v1) on the rules of `pertower.rules._v1_loops`."""
-    processes.assert_passed("recurrent_legacy", check)
-
-
-@pytest.mark.heavy
-@pytest.mark.process_checks("recurrent_legacy_heavy")
-@pytest.mark.parametrize("check", ["check_lstm", "check_gru", "check_simple_rnn"])
-def test_recurrent_language_models_under_disable_v2_behavior_heavy(processes, check):
-    """The LSTM, GRU and SimpleRNN language models under disable_v2_behavior() with
-    control flow v2 (in the default run: the LSTM's in graph mode above, a tf.while_loop
-    over reference variables in this mode)."""
-    processes.assert_passed("recurrent_legacy_heavy", check)
 
 
 @pytest.mark.heavy

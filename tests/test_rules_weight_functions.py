@@ -7,7 +7,7 @@ inference mode (scale = gamma·rsqrt(var + eps), shift = beta - mean·scale) on 
 Each `check_*` function builds its own graph, asserts that `pertower.explain` puts every
 weight on the rules (none on the towers, no batch_size) "through" the weight-only ops,
 and compares with `pertower.oracle`. The tests here run them in this process (graph
-mode, TF2 behaviour); tests/scripts/weight_function_checks.py runs them under
+mode, TF2 behaviour); tests/legacy/test_rules_weight_functions.py runs them under
 `tf.compat.v1.disable_v2_behavior()` (legacy shape mode, reference variables).
 """
 
@@ -293,13 +293,3 @@ def test_dp_step_through_weight_functions_matches_numpy():
 
 def test_random_and_batch_dependent_weight_functions_are_not_followed():
     check_not_followed()
-
-
-@pytest.mark.process_checks("weight_functions_legacy")
-@pytest.mark.parametrize("check", ["check_weight_functions", "check_partitioned_variable",
-                                   "check_mixed_float16_dense",
-                                   "check_non_fused_batch_norms", "check_dp_step",
-                                   "check_not_followed"])
-def test_weight_functions_under_disable_v2_behavior(processes, check):
-    """The same checks under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
-    processes.assert_passed("weight_functions_legacy", check)

@@ -12,13 +12,11 @@ under the towers, against the one-example loop (`pertower.oracle`).
 - A transposed convolution's output shape [B, h, w, c] is a shape: each tower's replay
   runs on its own size, with oneDNN on (it aborted TensorFlow) and off.
 
-The same checks run under disable_v2_behavior() in a background process with the
-environment's oneDNN setting (tests/scripts/python_gradient_checks.py), and, in the
-heavy run (`-m heavy`), in four processes: each oneDNN setting in each shape mode. The
-v2 ones run here too.
+The same models run under disable_v2_behavior() in tests/legacy/test_tower_python_gradients.py
+with the environment's oneDNN setting and, in the heavy run (`-m heavy`), in a fresh
+interpreter for each oneDNN setting in each shape mode.
 """
 
-import os
 import re
 import sys
 
@@ -27,25 +25,10 @@ import tensorflow as tf
 
 import pertower
 from pertower import _dispatch
-from tests import process_checks
-from tests.scripts import python_gradient_checks as checks
+from tests import common
+from tests import python_gradient_cases as checks
 
 B = checks.B
-_SCRIPT = os.path.join(process_checks.HERE, "scripts", "python_gradient_checks.py")
-_PROCESSES = {f"python_gradients_onednn{onednn}_{mode}":
-              process_checks._Command((_SCRIPT, onednn, mode))  # pylint: disable=protected-access
-              for onednn in ("1", "0") for mode in ("v2", "legacy")}
-_CHECK_NAMES = [check.__name__ for check in checks.CHECKS]
-
-
-@pytest.fixture(scope="module")
-def python_gradient_processes():
-    """The four processes, started at once (run one at a time in the background)."""
-    runner = process_checks.Processes(_PROCESSES)
-    for name in _PROCESSES:
-        runner.start(name)
-    yield runner
-    runner.stop()
 
 
 @pytest.mark.parametrize("name", sorted(checks.PYTHON_GRADIENT_MODELS))
@@ -68,17 +51,16 @@ def test_transposed_convolution_cost_over_the_batch_size_keeps_the_whole_batch()
     checks.compare_with_loop(checks.build(body, shape), kind="deep", whole_batch=True)
 
 
-@pytest.mark.process_checks("python_gradients_legacy")
-@pytest.mark.parametrize("check", _CHECK_NAMES)
-def test_legacy_mode(processes, check):
-    processes.assert_passed("python_gradients_legacy", check)
-
-
 @pytest.mark.heavy
-@pytest.mark.parametrize("process", sorted(_PROCESSES))
-@pytest.mark.parametrize("check", _CHECK_NAMES)
-def test_each_onednn_setting_and_shape_mode(python_gradient_processes, process, check):
-    python_gradient_processes.assert_passed(process, check)
+@pytest.mark.parametrize("onednn", ["0", "1"])
+@pytest.mark.parametrize("path", ["tests/test_tower_python_gradients.py",
+                                  "tests/legacy/test_tower_python_gradients.py"])
+def test_each_onednn_setting_and_shape_mode(onednn, path):
+    """The models of `checks.CHECKS` in a fresh interpreter with TF_ENABLE_ONEDNN_OPTS
+    (read when TensorFlow is imported) set, in each shape mode's session."""
+    common.run_python("-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k",
+                      "match_the_loop or keeps_the_whole_batch or python_gradients_and_transposed",
+                      env={"TF_ENABLE_ONEDNN_OPTS": onednn})
 
 
 def _plan(body, shape=(5,)):

@@ -5,9 +5,9 @@ The towers replay the graph on B/T examples. A size used as data (`loss / n`, wi
 n = tf.shape(x)[0]) keeps its documented meaning, the whole batch's B; a size used as
 a shape, an index stacked with labels for `tf.gather_nd`, per-example segment ids, a
 `num_segments` or the positions `embedding_lookup` partitions by is the tower's own
-(`pertower._batch_axis.size_uses`). Each graph (tests/scripts/tower_sizes_checks.py)
+(`pertower._batch_axis.size_uses`). Each graph (tests/tower_size_cases.py)
 runs with method="towers" and "auto" against the one-example loop, here with
-TensorFlow 2 shapes and in the "tower_sizes" process under disable_v2_behavior().
+TensorFlow 2 shapes and in tests/legacy/test_tower_sizes.py under disable_v2_behavior().
 Rows mixed by a fed permutation or fixed positions through `gather_nd` are refused
 with pertower's message, naming the op.
 """
@@ -18,7 +18,7 @@ import tensorflow as tf
 import pertower
 from pertower import _batch_axis
 from pertower import _graph_walk as graph_walk
-from tests.scripts import tower_sizes_checks as sizes
+from tests import tower_size_cases as sizes
 
 B = sizes.B
 
@@ -98,17 +98,3 @@ def test_a_row_index_of_another_length_is_refused():
         ys = tf.gather_nd(h, tf.stack([rows, tf.zeros_like(rows)], 1))
         with pytest.raises(ValueError, match="whose first column is not tf.range"):
             pertower.per_example_gradients(ys, [w], batch_size=B, method="towers")
-
-
-@pytest.mark.process_checks("tower_sizes")
-@pytest.mark.parametrize("check", [check.__name__ for check in sizes.CHECKS
-                                   if check.__name__ not in sizes.HEAVY])
-def test_legacy_shapes(processes, check):
-    processes.assert_passed("tower_sizes", check)
-
-
-@pytest.mark.heavy
-@pytest.mark.process_checks("tower_sizes_heavy")
-@pytest.mark.parametrize("check", sorted(sizes.HEAVY))
-def test_legacy_shapes_heavy(processes, check):
-    processes.assert_passed("tower_sizes_heavy", check)

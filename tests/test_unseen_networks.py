@@ -23,7 +23,7 @@ activity_regularizer sums over the batch's activations (and Keras divides it by 
 size): it couples the examples, and pertower refuses it, naming the op.
 
 Every case runs under tf.compat.v1.disable_v2_behavior() too (legacy shape mode, in
-tests/scripts/unseen_networks_checks.py, process "unseen_legacy"). The application
+tests/legacy/test_unseen_networks.py). The application
 networks (ConvNeXtTiny, RegNetX002, RegNetY002, ...) are heavy.
 """
 
@@ -214,14 +214,6 @@ def test_activity_regularizer_is_refused():
 
 def test_call_doing_more_falls_back_with_reason():
     check_call_doing_more_falls_back()
-
-
-@pytest.mark.process_checks("unseen_legacy")
-@pytest.mark.parametrize("check", ["check_grouped", "check_groupnorm", "check_regularized",
-                                   "check_activity_regularizer_refused"])
-def test_cases_under_disable_v2_behavior(processes, check):
-    """The same under tf.compat.v1.disable_v2_behavior() (legacy shape mode)."""
-    processes.assert_passed("unseen_legacy", check)
 
 
 # -- published networks beyond the zoo (heavy) -----------------------------------------

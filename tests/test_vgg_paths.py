@@ -193,7 +193,7 @@ def check_forward_form(batch=3, seed=21):
     Conv2D or Conv2DBackpropInput the table says (op counts of the build); with it on,
     every one is Conv2DBackpropInput; the dense layers' input gradients as DENSE_CHAIN
     says (oneDNN off). Builds its own graph and session (also run under
-    disable_v2_behavior() by tests/scripts/vgg_paths_legacy.py)."""
+    disable_v2_behavior() by tests/legacy/test_vgg_paths.py)."""
     rng = np.random.default_rng(seed)
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
         feed, tensors, weights, ops = {}, {}, [], {}
@@ -280,10 +280,3 @@ def test_dilated_input_gradients_as_forward_convolutions():
             want = tf.gradients(plain, x, dz)[0]
             common.assert_all_close(sess.run([got]), sess.run([want]), kind="deep",
                                     what=f"dilated forward form, {padding}")
-
-
-@pytest.mark.process_checks("vgg_paths_legacy")
-def test_vgg_paths_under_disable_v2_behavior(processes):
-    """`check_forward_form` (with its dense layer of MUL_MIN_COLUMNS outputs: the
-    broadcast-Mul outer products) under tf.compat.v1.disable_v2_behavior()."""
-    processes.assert_passed("vgg_paths_legacy", "check_vgg_paths_legacy")

@@ -4,7 +4,7 @@ and its plan counted by pertower/tools/plan_summary.py.
 
 The default run checks the FAST networks (one graph and session per network, shared by
 the module); every other network is `heavy` (`python -m pytest -q tests -m heavy`).
-tests/scripts/published_rules_checks.py runs `check_network` under
+tests/legacy/test_rules_published.py runs `check_network` under
 `tf.compat.v1.disable_v2_behavior()` (legacy shape mode), also heavy.
 """
 

@@ -2,9 +2,11 @@
 tasks of a TensorFlow cluster of in-process `tf.distribute.Server`s on 127.0.0.1,
 a session on the first server's target, values against the one-example oracle.
 
-Started once per test session by tests/process_checks.py ("distributed"); prints one
-`pertower-check` line per check and 'distributed checks: N passed, M failed'; exits 1 on
-failure.
+    python tests/scripts/distributed_towers.py [heavy]
+
+run by tests/test_devices.py (`tests.common.run_python`; with `heavy`, the towers
+replaying a While loop too); prints one line per check (`tests.scripts.run_each`) and
+exits 1 if one failed.
 """
 
 import os
@@ -24,13 +26,13 @@ import tf_keras as keras  # noqa: E402
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
 from tests import common  # noqa: E402
-from tests import process_checks  # noqa: E402
+from tests import scripts  # noqa: E402
 
 TASKS = ["/job:worker/task:0", "/job:worker/task:1"]
 
 
 def _start_cluster():
-    ports = process_checks.free_ports(2)
+    ports = scripts.free_ports(2)
     cluster = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
     servers = [tf.distribute.Server(cluster, job_name="worker", task_index=i, start=True)
                for i in range(2)]
@@ -136,16 +138,13 @@ def main():
     def check_towers_with_a_loop_on_two_tasks_match_oracle():
         check_towers_on_two_tasks(servers, gru=True)
 
-    # with the argument `heavy` (process "distributed_heavy"): the towers replaying a
-    # While loop on the two tasks (placed like the MLP's ops of the default run's check)
-    code = process_checks.run_checks(
-        [check_cluster_devices_answer, check_graph_placement,
-         check_towers_on_two_tasks_match_oracle,
-         check_towers_with_a_loop_on_two_tasks_match_oracle], "distributed checks",
-        heavy={"check_towers_with_a_loop_on_two_tasks_match_oracle"})
-    sys.stdout.flush()
-    if os.environ.get(process_checks.IN_GROUP_ENV):
-        sys.exit(code)   # the group's script ends the process after its other members
+    # with the argument `heavy`: the towers replaying a While loop on the two tasks too
+    # (placed like the MLP's ops of the default run's check)
+    checks = [check_cluster_devices_answer, check_graph_placement,
+              check_towers_on_two_tasks_match_oracle]
+    if sys.argv[1:] == ["heavy"]:
+        checks.append(check_towers_with_a_loop_on_two_tasks_match_oracle)
+    code = scripts.run_each(checks)
     # Servers cannot be stopped cleanly in-process; leave without waiting for them.
     os._exit(code)  # pylint: disable=protected-access
 

@@ -4,9 +4,11 @@ parameter server, two workers, each worker a thread with its own graph and sessi
 between-graph replication), `pertower.DPSyncReplicasOptimizer` against the single-process
 `DPOptimizer` and the one-example loop, and its noise against a chi-square bound.
 
-Started once per test session by tests/process_checks.py ("dp_distributed"; the
-statistical checks, with more draws, run as "dp_distributed_stats" with the argument
-"stats", and the σ = 0 step under disable_v2_behavior() as "dp_distributed_legacy"); prints one `pertower-check` line per check and a summary; exits 1 on failure.
+    python tests/scripts/dp_distributed_checks.py [stats | legacy]
+
+run by tests/test_dp_distributed.py (`tests.common.run_python`; "stats": the statistical
+checks with more draws, "legacy": the σ = 0 step under disable_v2_behavior(), both
+heavy); prints one line per check (`tests.scripts.run_each`) and exits 1 if one failed.
 """
 
 import os
@@ -29,7 +31,7 @@ else:
 import pertower  # noqa: E402
 from pertower import oracle  # noqa: E402
 from tests import common  # noqa: E402
-from tests import process_checks  # noqa: E402
+from tests import scripts  # noqa: E402
 
 W = 2                 # workers
 SIZES = (3, 4)        # each worker's batch: the global batch is 7
@@ -41,7 +43,7 @@ ALPHA = 1e-6
 def _cluster():
     """A fresh cluster (one ps, W workers): the accumulators and the token queue have
     fixed shared names, so every configuration gets servers of its own."""
-    ports = process_checks.free_ports(W + 1)
+    ports = scripts.free_ports(W + 1)
     spec = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"],
                                  "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
     servers = [tf.distribute.Server(spec, job_name="ps", task_index=0)]
@@ -279,19 +281,14 @@ def check_split_mode_refused_with_partial_aggregation():
 def main():
     if sys.argv[1:] == ["stats"]:
         checks = noise_checks(steps=5, P=20000)
-        title = "dp distributed statistical checks"
     elif LEGACY:
         checks = [check_one_step_equals_single_process_and_loop]
-        title = "dp distributed legacy checks"
     else:
         checks = [check_one_step_equals_single_process_and_loop,
                   check_split_mode_refused_with_partial_aggregation,
                   *noise_checks(steps=2, P=3000)]
-        title = "dp distributed checks"
-    code = process_checks.run_checks(checks, title)
+    code = scripts.run_each(checks)
     sys.stdout.flush()
-    if os.environ.get(process_checks.IN_GROUP_ENV):
-        sys.exit(code)   # the group's script ends the process after its other members
     # Servers cannot be stopped cleanly in-process; leave without waiting for them.
     os._exit(code)  # pylint: disable=protected-access
 

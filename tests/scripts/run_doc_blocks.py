@@ -1,8 +1,7 @@
 """Runs Python blocks taken from the documentation, each in a fresh namespace, in this
 one process (see tests/test_docs.py for the scheme and why it is sound).
 
-Without arguments (process "doc_blocks" of tests/process_checks.py, the first member of
-its group's run: a fresh interpreter): tests/test_docs.py's FRESH_PROCESS_CHECK, then
+Without arguments (run by tests/test_docs.py in a fresh interpreter): tests/test_docs.py's FRESH_PROCESS_CHECK, then
 every runnable block of the documents (`test_docs.RUNNABLE`). With one argument: a
 JSON file with a list of {"path", "line", "code"}. `line` is the line of the block's
 first code line in `path`. Each block is compiled with `path` as its file name and

@@ -1,25 +1,27 @@
 """Run in a fresh process, as a user runs them: the scenario example scripts, then
 `python -m pertower demo`, one after the other in this one process.
 
-Started once per test session by tests/process_checks.py ("scenario_examples", a fresh
-member of its group: after the documents' blocks, if queued, before the graph-mode
-checks) with TF_USE_LEGACY_KERAS removed from the environment: each script and the demo
-must set up its environment itself. Nothing here imports TensorFlow; before each one,
+    python tests/scripts/scenario_examples.py OUTPUTS.json
+
+Run by tests/test_examples_and_demo.py in a fresh interpreter (`tests.common.run_python`)
+with TF_USE_LEGACY_KERAS removed from the environment: each script and the demo must
+set up its environment itself. Nothing here imports TensorFlow; before each one,
 TF_USE_LEGACY_KERAS is removed again and the default graph replaced, and each check
 asserts that its script set TF_USE_LEGACY_KERAS=1 and left graph mode on (the order
 in each script, the variable before TensorFlow, is checked on its text by the tests).
-Each check returns the script's output (the tests assert its lines).
-Prints one `pertower-check` line per check; exits 1 on failure.
+Each check returns the script's output, written to OUTPUTS.json ({name: output}; the
+tests assert its lines); exits 1 if one failed.
 """
 
 import contextlib
 import io
+import json
 import os
 import runpy
 import sys
 import traceback
 
-from tests import process_checks
+from tests import scripts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # each script with its arguments: scenario3 at B = 2 (its one-example loop runs 4 B
@@ -87,5 +89,20 @@ def demo():
 CHECKS = [_example_check(script, arguments) for script, arguments in EXAMPLES.items()] + [demo]
 
 
+def main(path):
+    outputs = {}
+
+    def recorded(check):
+        def run():
+            outputs[check.__name__] = check()
+        run.__name__ = check.__name__
+        return run
+
+    code = scripts.run_each([recorded(check) for check in CHECKS])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(outputs, f)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(process_checks.run_checks(CHECKS, "scenario example checks"))
+    sys.exit(main(sys.argv[1]))
