@@ -1,4 +1,4 @@
-"""`pertower bench --dp`: a plain SGD step against `pertower.DPOptimizer`'s step, timed
+"""`python -m benchmarks --dp`: a plain SGD step against `pertower.DPOptimizer`'s step, timed
 side by side (round robin), and their table.
 
 Notation:

@@ -1,4 +1,4 @@
-"""`pertower bench --dp-workers`: the distributed DP step on this machine, two TensorFlow
+"""`python -m benchmarks --dp-workers`: the distributed DP step on this machine, two TensorFlow
 workers and a parameter server as processes of their own, against two plain workers.
 
 Notation:
@@ -47,7 +47,7 @@ WORKERS = 2
 # TensorFlow threads (intra- and inter-op) of each process of a cluster (module notes)
 THREADS = 1
 WARM_UP_STEPS = 2
-# the alternations of `pertower bench --dp-workers` (`run_worker_bench`'s rounds)
+# the alternations of `python -m benchmarks --dp-workers` (`run_worker_bench`'s rounds)
 ROUNDS = 2
 _TIMEOUT_SECONDS = 900
 

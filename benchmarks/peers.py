@@ -1,4 +1,4 @@
-"""`pertower bench --peers`: the same models in PyTorch and JAX, checked against the loop.
+"""`python -m benchmarks --peers`: the same models in PyTorch and JAX, checked against the loop.
 
 Notation:
     B   examples        P   weights (scalars)       x   one weight

@@ -1,4 +1,4 @@
-"""`pertower bench --curvature`: pertower's GGN diagonal and Kronecker factors side by
+"""`python -m benchmarks --curvature`: pertower's GGN diagonal and Kronecker factors side by
 side with BackPACK's (DiagGGNExact, DiagGGNMC, KFLR, KFAC), each in its own process.
 
 Notation:

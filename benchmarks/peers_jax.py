@@ -1,4 +1,4 @@
-"""The JAX child of `pertower bench --peers`: jit(vmap(grad)) and a jitted DP-SGD step,
+"""The JAX child of `python -m benchmarks --peers`: jit(vmap(grad)) and a jitted DP-SGD step,
 on each job's model, written in TensorFlow's layouts (lax.conv_general_dilated with
 ("NHWC", "HWIO", "NHWC")) with the TensorFlow model's weights.
 

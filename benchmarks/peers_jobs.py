@@ -1,5 +1,5 @@
 """A peers' job folder, loaded, and one entry measured on it: what every child process
-of `pertower bench --peers` shares (numpy only).
+of `python -m benchmarks --peers` shares (numpy only).
 
 Notation:
     B   examples        C   clip norm       σ   noise multiplier     lr  learning rate

@@ -1,4 +1,4 @@
-"""`pertower bench --dp`'s reference for the noise draw: PyTorch's in-place `normal_`
+"""`python -m benchmarks --dp`'s reference for the noise draw: PyTorch's in-place `normal_`
 on P numbers, timed in a child process of the peers' Python.
 
     python -m benchmarks.peers_noise --repeats R [--fills K] P [P ...]

@@ -1,4 +1,4 @@
-"""The PyTorch child of `pertower bench --peers`: torch.func vmap(grad), and DP-SGD
+"""The PyTorch child of `python -m benchmarks --peers`: torch.func vmap(grad), and DP-SGD
 steps by Opacus (hooks and ghost clipping), on each job's model with the TensorFlow
 model's weights.
 

@@ -1,4 +1,4 @@
-"""The child process of `pertower bench --peers`: one framework, one round.
+"""The child process of `python -m benchmarks --peers`: one framework, one round.
 
     python -m benchmarks.peers_worker --framework {tf,torch,jax} --repeats R
         [--check] JOB_DIR [JOB_DIR ...]

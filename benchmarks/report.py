@@ -142,7 +142,7 @@ def plot(entries, path):
         import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
     except ImportError as error:
         raise RuntimeError(
-            f"pertower bench --plot needs matplotlib ({error}); install it with "
+            f"python -m benchmarks --plot needs matplotlib ({error}); install it with "
             "`pip install matplotlib` or drop --plot.") from None
     models = list(dict.fromkeys(e.model for e in entries))
     figure, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8.5),
@@ -177,7 +177,7 @@ def plot(entries, path):
             ax.grid(True, which="both", alpha=0.3)
             if row == 0:
                 ax.legend(fontsize=8)
-    figure.suptitle("pertower bench (loop = one sess.run per example; memory of the loop: "
+    figure.suptitle("python -m benchmarks (loop = one sess.run per example; memory of the loop: "
                     "one example)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -1,4 +1,4 @@
-"""`pertower bench --models NAME,...` on the zoo (`pertower.tools.zoo`): per network and
+"""`python -m benchmarks --models NAME,...` on the zoo (`pertower.tools.zoo`): per network and
 B, what pertower costs against TensorFlow's own batch gradient, a plain SGD step and the
 one-example loop, and what building it costs against `tf.gradients`.
 

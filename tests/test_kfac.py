@@ -277,7 +277,7 @@ def test_digits_laplace_example_writes_its_plot(tmp_path, capsys):
 
 
 def test_bench_curvature_options_and_table(monkeypatch):
-    """`pertower bench --curvature --peers-python P` parses; the peers' Python is the
+    """`python -m benchmarks --curvature --peers-python P` parses; the peers' Python is the
     option, else $PERTOWER_PEERS_PYTHON, else this interpreter; the table divides by
     TensorFlow's batch gradient of the same model and B. No torch needed."""
     import sys  # pylint: disable=import-outside-toplevel
