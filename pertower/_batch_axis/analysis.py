@@ -253,12 +253,7 @@ class _Scan:
             return None
         key = (id(op.graph), name)
         if key not in self.function_cache:
-            try:
-                function = _tf.get_function(op.graph, name)
-                self.function_cache[key] = _tf.function_graph(
-                    function.cached_definition)
-            except (AttributeError, ValueError, TypeError, KeyError):
-                self.function_cache[key] = None
+            self.function_cache[key] = _tf.called_function_graph(op, attr)
         return self.function_cache[key]
 
     def body_values(self, op, attr, ins):

@@ -26,7 +26,7 @@ from pertower._tf import probe
 
 __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_id", "op_order_key",
            "control_flow_context", "graph_control_flow_context", "get_function",
-           "function_graph", "function_def", "function_graph_def", "op_def", "create_op",
+           "function_graph", "called_function_graph", "function_def", "function_graph_def", "op_def", "create_op",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
@@ -107,6 +107,17 @@ def function_graph(definition, input_shapes=None):
         _function_def_to_graph, "function_def_to_graph", "fdef",
         "structured_input_signature", "structured_outputs", "input_shapes"))
     return _function_def_to_graph.function_def_to_graph(definition, input_shapes=input_shapes)
+
+
+def called_function_graph(op, attr, input_shapes=None):
+    """The graph of the function that the attribute `attr` of `op` names (a call's "f",
+    a While's "body" or "cond"), read from `op.graph`'s library (`function_graph`, with
+    `input_shapes`); None when it cannot be read."""
+    try:
+        definition = get_function(op.graph, op.get_attr(attr).name).cached_definition
+        return function_graph(definition, input_shapes=input_shapes)
+    except (AttributeError, ValueError, TypeError, KeyError):
+        return None
 
 
 def function_def(name, graph):

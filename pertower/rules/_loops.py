@@ -296,12 +296,7 @@ def _function_graph(op, attr):
     own = _tf.own_function_graph(op, attr)
     if own is not None and len(own.inputs) == len(op.inputs):
         return own
-    try:
-        definition = _tf.get_function(op.graph, op.get_attr(attr).name).cached_definition
-        return _tf.function_graph(
-            definition, input_shapes=[t.shape for t in op.inputs])
-    except (AttributeError, ValueError, TypeError, KeyError):
-        return None
+    return _tf.called_function_graph(op, attr, input_shapes=[t.shape for t in op.inputs])
 
 
 def _loop_join(first, second):

@@ -111,12 +111,7 @@ class FunctionCallRule(registry_lib.ForwardingRule):
             return None
         key = (id(call.graph), name)
         if key not in self._bodies:
-            try:
-                function = _tf.get_function(call.graph, name)
-                self._bodies[key] = _tf.function_graph(
-                    function.cached_definition)
-            except (AttributeError, ValueError, TypeError, KeyError):
-                self._bodies[key] = None
+            self._bodies[key] = _tf.called_function_graph(call, "f")
         return self._bodies[key]
 
     def match(self, op, slot, analysis):
