@@ -124,7 +124,8 @@ def find_batch_tensors(ys, ys_upstream):
             "the graph (tf.sparse.from_dense, or tf.sparse.retain of the non-padding "
             "entries); then pass `batch=` that dense placeholder and the other per-example "
             "tensors.")
-    key = lambda t: (_tf.op_id(t.op), t.value_index)
+    order = _tf.op_order_key()
+    key = lambda t: (order(t.op), t.value_index)
     candidates.sort(key=key)
     shapeless.sort(key=key)
     if shapeless and candidates:

@@ -378,7 +378,8 @@ def _variable_reads(variable, j, ys_upstream):
         raise _context.error(ValueError, f"`batch[{j}]` is the variable {variable.name!r}, "
                              "but the per-example values do not read it; pass the variable "
                              "(or tensor) holding the batch they are computed from.")
-    return sorted(reads, key=lambda t: _tf.op_id(t.op))
+    order = _tf.op_order_key()
+    return sorted(reads, key=lambda t: order(t.op))
 
 
 def _side_input_hint(op, batch):

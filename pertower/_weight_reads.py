@@ -122,10 +122,11 @@ def _resource_reads(x, name, handle, ys_upstream):
                 f"{', '.join(sorted(op_types.CALL_OP_TYPES))}). Leave this weight out "
                 "of `xs`, or compute `ys` with a plain read of it."
             )
-    read_tensors = sorted(set(read_tensors), key=lambda t: _tf.op_id(t.op))
-    gather_ops = sorted(set(gather_ops), key=_tf.op_order_key())
-    call_inputs.sort(key=lambda pair: (_tf.op_id(pair[0]), pair[1]))
-    loop_inputs = sorted(set(loop_inputs), key=_tf.op_order_key())
+    order = _tf.op_order_key()
+    read_tensors = sorted(set(read_tensors), key=lambda t: order(t.op))
+    gather_ops = sorted(set(gather_ops), key=order)
+    call_inputs.sort(key=lambda pair: (order(pair[0]), pair[1]))
+    loop_inputs = sorted(set(loop_inputs), key=order)
     return WeightReads(x, name, read_tensors, gather_ops, call_inputs, handle,
                        loop_inputs=loop_inputs)
 

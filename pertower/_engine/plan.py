@@ -78,7 +78,8 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
         return walked
     terminals = [_weight_functions.Exit(op, 0, (), (), True) for op in reads.gather_ops]
     terminals.extend(walked)
-    terminals.sort(key=lambda e: (_tf.op_id(e.op), e.slot))
+    order = _tf.op_order_key()
+    terminals.sort(key=lambda e: (order(e.op), e.slot))
     for exit_ in terminals:
         op, slot = exit_.op, exit_.slot
         inside = loops.inner_uses(exit_, _in_v1_loop)   # passed to a loop: rules._loops

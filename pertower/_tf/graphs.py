@@ -24,7 +24,7 @@ from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor
 
 from pertower._tf import probe
 
-__all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_id", "op_order_key",
+__all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "control_flow_context", "graph_control_flow_context", "get_function",
            "function_graph", "called_function_graph", "function_def", "function_graph_def", "op_def", "create_op",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
@@ -64,11 +64,6 @@ def op_order_key():
     """The key that sorts ops of one graph by creation: `Operation._id`, else (way
     `op_order`) their position in `graph.get_operations()`."""
     return _ID if probe.private_way("op_order") else _position
-
-
-def op_id(op):
-    """A number that orders the ops of one graph by creation (see `op_order_key`)."""
-    return op_order_key()(op)
 
 
 # -- control-flow contexts and function libraries ------------------------------------------

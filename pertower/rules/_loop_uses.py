@@ -108,8 +108,9 @@ def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
     those through a loop from that loop's copy (its paths from the loop's inputs back to
     the target again stop at earlier loops, which add their part when their turn comes).
     """
+    order = _tf.op_order_key()
     loops = sorted(dict.fromkeys(use.loop for use in loop_uses),
-                   key=lambda loop: -max(_tf.op_id(t.op) for t in loop.reached_outputs))
+                   key=lambda loop: -max(order(t.op) for t in loop.reached_outputs))
     if not loops:
         grads = tf.gradients(ys, targets, grad_ys=grad_ys, unconnected_gradients=unconnected)
         return {id(t): g for t, g in zip(targets, grads)}
