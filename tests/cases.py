@@ -12,6 +12,7 @@ runs on a second, None-batch input to the same model.
 - `build_cifar_case`: the bench's CIFAR conv net;
 - `build_hidden_features`: x [B, 3] -> Dense(6, tanh) -> Dense(4), the activations h
   [B, 4] that the batch-axis tests build their ops on;
+- `language_model`: Embedding -> a Keras recurrent layer -> Dense, the loop tests' model;
 - scenario 2 (several microbatches, two placeholders) checkable by hand.
 
 Every builder seeds its weights with `common.seed_weights`, so a model's weights are the
@@ -410,6 +411,33 @@ RULE_MODELS = {
     "mixed_fallback": (mixed, [(4,)], {}, ["scale_sq"]),
     "mixing_op": (mixing_op, [(4,)], {}, ["w_cross"]),
 }
+
+
+# `language_model`'s sizes: T steps, a vocabulary of VOCAB ids, EMBED and UNITS wide
+LM_T, LM_VOCAB, LM_EMBED, LM_UNITS = 4, 11, 3, 5
+WHILE_OP_TYPES = ("While", "StatelessWhile")
+
+
+def language_model(layer, seed):
+    """Embedding -> `layer` (a Keras recurrent layer's name, return_sequences) -> Dense over
+    the vocabulary, built in the default graph with weights seeded by `seed`; ys is each
+    example's sum over its LM_T steps of the next-token cross-entropy.
+
+    Returns:
+      (ys [B], xs (the trainable variables), batch [ids, labels] ([B, LM_T] int32), the
+      layer's While op, or None where the loop is a TF1 frame).
+    """
+    common.seed_weights(seed)
+    ids = tf.compat.v1.placeholder(tf.int32, [None, LM_T], name="ids")
+    labels = tf.compat.v1.placeholder(tf.int32, [None, LM_T], name="labels")
+    hidden = getattr(keras.layers, layer)(LM_UNITS, return_sequences=True)(
+        keras.layers.Embedding(LM_VOCAB, LM_EMBED)(ids))                   # [B, T, U]
+    logits = keras.layers.Dense(LM_VOCAB)(hidden)                          # [B, T, V]
+    ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits), axis=1)                             # [B]
+    loop = next((op for op in tf.compat.v1.get_default_graph().get_operations()
+                 if op.type in WHILE_OP_TYPES), None)
+    return ys, tf.compat.v1.trainable_variables(), [ids, labels], loop
 
 
 def build_cifar_case(B=3):

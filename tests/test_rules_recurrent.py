@@ -13,14 +13,14 @@ models in the heavy run).
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
 SIZES = (3, 4)          # two batch sizes fed to one graph
-T, VOCAB, EMBED, UNITS = 4, 11, 3, 5
+T, VOCAB = cases.LM_T, cases.LM_VOCAB
 CLIP = 0.5
 
 
@@ -29,15 +29,8 @@ def _language_model(layer):
     is each example's sum over its T steps of the next-token cross-entropy, [B]."""
     graph = tf.Graph()
     with graph.as_default():
-        common.seed_weights(7)
-        ids = tf.compat.v1.placeholder(tf.int32, [None, T], name="ids")
-        labels = tf.compat.v1.placeholder(tf.int32, [None, T], name="labels")
-        hidden = getattr(keras.layers, layer)(UNITS, return_sequences=True)(
-            keras.layers.Embedding(VOCAB, EMBED)(ids))                        # [B, T, U]
-        logits = keras.layers.Dense(VOCAB)(hidden)                             # [B, T, V]
-        ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=labels, logits=logits), axis=1)                             # [B]
-    return graph, ys, [ids, labels]
+        ys, _, batch, _ = cases.language_model(layer, 7)
+    return graph, ys, batch
 
 
 def _feed(batch, B, seed):

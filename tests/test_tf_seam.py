@@ -15,7 +15,6 @@ import types
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras as keras
 from tensorflow.python.ops import while_v2  # pylint: disable=no-name-in-module
 
 import pertower
@@ -23,25 +22,16 @@ from pertower import _tf
 from pertower import oracle
 from pertower._tf import graphs as tf_graphs
 from pertower._tf import probe
+from tests import cases
 from tests import common
 
-B, T, VOCAB, UNITS = 3, 4, 11, 5
-WHILE = ("While", "StatelessWhile")
+B, T, VOCAB = 3, cases.LM_T, cases.LM_VOCAB
+WHILE = cases.WHILE_OP_TYPES
 
 
 def _language_model():
     """(ys [B], xs, batch, the While op) of Embedding -> GRU -> Dense in the default graph."""
-    common.seed_weights(5)
-    ids = tf.compat.v1.placeholder(tf.int32, [None, T], name="ids")
-    labels = tf.compat.v1.placeholder(tf.int32, [None, T], name="labels")
-    hidden = keras.layers.GRU(UNITS, return_sequences=True)(
-        keras.layers.Embedding(VOCAB, 3)(ids))                                # [B, T, U]
-    logits = keras.layers.Dense(VOCAB)(hidden)                                 # [B, T, V]
-    ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=logits), axis=1)                                 # [B]
-    loop = next(op for op in tf.compat.v1.get_default_graph().get_operations()
-                if op.type in WHILE)
-    return ys, tf.compat.v1.trainable_variables(), [ids, labels], loop
+    return cases.language_model("GRU", 5)
 
 
 class Recurrent:

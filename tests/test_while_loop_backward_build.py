@@ -21,10 +21,11 @@ import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
-B, T, VOCAB, UNITS = 3, 4, 11, 5
-WHILE = ("While", "StatelessWhile")
+B, T, VOCAB, UNITS = 3, cases.LM_T, cases.LM_VOCAB, cases.LM_UNITS
+WHILE = cases.WHILE_OP_TYPES
 
 
 def BACKWARD_BOUND(n, J):
@@ -46,16 +47,7 @@ class Built:
     def __init__(self, layer, differentiated_first):
         self.graph = tf.Graph()
         with self.graph.as_default():
-            common.seed_weights(3)
-            ids = tf.compat.v1.placeholder(tf.int32, [None, T], name="ids")
-            labels = tf.compat.v1.placeholder(tf.int32, [None, T], name="labels")
-            hidden = getattr(keras.layers, layer)(UNITS, return_sequences=True)(
-                keras.layers.Embedding(VOCAB, 3)(ids))                        # [B, T, U]
-            logits = keras.layers.Dense(VOCAB)(hidden)                         # [B, T, V]
-            ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=labels, logits=logits), axis=1)                         # [B]
-            xs = tf.compat.v1.trainable_variables()
-            self.loop = next(op for op in self.graph.get_operations() if op.type in WHILE)
+            ys, xs, batch, self.loop = cases.language_model(layer, 3)
             self.body_nodes = _library(self.graph)[self.loop.get_attr("body").name]
             self.differentiated_first = differentiated_first
             self.original = len(self.loop.outputs)
@@ -63,13 +55,13 @@ class Built:
                 tf.gradients(tf.reduce_sum(ys), xs)
             self.before = (len(self.loop.outputs), self.loop.get_attr("body").name)
             functions, ops = _library(self.graph), set(self.graph.get_operations())
-            self.plan = pertower.explain(ys, xs, batch=[ids, labels])
-            self.grads = pertower.per_example_gradients(ys, xs, batch=[ids, labels])
+            self.plan = pertower.explain(ys, xs, batch=batch)
+            self.grads = pertower.per_example_gradients(ys, xs, batch=batch)
             self.functions = {k: v for k, v in _library(self.graph).items() if k not in functions}
             self.ops = [op for op in self.graph.get_operations() if op not in ops]
             self.reads = sum(len(row.ops) for row in self.plan.weights
                              if any("per step" in o for o in row.ops))
-            self.loss, self.xs, self.batch = ys, xs, [ids, labels]
+            self.loss, self.xs, self.batch = ys, xs, batch
 
 
 @pytest.fixture(scope="module", params=[("LSTM", True), ("GRU", False)],

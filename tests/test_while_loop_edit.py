@@ -17,29 +17,13 @@ import collections
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras as keras
 
 import pertower
 from pertower import oracle
+from tests import cases
 from tests import common
 
-B, T, VOCAB, UNITS = 3, 4, 11, 5
-WHILE = ("While", "StatelessWhile")
-
-
-def _language_model(layer, seed):
-    """(ys [B], xs, batch, the While op) of Embedding -> `layer` -> Dense in the default graph."""
-    common.seed_weights(seed)
-    ids = tf.compat.v1.placeholder(tf.int32, [None, T], name="ids")
-    labels = tf.compat.v1.placeholder(tf.int32, [None, T], name="labels")
-    hidden = getattr(keras.layers, layer)(UNITS, return_sequences=True)(
-        keras.layers.Embedding(VOCAB, 3)(ids))                                # [B, T, U]
-    logits = keras.layers.Dense(VOCAB)(hidden)                                 # [B, T, V]
-    ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=logits), axis=1)                                 # [B]
-    loop = next(op for op in tf.compat.v1.get_default_graph().get_operations()
-                if op.type in WHILE)
-    return ys, tf.compat.v1.trainable_variables(), [ids, labels], loop
+B, T, VOCAB = 3, cases.LM_T, cases.LM_VOCAB
 
 
 def _functions(graph):
@@ -69,12 +53,12 @@ class Edited:
         self.layer = layer
         self.pertower_graph, self.reference_graph = tf.Graph(), tf.Graph()
         with self.reference_graph.as_default():
-            ys, xs, _, loop = _language_model(layer, 3)
+            ys, xs, _, loop = cases.language_model(layer, 3)
             self.before = len(loop.outputs)
             tf.gradients(tf.reduce_sum(ys), xs)
             self.reference = _edit(self.reference_graph, loop)
         with self.pertower_graph.as_default():
-            self.ys, self.xs, self.batch, self.loop = _language_model(layer, 3)
+            self.ys, self.xs, self.batch, self.loop = cases.language_model(layer, 3)
             ops = set(self.pertower_graph.get_operations())
             self.grads = pertower.per_example_gradients(self.ys, self.xs, batch=self.batch)
             self.added = [op for op in self.pertower_graph.get_operations() if op not in ops]
@@ -90,8 +74,8 @@ def test_the_users_loop_is_edited_as_by_tf_gradients(edited):
     assert edited.reference[1] > edited.before, (edited.layer, edited.reference[1])
     assert edited.edited == edited.reference, edited.layer
     # one forward (the duplicate of the user's op) and one backward
-    assert len([op for op in edited.added if op.type in WHILE]) == 2, (
-        [op.name for op in edited.added if op.type in WHILE])
+    assert len([op for op in edited.added if op.type in cases.WHILE_OP_TYPES]) == 2, (
+        [op.name for op in edited.added if op.type in cases.WHILE_OP_TYPES])
 
 
 def test_a_training_op_built_after_the_first_run_works(edited):
@@ -116,7 +100,7 @@ def test_a_training_op_built_after_the_first_run_works(edited):
 
 def _backward_body(graph, ops):
     """The node types of the body of the one backward While op among `ops`."""
-    loops = [op for op in ops if op.type in WHILE and "grad" in op.get_attr("body").name]
+    loops = [op for op in ops if op.type in cases.WHILE_OP_TYPES and "grad" in op.get_attr("body").name]
     assert len(loops) == 1, [op.name for op in loops]
     return collections.Counter(
         n.op for n in _functions(graph)[loops[0].get_attr("body").name].node_def)
@@ -155,7 +139,7 @@ def test_op_count_bounded_by_tf_gradients(edited):
     model (the one backward, the duplicate, the stacks, and the rules' products; the
     GRU's sliced bias adds the most: 226 ops against 140)."""
     with tf.Graph().as_default() as graph:
-        ys, xs, _, _ = _language_model(edited.layer, 3)
+        ys, xs, _, _ = cases.language_model(edited.layer, 3)
         before = len(graph.get_operations())
         tf.gradients(tf.reduce_sum(ys), xs)
         reference = len(graph.get_operations()) - before
