@@ -122,39 +122,22 @@ def _dynamic_rnn(cell_name, lengths, time_major, early=False, combiners=True):
 
 def test_lstm_with_lengths_time_major():
     """Per-example gradients and norms (microbatches and DPOptimizer on the same frame:
-    test_lstm_with_lengths_time_major_in_microbatches_and_dp, heavy; they combine the
+    test_dynamic_rnn_cells[LSTMCell-True-True], heavy; they combine the
     same per-example rows, and every other cell's check runs them too)."""
     print(_dynamic_rnn("LSTMCell", lengths=True, time_major=True, combiners=False))
 
 
 @pytest.mark.heavy
-def test_lstm_with_lengths_time_major_in_microbatches_and_dp():
-    print(_dynamic_rnn("LSTMCell", lengths=True, time_major=True))
-
-
-@pytest.mark.heavy
-def test_basic_rnn_cell():
-    print(_dynamic_rnn("BasicRNNCell", lengths=False, time_major=False))
-
-
-@pytest.mark.heavy
-def test_gru_with_lengths():
-    print(_dynamic_rnn("GRUCell", lengths=True, time_major=False))
-
-
-@pytest.mark.heavy
-def test_gru_time_major():
-    print(_dynamic_rnn("GRUCell", lengths=False, time_major=True))
-
-
-@pytest.mark.heavy
-def test_lstm():
-    print(_dynamic_rnn("LSTMCell", lengths=False, time_major=False))
-
-
-@pytest.mark.heavy
-def test_basic_rnn_cell_with_lengths_time_major():
-    print(_dynamic_rnn("BasicRNNCell", lengths=True, time_major=True))
+@pytest.mark.parametrize("cell, lengths, time_major", [
+    ("LSTMCell", True, True),          # with microbatches and DP (the combiners)
+    ("BasicRNNCell", False, False),
+    ("GRUCell", True, False),
+    ("GRUCell", False, True),
+    ("LSTMCell", False, False),
+    ("BasicRNNCell", True, True),
+])
+def test_dynamic_rnn_cells(cell, lengths, time_major):
+    print(_dynamic_rnn(cell, lengths=lengths, time_major=time_major))
 
 
 @pytest.mark.heavy
