@@ -35,7 +35,7 @@ import tensorflow as tf
 from pertower.rules import _rows
 from pertower.rules import _shapes
 from pertower.rules import registry as registry_lib
-from pertower._convolution.options import onednn_enabled
+from pertower._convolution.options import onednn_runs
 from pertower._convolution.geometry import (
     group_target, groups, padded_input, spatial_pads, taps, to_groups)
 
@@ -107,8 +107,7 @@ def formed_norms(options, use, dZ, G):
         x, dZ = tf.split(x, sizes), tf.split(dZ, sizes)
     else:
         x, dZ = [x], [dZ]
-    onednn = options.onednn if options.onednn is not None else onednn_enabled()
-    one_by_one = isinstance(G, int) and G <= FEW_GROUPS and not onednn
+    one_by_one = isinstance(G, int) and G <= FEW_GROUPS and not onednn_runs(options)
     products = []
     for n, x_part, dZ_part in zip(sizes, x, dZ):
         rows = tf.concat(taps(use.op, [kh, kw], x_part, axes=(3, 4)), axis=1)

@@ -14,7 +14,8 @@ from pertower import _context
 from pertower import _tf
 from pertower._convolution.geometry import attributes
 
-__all__ = ["STRATEGIES", "ConvOptions", "onednn_enabled", "untrusted_filter_gradient"]
+__all__ = ["STRATEGIES", "ConvOptions", "onednn_enabled", "onednn_runs",
+           "untrusted_filter_gradient"]
 
 STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
 
@@ -74,10 +75,17 @@ def onednn_enabled():
     return bool(_tf.onednn_enabled())
 
 
+def onednn_runs(options):
+    """Whether oneDNN's kernels run for a rule with the `ConvOptions` `options`: their
+    `onednn` where it is set, else TensorFlow's own setting (`onednn_enabled`; also for
+    `options` None)."""
+    onednn = None if options is None else options.onednn
+    return onednn_enabled() if onednn is None else bool(onednn)
+
+
 def untrusted_filter_gradient(use, options):
     """Whether the rules keep `use` (Conv2D or DepthwiseConv2dNative) away from TensorFlow's
     one-group backward-filter kernel: oneDNN on (`options.onednn`, else asked), float32, a
     1x1 filter with a stride > 1 (see "oneDNN" in `conv2d`'s docstring)."""
-    onednn = options.onednn if options.onednn is not None else onednn_enabled()
-    return (onednn and use.op.inputs[0].dtype == tf.float32 and
+    return (onednn_runs(options) and use.op.inputs[0].dtype == tf.float32 and
             use.weight_shape.as_list()[:2] == [1, 1] and max(attributes(use.op)[0]) > 1)

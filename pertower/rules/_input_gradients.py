@@ -42,6 +42,7 @@ import functools
 import tensorflow as tf
 
 from pertower import _tf
+from pertower._convolution import options as _conv_options
 from pertower.rules import _loop_uses
 from pertower.rules import _shapes
 from pertower.rules import conv2d
@@ -235,9 +236,7 @@ def _with_forward_form(use):
     off (with them on, its Conv2DBackpropInput is as fast as the forward form: see
     docs/benchmark.md, "Measurements moved from docstrings"), else Conv2DBackpropInput. The
     oneDNN setting is the rule's (`ConvOptions.onednn`), else TensorFlow's."""
-    onednn = getattr(getattr(use.rule, "options", None), "onednn", None)
-    if onednn is None:
-        onednn = conv2d.onednn_enabled()
+    onednn = _conv_options.onednn_runs(getattr(use.rule, "options", None))
     pads = None if onednn else forward_padding(use.op)
     return functools.partial(_conv2d, pads=pads)
 

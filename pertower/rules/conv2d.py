@@ -111,7 +111,7 @@ from pertower.rules import depthwise_conv2d
 from pertower.rules import _rows
 from pertower.rules import registry as registry_lib
 from pertower._convolution.geometry import (
-    attributes, check_convolution, filter_gradient, groups, patches, plain_filter_gradient,
+    check_convolution, filter_gradient, groups, patches, plain_filter_gradient,
     spatial_pads)
 
 __all__ = ["STRATEGIES", "ConvOptions", "Conv2DRule", "onednn_enabled",
@@ -175,8 +175,7 @@ class Conv2DRule(registry_lib.Rule):
         if use.op.inputs[0].dtype != tf.float32:
             return (f"needs float32 (TensorFlow has no CPU kernel for it in "
                     f"{use.op.inputs[0].dtype.name})")
-        onednn = self.options.onednn
-        if not (onednn_enabled() if onednn is None else onednn):
+        if not _conv_options.onednn_runs(self.options):
             return ("needs TensorFlow's oneDNN CPU kernels (its other CPU kernels refuse "
                     "grouped convolutions)")
         return None

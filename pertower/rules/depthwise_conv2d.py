@@ -130,8 +130,7 @@ class DepthwiseConv2DRule(registry_lib.Rule):
         x, padding = geometry.explicitly_padded(use.op)
         # oneDNN's kernel: chunks of c input channels, G*c*kh*kw*M <= CHUNK_FLOATS (G
         # unknown: GUESSED_G); Eigen's: one call
-        onednn = self.options.onednn
-        per_call = c_in if not (_conv_options.onednn_enabled() if onednn is None else onednn) \
+        per_call = c_in if not _conv_options.onednn_runs(self.options) \
             else max(1, CHUNK_FLOATS // (kh * kw * mult * (G if isinstance(G, int) else GUESSED_G)))
         count = -(-c_in // per_call)
         sizes = [c_in // count + (1 if j < c_in % count else 0) for j in range(count)]

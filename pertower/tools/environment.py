@@ -144,12 +144,8 @@ def _onednn_enabled():
     not imported yet or does not say)."""
     if "tensorflow" not in sys.modules:
         return None
-    try:
-        # pylint: disable-next=import-outside-toplevel
-        from tensorflow.python.util import _pywrap_util_port
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):
-        return None
+    from pertower import _tf   # pylint: disable=import-outside-toplevel
+    return _tf.onednn_enabled()
 
 
 def parse_assignment(text):
