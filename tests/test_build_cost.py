@@ -22,7 +22,7 @@ from pertower import _dispatch
 from pertower import _graph_walk
 from pertower import _request
 from pertower import oracle
-from pertower.rules import _shapes
+from pertower._layout import _shapes
 from pertower._engine import unassumed as _unassumed
 from tests import common
 

@@ -18,7 +18,7 @@ import pertower
 from pertower import _dispatch
 from pertower import oracle
 from pertower._convolution import ways as _conv_ways
-from pertower.rules import _shapes
+from pertower._layout import _shapes
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
 from tests import common

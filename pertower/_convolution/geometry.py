@@ -12,8 +12,8 @@ import itertools
 
 import tensorflow as tf
 
-from pertower.rules import _rows
-from pertower.rules import _shapes
+from pertower._layout import _rows
+from pertower._layout import _shapes
 
 __all__ = ["attributes", "explicitly_padded", "patches", "check_convolution", "groups",
            "fold_groups", "mul", "sizes", "spatial_pads", "padded_input", "taps", "window",

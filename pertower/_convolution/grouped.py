@@ -17,7 +17,7 @@ grouped Conv2D's own ways take one contraction per tap over every group.
 
 import tensorflow as tf
 
-from pertower.rules import _shapes
+from pertower._layout import _shapes
 from pertower.rules import registry as registry_lib
 from pertower._convolution.geometry import groups, group_target
 

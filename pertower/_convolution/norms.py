@@ -32,8 +32,8 @@ after the other on chipped views (the measurements: docs/conv_ways.md).
 
 import tensorflow as tf
 
-from pertower.rules import _rows
-from pertower.rules import _shapes
+from pertower._layout import _rows
+from pertower._layout import _shapes
 from pertower.rules import registry as registry_lib
 from pertower._convolution.options import onednn_runs
 from pertower._convolution.geometry import (

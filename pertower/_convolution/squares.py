@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from pertower._convolution import geometry
 from pertower._convolution import views as _conv_views
-from pertower.rules import _rows
+from pertower._layout import _rows
 
 __all__ = ["WAYS", "choose", "sum_squared", "formed_size"]
 

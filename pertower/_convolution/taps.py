@@ -32,8 +32,8 @@ for kh*kw slices and a concat (their cost: docs/conv_ways.md).
 import numpy as np
 import tensorflow as tf
 
-from pertower.rules import _rows
-from pertower.rules import _shapes
+from pertower._layout import _rows
+from pertower._layout import _shapes
 from pertower._convolution.geometry import attributes, group_target, padded_input, window
 
 __all__ = ["thin_gradients"]

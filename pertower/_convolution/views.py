@@ -29,7 +29,7 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _batch_axis
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
 __all__ = ["ViewUse", "View", "TransposedView", "TransposedRule", "view_use",

@@ -15,8 +15,8 @@ results are smaller than the taps they would be stacked from (`tap_layout`).
 import tensorflow as tf
 
 from pertower._convolution import taps as _conv_taps
-from pertower.rules import _rows
-from pertower.rules import _shapes
+from pertower._layout import _rows
+from pertower._layout import _shapes
 from pertower._convolution.geometry import (
     attributes, explicitly_padded, fold_groups, group_target, groups, mul,
     patches, sizes, split_channels, taps, to_groups)

@@ -25,7 +25,7 @@ a re-layout of this module, and the rule that asks refuses with the op's name.
 import tensorflow as tf
 
 from pertower import _batch_axis
-from pertower.rules import _rows
+from pertower._layout import _rows
 
 __all__ = ["RELAYOUT_OP_TYPES", "Chain", "past_relayouts", "source", "returned", "consumers", "relayout",
            "per_group_to", "MappedAnalysis"]

@@ -44,7 +44,7 @@ import tensorflow as tf
 from pertower import _tf
 from pertower._convolution import options as _conv_options
 from pertower.rules import _loop_uses
-from pertower.rules import _shapes
+from pertower._layout import _shapes
 from pertower.rules import conv2d
 
 __all__ = ["FORWARD_MIN_CHANNELS", "FORWARD_MIN_FILTER", "FORWARD_FEW_POSITIONS",

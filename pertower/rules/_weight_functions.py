@@ -42,7 +42,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import broadcast
 from pertower.rules import registry as registry_lib
 

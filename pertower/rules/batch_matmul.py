@@ -13,7 +13,7 @@ either way; the activation not adjoint.
 import tensorflow as tf
 
 from pertower import _op_types as op_types
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import matmul
 from pertower.rules import registry as registry_lib
 

@@ -11,8 +11,8 @@ Covered: data_format NHWC (channels last, the Keras and tf.nn default) and NCHW.
 
 import tensorflow as tf
 
-from pertower.rules import _rows
-from pertower.rules import _shapes
+from pertower._layout import _rows
+from pertower._layout import _shapes
 from pertower.rules import registry as registry_lib
 
 

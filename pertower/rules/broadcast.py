@@ -29,7 +29,7 @@ leading 1); Z and the batch-side input example-major on axis 0.
 import tensorflow as tf
 
 from pertower import _tf
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
 __all__ = ["BroadcastRule", "OP_TYPES", "register"]

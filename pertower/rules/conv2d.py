@@ -108,7 +108,7 @@ from pertower._convolution import views as _conv_views
 from pertower._convolution import ways as _conv_ways
 from pertower._convolution import squares as conv2d_squares
 from pertower.rules import depthwise_conv2d
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 from pertower._convolution.geometry import (
     check_convolution, filter_gradient, groups, patches, plain_filter_gradient,

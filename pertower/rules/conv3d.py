@@ -43,7 +43,7 @@ import tensorflow as tf
 from pertower._convolution import views as _conv_views
 from pertower._convolution.geometry import check_convolution, groups, padded_input
 from pertower._convolution.geometry import taps as geometry_taps
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
 __all__ = ["Conv3DRule", "Conv3DTransposeRule", "register"]

@@ -52,8 +52,8 @@ from pertower._convolution import geometry as geometry
 from pertower._convolution import live_taps as _live_taps
 from pertower._convolution import options as _conv_options
 from pertower._convolution import views as _conv_views
-from pertower.rules import _rows
-from pertower.rules import _shapes
+from pertower._layout import _rows
+from pertower._layout import _shapes
 from pertower._convolution import squares as conv2d_squares
 from pertower.rules import registry as registry_lib
 

@@ -15,7 +15,7 @@ an operand; every weight index appears in A or Z.
 import tensorflow as tf
 
 from pertower import _batch_axis
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
 

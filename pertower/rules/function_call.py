@@ -52,7 +52,7 @@ from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
 from pertower.rules import _call_layouts as layouts
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
 __all__ = ["CallView", "CallUse", "Relaid", "FunctionCallRule", "register"]

@@ -26,7 +26,7 @@ back. Computed in the dtype of `scale` (float32 for float16 inputs).
 
 import tensorflow as tf
 
-from pertower.rules import _shapes
+from pertower._layout import _shapes
 from pertower.rules import registry as registry_lib
 
 __all__ = ["FusedBatchNormRule", "register"]

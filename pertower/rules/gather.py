@@ -14,7 +14,7 @@ Covered: axis 0, batch_dims 0, the table's shape static.
 import tensorflow as tf
 
 from pertower import _batch_axis
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
 

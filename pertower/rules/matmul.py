@@ -17,8 +17,8 @@ transposed. A weight on the left (W A) has no rows per example and falls back.
 
 import tensorflow as tf
 
-from pertower.rules import _rows
-from pertower.rules import _shapes
+from pertower._layout import _rows
+from pertower._layout import _shapes
 from pertower.rules import registry as registry_lib
 
 __all__ = ["MUL_MIN_COLUMNS", "MatMulRule", "outer_products", "right_operand_reason",

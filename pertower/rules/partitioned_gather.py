@@ -20,7 +20,7 @@ segment sum with segment g*V + id for group g = i // (B/G).
 import tensorflow as tf
 
 from pertower._batch_axis import transfer_partition
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import gather
 from pertower.rules import registry as registry_lib
 

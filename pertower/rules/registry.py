@@ -17,7 +17,7 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _context
-from pertower.rules import _rows
+from pertower._layout import _rows
 
 __all__ = ["Rule", "ForwardingRule", "RuleRegistry", "Use", "FormedNorms",
            "default_clipped_sum", "batch_gradient_clipped_sum", "register_each"]

@@ -16,7 +16,7 @@ example i's group g = i // (B/G).
 import tensorflow as tf
 
 from pertower._batch_axis import transfer_sparse
-from pertower.rules import _rows
+from pertower._layout import _rows
 from pertower.rules import partitioned_gather
 from pertower.rules import registry as registry_lib
 
