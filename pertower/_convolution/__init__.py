@@ -1,5 +1,4 @@
-"""The convolution rules' shared machinery (private): geometry (padding, strides,
-dilations, groups, taps, patches), the ways of per-example filter gradients, their
-options, views (NCHW, SpaceToBatchND blocks, transposed convolutions), norms and sums of
-squares. The op rules that use it are in `pertower.rules` (conv2d, conv3d,
-depthwise_conv2d, conv2d_transpose)."""
+"""The convolution rules' machinery (private), N-dimensional: geometry, the ways of
+per-example filter gradients and their options, views, norms and sums of squares. The
+rules that register it are in `pertower.rules` (conv2d, conv3d, depthwise_conv2d,
+conv2d_transpose)."""

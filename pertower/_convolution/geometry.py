@@ -1,10 +1,10 @@
-"""What the Conv2D and DepthwiseConv2dNative rules share: a convolution's geometry
-(padding, patches, filter taps, channel groups) and its batch filter gradient.
+"""A convolution's geometry in N spatial dimensions (n = 2: Conv2D, depthwise; n = 3:
+Conv3D), channels last: padding, patches, filter taps, channel groups, reshape targets.
 
-Notation (as in `conv2d`):
+Notation (as in `rules.conv2d`):
     N   images in the batch (N = G*T)        G   groups of contiguous examples
-    T   images per group                      H, W    input height, width
-    Ho, Wo  output height, width             kh, kw  filter size
+    T   images per group (k per example)     H, W (D, H, W)   input sizes
+    Ho, Wo  output sizes                      kernel  the filter's spatial sizes
     Cin  input channels                       s, d  strides, dilations
 """
 
@@ -18,14 +18,36 @@ from pertower._layout import _shapes
 __all__ = ["attributes", "explicitly_padded", "patches", "check_convolution", "groups",
            "fold_groups", "mul", "sizes", "spatial_pads", "padded_input", "taps", "window",
            "plain_filter_gradient", "filter_gradient", "group_target", "split_channels",
-           "to_groups"]
+           "to_groups", "convolution_like"]
+
+_CHANNELS_LAST = {4: "NHWC", 5: "NDHWC"}
+_FORWARD = {"Conv2D": tf.raw_ops.Conv2D, "Conv2DBackpropInput": tf.raw_ops.Conv2D,
+            "DepthwiseConv2dNative": tf.raw_ops.DepthwiseConv2dNative,
+            "DepthwiseConv2dNativeBackpropInput": tf.raw_ops.DepthwiseConv2dNative,
+            "Conv3D": tf.raw_ops.Conv3D, "Conv3DBackpropInputV2": tf.raw_ops.Conv3D}
+_BACKPROP_FILTER = {"Conv2D": tf.raw_ops.Conv2DBackpropFilter,
+                    "DepthwiseConv2dNative": tf.raw_ops.DepthwiseConv2dNativeBackpropFilter,
+                    "Conv3D": tf.raw_ops.Conv3DBackpropFilterV2}
 
 
 def attributes(op):
-    """(strides, dilations, padding, explicit pairs) of a Conv2D-like op."""
+    """(strides, dilations, padding, explicit pairs) of `op`."""
     padding = op.get_attr("padding").decode()
     pairs = op.get_attr("explicit_paddings") if padding == "EXPLICIT" else None
     return list(op.get_attr("strides")), list(op.get_attr("dilations")), padding, pairs
+
+
+def convolution_like(op, x, w, op_type=None, **changed):
+    """A channels-last convolution of `op_type` (default: the forward op of `op`'s type)
+    on `x` with filter `w` and `op`'s attributes, or those in `changed` (never run: its
+    input, attributes and static output shape are read)."""
+    rank = len(op.get_attr("strides"))
+    attrs = dict(strides=list(op.get_attr("strides")), padding=op.get_attr("padding"),
+                 dilations=list(op.get_attr("dilations")), data_format=_CHANNELS_LAST[rank])
+    if rank == 4:
+        attrs["explicit_paddings"] = list(op.get_attr("explicit_paddings"))
+    attrs.update(changed)
+    return _FORWARD[op_type or op.type](input=x, filter=w, **attrs).op
 
 
 def explicitly_padded(op):
@@ -34,17 +56,21 @@ def explicitly_padded(op):
     x = op.inputs[0]
     _, _, padding, pairs = attributes(op)
     if padding == "EXPLICIT":
-        x = tf.pad(x, [pairs[0:2], pairs[2:4], pairs[4:6], pairs[6:8]])
+        x = tf.pad(x, [pairs[2 * a:2 * a + 2] for a in range(len(pairs) // 2)])
         padding = "VALID"
     return x, padding
 
 
-def patches(op, filter_height, filter_width):
-    """[N, Ho, Wo, kh*kw*Cin]: the input patch each output position of `op` sees."""
+def patches(op, *kernel):
+    """[N, Ho, Wo, prod(kernel)*Cin]: the input patch each output position of `op` sees,
+    in the filter's order (one `ExtractImagePatches` in 2-D; the taps side by side in
+    3-D, where `tf.extract_volume_patches` has no dilations)."""
+    if len(kernel) != 2:
+        return tf.concat(taps(op, list(kernel)), axis=-1)
     x, padding = explicitly_padded(op)
     strides, dilations, _, _ = attributes(op)
     return tf.image.extract_patches(
-        x, sizes=[1, filter_height, filter_width, 1], strides=[1, strides[1], strides[2], 1],
+        x, sizes=[1, kernel[0], kernel[1], 1], strides=[1, strides[1], strides[2], 1],
         rates=[1, dilations[1], dilations[2], 1], padding=padding)
 
 
@@ -65,10 +91,9 @@ def check_convolution(op, slot, analysis):
 
 
 def groups(op):
-    """g, the number of channel groups of the convolution `op` (Conv2D, Conv3D: 1 for an
-    ordinary one; DepthwiseConv2dNative: 1), or None when the input's channels are not
-    static or not a multiple of the filter's input channels (or the output channels not
-    a multiple of g)."""
+    """g, the channel groups of `op` (1 for an ordinary or a depthwise convolution), or
+    None when the input's channels are not static or not g times the filter's, or the
+    output channels not a multiple of g."""
     if op.type.startswith("DepthwiseConv2dNative"):
         return 1
     channels = op.inputs[0].shape.with_rank_at_least(1)[-1]
@@ -98,17 +123,15 @@ def fold_groups(tensor, G, k=None):
 
 
 def mul(G, c):
-    """G*c, an int when G and c are (else one Mul, by a shared constant when c is an
-    int; c a scalar tensor where its size is not static)."""
+    """G*c: an int when both are, else one Mul (by a shared constant when c is an int)."""
     if isinstance(c, tf.Tensor):
         return tf.cast(G, c.dtype) * c
     return G * c if isinstance(G, int) else G * _shapes.constant(c, G.dtype)
 
 
 def sizes(dims):
-    """`dims` (ints, or scalar int32 tensors such as `mul(G, c)`) as a 1-D int32 tensor
-    (a filter size, a reshape target): one shared constant when every entry is an int,
-    else ONE `Pack` of the tensors and shared constants (not one `Const` per int)."""
+    """`dims` (ints or scalar int32 tensors) as a 1-D int32 tensor: one shared constant
+    when every entry is an int, else ONE `Pack`."""
     if not any(isinstance(d, tf.Tensor) for d in dims):
         return _shapes.constant([int(d) for d in dims])
     return tf.stack([d if isinstance(d, tf.Tensor) else _shapes.constant(int(d))
@@ -116,18 +139,18 @@ def sizes(dims):
 
 
 def spatial_pads(op, *kernel):
-    """[(before, after)] per spatial axis (H, W; D, H, W for 3-D) such that a VALID
-    convolution of the padded input with op's strides and dilations gives op's output
-    positions exactly, cropping what no output position reads (after < 0); None unless
-    the spatial sizes are static. `kernel`: the filter's spatial sizes."""
+    """[(before, after)] per spatial axis such that a VALID convolution of the padded
+    input with op's strides and dilations gives op's output positions exactly, cropping
+    what no output position reads (after < 0); None unless the spatial sizes are static.
+    `kernel`: the filter's spatial sizes."""
     strides, dilations, padding, pairs = attributes(op)
     spatial = range(1, len(kernel) + 1)
-    sizes = [tf.compat.dimension_value(op.inputs[0].shape[a]) for a in spatial]
+    ins = [tf.compat.dimension_value(op.inputs[0].shape[a]) for a in spatial]
     outs = [tf.compat.dimension_value(op.outputs[0].shape[a]) for a in spatial]
-    if None in sizes or None in outs:
+    if None in ins or None in outs:
         return None
     pads = []
-    for axis, size, out, k in zip(spatial, sizes, outs, kernel):
+    for axis, size, out, k in zip(spatial, ins, outs, kernel):
         needed = (out - 1) * strides[axis] + (k - 1) * dilations[axis] + 1  # what is read
         if padding == "EXPLICIT":
             before = pairs[2 * axis]
@@ -140,12 +163,8 @@ def spatial_pads(op, *kernel):
 
 
 def padded_input(op, *kernel, crop=True, x=None):
-    """[N, H', W', C] (or [N, D', H', W', C]): op's input (or `x`, a re-layout of it)
-    padded (and cropped) by `spatial_pads`, so that a VALID convolution of it with op's
-    strides and dilations gives op's output positions and reads every row and column;
-    needs static spatial sizes. A `Pad` only where a side is padded, a crop (one strided
-    slice) only where one is cropped and `crop`: without it what no output position
-    reads stays at the end (for slices that stop before it, such as `taps`')."""
+    """[N, H', W', C]: op's input (or `x`, a re-layout of it) padded by `spatial_pads`
+    (a `Pad` only where a side is padded) and, with `crop`, cropped (one strided slice)."""
     pads = spatial_pads(op, *kernel)
     x = op.inputs[0] if x is None else x
     if max(max(p) for p in pads) > 0:
@@ -159,21 +178,14 @@ def padded_input(op, *kernel, crop=True, x=None):
 
 
 def taps(op, kernel, tensor=None, axes=None):
-    """[[..., Ho, Wo, ...]] for every filter tap (u, v) (or (u, v, w)), u-major: the input
-    values each output position of `op` multiplies by that tap, a strided slice of
-    `padded_input` (rows u*d, u*d + s, ..., columns likewise; no copy of the patches).
-
-    Args:
-      op: the convolution (static spatial sizes).
-      kernel: the filter's spatial sizes, [kh, kw] (or [kd, kh, kw]).
-      tensor: `padded_input(op, *kernel)` (default) or a transpose of it whose spatial
-        axes are `axes` (default 1, 2, ...).
-      axes: the spatial axes of `tensor`.
-    """
+    """prod(kernel) x [N, Ho, Wo, C], one per filter tap (u, v, ...), u-major: the input
+    values each output position of `op` (static spatial sizes) multiplies by that tap,
+    the strided slice x'[:, u*d : : s, v*d : : s, ...] of `padded_input` (default
+    `tensor`; or a transpose of it whose spatial axes are `axes`)."""
     strides, dilations, _, _ = attributes(op)
     axes = tuple(range(1, len(kernel) + 1)) if axes is None else tuple(axes)
     if tensor is None:   # (uncropped: every slice below stops before what a crop drops)
-        tensor = padded_input(op, *kernel, crop=False)  # [N, >= H', >= W', C]
+        tensor = padded_input(op, *kernel, crop=False)
     outs = [tf.compat.dimension_value(op.outputs[0].shape[a])
             for a in range(1, len(kernel) + 1)]
     unit = all(strides[a] == 1 for a in range(1, len(kernel) + 1))
@@ -190,13 +202,12 @@ def taps(op, kernel, tensor=None, axes=None):
             for j, (a, f, o) in enumerate(zip(axes, firsts, outs)):
                 index[a] = slice(f, f + (o - 1) * strides[j + 1] + 1, strides[j + 1])
             result.append(_shapes.strided_slice(tensor, tuple(index)))
-    return result                                     # prod(kernel) x [..., Ho, Wo, ...]
+    return result
 
 
 def window(tensor, spans):
     """`tensor` cut to `spans` ({axis: (start, size)}, every other axis whole): ONE
-    `Slice`, its begin a shared constant and its size one shared by every window of the
-    same sizes (a filter's stride-1 taps: one new constant per tap, not two)."""
+    `Slice` whose begin and size are shared constants."""
     rank = tensor.shape.rank
     begin = [spans[a][0] if a in spans else 0 for a in range(rank)]
     size = [spans[a][1] if a in spans else -1 for a in range(rank)]
@@ -204,31 +215,28 @@ def window(tensor, spans):
 
 
 def plain_filter_gradient(op):
-    """Whether TensorFlow's batch filter gradient runs everywhere for `op`: no groups
-    and no dilation."""
+    """Whether TensorFlow's batch filter gradient runs for `op`: no groups, no dilation."""
     return groups(op) == 1 and all(d == 1 for d in op.get_attr("dilations"))
 
 
-def filter_gradient(backprop_filter, use, out_backprop):
-    """[*w.shape]: the batch filter gradient of `use.op` (Conv2D or
-    DepthwiseConv2dNative) for the output gradient `out_backprop`, with the op's own
-    strides, padding, dilations and data format."""
+def filter_gradient(use, out_backprop):
+    """[*w.shape]: the batch filter gradient of `use.op` (Conv2D, DepthwiseConv2dNative
+    or Conv3D) for the output gradient `out_backprop`, with the op's own attributes."""
     op = use.op
     attrs = dict(strides=op.get_attr("strides"), padding=op.get_attr("padding"),
-                 explicit_paddings=op.get_attr("explicit_paddings"),
                  data_format=op.get_attr("data_format"), dilations=op.get_attr("dilations"))
-    if backprop_filter is tf.raw_ops.Conv2DBackpropFilter:
+    if op.type != "Conv3D":
+        attrs["explicit_paddings"] = op.get_attr("explicit_paddings")
+    if op.type == "Conv2D":
         attrs["use_cudnn_on_gpu"] = op.get_attr("use_cudnn_on_gpu")
-    grad = backprop_filter(input=op.inputs[0], filter_sizes=use.weight_shape.as_list(),
-                           out_backprop=out_backprop, **attrs)
+    grad = _BACKPROP_FILTER[op.type](input=op.inputs[0], filter_sizes=use.weight_shape.as_list(),
+                                     out_backprop=out_backprop, **attrs)
     grad.set_shape(use.weight_shape)
     return grad
 
 
 def to_groups(tensor, G, k):
-    """[G*T, ..., C] -> [G, T*prod(middle), C] (k: rows per example, T when G is a
-    tensor), with a static reshape target where the sizes allow (`_shapes.to_groups`:
-    no Pack per call)."""
+    """[G*T, ..., C] -> [G, T*prod(middle), C], static where it can be (`_shapes`)."""
     return _shapes.to_groups(tensor, G, k, 1)
 
 

@@ -1,7 +1,7 @@
 """The filter taps that read only padding: their gradient is zero.
 
-Notation (as in `rules.conv2d`): N images, G groups, H an input side, Ho the output's,
-k the filter's side along it, s the stride, pb the padding before (`geometry.spatial_pads`).
+Notation (as in `rules.conv2d`): H an input side, Ho the output's, k the filter's side
+along it, s the stride, pb the padding before (`geometry.spatial_pads`).
 
 Tap u of a spatial axis multiplies the input rows i*s + u - pb, i = 0 ... Ho-1; where
 none of them lies in 0 ... H-1 it multiplies only the zeros of the padding, so
@@ -13,10 +13,11 @@ zero-padded back to k. The ways then never form the k^2/(u1-u0)^2 times larger p
 taps of padding.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
-from pertower._convolution.geometry import attributes, spatial_pads
-from pertower.rules import registry as registry_lib
+from pertower._convolution.geometry import attributes, convolution_like, spatial_pads
 
 __all__ = ["live_range", "per_group_of_live_taps"]
 
@@ -45,31 +46,25 @@ def per_group_of_live_taps(per_group, use, dZ, G):
     """`per_group(use, dZ, G)` ([G, *W.shape]) computed on the live taps of `use` (a
     Conv2D or DepthwiseConv2dNative, NHWC) and zero-padded back, or None where every tap
     lives."""
-    kernel = use.weight_shape.as_list()[:2]
-    ranges = live_range(use.op, kernel)
+    kernel = use.weight_shape.as_list()[:-2]
+    ranges = live_range(use.op, kernel) if len(kernel) == 2 else None
     if ranges is None:
         return None
     op = use.op
-    strides, dilations, _, _ = attributes(op)
+    strides, _, _, _ = attributes(op)
     pads = spatial_pads(op, *kernel)
     explicit = [0, 0]
     for (u0, u1), (before, _), axis in zip(ranges, pads, (1, 2)):
         size = tf.compat.dimension_value(op.inputs[0].shape[axis])
         out = tf.compat.dimension_value(op.outputs[0].shape[axis])
         explicit += [before - u0, max((out - 1) * strides[axis] + u1 - before - size, 0)]
-    explicit += [0, 0]
     (u0, u1), (v0, v1) = ranges
-    attrs = dict(input=op.inputs[0], filter=op.inputs[1][u0:u1, v0:v1],
-                 strides=strides, padding="EXPLICIT", explicit_paddings=explicit,
-                 dilations=dilations, data_format="NHWC")
-    if op.type == "Conv2D":
-        live = tf.raw_ops.Conv2D(**attrs).op                # never run
-    else:
-        live = tf.raw_ops.DepthwiseConv2dNative(**attrs).op
+    live = convolution_like(op, op.inputs[0], op.inputs[1][u0:u1, v0:v1],
+                            padding="EXPLICIT", explicit_paddings=explicit + [0, 0])
     if live.outputs[0].shape[1:3] != op.outputs[0].shape[1:3]:
         return None
     shape = tf.TensorShape([u1 - u0, v1 - v0] + use.weight_shape.as_list()[2:])
-    grad = per_group(registry_lib.Use(live, 1, use.rule, use.activation, live.outputs[0],
-                                      shape, use.rows), dZ, G)   # [G, u1-u0, v1-v0, ...]
+    grad = per_group(dataclasses.replace(use, op=live, output=live.outputs[0],
+                                         weight_shape=shape), dZ, G)  # [G, u1-u0, v1-v0, ..]
     return tf.pad(grad, [[0, 0], [u0, kernel[0] - u1], [v0, kernel[1] - v1], [0, 0],
                          [0, 0]])                                 # [G, kh, kw, ...]

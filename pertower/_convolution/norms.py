@@ -1,40 +1,32 @@
-"""The squared norms of a convolution's per-example filter gradients where
-`conv2d.Conv2DRule.norm_strategy` forms them ("formed"), kept for the clipped sum
-(`registry.FormedNorms`).
+"""The squared norms of a Conv2D's per-example filter gradients where
+`rules.conv2d.ConvolutionRule.norm_strategy` forms them ("formed"), kept for the
+clipped sum (`registry.FormedNorms`).
 
-Notation (as in `conv2d`):
+Notation (as in `rules.conv2d`):
     N   images in the batch (N = G*T)        G   groups of contiguous examples
     T   images per group (k per example)     P = Ho*Wo  output positions per image
     kh, kw  filter size    Cin, Cout  input, output channels
 
 Layout. The padded input is moved channels-first once, [G, Cin, T, H', W']; its kh*kw
 taps (strided slices on the spatial axes) are concatenated along the channels into the
-rows [G, kh*kw*Cin, T*P], in the filter's order (tap-major, then Cin), and their matmul
-with dZ, [G, T*P, Cout] (per group, or batched: see Chunks), writes the per-group
-gradients [G, kh*kw*Cin, Cout]: the filter's layout without a transpose, so the
-clipped sum, [kh*kw*Cin, Cout], is only reshaped. Their squared norms are one
-contraction of that tensor with itself, straight to [G] (no squared copy of it).
+rows [G, kh*kw*Cin, T*P], in the filter's order, and their product with dZ,
+[G, T*P, Cout], writes the per-group gradients [G, kh*kw*Cin, Cout]: the filter's
+layout without a transpose, so the clipped sum is only reshaped. Their squared norms
+are one contraction of that tensor with itself, straight to [G].
 
-A tap-by-tap contraction without the concatenation ([G, Cin, Cout] per tap, no
-stacked rows) copies the taps' strided slices all the same and runs smaller matmuls
-(its cost against this layout: docs/conv_ways.md).
-
-Chunks (G and T*P static). The rows are built for chunks of whole groups, each at most
-CHUNK_FLOATS numbers (4 MB; `chunk_sizes`), the input and dZ split along the groups (a
-split along axis 0 shares its buffer), and with G <= FEW_GROUPS and oneDNN off each
-group's product is one MatMul on the unstacked rows (Unpack along axis 0 shares them
-too), the results stacked once (with oneDNN on, its batched matmul is one primitive over
-the chunk while each MatMul pays oneDNN's dispatch: one batched matmul per chunk): a chunk of 4 MB is reused from the heap where one tensor of the whole rows
-is mapped afresh by glibc's allocator on many steps, and one MatMul per group runs each
-group's product on all threads where BatchMatMulV2 on these shapes runs the groups one
-after the other on chipped views (the measurements: docs/conv_ways.md).
+Chunks (G and T*P static). The rows are built for chunks of whole groups of at most
+CHUNK_FLOATS numbers each (`chunk_sizes`; the input and dZ split along the groups, which
+shares their buffers): a chunk is reused from the heap where the whole rows would be
+mapped afresh on many steps. With G <= FEW_GROUPS and oneDNN off each group's product is
+one MatMul on the unstacked rows (on all threads, where BatchMatMulV2 runs the groups one
+after the other); with oneDNN on, one batched matmul per chunk (each MatMul would pay
+oneDNN's dispatch). The measurements: docs/conv_ways.md.
 """
 
 import tensorflow as tf
 
 from pertower._layout import _rows
 from pertower._layout import _shapes
-from pertower.rules import registry as registry_lib
 from pertower._convolution.options import onednn_runs
 from pertower._convolution.geometry import (
     group_target, groups, padded_input, spatial_pads, taps, to_groups)
@@ -42,9 +34,6 @@ from pertower._convolution.geometry import (
 __all__ = ["FEW_GROUPS", "CHUNK_FLOATS", "chunk_sizes", "formed_norms", "group_products",
            "squares_of"]
 
-# The rows are built in chunks of whole groups of at most CHUNK_FLOATS numbers each
-# where G and T*P are static, and each group's product is one MatMul where G is static
-# and at most FEW_GROUPS (see the module notes).
 FEW_GROUPS = 128
 CHUNK_FLOATS = 2 ** 20
 
@@ -79,10 +68,10 @@ def squares_of(per_group):
 
 
 def formed_norms(options, use, dZ, G):
-    """A `registry.FormedNorms` of `use`'s per-group filter gradients in the layout of
-    the module notes, or None where it does not apply (channel groups, a 1x1 filter,
-    spatial sizes not static, or a forced way other than "shifts" in `options`, a
-    `conv2d.ConvOptions`).
+    """(squares [G], per-group gradients [G, kh*kw*Cin, Cout], their map to [*w.shape])
+    of a `registry.FormedNorms`, in the layout of the module notes, or None where it does
+    not apply (not 2-D, channel groups, a 1x1 filter, spatial sizes not static, or a
+    forced way other than "shifts").
 
     Args:
       options: the rule's `ConvOptions`.
@@ -90,6 +79,8 @@ def formed_norms(options, use, dZ, G):
       dZ: [N, Ho, Wo, Cout], the gradient of sum(ys) at the op's output.
       G: the number of groups (an int or a scalar tensor).
     """
+    if use.weight_shape.rank != 4:
+        return None
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     if (options.strategy not in ("auto", "shifts") or groups(use.op) != 1 or
             kh * kw == 1 or spatial_pads(use.op, 1, 1) is None):
@@ -119,4 +110,4 @@ def formed_norms(options, use, dZ, G):
 
     def to_weight(total):   # [kh*kw*Cin, Cout] -> [kh, kw, Cin, Cout]
         return tf.reshape(total, [kh, kw, c_in, c_out])
-    return registry_lib.FormedNorms(squares_of(per_group), per_group, to_weight)
+    return squares_of(per_group), per_group, to_weight

@@ -1,10 +1,6 @@
-"""The options of the convolution rules and the oneDNN question they ask.
-
-`ConvOptions` configures `conv2d.Conv2DRule` and `depthwise_conv2d.DepthwiseConv2DRule`
-(both import it from here, and `conv2d` re-exports it as its public name), so the two rule
-modules need not import each other for their options; the choice of way its fields tune
-is described in `conv2d`'s docstring.
-"""
+"""The convolution rules' options (`ConvOptions`, public as `rules.conv2d.ConvOptions`;
+the choice of way its fields tune is in `rules.conv2d`'s docstring) and the oneDNN
+question they ask."""
 
 import dataclasses
 
@@ -22,7 +18,7 @@ STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
 
 @dataclasses.dataclass(frozen=True)
 class ConvOptions:
-    """How `conv2d.Conv2DRule` computes per-example filter gradients.
+    """How the convolution rules compute per-example filter gradients.
 
     Attributes:
       strategy: "auto" (the rule from the shapes in `conv2d`'s docstring), or one of
@@ -84,8 +80,9 @@ def onednn_runs(options):
 
 
 def untrusted_filter_gradient(use, options):
-    """Whether the rules keep `use` (Conv2D or DepthwiseConv2dNative) away from TensorFlow's
-    one-group backward-filter kernel: oneDNN on (`options.onednn`, else asked), float32, a
-    1x1 filter with a stride > 1 (see "oneDNN" in `conv2d`'s docstring)."""
+    """Whether the rules keep `use` away from TensorFlow's one-group backward-filter
+    kernel: oneDNN on (`options.onednn`, else asked), float32, a 1x1 filter with a
+    stride > 1 (see "oneDNN" in `rules.conv2d`'s docstring)."""
     return (onednn_runs(options) and use.op.inputs[0].dtype == tf.float32 and
-            use.weight_shape.as_list()[:2] == [1, 1] and max(attributes(use.op)[0]) > 1)
+            all(k == 1 for k in use.weight_shape.as_list()[:-2]) and
+            max(attributes(use.op)[0]) > 1)

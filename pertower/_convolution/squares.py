@@ -1,38 +1,26 @@
-"""Sums of squared per-example filter gradients over C columns, for Conv2D and
-DepthwiseConv2dNative, in one contraction (the rules' cheap `sum_squared`).
+"""Sums of squared per-example filter gradients over C columns (the rules' cheap
+`sum_squared`), for Conv2D and DepthwiseConv2dNative, in one contraction.
 
-Notation (as in `conv2d`):
-    N   images        B   examples (k images each)       C   backpropagated columns
-    P   output positions per image, R = k*P rows per example
-    I = kh*kw*Cin     the patch a position sees           Cout  output channels
-    dZ_c  [N, Ho, Wo, Cout] the output gradient of column c (`dZ_columns[c]`)
-
-    squares_i(W) = sum_c grad_{i,c}(W) ⊙ grad_{i,c}(W),   grad_{i,c}(W) = sum_p x_ip ⊗ dz_ipc
-
+Notation (as in `rules.conv2d`): B examples of k images, C backpropagated columns,
+R = k*P rows per example, I = kh*kw*Cin the patch a position sees, dZ_c the output
+gradient of column c (`dZ_columns[c]`);
+    squares_i(W) = sum_c grad_{i,c}(W)^2,   grad_{i,c}(W) = sum_p x_ip ⊗ dz_ipc.
 Two ways, both exact:
 
-    "formed"  the columns folded into the output channels: grad_{i,c}(W)[.., o] is the
-              gradient of a convolution with C*Cout output channels (channel c*Cout + o)
-              whose output gradient is dZ moved to [N, Ho, Wo, C, Cout] (one copy of
-              dZ, Cout kept contiguous; A is not copied), so ONE call of the rule's
-              own `per_group` gives [B, kh, kw, Cin, C*Cout] (with "auto", Conv2D's
-              `sum_squared` has the "shifts" put every tap side by side in ONE matmul,
-              the outputs being C times as wide: docs/conv_ways.md); squared, summed
-              over c, then over i unless per example (two reductions, not one over
-              both axes at once: docs/conv_ways.md).
-              DepthwiseConv2dNative likewise with the multiplier: output channel
-              ch*mult + j becomes ch*(C*mult) + c*mult + j.
-              Cost ~2 B R I C Cout, holds B I C Cout numbers.
+    "formed"  the columns folded into the output channels (channel c*Cout + o; depthwise
+              ch*(C*M) + c*M + j): dZ moved to [N, Ho, Wo, C, Cout] is the output
+              gradient of a convolution with C*Cout outputs, so ONE call of the rule's
+              `per_group` gives [B, kh, kw, Cin, C*Cout] (with "auto", every tap side by
+              side in ONE matmul), squared, summed over c, then over i unless per
+              example. Cost ~2 B R I C Cout, holds B I C Cout numbers.
     "ghost"   (Conv2D, one group) without the per-example gradients, as the ghost norm
-              does for norms (Bu, Mao, Xu 2022, arXiv 2205.10683):
+              (Bu, Mao, Xu 2022, arXiv 2205.10683):
                   squares_i(W)[t, o] = sum_{p,q} x_ip[t] x_iq[t] D_i[p, q, o],
                   D_i[p, q, o] = sum_c dz_ipc[o] dz_iqc[o],
-              cost ~2 B R^2 (C Cout + I Cout + I), holds B R^2 (I + Cout) numbers:
-              cheaper only when R is below about C (small late feature maps).
+              cost ~2 B R^2 (C Cout + I Cout + I), holds B R^2 (I + Cout) numbers.
 
-`choose` takes the cheaper by those counts. Grouped Conv2D (groups > 1) and shapes
-that are not static have no cheap form here (None: the caller takes the rule per
-column).
+`choose` takes the cheaper by those counts. Grouped Conv2D, Conv3D and shapes that are
+not static have no cheap form (None: the caller takes the rule per column).
 """
 
 import dataclasses
@@ -40,7 +28,6 @@ import dataclasses
 import tensorflow as tf
 
 from pertower._convolution import geometry
-from pertower._convolution import views as _conv_views
 from pertower._layout import _rows
 
 __all__ = ["WAYS", "choose", "sum_squared", "formed_size"]
@@ -49,20 +36,24 @@ WAYS = ("formed", "ghost")
 
 
 def _sizes(use, C):
-    """(R, I, Cout, wide) with static ints, or None: rows per example, patch size,
-    output channels (Conv2D) or multiplier (depthwise), and whether C is usable."""
-    if not isinstance(C, int) or use.through or not use.weight_shape.is_fully_defined():
+    """(R, I, Cout) as static ints (Cout: the multiplier for depthwise), or None."""
+    if (not isinstance(C, int) or use.through or not use.weight_shape.is_fully_defined()
+            or use.weight_shape.rank != 4):
         return None
     if use.op.type == "Conv2D" and geometry.groups(use.op) != 1:
         return None
     out = use.output.shape
-    nchw = isinstance(use, _conv_views.ViewUse) and use.view.nchw
-    spatial = out[2:4] if nchw else out[1:3]
+    spatial = out[2:4] if _nchw(use) else out[1:3]
     positions = _rows.static_size(tf.TensorShape(spatial))
     if positions is None or use.rows.k is None:
         return None
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     return use.rows.k * positions, kh * kw * c_in, c_out
+
+
+def _nchw(use):
+    """Whether `use` is a view of an NCHW convolution (`_convolution.views`)."""
+    return getattr(getattr(use, "view", None), "nchw", False)
 
 
 def choose(use, C):
@@ -97,8 +88,7 @@ def _wide_columns(use, dZ_columns, C):
     """dZ_columns [C, N, ...] as one output gradient with the columns in its channels:
     [N, Ho, Wo, C*Cout] (NCHW views: [N, C*Cout, Ho, Wo]); depthwise [N, ..., Cin*C*mult]."""
     rank = dZ_columns.shape.rank                    # 5: [C, N, Ho, Wo, Ch] or [C, N, Ch, Ho, Wo]
-    nchw = isinstance(use, _conv_views.ViewUse) and use.view.nchw
-    channel = 2 if nchw else rank - 1               # the channel axis of the columns
+    channel = 2 if _nchw(use) else rank - 1               # the channel axis of the columns
     dims = [_rows.dim(dZ_columns, a) for a in range(rank)]
     if use.op.type == "DepthwiseConv2dNative":
         c_in, mult = use.weight_shape.as_list()[2:]
@@ -121,7 +111,7 @@ def sum_squared(rule, use, dZ_columns, B, per_example=False, way=None):
 
     Args:
       rule: the use's rule (its `per_group` computes the wide filter gradient).
-      use: the `Use` (or `_conv_views.ViewUse`).
+      use: the `Use` (or `rules.conv2d.ViewUse`).
       dZ_columns: [C, N, ...] the output gradients of the C columns (C static).
       B: the number of examples (int or scalar tensor).
       per_example: as above.
@@ -139,8 +129,8 @@ def sum_squared(rule, use, dZ_columns, B, per_example=False, way=None):
     wide_use = dataclasses.replace(use, weight_shape=tf.TensorShape([kh, kw, c_in,
                                                                      C * c_out]))
     dZ = _wide_columns(use, dZ_columns, C)
-    if isinstance(use, _conv_views.ViewUse):
-        wide_use, dZ = use.view.inner(wide_use, dZ)      # NHWC, example-major rows
+    if getattr(use, "view", None) is not None:
+        wide_use, dZ = wide_use.inner(dZ)                # NHWC, example-major rows
     if way == "ghost":
         squares = _ghost(wide_use, dZ, B, C, c_out, per_example)
         return tf.reshape(squares, _rows.group_shape(B, [kh, kw, c_in, c_out])

@@ -1,12 +1,7 @@
-"""The "thin" layout of the Conv2D rule's "shifts" (`_conv_ways.by_shifts`, Cin <
-`ConvOptions.thin_channels`) with a number of ops that does not grow with the filter's
-taps.
+"""The "thin" layout of the 2-D "shifts" (`ways.by_shifts`, Cin <
+`ConvOptions.thin_channels`) with a number of ops that does not grow with the taps.
 
-Notation (as in `conv2d`):
-    N   images in the batch (N = G*T)        G   groups of contiguous examples
-    T   images per group (k per example)     P = Ho*Wo  output positions per image
-    kh, kw  filter size    Cin, Cout  input, output channels    s, d  strides, dilations
-    H', W'  the padded input's height and width (`_conv_geometry.padded_input`)
+Notation as in `rules.conv2d`; H', W' the padded input's sizes (`geometry.padded_input`).
 
 Per image, the rows of the contraction are the input values every tap (u, v) and input
 channel c multiplies, [Cin*kh*kw, Ho, Wo], and
@@ -25,8 +20,7 @@ Then one batched matmul per image, [N, Cin*kh*kw, P] x [N, P, Cout], summed over
 group's T images where a group holds several, and the small result moved to the filter's
 order [G, kh, kw, Cin, Cout].
 
-Ops built: about 3*kw + 12 (stride 1) or about 14 (strided), against about 3*kh*kw + 8
-for kh*kw slices and a concat (their cost: docs/conv_ways.md).
+Ops built: about 3*kw + 12 (stride 1) or about 14 (strided), not one slice per tap.
 """
 
 import numpy as np

@@ -1,27 +1,24 @@
-"""Convolutions that the NHWC rules compute on a re-laid-out copy ("views").
-
-Notation (as in `conv2d`): N images, B examples, k rows per example; A the op's
-batch-side input, dZ the gradient at its output, W the filter.
+"""Convolutions that the channels-last ways compute as another convolution ("views").
 
 A filter gradient is a sum over images and positions of (input patch) ⊗ (output
-gradient), so it does not depend on how the images are ordered on axis 0 or on where
-the channel axis is, as long as A and dZ are re-laid-out alike. Three views:
+gradient), so it does not depend on the order of the images on axis 0 or on where the
+channel axis is, as long as A and dZ are re-laid-out alike (notation as in
+`rules.conv2d`; B examples, k rows per example). The views:
 
-    "NCHW"          A and dZ transposed to NHWC ([N, C, H, W] -> [N, H, W, C]) with the
-                    strides, dilations and explicit paddings permuted alike.
-    blocks          a convolution between SpaceToBatchND and BatchToSpaceND (a dilated
-                    convolution as TensorFlow builds it without oneDNN): example i owns
-                    rows j*B*inner + i*inner + t of A and dZ (`lattice.Interleaved`);
-                    [blocks, B*inner, ...] -> [B*inner, blocks, ...] puts them
-                    example-major, k = inner*blocks rows per example.
-    transposed      Conv2DBackpropInput (`conv2d_transpose`) and
-                    DepthwiseConv2dNativeBackpropInput (`depthwise_conv2d`): the filter
-                    gradient of the forward convolution the op transposes, with dZ as its
-                    input and A as its output gradient (`TransposedView`).
+    NCHW        A and dZ transposed to NHWC, the attributes permuted alike.
+    blocks      between SpaceToBatchND and BatchToSpaceND (a dilated convolution
+                without oneDNN) example i owns rows j*B*inner + i*inner + t of A and dZ
+                (`lattice.Interleaved`); `regroup` puts them example-major,
+                k = inner*blocks.
+    transposed  a transposed convolution's filter gradient is that of the forward
+                convolution it transposes, with dZ as its input and A as its output
+                gradient (`rules.conv2d_transpose`).
+    depthwise   a Conv2D with g = C groups has a filter [kh, kw, 1, C*M] whose output
+                channel o reads input channel o // M, so conv2d(x, W) =
+                depthwise_conv2d(x, reshape(W, [kh, kw, C, M])) in the same output order.
 
-Each view builds, at gradient time, an NHWC convolution op on the re-laid-out input
-(never run: only its input, attributes and static output shape are read) and the
-`Use` of it with example-major rows, and hands them to the NHWC rule's ways.
+Each view builds, at gradient time, a channels-last convolution op (never run) that
+the rule's ways take.
 """
 
 import dataclasses
@@ -30,106 +27,14 @@ import tensorflow as tf
 
 from pertower import _batch_axis
 from pertower._layout import _rows
-from pertower.rules import registry as registry_lib
+from pertower._layout import _shapes
+from pertower._convolution.geometry import convolution_like, group_target, groups
 
-__all__ = ["ViewUse", "View", "TransposedView", "TransposedRule", "view_use",
-           "nhwc_convolution", "to_nhwc", "regroup"]
+__all__ = ["View", "TransposedView", "view_of", "transposed_view_of", "to_nhwc",
+           "regroup", "depthwise_like", "as_depthwise", "to_grouped"]
 
 _TO_NHWC = (0, 2, 3, 1)
-_TRANSPOSED_FILTER, _TRANSPOSED_DATA = 1, 2   # the inputs of a transposed convolution
-
-
-@dataclasses.dataclass(frozen=True)
-class ViewUse(registry_lib.Use):
-    """A `Use` that its rule computes through `view` (a `View`); `rows` are those of the
-    re-laid-out (example-major) A."""
-
-    view: object = None
-
-
-@dataclasses.dataclass(frozen=True)
-class View:
-    """How to re-lay-out a convolution's A and dZ.
-
-    Attributes:
-      nchw: A and dZ are [N, C, H, W] (transposed to NHWC).
-      blocks: None, or (inner, blocks) of the Interleaved rows of A and dZ.
-    """
-
-    nchw: bool = False
-    blocks: tuple = None
-
-    def layout(self, tensor):
-        """`tensor` (A or dZ) as [N, H, W, C] with example-major rows."""
-        if self.nchw:
-            tensor = to_nhwc(tensor)
-        if self.blocks is not None:
-            tensor = regroup(tensor, self.blocks[1])
-        return tensor
-
-    def inner(self, use, dZ):
-        """(the `Use` of the NHWC convolution on the re-laid-out A, its dZ)."""
-        x = self.layout(use.activation)
-        op = nhwc_convolution(use.op, x, use.op.inputs[1], self.nchw)
-        inner = registry_lib.Use(op, 1, use.rule, x, op.outputs[0], use.weight_shape,
-                                 use.rows)
-        return inner, self.layout(dZ)
-
-
-@dataclasses.dataclass(frozen=True)
-class TransposedView:
-    """The forward convolution of a transposed one (Conv2DBackpropInput,
-    DepthwiseConv2dNativeBackpropInput: filter at input 1, A at input 2): its input is
-    dZ, its output gradient A (both moved to NHWC when `nchw`)."""
-
-    nchw: bool
-
-    def inner(self, use, dZ):
-        """(the `Use` of the forward NHWC convolution of dZ, A as its output gradient)."""
-        layout = to_nhwc if self.nchw else (lambda t: t)
-        x = layout(dZ)                                         # [N, H, W, Cf]
-        op = nhwc_convolution(use.op, x, use.op.inputs[1], self.nchw)
-        inner = registry_lib.Use(op, 1, use.rule, x, op.outputs[0], use.weight_shape,
-                                 use.rows)
-        return inner, layout(use.activation)                   # A: [N, Ho, Wo, Of]
-
-
-class TransposedRule(registry_lib.Rule):
-    """A rule for a transposed convolution (filter at input 1, data at input 2) that
-    hands the forward convolution of dZ, with A as its output gradient
-    (`TransposedView`), to `self.convolution`, the rule of that forward op.
-    Subclasses set `self.convolution` and may refuse more in `_refuse(op)`."""
-
-    convolution = None
-
-    def _refuse(self, op):   # pylint: disable=unused-argument
-        """Why the op's layout is not covered beyond the shared checks, or None."""
-        return None
-
-    def match(self, op, slot, analysis):
-        if slot != _TRANSPOSED_FILTER:
-            return ("the weight is the transposed convolution's data or output shape, not "
-                    "its filter")
-        data_format = op.get_attr("data_format").decode()
-        if data_format not in ("NHWC", "NCHW"):
-            return f"data_format {data_format} (NHWC and NCHW are covered)"
-        if not op.inputs[_TRANSPOSED_FILTER].shape.is_fully_defined():
-            return "the filter's shape is not static"
-        refused = self._refuse(op)
-        if refused is not None:
-            return refused
-        rows = _rows.example_rows(analysis, op.inputs[_TRANSPOSED_DATA], op.outputs[0])
-        if isinstance(rows, str):
-            return rows
-        return ViewUse(op, slot, self, op.inputs[_TRANSPOSED_DATA], op.outputs[0],
-                       op.inputs[_TRANSPOSED_FILTER].shape, rows,
-                       view=TransposedView(data_format == "NCHW"))
-
-    def per_group(self, use, dZ, G):
-        return self.convolution.per_group(*use.view.inner(use, dZ), G)
-
-    def clipped_sum(self, use, dZ, factors):
-        return self.convolution.clipped_sum(*use.view.inner(use, dZ), factors)
+_FILTER, _DATA = 1, 2   # the inputs of a transposed convolution
 
 
 def to_nhwc(tensor):
@@ -149,32 +54,60 @@ def regroup(tensor, blocks):
     return out
 
 
-def _permuted(values, nchw):
-    values = list(values)
-    return [values[j] for j in _TO_NHWC] if nchw else values
-
-
-def nhwc_convolution(op, x, w, nchw):
-    """The NHWC op of `op`'s type (Conv2D or DepthwiseConv2dNative; the forward
-    convolution of a Conv2DBackpropInput is a Conv2D, of a
-    DepthwiseConv2dNativeBackpropInput a DepthwiseConv2dNative) on `x` with filter `w` and
-    op's strides, padding and dilations (permuted from NCHW when `nchw`)."""
-    padding = op.get_attr("padding")
+def _channels_last(op, x, nchw):
+    """`convolution_like` on `x` with op's filter, attributes permuted from NCHW."""
+    if not nchw:
+        return convolution_like(op, x, op.inputs[_FILTER])
     pairs = list(op.get_attr("explicit_paddings"))
-    if pairs and nchw:
+    if pairs:
         pairs = [p for j in _TO_NHWC for p in pairs[2 * j:2 * j + 2]]
-    attrs = dict(strides=_permuted(op.get_attr("strides"), nchw), padding=padding,
-                 explicit_paddings=pairs, dilations=_permuted(op.get_attr("dilations"), nchw),
-                 data_format="NHWC")
-    if op.type.startswith("DepthwiseConv2dNative"):
-        return tf.raw_ops.DepthwiseConv2dNative(input=x, filter=w, **attrs).op
-    return tf.raw_ops.Conv2D(input=x, filter=w, **attrs).op
+    strides, dilations = (op.get_attr(name) for name in ("strides", "dilations"))
+    return convolution_like(op, x, op.inputs[_FILTER], explicit_paddings=pairs,
+                            strides=[strides[j] for j in _TO_NHWC],
+                            dilations=[dilations[j] for j in _TO_NHWC])
 
 
-def view_use(rule, op, slot, analysis):
-    """A `ViewUse` of the filter at `slot` of `op` (Conv2D or DepthwiseConv2dNative)
-    when op is NCHW or reads the blocks of a SpaceToBatchND; None when op is NHWC on
-    example-major rows (the rule's own case); else a string saying why not."""
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A and dZ re-laid-out: transposed from NCHW (`nchw`), and/or the (inner, blocks)
+    of their Interleaved rows put example-major (`blocks`)."""
+
+    nchw: bool = False
+    blocks: tuple = None
+
+    def layout(self, tensor):
+        """`tensor` (A or dZ) channels last, with example-major rows."""
+        if self.nchw:
+            tensor = to_nhwc(tensor)
+        if self.blocks is not None:
+            tensor = regroup(tensor, self.blocks[1])
+        return tensor
+
+    def inner(self, use, dZ):
+        """(the channels-last convolution of the re-laid-out A, its dZ)."""
+        return _channels_last(use.op, self.layout(use.activation), self.nchw), self.layout(dZ)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedView:
+    """The forward convolution of a transposed one: input dZ, output gradient A."""
+
+    nchw: bool
+
+    def inner(self, use, dZ):
+        """(the forward channels-last convolution of dZ, A as its output gradient)."""
+        layout = to_nhwc if self.nchw else (lambda t: t)
+        x = layout(dZ)                                         # [N, H, W, Cf]
+        if not x.shape[1:].is_fully_defined():                 # (static sizes for the taps)
+            shape = use.op.outputs[0].shape
+            x = tf.identity(x)
+            x.set_shape([shape[j] for j in _TO_NHWC] if self.nchw else shape)
+        return _channels_last(use.op, x, self.nchw), layout(use.activation)
+
+
+def view_of(op, slot, analysis):
+    """(a `View`, the re-laid-out A's rows) when `op` is NCHW or reads SpaceToBatchND
+    blocks; None when it is channels last on example-major rows; else why not."""
     nchw = op.get_attr("data_format") == b"NCHW"
     value = analysis.value(op.inputs[0])
     interleaved = isinstance(value, _batch_axis.Interleaved)
@@ -198,5 +131,53 @@ def view_use(rule, op, slot, analysis):
     if op.type == "Conv2D" and (op.inputs[0].shape.rank is None or tf.compat.dimension_value(
             op.inputs[0].shape[1 if nchw else -1]) != op.inputs[1].shape[2]):
         return "grouped convolutions are covered in NHWC only"
-    return ViewUse(op, slot, rule, op.inputs[0], op.outputs[0], op.inputs[1].shape, rows,
-                   view=view)
+    return view, rows
+
+
+def transposed_view_of(op, slot, analysis):
+    """(a `TransposedView`, A's rows) of the filter of the transposed convolution `op`
+    (filter at input 1, A at input 2), else a string saying why not."""
+    if slot != _FILTER:
+        return "the weight is the transposed convolution's data or output shape, not its filter"
+    data_format = op.get_attr("data_format").decode()
+    if data_format not in ("NHWC", "NCHW", "NDHWC"):
+        return f"data_format {data_format} (NHWC, NCHW and NDHWC are covered)"
+    w = op.inputs[_FILTER].shape
+    if not w.is_fully_defined():
+        return "the filter's shape is not static"
+    if w.rank == 5 and not (op.inputs[_DATA].shape[1:].is_fully_defined() and
+                            op.outputs[0].shape[1:].is_fully_defined()):
+        return "the filter's, input's and output's sizes (but the batch) are not static"
+    channels = op.outputs[0].shape.with_rank(w.rank)[1 if data_format == "NCHW" else -1]
+    if tf.compat.dimension_value(channels) != w[-2]:
+        return "its output's channels are not the filter's (grouped convolutions)"
+    rows = _rows.example_rows(analysis, op.inputs[_DATA], op.outputs[0])
+    if isinstance(rows, str):
+        return rows
+    return TransposedView(data_format == "NCHW"), rows
+
+
+def depthwise_like(op):
+    """Whether `op` is a Conv2D whose every group has one input channel (g = C > 1)."""
+    if op.type != "Conv2D" or not op.inputs[1].shape.is_fully_defined():
+        return False
+    g = groups(op)
+    return g is not None and g > 1 and op.inputs[1].shape.as_list()[2] == 1
+
+
+def as_depthwise(use):
+    """`use` (`depthwise_like`) as a DepthwiseConv2dNative's, filter [kh, kw, C, M]."""
+    kh, kw, _, c_out = use.weight_shape.as_list()
+    c = groups(use.op)
+    shape = [kh, kw, c, c_out // c]
+    w = tf.reshape(use.op.inputs[1], _shapes.constant(shape))
+    op = convolution_like(use.op, use.activation, w, "DepthwiseConv2dNative")
+    return dataclasses.replace(use, op=op, output=op.outputs[0],
+                               weight_shape=tf.TensorShape(shape))
+
+
+def to_grouped(gradients, use, leading):
+    """[*leading, kh, kw, C, M] -> [*leading, kh, kw, 1, C*M] (`leading`: [] or [G])."""
+    if not leading:
+        return tf.reshape(gradients, _shapes.constant(use.weight_shape.as_list()))
+    return tf.reshape(gradients, group_target(leading[0], use.weight_shape.as_list()))

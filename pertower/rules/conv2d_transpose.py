@@ -18,27 +18,21 @@ Conv2DBackpropInput, `_Conv2DBackpropInputGrad` in nn_grad.py, computes exactly 
 Kept per example it is Rochette et al.'s identity (arXiv 1912.06015; see `conv2d`) for
 that convolution:
     grad_i(W)[u, v, c, o] = sum_{p} dz_i(p*s + (u, v)*d - pad)[c] a_ip[o],
-so this rule builds (at gradient time, never run) the NHWC Conv2D of dZ with W and the
-op's strides, padding and dilations, whose output has A's shape, and hands dZ as its
-input and A as its output gradient to the Conv2D rule's ways (`Conv2DRule`:
-"shifts"/"grouped"/"patches", squared norms, clipped sums).
+so the rule (`conv2d.TransposedRule`) builds (at gradient time, never run) the NHWC
+Conv2D of dZ with W and the op's strides, padding and dilations, whose output has A's
+shape, and hands dZ as its input and A as its output gradient to the Conv2D ways.
 
 Covered: NHWC and NCHW (transposed to NHWC), any strides, SAME/VALID/explicit padding,
 dilations; the filter static; A's rows example-major (k rows per example).
 """
 
-import tensorflow as tf
-
 from pertower import _context
-from pertower._convolution import views as _conv_views
 from pertower.rules import conv2d
 
 __all__ = ["Conv2DTransposeRule", "register"]
 
-_FILTER = 1
 
-
-class Conv2DTransposeRule(_conv_views.TransposedRule):
+class Conv2DTransposeRule(conv2d.TransposedRule):
     """Per-example filter gradients of Conv2DBackpropInput through the Conv2D rule.
 
     Args:
@@ -47,17 +41,7 @@ class Conv2DTransposeRule(_conv_views.TransposedRule):
 
     @_context.public("rules.conv2d_transpose.Conv2DTransposeRule")
     def __init__(self, options=None):
-        self.convolution = conv2d.Conv2DRule(options)
-
-    def _refuse(self, op):
-        data_format = op.get_attr("data_format").decode()
-        channels = op.outputs[0].shape.with_rank(4)[1 if data_format == "NCHW" else 3]
-        if tf.compat.dimension_value(channels) != op.inputs[_FILTER].shape[2]:
-            return "its output's channels are not the filter's (grouped convolutions)"
-        return None
-
-    def squared_norms(self, use, dZ, B):
-        return self.convolution.squared_norms(*use.view.inner(use, dZ), B)
+        super().__init__(options)
 
 
 def register(registry, options=None):
