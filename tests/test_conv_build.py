@@ -1,7 +1,7 @@
-"""The Conv2D rule's thin taps (`_convolution/taps.py`, the "thin" layout of "shifts":
-Cin < thin_channels) against the one-example loop (`pertower.oracle`), and the ops they
-build: one gather of the row taps and kw column slices (column stride 1) or one more
-gather (column stride > 1), never one slice per tap. Same filter sizes, strides,
+"""The Conv2D rule's thin taps (`_convolution/ways.py` `by_thin_taps`, the "thin" layout
+of "shifts": Cin < thin_channels) against the one-example loop (`pertower.oracle`), and
+the ops they build: one gather of the row taps and kw column slices (column stride 1)
+or one more gather (column stride > 1), never one slice per tap. Same filter sizes, strides,
 paddings (SAME, VALID, explicit), several rows per example, float64, and a group of
 several examples (a microbatch: G an int, T > 1). One module graph, B = 3. At the end,
 what a build shares (`costs`): one constant per value (the backward pass's forward forms

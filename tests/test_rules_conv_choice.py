@@ -1,6 +1,6 @@
 """The convolution rules' choice of way from the shapes (`rules/conv2d.py`,
 `rules/depthwise_conv2d.py`) and the live taps of a filter larger than its map
-(`_convolution/live_taps.py`), against the one-example loop `pertower.oracle`: a 5x5
+(`_convolution/geometry.py`), against the one-example loop `pertower.oracle`: a 5x5
 depthwise filter on a 2x2 map, 7x7 on 1x1, 3x3 on 1x1, a Conv2D kernel larger than its
 map (SAME and explicit padding, strided), under "auto" and under each way forced.
 """
@@ -12,7 +12,7 @@ import tensorflow as tf
 import pertower
 from pertower import oracle
 from pertower import rules as rules_lib
-from pertower._convolution import live_taps
+from pertower._convolution import geometry
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
 from tests import common
@@ -94,7 +94,7 @@ def test_the_live_taps_of_a_filter_larger_than_its_map():
         with tf.Graph().as_default():
             x = tf.compat.v1.placeholder(tf.float32, [None, H, H, 2])
             z = tf.nn.conv2d(x, tf.zeros([k, k, 2, 3]), stride, "SAME")
-            assert live_taps.live_range(z.op, [k, k]) == want, sizes
+            assert geometry.live_range(z.op, [k, k]) == want, sizes
 
 
 def test_grouped_depthwise_in_chunks_of_channels_matches_the_loop(monkeypatch):

@@ -8,6 +8,7 @@ Notation (as in `rules.conv2d`):
     Cin  input channels                       s, d  strides, dilations
 """
 
+import dataclasses
 import itertools
 
 import tensorflow as tf
@@ -15,10 +16,10 @@ import tensorflow as tf
 from pertower._layout import _rows
 from pertower._layout import _shapes
 
-__all__ = ["attributes", "explicitly_padded", "patches", "check_convolution", "groups",
-           "fold_groups", "mul", "sizes", "spatial_pads", "padded_input", "taps", "window",
-           "plain_filter_gradient", "filter_gradient", "group_target", "split_channels",
-           "to_groups", "convolution_like"]
+__all__ = ["attributes", "convolution_like", "explicitly_padded", "patches",
+           "check_convolution", "groups", "fold_groups", "mul", "sizes", "spatial_pads",
+           "padded_input", "taps", "window", "filter_gradient", "to_groups", "group_target",
+           "split_channels", "live_range", "per_group_of_live_taps"]
 
 _CHANNELS_LAST = {4: "NHWC", 5: "NDHWC"}
 _FORWARD = {"Conv2D": tf.raw_ops.Conv2D, "Conv2DBackpropInput": tf.raw_ops.Conv2D,
@@ -214,11 +215,6 @@ def window(tensor, spans):
     return tf.slice(tensor, _shapes.constant(begin), _shapes.constant(size))
 
 
-def plain_filter_gradient(op):
-    """Whether TensorFlow's batch filter gradient runs for `op`: no groups, no dilation."""
-    return groups(op) == 1 and all(d == 1 for d in op.get_attr("dilations"))
-
-
 def filter_gradient(use, out_backprop):
     """[*w.shape]: the batch filter gradient of `use.op` (Conv2D, DepthwiseConv2dNative
     or Conv3D) for the output gradient `out_backprop`, with the op's own attributes."""
@@ -259,3 +255,56 @@ def split_channels(tensor, G, dims):
     if rows is not None:
         return tf.reshape(tensor, [-1, rows] + list(dims))
     return tf.reshape(tensor, tf.concat([tf.shape(tensor)[:2], dims], axis=0))
+
+
+def live_range(op, kernel):
+    """[(u0, u1)] per spatial axis: the live taps, those that read some input value, or
+    None where every tap does (or the sizes are not static, or the filter is dilated).
+
+    Tap u of an axis multiplies the input rows i*s + u - pb, i = 0 ... Ho-1 (pb the
+    padding before); where none lies in 0 ... H-1 it multiplies only padding, and
+    grad_i(W)[u, ...] = 0 for every example (a 5x5 SAME filter on a 2x2 map: taps 0
+    and 4; on a 1x1 map only the centre tap lives)."""
+    strides, dilations, _, _ = attributes(op)
+    pads = spatial_pads(op, *kernel)
+    if pads is None or any(d != 1 for d in dilations):
+        return None
+    ranges = []
+    for axis, (k, (before, _)) in enumerate(zip(kernel, pads)):
+        size = tf.compat.dimension_value(op.inputs[0].shape[axis + 1])
+        out = tf.compat.dimension_value(op.outputs[0].shape[axis + 1])
+        s = strides[axis + 1]
+        live = [u for u in range(k)
+                if any(0 <= i * s + u - before < size for i in range(out))]
+        ranges.append((live[0], live[-1] + 1) if live else (0, k))
+    if all(r == (0, k) for r, k in zip(ranges, kernel)):
+        return None
+    return ranges
+
+
+def per_group_of_live_taps(per_group, use, dZ, G):
+    """`per_group(use, dZ, G)` ([G, *W.shape]) of a 2-D `use`, computed on the live taps
+    only (the convolution with the filter W[u0:u1] and the padding pb - u0 has the same
+    output positions) and zero-padded back; None where every tap lives."""
+    kernel = use.weight_shape.as_list()[:-2]
+    ranges = live_range(use.op, kernel) if len(kernel) == 2 else None
+    if ranges is None:
+        return None
+    op = use.op
+    strides, _, _, _ = attributes(op)
+    pads = spatial_pads(op, *kernel)
+    explicit = [0, 0]
+    for (u0, u1), (before, _), axis in zip(ranges, pads, (1, 2)):
+        size = tf.compat.dimension_value(op.inputs[0].shape[axis])
+        out = tf.compat.dimension_value(op.outputs[0].shape[axis])
+        explicit += [before - u0, max((out - 1) * strides[axis] + u1 - before - size, 0)]
+    (u0, u1), (v0, v1) = ranges
+    live = convolution_like(op, op.inputs[0], op.inputs[1][u0:u1, v0:v1],
+                            padding="EXPLICIT", explicit_paddings=explicit + [0, 0])
+    if live.outputs[0].shape[1:3] != op.outputs[0].shape[1:3]:
+        return None
+    shape = tf.TensorShape([u1 - u0, v1 - v0] + use.weight_shape.as_list()[2:])
+    grad = per_group(dataclasses.replace(use, op=live, output=live.outputs[0],
+                                         weight_shape=shape), dZ, G)  # [G, u1-u0, v1-v0, ..]
+    return tf.pad(grad, [[0, 0], [u0, kernel[0] - u1], [v0, kernel[1] - v1], [0, 0],
+                         [0, 0]])                                 # [G, kh, kw, ...]

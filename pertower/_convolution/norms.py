@@ -1,11 +1,6 @@
 """The squared norms of a Conv2D's per-example filter gradients where
 `rules.conv2d.ConvolutionRule.norm_strategy` forms them ("formed"), kept for the
-clipped sum (`registry.FormedNorms`).
-
-Notation (as in `rules.conv2d`):
-    N   images in the batch (N = G*T)        G   groups of contiguous examples
-    T   images per group (k per example)     P = Ho*Wo  output positions per image
-    kh, kw  filter size    Cin, Cout  input, output channels
+clipped sum (`registry.FormedNorms`). Notation as in `rules.conv2d`.
 
 Layout. The padded input is moved channels-first once, [G, Cin, T, H', W']; its kh*kw
 taps (strided slices on the spatial axes) are concatenated along the channels into the
@@ -14,13 +9,11 @@ rows [G, kh*kw*Cin, T*P], in the filter's order, and their product with dZ,
 layout without a transpose, so the clipped sum is only reshaped. Their squared norms
 are one contraction of that tensor with itself, straight to [G].
 
-Chunks (G and T*P static). The rows are built for chunks of whole groups of at most
-CHUNK_FLOATS numbers each (`chunk_sizes`; the input and dZ split along the groups, which
-shares their buffers): a chunk is reused from the heap where the whole rows would be
+Chunks (G and T*P static): the rows are built for chunks of whole groups of at most
+CHUNK_FLOATS numbers (`chunk_sizes`), reused from the heap where the whole rows would be
 mapped afresh on many steps. With G <= FEW_GROUPS and oneDNN off each group's product is
-one MatMul on the unstacked rows (on all threads, where BatchMatMulV2 runs the groups one
-after the other); with oneDNN on, one batched matmul per chunk (each MatMul would pay
-oneDNN's dispatch). The measurements: docs/conv_ways.md.
+one MatMul (on all threads, where BatchMatMulV2 runs the groups one after the other);
+with oneDNN on one batched matmul per chunk (docs/conv_ways.md).
 """
 
 import tensorflow as tf
@@ -31,21 +24,10 @@ from pertower._convolution.options import onednn_runs
 from pertower._convolution.geometry import (
     group_target, groups, padded_input, spatial_pads, taps, to_groups)
 
-__all__ = ["FEW_GROUPS", "CHUNK_FLOATS", "chunk_sizes", "formed_norms", "group_products",
-           "squares_of"]
+__all__ = ["FEW_GROUPS", "CHUNK_FLOATS", "chunk_sizes", "formed_norms", "squares_of"]
 
 FEW_GROUPS = 128
 CHUNK_FLOATS = 2 ** 20
-
-
-def group_products(rows, columns, n, one_by_one):
-    """rows[g] @ columns[g] for `rows` [n, R, K] and `columns` [n, K, C]: with
-    `one_by_one` (n an int), a list of n [R, C], one MatMul per group on the unstacked
-    operands (an Unpack along axis 0 shares their buffers); else [n, R, C], one batched
-    matmul."""
-    if one_by_one:
-        return [tf.matmul(r, c) for r, c in zip(tf.unstack(rows, n), tf.unstack(columns, n))]
-    return tf.matmul(rows, columns)
 
 
 def chunk_sizes(G, floats_per_group):
@@ -69,16 +51,9 @@ def squares_of(per_group):
 
 def formed_norms(options, use, dZ, G):
     """(squares [G], per-group gradients [G, kh*kw*Cin, Cout], their map to [*w.shape])
-    of a `registry.FormedNorms`, in the layout of the module notes, or None where it does
-    not apply (not 2-D, channel groups, a 1x1 filter, spatial sizes not static, or a
-    forced way other than "shifts").
-
-    Args:
-      options: the rule's `ConvOptions`.
-      use: a `registry.Use` of a Conv2D (NHWC).
-      dZ: [N, Ho, Wo, Cout], the gradient of sum(ys) at the op's output.
-      G: the number of groups (an int or a scalar tensor).
-    """
+    of a `registry.FormedNorms` for the NHWC Conv2D `use` and dZ [N, Ho, Wo, Cout], in
+    the layout of the module notes; None where that does not apply (not 2-D, channel
+    groups, a 1x1 filter, sizes not static, or a forced way other than "shifts")."""
     if use.weight_shape.rank != 4:
         return None
     kh, kw, c_in, c_out = use.weight_shape.as_list()
@@ -103,8 +78,11 @@ def formed_norms(options, use, dZ, G):
     for n, x_part, dZ_part in zip(sizes, x, dZ):
         rows = tf.concat(taps(use.op, [kh, kw], x_part, axes=(3, 4)), axis=1)
         rows = tf.reshape(rows, group_target(n, [kh * kw * c_in, -1], columns))  # [n, R, T*P]
-        found = group_products(rows, dZ_part, n, one_by_one)        # [n, kh*kw*Cin, Cout]
-        products += found if one_by_one else [found]
+        if one_by_one:   # one MatMul per group on the unstacked operands (shared buffers)
+            products += [tf.matmul(r, c) for r, c in zip(tf.unstack(rows, n),
+                                                          tf.unstack(dZ_part, n))]
+        else:
+            products.append(tf.matmul(rows, dZ_part))              # [n, kh*kw*Cin, Cout]
     per_group = (tf.stack(products) if one_by_one else               # [G, kh*kw*Cin, Cout]
                  products[0] if len(products) == 1 else tf.concat(products, 0))
 

@@ -21,22 +21,18 @@ class ConvOptions:
     """How the convolution rules compute per-example filter gradients.
 
     Attributes:
-      strategy: "auto" (the rule from the shapes in `conv2d`'s docstring), or one of
-        "shifts", "patches", "grouped" to force that way for every convolution it covers
-        (a convolution the forced way cannot compute falls back to the towers, with the
-        reason). "depthwise" (a way removed) means "grouped"; for the depthwise rule,
-        "shifts" (removed there) means "patches".
-      grouped_threshold: no longer read (the choice of "grouped" is the rule from the
-        shapes in `conv2d`'s docstring); accepted so that code passing it still runs.
-      onednn: whether TensorFlow's oneDNN CPU kernels (which run grouped and dilated
-        depthwise convolutions) are on; None asks TensorFlow (`onednn_enabled`). With
-        them off, the backward pass to dZ takes a stride-1 convolution's input gradient
-        as a forward convolution where that runs faster (`rules._input_gradients`).
-      thin_channels: below this many input channels "auto" does not pick "grouped",
-        and "shifts" stacks the taps into one matmul (`_convolution.taps`).
-      few_positions: below this many output positions per image "shifts" stacks the
-        taps into one matmul (else one matmul per tap); None: the default,
-        `_convolution.ways.FEW_POSITIONS` (512).
+      strategy: "auto" (the rule from the shapes in `rules.conv2d`'s docstring), or
+        "shifts", "patches", "grouped" to force that way on every convolution it covers
+        (the others fall back to the towers, with the reason). "depthwise" means
+        "grouped"; for depthwise convolutions "shifts" means "patches".
+      grouped_threshold: no longer read; accepted so that code passing it still runs.
+      onednn: whether TensorFlow's oneDNN CPU kernels are on; None asks TensorFlow
+        (`onednn_enabled`). With them off, a stride-1 convolution's input gradient may
+        run as a forward convolution (`rules._input_gradients`).
+      thin_channels: below this many input channels "auto" does not pick "grouped", and
+        "shifts" stacks the taps into one matmul (`ways.tap_layout`).
+      few_positions: below this many output positions per image "shifts" puts the taps
+        side by side (else one matmul per tap); None: `ways.FEW_POSITIONS` (512).
 
     Example:
       registry = pertower.rules.default_registry()
@@ -66,15 +62,13 @@ class ConvOptions:
 
 
 def onednn_enabled():
-    """Whether this process's TensorFlow runs its oneDNN CPU kernels (False when it
-    does not say)."""
+    """Whether TensorFlow runs its oneDNN CPU kernels (False when it does not say)."""
     return bool(_tf.onednn_enabled())
 
 
 def onednn_runs(options):
-    """Whether oneDNN's kernels run for a rule with the `ConvOptions` `options`: their
-    `onednn` where it is set, else TensorFlow's own setting (`onednn_enabled`; also for
-    `options` None)."""
+    """Whether oneDNN's kernels run for a rule with `options` (a `ConvOptions` or None):
+    `options.onednn` where set, else `onednn_enabled()`."""
     onednn = None if options is None else options.onednn
     return onednn_enabled() if onednn is None else bool(onednn)
 

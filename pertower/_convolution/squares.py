@@ -57,8 +57,7 @@ def _nchw(use):
 
 
 def choose(use, C):
-    """"formed", "ghost" (the cheaper, by the counts in the module docstring) or None
-    when `use` has no cheap form for C columns."""
+    """"formed" or "ghost", the cheaper by the module docstring's counts, or None."""
     sizes = _sizes(use, C)
     if sizes is None:
         return None
@@ -71,9 +70,8 @@ def choose(use, C):
 
 
 def formed_size(use, C, per_example):
-    """Numbers per example that `sum_squared` holds for C columns (for the memory
-    guard), or None when it has no cheap form (then the rule per column holds C
-    per-example gradients)."""
+    """Numbers per example that `sum_squared` holds for C columns (the memory guard's),
+    or None when it has no cheap form."""
     way = choose(use, C)
     if way is None:
         return None
@@ -105,18 +103,10 @@ def _wide_columns(use, dZ_columns, C):
 
 
 def sum_squared(rule, use, dZ_columns, B, per_example=False, way=None):
-    """sum_c grad_{i,c}(W)^2 of the filter of `use` (Conv2D or DepthwiseConv2dNative):
+    """sum_c grad_{i,c}(W)^2 of `use`'s filter for dZ_columns [C, N, ...] (C static):
     [B, *W.shape] when per_example, else [*W.shape]; None when there is no cheap form
-    (the caller then runs `rule.per_group` per column).
-
-    Args:
-      rule: the use's rule (its `per_group` computes the wide filter gradient).
-      use: the `Use` (or `rules.conv2d.ViewUse`).
-      dZ_columns: [C, N, ...] the output gradients of the C columns (C static).
-      B: the number of examples (int or scalar tensor).
-      per_example: as above.
-      way: None for `choose`'s pick, or "formed" / "ghost" to force one (tests).
-    """
+    (the caller then runs the rule per column). `rule.per_group` computes the wide
+    filter gradient; `way`: None for `choose`'s pick, or "formed"/"ghost" (tests)."""
     C = tf.compat.dimension_value(dZ_columns.shape[0])
     picked = choose(use, C)
     if picked is None:

@@ -1,24 +1,16 @@
-"""Convolutions that the channels-last ways compute as another convolution ("views").
-
-A filter gradient is a sum over images and positions of (input patch) ⊗ (output
-gradient), so it does not depend on the order of the images on axis 0 or on where the
-channel axis is, as long as A and dZ are re-laid-out alike (notation as in
-`rules.conv2d`; B examples, k rows per example). The views:
+"""Convolutions that the channels-last ways compute as another one ("views"), built at
+gradient time (never run). A filter gradient is a sum over images and positions of
+(input patch) ⊗ (output gradient), so the order of the images and the place of the
+channel axis do not matter as long as A and dZ are re-laid-out alike:
 
     NCHW        A and dZ transposed to NHWC, the attributes permuted alike.
     blocks      between SpaceToBatchND and BatchToSpaceND (a dilated convolution
                 without oneDNN) example i owns rows j*B*inner + i*inner + t of A and dZ
-                (`lattice.Interleaved`); `regroup` puts them example-major,
-                k = inner*blocks.
-    transposed  a transposed convolution's filter gradient is that of the forward
-                convolution it transposes, with dZ as its input and A as its output
-                gradient (`rules.conv2d_transpose`).
-    depthwise   a Conv2D with g = C groups has a filter [kh, kw, 1, C*M] whose output
-                channel o reads input channel o // M, so conv2d(x, W) =
-                depthwise_conv2d(x, reshape(W, [kh, kw, C, M])) in the same output order.
-
-Each view builds, at gradient time, a channels-last convolution op (never run) that
-the rule's ways take.
+                (`lattice.Interleaved`); `regroup` puts them example-major.
+    transposed  the forward convolution of dZ, A as its output gradient
+                (`rules.conv2d_transpose`).
+    depthwise   a Conv2D with g = C groups (filter [kh, kw, 1, C*M], output o reading
+                input channel o // M) is depthwise_conv2d(x, reshape(W, [kh, kw, C, M])).
 """
 
 import dataclasses
@@ -30,16 +22,11 @@ from pertower._layout import _rows
 from pertower._layout import _shapes
 from pertower._convolution.geometry import convolution_like, group_target, groups
 
-__all__ = ["View", "TransposedView", "view_of", "transposed_view_of", "to_nhwc",
-           "regroup", "depthwise_like", "as_depthwise", "to_grouped"]
+__all__ = ["View", "view_of", "transposed_view_of", "regroup", "depthwise_like",
+           "as_depthwise", "to_grouped"]
 
 _TO_NHWC = (0, 2, 3, 1)
 _FILTER, _DATA = 1, 2   # the inputs of a transposed convolution
-
-
-def to_nhwc(tensor):
-    """[N, C, H, W] -> [N, H, W, C]."""
-    return tf.transpose(tensor, _TO_NHWC)
 
 
 def regroup(tensor, blocks):
@@ -54,55 +41,41 @@ def regroup(tensor, blocks):
     return out
 
 
-def _channels_last(op, x, nchw):
-    """`convolution_like` on `x` with op's filter, attributes permuted from NCHW."""
-    if not nchw:
-        return convolution_like(op, x, op.inputs[_FILTER])
-    pairs = list(op.get_attr("explicit_paddings"))
-    if pairs:
-        pairs = [p for j in _TO_NHWC for p in pairs[2 * j:2 * j + 2]]
-    strides, dilations = (op.get_attr(name) for name in ("strides", "dilations"))
-    return convolution_like(op, x, op.inputs[_FILTER], explicit_paddings=pairs,
-                            strides=[strides[j] for j in _TO_NHWC],
-                            dilations=[dilations[j] for j in _TO_NHWC])
-
-
 @dataclasses.dataclass(frozen=True)
 class View:
-    """A and dZ re-laid-out: transposed from NCHW (`nchw`), and/or the (inner, blocks)
-    of their Interleaved rows put example-major (`blocks`)."""
+    """How a convolution is computed as a channels-last one: A and dZ transposed from
+    NCHW (`nchw`), their Interleaved rows' (inner, blocks) put example-major (`blocks`),
+    and/or (`transposed`) the forward convolution of dZ with A as its output gradient."""
 
     nchw: bool = False
     blocks: tuple = None
+    transposed: bool = False
 
     def layout(self, tensor):
         """`tensor` (A or dZ) channels last, with example-major rows."""
         if self.nchw:
-            tensor = to_nhwc(tensor)
+            tensor = tf.transpose(tensor, _TO_NHWC)            # [N, C, H, W] -> [N, H, W, C]
         if self.blocks is not None:
             tensor = regroup(tensor, self.blocks[1])
         return tensor
 
     def inner(self, use, dZ):
-        """(the channels-last convolution of the re-laid-out A, its dZ)."""
-        return _channels_last(use.op, self.layout(use.activation), self.nchw), self.layout(dZ)
-
-
-@dataclasses.dataclass(frozen=True)
-class TransposedView:
-    """The forward convolution of a transposed one: input dZ, output gradient A."""
-
-    nchw: bool
-
-    def inner(self, use, dZ):
-        """(the forward channels-last convolution of dZ, A as its output gradient)."""
-        layout = to_nhwc if self.nchw else (lambda t: t)
-        x = layout(dZ)                                         # [N, H, W, Cf]
-        if not x.shape[1:].is_fully_defined():                 # (static sizes for the taps)
+        """(the channels-last convolution op, its output gradient)."""
+        x, out_grad = (dZ, use.activation) if self.transposed else (use.activation, dZ)
+        x = self.layout(x)
+        if self.transposed and not x.shape[1:].is_fully_defined():   # (static for the taps)
             shape = use.op.outputs[0].shape
             x = tf.identity(x)
             x.set_shape([shape[j] for j in _TO_NHWC] if self.nchw else shape)
-        return _channels_last(use.op, x, self.nchw), layout(use.activation)
+        op, w = use.op, use.op.inputs[_FILTER]
+        if not self.nchw:
+            return convolution_like(op, x, w), self.layout(out_grad)
+        pairs = list(op.get_attr("explicit_paddings"))
+        strides, dilations = (op.get_attr(name) for name in ("strides", "dilations"))
+        return convolution_like(
+            op, x, w, explicit_paddings=[p for j in _TO_NHWC for p in pairs[2 * j:2 * j + 2]],
+            strides=[strides[j] for j in _TO_NHWC],
+            dilations=[dilations[j] for j in _TO_NHWC]), self.layout(out_grad)
 
 
 def view_of(op, slot, analysis):
@@ -135,7 +108,7 @@ def view_of(op, slot, analysis):
 
 
 def transposed_view_of(op, slot, analysis):
-    """(a `TransposedView`, A's rows) of the filter of the transposed convolution `op`
+    """(a transposed `View`, A's rows) of the filter of the transposed convolution `op`
     (filter at input 1, A at input 2), else a string saying why not."""
     if slot != _FILTER:
         return "the weight is the transposed convolution's data or output shape, not its filter"
@@ -154,7 +127,7 @@ def transposed_view_of(op, slot, analysis):
     rows = _rows.example_rows(analysis, op.inputs[_DATA], op.outputs[0])
     if isinstance(rows, str):
         return rows
-    return TransposedView(data_format == "NCHW"), rows
+    return View(nchw=data_format == "NCHW", transposed=True), rows
 
 
 def depthwise_like(op):

@@ -7,18 +7,18 @@ one matmul per tap stacks its K results.
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
-from pertower._convolution import taps as _conv_taps
 from pertower._convolution.options import onednn_runs
 from pertower._layout import _rows
 from pertower._layout import _shapes
 from pertower._convolution.geometry import (
-    attributes, explicitly_padded, fold_groups, group_target, groups, mul,
-    patches, sizes, split_channels, taps, to_groups)
+    attributes, explicitly_padded, fold_groups, group_target, groups, mul, padded_input,
+    patches, sizes, split_channels, taps, to_groups, window)
 
 __all__ = ["FEW_POSITIONS", "CHUNK_FLOATS", "GUESSED_G", "tap_layout", "by_patches",
-           "by_shifts", "by_grouped", "depthwise_by_grouped", "depthwise_by_patches"]
+           "by_shifts", "by_thin_taps", "by_grouped", "depthwise_by_grouped"]
 
 FEW_POSITIONS = 512     # `ConvOptions.few_positions` None (`tap_layout`)
 # depthwise "grouped" under oneDNN: at most CHUNK_FLOATS numbers per call (G unknown:
@@ -32,7 +32,7 @@ def tap_layout(options, use):
 
         "one"       a 1x1 filter (one tap, no groups): one matmul of the (strided) input;
         "thin"      Cin < `thin_channels` in 2-D: the taps stacked along the contracted
-                    rows, the input channels-first, one matmul (`_convolution.taps`);
+                    rows, the input channels-first, one matmul (`by_thin_taps`);
         "channels"  few positions (P < `few_positions`, default `FEW_POSITIONS`), or
                     T*P < Cout (stacking K results of [Cin, Cout] would copy more than
                     the taps hold), or thin in 3-D: the taps side by side in channels
@@ -57,10 +57,13 @@ def tap_layout(options, use):
 
 
 def by_patches(use, dZ, G):
-    """"patches": the patches (`geometry.patches`) and one batched contraction per group."""
+    """"patches": the patches (`geometry.patches`) and one batched contraction per group
+    (a depthwise convolution's: C channel groups of one input channel and M outputs)."""
     shape = use.weight_shape.as_list()
     kernel, c_in, c_out = shape[:-2], shape[-2], shape[-1]
     g, k = groups(use.op), use.rows.k
+    if use.op.type == "DepthwiseConv2dNative":
+        g, c_in, c_out = c_in, 1, c_in * c_out
     x_patches = to_groups(patches(use.op, *kernel), G, k)  # [G, T*P, K*g*Cin]
     dZ_g = to_groups(dZ, G, k)                             # [G, T*P, Cout]
     if g == 1:
@@ -81,7 +84,7 @@ def by_shifts(options, use, dZ, G):
     g, k = groups(use.op), use.rows.k
     layout = tap_layout(options, use)
     if layout == "thin":
-        return _conv_taps.thin_gradients(use, dZ, G)
+        return by_thin_taps(use, dZ, G)
     if layout != "per_tap" or g == 1:
         if layout == "one":
             x = taps(use.op, kernel)[0]                        # [N, Ho, Wo, Cin]
@@ -165,12 +168,47 @@ def depthwise_by_grouped(options, use, dZ, G):
     return tf.transpose(grad, _shapes.constant([2, 0, 1, 3, 4]))  # [G, kh, kw, Cin, M]
 
 
-def depthwise_by_patches(use, dZ, G):
-    """Depthwise "patches": the patches and one contraction per group."""
-    kh, kw, c_in, mult = use.weight_shape.as_list()
-    k = use.rows.k
-    x_patches = split_channels(to_groups(patches(use.op, kh, kw), G, k), G,
-                               [kh * kw, c_in])                # [G, P, kh*kw, Cin]
-    dZ_g = split_channels(to_groups(dZ, G, k), G, [c_in, mult])  # [G, P, Cin, M]
-    grad = tf.einsum("gpuc,gpcm->gucm", x_patches, dZ_g)   # [G, kh*kw, Cin, M]
-    return tf.reshape(grad, group_target(G, [kh, kw, c_in, mult]))
+def _tap_index(taps, dilation, out, stride):
+    """[taps, out] int32 as nested lists: tap t's input index at output position i,
+    t*dilation + i*stride."""
+    index = np.arange(taps)[:, None] * dilation + np.arange(out)[None, :] * stride
+    return index.astype(np.int32).tolist()
+
+
+def by_thin_taps(use, dZ, G):
+    """"shifts", "thin" (2-D, no channel groups): the rows [N, Cin*kh*kw, P] of the
+    contraction, grad(W)[u, v, c, o] = sum_p rows[(c, u, v), p] dz_p[o], built from the
+    channels-first padded input [N, Cin, H', W'] with a number of ops that does not grow
+    with the taps: the kh row taps by ONE GatherV2 of its rows (index u*d + i*s):
+    [N, Cin, kh, Ho, W']; then with a column stride of 1 the kw column taps as kw slices
+    stacked, else (a strided slice copies value by value) the rows moved last and ONE
+    GatherV2 of whole columns, [N, Cin, kh, kw, Wo, Ho] contracted with dZ as
+    [N, Wo, Ho, Cout]. One batched matmul per image, summed over each group's T images,
+    the small result moved to the filter's order."""
+    kh, kw, c_in, c_out = use.weight_shape.as_list()
+    strides, dilations, _, _ = attributes(use.op)
+    out_h, out_w = _rows.static_dims(use.op.outputs[0])[1:3]
+    positions = out_h * out_w
+    x = padded_input(use.op, kh, kw, crop=False)   # [N, >= H', >= W', Cin] (taps stop before)
+    x = tf.transpose(x, _shapes.constant([0, 3, 1, 2]))               # [N, Cin, H', W']
+    x = tf.gather(x, _shapes.constant(_tap_index(kh, dilations[1], out_h, strides[1])),
+                  axis=_shapes.constant(2))                           # [N, Cin, kh, Ho, W']
+    if strides[2] == 1:
+        columns = [window(x, {4: (v * dilations[2], out_w)}) for v in range(kw)]
+        x = tf.stack(columns, axis=3)                           # [N, Cin, kh, kw, Ho, Wo]
+        dz = dZ                                                 # [N, Ho, Wo, Cout]
+    else:
+        x = tf.transpose(x, _shapes.constant([0, 1, 2, 4, 3]))  # [N, Cin, kh, W', Ho]
+        x = tf.gather(x, _shapes.constant(_tap_index(kw, dilations[2], out_w, strides[2])),
+                      axis=_shapes.constant(3))                 # [N, Cin, kh, kw, Wo, Ho]
+        dz = tf.transpose(dZ, _shapes.constant([0, 2, 1, 3]))   # [N, Wo, Ho, Cout]
+    rows = tf.reshape(x, _shapes.constant([-1, c_in * kh * kw, positions]))
+    grad = tf.matmul(rows, tf.reshape(dz, _shapes.constant([-1, positions, c_out])))
+    size = c_in * kh * kw                                       # grad: [N, size, Cout]
+    if not _shapes.rows_are_groups(dZ, G, use.rows.k):          # T images per group
+        grad = tf.reshape(grad, group_target(G, [-1, size, c_out], use.rows.k))
+        grad = tf.reduce_sum(grad, axis=_shapes.constant(1))    # [G, Cin*kh*kw, Cout]
+    if c_in > 1:                                                # (c, u, v) -> (u, v, c)
+        grad = tf.reshape(grad, group_target(G, [c_in, kh * kw, c_out]))
+        grad = tf.transpose(grad, _shapes.constant([0, 2, 1, 3]))
+    return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))

@@ -1,61 +1,51 @@
-"""Rule for Conv2D (and Conv1D, which lowers to ExpandDims + Conv2D + Squeeze), and the
-one N-dimensional convolution rule that Conv2D, Conv3D, DepthwiseConv2dNative and the
-transposed convolutions register (`ConvolutionRule`, `TransposedRule`).
+"""Rule for Conv2D (and Conv1D, which lowers to it), and the one N-dimensional
+convolution rule that Conv2D, Conv3D, DepthwiseConv2dNative and the transposed
+convolutions register (`ConvolutionRule`, `TransposedRule`).
 
-Notation:
-    N   images in the batch (N = G*T)        G   groups of contiguous examples
-    T   images per group (k per example)     P   output positions per image
-    kernel  the filter's spatial sizes, K = prod(kernel) taps
-    Cin, Cout  input, output channels        s, d  strides, dilations    g  channel groups
+Notation: N = G*T images (G groups of T, k per example), P output positions per image,
+K = prod(kernel) filter taps, Cin, Cout channels, s, d strides and dilations, g groups.
 
 Identity (Rochette, Manoel, Tramel 2019, arXiv 1912.06015): a convolution is a dense
-layer applied at every output position p to the patch x_p of the input that p sees,
-z_p = W^T x_p (W as [K*Cin, Cout]), so
+layer applied at every output position p to the patch x_p it sees, z_p = W^T x_p
+(W as [K*Cin, Cout]), so
     grad_g(W)[u, c, o] = sum_{t in g, p} x_tp[u, c] dz_tp[o]   (u a filter tap).
 Its ways (`_convolution.ways`), all exact and tested against the oracle:
 
     "shifts"   per tap u the input values it multiplies are a strided slice of the padded
                input, x'[:, u*d : : s, ..., :] (no patches written), one batched matmul
                [G, T*P, Cin]^T x [G, T*P, Cout] per tap, laid out by `ways.tap_layout`.
-    "patches"  the patches [N, Ho, Wo, K*Cin] in the filter's order and ONE batched
-               matmul per group (the unfold form of Opacus and BackPACK).
-    "grouped"  (2-D) the batch folded into channels: x as [T, H, W, G*Cin] and dZ as
-               [T, Ho, Wo, G*Cout] are a grouped convolution's input and output
-               gradient, so ONE Conv2DBackpropFilter of filter size [kh, kw, Cin, G*Cout]
-               gives every group's gradient (Rochette et al., section 3). Needs float32
-               and oneDNN (TensorFlow's Eigen kernels refuse grouped convolutions).
-The strategy value "depthwise" (a way removed) means "grouped".
+    "patches"  the patches [N, Ho, Wo, K*Cin] and ONE batched matmul per group (the
+               unfold form of Opacus and BackPACK).
+    "grouped"  (2-D) x as [T, H, W, G*Cin] and dZ as [T, Ho, Wo, G*Cout] are a grouped
+               convolution's input and output gradient, so ONE Conv2DBackpropFilter of
+               filter size [kh, kw, Cin, G*Cout] gives every group's gradient (Rochette
+               et al., section 3); float32 and oneDNN only (Eigen's kernels refuse
+               grouped convolutions). The strategy "depthwise" (removed) means it.
 
-The choice ("auto"), from the shapes: the shifts and the patches write T*P*K*Cin numbers
-per example, the grouped kernel reads the input in place and writes K*Cin*Cout. So
-"auto" takes "grouped" where it runs, K > 1, Cin >= `thin_channels` and T*P >= Cout;
-else "shifts"; "patches" where the spatial sizes are not static. A filter larger than
-its map takes its live taps only (`_convolution.live_taps`). The sweep behind this rule,
-oneDNN on and off: docs/conv_ways.md. DepthwiseConv2dNative takes its own ways
-(`depthwise_conv2d`); a Conv2D with one input channel per group is computed as a
-depthwise one, and NCHW or SpaceToBatchND blocks on a re-laid-out copy
-(`_convolution.views`). Conv3D takes "shifts" in 3-D.
+"auto": the shifts and the patches write T*P*K*Cin numbers per example, the grouped
+kernel reads the input in place and writes K*Cin*Cout; so "grouped" where it runs,
+K > 1, Cin >= `thin_channels` and T*P >= Cout; else "shifts"; "patches" where the
+spatial sizes are not static (the sweep, oneDNN on and off: docs/conv_ways.md). A filter
+larger than its map takes its live taps only (`geometry.live_range`). Depthwise
+convolutions take their own ways (`depthwise_conv2d`); a Conv2D with one input channel
+per group, NCHW and SpaceToBatchND blocks are computed as another convolution
+(`_convolution.views`).
 
-oneDNN. With TF_ENABLE_ONEDNN_OPTS=1 (TF 2.21, a 2-core AVX2 CPU) TensorFlow's float32
-Conv2DBackpropFilter of an ungrouped 1x1 stride-2 convolution on an 8x8 or 16x16 input
-is wrong for thin channels (Cin 1..7; 921 other shapes were right), and its
-DepthwiseConv2dNativeBackpropFilter likewise for a 1x1 stride-2 filter on one channel.
-So with one group (B = 1, a clipped sum) 1x1 strided filters under oneDNN
-(`untrusted_filter_gradient`) take the shifts instead of that kernel.
+oneDNN (TF 2.21): TensorFlow's float32 Conv2DBackpropFilter of an ungrouped 1x1 stride-2
+convolution on an 8x8 or 16x16 input is wrong for Cin 1..7, its depthwise kernel
+likewise for one channel. So with one group (B = 1, a clipped sum) 1x1 strided filters
+under oneDNN take the shifts instead (`untrusted_filter_gradient`).
 
-Squared norms (Bu, Mao, Xu 2022, arXiv 2205.10683, mixed ghost clipping): per example
-the ghost norm sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) costs ~2 P^2 (K*Cin + Cout), forming
-the gradient ~2 P K*Cin*Cout; the cheaper is taken per Conv2D (`norm_strategy`).
+Squared norms (Bu, Mao, Xu 2022, arXiv 2205.10683): the ghost norm
+sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) costs ~2 P^2 (K*Cin + Cout), forming the gradient
+~2 P K*Cin*Cout; the cheaper is taken per Conv2D (`norm_strategy`). Channel groups: input
+group j feeds only output group j, so the identity holds group by group. The clipped sum
+sum_i f_i grad_i(W) is the batch filter gradient of dZ with example i's rows scaled by
+f_i (Bu et al. 2023, arXiv 2210.00038); grouped or dilated filters form the per-example
+gradients instead.
 
-Channel groups (a filter [..., Cin/g, Cout]): input group j feeds only output channels
-j*Cout/g ... (j+1)*Cout/g - 1, so the identity holds group by group ("shifts", one
-contraction per tap and group). The clipped sum sum_i f_i grad_i(W) is the batch filter
-gradient of dZ with example i's rows scaled by f_i (Bu et al. 2023, arXiv 2210.00038);
-grouped or dilated filters form the per-example gradients instead.
-
-Covered: channels last (NCHW and blocks through the views), any strides, SAME/VALID/
-explicit padding, dilations, groups; the filter static (for groups, the input's
-channels; in 3-D every size but the batch).
+Covered: channels last, NCHW, any strides, SAME/VALID/explicit padding, dilations,
+groups; the filter static (for groups, the input's channels; in 3-D all but the batch).
 """
 
 import dataclasses
@@ -64,14 +54,13 @@ import math
 import tensorflow as tf
 
 from pertower import _context
-from pertower._convolution import live_taps as _live_taps
 from pertower._convolution import norms as _conv_norms
 from pertower._convolution import options as _conv_options
 from pertower._convolution import squares as _conv_squares
 from pertower._convolution import views as _conv_views
 from pertower._convolution import ways as _conv_ways
 from pertower._convolution.geometry import (
-    attributes, check_convolution, filter_gradient, groups, patches, plain_filter_gradient,
+    attributes, check_convolution, filter_gradient, groups, patches, per_group_of_live_taps,
     spatial_pads)
 from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
@@ -199,14 +188,12 @@ class ConvolutionRule(registry_lib.Rule):
         if _conv_views.depthwise_like(use.op):   # g = C groups: the depthwise ways
             return _conv_views.to_grouped(
                 self.per_group(_conv_views.as_depthwise(use), dZ, G), use, [G])
-        live = _live_taps.per_group_of_live_taps(self.per_group, use, dZ, G)
+        live = per_group_of_live_taps(self.per_group, use, dZ, G)
         if live is not None:      # a filter larger than its map: the live taps only
             return live
         strategy = self.strategy(use, G)
-        if _depthwise(use.op):
-            if strategy == "grouped":
-                return _conv_ways.depthwise_by_grouped(self.options, use, dZ, G)
-            return _conv_ways.depthwise_by_patches(use, dZ, G)
+        if _depthwise(use.op) and strategy == "grouped":
+            return _conv_ways.depthwise_by_grouped(self.options, use, dZ, G)
         if (strategy == "grouped" and not (isinstance(G, int) and G > 1) and
                 untrusted_filter_gradient(use, self.options)):
             strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
@@ -269,9 +256,9 @@ class ConvolutionRule(registry_lib.Rule):
         if _conv_views.depthwise_like(use.op):
             return _conv_views.to_grouped(self.clipped_sum(
                 _conv_views.as_depthwise(use), dZ, factors), use, [])
-        strides = attributes(use.op)[0]
-        if not plain_filter_gradient(use.op) or (_depthwise(use.op) and
-                                                  strides[1] != strides[2]):
+        strides, dilations, _, _ = attributes(use.op)
+        if (groups(use.op) != 1 or any(d != 1 for d in dilations) or
+                (_depthwise(use.op) and strides[1] != strides[2])):   # no kernel of TF's
             return registry_lib.default_clipped_sum(self, use, dZ, factors)
         if untrusted_filter_gradient(use, self.options):   # one group of "shifts"
             return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
@@ -304,11 +291,7 @@ class TransposedRule(registry_lib.Rule):
 
 
 class Conv2DRule(ConvolutionRule):
-    """Per-example filter gradients of Conv2D, by the way `options` says.
-
-    Args:
-      options: a `ConvOptions` (default: strategy "auto").
-    """
+    """Per-example filter gradients of Conv2D (`options`: a `ConvOptions`)."""
 
     @_context.public("rules.conv2d.Conv2DRule")
     def __init__(self, options=None):

@@ -1,34 +1,24 @@
 """Rules for DepthwiseConv2dNative (Keras DepthwiseConv2D, SeparableConv2D's depthwise
-part) and DepthwiseConv2dNativeBackpropInput: the convolution rule of `conv2d` with the
-depthwise ways (`_convolution.ways.depthwise_by_grouped`, `depthwise_by_patches`).
+part) and DepthwiseConv2dNativeBackpropInput: `conv2d`'s rules with the depthwise ways.
 
-Identity (Rochette et al. 2019, arXiv 1912.06015; as for Conv2D, per channel): output
-channel c*M + m at position p is sum_{u,v} x_p[u, v, c] W[u, v, c, m], so
+Identity (Rochette et al. 2019, arXiv 1912.06015, per channel): output channel c*M + m
+at position p is sum_{u,v} x_p[u, v, c] W[u, v, c, m], so
     grad_i(W)[u, v, c, m] = sum_p x_ip[u, v, c] dz_ip[c*M + m],
-computed one of two ways (each tested against the oracle):
+computed one of two ways (`_convolution.ways`, each tested against the oracle):
 
-    "grouped"    the batch folded into channels: x as [T, H, W, G*Cin] and dZ as
-                 [T, Ho, Wo, G*Cin*M] are the input and output gradient of ONE depthwise
-                 convolution with G*Cin channels, so DepthwiseConv2dNativeBackpropFilter
-                 gives [kh, kw, G*Cin, M]. With oneDNN's kernels it is called on chunks of
-                 the input channels, each call's filter gradient holding at most
-                 CHUNK_FLOATS numbers (oneDNN's form slows down by an order of magnitude
-                 beyond ~32k; Eigen's does not: docs/conv_ways.md);
-    "patches"    the patches ordered (kh, kw, Cin) and one contraction per group.
+    "grouped"  the batch folded into channels: x as [T, H, W, G*Cin] and dZ as
+               [T, Ho, Wo, G*Cin*M] are the input and output gradient of ONE depthwise
+               convolution, so DepthwiseConv2dNativeBackpropFilter gives
+               [kh, kw, G*Cin, M]; under oneDNN on chunks of the input channels of at
+               most CHUNK_FLOATS numbers each (beyond ~32k oneDNN's kernel slows down
+               tenfold: docs/conv_ways.md);
+    "patches"  the patches ordered (kh, kw, Cin) and one contraction per group.
 
-"auto" takes "grouped" wherever it runs: float32, no dilation (TensorFlow's CPU kernel
-refuses dilations and has no float64 form), equal row and column strides; it never writes
-the kh*kw copies of the input that the patches hold. Elsewhere "patches". The strategy
-values "depthwise" and "shifts" mean "grouped" and "patches" here.
-
-DepthwiseConv2dNativeBackpropInput (weight W [kh, kw, C, M], data A [N, Ho, Wo, C*M],
-output Z [N, H, W, C]) computes the input gradient of x -> dconv(x, W) at A, so
-    grad_i(W)[u, v, c, m] = sum_p dz_i(p*s + (u, v)*d - pad)[c] a_ip[c*M + m],
-the filter gradient of dconv(., W) with dZ as its input and A as its output gradient
-(TensorFlow's `_DepthwiseConv2dNativeBackpropInputGrad`; as `conv2d_transpose`).
-
-Covered: NHWC, any strides, SAME/VALID/explicit padding, dilations; the filter static.
-NCHW and the blocks of a SpaceToBatchND through `_convolution.views`.
+"auto" takes "grouped" wherever it runs (float32, no dilation, equal strides: it never
+writes the kh*kw copies of the input), else "patches"; "depthwise" and "shifts" mean
+"grouped" and "patches". The transposed op's filter gradient is that of the forward
+depthwise convolution of dZ at the output gradient A (as `conv2d_transpose`). Covered:
+NHWC, NCHW, SpaceToBatchND blocks, any strides and padding, dilations; a static filter.
 """
 
 from pertower import _context
@@ -43,11 +33,7 @@ GUESSED_G = _conv_ways.GUESSED_G
 
 
 class DepthwiseConv2DRule(conv2d.ConvolutionRule):
-    """Per-example depthwise filter gradients.
-
-    Args:
-      options: a `conv2d.ConvOptions` (default: strategy "auto").
-    """
+    """Per-example depthwise filter gradients (`options`: a `conv2d.ConvOptions`)."""
 
     @_context.public("rules.depthwise_conv2d.DepthwiseConv2DRule")
     def __init__(self, options=None):
@@ -55,12 +41,8 @@ class DepthwiseConv2DRule(conv2d.ConvolutionRule):
 
 
 class DepthwiseConv2DTransposeRule(conv2d.TransposedRule):
-    """Per-example filter gradients of DepthwiseConv2dNativeBackpropInput through the
-    depthwise rule on its forward convolution.
-
-    Args:
-      options: a `conv2d.ConvOptions` for the depthwise ways (default: "auto").
-    """
+    """Per-example filter gradients of DepthwiseConv2dNativeBackpropInput through its
+    forward depthwise convolution (`options`: a `conv2d.ConvOptions`)."""
 
     @_context.public("rules.depthwise_conv2d.DepthwiseConv2DTransposeRule")
     def __init__(self, options=None):
