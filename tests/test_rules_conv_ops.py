@@ -1,7 +1,8 @@
 """What the Conv2D rule's "shifts" builds per use (`_convolution/ways.py`): the taps
 side by side (one ExtractImagePatches and one matmul straight into [B, kh, kw, Cin,
 Cout]) where the per-tap results would be larger than the taps (T*P < Cout) or the
-positions few, one matmul per tap elsewhere; each layout against the one-example loop
+positions few, one matmul per tap elsewhere, a strided 1x1 filter's input subsampled by
+one ExtractImagePatches (no strided slice); each layout against the one-example loop
 (`pertower.oracle`), with several rows per example, strides and explicit padding
 (dilated Conv2D does not run on TensorFlow's CPU kernels without oneDNN). One module
 graph, B = 3.
@@ -39,6 +40,9 @@ LAYERS = collections.OrderedDict([
     ("per_tap", ((4, 4, 8), 1, (3, 3, 8, 12), dict(strides=1, padding="SAME"), "per_tap")),
     ("per_tap_two_rows", ((4, 4, 8), 2, (3, 3, 8, 24), dict(strides=1, padding="SAME"),
                           "per_tap")),
+    ("one_strided", ((5, 5, 8), 1, (1, 1, 8, 16), dict(strides=2, padding="SAME"), "one")),
+    ("one_strided_two_rows", ((6, 5, 8), 2, (1, 1, 8, 16),
+                              dict(strides=[1, 3, 2, 1], padding="VALID"), "one")),
 ])
 
 
@@ -91,8 +95,9 @@ def test_each_layout_matches_the_loop(convs):
 
 
 def test_side_by_side_taps_are_one_patches_op_and_one_matmul(convs):
-    """The side-by-side layout builds no slice, concat or stack: one
-    ExtractImagePatches (a Pad before it for explicit padding), one contraction, and
+    """The side-by-side layout (and a strided 1x1 filter) builds no slice, concat or
+    stack: one ExtractImagePatches (a Pad before it for explicit padding), one
+    contraction, and
     reshapes (only the result's with one image per example: Einsum on the [B, Ho, Wo,
     C] tensors); one matmul per tap builds kh*kw contractions and one stack."""
     graph, _, _, _, _, _, plan = convs
@@ -106,7 +111,7 @@ def test_side_by_side_taps_are_one_patches_op_and_one_matmul(convs):
             assert grad.shape.as_list()[1:] == use.weight_shape.as_list()
             kh, kw = use.weight_shape.as_list()[:2]
             contractions = built["BatchMatMulV2"] + built["Einsum"]
-            if _conv_ways.tap_layout(OPTIONS, use) == "channels":
+            if _conv_ways.tap_layout(OPTIONS, use) in ("channels", "one"):
                 assert built["ExtractImagePatches"] == 1 and contractions == 1, built
                 assert not built["StridedSlice"] + built["ConcatV2"] + built["Pack"], built
             else:

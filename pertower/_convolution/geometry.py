@@ -1,11 +1,7 @@
-"""A convolution's geometry in N spatial dimensions (n = 2: Conv2D, depthwise; n = 3:
-Conv3D), channels last: padding, patches, filter taps, channel groups, reshape targets.
-
-Notation (as in `rules.conv2d`):
-    N   images in the batch (N = G*T)        G   groups of contiguous examples
-    T   images per group (k per example)     H, W (D, H, W)   input sizes
-    Ho, Wo  output sizes                      kernel  the filter's spatial sizes
-    Cin  input channels                       s, d  strides, dilations
+"""A convolution's geometry in N spatial dimensions (2-D: Conv2D, depthwise; 3-D:
+Conv3D), channels last: padding, patches, filter taps, channel groups, live taps,
+reshape targets. Notation as in `rules.conv2d`; [N, Ho, Wo, C] stands for [N, Do, Ho,
+Wo, C] in 3-D.
 """
 
 import dataclasses
@@ -16,10 +12,10 @@ import tensorflow as tf
 from pertower._layout import _rows
 from pertower._layout import _shapes
 
-__all__ = ["attributes", "convolution_like", "explicitly_padded", "patches",
-           "check_convolution", "groups", "fold_groups", "mul", "sizes", "spatial_pads",
-           "padded_input", "taps", "window", "filter_gradient", "to_groups", "group_target",
-           "split_channels", "live_range", "per_group_of_live_taps"]
+__all__ = ["attributes", "convolution_like", "explicitly_padded", "patches", "groups",
+           "fold_groups", "mul", "sizes", "spatial_pads", "padded_input", "taps", "window",
+           "filter_gradient", "to_groups", "group_target", "split_channels", "live_range",
+           "per_group_of_live_taps"]
 
 _CHANNELS_LAST = {4: "NHWC", 5: "NDHWC"}
 _FORWARD = {"Conv2D": tf.raw_ops.Conv2D, "Conv2DBackpropInput": tf.raw_ops.Conv2D,
@@ -73,22 +69,6 @@ def patches(op, *kernel):
     return tf.image.extract_patches(
         x, sizes=[1, kernel[0], kernel[1], 1], strides=[1, strides[1], strides[2], 1],
         rates=[1, dilations[1], dilations[2], 1], padding=padding)
-
-
-def check_convolution(op, slot, analysis):
-    """The activation's Rows when `op` (Conv2D, DepthwiseConv2dNative or Conv3D,
-    channels last) is covered, else a reason string."""
-    if slot != 1:
-        return "the weight is the convolution's input, not its filter"
-    if op.get_attr("data_format") not in (b"NHWC", b"NDHWC"):
-        return (f"data_format {op.get_attr('data_format').decode()} (only channels last, "
-                "NHWC or NDHWC, is covered)")
-    if not op.inputs[1].shape.is_fully_defined():
-        return "the filter's shape is not static"
-    if groups(op) is None:
-        return (f"the filter's {op.inputs[1].shape[-2]} input channels do not divide the "
-                f"input's channels ({op.inputs[0].shape[-1]}) into groups")
-    return _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
 
 
 def groups(op):
@@ -225,8 +205,8 @@ def filter_gradient(use, out_backprop):
         attrs["explicit_paddings"] = op.get_attr("explicit_paddings")
     if op.type == "Conv2D":
         attrs["use_cudnn_on_gpu"] = op.get_attr("use_cudnn_on_gpu")
-    grad = _BACKPROP_FILTER[op.type](input=op.inputs[0], filter_sizes=use.weight_shape.as_list(),
-                                     out_backprop=out_backprop, **attrs)
+    grad = _BACKPROP_FILTER[op.type](input=op.inputs[0], out_backprop=out_backprop,
+                                     filter_sizes=use.weight_shape.as_list(), **attrs)
     grad.set_shape(use.weight_shape)
     return grad
 

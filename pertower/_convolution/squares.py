@@ -1,11 +1,9 @@
 """Sums of squared per-example filter gradients over C columns (the rules' cheap
 `sum_squared`), for Conv2D and DepthwiseConv2dNative, in one contraction.
 
-Notation (as in `rules.conv2d`): B examples of k images, C backpropagated columns,
-R = k*P rows per example, I = kh*kw*Cin the patch a position sees, dZ_c the output
-gradient of column c (`dZ_columns[c]`);
+Notation as in `rules.conv2d`; B examples, C columns, R = k*P rows per example,
+I = kh*kw*Cin, dz_ipc column c's output gradient:
     squares_i(W) = sum_c grad_{i,c}(W)^2,   grad_{i,c}(W) = sum_p x_ip ⊗ dz_ipc.
-Two ways, both exact:
 
     "formed"  the columns folded into the output channels (channel c*Cout + o; depthwise
               ch*(C*M) + c*M + j): dZ moved to [N, Ho, Wo, C, Cout] is the output
@@ -19,8 +17,8 @@ Two ways, both exact:
                   D_i[p, q, o] = sum_c dz_ipc[o] dz_iqc[o],
               cost ~2 B R^2 (C Cout + I Cout + I), holds B R^2 (I + Cout) numbers.
 
-`choose` takes the cheaper by those counts. Grouped Conv2D, Conv3D and shapes that are
-not static have no cheap form (None: the caller takes the rule per column).
+`choose` takes the cheaper. Grouped Conv2D, Conv3D and shapes that are not static have
+no cheap form (None: the caller takes the rule per column).
 """
 
 import dataclasses

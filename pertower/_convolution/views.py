@@ -78,18 +78,15 @@ class View:
             dilations=[dilations[j] for j in _TO_NHWC]), self.layout(out_grad)
 
 
-def view_of(op, slot, analysis):
-    """(a `View`, the re-laid-out A's rows) when `op` is NCHW or reads SpaceToBatchND
-    blocks; None when it is channels last on example-major rows; else why not."""
+def view_of(op, analysis):
+    """(a `View`, the re-laid-out A's rows) when `op` (its filter static) is NCHW or
+    reads SpaceToBatchND blocks; None when it is channels last on example-major rows;
+    else why not."""
     nchw = op.get_attr("data_format") == b"NCHW"
     value = analysis.value(op.inputs[0])
     interleaved = isinstance(value, _batch_axis.Interleaved)
     if not nchw and not interleaved:
         return None
-    if slot != 1:
-        return "the weight is the convolution's input, not its filter"
-    if not op.inputs[1].shape.is_fully_defined():
-        return "the filter's shape is not static"
     if interleaved:
         out = analysis.value(op.outputs[0])
         if nchw or not isinstance(out, _batch_axis.Interleaved) or out[:2] != value[:2]:

@@ -18,7 +18,7 @@ from pertower._convolution.geometry import (
     patches, sizes, split_channels, taps, to_groups, window)
 
 __all__ = ["FEW_POSITIONS", "CHUNK_FLOATS", "GUESSED_G", "tap_layout", "by_patches",
-           "by_shifts", "by_thin_taps", "by_grouped", "depthwise_by_grouped"]
+           "by_shifts", "by_thin_taps", "by_grouped"]
 
 FEW_POSITIONS = 512     # `ConvOptions.few_positions` None (`tap_layout`)
 # depthwise "grouped" under oneDNN: at most CHUNK_FLOATS numbers per call (G unknown:
@@ -28,17 +28,15 @@ GUESSED_G = 32
 
 
 def tap_layout(options, use):
-    """How "shifts" lays out the taps of `use` (a `ConvOptions` `options`):
+    """How "shifts" lays out the taps of `use` (`options`: a `ConvOptions`):
 
-        "one"       a 1x1 filter (one tap, no groups): one matmul of the (strided) input;
-        "thin"      Cin < `thin_channels` in 2-D: the taps stacked along the contracted
-                    rows, the input channels-first, one matmul (`by_thin_taps`);
-        "channels"  few positions (P < `few_positions`, default `FEW_POSITIONS`), or
-                    T*P < Cout (stacking K results of [Cin, Cout] would copy more than
-                    the taps hold), or thin in 3-D: the taps side by side in channels
-                    (`geometry.patches`), one matmul into [G, K*Cin, Cout];
-        "per_tap"   one matmul per tap, the K results stacked (channel groups always:
-                    one contraction per tap and group).
+        "one"       a 1x1 filter (no groups): one matmul of the input, subsampled by
+                    ExtractImagePatches where strided in 2-D (not a strided slice);
+        "thin"      Cin < `thin_channels` in 2-D: `by_thin_taps`;
+        "channels"  P < `few_positions` (default `FEW_POSITIONS`), or T*P < Cout (K
+                    stacked [Cin, Cout] results would copy more than the taps hold), or
+                    thin in 3-D: the taps side by side (`geometry.patches`), one matmul;
+        "per_tap"   one matmul per tap, the K results stacked (always for groups).
     """
     shape = use.weight_shape.as_list()
     kernel, c_in, c_out = shape[:-2], shape[-2], shape[-1]
@@ -86,7 +84,9 @@ def by_shifts(options, use, dZ, G):
     if layout == "thin":
         return by_thin_taps(use, dZ, G)
     if layout != "per_tap" or g == 1:
-        if layout == "one":
+        if layout == "one" and len(kernel) == 2 and max(attributes(use.op)[0]) > 1:
+            x = patches(use.op, *kernel)                       # [N, Ho, Wo, Cin]
+        elif layout == "one":
             x = taps(use.op, kernel)[0]                        # [N, Ho, Wo, Cin]
         elif layout == "channels":
             x = patches(use.op, *kernel)                       # [N, Ho, Wo, K*Cin]
@@ -127,45 +127,40 @@ def _one_image_per_group(use, x, dZ, G):
     return tf.reshape(grad, group_target(G, use.weight_shape.as_list()))
 
 
-def by_grouped(use, dZ, G):
-    """"grouped" (2-D): the batch folded into channels, one Conv2DBackpropFilter."""
+def by_grouped(options, use, dZ, G):
+    """"grouped" (2-D): the batch folded into channels, x as [T, H, W, G*Cin] and dZ as
+    [T, Ho, Wo, G*Cout], one backward-filter kernel: Conv2DBackpropFilter of filter size
+    [kh, kw, Cin, G*Cout], or a depthwise one of [kh, kw, G*c, M] per chunk of c input
+    channels (oneDNN: G*c*kh*kw*M <= CHUNK_FLOATS, G unknown taken as GUESSED_G)."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     strides, dilations, _, _ = attributes(use.op)
     x, padding = explicitly_padded(use.op)
-    grad = tf.raw_ops.Conv2DBackpropFilter(
-        input=fold_groups(x, G, use.rows.k),      # [T, H, W, G*Cin]
-        filter_sizes=sizes([kh, kw, c_in, mul(G, c_out)]),
-        out_backprop=fold_groups(dZ, G, use.rows.k),   # [T, Ho, Wo, G*Cout]
-        strides=strides, padding=padding, dilations=dilations,
-        data_format="NHWC")                       # [kh, kw, Cin, G*Cout]
-    grad = tf.reshape(grad, _shapes.constant([kh, kw, c_in, -1, c_out]))
-    return tf.transpose(grad, _shapes.constant([3, 0, 1, 2, 4]))    # [G, kh, kw, Cin, Cout]
-
-
-def depthwise_by_grouped(options, use, dZ, G):
-    """Depthwise "grouped": the batch folded into channels, one backward-filter kernel on
-    chunks of c input channels (oneDNN: G*c*kh*kw*M <= CHUNK_FLOATS; else one call)."""
-    kh, kw, c_in, mult = use.weight_shape.as_list()
-    x, padding = explicitly_padded(use.op)
-    per_call = c_in if not onednn_runs(options) else max(
-        1, CHUNK_FLOATS // (kh * kw * mult * (G if isinstance(G, int) else GUESSED_G)))
+    depthwise = use.op.type == "DepthwiseConv2dNative"
+    per_call = c_in if not (depthwise and onednn_runs(options)) else max(
+        1, CHUNK_FLOATS // (kh * kw * c_out * (G if isinstance(G, int) else GUESSED_G)))
     count = -(-c_in // per_call)
     chunks = [c_in // count + (1 if j < c_in % count else 0) for j in range(count)]
     channels = _shapes.constant(3)
     xs = tf.split(x, _shapes.constant(chunks), channels) if count > 1 else [x]
-    dZs = (tf.split(dZ, _shapes.constant([c * mult for c in chunks]), channels)
+    dZs = (tf.split(dZ, _shapes.constant([c * c_out for c in chunks]), channels)
            if count > 1 else [dZ])
     grads = []
     for c, x_part, dZ_part in zip(chunks, xs, dZs):
-        grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=fold_groups(x_part, G, use.rows.k),              # [T, H, W, G*c]
-            filter_sizes=sizes([kh, kw, mul(G, c), mult]),
-            out_backprop=fold_groups(dZ_part, G, use.rows.k),      # [T, Ho, Wo, G*c*M]
-            strides=list(use.op.get_attr("strides")), padding=padding,
-            data_format="NHWC")                                   # [kh, kw, G*c, M]
-        grads.append(tf.reshape(grad, _shapes.constant([kh, kw, -1, c, mult])))
+        folded = dict(input=fold_groups(x_part, G, use.rows.k),         # [T, H, W, G*c]
+                      out_backprop=fold_groups(dZ_part, G, use.rows.k),  # [T, Ho, Wo, ..]
+                      strides=strides, padding=padding, data_format="NHWC")
+        if depthwise:
+            grad = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+                filter_sizes=sizes([kh, kw, mul(G, c), c_out]), **folded)  # [kh, kw, G*c, M]
+            grads.append(tf.reshape(grad, _shapes.constant([kh, kw, -1, c, c_out])))
+        else:
+            grad = tf.raw_ops.Conv2DBackpropFilter(
+                filter_sizes=sizes([kh, kw, c_in, mul(G, c_out)]), dilations=dilations,
+                **folded)                                            # [kh, kw, Cin, G*Cout]
+            grads.append(tf.reshape(grad, _shapes.constant([kh, kw, c_in, -1, c_out])))
     grad = tf.concat(grads, channels) if count > 1 else grads[0]  # [kh, kw, G, Cin, M]
-    return tf.transpose(grad, _shapes.constant([2, 0, 1, 3, 4]))  # [G, kh, kw, Cin, M]
+    return tf.transpose(grad, _shapes.constant([2, 0, 1, 3, 4] if depthwise else
+                                               [3, 0, 1, 2, 4]))  # [G, kh, kw, Cin, Cout]
 
 
 def _tap_index(taps, dilation, out, stride):

@@ -55,23 +55,19 @@ import tensorflow as tf
 
 from pertower import _context
 from pertower._convolution import norms as _conv_norms
-from pertower._convolution import options as _conv_options
 from pertower._convolution import squares as _conv_squares
 from pertower._convolution import views as _conv_views
 from pertower._convolution import ways as _conv_ways
+from pertower._convolution.options import (  # (public here: `rules.conv2d.ConvOptions`)
+    STRATEGIES, ConvOptions, onednn_enabled, onednn_runs, untrusted_filter_gradient)
 from pertower._convolution.geometry import (
-    attributes, check_convolution, filter_gradient, groups, patches, per_group_of_live_taps,
+    attributes, filter_gradient, groups, patches, per_group_of_live_taps,
     spatial_pads)
 from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
 __all__ = ["STRATEGIES", "ConvOptions", "ConvolutionRule", "Conv2DRule", "TransposedRule",
            "ViewUse", "onednn_enabled", "untrusted_filter_gradient", "register"]
-
-STRATEGIES = _conv_options.STRATEGIES
-ConvOptions = _conv_options.ConvOptions
-onednn_enabled = _conv_options.onednn_enabled
-untrusted_filter_gradient = _conv_options.untrusted_filter_gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +105,22 @@ class ConvolutionRule(registry_lib.Rule):
                 op.inputs[0].shape[1:].is_fully_defined() and
                 op.outputs[0].shape[1:4].is_fully_defined())):
             return "the input's and output's depths, heights, widths and channels are not static"
-        view = _conv_views.view_of(op, slot, analysis)   # NCHW, SpaceToBatchND blocks
+        if slot != 1:
+            return "the weight is the convolution's input, not its filter"
+        if not op.inputs[1].shape.is_fully_defined():
+            return "the filter's shape is not static"
+        view = _conv_views.view_of(op, analysis)   # NCHW, SpaceToBatchND blocks
         if view is not None:
             return view if isinstance(view, str) else ViewUse(
                 op, slot, self, op.inputs[0], op.outputs[0], op.inputs[1].shape, view[1],
                 view=view[0])
-        rows = check_convolution(op, slot, analysis)
+        if op.get_attr("data_format") not in (b"NHWC", b"NDHWC"):
+            return (f"data_format {op.get_attr('data_format').decode()} (only channels last, "
+                    "NHWC or NDHWC, is covered)")
+        if groups(op) is None:
+            return (f"the filter's {op.inputs[1].shape[-2]} input channels do not divide "
+                    f"the input's channels ({op.inputs[0].shape[-1]}) into groups")
+        rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
         if isinstance(rows, str):
             return rows
         use = registry_lib.Use(op, slot, self, op.inputs[0], op.outputs[0],
@@ -152,7 +158,7 @@ class ConvolutionRule(registry_lib.Rule):
         if use.op.inputs[0].dtype != tf.float32:
             return (f"needs float32 (TensorFlow has no CPU kernel for it in "
                     f"{use.op.inputs[0].dtype.name})")
-        if not _conv_options.onednn_runs(self.options):
+        if not onednn_runs(self.options):
             return ("needs TensorFlow's oneDNN CPU kernels (its other CPU kernels refuse "
                     "grouped convolutions)")
         return None
@@ -192,13 +198,12 @@ class ConvolutionRule(registry_lib.Rule):
         if live is not None:      # a filter larger than its map: the live taps only
             return live
         strategy = self.strategy(use, G)
-        if _depthwise(use.op) and strategy == "grouped":
-            return _conv_ways.depthwise_by_grouped(self.options, use, dZ, G)
-        if (strategy == "grouped" and not (isinstance(G, int) and G > 1) and
+        if (strategy == "grouped" and not _depthwise(use.op) and
+                not (isinstance(G, int) and G > 1) and
                 untrusted_filter_gradient(use, self.options)):
             strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
         if strategy == "grouped":
-            return _conv_ways.by_grouped(use, dZ, G)
+            return _conv_ways.by_grouped(self.options, use, dZ, G)
         if strategy == "shifts":
             return _conv_ways.by_shifts(self.options, use, dZ, G)
         return _conv_ways.by_patches(use, dZ, G)

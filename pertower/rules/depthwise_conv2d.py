@@ -6,12 +6,10 @@ at position p is sum_{u,v} x_p[u, v, c] W[u, v, c, m], so
     grad_i(W)[u, v, c, m] = sum_p x_ip[u, v, c] dz_ip[c*M + m],
 computed one of two ways (`_convolution.ways`, each tested against the oracle):
 
-    "grouped"  the batch folded into channels: x as [T, H, W, G*Cin] and dZ as
-               [T, Ho, Wo, G*Cin*M] are the input and output gradient of ONE depthwise
-               convolution, so DepthwiseConv2dNativeBackpropFilter gives
-               [kh, kw, G*Cin, M]; under oneDNN on chunks of the input channels of at
-               most CHUNK_FLOATS numbers each (beyond ~32k oneDNN's kernel slows down
-               tenfold: docs/conv_ways.md);
+    "grouped"  x as [T, H, W, G*Cin] and dZ as [T, Ho, Wo, G*Cin*M] are the input and
+               output gradient of ONE depthwise convolution, whose backward-filter
+               kernel gives [kh, kw, G*Cin, M]; under oneDNN on chunks of the channels of
+               at most CHUNK_FLOATS numbers (beyond ~32k it slows down tenfold);
     "patches"  the patches ordered (kh, kw, Cin) and one contraction per group.
 
 "auto" takes "grouped" wherever it runs (float32, no dilation, equal strides: it never
