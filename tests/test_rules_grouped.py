@@ -6,7 +6,7 @@ output through Squeeze: `rules/function_call.py` maps the call's tensors to the 
 op's through such re-layouts (`rules/_call_layouts.py`: Identity, ExpandDims, Squeeze,
 Reshape that keep axis 0, or static ones). A Conv2D with one input channel per group
 (groups = channels, ConvNeXt's 7x7 stages) is a depthwise convolution and takes the
-depthwise rule's ways (`_convolution/grouped.py`), one backward-filter kernel for every
+depthwise rule's ways (`_convolution/views.py`), one backward-filter kernel for every
 group instead of one contraction per tap.
 
 The fast model (B=3, inference mode, per-example softmax cross-entropy) has Conv1D with

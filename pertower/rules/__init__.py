@@ -14,7 +14,7 @@ Built-in rules (each file states its identity and reference):
                          Minimum, SquaredDifference, Pow, SelectV2, ... (one rule)
     conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks;
                          groups = channels through the depthwise rule,
-                         `pertower/_convolution/grouped.py`)
+                         `pertower/_convolution/views.py`)
     conv2d_transpose.py  Conv2DBackpropInput (transposed convolutions)
     conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks; channel groups),
                          Conv3DBackpropInputV2
