@@ -92,7 +92,7 @@ def by_shifts(options, use, dZ, G):
             x = patches(use.op, *kernel)                       # [N, Ho, Wo, K*Cin]
         else:
             x = None
-        if _shapes.rows_are_groups(dZ, G, k):   # one image per group: Einsums in place
+        if len(kernel) == 2 and _shapes.rows_are_groups(dZ, G, k):   # Einsums in place
             return _one_image_per_group(use, x, dZ, G)
         dZ_g = to_groups(dZ, G, k)                            # [G, T*P, Cout]
         if x is not None:
@@ -114,10 +114,9 @@ def by_shifts(options, use, dZ, G):
 
 
 def _one_image_per_group(use, x, dZ, G):
-    """"shifts" with one image per group (T = 1, no channel groups): ONE Einsum of the
-    [N, Ho, Wo, C] tensors as they are (`x`, or each tap where None) per contraction."""
-    spatial = "dhw"[3 - (dZ.shape.rank - 2):]
-    contract = f"n{spatial}c,n{spatial}o->nco"
+    """"shifts" with one image per group (T = 1, no channel groups, 2-D): ONE Einsum of
+    the [N, Ho, Wo, C] tensors as they are (`x`, or each tap where None) per contraction."""
+    contract = "nhwc,nhwo->nco"
     if x is not None:
         grad = tf.einsum(contract, x, dZ)                      # [N, K*Cin, Cout]
     else:
