@@ -3,7 +3,8 @@
 
 Notation as in `rules.conv2d`; B examples, C columns, R = k*P rows per example,
 I = kh*kw*Cin, dz_ipc column c's output gradient:
-    squares_i(W) = sum_c grad_{i,c}(W)^2,   grad_{i,c}(W) = sum_p x_ip ⊗ dz_ipc.
+    squares_i(W) = sum_c grad_{i,c}(W)^2,   grad_{i,c}(W) = sum_p x_ip ⊗ dz_ipc,
+two exact ways:
 
     "formed"  the columns folded into the output channels (channel c*Cout + o; depthwise
               ch*(C*M) + c*M + j): dZ moved to [N, Ho, Wo, C, Cout] is the output
