@@ -2,12 +2,10 @@
 `rules.conv2d.ConvolutionRule.norm_strategy` forms them ("formed"), kept for the
 clipped sum (`registry.FormedNorms`). Notation as in `rules.conv2d`.
 
-Layout. The padded input is moved channels-first once, [G, Cin, T, H', W']; its kh*kw
-taps (strided slices on the spatial axes) are concatenated along the channels into the
-rows [G, kh*kw*Cin, T*P], in the filter's order, and their product with dZ,
-[G, T*P, Cout], writes the per-group gradients [G, kh*kw*Cin, Cout]: the filter's
-layout without a transpose, so the clipped sum is only reshaped. Their squared norms
-are one contraction of that tensor with itself, straight to [G].
+Layout. The padded input moved channels-first once, [G, Cin, T, H', W']; its kh*kw taps
+concatenated into the rows [G, kh*kw*Cin, T*P] (the filter's order), whose product with
+dZ [G, T*P, Cout] is the per-group gradients [G, kh*kw*Cin, Cout] (the clipped sum is
+only reshaped); their squared norms one sum of squares, straight to [G].
 
 Chunks (G and T*P static): the rows are built for chunks of whole groups of at most
 CHUNK_FLOATS numbers (`chunk_sizes`), reused from the heap where the whole rows would be

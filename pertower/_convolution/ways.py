@@ -170,15 +170,12 @@ def _tap_index(taps, dilation, out, stride):
 
 
 def by_thin_taps(use, dZ, G):
-    """"shifts", "thin" (2-D, no channel groups): the rows [N, Cin*kh*kw, P] of the
-    contraction, grad(W)[u, v, c, o] = sum_p rows[(c, u, v), p] dz_p[o], built from the
-    channels-first padded input [N, Cin, H', W'] with a number of ops that does not grow
-    with the taps: the kh row taps by ONE GatherV2 of its rows (index u*d + i*s):
-    [N, Cin, kh, Ho, W']; then with a column stride of 1 the kw column taps as kw slices
-    stacked, else (a strided slice copies value by value) the rows moved last and ONE
-    GatherV2 of whole columns, [N, Cin, kh, kw, Wo, Ho] contracted with dZ as
-    [N, Wo, Ho, Cout]. One batched matmul per image, summed over each group's T images,
-    the small result moved to the filter's order."""
+    """"shifts", "thin" (2-D, no groups): grad(W)[u, v, c, o] = sum_p rows[(c, u, v), p]
+    dz_p[o], the rows [N, Cin*kh*kw, P] built from the channels-first padded input
+    [N, Cin, H', W'] by ops that do not grow with the taps: ONE GatherV2 of the kh row
+    taps (index u*d + i*s), then kw column slices stacked (column stride 1) or ONE
+    GatherV2 of whole columns (strided: [N, Cin, kh, kw, Wo, Ho], dZ as [N, Wo, Ho, Cout]);
+    one batched matmul per image, summed per group, moved to the filter's order."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     strides, dilations, _, _ = attributes(use.op)
     out_h, out_w = _rows.static_dims(use.op.outputs[0])[1:3]
