@@ -156,7 +156,7 @@ def test_the_copy_where_the_backward_cannot_be_built(monkeypatch, how):
     `tf.gradients` (a training op built after the first run works)."""
     import contextlib  # pylint: disable=import-outside-toplevel
     from pertower import _tf  # pylint: disable=import-outside-toplevel
-    from pertower.rules import _loop_backward
+    from pertower._loops import backward as _loop_backward
     if how == "unread_activation":
         monkeypatch.setattr(_loop_backward, "_DZ_ONLY_OP_TYPES", frozenset())
     # "helpers": as on a TensorFlow without one of them (the seam's switch)

@@ -24,7 +24,7 @@ from pertower import _context
 from pertower import _dispatch
 from pertower import _request
 from pertower._guards import memory as memory_guard
-from pertower.rules import _loop_uses
+from pertower._loops import uses as _loop_uses
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower._curvature import memory as memory_lib

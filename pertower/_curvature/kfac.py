@@ -49,7 +49,7 @@ from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower._convolution import geometry as _conv_geometry
 from pertower import _engine
-from pertower.rules import _loop_uses
+from pertower._loops import uses as _loop_uses
 from pertower.rules import conv2d
 
 __all__ = ["KroneckerFactors", "kfac_factors"]

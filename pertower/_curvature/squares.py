@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from pertower import _engine
 from pertower import _tf
-from pertower.rules import _loop_uses
+from pertower._loops import uses as _loop_uses
 from pertower.rules import _rows
 
 __all__ = ["CurvatureResult", "covered_squares", "fallback_squares", "output_gradients",

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower.rules import _input_gradients
-from pertower.rules import _loops
+from pertower import _loops
 from pertower.rules import _shapes
 from pertower.rules import _weight_functions
 from pertower.rules import registry as registry_lib

@@ -11,7 +11,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _tf
 from pertower._engine.unassumed import UnassumedGradients
-from pertower.rules import _loops
+from pertower import _loops
 from pertower.rules import _weight_functions
 
 __all__ = ["build_plan"]

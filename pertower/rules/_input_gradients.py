@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from pertower import _tf
 from pertower._convolution import options as _conv_options
-from pertower.rules import _loop_uses
+from pertower._loops import uses as _loop_uses
 from pertower.rules import _shapes
 from pertower.rules import conv2d
 

@@ -61,12 +61,12 @@ from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
-from pertower.rules import _loop_backward
-from pertower.rules import _loop_copy
-from pertower.rules import _loop_uses
-from pertower.rules import _v1_loops
-from pertower.rules._loop_uses import (LoopUse, concrete_uses, differentiated,  # re-exported
-                                       output_gradients)
+from pertower._loops import backward as _loop_backward
+from pertower._loops import copy as _loop_copy
+from pertower._loops import uses as _loop_uses
+from pertower._loops import frames as _v1_loops
+from pertower._loops.uses import (LoopUse, concrete_uses, differentiated,  # re-exported
+                                  output_gradients)
 
 __all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradients"]
 

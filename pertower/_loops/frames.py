@@ -34,8 +34,8 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower.rules import _loop_uses
-from pertower.rules import _v1_loop_copy
+from pertower._loops import uses as _loop_uses
+from pertower._loops import frame_copy as _v1_loop_copy
 
 __all__ = ["Frame", "FrameUse", "frame_uses"]
 

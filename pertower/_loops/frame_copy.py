@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from pertower import _tf
 from pertower._tf import list_ops
-from pertower.rules import _loop_copy
+from pertower._loops import copy as _loop_copy
 
 __all__ = ["BuiltFrame"]
 

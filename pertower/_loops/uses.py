@@ -16,7 +16,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower.rules import _loop_copy
+from pertower._loops import copy as _loop_copy
 from pertower.rules import registry as registry_lib
 
 __all__ = ["LoopPlan", "LoopUse", "concrete_uses", "differentiated", "output_gradients",

@@ -43,7 +43,7 @@ from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._tf import list_ops
 from pertower._towers import later_gradients
-from pertower.rules import _loop_copy
+from pertower._loops import copy as _loop_copy
 from pertower.rules import registry as registry_lib
 
 __all__ = ["OwnBackward"]
