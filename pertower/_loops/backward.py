@@ -43,7 +43,7 @@ from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._tf import list_ops
 from pertower._towers import later_gradients
-from pertower._loops import copy as _loop_copy
+from pertower._loops import copy
 from pertower.rules import registry as registry_lib
 
 __all__ = ["OwnBackward"]
@@ -62,7 +62,7 @@ class OwnBackward:
 
     def __init__(self, loop):
         self.loop = loop
-        self._copy = None if _supported(loop) else _loop_copy.BuiltCopy(loop)
+        self._copy = None if _supported(loop) else copy.BuiltCopy(loop)
         self._uses = None
 
     @property
@@ -70,7 +70,7 @@ class OwnBackward:
         """The built `Use` of each loop use (A_all example-major, [B*k*T, *a], and the
         key of dZ_all), known once `output_gradients` has run (else the copy's)."""
         if self._copy is None and self._uses is None:
-            self._copy = _loop_copy.BuiltCopy(self.loop)   # asked for before the backward
+            self._copy = copy.BuiltCopy(self.loop)   # asked for before the backward
         return self._copy.uses if self._copy is not None else self._uses
 
     def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
@@ -85,7 +85,7 @@ class OwnBackward:
                     raise
                 _fresh_graphs(self.loop.op)
         if self._copy is None:
-            self._copy = _loop_copy.BuiltCopy(self.loop)
+            self._copy = copy.BuiltCopy(self.loop)
         return self._copy.output_gradients(d_outputs, unconnected, others, stops)
 
     def _backward(self, d_outputs, others, stops):
@@ -201,10 +201,10 @@ class OwnBackward:
         found, uses = {}, []
         for j, use in enumerate(loop.uses):
             z = loop.targets[j][0].outputs[0]
-            dz = _loop_copy.example_major(list_ops.tensor_list_stack(
+            dz = copy.example_major(list_ops.tensor_list_stack(
                 tf.identity(outputs[first + j]), z.dtype,
                 element_shape=[-1] + z.shape.as_list()[1:]))              # [B*k*T, *z]
-            a = dz if stand_ins[j] else _loop_copy.example_major(list_ops.tensor_list_stack(
+            a = dz if stand_ins[j] else copy.example_major(list_ops.tensor_list_stack(
                 tf.identity(outputs[first + J + j]), use.activation.dtype,
                 element_shape=_element_shape(use.activation)))            # [B*k*T, *a]
             key = dz if self._uses is None else self._uses[j].output

@@ -1,83 +1,28 @@
-"""Weights read inside a TF2 while loop (Keras GRU/LSTM, tf.while_loop): per-step A and dZ.
+"""A TF2 `While` loop's plan (Keras GRU/LSTM, `tf.while_loop`): see `pertower._loops`.
 
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    T   iterations the loop ran        k   rows per example of one step's A and Z
-    W   a weight read in the loop body by an op that has a rule (`Z_t = A_t W`, ...)
-    ε   zeros [T, B*k, *z] added to the step's Z: Z_t + ε[t]
-
-The rules need, for every read of W, the op's batch-side input A and dZ, the gradient
-of sum(ys) at its output. Inside a loop both exist once per step, and `tf.gradients`
-cannot reach a tensor inside a loop body from outside. They come from ONE backward
-pass of the loop, TensorFlow's own with each step's dZ_t and A_t pushed to lists
-(`pertower.rules._loop_backward`, run from a duplicate of the user's op). Where that
-backward cannot be built (TensorFlow's private helpers differ, ...), the loop is
-copied (a new
-`While` built with `while_v2`, the user's op and functions untouched), its body the
-original body's ops with, at every covered op, Z_t replaced by Z_t + ε[t] (ε an extra
-loop input, a TensorList read at the step counter) and A_t written to an extra
-TensorList output [T, B*k, *a]. Since ε = 0, the copy computes what the loop computes,
-and by the chain rule d sum(ys) / dε[t] = dZ_t. With dL/dOut the gradient of sum(ys)
-at the ORIGINAL loop's outputs (from the engine's one `tf.gradients` call, which
-stops there; the copy's outputs have the same values), ONE backward pass of the copy,
-`tf.gradients(copy outputs, ε, grad_ys=dL/dOut)`, gives dZ_t for every step and every
-covered op at once, and, in the same pass, the gradients of the tensors before the
-loop along the paths through it (an embedding's dZ), as the loop's own backward does
-(`_loop_uses.output_gradients`). Example i's rows of step t are its own (the proof below), so
-
-    grad_i(W) = sum over t of rule(A_t, dZ_t) for example i = rule(A_all, dZ_all),
-
-with A_all, dZ_all the steps laid out example-major ([T, B*k, ...] -> [B*k*T, ...]):
-the op's own rule, unchanged (a dense read is Goodfellow's sum of outer products over
-its k*T rows, its norm the ghost norm of Li et al. 2022, arXiv 2110.05679, and a
-clipped sum the reweighted batch gradient, Bu et al. 2023, arXiv 2210.00038: the
-book-keeping of ghost clipping, through time). Cost: a forward pass of the loop (the
-duplicate, or the copy) and one backward pass, the only one (no per-example pass, and
-the lists are sized by the fed batch, so no batch_size is needed), where per-example
-weight copies [B, *W] inside the body
-(the other way considered) would multiply the loop's weight reads and the backward
-loop's weight-gradient accumulators by B.
-
-Proof obligations, each checked while planning (else the weight stays on the fallback,
-with the reason): the batch-axis analysis proves `ys` row-wise (the engine), and,
-seeded with the loop variables' settled values, proves A_t's and Z_t's rows
-example-major in the body; the loop follows while_v2's layout (input 0 an iteration
-counter starting at 0 that the body increments by 1: T is the original loop's output
-0, known before the copy runs); the body calls no function and has no stateful op but
-variable reads (the copy must draw nothing); the weight is a loop-invariant resource
-input that the body only reads (ReadVariableOp, then the layout-only ops the engine
-allows) and the condition never reads; the covered op's other outputs are unused; and
-Z's shape past axis 0 is static; the op's rule reads only A, dZ, the weight's shape and
-the op's attributes (`step_rule_reason`). A weight's value passed as a loop input (a
-reference variable's snapshot) is read like a resource's value. TF1 (v1) while loops
-(Enter/Merge/Switch frames): `pertower.rules._v1_loops`.
+What is checked while planning (else the weight stays on the fallback, with the
+reason): the loop follows while_v2's layout (input 0 an iteration counter from 0 by 1:
+T is the loop's output 0); its body calls no function and has no stateful op but
+variable reads; the batch-axis analysis, seeded with the loop variables' settled values,
+proves A_t's and Z_t's rows example-major in the body; the weight is a loop-invariant
+input (a resource, or a reference variable's value) that the body only reads and the
+condition never reads (`uses.LoopPlan`).
 """
 
 import tensorflow as tf
 
 from pertower import _batch_axis
-from pertower import _context
 from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._batch_axis import analysis as analysis_lib
 from pertower._batch_axis import lattice
-from pertower._loops import backward as _loop_backward
-from pertower._loops import copy as _loop_copy
-from pertower._loops import uses as _loop_uses
-from pertower._loops import frames as _v1_loops
-from pertower._loops.uses import (LoopUse, concrete_uses, differentiated,  # re-exported
-                                  output_gradients)
+from pertower._loops import backward
+from pertower._loops import copy
+from pertower._loops import uses as uses_lib
 
-__all__ = ["LoopUse", "Loops", "concrete_uses", "differentiated", "output_gradients"]
+__all__ = ["WhileLoop"]
 
-# Body op types a copy may hold that are stateful in TensorFlow's sense (the copy
-# reads the same values as the loop).
-_STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES
-_SCOPE = "loop_weights"
-_UNCHANGED = frozenset({"Identity", "Snapshot"})
-# Public functions that read the plan's uses themselves (not through the engine), where a
-# TF1 frame's weights keep their row passes.
-_CURVATURE_CALLERS = frozenset({"sum_grad_squared", "diag_ggn", "kfac_factors"})
+
 class _BodyAnalysis:
     """The batch-axis values of a loop body's tensors, read like an `Analysis`."""
 
@@ -94,75 +39,8 @@ class _BodyAnalysis:
         return lattice.complete(value, tensor.shape)
 
 
-class Loops:
-    """The while loops of one plan whose weights the rules may cover (one `LoopCopy`
-    per loop op, analysed once)."""
-
-    def __init__(self, request, analysis, registry):
-        self.request = request
-        self.analysis = analysis
-        self.registry = registry
-        self._copies = {}
-        self._frames = {}      # TF1 frames by name (`pertower.rules._v1_loops`)
-
-    def frame_uses(self, enter, fallback):
-        """The uses of the weight that the TF1 loop op `enter` (Enter) takes into its
-        frame (`pertower.rules._v1_loops`), or `fallback` (the reason the weight is not
-        covered) with the frame's reason."""
-        if _context.name() in _CURVATURE_CALLERS:   # they read plan.uses' A and Z directly
-            return (f"{fallback}: {_context.name()} does not take a loop's per-step reads "
-                    "(row passes)")
-        found = _v1_loops.frame_uses(self._frames, self, enter)
-        return f"{fallback}: {found}" if isinstance(found, str) else found
-
-    def uses(self, reads, fallback):
-        """The `LoopUse`s of the weight of `reads` (a `WeightReads`) inside the loops
-        it is passed to as a resource handle (TF2 loops, and TF1 frames: `fallback(op)`
-        gives the reason the weight is not covered in those), or a string saying why
-        they are not covered."""
-        found = []
-        for enter in reads.loop_inputs:
-            uses = self.frame_uses(enter, fallback(enter))
-            if isinstance(uses, str):
-                return uses
-            found.extend(uses)
-        for op, index in reads.call_inputs:
-            if op.type not in op_types.WHILE_OP_TYPES:
-                return (f"it is read inside the function body of {op.name!r} ({op.type}), "
-                        "where no rule looks")
-            uses = self._loop_uses(op, index)
-            if isinstance(uses, str):
-                return uses
-            found.extend(uses)
-        return found
-
-    def inner_uses(self, exit_, fallback):
-        """For a weight's value passed to a loop (an exit edge of its weight-only region,
-        `rules._weight_functions.Exit`, into a TF1 Enter or a TF2 While): its uses inside,
-        or a string saying why they are not covered; None for any other op."""
-        op = exit_.op
-        # a reference variable's value comes through its snapshot (Identity)
-        changed = [o for o in exit_.through if o.type not in _UNCHANGED]
-        if op.type in op_types.V1_ENTER_OP_TYPES:
-            return fallback(op) if changed else self.frame_uses(op, fallback(op))
-        if op.type in op_types.WHILE_OP_TYPES:
-            if changed:
-                return (f"it is passed to the while loop {op.name!r} ({op.type}) through "
-                        + ", ".join(f"{o.name!r} ({o.type})" for o in exit_.through))
-            return self._loop_uses(op, exit_.slot)
-        return None
-
-    def _loop_uses(self, op, index):
-        if op not in self._copies:
-            self._copies[op] = LoopCopy(op, self)
-        uses = self._copies[op].weight_uses(index)
-        if isinstance(uses, str):
-            return f"it is read inside the while loop {op.name!r} ({op.type}): {uses}"
-        return uses
-
-
-class LoopCopy(_loop_uses.LoopPlan):
-    """One while loop: its analysis while planning, its rewritten copy when built."""
+class WhileLoop(uses_lib.LoopPlan):
+    """One While op: its analysis while planning, its backward or copy when built."""
 
     def __init__(self, op, loops):
         self.op = op
@@ -170,6 +48,7 @@ class LoopCopy(_loop_uses.LoopPlan):
         self.targets = []       # (body op, slot): the covered reads, in LoopUse.index order
         self.uses = []          # the LoopUses, same order
         self.step_rows = []     # k of each covered read's A_t and Z_t (static)
+        self.reads, self.writes = {}, {}   # TF1 TensorArrays: none here
         self._built = None
         self.reason = self._analyse()
 
@@ -193,11 +72,11 @@ class LoopCopy(_loop_uses.LoopPlan):
             return ("its first loop variable is not an iteration counter from 0 (while_v2's "
                     "layout), so the number of steps is not known before a copy runs")
         for inner in body.get_operations():
-            reason = _loop_uses.unreplayable_reason(inner, _STATEFUL_ALLOWED)
+            reason = uses_lib.unreplayable_reason(inner, op_types.VARIABLE_READ_OP_TYPES)
             if reason is not None:
                 return reason
         self.needed = self._needed_variables()
-        self.live = _loop_copy.graph_upstream([body.outputs[i] for i in self.needed])
+        self.live = uses_lib.graph_upstream([body.outputs[i] for i in self.needed])
         scan = self._settled_scan()
         if isinstance(scan, str):
             return scan
@@ -211,10 +90,10 @@ class LoopCopy(_loop_uses.LoopPlan):
         self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys is or reads
                      if t is ys or any(c in upstream for c in t.consumers())]
         needed = {0} | set(self.read)
-        cond_ops = _loop_copy.graph_upstream(self.cond.outputs)
+        cond_ops = uses_lib.graph_upstream(self.cond.outputs)
         needed |= {i for i, t in enumerate(self.cond.inputs) if t.op in cond_ops}
         while True:
-            ops = _loop_copy.graph_upstream([self.body.outputs[i] for i in needed])
+            ops = uses_lib.graph_upstream([self.body.outputs[i] for i in needed])
             more = needed | {i for i, t in enumerate(self.body.inputs) if t.op in ops}
             if more == needed:
                 return sorted(needed)
@@ -252,14 +131,16 @@ class LoopCopy(_loop_uses.LoopPlan):
         handle = body.inputs[index]
         if body.outputs[index] is not handle:
             return "the weight's loop variable is not passed on unchanged"
-        if handle.consumers() and any(c in _loop_copy.graph_upstream(self.cond.outputs)
+        if handle.consumers() and any(c in uses_lib.graph_upstream(self.cond.outputs)
                                       for c in self.cond.inputs[index].consumers()):
             return "its condition reads the weight"
         return self.weight_uses_from(handle)
 
-    # what `_loop_uses.LoopPlan` asks of a TF2 loop
-    _scope = _SCOPE
-    _use_type = LoopUse
+    # what `uses.LoopPlan` asks of a loop
+
+    @property
+    def where(self):
+        return repr(self.op.name)
 
     def _in_body(self, op):
         return op in self.live
@@ -286,7 +167,63 @@ class LoopCopy(_loop_uses.LoopPlan):
                 if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
 
     def _make_copy(self):
-        return _loop_backward.OwnBackward(self)
+        return backward.OwnBackward(self)
+
+    # -- what `copy.BuiltCopy` asks of a loop --------------------------------------------
+
+    @property
+    def steps(self):
+        return self.op.outputs[0]
+
+    @property
+    def edits_user_op(self):
+        return not differentiated_before(self.op)
+
+    def copy_variables(self):
+        """The copy's `CopyVariable`s: the `needed` loop variables, but a resource the
+        body receives unchanged and only reads: its reads are made once, before the loop
+        (`outer`; a read inside is a per-step intermediate, which the copy's backward
+        would accumulate), and it is carried only if the condition reads it."""
+        body, cond, op = self.body, self.cond, self.op
+        cond_ops = uses_lib.graph_upstream(cond.outputs)
+        self.outer, hoisted, variables, self._kept = {}, set(), [], []
+        for i in self.needed:
+            inner = body.inputs[i]
+            readers = [c for c in inner.consumers() if c in self.live]
+            if (inner.dtype == tf.resource and body.outputs[i] is inner
+                    and all(c.type == "ReadVariableOp" for c in readers)):
+                for read in readers:
+                    hoisted.add(read)
+                    self.outer[read.outputs[0].ref()] = tf.raw_ops.ReadVariableOp(
+                        resource=op.inputs[i], dtype=read.get_attr("dtype"))
+                if not any(c in cond_ops for c in cond.inputs[i].consumers()):
+                    continue
+            self._kept.append(i)
+            variables.append(copy.CopyVariable(op.inputs[i], inner.shape, cond.inputs[i],
+                                               inner, body.outputs[i]))
+        order = _tf.op_order_key()
+        inputs = {t.op for t in body.inputs} | {t.op for t in cond.inputs}
+        self.body_ops = sorted(self.live - inputs - hoisted, key=order)
+        self.cond_ops = sorted(cond_ops - inputs, key=order)
+        self.cond_output = cond.outputs[0]
+        return variables
+
+    def copied_outputs(self, results):
+        """The copy's values of `reached_outputs`, from its final loop variables."""
+        position = {i: j for j, i in enumerate(self._kept)}
+        return [results[position[t.value_index]] for t in self.reached_outputs]
+
+
+def differentiated_before(op):
+    """Whether a gradient through the While op `op` has already edited it: while_v2's
+    `_WhileGrad` renames the body it gives accumulator outputs "..._rewritten" and sets
+    `_num_original_outputs` to the op's output count; a further gradient finds every
+    accumulator it reads (a loop that needed none is edited again, at no harm)."""
+    try:
+        return (op.get_attr("body").name.endswith("_rewritten")
+                and op.get_attr("_num_original_outputs") == len(op.outputs))
+    except ValueError:
+        return False
 
 
 def _function_graph(op, attr):

@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from pertower import _tf
 from pertower._convolution import options as _conv_options
-from pertower._loops import uses as _loop_uses
+from pertower import _loops
 from pertower.rules import _shapes
 from pertower.rules import conv2d
 
@@ -212,7 +212,7 @@ def one_sided_ops(plan, indices):
     found = {}
     for k in indices:
         for use in plan.uses[k] or ():
-            if isinstance(use, _loop_uses.LoopUse):
+            if isinstance(use, _loops.LoopUse):
                 continue
             op, slot = use.op, use.slot
             function = _ONE_SIDED.get((op.type, slot))
