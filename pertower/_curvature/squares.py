@@ -169,7 +169,7 @@ def fallback_squares(built, S, per_example, name):
 
 def output_gradients(plan, indices):
     """{id(Z): [1, *Z.shape]}: dZ of sum(ys) at every use's output, one tf.gradients
-    (a read inside a loop: at the key of its copy's dZ_all, `pertower.rules._loops`)."""
+    (a read inside a loop: at the key of its copy's dZ_all, `pertower._loops`)."""
     d_outputs = _engine.output_gradients(plan, indices)
     return {key: dZ[None] for key, dZ in d_outputs.items()}
 

@@ -56,14 +56,12 @@ class Frame(uses_lib.LoopPlan):
     """One v1 frame: its structure and analysis while planning, its copy when built."""
 
     def __init__(self, enter, name, loops):
+        super().__init__(loops)
         self.name = name
-        self.loops = loops
         self.graph = enter.graph
-        self.targets, self.uses, self.step_rows = [], [], []
-        self.reads = {}         # body TensorArrayReadV3 op -> the scattered tensor
-        self.writes = {}        # body TensorArrayWriteV3 op -> index of its loop variable
+        # reads: body TensorArrayReadV3 op -> the scattered tensor; writes: body
+        # TensorArrayWriteV3 op -> index of its loop variable
         self.after = []         # (tensor after the frame, loop variable index, op) reached
-        self._built = None
         self.reason = self._analyse()
 
     # -- planning ----------------------------------------------------------------------
@@ -193,11 +191,6 @@ class Frame(uses_lib.LoopPlan):
                 return None
         return ("it has no loop variable counting its iterations from 0 by 1, so the number "
                 "of steps is not known before a copy runs")
-
-    def _reached(self, tensor):
-        """Whether `ys` is `tensor` or reads it."""
-        request = self.loops.request
-        return tensor is request.ys or any(c in request.ys_upstream for c in tensor.consumers())
 
     def _outputs(self):
         """The tensors after the frame that `ys` reads: exits, and gathers or reads of

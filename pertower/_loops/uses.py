@@ -18,7 +18,7 @@ from pertower import _tf
 from pertower.rules import registry as registry_lib
 
 __all__ = ["LoopPlan", "LoopUse", "Placed", "Slice", "concrete_uses", "differentiated",
-           "graph_upstream", "output_gradients", "step_rule_reason", "unreplayable_reason"]
+           "output_gradients", "step_rule_reason", "unreplayable_reason"]
 
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
@@ -139,8 +139,8 @@ def _add(first, second):
 
 class LoopPlan:
     """What planning a loop's weights does for both kinds (`while_v2.WhileLoop`,
-    `frames.Frame`), which set `loops`, `reason`, `targets` ((body op, slot) of each
-    covered read), `uses`, `step_rows` (k of each) and `_built`, and define:
+    `frames.Frame`): `targets` ((body op, slot) of each covered read), `uses` and
+    `step_rows` (k of each) are filled here; the kinds set `reason` and define:
 
       where: how `explain` names the loop
       _in_body(op), _in_cond(op): whether the copy replays `op` in its body, condition
@@ -148,8 +148,19 @@ class LoopPlan:
       _steps_rows(use): k*T, the rows per example of A_all, or None when not static
       _make_copy(): what `built` returns (a `copy.BuiltCopy` or `backward.OwnBackward`)
     and, for the copy (`copy.BuiltCopy`): steps (T), cond_ops, body_ops, cond_output,
-    outer, reads, writes, edits_user_op, copy_variables(), copied_outputs(results).
+    outer, edits_user_op, copy_variables(), copied_outputs(results).
     """
+
+    def __init__(self, loops):
+        self.loops = loops
+        self.targets, self.uses, self.step_rows = [], [], []
+        self.reads, self.writes = {}, {}   # a TF1 frame's TensorArray reads and writes
+        self._built = None
+
+    def _reached(self, tensor):
+        """Whether `ys` is `tensor` or reads it."""
+        request = self.loops.request
+        return tensor is request.ys or any(c in request.ys_upstream for c in tensor.consumers())
 
     def weight_uses_from(self, tensor):
         """The `LoopUse`s of the weight the body receives as `tensor` (its resource
@@ -287,16 +298,3 @@ class Placed(registry_lib.Rule):
         total = (own(use, dZ, factors) if callable(own) else
                  registry_lib.default_clipped_sum(self.rule, use, dZ, factors))
         return self._place(total, False)
-
-
-def graph_upstream(tensors):
-    """The ops `tensors` depend on (data and control inputs), inside one graph."""
-    seen, stack = set(), [t.op for t in tensors]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen

@@ -12,6 +12,7 @@ condition never reads (`uses.LoopPlan`).
 import tensorflow as tf
 
 from pertower import _batch_axis
+from pertower import _graph_walk
 from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._batch_axis import analysis as analysis_lib
@@ -43,13 +44,8 @@ class WhileLoop(uses_lib.LoopPlan):
     """One While op: its analysis while planning, its backward or copy when built."""
 
     def __init__(self, op, loops):
+        super().__init__(loops)
         self.op = op
-        self.loops = loops
-        self.targets = []       # (body op, slot): the covered reads, in LoopUse.index order
-        self.uses = []          # the LoopUses, same order
-        self.step_rows = []     # k of each covered read's A_t and Z_t (static)
-        self.reads, self.writes = {}, {}   # TF1 TensorArrays: none here
-        self._built = None
         self.reason = self._analyse()
 
     # -- planning ----------------------------------------------------------------------
@@ -76,7 +72,7 @@ class WhileLoop(uses_lib.LoopPlan):
             if reason is not None:
                 return reason
         self.needed = self._needed_variables()
-        self.live = uses_lib.graph_upstream([body.outputs[i] for i in self.needed])
+        self.live = _graph_walk.upstream_ops([body.outputs[i] for i in self.needed])
         scan = self._settled_scan()
         if isinstance(scan, str):
             return scan
@@ -86,14 +82,12 @@ class WhileLoop(uses_lib.LoopPlan):
     def _needed_variables(self):
         """The loop variables the outputs `ys` reads (and the counter) depend on,
         through the body and the condition (accumulators of past gradients are not)."""
-        upstream, ys = self.loops.request.ys_upstream, self.loops.request.ys
-        self.read = [i for i, t in enumerate(self.op.outputs)   # the outputs ys is or reads
-                     if t is ys or any(c in upstream for c in t.consumers())]
+        self.read = [i for i, t in enumerate(self.op.outputs) if self._reached(t)]
         needed = {0} | set(self.read)
-        cond_ops = uses_lib.graph_upstream(self.cond.outputs)
+        cond_ops = _graph_walk.upstream_ops(self.cond.outputs)
         needed |= {i for i, t in enumerate(self.cond.inputs) if t.op in cond_ops}
         while True:
-            ops = uses_lib.graph_upstream([self.body.outputs[i] for i in needed])
+            ops = _graph_walk.upstream_ops([self.body.outputs[i] for i in needed])
             more = needed | {i for i, t in enumerate(self.body.inputs) if t.op in ops}
             if more == needed:
                 return sorted(needed)
@@ -131,7 +125,7 @@ class WhileLoop(uses_lib.LoopPlan):
         handle = body.inputs[index]
         if body.outputs[index] is not handle:
             return "the weight's loop variable is not passed on unchanged"
-        if handle.consumers() and any(c in uses_lib.graph_upstream(self.cond.outputs)
+        if handle.consumers() and any(c in _graph_walk.upstream_ops(self.cond.outputs)
                                       for c in self.cond.inputs[index].consumers()):
             return "its condition reads the weight"
         return self.weight_uses_from(handle)
@@ -185,7 +179,7 @@ class WhileLoop(uses_lib.LoopPlan):
         (`outer`; a read inside is a per-step intermediate, which the copy's backward
         would accumulate), and it is carried only if the condition reads it."""
         body, cond, op = self.body, self.cond, self.op
-        cond_ops = uses_lib.graph_upstream(cond.outputs)
+        cond_ops = _graph_walk.upstream_ops(cond.outputs)
         self.outer, hoisted, variables, self._kept = {}, set(), [], []
         for i in self.needed:
             inner = body.inputs[i]
