@@ -72,8 +72,8 @@ class Frame(uses_lib.LoopPlan):
         enters = [op for op in self.graph.get_operations()
                   if op.type in op_types.V1_ENTER_OP_TYPES
                   and op.get_attr("frame_name").decode() == self.name]
-        if any(op.inputs[0].op.type in _PLUMBING or _context_of(op.inputs[0].op) is not None
-               for op in enters):
+        if any(op.inputs[0].op.type in _PLUMBING
+               or _tf.control_flow_context(op.inputs[0].op) is not None for op in enters):
             return "it is nested in another loop or cond"
         if any(op.type != "Enter" for op in enters):   # RefEnter: a reference-typed tensor
             return "it enters a reference-typed tensor"
@@ -136,7 +136,7 @@ class Frame(uses_lib.LoopPlan):
             op = stack.pop().op
             if op in seen:
                 continue
-            if op.type in _PLUMBING or _context_of(op) is None:
+            if op.type in _PLUMBING or _tf.control_flow_context(op) is None:
                 return f"its body or condition holds control flow ({op.name!r}, {op.type})"
             reason = uses_lib.unreplayable_reason(op, _STATEFUL_ALLOWED)
             if reason is not None:
@@ -215,7 +215,7 @@ class Frame(uses_lib.LoopPlan):
         return None
 
     def weight_uses(self, enter):
-        """The `FrameUse`s of the weight entered by `enter`, or a reason."""
+        """The `LoopUse`s of the weight entered by `enter`, or a reason."""
         if self.reason is not None:
             return self.reason
         if not enter.get_attr("is_constant"):
@@ -317,12 +317,6 @@ def _variable(enter):
         return f"its loop variable {merge.name!r} is not read through one Identity"
     return LoopVariable(enter, merge, switch, values[0].outputs[0], next_op.inputs[0],
                         exits[0] if exits else None)
-
-
-def _context_of(op):
-    """The op's TF1 control flow context (None outside loops and conds, and in a graph
-    imported without its while contexts)."""
-    return _tf.control_flow_context(op)
 
 
 def _counts_from_zero(indices):

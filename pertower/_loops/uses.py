@@ -1,11 +1,14 @@
 """The plan of a loop's weights, shared by TF2 `While` loops and TF1 frames.
 
 `LoopPlan` follows a weight from where the body receives it, through layout ops and
-`Unpack` slices (`Slice`, `Placed`), to the ops that read it, and checks each read
-against what the loop's per-step A_t and dZ_t can carry (`step_rule_reason`). A covered
-read is a `LoopUse`; the engine asks for the tensors to differentiate
-(`differentiated`), the per-step output gradients (`output_gradients`) and the built
-uses (`concrete_uses`). See `pertower._loops` for the notation and the identity.
+`Unpack` slices, to the ops that read it, and checks each read against what the loop's
+per-step A_t and dZ_t can carry (`step_rule_reason`). Each step of that walk that changes
+the weight's shape is a placement (`Slice`): the rule's result for the piece read is
+placed back into the weight's shape (`Placed`); another weight-side function inside a
+body would be another placement. A covered read is a `LoopUse`; the engine asks for the
+tensors to differentiate (`differentiated`), the per-step output gradients
+(`output_gradients`) and the built uses (`concrete_uses`). See `pertower._loops` for the
+notation and the identity.
 """
 
 import dataclasses
