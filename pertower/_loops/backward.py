@@ -27,7 +27,6 @@ from pertower import _tf
 from pertower._loops import copy
 from pertower._tf import list_ops
 from pertower._towers import later_gradients
-from pertower.rules import registry as registry_lib
 
 __all__ = ["OwnBackward"]
 
@@ -173,17 +172,12 @@ class OwnBackward:
         first = 3 + len(xs)
         found, uses = {}, []
         for j, use in enumerate(loop.uses):
-            z = loop.targets[j][0].outputs[0]
-            dz = copy.example_major(list_ops.tensor_list_stack(
-                tf.identity(outputs[first + j]), z.dtype,
-                element_shape=[-1] + z.shape.as_list()[1:]))              # [B*k*T, *z]
-            a = dz if stand_ins[j] else copy.example_major(list_ops.tensor_list_stack(
-                tf.identity(outputs[first + J + j]), use.activation.dtype,
-                element_shape=[-1] + copy.row_shape(use.activation)))            # [B*k*T, *a]
+            dz = copy.stacked(tf.identity(outputs[first + j]), use.output)    # [B*k*T, *z]
+            a = dz if stand_ins[j] else copy.stacked(
+                tf.identity(outputs[first + J + j]), use.activation)          # [B*k*T, *a]
             key = dz if self._uses is None else self._uses[j].output
             found[id(key)] = dz
-            uses.append(registry_lib.Use(use.op, use.slot, use.rule, a, key,
-                                         use.weight_shape, use.rows))
+            uses.append(copy.built_use(use, a, key))
         if self._uses is None:
             self._uses = uses
         d_inputs = _tf.structured_grad_output(outputs, grads, body_grad_graph)

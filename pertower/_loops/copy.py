@@ -18,8 +18,8 @@ from pertower._tf import list_ops
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BuiltCopy", "CopyVariable", "eps_gradients", "example_major", "row_shape",
-           "stacked_uses"]
+__all__ = ["BuiltCopy", "CopyVariable", "built_use", "eps_gradients", "example_major",
+           "row_shape", "stacked"]
 
 # attributes not copied: colocation with ops outside the copy's function
 _DROPPED_ATTRS = frozenset({"_class"})
@@ -50,7 +50,7 @@ class BuiltCopy:
         B = (request.batch_size if request.batch_size is not None else
              tf.shape(request.batch[0])[request.batch_axes[0]])
         variables = loop.copy_variables()
-        eps, eps_lists, a_lists, a_shapes = [], [], [], []
+        eps, eps_lists, a_lists = [], [], []
         for (target, _), use, k in zip(loop.targets, loop.uses, loop.step_rows):
             z, a = target.outputs[0], use.activation
             rest = z.shape.as_list()[1:]
@@ -58,8 +58,7 @@ class BuiltCopy:
             eps.append(zeros)
             eps_lists.append(list_ops.tensor_list_from_tensor(tf.reverse(zeros, [0]),
                                                               [-1] + rest))
-            a_shapes.append([-1] + row_shape(a))
-            a_lists.append(list_ops.empty_tensor_list(a_shapes[-1], a.dtype))
+            a_lists.append(list_ops.empty_tensor_list([-1] + row_shape(a), a.dtype))
         n, J = len(variables), len(loop.targets)
 
         def cond(*values):
@@ -90,7 +89,8 @@ class BuiltCopy:
         self.loop = loop
         self.outputs = loop.copied_outputs(results[:n])
         self.eps = eps
-        self.uses = stacked_uses(loop.uses, results[n:n + J], a_shapes, eps)
+        self.uses = [built_use(use, stacked(a_list, use.activation), e)
+                     for use, a_list, e in zip(loop.uses, results[n:n + J], eps)]
 
     def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
         """({id(ε_j): dZ_all_j, [B*k*T, *z]}, [gradient at each of `others`, or None])
@@ -142,16 +142,18 @@ def row_shape(tensor):
     return [-1 if d is None else d for d in tensor.shape.as_list()[1:]]
 
 
-def stacked_uses(uses, a_lists, a_shapes, eps):
-    """The built `Use` of each loop use: A_all example-major, [B*k*T, *a], from the
-    TensorList of A_t, and ε as the key of dZ_all."""
-    built = []
-    for use, a_list, a_shape, e in zip(uses, a_lists, a_shapes, eps):
-        stacked = list_ops.tensor_list_stack(a_list, use.activation.dtype,
-                                             element_shape=a_shape)
-        built.append(registry_lib.Use(use.op, use.slot, use.rule, example_major(stacked), e,
-                                      use.weight_shape, use.rows))
-    return built
+def stacked(tensor_list, like):
+    """The TensorList of the steps' values of the body tensor `like`, [T, B*k, ...],
+    stacked example-major: [B*k*T, ...]."""
+    return example_major(list_ops.tensor_list_stack(tensor_list, like.dtype,
+                                                    element_shape=[-1] + row_shape(like)))
+
+
+def built_use(use, activation, key):
+    """The built `Use` of the loop use `use`: A_all `activation`, and `key` the tensor
+    whose id keys dZ_all."""
+    return registry_lib.Use(use.op, use.slot, use.rule, activation, key, use.weight_shape,
+                            use.rows)
 
 
 def eps_gradients(copied, d_outputs, eps, unconnected, others=(), stops=()):
