@@ -11,7 +11,7 @@ cross-entropy, [B]. Timed, round robin after a warm-up (median of --repeats runs
 
     batch gradient    tf.gradients(sum(ys), xs): one forward and one backward pass
     per-example       pertower.per_example_gradients(ys, xs, batch=...), no batch_size:
-                      the loop's weights on the rules of `pertower.rules._loops`
+                      the loop's weights on the rules of `pertower._loops`
     norms             pertower.per_example_norms
     DP step           pertower.DPOptimizer(SGD).minimize (no noise), against a plain
                       SGD step
@@ -19,7 +19,7 @@ cross-entropy, [B]. Timed, round robin after a warm-up (median of --repeats runs
 
 `--v1`: the same model in a TF1 graph (tf.compat.v1.disable_v2_behavior(), run in a
 child process): an embedding lookup -> `tf.compat.v1.nn.dynamic_rnn` with LSTMCell,
-GRUCell or BasicRNNCell (a TF1 while frame, `pertower.rules._v1_loops`) -> a dense layer.
+GRUCell or BasicRNNCell (a TF1 while frame, `pertower._loops.frames`) -> a dense layer.
 `--onednn both` (the default) runs the model once with oneDNN off and once on, each in
 a child process (TF_ENABLE_ONEDNN_OPTS is read when TensorFlow starts).
 """

@@ -1,5 +1,5 @@
 """Weights read inside a TF2 while loop (Keras LSTM, GRU, SimpleRNN with unroll=False)
-on the rules of `pertower.rules._loops`, against the one-example loop: per-example
+on the rules of `pertower._loops`, against the one-example loop: per-example
 gradients, norms, microbatches and a DPOptimizer step, with a None batch dimension fed
 two batch sizes and no batch_size; `explain` shows each loop weight on the rules, per
 step; a loop the copy cannot reproduce keeps its weights on the towers, with the reason.

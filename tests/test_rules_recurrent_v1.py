@@ -1,4 +1,4 @@
-"""Weights read inside TF1 (v1) while frames on the rules (`pertower.rules._v1_loops`):
+"""Weights read inside TF1 (v1) while frames on the rules (`pertower._loops.frames`):
 `tf.compat.v1.nn.dynamic_rnn` with LSTMCell, GRUCell and BasicRNNCell (sequence_length
 given or not, batch- or time-major), a hand-written tf.while_loop over reference
 variables, without batch_size, against the one-example loop; a frame the copy cannot

@@ -1,6 +1,6 @@
 """What the rules build for weights read inside a TF2 while loop (no timing).
 
-`pertower.rules._loops` builds one backward pass of the loop (`rules._loop_backward`:
+`pertower._loops` builds one backward pass of the loop (`pertower._loops.backward`:
 TensorFlow's own, run from a duplicate of the user's op, with each covered read's dZ_t
 and A_t pushed); every gradient the rules need, those of the weights before the loop
 included, comes from that one backward pass (`_loop_uses.output_gradients`). Checked:

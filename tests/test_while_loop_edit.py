@@ -5,11 +5,11 @@
   through it does (same inputs, outputs, attributes and body), without building the
   backward op; a training op built after pertower's tensors have run then works
   (checked against the one-example loop and the batch gradient);
-- pertower builds ONE backward of the loop (`rules._loop_backward`): TensorFlow's own
+- pertower builds ONE backward of the loop (`pertower._loops.backward`): TensorFlow's own
   backward body plus the pushes of each covered read's dZ_t and A_t, run from a
   duplicate of the user's op, so that no tensor of pertower's reads an output the edit
   added to the user's op; where that backward cannot be built, the loop's copy
-  (`rules._loop_copy`) gives the same results.
+  (`pertower._loops.copy`) gives the same results.
 """
 
 import collections
@@ -156,7 +156,7 @@ def test_the_copy_where_the_backward_cannot_be_built(monkeypatch, how):
     `tf.gradients` (a training op built after the first run works)."""
     import contextlib  # pylint: disable=import-outside-toplevel
     from pertower import _tf  # pylint: disable=import-outside-toplevel
-    from pertower.rules import _loop_backward
+    from pertower._loops import backward as _loop_backward
     if how == "unread_activation":
         monkeypatch.setattr(_loop_backward, "_DZ_ONLY_OP_TYPES", frozenset())
     # "helpers": as on a TensorFlow without one of them (the seam's switch)

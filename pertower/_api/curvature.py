@@ -24,7 +24,7 @@ from pertower import _context
 from pertower import _dispatch
 from pertower import _request
 from pertower._guards import memory as memory_guard
-from pertower.rules import _loop_uses
+from pertower import _loops
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower._curvature import memory as memory_lib
@@ -186,7 +186,7 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
             outputs, seen, in_loops = [], set(), []
             for k in built.covered:
                 for use in plan.uses[k]:
-                    if isinstance(use, _loop_uses.LoopUse):   # read inside a loop
+                    if isinstance(use, _loops.LoopUse):   # read inside a loop
                         in_loops.append(k)
                     elif id(use.output) not in seen:
                         seen.add(id(use.output))

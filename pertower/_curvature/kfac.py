@@ -49,7 +49,7 @@ from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
 from pertower._convolution import geometry as _conv_geometry
 from pertower import _engine
-from pertower.rules import _loop_uses
+from pertower import _loops
 from pertower.rules import conv2d
 
 __all__ = ["KroneckerFactors", "kfac_factors"]
@@ -85,7 +85,7 @@ _INSTEAD = "use pertower.diag_ggn for its GGN diagonal"
 def _layer_or_reason(use):
     """A `_Layer` for a dense or convolution kernel covered by its rule, else why not."""
     op = use.op
-    if isinstance(use, _loop_uses.LoopUse):
+    if isinstance(use, _loops.LoopUse):
         return (f"it is read inside a loop ({use.label}): a weight shared by the steps "
                 f"has no single Kronecker form per layer here: {_INSTEAD}")
     rows = use.rule.kfac_rows(use)                                # [R, d_in]

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from pertower import _engine
 from pertower import _tf
-from pertower.rules import _loop_uses
+from pertower import _loops
 from pertower._layout import _rows
 
 __all__ = ["CurvatureResult", "covered_squares", "fallback_squares", "output_gradients",
@@ -91,7 +91,7 @@ def covered_squares(plan, indices, columns_of, B, per_example):
     for k in indices:
         x = plan.request.xs[k]
         # reads inside a loop: the built copy's use (A_all, and the key of dZ_all)
-        uses = _loop_uses.concrete_uses(plan.uses[k])
+        uses = _loops.concrete_uses(plan.uses[k])
         dtype = x.dtype.base_dtype
         if not uses:
             results[k], routes[k] = tf.zeros(_per_x(x, B, per_example), dtype), UNREACHED
@@ -169,7 +169,7 @@ def fallback_squares(built, S, per_example, name):
 
 def output_gradients(plan, indices):
     """{id(Z): [1, *Z.shape]}: dZ of sum(ys) at every use's output, one tf.gradients
-    (a read inside a loop: at the key of its copy's dZ_all, `pertower.rules._loops`)."""
+    (a read inside a loop: at the key of its copy's dZ_all, `pertower._loops`)."""
     d_outputs = _engine.output_gradients(plan, indices)
     return {key: dZ[None] for key, dZ in d_outputs.items()}
 
@@ -181,7 +181,7 @@ def loop_columns(plan, indices, S):
     where the other uses share one vectorized pass: a loop's backward pass is a while
     loop of its own, which neither pfor nor the folded pass converts."""
     keys = [id(use.concrete().output) for k in indices for use in plan.uses[k]
-            if isinstance(use, _loop_uses.LoopUse)]
+            if isinstance(use, _loops.LoopUse)]
     if not keys:
         return {}
     per_key = {key: [] for key in keys}

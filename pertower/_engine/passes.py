@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower.rules import _input_gradients
-from pertower.rules import _loops
+from pertower import _loops
 from pertower._layout import _shapes
 from pertower.rules import _weight_functions
 from pertower.rules import registry as registry_lib
@@ -22,7 +22,7 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
     """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
     while loop gets its dZ from one backward pass of the loop's copy, given the
     gradients at the loop's outputs from the same call, which stops there (the copy's
-    pass adds the paths through the loop: `pertower.rules._loops`)."""
+    pass adds the paths through the loop: `pertower._loops`)."""
     outputs, loop_uses = {}, []   # id(Z) -> Z, in order
     for k in indices:
         for use in plan.uses[k]:
@@ -31,7 +31,7 @@ def _output_gradients(plan, indices, grad_ys, unconnected):
     if not outputs:
         return {}
     # the ops between the Z's build their batch side's gradient only (rules._input_gradients)
-    with _input_gradients.input_side_only(plan, indices):
+    with _input_gradients.input_side_only(plan, indices, loop_uses):
         return _loops.output_gradients(plan.request.ys, list(outputs.values()), loop_uses,
                                        grad_ys, unconnected)
 

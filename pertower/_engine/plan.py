@@ -11,7 +11,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _tf
 from pertower._engine.unassumed import UnassumedGradients
-from pertower.rules import _loops
+from pertower import _loops
 from pertower.rules import _weight_functions
 
 __all__ = ["build_plan"]
@@ -67,10 +67,10 @@ def build_plan(request, registry):
 
 def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     """The `Use`s of x, or a string saying why x is not covered (reads inside TF2 while
-    loops: `pertower.rules._loops`)."""
+    loops: `pertower._loops`)."""
     if not reads.reached:
         return []
-    found = loops.uses(reads, _in_v1_loop)   # TF2 loops and TF1 frames: rules._loops
+    found = loops.uses(reads, _in_v1_loop)   # TF2 loops and TF1 frames: pertower._loops
     if isinstance(found, str):
         return found
     walked = _weight_functions.exits(reads, ys_upstream, analysis)
@@ -82,7 +82,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     terminals.sort(key=lambda e: (order(e.op), e.slot))
     for exit_ in terminals:
         op, slot = exit_.op, exit_.slot
-        inside = loops.inner_uses(exit_, _in_v1_loop)   # passed to a loop: rules._loops
+        inside = loops.inner_uses(exit_, _in_v1_loop)   # passed to a loop: pertower._loops
         if inside is not None:
             if isinstance(inside, str):
                 return inside

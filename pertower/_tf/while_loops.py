@@ -1,15 +1,11 @@
 """TensorFlow's private While machinery (while_v2, control_flow_util_v2, gradients_util),
 by name, for pertower's loop backward, loop copies and op edits.
 
-pertower rebuilds parts of while_v2's `_WhileGrad` (TF 2.21, tensorflow/python/ops/
-while_v2.py): `pertower.rules._loop_backward` (way `loop_backward`) and
-`pertower._towers.later_gradients` (way `while_edit`). `loop_backward()` and
-`while_edit()` probe once every helper those need (names and parameters, the attributes
-the backward body graph sets) and say whether the private way is taken; their
-fallbacks are the loop's copy differentiated by `tf.gradients`, and TensorFlow's
-registered While gradient run whole. The loop copies (`_loop_copy`, `_v1_loop_copy`,
-way `loop_copy`) build a new While with `while_loop`; their fallback leaves the loop's
-weights on pertower's fallback method (towers or row passes).
+Ways (see `probe`): `loop_backward` (`pertower._loops.backward` rebuilds while_v2's
+`_WhileGrad`, TF 2.21; fallback the loop's copy), `while_edit` (`_towers.later_gradients`
+edits a While op without its backward; fallback TensorFlow's While gradient run whole)
+and `loop_copy` (`pertower._loops.copy` builds a While with `while_loop`; fallback the
+loop's weights stay on pertower's fallback method, towers or row passes).
 """
 
 import inspect
@@ -91,7 +87,7 @@ def _loop_backward_reason():
 
 
 def loop_backward():
-    """Whether the loop backward (`rules._loop_backward.OwnBackward`) may be built."""
+    """Whether the loop backward (`pertower._loops.backward`) may be built."""
     return probe.private_way("loop_backward")
 
 

@@ -43,7 +43,6 @@ import tensorflow as tf
 
 from pertower import _tf
 from pertower._convolution import options as _conv_options
-from pertower.rules import _loop_uses
 from pertower._layout import _shapes
 from pertower.rules import conv2d
 
@@ -205,14 +204,16 @@ def _has_registered_gradient(op):
     return False
 
 
-def one_sided_ops(plan, indices):
+def one_sided_ops(plan, indices, loop_uses=()):
     """{op: gradient function} for the uses of the weights `indices` of `plan` that
-    `input_side_only` handles (see the module docstring for the conditions)."""
+    `input_side_only` handles (see the module docstring for the conditions), but
+    `loop_uses` (reads inside loops, `pertower._loops`)."""
     request = plan.request
     found = {}
+    in_loops = {id(use) for use in loop_uses}
     for k in indices:
         for use in plan.uses[k] or ():
-            if isinstance(use, _loop_uses.LoopUse):
+            if id(use) in in_loops:
                 continue
             op, slot = use.op, use.slot
             function = _ONE_SIDED.get((op.type, slot))
@@ -242,10 +243,10 @@ def _with_forward_form(use):
 
 
 @contextlib.contextmanager
-def input_side_only(plan, indices):
-    """While the body runs, the ops of `one_sided_ops(plan, indices)` differentiate
-    their batch-side input only."""
-    ops = one_sided_ops(plan, indices) if _tf.one_sided_gradients() else {}
+def input_side_only(plan, indices, loop_uses=()):
+    """While the body runs, the ops of `one_sided_ops(plan, indices, loop_uses)`
+    differentiate their batch-side input only."""
+    ops = one_sided_ops(plan, indices, loop_uses) if _tf.one_sided_gradients() else {}
     for op, function in ops.items():
         _tf.set_gradient_function(op, function)
     try:

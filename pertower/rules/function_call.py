@@ -5,43 +5,31 @@ Notation (as in `rules.registry`):
     call  a PartitionedCall or StatefulPartitionedCall (`tf.function`) in the graph of `ys`
     body  the called function's graph; `inner` its op that reads the weight
 
-tf_keras builds a Conv2D with groups > 1 (ConvNeXt's 7x7 depthwise stages with
-groups = channels, RegNet's grouped 3x3 convolutions) as a call of a
-`tf.function(jit_compile=True)` whose body is `Conv2D(inputs, kernel) -> Identity`: the
-weight's value enters the call as an argument, and no rule sees an op reading it.
+tf_keras builds a Conv2D with groups > 1 as a call of a `tf.function(jit_compile=True)`
+whose body is `Conv2D(inputs, kernel) -> Identity`: no rule sees an op reading the weight.
 
-Identity (the chain rule does not see a function's boundary): when the body's `inner` op
-takes every input from an argument of the function (through Identity ops), nothing else
-in the body reads the weight's argument, and `inner`'s only output reaches exactly one
-output j of the function through Identity ops only (and reaches nothing else), then
+Identity (the chain rule does not see a function's boundary): when `inner` takes every
+input from an argument of the function (through Identity ops), nothing else in the body
+reads the weight's argument, and `inner`'s only output reaches exactly one output j of
+the function through Identity ops only, then
     Z_inner = call.outputs[j],   A_inner = the call's input for that argument,
-so `inner`'s own rule computes grad_i(w) from the call's tensors and
-dZ = d sum(ys) / d call.outputs[j], exactly as for the same op outside a function. The
-rule is given a `CallView` of `inner`: its type and attributes are the body op's, its
-inputs and output the call's tensors (the body's own tensors are never used), so the
-batch-axis analysis of the call (`pertower._batch_axis`, which follows function bodies)
-proves the rows of A and Z.
+so `inner`'s own rule computes grad_i(w) from the call's tensors, given a `CallView` of
+`inner` (the body op's type and attributes, the call's inputs and output), and the
+batch-axis analysis of the call proves the rows of A and Z.
 
-Re-layouts (`_call_layouts`): Keras' Conv1D(groups > 1) body is
-`ExpandDims(inputs), ExpandDims(kernel) -> Conv2D -> Squeeze -> Identity`. When each path
-between the call's tensors and `inner` is a chain of Identity, ExpandDims, Squeeze and
-Reshape that keeps axis 0 (or has static shapes at both ends, as a weight's does), each
-body tensor is reshape(call tensor, its shape) and the example owning a row is
-unchanged. The body rule then matches `inner` on its body tensors, with the rows of the
-call's tensors (`_call_layouts.MappedAnalysis`); at gradient time it runs on the call's
-tensors re-laid-out like the body's (never-run reshapes: `Relaid.inner`), with dZ at the
-call's output reshaped to `inner`'s output, and its per-example gradients are reshaped
-to the weight argument's shape (a reshape's gradient is the reshape back).
+Re-layouts (`_call_layouts`; Keras' Conv1D(groups > 1) body is `ExpandDims(inputs),
+ExpandDims(kernel) -> Conv2D -> Squeeze -> Identity`): when each path between the call's
+tensors and `inner` is a chain of Identity, ExpandDims, Squeeze and Reshape that keeps
+axis 0 (or has static shapes at both ends), each body tensor is reshape(call tensor),
+the example owning a row unchanged: the body rule runs on the call's tensors re-laid-out
+(`Relaid`), and its per-example gradients are reshaped to the weight argument's shape.
+Of the call's outputs that return `inner`'s output (a gradient of the call adds some),
+exactly one may be read on the way to `ys`.
 
-A gradient of the call (`tf.gradients` run before) makes TensorFlow return more of the
-body's tensors from the call (the ones its gradient reads); of the outputs that return
-`inner`'s output, exactly one may be read on the way to `ys` (`Analysis.region`).
-
-Covered: the reads above, inner any op with a registered rule but a call. Not covered
-(the weight falls back, with the reason): a body that does more with the weight or with
-inner's output (a bias added inside the function, a second read), whose inner op has
-several outputs or reads a body constant, or whose paths go through other ops (a
-Transpose; a dilated convolution's SpaceToBatchND; a Reshape that moves the batch axis).
+Not covered (the weight falls back, with the reason): a body that does more with the
+weight or with inner's output, whose inner op has several outputs or reads a body
+constant, or whose paths go through other ops (Transpose, SpaceToBatchND, a Reshape
+that moves the batch axis).
 """
 
 import dataclasses

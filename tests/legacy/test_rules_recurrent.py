@@ -1,7 +1,7 @@
 """The checks of tests/test_rules_recurrent.py (weights read
 inside a while loop on the rules) under tf.compat.v1.disable_v2_behavior() (legacy shape
 mode, reference variables) with control flow v2 (Keras then builds `While` loops), and a
-TF1 (v1) loop (on the rules of pertower.rules._v1_loops), against the one-example oracle.
+TF1 (v1) loop (on the rules of pertower._loops.frames), against the one-example oracle.
 """
 
 import numpy as np
@@ -69,7 +69,7 @@ def test_while_loop_with_reference_variables_on_the_rules():
 
 def test_v1_loop_on_the_rules():
     """With control flow v1 the LSTM's loop is a TF1 frame: its weights are on the
-    rules too (`pertower.rules._v1_loops`), without batch_size, and match the loop."""
+    rules too (`pertower._loops.frames`), without batch_size, and match the loop."""
     graph, ys, batch = recurrent._language_model("LSTM")  # pylint: disable=protected-access
     with graph.as_default():
         assert any(op.type == "LoopCond" for op in graph.get_operations()), "no TF1 loop"

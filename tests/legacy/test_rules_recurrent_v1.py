@@ -1,5 +1,5 @@
 """weights read inside TF1 (v1) while frames on the rules
-(`pertower.rules._v1_loops`), under tf.compat.v1.disable_v2_behavior() (reference
+(`pertower._loops.frames`), under tf.compat.v1.disable_v2_behavior() (reference
 variables, control flow v1), against the one-example oracle.
 
 `tf.compat.v1.nn.dynamic_rnn` with LSTMCell, GRUCell and BasicRNNCell, with and without

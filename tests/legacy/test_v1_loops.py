@@ -97,7 +97,7 @@ def _dynamic_rnn_check(make_cell, what, with_lengths=False):
 @pytest.mark.heavy
 def test_v1_dynamic_rnn_lstm_matches_oracle():
     """dynamic_rnn(LSTMCell) under v1 control flow: the cell's weights on the rules per
-    step (`pertower.rules._v1_loops`), as the dense layer after it; explain says so."""
+    step (`pertower._loops.frames`), as the dense layer after it; explain says so."""
     text = _dynamic_rnn_check(lambda: _CELLS.LSTMCell(UNITS), "LSTMCell")
     assert "in the TF1 loop 'rnn/while' per step" in text, text
     print(text)
@@ -210,7 +210,7 @@ def test_v1_while_loops_with_resource_variables_use_row_passes():
         plan = pertower.explain(inside, [w], batch_size=2, method="towers")
         assert [p.method for p in plan.weights] == ["passes"], str(plan)
         assert "TF1 (v1) while loop" in str(plan), str(plan)
-        # the rules cover it too (rules._v1_loops): per step, without batch_size
+        # the rules cover it too (pertower._loops.frames): per step, without batch_size
         plan = pertower.explain(inside, [w], method="rules")
         assert [p.method for p in plan.weights] == ["rules"], str(plan)
         table = tf.compat.v1.get_variable("table", [5, 3], use_resource=True)

@@ -1,30 +1,20 @@
-"""Weights read inside a TF1 (v1) while loop's frame (`tf.compat.v1.nn.dynamic_rnn`,
-`tf.while_loop` under control flow v1): per-step A and dZ from a copy of the frame.
+"""A TF1 frame's plan (`tf.compat.v1.nn.dynamic_rnn`, `tf.while_loop` under control flow
+v1): see `pertower._loops`.
 
-Notation (as in `pertower.rules._loops`):
-    T   iterations the frame ran       k   rows per example of one step's A and Z
-    W   a weight entered into the frame (Enter) and read there by an op with a rule
-    ε   zeros [T, B*k, *z] added to the step's Z: Z_t + ε[t]
-
-A v1 frame is made of ops of the graph itself (Enter, Merge, Switch, the body's ops,
-NextIteration, Exit), so the batch-axis analysis has already given its tensors their
-rows, and a rule matches a body op as it matches any op. What `tf.gradients` cannot
-give is dZ_t per step (a gradient at a tensor inside a frame). So the frame is copied
-as a control flow v2 loop (`while_v2`, `pertower.rules._v1_loop_copy`) whose body
-replays the frame's body ops with Z_t + ε[t] at every covered op and writes A_t to a
-TensorList, as `_loops` does for a TF2 loop: one backward pass of the copy from the
-gradients at the frame's outputs gives every step's dZ_t, and the op's rule sums over
-the steps (A_all, dZ_all example-major, [B*k*T, ...]). The user's frame is only read.
-
-What the copy can replay (else the weight keeps its fallback, with the reason): a frame
-nested in no other, whose body and condition hold no control flow (no cond, no inner
-loop), no function call and no stateful op but variable reads and the TensorArray ops
-of `dynamic_rnn`'s layout: reads of an input TensorArray filled outside by one scatter
-at indices 0, 1, ... (replayed as items of a TensorList of the scattered tensor, through
-which the copy's backward pass reaches it) and one write per step to an output TensorArray carried as a
-loop variable, read after the frame by a gather or a read (replayed as a TensorList);
-a loop variable counting iterations from 0 by 1 (T, read from the frame's exit); the
-weight entered as a loop invariant and read only in the body, through layout ops.
+A frame is made of ops of the graph itself (Enter, Merge, Switch, the body's ops,
+NextIteration, Exit), so the plan's batch-axis analysis has given its tensors their rows
+and a rule matches a body op as any op; dZ_t per step comes from the copy, a control
+flow v2 loop replaying the frame's ops. What the copy can replay (else the weight keeps
+its fallback, with the reason): a frame nested in no other, whose body and condition
+hold no control flow, no function call and no stateful op but variable reads and the
+TensorArray ops of `dynamic_rnn`'s layout: reads of an input TensorArray filled before
+the frame by one scatter at indices 0, 1, ... (replayed as items of a TensorList of the
+scattered tensor, a loop variable of the copy, so that its backward pass reaches it),
+and one write per step to an output TensorArray carried as a loop variable and read
+after the frame by a gather or a read (a TensorList grown as written, padded with zeros
+to the TensorArray's size); a loop variable counting iterations from 0 by 1 (T at its
+exit); the weight entered as a loop invariant and read only in the body, through layout
+ops.
 """
 
 import dataclasses
@@ -34,36 +24,17 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower.rules import _loop_uses
-from pertower.rules import _v1_loop_copy
+from pertower._loops import copy
+from pertower._loops import uses as uses_lib
+from pertower._tf import list_ops
 
-__all__ = ["Frame", "FrameUse", "frame_uses"]
+__all__ = ["Frame"]
 
-_SCOPE = "frame_weights"
 _TA_READ, _TA_WRITE = "TensorArrayReadV3", "TensorArrayWriteV3"
 _TA_AFTER = frozenset({"TensorArrayGatherV3", "TensorArrayReadV3", "TensorArraySizeV3"})
 _PLUMBING = (op_types.V1_LOOP_OP_TYPES | op_types.V1_SWITCH_OP_TYPES
              | op_types.V1_MERGE_OP_TYPES)
 _STATEFUL_ALLOWED = op_types.VARIABLE_READ_OP_TYPES | {_TA_READ, _TA_WRITE}
-
-
-@dataclasses.dataclass(frozen=True)
-class FrameUse(_loop_uses.LoopUse):
-    """A covered read of a weight inside a v1 frame (`loop` is its `Frame`)."""
-
-    @property
-    def label(self):
-        frame = self.loop.name.rsplit("/while_context", 1)[0]
-        return f"{self.op.name} ({self.op.type}) in the TF1 loop {frame!r} per step"
-
-
-def frame_uses(frames, loops, enter):
-    """The `FrameUse`s of the weight that `enter` (an Enter op) takes into its frame, or
-    a string saying why they are not covered; `frames` caches one `Frame` per name."""
-    name = enter.get_attr("frame_name").decode()
-    if name not in frames:
-        frames[name] = Frame(enter, name, loops)
-    return frames[name].weight_uses(enter)
 
 
 @dataclasses.dataclass
@@ -81,18 +52,16 @@ class LoopVariable:
     array: object = None
 
 
-class Frame(_loop_uses.LoopPlan):
+class Frame(uses_lib.LoopPlan):
     """One v1 frame: its structure and analysis while planning, its copy when built."""
 
     def __init__(self, enter, name, loops):
+        super().__init__(loops)
         self.name = name
-        self.loops = loops
         self.graph = enter.graph
-        self.targets, self.uses, self.step_rows = [], [], []
-        self.reads = {}         # body TensorArrayReadV3 op -> the scattered tensor
-        self.writes = {}        # body TensorArrayWriteV3 op -> index of its loop variable
+        # reads: body TensorArrayReadV3 op -> the scattered tensor; writes: body
+        # TensorArrayWriteV3 op -> index of its loop variable
         self.after = []         # (tensor after the frame, loop variable index, op) reached
-        self._built = None
         self.reason = self._analyse()
 
     # -- planning ----------------------------------------------------------------------
@@ -103,8 +72,8 @@ class Frame(_loop_uses.LoopPlan):
         enters = [op for op in self.graph.get_operations()
                   if op.type in op_types.V1_ENTER_OP_TYPES
                   and op.get_attr("frame_name").decode() == self.name]
-        if any(op.inputs[0].op.type in _PLUMBING or _context_of(op.inputs[0].op) is not None
-               for op in enters):
+        if any(op.inputs[0].op.type in _PLUMBING
+               or _tf.control_flow_context(op.inputs[0].op) is not None for op in enters):
             return "it is nested in another loop or cond"
         if any(op.type != "Enter" for op in enters):   # RefEnter: a reference-typed tensor
             return "it enters a reference-typed tensor"
@@ -167,9 +136,9 @@ class Frame(_loop_uses.LoopPlan):
             op = stack.pop().op
             if op in seen:
                 continue
-            if op.type in _PLUMBING or _context_of(op) is None:
+            if op.type in _PLUMBING or _tf.control_flow_context(op) is None:
                 return f"its body or condition holds control flow ({op.name!r}, {op.type})"
-            reason = _loop_uses.unreplayable_reason(op, _STATEFUL_ALLOWED)
+            reason = uses_lib.unreplayable_reason(op, _STATEFUL_ALLOWED)
             if reason is not None:
                 return reason
             seen.add(op)
@@ -223,11 +192,6 @@ class Frame(_loop_uses.LoopPlan):
         return ("it has no loop variable counting its iterations from 0 by 1, so the number "
                 "of steps is not known before a copy runs")
 
-    def _reached(self, tensor):
-        """Whether `ys` is `tensor` or reads it."""
-        request = self.loops.request
-        return tensor is request.ys or any(c in request.ys_upstream for c in tensor.consumers())
-
     def _outputs(self):
         """The tensors after the frame that `ys` reads: exits, and gathers or reads of
         the TensorArrays the frame writes."""
@@ -251,16 +215,18 @@ class Frame(_loop_uses.LoopPlan):
         return None
 
     def weight_uses(self, enter):
-        """The `FrameUse`s of the weight entered by `enter`, or a reason."""
+        """The `LoopUse`s of the weight entered by `enter`, or a reason."""
         if self.reason is not None:
             return self.reason
         if not enter.get_attr("is_constant"):
             return "the weight is a loop variable, not a loop invariant"
         return self.weight_uses_from(enter.outputs[0])
 
-    # what `_loop_uses.LoopPlan` asks of a TF1 frame
-    _scope = _SCOPE
-    _use_type = FrameUse
+    # what `uses.LoopPlan` asks of a loop
+
+    @property
+    def where(self):
+        return f"the TF1 loop {self.name.rsplit('/while_context', 1)[0]!r}"
 
     def _in_body(self, op):
         return op in self.body_ops
@@ -281,7 +247,56 @@ class Frame(_loop_uses.LoopPlan):
         return [t for t, _, _ in self.after]
 
     def _make_copy(self):
-        return _v1_loop_copy.BuiltFrame(self)
+        return copy.BuiltCopy(self)
+
+    # -- what `copy.BuiltCopy` asks of a loop --------------------------------------------
+
+    edits_user_op = False   # a frame's ops are not edited by a gradient through them
+
+    @property
+    def cond_output(self):
+        return self.loop_cond.inputs[0]
+
+    def copy_variables(self):
+        """The copy's `CopyVariable`s: the needed loop variables (an output TensorArray's
+        flow as a TensorList grown as written), then the tensor scattered into each input
+        TensorArray, [T, ...], as a TensorList (read at the step's index)."""
+        self.outer = {ref: enter.inputs[0] for ref, enter in self.invariants.items()}
+        self._element_shapes, variables = {}, []
+        for j, v in enumerate(self.variables):
+            initial, shape = v.enter.inputs[0], v.merge.outputs[0].shape
+            if v.array is not None:
+                item = next(op for op, i in self.writes.items() if i == j).inputs[2]
+                element = (-1 if item.shape.rank is None else
+                           [-1 if d is None else d for d in item.shape.as_list()])
+                self._element_shapes[j] = element
+                initial = list_ops.tensor_list_reserve(element, 0, v.array.get_attr("dtype"))
+                shape = tf.TensorShape([])
+            variables.append(copy.CopyVariable(initial, shape, v.merge.outputs[0], v.value,
+                                               v.next_value))
+        for t in {t.ref(): t for t in self.reads.values()}.values():
+            variables.append(copy.CopyVariable(
+                list_ops.tensor_list_from_tensor(t, copy.row_shape(t)), tf.TensorShape([]),
+                None, t))
+        return variables
+
+    def copied_outputs(self, results):
+        """The copy's values of `reached_outputs`: an exit's, or a gather or read of an
+        output TensorArray from its list padded with zeros to the array's size (as a
+        TensorArray's unwritten elements read)."""
+        outputs = []
+        for _, j, after in self.after:
+            if after is None:
+                outputs.append(results[j])
+                continue
+            array = self.variables[j].array
+            stacked = list_ops.tensor_list_stack(results[j], array.get_attr("dtype"),
+                                                 element_shape=self._element_shapes[j])
+            missing = tf.maximum(array.inputs[0] - tf.shape(stacked)[0], 0)
+            padded = tf.pad(stacked, tf.concat(
+                [[[0, missing]], tf.zeros([tf.rank(stacked) - 1, 2], tf.int32)], axis=0))
+            outputs.append(tf.gather(padded, after.inputs[1]))
+        return outputs
 
 
 def _variable(enter):
@@ -302,12 +317,6 @@ def _variable(enter):
         return f"its loop variable {merge.name!r} is not read through one Identity"
     return LoopVariable(enter, merge, switch, values[0].outputs[0], next_op.inputs[0],
                         exits[0] if exits else None)
-
-
-def _context_of(op):
-    """The op's TF1 control flow context (None outside loops and conds, and in a graph
-    imported without its while contexts)."""
-    return _tf.control_flow_context(op)
 
 
 def _counts_from_zero(indices):

@@ -1,12 +1,14 @@
-"""Reads of a weight inside a while loop body, as the engine sees them.
+"""The plan of a loop's weights, shared by TF2 `While` loops and TF1 frames.
 
-A `LoopUse` is a covered read inside a TF2 `While` body (or a TF1 frame: `FrameUse`
-in `pertower.rules._v1_loops`); the engine asks for the tensors to differentiate
-(`differentiated`), the loops' per-step output gradients (`output_gradients`) and the
-built uses (`concrete_uses`). `LoopPlan` is what planning a loop's weights does for
-both kinds: follow a weight from where the body receives it through layout ops to the
-ops that read it, and check each read against what the loop's copy can carry. Both
-loop kinds import this module; it imports neither.
+`LoopPlan` follows a weight from where the body receives it, through layout ops and
+`Unpack` slices, to the ops that read it, and checks each read against what the loop's
+per-step A_t and dZ_t can carry (`step_rule_reason`). Each step of that walk that changes
+the weight's shape is a placement (`Slice`): the rule's result for the piece read is
+placed back into the weight's shape (`Placed`); another weight-side function inside a
+body would be another placement. A covered read is a `LoopUse`; the engine asks for the
+tensors to differentiate (`differentiated`), the per-step output gradients
+(`output_gradients`) and the built uses (`concrete_uses`). See `pertower._loops` for the
+notation and the identity.
 """
 
 import dataclasses
@@ -16,11 +18,10 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower.rules import _loop_copy
 from pertower.rules import registry as registry_lib
 
-__all__ = ["LoopPlan", "LoopUse", "concrete_uses", "differentiated", "output_gradients",
-           "step_rule_reason", "unreplayable_reason"]
+__all__ = ["LoopPlan", "LoopUse", "Placed", "Slice", "concrete_uses", "differentiated",
+           "output_gradients", "step_rule_reason", "unreplayable_reason"]
 
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
@@ -53,17 +54,17 @@ def step_rule_reason(target, rule):
 
 @dataclasses.dataclass(frozen=True)
 class LoopUse(registry_lib.Use):
-    """A covered read of a weight inside a while loop body: `op`, `activation` and
-    `output` are the body's (A_t, Z_t); `loop` the `LoopCopy` that builds A_all and
-    dZ_all; `index` the read's position among the loop's covered reads."""
+    """A covered read of a weight inside a loop body: `op`, `activation` and `output`
+    are the body's (A_t, Z_t); `loop` the `LoopPlan` that builds A_all and dZ_all;
+    `index` the read's position among the loop's covered reads."""
 
     loop: object = None
     index: int = 0
 
     @property
     def label(self):
-        """How `explain` names the read: the body op and the loop op."""
-        return f"{self.op.name} ({self.op.type}) in {self.loop.op.name!r} per step"
+        """How `explain` names the read: the body op and the loop."""
+        return f"{self.op.name} ({self.op.type}) in {self.loop.where} per step"
 
     def concrete(self):
         """The `Use` of A_all, [B*k*T, *a], and the key tensor of dZ_all (built once)."""
@@ -82,8 +83,8 @@ def differentiated(use):
 
 
 def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
-    """The gradients of sum(grad_ys * ys) the rules need, every while loop differentiated
-    ONCE, through its copy (never the user's loop).
+    """The gradients of sum(grad_ys * ys) the rules need, each loop differentiated ONCE
+    (its own backward or its copy's, never through `tf.gradients` of the user's loop).
 
     Args:
       ys: the outputs, [B, ...].
@@ -97,16 +98,10 @@ def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
       {id(t): gradient} for `targets` and {id(ε_j): dZ_all_j, [B*k*T, *z]} for the
       loop uses.
 
-    One `tf.gradients` of ys stops at the loops' outputs (`stop_gradients`: the user's
-    loops are not differentiated, so no backward pass of them is built). Then, for each
-    loop, downstream loops first, one backward pass of its copy from the gradients at
-    its outputs (complete: every path from them to ys avoids this loop, and the loops
-    after it have added theirs) gives dZ_t of every step and, by the same pass, the
-    gradients at the targets upstream of the loop along the paths through it (the
-    copy takes the loop's own inputs), which are added to theirs. A target's gradient
-    is so the sum over its paths to ys: those through no loop from the first call,
-    those through a loop from that loop's copy (its paths from the loop's inputs back to
-    the target again stop at earlier loops, which add their part when their turn comes).
+    One `tf.gradients` of ys stops at the loops' outputs. Then, downstream loops first
+    (the gradients at their outputs are then complete), one backward pass of each loop
+    gives dZ_t of every step and the gradients at the targets before the loop along the
+    paths through it, added to theirs: a target's gradient is the sum over its paths.
     """
     order = _tf.op_order_key()
     loops = sorted(dict.fromkeys(use.loop for use in loop_uses),
@@ -146,17 +141,29 @@ def _add(first, second):
 
 
 class LoopPlan:
-    """The planning one loop's weights shares between TF2 loops (`_loops.LoopCopy`) and
-    TF1 frames (`_v1_loops.Frame`), which set `loops`, `reason`, `targets`, `uses`,
-    `step_rows` and `_built`, and define:
+    """What planning a loop's weights does for both kinds (`while_v2.WhileLoop`,
+    `frames.Frame`): `targets` ((body op, slot) of each covered read), `uses` and
+    `step_rows` (k of each) are filled here; the kinds set `reason` and define:
 
-      _in_body(op): whether the body op `op` is part of what the copy replays
-      _in_cond(op): whether the condition reads `op`
+      where: how `explain` names the loop
+      _in_body(op), _in_cond(op): whether the copy replays `op` in its body, condition
       _use_analysis: the analysis a body op's rule is matched with
-      _use_type: the `LoopUse` subclass made
       _steps_rows(use): k*T, the rows per example of A_all, or None when not static
-      _scope, _make_copy(): the name scope and the copy `built` makes
+      _make_copy(): what `built` returns (a `copy.BuiltCopy` or `backward.OwnBackward`)
+    and, for the copy (`copy.BuiltCopy`): steps (T), cond_ops, body_ops, cond_output,
+    outer, edits_user_op, copy_variables(), copied_outputs(results).
     """
+
+    def __init__(self, loops):
+        self.loops = loops
+        self.targets, self.uses, self.step_rows = [], [], []
+        self.reads, self.writes = {}, {}   # a TF1 frame's TensorArray reads and writes
+        self._built = None
+
+    def _reached(self, tensor):
+        """Whether `ys` is `tensor` or reads it."""
+        request = self.loops.request
+        return tensor is request.ys or any(c in request.ys_upstream for c in tensor.consumers())
 
     def weight_uses_from(self, tensor):
         """The `LoopUse`s of the weight the body receives as `tensor` (its resource
@@ -191,7 +198,7 @@ class LoopPlan:
                 if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
                     # a weight [.., N, ..] read as its N slices along `axis`
                     axis = consumer.get_attr("axis") % tensor.shape.rank
-                    stack.extend((out, placements + (_loop_copy.Slice(axis, i, tensor.shape),))
+                    stack.extend((out, placements + (Slice(axis, i, tensor.shape),))
                                  for i, out in enumerate(consumer.outputs))
                     continue
                 terminals.extend((consumer, j, placements) for j in slots)
@@ -227,11 +234,11 @@ class LoopPlan:
                     "the loop's copy does not carry")
         if (target, slot) in self.targets:   # the same weight asked for twice
             return self.uses[self.targets.index((target, slot))]
-        loop_use = self._use_type(**{f.name: getattr(use, f.name)
-                                     for f in dataclasses.fields(registry_lib.Use)},
-                                  loop=self, index=len(self.targets))
+        loop_use = LoopUse(**{f.name: getattr(use, f.name)
+                              for f in dataclasses.fields(registry_lib.Use)},
+                           loop=self, index=len(self.targets))
         if placements:
-            rule = _loop_copy.Placed(rule, placements, target.inputs[slot].shape)
+            rule = Placed(rule, placements, target.inputs[slot].shape)
         loop_use = dataclasses.replace(loop_use, rule=rule,
                                        rows=use.rows._replace(k=self._steps_rows(use)))
         self.targets.append((target, slot))
@@ -242,6 +249,55 @@ class LoopPlan:
     def built(self):
         """The loop's copy (built once, on first use)."""
         if self._built is None:
-            with tf.name_scope(self._scope):
+            with tf.name_scope("loop_weights"):
                 self._built = self._make_copy()
         return self._built
+
+
+class Slice:
+    """Slice `index` along `axis` of a weight of static `shape` (an Unpack's output)."""
+
+    def __init__(self, axis, index, shape):
+        self.axis, self.index, self.shape = axis, index, shape.as_list()
+
+    def place(self, piece, grouped):
+        """The gradient of the slice, [G, *slice] (or [*slice] when not `grouped`),
+        as the gradient of the whole weight: zeros elsewhere, [G, *shape]."""
+        lead = 1 if grouped else 0
+        inner = self.shape[:self.axis] + self.shape[self.axis + 1:]
+        piece = tf.reshape(piece, ([-1] if grouped else []) + inner)
+        piece = tf.expand_dims(piece, self.axis + lead)
+        paddings = [[0, 0]] * (lead + self.axis) + [
+            [self.index, self.shape[self.axis] - 1 - self.index]] + [[0, 0]] * (
+                len(self.shape) - 1 - self.axis)
+        return tf.pad(piece, paddings)
+
+
+class Placed(registry_lib.Rule):
+    """A rule whose weight input is a slice of the weight (`Slice`s, outermost last):
+    its results are placed in the weight's shape (zeros elsewhere); the other slices'
+    reads add theirs. A zero-padded gradient has the norm of the slice's."""
+
+    def __init__(self, rule, placements, piece_shape):
+        self.rule, self.placements, self.piece_shape = rule, placements, piece_shape
+
+    def _place(self, result, grouped):
+        for placement in reversed(self.placements):
+            result = placement.place(result, grouped)
+        return result
+
+    def match(self, op, slot, analysis):
+        return self.rule.match(op, slot, analysis)
+
+    def per_group(self, use, dZ, G):
+        return self._place(self.rule.per_group(use, dZ, G), True)
+
+    def squared_norms(self, use, dZ, B):
+        own = getattr(self.rule, "squared_norms", None)
+        return own(use, dZ, B) if callable(own) else None
+
+    def clipped_sum(self, use, dZ, factors):
+        own = getattr(self.rule, "clipped_sum", None)
+        total = (own(use, dZ, factors) if callable(own) else
+                 registry_lib.default_clipped_sum(self.rule, use, dZ, factors))
+        return self._place(total, False)

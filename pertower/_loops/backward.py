@@ -1,50 +1,32 @@
-"""dZ_t and A_t of a TF2 while loop's covered reads from ONE backward pass: the one
-`tf.gradients` builds for the user's loop, with each covered op's dZ_t and A_t pushed.
+"""dZ_t and A_t of a TF2 loop's covered reads from ONE backward pass of the loop.
 
-Notation (as in `_loops`):
-    T   iterations the loop ran        k   rows per example of one step's A and Z
-    op  the user's While op            D   its duplicate: a While op calling the same
-                                           functions on the same inputs (one op, no
-                                           new function)
+Notation (as in `pertower._loops`; `op` the user's While op, D its duplicate: a While op
+calling the same functions on the same inputs).
 
-`OwnBackward.output_gradients` builds, in the user's graph, D and the backward of D as
-TensorFlow's While gradient builds it (tensorflow/python/ops/while_v2.py `_WhileGrad`,
-`_create_grad_func`, `_grad_fn`; TF 2.21), with two changes: the backward body's
-`_GradientsHelper` call also takes the gradient at each covered op's output Z_t
-(added to its `xs`: the pass is the same, the gradient aggregated at Z_t is read out),
-and the body pushes that dZ_t and A_t (the value the op's own gradient already reads,
-popped from its accumulator) onto two extra loop variables of the backward loop.
-The backward runs the steps backwards, so both lists hold steps T-1 .. 0: aligned, and
-the rules sum over an example's k*T rows in any order.
+`OwnBackward.output_gradients` builds D and its backward as TensorFlow's While gradient
+does (while_v2.py `_WhileGrad`, `_create_grad_func`, `_grad_fn`; TF 2.21), with two
+changes: the backward body's `_GradientsHelper` call also takes the gradient at each
+covered op's output Z_t (the pass is the same; the gradient aggregated at Z_t is read
+out), and the body pushes that dZ_t and A_t (popped from the accumulator the op's own
+gradient reads) onto two extra loop variables. Both lists hold steps T-1 .. 0, aligned.
 
-The edit the backward makes to the forward loop (accumulator outputs for the
-intermediates it reads) is made to D and, identically (the same functions, attributes,
-new inputs and outputs), to the user's op: the backward body reads exactly what
-TensorFlow's reads (the extra `xs` add no op a gradient reads, an A_t not already
-read is not read: a BiasAdd's rule reads only dZ, and its A stand-in is dZ; another
-op's falls back), so the user's op gets the edit any `tf.gradients` through it makes
-(`pertower._towers.later_gradients`), and pertower's tensors read only D's outputs:
-a session that ran the user's graph before the pertower call (and so keeps the op
-unedited) runs them. A loop already differentiated gets no edit (its accumulators are
-found). The gradients at tensors before the loop along the paths through it come from
-the backward's gradients at the loop's inputs (`tf.gradients` from there).
-
-Where TensorFlow's private helpers differ, the body graph is not while_v2's own, or the
-backward body needs what this module does not handle (an IndexedSlices gradient, an
-A_t not read), `BuiltCopy` (the loop's copy with ε, `_loop_copy`) is used instead; a
-body graph a failed attempt touched is replaced by one read back from the op's function.
-Cost: D's forward and one backward pass at run time; one backward body at build time
-(the copy built a forward body, its backward, and the user's backward body).
+The backward body reads exactly what TensorFlow's reads (a BiasAdd's A_t, which its
+gradient does not read, is stood in by dZ_t; another unread A_t falls back), so its
+edit of the forward loop (accumulator outputs) is made to D and, identically, to the
+user's op, which gets the edit any `tf.gradients` makes (`_towers.later_gradients`);
+pertower's tensors read only D's outputs. Where the helpers differ (way `loop_backward`),
+the body graph is not while_v2's own, or the backward needs what is not handled here
+(an IndexedSlices gradient, an unread A_t), the copy (`copy.BuiltCopy`) is used; a body
+graph a failed attempt touched is replaced by one read back from the op's function.
 """
 
 import tensorflow as tf
 
 from pertower import _op_types as op_types
 from pertower import _tf
+from pertower._loops import copy
 from pertower._tf import list_ops
 from pertower._towers import later_gradients
-from pertower.rules import _loop_copy
-from pertower.rules import registry as registry_lib
 
 __all__ = ["OwnBackward"]
 
@@ -62,7 +44,7 @@ class OwnBackward:
 
     def __init__(self, loop):
         self.loop = loop
-        self._copy = None if _supported(loop) else _loop_copy.BuiltCopy(loop)
+        self._copy = None if _supported(loop) else copy.BuiltCopy(loop)
         self._uses = None
 
     @property
@@ -70,7 +52,7 @@ class OwnBackward:
         """The built `Use` of each loop use (A_all example-major, [B*k*T, *a], and the
         key of dZ_all), known once `output_gradients` has run (else the copy's)."""
         if self._copy is None and self._uses is None:
-            self._copy = _loop_copy.BuiltCopy(self.loop)   # asked for before the backward
+            self._copy = copy.BuiltCopy(self.loop)   # asked for before the backward
         return self._copy.uses if self._copy is not None else self._uses
 
     def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
@@ -85,7 +67,7 @@ class OwnBackward:
                     raise
                 _fresh_graphs(self.loop.op)
         if self._copy is None:
-            self._copy = _loop_copy.BuiltCopy(self.loop)
+            self._copy = copy.BuiltCopy(self.loop)
         return self._copy.output_gradients(d_outputs, unconnected, others, stops)
 
     def _backward(self, d_outputs, others, stops):
@@ -94,31 +76,20 @@ class OwnBackward:
         body_graph = _tf.while_graph(op, "body")
         if body_graph is not loop.body:
             raise _Unsupported("the body graph is not while_v2's own")
-        try:
-            num_original = op.get_attr("_num_original_outputs")
-        except ValueError:
-            num_original = len(op.outputs)
         given = {t.value_index: d for t, d in zip(loop.reached_outputs, d_outputs)
                  if d is not None}
-        grads = later_gradients.output_gradients(op, given, num_original)
-        grads = [_tf.preprocess_grad(g, body_out, while_in, while_out)
-                 for g, body_out, while_in, while_out in zip(
-                     grads[:num_original], body_graph.outputs[:num_original],
-                     op.inputs[:num_original], op.outputs[:num_original])]
-        grads += [None] * (len(op.outputs) - num_original)
+        grads, chosen = later_gradients.body_gradients(
+            op, later_gradients.output_gradients(op, given), body_graph)
         if any(isinstance(g, tf.IndexedSlices) for g in grads):
             raise _Unsupported("an output gradient is an IndexedSlices")
-        chosen = [(y, x, g) for y, x, g in zip(body_graph.outputs, body_graph.inputs, grads)
-                  if g is not None]
         if not chosen:
             raise _Unsupported("no output takes a gradient")
         ys, xs, non_none = (list(part) for part in zip(*chosen))
         dup = _duplicate(op)
-        orig_num_params = len(body_graph.outputs)
         body_grad_graph, args, stand_ins = self._grad_body(
             ys, xs, non_none, cond_graph, body_graph, dup)
         if body_grad_graph.while_op_needs_rewrite:
-            _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params)
+            later_gradients.edit_while_ops([op, dup], cond_graph, body_graph, body_grad_graph)
         for target in (op, dup):
             _tf.set_num_original_outputs(target)
         if op.control_inputs:
@@ -148,7 +119,8 @@ class OwnBackward:
         J = len(zs)
         dz_lists = [list_ops.empty_tensor_list([-1] + z.shape.as_list()[1:], z.dtype)
                     for z in zs]
-        a_lists = [list_ops.empty_tensor_list(_element_shape(u.activation), u.activation.dtype)
+        a_lists = [list_ops.empty_tensor_list([-1] + copy.row_shape(u.activation),
+                                              u.activation.dtype)
                    for u in loop.uses]
         total_iters = dup.outputs[0]
         counter = tf.constant(0, dtype=total_iters.dtype, name="grad_counter")
@@ -200,17 +172,12 @@ class OwnBackward:
         first = 3 + len(xs)
         found, uses = {}, []
         for j, use in enumerate(loop.uses):
-            z = loop.targets[j][0].outputs[0]
-            dz = _loop_copy.example_major(list_ops.tensor_list_stack(
-                tf.identity(outputs[first + j]), z.dtype,
-                element_shape=[-1] + z.shape.as_list()[1:]))              # [B*k*T, *z]
-            a = dz if stand_ins[j] else _loop_copy.example_major(list_ops.tensor_list_stack(
-                tf.identity(outputs[first + J + j]), use.activation.dtype,
-                element_shape=_element_shape(use.activation)))            # [B*k*T, *a]
+            dz = copy.stacked(tf.identity(outputs[first + j]), use.output)    # [B*k*T, *z]
+            a = dz if stand_ins[j] else copy.stacked(
+                tf.identity(outputs[first + J + j]), use.activation)          # [B*k*T, *a]
             key = dz if self._uses is None else self._uses[j].output
             found[id(key)] = dz
-            uses.append(registry_lib.Use(use.op, use.slot, use.rule, a, key,
-                                         use.weight_shape, use.rows))
+            uses.append(copy.built_use(use, a, key))
         if self._uses is None:
             self._uses = uses
         d_inputs = _tf.structured_grad_output(outputs, grads, body_grad_graph)
@@ -251,19 +218,6 @@ def _duplicate(op):
     return dup
 
 
-def _edit(op, dup, cond_graph, body_graph, body_grad_graph, orig_num_params):
-    """`_WhileGrad`'s edit of the forward op (accumulator inputs and outputs, rewritten
-    functions), made to the user's `op` and to D alike."""
-    cond_graph.name += "_rewritten"
-    body_graph.name += "_rewritten"
-    new_inputs = body_grad_graph.extra_inputs
-    cond_function = _tf.create_new_tf_function(cond_graph)
-    body_function = _tf.create_new_tf_function(body_graph)
-    for target in (op, dup):
-        later_gradients.set_while_functions(target, cond_function, body_function, body_graph,
-                                            new_inputs, orig_num_params)
-
-
 def _already_read(graph, tensor):
     """The backward body's value of the forward body's `tensor` when the gradient has
     already read it (so reading it adds no accumulator), else None."""
@@ -284,10 +238,6 @@ def _fresh_graphs(op):
     for attr in ("cond", "body"):
         _tf.set_own_function_graph(op, attr, _tf.read_function_graph(
             op, shapes, op.get_attr(attr).name))
-
-
-def _element_shape(tensor):
-    return [-1] + [-1 if d is None else d for d in tensor.shape.as_list()[1:]]
 
 
 class _IdentitySet:
