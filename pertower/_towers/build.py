@@ -6,22 +6,18 @@ Notation:
     S   the replayed ops (`Request.replay_region`)
 
 Goodfellow's trick ("Efficient per-example gradient computations", arXiv 1510.01799):
-split every batch tensor on its batch axis into T slices, give tower t its own copy
-c_t = tf.identity(x) of each weight, replay S on slice t with c_t in place of every read
-of x (`pertower._towers.replay`), and stack the tower outputs, which then equal `ys`.
-Tower t's output depends on c_t and on no other tower's copy, so
+split every batch tensor on its batch axis into T slices, give tower t its own copy c_t
+of each weight, replay S on slice t with c_t in place of every read of x
+(`pertower._towers.replay`), and stack the tower outputs, which then equal `ys`. Tower
+t's output depends on c_t alone among the copies, so
 
     d/d c_t  sum_t' sum(y_t')  =  d sum(y_t) / d x      (the gradient of tower t alone),
 
 and one `tf.gradients` call over all copies returns T separate gradients
-(`pertower._towers.backward`): per-example gradients for T = B, microbatch gradients
-for T = M < B. With `devices`, tower t is placed on devices[t % len(devices)].
-
-The user's ops, variables and values are left untouched; only new ops are added, under
-one name scope. The one edit is TensorFlow's own: the user's loops, conds and function
-calls between the weights and `ys` are made to output the intermediates their gradient
-reads, as a `tf.gradients` through them would (`pertower._towers.later_gradients`), so
-that a training op built after the first run reuses them.
+(`pertower._towers.backward`): per-example gradients for T = B, microbatch gradients for
+T = M < B. The user's graph is left untouched, but for TensorFlow's own edit: loops,
+conds and calls between the weights and `ys` output the intermediates their gradient
+reads, as after a `tf.gradients` through them (`pertower._towers.later_gradients`).
 """
 
 import dataclasses
@@ -31,6 +27,7 @@ import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
+from pertower import _docs
 from pertower import _graph_walk as graph_walk
 from pertower import _request
 from pertower._towers import backward
@@ -44,9 +41,7 @@ __all__ = ["Towers", "build_towers", "towers_of", "replay_forward"]
 
 @dataclasses.dataclass(frozen=True)
 class Towers(fallback.PerGroupGradients):
-    """The tensors one `build_towers` call made. Immutable; all fields are graph tensors.
-
-    A fallback builder of the dispatch (`pertower._towers.fallback`).
+    """The tensors one `build_towers` call made (a `pertower._towers.fallback` builder).
 
     Attributes:
       ys: the per-example tensor the towers replay, [B, ...].
@@ -114,6 +109,7 @@ class Towers(fallback.PerGroupGradients):
 
 
 @_context.public("build_towers")
+@_docs.documented
 def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, name=None,
                  devices=None, num_towers=None, batch_axis=None):
     """Builds T towers that replay the graph from the batch to `ys`.
@@ -121,8 +117,7 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
     Args:
       ys: a tensor whose axis 0 is the batch, [B, ...].
       xs: a variable or tensor, or a list of them (e.g. `model.trainable_weights`).
-      batch: the tensor(s) carrying the batch on axis 0 that `ys` depends on; found
-        by walking back from `ys` to its placeholders and iterator outputs when None.
+      {options: batch}
       batch_size: B when the batch axis is not static; read from the graph otherwise.
       num_microbatches: T, the number of towers, which must divide B; None means one
         tower per example (T = B).
@@ -133,10 +128,7 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
         colocated with them by `tf.gradients`.
       num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
         both is a TypeError).
-      batch_axis: None (the batch is axis 0 of every batch tensor), an int (the batch
-        axis of every batch tensor, e.g. 1 for time-major [T, B, d] inputs), or a list
-        with one axis per batch tensor. The slices are taken along it; `ys` keeps the
-        batch on axis 0 (transpose a time-major `ys` first).
+      {options: batch_axis}
 
     Returns:
       A `Towers` record.

@@ -5,22 +5,19 @@ Notation:
     x   one weight (entry of `xs`)       c_t tower t's copy of x, tf.identity(x)
     S   the replayed ops (`Request.replay_region`)
 
-Tower t's copy of S (`pertower._towers.replicate`) reads its slices of the batch tensors
-instead of the batch, and c_t instead of every read of x. Gathers from a weight's handle
-become gathers from c_t, and ops that call functions reading a weight inside get c_t as
-an input and rewritten functions (`pertower._towers.functions`). Values computed from
-the batch's size that feed a computation (`cost / tf.cast(tf.shape(x)[0], tf.float32)`)
+Tower t's copy of S reads its slices of the batch tensors and c_t in place of every read
+of x: gathers from x's handle become gathers from c_t, call ops get c_t and rewritten
+functions (`pertower._towers.functions`), and ops whose gradient is written in Python get
+one on the tower's own tensors (`pertower._towers.python_gradients`). Values computed
+from the batch's size that feed a computation (`cost / tf.cast(tf.shape(x)[0], ...)`)
 are read from the whole batch's graph (the analysis' `size_data_edges`), so that the
-tower rows are the rows of `ys`; shape uses keep the tower's own size. An op whose
-gradient the user wrote in Python gets, in each tower, a gradient that runs it on the
-tower's own tensors (`pertower._towers.python_gradients`).
+tower rows are the rows of `ys`.
 
 An entry of `xs` computed from another entry (`w_eff = 2 * tf.identity(W)`, both in xs)
-has no copy of its own: its tower-t version is the replay's own copy of it, computed from
-c_t of W, so that `tf.gradients` gives W the total derivative (its direct uses plus the
-chain through w_eff) and w_eff the gradient of its consumers, exactly as
-`tf.gradients(ys, [W, w_eff])` does. An entry that *is* another entry's read
-(`W.value()` next to W) gets tf.identity(c_t of W).
+has no copy of its own: its tower-t version is the replay's copy of it, computed from
+c_t of W, so that `tf.gradients` gives W the total derivative and w_eff the gradient of
+its consumers, as `tf.gradients(ys, [W, w_eff])` does. An entry that *is* another
+entry's read (`W.value()` next to W) gets tf.identity(c_t of W).
 """
 
 import tensorflow as tf

@@ -48,10 +48,8 @@ def split_batch(batch, B, T, axes, static_sizes, padded=False):
                     b = tf.identity(b)
             # [..., B, ...] -> T x [..., B/T, ...] (the batch on axis `axis`)
             parts = tf.split(b, T, axis=axis)
-            if b.shape.rank is not None:
-                for part in parts:
-                    part.set_shape(b.shape[:axis].concatenate([B // T])
-                                   .concatenate(b.shape[axis + 1:]))
+            for part in parts:
+                part.set_shape(_batch_shape(b, axis, B // T))
             slices.append(parts)
     return slices
 
@@ -67,9 +65,15 @@ def pad_batch(b, axis, B):
         # [rank, 2]: B - b rows after the fed ones on `axis`, none elsewhere
         paddings = tf.scatter_nd([[axis, 1]], [B - fed], tf.stack([rank, 2]))
         padded = tf.pad(b, paddings)
-    if b.shape.rank is not None:
-        padded.set_shape(b.shape[:axis].concatenate([B]).concatenate(b.shape[axis + 1:]))
+    padded.set_shape(_batch_shape(b, axis, B))
     return padded
+
+
+def _batch_shape(b, axis, size):
+    """b's static shape with `size` (an int or None) on the batch axis `axis`."""
+    if b.shape.rank is None:
+        return b.shape
+    return b.shape[:axis].concatenate([size]).concatenate(b.shape[axis + 1:])
 
 
 def capacity_check(b, axis, B, built):
@@ -127,10 +131,7 @@ def split_segments(batch, segments, B, T, axes, static_sizes):
 
 def _rows_not_static(tensor, axis):
     """`tensor` with its batch axis `axis` made not static: [..., None, ...]."""
-    shape = tensor.shape
-    if shape.rank is not None:
-        shape = shape[:axis].concatenate([None]).concatenate(shape[axis + 1:])
-    return tf.compat.v1.placeholder_with_default(tensor, shape)
+    return tf.compat.v1.placeholder_with_default(tensor, _batch_shape(tensor, axis, None))
 
 
 def check_tower_rows(outputs, ys, batch, B, T):
