@@ -29,12 +29,10 @@ from tensorflow.core.framework import attr_value_pb2
 
 from pertower import _context
 from pertower import _graph_walk as graph_walk
-from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._towers import replicate
 
-__all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "must_compile", "keep_compiled",
-           "CompiledCallError"]
+__all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "CompiledCallError"]
 
 # The node attribute that makes TensorFlow compile a function call with XLA.
 XLA_ATTR = "_XlaMustCompile"
@@ -46,18 +44,6 @@ SHARED = "all"
 
 class CompiledCallError(NotImplementedError):
     """A compiled call's gradient cannot be built."""
-
-
-def must_compile(node):
-    """True when the NodeDef `node` is a function call TensorFlow compiles with XLA."""
-    return (node.op in op_types.FUNCTION_CALL_OP_TYPES and XLA_ATTR in node.attr
-            and node.attr[XLA_ATTR].b)
-
-
-def keep_compiled(node):
-    """Marks a compiled call's NodeDef (its function already the tower's copy) so that
-    `tf.gradients` differentiates it with the compiled gradient below."""
-    node.attr["_gradient_op_type"].s = GRADIENT_OP_TYPE.encode()
 
 
 def _differentiable(dtype):
@@ -88,12 +74,6 @@ def _body(graph, name):
     return body, arguments, returns
 
 
-def _random_ops(body):
-    """The random op types drawn in `body` (its nodes and its library's functions)."""
-    nodes = list(body.node) + [n for f in body.library.function for n in f.node_def]
-    return sorted({node.op for node in nodes if graph_walk.draws_random_numbers(node.op)})
-
-
 # The backward functions built so far, {graph: {(f, wrt, outs, input and output-gradient
 # specs): backward function name}}: names only, graphs as weak keys.
 _BACKWARDS = weakref.WeakKeyDictionary()
@@ -112,7 +92,9 @@ def _backward_function(op, wrt, outs, dv):
         body, arguments, returns = _body(op.graph, forward)
     except (CompiledCallError, ValueError) as error:
         raise _refusal(op, str(error)) from error
-    random = _random_ops(body)
+    # the random op types drawn in the body (its nodes and its library's functions)
+    nodes = list(body.node) + [n for f in body.library.function for n in f.node_def]
+    random = sorted({node.op for node in nodes if graph_walk.draws_random_numbers(node.op)})
     if random:
         raise _refusal(op, f"it draws random numbers ({', '.join(random)}), and the "
                            "gradient, which runs the call again, would draw others")

@@ -6,32 +6,27 @@ Notation:
     w   grad_ys, [B, ...] (ones when not given)
     m_g the indicator of group g's rows, [B] (group g holds rows g*B/G ... (g+1)*B/G - 1)
 
-A builder (`pertower.Towers`, `RowPasses`) has `xs` (the weights it computes) and
-`gradients(grad_ys=None, unconnected_gradients="zero", name=None, sparse=False)`, one
-[G, *x.shape] entry per x; `PerGroupGradients` adds the norms and the clipped sum, formed
-from those gradients:
+A builder (`pertower.Towers`, `RowPasses`) has `xs` and `gradients(grad_ys=None,
+unconnected_gradients="zero", name=None, sparse=False)`, one [G, *x.shape] entry per x;
+`PerGroupGradients` forms the squared norms ||grad_g(x)||^2, [G], and the clipped sum
+sum_g f_g grad_g(x), [*x.shape], from them. `stacked` is `ys` recomputed slice by slice,
+[B, ...], for a builder that replays the model (towers), else None; `checks_batch` says
+whether it checks the fed batch size itself; `scope` names its gradients' scope.
 
-    squares_g = ||grad_g(x)||^2 per x, [G]      clipped sum = sum_g f_g grad_g(x), [*x.shape]
-
-`stacked` is `ys` recomputed slice by slice, [B, ...], when the builder replays the model
-(towers), else None; `checks_batch` says whether it checks the fed batch size itself;
-`scope` is the name scope of its gradients inside the dispatch's.
-
-Row passes serve the weights behind a TF1 (v1) while loop (Enter/Exit/NextIteration),
-which neither a rule (`tf.gradients` cannot target a tensor inside the loop from outside)
-nor the towers (a replayed loop has no Python-side WhileContext) can compute. But
-`tf.gradients` through the loop of the ORIGINAL graph works, and by linearity
+Row passes serve the weights behind a TF1 (v1) while loop, which neither a rule
+(`tf.gradients` cannot target a tensor inside the loop from outside) nor the towers (a
+replayed loop has no Python-side WhileContext) can compute. `tf.gradients` through the
+ORIGINAL loop works, and by linearity
 
     d sum(w * m_g * ys) / dx  =  sum over the rows i of group g of  d sum(w_i * ys_i) / dx,
 
-which is group g's gradient whenever row i of `ys` depends on example i alone (proven by
-`pertower._batch_axis`, or checked at run time): one backward pass per group, no op of
-the user's graph copied or changed.
+group g's gradient whenever row i of `ys` depends on example i alone (proven by
+`pertower._batch_axis`, or checked at run time): one backward pass per group.
 """
 
 import tensorflow as tf
 
-from pertower._towers import sparse
+from pertower._towers import sparse as sparse_lib
 
 __all__ = ["PerGroupGradients", "RowPasses"]
 
@@ -105,7 +100,7 @@ class RowPasses(PerGroupGradients):
                                           [tf.rank(ys) - 1], tf.int32)], axis=0))
                     grads = tf.gradients(ys, self.xs, grad_ys=weights * mask,
                                          unconnected_gradients=unconnected_gradients)
-                    per_group.append([None if grad is None else sparse.dense_rows(grad, x)
+                    per_group.append([None if grad is None else sparse_lib.dense_rows(grad, x)
                                       for grad, x in zip(grads, self.xs)])
             results = []
             for k in range(len(self.xs)):

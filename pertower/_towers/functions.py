@@ -98,7 +98,8 @@ class FunctionRewriter:
                                      "argument of its functions.")
             node.attr[type_attr].list.type[i - offset] = dtype
         arguments = {i - offset: spec for i, spec in positions.items()}
-        if compiled.must_compile(node):
+        if (node.op in op_types.FUNCTION_CALL_OP_TYPES and compiled.XLA_ATTR in node.attr
+                and node.attr[compiled.XLA_ATTR].b):   # compiled by XLA
             # one copy for all towers, none where no argument becomes a value: the
             # compiled calls' gradient edits neither the forward op nor its function
             if arguments:
@@ -106,7 +107,7 @@ class FunctionRewriter:
                     node.attr["f"].func.name, arguments, False, f"{where}, op {node.name!r}",
                     compiled.SHARED)
             _drop_stale_attrs(node, positions)
-            compiled.keep_compiled(node)
+            node.attr["_gradient_op_type"].s = compiled.GRADIENT_OP_TYPE.encode()
             return {}
         for attr in function_attrs:
             old = node.attr[attr].func.name

@@ -93,19 +93,11 @@ def capacity_check(b, axis, B, built):
 
 def split_segments(batch, segments, B, T, axes, static_sizes):
     """The slices when `ys` joins several batches along axis 0 (rows of s1, then of
-    s2): tower t holds rows t*g ... (t+1)*g - 1 of that order (g = B/T), which lie in
-    one batch s (`_request` checked it); it gets slice [i*g, (i+1)*g) of each batch
-    tensor of s and an empty [0:0] slice of the others, so that f(empty) adds no row.
-
-    Args:
-      batch: the batch tensors.
-      segments: ((batch indices, B_s), ...) in the order of the rows of `ys`.
-      B: B_1 + B_2 + ... ; T: the number of towers.
-      axes: the batch axis of each batch tensor; static_sizes: its static size or None.
-
-    Returns:
-      slices[j][t]: tower t's slice of batch[j], [g or 0, ...] on its batch axis.
-    """
+    s2; `segments`: ((batch indices, B_s), ...) in that order, B = B_1 + B_2 + ...):
+    tower t holds rows t*g ... (t+1)*g - 1 (g = B/T), which lie in one batch s
+    (`_request` checked it); it gets slice [i*g, (i+1)*g) of each batch tensor of s and
+    an empty [0:0] slice of the others, so that f(empty) adds no row. Returns
+    slices[j][t], [g or 0, ...] on the batch axis."""
     g = B // T
     size_of = {j: size for indices, size in segments for j in indices}
     slices = []
