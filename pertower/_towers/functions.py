@@ -66,20 +66,17 @@ class FunctionRewriter:
         self._generated = {}   # new function name -> FunctionDef
 
     def rewrite_call(self, node, positions, where, tower, predicate):
-        """Edits `node`, a NodeDef of a call op, so its inputs `positions` take values
-        (a function call becomes an `If`, a compiled call stays compiled; see the module
-        notes).
+        """Edits `node`, a call op's NodeDef, so that its inputs `positions` take values
+        (see the module notes).
 
         Args:
           node: the NodeDef (edited in place: types, shapes, function names, and for
             a function call the op type and a first input `predicate`).
           positions: {op input index: (DataType enum, TensorShape)} of the inputs that
-            carried a weight's handle and now carry its value (may be empty: the
-            functions are still copied for the tower).
+            now carry a weight's value (may be empty: the functions are still copied).
           where: a description of the weight and op for error messages.
           tower: the tower index, part of the new function names.
-          predicate: a callable returning the input reference of a boolean True
-            (called only when a function call is turned into an If).
+          predicate: a callable returning the input reference of a boolean True.
 
         Returns:
           {output index: (DataType enum, TensorShape)}: the outputs that now carry a

@@ -8,17 +8,14 @@ Notation:
     dy  the gradients arriving at op's outputs, one per output, [B/T, ...] in a tower
 
 A copied op keeps `_gradient_op_type`, so `tf.gradients` through tower t's copy calls
-the user's function, which may read the ORIGINAL graph's tensors: a `tf.custom_gradient`
-closure captures the forward tensors it was traced with (tf_keras' swish captures its
-input, [B, d]) and would compute with the whole batch's values where the tower holds B/T
-examples. So the backward of op is built once on fresh dy placeholders in a scratch
-graph (the template, never run: `pertower._overrides`), and each tower's copy of op gets
-a gradient function that copies the template into the graph (`replicate`) with dy -> the
-tower's dy and every captured tensor of S -> the tower's replay of it. Tower t's backward
-through op is then the user's function on tower t's tensors alone, as the one-example
-(T = B) or microbatch loop runs it. Forward tensors the backward captured off the way to
-`ys` (a closure's `s = tf.sigmoid(h)`, computed from the batch but not replayed) are
-recomputed for the tower first.
+the user's function, which may read the ORIGINAL graph's tensors (a `tf.custom_gradient`
+closure captures its forward tensors, [B, ...]) where the tower holds B/T examples. So
+the backward of op is built once on dy placeholders in a scratch graph (the template,
+`pertower._overrides`), and each tower's copy of op gets a gradient that copies the
+template (`replicate`) with dy -> the tower's dy and every captured tensor -> the
+tower's version of it: the user's function on tower t's tensors alone, as the
+one-example (T = B) or microbatch loop runs it. Forward tensors captured off the way to
+`ys` (a closure's `s = tf.sigmoid(h)`) are recomputed for the tower first.
 
 Refused, naming op: an override that is not registered or cannot be built on its own,
 one that takes a variable's handle (its gradient would go to the variable, not to the

@@ -52,20 +52,17 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
     Args:
       template_ops: the ops of S.
       replicas: the replica indices r to build, e.g. range(T) or range(1, T).
-      rename: rename(op_name, r) -> the full name of replica r's copy of that op
-        (under a name scope the caller has taken, so that the names are free).
+      rename: rename(op_name, r) -> the full name of replica r's copy of that op (in a
+        name scope the caller has taken).
       counterpart: counterpart(item, r) -> what replica r reads in place of `item`,
         a tensor or control-input op from outside S, or None for `item` itself
         (shared by all replicas).
       graph: the graph holding S; the replicas are added to it.
-      return_tensors: tensors to return from every replica: S's tensors come from
-        the replica's copy, others through `counterpart`.
+      return_tensors: tensors to return from every replica (S's from its copy).
       device: None (replica ops keep S's device strings), or device(r) -> the device
         for every op of replica r.
-      edit_node: None, or edit_node(node, op, r, key_for), called once the copied
-        NodeDef `node` of `op` has its inputs (node.input[i] names replica r's version
-        of op.inputs[i]): it may edit the node in place, naming outside tensors by
-        `key_for(tensor)`.
+      edit_node: None, or edit_node(node, op, r, key_for): edits replica r's copied
+        NodeDef `node` of `op` in place, naming outside tensors by `key_for(tensor)`.
       library: None, or a FunctionDefLibrary the copies need (imported with them).
 
     Returns:
