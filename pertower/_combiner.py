@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from pertower._guards import independence
 from pertower._towers import build as towers_lib
-from pertower._towers import row_passes
+from pertower._towers import fallback as fallback_lib
 from pertower import _engine
 
 __all__ = ["Built"]
@@ -50,7 +50,7 @@ class Built:
         self.covered = list(plan.covered)
         self.fallback, self.fallback_indices = None, list(plan.fallback)
         if plan.fallback and plan.loop_op is not None:
-            self.fallback = row_passes.RowPasses(
+            self.fallback = fallback_lib.RowPasses(
                 request.ys, [self.xs[k] for k in plan.fallback], request.batch_size,
                 request.num_groups or request.batch_size)
         elif plan.fallback and not plan.uses_rules:

@@ -23,7 +23,7 @@ Notation:
              or, when a TF1 (v1) while loop lies between the batch and `ys` (towers
              cannot build gradients through a replayed v1 loop), row passes: one
              backward pass of the original graph per group, grad_ys masked to the
-             group's rows (`pertower._towers.row_passes`); `pertower._combiner.Built`
+             group's rows (`pertower._towers.fallback`); `pertower._combiner.Built`
              puts them together.
 
 Methods: "auto" (default: rules where proven, towers elsewhere), "rules" (strict: every

@@ -29,7 +29,7 @@ class WeightReads:
         their bodies; towers give them their copy (see `pertower._towers.functions`).
       loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's resource
         handle into a loop frame; such a weight is computed by row passes
-        (`pertower._towers.row_passes`).
+        (`pertower._towers.fallback`).
       handle: the resource handle, or None (reference variables and tensors).
       reached: whether `ys` depends on the weight at all.
       value: a tensor already holding the weight's value (a reference variable's

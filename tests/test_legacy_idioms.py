@@ -13,7 +13,7 @@ behaviour); tests/legacy/test_legacy_idioms.py runs them under
 Sampled losses (`tf.nn.sampled_softmax_loss`, `tf.nn.nce_loss`) draw one set of S classes
 per run for the whole batch. Example i's per-example gradient is that of its loss given
 the batch's draw (the B gradients sum to the batch gradient of the same run): the
-towers read the batch's draw (`pertower._towers.shared_draws`), and the loop is fed the
+towers read the batch's draw (`pertower._towers.slicing`), and the loop is fed the
 same draw (the sampler's outputs, with example i's row of the true classes' expected
 counts) so that it computes the same losses one example at a time.
 """

@@ -10,7 +10,9 @@ call over every tower's copies returns the T separate gradients g_t (see
 `pertower._towers.build`). Since the towers are identical but for their inputs, the
 call's ops are built for tower 0 only and copied for towers 1 ... T-1 with one import
 (`pertower._towers.replicate`): the same ops, for a fraction of the build time. Towers
-that run graph functions (tf.cond, while loops) make the one joint call instead.
+that run graph functions (tf.cond, while loops: their gradients rewrite the forward op)
+or Python functions (an `EagerPyFunc`'s gradient reads its own forward op's tape) make
+the one joint call instead.
 """
 
 import collections
@@ -18,26 +20,19 @@ import collections
 import tensorflow as tf
 
 from pertower import _checks
-from pertower import _graph_walk as graph_walk
-from pertower._towers import replicate as replicate_lib
-from pertower._towers import sparse as sparse_lib
 from pertower import _context
+from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
+from pertower._towers import replicate as replicate_lib
+from pertower._towers import slicing
+from pertower._towers import sparse as sparse_lib
 
 __all__ = ["gradients", "joint_gradients", "replicated_gradients", "BatchedMatMul"]
 
 
 @_context.public("Towers.gradients", inner=False)
 def gradients(towers, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
-    """`Towers.gradients`: the gradient of each tower's output w.r.t. its own copies.
-
-    Args:
-      towers: a `pertower.Towers` record.
-      grad_ys, unconnected_gradients, name, sparse: as in `Towers.gradients`.
-
-    Returns:
-      A list with one entry per x: [T, *x.shape], or a `PerExampleIndexedSlices`
-      (sparse), or None (unconnected_gradients="none" and `ys` does not reach x).
-    """
+    """`Towers.gradients` (see there) of the `towers` record, for all T towers."""
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     T = towers.num_towers
     with tf.name_scope(name or "tower_gradients"):
@@ -68,9 +63,9 @@ def gradients(towers, grad_ys=None, unconnected_gradients="zero", name=None, spa
             elif sparse and all(isinstance(g, tf.IndexedSlices) for g in per_tower[k]):
                 results.append(sparse_lib.stack_tower_slices(per_tower[k], towers.copies[k]))
             else:
-                dense = [_dense(g, c) for g, c in zip(per_tower[k], towers.copies[k])]
                 # T x [*x.shape] -> [T, *x.shape]
-                results.append(tf.stack(dense, axis=0))
+                results.append(tf.stack([_dense(g, c) for g, c in zip(
+                    per_tower[k], towers.copies[k])], axis=0))
         return results
 
 
@@ -92,6 +87,18 @@ def joint_gradients(towers, connected, grad_outputs, unconnected):
     return per_tower
 
 
+def _calls_functions(ops, python=True):
+    """True when an op in `ops` runs a graph function (While, If, PartitionedCall...)
+    or, with `python`, a Python function (`tf.py_function`, `tf.compat.v1.py_func`)."""
+    for op in ops:
+        if python and op.type in op_types.PYTHON_OP_TYPES:
+            return True
+        for value in op.node_def.attr.values():
+            if value.HasField("func") or (value.HasField("list") and value.list.func):
+                return True
+    return False
+
+
 def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=False):
     """Tower 0's backward pass built once by `tf.gradients`, then copied for towers
     1 ... T-1 with one import (`replicate_lib.replicate`).
@@ -100,10 +107,8 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
     in place of 0's, so the backward ops `tf.gradients` would build for tower t are
     tower 0's with t's tensors in place of 0's. Returns the same dict as
     `joint_gradients` (a weight's entry may be a `BatchedMatMul`), or None when the
-    towers run graph functions (control flow), whose gradients are built by rewriting
-    the forward ops, or Python functions, whose gradients close over their forward op,
-    so that only the joint call is sound. Gradients are made dense in
-    tower 0 (and so in every copy) unless `sparse` keeps an IndexedSlices.
+    towers run graph or Python functions (see the module notes). Gradients are made
+    dense in tower 0 (and so in every copy) unless `sparse` keeps an IndexedSlices.
     """
     if not connected:
         return {}
@@ -112,7 +117,7 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
     copies_0 = [towers.copies[k][0] for k in connected]
     tower_0 = graph_walk.downstream_ops(
         list(towers.slices[0]) + copies_0, graph_walk.upstream_ops([towers.outputs[0]]))
-    if replicate_lib.calls_functions(tower_0) or replicate_lib.calls_python(tower_0):
+    if _calls_functions(tower_0):
         return None
     # Tower 0's tensors that the backward pass may read, with every tower's.
     known = {}
@@ -123,7 +128,8 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
         known[towers.slices[0][j].name] = [s[j] for s in towers.slices]
     for k in connected:
         known[towers.copies[k][0].name] = towers.copies[k]
-    replay_0 = replay_prefix(towers.stacked, 0)
+    scope = towers.stacked.op.name[:-len("stacked")]   # "<towers scope>/"
+    replay_0 = f"{scope}replay/t0/"
 
     device_0 = towers.devices[0] if towers.devices else None
     with tf.name_scope("t0") as template_prefix, tf.device(device_0):
@@ -135,7 +141,7 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
         grads_0 = [g if g is None or (sparse and isinstance(g, tf.IndexedSlices))
                    else _dense(g, c) for g, c in zip(grads, copies_0)]
         template = graph.get_operations()[first_new:]
-    if replicate_lib.calls_functions(template):
+    if _calls_functions(template, python=False):
         return None
 
     def counterpart(item, t):
@@ -148,7 +154,7 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
             return None  # shared by all towers
         if not item.name.startswith(replay_0):
             raise _NoCounterpart(item.name)
-        name = replay_prefix(towers.stacked, t) + item.name[len(replay_0):]
+        name = f"{scope}replay/t{t}/" + item.name[len(replay_0):]
         if isinstance(item, tf.Operation):
             return graph.get_operation_by_name(name)
         return graph.get_tensor_by_name(name)
@@ -172,28 +178,24 @@ def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=Fa
         else:
             needed.append(g)
     returned = [t for t in needed if t.op in template_ops]
-    devices = towers.devices
     stem = template_prefix[:-len("t0/")]
     try:
         replicas = replicate_lib.replicate(
             template, range(1, T),
             lambda op_name, r: f"{stem}t{r}/{op_name[len(template_prefix):]}",
             counterpart, graph, returned,
-            device=(lambda t: devices[t % len(devices)]) if devices else None)
-    except _NoCounterpart:
-        return None
-    in_replicas = {id(t): [replica[i] for replica in replicas]
-                   for i, t in enumerate(returned)}
+            device=slicing.device_function(towers.devices))
+        in_replicas = {id(t): [replica[i] for replica in replicas]
+                       for i, t in enumerate(returned)}
 
-    def per_tower_versions(tensor):
-        """T tensors: tower t's version of tower 0's `tensor`."""
-        if id(tensor) in in_replicas:
-            return [tensor] + in_replicas[id(tensor)]
-        versions = [counterpart(tensor, t) for t in range(1, T)]
-        return [tensor] + [tensor if v is None else v for v in versions]
+        def per_tower_versions(tensor):
+            """T tensors: tower t's version of tower 0's `tensor`."""
+            if id(tensor) in in_replicas:
+                return [tensor] + in_replicas[id(tensor)]
+            versions = [counterpart(tensor, t) for t in range(1, T)]
+            return [tensor] + [tensor if v is None else v for v in versions]
 
-    per_tower = {}
-    try:
+        per_tower = {}
         for k, g_0 in zip(connected, grads_0):
             if g_0 is None:
                 per_tower[k] = None
@@ -242,12 +244,6 @@ def _batchable_matmul(gradient, template):
 
 class _NoCounterpart(Exception):
     """A tensor of tower 0 whose tower-t version cannot be named."""
-
-
-def replay_prefix(stacked, t):
-    """The name prefix of tower t's replayed ops: "<towers scope>replay/t<t>/"."""
-    scope = stacked.op.name[:-len("stacked")]
-    return f"{scope}replay/t{t}/"
 
 
 def _zeros_per_tower(x, T):

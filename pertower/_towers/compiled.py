@@ -7,26 +7,19 @@ Notation:
           the weights read inside are value arguments; f itself when none is)
     u     op's inputs [u_0, ..., u_{n-1}]    v = f(u) its outputs    dv  their gradients
 
-TensorFlow runs such a call through XLA, and some computations exist only there: a
-grouped convolution (Keras `Conv2D(groups=2)` calls its convolution through
-`tf.function(jit_compile=True)`) has no CPU kernel without oneDNN, forward
-(`Conv2D`) or backward (`Conv2DBackpropFilter`). A tower therefore replays op as the
-same compiled call (the node keeps `_XlaMustCompile`), not as the
-`If` that other function calls become, whose lowering inlines f into the graph and
-runs it on the ordinary kernels.
+Some computations exist only under XLA: a grouped convolution (Keras `Conv2D(groups=2)`
+runs through `tf.function(jit_compile=True)`) has no CPU kernel without oneDNN. A tower
+therefore replays op as the same compiled call, not as the `If` other function calls
+become (`pertower._towers.functions`), whose lowering runs f on the ordinary kernels.
 
-TensorFlow's own gradient of op is a Python function attached to the user's call op
-when it was built, which an imported copy lacks, and it rewrites the forward op to
-return intermediates. The towers' copy gets instead the gradient registered here
-(`GRADIENT_OP_TYPE`, named by the node attribute `_gradient_op_type`): one more
-compiled call, of a function that recomputes v = f(u) from the inputs and returns
-tf.gradients(v, u, dv), built by `tf.function(jit_compile=True)`. The identity it
-relies on is the chain rule for f, recomputed rather than stored: the recomputation
-runs the same body on the same inputs, so its gradients are those of the call
-(TensorFlow's gradient rules, as for the user's own call). The forward copy is left as
-imported (no outputs are added). The backward call carries the same gradient, so it
-can be differentiated again (a second derivative). One backward function serves every
-tower, microbatch and Jacobian row of a build (`_Backwards`), so XLA compiles it once.
+TensorFlow's own gradient of op is a Python function attached to the user's call op,
+which an imported copy lacks, and it rewrites the forward op. The towers' copy gets
+instead the gradient registered here (`GRADIENT_OP_TYPE`, named by the node attribute
+`_gradient_op_type`): one more compiled call, of a function that recomputes v = f(u)
+and returns tf.gradients(v, u, dv). The identity is the chain rule for f, recomputed
+rather than stored (so a body that draws random numbers is refused). The backward call
+carries the same gradient, so it can be differentiated again. One backward function
+serves every tower, microbatch and Jacobian row of a build, so XLA compiles it once.
 """
 
 import weakref
@@ -36,12 +29,10 @@ from tensorflow.core.framework import attr_value_pb2
 
 from pertower import _context
 from pertower import _graph_walk as graph_walk
-from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._towers import replicate
 
-__all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "must_compile", "keep_compiled",
-           "CompiledCallError"]
+__all__ = ["GRADIENT_OP_TYPE", "XLA_ATTR", "SHARED", "CompiledCallError"]
 
 # The node attribute that makes TensorFlow compile a function call with XLA.
 XLA_ATTR = "_XlaMustCompile"
@@ -53,18 +44,6 @@ SHARED = "all"
 
 class CompiledCallError(NotImplementedError):
     """A compiled call's gradient cannot be built."""
-
-
-def must_compile(node):
-    """True when the NodeDef `node` is a function call TensorFlow compiles with XLA."""
-    return (node.op in op_types.FUNCTION_CALL_OP_TYPES and XLA_ATTR in node.attr
-            and node.attr[XLA_ATTR].b)
-
-
-def keep_compiled(node):
-    """Marks a compiled call's NodeDef (its function already the tower's copy) so that
-    `tf.gradients` differentiates it with the compiled gradient below."""
-    node.attr["_gradient_op_type"].s = GRADIENT_OP_TYPE.encode()
 
 
 def _differentiable(dtype):
@@ -95,71 +74,53 @@ def _body(graph, name):
     return body, arguments, returns
 
 
-def _random_ops(body):
-    """The random op types drawn in `body` (its nodes and its library's functions)."""
-    nodes = list(body.node) + [n for f in body.library.function for n in f.node_def]
-    return sorted({node.op for node in nodes if graph_walk.draws_random_numbers(node.op)})
+# The backward functions built so far, {graph: {(f, wrt, outs, input and output-gradient
+# specs): backward function name}}: names only, graphs as weak keys.
+_BACKWARDS = weakref.WeakKeyDictionary()
 
 
-class _Backwards:
-    """The backward functions built so far: {graph: {(forward function, input and
-    output-gradient signatures): backward function name}}.
-
-    A forward function shared by the towers (and differentiated again for each tower,
-    microbatch or Jacobian row) gets one backward function, so XLA compiles it once.
-    Only names are kept, and graphs are weak keys: a cache entry keeps nothing alive.
-    """
-
-    def __init__(self):
-        self._names = weakref.WeakKeyDictionary()
-
-    def name(self, op, wrt, outs, dv):
-        """The name of the backward function of call `op` (added to op's graph on first
-        use): inputs u then dv, outputs d/du_i for i in `wrt`."""
-        graph = op.graph
-        forward = op.get_attr("f").name
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in list(op.inputs) + dv]
-        key = (forward, tuple(wrt), tuple(outs), tuple(specs))
-        names = self._names.setdefault(graph, {})
-        if key not in names:
-            names[key] = self._build(op, forward, wrt, outs, specs)
+def _backward_function(op, wrt, outs, dv):
+    """The name of the backward function of call `op` (added to op's graph on first
+    use): inputs u then dv, outputs d/du_i for i in `wrt`."""
+    forward = op.get_attr("f").name
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in list(op.inputs) + dv]
+    key = (forward, tuple(wrt), tuple(outs), tuple(specs))
+    names = _BACKWARDS.setdefault(op.graph, {})
+    if key in names:
         return names[key]
+    try:
+        body, arguments, returns = _body(op.graph, forward)
+    except (CompiledCallError, ValueError) as error:
+        raise _refusal(op, str(error)) from error
+    # the random op types drawn in the body (its nodes and its library's functions)
+    nodes = list(body.node) + [n for f in body.library.function for n in f.node_def]
+    random = sorted({node.op for node in nodes if graph_walk.draws_random_numbers(node.op)})
+    if random:
+        raise _refusal(op, f"it draws random numbers ({', '.join(random)}), and the "
+                           "gradient, which runs the call again, would draw others")
+    n = len(op.inputs)
 
-    @staticmethod
-    def _build(op, forward, wrt, outs, specs):
-        try:
-            body, arguments, returns = _body(op.graph, forward)
-        except (CompiledCallError, ValueError) as error:
-            raise _refusal(op, str(error)) from error
-        random = _random_ops(body)
-        if random:
-            raise _refusal(op, f"it draws random numbers ({', '.join(random)}), and the "
-                               "gradient, which runs the call again, would draw others")
-        n = len(op.inputs)
+    def backward(*args):
+        u, grad_v = args[:n], args[n:]
+        v = tf.graph_util.import_graph_def(
+            body, input_map={f"{a}:0": t for a, t in zip(arguments, u)},
+            return_elements=[returns[j] for j in outs], name="forward")
+        grads = tf.gradients(v, [u[i] for i in wrt], grad_ys=list(grad_v))
+        return [tf.zeros_like(u[i]) if g is None else tf.convert_to_tensor(g)
+                for g, i in zip(grads, wrt)]
 
-        def backward(*args):
-            u, grad_v = args[:n], args[n:]
-            v = tf.graph_util.import_graph_def(
-                body, input_map={f"{a}:0": t for a, t in zip(arguments, u)},
-                return_elements=[returns[j] for j in outs], name="forward")
-            grads = tf.gradients(v, [u[i] for i in wrt], grad_ys=list(grad_v))
-            return [tf.zeros_like(u[i]) if g is None else tf.convert_to_tensor(g)
-                    for g, i in zip(grads, wrt)]
-
-        backward.__name__ = f"{forward}_pertower_gradient"
-        try:
-            # traced apart from the gradient's colocation with the forward call, which
-            # would name an op outside the function
-            with op.graph.colocate_with(None, ignore_existing=True):
-                concrete = tf.function(backward, jit_compile=True, autograph=False,
-                                       reduce_retracing=False).get_concrete_function(*specs)
-        except LookupError as error:   # an op of the body without a gradient
-            raise _refusal(op, str(error)) from error
-        concrete.add_to_graph(op.graph)
-        return concrete.name
-
-
-_BACKWARDS = _Backwards()
+    backward.__name__ = f"{forward}_pertower_gradient"
+    try:
+        # traced apart from the gradient's colocation with the forward call, which
+        # would name an op outside the function
+        with op.graph.colocate_with(None, ignore_existing=True):
+            concrete = tf.function(backward, jit_compile=True, autograph=False,
+                                   reduce_retracing=False).get_concrete_function(*specs)
+    except LookupError as error:   # an op of the body without a gradient
+        raise _refusal(op, str(error)) from error
+    concrete.add_to_graph(op.graph)
+    names[key] = concrete.name
+    return concrete.name
 
 
 def _refusal(op, why):
@@ -182,7 +143,7 @@ def _compiled_call_gradient(op, *dv):
         return [None] * n
     dv = [tf.zeros_like(op.outputs[j]) if dv[j] is None else tf.convert_to_tensor(dv[j])
           for j in outs]
-    name = _BACKWARDS.name(op, wrt, outs, dv)
+    name = _backward_function(op, wrt, outs, dv)
     call = tf.raw_ops.StatefulPartitionedCall if op.type == "StatefulPartitionedCall" else (
         tf.raw_ops.PartitionedCall)
     grads = call(args=list(op.inputs) + dv, Tout=[op.inputs[i].dtype for i in wrt], f=name)

@@ -5,38 +5,21 @@ Notation:
     op   a function-calling op (While, If, PartitionedCall, ...) that receives x's
          resource handle as input i and reads it inside its function bodies
 
-TF2 control flow (`While`/`StatelessWhile` from `tf.while_loop` and Keras RNN layers,
-`If`/`StatelessIf` from `tf.cond`) and function calls (`PartitionedCall`,
-`StatefulPartitionedCall` from `tf.function`) get a variable as a DT_RESOURCE input and
-read it in their bodies with `ReadVariableOp`. A tower must read c_t instead, so its
-replay of op is rewritten:
+A tower's replay of op is rewritten to read c_t: input i becomes c_t (a value instead of
+a handle); every function op calls is copied into a new FunctionDef in which argument i
+is a value of x's dtype and every `ReadVariableOp` of it an `Identity` (`ResourceGather`
+-> `GatherV2`, `ResourceGatherNd` -> `GatherNd`), recursively through nested calls; op's
+type attribute, output shapes and function names follow. The identity this relies on:
+when a body only *reads* x (a write is refused), reading x inside gives the value passed
+in. TensorFlow's While/If gradients then treat c_t as an ordinary loop-invariant input.
+A function call becomes an `If` on a constant True whose branches are copies of the
+function, which cond_v2 differentiates with every op's registered Python gradient (the
+`SymbolicGradient` of an imported call knows only C++ gradients; not `GatherV2`'s).
 
-1. input i of op becomes c_t (a value instead of a handle);
-2. every function op calls (cond and body, both branches, f) is copied into a new
-   FunctionDef in which argument i is a value argument of x's dtype and every
-   `ReadVariableOp` of it is an `Identity` (`ResourceGather` -> `GatherV2`,
-   `ResourceGatherNd` -> `GatherNd`), recursively through nested calls;
-3. op's type attribute (T or Tin), its output shapes and function names follow.
-
-The identity this relies on: when a body only *reads* x (a write is refused), reading
-x inside the body gives the same value as reading it outside and passing the value
-in, so the rewritten op computes what op computes, with c_t in place of x. The value
-argument is an ordinary differentiable input: TensorFlow's own While/If gradients
-(while_v2, cond_v2) rebuild the body graphs from the new FunctionDefs and sum a
-loop-invariant input's gradient over the iterations. Function calls are differentiated
-with TensorFlow's symbolic gradient of the new FunctionDef.
-
-Every tower gets its own copy of every function its replayed call ops reach (named
-`<name>_<build>_t<tower>`, nested functions included), even where no weight is read:
-TensorFlow's While/If gradients edit the forward op and name the edited functions after
-the originals (`<name>_rewritten`), so towers sharing one function would collide. The
-copies are added to the graph by the towers' `import_graph_def`; the user's functions
-and ops are untouched.
-
-XLA-compiled function calls (`_XlaMustCompile`, e.g. from `tf.function(jit_compile=True)`)
-are the exception: they stay compiled calls, of one copy shared by all towers (none when
-no weight is read inside), and are differentiated by `compiled.py`'s gradient, which
-edits neither the forward op nor its function.
+Every tower gets its own copy of every function its call ops reach (`<name>_<build>_t<t>`),
+since TensorFlow's While/If gradients edit the forward op and name the edited functions
+after the originals. XLA-compiled calls (`_XlaMustCompile`) stay compiled calls of one
+copy shared by all towers, with the gradient of `pertower._towers.compiled`.
 """
 
 import tensorflow as tf
@@ -60,8 +43,6 @@ _CALLS = {
     **{t: (("then_branch", "else_branch"), 1, "Tin", False) for t in op_types.IF_OP_TYPES},
     **{t: (("f",), 0, "Tin", False) for t in op_types.FUNCTION_CALL_OP_TYPES},
 }
-# Attributes of a call op that refer to the original inputs or gradient of the call.
-_STALE_CALL_ATTRS = (op_types.GRADIENT_OVERRIDE_ATTR,)
 
 
 class ControlFlowError(NotImplementedError):
@@ -85,49 +66,37 @@ class FunctionRewriter:
         self._generated = {}   # new function name -> FunctionDef
 
     def rewrite_call(self, node, positions, where, tower, predicate):
-        """Edits `node`, a NodeDef of a call op, so its inputs `positions` take values.
-
-        A function call (`PartitionedCall`, `StatefulPartitionedCall`) becomes an `If`
-        on a constant True whose two branches are copies of the function: it computes
-        the same, and cond_v2 differentiates it in Python with every op's registered
-        gradient (the `SymbolicGradient` TensorFlow would use for an imported call
-        knows only the ops with C++ gradients; `GatherV2` is not among them). An
-        XLA-compiled call stays a compiled call instead, with the gradient of
-        `pertower._towers.compiled` (an `If` would be lowered and run on the ordinary
-        kernels, which lack some of what XLA computes, e.g. grouped convolutions
-        without oneDNN).
+        """Edits `node`, a call op's NodeDef, so that its inputs `positions` take values
+        (see the module notes).
 
         Args:
           node: the NodeDef (edited in place: types, shapes, function names, and for
             a function call the op type and a first input `predicate`).
           positions: {op input index: (DataType enum, TensorShape)} of the inputs that
-            carried a weight's handle and now carry its value (may be empty: the
-            functions are still copied for the tower).
+            now carry a weight's value (may be empty: the functions are still copied).
           where: a description of the weight and op for error messages.
           tower: the tower index, part of the new function names.
-          predicate: a callable returning the input reference of a boolean True
-            (called only when a function call is turned into an If).
+          predicate: a callable returning the input reference of a boolean True.
 
         Returns:
           {output index: (DataType enum, TensorShape)}: the outputs that now carry a
           value where they passed on the handle (a while loop's loop variable).
         """
         if node.op not in _CALLS:
-            raise _context.error(
-                ControlFlowError,
-                f"{where} reaches op {node.name!r} of type "
-                f"{node.op}, which towers cannot give a weight copy to. Supported: "
-                f"{', '.join(sorted(_CALLS))}. Leave this weight out of `xs`.")
+            raise _context.error(ControlFlowError, (
+                f"{where} reaches op {node.name!r} of type {node.op}, which towers cannot "
+                f"give a weight copy to. Supported: {', '.join(sorted(_CALLS))}. Leave "
+                "this weight out of `xs`."))
         function_attrs, offset, type_attr, loops = _CALLS[node.op]
         for i, (dtype, _) in positions.items():
             if i < offset or node.attr[type_attr].list.type[i - offset] != types_pb2.DT_RESOURCE:
-                raise _context.error(
-                    ControlFlowError,
-                    f"{where}: input {i} of op {node.name!r} "
-                    f"({node.op}) is not a resource argument of its functions.")
+                raise _context.error(ControlFlowError, f"{where}: input {i} of op "
+                                     f"{node.name!r} ({node.op}) is not a resource "
+                                     "argument of its functions.")
             node.attr[type_attr].list.type[i - offset] = dtype
         arguments = {i - offset: spec for i, spec in positions.items()}
-        if compiled.must_compile(node):
+        if (node.op in op_types.FUNCTION_CALL_OP_TYPES and compiled.XLA_ATTR in node.attr
+                and node.attr[compiled.XLA_ATTR].b):   # compiled by XLA
             # one copy for all towers, none where no argument becomes a value: the
             # compiled calls' gradient edits neither the forward op nor its function
             if arguments:
@@ -135,7 +104,7 @@ class FunctionRewriter:
                     node.attr["f"].func.name, arguments, False, f"{where}, op {node.name!r}",
                     compiled.SHARED)
             _drop_stale_attrs(node, positions)
-            compiled.keep_compiled(node)
+            node.attr["_gradient_op_type"].s = compiled.GRADIENT_OP_TYPE.encode()
             return {}
         for attr in function_attrs:
             old = node.attr[attr].func.name
@@ -159,10 +128,8 @@ class FunctionRewriter:
             return self._generated[name]
         function = _tf.get_function(self.graph, name)
         if function is None:
-            raise _context.error(
-                ControlFlowError,
-                f"the function {name!r} is not in the graph's "
-                "library, so towers cannot rewrite it.")
+            raise _context.error(ControlFlowError, f"the function {name!r} is not in the "
+                                 "graph's library, so towers cannot rewrite it.")
         return function.cached_definition
 
     def _rewrite_function(self, name, arguments, loop_body, where, tower, variant=""):
@@ -185,10 +152,8 @@ class FunctionRewriter:
         for i, (dtype, shape) in arguments.items():
             arg = fdef.signature.input_arg[i]
             if arg.type != types_pb2.DT_RESOURCE:
-                raise _context.error(
-                    ControlFlowError,
-                    f"{where}: argument {arg.name!r} is not a "
-                    "resource.")
+                raise _context.error(ControlFlowError,
+                                     f"{where}: argument {arg.name!r} is not a resource.")
             arg.type = dtype
             # a signature read back from a meta graph keeps the handle's variable shape,
             # which TensorFlow would set on the value ("Shapes must be equal rank")
@@ -221,7 +186,8 @@ class FunctionRewriter:
                 self._rewrite_node(node, hits, values, renames, extra_nodes, where, tower)
         for node in fdef.node_def:  # nested calls that read no weight: copy for the tower
             if node.name not in done and node.op in _CALLS:
-                self.rewrite_call(node, {}, where, tower, _true_node(node.name, extra_nodes))
+                self.rewrite_call(node, {}, where, tower,
+                                  lambda: _const_node(node.name, True, extra_nodes))
         fdef.node_def.extend(extra_nodes)
         for node in fdef.node_def:
             inputs = [renames.get(ref, ref) for ref in node.input]
@@ -231,11 +197,10 @@ class FunctionRewriter:
             ref = fdef.ret[out.name]
             if ref in values and out.type == types_pb2.DT_RESOURCE:
                 if not loop_body:
-                    raise _context.error(
-                        ControlFlowError,
-                        f"{where} returns the weight's handle "
-                        f"as output {out.name!r}; towers can only rewrite functions that read "
-                        "the weight. Leave this weight out of `xs`.")
+                    raise _context.error(ControlFlowError, (
+                        f"{where} returns the weight's handle as output {out.name!r}; "
+                        "towers can only rewrite functions that read the weight. Leave "
+                        "this weight out of `xs`."))
                 out.type = values[ref][0]
                 del out.handle_data[:]
             fdef.ret[out.name] = renames.get(ref, ref)
@@ -243,11 +208,10 @@ class FunctionRewriter:
             for i in arguments:
                 out = fdef.signature.output_arg[i]
                 if out.type == types_pb2.DT_RESOURCE:
-                    raise _context.error(
-                        ControlFlowError,
-                        f"{where}: the while loop body returns "
-                        f"another resource than the weight as loop variable {i}; towers "
-                        "cannot rewrite it. Leave this weight out of `xs`.")
+                    raise _context.error(ControlFlowError, (
+                        f"{where}: the while loop body returns another resource than the "
+                        f"weight as loop variable {i}; towers cannot rewrite it. Leave "
+                        "this weight out of `xs`."))
         self._generated[new_name] = fdef
         self.library.function.add().CopyFrom(fdef)
         return new_name
@@ -261,37 +225,35 @@ class FunctionRewriter:
             node.attr["T"].type = dtype
             renames[f"{node.name}:value:0"] = f"{node.name}:output:0"
         elif node.op in op_types.HANDLE_GATHER_OP_TYPES and list(hits) == [0]:
-            gather_from_value(node, dtype, lambda: _axis_zero_input(node.name, extra_nodes))
+            gather_from_value(node, dtype, lambda: _const_node(node.name, 0, extra_nodes))
         elif node.op == "Identity":
             node.attr["T"].type = dtype
             values[f"{node.name}:output:0"] = (dtype, shape)
         elif node.op in _CALLS:
             outputs = self.rewrite_call(node, hits, where, tower,
-                                        _true_node(node.name, extra_nodes))
+                                        lambda: _const_node(node.name, True, extra_nodes))
             for i, spec in outputs.items():
                 values[f"{node.name}:output:{i}"] = spec
         else:
-            raise _context.error(
-                ControlFlowError,
-                f"{where} passes the weight to op "
-                f"{node.name!r} of type {node.op}; towers can only give their weight copies to "
-                "ReadVariableOp, ResourceGather, Identity and nested While/If/function "
-                "calls inside a function body (a body that writes or otherwise uses the "
-                "variable cannot be replayed on a copy). Leave this weight out of `xs`.")
+            raise _context.error(ControlFlowError, (
+                f"{where} passes the weight to op {node.name!r} of type {node.op}; towers "
+                "can only give their weight copies to ReadVariableOp, ResourceGather, "
+                "Identity and nested While/If/function calls inside a function body (a "
+                "body that writes or otherwise uses the variable cannot be replayed on a "
+                "copy). Leave this weight out of `xs`."))
 
 
 def _drop_stale_attrs(node, positions):
     """Removes from a call's NodeDef what no longer holds once its inputs `positions`
-    carry values: their entries in `_read_only_resource_inputs`, and the attributes
-    that refer to the original call (`_STALE_CALL_ATTRS`)."""
+    carry values: their entries in `_read_only_resource_inputs`, and the original
+    call's gradient override."""
     if "_read_only_resource_inputs" in node.attr:
         kept = [i for i in node.attr["_read_only_resource_inputs"].list.i
                 if i not in positions]
         del node.attr["_read_only_resource_inputs"].list.i[:]
         node.attr["_read_only_resource_inputs"].list.i.extend(kept)
-    for attr in _STALE_CALL_ATTRS:
-        if attr in node.attr:
-            del node.attr[attr]
+    if op_types.GRADIENT_OVERRIDE_ATTR in node.attr:
+        del node.attr[op_types.GRADIENT_OVERRIDE_ATTR]
 
 
 def _call_to_if(node, else_branch, predicate):
@@ -316,30 +278,15 @@ def _call_to_if(node, else_branch, predicate):
     node.input.insert(0, predicate())
 
 
-def _true_node(name, extra_nodes):
-    """A callable that adds a FunctionDef node Const bool True next to node `name`
-    and returns its output reference."""
-
-    def add():
-        node = tf.compat.v1.NodeDef()
-        node.name = f"{name}/pertower_true"
-        node.op = "Const"
-        node.attr["dtype"].type = types_pb2.DT_BOOL
-        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(True, dtype=tf.bool))
-        extra_nodes.append(node)
-        return f"{node.name}:output:0"
-
-    return add
-
-
-def _axis_zero_input(name, extra_nodes):
-    """Adds a FunctionDef node Const int32 scalar 0 (the axis of a GatherV2) next to
-    node `name`; returns its output reference."""
+def _const_node(name, value, extra_nodes):
+    """Adds a FunctionDef node Const `value` (a bool True or an int32 0) named after
+    node `name` to `extra_nodes`; returns its output reference."""
+    dtype = tf.bool if isinstance(value, bool) else tf.int32
     node = tf.compat.v1.NodeDef()
-    node.name = f"{name}/pertower_axis"
+    node.name = f"{name}/pertower_{'true' if value is True else 'axis'}"
     node.op = "Const"
-    node.attr["dtype"].type = types_pb2.DT_INT32
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, dtype=tf.int32))
+    node.attr["dtype"].type = dtype.as_datatype_enum
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=dtype))
     extra_nodes.append(node)
     return f"{node.name}:output:0"
 

@@ -8,26 +8,18 @@ Notation:
     dy  the gradients arriving at op's outputs, one per output, [B/T, ...] in a tower
 
 A copied op keeps `_gradient_op_type`, so `tf.gradients` through tower t's copy calls
-the user's function. That function may read the ORIGINAL graph's tensors: a
-`tf.custom_gradient` closure captures the forward tensors it was traced with (tf_keras'
-swish captures its input `features`, [B, d]), and would compute with the whole batch's
-values where the tower holds B/T examples ("Incompatible shapes", or, for a backward
-that broadcasts, numbers of other examples).
+the user's function, which may read the ORIGINAL graph's tensors (a `tf.custom_gradient`
+closure captures its forward tensors, [B, ...]) where the tower holds B/T examples. So
+the backward of op is built once on dy placeholders in a scratch graph (the template,
+`pertower._overrides`), and each tower's copy of op gets a gradient that copies the
+template (`replicate`) with dy -> the tower's dy and every captured tensor -> the
+tower's version of it: the user's function on tower t's tensors alone, as the
+one-example (T = B) or microbatch loop runs it. Forward tensors captured off the way to
+`ys` (a closure's `s = tf.sigmoid(h)`) are recomputed for the tower first.
 
-So the backward of op is built once, as `tf.gradients` would build it, on fresh dy
-placeholders of op's output shapes, in a scratch graph (the template, never run and
-never in the user's graph: `pertower._overrides`), and each tower's copy of op gets a
-gradient function of its own that copies the template into the graph
-(`pertower._towers.replicate`) with dy -> the tower's dy and every captured tensor of S
--> the tower's replay of it (batch tensors -> the tower's slices, weight reads -> the tower's
-copies). Tower t's backward through op is then the user's function applied to tower
-t's tensors alone: exactly what the one-example loop (T = B) or the microbatch loop runs.
-
-Forward tensors the backward captured off the way to `ys` (a closure's `s =
-tf.sigmoid(h)`, computed from the batch but not replayed) are recomputed for the tower
-from the tower's tensors, ahead of the copy. Refused, naming op: an override that is not registered or
-cannot be built on its own, one that takes a variable's handle (its gradient would go
-to the variable, not to the tower's copy), and a captured TF1 loop.
+Refused, naming op: an override that is not registered or cannot be built on its own,
+one that takes a variable's handle (its gradient would go to the variable, not to the
+tower's copy), and a captured TF1 loop.
 """
 
 import uuid
@@ -41,47 +33,43 @@ from pertower import _overrides
 from pertower import _tf
 from pertower._towers import replicate as replicate_lib
 
-__all__ = ["overridden_ops", "ReplayedGradients"]
-
-def overridden_ops(ops):
-    """The ops of `ops` with a gradient registered in Python by the user (not call ops,
-    whose `_gradient_op_type` the function rewrite handles), in creation order."""
-    return sorted((op for op in ops if _overrides.OVERRIDE_ATTR in op.node_def.attr
-                   and op.type not in op_types.CALL_OP_TYPES),
-                  key=_tf.op_order_key())
+__all__ = ["ReplayedGradients"]
 
 
 class ReplayedGradients:
     """One build's gradient functions for the towers' copies of overridden ops.
 
-    The replay calls `register_tower` with what tower t reads in place of the user's
-    tensors, then `prepare` (builds each template; a refusal comes before any tower op
-    is added), then `edit_node` on every copied NodeDef. The gradient is registered
+    The replay calls `prepare` (builds each template; a refusal comes before any tower
+    op is added), then `edit_node` on every copied NodeDef. The gradient is registered
     in TensorFlow's registry under `name`, unique to the build, and called by
     `tf.gradients` for each tower's copy.
     """
 
-    def __init__(self, graph, replay_prefix):
+    def __init__(self, graph, replay_prefix, inputs):
+        """`inputs[t]`: {tensor name: tower t's tensor} for the batch tensors and weight
+        reads; tower t's copy of op is named replay_prefix + f"t{t}/" + op.name."""
         self.graph = graph
-        self.replay_prefix = replay_prefix   # tower t's copy of op is prefix + f"t{t}/" + name
+        self.replay_prefix = replay_prefix
+        self._inputs = inputs
         # TensorFlow's gradient registry is the process's: a name no other build has
         self.name = f"PertowerReplayedGradient_{uuid.uuid4().hex}"
         self._templates = {}   # op name -> OverrideBackward (in its scratch graph)
         self._recomputed = {}  # op name -> the user's forward ops each tower recomputes
         self._copies = {}      # copied op name -> (original op, tower)
-        self._inputs = {}      # tower -> {tensor name: tower's tensor}
         self._replayed = frozenset()
         self._built = _overrides.Templates()   # one scratch graph per computation
         tf.RegisterGradient(self.name)(self._gradient)
 
     def prepare(self, replayed, batch, on_weights):
         """Builds the template of every overridden op of `on_weights` (the ops of
-        `replayed` a weight's gradient flows through), with the ops it reads that are
-        computed from the `batch` tensors outside `replayed`; refuses (named op) an op
-        that takes a variable's handle, and a captured TF1 loop. The other overrides
-        keep their function: no gradient the towers ask for goes through them."""
+        `replayed` a weight's gradient flows through; not call ops, whose
+        `_gradient_op_type` the function rewrite handles), with the ops it reads that are
+        computed from the `batch` tensors outside `replayed`. The other overrides keep
+        their function: no gradient the towers ask for goes through them."""
         self._replayed = frozenset(replayed)
-        for op in overridden_ops(on_weights):
+        overridden = [op for op in on_weights if _overrides.OVERRIDE_ATTR in op.node_def.attr
+                      and op.type not in op_types.CALL_OP_TYPES]
+        for op in sorted(overridden, key=_tf.op_order_key()):
             if any(t.dtype == tf.resource for t in op.inputs):
                 raise _context.error(
                     ValueError, f"the gradient of op {op.name!r} ({op.type}) is "
@@ -91,8 +79,7 @@ class ReplayedGradients:
                     "function as an argument, or leave it out of `xs`.")
             template = _overrides.override_backward(op, templates=self._built)
             outside = [outer for _, outer in template.captured if outer.op not in self._replayed]
-            # forward ops the backward captured off the way to `ys` (a closure's
-            # tf.sigmoid(h)): computed from the batch, so each tower recomputes them
+            # forward ops the backward captured off the way to `ys`: each tower recomputes
             captured = graph_walk.downstream_ops(batch, graph_walk.upstream_ops(outside))
             captured -= self._replayed | {b.op for b in batch}
             for c_op in captured:
@@ -112,51 +99,42 @@ class ReplayedGradients:
             node.attr[_overrides.OVERRIDE_ATTR].s = self.name.encode()
             self._copies[node.name] = (op, t)
 
-    def register_tower(self, t, inputs):
-        """{tensor name: tower t's tensor} for the batch tensors and weight reads."""
-        self._inputs[t] = inputs
-
-    def _tower_tensor(self, tensor, t):
-        """Tower t's version of the user's `tensor`, or None when the towers share it."""
-        if tensor.name in self._inputs.get(t, {}):
-            return self._inputs[t][tensor.name]
-        if tensor.op in self._replayed:
-            return self.graph.get_tensor_by_name(f"{self.replay_prefix}t{t}/{tensor.name}")
-        return None
-
     def _gradient(self, copy, *dys):
         """The gradient function of tower t's copy of op: the template with dy and the
         user's tensors replaced by tower t's."""
         op, t = self._copies[copy.name]
         template = self._templates[op.name]
+        tower_prefix = f"{self.replay_prefix}t{t}/"
         # an output no gradient reaches (None) reads as zeros, never as the placeholder
         dys = [tf.zeros_like(out) if dy is None else dy for dy, out in zip(dys, copy.outputs)]
         dy_of = {id(p): dy for p, dy in zip(template.dys, dys)}
-
         dy_op_of = {id(p.op): dy.op for p, dy in zip(template.dys, dys)}
         outer_of = {id(inner): outer for inner, outer in template.captured}
 
         def tower_tensor(tensor):
-            return self._tower_tensor(tensor, t)
+            """Tower t's version of the user's `tensor`, or None when the towers share it."""
+            if tensor.name in self._inputs[t]:
+                return self._inputs[t][tensor.name]
+            if tensor.op in self._replayed:
+                return self.graph.get_tensor_by_name(tower_prefix + tensor.name)
+            return None
 
         def forward_counterpart(item, _):
             if isinstance(item, tf.Tensor):
                 return tower_tensor(item)
             if item in self._replayed:
-                return self.graph.get_operation_by_name(f"{self.replay_prefix}t{t}/{item.name}")
+                return self.graph.get_operation_by_name(tower_prefix + item.name)
             return None
 
         with tf.name_scope("replayed") as scope:
             pass
         # the user's forward tensors the backward reads, as tower t computes them
-        recomputed = self._recomputed[op.name]
-        read = [outer for _, outer in template.captured]
         own = {}
-        if recomputed:
-            inside = set(recomputed)
-            wanted = [r for r in read if r.op in inside]
+        if self._recomputed[op.name]:
+            inside = set(self._recomputed[op.name])
+            wanted = [outer for _, outer in template.captured if outer.op in inside]
             (versions,) = replicate_lib.replicate(
-                recomputed, [0], lambda name, _: scope + "forward/" + name,
+                self._recomputed[op.name], [0], lambda name, _: scope + "forward/" + name,
                 forward_counterpart, self.graph, wanted)
             own = {id(r): v for r, v in zip(wanted, versions)}
 
@@ -181,10 +159,10 @@ class ReplayedGradients:
             if isinstance(g, tf.IndexedSlices):
                 returned += [g.values, g.indices]
         placeholders = {p.op for p in template.dys}
-        ops = [o for o in template.ops if o not in placeholders]
         library = template.graph.as_graph_def().library
         (versions,) = replicate_lib.replicate(
-            ops, [0], lambda name, _: scope + name, counterpart, self.graph, returned,
+            [o for o in template.ops if o not in placeholders], [0],
+            lambda name, _: scope + name, counterpart, self.graph, returned,
             library=library if library.function else None)
         version = dict(zip((id(g) for g in returned), versions))
         result = []

@@ -2,21 +2,23 @@
 
 Notation:
     B   examples in the batch            T   towers; each takes B/T examples
-    x   one weight (entry of `xs`)       c_t tower t's copy of x
+    x   one weight (entry of `xs`)       c_t tower t's copy of x, tf.identity(x)
     S   the replayed ops (`Request.replay_region`)
 
-Tower t's copy of S reads its slices of the batch tensors instead of the batch, and
-c_t instead of every read of x (`Replay.copies`); gathers from a weight's handle become
-gathers from the copy, and ops that call functions reading a weight inside get the
-copy as an input and rewritten functions (`pertower._towers.functions`). Values
-computed from the batch's size that feed a computation are read from the whole
-batch's graph (the analysis' `size_data_edges`). An op whose gradient the user wrote in
-Python gets, in each tower, a gradient that runs it on the tower's own tensors
-(`pertower._towers.python_gradients`). A replay without copies (every entry of `copies`
-None) recomputes `ys` slice by slice, forward only.
-"""
+Tower t's copy of S reads its slices of the batch tensors and c_t in place of every read
+of x: gathers from x's handle become gathers from c_t, call ops get c_t and rewritten
+functions (`pertower._towers.functions`), and ops whose gradient is written in Python get
+one on the tower's own tensors (`pertower._towers.python_gradients`). Values computed
+from the batch's size that feed a computation (`cost / tf.cast(tf.shape(x)[0], ...)`)
+are read from the whole batch's graph (the analysis' `size_data_edges`), so that the
+tower rows are the rows of `ys`.
 
-import dataclasses
+An entry of `xs` computed from another entry (`w_eff = 2 * tf.identity(W)`, both in xs)
+has no copy of its own: its tower-t version is the replay's copy of it, computed from
+c_t of W, so that `tf.gradients` gives W the total derivative and w_eff the gradient of
+its consumers, as `tf.gradients(ys, [W, w_eff])` does. An entry that *is* another
+entry's read (`W.value()` next to W) gets tf.identity(c_t of W).
+"""
 
 import tensorflow as tf
 
@@ -27,70 +29,31 @@ from pertower import _tf
 from pertower._towers import functions as control_flow
 from pertower._towers import python_gradients
 from pertower._towers import replicate as replicate_lib
+from pertower._towers import slicing
 
-__all__ = ["Replay", "replay", "derived_entries", "call_positions", "node_def",
-           "value_specs", "where"]
-
-_BAKED = ("This happens when the graph bakes its batch size into constants; build the "
-          "model on placeholders whose batch axis is None.")
-# Ops that open a TF1 (v1) while loop's frame, named by their `frame_name` attribute.
+__all__ = ["replay", "check_calls"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Replay:
-    """What one replay of S for T towers reads.
-
-    Attributes:
-      request: the `pertower._request.Request` (ys, the batch tensors, the weights'
-        reads, the graph and the analysis' size-data edges).
-      copies: copies[k][t] is tower t's copy of xs[k], or None (not copied).
-      unique: the indices k mapped (the first of a repeated weight; derived entries
-        left out).
-      call_positions: {call op: {input index: k}} (see `call_positions`).
-      rewriter: the `FunctionRewriter` of the towers' function copies.
-      slices: slices[j][t], tower t's slice of batch[j].
-      replayed: the ops S.
-      num_towers: T.
-      devices: device strings (tower t on devices[t % len(devices)]), or None.
-      also: tensors of S whose tower versions are returned after the output.
-      shared_rows: (tensor, its T slices) pairs: per-example values made outside S
-        that tower t reads its slice of (a shared sampler's true_expected_count,
-        `pertower._towers.shared_draws`).
-    """
-
-    request: object
-    copies: list
-    unique: list
-    call_positions: dict
-    rewriter: object
-    slices: list
-    replayed: frozenset
-    num_towers: int
-    devices: object = None
-    also: tuple = ()
-    shared_rows: tuple = ()
+def _first_indices(reads):
+    """first[k]: the first index of the weight xs[k] in xs (a repeated entry shares it)."""
+    first_index = {}
+    return [first_index.setdefault(id(r.x), k) for k, r in enumerate(reads)]
 
 
-def derived_entries(reads, replayed):
-    """The entries of xs computed from other entries.
-
-    Returns:
-      (derived, aliases): `derived`, the indices k (first of a repeated entry) of the
-      tensor entries whose op the towers replay (computed from another entry's read);
-      `aliases`, {k: j} for a tensor entry xs[k] that is itself a read tensor of the
-      variable xs[j] (its copies are made from xs[j]'s).
-    """
-    derived, aliases, first_index = [], {}, {}
+def _derived_entries(reads, replayed, first):
+    """(derived, aliases): the indices k of the tensor entries whose op S holds
+    (computed from another entry's read), and {k: j} for a tensor entry xs[k] that is
+    itself a read tensor of the variable xs[j]."""
+    derived, aliases = [], {}
     for k, r in enumerate(reads):
-        if first_index.setdefault(id(r.x), k) != k or not r.reached:
-            continue
-        if not isinstance(r.x, tf.Tensor) or r.x.dtype == tf.resource:
+        if (first[k] != k or not r.reached or not isinstance(r.x, tf.Tensor)
+                or r.x.dtype == tf.resource):
             continue
         if r.x.op in replayed:
             derived.append(k)
             continue
         for j, other in enumerate(reads):
-            if (j != k and other.reached and first_index.get(id(other.x), j) == j
+            if (j != k and other.reached and first[j] == j
                     and not isinstance(other.x, tf.Tensor)
                     and any(t is r.x for t in other.read_tensors)):
                 aliases[k] = j
@@ -98,41 +61,32 @@ def derived_entries(reads, replayed):
     return derived, aliases
 
 
-def call_positions(reads, xs):
+def _call_positions(reads, first):
     """{call op: {input index: k}}: the function-calling ops that get the handle of
-    xs[k] as an input (the first k of a weight listed twice)."""
+    xs[k] as an input."""
     positions = {}
-    first_index = {}
     for k, r in enumerate(reads):
-        if first_index.setdefault(id(r.x), k) != k:
-            continue
-        for op, index in r.call_inputs:
-            positions.setdefault(op, {})[index] = k
+        if first[k] == k:
+            for op, index in r.call_inputs:
+                positions.setdefault(op, {})[index] = k
     return positions
 
 
-def node_def(op):
-    """A copy of op's NodeDef without the attributes a replay drops."""
-    return replicate_lib.drop_name_attrs(op.node_def)
+def _value_specs(positions, reads):
+    """{input index: (DataType enum, static shape)} of the weight values replacing handles."""
+    specs = {}
+    for i, k in positions.items():
+        r = reads[k]
+        shape = tf.TensorShape(None)
+        if isinstance(r.x, tf.Variable):
+            shape = r.x.shape
+        elif _tf.handle_data(r.x) is not None and _tf.handle_data(r.x).shape_and_type:
+            shape = tf.TensorShape(_tf.handle_data(r.x).shape_and_type[0].shape)
+        specs[i] = (r.dtype.as_datatype_enum, shape)
+    return specs
 
 
-def value_specs(positions, reads):
-    """{input index: (DataType enum, shape)} of the weight values replacing handles."""
-    return {i: (reads[k].dtype.as_datatype_enum, _value_shape(reads[k]))
-            for i, k in positions.items()}
-
-
-def _value_shape(r):
-    """The static shape of the weight value of `r` (a WeightReads)."""
-    if isinstance(r.x, tf.Variable):
-        return r.x.shape
-    handle_data = _tf.handle_data(r.x)
-    if handle_data is not None and handle_data.shape_and_type:
-        return tf.TensorShape(handle_data.shape_and_type[0].shape)
-    return tf.TensorShape(None)
-
-
-def where(op, positions, reads):
+def _where(op, positions, reads):
     """Names the call op (and the weights it reads) in error messages."""
     if not positions:
         return f"op {op.name!r} ({op.type})"
@@ -140,11 +94,51 @@ def where(op, positions, reads):
     return f"the weight {names} read inside op {op.name!r} ({op.type})"
 
 
+def check_calls(request, replayed):
+    """Rewrites the functions of every call op of `replayed` once, for a trial tower,
+    so that a refusal comes before any op is added (the towers get their own rewrites
+    in `replay`)."""
+    reads = request.reads
+    positions_of = _call_positions(reads, _first_indices(reads))
+    trial = control_flow.FunctionRewriter(request.graph, "trial")
+    for op in sorted(replayed, key=_tf.op_order_key()):
+        if op.type in op_types.CALL_OP_TYPES:
+            positions = positions_of.get(op, {})
+            trial.rewrite_call(replicate_lib.drop_name_attrs(op.node_def),
+                               _value_specs(positions, reads), _where(op, positions, reads),
+                               0, lambda: "trial")
+
+
+def _copies(reads, first, derived, aliases, T, devices):
+    """copies[k][t] = tf.identity of xs[k]'s value for tower t; None for an unreached
+    entry, a repeated one and one made from another entry's copies (filled in later)."""
+    copies = []
+    for k, r in enumerate(reads):
+        if first[k] != k or not r.reached or k in derived or k in aliases:
+            copies.append(None)
+            continue
+        with tf.name_scope(f"copies_{k}"):
+            tower_copies = []
+            for t in range(T):
+                with slicing.on_device(devices, t):
+                    tower_copies.append(tf.identity(r.copy_source, name=f"tower_{t}"))
+            copies.append(tuple(tower_copies))
+    for k, j in aliases.items():  # xs[k] is a read of xs[j]: c_t(k) = c_t(j)
+        with tf.name_scope(f"copies_{k}"):
+            alias_copies = []
+            for t, c in enumerate(copies[j]):
+                with slicing.on_device(devices, t):
+                    alias_copies.append(tf.identity(c, name=f"tower_{t}"))
+            copies[k] = tuple(alias_copies)
+    return copies
+
+
 def _failure_cause(request):
     """What most likely makes a replay on slices fail: a batch size baked into the
     graph when some batch axis is static, else where the analysis lost the rows."""
     if request.any_static_size:
-        return _BAKED
+        return ("This happens when the graph bakes its batch size into constants; build "
+                "the model on placeholders whose batch axis is None.")
     analysis = request.analysis
     lost = analysis.lost_at if analysis is not None else None
     where = (f" (the analysis lost the examples' rows at {lost[0].name!r} "
@@ -157,35 +151,55 @@ def _failure_cause(request):
             "microbatch_gradients with microbatches that hold whole groups.")
 
 
-def replay(spec):
-    """Adds S once per tower with one import; returns, per tower, [its output
-    [B/T, ...], then its versions of the tensors `spec.also`] (see `Replay`)."""
-    request, copies, slices, T = spec.request, spec.copies, spec.slices, spec.num_towers
+def replay(request, replayed, slices, shared_rows, T, devices):
+    """Adds the weight copies, then S once per tower with one import.
+
+    Args:
+      request: the checked `pertower._request.Request`.
+      replayed: the ops S.
+      slices: slices[j][t], tower t's slice of batch[j], [B/T, ...].
+      shared_rows: (tensor, its T slices) pairs: per-example values made outside S that
+        tower t reads its slice of (`slicing.shared_rows`).
+      T: the number of towers.
+      devices: device strings (tower t on devices[t % len(devices)]), or None.
+
+    Returns:
+      (outputs, copies): outputs[t], tower t's replay of `ys`, [B/T, ...]; copies[k][t],
+      tower t's version of xs[k] (None when `ys` does not reach xs[k]).
+    """
     ys, batch, reads, graph = request.ys, request.batch, request.reads, request.graph
-    rewriter, replayed, call_positions = spec.rewriter, spec.replayed, spec.call_positions
-    unique, devices = spec.unique, spec.devices
+    first = _first_indices(reads)
+    derived, aliases = _derived_entries(reads, replayed, first)
+    copies = _copies(reads, first, derived, aliases, T, devices)
+    unique = [k for k in range(len(reads)) if first[k] == k and k not in derived]
+    call_positions = _call_positions(reads, first)
+    # a token unique in the graph names this build's function copies
+    token = graph.unique_name("pertower", mark_as_used=True).replace("/", "_")
+    rewriter = control_flow.FunctionRewriter(graph, token)
     per_tower_inputs = [{} for _ in range(T)]  # tower t: tensor name -> replacement
-    for j, b in enumerate(batch):
-        for t in range(T):
+    for t in range(T):
+        for j, b in enumerate(batch):
             per_tower_inputs[t][b.name] = slices[j][t]
-    for tensor, parts in spec.shared_rows:
-        for t in range(T):
+        for tensor, parts in shared_rows:
             per_tower_inputs[t][tensor.name] = parts[t]
-    for k in unique:
-        for tensor in reads[k].read_tensors:
-            for t in range(T):
+        for k in unique:
+            for tensor in reads[k].read_tensors:
                 per_tower_inputs[t][tensor.name] = copies[k][t]
-    for k in unique:  # an entry that is another's read replaces that read in its towers
-        if isinstance(reads[k].x, tf.Tensor) and copies[k] is not None:
-            for t in range(T):
+        for k in unique:  # an entry that is another's read replaces that read
+            if isinstance(reads[k].x, tf.Tensor) and copies[k] is not None:
                 per_tower_inputs[t][reads[k].x.name] = copies[k][t]
     gathers = {op: k for k in unique for op in reads[k].gather_ops}
     axis_zero = tf.constant(0, name="gather_axis") if gathers else None
     whole_batch = {}  # op -> input indices that read the whole batch's size value
-    for op, index in request.analysis.size_data_edges:   # (see `Replay`)
+    for op, index in request.analysis.size_data_edges:
         if op in replayed:
             whole_batch.setdefault(op, []).append(index)
     true_constant = []  # the predicate of function calls turned into If ops, made once
+
+    def true_key(key_for):
+        if not true_constant:
+            true_constant.append(tf.constant(True, name="call_predicate"))
+        return key_for(true_constant[0])
 
     def counterpart(item, t):
         """Tower t's slice or copy in place of `item`; None for anything shared."""
@@ -196,52 +210,46 @@ def replay(spec):
     def edit_node(node, op, t, key_for):
         """Tower t's NodeDef of `op`: its slices, copies and whole-batch size values
         as inputs, gathers and function calls rewritten to read the copies."""
-        mapping = per_tower_inputs[t]
         for i, tensor in enumerate(op.inputs):  # a batch tensor or read inside S
-            if tensor.name in mapping:
-                node.input[i] = key_for(mapping[tensor.name])
-        for i in whole_batch.get(op, ()):  # the original graph's value, for the whole batch
+            if tensor.name in per_tower_inputs[t]:
+                node.input[i] = key_for(per_tower_inputs[t][tensor.name])
+        for i in whole_batch.get(op, ()):
             node.input[i] = key_for(op.inputs[i])
         if op in gathers:
             node.input[0] = key_for(copies[gathers[op]][t])
             control_flow.gather_from_value(node, reads[gathers[op]].dtype.as_datatype_enum,
                                            lambda: key_for(axis_zero))
         python.edit_node(node, op, t)   # an overridden gradient, on the tower's tensors
-        if op.type in op_types.V1_ENTER_OP_TYPES:   # each tower runs its own copy of the loop frame
+        if op.type in op_types.V1_ENTER_OP_TYPES:   # each tower its own TF1 loop frame
             frame = node.attr["frame_name"].s.decode()
             node.attr["frame_name"].s = f"{prefix}t{t}/{frame}".encode()
         if op.type in op_types.CALL_OP_TYPES:
             positions = call_positions.get(op, {})
             for i, k in positions.items():  # the handle becomes the copy
                 node.input[i] = key_for(copies[k][t])
-
-            def true_key():
-                if not true_constant:
-                    true_constant.append(tf.constant(True, name="call_predicate"))
-                return key_for(true_constant[0])
-
-            rewriter.rewrite_call(node, value_specs(positions, reads),
-                                  where(op, positions, reads), t, true_key)
+            rewriter.rewrite_call(node, _value_specs(positions, reads),
+                                  _where(op, positions, reads), t, lambda: true_key(key_for))
 
     with tf.name_scope("replay") as prefix:
         pass
-    python = python_gradients.ReplayedGradients(graph, prefix)
-    for t in range(T):
-        python.register_tower(t, per_tower_inputs[t])
+    python = python_gradients.ReplayedGradients(graph, prefix, per_tower_inputs)
     # the overrides a weight's gradient flows through (downstream of its reads)
     starts = [t for k in unique for t in reads[k].read_tensors] + [
         t for k in unique for op in reads[k].gather_ops for t in op.outputs] + [
         t for op in call_positions for t in op.outputs]
     python.prepare(replayed, batch, graph_walk.downstream_ops(starts, replayed))
     try:
-        outputs = replicate_lib.replicate(
+        versions = replicate_lib.replicate(
             replayed, range(T), lambda op_name, t: f"{prefix}t{t}/{op_name}", counterpart,
-            graph, [ys] + list(spec.also),
-            device=(lambda t: devices[t % len(devices)]) if devices is not None else None,
-            edit_node=edit_node, library=rewriter.library)
+            graph, [ys] + [reads[k].x for k in derived],
+            device=slicing.device_function(devices), edit_node=edit_node,
+            library=rewriter.library)
     except ValueError as error:
         raise _context.error(
             ValueError, "replaying the graph from the batch to `ys` on slices of "
             f"{graph_walk.static_batch_size(slices[0][0])} example(s) failed: {error}. "
             f"{_failure_cause(request)}") from error
-    return outputs
+    for position, k in enumerate(derived):  # the replay's own copy of xs[k]
+        copies[k] = tuple(tower[1 + position] for tower in versions)
+    copies = [copies[first[k]] for k in range(len(reads))]
+    return [tower[0] for tower in versions], copies

@@ -1,22 +1,17 @@
 """Replicas: copy a set of ops R times with one `import_graph_def`, remapping its inputs.
 
 Notation:
-    T   towers                  S   the template: a set of ops of the graph
+    S   the template: a set of ops of the graph
     R   replicas of S made here (e.g. the T towers, or towers 1 ... T-1)
 
-The only NodeDef copier of the package. Replica r is S with every input that comes
-from outside S replaced by `counterpart(tensor, r)` (tower r's slice, copy or forward
+The package's one NodeDef copier. Replica r is S with every input that comes from
+outside S replaced by `counterpart(tensor, r)` (tower r's slice, copy or forward
 activation, or the same tensor for anything the replicas share), renamed, optionally
-placed on a device and edited by a hook, all R replicas in one GraphDef imported once.
-Two users:
-
-- the towers' forward replay (`pertower._towers.build`): S is the ops from the batch
-  to `ys`, R = T; the hook maps weight handles of function calls and gathers to the
-  tower's weight copies and sends the batch-size values to the whole batch's;
-- the copy of tower 0's backward pass (`pertower._towers.backward`): building it once
-  with `tf.gradients` and copying it for towers 1 ... T-1 gives the same ops that
-  `tf.gradients` over all towers would build, but pays the Python-side gradient
-  construction once instead of T times.
+placed on a device and edited by a hook; all R replicas go in one GraphDef imported
+once. Its users: the towers' forward replay (`pertower._towers.replay`, R = T), the copy
+of tower 0's backward pass for towers 1 ... T-1 (`pertower._towers.backward`: the ops
+`tf.gradients` over all towers would build, with the Python-side construction paid
+once), and the Python gradients' templates (`pertower._towers.python_gradients`).
 """
 
 from tensorflow.core.framework import graph_pb2
@@ -25,42 +20,15 @@ import tensorflow as tf
 from pertower import _op_types as op_types
 from pertower import _tf
 
-__all__ = ["replicate", "calls_functions", "calls_python", "InputMap", "drop_name_attrs"]
-
-# NodeDef attributes that tie a node to others by name; they would dangle in a copy.
-_DROPPED_ATTRS = ("_class",)
+__all__ = ["replicate", "drop_name_attrs"]
 
 
 def drop_name_attrs(node):
-    """Removes from a copied NodeDef the attributes that name other nodes (`_class`
-    colocation), which would dangle in an import."""
-    for attr in _DROPPED_ATTRS:
-        if attr in node.attr:
-            del node.attr[attr]
+    """Removes from a copied NodeDef the `_class` colocation attribute, which names
+    other nodes and would dangle in an import; returns the node."""
+    if "_class" in node.attr:
+        del node.attr["_class"]
     return node
-
-
-class InputMap:
-    """The `input_map` of one `import_graph_def`: a key per outside tensor."""
-
-    def __init__(self):
-        self.input_map = {}  # key -> tensor
-        self._keys = {}      # id(tensor) -> key
-
-    def key_for(self, tensor):
-        """An input_map key naming `tensor` outside the imported GraphDef."""
-        if id(tensor) not in self._keys:
-            self._keys[id(tensor)] = f"pertower_input_{len(self._keys)}:0"
-            self.input_map[self._keys[id(tensor)]] = tensor
-        return self._keys[id(tensor)]
-
-
-def calls_python(ops):
-    """True when an op in `ops` runs a Python function (`tf.py_function`,
-    `tf.compat.v1.py_func`). An `EagerPyFunc`'s gradient closes over its forward op's
-    token (it reads the tape that forward run left under that token), so a copy of
-    tower 0's backward pass would read tower 0's tape in every tower."""
-    return any(op.type in op_types.PYTHON_OP_TYPES for op in ops)
 
 
 def _own_python_token(node, graph):
@@ -68,57 +36,33 @@ def _own_python_token(node, graph):
 
     TensorFlow keys an `EagerPyFunc`'s recorded forward run by its token
     (`script_ops.tape_cache`) and its gradient pops that entry, so copies sharing the
-    original's token would race for one entry when the towers run in parallel (and
-    could read each other's). The function is registered again under a new token and
-    kept alive by the graph, as `tf.py_function` does for the original."""
+    original's token would race for one entry when the towers run in parallel. The
+    function is registered again under a new token (`_tf.reregister_python_function`)."""
     if node.op not in op_types.PYTHON_OP_TYPES or "token" not in node.attr:
         return
     token = _tf.reregister_python_function(node.attr["token"].s.decode(), graph)
-    if token is None:
-        return
-    node.attr["token"].s = token.encode()
-
-
-def calls_functions(ops):
-    """True when an op in `ops` runs a graph function (While, If, PartitionedCall...).
-
-    Such ops carry function graphs that gradient construction rewrites in place (a
-    while_v2 gradient adds outputs to its forward op), so a copy of tower 0's backward
-    pass would not fit the other towers' forward ops.
-    """
-    for op in ops:
-        for value in op.node_def.attr.values():
-            if value.HasField("func") or (value.HasField("list") and value.list.func):
-                return True
-    return False
+    if token is not None:
+        node.attr["token"].s = token.encode()
 
 
 def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors=(),
               device=None, edit_node=None, library=None):
     """Adds `len(replicas)` copies of `template_ops` to `graph` with one graph import.
 
-    The one place that copies NodeDefs for several replicas: the towers' forward replay
-    (`pertower._towers.build`) and the copy of tower 0's backward pass
-    (`pertower._towers.backward`) both call it.
-
     Args:
       template_ops: the ops of S.
       replicas: the replica indices r to build, e.g. range(T) or range(1, T).
-      rename: rename(op_name, r) -> the full name of replica r's copy of that op
-        (under a name scope the caller has taken, so that the names are free).
+      rename: rename(op_name, r) -> the full name of replica r's copy of that op (in a
+        name scope the caller has taken).
       counterpart: counterpart(item, r) -> what replica r reads in place of `item`,
         a tensor or control-input op from outside S, or None for `item` itself
         (shared by all replicas).
       graph: the graph holding S; the replicas are added to it.
-      return_tensors: tensors to return from every replica: S's tensors come from
-        the replica's copy, others through `counterpart`.
+      return_tensors: tensors to return from every replica (S's from its copy).
       device: None (replica ops keep S's device strings), or device(r) -> the device
         for every op of replica r.
-      edit_node: None, or edit_node(node, op, r, key_for), called once the copied
-        NodeDef `node` of `op` has its data inputs (node.input[i] names replica r's
-        version of op.inputs[i]) and control inputs: it may edit the node in place,
-        naming outside tensors by `key_for(tensor)` (a per-replica input override, a
-        rewrite of the op).
+      edit_node: None, or edit_node(node, op, r, key_for): edits replica r's copied
+        NodeDef `node` of `op` in place, naming outside tensors by `key_for(tensor)`.
       library: None, or a FunctionDefLibrary the copies need (imported with them).
 
     Returns:
@@ -128,9 +72,15 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
     names = {op.name for op in order}
     graph_def = graph_pb2.GraphDef()
     graph_def.versions.CopyFrom(graph.graph_def_versions)
-    inputs = InputMap()
-    key_for = inputs.key_for
+    input_map, keys = {}, {}   # input_map key -> outside tensor; id(tensor) -> key
     controls = []  # (replica node name, outside op)
+
+    def key_for(tensor):
+        """An input_map key naming `tensor` outside the imported GraphDef."""
+        if id(tensor) not in keys:
+            keys[id(tensor)] = f"pertower_input_{len(keys)}:0"
+            input_map[keys[id(tensor)]] = tensor
+        return keys[id(tensor)]
 
     def outside(item, r):
         replacement = counterpart(item, r)
@@ -163,7 +113,7 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
         graph_def.library.CopyFrom(library)
     # an input an edit replaced may have left its key unused; import refuses those
     used = {ref for node in graph_def.node for ref in node.input}
-    input_map = {key: t for key, t in inputs.input_map.items() if key in used}
+    used_map = {key: t for key, t in input_map.items() if key in used}
     return_names, outside_returns = [], {}
     for r in replicas:
         for t in return_tensors:
@@ -174,7 +124,7 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
                 return_names.append(None)
     # name="": the nodes carry their full names already.
     imported = iter(tf.graph_util.import_graph_def(
-        graph_def, input_map=input_map,
+        graph_def, input_map=used_map,
         return_elements=[n for n in return_names if n is not None], name=""))
     returned = [outside_returns[i] if n is None else next(imported)
                 for i, n in enumerate(return_names)]

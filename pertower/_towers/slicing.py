@@ -2,10 +2,17 @@
 
 Notation:
     B   examples in the batch          T   towers; each takes B/T examples
-    g   B/T, the examples of one tower
+    g   B/T, the examples of one tower S   sampled classes
 
-Also the check that each tower produced one row of `ys` per example of its slice, and
-the device scope of tower t.
+Also the check that each tower produced one row of `ys` per example of its slice, the
+device of tower t, and the batch's one draw of sampled classes. A candidate sampler of a
+fixed distribution (`op_types.FIXED_CANDIDATE_SAMPLER_OP_TYPES`, the sampler of
+`tf.nn.sampled_softmax_loss` and `tf.nn.nce_loss`) draws S classes once per run for the
+whole batch. Per-example gradients are defined given that draw, so that the B gradients
+sum to the batch gradient of the same run; a tower that copied the sampler would draw
+other classes (and, with `unique=True`, other expected counts). So the sampler is not
+replayed: each tower reads the batch's sampled classes and their expected counts [S],
+and its own rows of the true classes' expected counts [B, num_true] -> [B/T, num_true].
 """
 
 import contextlib
@@ -15,9 +22,12 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _context
 from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
+from pertower import _tf
+from pertower._batch_axis.lattice import Rows
 
 __all__ = ["split_batch", "pad_batch", "capacity_check", "split_segments", "check_tower_rows",
-           "on_device"]
+           "on_device", "device_function", "shared_samplers", "shared_rows"]
 
 
 def split_batch(batch, B, T, axes, static_sizes, padded=False):
@@ -38,10 +48,8 @@ def split_batch(batch, B, T, axes, static_sizes, padded=False):
                     b = tf.identity(b)
             # [..., B, ...] -> T x [..., B/T, ...] (the batch on axis `axis`)
             parts = tf.split(b, T, axis=axis)
-            if b.shape.rank is not None:
-                for part in parts:
-                    part.set_shape(b.shape[:axis].concatenate([B // T])
-                                   .concatenate(b.shape[axis + 1:]))
+            for part in parts:
+                part.set_shape(_batch_shape(b, axis, B // T))
             slices.append(parts)
     return slices
 
@@ -57,9 +65,15 @@ def pad_batch(b, axis, B):
         # [rank, 2]: B - b rows after the fed ones on `axis`, none elsewhere
         paddings = tf.scatter_nd([[axis, 1]], [B - fed], tf.stack([rank, 2]))
         padded = tf.pad(b, paddings)
-    if b.shape.rank is not None:
-        padded.set_shape(b.shape[:axis].concatenate([B]).concatenate(b.shape[axis + 1:]))
+    padded.set_shape(_batch_shape(b, axis, B))
     return padded
+
+
+def _batch_shape(b, axis, size):
+    """b's static shape with `size` (an int or None) on the batch axis `axis`."""
+    if b.shape.rank is None:
+        return b.shape
+    return b.shape[:axis].concatenate([size]).concatenate(b.shape[axis + 1:])
 
 
 def capacity_check(b, axis, B, built):
@@ -79,19 +93,11 @@ def capacity_check(b, axis, B, built):
 
 def split_segments(batch, segments, B, T, axes, static_sizes):
     """The slices when `ys` joins several batches along axis 0 (rows of s1, then of
-    s2): tower t holds rows t*g ... (t+1)*g - 1 of that order (g = B/T), which lie in
-    one batch s (`_request` checked it); it gets slice [i*g, (i+1)*g) of each batch
-    tensor of s and an empty [0:0] slice of the others, so that f(empty) adds no row.
-
-    Args:
-      batch: the batch tensors.
-      segments: ((batch indices, B_s), ...) in the order of the rows of `ys`.
-      B: B_1 + B_2 + ... ; T: the number of towers.
-      axes: the batch axis of each batch tensor; static_sizes: its static size or None.
-
-    Returns:
-      slices[j][t]: tower t's slice of batch[j], [g or 0, ...] on its batch axis.
-    """
+    s2; `segments`: ((batch indices, B_s), ...) in that order, B = B_1 + B_2 + ...):
+    tower t holds rows t*g ... (t+1)*g - 1 (g = B/T), which lie in one batch s
+    (`_request` checked it); it gets slice [i*g, (i+1)*g) of each batch tensor of s and
+    an empty [0:0] slice of the others, so that f(empty) adds no row. Returns
+    slices[j][t], [g or 0, ...] on the batch axis."""
     g = B // T
     size_of = {j: size for indices, size in segments for j in indices}
     slices = []
@@ -117,10 +123,7 @@ def split_segments(batch, segments, B, T, axes, static_sizes):
 
 def _rows_not_static(tensor, axis):
     """`tensor` with its batch axis `axis` made not static: [..., None, ...]."""
-    shape = tensor.shape
-    if shape.rank is not None:
-        shape = shape[:axis].concatenate([None]).concatenate(shape[axis + 1:])
-    return tf.compat.v1.placeholder_with_default(tensor, shape)
+    return tf.compat.v1.placeholder_with_default(tensor, _batch_shape(tensor, axis, None))
 
 
 def check_tower_rows(outputs, ys, batch, B, T):
@@ -151,8 +154,38 @@ def check_tower_rows(outputs, ys, batch, B, T):
     return checked
 
 
+def device_function(devices):
+    """None, or t -> the device of tower t, devices[t % len(devices)]."""
+    if devices is None:
+        return None
+    return lambda t: devices[t % len(devices)]
+
+
 def on_device(devices, t):
     """The device scope of tower t (none when `devices` is None)."""
     if devices is None:
         return contextlib.nullcontext()
     return tf.device(devices[t % len(devices)])
+
+
+def shared_samplers(replayed, analysis):
+    """The fixed-distribution candidate samplers among `replayed` whose true classes
+    hold one row per example on axis 0 (the analysis' Rows(0, 1, .)); the towers share
+    their draws. Others stay replayed (each tower draws its own; the run-time check of
+    `ys` then refuses the result)."""
+    shared = []
+    for op in sorted(replayed, key=_tf.op_order_key()):
+        if op.type not in op_types.FIXED_CANDIDATE_SAMPLER_OP_TYPES:
+            continue
+        value = analysis.value(op.inputs[0]) if analysis is not None else None
+        if isinstance(value, Rows) and value.lead == 0 and value.k == 1:
+            shared.append(op)
+    return shared
+
+
+def shared_rows(samplers, B, T, padded):
+    """(true_expected_count [B, num_true], its T slices [B/T, num_true]) per sampler."""
+    drawn = [op.outputs[1] for op in samplers]
+    static = [tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
+              for t in drawn]
+    return tuple(zip(drawn, split_batch(drawn, B, T, [0] * len(drawn), static, padded)))

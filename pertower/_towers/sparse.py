@@ -5,16 +5,14 @@ Notation:
     x   an embedding weight, [V, *row]: V rows of shape `row`
     N   the number of (example, looked-up row) pairs over the whole batch
 
-An embedding layer reads x by gathering rows (`ResourceGather`, `GatherV2`), so the
-gradient of example i touches only the rows example i looked up: tf.gradients returns
-it as a `tf.IndexedSlices` (values [n_i, *row] and row ids [n_i]). The dense
-per-example gradient [B, V, *row] is mostly zeros; `PerExampleIndexedSlices` keeps
-the rows and says which example each belongs to:
+An embedding layer reads x by gathering rows, so example i's gradient touches only the
+rows it looked up: tf.gradients returns it as a `tf.IndexedSlices`. The dense
+per-example gradient [B, V, *row] is mostly zeros; `PerExampleIndexedSlices` keeps the
+rows and says which example each belongs to:
 
     dense[example_ids[n], indices[n]] += values[n]      for n in 0 ... N-1
 
-A row an example looks up k times appears k times (its k contributions are summed by
-`to_dense`, as `tf.IndexedSlices` sums repeated indices).
+(repeated (example, row) pairs add up, as `tf.IndexedSlices` sums repeated indices).
 """
 
 import collections
@@ -34,9 +32,6 @@ class PerExampleIndexedSlices(collections.namedtuple(
       example_ids: [N] int (indices' dtype), the example (or microbatch) it belongs
         to (0 <= id < B).
       dense_shape: [1 + rank(x)] int (indices' dtype), the dense shape [B, V, *row].
-
-    The dense per-example gradient is `dense[example_ids[n], indices[n]] += values[n]`
-    summed over n; repeated (example, row) pairs add up. `to_dense()` builds it.
 
     Example:
       ids = keras.Input(shape=(4,), dtype="int32")
@@ -59,13 +54,8 @@ class PerExampleIndexedSlices(collections.namedtuple(
 
 
 def stack_tower_slices(per_tower, copies):
-    """One `tf.IndexedSlices` gradient per tower -> a `PerExampleIndexedSlices`.
-
-    Args:
-      per_tower: T gradients, each a `tf.IndexedSlices` with values [n_t, *row] and
-        indices [n_t], tower t's gradient with respect to its copy.
-      copies: the T copies, [V, *row] each (for the dense shape).
-    """
+    """T `tf.IndexedSlices` gradients (tower t's: values [n_t, *row], indices [n_t])
+    -> a `PerExampleIndexedSlices`; `copies`: the T copies, [V, *row] each."""
     dtype = per_tower[0].indices.dtype
     indices = [tf.cast(g.indices, dtype) for g in per_tower]
     values = tf.concat([g.values for g in per_tower], axis=0)  # T x [n_t, *row] -> [N, *row]
