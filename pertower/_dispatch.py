@@ -4,31 +4,21 @@ Notation:
     B   examples in the batch          G   groups: B (per example) or M (microbatches)
     K   output entries per example     x   one weight (entry of `xs`)
 
-    request  `pertower._request.make_request`, called by the public function with
-             its `Examples` and its `Options` (`options` here: the method, the
-             rules' registry, what to build): the arguments checked once into a
-             `Request` record (the batch tensors with their axes and static sizes,
-             the batch-axis analysis, the towers' replay region, the first TF1 while
-             loop, the options).
-    plan     `make_plan(request)`: per weight, the rule that computes it or the reason it falls
-             back to the towers; the analysis' verdict (proven independent, coupled,
-             or not proven and where the proof was lost); the memory estimate of
-             exactly what will be built (`pertower._plan.Plan`). `pertower.explain`
-             returns it.
-    guards   the memory limit, on the plan; couplings refused; where the proof was
-             lost, the run-time check of `_guards.independence` (validate)
-             (`pertower._refusals`).
-    build    `build`: the rules' batched backward pass for the covered weights, and
-             for the weights that fall back (only those) one fallback builder: towers,
-             or, when a TF1 (v1) while loop lies between the batch and `ys` (towers
-             cannot build gradients through a replayed v1 loop), row passes: one
-             backward pass of the original graph per group, grad_ys masked to the
-             group's rows (`pertower._towers.row_passes`); `pertower._combiner.Built`
-             puts them together.
+    request  `pertower._request.make_request`: the arguments checked once into a
+             `Request` (with the `Examples` and `Options` records, `options` here).
+    plan     `make_plan(request)`: per weight, the rule that computes it or the reason
+             it falls back; the analysis' verdict; the memory estimate
+             (`pertower._plan.Plan`, what `pertower.explain` returns).
+    guards   what cannot be built is refused (`pertower._refusals`: the memory limit,
+             couplings); where the proof was lost, the run-time check (validate).
+    build    `build`: the rules' batched backward pass for the covered weights and one
+             fallback for the others: towers, or past a TF1 (v1) while loop (which
+             towers cannot differentiate through) row passes, one backward pass of the
+             original graph per group (`pertower._combiner.Built`).
 
 Methods: "auto" (default: rules where proven, towers elsewhere), "rules" (strict: every
 weight must have a proven rule, else the call is refused listing each weight and why),
-"towers" (the literal design: replay the model once per group on weight copies).
+"towers" (replay the model once per group on weight copies).
 """
 
 import dataclasses
@@ -51,8 +41,7 @@ METHODS = _request.METHODS
 
 def options(method="auto", rules=None, **others):
     """The `pertower._request.Options` of a public call: `method`, the registry of
-    `rules` (checked; None: `pertower.rules.default_registry()`), and the `Options`
-    fields `others` (sparse, validate, memory_limit, ...) as given."""
+    `rules` (checked; None: the default registry), and the fields `others`."""
     _request.check_method(method)
     if rules is not None and method == "towers":
         raise _context.error(
@@ -67,9 +56,8 @@ def options(method="auto", rules=None, **others):
 
 
 def plan_call(ys, xs, devices, examples, given, **keywords):
-    """(devices checked, the `_checks.Partitions` of xs, the plan of its parts) of a
-    public call with its `_request.Examples` and `Options` (`given`); `keywords` are
-    those of `_request.make_request`."""
+    """(devices checked, the `_checks.Partitions` of xs, the plan of its parts);
+    `keywords` are those of `_request.make_request`."""
     devices = _checks.device_list(devices)
     partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
     return devices, partitions, make_plan(_request.make_request(
@@ -77,18 +65,9 @@ def plan_call(ys, xs, devices, examples, given, **keywords):
 
 
 def make_plan(request, *arguments, **keywords):
-    """Decides how every weight of `request` will be computed. Adds no op.
-
-    Args:
-      request: a `pertower._request.Request` (made by the public function). Or, as a
-        shorthand that makes the request first: `ys`, then `xs`, the fields of
-        `pertower._request.Examples` (batch, batch_size, num_groups, batch_axis, ...)
-        and the keywords of `options`.
-
-    Returns:
-      A `Plan`; unless the request's options say refuse=False (`pertower.explain`),
-      what cannot be built is refused here (`pertower._refusals`).
-    """
+    """The `Plan` of `request` (a `Request`, or as a shorthand `ys`, `xs`, the fields of
+    `Examples` and the keywords of `options`). Adds no op; unless refuse=False, what
+    cannot be built is refused here (`pertower._refusals`)."""
     if not isinstance(request, _request.Request):
         xs, *positional = arguments
         fields = {f: keywords.pop(f) for f in ("batch", "batch_size", "num_groups",
@@ -144,7 +123,6 @@ def make_plan(request, *arguments, **keywords):
 
 
 def warn_if_unproven(plan):
-    """Warns once per call when the default run-time check was switched on."""
     if plan.checked_by_default:
         op, why = plan.lost_at
         warnings.warn(_context.prefixed(
