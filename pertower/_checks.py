@@ -25,8 +25,7 @@ _GRAPH_MODE_HINT = (
     "pertower works on TF1-style graphs run in a tf.compat.v1.Session. Switch to "
     "graph mode with tf.compat.v1.disable_eager_execution() (or "
     "tf.compat.v1.disable_v2_behavior() for fully legacy code) before building the "
-    "model, or build everything inside `with tf.Graph().as_default():`."
-)
+    "model, or build everything inside `with tf.Graph().as_default():`.")
 
 
 def require_graph_mode():

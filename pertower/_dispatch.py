@@ -9,8 +9,10 @@ Notation:
     plan     `make_plan(request)`: per weight, the rule that computes it or the reason
              it falls back; the analysis' verdict; the memory estimate
              (`pertower._plan.Plan`, what `pertower.explain` returns).
-    guards   what cannot be built is refused (`pertower._refusals`: the memory limit,
-             couplings); where the proof was lost, the run-time check (validate).
+    guards   what cannot be built is refused: a strict method with weights no rule
+             covers, towers (or row passes, or the run-time check) without a known B,
+             a run-time check that cannot pass, the memory limit
+             (`pertower._guards.memory`); couplings are refused by the request.
     build    `build`: the rules' batched backward pass for the covered weights and one
              fallback for the others: towers, or past a TF1 (v1) while loop (which
              towers cannot differentiate through) row passes, one backward pass of the
@@ -29,7 +31,7 @@ from pertower import _combiner
 from pertower import _context
 from pertower import _engine
 from pertower import _plan
-from pertower import _refusals
+from pertower import _graph_walk as graph_walk
 from pertower import _request
 from pertower import rules as rules_lib
 from pertower._guards import memory
@@ -67,7 +69,7 @@ def plan_call(ys, xs, devices, examples, given, **keywords):
 def make_plan(request, *arguments, **keywords):
     """The `Plan` of `request` (a `Request`, or as a shorthand `ys`, `xs`, the fields of
     `Examples` and the keywords of `options`). Adds no op; unless refuse=False, what
-    cannot be built is refused here (`pertower._refusals`)."""
+    cannot be built is refused here."""
     if not isinstance(request, _request.Request):
         xs, *positional = arguments
         fields = {f: keywords.pop(f) for f in ("batch", "batch_size", "num_groups",
@@ -86,7 +88,7 @@ def make_plan(request, *arguments, **keywords):
                 uses[k], reasons[k] = None, "method='towers' was asked for"
     loop_op = request.loop_op
     if loop_op is not None:
-        _refusals.refuse_python_gradients_in_row_passes(request, uses, reasons,
+        _refuse_python_gradients_in_row_passes(request, uses, reasons,
                                                         given.refuse)
     if given.sparse:
         gathered = [k for k, reads in enumerate(request.reads)
@@ -118,7 +120,7 @@ def make_plan(request, *arguments, **keywords):
         memory_limit=given.memory_limit, checked_by_default=checked_by_default)
     plan = dataclasses.replace(plan, estimate=memory.estimate_plan(plan))
     if given.refuse:
-        _refusals.refuse_what_cannot_be_built(plan)
+        _refuse_what_cannot_be_built(plan)
     return plan
 
 
@@ -138,3 +140,94 @@ def build(plan, devices=None):
     warn_if_unproven(plan)
     with plan.request.graph.as_default():
         return _combiner.Built(plan, devices)
+
+
+def _listing(plan, indices):
+    return "; ".join(f"{_plan.weight_name(plan.request.xs[k])}: {plan.reasons[k]}"
+                     for k in indices)
+
+
+def _refuse_what_cannot_be_built(plan):
+    """Raises for what cannot be built (see the module docstring, guards)."""
+    request = plan.request
+    if plan.method == "rules" and plan.fallback:
+        raise _context.error(
+            ValueError, f"method='rules' is strict, and no rule covers "
+            f"{len(plan.fallback)} of the weights ({_listing(plan, plan.fallback)}). Use "
+            "method='auto' (rules where they apply, towers for these), register a rule "
+            "for the op (pertower.rules.default_registry().register), or leave these "
+            "weights out of `xs`. pertower.explain(ys, xs) shows the plan.")
+    needs_towers = bool(plan.fallback) or plan.validate
+    padded = request.options.batch_capacity is not None and plan.fallback_method == "towers"
+    if request.batch_size is None and needs_towers and not padded:
+        names = ", ".join(f"{b.name} {b.shape}" for b in request.batch)
+        what = []
+        if plan.fallback:
+            by = "row passes" if plan.fallback_method == "passes" else "towers"
+            what.append(f"these weights fall back to {by}, which are "
+                        "built for a fixed number of examples "
+                        f"({_listing(plan, plan.fallback)})")
+        if plan.validate:
+            if plan.verdict == "unproven":
+                op, why = plan.lost_at
+                what.append("the independence of the examples could not be proven (the "
+                            f"proof was lost at {op.name!r} ({op.type}): {why}), so it is "
+                            "checked at run time by recomputing `ys` slice by slice, for "
+                            "a fixed number of examples")
+            else:
+                what.append("validate=True recomputes `ys` slice by slice, for a fixed "
+                            "number of examples")
+        raise _context.error(
+            ValueError, f"the batch axis is not static ({names}) and no "
+            f"`batch_size` was given, but {'; and '.join(what)}. Pass batch_size=B, the "
+            "number of examples you will feed.")
+    if plan.validate:
+        _refuse_a_check_that_cannot_pass(plan)
+    memory.check_plan(plan, plan.memory_limit)
+
+
+def _refuse_a_check_that_cannot_pass(plan):
+    """A stateful random op shaped by the batch (dropout in training mode) draws other
+    numbers in every slice, so the run-time check would fail on every run."""
+    noisy = graph_walk.random_ops(plan.request.batch_downstream)
+    if not noisy:
+        return
+    if plan.checked_by_default:
+        op, why = plan.lost_at
+        reason = (f"could not prove that row i of `ys` depends on example i alone (the "
+                  f"proof was lost at {op.name!r} ({op.type}): {why}), and")
+    else:
+        reason = "validate=True asks for the run-time check, but"
+    raise _context.error(
+        ValueError, f"{reason} the check that would decide it at run "
+        f"time cannot pass: `ys` depends on the random op {noisy[0].name!r} "
+        f"({noisy[0].type}), e.g. dropout in training mode, which draws other numbers "
+        "when `ys` is recomputed slice by slice. Build `ys` without it (training=False), "
+        "or pass validate=False if you know that each example's value depends on its "
+        "own example alone.")
+
+
+def _refuse_python_gradients_in_row_passes(request, uses, reasons, refuse):
+    """Row passes mask grad_ys to one example's rows in a backward pass of the batched
+    graph: a weight whose gradient flows through an overridden or Python gradient not
+    proven row-wise (`_engine.UnassumedGradients`) is refused (with `refuse`; else the
+    reason goes to the plan)."""
+    loop_op = request.loop_op
+    unassumed = _engine.UnassumedGradients(request)   # each override read once
+    for k, reads in enumerate(request.reads):
+        if uses[k] is not None or not reads.reached:
+            continue
+        why = unassumed.reason(reads, request.ys_upstream)
+        if why is None:
+            continue
+        text = (f"the weight {reads.name!r} is computed by one backward pass of the "
+                f"original graph per example, as a TF1 (v1) while loop ({loop_op.name!r}, "
+                f"{loop_op.type}) lies between the batch and `ys`; each pass keeps only "
+                f"one example's rows of grad_ys, but {why}. Such a backward pass may "
+                "spread one example's rows over the others, so the pass would not give "
+                "that example's gradient. Write the op's gradient row by row (no reduction "
+                "or mixing over the batch axis), remove the override, or leave this weight "
+                "out of `xs`.")
+        if refuse:
+            raise _context.error(ValueError, text)
+        reasons[k] = f"refused: {text}"

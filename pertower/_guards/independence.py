@@ -14,7 +14,7 @@ slice gives `ys` again. Both checks compare the two on real data:
 with tolerance 1e-4 for float32 (1e-9 float64, 1e-2 float16/bfloat16): above the
 rounding of kernels run on other batch sizes, far below what a coupling changes. A
 plan that needs the check on a graph with random ops shaped by the batch (dropout in
-training mode) is refused (`pertower._refusals`): every slice draws its own numbers.
+training mode) is refused (`pertower._dispatch`): every slice draws its own numbers.
 """
 
 import dataclasses
