@@ -82,7 +82,7 @@ def make_plan(request, *arguments, **keywords):
     analysis = request.analysis
     couplings, verdict, lost_at = tuple(analysis.couplings), analysis.verdict, analysis.lost_at
     uses, reasons = list(uses), list(reasons)
-    if request.method == "towers":   # (with a TF1 loop: row passes, see Plan.passes_reason)
+    if request.method == "towers":   # (with a TF1 loop: row passes, see Plan.weights)
         for k, reads in enumerate(request.reads):
             if reads.reached:
                 uses[k], reasons[k] = None, "method='towers' was asked for"

@@ -57,10 +57,6 @@ class OverrideBackward:
     ops: tuple
     captured: tuple
 
-    def outer(self, tensor):
-        """The user's tensor a captured placeholder stands for, else None."""
-        return next((o for i, o in self.captured if i is tensor), None)
-
 
 def kind(op):
     """The name op's gradient is registered under."""

@@ -84,17 +84,6 @@ class Plan:
         return "passes" if self.loop_op is not None else "towers"
 
     @property
-    def passes_reason(self):
-        """Why row passes replace the towers (None without a TF1 loop)."""
-        if self.loop_op is None:
-            return None
-        op = self.loop_op
-        return (f"a TF1 (v1) while loop ({op.name!r}, {op.type}) lies between the batch "
-                "and `ys`, which towers cannot build gradients through: one backward pass "
-                "of the original graph per "
-                + ("example" if self.request.num_groups is None else "microbatch"))
-
-    @property
     def covered(self):
         """Indices into xs of the weights the rules side computes (unreached ones too)."""
         return [k for k, u in enumerate(self.uses) if u is not None]
@@ -107,12 +96,15 @@ class Plan:
     @property
     def weights(self):
         """One `WeightPlan` per entry of xs."""
-        rows = []
+        rows, op = [], self.loop_op
         for x, uses, reason in zip(self.request.xs, self.uses, self.reasons):
             name, shape = weight_name(x), x.shape
-            if uses is None and self.loop_op is not None:
-                rows.append(WeightPlan(name, shape, "passes",
-                                       reason=f"{reason}; {self.passes_reason}"))
+            if uses is None and op is not None:   # why row passes replace the towers
+                group = "example" if self.request.num_groups is None else "microbatch"
+                rows.append(WeightPlan(name, shape, "passes", reason=(
+                    f"{reason}; a TF1 (v1) while loop ({op.name!r}, {op.type}) lies between "
+                    "the batch and `ys`, which towers cannot build gradients through: one "
+                    f"backward pass of the original graph per {group}")))
             elif uses is None:
                 rows.append(WeightPlan(name, shape, "towers", reason=reason))
             elif not uses:
