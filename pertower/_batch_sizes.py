@@ -239,24 +239,22 @@ def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
 
 
 def check_ys_rows(ys, ys_rows, B, batch_words):
-    """Raises when the static axis 0 of `ys` (`ys_rows`) is not the B rows of the batch."""
-    if ys_rows is not None and ys_rows != B:
-        raise _context.error(
-            ValueError, f"`ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
-            f"row{'' if ys_rows == 1 else 's'} on axis 0, but {batch_words}; `ys` needs "
-            f"one row per example on axis 0.{_rows_hint(ys, ys_rows, B)}")
-
-
-def _rows_hint(ys, rows, B):
-    """Likely causes of a `ys` whose axis 0 is not the batch."""
+    """Raises when the static axis 0 of `ys` (`ys_rows`) is not the B rows of the batch,
+    with the likely causes."""
+    if ys_rows is None or ys_rows == B:
+        return
     hints = []
     if ys.shape.rank is not None and ys.shape.rank >= 2 and any(
             tf.compat.dimension_value(d) in (B, None) for d in ys.shape[1:]):
         hints.append("is it transposed (the batch on another axis)? Transpose it so the "
                      "batch comes first (ys keeps the batch on axis 0 even with "
                      "batch_axis=)")
-    if rows == 1:
+    if ys_rows == 1:
         hints.append("was it reduced over the batch (tf.reduce_mean(..., axis=0, "
                      "keepdims=True), or a loss with reduction SUM/MEAN)? Pass the "
                      "unreduced per-example values")
-    return (" " + " ".join(h[0].upper() + h[1:] + "." for h in hints)) if hints else ""
+    hint = (" " + " ".join(h[0].upper() + h[1:] + "." for h in hints)) if hints else ""
+    raise _context.error(
+        ValueError, f"`ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
+        f"row{'' if ys_rows == 1 else 's'} on axis 0, but {batch_words}; `ys` needs "
+        f"one row per example on axis 0.{hint}")

@@ -132,16 +132,14 @@ class Built:
 
         The rules' norms and their reweighted sum share the dZ of ONE tf.gradients of
         sum(ys) (`_engine.norm_parts`, `_engine.clipped_sums`), so a random op (dropout)
-        is differentiated with the draws of `ys` in the same run; the weights left to
-        the fallback (towers or row passes) are formed there, [G, *x.shape], and
-        contracted with the factors.
+        is differentiated with the draws of `ys` in the same run; the fallback's weights
+        are formed, [G, *x.shape], and contracted with the factors.
 
         Args:
           factors_of: maps the [G] per-group gradient norms to the [G] factors f; with
-            per_weight, the [G, K] per-weight norms (column k over xs[k]) to [G, K]
-            factors (column k scales the gradients of xs[k]).
+            per_weight (per-layer clipping), the [G, K] norms (column k over xs[k]) to
+            [G, K] factors (column k scales the gradients of xs[k]).
           name: name scope.
-          per_weight: whether the norms and factors are per weight (per-layer clipping).
 
         Returns:
           (norms [G], factors [G], sums) ([G, K] each with per_weight): sums[k] =

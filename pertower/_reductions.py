@@ -32,9 +32,7 @@ def checked_tensors(gradient, argument, per_example=False):
                 ValueError, f"`{argument}[{k}]` is None (a weight the value "
                 "does not reach, from unconnected_gradients='none'); drop it or use "
                 "unconnected_gradients='zero'.")
-        if isinstance(g, tf.IndexedSlices):
-            g = tf.convert_to_tensor(g)
-        g = tf.convert_to_tensor(g)
+        g = tf.convert_to_tensor(g)   # (IndexedSlices made dense)
         if per_example and g.shape.rank == 0:
             raise _context.error(
                 ValueError, f"`{argument}[{k}]` is a scalar, but a "
