@@ -88,8 +88,7 @@ def make_plan(request, *arguments, **keywords):
                 uses[k], reasons[k] = None, "method='towers' was asked for"
     loop_op = request.loop_op
     if loop_op is not None:
-        _refuse_python_gradients_in_row_passes(request, uses, reasons,
-                                                        given.refuse)
+        _refuse_python_gradients_in_row_passes(request, uses, reasons, given.refuse)
     if given.sparse:
         gathered = [k for k, reads in enumerate(request.reads)
                     if uses[k] and reads.gather_ops and not reads.read_tensors
@@ -108,10 +107,8 @@ def make_plan(request, *arguments, **keywords):
         for k in gathered:
             uses[k] = None
             reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
-    validate = given.validate
-    checked_by_default = validate is None and verdict == "unproven"
-    if validate is None:
-        validate = checked_by_default
+    checked_by_default = given.validate is None and verdict == "unproven"
+    validate = checked_by_default if given.validate is None else given.validate
     plan = _plan.Plan(
         function_name=_context.name(), method=request.method, request=request,
         uses=tuple(uses), reasons=tuple(reasons), couplings=couplings, verdict=verdict,
@@ -181,30 +178,24 @@ def _refuse_what_cannot_be_built(plan):
             ValueError, f"the batch axis is not static ({names}) and no "
             f"`batch_size` was given, but {'; and '.join(what)}. Pass batch_size=B, the "
             "number of examples you will feed.")
-    if plan.validate:
-        _refuse_a_check_that_cannot_pass(plan)
+    # a random op shaped by the batch (dropout in training mode) draws other numbers in
+    # every slice, so the run-time check would fail on every run
+    noisy = graph_walk.random_ops(request.batch_downstream) if plan.validate else []
+    if noisy:
+        if plan.checked_by_default:
+            op, why = plan.lost_at
+            reason = (f"could not prove that row i of `ys` depends on example i alone (the "
+                      f"proof was lost at {op.name!r} ({op.type}): {why}), and")
+        else:
+            reason = "validate=True asks for the run-time check, but"
+        raise _context.error(
+            ValueError, f"{reason} the check that would decide it at run "
+            f"time cannot pass: `ys` depends on the random op {noisy[0].name!r} "
+            f"({noisy[0].type}), e.g. dropout in training mode, which draws other numbers "
+            "when `ys` is recomputed slice by slice. Build `ys` without it "
+            "(training=False), or pass validate=False if you know that each example's "
+            "value depends on its own example alone.")
     memory.check_plan(plan, plan.memory_limit)
-
-
-def _refuse_a_check_that_cannot_pass(plan):
-    """A stateful random op shaped by the batch (dropout in training mode) draws other
-    numbers in every slice, so the run-time check would fail on every run."""
-    noisy = graph_walk.random_ops(plan.request.batch_downstream)
-    if not noisy:
-        return
-    if plan.checked_by_default:
-        op, why = plan.lost_at
-        reason = (f"could not prove that row i of `ys` depends on example i alone (the "
-                  f"proof was lost at {op.name!r} ({op.type}): {why}), and")
-    else:
-        reason = "validate=True asks for the run-time check, but"
-    raise _context.error(
-        ValueError, f"{reason} the check that would decide it at run "
-        f"time cannot pass: `ys` depends on the random op {noisy[0].name!r} "
-        f"({noisy[0].type}), e.g. dropout in training mode, which draws other numbers "
-        "when `ys` is recomputed slice by slice. Build `ys` without it (training=False), "
-        "or pass validate=False if you know that each example's value depends on its "
-        "own example alone.")
 
 
 def _refuse_python_gradients_in_row_passes(request, uses, reasons, refuse):

@@ -150,11 +150,6 @@ def _outermost_loop(op):
     return found
 
 
-def _frame_names(ops):
-    """The frame names of the Enter ops among `ops`."""
-    return {op.get_attr("frame_name") for op in ops if op.type in op_types.V1_ENTER_OP_TYPES}
-
-
 def v1_loop_frames(replayed_ops, ys_upstream):
     """The ops of `ys_upstream` in the TF1 (v1) while loops that `replayed_ops` touch,
     whole frames (a frame cannot read another frame's tensors), known by their Python
@@ -163,7 +158,8 @@ def v1_loop_frames(replayed_ops, ys_upstream):
     if not any(op.type in op_types.V1_LOOP_OP_TYPES for op in replayed_ops):
         return set()
     contexts = {_outermost_loop(op) for op in replayed_ops} - {None}
-    names = _frame_names(replayed_ops)
+    names = {op.get_attr("frame_name") for op in replayed_ops
+             if op.type in op_types.V1_ENTER_OP_TYPES}
     frames = set()
     for op in ys_upstream:
         if _outermost_loop(op) in contexts:
