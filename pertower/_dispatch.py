@@ -78,11 +78,11 @@ def make_plan(request, *arguments, **keywords):
                                         options(**keywords))
     given = request.options
     with request.graph.as_default():
-        uses, reasons = _engine.build_plan(request, request.registry)
+        uses, reasons = _engine.build_plan(request, given.registry)
     analysis = request.analysis
     couplings, verdict, lost_at = tuple(analysis.couplings), analysis.verdict, analysis.lost_at
     uses, reasons = list(uses), list(reasons)
-    if request.method == "towers":   # (with a TF1 loop: row passes, see Plan.weights)
+    if given.method == "towers":   # (with a TF1 loop: row passes, see Plan.weights)
         for k, reads in enumerate(request.reads):
             if reads.reached:
                 uses[k], reasons[k] = None, "method='towers' was asked for"
@@ -110,7 +110,7 @@ def make_plan(request, *arguments, **keywords):
     checked_by_default = given.validate is None and verdict == "unproven"
     validate = checked_by_default if given.validate is None else given.validate
     plan = _plan.Plan(
-        function_name=_context.name(), method=request.method, request=request,
+        function_name=_context.name(), method=given.method, request=request,
         uses=tuple(uses), reasons=tuple(reasons), couplings=couplings, verdict=verdict,
         lost_at=lost_at, outputs_per_example=given.outputs_per_example,
         forms_gradients=given.forms_gradients, estimate=None, validate=bool(validate),

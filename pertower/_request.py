@@ -137,14 +137,6 @@ class Request:
     loop_op: object
     options: Options = Options()
 
-    @property
-    def method(self):
-        return self.options.method
-
-    @property
-    def registry(self):
-        return self.options.registry
-
     def restricted(self, indices):
         """The same request for xs[k], k in `indices`, only."""
         return dataclasses.replace(
