@@ -1,32 +1,14 @@
 """pertower: per-example gradients for TensorFlow graph mode: per-op rules where they
 provably apply, weight-copy towers elsewhere (method="auto", the default).
 
-Public surface:
-    per_example_gradients, per_example_jacobians, microbatch_gradients,
-    per_example_norms
-    Towers, build_towers
-    explain, check_independence, estimate_memory
-    Plan, MemoryEstimate, UnconnectedWeightsWarning (what explain and estimate_memory
-    return, and the warning that names weights `ys` does not reach)
-    PerExampleIndexedSlices (sparse=True results for embedding weights)
-    flatten, flatten_per_example, dot, cosine_similarity, global_norms,
-    pairwise_dot, pairwise_cosine
-    DPOptimizer, DPSyncReplicasOptimizer, AdaptiveClipping, poisson_batches,
-    poisson_capacity, compute_epsilon
-    tracin, tracin_over_checkpoints, similarity_matrix, class_similarity,
-    fisher_diagonal, gradient_variance, NoiseScale, gradient_noise_scale, empirical_ntk
-    sum_grad_squared, diag_ggn (curvature: the GGN / Fisher diagonal),
-    kfac_factors, KroneckerFactors (its Kronecker factors per dense or Conv2D kernel)
-
-`pertower.oracle` holds the slow, obviously correct one-example loop that the tests,
-examples and demo compare with.
+The public names are listed in `__all__`; `pertower.oracle` holds the slow, obviously
+correct one-example loop that the tests, examples and demo compare with.
 
 The public names are loaded on first use (PEP 562 module `__getattr__`): `import
-pertower` imports neither TensorFlow nor any submodule, so the `pertower` command
-starts quickly and `pertower --help` never loads TensorFlow. `pertower.X`,
-`from pertower import X`, `from pertower import *` and `dir(pertower)` work as if
-every name were imported eagerly. Importing pertower changes no environment
-variable, allocator or TensorFlow setting.
+pertower` imports neither TensorFlow nor any submodule, so `pertower --help` starts
+quickly; `pertower.X`, `from pertower import X`, `from pertower import *` and
+`dir(pertower)` work as if every name were imported eagerly. Importing pertower changes
+no environment variable, allocator or TensorFlow setting.
 """
 
 import importlib
@@ -35,89 +17,45 @@ import importlib.util
 from pertower._version import __version__
 
 __all__ = [
-    "per_example_gradients",
-    "per_example_jacobians",
-    "microbatch_gradients",
-    "per_example_norms",
-    "explain",
-    "Towers",
-    "build_towers",
-    "check_independence",
-    "estimate_memory",
-    "Plan",
-    "MemoryEstimate",
-    "UnconnectedWeightsWarning",
-    "PerExampleIndexedSlices",
-    "flatten",
-    "flatten_per_example",
-    "dot",
-    "cosine_similarity",
-    "global_norms",
-    "pairwise_dot",
-    "pairwise_cosine",
-    "DPOptimizer",
-    "DPSyncReplicasOptimizer",
-    "AdaptiveClipping",
-    "poisson_batches",
-    "poisson_capacity",
-    "compute_epsilon",
-    "tracin",
-    "tracin_over_checkpoints",
-    "similarity_matrix",
-    "class_similarity",
-    "fisher_diagonal",
-    "gradient_variance",
-    "NoiseScale",
-    "gradient_noise_scale",
-    "empirical_ntk",
-    "sum_grad_squared",
-    "diag_ggn",
-    "kfac_factors",
+    "per_example_gradients", "per_example_jacobians", "microbatch_gradients",
+    "per_example_norms", "explain", "Towers", "build_towers", "check_independence",
+    "estimate_memory", "Plan", "MemoryEstimate", "UnconnectedWeightsWarning",
+    "PerExampleIndexedSlices", "flatten", "flatten_per_example", "dot", "cosine_similarity",
+    "global_norms", "pairwise_dot", "pairwise_cosine", "DPOptimizer",
+    "DPSyncReplicasOptimizer", "AdaptiveClipping", "poisson_batches", "poisson_capacity",
+    "compute_epsilon", "tracin", "tracin_over_checkpoints", "similarity_matrix",
+    "class_similarity", "fisher_diagonal", "gradient_variance", "NoiseScale",
+    "gradient_noise_scale", "empirical_ntk", "sum_grad_squared", "diag_ggn", "kfac_factors",
     "KroneckerFactors",
 ]
 
-# public name -> the module that defines it
-_LAZY = {
-    "AdaptiveClipping": "pertower._dp.clipping",
-    "build_towers": "pertower._towers.build",
-    "check_independence": "pertower._guards.independence",
-    "class_similarity": "pertower._analytics.similarity",
-    "compute_epsilon": "pertower._dp.accounting",
-    "cosine_similarity": "pertower._reductions",
-    "dot": "pertower._reductions",
-    "diag_ggn": "pertower._api.curvature",
-    "DPOptimizer": "pertower._dp.optimizer",
-    "DPSyncReplicasOptimizer": "pertower._dp.distributed",
-    "empirical_ntk": "pertower._analytics.similarity",
-    "estimate_memory": "pertower._api.explain",
-    "explain": "pertower._api.explain",
-    "fisher_diagonal": "pertower._analytics.gradient_statistics",
-    "flatten": "pertower._reductions",
-    "flatten_per_example": "pertower._reductions",
-    "global_norms": "pertower._reductions",
-    "gradient_noise_scale": "pertower._analytics.gradient_statistics",
-    "gradient_variance": "pertower._analytics.gradient_statistics",
-    "kfac_factors": "pertower._curvature.kfac",
-    "KroneckerFactors": "pertower._curvature.kfac",
-    "MemoryEstimate": "pertower._guards.memory",
-    "microbatch_gradients": "pertower._api.gradients",
-    "NoiseScale": "pertower._analytics.gradient_statistics",
-    "pairwise_cosine": "pertower._reductions",
-    "pairwise_dot": "pertower._reductions",
-    "per_example_gradients": "pertower._api.gradients",
-    "per_example_jacobians": "pertower._api.gradients",
-    "per_example_norms": "pertower._api.norms",
-    "poisson_batches": "pertower._dp.sampling",
-    "poisson_capacity": "pertower._dp.sampling",
-    "PerExampleIndexedSlices": "pertower._towers.sparse",
-    "Plan": "pertower._plan",
-    "similarity_matrix": "pertower._analytics.similarity",
-    "sum_grad_squared": "pertower._api.curvature",
-    "Towers": "pertower._towers.build",
-    "tracin": "pertower._analytics.influence",
-    "tracin_over_checkpoints": "pertower._analytics.influence",
-    "UnconnectedWeightsWarning": "pertower._checks",
+# public names by the module that defines them
+_MODULES = {
+    "pertower._api.gradients": ("per_example_gradients", "per_example_jacobians",
+                                "microbatch_gradients"),
+    "pertower._api.norms": ("per_example_norms",),
+    "pertower._api.explain": ("explain", "estimate_memory"),
+    "pertower._towers.build": ("Towers", "build_towers"),
+    "pertower._guards.independence": ("check_independence",),
+    "pertower._plan": ("Plan",),
+    "pertower._guards.memory": ("MemoryEstimate",),
+    "pertower._checks": ("UnconnectedWeightsWarning",),
+    "pertower._towers.sparse": ("PerExampleIndexedSlices",),
+    "pertower._reductions": ("flatten", "flatten_per_example", "dot", "cosine_similarity",
+                             "global_norms", "pairwise_dot", "pairwise_cosine"),
+    "pertower._dp.optimizer": ("DPOptimizer",),
+    "pertower._dp.distributed": ("DPSyncReplicasOptimizer",),
+    "pertower._dp.clipping": ("AdaptiveClipping",),
+    "pertower._dp.sampling": ("poisson_batches", "poisson_capacity"),
+    "pertower._dp.accounting": ("compute_epsilon",),
+    "pertower._analytics.influence": ("tracin", "tracin_over_checkpoints"),
+    "pertower._analytics.similarity": ("similarity_matrix", "class_similarity", "empirical_ntk"),
+    "pertower._analytics.gradient_statistics": ("fisher_diagonal", "gradient_variance",
+                                                "NoiseScale", "gradient_noise_scale"),
+    "pertower._api.curvature": ("sum_grad_squared", "diag_ggn"),
+    "pertower._curvature.kfac": ("kfac_factors", "KroneckerFactors"),
 }
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name):

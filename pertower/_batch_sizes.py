@@ -25,8 +25,7 @@ _ROW_KEEPING = ("Identity", "Neg", "Square", "Sqrt", "Exp", "Log", "Abs", "Cast"
 
 def batch_axes(batch_axis, batch):
     """The batch axis of each batch tensor (non-negative ints), from `batch_axis`:
-    None (0 for every tensor), an int (for every tensor), or a list parallel to
-    `batch`. Refuses a non-int, a list of another length, or an axis out of range."""
+    None (0 for every tensor), an int (for every tensor), or a list parallel to `batch`."""
     if batch_axis is None:
         return [0] * len(batch)
     if isinstance(batch_axis, (list, tuple)):
@@ -67,8 +66,8 @@ def batch_axes(batch_axis, batch):
 
 
 def size_hint(static_sizes, batch_size):
-    """B for the analysis (a leading static 1 axis is then never the batch axis): the
-    static batch size when the batch tensors share one, else an int `batch_size`."""
+    """B for the analysis: the static batch size the batch tensors share, else an int
+    `batch_size`."""
     static = set(static_sizes) - {None}
     if len(static) == 1:
         return static.pop()
@@ -78,9 +77,9 @@ def size_hint(static_sizes, batch_size):
 
 
 def one_batch_size(batch_size, batch, lost_at=None):
-    """`batch_size` as given, or its one value when it is a list of equal sizes; a list
-    of different sizes is refused (it is for `ys` joining several batches). `lost_at`:
-    the analysis' (op, reason) when it could not trace the rows of `ys`."""
+    """`batch_size` as given, or its one value when it is a list of equal sizes (a list
+    of different sizes is for `ys` joining several batches: refused, saying why with
+    the analysis' `lost_at`)."""
     if not isinstance(batch_size, (list, tuple)):
         return batch_size
     if len(batch_size) != len(batch) or len(set(map(repr, batch_size))) != 1:
@@ -103,13 +102,11 @@ def one_batch_size(batch_size, batch, lost_at=None):
 
 
 def concat_segments(ys, batch):
-    """The batches `ys` joins along axis 0 read from the graph alone, for when the
-    batch-axis analysis lost its proof before the join: `ys` is (up to row-keeping
-    elementwise ops with one input from the batch) a concat along axis 0 whose inputs
-    read disjoint sets of batch tensors, together all of them. One tuple of batch
-    indices per input, in row order; None otherwise. What this does not prove (that
-    each input's rows are its batch's examples) the run-time check of the unproven
-    verdict checks: the towers replay each batch's examples in this order."""
+    """The batches `ys` joins along axis 0, read from the graph alone (when the analysis
+    lost its proof before the join): `ys` is, up to row-keeping ops, a concat along
+    axis 0 whose inputs read disjoint sets of batch tensors, together all of them. One
+    tuple of batch indices per input, in row order; None otherwise. The run-time check
+    of the unproven verdict checks the rest."""
     def reads(tensor):
         upstream = graph_walk.upstream_ops([tensor])
         return frozenset(j for j, b in enumerate(batch)
@@ -139,9 +136,8 @@ def concat_segments(ys, batch):
 
 def segment_sizes(ys, batch, axes, static_sizes, ys_rows, segments, batch_size, M,
                   groups_argument):
-    """(B, ((indices, B_s), ...)) for `ys` joining the batches `segments` (tuples of
-    batch indices) along axis 0; B_s from the static shapes or `batch_size` (an int
-    for every batch tensor, or a list parallel to `batch`)."""
+    """(B, ((indices, B_s), ...)) for `ys` joining the batches `segments` along axis 0;
+    B_s from the static shapes or `batch_size` (an int, or a list parallel to `batch`)."""
     names = ", ".join(b.name for b in batch)
     if isinstance(batch_size, (list, tuple)):
         if len(batch_size) != len(batch):
@@ -207,8 +203,7 @@ def _listing(batch, segments, sizes=False):
 
 
 def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
-    """B: the static batch size of the batch tensors (on their batch axes), or
-    `batch_size`."""
+    """B: the static batch size of the batch tensors, or `batch_size`."""
     static = {}
     for b, axis, size in zip(batch, axes, static_sizes):
         if size is not None:
@@ -244,25 +239,22 @@ def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
 
 
 def check_ys_rows(ys, ys_rows, B, batch_words):
-    """Raises when the static axis 0 of `ys` (`ys_rows`, None when not static) is not
-    the B rows of the batch."""
-    if ys_rows is not None and ys_rows != B:
-        raise _context.error(
-            ValueError, f"`ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
-            f"row{'' if ys_rows == 1 else 's'} on axis 0, but {batch_words}; `ys` needs "
-            f"one row per example on axis 0.{_rows_hint(ys, ys_rows, B)}")
-
-
-def _rows_hint(ys, rows, B):
-    """Likely causes of a `ys` whose axis 0 is not the batch."""
+    """Raises when the static axis 0 of `ys` (`ys_rows`) is not the B rows of the batch,
+    with the likely causes."""
+    if ys_rows is None or ys_rows == B:
+        return
     hints = []
     if ys.shape.rank is not None and ys.shape.rank >= 2 and any(
             tf.compat.dimension_value(d) in (B, None) for d in ys.shape[1:]):
         hints.append("is it transposed (the batch on another axis)? Transpose it so the "
                      "batch comes first (ys keeps the batch on axis 0 even with "
                      "batch_axis=)")
-    if rows == 1:
+    if ys_rows == 1:
         hints.append("was it reduced over the batch (tf.reduce_mean(..., axis=0, "
                      "keepdims=True), or a loss with reduction SUM/MEAN)? Pass the "
                      "unreduced per-example values")
-    return (" " + " ".join(h[0].upper() + h[1:] + "." for h in hints)) if hints else ""
+    hint = (" " + " ".join(h[0].upper() + h[1:] + "." for h in hints)) if hints else ""
+    raise _context.error(
+        ValueError, f"`ys` ({ys.name}, shape {ys.shape}) has {ys_rows} "
+        f"row{'' if ys_rows == 1 else 's'} on axis 0, but {batch_words}; `ys` needs "
+        f"one row per example on axis 0.{hint}")

@@ -1,9 +1,7 @@
-"""Argument checks shared by the public functions.
-
-Every check raises an error that names the argument, says what was received and
-what to do instead; `warn_unconnected` warns about weights `ys` does not reach, and
-`weight_list` replaces Keras 3 variables by the TF variables behind them. Nothing here
-builds graph ops.
+"""Argument checks shared by the public functions: each error names the argument, what
+was received and what to do instead. Also the warning about weights `ys` does not reach
+and the Keras 3 variables' TF variables. Nothing here builds graph ops (but the run-time
+check of the fed batch size, `fed_batch_size_check`).
 """
 
 import math
@@ -18,48 +16,36 @@ from pertower import _graph_walk as graph_walk
 from pertower import _tf
 from pertower import _weight_reads
 
-__all__ = [
-    "UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "check_memory_limit",
-    "device_list", "optional_seed", "positive_int", "require_graph_mode", "require_graph_tensor",
-    "unconnected_gradients_value", "unreached_weights", "warn_unconnected", "weight_list",
-]
+__all__ = ["UNCONNECTED_DEFAULT", "UnconnectedWeightsWarning", "as_list", "check_memory_limit",
+           "device_list", "optional_seed", "positive_int", "require_graph_mode",
+           "require_graph_tensor", "unconnected_gradients_value", "unreached_weights",
+           "warn_unconnected", "weight_list"]
 
 _GRAPH_MODE_HINT = (
     "pertower works on TF1-style graphs run in a tf.compat.v1.Session. Switch to "
     "graph mode with tf.compat.v1.disable_eager_execution() (or "
     "tf.compat.v1.disable_v2_behavior() for fully legacy code) before building the "
-    "model, or build everything inside `with tf.Graph().as_default():`."
-)
+    "model, or build everything inside `with tf.Graph().as_default():`.")
 
 
 def require_graph_mode():
     """Raises RuntimeError when eager execution is on."""
     if tf.executing_eagerly():
-        raise RuntimeError(
-            f"{_context.prefix()} needs graph mode, but eager execution is on. "
-            + _GRAPH_MODE_HINT
-        )
+        raise RuntimeError(f"{_context.prefix()} needs graph mode, but eager execution is "
+                           "on. " + _GRAPH_MODE_HINT)
 
 
 def require_graph_tensor(value, argument):
     """Returns `value` when it is a symbolic `tf.Tensor`; raises otherwise."""
     if isinstance(value, tf.Variable):
-        raise _context.error(
-            TypeError,
-            f"`{argument}` must be a tensor computed from the "
-            f"batch, but received the variable {value.name!r}."
-        )
+        raise _context.error(TypeError, f"`{argument}` must be a tensor computed from the "
+                             f"batch, but received the variable {value.name!r}.")
     if not isinstance(value, tf.Tensor):
-        raise _context.error(
-            TypeError,
-            f"`{argument}` must be a tf.Tensor, but received "
-            f"{type(value).__name__} ({value!r:.80})."
-        )
+        raise _context.error(TypeError, f"`{argument}` must be a tf.Tensor, but received "
+                             f"{type(value).__name__} ({value!r:.80}).")
     if not hasattr(value, "graph") or not hasattr(value, "op"):
-        raise _context.error(
-            RuntimeError,
-            f"`{argument}` is an eager tensor. " + _GRAPH_MODE_HINT
-        )
+        raise _context.error(RuntimeError,
+                             f"`{argument}` is an eager tensor. " + _GRAPH_MODE_HINT)
     return value
 
 
@@ -75,25 +61,16 @@ def unconnected_gradients_value(value):
     try:
         return tf.UnconnectedGradients(value)
     except ValueError:
-        raise _context.error(
-            ValueError,
-            f"`unconnected_gradients` must be 'zero' or 'none' "
-            f"(or a tf.UnconnectedGradients member), but received {value!r}."
-        ) from None
+        raise _context.error(ValueError, "`unconnected_gradients` must be 'zero' or 'none' "
+                             f"(or a tf.UnconnectedGradients member), but received "
+                             f"{value!r}.") from None
 
 
 def real_number(value, argument, low=-math.inf, high=math.inf,
                 low_open=False, high_open=False, wanted=None):
     """`value` as a float in the interval from `low` to `high` (open or closed ends);
     raises TypeError for a non-number and ValueError for NaN or a value outside.
-
-    Args:
-      value: what the caller passed.
-      argument: the argument's name, for the message.
-      low, high, low_open, high_open: the interval (inf ends are allowed only when
-        closed).
-      wanted: what the message says is expected (e.g. "a positive number"); by
-        default "a number" and "in (low, high]".
+    `wanted`: what the message says is expected (default "a number", "in (low, high]").
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _context.error(TypeError, f"`{argument}` must be "
@@ -112,19 +89,8 @@ def real_number(value, argument, low=-math.inf, high=math.inf,
 
 def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size", given=None):
     """A run-time assertion that the batch fed to `b` has B examples on its batch axis
-    `axis`; its error is one string tensor, so it reads as one sentence (a data list
-    would print each piece in its own brackets).
-
-    Args:
-      b: a batch tensor whose batch axis is not static.
-      axis: its batch axis.
-      B: the batch size the result was built for.
-      built: what was built, e.g. "the towers".
-      advice: the end of the message: what else to do.
-      name: the op's name.
-      given: how the message shows the size asked for (default "batch_size=B"; e.g.
-        "batch_size[1]=3" for one of several joined batches).
-    """
+    `axis`, its message one string tensor: "{built} were built for ... ({given}) ...
+    Feed batches of B examples, {advice}"; `given` defaults to "batch_size=B"."""
     fed = tf.shape(b)[axis]
     given = given or f"batch_size={B}"
     message = tf.strings.join([
@@ -157,10 +123,8 @@ def device_list(devices):
     if devices is None:
         return None
     if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
-        raise _context.error(
-            TypeError,
-            f"`devices` must be a list of device strings (for "
-            f"example ['/cpu:0', '/cpu:1']), but received {devices!r:.80}.")
+        raise _context.error(TypeError, "`devices` must be a list of device strings (for "
+                             f"example ['/cpu:0', '/cpu:1']), but received {devices!r:.80}.")
     if not devices:
         raise _context.error(ValueError, "`devices` is empty; pass at least one "
                          "device string, or None to leave placement to TensorFlow.")
@@ -180,30 +144,23 @@ def device_list(devices):
 
 
 def renamed_argument(value, old_value, argument, old_argument):
-    """The value of `argument`, given either by its name or by the deprecated keyword
-    `old_argument` (which warns with a DeprecationWarning); giving both is an error.
-
-    Returns:
-      (value, the name the value was given by).
-    """
+    """(the value of `argument`, the name it was given by): given by its name or by the
+    deprecated keyword `old_argument` (a DeprecationWarning); both is a TypeError."""
     if old_value is None:
         return value, argument
     if value is not None:
-        raise _context.error(
-            TypeError,
-            f"`{old_argument}` is a deprecated name of "
-            f"`{argument}`, and both were given ({old_argument}={old_value!r}, "
-            f"{argument}={value!r}). Pass only {argument}=.")
+        raise _context.error(TypeError, f"`{old_argument}` is a deprecated name of "
+                             f"`{argument}`, and both were given ({old_argument}={old_value!r}, "
+                             f"{argument}={value!r}). Pass only {argument}=.")
     warnings.warn(
         _context.prefixed(f"`{old_argument}` is deprecated; pass "
                           f"{argument}={old_value!r} instead."), DeprecationWarning, stacklevel=3)
     return old_value, old_argument
-def _is_keras3_variable(x):
-    """Whether `x` is a Keras 3 `keras.Variable` (duck-typed: Keras 3 is not imported).
 
-    Keras 3 variables are not TF variables; on the TensorFlow backend their `.value` is
-    the `tf.Variable` that holds the weight. tf_keras (Keras 2) weights are TF variables
-    already and never reach this test."""
+
+def _is_keras3_variable(x):
+    """Whether `x` is a Keras 3 `keras.Variable` (duck-typed: Keras 3 is not imported);
+    on the TensorFlow backend its `.value` is the `tf.Variable` holding the weight."""
     module = type(x).__module__ or ""
     return ((module == "keras" or module.startswith("keras."))
             and not isinstance(x, (tf.Variable, tf.Tensor)) and hasattr(x, "value"))
@@ -211,13 +168,8 @@ def _is_keras3_variable(x):
 
 class Partitions:
     """Where the partitions of each `PartitionedVariable` of `xs` went in the flat list
-    the gradient functions work on, so that their results can be joined again.
-
-    A `PartitionedVariable` (a variable made with a partitioner) is split along one
-    axis into P partition variables; the per-example gradient of the whole variable is
-    the per-example gradients of its partitions concatenated along that axis:
-    [G, *p_1.shape], ..., [G, *p_P.shape] -> [G, *x.shape].
-    """
+    `flat` the gradient functions work on; `join` concatenates their results along the
+    partitioned axis: [G, *p_1.shape], ..., [G, *p_P.shape] -> [G, *x.shape]."""
 
     def __init__(self, xs):
         self.flat = []
@@ -234,10 +186,9 @@ class Partitions:
                 self.flat.append(x)
 
     def join(self, results, lead=1):
-        """One result per entry of the original `xs` from one per entry of `flat`:
-        partitions concatenated along their axis, after `lead` leading axes ([G] for
-        gradients, [B, *out] for Jacobians). A partition without a gradient (None) makes
-        the whole entry None; sparse per-example rows are made dense first."""
+        """One result per entry of `xs` from one per entry of `flat`, after `lead`
+        leading axes ([G], or [B, *out] for Jacobians); a None part makes the entry
+        None, sparse parts are made dense."""
         joined = []
         for start, count, axis in self._layout:
             if axis is None:
@@ -254,15 +205,13 @@ class Partitions:
 
 
 def weight_list(xs, argument):
-    """`xs` as a list in which each Keras 3 variable is replaced by the TF variable
-    holding its value; other entries are kept as they are (the later checks name bad
-    ones). Raises when a Keras 3 variable has no TF variable or tensor behind it."""
+    """`xs` as a list, each Keras 3 variable replaced by the TF variable holding its
+    value (other entries are checked later); refuses a PartitionedVariable."""
     weights = as_list(xs)
     for k, x in enumerate(weights):
         if isinstance(x, _tf.PartitionedVariable):
             raise _context.error(
-                TypeError,
-                f"`{argument}[{k}]` is the PartitionedVariable "
+                TypeError, f"`{argument}[{k}]` is the PartitionedVariable "
                 f"{x.name!r} ({len(list(x))} partitions), which this function does not "
                 f"take whole; pass its partitions instead, e.g. `list(variable)` in "
                 f"`{argument}`.")
@@ -271,8 +220,7 @@ def weight_list(xs, argument):
         value = x.value
         if not isinstance(value, (tf.Variable, tf.Tensor)) or not hasattr(value, "graph"):
             raise _context.error(
-                TypeError,
-                f"`{argument}[{k}]` is a Keras 3 variable "
+                TypeError, f"`{argument}[{k}]` is a Keras 3 variable "
                 f"({getattr(x, 'path', None) or getattr(x, 'name', '?')}) whose value is "
                 f"{type(value).__name__}, not a graph-mode TensorFlow variable. Build the "
                 "model with the graph-mode Keras: `import tf_keras as keras`, or set "
@@ -284,9 +232,7 @@ def weight_list(xs, argument):
 
 
 class _DefaultZero(str):
-    """The default of `unconnected_gradients`: "zero", and a warning naming the weights
-    `ys` does not reach. Equal to "zero" everywhere; told apart from a "zero" the caller
-    passed by identity (`value is UNCONNECTED_DEFAULT`)."""
+    """Equal to "zero" everywhere; told apart from a "zero" the caller passed by identity."""
 
     __slots__ = ()
 
@@ -331,19 +277,15 @@ def unreached_weights(ys, xs):
 
 def warn_unconnected(ys, xs, unconnected_gradients, argument="xs",
                      outcome=None, reads=None, ys_argument="ys", remedy=None):
-    """Warns once (`UnconnectedWeightsWarning`, a UserWarning) when `ys` does not depend
-    on some entries of `xs` and `unconnected_gradients` is the default.
+    """Warns once (`UnconnectedWeightsWarning`) when `ys` does not depend on some
+    entries of `xs` and `unconnected_gradients` is `UNCONNECTED_DEFAULT`.
 
     Args:
-      ys, xs: as given to the public function.
-      unconnected_gradients: as given; only `UNCONNECTED_DEFAULT` warns.
-      argument, ys_argument: the names of the weights' argument (`xs`, `var_list`)
-        and of `ys` (`ys`, `loss`), for the message.
-      outcome: what the unreached weights get, when the function has no
-        `unconnected_gradients` to choose it (then the remedy is to leave them out).
+      argument, ys_argument: the public names of `xs` and `ys`, for the message.
+      outcome: what the unreached weights get, for a function without
+        `unconnected_gradients` (the remedy is then to leave them out).
       remedy: what to do instead, when the default advice does not fit.
-      reads: the `WeightReads` of `xs`, when the caller has them; else the graph is
-        walked here (the arguments are not checked: bad ones are left to the checks).
+      reads: the `WeightReads` of `xs`, else the graph is walked here.
     """
     if unconnected_gradients is not UNCONNECTED_DEFAULT:
         return

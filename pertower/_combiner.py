@@ -21,23 +21,16 @@ __all__ = ["Built"]
 
 
 class Built:
-    """The covered weights' gradients from the rules, the others' from one fallback
-    built for those weights only; and `ys` recomputed slice by slice for the run-time
-    check.
-
-    `gradients(grad_ys=None, unconnected_gradients="zero", name=None, sparse=False)`
-    gives one [G, *x.shape] entry per x (G = B or M; None for a weight `ys` does not
-    reach with unconnected_gradients="none").
+    """The covered weights' results from the rules, the others' from one fallback built
+    for those weights only.
 
     Attributes:
-      plan: the plan.
-      xs, ys, batch_size: the request's.
+      plan; xs, ys, batch_size: the request's.
       groups: G (a tensor when B is known only at run time).
-      covered: indices into xs of the weights the rules compute ([] when the towers
-        compute every weight: no rule is used, and the towers are exactly
-        `build_towers`).
-      fallback: the `Towers` or `RowPasses` of the other weights, or None.
-      fallback_indices: indices into xs of the fallback's weights, in its order.
+      covered: indices into xs of the weights the rules compute ([] when no rule is
+        used: the towers, exactly `build_towers`, compute every weight).
+      fallback: the `Towers` or `RowPasses` of the other weights, or None;
+        fallback_indices: their indices into xs, in its order.
     """
 
     def __init__(self, plan, devices=None):
@@ -88,6 +81,7 @@ class Built:
                 {at[i]: s for i, s in squares.items()})
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
+        """One [G, *x.shape] entry per x (None for an unreached x with "none")."""
         if self._alone:
             return [independence.gated(g) for g in self.fallback.gradients(
                 grad_ys=grad_ys, unconnected_gradients=unconnected_gradients,
@@ -121,34 +115,31 @@ class Built:
                 _, fallback_squares = self._fallback_formed(
                     "tower_gradients" if self._alone else self._fallback_scope)
             squares.update(fallback_squares)                                  # {k: [G]}
-            if per_weight:
-                return self._per_weight(squares, ys.dtype)                    # [G, K]
-            squares = list(squares.values())
-            if not squares:   # no weight is reached
-                squares = [tf.zeros(tf.reshape(self.groups, [1]), dtype=ys.dtype)]
-            return tf.add_n([tf.cast(s, ys.dtype) for s in squares])           # [G]
+            return self._total(squares, ys.dtype, per_weight)
 
-    def _per_weight(self, squares, dtype):
-        """{k: [G]} -> [G, K], zeros in the columns of the weights not in `squares`."""
-        zeros = tf.zeros(tf.reshape(self.groups, [1]), dtype=dtype)            # [G]
-        return tf.stack([tf.cast(squares[k], dtype) if k in squares else zeros
-                         for k in range(len(self.xs))], axis=1)                # [G, K]
+    def _total(self, squares, dtype, per_weight):
+        """{k: [G]} -> their sum, [G]; with per_weight [G, K], zeros in the columns of
+        the weights not in `squares`."""
+        if per_weight or not squares:
+            zeros = tf.zeros(tf.reshape(self.groups, [1]), dtype=dtype)        # [G]
+        if per_weight:
+            return tf.stack([tf.cast(squares[k], dtype) if k in squares else zeros
+                             for k in range(len(self.xs))], axis=1)            # [G, K]
+        return tf.add_n([tf.cast(s, dtype) for s in squares.values()] or [zeros])
 
     def clipped_sum(self, factors_of, name=None, per_weight=False):
         """DP-SGD's clipped sum from one forward pass and one backward pass.
 
         The rules' norms and their reweighted sum share the dZ of ONE tf.gradients of
         sum(ys) (`_engine.norm_parts`, `_engine.clipped_sums`), so a random op (dropout)
-        is differentiated with the draws of `ys` in the same run; the weights left to
-        the fallback (towers or row passes) are formed there, [G, *x.shape], and
-        contracted with the factors.
+        is differentiated with the draws of `ys` in the same run; the fallback's weights
+        are formed, [G, *x.shape], and contracted with the factors.
 
         Args:
           factors_of: maps the [G] per-group gradient norms to the [G] factors f; with
-            per_weight, the [G, K] per-weight norms (column k over xs[k]) to [G, K]
-            factors (column k scales the gradients of xs[k]).
+            per_weight (per-layer clipping), the [G, K] norms (column k over xs[k]) to
+            [G, K] factors (column k scales the gradients of xs[k]).
           name: name scope.
-          per_weight: whether the norms and factors are per weight (per-layer clipping).
 
         Returns:
           (norms [G], factors [G], sums) ([G, K] each with per_weight): sums[k] =
@@ -161,14 +152,8 @@ class Built:
                 d_outputs, squares, formed = _engine.norm_parts(plan, self.covered, G)
                 fallback_formed, fallback_squares = self._fallback_formed(
                     self._fallback_scope)
-            if per_weight:
-                norms = tf.sqrt(self._per_weight({**squares, **fallback_squares},
-                                                 ys.dtype))                    # [G, K]
-            else:
-                squares = list(squares.values()) + list(fallback_squares.values())
-                if not squares:   # no weight is reached
-                    squares = [tf.zeros(tf.reshape(G, [1]), dtype=ys.dtype)]
-                norms = tf.sqrt(tf.add_n([tf.cast(s, ys.dtype) for s in squares]))  # [G]
+            norms = tf.sqrt(self._total({**squares, **fallback_squares}, ys.dtype,
+                                        per_weight))                    # [G] or [G, K]
             norms = self.validated([norms])[0]
             factors = tf.stop_gradient(factors_of(norms))             # [G] or [G, K]
             if per_weight:   # each weight's sum with its own column of factors

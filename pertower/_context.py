@@ -1,11 +1,8 @@
 """The public function a call came through, for error messages.
 
-Every public function runs inside `public(name)`; the layers below it name that
-function in their errors and warnings through one helper, `error(kind, text)` (or
-`prefixed(text)` for a warning's text), which puts "pertower.NAME: " in front, instead
-of taking the name as a parameter. The innermost public call wins: an error raised
-while `DPOptimizer.compute_gradients` runs `per_example_norms` names
-`per_example_norms`, whose argument it is about.
+Every public function runs inside `public(name)`; the layers below it put
+"pertower.NAME: " in front of their errors (`error(kind, text)`) and warnings
+(`prefixed(text)`). The innermost public call wins.
 """
 
 import contextlib
@@ -29,11 +26,9 @@ def public_call(function_name):
 
 
 def public(function_name, inner=True):
-    """Decorator: the function runs as the public function `function_name`.
-
-    With inner=False (a public method that pertower's own functions also call, such as
-    `Towers.gradients` inside `per_example_gradients`) it names itself only when no
-    other public call is running, so errors name the function the user called."""
+    """Decorator: the function runs as the public function `function_name`; with
+    inner=False (a public method pertower also calls, `Towers.gradients`) only when no
+    other public call is running."""
 
     def decorate(function):
         @functools.wraps(function)
@@ -60,11 +55,9 @@ def prefix():
 
 
 def prefixed(text):
-    """`text` with the caller's prefix: "pertower.NAME: text" (for warnings)."""
     return f"{prefix()}: {text}"
 
 
 def error(kind, text):
-    """The exception `kind` (ValueError, TypeError, ...) with the caller's prefix in
-    front of `text`; `raise _context.error(ValueError, "...")`."""
+    """The exception `kind` with the caller's prefix in front of `text`."""
     return kind(prefixed(text))

@@ -4,31 +4,23 @@ Notation:
     B   examples in the batch          G   groups: B (per example) or M (microbatches)
     K   output entries per example     x   one weight (entry of `xs`)
 
-    request  `pertower._request.make_request`, called by the public function with
-             its `Examples` and its `Options` (`options` here: the method, the
-             rules' registry, what to build): the arguments checked once into a
-             `Request` record (the batch tensors with their axes and static sizes,
-             the batch-axis analysis, the towers' replay region, the first TF1 while
-             loop, the options).
-    plan     `make_plan(request)`: per weight, the rule that computes it or the reason it falls
-             back to the towers; the analysis' verdict (proven independent, coupled,
-             or not proven and where the proof was lost); the memory estimate of
-             exactly what will be built (`pertower._plan.Plan`). `pertower.explain`
-             returns it.
-    guards   the memory limit, on the plan; couplings refused; where the proof was
-             lost, the run-time check of `_guards.independence` (validate)
-             (`pertower._refusals`).
-    build    `build`: the rules' batched backward pass for the covered weights, and
-             for the weights that fall back (only those) one fallback builder: towers,
-             or, when a TF1 (v1) while loop lies between the batch and `ys` (towers
-             cannot build gradients through a replayed v1 loop), row passes: one
-             backward pass of the original graph per group, grad_ys masked to the
-             group's rows (`pertower._towers.fallback`); `pertower._combiner.Built`
-             puts them together.
+    request  `pertower._request.make_request`: the arguments checked once into a
+             `Request` (with the `Examples` and `Options` records, `options` here).
+    plan     `make_plan(request)`: per weight, the rule that computes it or the reason
+             it falls back; the analysis' verdict; the memory estimate
+             (`pertower._plan.Plan`, what `pertower.explain` returns).
+    guards   what cannot be built is refused: a strict method with weights no rule
+             covers, towers (or row passes, or the run-time check) without a known B,
+             a run-time check that cannot pass, the memory limit
+             (`pertower._guards.memory`); couplings are refused by the request.
+    build    `build`: the rules' batched backward pass for the covered weights and one
+             fallback for the others: towers, or past a TF1 (v1) while loop (which
+             towers cannot differentiate through) row passes, one backward pass of the
+             original graph per group (`pertower._combiner.Built`).
 
 Methods: "auto" (default: rules where proven, towers elsewhere), "rules" (strict: every
 weight must have a proven rule, else the call is refused listing each weight and why),
-"towers" (the literal design: replay the model once per group on weight copies).
+"towers" (replay the model once per group on weight copies).
 """
 
 import dataclasses
@@ -39,7 +31,7 @@ from pertower import _combiner
 from pertower import _context
 from pertower import _engine
 from pertower import _plan
-from pertower import _refusals
+from pertower import _graph_walk as graph_walk
 from pertower import _request
 from pertower import rules as rules_lib
 from pertower._guards import memory
@@ -51,8 +43,7 @@ METHODS = _request.METHODS
 
 def options(method="auto", rules=None, **others):
     """The `pertower._request.Options` of a public call: `method`, the registry of
-    `rules` (checked; None: `pertower.rules.default_registry()`), and the `Options`
-    fields `others` (sparse, validate, memory_limit, ...) as given."""
+    `rules` (checked; None: the default registry), and the fields `others`."""
     _request.check_method(method)
     if rules is not None and method == "towers":
         raise _context.error(
@@ -67,9 +58,8 @@ def options(method="auto", rules=None, **others):
 
 
 def plan_call(ys, xs, devices, examples, given, **keywords):
-    """(devices checked, the `_checks.Partitions` of xs, the plan of its parts) of a
-    public call with its `_request.Examples` and `Options` (`given`); `keywords` are
-    those of `_request.make_request`."""
+    """(devices checked, the `_checks.Partitions` of xs, the plan of its parts);
+    `keywords` are those of `_request.make_request`."""
     devices = _checks.device_list(devices)
     partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
     return devices, partitions, make_plan(_request.make_request(
@@ -77,18 +67,9 @@ def plan_call(ys, xs, devices, examples, given, **keywords):
 
 
 def make_plan(request, *arguments, **keywords):
-    """Decides how every weight of `request` will be computed. Adds no op.
-
-    Args:
-      request: a `pertower._request.Request` (made by the public function). Or, as a
-        shorthand that makes the request first: `ys`, then `xs`, the fields of
-        `pertower._request.Examples` (batch, batch_size, num_groups, batch_axis, ...)
-        and the keywords of `options`.
-
-    Returns:
-      A `Plan`; unless the request's options say refuse=False (`pertower.explain`),
-      what cannot be built is refused here (`pertower._refusals`).
-    """
+    """The `Plan` of `request` (a `Request`, or as a shorthand `ys`, `xs`, the fields of
+    `Examples` and the keywords of `options`). Adds no op; unless refuse=False, what
+    cannot be built is refused here."""
     if not isinstance(request, _request.Request):
         xs, *positional = arguments
         fields = {f: keywords.pop(f) for f in ("batch", "batch_size", "num_groups",
@@ -97,18 +78,17 @@ def make_plan(request, *arguments, **keywords):
                                         options(**keywords))
     given = request.options
     with request.graph.as_default():
-        uses, reasons = _engine.build_plan(request, request.registry)
+        uses, reasons = _engine.build_plan(request, given.registry)
     analysis = request.analysis
     couplings, verdict, lost_at = tuple(analysis.couplings), analysis.verdict, analysis.lost_at
     uses, reasons = list(uses), list(reasons)
-    if request.method == "towers":   # (with a TF1 loop: row passes, see Plan.passes_reason)
+    if given.method == "towers":   # (with a TF1 loop: row passes, see Plan.weights)
         for k, reads in enumerate(request.reads):
             if reads.reached:
                 uses[k], reasons[k] = None, "method='towers' was asked for"
     loop_op = request.loop_op
     if loop_op is not None:
-        _refusals.refuse_python_gradients_in_row_passes(request, uses, reasons,
-                                                        given.refuse)
+        _refuse_python_gradients_in_row_passes(request, uses, reasons, given.refuse)
     if given.sparse:
         gathered = [k for k, reads in enumerate(request.reads)
                     if uses[k] and reads.gather_ops and not reads.read_tensors
@@ -127,24 +107,21 @@ def make_plan(request, *arguments, **keywords):
         for k in gathered:
             uses[k] = None
             reasons[k] = "sparse=True: the towers keep its per-example rows sparse"
-    validate = given.validate
-    checked_by_default = validate is None and verdict == "unproven"
-    if validate is None:
-        validate = checked_by_default
+    checked_by_default = given.validate is None and verdict == "unproven"
+    validate = checked_by_default if given.validate is None else given.validate
     plan = _plan.Plan(
-        function_name=_context.name(), method=request.method, request=request,
+        function_name=_context.name(), method=given.method, request=request,
         uses=tuple(uses), reasons=tuple(reasons), couplings=couplings, verdict=verdict,
         lost_at=lost_at, outputs_per_example=given.outputs_per_example,
         forms_gradients=given.forms_gradients, estimate=None, validate=bool(validate),
         memory_limit=given.memory_limit, checked_by_default=checked_by_default)
     plan = dataclasses.replace(plan, estimate=memory.estimate_plan(plan))
     if given.refuse:
-        _refusals.refuse_what_cannot_be_built(plan)
+        _refuse_what_cannot_be_built(plan)
     return plan
 
 
 def warn_if_unproven(plan):
-    """Warns once per call when the default run-time check was switched on."""
     if plan.checked_by_default:
         op, why = plan.lost_at
         warnings.warn(_context.prefixed(
@@ -160,3 +137,88 @@ def build(plan, devices=None):
     warn_if_unproven(plan)
     with plan.request.graph.as_default():
         return _combiner.Built(plan, devices)
+
+
+def _listing(plan, indices):
+    return "; ".join(f"{_plan.weight_name(plan.request.xs[k])}: {plan.reasons[k]}"
+                     for k in indices)
+
+
+def _refuse_what_cannot_be_built(plan):
+    """Raises for what cannot be built (see the module docstring, guards)."""
+    request = plan.request
+    if plan.method == "rules" and plan.fallback:
+        raise _context.error(
+            ValueError, f"method='rules' is strict, and no rule covers "
+            f"{len(plan.fallback)} of the weights ({_listing(plan, plan.fallback)}). Use "
+            "method='auto' (rules where they apply, towers for these), register a rule "
+            "for the op (pertower.rules.default_registry().register), or leave these "
+            "weights out of `xs`. pertower.explain(ys, xs) shows the plan.")
+    needs_towers = bool(plan.fallback) or plan.validate
+    padded = request.options.batch_capacity is not None and plan.fallback_method == "towers"
+    if request.batch_size is None and needs_towers and not padded:
+        names = ", ".join(f"{b.name} {b.shape}" for b in request.batch)
+        what = []
+        if plan.fallback:
+            by = "row passes" if plan.fallback_method == "passes" else "towers"
+            what.append(f"these weights fall back to {by}, which are "
+                        "built for a fixed number of examples "
+                        f"({_listing(plan, plan.fallback)})")
+        if plan.validate:
+            if plan.verdict == "unproven":
+                op, why = plan.lost_at
+                what.append("the independence of the examples could not be proven (the "
+                            f"proof was lost at {op.name!r} ({op.type}): {why}), so it is "
+                            "checked at run time by recomputing `ys` slice by slice, for "
+                            "a fixed number of examples")
+            else:
+                what.append("validate=True recomputes `ys` slice by slice, for a fixed "
+                            "number of examples")
+        raise _context.error(
+            ValueError, f"the batch axis is not static ({names}) and no "
+            f"`batch_size` was given, but {'; and '.join(what)}. Pass batch_size=B, the "
+            "number of examples you will feed.")
+    # a random op shaped by the batch (dropout in training mode) draws other numbers in
+    # every slice, so the run-time check would fail on every run
+    noisy = graph_walk.random_ops(request.batch_downstream) if plan.validate else []
+    if noisy:
+        if plan.checked_by_default:
+            op, why = plan.lost_at
+            reason = (f"could not prove that row i of `ys` depends on example i alone (the "
+                      f"proof was lost at {op.name!r} ({op.type}): {why}), and")
+        else:
+            reason = "validate=True asks for the run-time check, but"
+        raise _context.error(
+            ValueError, f"{reason} the check that would decide it at run "
+            f"time cannot pass: `ys` depends on the random op {noisy[0].name!r} "
+            f"({noisy[0].type}), e.g. dropout in training mode, which draws other numbers "
+            "when `ys` is recomputed slice by slice. Build `ys` without it "
+            "(training=False), or pass validate=False if you know that each example's "
+            "value depends on its own example alone.")
+    memory.check_plan(plan, plan.memory_limit)
+
+
+def _refuse_python_gradients_in_row_passes(request, uses, reasons, refuse):
+    """Row passes mask grad_ys to one example's rows in a backward pass of the batched
+    graph: a weight whose gradient flows through an overridden or Python gradient not
+    proven row-wise (`_engine.UnassumedGradients`) is refused (with `refuse`; else the
+    reason goes to the plan)."""
+    loop_op = request.loop_op
+    unassumed = _engine.UnassumedGradients(request)   # each override read once
+    for k, reads in enumerate(request.reads):
+        if uses[k] is not None or not reads.reached:
+            continue
+        why = unassumed.reason(reads, request.ys_upstream)
+        if why is None:
+            continue
+        text = (f"the weight {reads.name!r} is computed by one backward pass of the "
+                f"original graph per example, as a TF1 (v1) while loop ({loop_op.name!r}, "
+                f"{loop_op.type}) lies between the batch and `ys`; each pass keeps only "
+                f"one example's rows of grad_ys, but {why}. Such a backward pass may "
+                "spread one example's rows over the others, so the pass would not give "
+                "that example's gradient. Write the op's gradient row by row (no reduction "
+                "or mixing over the batch axis), remove the override, or leave this weight "
+                "out of `xs`.")
+        if refuse:
+            raise _context.error(ValueError, text)
+        reasons[k] = f"refused: {text}"

@@ -6,11 +6,9 @@ Notation (used in every core module):
     P   weights (scalar parameters)    ys  per-example values, [B, ...]
     x   one entry of `xs` (a weight)   S   the ops replayed in every tower
 
-The replayed part of the graph, S, is every op that `ys` depends on (through data
-edges) *and* that depends on a batch tensor or on a read of one of the weights
-(including ops that get a weight's resource handle: gathers, and while loops, conds
-and function calls that read it in their bodies). Ops that depend on neither
-(initializers, constants, other placeholders) are shared by all towers as they are.
+S is every op that `ys` depends on (through data edges) and that depends on a batch
+tensor or on a read of a weight (gathers and function calls of its handle included);
+the other ops are shared by all towers as they are.
 """
 
 import tensorflow as tf
@@ -19,16 +17,13 @@ from pertower import _context
 from pertower import _op_types as op_types
 from pertower import _tf
 
-__all__ = ["OpRegion", "static_batch_size", "upstream_ops", "upstream_region",
-           "downstream_ops", "find_batch_tensors", "v1_loop_frames",
-           "check_replayable", "draws_random_numbers", "random_ops"]
+__all__ = ["OpRegion", "static_batch_size", "upstream_ops", "upstream_region", "downstream_ops",
+           "find_batch_tensors", "v1_loop_frames", "check_replayable",
+           "draws_random_numbers", "random_ops"]
 
 
 def static_batch_size(tensor, axis=0):
-    """The static size of the batch axis `axis` (default 0) as an int, or None (rank
-    unknown, axis out of range or not static).
-
-    Works for the Dimension objects of TF1 behaviour too."""
+    """The static size of axis `axis` as an int, or None (also for TF1 Dimensions)."""
     if tensor.shape.rank is None or tensor.shape.rank <= axis:
         return None
     return tf.compat.dimension_value(tensor.shape[axis])
@@ -48,11 +43,9 @@ def upstream_ops(tensors):
 
 
 class OpRegion(frozenset):
-    """A frozen set of ops (the ops `ys` depends on) that indexes, the first time a walk
-    asks, each member's consumers among its members: the walks downstream of every
-    weight's reads (`downstream_ops`, once per weight) then read that index instead of
-    asking TensorFlow for each op's consumers again per weight. Ops added to the graph
-    later are never members, so the index stays right."""
+    """A frozen set of ops (those `ys` depends on) that indexes, the first time a walk
+    asks, each member's consumers among its members, so that the walks downstream of
+    every weight's reads do not ask TensorFlow again per weight."""
 
     def consumers_within(self):
         """{op: (its consumers that are members, ...)} for every member."""
@@ -86,15 +79,9 @@ def downstream_ops(tensors, within):
 
 
 def find_batch_tensors(ys, ys_upstream):
-    """The placeholders and iterator outputs of rank >= 1 that `ys` depends on.
-
-    A placeholder of unknown rank is taken when it is the only candidate, and refused
-    (named) when there are others. The parts of a `sparse_placeholder` (its indices,
-    values and shape) are refused, naming it: their axis 0 is not the batch.
-
-    Raises ValueError when there are none, or when their static batch sizes
-    disagree (then the caller must say which ones carry the batch).
-    """
+    """The placeholders and iterator outputs of rank >= 1 that `ys` depends on (one of
+    unknown rank only when it is the only candidate). Raises ValueError when there are
+    none, when their static batch sizes disagree, or for a `sparse_placeholder`."""
     candidates, shapeless, sparse_parts = [], [], {}
     names = {op.name for op in ys_upstream if op.type in op_types.BATCH_SOURCE_OP_TYPES}
     for op in ys_upstream:
@@ -116,8 +103,7 @@ def find_batch_tensors(ys, ys_upstream):
     if sparse_parts:
         head = sorted(sparse_parts)[0]
         raise _context.error(
-            ValueError,
-            f"`ys` ({ys.name}) depends on the sparse placeholder {head!r} (its "
+            ValueError, f"`ys` ({ys.name}) depends on the sparse placeholder {head!r} (its "
             f"{head}/indices and {head}/values), whose axis 0 counts the non-zero entries, "
             "not the examples, so the batch cannot be split by example. Feed its ids as a "
             "dense [B, n] placeholder (padded, e.g. with -1) and build the SparseTensor in "
@@ -131,8 +117,7 @@ def find_batch_tensors(ys, ys_upstream):
     if shapeless and candidates:
         listing = ", ".join(t.name for t in shapeless)
         raise _context.error(
-            ValueError,
-            f"`ys` ({ys.name}) depends on the placeholder(s) {listing} of unknown "
+            ValueError, f"`ys` ({ys.name}) depends on the placeholder(s) {listing} of unknown "
             "shape, besides the batch tensors "
             f"({', '.join(t.name for t in candidates)}); whether they carry the batch "
             "cannot be told. Pass `batch=` the tensor(s) that carry the batch on axis 0, "
@@ -141,23 +126,17 @@ def find_batch_tensors(ys, ys_upstream):
         candidates = shapeless
     if not candidates:
         raise _context.error(
-            ValueError,
-            f"`ys` ({ys.name}) depends on no placeholder or tf.data iterator "
+            ValueError, f"`ys` ({ys.name}) depends on no placeholder or tf.data iterator "
             "output with a batch axis, so the batch could not be found. Pass "
-            "`batch=` the tensor(s) that carry the batch on axis 0."
-        )
+            "`batch=` the tensor(s) that carry the batch on axis 0.")
     sizes = {static_batch_size(t) for t in candidates} - {None}
     if len(sizes) > 1:
         listing = ", ".join(f"{t.name} {t.shape}" for t in candidates)
         raise _context.error(
-            ValueError,
-            f"the batch is ambiguous: `ys` depends on inputs whose first axes "
+            ValueError, f"the batch is ambiguous: `ys` depends on inputs whose first axes "
             f"differ ({listing}). Pass `batch=` the tensor(s) that carry the batch on "
-            "axis 0 (and `batch_axis=` for one whose batch is on another axis)."
-        )
+            "axis 0 (and `batch_axis=` for one whose batch is on another axis).")
     return candidates
-
-
 
 
 def _outermost_loop(op):
@@ -171,23 +150,16 @@ def _outermost_loop(op):
     return found
 
 
-def _frame_names(ops):
-    """The frame names of the Enter ops among `ops`."""
-    return {op.get_attr("frame_name") for op in ops if op.type in op_types.V1_ENTER_OP_TYPES}
-
-
 def v1_loop_frames(replayed_ops, ys_upstream):
     """The ops of `ys_upstream` in the TF1 (v1) while loops that `replayed_ops` touch,
-    whole frames (loop counters, bounds and constants in the body, which do not depend
-    on the batch, included): a replay must copy a loop's frame entire, since a frame
-    cannot read another frame's tensors. A loop is known by the Python context
-    tf.while_loop (or import_meta_graph) attached to its ops, and, for ops without one
-    (a graph imported from a GraphDef), by the frame names of its Enter ops. Also the
-    ops these read as control inputs in the loop, and the TensorArrays they write."""
+    whole frames (a frame cannot read another frame's tensors), known by their Python
+    while context or, without one (an imported GraphDef), by their Enter ops' frame
+    names; with the ops these read as control inputs, and the TensorArrays they write."""
     if not any(op.type in op_types.V1_LOOP_OP_TYPES for op in replayed_ops):
         return set()
     contexts = {_outermost_loop(op) for op in replayed_ops} - {None}
-    names = _frame_names(replayed_ops)
+    names = {op.get_attr("frame_name") for op in replayed_ops
+             if op.type in op_types.V1_ENTER_OP_TYPES}
     frames = set()
     for op in ys_upstream:
         if _outermost_loop(op) in contexts:
@@ -214,33 +186,26 @@ def v1_loop_frames(replayed_ops, ys_upstream):
 
 
 def check_replayable(replayed_ops, forward_only=False):
-    """Raises for ops that a tower replay cannot reproduce faithfully: TF1 (v1) while
-    loops, unless the replay is `forward_only` (no gradient is built through it)."""
+    """Raises for TF1 (v1) while loops among the replayed ops, unless the replay is
+    `forward_only` (no gradient is built through it)."""
     if forward_only:
         return
     for op in sorted(replayed_ops, key=_tf.op_order_key()):
         if op.type in op_types.V1_LOOP_OP_TYPES:
-            raise _v1_loop_error(op)
-
-
-def _v1_loop_error(op):
-    """The refusal of towers with weight copies through a TF1 (v1) while loop."""
-    return _context.error(
-        NotImplementedError,
-        f"`ys` depends on the TF1 (v1) while loop around op "
-        f"{op.name!r} ({op.type}), between the batch and `ys`. Towers with weight copies "
-        "cannot replay v1 while loops: their gradients need the Python-side loop context "
-        "that tf.while_loop attached to the original ops, which a replayed copy does not "
-        "have. pertower.per_example_gradients (and the other gradient functions) compute "
-        "such weights with one backward pass of the original graph per example instead; "
-        "or build the model with control flow v2 (tf.compat.v1.enable_control_flow_v2() "
-        "before building it) to use towers."
-    )
+            raise _context.error(
+                NotImplementedError, f"`ys` depends on the TF1 (v1) while loop around op "
+                f"{op.name!r} ({op.type}), between the batch and `ys`. Towers with weight "
+                "copies cannot replay v1 while loops: their gradients need the Python-side "
+                "loop context that tf.while_loop attached to the original ops, which a "
+                "replayed copy does not have. pertower.per_example_gradients (and the "
+                "other gradient functions) compute such weights with one backward pass of "
+                "the original graph per example instead; or build the model with control "
+                "flow v2 (tf.compat.v1.enable_control_flow_v2() before building it) to "
+                "use towers.")
 
 
 def draws_random_numbers(op_type):
-    """Whether ops of type `op_type` draw new random numbers on every run (a stateful
-    random op, e.g. the RandomUniform of dropout in training)."""
+    """Whether ops of type `op_type` draw new random numbers on every run."""
     op_def = _tf.op_def(op_type)
     return op_def is not None and op_def.is_stateful and "Random" in op_type
 

@@ -7,16 +7,14 @@ Notation:
         TensorFlow's gradient registry (the user's override)
     dy  the gradients arriving at op's outputs, [B, ...] each
 
-`override_backward` builds op's backward once, as `tf.gradients` would (the registered
-function called with op and dy), on fresh dy placeholders of op's output shapes, in a
-scratch `FuncGraph` whose outer graph is op's: the user's graph is never changed. The
-user's tensors the function reads (op's inputs and outputs, a closure's forward tensors)
-are captured as placeholders of the scratch graph (`OverrideBackward.captured` maps
-them back). The towers copy it per tower (`pertower._towers.python_gradients`); the
-rules (`not_row_wise`) read it with the batch-axis analysis, the batch and dy as the
-examples' rows: when row i of each input's gradient depends on example i and row i of
-dy alone ("independent", e.g. swish's elementwise backward), the batched backward pass
-keeps the examples apart through op, and the weights behind op may be served by rules.
+`override_backward` builds op's backward once (the registered function called with op
+and dy placeholders) in a scratch `FuncGraph` whose outer graph is op's, so the user's
+graph is never changed; the user's tensors it reads are captured as placeholders
+(`OverrideBackward.captured`). The towers copy it per tower
+(`pertower._towers.python_gradients`); `not_row_wise` runs the batch-axis analysis on
+it with the batch and dy as the examples' rows: when row i of each input's gradient
+depends on example i alone (e.g. swish's elementwise backward), rules may serve the
+weights behind op.
 """
 
 import dataclasses
@@ -40,19 +38,16 @@ OVERRIDE_ATTR = op_types.GRADIENT_OVERRIDE_ATTR
 
 @dataclasses.dataclass(frozen=True)
 class OverrideBackward:
-    """The backward pass of an overridden op, built once on dy placeholders in a
-    scratch graph (never run, never part of the user's graph).
+    """The backward pass of an overridden op, built on dy placeholders in a scratch
+    graph (never run).
 
     Attributes:
-      op: the op of the user's graph.
-      graph: the scratch `FuncGraph` holding dys, grads and ops.
+      op, graph: the op of the user's graph; the scratch `FuncGraph`.
       dys: one placeholder per output of op, of the output's dtype and shape.
       grads: the registered function's result, one entry per input of op (a tensor,
         an IndexedSlices or None).
-      ops: the ops the function added (between dys, the captured tensors and grads;
-        not the placeholders of the captures).
-      captured: (scratch placeholder, the user's tensor it stands for) pairs, one per
-        tensor of the user's graph the function read.
+      ops: the ops the function added (not the placeholders of the captures).
+      captured: (scratch placeholder, the user's tensor it stands for) pairs.
     """
 
     op: tf.Operation
@@ -61,10 +56,6 @@ class OverrideBackward:
     grads: tuple
     ops: tuple
     captured: tuple
-
-    def outer(self, tensor):
-        """The user's tensor a captured placeholder stands for, else None."""
-        return next((o for i, o in self.captured if i is tensor), None)
 
 
 def kind(op):
@@ -79,17 +70,9 @@ def _said(op):
 
 
 def override_backward(op, scope="pertower_python_gradient", templates=None):
-    """Builds the overridden gradient of `op` once, on dy placeholders, in a scratch
-    graph (`scope` names it); op's graph is left as it was. With `templates` (a
-    `Templates`), an op whose backward is provably the same computation as one built
-    before reuses that one's scratch graph.
-
-    Returns:
-      An `OverrideBackward`.
-
-    Raises:
-      ValueError: the function is not registered, or building it raised (named op).
-    """
+    """The `OverrideBackward` of `op`, built in a scratch graph named `scope` (or
+    reused from `templates`). Raises ValueError when the function is not registered or
+    building it raised."""
     try:
         return (templates or Templates()).backward(op, scope)
     except _Unbuilt as error:
@@ -135,18 +118,12 @@ class Templates:
     """The backward passes of overridden ops, each computation built once.
 
     `tf.custom_gradient` registers a gradient function per call (tf_keras' swish: one
-    per activation, 49 in EfficientNet-B0), but they are closures over the same code.
-    Two ops get the same scratch graph when their registered functions never read their
-    `op` argument and are, recursively through their closures and defaults, the same
-    code over the same values, where a tensor stands for its position among the op's
-    inputs and outputs (`_template_key`), and the ops have the same type, input and
-    output dtypes and static shapes: the function then adds the same ops with the
-    positions' tensors captured, so the second op's backward is the first's with its
-    own tensors in `captured`. Anything else (a closure over an object other than
-    code, tensors, numbers, strings and sequences of them) is built on its own.
-
-    Attributes:
-      built: how many backward passes were built (the others reused one).
+    per activation), closures over the same code. Two ops share a scratch graph when
+    their functions never read `op` and are, recursively through closures and defaults,
+    the same code over the same values (a tensor stands for its position among op's
+    inputs and outputs, `_template_key`), and the ops have the same type, dtypes and
+    static shapes; the second op's backward is the first's with its own tensors in
+    `captured`. Anything else is built on its own. `built` counts the builds.
     """
 
     def __init__(self):
@@ -255,18 +232,10 @@ def _value_key(value, where, depth, seen):
 
 def not_row_wise(op, on_path, request, templates=None):
     """None when the overridden gradient of `op` is proven row-wise for each of its
-    inputs `on_path` (indices); else a clause saying why not.
-
-    The dy of each output `ys` depends on is one of the examples' rows (it must be a
-    float tensor with a batch axis); an output `ys` does not read gets dy = 0 in the
-    batched backward pass and is no example's.
-
-    Args:
-      op: the overridden op.
-      on_path: the indices of op's inputs through which a weight's gradient flows.
-      request: the checked `pertower._request.Request` (its batch, batch axes, B and
-        the ops `ys` depends on).
-      templates: a `Templates` shared by the overrides of one plan, or None.
+    inputs `on_path` (indices, where a weight's gradient flows); else a clause saying
+    why not. The dy of each output `ys` reads is the examples' rows (a float tensor
+    with a batch axis); an output `ys` does not read gets dy = 0. `request`: the
+    checked `Request`; `templates`: shared by the overrides of one plan, or None.
     """
     read = [any(c in request.ys_upstream for c in t.consumers()) for t in op.outputs]
     if any(r and (t.shape.rank in (None, 0) or not t.dtype.is_floating)
@@ -317,15 +286,10 @@ def _why_not(analysis, what):
 
 
 def _captured_rows(backward, request):
-    """(scratch placeholder, batch axis) for each tensor of the user's graph that the
-    backward reads and that holds the examples' rows (the batch's own tensors and those
-    computed from them, analysed in the user's graph); a clause saying why not when one
-    is computed from the batch without one row per example.
-
-    A tensor `ys` depends on is read from the request's own analysis (when it proved
-    the rows apart: it covers every op between the batch and `ys`), so an override
-    costs no walk of the network; only a tensor off the way to `ys` (a closure's
-    forward tensor) gets an analysis of the forward up to it."""
+    """(scratch placeholder, batch axis) for each user tensor the backward reads that
+    holds the examples' rows (batch tensors and those computed from them); a clause
+    saying why not when one lacks one row per example. Tensors on the way to `ys` are
+    read from the request's analysis; others get an analysis of the forward up to them."""
     batch_ops = {b.op for b in request.batch}
     outers = [o for _, o in backward.captured]
     main = request.analysis

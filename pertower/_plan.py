@@ -4,8 +4,7 @@ Notation:
     B   examples in the batch          G   groups: B (per example) or M (microbatches)
     K   output entries per example     x   one weight (entry of `xs`)
 
-A `Plan` is made by `pertower._dispatch.make_plan` before any op is added; `str(plan)`
-is the table `pertower.explain` shows.
+A `Plan` is made by `pertower._dispatch.make_plan` before any op is added.
 """
 
 import dataclasses
@@ -23,18 +22,9 @@ def weight_name(x):
 
 @dataclasses.dataclass(frozen=True)
 class WeightPlan:
-    """How one weight is computed.
-
-    Attributes:
-      name: the weight's name.
-      shape: its shape.
-      method: "rules", "towers", "passes" (one backward pass of the original graph
-        per example, for graphs with TF1 while loops), or "unreached" (`ys` does not
-        depend on it).
-      ops: for "rules", the ops whose rules compute it, as "name (Type)" strings.
-      reason: for "towers" and "passes", why no rule covers it (or that towers were
-        asked for), and for "passes" why towers cannot be used.
-    """
+    """How one weight is computed: `method` "rules" (by the rules of `ops`, "name
+    (Type)" strings), "towers", "passes" (one backward pass of the original graph per
+    example, past TF1 while loops) or "unreached"; `reason`: why no rule covers it."""
 
     name: str
     shape: tf.TensorShape
@@ -45,34 +35,23 @@ class WeightPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a call will build, decided before any op is added. Immutable.
-
-    `str(plan)` is a readable table (see `pertower.explain`).
+    """What a call will build, decided before any op is added; `str(plan)` is the
+    table `pertower.explain` shows.
 
     Attributes:
-      function_name: the public function the plan is for.
-      method: "auto", "rules" or "towers", as asked.
-      request: the checked request (`pertower._request.Request`).
+      function_name, method: the public function and the method asked for.
+      request: the checked `pertower._request.Request`.
       uses: per entry of xs, a tuple of `rules.Use` (empty when `ys` does not reach
-        x), or None when x falls back to the towers.
+        x), or None when x falls back (towers, or row passes past a TF1 loop).
       reasons: per entry of xs, why it falls back (str), or None.
-      couplings: the ops found to couple examples (each with `.op`, `.reason`,
-        `.advice`); a plan with couplings is refused by every builder.
+      couplings: the ops found to couple examples (`.op`, `.reason`, `.advice`).
       verdict: "independent" (proven: row i of `ys` depends on example i alone),
-        "coupled", or "unproven" (the analysis lost the batch axis on the way to `ys`).
-      lost_at: for "unproven", (op, why) where the proof was lost; else None.
-      outputs_per_example: K (Jacobians), else 1.
-      forms_gradients: False for `per_example_norms`, whose rules form no
-        per-example gradient.
-      estimate: the `MemoryEstimate` of what will be built (None while B is unknown).
-      validate: whether the run-time independence check will be added.
-      memory_limit: as given (bytes, None for the default, inf for no limit).
-      checked_by_default: whether `validate` was left to its default and the run-time
-        check was added because the proof was lost (the call then warns).
-
-    The first TF1 (v1) while loop op between the batch and `ys` is `request.loop_op`
-    (`plan.loop_op`); when set, the weights no rule covers are computed by row passes
-    instead of towers.
+        "coupled", or "unproven"; lost_at: then (op, why) where the proof was lost.
+      outputs_per_example, forms_gradients: as in `pertower._request.Options`.
+      estimate: the `MemoryEstimate` (None while B is unknown).
+      validate: whether the run-time independence check will be added;
+        checked_by_default: added because the proof was lost (the call then warns).
+      memory_limit: as given.
     """
 
     function_name: str
@@ -92,7 +71,6 @@ class Plan:
 
     @property
     def loop_op(self):
-        """The first TF1 (v1) while loop op between the batch and `ys`, or None."""
         return self.request.loop_op
 
     @property
@@ -106,20 +84,8 @@ class Plan:
         return "passes" if self.loop_op is not None else "towers"
 
     @property
-    def passes_reason(self):
-        """Why row passes replace the towers (None without a TF1 loop)."""
-        if self.loop_op is None:
-            return None
-        op = self.loop_op
-        return (f"a TF1 (v1) while loop ({op.name!r}, {op.type}) lies between the batch "
-                "and `ys`, which towers cannot build gradients through: one backward pass "
-                "of the original graph per "
-                + ("example" if self.request.num_groups is None else "microbatch"))
-
-    @property
     def covered(self):
-        """Indices into xs of the weights the rules side computes (those `ys` does not
-        reach included: they get zeros)."""
+        """Indices into xs of the weights the rules side computes (unreached ones too)."""
         return [k for k, u in enumerate(self.uses) if u is not None]
 
     @property
@@ -130,12 +96,15 @@ class Plan:
     @property
     def weights(self):
         """One `WeightPlan` per entry of xs."""
-        rows = []
+        rows, op = [], self.loop_op
         for x, uses, reason in zip(self.request.xs, self.uses, self.reasons):
             name, shape = weight_name(x), x.shape
-            if uses is None and self.loop_op is not None:
-                rows.append(WeightPlan(name, shape, "passes",
-                                       reason=f"{reason}; {self.passes_reason}"))
+            if uses is None and op is not None:   # why row passes replace the towers
+                group = "example" if self.request.num_groups is None else "microbatch"
+                rows.append(WeightPlan(name, shape, "passes", reason=(
+                    f"{reason}; a TF1 (v1) while loop ({op.name!r}, {op.type}) lies between "
+                    "the batch and `ys`, which towers cannot build gradients through: one "
+                    f"backward pass of the original graph per {group}")))
             elif uses is None:
                 rows.append(WeightPlan(name, shape, "towers", reason=reason))
             elif not uses:
@@ -182,8 +151,8 @@ class Plan:
 
 
 def _batch_listing(request):
-    """The batch tensors, each with its batch axis when that is not 0 (and, when `ys`
-    joins several batches along axis 0, each batch with its size, in row order)."""
+    """The batch tensors with their batch axis when not 0 (or the joined batches, each
+    with its size, in row order)."""
     if request.segments is not None:
         return ", then ".join(
             " and ".join(request.batch[j].name for j in indices) + f" ({size} examples)"

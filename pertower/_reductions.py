@@ -32,9 +32,7 @@ def checked_tensors(gradient, argument, per_example=False):
                 ValueError, f"`{argument}[{k}]` is None (a weight the value "
                 "does not reach, from unconnected_gradients='none'); drop it or use "
                 "unconnected_gradients='zero'.")
-        if isinstance(g, tf.IndexedSlices):
-            g = tf.convert_to_tensor(g)
-        g = tf.convert_to_tensor(g)
+        g = tf.convert_to_tensor(g)   # (IndexedSlices made dense)
         if per_example and g.shape.rank == 0:
             raise _context.error(
                 ValueError, f"`{argument}[{k}]` is a scalar, but a "
@@ -79,7 +77,12 @@ def flatten_per_example(gradient):
     return tf.concat(rows, axis=1)  # -> [B, P]
 
 
-def _check_matching(a_tensors, b_tensors, per_example):
+def _matching(a, b, per_example=False):
+    """The checked tensors of gradients `a` and `b` of the same weights (with
+    per_example, b=None stands for a)."""
+    a_tensors = checked_tensors(a, "a", per_example=per_example)
+    b_tensors = (a_tensors if b is None and per_example else
+                 checked_tensors(b, "b", per_example=per_example))
     if len(a_tensors) != len(b_tensors):
         raise _context.error(
             ValueError, f"`a` has {len(a_tensors)} tensors but `b` has "
@@ -95,6 +98,7 @@ def _check_matching(a_tensors, b_tensors, per_example):
             raise _context.error(
                 TypeError, f"`a` has dtype {a.dtype.name} but `b` has "
                 f"{b.dtype.name}; cast one of them.")
+    return a_tensors, b_tensors
 
 
 @_context.public("dot")
@@ -104,9 +108,7 @@ def dot(a, b):
     Example:
       pertower.dot(tf.gradients(loss_1, w), tf.gradients(loss_2, w))
     """
-    a_tensors = checked_tensors(a, "a")
-    b_tensors = checked_tensors(b, "b")
-    _check_matching(a_tensors, b_tensors, per_example=False)
+    a_tensors, b_tensors = _matching(a, b)
     return tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a_tensors, b_tensors)])
 
 
@@ -119,9 +121,7 @@ def cosine_similarity(a, b):
     Example:
       pertower.cosine_similarity(g1, g2)
     """
-    a_tensors = checked_tensors(a, "a")
-    b_tensors = checked_tensors(b, "b")
-    _check_matching(a_tensors, b_tensors, per_example=False)
+    a_tensors, b_tensors = _matching(a, b)
     inner = tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a_tensors, b_tensors)])
     return tf.math.divide_no_nan(
         inner, tf.linalg.global_norm(a_tensors) * tf.linalg.global_norm(b_tensors))
@@ -155,13 +155,6 @@ def _pairwise_dot(a_tensors, b_tensors):
     return total
 
 
-def _pairwise_arguments(a, b):
-    a_tensors = checked_tensors(a, "a", per_example=True)
-    b_tensors = a_tensors if b is None else checked_tensors(b, "b", per_example=True)
-    _check_matching(a_tensors, b_tensors, per_example=True)
-    return a_tensors, b_tensors
-
-
 @_context.public("pairwise_dot")
 def pairwise_dot(a, b=None):
     """Dot products between every example of `a` and every example of `b`: [Ba, Bb].
@@ -172,7 +165,7 @@ def pairwise_dot(a, b=None):
     Example:
       gram = pertower.pairwise_dot(per_example)                      # [B, B]
     """
-    a_tensors, b_tensors = _pairwise_arguments(a, b)
+    a_tensors, b_tensors = _matching(a, b, per_example=True)
     return _pairwise_dot(a_tensors, b_tensors)
 
 
@@ -185,7 +178,7 @@ def pairwise_cosine(a, b=None):
     Example:
       similarity = pertower.pairwise_cosine(train_grads, test_grads)  # [Ba, Bb]
     """
-    a_tensors, b_tensors = _pairwise_arguments(a, b)
+    a_tensors, b_tensors = _matching(a, b, per_example=True)
     inner = _pairwise_dot(a_tensors, b_tensors)
     a_norms = global_norms(a_tensors)
     b_norms = a_norms if b is None else global_norms(b_tensors)

@@ -4,17 +4,10 @@ Notation:
     B   examples in the batch          M   microbatches (groups of B/M examples)
     x   one weight (entry of `xs`)     S   the ops between the batch and `ys`
 
-`make_request` takes a public call's `ys`, `xs` and two records: `Examples` (where the
-examples are: the batch tensors, B, the batch axis, the number of groups) and `Options`
-(how to compute: the method, the rules' registry, sparse, validate, memory_limit, ...,
-checked when the record is made). It runs the argument checks of every public function
-(towers, rules, auto, DP), so that bad input is refused the same way whichever method
-computes the gradients: `ys`, `xs`, the batch tensors and B, the number of groups,
-that `ys` depends on the batch, that no op couples examples (`pertower._batch_axis`),
-and where each weight is read. Everything a later stage reads is found here once and
-kept on the record: each batch tensor's axis and static size, the batch-axis analysis
-(for the rules), the ops the towers replay, and the first TF1 (v1) while loop between
-the batch and `ys` (for the row passes).
+`make_request` takes `ys`, `xs` and two records, `Examples` (where the examples are)
+and `Options` (how to compute), and runs the argument checks every method shares, so
+that bad input is refused the same way whichever method computes the gradients. The
+graph facts every later stage reads are found here once and kept on the record.
 """
 
 import collections.abc
@@ -35,19 +28,14 @@ __all__ = ["METHODS", "Examples", "Options", "Request", "make_request", "check_m
 
 METHODS = ("auto", "towers", "rules")
 
-# `validate` values: None (default) checks at run time exactly where the proof was lost.
-_VALIDATE_VALUES = (None, True, False)
-
-
 def check_method(method):
-    """Validates `method`."""
     if not isinstance(method, str) or method not in METHODS:
         raise _context.error(ValueError, f"`method` must be one of {METHODS}, got {method!r}.")
     return method
 
 
 def _check_validate(validate):
-    if validate not in _VALIDATE_VALUES or not isinstance(validate, (bool, type(None))):
+    if not isinstance(validate, (bool, type(None))):
         raise _context.error(
             ValueError, "`validate` must be None (the default: check at run time only "
             "where the static analysis could not prove that the examples are independent), "
@@ -57,16 +45,10 @@ def _check_validate(validate):
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Where the examples are, as the public function was given them.
-
-    Attributes:
-      batch, batch_size: as given to the public function (`batch` None: found).
-      num_groups: M (microbatches or towers), or None for one group per example.
-      batch_axis: as given to the public function.
-      groups_argument: the public name of the argument that gave `num_groups`.
-      size_required: whether a None batch axis needs `batch_size` (the towers'
-        contract); when False and neither is known, B is left to run time.
-    """
+    """Where the examples are: `batch`, `batch_size`, `batch_axis` as given to the
+    public function, `num_groups` M (None: one group per example) and the public name
+    of its argument; `size_required`: whether a None batch axis needs `batch_size` (the
+    towers' contract), else B may be left to run time."""
 
     batch: object = None
     batch_size: object = None
@@ -78,22 +60,16 @@ class Examples:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """How the caller wants the result built (as given to the public function), checked
-    when made.
+    """How to build the result, checked when made (`pertower._docs` describes the
+    public options).
 
     Attributes:
-      method: "auto", "rules" or "towers".
-      registry: the `pertower.rules.RuleRegistry` the rules come from (the public
-        functions' `rules`, resolved by `pertower._dispatch.options`), or None for the
-        towers alone (`build_towers`): the analysis then runs without the rules' row
-        layouts.
-      sparse: keep the per-example rows of gathered weights sparse (towers).
-      validate: None (check at run time where the proof was lost), True or False.
-      memory_limit: bytes, None for the default, inf for no limit.
+      registry: the `pertower.rules.RuleRegistry`, or None for the towers alone
+        (`build_towers`: the analysis then runs without the rules' row layouts).
       outputs_per_example: K for Jacobians, else 1.
       forms_gradients: False for the norms (the rules form no [B, P] tensor).
-      refuse: False for `pertower.explain`: couplings and a strict method's uncovered
-        weights are recorded in the plan instead of raised.
+      refuse: False for `pertower.explain`: what cannot be built is recorded in the
+        plan instead of raised.
       batch_capacity: None, or N for a None batch axis without batch_size (DPOptimizer's
         `max_batch_size`): the towers take any fed batch of at most N examples, padded.
     """
@@ -119,36 +95,27 @@ class Request:
     """One public call's checked arguments and the graph facts every stage reads.
 
     Attributes:
-      ys, xs (list), graph: as given, checked; a Keras 3 variable in xs is replaced by
-        the tf.Variable holding its value.
+      ys, xs (list), graph: as given, checked (a Keras 3 variable replaced by its
+        tf.Variable).
       ys_upstream: the ops `ys` depends on.
-      batch: the batch tensors (found or checked).
-      batch_axes: per batch tensor, the axis that carries the batch (0 unless
-        `batch_axis` said otherwise, e.g. 1 for time-major [T, B, d] inputs). `ys`
-        always carries the batch on axis 0.
-      static_sizes: per batch tensor, the static size of its batch axis, or None.
+      batch, batch_axes, static_sizes: the batch tensors (found or checked), the axis
+        of each that carries the batch (`ys` always has it on axis 0), and its static
+        size or None.
       ys_rows: the static size of axis 0 of `ys`, or None.
-      batch_size: B, or None when the batch axis is not static and no batch_size was
-        given (allowed only where no towers are built).
-      num_groups: M for microbatches, or None for one group per example.
-      groups_argument: the public name of the number of groups, for messages.
+      batch_size: B, or None when neither the batch axis nor batch_size gives it
+        (allowed only where no towers are built).
+      num_groups, groups_argument: M or None, and its public name.
       reads: one `_weight_reads.WeightReads` per entry of xs.
-      analysis: the `pertower._batch_axis.Analysis` of the ops between the batch and
-        `ys` (its `registry` attribute: the rule registry it was run with).
-      segments: None when every batch tensor is fed the same B examples; when `ys`
-        joins several batches along axis 0 (`tf.concat([f(s1), f(s2)], 0)`), one
-        (batch indices, B_s) pair per batch in the order of the rows of `ys`, e.g.
-        (((0,), 2), ((1,), 3)); then batch_size = B = B_1 + B_2 + ... .
-      batch_downstream: S, the ops between the batch and `ys` (those of ys_upstream
-        that depend on a batch tensor).
-      weight_regions: per entry of xs, the ops of ys_upstream downstream of its reads
-        (read tensors, gathers and function calls that read it, and those ops), which
-        the towers replay with its copies besides S (a `WeightRegions`: walked when
-        asked for).
-      loop_op: the first TF1 (v1) while loop op (Enter, Exit, NextIteration, LoopCond)
-        between the batch or a weight read and `ys`, or None.
-      options: the `Options` of the call (its `method` and `registry` read through
-        the request too).
+      analysis: the `pertower._batch_axis.Analysis` of the ops between batch and `ys`.
+      segments: None, or when `ys` joins several batches along axis 0
+        (`tf.concat([f(s1), f(s2)], 0)`) one (batch indices, B_s) pair per batch in
+        row order, e.g. (((0,), 2), ((1,), 3)), and B = B_1 + B_2 + ... .
+      batch_downstream: S, the ops of ys_upstream that depend on a batch tensor.
+      weight_regions: per entry of xs, the ops downstream of its reads that the towers
+        replay besides S (a `WeightRegions`).
+      loop_op: the first TF1 (v1) while loop op between the batch or a weight read and
+        `ys`, or None.
+      options: the call's `Options`.
     """
 
     ys: tf.Tensor
@@ -170,19 +137,8 @@ class Request:
     loop_op: object
     options: Options = Options()
 
-    @property
-    def method(self):
-        """"auto", "rules" or "towers"."""
-        return self.options.method
-
-    @property
-    def registry(self):
-        """The `pertower.rules.RuleRegistry` the rules come from (None: towers alone)."""
-        return self.options.registry
-
     def restricted(self, indices):
-        """The same request for xs[k], k in `indices`, only (the weights one method
-        leaves to another)."""
+        """The same request for xs[k], k in `indices`, only."""
         return dataclasses.replace(
             self, xs=[self.xs[k] for k in indices], reads=[self.reads[k] for k in indices],
             weight_regions=tuple(self.weight_regions[k] for k in indices))
@@ -206,14 +162,8 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
                  scalar_advice=None, weights_required=True):
     """Checks the arguments of a public function; returns a `Request`.
 
-    Args:
-      ys, xs: as given to the public function.
-      examples: an `Examples` (the batch tensors, B, the batch axis, the groups).
-      options: an `Options` (the method, the registry, what to build).
-      ys_argument: the public name of `ys` ("loss" for DPOptimizer), for messages.
-      scalar_advice: what to say when `ys` is a scalar (default: pass the unreduced
-        per-example values).
-      weights_required: False for a forward-only replay of `ys`, which copies no weight.
+    `ys_argument` is the public name of `ys` ("loss" for DPOptimizer); `scalar_advice`
+    what to say when `ys` is a scalar; weights_required=False for a forward-only replay.
     """
     batch, batch_size, num_groups = examples.batch, examples.batch_size, examples.num_groups
     groups_argument = examples.groups_argument
@@ -301,10 +251,8 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
 
 class WeightRegions(collections.abc.Sequence):
     """Per entry of xs, the ops of ys_upstream downstream of its reads (read tensors,
-    gathers and function calls that read it, and those ops), each walked the first time
-    it is asked for: only the towers (for the weights they compute) and the check of
-    unassumed gradients (when some op has one) need them, and walking every weight's
-    region costs one walk of the network per weight."""
+    gathers and function calls), each walked the first time it is asked for (only the
+    towers and the check of unassumed gradients need them)."""
 
     def __init__(self, reads, ys_upstream):
         self._reads, self._within, self._found = tuple(reads), ys_upstream, {}
@@ -321,7 +269,6 @@ class WeightRegions(collections.abc.Sequence):
         return self._found[k]
 
     def walked(self):
-        """How many regions were walked so far."""
         return len(self._found)
 
 
@@ -337,9 +284,8 @@ def _weights_region(reads, ys_upstream):
 
 
 def _regions(reads, ys_upstream):
-    """(per weight, the ops downstream of its reads that the towers replay, walked when
-    asked for; the ops downstream of any weight's reads and those a TF1 loop takes the
-    weights' handles into and those downstream of them, in one walk each)."""
+    """(the `WeightRegions`; the ops downstream of any weight's reads, of the TF1 loops
+    that take the weights' handles, and those loop ops)."""
     loop_region = {op for r in reads for op in r.loop_inputs}
     for op in list(loop_region):
         loop_region |= graph_walk.downstream_ops(op.outputs, ys_upstream)
@@ -370,7 +316,7 @@ def _batch_tensors(ys, batch, ys_upstream, graph):
 
 def _variable_reads(variable, j, ys_upstream):
     """The tensors reading `variable` (ReadVariableOp, or a reference variable's Identity)
-    among the ops `ys` depends on, [B, ...] each; raises when `ys` reads none."""
+    that `ys` depends on; raises when `ys` reads none."""
     source = variable.handle if hasattr(variable, "handle") else variable.op.outputs[0]
     reads = [op.outputs[0] for op in source.consumers() if op in ys_upstream and (
         op.type in op_types.VARIABLE_READ_OP_TYPES or op.type == "Identity")]
@@ -383,9 +329,8 @@ def _variable_reads(variable, j, ys_upstream):
 
 
 def _side_input_hint(op, batch):
-    """When the batch tensors were found, not given: the ones the coupling op reads
-    along their batch axis may be side inputs (class weights gathered by label), not
-    examples; say how to leave them out."""
+    """For found batch tensors: the ones the coupling op reads may be side inputs
+    (class weights gathered by label); say how to leave them out."""
     read = op.inputs[0] if op.inputs else None
     suspects = [b for b in batch if b is read]
     others = [b for b in batch if b is not read]

@@ -1,7 +1,6 @@
 """Where each weight enters the computation of `ys`: its reads, gathers, and the
-function calls and TF1 loops that get its resource handle.
-
-Notation: as in `pertower._graph_walk` (x one entry of `xs`, S the replayed ops).
+function calls and TF1 loops that get its resource handle (notation of
+`pertower._graph_walk`).
 """
 
 import tensorflow as tf
@@ -18,22 +17,18 @@ class WeightReads:
     """Where one entry of `xs` enters the computation of `ys`.
 
     Attributes:
-      x: the entry of `xs` as given (variable or tensor).
-      name: a readable name for messages.
-      read_tensors: tensors holding the weight's value that ops in S consume; each
-        tower maps them to its own copy.
-      gather_ops: `ResourceGather` ops in S that read rows through the handle; towers
-        replay them as a plain gather from their copy.
+      x, name: the entry of `xs` as given, and a readable name for messages.
+      read_tensors: tensors holding the weight's value that ops in S consume (each
+        tower maps them to its own copy).
+      gather_ops: `ResourceGather` ops in S (towers replay them as gathers of a copy).
       call_inputs: (op, input index) pairs of function-calling ops (While, If,
-        PartitionedCall, ...) that get the weight's resource handle and read it in
-        their bodies; towers give them their copy (see `pertower._towers.functions`).
-      loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's resource
-        handle into a loop frame; such a weight is computed by row passes
-        (`pertower._towers.fallback`).
+        PartitionedCall, ...) that get the weight's handle (towers pass their copy).
+      loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's handle
+        (such a weight is computed by row passes).
       handle: the resource handle, or None (reference variables and tensors).
       reached: whether `ys` depends on the weight at all.
-      value: a tensor already holding the weight's value (a reference variable's
-        snapshot), or None.
+      value: a tensor holding the weight's value (a reference variable's snapshot), or
+        None.
     """
 
     def __init__(self, x, name, read_tensors=(), gather_ops=(), call_inputs=(), handle=None,
@@ -51,10 +46,8 @@ class WeightReads:
 
     @property
     def copy_source(self):
-        """The tensor the towers' `tf.identity` copies are taken of, or None when `ys`
-        does not reach the weight. A weight read only through its handle (gathers,
-        control-flow bodies) gets one `ReadVariableOp`, made on first use under the
-        name scope current at that time (so it lands in the caller's scope)."""
+        """The tensor the towers' copies are taken of (None when not reached); a weight
+        read only through its handle gets one `ReadVariableOp`, made on first use."""
         if not self.reached:
             return None
         if self._read is None and self.read_tensors:
@@ -67,7 +60,6 @@ class WeightReads:
 
     @property
     def dtype(self):
-        """The dtype of the weight's value."""
         if self.gather_ops and not isinstance(self.x, tf.Variable):
             return self.gather_ops[0].get_attr("dtype")
         return _value_dtype(self.x)
@@ -82,7 +74,6 @@ def _value_dtype(x):
         return tf.as_dtype(handle_data.shape_and_type[0].dtype)
     raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; pass the "
                     "variable instead of its handle.")
-
 
 
 def _handle_consumers(handle, within):
@@ -115,13 +106,11 @@ def _resource_reads(x, name, handle, ys_upstream):
             loop_inputs.append(op)
         else:
             raise _context.error(
-                NotImplementedError,
-                f"the weight {name!r} is passed to op "
+                NotImplementedError, f"the weight {name!r} is passed to op "
                 f"{op.name!r} of type {op.type}, which towers cannot give a weight copy to "
                 "(they rewrite ReadVariableOp, ResourceGather and the function-calling ops "
                 f"{', '.join(sorted(op_types.CALL_OP_TYPES))}). Leave this weight out "
-                "of `xs`, or compute `ys` with a plain read of it."
-            )
+                "of `xs`, or compute `ys` with a plain read of it.")
     order = _tf.op_order_key()
     read_tensors = sorted(set(read_tensors), key=lambda t: order(t.op))
     gather_ops = sorted(set(gather_ops), key=order)
@@ -132,13 +121,8 @@ def _resource_reads(x, name, handle, ys_upstream):
 
 
 def weight_reads(x, index, ys_upstream, batch):
-    """Finds where `xs[index]` enters the computation of `ys`.
-
-    Resource variables are read by `ReadVariableOp` (mapped to the tower copy) or
-    `ResourceGather` (replayed as a gather from the copy); reference variables by
-    their ref tensor, which the towers map to the copy directly; a plain tensor is
-    itself mapped to the copy.
-    """
+    """The `WeightReads` of `xs[index]`: a resource variable's reads, gathers and calls
+    of its handle; a reference variable's ref tensor; a tensor itself."""
     if isinstance(x, _tf.RefVariable):
         ref = _tf.ref_variable_tensor(x)
         reached = any(c in ys_upstream for c in ref.consumers())
@@ -147,11 +131,9 @@ def weight_reads(x, index, ys_upstream, batch):
         handle = getattr(x, "handle", None)
         if handle is None or not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
             raise _context.error(
-                TypeError,
-                f"`xs[{index}]` is a variable of type "
+                TypeError, f"`xs[{index}]` is a variable of type "
                 f"{type(x).__name__} without a graph resource handle; pass graph-mode "
-                "resource or reference variables, or tensors."
-            )
+                "resource or reference variables, or tensors.")
         return _resource_reads(x, x.name, handle, ys_upstream)
     if isinstance(x, tf.Tensor) and hasattr(x, "op"):
         if x.dtype == tf.resource:
@@ -159,16 +141,12 @@ def weight_reads(x, index, ys_upstream, batch):
         x_upstream = graph_walk.upstream_ops([x])
         if any(b.op in x_upstream for b in batch):
             raise _context.error(
-                ValueError,
-                f"`xs[{index}]` ({x.name}) depends on the batch, "
+                ValueError, f"`xs[{index}]` ({x.name}) depends on the batch, "
                 "so it is an activation rather than a weight: each example already has "
                 "its own rows of it, and tf.gradients(ys, activation) gives them. Pass "
-                "weights (variables, or tensors that do not depend on the batch)."
-            )
+                "weights (variables, or tensors that do not depend on the batch).")
         reached = x.op in ys_upstream and any(c in ys_upstream for c in x.consumers())
         return WeightReads(x, x.name, [x] if reached else [])
     raise _context.error(
-        TypeError,
-        f"`xs[{index}]` must be a tf.Variable or a tf.Tensor, "
-        f"but received {type(x).__name__} ({x!r:.80})."
-    )
+        TypeError, f"`xs[{index}]` must be a tf.Variable or a tf.Tensor, "
+        f"but received {type(x).__name__} ({x!r:.80}).")

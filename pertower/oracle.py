@@ -1,9 +1,11 @@
 """The slow, obviously correct reference: plain `tf.gradients` run on one slice at a time.
 
-Every pertower method is compared with these loops in tests/, and the examples and
-`pertower demo` use them to show agreement and speed-up. They feed the graph one
-example (or one microbatch) at a time, so the batch tensors must be placeholders
-whose batch axis is None.
+Every pertower method is compared with these loops in tests/, examples and the demo.
+They feed the graph one example (or microbatch) at a time, so the batch tensors must
+be placeholders whose batch axis is None. The batch feeds are the keys `batch` (default:
+every key fed an array of rank >= 1), sliced along their batch axis (`batch_axis`:
+None for 0, an int for all, or a list parallel to `batch`, e.g. 1 for a time-major
+[T, B, d] feed).
 
 Notation: B examples, M slices (microbatches), x one weight, K output entries.
 """
@@ -23,15 +25,12 @@ def _dense_gradients(y_sum, xs):
 
 
 def _batch_keys(feed_dict, batch):
-    """The feed_dict keys that carry the batch: `batch`, or every key fed an array of
-    rank >= 1."""
     if batch is not None:
         return _xs_list(batch)
     return [key for key, value in feed_dict.items() if np.ndim(value) >= 1]
 
 
 def _axes(keys, batch_axis):
-    """The batch axis of each key: 0, `batch_axis` for all, or a list parallel to keys."""
     if batch_axis is None:
         return [0] * len(keys)
     if isinstance(batch_axis, (list, tuple)):
@@ -52,10 +51,7 @@ def _fed_batch_size(feed_dict, batch, batch_axis=None):
 
 
 def slice_feeds(feed_dict, batch, num_slices, batch_axis=None):
-    """Yields M feed dicts; the m-th holds slice m, [B/M, ...], of every batch feed
-    (the keys in `batch`, default every key fed an array of rank >= 1), taken along
-    its batch axis (`batch_axis`: None for 0, an int for all, or a list parallel to
-    `batch`; e.g. 1 for a time-major [T, B, d] feed)."""
+    """Yields M feed dicts; the m-th holds slice m, [B/M, ...], of every batch feed."""
     batch = _batch_keys(feed_dict, batch)
     axes = _axes(batch, batch_axis)
     B = _fed_batch_size(feed_dict, batch, axes)
@@ -76,10 +72,8 @@ def _xs_list(xs):
 
 
 class SliceLoop:
-    """tf.gradients(sum(ys), xs), built once, run one slice of the batch at a time.
-
-    This is the loop users write today; `run` is what the demo times.
-    """
+    """tf.gradients(sum(ys), xs), built once, run one slice of the batch at a time
+    (the loop users write today; `run` is what the demo times)."""
 
     def __init__(self, ys, xs):
         self.xs = _xs_list(xs)
@@ -94,19 +88,8 @@ class SliceLoop:
 
 def loop_microbatch_gradients(sess, ys, xs, feed_dict, num_microbatches, batch=None,
                               batch_axis=None):
-    """[M, *x.shape] per x: one `sess.run` of tf.gradients(sum(ys), xs) per slice.
-
-    Args:
-      sess: the session.
-      ys: per-example values, [B, ...].
-      xs: a weight or list of weights.
-      feed_dict: the feeds for a whole batch of B examples.
-      num_microbatches: M; slice m holds examples m*B/M ... (m+1)*B/M - 1.
-      batch: the keys of `feed_dict` that carry the batch (default: every key fed an
-        array of rank >= 1).
-      batch_axis: the batch axis of the batch feeds: None (0), an int for all, or a
-        list parallel to `batch` (1 for a time-major [T, B, d] feed).
-    """
+    """[M, *x.shape] per x: one `sess.run` of tf.gradients(sum(ys), xs) per slice of
+    the fed batch of B examples (slice m: examples m*B/M ... (m+1)*B/M - 1)."""
     return SliceLoop(ys, xs).run(sess, feed_dict, num_microbatches, batch, batch_axis)
 
 
@@ -138,19 +121,10 @@ def loop_several_batches_gradients(sess, ys, xs, feed_dict, batches, num_microba
     """[G, *x.shape] per x for `ys` that joins several batches along axis 0
     (`ys = tf.concat([f(s1), f(s2)], 0)`): rows of the first batch, then of the second.
 
-    The definition: row r of the result is tf.gradients(sum(ys), xs) run with the
-    examples of row r's group fed to its own batch and an empty batch ([0, ...]) fed to
-    every other one, so that `ys` holds exactly that group's rows.
-
-    Args:
-      sess: the session.
-      ys: the joined per-example values, [B_1 + B_2 + ..., ...].
-      xs: a weight or list of weights.
-      feed_dict: the feeds of every batch (and any other input).
-      batches: one list of feed keys per batch, in the order of the rows of `ys` (a
-        batch with features and labels lists both), e.g. [[s1], [s2]].
-      num_microbatches: M, or None for one group per example (G = B_1 + B_2 + ...);
-        every group must lie in one batch.
+    Row r is tf.gradients(sum(ys), xs) run with the examples of row r's group fed to
+    its own batch and an empty batch ([0, ...]) to every other one. `batches`: one list
+    of feed keys per batch, in row order, e.g. [[s1], [s2]]; `num_microbatches`: M, or
+    None for one group per example (every group must lie in one batch).
     """
     xs = _xs_list(xs)
     gradients = _dense_gradients(tf.reduce_sum(ys), xs)

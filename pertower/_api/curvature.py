@@ -11,9 +11,9 @@ Notation:
 
 Both sum over the examples (no 1/B). For a loss averaged over N examples the
 per-example gradients are g_i / N, so its sum of squares is sum_grad_squared / N^2,
-and its GGN is diag_ggn / N. The rules compute covered weights from ONE backward pass (with the M
-columns vectorized, `pertower._curvature.columns`); the other weights come from the
-fallback (towers, or row passes past a TF1 loop), one pass per column.
+and its GGN is diag_ggn / N. The rules compute covered weights from ONE backward pass
+(the M columns vectorized, `pertower._curvature.columns`); the other weights come
+from the fallback (towers, or row passes past a TF1 loop), one pass per column.
 """
 
 import tensorflow as tf
@@ -33,13 +33,27 @@ from pertower._curvature import squares as squares_lib
 __all__ = ["sum_grad_squared", "diag_ggn"]
 
 
+def _plan(ys, xs, devices, batch, batch_size, batch_axis, C, per_example, memory_limit,
+          method, rules, validate, ys_argument, **keywords):
+    """(devices, plan) of a curvature call, its memory guard counting what each route
+    holds for C columns (`pertower._curvature.memory`)."""
+    memory_guard.resolve_limit(memory_limit)
+    devices, _, plan = _dispatch.plan_call(
+        ys, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
+        _dispatch.options(method, rules, validate=validate, memory_limit=float("inf"),
+                          **keywords), ys_argument=ys_argument)
+    return devices, memory_lib.guard(plan, C, per_example, memory_limit)
+
+
 def _finish(built, plan, results, routes, columns=None):
-    """The results gated on the run-time check, in a `CurvatureResult`."""
-    xs = plan.request.xs
-    ordered = [results[k] for k in range(len(xs))]
-    ordered = built.validated(ordered)
+    """The results gated on the run-time check, in a `CurvatureResult` (and the warning
+    naming the weights `ys` does not reach)."""
+    request = plan.request
+    _checks.warn_unconnected(request.ys, request.xs, _checks.UNCONNECTED_DEFAULT,
+                             outcome="they get zeros", reads=request.reads)
+    ordered = built.validated([results[k] for k in range(len(request.xs))])
     return squares_lib.CurvatureResult(
-        ordered, plan, [routes[k] for k in range(len(xs))],
+        ordered, plan, [routes[k] for k in range(len(request.xs))],
         None if columns is None else columns.vectorized,
         None if columns is None else columns.reason,
         None if columns is None else columns.method)
@@ -54,12 +68,10 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
 
     A dense layer with one row per example never forms its per-example gradients:
     sum_i (a_i ⊗ dz_i)^2 = (A⊙A)^T (dZ⊙dZ) (BackPACK's `SumGradSquared`, Dangel et al.
-    2020, arXiv 1912.10985); other covered weights are formed by their rule and
-    squared; weights no rule covers are formed by the towers. Conventions: a sum over
-    the B examples of ys's rows, no 1/B. BackPACK's `SumGradSquared` squares the
-    gradients of the loss the user backpropagates: for a mean-reduced loss of N
-    examples that is this value divided by N^2. The unbiased variance of the
-    gradients is (sum_grad_squared - B * mean^2) / (B - 1) with mean = sum_i g_i / B
+    2020, arXiv 1912.10985); other weights are formed by their rule or the towers and
+    squared. Conventions: a sum over the B rows of ys, no 1/B (BackPACK's, on a loss
+    averaged over N examples, is this / N^2). The unbiased variance of the gradients
+    is (sum_grad_squared - B * mean^2) / (B - 1), mean = sum_i g_i / B
     (`pertower.gradient_variance`).
 
     Args:
@@ -77,13 +89,8 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
       sgs = pertower.sum_grad_squared(per_example_loss, model.trainable_weights)
     """
     _checks.require_graph_mode()
-    memory_guard.resolve_limit(memory_limit)
-    devices, partitions, plan = _dispatch.plan_call(
-        ys, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
-        _dispatch.options(method, rules, validate=validate, memory_limit=float("inf"),
-                          forms_gradients=False))
-    xs = partitions.flat
-    plan = memory_lib.guard(plan, 1, False, memory_limit)     # what each route holds
+    devices, plan = _plan(ys, xs, devices, batch, batch_size, batch_axis, 1, False,
+                          memory_limit, method, rules, validate, "ys", forms_gradients=False)
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         with tf.control_dependencies(built.rule_checks()):
@@ -91,11 +98,7 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
             results, routes = squares_lib.covered_squares(
                 plan, built.covered, d_outputs, built.groups, per_example=False)
             more, more_routes = squares_lib.fallback_squares(built, None, False, "fallback")
-        results.update(more)
-        routes.update(more_routes)
-        _checks.warn_unconnected(plan.request.ys, xs, _checks.UNCONNECTED_DEFAULT,
-                                 outcome="they get zeros", reads=plan.request.reads)
-        return _finish(built, plan, results, routes)
+        return _finish(built, plan, {**results, **more}, {**routes, **more_routes})
 
 
 @_context.public("diag_ggn")
@@ -118,14 +121,10 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
     example) gives (A⊙A)^T sum_m (dZ_m⊙dZ_m) without per-example gradients.
 
     Conventions: a sum over the B examples, no 1/B; for a mean-reduced loss
-    (1/N) sum_i l_i the GGN is this divided by N. BackPACK's `DiagGGNExact` and
-    `DiagGGNMC` (Dangel et al. 2020, arXiv 1912.10985) differentiate the loss module as
-    built, so with `CrossEntropyLoss(reduction="mean")` they return this / N, with
-    reduction="sum" this value; `MSELoss(reduction="sum")` is sum_k (f_k - y_k)^2 as
-    here ("mse"), while reduction="mean" averages over all N*K entries (this / (N K)),
-    and Keras' mean squared error over the K outputs (this / K per example). BackPACK's
-    `BatchDiagGGNExact` / `BatchDiagGGNMC` (one diagonal per example) match
-    per_example=True under the same reduction.
+    (1/N) sum_i l_i the GGN is this divided by N. BackPACK's `DiagGGNExact`/`DiagGGNMC`
+    (Dangel et al. 2020, arXiv 1912.10985; `BatchDiagGGN*` for per_example=True) give
+    this value with reduction="sum" and this / N with "mean"; its
+    `MSELoss(reduction="mean")` is this / (N K), Keras' mean squared error this / K.
 
     Args:
       logits: [B, K] network output the loss reads (K static); row i must depend on
@@ -171,13 +170,9 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
                                          "it to [B, K] first.")
     K = int(logits.shape[1])
     M = loss_hessian.exact_columns(loss, K) if mc_samples is None else mc_samples
-    memory_guard.resolve_limit(memory_limit)
-    devices, partitions, plan = _dispatch.plan_call(
-        logits, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
-        _dispatch.options(method, rules, validate=validate, memory_limit=float("inf"),
-                          outputs_per_example=M), ys_argument="logits")
-    xs = partitions.flat
-    plan = memory_lib.guard(plan, M, per_example, memory_limit)   # what each route holds
+    devices, plan = _plan(logits, xs, devices, batch, batch_size, batch_axis, M, per_example,
+                          memory_limit, method, rules, validate, "logits",
+                          outputs_per_example=M)
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         S = loss_hessian.hessian_factor(logits, loss, mc_samples, seed)   # [M, B, K]
@@ -198,8 +193,5 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
                 plan, built.covered, columns_of, built.groups, per_example)
             more, more_routes = squares_lib.fallback_squares(built, S, per_example,
                                                              "column")
-        results.update(more)
-        routes.update(more_routes)
-        _checks.warn_unconnected(logits, xs, _checks.UNCONNECTED_DEFAULT,
-                                 outcome="they get zeros", reads=plan.request.reads)
-        return _finish(built, plan, results, routes, columns if outputs else None)
+        return _finish(built, plan, {**results, **more}, {**routes, **more_routes},
+                       columns if outputs else None)

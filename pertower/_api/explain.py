@@ -25,13 +25,12 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
       num_microbatches: M, as in `pertower.microbatch_gradients` (None: per example).
 
     Returns:
-      A `Plan` whose `str()` is a table: for each weight, its method and the ops whose
-      rules compute it, or the reason it falls back to the towers (or, past a TF1
-      while loop, to row passes: one backward pass per example); the ops found to
-      couple examples; whether the independence of the examples was proven, or the op
-      where the proof was lost (then a run-time check is added by default); and the
-      memory estimate. `plan.weights` holds the same per weight (`WeightPlan`s).
-      Couplings and a strict method's uncovered weights are shown, not raised.
+      A `Plan` whose `str()` is a table: per weight, its method and the ops whose rules
+      compute it, or why it falls back to the towers (or, past a TF1 while loop, row
+      passes); the ops that couple examples; whether independence was proven or where
+      the proof was lost (then a run-time check is added by default); the memory
+      estimate. `plan.weights` holds the same per weight (`WeightPlan`s). Couplings
+      and a strict method's uncovered weights are shown, not raised.
 
     Example:
       print(pertower.explain(cost, net.trainable_weights))
@@ -47,12 +46,8 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
 @_docs.documented
 def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
                     outputs_per_example=1, method="auto", rules=None, batch_axis=None):
-    """Estimates the bytes per-example gradients of `ys` with respect to `xs` will hold.
-
-    The estimate is taken on the plan, as the memory guard of every gradient function
-    does: the result is counted once (R x K x P numbers), the towers' gradients before
-    stacking only for the weights that fall back to towers, and the forward
-    activations once for the whole batch.
+    """Estimates the bytes per-example gradients of `ys` with respect to `xs` will hold,
+    as the memory guard of every gradient function does (`pertower._guards.memory`).
 
     Args:
       ys, xs: as in `pertower.per_example_gradients`.

@@ -5,12 +5,10 @@ Notation:
     K   output entries per example, prod(ys.shape[1:])
     x   one weight                  [B, *x.shape] one gradient of x per example
 
-Each public function checks its arguments, plans and builds through the one dispatch
-(`pertower._dispatch`: request -> plan -> guards -> rules and towers), under one name
-scope (`name`, default the function's name) with `towers/` and `gradients/` inside.
+Each function plans and builds through the one dispatch (`pertower._dispatch`), under
+one name scope (`name`, default the function's name) with `towers/` and `gradients/`
+inside.
 """
-
-import contextlib
 
 import numpy as np
 import tensorflow as tf
@@ -25,15 +23,6 @@ __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradien
 
 # The methods every gradient function takes (see `pertower._dispatch`).
 METHODS = _dispatch.METHODS
-
-
-def _graph_of(ys):
-    """The graph of `ys` as the default graph (a no-op context for bad input, which
-    the argument checks then refuse with their own message)."""
-    graph = getattr(ys, "graph", None)
-    if isinstance(ys, tf.Tensor) and isinstance(graph, tf.Graph):
-        return graph.as_default()
-    return contextlib.nullcontext()
 
 
 @_context.public("per_example_gradients")
@@ -66,18 +55,17 @@ def per_example_gradients(ys, xs, batch=None, batch_size=None,
 
 
 def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradients, name,
-                     method, validate, memory_limit, sparse, devices, rules, batch_axis=None,
+                     method, validate, memory_limit, sparse, devices, rules, batch_axis,
                      K=None):
-    """`per_example_gradients` (num_groups None), `microbatch_gradients` and, given the
-    K outputs per example, `per_example_jacobians`: [G, *x.shape] (or [B, *out, *x.shape])
-    per x, G = B or M."""
+    """The three public functions: [G, *x.shape] per x (G = B or M), or with the K
+    outputs per example of Jacobians, [B, *out, *x.shape]."""
     _checks.require_graph_mode()
     _checks.unconnected_gradients_value(unconnected_gradients)
     devices, partitions, plan = _dispatch.plan_call(
         ys, xs, devices, _request.Examples(batch, batch_size, num_groups, batch_axis),
         _dispatch.options(method, rules, sparse=sparse, validate=validate,
                           memory_limit=memory_limit, outputs_per_example=K or 1))
-    with _graph_of(ys), tf.name_scope(name or _context.name()):
+    with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
         built = _dispatch.build(plan, devices)
         results = (_jacobian_rows(built, ys, unconnected_gradients) if K is not None else
                    built.gradients(unconnected_gradients=unconnected_gradients,

@@ -7,14 +7,11 @@ Notation:
 
     norms[i] = ||g_i||_2 = sqrt(sum_x ||d sum(ys[i]) / d x||^2)
 
-With method "auto" or "rules", a weight covered by one rule with a cheap form never
-has its per-example gradients formed: a dense layer (k = 1 row per example) gives
-||a_i||^2 ||dz_i||^2 (Goodfellow 2015, arXiv 1510.01799), a dense layer on sequences
-the ghost norm sum_{t,s} (a_it·a_is)(dz_it·dz_is) (Li et al. 2021, arXiv 2110.05679),
-an embedding the ghost norm with the indicator [id_t = id_s]. Other covered weights
-are formed per rule ([B, *x.shape]) and reduced; weights without a rule fall back to
-towers and are formed and reduced. Method "towers" forms every gradient. The memory
-guard counts the gradients the towers form.
+A weight covered by a rule with a cheap form never has its per-example gradients
+formed: a dense layer gives ||a_i||^2 ||dz_i||^2 (Goodfellow 2015, arXiv 1510.01799), a
+dense layer on sequences the ghost norm sum_{t,s} (a_it·a_is)(dz_it·dz_is) (Li et al.
+2021, arXiv 2110.05679), an embedding the ghost norm with the indicator [id_t = id_s].
+Other weights are formed ([B, *x.shape], by their rule or the towers) and reduced.
 """
 
 import tensorflow as tf

@@ -5,21 +5,16 @@ Notation:
     ys  per-example values, [B, ...]
     stacked  the tower outputs concatenated, [B, ...]: `ys` recomputed slice by slice
 
-The static scan (`pertower._batch_axis`) refuses the coupling ops it knows. What it cannot
-see (an op it does not know, a py_function, a custom kernel) shows at run time:
-when the examples are independent, computing them slice by slice gives `ys` again,
-
-    stacked == ys   (up to rounding),
-
-and when they are not, some rows differ. Both checks compare the two on real data:
+What the static scan (`pertower._batch_axis`) cannot see (a py_function, a custom
+kernel) shows at run time: when the examples are independent, computing them slice by
+slice gives `ys` again. Both checks compare the two on real data:
 
     max |stacked - ys|  <=  tolerance * (1 + max |ys|)
 
-with tolerance 1e-4 for float32 (1e-9 float64, 1e-2 float16/bfloat16), loose enough
-for the rounding of kernels run on other batch sizes, far below what a coupling
-changes. Random ops shaped by the batch (dropout in training mode) would fail it
-on every run (each slice draws its own numbers), so a plan that needs the check on
-such a graph is refused when it is built (`pertower._dispatch`).
+with tolerance 1e-4 for float32 (1e-9 float64, 1e-2 float16/bfloat16): above the
+rounding of kernels run on other batch sizes, far below what a coupling changes. A
+plan that needs the check on a graph with random ops shaped by the batch (dropout in
+training mode) is refused (`pertower._dispatch`): every slice draws its own numbers.
 """
 
 import dataclasses
@@ -36,8 +31,7 @@ __all__ = ["IndependenceCheck", "check_independence", "validated", "gated"]
 _TOLERANCES = {tf.float64: 1e-9, tf.float32: 1e-4, tf.float16: 1e-2, tf.bfloat16: 1e-2}
 
 
-def tolerance_for(dtype):
-    """The relative tolerance used for `ys` of this dtype."""
+def _tolerance(dtype):
     return _TOLERANCES.get(tf.as_dtype(dtype).base_dtype, 1e-4)
 
 
@@ -49,7 +43,7 @@ def _differences(stacked, ys):
     if difference.shape.rank is not None and difference.shape.rank > 1:
         difference = tf.reduce_max(difference, axis=list(range(1, difference.shape.rank)))
     scale = tf.reduce_max(tf.where(tf.math.is_nan(ys), tf.zeros_like(ys), tf.abs(ys)))
-    bound = tolerance_for(ys.dtype) * (1 + scale)
+    bound = _tolerance(ys.dtype) * (1 + scale)
     return difference, bound  # [B], scalar
 
 
@@ -58,14 +52,13 @@ class IndependenceCheck:
     """What `check_independence` built; every field but `tolerance` is a graph tensor.
 
     Attributes:
-      independent: scalar bool, True when `ys` recomputed on slices of the batch equals
-        `ys` (within the tolerance), i.e. no example's value depends on other examples.
+      independent: scalar bool, max_difference <= bound.
       max_difference: scalar, max |stacked - ys| over the batch.
-      per_example_difference: [B], max |stacked - ys| over each example's entries;
-        the rows that change are the examples that depend on others.
-      bound: scalar, tolerance * (1 + max |ys|), the largest difference accepted.
+      per_example_difference: [B], the same over each example's entries (the rows
+        that change are the examples that depend on others).
+      bound: scalar, tolerance * (1 + max |ys|).
       tolerance: the relative tolerance (a Python float).
-      towers: the `Towers` record whose stacked outputs are compared with `ys`.
+      towers: the `Towers` whose stacked outputs are compared with `ys`.
     """
 
     independent: tf.Tensor
@@ -84,9 +77,7 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
     `ys` is recomputed slice by slice (towers of B/T examples, one example each by
     default) and compared with `ys` itself. Run `independent` once on real data: True
     means per-example gradients of `ys` are well defined on that data (as far as
-    values show it), False that some op couples examples. The graph is scanned for
-    the coupling ops pertower knows first: those raise ValueError naming the op, as
-    the gradient functions do.
+    values show it), False that some op couples examples.
 
     Args:
       ys: per-example values, [B, ...].
@@ -123,7 +114,7 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
         independent = tf.less_equal(max_difference, bound, name="independent")
     return IndependenceCheck(independent=independent, max_difference=max_difference,
                              per_example_difference=difference, bound=bound,
-                             tolerance=tolerance_for(ys.dtype), towers=towers)
+                             tolerance=_tolerance(ys.dtype), towers=towers)
 
 
 def gated(result):
@@ -143,18 +134,9 @@ def gated(result):
 
 
 def validated(results, ys, stacked):
-    """`results` gated on a run-time assertion that `stacked` equals `ys`.
-
-    Args:
-      results: the list a gradient function returns (entries may be None).
-      ys: per-example values, [B, ...].
-      stacked: `ys` recomputed slice by slice, [B, ...] (e.g. `Towers.stacked`).
-
-    Returns:
-      The same values as `results`; fetching any of them first checks
-      max |stacked - ys| <= tolerance * (1 + max |ys|) and fails with
-      tf.errors.InvalidArgumentError naming the difference otherwise.
-    """
+    """`results` (entries may be None) gated on a run-time assertion that `stacked`,
+    [B, ...], equals `ys` (the bound of the module docstring); fetching any of them
+    fails with tf.errors.InvalidArgumentError naming the difference otherwise."""
     with tf.name_scope("validate"):
         difference, bound = _differences(stacked, ys)
         worst = tf.reduce_max(difference)

@@ -6,30 +6,21 @@ Notation:
     R   rows of the result: B (per-example), M (microbatches)
     s   bytes per number               P_t the scalars of the weights left to towers
 
-The estimate is taken on the plan (`pertower._plan.Plan`), so it counts what will
-be built: the per-example result, R x K x P numbers, written once (the rules write
-each covered weight's result directly); the towers' gradients before they are
-stacked, T x K x P_t, only for the weights that fall back to towers; and the forward
+The estimate is taken on the plan, so it counts what will be built: the result,
+R x K x P numbers, written once; the towers' gradients before they are stacked,
+T x K x P_t, only for the weights that fall back to towers; and the forward
 activations for the whole batch (the floating outputs of the non-elementwise ops
-between the batch and `ys`, held for the backward pass):
+between the batch and `ys`):
 
     estimate = R*K*P*s  +  T*K*P_t*s  +  activations
 
-`per_example_norms` holds no per-example result for the rules' weights: its result
-term counts only the towers' weights. With B = 512 examples and a 25 M-weight model
-in float32 the result alone is 51 GB, so this is checked before any op is built, and
-the call is refused above `memory_limit` bytes: by default half of the machine's
-physical memory (os.sysconf page size x physical pages); `memory_limit=<bytes>` sets
-another, `memory_limit=float("inf")` switches the guard off. The tower copies of the
-weights are `tf.identity` ops, which share their input's buffer, so they add nothing;
-parts whose static shape is unknown are left out (the estimate is then a lower bound).
-
-Not counted: the weights themselves and the towers' `tf.identity` copies of them
-(which share their input's buffer), the batch tensors, the backward pass's temporary
-gradients of the activations (and, for Jacobians, its K repetitions) and integer
-tensors. When B is not known before building (a None batch axis and no
-`batch_size`, allowed when no weight falls back to towers), nothing is estimated and
-nothing is refused. `build_towers` is not guarded.
+`per_example_norms` forms per-example results only for the towers' weights. The call
+is refused above `memory_limit` bytes: by default half of the machine's physical
+memory; float("inf") switches the guard off. Not counted: the weights and the towers'
+`tf.identity` copies (which share their buffer), the batch tensors, the backward
+pass's temporaries, integer tensors, and parts whose static shape is unknown (the
+estimate is then a lower bound). When B is not known before building, nothing is
+estimated or refused. `build_towers` is not guarded.
 """
 
 import dataclasses
@@ -70,22 +61,11 @@ def gb(n):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a per-example computation will hold when it runs (static estimate).
-
-    Attributes:
-      batch_size: B.
-      num_towers: T.
-      rows: R, the result's leading axis (B, or M microbatches).
-      outputs_per_example: K (1 except for Jacobians).
-      num_weights: P, scalars over the weights whose shape is static.
-      result_bytes: R x K x P x bytes per number, the returned tensors.
-      tower_gradient_bytes: T x K x P x bytes, the towers' gradients before stacking.
-      activation_bytes: the replayed forward activations for the whole batch (0 when
-        their shapes are not static).
-      fallback: what computes the weights the rules do not cover: "towers", or "row
-        passes" (past a TF1 loop: one backward pass of the original graph per example,
-        whose gradients are held before stacking just as the towers' are).
-    """
+    """Bytes a per-example computation will hold when it runs (static estimate), in
+    the notation of the module: batch_size B, num_towers T, rows R,
+    outputs_per_example K, num_weights P (static shapes only), result_bytes
+    R x K x P x s, tower_gradient_bytes T x K x P_t x s, activation_bytes; fallback:
+    "towers" or "row passes" (past a TF1 loop; their gradients are held alike)."""
 
     batch_size: int
     num_towers: int
@@ -118,10 +98,8 @@ def static_size(shape):
 
 
 def _activation_bytes(request, B):
-    """Bytes of the floating outputs of the ops between the batch and `ys` (of the
-    checked `request`), for B examples; tensors whose per-example shape is not
-    static are left out, and so are elementwise ops (activations, bias adds), whose
-    kernels reuse their input's buffer when they can."""
+    """Bytes of the floating outputs of the ops between the batch and `ys`, for B
+    examples (static per-example shapes only)."""
     total = 0
     for op in request.batch_downstream:
         if op.type in op_types.ELEMENTWISE_OP_TYPES:
@@ -148,14 +126,7 @@ def _weight_bytes(xs):
 
 
 def estimate_plan(plan):
-    """The `MemoryEstimate` of what `plan` (a `pertower._plan.Plan`) builds, or None
-    while B is unknown.
-
-    The rules write each covered weight's [R, K, *x.shape] result once; only the
-    weights that fall back to towers also hold their T tower gradients before they are
-    stacked, and the forward activations are counted once for the whole batch.
-    `per_example_norms` forms per-example gradients only for the towers' weights.
-    """
+    """The `MemoryEstimate` of what `plan` builds, or None while B is unknown."""
     request = plan.request
     B = request.batch_size
     if B is None:
