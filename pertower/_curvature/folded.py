@@ -127,6 +127,12 @@ class _Backward:
         """Whether x is on the path (depends on an output, reaches the logits)."""
         return x.ref() in self.on_path
 
+    def folded_shape(self, x):
+        """[rank] int32: x's shape with M*N on axis 0, the shape of a folded dX."""
+        dims = _shape(x)
+        return tf.stack([self.M * dims[0]] + [tf.convert_to_tensor(d, tf.int32)
+                                               for d in dims[1:]])
+
     # -- elementwise: dY times a local derivative (`_DERIVATIVES`), over the columns -
 
     def local(self, op, dY):
@@ -199,12 +205,10 @@ class _Backward:
         x, w = op.inputs[:2]
         if self.on(w):
             raise _Unsupported(f"{op.name} ({op.type}): its filter depends on the outputs")
-        dims = _shape(x)
-        sizes = tf.stack([self.M * dims[0]] + [tf.convert_to_tensor(d, tf.int32)
-                                                for d in dims[1:]])
         attrs = {name: op.get_attr(name) for name in
                  ("strides", "padding", "explicit_paddings", "data_format", "dilations")}
-        dX = kernel(input_sizes=sizes, filter=w, out_backprop=_fold(dY), **attrs)
+        dX = kernel(input_sizes=self.folded_shape(x), filter=w, out_backprop=_fold(dY),
+                    **attrs)
         return [_with_columns(dX, self.M, x), None]
 
     def Conv2D(self, op, dY):
@@ -219,10 +223,7 @@ class _Backward:
         if sizes is not None:
             k, h_out, w_out = sizes
             return [_spread(dY / (k * k), x, k, h_out, w_out, self.M)]
-        dims = _shape(x)
-        shape = tf.stack([self.M * dims[0]] + [tf.convert_to_tensor(d, tf.int32)
-                                                for d in dims[1:]])
-        dX = tf.raw_ops.AvgPoolGrad(orig_input_shape=shape, grad=_fold(dY),
+        dX = tf.raw_ops.AvgPoolGrad(orig_input_shape=self.folded_shape(x), grad=_fold(dY),
                                     **{a: op.get_attr(a) for a in
                                        ("ksize", "strides", "padding", "data_format")})
         return [_with_columns(dX, self.M, x)]
