@@ -119,13 +119,10 @@ def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
                     f"an earlier tensor has {out}; pass Jacobians of one output.")
     K = int(np.prod(out, dtype=np.int64))
     with tf.name_scope(_context.name()):
-        total = None
-        for ja, jb in zip(a, b):
-            # [B, *out, *x.shape] -> [B, K, P_x]
-            fa = tf.reshape(ja, tf.stack([tf.shape(ja)[0], K, -1]))
-            fb = tf.reshape(jb, tf.stack([tf.shape(jb)[0], K, -1]))
-            term = tf.einsum("akp,blp->akbl", fa, fb)               # [B_a, K, B_b, K]
-            total = term if total is None else total + term
-        # [B_a, K, B_b, K] -> [B_a, *out, B_b, *out]
-        shape = tf.concat([tf.shape(total)[:1], out, tf.shape(total)[2:3], out], axis=0)
-        return tf.reshape(total, shape)
+        # [B, *out, *x.shape] -> [B*K, P_x]: one row per example and output entry
+        rows_a = [tf.reshape(j, tf.stack([tf.shape(j)[0] * K, -1])) for j in a]
+        rows_b = [tf.reshape(j, tf.stack([tf.shape(j)[0] * K, -1])) for j in b]
+        gram = reductions.pairwise_dot(rows_a, rows_b)                   # [B_a*K, B_b*K]
+        # [B_a*K, B_b*K] -> [B_a, *out, B_b, *out]
+        shape = tf.concat([tf.shape(a[0])[:1], out, tf.shape(b[0])[:1], out], axis=0)
+        return tf.reshape(gram, shape)

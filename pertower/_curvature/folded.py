@@ -287,18 +287,9 @@ def crosses_control_flow(logits, outputs):
 
 
 def backward(logits, outputs, S):
-    """[M, *Z.shape] per Z of `outputs`: the gradient of sum_n S[m, n] . logits_n for every
-    column m, from one backward pass of the columns' own (the module docstring).
-
-    Args:
-      logits: [B, K] tensor.
-      outputs: tensors Z (zeros for those the logits do not reach).
-      S: [M, B, K] columns, M static.
-
-    Returns:
-      (the list of [M, *Z.shape] tensors, None), or (None, reason) when an op between
-      the outputs and the logits is not converted here.
-    """
+    """logits [B, K], tensors Z, S [M, B, K] (M static) -> ([M, *Z.shape] per Z: the
+    gradient of sum_n S[m, n] . logits_n for every column m, zeros for a Z the logits do
+    not reach; None), or (None, reason) when an op on the path is not converted here."""
     M = S.shape[0]
     if not isinstance(M, int):
         return None, "the number of columns is not static"

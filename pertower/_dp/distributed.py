@@ -121,8 +121,8 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
       noise: "chief" (default): the chief draws N(0, σ²C²) once per step. "split": each
         push adds N(0, σ²C²/R) with an op seed derived from (seed, task_index);
         refused when R < W.
-      seed: an int making the noise repeatable (chief mode: `DPOptimizer`'s seed on the
-        chief; split mode: hashed with task_index), or None.
+      seed: an int making the noise repeatable (chief mode: as `DPOptimizer`'s seed, on
+        the chief; split mode: hashed with task_index), or None.
       task_index: this worker's index in [0, W); needed with noise="split".
       expected_global_batch: None (default) divides by the sum of the pushed counts
         (as `DPOptimizer` divides by the fed batch); a number divides by it instead:
