@@ -44,8 +44,8 @@ from pertower import _graph_walk as graph_walk
 from pertower import _plan
 from pertower import _reductions as reductions
 
-__all__ = ["AdaptiveClipping", "ClippingOptions", "clipping_options", "flat_factors",
-           "per_layer_factors", "per_layer_clips", "gradient_noise_multiplier",
+__all__ = ["AdaptiveClipping", "ClippingOptions", "clipping_options", "clip_factors",
+           "per_layer_clips", "gradient_noise_multiplier",
            "clipped_sum_per_example", "clipped_sum_microbatches", "adaptive_clip_update",
            "clip_variable"]
 
@@ -172,20 +172,13 @@ def per_layer_clips(l2_norm_clip, K):
     return list(l2_norm_clip)
 
 
-def flat_factors(clip):
-    """norms [G] -> f = C / max(n, C) = min(1, C / n), [G] (tf.clip_by_global_norm)."""
+def clip_factors(clip):
+    """norms -> f = C / max(n, C) = min(1, C / n) (tf.clip_by_global_norm): flat, norms
+    [G] and C a float or a scalar tensor; per layer, norms [G, K] and C the K floats C_k."""
     def factors(norms):
         C = (tf.cast(clip, norms.dtype) if isinstance(clip, tf.Tensor)
-             else tf.constant(clip, norms.dtype))
-        return C / tf.maximum(norms, C)                                   # [G]
-    return factors
-
-
-def per_layer_factors(clips):
-    """norms [G, K] -> f_gk = C_k / max(n_gk, C_k), [G, K]."""
-    def factors(norms):
-        C = tf.constant(clips, norms.dtype)[tf.newaxis]                  # [1, K]
-        return C / tf.maximum(norms, C)                                   # [G, K]
+             else tf.constant(clip, norms.dtype))                         # [] or [K]
+        return C / tf.maximum(norms, C)                                   # [G] or [G, K]
     return factors
 
 

@@ -219,8 +219,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
                     _dispatch.options(self._method, batch_capacity=capacity),
                     ys_argument="loss", scalar_advice=wrapper.ONE_LOSS_PER_EXAMPLE)
             clip = self._clip_read(dtype)              # C: a float, or the variable's read
-            factors_of = (clipping_lib.per_layer_factors(clips) if per_layer
-                          else clipping_lib.flat_factors(clip))
+            factors_of = clipping_lib.clip_factors(clips if per_layer else clip)
             # B when known now (the towers check it against the fed batch at run time)
             B = request.batch_size if request.batch_size is not None else request.ys_rows
             if M is None or (B is not None and M == B):
