@@ -4,13 +4,8 @@ Notation (of every module here):
     B   examples              g_i  example i's gradient over all weights, flattened [P]
     x   one weight            ḡ    the batch mean (1/B) sum_i g_i
     G   the true (expected) gradient, Σ the covariance of one example's gradient
-    K   output entries per example (for Jacobians)
 
-Every function is a graph op on a per-example gradient (a list with one [B, *x.shape]
-tensor per weight, as `pertower.per_example_gradients` returns) or on per-example
-Jacobians; the pairwise products reuse `pertower._reductions`.
-
-    influence             tracin, tracin_over_checkpoints
-    similarity            similarity_matrix, class_similarity, empirical_ntk
-    gradient_statistics   fisher_diagonal, gradient_variance, gradient_noise_scale
+Every function is a graph op on a per-example gradient (one [B, *x.shape] tensor per
+weight, as `pertower.per_example_gradients` returns) or on per-example Jacobians; the
+pairwise products are `pertower._reductions`'.
 """

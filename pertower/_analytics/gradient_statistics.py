@@ -1,8 +1,5 @@
-"""Moments of the per-example gradients: the empirical Fisher diagonal, the variance,
-the gradient noise scale.
-
-Notation: as in `pertower._analytics`.
-"""
+"""Moments of the per-example gradients (notation: `pertower._analytics`): the empirical
+Fisher diagonal, the variance, the gradient noise scale."""
 
 import dataclasses
 
@@ -21,14 +18,8 @@ def fisher_diagonal(per_example_gradients):
 
     F_diag = E_i[(∇ log p(y_i | x_i, w))^2] estimated on the batch with the observed
     labels (the "empirical Fisher"; Kunstner, Hennig and Balles 2019, arXiv 1905.12558,
-    discuss where it differs from the true Fisher). Pass the gradients of the negative
-    log-likelihood (e.g. cross-entropy) per example; the sign does not matter.
-
-    Args:
-      per_example_gradients: a list of [B, *x.shape].
-
-    Returns:
-      A list of [*x.shape] tensors, one per weight.
+    on where it differs from the true Fisher). `per_example_gradients`: of the negative
+    log-likelihood, [B, *x.shape] per weight -> [*x.shape] per weight.
 
     Example:
       fisher = pertower.fisher_diagonal(pertower.per_example_gradients(nll, w, batch_size=64))
@@ -57,12 +48,7 @@ def gradient_variance(per_example_gradients):
         Var[g]_p = 1/(B-1) sum_i (g_ip - ḡ_p)^2
 
     Its sum over all entries p is tr(Σ), the estimate `gradient_noise_scale` uses.
-
-    Args:
-      per_example_gradients: a list of [B, *x.shape], B >= 2.
-
-    Returns:
-      A list of [*x.shape] tensors.
+    `per_example_gradients`: [B, *x.shape] per weight, B >= 2 -> [*x.shape] per weight.
 
     Example:
       variance = pertower.gradient_variance(per_example)
@@ -104,12 +90,7 @@ def gradient_noise_scale(per_example_gradients):
         |G|^2  ≈ |ḡ|^2 - S / B        (E|ḡ|^2 = |G|^2 + tr(Σ)/B)
 
     which equal their Appendix A.1 two-batch estimators with B_small = 1, B_big = B.
-
-    Args:
-      per_example_gradients: a list of [B, *x.shape], B >= 2.
-
-    Returns:
-      A `NoiseScale` of three scalar tensors.
+    `per_example_gradients`: [B, *x.shape] per weight, B >= 2 -> a `NoiseScale`.
 
     Example:
       scale = pertower.gradient_noise_scale(per_example)

@@ -1,7 +1,5 @@
-"""TracIn: the influence of training examples on test examples (Pruthi et al. 2020).
-
-Notation: as in `pertower._analytics`.
-"""
+"""TracIn: the influence of training examples on test examples (Pruthi et al. 2020);
+notation: `pertower._analytics`."""
 
 import numpy as np
 import tensorflow as tf
@@ -31,17 +29,13 @@ def tracin(train_gradients, test_gradients, learning_rates=1.0):
     proponent (a step on z_train lowers z_test's loss), a negative one an opponent.
 
     Args:
-      train_gradients: the per-example loss gradients of the training examples at one
-        checkpoint (a list of [B_train, *x.shape]), or a list over C checkpoints of
-        such lists.
-      test_gradients: the same for the test examples, [B_test, *x.shape] per weight
-        (a list over the same C checkpoints when train_gradients is one).
-      learning_rates: η, a number or scalar tensor for one checkpoint, or a sequence of
-        C of them.
+      train_gradients: the training examples' per-example loss gradients at one
+        checkpoint ([B_train, *x.shape] per weight), or a list over C checkpoints.
+      test_gradients: the same for the test examples, [B_test, *x.shape] per weight.
+      learning_rates: η, a number or scalar tensor, or a sequence of C of them.
 
     Returns:
-      A [B_train, B_test] tensor: the sum over checkpoints of η_c times the dot
-      products of the flattened gradients.
+      [B_train, B_test]: sum over checkpoints of η_c times the gradients' dot products.
 
     Example (one checkpoint; sum several with `tracin_over_checkpoints`):
       train = pertower.per_example_gradients(train_loss, weights, batch_size=100)
@@ -91,15 +85,12 @@ def tracin_over_checkpoints(sess, scores, checkpoints, learning_rates, restore,
     to be summed the same way.
 
     Args:
-      sess: the session.
-      scores: the tensor to run at each checkpoint, e.g. [B_train, B_test].
-      checkpoints: the checkpoint paths (or anything `restore` accepts), C of them.
+      sess, scores: the session and the tensor to run at each checkpoint.
+      checkpoints: C checkpoint paths (or anything `restore` accepts).
       learning_rates: C learning rates η_c.
-      restore: a `tf.compat.v1.train.Saver` (its `restore(sess, path)` is called) or a
-        callable `restore(sess, checkpoint)`.
-      feed_dict: the feeds for `scores`: one dict, or a list of dicts (for example one
-        per chunk of the training set); each checkpoint is restored once and `scores`
-        run for every dict.
+      restore: a `tf.compat.v1.train.Saver` or a callable `restore(sess, checkpoint)`.
+      feed_dict: one dict, or a list of dicts (e.g. one per chunk of the training set);
+        each checkpoint is restored once and `scores` run for every dict.
 
     Returns:
       A NumPy array shaped like `scores` (for one dict), or a list of them, one per dict.

@@ -1,7 +1,5 @@
-"""Similarities between examples' gradients, by class, and the empirical NTK.
-
-Notation: as in `pertower._analytics`.
-"""
+"""Similarities between examples' gradients, by class, and the empirical NTK;
+notation: `pertower._analytics`."""
 
 import numpy as np
 import tensorflow as tf
@@ -17,13 +15,10 @@ __all__ = ["similarity_matrix", "class_similarity", "empirical_ntk"]
 def similarity_matrix(a, b=None, metric="cosine"):
     """Gradient similarities between every example of `a` and every example of `b`.
 
-    Args:
-      a: a per-example gradient, [B_a, *x.shape] per weight.
-      b: another one over the same weights, [B_b, *x.shape]; default `a`.
-      metric: "cosine" (`pertower.pairwise_cosine`) or "dot" (`pertower.pairwise_dot`).
-
-    Returns:
-      [B_a, B_b]: entry (i, j) is cos(g_a_i, g_b_j) or <g_a_i, g_b_j>.
+    `a`, `b` (default `a`): per-example gradients of the same weights, [B_a, *x.shape]
+    and [B_b, *x.shape] per weight; `metric` "cosine" (`pertower.pairwise_cosine`) or
+    "dot" (`pertower.pairwise_dot`). Returns [B_a, B_b]: cos(g_a_i, g_b_j) or
+    <g_a_i, g_b_j>.
 
     Example:
       similarity = pertower.similarity_matrix(train_grads, test_grads, metric="cosine")
@@ -46,14 +41,8 @@ def class_similarity(similarity, labels_a, num_classes, labels_b=None):
     every mean (an example is not compared with itself). A block without any pair
     is NaN.
 
-    Args:
-      similarity: [B_a, B_b] (or [B, B] when labels_b is None).
-      labels_a: integer labels in [0, num_classes), [B_a].
-      num_classes: C.
-      labels_b: integer labels of the columns, [B_b]; None for the rows' labels.
-
-    Returns:
-      A [C, C] tensor of similarity's dtype.
+    `labels_a` [B_a] and `labels_b` [B_b] are integer labels in [0, num_classes = C).
+    Returns [C, C] of similarity's dtype.
 
     Example:
       heat = pertower.class_similarity(pertower.similarity_matrix(grads), labels, 10)
@@ -80,7 +69,6 @@ def class_similarity(similarity, labels_a, num_classes, labels_b=None):
         return totals / counts  # NaN where a block has no pair
 
 
-
 @_context.public("empirical_ntk")
 def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
     """The empirical neural tangent kernel: the Gram matrix of per-example Jacobians.
@@ -91,13 +79,11 @@ def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
     current weights). For one output per example this is `pertower.pairwise_dot`.
 
     Args:
-      jacobians_a: per-example Jacobians, one [B_a, *out, *x.shape] tensor per weight,
-        as `pertower.per_example_jacobians` returns.
-      jacobians_b: the same for a second set of inputs, [B_b, *out, *x.shape]; default
-        `jacobians_a`.
-      output_rank: len(out), the number of output axes after the batch axis (1 for a
-        [B, K] model output, 0 for [B] outputs or per-example gradients). `out` must
-        be static.
+      jacobians_a: per-example Jacobians, [B_a, *out, *x.shape] per weight, as
+        `pertower.per_example_jacobians` returns.
+      jacobians_b: the same for other inputs, [B_b, *out, *x.shape]; default jacobians_a.
+      output_rank: len(out), the static output axes after the batch axis (1 for [B, K]
+        outputs, 0 for [B] outputs or per-example gradients).
 
     Returns:
       [B_a, *out, B_b, *out].
@@ -133,13 +119,10 @@ def empirical_ntk(jacobians_a, jacobians_b=None, output_rank=1):
                     f"an earlier tensor has {out}; pass Jacobians of one output.")
     K = int(np.prod(out, dtype=np.int64))
     with tf.name_scope(_context.name()):
-        total = None
-        for ja, jb in zip(a, b):
-            # [B, *out, *x.shape] -> [B, K, P_x]
-            fa = tf.reshape(ja, tf.stack([tf.shape(ja)[0], K, -1]))
-            fb = tf.reshape(jb, tf.stack([tf.shape(jb)[0], K, -1]))
-            term = tf.einsum("akp,blp->akbl", fa, fb)               # [B_a, K, B_b, K]
-            total = term if total is None else total + term
-        # [B_a, K, B_b, K] -> [B_a, *out, B_b, *out]
-        shape = tf.concat([tf.shape(total)[:1], out, tf.shape(total)[2:3], out], axis=0)
-        return tf.reshape(total, shape)
+        # [B, *out, *x.shape] -> [B*K, P_x]: one row per example and output entry
+        rows_a = [tf.reshape(j, tf.stack([tf.shape(j)[0] * K, -1])) for j in a]
+        rows_b = [tf.reshape(j, tf.stack([tf.shape(j)[0] * K, -1])) for j in b]
+        gram = reductions.pairwise_dot(rows_a, rows_b)                   # [B_a*K, B_b*K]
+        # [B_a*K, B_b*K] -> [B_a, *out, B_b, *out]
+        shape = tf.concat([tf.shape(a[0])[:1], out, tf.shape(b[0])[:1], out], axis=0)
+        return tf.reshape(gram, shape)

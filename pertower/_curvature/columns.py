@@ -8,15 +8,12 @@ Notation:
     dZ[m] = d (sum_n S[m, n] . logits_n) / d Z = tf.gradients(logits, Z, grad_ys=S[m])
 
 The backward pass is linear in grad_ys, so the M passes are one pass over a stacked
-column axis. First choice: the columns' own backward pass (`pertower._curvature.folded`:
-each op's input gradient on [M, ...] at once, M folded into axis 0 of convolutions,
-poolings and MatMuls, elementwise derivatives broadcast over the columns); where an op
-between the outputs and the logits is not in its table: `pfor` (TensorFlow's vectorizer, the one behind `tf.vectorized_map` and
-`jacobian`) converts each backward op to its batched form over m. When some op of the
-backward pass has no vectorized converter, pfor raises while converting it; that is
-detected (`pfor(..., fallback_to_while_loop=False)` fails), and the columns are then
-computed by a `tf.while_loop` over m (one backward pass per iteration, the same
-numbers), with the reason kept in the result's `reason`.
+column axis, in order of preference: the columns' own backward pass
+(`pertower._curvature.folded`); `pfor` (TensorFlow's vectorizer, behind
+`tf.vectorized_map`), which raises on an op it cannot convert
+(`fallback_to_while_loop=False`); a `tf.while_loop` over m (the same numbers). With
+control flow on the path (a loop's gradient cannot be built inside pfor's body), one
+tf.gradients per column. The result says which way served and why.
 """
 
 import logging
@@ -32,10 +29,9 @@ __all__ = ["Columns", "output_gradient_columns"]
 
 class Columns(list):
     """The list of dZ columns, [M, *Z.shape] per entry of `outputs`, and how they were
-    computed: `vectorized` True for one pass over all columns (`method` "folded": the
-    columns' own backward pass, or "pfor"), False for the while-loop fallback
-    (`method` "while loop"); `reason` says why a preferred way was not taken (None
-    when the columns' own backward pass served)."""
+    computed: `method` "one pass" (one column), "folded", "pfor", "per column" or
+    "while loop"; `vectorized` whether one pass served all columns; `reason` why a
+    preferred way was not taken (None when the folded pass served)."""
 
     def __init__(self, tensors, vectorized, reason=None, method=None):
         super().__init__(tensors)
@@ -52,19 +48,8 @@ def _column_gradients(logits, outputs, S_m):
 
 
 def output_gradient_columns(logits, outputs, S):
-    """For every column m of S, the gradient of sum_n S[m, n] . logits_n with respect to
-    each tensor in `outputs`.
-
-    Args:
-      logits: [B, K] tensor.
-      outputs: a list of tensors Z that `logits` may depend on.
-      S: [M, B, K] columns of logits' dtype (not differentiated through).
-
-    Returns:
-      A `Columns` list with one [M, *Z.shape] tensor per entry of `outputs` (zeros for a
-      Z that `logits` does not reach); `.vectorized` tells whether one vectorized pass
-      served, `.reason` why not.
-    """
+    """logits [B, K], tensors Z, S [M, B, K] (not differentiated through) -> a
+    `Columns` of [M, *Z.shape] per Z: dZ[m] (zeros for a Z the logits do not reach)."""
     outputs = list(outputs)
     if not outputs:
         return Columns([], True)

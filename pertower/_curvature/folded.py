@@ -5,27 +5,25 @@ Notation:
     Z   a tensor the logits depend on                dY  [M, *Y.shape] the columns'
                                                          gradient at a tensor Y
 
-Every op between the rules' outputs Z and the logits has its input gradients computed
-here from dY with the column axis kept in front: the backward ops are linear in dY, so
-
-  - an op that acts on each entry of its axis 0 alone (a convolution, a pooling, the
-    rows of a MatMul's first operand) runs ONCE on dY folded to [M*N, ...]
-    (Conv2DBackpropInput, DepthwiseConv2dNativeBackpropInput, AvgPoolGrad, MaxPoolGrad,
-    MatMul), its weights shared by all M*N entries;
+Every op between the rules' outputs Z and the logits gets its input gradients from dY
+with the column axis kept in front (backward ops are linear in dY):
+  - an op that treats the entries of its axis 0 alike (a convolution, a pooling, the
+    rows of a MatMul's first operand) runs ONCE on dY folded to [M*N, ...], its weights
+    shared by all M*N entries (folding is exact whichever axis holds the batch);
   - an elementwise op multiplies dY by its local derivative, computed once from the
-    forward tensors and broadcast over the M columns (Relu: dY * (y > 0); no copy of the
-    forward tensors, where pfor's converters tile them M times);
-  - a non-overlapping AvgPool (or MaxPool) spreads each output gradient over its window
-    by a broadcast ([.., Ho, 1, Wo, 1, C] -> [.., Ho, k, Wo, k, C]; for MaxPool times the
-    window's argmax mask, computed once), where TensorFlow's CPU AvgPoolGrad kernel runs
-    an order of magnitude slower;
-  - reshapes, reductions and broadcasting additions act on [M, ...] with the column axis
+    forward tensors and broadcast over the M columns (pfor's converters tile them M
+    times);
+  - a non-overlapping AvgPool or MaxPool spreads each output gradient over its window
+    by a broadcast ([.., Ho, 1, Wo, 1, C] -> [.., Ho, k, Wo, k, C]; MaxPool times the
+    window's argmax mask), where TensorFlow's CPU AvgPoolGrad is an order of magnitude
+    slower;
+  - reshapes, reductions and broadcasting additions act on [M, ...], the column axis
     prepended to their shapes and axes.
-None of these assumes which axis holds the batch: folding M into axis 0 is exact for
-any op that treats the entries of axis 0 alike. Ops outside the table (or inside a
-control-flow frame) make `backward` return None with the reason; the caller then takes
-pfor (`pertower._curvature.columns`).
+For an op outside the table (or inside a control-flow frame) `backward` returns None
+with the reason; the caller then takes pfor (`pertower._curvature.columns`).
 """
+
+import functools
 
 import tensorflow as tf
 
@@ -106,6 +104,18 @@ def _spread(dY, x, k, h_out, w_out, M):
     return _with_columns(wide, M, x)
 
 
+# op type -> (x, y, op) -> dy/dx, the local derivative of an elementwise op y = f(x)
+_DERIVATIVES = {
+    "Relu": lambda x, y, op: tf.cast(y > 0, y.dtype),
+    "Relu6": lambda x, y, op: tf.cast(tf.logical_and(y > 0, y < 6), y.dtype),
+    "Elu": lambda x, y, op: tf.where(y > 0, tf.ones_like(y), y + 1),
+    "LeakyRelu": lambda x, y, op: tf.where(
+        x > 0, tf.ones_like(x), tf.cast(op.get_attr("alpha"), x.dtype) * tf.ones_like(x)),
+    "Sigmoid": lambda x, y, op: y * (1 - y),
+    "Tanh": lambda x, y, op: 1 - y * y,
+}
+
+
 class _Backward:
     """The converters, with the per-op local derivatives they compute once."""
 
@@ -117,35 +127,17 @@ class _Backward:
         """Whether x is on the path (depends on an output, reaches the logits)."""
         return x.ref() in self.on_path
 
-    # -- elementwise: dY times a local derivative, broadcast over the columns --------
+    def folded_shape(self, x):
+        """[rank] int32: x's shape with M*N on axis 0, the shape of a folded dX."""
+        dims = _shape(x)
+        return tf.stack([self.M * dims[0]] + [tf.convert_to_tensor(d, tf.int32)
+                                               for d in dims[1:]])
 
-    def _local(self, op, dY, derivative):
+    # -- elementwise: dY times a local derivative (`_DERIVATIVES`), over the columns -
+
+    def local(self, op, dY):
+        derivative = _DERIVATIVES[op.type](op.inputs[0], op.outputs[0], op)
         return [_with_columns(dY * derivative[None], self.M, op.inputs[0])]
-
-    def Relu(self, op, dY):
-        y = op.outputs[0]
-        return self._local(op, dY, tf.cast(y > 0, y.dtype))
-
-    def Relu6(self, op, dY):
-        y = op.outputs[0]
-        return self._local(op, dY, tf.cast(tf.logical_and(y > 0, y < 6), y.dtype))
-
-    def Elu(self, op, dY):
-        y = op.outputs[0]
-        return self._local(op, dY, tf.where(y > 0, tf.ones_like(y), y + 1))
-
-    def LeakyRelu(self, op, dY):
-        x = op.inputs[0]
-        alpha = tf.cast(op.get_attr("alpha"), x.dtype)
-        return self._local(op, dY, tf.where(x > 0, tf.ones_like(x), alpha * tf.ones_like(x)))
-
-    def Sigmoid(self, op, dY):
-        y = op.outputs[0]
-        return self._local(op, dY, y * (1 - y))
-
-    def Tanh(self, op, dY):
-        y = op.outputs[0]
-        return self._local(op, dY, 1 - y * y)
 
     def Identity(self, op, dY):
         return [dY]
@@ -155,16 +147,12 @@ class _Backward:
     def StopGradient(self, op, dY):
         return [None]
 
-    # -- shapes ------------------------------------------------------------------------
+    # -- shapes: the first input's gradient, the others (a shape, an axis) none --------
 
     def Reshape(self, op, dY):
-        return [_with_columns(dY, self.M, op.inputs[0]), None]
+        return [_with_columns(dY, self.M, op.inputs[0])] + [None] * (len(op.inputs) - 1)
 
-    def Squeeze(self, op, dY):
-        return [_with_columns(dY, self.M, op.inputs[0])]
-
-    def ExpandDims(self, op, dY):
-        return [_with_columns(dY, self.M, op.inputs[0]), None]
+    Squeeze = ExpandDims = Reshape
 
     # -- additions and products, with broadcasting -------------------------------------
 
@@ -200,11 +188,8 @@ class _Backward:
             dX = dX / count
         return [_with_columns(dX, self.M, x), None]
 
-    def Sum(self, op, dY):
-        return self._reduce(op, dY, mean=False)
-
-    def Mean(self, op, dY):
-        return self._reduce(op, dY, mean=True)
+    Sum = functools.partialmethod(_reduce, mean=False)
+    Mean = functools.partialmethod(_reduce, mean=True)
 
     # -- ops that treat the entries of axis 0 alike: M folded into axis 0 -------------
 
@@ -220,12 +205,10 @@ class _Backward:
         x, w = op.inputs[:2]
         if self.on(w):
             raise _Unsupported(f"{op.name} ({op.type}): its filter depends on the outputs")
-        dims = _shape(x)
-        sizes = tf.stack([self.M * dims[0]] + [tf.convert_to_tensor(d, tf.int32)
-                                                for d in dims[1:]])
         attrs = {name: op.get_attr(name) for name in
                  ("strides", "padding", "explicit_paddings", "data_format", "dilations")}
-        dX = kernel(input_sizes=sizes, filter=w, out_backprop=_fold(dY), **attrs)
+        dX = kernel(input_sizes=self.folded_shape(x), filter=w, out_backprop=_fold(dY),
+                    **attrs)
         return [_with_columns(dX, self.M, x), None]
 
     def Conv2D(self, op, dY):
@@ -240,10 +223,7 @@ class _Backward:
         if sizes is not None:
             k, h_out, w_out = sizes
             return [_spread(dY / (k * k), x, k, h_out, w_out, self.M)]
-        dims = _shape(x)
-        shape = tf.stack([self.M * dims[0]] + [tf.convert_to_tensor(d, tf.int32)
-                                                for d in dims[1:]])
-        dX = tf.raw_ops.AvgPoolGrad(orig_input_shape=shape, grad=_fold(dY),
+        dX = tf.raw_ops.AvgPoolGrad(orig_input_shape=self.folded_shape(x), grad=_fold(dY),
                                     **{a: op.get_attr(a) for a in
                                        ("ksize", "strides", "padding", "data_format")})
         return [_with_columns(dX, self.M, x)]
@@ -307,18 +287,9 @@ def crosses_control_flow(logits, outputs):
 
 
 def backward(logits, outputs, S):
-    """[M, *Z.shape] per Z of `outputs`: the gradient of sum_n S[m, n] . logits_n for every
-    column m, from one backward pass of the columns' own (the module docstring).
-
-    Args:
-      logits: [B, K] tensor.
-      outputs: tensors Z (zeros for those the logits do not reach).
-      S: [M, B, K] columns, M static.
-
-    Returns:
-      (the list of [M, *Z.shape] tensors, None), or (None, reason) when an op between
-      the outputs and the logits is not converted here.
-    """
+    """logits [B, K], tensors Z, S [M, B, K] (M static) -> ([M, *Z.shape] per Z: the
+    gradient of sum_n S[m, n] . logits_n for every column m, zeros for a Z the logits do
+    not reach; None), or (None, reason) when an op on the path is not converted here."""
     M = S.shape[0]
     if not isinstance(M, int):
         return None, "the number of columns is not static"
@@ -334,7 +305,8 @@ def backward(logits, outputs, S):
                 continue
             if _tf.control_flow_context(op) is not None:
                 raise _Unsupported(f"{op.name} ({op.type}) is inside a control-flow frame")
-            convert = getattr(converters, op.type, None) if op.type[0].isupper() else None
+            convert = (converters.local if op.type in _DERIVATIVES else
+                       getattr(converters, op.type, None) if op.type[0].isupper() else None)
             if convert is None:
                 raise _Unsupported(f"{op.name} ({op.type}): no converter for its type")
             dY = dYs[0] if len(dYs) == 1 else tf.add_n(dYs)

@@ -2,9 +2,9 @@
 
 Notation:
     B   examples in the batch            K   outputs (logits) per example
-    M   columns of the loss Hessian's factor S, [M, B, K] (M = K exact, K - 1 for the softmax, or mc_samples)
+    M   columns of the loss Hessian's factor S, [M, B, K] (`loss_hessian`)
     R   rows of a layer: B*k for a dense layer read with k rows per example, B*Ho*Wo
-        for a convolution (one row per output position)
+        for a convolution (one row per output position); |T| = R/B
     a   one row of the layer's input A: [d_in] (a convolution's patch, kh*kw*Cin)
     dz  the gradient at the layer's output Z of one column m: [d_out]
 
@@ -13,26 +13,21 @@ column m is a ⊗ dz_m, so the GGN block of W flattened row-major is exactly
 
     sum_m (a ⊗ dz_m)(a ⊗ dz_m)^T = (a a^T) ⊗ (sum_m dz_m dz_m^T).
 
-Over a batch the block is sum_n (a_n a_n^T) ⊗ G_n; K-FAC (Martens & Grosse 2015,
-"Optimizing neural networks with Kronecker-factored approximate curvature", arXiv
+Over a batch the block is sum_n (a_n a_n^T) ⊗ G_n; K-FAC (Martens & Grosse 2015, arXiv
 1503.05671) replaces the mean of the products by the product of the means:
 
     A = (1/B) sum_rows a a^T                       [d_in, d_in]
     G = (B/R) sum_m sum_rows dz_m dz_m^T           [d_out, d_out]
     GGN block of W (of the summed loss sum_n l_n) ≈ kron(A, G),
 
-exact at B = 1 for a dense layer with exact columns (KFLR, Botev, Ritter, Barber
-2017, "Practical Gauss-Newton optimisation for deep learning", arXiv 1706.03662), and
-KFAC with Monte-Carlo columns. A convolution is a dense layer applied to the patch at
-every output position (KFC, Grosse & Martens 2016, "A Kronecker-factored approximate
-Fisher matrix for convolution layers", arXiv 1602.01407): the same sums run over the
-R = B*Ho*Wo patches (`tf.image.extract_patches`, ordered like the filter
-[kh, kw, Cin], so that kron(A, G) matches the filter flattened row-major). With
-|T| = R/B positions per example, G is (1/|T|) sum_rows, KFC's Gamma: its Omega ⊗ Gamma
-holds under KFC's assumptions (derivatives uncorrelated across positions, the same
-statistics at every position). A dense layer read with k rows per example (a Dense
-layer on [B, k, d]) is treated the same way, |T| = k (KFAC-expand, Eschenhagen et al.
-2023, arXiv 2311.00636, with the 1/|T| moved from A to G). For k = 1, B/R = 1.
+exact at B = 1 for a dense layer with exact columns (KFLR, Botev, Ritter, Barber 2017,
+arXiv 1706.03662); KFAC with Monte-Carlo columns, equal to the exact G in expectation.
+A convolution is a dense layer on the patch at every output position (KFC, Grosse &
+Martens 2016, arXiv 1602.01407): the sums run over the R = B*Ho*Wo patches
+(`tf.image.extract_patches`, ordered like the filter [kh, kw, Cin]), and G, with its
+1/|T|, is KFC's Gamma (derivatives uncorrelated across positions, the same statistics
+at every position). A dense layer on [B, k, d] is treated the same way, |T| = k
+(KFAC-expand, Eschenhagen et al. 2023, arXiv 2311.00636, the 1/|T| moved from A to G).
 """
 
 import typing
@@ -56,16 +51,12 @@ __all__ = ["KroneckerFactors", "kfac_factors"]
 
 
 class KroneckerFactors(typing.NamedTuple):
-    """The two Kronecker factors of one kernel's GGN block.
-
-    Attributes:
-      A: [d_in, d_in], (1/B) sum over the layer's input rows (or patches) of a a^T.
-      G: [d_out, d_out], sum over the columns and output rows of dz dz^T.
+    """The two Kronecker factors of one kernel's GGN block, A [d_in, d_in] and
+    G [d_out, d_out] (`kfac_factors`).
 
     kron(A, G) approximates the GGN block of the kernel flattened row-major as the
-    layer reads it ([d_in, d_out]; a convolution's [kh, kw, Cin, Cout]). For a kernel
-    stored transposed (MatMul with transpose_b=True, [d_out, d_in]) the block of the
-    stored kernel's row-major flattening is kron(G, A).
+    layer reads it ([d_in, d_out]; a convolution's [kh, kw, Cin, Cout]); for a kernel
+    stored transposed (MatMul with transpose_b=True) it is kron(G, A).
     """
 
     A: tf.Tensor
@@ -100,8 +91,7 @@ def _layer_or_reason(use):
         return _Layer(tf.reshape(patches, [-1, kh * kw * c_in]), use.output)  # [R, D]
     if op.type == "BiasAdd" or use.weight_shape.rank == 1:
         return (f"it is a bias or scale (read by {op.name!r}, {op.type}), not a kernel; "
-                "Kronecker "
-                f"factors are built for dense and Conv2D kernels only: {_INSTEAD}")
+                f"Kronecker factors are built for dense and Conv2D kernels only: {_INSTEAD}")
     return (f"it is read by {op.name!r} ({op.type}); Kronecker factors are built for the "
             f"kernels of dense (MatMul) and Conv2D layers only: {_INSTEAD}")
 
@@ -123,54 +113,23 @@ def _reasons_and_layers(plan):
     return found
 
 
-def _warn_uncovered(xs, found):
-    """One warning naming every weight that gets None, with why."""
-    lines = [f"  {_plan.weight_name(x)}: {why}" for x, why in zip(xs, found)
-             if isinstance(why, str)]
-    if lines:
-        warnings.warn(_context.prefixed(
-            "no Kronecker factors (None) for these entries of `xs`:\n" + "\n".join(lines)),
-            stacklevel=3)
-
-
-def _outer_sum(rows):
-    """[d, d]: sum over the rows of `rows` [R, d] of r r^T."""
-    return tf.matmul(rows, rows, transpose_a=True)
-
-
 @_context.public("kfac_factors")
 def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batch=None,
                  batch_size=None, seed=None, name=None):
     """Kronecker factors (A, G) of the GGN block of each dense or convolution kernel.
 
-    For the summed loss sum_n l(logits_n) and each kernel W that a rule covers (a
-    dense layer's MatMul, a Conv2D filter), with a the rows of the layer's input
-    (a convolution's patches of kh*kw*Cin entries, the KFC form) and dz the gradient at
-    the layer's output of each column of the loss Hessian's factor S (S S^T = the
-    Hessian of l with respect to logits_n; one vectorized backward pass):
+    For the summed loss sum_n l(logits_n) and each kernel W that a rule covers (a dense
+    layer's MatMul, a Conv2D filter): A = (1/B) sum_rows a a^T, G = (1/|T|) sum_columns
+    sum_rows dz dz^T, and the GGN block of W flattened row-major ≈ kron(A, G) (the
+    module docstring: KFLR with exact columns, KFAC with `mc_samples`, KFC for a
+    convolution; the columns from one vectorized backward pass).
 
-        A = (1/B) sum_rows a a^T          G = (1/|T|) sum_columns sum_rows dz dz^T
-        GGN block of W flattened row-major  ≈  kron(A, G)
-
-    with |T| the rows per example (1 for a dense layer on [B, d_in], Ho*Wo for a
-    convolution: KFC's Gamma; k for a dense layer on [B, k, d_in]: KFAC-expand).
-
-    exact at B = 1 for a dense layer with exact columns (`mc_samples=None`: KFLR, Botev
-    et al. 2017, arXiv 1706.03662); with `mc_samples=k` the columns are sampled from the
-    model (KFAC, Martens & Grosse 2015, arXiv 1503.05671), equal to the exact G in
-    expectation. Convolutions: KFC (Grosse & Martens 2016, arXiv 1602.01407), the sums
-    running over every output position.
-
-    Conventions: the loss is the SUM over examples (for a mean loss (1/B) sum_n l_n
-    divide G by B); A is the mean over examples of sum_rows a a^T and G the sum over
-    examples, so that kron(A, G) ≈ sum_n (a_n a_n^T) ⊗ G_n. BackPACK (1.7.1, `KFLR`
-    and `KFAC`) returns the factors of a torch weight [d_out, d_in] (or [Cout, Cin, kh,
-    kw]) in the order [G, A], with the same A (the batch mean of sum_rows a a^T; its
-    patches are ordered [Cin, kh, kw], ours [kh, kw, Cin] like TensorFlow's filter) and,
-    for a dense layer and a loss with reduction="sum", the same G; with its default
-    reduction="mean" its G is this G / B. For a convolution BackPACK's G is
-    sum_columns sum_n (sum_p dz_p)(sum_p dz_p)^T (the GGN of the bias), |T| times KFC's
-    Gamma under KFC's assumptions, where this G is KFC's Gamma itself.
+    Conventions: the loss is the SUM over examples (for a mean loss divide G by B).
+    BackPACK (1.7.1, `KFLR` and `KFAC`) returns the factors of a torch weight [d_out,
+    d_in] in the order [G, A], with the same A (its patches ordered [Cin, kh, kw], ours
+    [kh, kw, Cin]) and, for a dense layer and reduction="sum", the same G (its default
+    "mean" gives G / B); for a convolution its G is sum_columns sum_n (sum_p dz_p)
+    (sum_p dz_p)^T, |T| times KFC's Gamma under KFC's assumptions, ours KFC's Gamma.
 
     Args:
       logits: [B, K] network outputs that `loss` reads.
@@ -208,7 +167,13 @@ def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batc
         ys_argument="logits")
     plan = _dispatch.make_plan(request)
     found = _reasons_and_layers(plan)
-    _warn_uncovered(xs, found)
+    # one warning naming every weight that gets None, with why
+    lines = [f"  {_plan.weight_name(x)}: {why}" for x, why in zip(xs, found)
+             if isinstance(why, str)]
+    if lines:
+        warnings.warn(_context.prefixed(
+            "no Kronecker factors (None) for these entries of `xs`:\n" + "\n".join(lines)),
+            stacklevel=2)
     covered = [k for k, layer in enumerate(found) if isinstance(layer, _Layer)]
     results = [None] * len(xs)
     if not covered:
@@ -224,7 +189,8 @@ def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batc
             dz = tf.reshape(columns, [-1, d_out])                         # [M*R, d_out]
             R = tf.cast(tf.shape(rows)[0], rows.dtype)                    # B * |T|
             B_ = tf.cast(B, rows.dtype)
-            A = _outer_sum(rows) / B_                                     # [d_in, d_in]
-            G = _outer_sum(dz) * (B_ / R)                                 # [d_out, d_out]
+            # sum over the rows r of r r^T
+            A = tf.matmul(rows, rows, transpose_a=True) / B_              # [d_in, d_in]
+            G = tf.matmul(dz, dz, transpose_a=True) * (B_ / R)            # [d_out, d_out]
             results[k] = KroneckerFactors(A, G)
     return results

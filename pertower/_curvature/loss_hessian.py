@@ -93,6 +93,14 @@ def _softmax_factor(p, K):
     return q[None] * (e_j - (scale[None] * q_j)[:, :, None] * v[None])  # [K-1, B, K]
 
 
+def _draw(stateful, stateless, dims, seeds, dtype):
+    """A draw of shape `dims`: stateless with the key `seeds`, else stateful."""
+    shape = tf.stack(dims)
+    if seeds is None:
+        return stateful(shape, dtype=dtype)
+    return stateless(shape, seed=seeds, dtype=dtype)
+
+
 def hessian_factor(logits, loss, mc_samples=None, seed=None):
     """S, [M, B, K], with sum_m S[m, n] S[m, n]^T equal (exact) or equal in expectation
     (Monte-Carlo) to the Hessian of l(logits_n) with respect to logits_n.
@@ -107,18 +115,10 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
       "softmax_cross_entropy": (p - onehot(y~)) / sqrt(M), y~ ~ Categorical(p);
       "sigmoid_cross_entropy": (p - y~) / sqrt(M), y~_k ~ Bernoulli(p_k);
       "mse": sqrt(2) eps / sqrt(M), eps ~ N(0, I).
-    Each column's outer product has expectation H (Martens 2014, arXiv 1412.1193;
-    BackPACK, Dangel et al. 2020, arXiv 1912.10985). A mean-reduced loss
-    (1/N) sum_n l scales every column by 1/sqrt(N); this function does not.
-
-    Args:
-      logits: [B, K] floating tensor, the network output the loss reads.
-      loss: "softmax_cross_entropy", "sigmoid_cross_entropy" or "mse".
-      mc_samples: None for the exact factor, or a positive int M of sampled columns.
-      seed: an int for reproducible sampling (stateless random ops), or None.
-
-    Returns:
-      S, [M, B, K] of logits' dtype, wrapped in `tf.stop_gradient`.
+    Each column's outer product has expectation H (the module docstring's references).
+    A mean-reduced loss (1/N) sum_n l would scale every column by 1/sqrt(N); not done
+    here. `seed`: an int for reproducible sampling (stateless random ops), or None.
+    Returns S, [M, B, K] of logits' dtype, wrapped in `tf.stop_gradient`.
     """
     loss = check_loss(loss)
     mc_samples = check_mc_samples(mc_samples)
@@ -127,7 +127,6 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
     dtype = logits.dtype
     B, K = tf.shape(logits)[0], tf.shape(logits)[1]
     if mc_samples is None:
-        static_K = tf.compat.dimension_value(logits.shape[1])
         eye = tf.eye(K, dtype=dtype)[:, None, :]                        # [K, 1, K]
         static_K = tf.compat.dimension_value(logits.shape[1])
         if loss == "softmax_cross_entropy" and exact_columns(loss, static_K) > 1:
@@ -156,18 +155,10 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
         S = (p[None] - onehot) * scale
     elif loss == "sigmoid_cross_entropy":
         p = tf.sigmoid(logits)                                          # [B, K]
-        shape = tf.stack([M, B, K])
-        if seeds is None:
-            u = tf.random.uniform(shape, dtype=dtype)
-        else:
-            u = tf.random.stateless_uniform(shape, seed=seeds, dtype=dtype)
+        u = _draw(tf.random.uniform, tf.random.stateless_uniform, [M, B, K], seeds, dtype)
         y = tf.cast(u < p[None], dtype)                                 # [M, B, K]
         S = (p[None] - y) * scale
     else:
-        shape = tf.stack([M, B, K])
-        if seeds is None:
-            eps = tf.random.normal(shape, dtype=dtype)
-        else:
-            eps = tf.random.stateless_normal(shape, seed=seeds, dtype=dtype)
+        eps = _draw(tf.random.normal, tf.random.stateless_normal, [M, B, K], seeds, dtype)
         S = tf.sqrt(tf.constant(2.0, dtype)) * eps * scale              # [M, B, K]
     return tf.stop_gradient(S)

@@ -2,22 +2,15 @@
 
 Notation:
     B   examples        C   columns (1 for `sum_grad_squared`, M for `diag_ggn`)
-    x   one weight      s   bytes per number      Z  a rule's output (its dZ columns)
+    x   one weight      Z   a rule's output (its dZ columns)
 
-The general guard (`pertower._guards.memory`) counts B x C x |x| numbers for every
-weight: C per-example gradients. The routes of `pertower._curvature.squares` hold less
-or more than that, so the curvature functions estimate per route:
-
-    rules, cheap form    what the rule says its `sum_squared_size` holds per example
-                         (a dense layer with one row per example: nothing but the
-                         [B, *x] result when per example; a convolution: its C wide
-                         per-example gradients, or the ghost form's Gram matrices);
-    rules, per column    C per-example gradients, B x C x |x|;
-    fallback             C per-example gradients and the towers' copies before
-                         stacking, as the general guard counts them;
-  plus, for the rules, the C columns of every use's output gradient, B x C x |Z| per
-  example, and the replayed forward activations (as the general guard).
-A rule whose `sum_squared_size` is None (the default) is counted as per column.
+The general guard (`pertower._guards.memory`) counts C per-example gradients, B x C x |x|
+numbers, for every weight. Per route of `pertower._curvature.squares` this counts
+instead: "rules, cheap form": what the rule's `sum_squared_size` says it holds per
+example (None, the default, counts as per column); "rules, per column": B x C x |x|;
+the fallback: C per-example gradients and the towers' copies before stacking, as the
+general guard; plus, for the rules, the C columns of every use's output gradient,
+B x C x |Z|, and the replayed forward activations (as the general guard).
 """
 
 import dataclasses
@@ -26,20 +19,15 @@ import tensorflow as tf
 
 from pertower._guards import memory
 
-__all__ = ["CurvatureEstimate", "route_size", "guard"]
+__all__ = ["CurvatureEstimate", "guard"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CurvatureEstimate(memory.MemoryEstimate):
-    """A `MemoryEstimate` whose result term is what the curvature routes hold.
+    """A `MemoryEstimate` whose result term is what the curvature routes hold."""
 
-    Attributes (besides `MemoryEstimate`'s):
-      columns: C.
-      column_bytes: the C output-gradient columns of the rules' outputs.
-    """
-
-    columns: int = 1
-    column_bytes: int = 0
+    columns: int = 1        # C
+    column_bytes: int = 0   # the C output-gradient columns of the rules' outputs
 
     @property
     def total_bytes(self):
@@ -56,29 +44,13 @@ class CurvatureEstimate(memory.MemoryEstimate):
                 f"{gb(self.activation_bytes)}")
 
 
-def route_size(uses, x, C, per_example):
-    """Numbers per example that the route of weight `x` (covered by `uses`) holds for C
-    columns; 0 for a weight no use reaches, None when x's shape is not static."""
-    size = memory.static_size(tf.TensorShape(x.shape))
-    if not uses or size is None:
-        return 0 if not uses else None
-    if len(uses) == 1:
-        cheap = uses[0].rule.sum_squared_size(uses[0], C, per_example)
-        if cheap is not None:
-            return cheap
-    return C * size
-
-
 def guard(plan, C, per_example, memory_limit):
     """`plan` with its estimate replaced by the routes' (`CurvatureEstimate`) and
     `memory_limit`; raises ValueError when the estimate exceeds the limit.
 
-    Args:
-      plan: the `Plan`, built with memory_limit=inf (its own guard counts C per-example
-        gradients for every weight).
-      C: the number of columns.
-      per_example: whether the result is [B, *x] (else [*x]).
-      memory_limit: as the user gave it (checked: `memory.resolve_limit`).
+    `plan` is built with memory_limit=inf (its own guard counts C per-example gradients
+    for every weight); C the columns; `per_example` whether the result is [B, *x] (else
+    [*x]); `memory_limit` as the user gave it (checked: `memory.resolve_limit`).
     """
     base = plan.estimate
     if base is None:    # B unknown: nothing is estimated (as the general guard)
@@ -91,11 +63,17 @@ def guard(plan, C, per_example, memory_limit):
         if not request.reads[k].reached:
             continue
         nbytes = tf.as_dtype(x.dtype).base_dtype.size
+        size = memory.static_size(tf.TensorShape(x.shape))     # None: not static
         if k in plan.fallback:
-            fallback += (memory.static_size(tf.TensorShape(x.shape)) or 0) * nbytes
+            fallback += (size or 0) * nbytes
             continue
         uses = plan.uses[k] or ()
-        covered += (route_size(uses, x, C, per_example) or 0) * nbytes
+        # numbers per example the route holds: the cheap form's, else C per-example
+        # gradients (0 for a weight no use reaches or a shape that is not static)
+        if uses and size is not None:
+            cheap = (uses[0].rule.sum_squared_size(uses[0], C, per_example)
+                     if len(uses) == 1 else None)
+            covered += (cheap if cheap is not None else C * size) * nbytes
         for use in uses:
             per_example_size = memory.static_size(use.output.shape[1:])
             if id(use.output) in seen or per_example_size is None:

@@ -9,10 +9,8 @@ Notation:
                                                         [*x.shape] summed over i
 
 Per covered weight (one plan of `pertower._dispatch`), in order of preference:
-  "rules, cheap form": one use whose rule has `sum_squared` (dense, one row per example:
-      (A⊙A)^T sum_c (dZ_c⊙dZ_c); BiasAdd: the per-example sums of dZ_c, squared;
-      Conv2D and DepthwiseConv2dNative: the C columns in one contraction,
-      `pertower._convolution.squares`);
+  "rules, cheap form": one use whose rule's `sum_squared` serves (dense, one row per
+      example: (A⊙A)^T sum_c (dZ_c⊙dZ_c); convolutions: `pertower._convolution.squares`);
   "rules, per column": each use's `per_group` for every column, the uses added,
       squared, summed over the columns.
 A weight no rule covers comes from the plan's fallback (towers or row passes): its
@@ -29,27 +27,16 @@ from pertower._layout import _rows
 __all__ = ["CurvatureResult", "covered_squares", "fallback_squares", "output_gradients",
            "loop_columns"]
 
-CHEAP = "rules, cheap form"
-PER_COLUMN = "rules, per column"
-UNREACHED = "unreached (zeros)"
-
-
 class CurvatureResult(list):
     """The list of results, one per entry of `xs`, with how each was computed.
 
     Attributes:
-      plan: the `pertower.Plan` of the call (`str(plan)` is the table of
-        `pertower.explain`: "rules" weights come from the rules, "towers"/"passes"
-        weights from the fallback).
-      routes: per entry of xs, a string: "rules, cheap form: OP (Type)", "rules, per
-        column: OPS", the fallback's description, or "unreached (zeros)".
-      columns_vectorized: for `diag_ggn`, whether the columns' output gradients came
-        from one vectorized backward pass (False: a while loop, see
-        `columns_reason`); None when no rule was used.
-      columns_method: how: "folded" (the columns' own backward pass,
-        `pertower._curvature.folded`), "pfor", "while loop", "per column" (control
-        flow on the path: one tf.gradients per column) or "one pass" (one column);
-        None when no rule was used.
+      plan: the `pertower.Plan` of the call (`str(plan)` is `pertower.explain`'s table).
+      routes: per entry of xs, "rules, cheap form: OP (Type)", "rules, per column:
+        OPS", the fallback's description, or "unreached (zeros)".
+      columns_vectorized, columns_reason, columns_method: for `diag_ggn`, how the
+        columns' output gradients came (`pertower._curvature.columns.Columns`); None
+        when no rule was used.
     """
 
     def __init__(self, tensors, plan, routes, columns_vectorized=None, columns_reason=None,
@@ -78,15 +65,10 @@ def _per_x(x, B, per_example):
 
 
 def covered_squares(plan, indices, columns_of, B, per_example):
-    """{k: squares of xs[k]} and {k: route} for the covered weights `indices`.
-
-    Args:
-      plan: the `Plan`.
-      indices: indices into xs of weights the rules compute.
-      columns_of: {id(Z): [C, *Z.shape]} the output gradients of every use's output.
-      B: the number of examples (int or scalar tensor).
-      per_example: [B, *x.shape] results when True, else [*x.shape].
-    """
+    """{k: squares of xs[k]} and {k: route} for the covered weights `indices` of
+    `plan`, from `columns_of` {id(Z): [C, *Z.shape]} (the output gradients of every
+    use's output); B an int or a scalar tensor; [B, *x.shape] results when
+    `per_example`, else [*x.shape]."""
     results, routes = {}, {}
     for k in indices:
         x = plan.request.xs[k]
@@ -94,7 +76,8 @@ def covered_squares(plan, indices, columns_of, B, per_example):
         uses = _loops.concrete_uses(plan.uses[k])
         dtype = x.dtype.base_dtype
         if not uses:
-            results[k], routes[k] = tf.zeros(_per_x(x, B, per_example), dtype), UNREACHED
+            results[k], routes[k] = (tf.zeros(_per_x(x, B, per_example), dtype),
+                                      "unreached (zeros)")
             continue
         if len(uses) == 1:
             use = uses[0]
@@ -102,10 +85,10 @@ def covered_squares(plan, indices, columns_of, B, per_example):
                                          per_example=per_example)
             if cheap is not None:
                 results[k] = tf.reshape(cheap, _per_x(x, B, per_example))
-                routes[k] = f"{CHEAP}: {_ops(uses)}"
+                routes[k] = f"rules, cheap form: {_ops(uses)}"
                 continue
         results[k] = _formed_squares(x, uses, columns_of, B, per_example)
-        routes[k] = f"{PER_COLUMN}: {_ops(uses)}"
+        routes[k] = f"rules, per column: {_ops(uses)}"
     return results, routes
 
 
@@ -135,13 +118,10 @@ def _formed_squares(x, uses, columns_of, B, per_example):
 def fallback_squares(built, S, per_example, name):
     """{k: squares of xs[k]} and {k: route} for the weights of `built.fallback`.
 
-    Args:
-      built: the `Built` of the plan.
-      S: None for the plain gradient (one column, grad_ys None), else the [M, B, K]
-        columns: column m's per-example gradients are the fallback's gradients with
-        grad_ys = S[m], i.e. the per-example Jacobians [B, K, *x] contracted with S[m]
-        (J_i^T S[m, i]) without forming them.
-      per_example, name: as in `covered_squares`; `name` scopes the fallback's ops.
+    S is None for the plain gradient (one column), else the [M, B, K] columns: column
+    m's per-example gradients are the fallback's with grad_ys = S[m], the per-example
+    Jacobians [B, K, *x] contracted with S[m] (J_i^T S[m, i]) without forming them.
+    `per_example` as in `covered_squares`; `name` scopes the fallback's ops.
     """
     fallback = built.fallback
     if fallback is None:

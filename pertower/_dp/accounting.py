@@ -4,25 +4,20 @@ Notation:
     T   steps (optimizer updates)      q   sampling probability, B / N for N examples
     σ   noise_multiplier               δ   the target delta
 
-Each DP-SGD step releases a Gaussian mechanism of noise multiplier σ on a batch in
-which every example takes part with probability q (Poisson subsampling). The Rényi
-DP accountant (Mironov 2017, "Rényi Differential Privacy", arXiv 1702.07476; the
-subsampled Gaussian of Mironov, Talwar and Zhang 2019, arXiv 1908.10530) composes T
-such steps and converts the result to (ε, δ)-DP, the same events TensorFlow
-Privacy's `compute_dp_sgd_privacy` composes (with dp_accounting's default RDP orders
-here); or the privacy loss distribution (PLD) accountant (Koskela, Jälkö and Honkela
-2020, arXiv 1906.03049; Doroshenko et al. 2022, "Connect the Dots", arXiv 2207.04380),
-which composes the same events with a tighter ε. Neighbouring datasets differ by adding
-or removing one example (the relation DP-SGD's subsampling analysis uses). Batches drawn
-by shuffling into fixed sizes rather than by Poisson sampling are not covered: the
-figure is then an approximation, as there.
+Each DP-SGD step is a Gaussian mechanism of multiplier σ on a Poisson-subsampled batch
+(each example in with probability q). The Rényi DP accountant (Mironov 2017, arXiv
+1702.07476; the subsampled Gaussian of Mironov, Talwar and Zhang 2019, arXiv
+1908.10530) composes T such steps and converts to (ε, δ)-DP, as TensorFlow Privacy's
+`compute_dp_sgd_privacy` does (with dp_accounting's default orders here); the privacy
+loss distribution accountant (Koskela, Jälkö and Honkela 2020, arXiv 1906.03049;
+Doroshenko et al. 2022, arXiv 2207.04380) composes the same events with a tighter ε.
+Neighbouring datasets differ by adding or removing one example. Fixed-size shuffled
+batches are not covered: the figure is then an approximation.
 
-The modes of `DPOptimizer` map onto the same events: per-layer clipping is a Gaussian
-mechanism of multiplier σ (its noise is scaled to each layer's clip); adaptive clipping
-releases the gradient with multiplier σ_Δ and the clipped count with multiplier 2 σ_b,
-which compose into one Gaussian of σ = (σ_Δ^-2 + (2 σ_b)^-2)^(-1/2) (Andrew et al. 2021,
-arXiv 1905.03871, Theorem 1); gradient accumulation makes one step of the logical batch
-(q = the logical batch over N, T = the noised steps).
+`DPOptimizer`'s modes are the same events: per-layer clipping is a Gaussian of
+multiplier σ; adaptive clipping's gradient (σ_Δ) and count (2 σ_b) releases compose
+into one Gaussian of σ = (σ_Δ^-2 + (2 σ_b)^-2)^(-1/2) (Andrew et al. 2021, arXiv
+1905.03871, Theorem 1); gradient accumulation makes one step of the logical batch.
 """
 
 import math
@@ -31,13 +26,6 @@ from pertower import _checks
 from pertower import _context
 
 __all__ = ["compute_epsilon"]
-
-
-def _number(value, argument, low, high, low_open, high_open):
-    """`value` as a float in the given interval; raises with the argument's name."""
-    return _checks.real_number(value, argument, low, high, low_open,
-                               high_open)
-
 
 _ACCOUNTANTS = ("rdp", "pld")
 
@@ -50,9 +38,8 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
     Composes `steps` times `PoissonSampledDpEvent(sampling_probability,
     GaussianDpEvent(σ))` with add-or-remove-one neighbours, by
     `dp_accounting.rdp.RdpAccountant` (default orders) or
-    `dp_accounting.pld.PLDAccountant` (tighter; value discretization 1e-4). The figure
-    assumes each example joins each batch independently with probability q (Poisson
-    sampling, `pertower.poisson_batches`); fixed-size shuffled batches are not covered.
+    `dp_accounting.pld.PLDAccountant` (tighter; value discretization 1e-4); batches
+    from `pertower.poisson_batches` (the module docstring).
 
     Args:
       steps: T >= 0, the number of noisy updates (epochs * N / B; with gradient
@@ -80,16 +67,17 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
                                          accountant="pld")
     """
     steps = _checks.positive_int(steps, "steps", low=0)
-    noise_multiplier = _number(noise_multiplier, "noise_multiplier", 0, math.inf, True, True)
-    sampling_probability = _number(sampling_probability, "sampling_probability", 0, 1,
-                                   True, False)
-    delta = _number(delta, "delta", 0, 1, True, True)
+    noise_multiplier = _checks.real_number(noise_multiplier, "noise_multiplier", 0,
+                                           math.inf, True, True)
+    sampling_probability = _checks.real_number(sampling_probability,
+                                               "sampling_probability", 0, 1, True, False)
+    delta = _checks.real_number(delta, "delta", 0, 1, True, True)
     if accountant not in _ACCOUNTANTS:
         raise _context.error(ValueError, f"`accountant` must be one of {_ACCOUNTANTS}, but "
                              f"received {accountant!r}.")
     if clipped_count_stddev is not None:
-        count_stddev = _number(clipped_count_stddev, "clipped_count_stddev", 0, math.inf,
-                               True, True)
+        count_stddev = _checks.real_number(clipped_count_stddev, "clipped_count_stddev",
+                                           0, math.inf, True, True)
         # Theorem 1 of arXiv 1905.03871: Gaussians compose as σ^-2 = σ_Δ^-2 + (2 σ_b)^-2
         noise_multiplier = (noise_multiplier ** -2 + (2.0 * count_stddev) ** -2) ** -0.5
     if steps == 0:

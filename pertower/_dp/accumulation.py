@@ -5,14 +5,12 @@ Notation:
     S_x the clipped sum of weight x over the physical batches run so far in the step
     n   the number of examples (or microbatches) so far; u the unclipped ones
 
-Each run of the training op adds its physical batch's clipped sums (and counts) to
-non-trainable variables; the k-th run adds Gaussian noise ONCE to the accumulated sum,
-divides it, hands it to the wrapped optimizer, and zeroes the variables. Memory stays
-that of one physical batch; the privacy of a step is that of the logical batch (the k
-physical ones together), which is what `compute_epsilon` is given: q = the logical
-batch over N, and T = the number of noised steps (TensorFlow Privacy's
-`gradient_accumulation_steps`; Opacus' BatchMemoryManager cuts one Poisson batch the
-same way, `pertower.poisson_batches(..., splits=k)`).
+Each run adds its physical batch's clipped sums (and counts) to non-trainable
+variables; the k-th run noises the accumulated sum ONCE, divides it, applies it and
+zeroes the variables. Memory stays that of one physical batch; the privacy of a step is
+that of the logical batch: `compute_epsilon` takes q = the logical batch over N and
+T = the noised steps (TensorFlow Privacy's `gradient_accumulation_steps`; Opacus'
+BatchMemoryManager; `pertower.poisson_batches(..., splits=k)`).
 """
 
 import dataclasses
@@ -24,28 +22,19 @@ __all__ = ["Accumulator", "PendingStep"]
 
 @dataclasses.dataclass
 class PendingStep:
-    """What compute_gradients built for apply_gradients to finish: the gradients it
-    returned, the accumulator's totals and flag (accumulation), the adaptive clip's
-    read and its update (adaptive clipping)."""
-    gradients: tuple
-    accumulator: object = None
-    totals: tuple = None
-    is_last: object = None
-    clip_update: object = None     # () -> the scalar new clip norm
+    """What compute_gradients built for apply_gradients to finish."""
+    gradients: tuple               # the noised gradients it returned
+    accumulator: object = None     # an `Accumulator` (gradient accumulation)
+    totals: tuple = None           # this run's (sums, count, unclipped)
+    is_last: object = None         # [] bool: the k-th run of a step
+    clip_update: object = None     # () -> the scalar new clip norm (adaptive clipping)
 
 
 class Accumulator:
-    """The variables of one accumulated DP step (all non-trainable, in
-    GLOBAL_VARIABLES, so `global_variables_initializer` sets them to 0).
-
-    Attributes:
-      steps: k.
-      sums: one variable per weight, [*x.shape]: S_x.
-      count: a scalar variable of the weights' dtype: n.
-      unclipped: a scalar variable: u (adaptive clipping's count).
-      runs: a scalar int64 variable: the runs since the last noised step.
-      variables: all of them.
-    """
+    """The non-trainable variables of one accumulated DP step (0 when initialized):
+    `sums` S_x ([*x.shape] each), `count` n and `unclipped` u (scalars of the weights'
+    dtype), `runs` (int64, the runs since the last noised step); `variables` all of
+    them; `steps` k."""
 
     def __init__(self, var_list, steps, dtype, name="dp_accumulator"):
         self.steps = steps

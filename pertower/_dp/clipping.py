@@ -6,35 +6,28 @@ Notation:
     n_g ||g_g||_2 over all weights     n_gk the norm over weight k alone
     σ   noise_multiplier               σ_b the stddev of the noise on the clipped count
 
-Flat clipping (Abadi et al. 2016, arXiv 1607.00133): f_g = C / max(n_g, C), the one
-factor scaling every weight's gradient of group g; the sum's sensitivity is C.
+Flat clipping (Abadi et al. 2016, arXiv 1607.00133): f_g = C / max(n_g, C) scales every
+weight's gradient of group g; the sum's sensitivity is C.
 
-Per-layer clipping (McMahan et al. 2018, "A General Approach to Adding Differential
-Privacy to Iterative Training Procedures", arXiv 1710.06963; Opacus' per_layer):
-f_gk = C_k / max(n_gk, C_k) per weight, from the per-weight norms (the rules' cheap
-squares where they have them). Example g's clipped gradient then has norm at most
-S = sqrt(sum_k C_k^2), the total sensitivity. The noise on weight k has stddev
-σ sqrt(K) C_k (scaled to its clip): in the metric that divides weight k by its noise
-stddev, one example moves the sum by at most sqrt(sum_k C_k^2 / (σ^2 K C_k^2)) = 1/σ,
-so the release is a Gaussian mechanism of noise multiplier σ, accounted as the flat one
-is. A single number C is split equally, C_k = C / sqrt(K) (S = C, noise σC everywhere).
+Per-layer clipping (McMahan et al. 2018, arXiv 1710.06963; Opacus' per_layer):
+f_gk = C_k / max(n_gk, C_k) per weight, so an example's clipped gradient has norm at
+most S = sqrt(sum_k C_k^2). The noise on weight k has stddev σ sqrt(K) C_k: in the
+metric that divides weight k by its noise stddev one example moves the sum by at most
+sqrt(sum_k C_k^2 / (σ^2 K C_k^2)) = 1/σ, a Gaussian mechanism of multiplier σ,
+accounted as the flat one. A single number C is split equally, C_k = C / sqrt(K).
 
-Adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy 2021, "Differentially
-Private Learning with Adaptive Clipping", arXiv 1905.03871; TensorFlow Privacy's
+Adaptive clipping (Andrew et al. 2021, arXiv 1905.03871; TensorFlow Privacy's
 `QuantileAdaptiveClipSumQuery`): C follows the target quantile γ of the norms. After
-each noised step, with b_g = 1[n_g <= C] (example g left unclipped) and m the expected
-batch size,
+each noised step, with b_g = 1[n_g <= C] and m the expected batch size,
 
     b̃ = (sum_g (b_g - 1/2) + N(0, σ_b^2)) / m + 1/2,     C <- C exp(-η (b̃ - γ))
 
-(the geometric update; centring b_g gives the count sensitivity 1/2). By the paper's
-Theorem 1 the two releases together are one Gaussian mechanism of multiplier σ when the
-gradient's own noise multiplier is
+(centring b_g gives the count sensitivity 1/2). By the paper's Theorem 1 both releases
+together are one Gaussian mechanism of multiplier σ when the gradient's own is
 
     σ_Δ = (σ^-2 - (2 σ_b)^-2)^(-1/2)        (needs 2 σ_b > σ),
 
-so the gradient gets σ_Δ C noise and `compute_epsilon` is given σ (or σ_Δ with
-clipped_count_stddev=σ_b, which composes the two and gives the same ε).
+so `compute_epsilon` is given σ (or σ_Δ with clipped_count_stddev=σ_b: the same ε).
 """
 
 import dataclasses
@@ -51,10 +44,10 @@ from pertower import _graph_walk as graph_walk
 from pertower import _plan
 from pertower import _reductions as reductions
 
-__all__ = ["AdaptiveClipping", "ClippingOptions", "clipping_options", "flat_factors",
-           "per_layer_factors", "per_layer_clips",
-           "gradient_noise_multiplier", "clipped_sum_per_example",
-           "clipped_sum_microbatches", "adaptive_clip_update", "clip_variable"]
+__all__ = ["AdaptiveClipping", "ClippingOptions", "clipping_options", "clip_factors",
+           "per_layer_clips", "gradient_noise_multiplier",
+           "clipped_sum_per_example", "clipped_sum_microbatches", "adaptive_clip_update",
+           "clip_variable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +56,8 @@ class AdaptiveClipping:
 
     The clip norm starts at `DPOptimizer`'s `l2_norm_clip` and, after each noised step,
     moves geometrically towards the `target_quantile` of the per-example gradient norms,
-    estimated privately from the noised count of unclipped examples:
-    C <- C exp(-learning_rate (b̃ - target_quantile)), b̃ the noised fraction of examples
-    whose norm was at most C. Part of `noise_multiplier` pays for the count: the
-    gradient's own noise multiplier is (σ^-2 - (2 count_stddev)^-2)^(-1/2)
-    (`DPOptimizer.gradient_noise_multiplier`).
+    estimated from the noised count of unclipped examples (the module docstring). Part
+    of `noise_multiplier` pays for the count (`DPOptimizer.gradient_noise_multiplier`).
 
     Args:
       target_quantile: γ in [0, 1], the fraction of examples to leave unclipped (the
@@ -108,22 +98,13 @@ class AdaptiveClipping:
 
 @dataclasses.dataclass(frozen=True)
 class ClippingOptions:
-    """A DPOptimizer's checked clipping options.
-
-    Attributes:
-      kind: "flat" or "per_layer".
-      l2_norm_clip: C (a float), or per layer a float or a list of K floats.
-      expected_batch_size: the divisor of the noised sum, or None (the count fed).
-      adaptive: the `AdaptiveClipping`, or None.
-      count_stddev: σ_b, or None without adaptive clipping.
-      gradient_noise_multiplier: σ_Δ.
-    """
-    kind: str
-    l2_norm_clip: object
-    expected_batch_size: float
-    adaptive: AdaptiveClipping
-    count_stddev: float
-    gradient_noise_multiplier: float
+    """A DPOptimizer's checked clipping options."""
+    kind: str                          # "flat" or "per_layer"
+    l2_norm_clip: object               # C, or per layer a float or a list of K floats
+    expected_batch_size: float         # the divisor of the noised sum, or None (the count)
+    adaptive: AdaptiveClipping         # or None
+    count_stddev: float                # σ_b, or None without adaptive clipping
+    gradient_noise_multiplier: float   # σ_Δ
 
 
 def _positive(value, argument):
@@ -160,7 +141,6 @@ def clipping_options(kind, l2_norm_clip, noise_multiplier, num_microbatches,
             "pass both.")
     count_stddev = None if adaptive is None else adaptive.resolved_count_stddev(
         expected_batch_size)
-    # σ_Δ, the gradient's share of σ (raises when 2 σ_b <= σ)
     return ClippingOptions(kind, l2_norm_clip, expected_batch_size, adaptive, count_stddev,
                            gradient_noise_multiplier(noise_multiplier, count_stddev))
 
@@ -192,20 +172,13 @@ def per_layer_clips(l2_norm_clip, K):
     return list(l2_norm_clip)
 
 
-def flat_factors(clip):
-    """norms [G] -> f = C / max(n, C) = min(1, C / n), [G] (tf.clip_by_global_norm)."""
+def clip_factors(clip):
+    """norms -> f = C / max(n, C) = min(1, C / n) (tf.clip_by_global_norm): flat, norms
+    [G] and C a float or a scalar tensor; per layer, norms [G, K] and C the K floats C_k."""
     def factors(norms):
         C = (tf.cast(clip, norms.dtype) if isinstance(clip, tf.Tensor)
-             else tf.constant(clip, norms.dtype))
-        return C / tf.maximum(norms, C)                                   # [G]
-    return factors
-
-
-def per_layer_factors(clips):
-    """norms [G, K] -> f_gk = C_k / max(n_gk, C_k), [G, K]."""
-    def factors(norms):
-        C = tf.constant(clips, norms.dtype)[tf.newaxis]                  # [1, K]
-        return C / tf.maximum(norms, C)                                   # [G, K]
+             else tf.constant(clip, norms.dtype))                         # [] or [K]
+        return C / tf.maximum(norms, C)                                   # [G] or [G, K]
     return factors
 
 
@@ -274,8 +247,8 @@ def adaptive_clip_update(clip, unclipped, expected_groups, options, count_stddev
 
 
 def clip_variable(initial, dtype):
-    """The non-trainable scalar resource variable holding adaptive clipping's C (in
-    GLOBAL_VARIABLES), made outside any control flow or dependencies."""
+    """The non-trainable scalar resource variable holding adaptive clipping's C, made
+    outside any control flow or dependencies."""
     with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_adaptive_clip"):
         return tf.compat.v1.get_variable("l2_norm_clip", trainable=False, use_resource=True,
                                          initializer=tf.constant(initial, dtype))

@@ -7,20 +7,17 @@ Notation:
     C    l2_norm_clip                        σ   noise_multiplier
     N    the pushes a step's accumulators averaged (N >= R; N = R when R = W)
 
-The release of one synchronous step of DP-SGD over the union of the W batches:
+One synchronous step releases DP-SGD's step on the union of the W batches,
 
     gradient = (sum_w s_w + N(0, σ²C² I)) / B,     B = sum_w b_w  (or a fixed expected B)
 
-with the noise added once. Every worker clips and sums its batch with `DPOptimizer`'s
-single-pass machinery (its `_release` hook, overridden below, hands on the clipped sum
-and the count instead of the noisy average) and pushes s_w and b_w into the
-`ConditionalAccumulator`s of a `tf.compat.v1.train.SyncReplicasOptimizer` on the
-parameter servers (b_w rides along as the "gradient" of a scalar counter variable).
-The accumulators average: a take returns (1/N) sum of the N pushes, so the chief
-multiplies by R to get the sum, adds the noise (chief mode) and divides by R times the
-averaged count, i.e. by sum_w b_w. The factor N/R cancels in the signal; were N > R
-(possible only when R < W and pushes race the take), the sum the noise covers is scaled
-by R/N <= 1, which lowers its sensitivity: the noise is never short.
+with the noise added once. Every worker clips and sums with `DPOptimizer`'s step (its
+`_release` overridden to hand on s_w and b_w) and pushes both into the
+`ConditionalAccumulator`s of a `tf.compat.v1.train.SyncReplicasOptimizer` (b_w as the
+"gradient" of a scalar counter variable). A take returns (1/N) sum of the N pushes, so
+the chief multiplies by R, adds the noise (chief mode) and divides by R times the
+averaged count, i.e. by sum_w b_w. Were N > R (only when R < W and pushes race the
+take), the sum the noise covers is scaled by R/N <= 1: the noise is never short.
 
 Split mode: each push adds N(0, σ²C²/R I) itself, with an op seed derived from (seed,
 task index), and the chief adds nothing: R pushes carry σ²C² in total. Refused for
@@ -37,6 +34,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _context
 from pertower import _tf
+from pertower._dp import noise as noise_lib
 from pertower._dp import optimizer as dp_optimizer
 from pertower._dp import wrapper
 
@@ -63,7 +61,7 @@ class _ClippedSum(dp_optimizer.DPOptimizer):
 
     def _release(self, clipped_sum, count, stddevs):
         self.count = count
-        return self._add_noise(clipped_sum, stddevs)
+        return self._noise.add(clipped_sum, stddevs)
 
 
 class _Release(wrapper.WrappedOptimizer):
@@ -86,7 +84,7 @@ class _Release(wrapper.WrappedOptimizer):
             sums = [g * tf.cast(R, g.dtype) for g, _ in pairs]      # sum_w s_w, [*x.shape]
             if owner.noise == "chief":
                 stddev = owner.noise_multiplier * owner.l2_norm_clip    # σC, once
-                sums = owner._chief_noise._add_noise(  # pylint: disable=protected-access
+                sums = owner._chief_noise.add(  # pylint: disable=protected-access
                     sums, [stddev] * len(sums))
             if owner.expected_global_batch is None:
                 batch = tf.cast(R, mean_count.dtype) * mean_count   # sum_w b_w
@@ -102,44 +100,34 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
 
     For between-graph replication (`tf.compat.v1.train.ClusterSpec`,
     `tf.distribute.Server`, `replica_device_setter` with parameter servers): each worker
-    builds the same graph with this optimizer, clips every example of its batch to L2
-    norm C and pushes the clipped sum and its example count into
-    `tf.compat.v1.train.SyncReplicasOptimizer`'s accumulators on the parameter servers;
-    the chief takes the total, adds N(0, σ²C² I) once (noise="chief"), divides by the
-    global batch and applies the result with `optimizer`; the workers wait on the sync
-    token queue as with `SyncReplicasOptimizer`. One step equals `pertower.DPOptimizer`'s
+    builds the same graph with this optimizer and pushes its clipped sum and count; the
+    chief noises, divides and applies (the module docstring); the workers wait on the
+    sync token queue as with `SyncReplicasOptimizer`. One step equals `DPOptimizer`'s
     step on the union of the workers' batches. Privacy spent: `pertower.compute_epsilon`
-    with the global batch's sampling probability (B / dataset size, the dataset being the
-    union of the workers' shards) and the number of global steps; neighbouring datasets
-    differ by adding or removing one example of that union, as for `DPOptimizer`. Each
-    worker drawing its batch from its shard with the same probability q makes the global
-    batch Poisson-sampled with q; fixed-size shuffled batches make ε an approximation,
-    as in one process.
+    with the global batch's q (B / the size of the union of the shards) and the number
+    of global steps, add-or-remove-one neighbours as for `DPOptimizer`; each worker
+    drawing from its shard with the same q makes the global batch Poisson-sampled.
 
     What is trusted: with noise="chief", the chief and the parameter servers see the
-    un-noised sums. With noise="split" every push carries N(0, σ²C²/R), so no task
-    sees an un-noised sum, but each push alone has only 1/sqrt(R) of the noise, and every
-    worker is trusted to add its share.
+    un-noised sums. With noise="split" no task sees an un-noised sum, but each push
+    alone has only 1/sqrt(R) of the noise, and every worker is trusted to add its share.
 
     Args:
       optimizer: the `tf.compat.v1.train.Optimizer` that applies the DP gradient.
       l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have.
-      noise_multiplier: σ >= 0; the noise added to the sum of the clipped gradients has
-        standard deviation σ * C per entry.
+      noise_multiplier: σ >= 0; the noise on the sum has stddev σ * C per entry.
       replicas_to_aggregate: R, the pushes aggregated per step (as SyncReplicasOptimizer).
       total_num_replicas: W, the number of workers (default R).
       noise: "chief" (default): the chief draws N(0, σ²C²) once per step. "split": each
         push adds N(0, σ²C²/R) with an op seed derived from (seed, task_index);
         refused when R < W.
-      seed: an int making the noise repeatable (chief mode: `DPOptimizer`'s seed on the
-        chief; split mode: hashed with task_index), or None.
+      seed: an int making the noise repeatable (chief mode: as `DPOptimizer`'s seed, on
+        the chief; split mode: hashed with task_index), or None.
       task_index: this worker's index in [0, W); needed with noise="split".
-      expected_global_batch: None (default) divides by the sum of the pushed counts,
-        the global batch that ran (exact for fixed-size batches; equal to
-        `DPOptimizer`'s division by the fed batch). A number divides by it instead: use
-        the expected batch q * dataset size with Poisson sampling, where the realized
-        batch size depends on the data and dividing by it is not covered by the
-        accounting.
+      expected_global_batch: None (default) divides by the sum of the pushed counts
+        (as `DPOptimizer` divides by the fed batch); a number divides by it instead:
+        the expected batch q * dataset size with Poisson sampling, where dividing by the
+        realized size is not covered by the accounting.
       method: "auto", "rules" or "towers", as in `pertower.DPOptimizer`.
       name: the SyncReplicasOptimizer's name.
 
@@ -174,14 +162,13 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
                 f"`replicas_to_aggregate` ({R}) < `total_num_replicas` ({W}): a step of R "
                 "pushes would carry only R/W of the noise. Set replicas_to_aggregate = "
                 "total_num_replicas, or use noise=\"chief\".")
-        if noise == "split":
-            if (task_index is None or isinstance(task_index, bool)
-                    or not isinstance(task_index, numbers.Integral)
-                    or not 0 <= task_index < W):
-                raise _context.error(
-                    ValueError, f"noise=\"split\" needs `task_index`, this worker's index "
-                    f"in [0, {W}) (it seeds the worker's own noise), but received "
-                    f"{task_index!r}.")
+        if noise == "split" and (task_index is None or isinstance(task_index, bool)
+                                 or not isinstance(task_index, numbers.Integral)
+                                 or not 0 <= task_index < W):
+            raise _context.error(
+                ValueError, f"noise=\"split\" needs `task_index`, this worker's index "
+                f"in [0, {W}) (it seeds the worker's own noise), but received "
+                f"{task_index!r}.")
         seed = _checks.optional_seed(seed)
         if expected_global_batch is not None:
             expected_global_batch = _checks.real_number(
@@ -193,8 +180,7 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
         self._clipper = _ClippedSum(
             optimizer, l2_norm_clip, sigma / math.sqrt(R) if noise == "split" else 0.0,
             seed=split_seed(seed, task_index) if noise == "split" else None, method=method)
-        # the chief's one draw of N(0, σ²C²)
-        self._chief_noise = dp_optimizer.DPOptimizer(optimizer, l2_norm_clip, sigma, seed=seed)
+        self._chief_noise = noise_lib.GaussianNoise(seed)     # the chief's one draw
         self._noise_multiplier = sigma
         self._replicas_to_aggregate, self._total_num_replicas = R, W
         self._noise, self._seed, self._task_index = noise, seed, task_index

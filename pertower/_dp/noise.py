@@ -9,27 +9,19 @@ u1 independent and uniform on (0, 1],
 
     r = sqrt(-2 ln u0),   z0 = r cos(2π u1),   z1 = r sin(2π u1)
 
-are two independent N(0, 1) draws (`box_muller`; 1 - u lies in (0, 1], so the logarithm
-is finite). Each number uses one 32-bit Philox word (float32: 23 of its bits; float64
-draws use two words per uniform). TensorFlow's own normal kernels use the same transform
-on the same kind of uniforms; the largest |z| it reaches is sqrt(-2 ln 2^-23) = 5.65 σ
-from float32 uniforms (8.49 σ from float64). Here it is a few elementwise ops over all h
-pairs at once, where `tf.random.stateless_normal`'s kernel transforms one number at a
-time; the noise over every weight is most of a DP-SGD step's extra cost on large models.
+are two independent N(0, 1) draws (1 - u lies in (0, 1], so the logarithm is finite).
+Each number uses one 32-bit Philox word (float64: two per uniform); the largest |z| is
+sqrt(-2 ln 2^-23) = 5.65 σ from float32 uniforms (8.49 σ from float64), where the
+inverse CDF on the same uniforms (Devroye 1986, ch. 2) would reach only 5.29 σ. The
+draw is the same bits on one thread and on a pool (all ops shard by position).
 
-Copies. TensorFlow slices a tensor along its first axis without copying only when the
-slice starts and ends on its 64-byte alignment, so h is rounded up to a multiple of 16
-(u[0], u[1] and the two halves of the [2h] draws are then views), and `add_noise`
-splits the [2h] draws into the weights' pieces and an unused tail in ONE split, rather
-than cutting [n] first (a copy of all n draws when n is odd).
-
-The inverse CDF z = Φ⁻¹(u) (Devroye 1986, "Non-Uniform Random Variate Generation", ch. 2)
-on the midpoints u + 2^-24 = (k + 1/2) 2^-23 would reach only |Φ⁻¹(2^-24)| = 5.29 σ, where
-a coordinate shifted by its sensitivity lands beyond the unshifted noise's support about
-five times as often (for a shift of 1 σ: 8.9e-6 against 1.7e-6 per coordinate). The draw
-is the same bits on one thread and on a pool (the Philox op and the elementwise ops shard
-by position). What this draw and the ways tried instead cost: docs/benchmark.md, "The
+TensorFlow slices along the first axis without a copy only at its 64-byte alignment,
+so h is a multiple of 16 and `add_noise` cuts the [2h] draws into the weights' pieces
+and an unused tail in ONE split. What the ways tried cost: docs/benchmark.md, "The
 noise draw".
+
+`GaussianNoise` is the noise of a DP step (`DPOptimizer`, the chief of
+`DPSyncReplicasOptimizer`): another mechanism is another object with `key` and `add`.
 """
 
 import math
@@ -37,40 +29,24 @@ import math
 import tensorflow as tf
 
 __all__ = ["ALIGNED_PAIRS", "uniform_pairs", "box_muller", "standard_normal", "normal_pairs",
-           "add_noise"]
+           "add_noise", "GaussianNoise"]
 
-# pairs per row are a multiple of this: 16 float32 (or more float64) = 64 bytes, the
-# alignment at which TensorFlow slices along the first axis without a copy
+# 16 float32 = 64 bytes, the alignment at which TensorFlow slices without a copy
 ALIGNED_PAIRS = 16
 
 
 def uniform_pairs(n, key, dtype=tf.float32):
     """[2, h] stateless Philox uniforms in [0, 1), h = ceil(n / 2) rounded up to a
-    multiple of 16: the uniforms `normal_pairs` transforms.
-
-    Args:
-      n: the number of draws wanted (an int or a scalar int32 tensor).
-      key: [2] int64, the stateless Philox key.
-      dtype: float64 uniforms for float64; any other floating dtype gives float32.
-
-    Returns:
-      [2, h] of float32 or float64.
-    """
+    multiple of 16; n an int or a scalar int32 tensor, key [2] int64; float64 for
+    float64, else float32."""
     work = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
     pairs = ((n + 1) // 2 + ALIGNED_PAIRS - 1) // ALIGNED_PAIRS * ALIGNED_PAIRS
     return tf.random.stateless_uniform(tf.stack([2, pairs]), seed=key, dtype=work)
 
 
 def box_muller(u):
-    """[2h] N(0, 1) draws from [2, h] uniforms in [0, 1): z0 = r cos(2π u1) first, then
-    z1 = r sin(2π u1), r = sqrt(-2 ln(1 - u0)) (finite for every u0 < 1).
-
-    Args:
-      u: [2, h] uniforms in [0, 1), float32 or float64.
-
-    Returns:
-      [2h] of u's dtype.
-    """
+    """[2, h] uniforms in [0, 1) -> [2h] N(0, 1) draws: z0 = r cos(2π u1) first, then
+    z1 = r sin(2π u1), r = sqrt(-2 ln(1 - u0))."""
     radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))                    # [h], 1 - u0 in (0, 1]
     angle = (2.0 * math.pi) * u[1]                                   # [h]
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)  # [2h]
@@ -78,29 +54,18 @@ def box_muller(u):
 
 def normal_pairs(n, key, dtype=tf.float32):
     """[2h] independent N(0, 1) draws of `dtype` (computed in float64 for float64, else
-    in float32 and cast), a function of `key` and h alone; n and key as in
-    `uniform_pairs` (`standard_normal` and `add_noise` take the first n)."""
+    in float32 and cast), a function of `key` and h alone (`uniform_pairs`)."""
     return tf.cast(box_muller(uniform_pairs(n, key, dtype)), dtype)     # [2h]
 
 
 def standard_normal(n, key, dtype=tf.float32):
-    """[n] independent N(0, 1) draws, the first n of `normal_pairs` (the same key gives
-    the same draws)."""
+    """[n] N(0, 1) draws, the first n of `normal_pairs`."""
     return normal_pairs(n, key, dtype)[:n]                          # [n]
 
 
 def add_noise(gradients, stddevs, key):
-    """g_x + s_x N(0, 1) per entry of each weight x, from ONE draw of P numbers over all
-    weights (so that one key gives every weight its own noise).
-
-    Args:
-      gradients: one tensor per weight, [*x.shape].
-      stddevs: one stddev s_x per weight (a float or a scalar tensor).
-      key: [2] int64, the stateless key of the draw.
-
-    Returns:
-      The noised gradients, [*x.shape] each.
-    """
+    """[*x.shape] per weight x -> g_x + s_x N(0, 1) per entry, from ONE draw over all
+    weights; `stddevs` one float or scalar tensor per weight, `key` [2] int64."""
     dtype = gradients[0].dtype
     # static sizes where known, so that the draw need not wait for the gradients
     sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else tf.size(g)
@@ -116,3 +81,30 @@ def add_noise(gradients, stddevs, key):
     return [g + tf.cast(s * tf.reshape(p, g.shape if g.shape.is_fully_defined()
                                        else tf.shape(g)), g.dtype)
             for g, p, s in zip(gradients, pieces, stddevs)]
+
+
+class GaussianNoise:
+    """N(0, s_x^2) per entry of weight x, a fresh key per `sess.run`.
+
+    Args:
+      seed: None, or an int: the k-th key built (from 0) is a 2-entry stateful draw
+        with op seed `seed + k` (with a graph-level seed both are used), so that the
+        same graph built again gives the same sequence.
+    """
+
+    def __init__(self, seed):
+        self.seed = seed
+        self.draws = 0
+
+    def key(self):
+        """[2] int64, a fresh stateless key per sess.run."""
+        seed = None if self.seed is None else self.seed + self.draws
+        self.draws += 1
+        return tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=seed,
+                                 name="noise_key")                              # [2]
+
+    def add(self, gradients, stddevs):
+        """`add_noise` with a new key; the gradients as they are when every s_x is 0."""
+        if all(isinstance(s, float) and s == 0 for s in stddevs):
+            return list(gradients)
+        return add_noise(gradients, stddevs, self.key())

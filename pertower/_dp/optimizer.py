@@ -6,34 +6,32 @@ Notation:
     x   one weight                   g_m the gradient of microbatch m's loss over all x
     n_m ||g_m||_2, the global norm of g_m across all weights
 
-The arithmetic of TensorFlow Privacy's Gaussian optimizers (`DPGradientDescentGaussian
-Optimizer` and its Adam/Adagrad siblings, `tensorflow_privacy/privacy/optimizers/
-dp_optimizer.py` with `GaussianSumQuery`), the DP-SGD of Abadi et al. 2016, "Deep
-Learning with Differential Privacy" (arXiv 1607.00133):
+The arithmetic of TensorFlow Privacy's Gaussian optimizers (`dp_optimizer.py` with
+`GaussianSumQuery`), the DP-SGD of Abadi et al. 2016, "Deep Learning with Differential
+Privacy" (arXiv 1607.00133):
 
     loss_m   = mean of the losses of the B/M examples of microbatch m
     clip(g)  = g * C / max(||g||_2, C)                    (tf.clip_by_global_norm)
     gradient = (sum_m clip(g_m) + N(0, (σ C)^2 I)) / M
 
-The noisy average gradient is handed to the wrapped optimizer's `apply_gradients`.
+One step is: the clipped sum (`_dp.clipping`), accumulated over k runs
+(`_dp.accumulation`), noised (`_dp.noise.GaussianNoise`, the part another mechanism
+replaces), divided (`_release`, which the distributed optimizer overrides) and applied.
 
-Per-example clipping (M = B) takes one forward pass and one backward pass. With the
-factors f_i = C / max(n_i, C) held constant, gradients being linear in the loss,
+Per-example clipping (M = B) takes one forward and one backward pass. With the factors
+f_i = C / max(n_i, C) held constant, gradients being linear in the loss,
 
     sum_i clip(g_i) = sum_i f_i g_i = d/dx sum_i f_i * loss_i,
 
-and for a weight covered by a rule both n_i and this sum come from the same dZ at the
-weight-consuming op (one tf.gradients of sum_i loss_i): the norms from the rule's
-squared norms, the sum from the rule's batch gradient with example i's rows of dZ
-scaled by f_i (e.g. A^T (f ⊙ dZ) for a dense layer; the "book-keeping" of Bu et al.
-2023, "Differentially private optimization on large model at small cost", arXiv
-2210.00038), or, where the norms needed the per-example gradients formed, f
-contracted with them (`_dispatch.Built.clipped_sum`). A loss with dropout in training
-mode keeps this path: the norms and the sum differentiate the draws of the same run.
-Weights without a rule are formed by towers, [B, *x.shape], and contracted with the
-same f (the towers replay the model, so a random op draws its own numbers there; each
-example's clipped gradient, as computed, still has norm <= C). Microbatches (M < B)
-are built by the same dispatch as `microbatch_gradients`, [M, *x.shape].
+and for a weight a rule covers, n_i and this sum come from the same dZ at the op: the
+norms from the rule's squared norms, the sum from its batch gradient with example i's
+rows of dZ scaled by f_i (A^T (f ⊙ dZ) for a dense layer; the "book-keeping" of Bu et
+al. 2023, arXiv 2210.00038), or f contracted with the formed per-example gradients
+(`_dispatch.Built.clipped_sum`). Dropout in training mode keeps this path: the norms and
+the sum differentiate the draws of the same run. Weights without a rule are formed by
+towers, [B, *x.shape], and contracted with the same f (towers replay the model, so a
+random op draws its own numbers there; each clipped gradient still has norm <= C).
+Microbatches (M < B) are formed as by `microbatch_gradients`, [M, *x.shape].
 """
 
 import math
@@ -49,7 +47,6 @@ from pertower._dp import accumulation as accumulation_lib
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
 from pertower._dp import sampling
-from pertower._dp import var_lists
 from pertower._dp import wrapper
 from pertower._dp.wrapper import GATE_GRAPH, GATE_OP
 
@@ -59,13 +56,12 @@ __all__ = ["DPOptimizer"]
 class DPOptimizer(wrapper.WrappedOptimizer):
     """DP-SGD around any `tf.compat.v1.train.Optimizer`: per-example clipping and noise.
 
-    Same arithmetic as TensorFlow Privacy's Gaussian optimizers: each example's (or
-    microbatch's) gradient is clipped, across all weights together, to L2 norm
-    `l2_norm_clip`; the clipped gradients are summed; Gaussian noise of standard
-    deviation `noise_multiplier * l2_norm_clip` is added to every entry; the sum is
-    divided by the number of examples (or microbatches, or `expected_batch_size`) and
-    handed to the wrapped optimizer. Privacy spent: `pertower.compute_epsilon`, which
-    assumes Poisson-sampled batches (`pertower.poisson_batches`).
+    Each example's (or microbatch's) gradient is clipped, across all weights together,
+    to L2 norm `l2_norm_clip`; the clipped gradients are summed; Gaussian noise of
+    stddev `noise_multiplier * l2_norm_clip` is added to every entry; the sum is divided
+    by the number of examples (or microbatches, or `expected_batch_size`) and handed to
+    the wrapped optimizer (the module docstring). Privacy spent: `pertower.compute_epsilon`,
+    which assumes Poisson-sampled batches (`pertower.poisson_batches`).
 
     Args:
       optimizer: the `tf.compat.v1.train.Optimizer` instance that applies the noisy
@@ -74,36 +70,29 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         initial one with adaptive clipping). With clipping="per_layer", a number C split
         equally over the K variables (C / sqrt(K) each), or a list of K positive
         numbers C_k, one per floating-point variable of var_list in its order.
-      noise_multiplier: σ >= 0; the noise's standard deviation is σ * C before the
-        division (σ = 0 gives clipping without privacy). With adaptive clipping σ is
-        the total, split with the count's noise (`gradient_noise_multiplier`).
+      noise_multiplier: σ >= 0; the noise's stddev is σ * C before the division (σ = 0:
+        clipping without privacy). With adaptive clipping σ is the total, split with
+        the count's noise (`gradient_noise_multiplier`).
       num_microbatches: M, or None for one microbatch per example (M = B). M must
         divide B; a microbatch's loss is the mean of its examples' losses.
-      seed: an int making the noise repeatable: the k-th `compute_gradients` call
-        (from 0) builds its noise op with op seed `seed + k` (with a graph-level seed
-        from `tf.compat.v1.set_random_seed` both are used). Each `sess.run` of the
-        op draws new noise; the same graph built again gives the same sequence.
-        None draws unrepeatable noise (unless a graph-level seed is set).
-      method: how the per-example norms and gradients are computed: "auto" (default),
-        "rules" or "towers", as in `pertower.per_example_gradients`. With a None
-        batch axis no `batch_size` is needed when every weight has a rule.
+      seed: an int making the noise repeatable: the k-th noise op built (from 0) has
+        op seed `seed + k` (`_dp.noise.GaussianNoise`); each `sess.run` draws new
+        noise. None draws unrepeatable noise (unless a graph-level seed is set).
+      method: "auto" (default), "rules" or "towers", as in
+        `pertower.per_example_gradients`. With a None batch axis no `batch_size` is
+        needed when every weight has a rule.
       clipping: "flat" (default: one norm over all weights) or "per_layer" (McMahan et
-        al. 2018, arXiv 1710.06963: weight k's gradient clipped to C_k on its own, the
-        noise on weight k of stddev σ sqrt(K) C_k, a Gaussian mechanism of multiplier σ;
-        an example's clipped gradient has norm <= sqrt(sum_k C_k^2)).
+        al. 2018, arXiv 1710.06963; `_dp.clipping`).
       expected_batch_size: None (default: divide by the number of examples fed, at
-        least 1) or the expected size of the (logical) batch, q * N, to divide by
-        instead, as DP-SGD with Poisson sampling does (Opacus' expected_batch_size): the
-        divisor then does not depend on the data. Needed by adaptive clipping; not with
-        num_microbatches.
-      adaptive_clipping: None, or a `pertower.AdaptiveClipping`: the clip norm follows
-        a target quantile of the norms (Andrew et al. 2021, arXiv 1905.03871); it lives
-        in `l2_norm_clip_variable` and moves each time a noised step is applied.
-        Flat clipping only.
+        least 1) or q * N, the expected size of the (logical) batch, to divide by
+        instead, as DP-SGD with Poisson sampling does (Opacus' expected_batch_size).
+        Needed by adaptive clipping; not with num_microbatches.
+      adaptive_clipping: None, or a `pertower.AdaptiveClipping` (Andrew et al. 2021,
+        arXiv 1905.03871): the clip norm lives in `l2_norm_clip_variable` and moves
+        each time a noised step is applied. Flat clipping only.
       gradient_accumulation_steps: k >= 1; with k > 1 each run of the training op adds
         its batch's clipped sum to variables and every k-th run applies one noised step
-        for the k batches together (a logical batch of k physical ones; the accounting
-        uses the logical batch's q and the number of noised steps).
+        for the k batches together (`_dp.accumulation`).
 
     Example:
       loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
@@ -132,15 +121,14 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
             num_microbatches, "num_microbatches"))
         self._seed = _checks.optional_seed(seed)
+        self._noise = noise_lib.GaussianNoise(self._seed)
         self._method = _request.check_method(method)
-        # the clipping mode, its clip norms, the divisor and σ_Δ (`_dp.clipping`)
         self._clip = clipping_lib.clipping_options(
             clipping, l2_norm_clip, self._noise_multiplier, self._num_microbatches,
             expected_batch_size, adaptive_clipping)
         self._accumulation_steps = _checks.positive_int(gradient_accumulation_steps,
                                                         "gradient_accumulation_steps")
         self._computed = False
-        self._noise_draws = 0  # noise ops built so far: each gets its own op seed
         self._clip_variable = None
         self._step = None      # the last compute_gradients' `PendingStep`
 
@@ -158,8 +146,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             "with adaptive clipping (σ^-2 - (2 σ_b)^-2)^(-1/2) (Theorem 1 of arXiv "
             "1905.03871)."))
     clipping_options = property(lambda self: self._clip, doc=(
-        "The checked clipping options: a record with kind, l2_norm_clip, "
-        "expected_batch_size, adaptive, count_stddev (σ_b) and gradient_noise_multiplier."))
+        "The checked clipping options (`_dp.clipping.ClippingOptions`)."))
     num_microbatches = property(lambda self: self._num_microbatches)
     seed = property(lambda self: self._seed)
     gradient_accumulation_steps = property(lambda self: self._accumulation_steps)
@@ -173,47 +160,36 @@ class DPOptimizer(wrapper.WrappedOptimizer):
 
         Args:
           loss: the per-example loss, [B] (or [B, ...]: an example's entries are
-            averaged, as TensorFlow Privacy does). A scalar is refused: DP needs one
-            loss per example.
-          var_list: the variables to train; default the graph's trainable variables,
-            as `tf.compat.v1.train.Optimizer.compute_gradients`.
-          batch, batch_size: as in `pertower.per_example_gradients` (with a None
-            batch axis, batch_size is needed only when some weights fall back to
-            towers, or for microbatches whose gradients a tower computes). A
-            `tf.Variable` holding the data may be given in `batch`.
+            averaged, as TensorFlow Privacy does). A scalar is refused.
+          var_list: the variables to train; default the graph's trainable variables.
+          batch, batch_size, batch_axis: as in `pertower.per_example_gradients` (with a
+            None batch axis, batch_size is needed only when some weights fall back to
+            towers); `loss` keeps the batch on axis 0. A `tf.Variable` holding the
+            data may be given in `batch`.
           gate_gradients: as in `tf.compat.v1.train.Optimizer.compute_gradients`
             (GATE_GRAPH groups the gradients with tf.tuple).
-          aggregation_method, colocate_gradients_with_ops: accepted for the signature
-            of `tf.compat.v1.train.Optimizer.compute_gradients`; the batched backward
-            pass pertower builds does not use them.
+          aggregation_method, colocate_gradients_with_ops: accepted for the signature;
+            the batched backward pass pertower builds does not use them.
           grad_loss: must be None (every example's loss has weight 1 in DP-SGD).
-          batch_axis: the axis of each batch tensor that carries the batch (None: 0),
-            as in `pertower.per_example_gradients`; `loss` keeps it on axis 0.
-          max_batch_size: None, or N, a batch capacity for Poisson batches (whose
-            size varies): a fed batch of b <= N examples (0 included) is taken, a
-            larger one fails at run time (the same message on every path). Towers
-            (for weights the rules do not cover) are built for N examples instead of
-            `batch_size`, the fed batch padded to N with examples whose gradients are
-            dropped (neither summed nor counted). `pertower.poisson_capacity` gives
-            an N that a Poisson batch exceeds with a stated probability. Not with
-            `batch_size` or `num_microbatches`.
+          max_batch_size: None, or N, a capacity for Poisson batches: a fed batch of
+            b <= N examples (0 included) is taken, a larger one fails at run time.
+            Towers (for weights the rules do not cover) are built for N examples, the
+            fed batch padded with examples whose gradients are dropped
+            (`pertower.poisson_capacity` gives N). Not with `batch_size` or
+            `num_microbatches`.
 
         Returns:
-          A list of (gradient, variable) pairs, one per variable, every gradient dense
-          and noised (a variable the loss does not reach gets pure noise / M, as in
-          TensorFlow Privacy). Such variables are named in a UserWarning, whether
-          `var_list` was given or defaulted: unlike the gradients of
-          `tf.compat.v1.train.Optimizer`, where they are None and the variable is left
-          alone, noise moves them at every step (pass `var_list` to choose). A Keras 3
-          variable is replaced by the tf.Variable holding its value. With
-          gradient_accumulation_steps k > 1 the gradients are those of the logical
-          batch on every k-th run (zeros on the others), and only the op of
-          `apply_gradients` adds each run's batch to the accumulator.
+          A list of (gradient, variable) pairs, every gradient dense and noised. A
+          variable the loss does not reach gets pure noise / M, as in TensorFlow
+          Privacy, and is named in a UserWarning (noise moves it at every step); a
+          non-float one gets None. A Keras 3 variable is replaced by the tf.Variable
+          holding its value. With gradient_accumulation_steps k > 1 the gradients are
+          those of the logical batch on every k-th run (zeros on the others).
         """
         wrapper.check_compute_arguments(loss, grad_loss, gate_gradients)
         defaulted = var_list is None
-        all_variables = var_lists.variables(var_list)
-        var_list = var_lists.without_gradient_free(all_variables)
+        all_variables = wrapper.variables(var_list)
+        var_list = wrapper.without_gradient_free(all_variables)
         _checks.warn_unconnected(
             loss, var_list, _checks.UNCONNECTED_DEFAULT, argument="var_list",
             ys_argument="loss",
@@ -243,8 +219,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
                     _dispatch.options(self._method, batch_capacity=capacity),
                     ys_argument="loss", scalar_advice=wrapper.ONE_LOSS_PER_EXAMPLE)
             clip = self._clip_read(dtype)              # C: a float, or the variable's read
-            factors_of = (clipping_lib.per_layer_factors(clips) if per_layer
-                          else clipping_lib.flat_factors(clip))
+            factors_of = clipping_lib.clip_factors(clips if per_layer else clip)
             # B when known now (the towers check it against the fed batch at run time)
             B = request.batch_size if request.batch_size is not None else request.ys_rows
             if M is None or (B is not None and M == B):
@@ -281,7 +256,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             if self._clip.adaptive is not None:
                 step.clip_update = lambda: clipping_lib.adaptive_clip_update(
                     clip, unclipped, self._clip.expected_batch_size, self._clip.adaptive,
-                    self._clip.count_stddev, self._noise_key())
+                    self._clip.count_stddev, self._noise.key())
         self._computed = True
         step.gradients = tuple(averaged)
         self._step = step
@@ -290,8 +265,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
 
     def _clip_read(self, dtype):
         """C for this step: the float (fixed clipping), or one read of the adaptive clip
-        variable (made on first use, non-trainable), shared by the factors, the noise
-        and the update so that they all see the same C."""
+        variable (made on first use), shared by the factors, the noise and the update."""
         if self._clip.adaptive is None:
             return None if self._clip.kind == "per_layer" else self._clip.l2_norm_clip
         if self._clip_variable is None:
@@ -299,31 +273,14 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         return tf.identity(self._clip_variable.read_value(), name="l2_norm_clip")
 
     def _release(self, clipped_sum, count, stddevs):
-        """What compute_gradients hands on, from sum_m clip(g_m), the count M and the
-        noise's standard deviation per weight: (sum + noise) / the expected batch size,
-        or / M (examples when M = B), at least 1. A subclass releasing elsewhere
-        overrides it (the distributed optimizer, `_dp/distributed.py`, pushes the sums
-        and counts to the chief)."""
-        noised = self._add_noise(clipped_sum, stddevs)
+        """(sum_m clip(g_m) + noise) / the expected batch size, or / the count M (of
+        examples when M = B), at least 1. The distributed optimizer overrides it."""
+        noised = self._noise.add(clipped_sum, stddevs)
         dtype = noised[0].dtype
         divisor = (tf.constant(self._clip.expected_batch_size, dtype)
                    if self._clip.expected_batch_size is not None else
                    tf.maximum(tf.cast(count, dtype), 1))
         return [g / tf.cast(divisor, g.dtype) for g in noised]
-
-    def _noise_key(self):
-        """[2] int64: a fresh stateless key per sess.run from a 2-entry stateful draw;
-        call k of this optimizer gets op seed seed + k (repeatable with the graph seed)."""
-        seed = None if self._seed is None else self._seed + self._noise_draws
-        self._noise_draws += 1
-        return tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=seed,
-                                 name="noise_key")                              # [2]
-
-    def _add_noise(self, gradients, stddevs):
-        """g_x + N(0, s_x^2) per entry of weight x, s_x = stddevs[x] (`_dp.noise`)."""
-        if all(isinstance(s, float) and s == 0 for s in stddevs):
-            return list(gradients)
-        return noise_lib.add_noise(gradients, stddevs, self._noise_key())
 
     @_context.public("DPOptimizer.apply_gradients")
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):

@@ -4,16 +4,14 @@ Notation:
     N   training examples      q   sampling_probability
     T   steps                  B_t the size of batch t, Binomial(N, q)
 
-The subsampled-Gaussian analyses (Abadi et al. 2016, arXiv 1607.00133; Mironov, Talwar
-and Zhang 2019, arXiv 1908.10530) that `compute_epsilon` runs assume each example
-joins each batch independently with probability q: the batch size varies from step to
-step, and may be 0. Fixed-size batches from a shuffle are a different sampling, which
-those numbers do not cover. `DPOptimizer` takes any fed batch size (an empty one
-included: the step then releases the noise alone); `max_batch_size=N` makes N a
-capacity, checked at run time on every path (`within_capacity`), and where some weights
-fall back to towers, built for a fixed number of examples, they are built for N and
-each fed batch is padded to N examples whose gradients are dropped. `poisson_capacity` gives the
-N that a Binomial(N_examples, q) batch exceeds with at most a stated probability:
+The subsampled-Gaussian analyses that `compute_epsilon` runs (Abadi et al. 2016, arXiv
+1607.00133; Mironov, Talwar and Zhang 2019, arXiv 1908.10530) assume each example joins
+each batch independently with probability q: the batch size varies, and may be 0.
+`DPOptimizer` takes any fed batch size (an empty one releases the noise alone);
+`max_batch_size=N` makes N a capacity, checked at run time on every path, and towers
+(built for a fixed number of examples) are built for N, each fed batch padded with
+examples whose gradients are dropped. `poisson_capacity` gives the N exceeded with at
+most a stated probability:
 
     P(B_t > N) = sum_{k > N} C(N_examples, k) q^k (1 - q)^(N_examples - k).
 """
@@ -34,9 +32,8 @@ __all__ = ["poisson_batches", "poisson_capacity", "checked_capacity", "within_ca
 def poisson_batches(arrays, sampling_probability, steps=None, seed=None, splits=1):
     """Batches in which every example takes part independently with probability q.
 
-    Each step draws one uniform number per example and keeps those below q, so a
-    batch's size is Binomial(N, q) (0 included) and the examples keep their order.
-    This is the sampling `pertower.compute_epsilon` assumes; feed the batches to a
+    Each step keeps the examples whose uniform draw is below q (in their order), the
+    sampling `pertower.compute_epsilon` assumes; feed the batches to a
     `pertower.DPOptimizer`, best with `expected_batch_size=q * N`.
 
     Args:
@@ -92,9 +89,8 @@ def _batches(arrays, single, q, steps, seed, splits):
 def poisson_capacity(num_examples, sampling_probability, overflow=1e-6):
     """The smallest batch capacity N with P(Binomial(num_examples, q) > N) <= overflow.
 
-    For `DPOptimizer.minimize(..., max_batch_size=N)` with Poisson batches: a batch of
-    `poisson_batches` exceeds N, and its step fails at run time, with probability at
-    most `overflow` per step (at most T * overflow over T steps).
+    For `DPOptimizer.minimize(..., max_batch_size=N)`: a batch of `poisson_batches`
+    exceeds N, and its step fails at run time, with probability at most `overflow`.
 
     Args:
       num_examples: the training examples, an int >= 0.
@@ -116,17 +112,13 @@ def poisson_capacity(num_examples, sampling_probability, overflow=1e-6):
     if q == 1.0 or n == 0:
         return max(n, 1)
     k = np.arange(n + 1)                                                   # [n + 1]
-    log_pmf = (math.lgamma(n + 1) - _lgamma(k + 1) - _lgamma(n - k + 1)
+    log_factorial = np.array([math.lgamma(v + 1) for v in range(n + 1)])  # [n + 1]
+    log_pmf = (log_factorial[n] - log_factorial - log_factorial[::-1]
                + k * math.log(q) + (n - k) * math.log1p(-q))               # [n + 1]
     # tail[j] = P(B > j): the sum of the pmf above j, summed from the top
     pmf = np.exp(log_pmf)                                                  # [n + 1]
     tail = np.concatenate([np.cumsum(pmf[::-1])[::-1][1:], [0.0]])        # [n + 1]
     return max(int(np.argmax(tail <= overflow)), 1)
-
-
-def _lgamma(values):
-    """log Γ of each entry of an int array."""
-    return np.array([math.lgamma(v) for v in values.tolist()])
 
 
 def checked_capacity(max_batch_size, batch_size, num_microbatches):
@@ -145,9 +137,8 @@ def checked_capacity(max_batch_size, batch_size, num_microbatches):
 
 
 def within_capacity(gradients, loss, capacity):
-    """`gradients` after a run-time check that `loss`, [b], has b <= `capacity`
-    examples (`DPOptimizer`'s max_batch_size, the towers' message); as they are when
-    `capacity` is None."""
+    """`gradients` after a run-time check that `loss`, [b], has b <= `capacity` (the
+    towers' message); as they are when `capacity` is None."""
     if capacity is None:
         return gradients
     check = slicing.capacity_check(loss, 0, capacity, "the DP step was")
