@@ -1,9 +1,5 @@
 """The rules' batched backward pass, and what the rules compute from its dZ: the
-per-group gradients, the squared norms and the clipped sums (see `pertower._engine`).
-
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    x   one weight (entry of `xs`)     dZ  d sum(grad_ys * ys) / dZ, from ONE tf.gradients
+per-group gradients, the squared norms and the clipped sums (notation: `pertower._engine`).
 """
 
 import tensorflow as tf
@@ -19,10 +15,8 @@ __all__ = ["output_gradients", "gradients", "squared_norms", "norm_parts", "clip
 
 
 def _output_gradients(plan, indices, grad_ys, unconnected):
-    """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
-    while loop gets its dZ from one backward pass of the loop's copy, given the
-    gradients at the loop's outputs from the same call, which stops there (the copy's
-    pass adds the paths through the loop: `pertower.rules._loops`)."""
+    """{id(Z): dZ} from one tf.gradients call over every use's output (a read inside a
+    while loop: from one backward pass of the loop's copy, `pertower.rules._loops`)."""
     outputs, loop_uses = {}, []   # id(Z) -> Z, in order
     for k in indices:
         for use in plan.uses[k]:
@@ -58,10 +52,8 @@ def _same_static_shape(a, b):
 
 
 def _per_x_parts(uses, x, G, cache):
-    """[[G, *x.shape]]: each (use, dZ)'s rule result as x's gradient. Uses through a
-    function of the weights with the same exit tensor u (a shared layer reading one
-    Cast of x, say) share its Jacobian du/dx, so their [G, *u.shape] results are summed
-    and pulled back to x ONCE (linearity of the VJP; `rules._weight_functions`)."""
+    """[[G, *x.shape]]: each (use, dZ)'s rule result as x's gradient. Uses through one
+    function of the weights (the same u) are summed and pulled back to x ONCE."""
     parts, pooled = [], {}   # u -> (rule, [[G, *u.shape]])
     for use, dZ in uses:
         rule = use.rule
@@ -123,14 +115,10 @@ def squared_norms(plan, indices, B):
 
 
 def norm_parts(plan, indices, B):
-    """The squared norms of the covered weights and what a clipped sum reuses.
-
-    Returns:
-      (d_outputs, squares, formed): {id(Z): dZ} from ONE tf.gradients of sum(ys);
-      {k: [B] squared norms of example i's gradient with respect to xs[k]} (a rule's
-      cheap form when x has one use and the rule has one); {k: [B, *xs[k].shape]} the
-      per-example gradients of the weights whose norms needed them formed (or a FormedNorms).
-    """
+    """(d_outputs, squares, formed): {id(Z): dZ} from ONE tf.gradients of sum(ys); {k:
+    [B] squared norms of example i's gradient with respect to xs[k]} (a rule's cheap
+    form when x has one use and the rule has one); {k: [B, *xs[k].shape] or a
+    `FormedNorms`} for the weights whose norms needed the gradients formed."""
     squares, formed, cache = {}, {}, _shapes.ShapeCache(B)
     with cache.active():   # shared constants (`_shapes.constant`), the backward's too
         d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
@@ -161,13 +149,10 @@ def norm_parts(plan, indices, B):
 def clipped_sums(plan, indices, d_outputs, formed, factors):
     """{k: [*xs[k].shape] sum_i factors_i grad_i(xs[k])} from the parts of `norm_parts`.
 
-    Gradients are linear in the output gradient, so with f the [B] factors (held
-    constant) sum_i f_i grad_i(x) is the gradient of sum_i f_i ys_i, which every rule
-    gets from the SAME dZ with example i's rows scaled by f_i (`Rule.clipped_sum`: e.g.
-    A^T (f ⊙ dZ) for a dense layer; the book-keeping of Bu et al. 2023, "Differentially
-    private optimization on large model at small cost", arXiv 2210.00038): no second
-    backward pass through the network. A weight whose per-example gradients were formed
-    for its norms is contracted with f instead ([B] x [B, *x.shape] -> [*x.shape]).
+    Gradients are linear in dZ, so with f the [B] factors (held constant) this is the
+    gradient of sum_i f_i ys_i, which every rule gets from the SAME dZ with example i's
+    rows scaled by f_i (`Rule.clipped_sum`; Bu et al. 2023, arXiv 2210.00038): no second
+    backward pass. Gradients formed for the norms are contracted with f instead.
     """
     results = {}
     for k in indices:
