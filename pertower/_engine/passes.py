@@ -84,27 +84,18 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     with cache.active():
         d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
         for k in indices:
-            results[k] = _weight_gradient(plan, k, d_outputs, G, cache, unconnected)
+            x = plan.request.xs[k]
+            uses = [(use, d_outputs[id(use.output)]) for use in
+                    _loops.concrete_uses(plan.uses[k]) if d_outputs[id(use.output)] is not None]
+            parts = _per_x_parts(uses, x, G, cache)
+            if not parts and unconnected == tf.UnconnectedGradients.NONE:
+                results[k] = None
+                continue
+            total = tf.add_n(parts or [_zeros(x, G)])                    # [G, *x.shape]
+            total.set_shape(tf.TensorShape([G if isinstance(G, int) else None]).concatenate(
+                x.shape))
+            results[k] = total
     return results
-
-
-def _weight_gradient(plan, k, d_outputs, G, cache, unconnected):
-    """[G, *xs[k].shape]: the sum of the rules' results of every use of xs[k] (None
-    when it gets no gradient and unconnected is NONE)."""
-    x = plan.request.xs[k]
-    parts = []
-    for use in _loops.concrete_uses(plan.uses[k]):
-        dZ = d_outputs[id(use.output)]
-        if dZ is not None:
-            parts.append((use, dZ))
-    parts = _per_x_parts(parts, x, G, cache)
-    if not parts:
-        if unconnected == tf.UnconnectedGradients.NONE:
-            return None
-        parts = [_zeros(x, G)]
-    total = tf.add_n(parts) if len(parts) > 1 else parts[0]
-    total.set_shape(tf.TensorShape([G if isinstance(G, int) else None]).concatenate(x.shape))
-    return total
 
 
 def squared_norms(plan, indices, B):

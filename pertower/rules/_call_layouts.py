@@ -39,11 +39,7 @@ class Chain:
 
     def __init__(self, start, end, ops):
         self.start, self.end, self.ops = start, end, tuple(ops)
-        self.why = None
-        for op in self.ops:
-            self.why = _batch_kept(op)
-            if self.why is not None:
-                break
+        self.why = next((why for why in map(_batch_kept, self.ops) if why is not None), None)
         self.keeps_batch = self.why is None
 
     @property
@@ -90,12 +86,10 @@ def _batch_kept(op):
             return f"{op.name!r} (Squeeze) may remove axis 0"
         return None
     # Reshape: [N, *r] -> [N, *r'], both r static with the same product > 0
-    rest_in = op.inputs[0].shape.as_list()[1:]
-    rest_out = op.outputs[0].shape.as_list()[1:]
-    if None in rest_in or None in rest_out:
-        return f"{op.name!r} (Reshape) has sizes past axis 0 that are not static"
     size_in = _rows.static_size(op.inputs[0].shape[1:])
     size_out = _rows.static_size(op.outputs[0].shape[1:])
+    if size_in is None or size_out is None:
+        return f"{op.name!r} (Reshape) has sizes past axis 0 that are not static"
     if size_in != size_out or size_in == 0:
         return f"{op.name!r} (Reshape) moves the batch axis"
     return None

@@ -25,6 +25,8 @@ Which example a gathered row belongs to:
 Covered: axis 0, batch_dims 0, the table's shape static.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from pertower import _batch_axis
@@ -37,21 +39,19 @@ from pertower.rules import sparse_segment
 __all__ = ["GatherRule", "register"]
 
 
+@dataclasses.dataclass(eq=False)
 class _Partition:
     """The rows of a partitioned table's part: the flat rows its rows came from [n_p],
     the range(n) they index (n = B*k flat ids) and k."""
-
-    def __init__(self, positions, flat_range, k):
-        self.positions = positions
-        self.flat_range = flat_range
-        self.k = k
+    positions: tf.Tensor
+    flat_range: tf.Tensor
+    k: int
 
 
+@dataclasses.dataclass(eq=False)
 class _UniqueLookup:
     """The rows of a gather by unique ids: the SparseSegment op that combines them."""
-
-    def __init__(self, segment_op):
-        self.segment_op = segment_op
+    segment_op: tf.Operation
 
 
 class GatherRule(registry_lib.Rule):

@@ -70,14 +70,10 @@ class MatMulRule(registry_lib.Rule):
             return grad
         return tf.reshape(grad, _rows.group_shape(G, use.weight_shape.as_list()))
 
-    def _rows_per_example(self, use):
-        """T: k times the middle axes of A (None when they are not static)."""
-        middle = _rows.static_size(use.activation.shape[1:-1])
-        return None if middle is None else use.rows.k * middle
-
     def squared_norms(self, use, dZ, B):
         d, n = use.weight_shape.as_list()[-2:]
-        rows = self._rows_per_example(use)
+        middle = _rows.static_size(use.activation.shape[1:-1])
+        rows = None if None in (middle, use.rows.k) else use.rows.k * middle   # T
         if rows != 1 and not _rows.ghost_norm_is_cheaper(rows, d, n):
             return None
         return _rows.dense_squared_norms(use.activation, dZ, B, rows)
