@@ -1,15 +1,7 @@
-"""Helpers shared by the rules: group the example-major rows, and the dense identities.
+"""Helpers shared by the rules: group the example-major rows, and the dense identities
+(the per-example outer products and the ghost norm: `rules.matmul` states them).
 
 Notation: G groups of contiguous examples, k rows per example, T = rows per group.
-
-Dense identity (Goodfellow 2015, "Efficient per-example gradient computations",
-arXiv 1510.01799): for Z = A W with A [B*k, d] and dZ [B*k, n], the gradient of
-example i is grad_i(W) = sum_t a_it ⊗ dz_it, [d, n] (sum over its k rows t).
-
-Ghost norm (Li, Tramèr, Liang, Hashimoto 2021, "Large language models can be strong
-differentially private learners", arXiv 2110.05679, section 4):
-    ||grad_i(W)||^2 = sum_{t,s} (a_it · a_is) (dz_it · dz_is),
-which for k = 1 is ||a_i||^2 ||dz_i||^2 and never forms the [d, n] gradient.
 """
 
 import tensorflow as tf

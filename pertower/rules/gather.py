@@ -1,26 +1,22 @@
 """Rule for embedding lookups: GatherV2(W, ids, axis=0) and ResourceGather(handle, ids).
 
-Identity: Z = W[ids] copies rows, so the gradient of example i scatters its rows of dZ
-back to the rows of W they came from, adding the rows of repeated ids (Goodfellow 2015,
-arXiv 1510.01799: the per-example sum of the batch gradient's terms):
+Identity: Z = W[ids] copies rows, so example i's gradient scatters its rows of dZ back
+to the rows of W they came from, adding repeated ids (Goodfellow 2015, arXiv
+1510.01799: the per-example sum of the batch gradient's terms):
     grad_i(W)[v] = sum over example i's rows t with ids_t = v of dz_t,
-the dense [G, V, *W.shape[1:]], one unsorted segment sum with segment g*V + id for
+the dense [G, V, *W.shape[1:]] as one unsorted segment sum with segment g*V + id for
 group g = i // (B/G). Its squared norm is sum_{t,s} [ids_it = ids_is] (dz_it · dz_is)
-(the ghost norm of Li et al. 2021, arXiv 2110.05679, with an indicator for the
-activation Gram matrix), used when an example has few ids.
+(the ghost norm of Li et al. 2021, arXiv 2110.05679), used when an example has few ids.
 
 Which example a gathered row belongs to:
-    ids of the batch      k rows per example (the batch-axis analysis' `Rows`).
+    ids of the batch      k rows per example (the analysis' `Rows`).
     a partitioned table   part p's ids are partition p of a DynamicPartition of the
                           batch's n = B*k ids, stitched back by DynamicStitch
-                          (`tf.nn.embedding_lookup` over parts or a PartitionedVariable;
-                          `pertower._batch_axis.transfer_partition`): row j of part p is
-                          flat row positions_p[j] = DynamicPartition(range(n), P)[p][j],
-                          of example positions_p[j] // k.
-    unique ids            the table gathered by u, Unique(ids) = (u, idx), whose rows a
-                          SparseSegment op combines by idx (embedding_lookup_sparse on a
-                          resource table): the sparse segment rule
-                          (`rules.sparse_segment`), read at that op's output.
+                          (`_batch_axis.transfer_partition`): row j of part p is flat
+                          row positions_p[j] = DynamicPartition(range(n), P)[p][j].
+    unique ids            u, Unique(ids) = (u, idx), whose rows a SparseSegment op
+                          combines by idx (embedding_lookup_sparse on a resource
+                          table): `rules.sparse_segment`'s scatter at that op's output.
 
 Covered: axis 0, batch_dims 0, the table's shape static.
 """
