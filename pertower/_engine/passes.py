@@ -67,7 +67,7 @@ def _per_x_parts(uses, x, G, cache):
             continue
         parts.append(_shapes.as_per_x(rule.per_group(use, dZ, G), x, G, cache))
     for rule, inner in pooled.values():
-        summed = tf.add_n(inner) if len(inner) > 1 else inner[0]
+        summed = tf.add_n(inner)
         parts.append(_shapes.as_per_x(rule.pull_back(summed), x, G, cache))
     return parts
 
@@ -130,7 +130,7 @@ def norm_parts(plan, indices, B):
             # each use's [B, *w.shape at the op] -> [B, *x.shape]
             parts = _per_x_parts([(use, d_outputs[id(use.output)]) for use in uses],
                                  plan.request.xs[k], B, cache)
-            total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
+            total = tf.add_n(parts)                                         # [B, *x.shape]
             formed[k] = total
             flat = tf.reshape(total, cache.group_shape([-1]))               # [B, P_x]
             squares[k] = tf.reduce_sum(tf.square(flat), axis=1)             # [B]
@@ -160,8 +160,7 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
             part = use.rule.clipped_sum(use, d_outputs[id(use.output)], factors)
             parts.append(_shapes.as_weight_shape(part, x))               # [*x.shape]
         if not parts:
-            results[k] = tf.zeros_like(x) if not isinstance(x, tf.Variable) else tf.zeros(
-                x.shape, dtype)
-            continue
-        results[k] = tf.add_n(parts) if len(parts) > 1 else parts[0]
+            parts = [tf.zeros(x.shape, dtype) if isinstance(x, tf.Variable) else
+                     tf.zeros_like(x)]
+        results[k] = tf.add_n(parts)
     return results

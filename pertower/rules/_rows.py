@@ -29,16 +29,6 @@ def to_groups(tensor, G, tail):
     return tf.reshape(tensor, shape)  # [G*T, ..., *tail] -> [G, T', *tail]
 
 
-def dense_per_group(A, dZ, G, weight_transposed):
-    """A [G*T, ..., d], dZ [G*T, ..., n] -> [G, d, n] ([G, n, d] if transposed): the sum
-    over each group's rows of a ⊗ dz."""
-    A_g = to_groups(A, G, 1)     # [G, T, d]
-    dZ_g = to_groups(dZ, G, 1)   # [G, T, n]
-    if weight_transposed:
-        return tf.einsum("gtn,gtd->gnd", dZ_g, A_g)
-    return tf.einsum("gtd,gtn->gdn", A_g, dZ_g)
-
-
 def dense_squared_norms(A, dZ, B, k):
     """[B] ||sum_t a_it ⊗ dz_it||^2 without forming the outer products (the ghost norm)."""
     A_g = to_groups(A, B, 1)     # [B, k, d]

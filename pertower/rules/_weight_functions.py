@@ -224,17 +224,13 @@ class WeightFunctionRule(registry_lib.ForwardingRule):
         grads = tf.gradients(u_b, sources, grad_ys=tf.reshape(P, tf.shape(u_b)))
         x_shape = _rows.group_shape(G, self.exit.sources[0].shape.as_list())
         parts = [tf.reshape(g, x_shape) for g in grads if g is not None]
-        if not parts:
-            return tf.zeros(x_shape, self.exit.sources[0].dtype)
-        return tf.add_n(parts) if len(parts) > 1 else parts[0]       # [G, *x.shape]
+        return tf.add_n(parts) if parts else tf.zeros(x_shape, self.exit.sources[0].dtype)
 
     def _vjp(self, p):
         """[*u.shape] -> [*x.shape]: d<p, u>/dx over every read of x."""
         grads = tf.gradients(self.u, self.exit.sources, grad_ys=p)
         parts = [tf.convert_to_tensor(g) for g in grads if g is not None]
-        if not parts:
-            return tf.zeros_like(self.exit.sources[0])
-        return tf.add_n(parts) if len(parts) > 1 else parts[0]
+        return tf.add_n(parts) if parts else tf.zeros_like(self.exit.sources[0])
 
     def squared_norms(self, use, dZ, B):
         # a re-layout keeps the norms; another function of x does not

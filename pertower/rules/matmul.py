@@ -87,7 +87,7 @@ class MatMulRule(registry_lib.Rule):
         dZ2 = tf.reduce_sum(tf.square(dZ_columns), axis=0)               # [C, B, n] -> [B, n]
         transposed = use.op.get_attr(_transposes(use.op)[1])
         if per_example:
-            return _rows.dense_per_group(A2, dZ2, B, transposed)         # [B, d, n] / [B, n, d]
+            return outer_products(A2, dZ2, transposed)                   # [B, d, n] / [B, n, d]
         if transposed:
             return tf.matmul(dZ2, A2, transpose_a=True)                  # [n, d]
         return tf.matmul(A2, dZ2, transpose_a=True)                      # [d, n]
