@@ -182,17 +182,13 @@ class MappedAnalysis:
 
     def value(self, tensor):
         """The lattice value of `tensor` (of its call tensor when mapped)."""
-        key = tensor.ref()
-        if key in self._mapping and self._mapping[key] is None:
-            return _batch_axis.UNKNOWN
-        return self._analysis.value(self._mapping.get(key, tensor))
+        mapped = self._mapping.get(tensor.ref(), tensor)
+        return _batch_axis.UNKNOWN if mapped is None else self._analysis.value(mapped)
 
     def rows(self, tensor):
         """The Rows of `tensor` (of its call tensor when mapped)."""
-        key = tensor.ref()
-        if key in self._mapping and self._mapping[key] is None:
-            return None
-        return self._analysis.rows(self._mapping.get(key, tensor))
+        mapped = self._mapping.get(tensor.ref(), tensor)
+        return None if mapped is None else self._analysis.rows(mapped)
 
     def __getattr__(self, name):   # registry, segments, verdict, ...: the analysis's
         return getattr(self._analysis, name)

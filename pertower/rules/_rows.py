@@ -23,10 +23,7 @@ def to_groups(tensor, G, tail):
     """[G*T, ...] -> [G, T*prod(middle), *last `tail` axes]: each group's rows."""
     rank = tensor.shape.rank
     tail_dims = [dim(tensor, axis) for axis in range(rank - tail, rank)]
-    shape = [G, -1] + tail_dims
-    if any(isinstance(d, tf.Tensor) for d in shape):
-        shape = tf.stack([tf.convert_to_tensor(d, tf.int32) for d in shape])
-    return tf.reshape(tensor, shape)  # [G*T, ..., *tail] -> [G, T', *tail]
+    return tf.reshape(tensor, group_shape(G, [-1] + tail_dims))  # [G, T', *tail]
 
 
 def dense_squared_norms(A, dZ, B, k):

@@ -84,15 +84,10 @@ def group_sum(tensor, G, k, keep):
 
 def static_sizes(dims):
     """`dims` as Python ints when every entry is a known int >= 0, else None."""
-    out = []
-    for d in dims:
-        if isinstance(d, tf.Tensor) or d is None:
-            return None
-        d = int(d)
-        if d < 0:
-            return None
-        out.append(d)
-    return out
+    if any(isinstance(d, tf.Tensor) or d is None for d in dims):
+        return None
+    sizes = [int(d) for d in dims]
+    return sizes if all(d >= 0 for d in sizes) else None
 
 
 def group_target(G, dims):

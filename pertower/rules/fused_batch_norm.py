@@ -28,12 +28,6 @@ _SCALE, _OFFSET = 1, 2
 _OP_TYPES = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
 
-def _channel_axis(op, rank):
-    data_format = op.get_attr("data_format")
-    data_format = data_format.decode() if isinstance(data_format, bytes) else data_format
-    return 1 if data_format.startswith("NC") else rank - 1
-
-
 class FusedBatchNormRule(registry_lib.Rule):
     """Per-example sums of dZ * x_hat (gamma) and of dZ (beta) over positions."""
 
@@ -53,7 +47,7 @@ class FusedBatchNormRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         A = use.activation                                   # [G*k, ...] with C on `channel`
         rank = A.shape.rank
-        channel = _channel_axis(use.op, rank)
+        channel = 1 if use.op.get_attr("data_format").startswith(b"NC") else rank - 1
         dtype = use.op.inputs[_SCALE].dtype                  # float32 for float16 inputs
         term = tf.cast(dZ, dtype)                             # [G*k, ...]
         if use.slot == _OFFSET:
