@@ -28,6 +28,7 @@ import functools
 import tensorflow as tf
 
 from pertower import _tf
+from pertower._convolution import geometry as _geometry
 from pertower._convolution import options as _conv_options
 from pertower.rules import _loop_uses
 from pertower.rules import _shapes
@@ -78,27 +79,16 @@ def forward_padding(op):
             or tf.compat.dimension_value(x_shape[-1]) != c_in
             or c_in < FORWARD_MIN_CHANNELS or kh * kw * c_in * c_out < FORWARD_MIN_FILTER):
         return None
-    sizes = [tf.compat.dimension_value(x_shape[i]) for i in (1, 2)]
     outputs = [tf.compat.dimension_value(z_shape[i]) for i in (1, 2)]
-    if None in sizes + outputs or (2 * c_in < c_out and
-                                   outputs[0] * outputs[1] > FORWARD_FEW_POSITIONS):
+    pads = _geometry.spatial_pads(op, kh, kw)   # the input's (before, after) per axis
+    if pads is None or (2 * c_in < c_out and outputs[0] * outputs[1] > FORWARD_FEW_POSITIONS):
         return None
     dilations = list(op.get_attr("dilations"))
-    padding = op.get_attr("padding").decode()
-    pads = []
-    for axis, (size, out, k) in enumerate(zip(sizes, outputs, (kh, kw))):
-        span = (k - 1) * dilations[axis + 1]
-        if padding == "VALID":
-            before = 0
-        elif padding == "SAME":
-            before = max(out - 1 + span + 1 - size, 0) // 2
-        else:
-            before = op.get_attr("explicit_paddings")[2 * axis + 2]
-        after = out - 1 + span - (size - 1) - before     # the input's padding after
-        if not 0 <= before <= span or not 0 <= after <= span:
-            return None
-        pads.append((span - before, span - after))
-    return pads
+    spans = [(k - 1) * dilations[axis + 1] for axis, k in enumerate((kh, kw))]
+    if not all(0 <= p <= span for (before, after), span in zip(pads, spans)
+               for p in (before, after)):
+        return None
+    return [(span - before, span - after) for (before, after), span in zip(pads, spans)]
 
 
 def as_forward_convolution(op, grad, pads):
