@@ -1,6 +1,5 @@
 """One rule for a weight broadcast into an elementwise op whose other input carries the
-batch: Add, AddV2, Sub, Mul, RealDiv, Maximum, Minimum, SquaredDifference, Pow,
-SelectV2, ... (biases added by hand, LayerNormalization's beta and gamma, learned
+batch (`OP_TYPES`: biases added by hand, LayerNormalization's beta and gamma, learned
 scales, clipping bounds, exponents).
 
 Notation: Z the op's output [N, ...], N = B*k rows (k per example); w the weight, w_e w
@@ -11,13 +10,11 @@ the copies' contributions. Give each row r of Z a copy of its own,
     w_b = broadcast of w_e along axis 0 to N rows,    Z = op(..., w_b, ...)
 (the same values: the op is elementwise); the op's own registered gradient with respect
 to w_b sums over the other broadcast axes, and
-    grad_i(w) = sum over example i's rows r of  d<dZ, op(..., w_b, ...)>/d w_b[r],
-so no op type needs a formula of its own (for Mul: sum of dz * A over example i's rows
-and broadcast axes, Goodfellow 2015, arXiv 1510.01799, for a diagonal weight). For one
-group (the clipped sum) w is not broadcast: the batch gradient.
+    grad_i(w) = sum over example i's rows r of  d<dZ, op(..., w_b, ...)>/d w_b[r]
+(for Mul: sum of dz * A over example i's rows and broadcast axes, Goodfellow 2015,
+arXiv 1510.01799, for a diagonal weight). For one group w is not broadcast.
 
-Covered: the op types of `OP_TYPES` (each has a registered gradient for every floating
-input); w's static shape known and not stretching axis 0 (rank below Z's, or a leading
+Covered: w's static shape known and not stretching axis 0 (rank below Z's, or a leading
 1); Z and the batch-side input example-major on axis 0.
 """
 
