@@ -303,9 +303,7 @@ def _inverse(op, slot):
         perm = _batch_axis.static_value(op.inputs[1])
         if perm is None or slot != 0:
             return None
-        inverse = [0] * len(perm)
-        for i, p in enumerate(list(perm)):
-            inverse[int(p)] = i
+        inverse = sorted(range(len(perm)), key=lambda i: int(perm[i]))   # perm's argsort
         return lambda P: tf.transpose(P, [0] + [1 + i for i in inverse])
     if op.type == "ConcatV2":
         axis = _batch_axis.static_value(op.inputs[-1])
