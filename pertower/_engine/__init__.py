@@ -6,29 +6,20 @@ Notation:
     x   one weight (entry of `xs`)     A   a weight-consuming op's batch-side input
     Z   that op's output               dZ  d sum(grad_ys * ys) / dZ, from ONE tf.gradients
 
-For every weight x, every read of x that `ys` depends on must reach an op that has a
-rule (`pertower.rules`), possibly through layout-only ops on the weight side
-(Identity, ExpandDims, Squeeze, Reshape: Conv1D's filter is ExpandDims(W)) or through
-functions of the weights alone (a Cast, g·v/||v||, a non-fused batch norm's scale and
-shift: `rules._weight_functions`, which pulls the rule's result back to x); and
-`pertower._batch_axis` must prove that the op's A and Z rows belong to examples and that
-row i of `ys` depends on example i alone. Then
+A weight x is covered when every read of x that `ys` depends on reaches an op with a
+rule (`pertower.rules`), directly, through layout-only ops or through functions of the
+weights alone (`rules._weight_functions`), and `pertower._batch_axis` proves that the
+op's A and Z rows belong to examples and that row i of `ys` depends on example i alone
+(for TensorFlow's registered gradients: an overridden or Python-coded one is
+`unassumed`). Then, by the chain rule summed over the uses u of x,
 
-    grad_i(x) = sum over the uses u of x of  rule_u(A_u, dZ_u) for example i,
+    grad_i(x) = sum_u rule_u(A_u, dZ_u) for example i.
 
-the chain rule summed over every use (a shared layer adds its contributions). A weight
-for which anything is unproven is reported with the reason and left to the towers.
+Any other weight is reported with the reason and left to the towers.
 
-The proof that dZ's rows belong to examples holds for TensorFlow's registered gradients
-of the ops between x and `ys`; a weight behind an op whose gradient the user replaced or
-wrote in Python is left to the towers (`unassumed`).
-
-Modules:
-    plan        `build_plan`: for every weight, its rules' `Use`s or why it falls back
-    passes      the batched backward pass and what the rules compute from it: the
-                per-group gradients, the squared norms, the clipped sums
-    checks      the number of groups, and the run-time checks of the fed batch size
-    unassumed   gradients the proof does not assume (overridden, Python-coded)
+Modules: `plan` (`build_plan`: for every weight, its `Use`s or why it falls back),
+`passes` (the backward pass and what the rules compute from it), `checks` (the number of
+groups, run-time checks of the fed batch size), `unassumed`.
 """
 
 from pertower._engine.checks import group_count

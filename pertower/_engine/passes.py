@@ -1,9 +1,5 @@
 """The rules' batched backward pass, and what the rules compute from its dZ: the
-per-group gradients, the squared norms and the clipped sums (see `pertower._engine`).
-
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    x   one weight (entry of `xs`)     dZ  d sum(grad_ys * ys) / dZ, from ONE tf.gradients
+per-group gradients, the squared norms and the clipped sums (notation: `pertower._engine`).
 """
 
 import tensorflow as tf
@@ -58,10 +54,8 @@ def _same_static_shape(a, b):
 
 
 def _per_x_parts(uses, x, G, cache):
-    """[[G, *x.shape]]: each (use, dZ)'s rule result as x's gradient. Uses through a
-    function of the weights with the same exit tensor u (a shared layer reading one
-    Cast of x, say) share its Jacobian du/dx, so their [G, *u.shape] results are summed
-    and pulled back to x ONCE (linearity of the VJP; `rules._weight_functions`)."""
+    """[[G, *x.shape]]: each (use, dZ)'s rule result as x's gradient. Uses through one
+    function of the weights (the same u) are summed and pulled back to x ONCE."""
     parts, pooled = [], {}   # u -> (rule, [[G, *u.shape]])
     for use, dZ in uses:
         rule = use.rule
@@ -75,7 +69,7 @@ def _per_x_parts(uses, x, G, cache):
             continue
         parts.append(_shapes.as_per_x(rule.per_group(use, dZ, G), x, G, cache))
     for rule, inner in pooled.values():
-        summed = tf.add_n(inner) if len(inner) > 1 else inner[0]
+        summed = tf.add_n(inner)
         parts.append(_shapes.as_per_x(rule.pull_back(summed), x, G, cache))
     return parts
 
@@ -92,27 +86,18 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     with cache.active():
         d_outputs = _output_gradients(plan, indices, grad_ys, unconnected)
         for k in indices:
-            results[k] = _weight_gradient(plan, k, d_outputs, G, cache, unconnected)
+            x = plan.request.xs[k]
+            uses = [(use, d_outputs[id(use.output)]) for use in
+                    _loops.concrete_uses(plan.uses[k]) if d_outputs[id(use.output)] is not None]
+            parts = _per_x_parts(uses, x, G, cache)
+            if not parts and unconnected == tf.UnconnectedGradients.NONE:
+                results[k] = None
+                continue
+            total = tf.add_n(parts or [_zeros(x, G)])                    # [G, *x.shape]
+            total.set_shape(tf.TensorShape([G if isinstance(G, int) else None]).concatenate(
+                x.shape))
+            results[k] = total
     return results
-
-
-def _weight_gradient(plan, k, d_outputs, G, cache, unconnected):
-    """[G, *xs[k].shape]: the sum of the rules' results of every use of xs[k] (None
-    when it gets no gradient and unconnected is NONE)."""
-    x = plan.request.xs[k]
-    parts = []
-    for use in _loops.concrete_uses(plan.uses[k]):
-        dZ = d_outputs[id(use.output)]
-        if dZ is not None:
-            parts.append((use, dZ))
-    parts = _per_x_parts(parts, x, G, cache)
-    if not parts:
-        if unconnected == tf.UnconnectedGradients.NONE:
-            return None
-        parts = [_zeros(x, G)]
-    total = tf.add_n(parts) if len(parts) > 1 else parts[0]
-    total.set_shape(tf.TensorShape([G if isinstance(G, int) else None]).concatenate(x.shape))
-    return total
 
 
 def squared_norms(plan, indices, B):
@@ -123,14 +108,10 @@ def squared_norms(plan, indices, B):
 
 
 def norm_parts(plan, indices, B):
-    """The squared norms of the covered weights and what a clipped sum reuses.
-
-    Returns:
-      (d_outputs, squares, formed): {id(Z): dZ} from ONE tf.gradients of sum(ys);
-      {k: [B] squared norms of example i's gradient with respect to xs[k]} (a rule's
-      cheap form when x has one use and the rule has one); {k: [B, *xs[k].shape]} the
-      per-example gradients of the weights whose norms needed them formed (or a FormedNorms).
-    """
+    """(d_outputs, squares, formed): {id(Z): dZ} from ONE tf.gradients of sum(ys); {k:
+    [B] squared norms of example i's gradient with respect to xs[k]} (a rule's cheap
+    form when x has one use and the rule has one); {k: [B, *xs[k].shape] or a
+    `FormedNorms`} for the weights whose norms needed the gradients formed."""
     squares, formed, cache = {}, {}, _shapes.ShapeCache(B)
     with cache.active():   # shared constants (`_shapes.constant`), the backward's too
         d_outputs = _output_gradients(plan, indices, None, tf.UnconnectedGradients.ZERO)
@@ -151,7 +132,7 @@ def norm_parts(plan, indices, B):
             # each use's [B, *w.shape at the op] -> [B, *x.shape]
             parts = _per_x_parts([(use, d_outputs[id(use.output)]) for use in uses],
                                  plan.request.xs[k], B, cache)
-            total = tf.add_n(parts) if len(parts) > 1 else parts[0]         # [B, *x.shape]
+            total = tf.add_n(parts)                                         # [B, *x.shape]
             formed[k] = total
             flat = tf.reshape(total, cache.group_shape([-1]))               # [B, P_x]
             squares[k] = tf.reduce_sum(tf.square(flat), axis=1)             # [B]
@@ -161,13 +142,10 @@ def norm_parts(plan, indices, B):
 def clipped_sums(plan, indices, d_outputs, formed, factors):
     """{k: [*xs[k].shape] sum_i factors_i grad_i(xs[k])} from the parts of `norm_parts`.
 
-    Gradients are linear in the output gradient, so with f the [B] factors (held
-    constant) sum_i f_i grad_i(x) is the gradient of sum_i f_i ys_i, which every rule
-    gets from the SAME dZ with example i's rows scaled by f_i (`Rule.clipped_sum`: e.g.
-    A^T (f ⊙ dZ) for a dense layer; the book-keeping of Bu et al. 2023, "Differentially
-    private optimization on large model at small cost", arXiv 2210.00038): no second
-    backward pass through the network. A weight whose per-example gradients were formed
-    for its norms is contracted with f instead ([B] x [B, *x.shape] -> [*x.shape]).
+    Gradients are linear in dZ, so with f the [B] factors (held constant) this is the
+    gradient of sum_i f_i ys_i, which every rule gets from the SAME dZ with example i's
+    rows scaled by f_i (`Rule.clipped_sum`; Bu et al. 2023, arXiv 2210.00038): no second
+    backward pass. Gradients formed for the norms are contracted with f instead.
     """
     results = {}
     for k in indices:
@@ -184,8 +162,7 @@ def clipped_sums(plan, indices, d_outputs, formed, factors):
             part = use.rule.clipped_sum(use, d_outputs[id(use.output)], factors)
             parts.append(_shapes.as_weight_shape(part, x))               # [*x.shape]
         if not parts:
-            results[k] = tf.zeros_like(x) if not isinstance(x, tf.Variable) else tf.zeros(
-                x.shape, dtype)
-            continue
-        results[k] = tf.add_n(parts) if len(parts) > 1 else parts[0]
+            parts = [tf.zeros(x.shape, dtype) if isinstance(x, tf.Variable) else
+                     tf.zeros_like(x)]
+        results[k] = tf.add_n(parts)
     return results

@@ -30,22 +30,20 @@ def build_plan(request, registry):
     if analysis is None or analysis.registry is not registry:
         analysis = _batch_axis.analyze(ys, batch, request.ys_upstream, request.batch_size,
                                        request.num_groups, registry)
+    reason = None
     if analysis.verdict != "independent":
         lost = analysis.lost_at
         where = (f"; the proof was lost at {lost[0].name!r} ({lost[0].type}): {lost[1]}"
                  if lost is not None else "")
         reason = (f"the rows of `ys` ({ys.name}) could not be traced to the examples of "
                   f"the batch{where}")
-        return (tuple(None if r.reached else () for r in request.reads),
-                tuple(reason if r.reached else None for r in request.reads))
-    if analysis.segments is not None:
-        # the rows of `ys` are those of s1, then of s2: a weight-consuming op's A rows
-        # belong to one batch, so a rule's [B_s] result would have to be placed at its
-        # batch's rows; the towers, which feed one example of the joined order each, do it
+    elif analysis.segments is not None:
+        # a rule's [B_s] result would have to be placed at its batch's rows of `ys`
         joined = ", then ".join(" and ".join(batch[j].name for j in segment)
                                 for segment in analysis.segments)
         reason = (f"`ys` ({ys.name}) joins several batches along axis 0 ({joined}); the "
                   "towers compute it example by example in that order")
+    if reason is not None:
         return (tuple(None if r.reached else () for r in request.reads),
                 tuple(reason if r.reached else None for r in request.reads))
     uses, reasons = [], []

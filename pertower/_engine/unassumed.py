@@ -2,14 +2,12 @@
 
 The rules assume TensorFlow's registered gradients, which keep the examples apart. An op
 whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`: its
-`_gradient_op_type` attribute) or whose gradient is Python code (`tf.py_func`,
-`tf.numpy_function`, `tf.py_function`), on any path from a read of a weight to `ys`
-(inside called functions too), may mix the examples in the backward pass; such a weight
-is left to the towers, unless the op is in the graph itself and its backward is proven
-row-wise by the batch-axis analysis (`pertower._overrides`).
-
-Cost: every op that `ys` depends on is read once per plan (`UnassumedGradients`); when
-none of them (nor a function they call) has such a gradient, no weight's path is walked.
+`_gradient_op_type` attribute) or is Python code (`tf.py_func`, `tf.numpy_function`,
+`tf.py_function`), on a path from a weight's reads to `ys` (in called functions too),
+may mix the examples; such a weight is left to the towers, unless the op is in the
+graph itself and the batch-axis analysis proves its backward row-wise
+(`pertower._overrides`). When no op that `ys` depends on has such a gradient, no
+weight's path is walked.
 """
 
 from pertower import _graph_walk as graph_walk
@@ -40,11 +38,8 @@ def _unassumed_reason(node_op, attrs, where):
 
 class UnassumedGradients:
     """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
-    TensorFlow's registered one (overridden, or Python code), looking into the bodies of
-    called functions. An override of the graph itself whose backward the batch-axis
-    analysis proves row-wise (`pertower._overrides.not_row_wise`: swish's elementwise
-    backward) keeps the examples apart and is assumed. One per plan: function bodies
-    and overrides are read once."""
+    TensorFlow's registered one (see the module). One per plan: function bodies and
+    overrides are read once."""
 
     def __init__(self, request):
         self.request = request
@@ -71,11 +66,9 @@ class UnassumedGradients:
 
     def reason(self, reads, ys_upstream, region=None):
         """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
-        None. `region`: the ops downstream of its reads and of its gather and call ops
-        within `ys_upstream` with those ops (the request's `weight_regions` entry, or a
-        function that returns it), when the caller has it and the weight has no TF1
-        loop inputs; else walked. Only the ops with a reason are looked at, in creation
-        order (the first found is given)."""
+        None (the first op with a reason, in creation order). `region`: the ops
+        downstream of its reads within `ys_upstream` (the request's `weight_regions`
+        entry, or a function giving it), else walked."""
         entries = (list(reads.gather_ops) + list(reads.loop_inputs)
                    + [op for op, _ in reads.call_inputs])
         flagged = self._flagged_ops(ys_upstream)

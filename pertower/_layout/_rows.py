@@ -1,25 +1,15 @@
-"""Helpers shared by the rules: group the example-major rows, and the dense identities.
+"""Helpers shared by the rules: group the example-major rows, and the dense identities
+(the per-example outer products and the ghost norm: `rules.matmul` states them).
 
 Notation: G groups of contiguous examples, k rows per example, T = rows per group.
-
-Dense identity (Goodfellow 2015, "Efficient per-example gradient computations",
-arXiv 1510.01799): for Z = A W with A [B*k, d] and dZ [B*k, n], the gradient of
-example i is grad_i(W) = sum_t a_it ⊗ dz_it, [d, n] (sum over its k rows t).
-
-Ghost norm (Li, Tramèr, Liang, Hashimoto 2021, "Large language models can be strong
-differentially private learners", arXiv 2110.05679, section 4):
-    ||grad_i(W)||^2 = sum_{t,s} (a_it · a_is) (dz_it · dz_is),
-which for k = 1 is ||a_i||^2 ||dz_i||^2 and never forms the [d, n] gradient.
 """
 
 import tensorflow as tf
 
 
 def static_dims(tensor):
-    """The static sizes of `tensor`'s axes as Python ints (None where unknown), in
-    both shape modes: under tf.compat.v1.disable_v2_behavior() `tensor.shape[i]` is a
-    `Dimension`, with which int arithmetic (`x.shape[1] - 1`) fails, so rules read
-    sizes through this."""
+    """The static sizes of `tensor`'s axes as ints or None, in both shape modes (v1's
+    `Dimension` fails in int arithmetic)."""
     return tensor.shape.as_list()
 
 
@@ -30,31 +20,14 @@ def dim(tensor, axis):
 
 
 def to_groups(tensor, G, tail):
-    """[G*T, ...] -> [G, T*prod(middle), *last `tail` axes]: rows of each group, with
-    the last `tail` axes kept and the others merged into the row axis."""
+    """[G*T, ...] -> [G, T*prod(middle), *last `tail` axes]: each group's rows."""
     rank = tensor.shape.rank
     tail_dims = [dim(tensor, axis) for axis in range(rank - tail, rank)]
-    shape = [G, -1] + tail_dims
-    if any(isinstance(d, tf.Tensor) for d in shape):
-        shape = tf.stack([tf.convert_to_tensor(d, tf.int32) for d in shape])
-    return tf.reshape(tensor, shape)  # [G*T, ..., *tail] -> [G, T', *tail]
-
-
-def dense_per_group(A, dZ, G, weight_transposed):
-    """sum over each group's rows of a ⊗ dz: [G, d, n] ([G, n, d] if transposed).
-
-    A: [G*T, ..., d] rows; dZ: [G*T, ..., n] rows."""
-    A_g = to_groups(A, G, 1)     # [G, T, d]
-    dZ_g = to_groups(dZ, G, 1)   # [G, T, n]
-    if weight_transposed:
-        return tf.einsum("gtn,gtd->gnd", dZ_g, A_g)
-    return tf.einsum("gtd,gtn->gdn", A_g, dZ_g)
+    return tf.reshape(tensor, group_shape(G, [-1] + tail_dims))  # [G, T', *tail]
 
 
 def dense_squared_norms(A, dZ, B, k):
-    """[B] ||sum_t a_it ⊗ dz_it||^2 without forming the outer products.
-
-    k = 1: ||a_i||^2 ||dz_i||^2. k > 1: the ghost norm sum_{t,s} (a_it·a_is)(dz_it·dz_is)."""
+    """[B] ||sum_t a_it ⊗ dz_it||^2 without forming the outer products (the ghost norm)."""
     A_g = to_groups(A, B, 1)     # [B, k, d]
     dZ_g = to_groups(dZ, B, 1)   # [B, k, n]
     if k == 1:
@@ -76,10 +49,9 @@ def static_size(shape):
 
 
 def ghost_norm_is_cheaper(T, d, n):
-    """Mixed ghost clipping's choice (Bu, Mao, Xu 2022, arXiv 2205.10683, section 3):
-    for one example's T rows of A [T, d] and dZ [T, n], the ghost norm costs
-    ~2 T^2 (d + n) multiply-adds and forming sum_t a_t ⊗ dz_t costs ~2 T d n; True
-    when the ghost norm is not dearer."""
+    """Mixed ghost clipping's choice (Bu, Mao, Xu 2022, arXiv 2205.10683, section 3): the
+    ghost norm of T rows, ~2 T^2 (d + n) multiply-adds, is not dearer than forming the
+    [d, n] gradient, ~2 T d n."""
     return None not in (T, d, n) and T * (d + n) <= d * n
 
 
@@ -104,8 +76,7 @@ def group_shape(G, dims):
 
 
 def scale_rows(tensor, factors):
-    """[B*k, ...] with example i's k rows multiplied by factors[i] ([B]): the dZ of the
-    loss sum_i factors_i ys_i when `tensor` is the dZ of sum_i ys_i (rows example-major)."""
+    """[B*k, ...] with example i's k rows multiplied by factors[i] ([B])."""
     B = dim(factors, 0)
     flat = tf.reshape(tensor, group_shape(B, [-1]))                     # [B, k*...]
     scaled = flat * tf.cast(factors, tensor.dtype)[:, None]              # [B, k*...]

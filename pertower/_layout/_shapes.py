@@ -1,24 +1,14 @@
-"""Reshape targets for the engine and the rules, static wherever the sizes are known.
+"""Reshape targets and constants for the engine and the rules, static wherever the sizes
+are known, each built once per build.
 
-Notation:
-    G   groups: B (per example) or M (microbatches); an int, or a scalar tensor when B
-        is known only at run time
-    x   one weight (entry of `xs`)
+Notation: G groups, B (per example) or M (microbatches): an int, or a scalar tensor when
+B is known only at run time; x one weight (entry of `xs`).
 
-Building a reshape target out of a tensor G (`tf.stack([G, d1, d2, ...])`) adds one
-constant per size and a `Pack` per call; a rule that does it per use (or per filter tap)
-multiplies the ops a graph gets and the time building them takes. When every size but
-G's is a known positive int, the target [-1, d1, d2, ...] says the same (the leading
-axis is what remains, G) with one constant and no `Pack`; and a result whose static
-shape is already [G, *x.shape] needs no reshape at all. `ShapeCache` keeps each
-target that does need G, made once per (G, sizes) for one build and shared by every use.
-
-Every other constant a rule needs (a static reshape target, the axes of a sum, an
-epsilon) is a `Const` op too, built through `make_tensor_proto` at about the cost of any
-other op: while the engine builds (`ShapeCache.active()`), `constant(value)` gives ONE
-`Const` per (value, dtype, graph, control-flow context) shared by every use. And where
-each group is one row (k = 1 rows per example, G = B), the sums over a group's rows and
-positions need no reshape to [G, rows, C] first: `group_sum` reduces the axes directly.
+A target stacked out of a tensor G adds a `Pack` and a constant per size, per use. When
+every size but G's is a known positive int, [-1, d1, d2, ...] says the same with one
+constant; a result already of static shape [G, *x.shape] needs no reshape; and while
+the engine builds (`ShapeCache.active()`), `constant(value)` gives ONE `Const` per
+(value, dtype, graph, control-flow context) shared by every use.
 """
 
 import contextlib
@@ -46,8 +36,8 @@ def constant(value, dtype=tf.int32):
 
 
 def group_shape(G, dims):
-    """[G, *dims] as a reshape target (`_rows.group_shape`'s arguments): a shared
-    constant when `group_target` can make it static, else stacked out of G."""
+    """[G, *dims] as a reshape target: a shared constant where `group_target` makes
+    one, else stacked out of G."""
     static = group_target(G, dims)
     if static is not None:
         return constant(static)
@@ -55,9 +45,8 @@ def group_shape(G, dims):
 
 
 def strided_slice(tensor, index):
-    """`tensor[index]` for `index` a tuple of Python slices (int or None bounds and
-    steps, one per leading axis), its begin, end and strides shared constants
-    (`constant`): a filter tap's slice adds one op, not four."""
+    """`tensor[index]` for a tuple of Python slices (one per leading axis), its begin,
+    end and strides shared constants: one op, not four."""
     begin, end, strides, begin_mask, end_mask = [], [], [], 0, 0
     for axis, part in enumerate(index):
         if part.start is None:
@@ -72,9 +61,8 @@ def strided_slice(tensor, index):
 
 
 def rows_are_groups(tensor, G, k):
-    """Whether each group of `tensor`'s [G*k, ...] rows is exactly one row: k = 1 and G
-    is B (a tensor: the engine's `group_count` gives a tensor only for B, a microbatch
-    count M is always an int) or the static row count equals the int G."""
+    """Whether each group of `tensor`'s [G*k, ...] rows is one row: k = 1 and G is B (a
+    tensor G is always B: a microbatch count M is an int) or the int G."""
     if k != 1 or tensor.shape.rank is None or tensor.shape.rank < 1:
         return False
     if isinstance(G, int):
@@ -83,9 +71,8 @@ def rows_are_groups(tensor, G, k):
 
 
 def group_sum(tensor, G, k, keep):
-    """[G*k, ...] -> [G, n]: each group's sum over its rows and over every axis but
-    `keep` (>= 1, of size n). One `Sum` when each group is one row (`rows_are_groups`);
-    else the axes after `keep` are summed, the rows grouped ([G, rows, n]) and summed."""
+    """[G*k, ...] -> [G, n]: each group's sum over its rows and every axis but `keep`
+    (>= 1, of size n); one `Sum` when each group is one row."""
     rank = tensor.shape.rank
     if rows_are_groups(tensor, G, k):
         axes = [a for a in range(1, rank) if a != keep]
@@ -97,22 +84,15 @@ def group_sum(tensor, G, k, keep):
 
 def static_sizes(dims):
     """`dims` as Python ints when every entry is a known int >= 0, else None."""
-    out = []
-    for d in dims:
-        if isinstance(d, tf.Tensor) or d is None:
-            return None
-        d = int(d)
-        if d < 0:
-            return None
-        out.append(d)
-    return out
+    if any(isinstance(d, tf.Tensor) or d is None for d in dims):
+        return None
+    sizes = [int(d) for d in dims]
+    return sizes if all(d >= 0 for d in sizes) else None
 
 
 def group_target(G, dims):
-    """[G, *dims] as a reshape target, with no op built when it can be static: a list
-    when G is an int, [-1, *dims] when G is a tensor and every size in `dims` is a known
-    positive int (their product > 0, so -1 can only be G); else None (the caller stacks
-    it, or asks a `ShapeCache`)."""
+    """[G, *dims] as a static reshape target: a list when G is an int, [-1, *dims]
+    when every size in `dims` is a known positive int (so -1 can only be G); else None."""
     dims = list(dims)
     if isinstance(G, int) and not any(isinstance(d, tf.Tensor) for d in dims):
         return [G] + dims
@@ -124,12 +104,8 @@ def group_target(G, dims):
 
 def groups_target(tensor, G, k, tail):
     """A static reshape target [G*T, ...] -> [G, T*prod(middle), *tail] (the last `tail`
-    axes kept), or None when it cannot be static.
-
-    G an int: [G, -1, *tail]. G a tensor: that is B, one group per example (the engine's
-    `group_count`: a microbatch count M is always an int), so T = k, the rows per
-    example of the use, and the target is [-1, k*prod(middle), *tail].
-    """
+    axes kept), or None: [G, -1, *tail] for an int G; for a tensor G (always B, so
+    T = k) [-1, k*prod(middle), *tail]."""
     dims = tensor.shape.as_list() if tensor.shape.rank is not None else None
     if dims is None or tail > len(dims) - 1:
         return None
@@ -148,8 +124,7 @@ def groups_target(tensor, G, k, tail):
 
 
 def to_groups(tensor, G, k, tail):
-    """[G*T, ...] -> [G, T*prod(middle), *tail], with a static target where
-    `groups_target` gives one (k: the rows per example, T when G is a tensor)."""
+    """[G*T, ...] -> [G, T*prod(middle), *tail] (static target where one exists)."""
     target = groups_target(tensor, G, k, tail)
     if target is None:
         rank = tensor.shape.rank
@@ -163,11 +138,8 @@ def to_groups(tensor, G, k, tail):
 
 
 class ShapeCache:
-    """The reshape targets and constants of one build, each made once.
-
-    Args:
-      G: the group count, an int or a scalar int32 tensor.
-    """
+    """The reshape targets and constants of one build, each made once (G: the group
+    count, an int or a scalar int32 tensor)."""
 
     def __init__(self, G):
         self.G = G
@@ -176,8 +148,7 @@ class ShapeCache:
 
     @contextlib.contextmanager
     def active(self):
-        """While the body runs, `constant` (and the helpers of this module) share this
-        cache's constants."""
+        """While the body runs, `constant` shares this cache's constants."""
         token = _ACTIVE.set(self)
         try:
             yield self
@@ -198,9 +169,8 @@ class ShapeCache:
         return found[-1]
 
     def group_shape(self, dims):
-        """[G, *dims] as a reshape target; `dims` ints (at most one -1) or scalar
-        tensors. Static when `group_target` can make it so; else a tensor shared by
-        every caller asking for the same sizes."""
+        """[G, *dims] as a reshape target (`dims` ints, at most one -1, or scalar
+        tensors), shared by every caller asking for the same sizes."""
         static = group_target(self.G, dims)
         if static is not None:
             return self.constant(static)
@@ -214,9 +184,7 @@ class ShapeCache:
 
 
 def as_per_x(part, x, G, cache=None):
-    """A rule's [G, *w.shape at the op] as [G, *x.shape]: `part` itself when its static
-    shape already is that (no op), else reshaped (a static target where the sizes are
-    known)."""
+    """A rule's [G, *w.shape at the op] as [G, *x.shape] (no op when it already is)."""
     x_shape = x.shape
     if (x_shape.is_fully_defined() and part.shape.rank is not None
             and part.shape[1:].is_fully_defined()

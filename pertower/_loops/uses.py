@@ -27,7 +27,7 @@ __all__ = ["LoopPlan", "LoopUse", "Placed", "Slice", "concrete_uses", "different
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
 _STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATCH_MATMUL_OP_TYPES
 _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_add",
-                                "pertower.rules.einsum", "pertower.rules.batch_matmul"})
+                                "pertower.rules.einsum"})
 
 
 def unreplayable_reason(op, stateful_allowed):

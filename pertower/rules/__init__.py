@@ -5,41 +5,30 @@
     pertower.per_example_gradients(ys, xs, rules=registry)
 
 Built-in rules (each file states its identity and reference):
-    matmul.py            MatMul
-    sparse_matmul.py     SparseMatMul (the same product; LocallyConnected implementation=2)
-    batch_matmul.py      BatchMatMul, BatchMatMulV2, BatchMatMulV3
+    matmul.py            MatMul, SparseMatMul, BatchMatMul(V2/V3) with a weight matrix
     einsum.py            Einsum
     bias_add.py          BiasAdd
-    broadcast.py         a broadcast weight in Add, AddV2, Sub, Mul, RealDiv, Maximum,
-                         Minimum, SquaredDifference, Pow, SelectV2, ... (one rule)
-    conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks;
-                         groups = channels through the depthwise rule,
-                         `pertower/_convolution/views.py`)
+    broadcast.py         a broadcast weight in Add, Mul, Maximum, Pow, SelectV2, ...
+    conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks)
     conv2d_transpose.py  Conv2DBackpropInput (transposed convolutions)
-    conv3d.py            Conv3D (NDHWC; a SpaceToBatchND's blocks; channel groups),
-                         Conv3DBackpropInputV2
+    conv3d.py            Conv3D, Conv3DBackpropInputV2
     depthwise_conv2d.py  DepthwiseConv2dNative
-    gather.py            GatherV2, ResourceGather (embedding lookups)
-    partitioned_gather.py  the same on a partitioned table's parts (DynamicPartition ids)
+    gather.py            GatherV2, ResourceGather (embedding lookups, partitioned tables,
+                         the unique ids of a sparse lookup)
     sparse_segment.py    SparseSegmentSum/Mean/SqrtN of a SparseTensor of the batch's ids
-    fused_batch_norm.py  FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3 (inference)
+    fused_batch_norm.py  FusedBatchNorm(V2/V3) in inference mode
     function_call.py     PartitionedCall, StatefulPartitionedCall whose body applies one
-                         covered op to the weight, its arguments and output possibly
-                         re-laid-out (`_call_layouts.py`; tf_keras' jit-compiled grouped
-                         Conv1D/2D/3D)
+                         covered op to the weight (`_call_layouts.py`)
 
 Writing a rule (the names an extension needs are all here): derive from `Rule`, define
 `match` (return `Rule.example_use(op, slot, analysis)`, a `Use` whose `rows` are the
 activation's `Rows`, or a string saying why not) and `per_group`; define the other
-quantities of `Rule` (squared norms, clipped sum, sum of squares, K-FAC rows, row
-layouts) where the op has a cheaper form (`batch_gradient_clipped_sum` is one).
+quantities of `Rule` where the op has a cheaper form (`batch_gradient_clipped_sum` is one).
 
-A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||,
-a non-fused batch norm's scale and shift) gets the rule of the op after them, pulled back
-through them (`_weight_functions.py`, used by the engine for every rule).
+A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||)
+gets the rule of the op after them, pulled back through them (`_weight_functions.py`).
 """
 
-from pertower.rules import batch_matmul
 from pertower.rules import bias_add
 from pertower.rules import broadcast
 from pertower.rules import conv2d
@@ -51,8 +40,6 @@ from pertower.rules import function_call
 from pertower.rules import fused_batch_norm
 from pertower.rules import gather
 from pertower.rules import matmul
-from pertower.rules import partitioned_gather
-from pertower.rules import sparse_matmul
 from pertower.rules import sparse_segment
 from pertower.rules.registry import FormedNorms
 from pertower.rules.registry import Rule
@@ -66,9 +53,8 @@ from pertower._batch_axis import SIZE
 __all__ = ["Rule", "RuleRegistry", "Use", "default_registry", "FormedNorms", "Rows",
            "INDEPENDENT", "SIZE", "batch_gradient_clipped_sum"]
 
-_BUILT_IN = (matmul, batch_matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose,
-             conv3d, depthwise_conv2d, gather, partitioned_gather, sparse_segment,
-             fused_batch_norm, function_call, sparse_matmul)
+_BUILT_IN = (matmul, einsum, bias_add, broadcast, conv2d, conv2d_transpose, conv3d,
+             depthwise_conv2d, gather, sparse_segment, fused_batch_norm, function_call)
 
 
 def default_registry():

@@ -1,25 +1,24 @@
 """The re-layouts between a function call's tensors and the body op a rule covers
 (`rules.function_call`).
 
-Notation: B examples, N = B*k rows; `body` the called function's graph, `inner` the body
-op whose rule runs; an argument `arg` of the body is the call's input of the same index.
+Notation: N = B*k rows; `body` the called function's graph, `inner` the body op whose
+rule runs; an argument of the body is the call's input of the same index.
 
-A re-layout here is an op that only re-reads its input's values in row-major order:
+A re-layout is an op that only re-reads its input's values in row-major order:
 Identity, ExpandDims, Squeeze, Reshape. A chain of them from a body argument to an input
-of `inner` (or from `inner`'s output to a body output) computes
-    t_inner = reshape(t_arg, shape(t_inner)),
-and its gradient is the same reshape back. Two kinds of chain are mapped exactly:
+of `inner` (or from `inner`'s output to a body output) computes t_inner =
+reshape(t_arg, shape(t_inner)), and its gradient is the reshape back. Two kinds of chain
+are mapped exactly:
 
-    batch-preserving  every op keeps axis 0 as axis 0 with the same size (ExpandDims and
-                      Squeeze on other axes; a Reshape [N, *r] -> [N, *r'] with r, r'
-                      static and prod(r) = prod(r') > 0): the body tensor has the call
-                      tensor's rows (example i owns the same rows k*i ... k*i + k - 1),
-                      and t_inner = reshape(t_arg, [-1, *r']).
+    batch-preserving  every op keeps axis 0 with its size (ExpandDims and Squeeze on
+                      other axes; a Reshape [N, *r] -> [N, *r'], r, r' static, prod(r)
+                      = prod(r') > 0): the body tensor has the call tensor's rows, and
+                      t_inner = reshape(t_arg, [-1, *r']).
     static            the chain's ends have static shapes (a weight's [3, 4, 8] ->
                       [1, 3, 4, 8]): t_inner = reshape(t_arg, shape(t_inner)).
 
 Anything else (a Transpose, a Reshape that moves the batch axis, an unknown size) is not
-a re-layout of this module, and the rule that asks refuses with the op's name.
+a re-layout here, and the rule that asks refuses with the op's name.
 """
 
 import tensorflow as tf
@@ -27,8 +26,8 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower._layout import _rows
 
-__all__ = ["RELAYOUT_OP_TYPES", "Chain", "past_relayouts", "source", "returned", "consumers", "relayout",
-           "per_group_to", "MappedAnalysis"]
+__all__ = ["RELAYOUT_OP_TYPES", "Chain", "past_relayouts", "source", "returned", "consumers",
+           "relayout", "per_group_to", "MappedAnalysis"]
 
 RELAYOUT_OP_TYPES = frozenset({"Identity", "ExpandDims", "Squeeze", "Reshape"})
 _SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})   # read no values
@@ -40,11 +39,7 @@ class Chain:
 
     def __init__(self, start, end, ops):
         self.start, self.end, self.ops = start, end, tuple(ops)
-        self.why = None
-        for op in self.ops:
-            self.why = _batch_kept(op)
-            if self.why is not None:
-                break
+        self.why = next((why for why in map(_batch_kept, self.ops) if why is not None), None)
         self.keeps_batch = self.why is None
 
     @property
@@ -53,8 +48,7 @@ class Chain:
         return all(op.type == "Identity" for op in self.ops)
 
     def mappable(self):
-        """None when `relayout` maps between the chain's ends exactly, both ways (see the
-        module docstring), else why not (a phrase)."""
+        """None when `relayout` maps between the chain's ends exactly, else why not."""
         if self.identity:
             return None
         ends = (self.start, self.end)
@@ -92,21 +86,13 @@ def _batch_kept(op):
             return f"{op.name!r} (Squeeze) may remove axis 0"
         return None
     # Reshape: [N, *r] -> [N, *r'], both r static with the same product > 0
-    rest_in = op.inputs[0].shape.as_list()[1:]
-    rest_out = op.outputs[0].shape.as_list()[1:]
-    if None in rest_in or None in rest_out:
+    size_in = _rows.static_size(op.inputs[0].shape[1:])
+    size_out = _rows.static_size(op.outputs[0].shape[1:])
+    if size_in is None or size_out is None:
         return f"{op.name!r} (Reshape) has sizes past axis 0 that are not static"
-    size_in, size_out = _product(rest_in), _product(rest_out)
     if size_in != size_out or size_in == 0:
         return f"{op.name!r} (Reshape) moves the batch axis"
     return None
-
-
-def _product(values):
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def past_relayouts(tensor):
@@ -146,9 +132,7 @@ def consumers(tensor):
 def returned(tensor, body):
     """Every (output index, `Chain` from `tensor` to that body output) along the paths of
     re-layout ops from `tensor`, when nothing but re-layouts and Shape ops reads those
-    tensors in the body; else None. (After a gradient of the call, TensorFlow's rewrite
-    of the function also returns the tensors its gradient reads, such as the
-    convolution's output before a Squeeze: several outputs.)"""
+    tensors in the body (a gradient of the call may return several); else None."""
     found = []
 
     def walk(current, ops):
@@ -168,10 +152,8 @@ def returned(tensor, body):
 
 
 def relayout(tensor, target, chain):
-    """`tensor`, laid out like one end of the mappable `chain` (a call's tensor, or the
-    gradient at it), in the layout of its body tensor `target` (the chain's other end):
-    reshape(tensor, [-1, *shape(target)[1:]]) for a batch-preserving chain, else
-    reshape(tensor, shape(target))."""
+    """`tensor`, laid out like one end of the mappable `chain`, in the layout of the
+    chain's other end `target` (see the module docstring)."""
     if chain.identity:
         return tensor
     shape = target.shape.as_list()
@@ -191,10 +173,8 @@ def per_group_to(tensor, target, leading):
 
 
 class MappedAnalysis:
-    """A batch-axis analysis in which each body tensor of `mapping` ({body tensor's
-    `ref()`: the call's tensor, batch-preserving chains; or None, a chain that does not
-    keep the batch axis of a call tensor from the batch}) has the layout of its call
-    tensor (None: UNKNOWN, no rows)."""
+    """A batch-axis analysis in which each body tensor of `mapping` ({`ref()`: the call's
+    tensor, or None for UNKNOWN}) has the layout of its call tensor."""
 
     def __init__(self, analysis, mapping):
         self._analysis = analysis
@@ -202,17 +182,13 @@ class MappedAnalysis:
 
     def value(self, tensor):
         """The lattice value of `tensor` (of its call tensor when mapped)."""
-        key = tensor.ref()
-        if key in self._mapping and self._mapping[key] is None:
-            return _batch_axis.UNKNOWN
-        return self._analysis.value(self._mapping.get(key, tensor))
+        mapped = self._mapping.get(tensor.ref(), tensor)
+        return _batch_axis.UNKNOWN if mapped is None else self._analysis.value(mapped)
 
     def rows(self, tensor):
         """The Rows of `tensor` (of its call tensor when mapped)."""
-        key = tensor.ref()
-        if key in self._mapping and self._mapping[key] is None:
-            return None
-        return self._analysis.rows(self._mapping.get(key, tensor))
+        mapped = self._mapping.get(tensor.ref(), tensor)
+        return None if mapped is None else self._analysis.rows(mapped)
 
     def __getattr__(self, name):   # registry, segments, verdict, ...: the analysis's
         return getattr(self._analysis, name)

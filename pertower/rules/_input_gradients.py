@@ -1,39 +1,25 @@
 """The engine's backward pass for dZ without the weights' own gradients.
 
-Notation:
-    A   a weight-consuming op's batch-side input     Z   its output
-    W   its weight input (a function of the weights alone)
+Notation: A a weight-consuming op's batch-side input, Z its output, W its weight input
+(a function of the weights alone).
 
-The engine takes dZ for every covered use with ONE `tf.gradients` of sum(grad_ys * ys)
-with respect to the uses' outputs Z (`pertower._engine.passes`). A
-weight-consuming op between two of them (layer k's convolution reads what layer k-1's
-made) is differentiated by its registered gradient, which builds the gradient of EVERY
-input: for W a whole op (Conv2DBackpropFilter, DepthwiseConv2dNativeBackpropFilter, a
-MatMul, BiasAddGrad) whose value nothing reads, since the pass stops at the Z's and W is
-not downstream of any of them (every Z is downstream of the batch, W is not): 31 of the
-87 ops the pass builds on VGG16.
+The engine takes dZ for every covered use with ONE `tf.gradients` with respect to the
+uses' outputs Z (`pertower._engine.passes`). A weight-consuming op between two of them
+is differentiated by its registered gradient, which also builds W's gradient (a
+Conv2DBackpropFilter, a MatMul, ...) that nothing reads. While the pass is built
+(`input_side_only`), each such op gets a gradient function that builds A's gradient
+only, the op the registered gradient builds for A (`_Conv2DGrad`,
+`_DepthwiseConv2dNativeGrad`, `_MatMulGradAgainstFirstOnly`, `_BiasAddGrad`), and None
+for W. With oneDNN off, a stride-1 Conv2D with a large filter takes dA as ONE forward
+Conv2D of dZ with the filter turned (`as_forward_convolution`), and a MatMul A W with
+one row per example and a large W takes dZ W^T as (W dZ^T)^T (`_turned_matmul`):
+TensorFlow's kernels for the registered forms are the slower there (docs/benchmark.md).
 
-While the pass is built (`input_side_only`), each such op gets a gradient function that
-builds its A's gradient only, the same op with the same attributes as the registered
-gradient builds for A (TensorFlow's `_Conv2DGrad`, `_DepthwiseConv2dNativeGrad`,
-`_MatMulGradAgainstFirstOnly`, `_BiasAddGrad`), and None for W, which
-`tf.gradients` leaves out as it would the unread result. A stride-1 Conv2D with a large
-filter (`forward_padding`; oneDNN off) instead gets its input's gradient as ONE forward
-Conv2D of dZ with the filter turned (`as_forward_convolution`): TensorFlow's CPU
-Conv2DBackpropInput without oneDNN is the slower of the two on small images with many
-channels (VGG16's blocks 4-5 at 32x32 inputs: 4x4 and 2x2 positions, 512 channels). A
-MatMul A W with one row per example and a large W (`_turned_matmul`) takes dZ W^T as
-(W dZ^T)^T: TensorFlow's MatMul with transpose_b on few rows is the slower one there
-(VGG16's fc2: 4096 x 4096 at B = 16). Timings of both: docs/benchmark.md,
-"Measurements moved from docstrings". An op is handled only when: its
-type and W's slot are in `_ONE_SIDED` (a MatMul: A not transposed); it is in the graph
-of `ys` (not in a function or loop body); its gradient is TensorFlow's registered one
-(no `_gradient_op_type` override, no gradient function of its own); its dtype is real;
-and W is not downstream of the batch (`Request.batch_downstream`), so that no Z's
-gradient can flow through W. Every op gets its own gradient function back when the pass
-is built (also on error). The functions are set on the ops' Python objects, as the
-graph's `_override_gradient_function` does: a `tf.gradients` another thread builds
-through the same ops meanwhile would see them too.
+An op is handled only when its type and W's slot are in `_ONE_SIDED`, it is in the
+graph of `ys`, its gradient is TensorFlow's registered one, its dtype is real, and W is
+not downstream of the batch (no Z's gradient can flow through W). The functions are
+set on the ops' Python objects for the pass only (restored on error too), as the
+graph's `_override_gradient_function` does.
 """
 
 import contextlib
@@ -42,6 +28,7 @@ import functools
 import tensorflow as tf
 
 from pertower import _tf
+from pertower._convolution import geometry as _geometry
 from pertower._convolution import options as _conv_options
 from pertower._layout import _shapes
 from pertower.rules import conv2d
@@ -50,12 +37,9 @@ __all__ = ["FORWARD_MIN_CHANNELS", "FORWARD_MIN_FILTER", "FORWARD_FEW_POSITIONS"
            "TURNED_MIN_SIDE", "forward_padding", "as_forward_convolution", "input_side_only",
            "one_sided_ops"]
 
-# A stride-1 Conv2D's input gradient is one forward Conv2D of dZ with the filter turned
-# (`as_forward_convolution`) when the filter has at least FORWARD_MIN_FILTER numbers,
-# Cin >= FORWARD_MIN_CHANNELS and Cin >= Cout / 2 or P <= FORWARD_FEW_POSITIONS output
-# positions; else TensorFlow's Conv2DBackpropInput (the forward form loses with thin
-# Cin and with Cin < Cout / 2 at many positions; below 2^16 filter numbers the two are
-# alike; timings without oneDNN: docs/benchmark.md, "Measurements moved from docstrings").
+# A stride-1 Conv2D's input gradient is one forward Conv2D (`forward_padding`) when the
+# filter has at least FORWARD_MIN_FILTER numbers, Cin >= FORWARD_MIN_CHANNELS and
+# Cin >= Cout / 2 or at most FORWARD_FEW_POSITIONS output positions.
 FORWARD_MIN_FILTER = 1 << 16
 FORWARD_MIN_CHANNELS = 16
 FORWARD_FEW_POSITIONS = 64
@@ -64,26 +48,27 @@ FORWARD_FEW_POSITIONS = 64
 TURNED_MIN_SIDE = 256
 
 
-def _conv2d(op, grad, pads=None):
-    """Conv2D: the input's gradient (`_Conv2DGrad`'s first output): with `pads` (from
-    `forward_padding`) a forward convolution of dZ, else Conv2DBackpropInput."""
+def _convolution(op, grad, pads=None):
+    """Conv2D or DepthwiseConv2dNative: the input's gradient only (`_Conv2DGrad`'s and
+    `_DepthwiseConv2dNativeGrad`'s first output); with `pads` a forward convolution."""
     if pads is not None:
         return [as_forward_convolution(op, grad, pads), None]
-    return [tf.raw_ops.Conv2DBackpropInput(
-        input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1], out_backprop=grad,
-        dilations=op.get_attr("dilations"),
-        strides=op.get_attr("strides"), padding=op.get_attr("padding"),
-        explicit_paddings=op.get_attr("explicit_paddings"),
-        use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
-        data_format=op.get_attr("data_format")), None]
+    if op.type == "Conv2D":
+        backprop = functools.partial(tf.raw_ops.Conv2DBackpropInput,
+                                     use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"))
+    else:
+        backprop = tf.raw_ops.DepthwiseConv2dNativeBackpropInput
+    return [backprop(input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1],
+                     out_backprop=grad, dilations=op.get_attr("dilations"),
+                     strides=op.get_attr("strides"), padding=op.get_attr("padding"),
+                     explicit_paddings=op.get_attr("explicit_paddings"),
+                     data_format=op.get_attr("data_format")), None]
 
 
 def forward_padding(op):
     """[(top, bottom), (left, right)]: the padding of dZ for which the input gradient
     of the Conv2D `op` is a forward convolution (`as_forward_convolution`), or None
-    when that form is not taken: a stride > 1, channel groups, NCHW, heights or widths
-    not static, or where TensorFlow's kernel is measured no slower (thin or few input
-    channels for the outputs at many positions, a small filter: `FORWARD_MIN_FILTER`)."""
+    (a stride > 1, channel groups, NCHW, sizes not static, or the thresholds above)."""
     if (op.get_attr("data_format") != b"NHWC" or list(op.get_attr("strides")) != [1] * 4
             or not op.inputs[1].shape.is_fully_defined()):
         return None
@@ -93,27 +78,16 @@ def forward_padding(op):
             or tf.compat.dimension_value(x_shape[-1]) != c_in
             or c_in < FORWARD_MIN_CHANNELS or kh * kw * c_in * c_out < FORWARD_MIN_FILTER):
         return None
-    sizes = [tf.compat.dimension_value(x_shape[i]) for i in (1, 2)]
     outputs = [tf.compat.dimension_value(z_shape[i]) for i in (1, 2)]
-    if None in sizes + outputs or (2 * c_in < c_out and
-                                   outputs[0] * outputs[1] > FORWARD_FEW_POSITIONS):
+    pads = _geometry.spatial_pads(op, kh, kw)   # the input's (before, after) per axis
+    if pads is None or (2 * c_in < c_out and outputs[0] * outputs[1] > FORWARD_FEW_POSITIONS):
         return None
     dilations = list(op.get_attr("dilations"))
-    padding = op.get_attr("padding").decode()
-    pads = []
-    for axis, (size, out, k) in enumerate(zip(sizes, outputs, (kh, kw))):
-        span = (k - 1) * dilations[axis + 1]
-        if padding == "VALID":
-            before = 0
-        elif padding == "SAME":
-            before = max(out - 1 + span + 1 - size, 0) // 2
-        else:
-            before = op.get_attr("explicit_paddings")[2 * axis + 2]
-        after = out - 1 + span - (size - 1) - before     # the input's padding after
-        if not 0 <= before <= span or not 0 <= after <= span:
-            return None
-        pads.append((span - before, span - after))
-    return pads
+    spans = [(k - 1) * dilations[axis + 1] for axis, k in enumerate((kh, kw))]
+    if not all(0 <= p <= span for (before, after), span in zip(pads, spans)
+               for p in (before, after)):
+        return None
+    return [(span - before, span - after) for (before, after), span in zip(pads, spans)]
 
 
 def as_forward_convolution(op, grad, pads):
@@ -123,8 +97,7 @@ def as_forward_convolution(op, grad, pads):
     sum_{u,v,o} dz[n, a + t - u*d, b + l - v*d, o] W[u, v, c, o]: a stride-1
     convolution of dZ, padded by ((kh-1)*d - t, (kh-1)*d - b) and ((kw-1)*d - l,
     (kw-1)*d - r), with the filter turned (W[kh-1-u, kw-1-v, c, o] as [kh, kw, Cout,
-    Cin]), the op's dilations. The same op type as `op` (any dtype and dilation it runs
-    with), 2 more ops for the filter (a reverse, a transpose)."""
+    Cin]), the op's dilations."""
     w = op.inputs[1]
     kh, kw = w.shape.as_list()[:2]
     if kh * kw > 1:
@@ -146,26 +119,14 @@ def as_forward_convolution(op, grad, pads):
                              data_format="NHWC")
 
 
-def _depthwise(op, grad):
-    """DepthwiseConv2dNative: the input's gradient (`_DepthwiseConv2dNativeGrad`'s
-    first output)."""
-    return [tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
-        input_sizes=tf.shape(op.inputs[0]), filter=op.inputs[1], out_backprop=grad,
-        dilations=op.get_attr("dilations"),
-        strides=op.get_attr("strides"), padding=op.get_attr("padding"),
-        explicit_paddings=op.get_attr("explicit_paddings"),
-        data_format=op.get_attr("data_format")), None]
-
-
 def _bias_add(_, grad):
     """BiasAdd / BiasAddV1: the value's gradient is the received one."""
     return [grad, None]
 
 
 def _matmul(op, grad, turned=False):
-    """MatMul A W or A W^T (the rule's cases: A not transposed): A's gradient only,
-    dZ W^T or dZ W (`_MatMulGradAgainstFirstOnly`); `turned` (for A W, see
-    `_turned_matmul`): dZ W^T as (W dZ^T)^T."""
+    """MatMul A W or A W^T: A's gradient only, dZ W^T or dZ W; `turned`: dZ W^T as
+    (W dZ^T)^T."""
     if turned:
         return [tf.transpose(tf.raw_ops.MatMul(a=op.inputs[1], b=grad, transpose_b=True)),
                 None]
@@ -174,12 +135,9 @@ def _matmul(op, grad, turned=False):
 
 
 def _turned_matmul(use):
-    """Whether the MatMul `use` (A W, W [d, n]) takes dA = dZ W^T as (W dZ^T)^T, a
-    MatMul of W as it is stored and a transpose of the small [d, B] result: with one row
-    per example (k = 1) and min(d, n) >= `TURNED_MIN_SIDE`. TensorFlow's CPU MatMul
-    with transpose_b on few rows runs below the other's speed without oneDNN, except
-    with a thin side or at many rows (timings: docs/benchmark.md, "Measurements moved
-    from docstrings"). Not measured with oneDNN's kernels: not taken when they are on."""
+    """Whether the MatMul `use` (A W, W [d, n]) takes dA = dZ W^T as (W dZ^T)^T (a
+    transpose of the small [d, B] result): with one row per example, min(d, n) >=
+    `TURNED_MIN_SIDE` and oneDNN off."""
     k = getattr(use.rows, "k", None)
     if (use.op.get_attr("transpose_b") or not (isinstance(k, int) and k == 1)
             or conv2d.onednn_enabled()):
@@ -189,7 +147,7 @@ def _turned_matmul(use):
 
 
 # (op type, W's input slot) -> the gradient function of the other input alone
-_ONE_SIDED = {("Conv2D", 1): _conv2d, ("DepthwiseConv2dNative", 1): _depthwise,
+_ONE_SIDED = {("Conv2D", 1): _convolution, ("DepthwiseConv2dNative", 1): _convolution,
               ("BiasAdd", 1): _bias_add, ("BiasAddV1", 1): _bias_add,
               ("MatMul", 1): _matmul}
 
@@ -232,14 +190,12 @@ def one_sided_ops(plan, indices, loop_uses=()):
 
 
 def _with_forward_form(use):
-    """The gradient function of the Conv2D `use`: its input's gradient as a forward
-    convolution where `forward_padding` gives one and TensorFlow's oneDNN kernels are
-    off (with them on, its Conv2DBackpropInput is as fast as the forward form: see
-    docs/benchmark.md, "Measurements moved from docstrings"), else Conv2DBackpropInput. The
-    oneDNN setting is the rule's (`ConvOptions.onednn`), else TensorFlow's."""
+    """The gradient function of the Conv2D `use`: a forward convolution where
+    `forward_padding` gives one and oneDNN is off (the rule's setting, else
+    TensorFlow's), else Conv2DBackpropInput."""
     onednn = _conv_options.onednn_runs(getattr(use.rule, "options", None))
     pads = None if onednn else forward_padding(use.op)
-    return functools.partial(_conv2d, pads=pads)
+    return functools.partial(_convolution, pads=pads)
 
 
 @contextlib.contextmanager

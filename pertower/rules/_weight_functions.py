@@ -1,34 +1,26 @@
 """Weights read through functions of the weights alone, pulled back from a rule's op.
 
-Notation:
-    B, G  examples, groups (as in `rules.registry`)     x  one weight (entry of xs)
-    u     the tensor at a rule's weight input, u = f(x, other weights, constants)
-    P     the rule's per-group gradients with respect to u, [G, *u.shape]
+Notation: G groups (as in `rules.registry`); x one weight (entry of xs); u the tensor at
+a rule's weight input, u = f(x, other weights, constants); P the rule's per-group
+gradients with respect to u, [G, *u.shape].
 
 Between a variable and the op a rule covers there may be ops whose inputs are all
-batch-independent (the batch-axis analysis says INDEPENDENT): Keras' `mixed_float16`
-casts the float32 master weight to float16; weight normalization computes g·v/||v||; a
-non-fused batch norm computes scale = gamma·rsqrt(var + eps) and shift = beta -
-mean·scale before one Mul and one AddV2 with the batch; a partitioned weight is a
-ConcatV2 of its parts; `tanh(W)`, `abs(W)`, Transpose, Reshape. The walk (`exits`)
-follows a weight's reads through such ops to the ops that take the batch ("exits", one
-per (op, input) edge) and `WeightFunctionRule` wraps the rule of each exit.
+batch-independent (INDEPENDENT): `mixed_float16`'s Cast, weight normalization's
+g·v/||v||, a non-fused batch norm's scale and shift, a partitioned weight's ConcatV2,
+tanh(W), Transpose, Reshape. `exits` follows a weight's reads through such ops to the
+edges where they reach an op that takes the batch ("exits"); `WeightFunctionRule` wraps
+the rule of each exit.
 
 Identity (the chain rule across the cut of the exit edges): every path from x to `ys`
-leaves the weight-only region through exactly one exit edge, so with u_e the tensor on
-exit edge e and J_e = du_e/dx (the whole weight-only region between x and u_e, every
-path included)
-    grad_i(x) = sum over exits e of  J_e^T rule_e(example i)
-              = sum_e VJP_e(P_e[i]),
-and VJP_e(p) = tf.gradients(u_e, reads of x, grad_ys=p). The [G] pull-backs are one
-vectorized VJP (`tf.vectorized_map`, TensorFlow's pfor over the gradient ops); a chain
-of re-layouts (Identity, Snapshot, Reshape, ExpandDims, Squeeze, Transpose), Casts and
-ConcatV2 slices is inverted directly on the [G, ...] tensor instead. The clipped sum
-sum_i f_i grad_i(x) = VJP_e(sum_i f_i P_e[i]) is ONE VJP of the rule's own clipped sum
-(linearity), with no per-example pull-back. Squared norms: a chain of re-layouts only is
-an isometry (the same entries in another order), so the rule's cheap norm is exact;
-every other chain (casts included: the rule's norm would be summed in the narrower
-dtype) forms the pulled-back gradients and reduces them in x's dtype.
+leaves the weight-only region through exactly one exit edge e, so with u_e its tensor
+    grad_i(x) = sum_e (du_e/dx)^T rule_e(example i) = sum_e VJP_e(P_e[i]),
+VJP_e(p) = tf.gradients(u_e, reads of x, grad_ys=p). The [G] pull-backs are one
+`tf.vectorized_map` of the VJP, or one `tf.gradients` of the chain rebuilt on [G, ...]
+copies of x (elementwise chains), or the inverse of each op applied to [G, ...]
+(re-layouts, Casts, ConcatV2 slices). The clipped sum is ONE VJP of the rule's own
+clipped sum (linearity). Squared norms: a chain of re-layouts only keeps the entries,
+so the rule's cheap norm is exact; any other chain (casts too: the norm would be summed
+in the narrower dtype) forms the pulled-back gradients.
 
 Not covered (the weight falls back, with the reason): a weight-only op that is stateful,
 random or depends on one (DropConnect's mask: the one-example loop would draw it once
@@ -53,34 +45,22 @@ __all__ = ["Exit", "exits", "WeightFunctionRule", "wrap"]
 _REORDER_FREE = op_types.WEIGHT_LAYOUT_OP_TYPES
 # Ops inverted directly on [G, ...] (else: the vectorized VJP).
 _DIRECT = _REORDER_FREE | {"Transpose", "Cast", "ConcatV2"}
-# Ops computed entry by entry, with numpy broadcasting where they take several inputs:
-# pulled back by one tf.gradients of the chain rebuilt on [G, ...] copies of x
-# (`WeightFunctionRule._batched_vjp`). Unary elementwise ops (but those with a shape
-# attribute) and the broadcasting binary ops of the broadcast rule; not AddN, Betainc or
-# the *Grad ops, whose inputs must have equal shapes.
+# Ops computed entry by entry (with broadcasting): pulled back by `_batched_vjp`. Not
+# AddN, Betainc or the *Grad ops, whose inputs must have equal shapes.
 _UNARY_ELEMENTWISE = op_types.ELEMENTWISE_OP_TYPES - {"EnsureShape", "PlaceholderWithDefault"}
 _BROADCASTING = frozenset(broadcast.OP_TYPES)
-# Ops whose outputs hold a weight's value through a handle (allowed upstream of a
-# weight-only op: reading a variable is the one stateful op a weight function needs).
+# Ops that read a variable: the one stateful kind allowed upstream of a weight-only op.
 _VARIABLE_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "Variable"})
-# Ops never followed: functions and v1 control flow (their gradients need more than the
-# op), and the gathers some rules cover.
+# Ops never followed: functions and v1 control flow (their gradients need more than the op)
 _NOT_FOLLOWED = (op_types.CALL_OP_TYPES | op_types.V1_LOOP_OP_TYPES
                  | op_types.V1_SWITCH_OP_TYPES | op_types.V1_MERGE_OP_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
 class Exit:
-    """One edge out of a weight's weight-only region: input `slot` of `op` holds u.
-
-    Attributes:
-      op, slot: the op that takes the batch and the input index of u.
-      through: the weight-only ops between x's reads and u (sorted by creation), empty
-        for a direct read.
-      sources: the reads of x that u depends on.
-      reorder_only: whether every op of `through` only re-lays-out x (the rule's
-        [G, *u.shape] is reshaped to [G, *x.shape], as for a direct read).
-    """
+    """One edge out of a weight's weight-only region: input `slot` of `op` holds u;
+    `through` the weight-only ops between x's reads and u (by creation), `sources` the
+    reads of x that u depends on, `reorder_only` whether `through` only re-lays-out x."""
 
     op: tf.Operation
     slot: int
@@ -237,28 +217,20 @@ class WeightFunctionRule(registry_lib.ForwardingRule):
                 _rows.group_shape(G, pad + dims))                     # [G, 1.., *x.shape]
         for op in self.exit.through:
             inputs = [batched.get(t.ref(), t) for t in op.inputs]
-            copy = _tf.create_op(
-                op.graph, op.type, inputs, dtypes=[t.dtype for t in op.outputs],
-                attrs={key: value for key, value in op.node_def.attr.items()
-                       if not key.startswith("_")},
-                op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")
+            copy = broadcast.copy_op(op, inputs)
             batched[op.outputs[0].ref()] = copy.outputs[0]
         u_b = batched[self.u.ref()]                                   # [G, 1.., *u.shape]
         sources = [batched[s.ref()] for s in self.exit.sources]
         grads = tf.gradients(u_b, sources, grad_ys=tf.reshape(P, tf.shape(u_b)))
         x_shape = _rows.group_shape(G, self.exit.sources[0].shape.as_list())
         parts = [tf.reshape(g, x_shape) for g in grads if g is not None]
-        if not parts:
-            return tf.zeros(x_shape, self.exit.sources[0].dtype)
-        return tf.add_n(parts) if len(parts) > 1 else parts[0]       # [G, *x.shape]
+        return tf.add_n(parts) if parts else tf.zeros(x_shape, self.exit.sources[0].dtype)
 
     def _vjp(self, p):
         """[*u.shape] -> [*x.shape]: d<p, u>/dx over every read of x."""
         grads = tf.gradients(self.u, self.exit.sources, grad_ys=p)
         parts = [tf.convert_to_tensor(g) for g in grads if g is not None]
-        if not parts:
-            return tf.zeros_like(self.exit.sources[0])
-        return tf.add_n(parts) if len(parts) > 1 else parts[0]
+        return tf.add_n(parts) if parts else tf.zeros_like(self.exit.sources[0])
 
     def squared_norms(self, use, dZ, B):
         # a re-layout keeps the norms; another function of x does not
@@ -331,9 +303,7 @@ def _inverse(op, slot):
         perm = _batch_axis.static_value(op.inputs[1])
         if perm is None or slot != 0:
             return None
-        inverse = [0] * len(perm)
-        for i, p in enumerate(list(perm)):
-            inverse[int(p)] = i
+        inverse = sorted(range(len(perm)), key=lambda i: int(perm[i]))   # perm's argsort
         return lambda P: tf.transpose(P, [0] + [1 + i for i in inverse])
     if op.type == "ConcatV2":
         axis = _batch_axis.static_value(op.inputs[-1])

@@ -1,12 +1,8 @@
-"""Rule for BiasAdd: Z = A + b, b [C] added along the channel (last) axis.
+"""Rule for BiasAdd: Z = A + b, b [C] added along the channel axis (last for NHWC, the
+Keras and tf.nn default; axis 1 for NCHW).
 
 Identity: dZ/db sums over every position, so grad_i(b) = sum over example i's rows and
-positions of dz, [C]; its squared norm is ||sum_t dz_it||^2 (cheap as it is: [B, C]).
-
-For NCHW (channels on axis 1, [N, C, ...]) the positions after the channel axis are
-summed first, then the rows, as above.
-
-Covered: data_format NHWC (channels last, the Keras and tf.nn default) and NCHW.
+positions of dz, [C].
 """
 
 import tensorflow as tf

@@ -1,29 +1,21 @@
 """One rule for a weight broadcast into an elementwise op whose other input carries the
-batch: Add, AddV2, Sub, Mul, RealDiv, Maximum, Minimum, SquaredDifference, Pow,
-SelectV2, ... (biases added by hand, LayerNormalization's beta and gamma, learned
+batch (`OP_TYPES`: biases added by hand, LayerNormalization's beta and gamma, learned
 scales, clipping bounds, exponents).
 
-Notation: A the op's batch-side input, Z its output [B*k, ...] (k rows per example on
-axis 0); w the weight, w_e w reshaped to Z's rank with leading 1s; N = B*k the rows of
-Z; dZ the gradient at Z.
+Notation: Z the op's output [N, ...], N = B*k rows (k per example); w the weight, w_e w
+reshaped to Z's rank with leading 1s; dZ the gradient at Z.
 
-Identity: broadcasting copies w to every position it reaches; the chain rule adds the
-contributions of the copies. Give each row r of Z a copy of its own,
-    w_b = broadcast of w_e along axis 0 to N rows      [N, *w_e.shape[1:]],
-    Z   = op(..., w_b, ...)        (the same values: the op is elementwise),
-then the gradient with respect to w_b is the op's own registered gradient (which sums
-over the remaining broadcast axes), and row r's entry is the contribution of row r.
-Since the rows of example i are its k rows of Z,
-    grad_i(w) = sum over example i's rows r of  d<dZ, op(..., w_b, ...)>/d w_b[r],
-so no op type needs a formula of its own (the per-example form of the reduction in
-TensorFlow's BroadcastGradientArgs-based gradients; for Mul it is sum over example i's
-rows and broadcast axes of dz * A, as in Goodfellow 2015, arXiv 1510.01799, for a
-diagonal weight). For one group (the clipped sum) w is not broadcast: the op's gradient
-with respect to w itself, the batch gradient.
+Identity: broadcasting copies w to every position it reaches and the chain rule adds
+the copies' contributions. Give each row r of Z a copy of its own,
+    w_b = broadcast of w_e along axis 0 to N rows,    Z = op(..., w_b, ...)
+(the same values: the op is elementwise); the op's own registered gradient with respect
+to w_b sums over the other broadcast axes, and
+    grad_i(w) = sum over example i's rows r of  d<dZ, op(..., w_b, ...)>/d w_b[r]
+(for Mul: sum of dz * A over example i's rows and broadcast axes, Goodfellow 2015,
+arXiv 1510.01799, for a diagonal weight). For one group w is not broadcast.
 
-Covered: the op types registered below (each has a registered gradient for every
-floating input); w's static shape known and not stretching axis 0 (rank below Z's, or a
-leading 1); Z and the batch-side input example-major on axis 0.
+Covered: w's static shape known and not stretching axis 0 (rank below Z's, or a leading
+1); Z and the batch-side input example-major on axis 0.
 """
 
 import tensorflow as tf
@@ -32,10 +24,9 @@ from pertower import _tf
 from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BroadcastRule", "OP_TYPES", "register"]
+__all__ = ["BroadcastRule", "OP_TYPES", "copy_op", "register"]
 
-# Elementwise op types with broadcasting whose registered gradient covers every floating
-# input.
+# Elementwise op types with broadcasting whose registered gradient covers every input
 OP_TYPES = ("Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan",
             "Maximum", "Minimum", "SquaredDifference", "Pow", "SelectV2", "Atan2",
             "Xdivy", "Xlogy", "Xlog1py")
@@ -75,11 +66,7 @@ class BroadcastRule(registry_lib.Rule):
                                                          w_dims[1:]))
         inputs = list(op.inputs)
         inputs[use.slot] = w_b
-        rebuilt = _tf.create_op(
-            op.graph, op.type, inputs, dtypes=[t.dtype for t in op.outputs],
-            attrs={key: value for key, value in op.node_def.attr.items()
-                   if not key.startswith("_")},
-            op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")
+        rebuilt = copy_op(op, inputs)
         grad, = tf.gradients(rebuilt.outputs[0], [w_b], grad_ys=dZ)   # [N or 1, *w_dims[1:]]
         # [G*T, *w_dims[1:]] -> [G, T, *w_dims[1:]] -> [G, *w_dims[1:]]
         grouped = tf.reduce_sum(_rows.to_groups(grad, G, out_rank - 1), axis=1)
@@ -88,6 +75,15 @@ class BroadcastRule(registry_lib.Rule):
 
     # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
     clipped_sum = registry_lib.batch_gradient_clipped_sum
+
+
+def copy_op(op, inputs):
+    """A copy of `op` (its type and attributes) on `inputs`."""
+    return _tf.create_op(
+        op.graph, op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+        attrs={key: value for key, value in op.node_def.attr.items()
+               if not key.startswith("_")},
+        op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")
 
 
 def register(registry):

@@ -2,11 +2,9 @@
 
 Identity (Goodfellow 2015, arXiv 1510.01799, in einsum form): when the activation's
 first index b is the batch axis, appears first in the output and not in the weight,
-every other index of A and Z either is contracted with W or runs over positions that
-all use W, so
-    grad_i(W) = einsum("{a},{z}->{w}") restricted to example i's rows,
-computed for all groups at once as einsum("g{a},g{z}->g{w}") on A and dZ reshaped to
-[G, rows per group, ...] (the index b then runs over a group's rows and is summed).
+every other index of A and Z is contracted with W or runs over positions that all use
+W, so with A and dZ reshaped to [G, rows per group, ...]
+    grad_g(W) = einsum("g{a},g{z}->g{w}")        (b runs over a group's rows, summed).
 
 Covered: two operands, the activation first, no ellipsis and no repeated index within
 an operand; every weight index appears in A or Z.
@@ -41,21 +39,12 @@ class EinsumRule(registry_lib.Rule):
         (a, w), z = _batch_axis.parse_einsum(use.op.get_attr("equation"))
         letters = set(a + w + z)
         g = next(c for c in "gGhHqQ" + "abcdefijklmnoprstuvwxyz" if c not in letters)
-        A_g = _reshape_rows(use.activation, G)   # [G*k, ...] -> [G, k, ...]
-        dZ_g = _reshape_rows(dZ, G)               # [G*k, ...] -> [G, k, ...]
-        # the batch index b now runs over the k rows of a group and is summed
+        A_g = _rows.to_groups(use.activation, G, use.activation.shape.rank - 1)  # [G, k, ...]
+        dZ_g = _rows.to_groups(dZ, G, dZ.shape.rank - 1)                        # [G, k, ...]
         return tf.einsum(f"{g}{a},{g}{z}->{g}{w}", A_g, dZ_g)
 
     # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
     clipped_sum = registry_lib.batch_gradient_clipped_sum
-
-
-def _reshape_rows(tensor, G):
-    rest = [_rows.dim(tensor, axis) for axis in range(1, tensor.shape.rank)]
-    shape = [G, -1] + rest
-    if any(isinstance(d, tf.Tensor) for d in shape):
-        shape = tf.stack([tf.convert_to_tensor(d, tf.int32) for d in shape])
-    return tf.reshape(tensor, shape)   # [G*k, ...] -> [G, k, ...]
 
 
 def register(registry):

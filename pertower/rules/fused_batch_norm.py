@@ -1,27 +1,20 @@
-"""Rule for FusedBatchNorm, FusedBatchNormV2 and FusedBatchNormV3 in inference mode:
-batch normalization with the moving statistics (Keras BatchNormalization called with
-training=False, or under learning phase 0).
+"""Rule for FusedBatchNorm(V2/V3) in inference mode (Keras BatchNormalization called
+with training=False): batch normalization with the moving statistics.
 
 Notation: A the op's input x, [B*k, H, W, C] (NHWC) or [B*k, C, H, W] (NCHW); dZ the
 gradient at its output y; mu, sigma2 the moving mean and variance [C]; eps its epsilon.
 
-Identity: in inference mode every entry is normalized with statistics that do not
-depend on the batch,
-    x_hat = (x - mu) / sqrt(sigma2 + eps),      y = gamma * x_hat + beta   (per channel),
-so y is elementwise in x with gamma and beta broadcast over the examples and the
-spatial positions, and the chain rule sums over the positions each example owns:
-    grad_i(gamma) = sum over example i's rows and positions of dz * x_hat      [C]
-    grad_i(beta)  = sum over example i's rows and positions of dz              [C]
-(Ioffe & Szegedy 2015, "Batch normalization", arXiv 1502.03167, section 3, with the
-population statistics of inference as constants; the per-channel sums are those of
-TensorFlow's own FusedBatchNormGrad with is_training=False, kept per example).
-The [C] factor 1/sqrt(sigma2 + eps) is taken out of the sum: grad_i(gamma) =
-rsqrt(sigma2 + eps) * sum dz * (x - mu), one multiply of the [G, C] sums.
+Identity: the statistics do not depend on the batch, so with
+x_hat = (x - mu) / sqrt(sigma2 + eps) and y = gamma * x_hat + beta (per channel)
+    grad_i(gamma) = rsqrt(sigma2 + eps) * sum over example i's rows and positions of
+                    dz * (x - mu)                                                   [C]
+    grad_i(beta)  = sum over example i's rows and positions of dz                  [C]
+(Ioffe & Szegedy 2015, arXiv 1502.03167, section 3, with the population statistics as
+constants: TensorFlow's FusedBatchNormGrad with is_training=False, kept per example).
 
-Covered: is_training=False, data_format NHWC, NCHW (and NDHWC, NCDHW), the weight as
-`scale` (input 1) or `offset` (input 2). The moving statistics (inputs 3 and 4) get no
-gradient from TensorFlow's registered gradient in inference mode; as weights they fall
-back. Computed in the dtype of `scale` (float32 for float16 inputs).
+Covered: is_training=False, NHWC, NCHW (and NDHWC, NCDHW), the weight as `scale`
+(input 1) or `offset` (input 2); the moving statistics get no gradient in inference mode
+and fall back. Computed in the dtype of `scale` (float32 for float16 inputs).
 """
 
 import tensorflow as tf
@@ -33,12 +26,6 @@ __all__ = ["FusedBatchNormRule", "register"]
 
 _SCALE, _OFFSET = 1, 2
 _OP_TYPES = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
-
-
-def _channel_axis(op, rank):
-    data_format = op.get_attr("data_format")
-    data_format = data_format.decode() if isinstance(data_format, bytes) else data_format
-    return 1 if data_format.startswith("NC") else rank - 1
 
 
 class FusedBatchNormRule(registry_lib.Rule):
@@ -60,13 +47,12 @@ class FusedBatchNormRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         A = use.activation                                   # [G*k, ...] with C on `channel`
         rank = A.shape.rank
-        channel = _channel_axis(use.op, rank)
+        channel = 1 if use.op.get_attr("data_format").startswith(b"NC") else rank - 1
         dtype = use.op.inputs[_SCALE].dtype                  # float32 for float16 inputs
         term = tf.cast(dZ, dtype)                             # [G*k, ...]
         if use.slot == _OFFSET:
             return _shapes.group_sum(term, G, use.rows.k, channel)               # [G, C]
-        # sum dz * x_hat = rsqrt(sigma2 + eps) * sum dz * (x - mu): the [C] factor is
-        # applied once to the [G, C] sums, not to every position
+        # sum dz * x_hat = rsqrt(sigma2 + eps) * sum dz * (x - mu): [C] applied to [G, C]
         mean = use.op.inputs[3]                               # [C]
         if channel != rank - 1:                               # [C] -> [C, 1, ...] (NC...)
             mean = tf.reshape(mean, _shapes.constant([-1] + [1] * (rank - 1 - channel)))

@@ -25,21 +25,11 @@ __all__ = ["Rule", "ForwardingRule", "RuleRegistry", "Use", "FormedNorms",
 
 @dataclasses.dataclass(frozen=True)
 class Use:
-    """One covered read of a weight: the op, the weight's input slot, and what the
-    rule needs.
-
-    Attributes:
-      op: the weight-consuming op.
-      slot: the index of op's input that holds the weight.
-      rule: the `Rule` that covers it.
-      activation: the batch-side input A, [B*k, ...].
-      output: the op's output Z whose gradient dZ the rule uses, [B*k, ...].
-      weight_shape: the static shape of the weight as the op sees it.
-      rows: the `Rows` (`pertower.rules.Rows`) of `activation` (k rows per example).
-      through: the ops between the weight's reads and the op that compute the op's
-        weight input from the weights alone (`rules._weight_functions`; the rule's
-        result is pulled back through them), empty for a direct read.
-    """
+    """One covered read of a weight: input `slot` of `op`, covered by `rule`, with the
+    batch-side input A (`activation`, [B*k, ...]), the output Z whose gradient dZ the
+    rule uses (`output`, [B*k, ...]), the weight's static shape as the op sees it, the
+    `Rows` of A (k rows per example), and the weight-only ops it is read `through`
+    (`rules._weight_functions`; empty for a direct read)."""
 
     op: tf.Operation
     slot: int
@@ -60,16 +50,9 @@ class Use:
 
 @dataclasses.dataclass(frozen=True)
 class FormedNorms:
-    """Squared norms that a rule got by forming the per-group gradients in a layout of
-    its own (`Rule.formed_norms`), kept so that a clipped sum contracts them with the
-    factors instead of forming them again.
-
-    Attributes:
-      squares: [G] squared norms of the per-group gradients.
-      per_example: [G, ...] the per-group gradients in the rule's layout.
-      to_weight: maps a sum over the groups, [...] (the layout without its first axis),
-        to [*w.shape].
-    """
+    """[G] squared norms (`squares`) of per-group gradients formed in a rule's own
+    layout (`per_example`, [G, ...]; `Rule.formed_norms`), kept for the clipped sum;
+    `to_weight` maps a sum over the groups, [...], to [*w.shape]."""
 
     squares: tf.Tensor
     per_example: tf.Tensor
@@ -83,10 +66,9 @@ class FormedNorms:
 
 
 class Rule:
-    """Base class of per-op rules: one method per quantity a rule may compute.
-
-    A subclass defines `match` and `per_group`; every other quantity has a default that
-    says "no cheaper form" (None), which the caller then gets from `per_group`:
+    """Base class of per-op rules: one method per quantity. A subclass defines `match`
+    and `per_group`; the others default to "no cheaper form" (None: formed from
+    `per_group` by the caller):
 
         per-example gradient   per_group        (required)
         squared norm           squared_norms    ||grad_i||^2 without forming grad_i
@@ -96,9 +78,6 @@ class Rule:
         clipped sum            clipped_sum      sum_i f_i grad_i (DP-SGD)
         K-FAC factors          kfac_rows        the rows whose outer products give A
         row layouts            output_layouts   for an op type the analysis does not know
-
-    The registry wraps an object that is not a `Rule` but defines `match` and
-    `per_group` (`RuleRegistry.register`), so the engine calls each method directly.
     """
 
     def match(self, op, slot, analysis):
@@ -107,70 +86,48 @@ class Rule:
         raise NotImplementedError
 
     def per_group(self, use, dZ, G):
-        """[G, *use.weight_shape]: the gradient of each group's part of sum(ys) with
-        respect to the weight, through this use only. `G` is an int or a scalar tensor;
-        the groups are G contiguous, equal blocks of rows of A and dZ."""
+        """[G, *use.weight_shape]: the gradient of each group's part of sum(ys) through
+        this use; the groups are G (int or scalar tensor) contiguous blocks of rows."""
         raise NotImplementedError
 
     def squared_norms(self, use, dZ, B):
-        """[B] squared norms of the per-example gradients through this use, without
-        forming them; None when this rule has no cheaper form for `use`."""
-        del use, dZ, B
+        """[B] squared norms of the per-example gradients, without forming them."""
         return None
 
     def formed_norms(self, use, dZ, G):
-        """A `FormedNorms` ([G] squared norms of per-group gradients formed in a layout
-        cheaper for the rule than [G, *w.shape], kept for the clipped sum), asked where
-        `squared_norms` has no cheap form; None to let the caller form `per_group`."""
-        del use, dZ, G
+        """A `FormedNorms`, asked where `squared_norms` has no cheap form."""
         return None
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
-        """sum_c grad_{i,c}(w) ⊙ grad_{i,c}(w) through this use, where grad_{i,c} is
-        example i's gradient for the output gradient dZ_columns[c] ([C, B*k, ...], C
-        columns: 1 for `pertower.sum_grad_squared`, the loss Hessian's columns for
-        `pertower.diag_ggn`): [B, *use.weight_shape] with per_example, else summed over
-        the examples, [*use.weight_shape]. None when this rule has no cheaper form than
-        forming `per_group` for every column (the caller then does that)."""
-        del use, dZ_columns, B, per_example
+        """sum_c grad_{i,c}(w) ⊙ grad_{i,c}(w), grad_{i,c} example i's gradient for the
+        output gradient dZ_columns[c] ([C, B*k, ...]: 1 column for
+        `pertower.sum_grad_squared`, the loss Hessian's for `pertower.diag_ggn`):
+        [B, *w.shape] with per_example, else summed over the examples, [*w.shape]."""
         return None
 
     def sum_squared_size(self, use, C, per_example=False):
-        """The numbers per example that `sum_squared` holds for C columns (for the
-        memory guard of the curvature functions); None: counted as C per-example
-        gradients."""
-        del use, C, per_example
+        """The numbers per example `sum_squared` holds for C columns (memory guard);
+        None: counted as C per-example gradients."""
         return None
 
     def clipped_sum(self, use, dZ, factors):
-        """[*use.weight_shape]: sum_i factors_i grad_i(w) through this use, the
-        per-example gradients reweighted (DP-SGD's clipped sum) and added.
-
-        `factors` is [B], one weight per example. Gradients are linear in dZ, so a rule
-        may compute this as its batch gradient with dZ's rows scaled per example
-        (`batch_gradient_clipped_sum`), without forming [B, *w.shape]; this default
-        forms them with `per_group` and contracts them with the factors."""
+        """[*w.shape]: sum_i factors_i grad_i(w), `factors` [B] (DP-SGD's clipped sum).
+        This default forms `per_group`; `batch_gradient_clipped_sum` does not."""
         return default_clipped_sum(self, use, dZ, factors)
 
     def kfac_rows(self, use):
-        """[R, d_in]: the input rows (or patches) whose outer products sum to the
-        Kronecker factor A of the kernel's GGN block (`pertower.kfac_factors`), its
-        output gradient's rows [R, d_out] giving G; None when the weight has no single
-        Kronecker form here."""
-        del use
+        """[R, d_in]: the input rows whose outer products sum to the Kronecker factor A
+        of the kernel's GGN block (`pertower.kfac_factors`; dZ's rows give G)."""
         return None
 
     def output_layouts(self, op, inputs):
-        """For an op type that `pertower._batch_axis` does not know: given one entry per
-        input (`Rows`, `INDEPENDENT`, `SIZE`, or None for unknown), the list of the
-        outputs' layouts, or None when they are unknown."""
-        del op, inputs
+        """For an op type `pertower._batch_axis` does not know: the outputs' layouts
+        from the inputs' (`Rows`, `INDEPENDENT`, `SIZE`, or None for unknown)."""
         return None
 
     def example_use(self, op, slot, analysis):
-        """The `Use` of a weight at input `slot` of `op` whose input 0 is the batch-side
-        activation A and output 0 is Z, when `analysis` proves which of their rows
-        belong to which example; else the string saying why not."""
+        """The `Use` with A = input 0 and Z = output 0 of `op` when `analysis` proves
+        their rows' examples; else why not."""
         rows = _rows.example_rows(analysis, op.inputs[0], op.outputs[0])
         if isinstance(rows, str):
             return rows
@@ -199,9 +156,8 @@ class _Adapted(Rule):
 
 class ForwardingRule(Rule):
     """A rule that computes through another rule's `Use` (a function call's body op, a
-    function of the weights): every quantity is the inner rule's, on the inner use and
-    dZ that `inner` gives, mapped to this use's weight by `outward` (a linear map of the
-    weight's entries, which keeps the norms and squares of a re-layout)."""
+    function of the weights): every quantity is the inner rule's, mapped to this use's
+    weight by `outward` (a linear map that keeps the norms and squares of a re-layout)."""
 
     def inner(self, use, dZ):
         """(the inner rule's `Use`, dZ in its output's layout)."""
@@ -248,37 +204,28 @@ class ForwardingRule(Rule):
 
 
 def default_clipped_sum(rule, use, dZ, factors):
-    """sum_i factors_i grad_i(w): `rule.per_group` per example, [B, *w.shape], contracted
-    with `factors` [B] (for rules that define no cheaper `clipped_sum`)."""
+    """sum_i factors_i grad_i(w): `rule.per_group` [B, *w.shape] contracted with [B]."""
     per_example = rule.per_group(use, dZ, _rows.dim(factors, 0))        # [B, *w.shape]
     return tf.tensordot(tf.cast(factors, per_example.dtype), per_example, axes=1)
 
 
 def batch_gradient_clipped_sum(rule, use, dZ, factors):
-    """sum_i factors_i grad_i(w) as the batch gradient of dZ scaled per example: the
-    rule's `per_group` with one group, [1, *w.shape] -> [*w.shape]. Right for any rule
-    (gradients are linear in dZ); cheap for those whose one-group form is the ordinary
-    batch gradient (a matmul, a sum, a segment sum)."""
+    """sum_i factors_i grad_i(w) as the one-group `per_group` of dZ with example i's
+    rows scaled by factors_i (gradients are linear in dZ; the book-keeping of Bu et al.
+    2023, arXiv 2210.00038): cheap where one group is the ordinary batch gradient."""
     return rule.per_group(use, _rows.scale_rows(dZ, factors), 1)[0]
 
 
 class RuleRegistry:
-    """Maps op types to rules. Build the default one with
-    `pertower.rules.default_registry()` and add your own:
-
-        registry = pertower.rules.default_registry()
-        registry.register("MyOp", MyRule())
-        pertower.per_example_gradients(ys, xs, rules=registry)
-    """
+    """Maps op types to rules (`pertower.rules.default_registry()`, then `register`)."""
 
     def __init__(self):
         self._rules = {}
 
     @_context.public("RuleRegistry.register")
     def register(self, op_type, rule):
-        """Registers `rule` (a `Rule`) for ops of type `op_type`; replaces any rule
-        registered for it before. An object that is not a `Rule` but defines `match` and
-        `per_group` is wrapped in one (`Rule`'s defaults for its other quantities)."""
+        """Registers `rule` (a `Rule`) for `op_type`, replacing any before. An object
+        that only defines `match` and `per_group` gets `Rule`'s other methods."""
         if not isinstance(op_type, str) or not op_type:
             raise _context.error(TypeError, f"`op_type` must be an op type name such as "
                                             f"'MatMul', but received {op_type!r}.")
