@@ -26,7 +26,6 @@ from pertower._batch_axis.analysis import analyze
 from pertower._batch_axis.analysis import find_couplings
 from pertower._batch_axis.lattice import INDEPENDENT
 from pertower._batch_axis.lattice import Interleaved
-from pertower._batch_axis.lattice import META
 from pertower._batch_axis.lattice import SIZE
 from pertower._batch_axis.lattice import UNKNOWN
 from pertower._batch_axis.lattice import Coupling
@@ -37,5 +36,5 @@ from pertower._batch_axis.static import refined_reshape_shape
 from pertower._batch_axis.static import static_value
 
 __all__ = ["Analysis", "analyze", "find_couplings",
-           "INDEPENDENT", "Interleaved", "META", "SIZE", "UNKNOWN", "Coupling", "Rows", "complete",
+           "INDEPENDENT", "Interleaved", "SIZE", "UNKNOWN", "Coupling", "Rows", "complete",
            "parse_einsum", "refined_reshape_shape", "static_value"]

@@ -29,7 +29,6 @@ import tensorflow as tf
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower._batch_axis import examples
 from pertower._batch_axis import functions
 from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
@@ -114,7 +113,7 @@ class _Scan:
             ins = [self.value_of(t) for t in op.inputs]
             if all(v is INDEPENDENT for v in ins):
                 continue
-            outs = self._examples(op, ins) if examples.handles(op, ins) else None
+            outs = self._examples(op, ins) if functions.reads_example(op, ins) else None
             outs = outs if outs is not None else self._user_layouts(op, ins)
             if outs is None:   # (a SIZE that is a constant, tf.shape(x)[-1]: INDEPENDENT)
                 outs = static.constant_sizes(self.shape_value, op, self._transfer(op, ins))
@@ -123,7 +122,7 @@ class _Scan:
 
     def _examples(self, op, ins):
         try:
-            return examples.transfer(self, op, ins)
+            return functions.example_transfer(self, op, ins)
         except lattice.Lost as lost:
             self.lose(op, lost.reason)
             return [UNKNOWN] * len(op.outputs)

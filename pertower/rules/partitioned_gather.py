@@ -2,7 +2,7 @@
 ResourceGather) whose ids are partition p of a DynamicPartition of the batch's ids,
 stitched back by DynamicStitch (`tf.nn.embedding_lookup` over a list of parts or a
 PartitionedVariable, partition_strategy "mod" or "div"; the pattern and its proof are
-in `pertower._batch_axis.transfer_partition`). Other gathers: `gather.GatherRule`.
+in `pertower._batch_axis.transfer_lookups`). Other gathers: `gather.GatherRule`.
 
 Identity: with n = B*k rows (k ids per example) and positions_p = DynamicPartition(
 range(n), P)[p] the flat row each of partition p's rows came from, the gathered row j
@@ -19,7 +19,7 @@ segment sum with segment g*V + id for group g = i // (B/G).
 
 import tensorflow as tf
 
-from pertower._batch_axis import transfer_partition
+from pertower._batch_axis import transfer_lookups
 from pertower.rules import _rows
 from pertower.rules import gather
 from pertower.rules import registry as registry_lib
@@ -44,10 +44,10 @@ def _partition_of(op, analysis):
     if ids.op.type != "DynamicPartition":
         return None
     stitches = [c for t in op.outputs for c in _through_identities(t)
-                if c.type in transfer_partition.TRANSFERS]
+                if c.type in transfer_lookups.STITCH_OP_TYPES]
     if len(stitches) != 1:
         return None
-    found = transfer_partition.partitioned_lookup(stitches[0])
+    found = transfer_lookups.partitioned_lookup(stitches[0])
     rows = analysis.rows(stitches[0].outputs[0])
     if found is None or op not in found[3] or rows is None or rows.lead != 0 or rows.k is None:
         return None

@@ -1,7 +1,7 @@
 """Rule for a table read by SparseSegmentSum/Mean/SqrtN(table, ids, segment_ids) whose
 segments are the batch's examples (a SparseTensor built from the batch's dense ids with
 tf.sparse.from_dense, looked up by tf.compat.v1.nn.embedding_lookup_sparse; the pattern
-and its proof are in `pertower._batch_axis.transfer_sparse`).
+and its proof are in `pertower._batch_axis.transfer_lookups`).
 
 Identity: row s of Z is c_s sum_{j: seg_j = s} W[ids_j] with c_s = 1 (sum), 1/n_s (mean)
 or 1/sqrt(n_s) (sqrtN), n_s the entries of segment s, and segment s is example s. So
@@ -15,7 +15,7 @@ example i's group g = i // (B/G).
 
 import tensorflow as tf
 
-from pertower._batch_axis import transfer_sparse
+from pertower._batch_axis import transfer_lookups
 from pertower.rules import _rows
 from pertower.rules import partitioned_gather
 from pertower.rules import registry as registry_lib
@@ -41,7 +41,7 @@ def _scatter(segment_op, ids, weight_shape, dZ, G):
         rows = rows * scale[:, None]
     entries = tf.gather(rows, segments)                                    # [m, D]
     # the batch's B (dZ has B' <= B rows: none after the last example with an id)
-    examples = tf.shape(transfer_sparse.sparse_lookup(segment_op)[1], out_type=tf.int64)[0]
+    examples = tf.shape(transfer_lookups.sparse_lookup(segment_op)[1], out_type=tf.int64)[0]
     groups = segments // tf.maximum(examples // tf.cast(G, tf.int64), 1)   # [m]
     dense = tf.math.unsorted_segment_sum(entries, groups * V + ids,
                                          tf.cast(G, tf.int64) * V)         # [G*V, D]
@@ -54,7 +54,7 @@ class SparseSegmentRule(registry_lib.Rule):
     def match(self, op, slot, analysis):
         if slot != 0:
             return "the weight holds the ids or segment ids, not the table"
-        if transfer_sparse.sparse_lookup(op) is None:
+        if transfer_lookups.sparse_lookup(op) is None:
             return ("its segments are not the entries of a SparseTensor built from the "
                     "batch's dense ids (tf.sparse.from_dense)")
         rows = analysis.rows(op.outputs[0])
@@ -110,10 +110,10 @@ def _unique_lookup(op, analysis):
     while len(consumers) == 1 and consumers[0].type == "Identity":
         tensor = consumers[0].outputs[0]
         consumers = list(tensor.consumers())
-    if len(consumers) != 1 or consumers[0].type not in transfer_sparse.SPARSE_SEGMENT_OP_TYPES:
+    if len(consumers) != 1 or consumers[0].type not in transfer_lookups.SPARSE_SEGMENT_OP_TYPES:
         return None
     segment_op = consumers[0]
-    found = transfer_sparse.sparse_lookup(segment_op)
+    found = transfer_lookups.sparse_lookup(segment_op)
     rows = analysis.rows(segment_op.outputs[0])
     if (found is None or found[3] is not op or segment_op.inputs[0] is not tensor
             or rows is None or rows.lead != 0 or rows.k != 1):
@@ -124,6 +124,6 @@ def _unique_lookup(op, analysis):
 def register(registry):
     """Adds the sparse segment rules to `registry` (and the gather rules, which the
     unique-ids case extends)."""
-    registry_lib.register_each(registry, transfer_sparse.SPARSE_SEGMENT_OP_TYPES,
+    registry_lib.register_each(registry, transfer_lookups.SPARSE_SEGMENT_OP_TYPES,
                                SparseSegmentRule())
     registry_lib.register_each(registry, ("GatherV2", "ResourceGather"), UniqueGatherRule())
