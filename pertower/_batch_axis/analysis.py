@@ -1,25 +1,18 @@
-"""The forward analysis: one pass over the ops between the batch and `ys`.
+"""The forward analysis: one pass over the ops S between the batch and `ys`.
 
-Notation (as in every core module):
-    B   examples in the batch          S   the ops between the batch and `ys`
-    k   rows per example               E   elements per example
+Notation: as in `lattice`. Per-example gradients are defined when row i of `ys` depends
+on example i alone. `analyze` walks S once in graph order and gives every tensor a
+lattice value from its inputs' values and one table of transfer functions (`TRANSFERS`,
+op type -> `f(scan, op, ins)`, from the `transfer_*` modules and `functions`). Along the
+way it finds
 
-Per-example gradients are defined when row i of `ys` depends on example i alone.
-`analyze` walks S once in graph order and gives every tensor a lattice value
-(`lattice`: INDEPENDENT, SIZE, Rows(lead, k, E), UNKNOWN) from its inputs' values and
-one table of transfer functions (`transfer_layout`, `transfer_index`, `transfer_compute`,
-`functions`).
-Along the way it finds
-
-* couplings: ops that reduce, contract, sort, shift or pick along the batch axis
-  (batch normalization in training mode, x^T x, softmax over the batch, ...), which
-  make each example's value depend on the others;
-* the first op where the batch axis was lost (an op the table does not know, a
-  reshape that moves rows across examples, a loop over the examples), and
+* couplings: ops that reduce, contract, sort, shift or pick along the batch axis (batch
+  normalization in training mode, x^T x, softmax over the batch, ...);
+* the first op where the batch axis was lost (an op the table does not know, a reshape
+  that moves rows across examples, a loop over the examples), and
 * the edges where a value computed from the batch's *size* enters a value computation
   (`cost / tf.cast(tf.shape(x)[0], tf.float32)`), which the towers must feed with the
-  whole batch's value; a size used as a shape, index, range, segment id or partition
-  keeps the tower's own (`size_uses` tells the two apart).
+  whole batch's value (`size_uses` tells data uses from sizes).
 
 `verdict.Analysis` turns what the scan found into the verdict.
 """
@@ -44,13 +37,13 @@ from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
 __all__ = ["Analysis", "analyze", "find_couplings"]
 
-TRANSFERS = dict(transfer_layout.TRANSFERS)
-TRANSFERS.update(transfer_index.TRANSFERS)
-TRANSFERS.update(transfer_compute.TRANSFERS)
-TRANSFERS.update(functions.TRANSFERS, **transfer_blocks.TRANSFERS, **transfer_lookups.TRANSFERS)
+TRANSFERS = {**transfer_layout.TRANSFERS, **transfer_index.TRANSFERS, **transfer_compute.TRANSFERS,
+             **functions.TRANSFERS, **transfer_blocks.TRANSFERS, **transfer_lookups.TRANSFERS}
 # Ops whose transfer functions read UNKNOWN inputs themselves.
 _READS_UNKNOWN = (transfer_compute.READS_UNKNOWN | functions.CONTROL_FLOW_OP_TYPES
                   | transfer_lookups.READS_UNKNOWN | {"Reshape", "IdentityN"})
+# Ops whose outputs may carry the batch's rows when their inputs carry only its size.
+_READS_SIZE = op_types.SHAPED_BY_SIZE_OP_TYPES | frozenset(functions.TRANSFERS)
 # Passes over a region with TF1 loops before their values must have settled.
 _MAX_LOOP_PASSES = 6
 _MAX_DEPTH = 8
@@ -62,14 +55,12 @@ class _Scan:
 
     def __init__(self, seeds, region, targets=(), registry=None, static_batch_size=None,
                  depth=0, function_cache=None, seed_parts=False):
-        self.values = lattice.TensorMap()
+        self.values, self.seeds = lattice.TensorMap(), lattice.TensorMap()
         for tensor, value in seeds:
             self.values[tensor] = value
+            self.seeds[tensor] = True
         # whose examples each tensor's rows hold, when `ys` joins several batches
         self.batches = joined.JoinedBatches([t for t, _ in seeds] if seed_parts else ())
-        self.seeds = lattice.TensorMap()
-        for tensor, _ in seeds:
-            self.seeds[tensor] = True
         self.region = set(region)
         self.targets = list(targets)
         self.registry = registry
@@ -113,19 +104,18 @@ class _Scan:
             ins = [self.value_of(t) for t in op.inputs]
             if all(v is INDEPENDENT for v in ins):
                 continue
-            outs = self._examples(op, ins) if functions.reads_example(op, ins) else None
+            outs = None
+            if functions.reads_example(op, ins):
+                try:
+                    outs = functions.example_transfer(self, op, ins)
+                except lattice.Lost as lost:
+                    self.lose(op, lost.reason)
+                    outs = [UNKNOWN] * len(op.outputs)
             outs = outs if outs is not None else self._user_layouts(op, ins)
             if outs is None:   # (a SIZE that is a constant, tf.shape(x)[-1]: INDEPENDENT)
                 outs = static.constant_sizes(self.shape_value, op, self._transfer(op, ins))
             self._record_size_edges(op, ins, outs)
             self._store(op, ins, outs)
-
-    def _examples(self, op, ins):
-        try:
-            return functions.example_transfer(self, op, ins)
-        except lattice.Lost as lost:
-            self.lose(op, lost.reason)
-            return [UNKNOWN] * len(op.outputs)
 
     def _user_layouts(self, op, ins):
         rule = self.registry.lookup(op.type) if self.registry is not None else None
@@ -145,8 +135,7 @@ class _Scan:
             v is UNKNOWN for j, v in enumerate(ins) if j not in slots)
         if lost_upstream or transfer_blocks.misread(self, op, ins):
             return [UNKNOWN] * n   # lost upstream (no new loss), or a SpaceToBatchND's blocks
-        if (not any(lattice.depends_on_values(v) for v in ins)
-                and op.type not in op_types.SHAPED_BY_SIZE_OP_TYPES and op.type not in functions.TRANSFERS):
+        if op.type not in _READS_SIZE and not any(lattice.depends_on_values(v) for v in ins):
             return [SIZE] * n
         transfer = TRANSFERS.get(op.type)
         if transfer is None:
@@ -197,8 +186,8 @@ class _Scan:
     # -- flows, liveness, losses ------------------------------------------------------
 
     def _is_flow(self, op, tensor):
-        """Whether `tensor` is a v1 TensorArray's flow (a scalar standing for the
-        array's elements): written by a TensorArray op, or passed on by loop ops."""
+        """Whether `tensor` is a v1 TensorArray's flow (a scalar holding the value of
+        the array's elements)."""
         if tensor.shape.rank != 0:
             return False
         if op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES:
@@ -289,10 +278,10 @@ class _Scan:
 
 
 def _topological(ops):
-    """`ops` with every op after the ops it reads (creation order breaks ties; a TF1
-    cond adds an op's Switch inputs after the op, so creation order alone is not
-    enough). Back edges of TF1 loops (NextIteration -> Merge) are not followed, so a
-    loop's Merge comes before its body."""
+    """`ops` with every op after the ops it reads, creation order breaking ties (a TF1
+    cond adds an op's Switch inputs after the op). TF1 loops' back edges are not
+    followed, so a loop's Merge comes before its body (whose values it reads on the next
+    pass: `_Scan.run`)."""
     ops = set(ops)
     ordered, done, active = [], set(), set()
     for root in sorted(ops, key=_tf.op_order_key()):
@@ -318,33 +307,25 @@ def _topological(ops):
 
 
 def _back_edge(tensor, op):
-    """Whether `tensor` -> `op` is a TF1 loop's back edge (NextIteration -> Merge).
-    Following it would order the body before its Merge when the walk reaches the loop
-    from the Merge (the first pass would then read the loop variable before it has its
-    entry's value)."""
+    """Whether `tensor` -> `op` is a TF1 loop's back edge (NextIteration -> Merge)."""
     return (op.type in op_types.V1_MERGE_OP_TYPES
             and tensor.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES)
 
 
 def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=None,
             batch_axes=None):
-    """Analyses the ops between `batch` and `ys` (see the module docstring).
+    """The `Analysis` of the ops between `batch` and `ys` (see the module docstring).
 
     Args:
       ys: the per-example values, [B, ...].
-      batch: the batch tensors, [B, ...] each (batch axis 0 unless `batch_axes` says
-        otherwise).
+      batch: the batch tensors, [B, ...] each (or with the batch on `batch_axes`: a
+        time-major [T, B, d] input is seeded Rows(lead=1, ...)).
       ys_upstream: the ops `ys` depends on (`graph_walk.upstream_ops([ys])`).
-      batch_size: B when known statically, else None (a leading static 1 axis is then
-        never taken for the batch axis).
+      batch_size: B when known statically (a leading static 1 axis is then never taken
+        for the batch axis), else None.
       num_groups: M for microbatches, or None (kept on the result).
       registry: a `pertower.rules.RuleRegistry`; rules may define
         `output_layouts(op, inputs)` for op types the analysis does not know.
-      batch_axes: None (axis 0 of each), or the batch axis of each batch tensor: the
-        seed of a time-major [T, B, d] input is Rows(lead=1, ...).
-
-    Returns:
-      An `Analysis`.
     """
     seeds = _seeds(batch, batch_axes)
     region = graph_walk.downstream_ops(batch, ys_upstream)
@@ -353,7 +334,7 @@ def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=N
 
 
 def _seeds(batch, batch_axes=None):
-    """(tensor, value) per batch tensor: Rows(lead=its batch axis, k=1, .)."""
+    """(tensor, Rows(lead=its batch axis, k=1, .)) per batch tensor."""
     axes = [0] * len(batch) if batch_axes is None else list(batch_axes)
     seeds = []
     for b, axis in zip(batch, axes):
@@ -363,16 +344,6 @@ def _seeds(batch, batch_axes=None):
 
 
 def find_couplings(replayed_ops, batch):
-    """The ops among `replayed_ops` that couple the examples of the batch.
-
-    Args:
-      replayed_ops: the ops between the batch and `ys`.
-      batch: the batch tensors, [B, ...] each; their axis 0 is the batch axis.
-
-    Returns:
-      A list of `Coupling` records in graph order (empty when none was found).
-
-    Example:
-      for c in pertower._batch_axis.find_couplings(ops, [x]): print(c.op.name, c.reason)
-    """
+    """The `Coupling` records, in graph order, of the ops among `replayed_ops` (the ops
+    between the batch and `ys`) that couple the examples of `batch` ([B, ...] each)."""
     return _Scan(_seeds(batch), replayed_ops).run().couplings
