@@ -23,7 +23,6 @@ from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._batch_axis import functions
-from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
 from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
@@ -32,6 +31,7 @@ from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_index
 from pertower._batch_axis import transfer_layout
 from pertower._batch_axis import transfer_lookups
+from pertower._batch_axis import verdict
 from pertower._batch_axis.verdict import Analysis
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
@@ -60,7 +60,7 @@ class _Scan:
             self.values[tensor] = value
             self.seeds[tensor] = True
         # whose examples each tensor's rows hold, when `ys` joins several batches
-        self.batches = joined.JoinedBatches([t for t, _ in seeds] if seed_parts else ())
+        self.batches = verdict.JoinedBatches([t for t, _ in seeds] if seed_parts else ())
         self.region = set(region)
         self.targets = list(targets)
         self.registry = registry
@@ -130,7 +130,7 @@ class _Scan:
             if op.type == "ShapeN":
                 return [UNKNOWN if v is UNKNOWN else SIZE for v in ins]
             return [UNKNOWN if ins[0] is UNKNOWN else SIZE] * n
-        slots = transfer_layout.shape_slots(op)
+        slots = static.shape_slots(op)
         lost_upstream = op.type not in _READS_UNKNOWN and any(
             v is UNKNOWN for j, v in enumerate(ins) if j not in slots)
         if lost_upstream or transfer_blocks.misread(self, op, ins):
@@ -221,7 +221,7 @@ class _Scan:
         """Records the integer SIZE inputs of `op` used as data (`size_uses`)."""
         if op.type in op_types.SHAPE_OP_TYPES or op.type in functions.TRANSFERS:
             return
-        slots = transfer_layout.shape_slots(op)
+        slots = static.shape_slots(op)
         for j, value in enumerate(ins):
             if value is not SIZE or j in slots:
                 continue

@@ -11,8 +11,8 @@ import collections
 import numpy as np
 
 from pertower import _op_types as op_types
-from pertower._batch_axis import bounds
 from pertower._batch_axis import lattice
+from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import SIZE, UNKNOWN, Rows
 from pertower._batch_axis.transfer_layout import (batch_axis_words, normalize,
@@ -39,7 +39,7 @@ def _decode(value):
 
 def reduction(scan, op, ins):
     """A reduction over the batch axis couples the examples, unless its result only
-    sizes shapes or bounds loops (`bounds.only_bounds`). Over *every* axis of a tensor
+    sizes shapes or bounds loops (`size_uses.only_bounds`). Over *every* axis of a tensor
     whose batch axis was lost it reduces the batch axis wherever it is."""
     if lattice.depends_on_values(ins[1]):
         raise lattice.Lost("its axes depend on the batch's values")
@@ -92,7 +92,7 @@ def _reduced_batch(scan, op, reason):
     if _constant_rows(op.inputs[0]):
         scan.size_data_edges.append((op, 0))
         return [SIZE]
-    uses = bounds.only_bounds(scan, op)
+    uses = size_uses.only_bounds(scan, op)
     if uses in _BOUND_DOUBTS:
         scan.lose(op, f"it {reason}; {_BOUND_DOUBTS[uses]}", doubt=True)
     if uses != "data":

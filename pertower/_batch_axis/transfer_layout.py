@@ -22,41 +22,8 @@ from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
-__all__ = ["TRANSFERS", "SHAPE_SLOTS", "shape_slots", "normalize", "batch_axis_words",
-           "only_data_input", "require_rank", "outputs_all"]
-
-
-# Inputs that are shapes, axes, bounds or sizes rather than values, per op type: a
-# SIZE value there stays SIZE (the replayed op sees its slice's size, as it should).
-SHAPE_SLOTS = {
-    "Reshape": {1}, "Fill": {0}, "Tile": {1}, "BroadcastTo": {1}, "EnsureShape": set(),
-    "ExpandDims": {1}, "Transpose": {1}, "ConjugateTranspose": {1}, "Squeeze": set(),
-    "ConcatV2": {-1}, "Concat": {0}, "Split": {0}, "SplitV": {1, 2},
-    "Pad": {1}, "PadV2": {1}, "MirrorPad": {1}, "Slice": {1, 2},
-    "StridedSlice": {1, 2, 3}, "GatherV2": {2}, "OneHot": {1}, "Range": {0, 1, 2},
-    "ArgMax": {1}, "ArgMin": {1}, "Cumsum": {1},
-    "Cumprod": {1}, "CumulativeLogsumexp": {1}, "ReverseV2": {1}, "Roll": {1, 2},
-    "TopKV2": {1}, "NthElement": {1}, "ResizeBilinear": {1},
-    "ResizeNearestNeighbor": {1}, "ResizeBicubic": {1}, "ResizeArea": {1},
-    "TensorListReserve": {0, 1}, "TensorListFromTensor": {1}, "TensorListStack": {1},
-    "TensorListGetItem": {1, 2}, "TensorListSetItem": {1}, "TensorListElementShape": {0},
-    "Zeros": {0}, "Ones": {0}, "MaxPoolV2": {1, 2}, "Empty": {0},
-    # a transposed convolution's output shape, [B, h, w, c] (tf_keras Conv2DTranspose
-    # stacks tf.shape(x)[0] into it), and a filter gradient's filter shape
-    "Conv2DBackpropInput": {0}, "Conv3DBackpropInputV2": {0},
-    "DepthwiseConv2dNativeBackpropInput": {0}, "Conv2DBackpropFilter": {1},
-    "Conv3DBackpropFilterV2": {1}, "DepthwiseConv2dNativeBackpropFilter": {1},
-    # block shapes and paddings or crops (`transfer_blocks`)
-    "SpaceToBatchND": {1, 2}, "BatchToSpaceND": {1, 2},
-}
-SHAPE_SLOTS.update({t: {0} for t in op_types.RANDOM_OP_TYPES})
-SHAPE_SLOTS.update({t: {1} for t in op_types.REDUCTION_OP_TYPES})
-
-
-def shape_slots(op):
-    """The indices of op's inputs that are shape or axis operands."""
-    slots = SHAPE_SLOTS.get(op.type, set())
-    return {s % len(op.inputs) for s in slots} if op.inputs else set()
+__all__ = ["TRANSFERS", "normalize", "batch_axis_words", "only_data_input", "require_rank",
+           "outputs_all"]
 
 
 def normalize(axis, rank):
