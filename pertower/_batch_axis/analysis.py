@@ -74,8 +74,6 @@ class _Scan:
         self.flows = lattice.TensorMap()   # TensorArray flows carrying Rows
         self.shape_value = static.ShapeEvaluator(self.value_of, seeds)
 
-    # -- driving ----------------------------------------------------------------------
-
     def value_of(self, tensor):
         return self.values.get(tensor, INDEPENDENT)
 
@@ -106,11 +104,7 @@ class _Scan:
                 continue
             outs = None
             if functions.reads_example(op, ins):
-                try:
-                    outs = functions.example_transfer(self, op, ins)
-                except lattice.Lost as lost:
-                    self.lose(op, lost.reason)
-                    outs = [UNKNOWN] * len(op.outputs)
+                outs = self._apply(functions.example_transfer, op, ins)
             outs = outs if outs is not None else self._user_layouts(op, ins)
             if outs is None:   # (a SIZE that is a constant, tf.shape(x)[-1]: INDEPENDENT)
                 outs = static.constant_sizes(self.shape_value, op, self._transfer(op, ins))
@@ -137,10 +131,13 @@ class _Scan:
             return [UNKNOWN] * n   # lost upstream (no new loss), or a SpaceToBatchND's blocks
         if op.type not in _READS_SIZE and not any(lattice.depends_on_values(v) for v in ins):
             return [SIZE] * n
-        transfer = TRANSFERS.get(op.type)
-        if transfer is None:
+        if op.type not in TRANSFERS:
             self.lose(op, "the analysis does not know this op type")
             return [UNKNOWN] * n
+        return self._apply(TRANSFERS[op.type], op, ins)
+
+    def _apply(self, transfer, op, ins):
+        """The outputs' values by `transfer`; UNKNOWN where it raises (recorded)."""
         try:
             return list(transfer(self, op, ins))
         except lattice.Coupled as coupled:
@@ -151,7 +148,7 @@ class _Scan:
             # an op whose attributes or shapes cannot be read: the analysis loses the
             # batch axis here rather than failing the user's call
             self.lose(op, f"its attributes or shapes could not be read ({error})")
-        return [UNKNOWN] * n
+        return [UNKNOWN] * len(op.outputs)
 
     def _store(self, op, ins, outs):
         ks = {v.k for v in ins if isinstance(v, Rows)}
@@ -168,39 +165,28 @@ class _Scan:
             if isinstance(value, int) and not isinstance(value, bool):
                 value = Rows(value, common_k, None)
             if isinstance(value, Rows) and self._is_flow(op, tensor):
-                self.flows[tensor] = True   # (a TensorArray's flow holds its elements')
-            elif isinstance(value, Rows) and tensor.dtype != tf.variant:  # (a TensorList
-                # holds the value of its elements)
-                completed = lattice.complete(value, tensor.shape)
-                if completed is None:
+                self.flows[tensor] = True   # (flows and TensorLists hold their elements')
+            elif isinstance(value, Rows) and tensor.dtype != tf.variant:
+                value = lattice.complete(value, tensor.shape)
+                if value is None:
                     self.lose(op, f"its output {tensor.name} would split an example's "
                                   "entries across rows")
                     value = UNKNOWN
-                else:
-                    value = completed
             if value is UNKNOWN and not any(v is UNKNOWN for v in ins) and self._live(tensor):
                 self.lose(op, "its outputs' batch axes could not be followed")
             if value is not INDEPENDENT:
                 self.values[tensor] = value
 
-    # -- flows, liveness, losses ------------------------------------------------------
-
     def _is_flow(self, op, tensor):
         """Whether `tensor` is a v1 TensorArray's flow (a scalar holding the value of
         the array's elements)."""
-        if tensor.shape.rank != 0:
-            return False
-        if op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES:
-            return True
-        if op.type in op_types.FLOW_PASSING_OP_TYPES:
-            return any(t in self.flows for t in op.inputs)
-        return False
+        return tensor.shape.rank == 0 and (op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES or (
+            op.type in op_types.FLOW_PASSING_OP_TYPES and any(t in self.flows for t in op.inputs)))
 
     def _live(self, tensor):
         """Whether `tensor` is on a path to the targets (ys, or a body's outputs)."""
-        if any(tensor is t for t in self.targets):
-            return True
-        return any(c in self.region for c in tensor.consumers())
+        return any(tensor is t for t in self.targets) or any(
+            c in self.region for c in tensor.consumers())
 
     def forgive(self, ops):
         """Takes back the losses recorded at `ops` (inside a pattern a transfer function
@@ -215,8 +201,6 @@ class _Scan:
         if doubt:
             self.doubts.append(op)
 
-    # -- SIZE values that enter value computations ------------------------------------
-
     def _record_size_edges(self, op, ins, outs):
         """Records the integer SIZE inputs of `op` used as data (`size_uses`)."""
         if op.type in op_types.SHAPE_OP_TYPES or op.type in functions.TRANSFERS:
@@ -230,8 +214,6 @@ class _Scan:
                 continue   # already a value: it crossed at an edge recorded upstream
             if size_uses.is_data_use(op, j, ins, outs):
                 self.size_data_edges.append((op, j))
-
-    # -- function bodies ---------------------------------------------------------------
 
     def function_graph(self, op, attr):
         """The graph of the function `attr` of `op` (read once per scan tree), or None."""

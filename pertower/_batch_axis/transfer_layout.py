@@ -1,16 +1,13 @@
 """Transfer functions of ops that move, copy or combine entries without mixing them:
 elementwise ops with broadcasting, reshapes, transposes, concatenation, stacking, tiling
-and padding, and values shaped by the batch (fills, random draws); the ops that pick
-entries by position or index (slices, gathers) are in `transfer_index`.
+and padding, and values shaped by the batch (fills, random draws).
 
-Notation: B examples; a tensor's value in the lattice (`lattice`) is INDEPENDENT, SIZE,
-Rows(lead, k, E) or UNKNOWN; `lead` is its batch axis, k its entries per example.
-
-A transfer function `f(scan, op, ins)` gets the values of op's inputs and returns one
+The contract of every transfer function (here and in the other `transfer_*` modules and
+`functions`): `f(scan, op, ins)` gets the lattice values of op's inputs and returns one
 value per output: a lattice value, or an int (the batch axis of that output, with the
-inputs' common k). It raises `lattice.Coupled` when the op couples examples (picks,
-orders or shifts them along the batch axis) and `lattice.Lost` when it cannot follow
-the batch axis (with why).
+inputs' common k). It raises `lattice.Coupled` when the op couples examples (reduces,
+contracts, picks, orders or shifts them along the batch axis) and `lattice.Lost` when
+it cannot follow the batch axis (with why).
 """
 
 import numpy as np
@@ -46,10 +43,6 @@ def only_data_input(op, ins, data_index):
     return value
 
 
-def _rank(tensor):
-    return tensor.shape.rank
-
-
 def outputs_all(op, value):
     """`value` for every output of `op`."""
     return [value] * len(op.outputs)
@@ -63,12 +56,9 @@ def require_rank(tensor):
     return rank
 
 
-# -- elementwise ------------------------------------------------------------------
-
 def elementwise(scan, op, ins):
-    """Broadcasting aligns shapes on the right: every input carrying the batch must put
-    its batch axis on the same output axis; two different axes pair every example with
-    every other."""
+    """Broadcasting aligns shapes on the right: the inputs carrying the batch must put
+    their batch axes on one output axis (two pair every example with every other)."""
     out = op.outputs[0]
     out_rank = require_rank(out)
     if op.type == "BroadcastTo":   # input 1 is the target shape
@@ -99,15 +89,14 @@ def elementwise(scan, op, ins):
     rows = [(op.inputs[j], v) for j, v in enumerate(ins) if isinstance(v, Rows)]
     if all(t.shape == out.shape and v == rows[0][1] for t, v in rows):
         return outputs_all(op, rows[0][1])   # pointwise on equal shapes: the layout is unchanged
-    ks = {v.k for _, v in rows}
-    return outputs_all(op, Rows(index, ks.pop() if len(ks) == 1 else None, None))
+    return outputs_all(op, index)
 
 
 def select_v1(scan, op, ins):
     """v1 Select: a vector condition picks rows (axis 0) of higher-rank operands;
     otherwise the shapes match."""
-    condition, rank = op.inputs[0], _rank(op.inputs[1])
-    if ins[0] is INDEPENDENT or ins[0] is SIZE or _rank(condition) != 1 or rank in (None, 1):
+    condition, rank = op.inputs[0], op.inputs[1].shape.rank
+    if ins[0] in (INDEPENDENT, SIZE) or condition.shape.rank != 1 or rank in (None, 1):
         return elementwise(scan, op, ins)
     leads = {v.lead for v in ins if isinstance(v, Rows)}
     if leads != {0} or UNKNOWN in ins:
@@ -118,8 +107,6 @@ def select_v1(scan, op, ins):
 def identity_n(scan, op, ins):
     return list(ins)
 
-
-# -- reshape ----------------------------------------------------------------------
 
 def reshape(scan, op, ins):
     """Followed two ways: the shape argument evaluated symbolically (a batch-major input
@@ -186,8 +173,6 @@ def _per_example(N, after_dims, k):
     return Rows(k, N // row, N)
 
 
-# -- axes -------------------------------------------------------------------------
-
 def transpose(scan, op, ins):
     value = only_data_input(op, ins, 0)
     perm = static.static_value(op.inputs[1])
@@ -212,7 +197,7 @@ def squeeze(scan, op, ins):
     if not dims:
         shape = op.inputs[0].shape.as_list()
         dims = [i for i, size in enumerate(shape) if size == 1]
-        if _rank(op.outputs[0]) != rank - len(dims):
+        if op.outputs[0].shape.rank != rank - len(dims):
             raise lattice.Lost("which axes it squeezes is not static")
     if value.lead in dims:
         raise lattice.Lost("it squeezes the batch axis")
@@ -228,12 +213,8 @@ def concat(scan, op, ins):
     if along is None or lattice.depends_on_values(ins[axis_index]):
         raise lattice.Lost("its axis is not static")
     leads, ks = set(), set()
-    rows = [v for v in ins if isinstance(v, Rows)]
     for j in data:
-        value = ins[j]
-        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, op.inputs[j],
-                                                             rows[0]):
-            value = Rows(0, 1, None)   # tf.range(n)[:, None]: example i's row index
+        value = _row_index(scan, op.inputs[j], ins[j], ins)
         if value is UNKNOWN:
             raise lattice.Lost("an input's batch axis was already lost")
         if not isinstance(value, Rows):
@@ -254,23 +235,32 @@ def concat(scan, op, ins):
     if None in leads:
         # row i of a batch-independent part would be joined to example i by position
         raise lattice.Lost("it joins a batch-independent part to the examples")
-    if len(leads) != 1:
-        raise lattice.Lost("its inputs have different batch axes")
-    return [Rows(leads.pop(), ks.pop() if len(ks) == 1 else None, None)]
+    return _one_batch_axis(leads, ks)
 
 
 def pack(scan, op, ins):
     rank = require_rank(op.inputs[0])
     along = normalize(op.get_attr("axis"), rank + 1)
     leads, ks = set(), set()
-    rows = [v for v in ins if isinstance(v, Rows)]
     for tensor, value in zip(op.inputs, ins):
-        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, tensor, rows[0]):
-            value = Rows(0, 1, None)   # tf.range(n): entry i is example i's row index
+        value = _row_index(scan, tensor, value, ins)
         if not isinstance(value, Rows):
             raise lattice.Lost("it stacks tensors with and without the batch axis")
         leads.add(value.lead if value.lead < along else value.lead + 1)
         ks.add(value.k)
+    return _one_batch_axis(leads, ks)
+
+
+def _row_index(scan, tensor, value, ins):
+    """Rows(0, 1) for tf.range(n) (or its column) beside tensors with one row per
+    example: entry i is example i's row index (`size_uses.is_row_index`); else `value`."""
+    rows = [v for v in ins if isinstance(v, Rows)]
+    if value is SIZE and rows and size_uses.is_row_index(scan.value_of, tensor, rows[0]):
+        return Rows(0, 1, None)
+    return value
+
+
+def _one_batch_axis(leads, ks):
     if len(leads) != 1:
         raise lattice.Lost("its inputs have different batch axes")
     return [Rows(leads.pop(), ks.pop() if len(ks) == 1 else None, None)]
@@ -282,8 +272,7 @@ def unpack(scan, op, ins):
     along = normalize(op.get_attr("axis"), rank)
     if along == value.lead:
         raise lattice.Lost("it unstacks the batch axis into one tensor per example")
-    index = value.lead if value.lead < along else value.lead - 1
-    return outputs_all(op, Rows(index, value.k, None))
+    return outputs_all(op, value.lead if value.lead < along else value.lead - 1)
 
 
 def split(scan, op, ins):
@@ -297,23 +286,16 @@ def split(scan, op, ins):
     return outputs_all(op, value.lead)
 
 
-def tile(scan, op, ins):
+def tile_or_pad(scan, op, ins):
+    """Tile (multiples) and Pad (paddings) must leave the batch axis alone."""
     value = only_data_input(op, ins, 0)
-    multiples = static.static_value(op.inputs[1])
-    if multiples is None or multiples[value.lead] != 1:
+    spec = static.static_value(op.inputs[1])
+    if op.type == "Tile" and (spec is None or spec[value.lead] != 1):
         raise lattice.Lost("it may repeat the batch axis")
-    return [value.lead]
-
-
-def pad(scan, op, ins):
-    value = only_data_input(op, ins, 0)
-    paddings = static.static_value(op.inputs[1])
-    if paddings is None or np.any(paddings[value.lead] != 0):
+    if op.type != "Tile" and (spec is None or np.any(spec[value.lead] != 0)):
         raise lattice.Lost("it may pad the batch axis")
     return [value.lead]
 
-
-# -- values shaped by the batch -----------------------------------------------------
 
 def shaped_like(scan, op, ins):
     """Fill, zeros and random draws whose shape argument follows the batch (tf.zeros(
@@ -338,6 +320,6 @@ TRANSFERS.update({
     "Select": select_v1, "IdentityN": identity_n, "Reshape": reshape,
     "Transpose": transpose, "ConjugateTranspose": transpose, "ExpandDims": expand_dims,
     "Squeeze": squeeze, "ConcatV2": concat, "Concat": concat, "Pack": pack,
-    "Unpack": unpack, "Split": split, "SplitV": split, "Tile": tile, "Pad": pad,
-    "PadV2": pad, "MirrorPad": pad,
+    "Unpack": unpack, "Split": split, "SplitV": split, "Tile": tile_or_pad,
+    "Pad": tile_or_pad, "PadV2": tile_or_pad, "MirrorPad": tile_or_pad,
 })
