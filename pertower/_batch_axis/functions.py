@@ -3,34 +3,27 @@ cond and while frames, v1 TensorArrays, and TF1 loops over the batch's examples.
 
 Notation: as in `lattice`. A function body is analysed like the outer graph, its inputs
 seeded with the values of the op's inputs (`scan.body_values`); a coupling inside is
-reported on the op that runs the function. A TensorList (the variant a while loop
-carries: tf.scan's elements, a Keras RNN's time steps) holds the value of its *elements*.
-
-A v1 while loop is a frame of ops: Enter passes a value in, Merge joins it with the value
-NextIteration hands back (a back edge, which the scan follows by running again until the
-values settle, `analysis._Scan.run`), Switch on LoopCond continues the body or leaves
-through Exit. Each passes its data on unchanged; the number of iterations must not depend
-on the batch's values. A v1 TensorArray (the time steps of tf.compat.v1.nn.dynamic_rnn) is
-followed through its *flow* tensor, which holds the value of its elements. So dynamic_rnn
-is proven with LSTMCell, GRUCell, BasicRNNCell and MultiRNNCell, with or without
-sequence_length. raw_rnn's loop, which runs until every example has finished (a
-reduce_all over the batch), is not proven: the run-time check decides.
+reported on the op that runs the function. A TensorList (tf.scan's elements, a Keras
+RNN's time steps) and a v1 TensorArray's *flow* (dynamic_rnn's time steps) hold the value
+of their elements. A v1 while frame's ops (Enter, Merge, Switch, NextIteration, Exit) pass
+their data on unchanged; the scan reads the back edge NextIteration -> Merge on its next
+pass (`analysis._Scan.run`). The number of iterations must not depend on the batch's
+values, so raw_rnn's loop (until every example has finished) is not proven.
 
 tf.compat.v1.map_fn(f, x) over the batch scatters the rows of x [B, ...] into a
-TensorArray, one element per example, reads element i in a v1 loop, and writes f of it at
-i of a second array, stacked into [B, ...]. The scan follows it with three values:
+TensorArray, reads element i in a v1 loop and writes f of it at i of a second array:
 
 * the flow of an array whose elements are the examples is EXAMPLE_ELEMENTS,
   Rows(lead=-1, k=1, .): made by scattering a tensor with one row per example at the
   indices 0, 1, ..., B - 1, and gathered back at those indices into Rows(0, 1, .);
-* reading it at an index tensor i gives `Example(i)`, and every op whose other inputs do
+* reading it at an index tensor i gives `Example(i)`, and an op whose other inputs do
   not depend on the batch's values computes from that example alone: `Example(i)` too
-  (`example_transfer`; a reduction over every axis of it reduces one example);
+  (`example_transfer`: a reduction over every axis of it reduces one example);
 * writing an `Example(i)` at the same index tensor i puts example i's result at row i.
 
-Anything else is lost: an `Example` combined with other examples' rows or with another
-iteration's element, a loop variable that carries it into the next iteration (tf.scan
-over the batch), its value leaving the loop (Exit) or written at another index.
+Anything else is lost: an `Example` combined with other examples' rows or another
+iteration's element, carried into the next iteration (tf.scan over the batch), leaving
+the loop (Exit) or written at another index.
 """
 
 import tensorflow as tf

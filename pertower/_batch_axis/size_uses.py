@@ -2,31 +2,24 @@
 
 Notation: B examples in the batch, T towers of B/T examples, n = tf.shape(x)[0].
 
-A SIZE value (`lattice.SIZE`: n, tf.size(x), tf.range(n), a shape [n, d]) means B in
-the whole batch and B/T in a tower that replays the graph on B/T examples. Which of the
-two a replay must feed depends on the use, decided here and nowhere else:
+A SIZE value (n, tf.size(x), tf.range(n), a shape [n, d]) means B in the whole batch and
+B/T in a tower that replays the graph on B/T examples. Which of the two a replay must
+feed depends on the use, decided here and nowhere else:
 
 * **data**: the size enters the arithmetic of the values that reach `ys`: it becomes a
-  float (`cost / tf.cast(n, tf.float32)`) or scales per-example integers
-  (`labels * n`, a scalar size in elementwise arithmetic). Its documented meaning is the
-  whole batch's B, so the towers read it from the whole batch's graph
+  float (`cost / tf.cast(n, tf.float32)`) or scales per-example integers (`labels * n`).
+  It means the whole batch's B, so the towers read it from the whole batch's graph
   (`Analysis.size_data_edges`), and the rules' batched backward pass sees B as `ys` does.
-* **size**: anything else: a shape, an axis, a bound, a range over the examples, an
-  index stacked with labels for `tf.gather_nd`, per-example segment ids, the positions
-  `embedding_lookup` partitions by, a `num_segments`. These must agree with the other
-  tensors of the tower, so the towers keep the tower's own size (the replayed op sees
-  its slice, as the batched op sees the batch).
+* **size**: anything else (a shape, an axis, a bound, a range over the examples, an index
+  for `tf.gather_nd`, segment ids, the positions `embedding_lookup` partitions by): the
+  towers keep their own size (the replayed op sees its slice, as the batched op sees the
+  batch). `is_row_index` proves the TF1 index `tf.range(n)`, whose entry i is the row of
+  example i, in the batch and in every tower alike.
 
-`is_row_index` proves the classic TF1 index `tf.range(n)`: entry i of it is i, the
-row of example i, so `tf.gather_nd(logits, tf.stack([tf.range(n), labels], 1))` picks a
-value of example i for row i (`transfer_index.gather_nd`), in the batch and in every
-tower alike.
-
-A reduction over the batch whose result only sizes shapes or bounds loops reads every
-example, yet no example's *value* depends on the others (tf.compat.v1.nn.dynamic_rnn's
-max(sequence_length) bounds its loop; `tf.range(tf.reduce_max(lengths))` sizes a mask):
-the towers and rules evaluate sizes and bounds with the whole batch, as `ys` does. The
-scan asks `only_bounds` where such a result goes before calling it a coupling.
+A reduction over the batch whose result only sizes shapes or bounds loops (dynamic_rnn's
+max(sequence_length), `tf.range(tf.reduce_max(lengths))`) reads every example, yet no
+example's *value* depends on the others: the scan asks `only_bounds` where such a result
+goes before calling it a coupling.
 """
 
 import tensorflow as tf
@@ -44,13 +37,8 @@ _SAME_VALUE_OP_TYPES = frozenset({"Identity", "Cast", "Snapshot"})
 
 
 def is_data_use(op, j, ins, outs):
-    """Whether the integer SIZE input j of `op` enters the values reaching `ys` (the
-    whole batch's B) rather than sizing or indexing the tower's tensors.
-
-    Args:
-      op: the consumer; j: the index of its SIZE input (not a shape slot, an integer).
-      ins, outs: the lattice values of op's inputs and outputs.
-    """
+    """Whether the integer SIZE input j (not a shape slot) of `op` enters the values
+    reaching `ys`; `ins`, `outs`: the lattice values of op's inputs and outputs."""
     if op.type == "Cast":
         return any(t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
     if op.type in op_types.ELEMENTWISE_OP_TYPES:
@@ -61,16 +49,9 @@ def is_data_use(op, j, ins, outs):
 
 
 def is_row_index(value_of, tensor, rows):
-    """Whether `tensor`, [B] (or [B, 1]), is provably tf.range(n) with n the number of examples
-    of a tensor laid out as `rows` (one row per example along `rows.lead`): entry i is
-    the row of example i.
-
-    Args:
-      value_of: tensor -> lattice value (the scan's).
-      tensor: a rank-1 integer tensor.
-      rows: the `Rows` value of the tensor indexed (its batch axis rows.lead, k rows
-        per example).
-    """
+    """Whether `tensor`, [B] (or [B, 1]), is provably tf.range(n), n the number of
+    examples of a tensor laid out as `rows` (one row per example): entry i is the row of
+    example i. `value_of`: tensor -> lattice value (the scan's)."""
     tensor = _column(tensor)
     while tensor.op.type in _SAME_VALUE_OP_TYPES and tensor.op.inputs:
         tensor = tensor.op.inputs[0]

@@ -13,8 +13,8 @@ import tensorflow as tf
 from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
 
-__all__ = ["static_value", "parse_einsum", "ShapeEvaluator", "refined_reshape_shape",
-           "resolve_minus_one", "constant_sizes", "SHAPE_SLOTS", "shape_slots"]
+__all__ = ["static_value", "parse_einsum", "ShapeEvaluator", "resolve_minus_one",
+           "constant_sizes", "SHAPE_SLOTS", "shape_slots"]
 
 # Small integer ops folded where tf.get_static_value stops (the axis arithmetic of
 # tf.nn.softmax(axis=0), tf.sort, ...).
@@ -137,15 +137,10 @@ def resolve_minus_one(target):
 
 
 class ShapeEvaluator:
-    """Evaluates shape values (see the module docstring), memoized.
+    """Evaluates shape values (see the module docstring), memoized. `value_of`: tensor
+    -> lattice value (the batch axis of `tf.shape(x)` is x's `Rows.lead`)."""
 
-    Args:
-      value_of: tensor -> lattice value (`Rows`, INDEPENDENT, SIZE, UNKNOWN); the
-        batch axis of `tf.shape(x)` is x's `Rows.lead`. None: no batch is known, every
-        unknown dimension is an unknown coefficient.
-    """
-
-    def __init__(self, value_of=None, seeds=None):
+    def __init__(self, value_of, seeds=None):
         self.value_of = value_of
         self.memo = lattice.TensorMap()
         # whether the batch axis of every seed ((tensor, Rows) pairs) is not static: then
@@ -170,7 +165,7 @@ class ShapeEvaluator:
     def _evaluate(self, tensor, op):
         if op.type == "Shape":
             x = op.inputs[0]
-            value = self.value_of(x) if self.value_of else lattice.INDEPENDENT
+            value = self.value_of(x)
             if x.shape.rank is None or value is lattice.UNKNOWN:
                 return None
             dims = [(d, 0) for d in x.shape.as_list()]
@@ -184,20 +179,14 @@ class ShapeEvaluator:
         if op.type in ("ExpandDims", "Reshape") and op.outputs[0].shape.rank == 1:
             return self(op.inputs[0])   # a scalar (or vector) as a vector
         if op.type in ("Pack", "ConcatV2"):
-            parts = op.inputs if op.type == "Pack" else op.inputs[:-1]
-            if op.type == "Pack" and op.get_attr("axis") != 0:
+            if op.type == "Pack":
+                parts, axes, axis = op.inputs, (0,), op.get_attr("axis")
+            else:
+                parts, axes, axis = op.inputs[:-1], (0, -1), static_value(op.inputs[-1])
+            parts = [self(part) for part in parts]
+            if axis is None or int(axis) not in axes or None in parts:
                 return None
-            if op.type == "ConcatV2":
-                axis = static_value(op.inputs[-1])
-                if axis is None or int(axis) not in (0, -1):
-                    return None
-            values = []
-            for part in parts:
-                v = self(part)
-                if v is None:
-                    return None
-                values.extend(v)
-            return values
+            return [d for part in parts for d in part]
         if op.type in ("StridedSlice", "Slice", "GatherV2", "Prod", "Mul", "FloorDiv"):
             return self._arithmetic(op)
         value = static_value(tensor)
@@ -238,33 +227,19 @@ class ShapeEvaluator:
             indices, axis = static_value(op.inputs[1]), static_value(op.inputs[2])
             if indices is None or axis is None or int(axis) != 0:
                 return None
-            picked = [source[int(i)] for i in np.reshape(indices, [-1])]
-            return picked
+            return [source[int(i)] for i in np.reshape(indices, [-1])]
         if op.type == "Prod":
             if op.inputs[0].shape.rank != 1:
                 return None
-            product = (1, 0)
-            for d in source:
-                product = _multiply(product, d)
-                if product is None:
-                    return None
-            return [product]
-        other = self(op.inputs[1])  # Mul of two scalars
-        if other is None or len(source) != 1 or len(other) != 1:
-            return None
-        product = _multiply(source[0], other[0])
-        return [product] if product is not None else None
-
-
-def refined_reshape_shape(op, evaluator=None):
-    """The static output shape of a Reshape op, merged with what can be computed from
-    its shape argument (Shape/StridedSlice/Prod/Pack/... of static shapes, as Keras'
-    Flatten, Tensordot and LayerNormalization build it)."""
-    shape = op.outputs[0].shape
-    target = (evaluator or ShapeEvaluator())(op.inputs[1])
-    if target is not None and shape.rank == len(target):
-        dims = [d if d is not None else (c if power == 0 and c is not None and c >= 0
-                                         else None)
-                for d, (c, power) in zip(shape.as_list(), target)]
-        shape = tf.TensorShape(dims)
-    return shape
+            factors = source
+        else:   # Mul of two scalars
+            other = self(op.inputs[1])
+            if other is None or len(source) != 1 or len(other) != 1:
+                return None
+            factors = source + other
+        product = (1, 0)
+        for d in factors:
+            product = _multiply(product, d)
+            if product is None:
+                return None
+        return [product]

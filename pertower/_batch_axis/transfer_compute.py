@@ -1,9 +1,6 @@
-"""Transfer functions of ops that compute along axes: reductions, sorts and scans along
-one axis, products (matmul, einsum), convolutions, pools and normalizations, losses.
-
-Notation and contract as in `transfer_layout`: `f(scan, op, ins)` returns one lattice
-value (or batch-axis int) per output; an op that reduces, contracts, sorts, shifts or
-picks along the batch axis raises `lattice.Coupled` with what it does and what to do.
+"""Transfer functions of ops that compute along axes: reductions, ops along one axis
+(sorts, scans, softmax), products (matmul, einsum), convolutions, pools, normalizations
+and losses (the contract: `transfer_layout`).
 """
 
 import collections

@@ -1,10 +1,6 @@
 """Transfer functions of ops that pick entries by position or index: slices, strided
-slices, gathers, one-hot encodings.
-
-Notation and contract as in `transfer_layout`: `f(scan, op, ins)` returns one lattice
-value (or batch-axis int) per output. An op that picks, orders or shifts examples by
-their position along the batch axis (a slice that drops examples, a gather along it)
-raises `lattice.Coupled`; one whose bounds or axes are not static raises `lattice.Lost`.
+slices, gathers, one-hot encodings (the contract: `transfer_layout`). Picking, ordering
+or shifting examples along the batch axis couples them.
 """
 
 import tensorflow as tf

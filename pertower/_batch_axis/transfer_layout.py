@@ -145,7 +145,7 @@ def reshape(scan, op, ins):
     if batch_major:
         rows = lattice.complete(value, x.shape)
         if rows is not None and rows.E is not None:
-            shape = static.refined_reshape_shape(op, scan.shape_value)
+            shape = _refined_shape(op, scan.shape_value(op.inputs[1]))
             if shape.rank:
                 dims = shape.as_list()
                 lead = 0
@@ -161,6 +161,17 @@ def reshape(scan, op, ins):
         return [Rows(a, value.k, None)]
     raise lattice.Lost("rows move across examples, or the target shape could not be "
                        "followed")
+
+
+def _refined_shape(op, target):
+    """The static output shape of a Reshape op with what its shape argument's shape value
+    `target` tells (Keras' Flatten, Tensordot and LayerNormalization compute it)."""
+    shape = op.outputs[0].shape
+    if target is not None and shape.rank == len(target):
+        shape = tf.TensorShape([d if d is not None else (
+            c if power == 0 and c is not None and c >= 0 else None)
+            for d, (c, power) in zip(shape.as_list(), target)])
+    return shape
 
 
 def _per_example(N, after_dims, k):

@@ -1,21 +1,16 @@
-"""The verdict of the batch-axis analysis, from one scan of the ops between the batch
-and `ys` (`analysis`), and the batches `ys` joins.
+"""The verdict of the batch-axis analysis (`analysis`), and the batches `ys` joins.
 
 The verdict is "independent" when `ys` has one row per example (Rows(0, 1, .), a row
 layout) and no op couples examples; "coupled" when one does (the first, in graph order,
 is what the caller raises); "unproven" otherwise (`lost_at` says where and why). The
-per-op rules use the row layouts (`Analysis.rows`) only when the verdict is
-"independent": then every tensor on a path from the batch to `ys` was built from its own
-example's rows (or from SIZE values, which the batched backward pass evaluates with the
-whole batch, as `ys` does).
+per-op rules use the row layouts (`Analysis.rows`) only when it is "independent".
 
-Several batches: a model may feed batch tensors s_1, s_2, ... (by their index in
-`batch`) and join their results along the batch axis, `ys = tf.concat([f(s1), f(s2)],
-0)`. The scan gives every tensor its *parts* (`JoinedBatches`): a tuple of frozensets of
-batch indices, one per block of rows, in row order. () means no batch tensor reaches it;
-(S,) that its rows are the examples of one batch, computed from the batch tensors in S
-(fed the same examples, like features and labels); (S_1, S_2, ...) that its rows are the
-examples of S_1, then those of S_2, ...
+Several batches: `ys = tf.concat([f(s1), f(s2)], 0)` joins the results of the batch
+tensors s_1, s_2 (their index in `batch`) along the batch axis. Every tensor has *parts*
+(`JoinedBatches`), one frozenset of batch indices per block of rows, in row order: ()
+when no batch tensor reaches it; (S,) when its rows are the examples of one batch,
+computed from the batch tensors in S (fed the same examples, like features and labels);
+(S_1, S_2, ...) when its rows are the examples of S_1, then those of S_2, ...
 """
 
 from pertower._batch_axis import lattice
@@ -30,11 +25,9 @@ class Analysis:
     Attributes:
       couplings: every `Coupling` found, in graph order.
       verdict: "independent", "coupled" or "unproven" (see the module docstring).
-      lost_at: None, or (op, reason): the first op where the proof was lost (set when
-        the verdict is "unproven").
+      lost_at: None, or (op, reason): where the proof was lost (when "unproven").
       size_data_edges: (consumer op, input index) pairs where a value computed from the
-        batch's size enters the values reaching `ys` (the whole batch's B); its other
-        uses size or index the tower's own tensors (`size_uses`).
+        batch's size enters the values reaching `ys` (`size_uses`).
       num_groups, registry: as given to `analyze`.
       segments: None when the rows of `ys` are the examples of the batch; else, when
         `ys` joins several batches along axis 0, one tuple of batch indices per batch,
