@@ -190,9 +190,6 @@ class TensorMap:
     def get(self, tensor, default=None):
         return self._items.get(tensor.ref(), default)
 
-    def items(self):
-        return [(key.deref(), value) for key, value in self._items.items()]
-
 
 BATCH_NORM_ADVICE = (
     "This is batch normalization in training mode (a tf_keras BatchNormalization "
