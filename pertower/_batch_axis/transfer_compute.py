@@ -32,8 +32,6 @@ def _decode(value):
     return value.decode() if isinstance(value, bytes) else value
 
 
-# -- reductions and ops along one axis ----------------------------------------------
-
 def reduction(scan, op, ins):
     """A reduction over the batch axis couples the examples, unless its result only
     sizes shapes or bounds loops (`size_uses.only_bounds`). Over *every* axis of a tensor
@@ -169,8 +167,6 @@ def cross_entropy(scan, op, ins):
     return [0, 0]
 
 
-# -- products -----------------------------------------------------------------------
-
 def _product_axis(op, out):
     """The output of a product whose operands put the batch on the output axes `out`:
     one axis; SIZE when none does; a coupling when two operands each carry the batch."""
@@ -245,8 +241,6 @@ def einsum(scan, op, ins):
         out.setdefault(out_labels.index(label), tensor)
     return _product_axis(op, out)
 
-
-# -- images and normalization ---------------------------------------------------------
 
 def convolution(scan, op, ins):
     data = _CONVOLUTION_OP_TYPES[op.type]

@@ -21,8 +21,6 @@ def _bit(mask, i):
     return bool(mask & (1 << i))
 
 
-# -- slices -----------------------------------------------------------------------
-
 def slice_(scan, op, ins):
     value = only_data_input(op, ins, 0)
     begin, size = static.static_value(op.inputs[1]), static.static_value(op.inputs[2])
@@ -81,8 +79,6 @@ def strided_slice(scan, op, ins):
             in_dim += 1
     return [out_dim + a - in_dim]
 
-
-# -- gathers ----------------------------------------------------------------------
 
 def gather(scan, op, ins):
     params, indices = op.inputs[0], op.inputs[1]

@@ -70,8 +70,6 @@ def _only_pattern_reads(scan, inside, last):
                 raise lattice.Lost(f"{tensor.name} has another use between the batch and `ys`")
 
 
-# -- the partitioned lookup -----------------------------------------------------------
-
 def partitioned_lookup(op):
     """For a DynamicStitch `op` of the pattern above: (P, new_ids, the two
     DynamicPartition ops, the gather ops, the Identity ops between them and `op`);
@@ -122,8 +120,6 @@ def stitch(scan, op, _):
     scan.forgive(partition_ops)
     return [Rows(0, rows[1].k, None)]
 
-
-# -- the sparse lookup ----------------------------------------------------------------
 
 def _column_zero(op):
     """The coordinates C when `op` is C[:, 0] of a [m, 2] C; else None."""
@@ -216,13 +212,9 @@ def _own_uses(scan, coordinates):
         return True
 
     for consumer in filter(inside, coordinates.consumers()):
-        if consumer.type == "StridedSlice" and _column_zero(consumer) is coordinates:
-            ok = to_lookups(consumer.outputs[0])
-        elif consumer.type == "GatherNd" and consumer.inputs[1] is coordinates:
-            ok = to_lookups(consumer.outputs[0])
-        else:
-            ok = False
-        if not ok:
+        column = consumer.type == "StridedSlice" and _column_zero(consumer) is coordinates
+        ids = consumer.type == "GatherNd" and consumer.inputs[1] is coordinates
+        if not (column or ids) or not to_lookups(consumer.outputs[0]):
             return False
     return True
 
