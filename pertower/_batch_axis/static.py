@@ -126,7 +126,9 @@ def _multiply(first, second):
 
 def resolve_minus_one(target):
     """Replaces a -1 entry by (coefficient unknown, batch power): it holds the batch
-    exactly when no other entry does."""
+    exactly when no other entry does. None for None."""
+    if target is None:
+        return None
     minus = [k for k, d in enumerate(target) if d == (-1, 0)]
     if not minus:
         return target

@@ -127,9 +127,8 @@ def reshape(scan, op, ins):
     if N is None and value.k is not None and None not in after:
         N = value.k * int(np.prod(after, dtype=np.int64))
     batch_major = all(s == 1 for s in in_shape[:a])
-    target = None if ins[1] is UNKNOWN else scan.shape_value(op.inputs[1])
-    if target is not None:
-        target = static.resolve_minus_one(target)
+    target = static.resolve_minus_one(
+        None if ins[1] is UNKNOWN else scan.shape_value(op.inputs[1]))
     if target is not None:
         batched = [k for k, (_, power) in enumerate(target) if power == 1]
         if len(batched) == 1:
