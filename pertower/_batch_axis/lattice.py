@@ -32,7 +32,6 @@ two values (the branches of a cond, a loop variable over iterations).
 import collections
 import dataclasses
 
-import numpy as np
 import tensorflow as tf
 from pertower import _context
 
@@ -80,8 +79,9 @@ def complete(layout, shape):
     if shape.rank is None or shape.rank <= layout.lead:
         return None
     lead, k, E = layout
-    after = shape.as_list()[lead + 1:]
-    rest = None if None in after else int(np.prod(after, dtype=np.int64))
+    rest = 1   # prod(shape[lead + 1:]) when static
+    for d in shape.as_list()[lead + 1:]:
+        rest = None if rest is None or d is None else rest * d
     if rest is not None:
         if k is None and E is not None:
             if rest == 0 or E % rest:
