@@ -1,25 +1,18 @@
-"""The forward analysis: one pass over the ops between the batch and `ys`.
+"""The forward analysis: one pass over the ops S between the batch and `ys`.
 
-Notation (as in every core module):
-    B   examples in the batch          S   the ops between the batch and `ys`
-    k   rows per example               E   elements per example
+Notation: as in `lattice`. Per-example gradients are defined when row i of `ys` depends
+on example i alone. `analyze` walks S once in graph order and gives every tensor a
+lattice value from its inputs' values and one table of transfer functions (`TRANSFERS`,
+op type -> `f(scan, op, ins)`, from the `transfer_*` modules and `functions`). Along the
+way it finds
 
-Per-example gradients are defined when row i of `ys` depends on example i alone.
-`analyze` walks S once in graph order and gives every tensor a lattice value
-(`lattice`: INDEPENDENT, SIZE, Rows(lead, k, E), UNKNOWN) from its inputs' values and
-one table of transfer functions (`transfer_layout`, `transfer_index`, `transfer_compute`,
-`functions`).
-Along the way it finds
-
-* couplings: ops that reduce, contract, sort, shift or pick along the batch axis
-  (batch normalization in training mode, x^T x, softmax over the batch, ...), which
-  make each example's value depend on the others;
-* the first op where the batch axis was lost (an op the table does not know, a
-  reshape that moves rows across examples, a loop over the examples), and
+* couplings: ops that reduce, contract, sort, shift or pick along the batch axis (batch
+  normalization in training mode, x^T x, softmax over the batch, ...);
+* the first op where the batch axis was lost (an op the table does not know, a reshape
+  that moves rows across examples, a loop over the examples), and
 * the edges where a value computed from the batch's *size* enters a value computation
   (`cost / tf.cast(tf.shape(x)[0], tf.float32)`), which the towers must feed with the
-  whole batch's value; a size used as a shape, index, range, segment id or partition
-  keeps the tower's own (`size_uses` tells the two apart).
+  whole batch's value (`size_uses` tells data uses from sizes).
 
 `verdict.Analysis` turns what the scan found into the verdict.
 """
@@ -29,9 +22,7 @@ import tensorflow as tf
 from pertower import _graph_walk as graph_walk
 from pertower import _op_types as op_types
 from pertower import _tf
-from pertower._batch_axis import examples
 from pertower._batch_axis import functions
-from pertower._batch_axis import joined
 from pertower._batch_axis import lattice
 from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
@@ -40,18 +31,19 @@ from pertower._batch_axis import transfer_compute
 from pertower._batch_axis import transfer_index
 from pertower._batch_axis import transfer_layout
 from pertower._batch_axis import transfer_lookups
+from pertower._batch_axis import verdict
 from pertower._batch_axis.verdict import Analysis
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
 __all__ = ["Analysis", "analyze", "find_couplings"]
 
-TRANSFERS = dict(transfer_layout.TRANSFERS)
-TRANSFERS.update(transfer_index.TRANSFERS)
-TRANSFERS.update(transfer_compute.TRANSFERS)
-TRANSFERS.update(functions.TRANSFERS, **transfer_blocks.TRANSFERS, **transfer_lookups.TRANSFERS)
+TRANSFERS = {**transfer_layout.TRANSFERS, **transfer_index.TRANSFERS, **transfer_compute.TRANSFERS,
+             **functions.TRANSFERS, **transfer_blocks.TRANSFERS, **transfer_lookups.TRANSFERS}
 # Ops whose transfer functions read UNKNOWN inputs themselves.
 _READS_UNKNOWN = (transfer_compute.READS_UNKNOWN | functions.CONTROL_FLOW_OP_TYPES
                   | transfer_lookups.READS_UNKNOWN | {"Reshape", "IdentityN"})
+# Ops whose outputs may carry the batch's rows when their inputs carry only its size.
+_READS_SIZE = op_types.SHAPED_BY_SIZE_OP_TYPES | frozenset(functions.TRANSFERS)
 # Passes over a region with TF1 loops before their values must have settled.
 _MAX_LOOP_PASSES = 6
 _MAX_DEPTH = 8
@@ -63,14 +55,12 @@ class _Scan:
 
     def __init__(self, seeds, region, targets=(), registry=None, static_batch_size=None,
                  depth=0, function_cache=None, seed_parts=False):
-        self.values = lattice.TensorMap()
+        self.values, self.seeds = lattice.TensorMap(), lattice.TensorMap()
         for tensor, value in seeds:
             self.values[tensor] = value
-        # whose examples each tensor's rows hold, when `ys` joins several batches
-        self.batches = joined.JoinedBatches([t for t, _ in seeds] if seed_parts else ())
-        self.seeds = lattice.TensorMap()
-        for tensor, _ in seeds:
             self.seeds[tensor] = True
+        # whose examples each tensor's rows hold, when `ys` joins several batches
+        self.batches = verdict.JoinedBatches([t for t, _ in seeds] if seed_parts else ())
         self.region = set(region)
         self.targets = list(targets)
         self.registry = registry
@@ -83,8 +73,6 @@ class _Scan:
         self.size_data_edges = []
         self.flows = lattice.TensorMap()   # TensorArray flows carrying Rows
         self.shape_value = static.ShapeEvaluator(self.value_of, seeds)
-
-    # -- driving ----------------------------------------------------------------------
 
     def value_of(self, tensor):
         return self.values.get(tensor, INDEPENDENT)
@@ -114,19 +102,14 @@ class _Scan:
             ins = [self.value_of(t) for t in op.inputs]
             if all(v is INDEPENDENT for v in ins):
                 continue
-            outs = self._examples(op, ins) if examples.handles(op, ins) else None
+            outs = None
+            if functions.reads_example(op, ins):
+                outs = self._apply(functions.example_transfer, op, ins)
             outs = outs if outs is not None else self._user_layouts(op, ins)
             if outs is None:   # (a SIZE that is a constant, tf.shape(x)[-1]: INDEPENDENT)
                 outs = static.constant_sizes(self.shape_value, op, self._transfer(op, ins))
             self._record_size_edges(op, ins, outs)
             self._store(op, ins, outs)
-
-    def _examples(self, op, ins):
-        try:
-            return examples.transfer(self, op, ins)
-        except lattice.Lost as lost:
-            self.lose(op, lost.reason)
-            return [UNKNOWN] * len(op.outputs)
 
     def _user_layouts(self, op, ins):
         rule = self.registry.lookup(op.type) if self.registry is not None else None
@@ -141,18 +124,20 @@ class _Scan:
             if op.type == "ShapeN":
                 return [UNKNOWN if v is UNKNOWN else SIZE for v in ins]
             return [UNKNOWN if ins[0] is UNKNOWN else SIZE] * n
-        slots = transfer_layout.shape_slots(op)
+        slots = static.shape_slots(op)
         lost_upstream = op.type not in _READS_UNKNOWN and any(
             v is UNKNOWN for j, v in enumerate(ins) if j not in slots)
         if lost_upstream or transfer_blocks.misread(self, op, ins):
             return [UNKNOWN] * n   # lost upstream (no new loss), or a SpaceToBatchND's blocks
-        if (not any(lattice.depends_on_values(v) for v in ins)
-                and op.type not in op_types.SHAPED_BY_SIZE_OP_TYPES and op.type not in functions.TRANSFERS):
+        if op.type not in _READS_SIZE and not any(lattice.depends_on_values(v) for v in ins):
             return [SIZE] * n
-        transfer = TRANSFERS.get(op.type)
-        if transfer is None:
+        if op.type not in TRANSFERS:
             self.lose(op, "the analysis does not know this op type")
             return [UNKNOWN] * n
+        return self._apply(TRANSFERS[op.type], op, ins)
+
+    def _apply(self, transfer, op, ins):
+        """The outputs' values by `transfer`; UNKNOWN where it raises (recorded)."""
         try:
             return list(transfer(self, op, ins))
         except lattice.Coupled as coupled:
@@ -163,7 +148,7 @@ class _Scan:
             # an op whose attributes or shapes cannot be read: the analysis loses the
             # batch axis here rather than failing the user's call
             self.lose(op, f"its attributes or shapes could not be read ({error})")
-        return [UNKNOWN] * n
+        return [UNKNOWN] * len(op.outputs)
 
     def _store(self, op, ins, outs):
         ks = {v.k for v in ins if isinstance(v, Rows)}
@@ -180,39 +165,28 @@ class _Scan:
             if isinstance(value, int) and not isinstance(value, bool):
                 value = Rows(value, common_k, None)
             if isinstance(value, Rows) and self._is_flow(op, tensor):
-                self.flows[tensor] = True   # (a TensorArray's flow holds its elements')
-            elif isinstance(value, Rows) and tensor.dtype != tf.variant:  # (a TensorList
-                # holds the value of its elements)
-                completed = lattice.complete(value, tensor.shape)
-                if completed is None:
+                self.flows[tensor] = True   # (flows and TensorLists hold their elements')
+            elif isinstance(value, Rows) and tensor.dtype != tf.variant:
+                value = lattice.complete(value, tensor.shape)
+                if value is None:
                     self.lose(op, f"its output {tensor.name} would split an example's "
                                   "entries across rows")
                     value = UNKNOWN
-                else:
-                    value = completed
             if value is UNKNOWN and not any(v is UNKNOWN for v in ins) and self._live(tensor):
                 self.lose(op, "its outputs' batch axes could not be followed")
             if value is not INDEPENDENT:
                 self.values[tensor] = value
 
-    # -- flows, liveness, losses ------------------------------------------------------
-
     def _is_flow(self, op, tensor):
-        """Whether `tensor` is a v1 TensorArray's flow (a scalar standing for the
-        array's elements): written by a TensorArray op, or passed on by loop ops."""
-        if tensor.shape.rank != 0:
-            return False
-        if op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES:
-            return True
-        if op.type in op_types.FLOW_PASSING_OP_TYPES:
-            return any(t in self.flows for t in op.inputs)
-        return False
+        """Whether `tensor` is a v1 TensorArray's flow (a scalar holding the value of
+        the array's elements)."""
+        return tensor.shape.rank == 0 and (op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES or (
+            op.type in op_types.FLOW_PASSING_OP_TYPES and any(t in self.flows for t in op.inputs)))
 
     def _live(self, tensor):
         """Whether `tensor` is on a path to the targets (ys, or a body's outputs)."""
-        if any(tensor is t for t in self.targets):
-            return True
-        return any(c in self.region for c in tensor.consumers())
+        return any(tensor is t for t in self.targets) or any(
+            c in self.region for c in tensor.consumers())
 
     def forgive(self, ops):
         """Takes back the losses recorded at `ops` (inside a pattern a transfer function
@@ -227,13 +201,11 @@ class _Scan:
         if doubt:
             self.doubts.append(op)
 
-    # -- SIZE values that enter value computations ------------------------------------
-
     def _record_size_edges(self, op, ins, outs):
         """Records the integer SIZE inputs of `op` used as data (`size_uses`)."""
         if op.type in op_types.SHAPE_OP_TYPES or op.type in functions.TRANSFERS:
             return
-        slots = transfer_layout.shape_slots(op)
+        slots = static.shape_slots(op)
         for j, value in enumerate(ins):
             if value is not SIZE or j in slots:
                 continue
@@ -242,8 +214,6 @@ class _Scan:
                 continue   # already a value: it crossed at an edge recorded upstream
             if size_uses.is_data_use(op, j, ins, outs):
                 self.size_data_edges.append((op, j))
-
-    # -- function bodies ---------------------------------------------------------------
 
     def function_graph(self, op, attr):
         """The graph of the function `attr` of `op` (read once per scan tree), or None."""
@@ -290,10 +260,10 @@ class _Scan:
 
 
 def _topological(ops):
-    """`ops` with every op after the ops it reads (creation order breaks ties; a TF1
-    cond adds an op's Switch inputs after the op, so creation order alone is not
-    enough). Back edges of TF1 loops (NextIteration -> Merge) are not followed, so a
-    loop's Merge comes before its body."""
+    """`ops` with every op after the ops it reads, creation order breaking ties (a TF1
+    cond adds an op's Switch inputs after the op). TF1 loops' back edges are not
+    followed, so a loop's Merge comes before its body (whose values it reads on the next
+    pass: `_Scan.run`)."""
     ops = set(ops)
     ordered, done, active = [], set(), set()
     for root in sorted(ops, key=_tf.op_order_key()):
@@ -319,33 +289,25 @@ def _topological(ops):
 
 
 def _back_edge(tensor, op):
-    """Whether `tensor` -> `op` is a TF1 loop's back edge (NextIteration -> Merge).
-    Following it would order the body before its Merge when the walk reaches the loop
-    from the Merge (the first pass would then read the loop variable before it has its
-    entry's value)."""
+    """Whether `tensor` -> `op` is a TF1 loop's back edge (NextIteration -> Merge)."""
     return (op.type in op_types.V1_MERGE_OP_TYPES
             and tensor.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES)
 
 
 def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=None,
             batch_axes=None):
-    """Analyses the ops between `batch` and `ys` (see the module docstring).
+    """The `Analysis` of the ops between `batch` and `ys` (see the module docstring).
 
     Args:
       ys: the per-example values, [B, ...].
-      batch: the batch tensors, [B, ...] each (batch axis 0 unless `batch_axes` says
-        otherwise).
+      batch: the batch tensors, [B, ...] each (or with the batch on `batch_axes`: a
+        time-major [T, B, d] input is seeded Rows(lead=1, ...)).
       ys_upstream: the ops `ys` depends on (`graph_walk.upstream_ops([ys])`).
-      batch_size: B when known statically, else None (a leading static 1 axis is then
-        never taken for the batch axis).
+      batch_size: B when known statically (a leading static 1 axis is then never taken
+        for the batch axis), else None.
       num_groups: M for microbatches, or None (kept on the result).
       registry: a `pertower.rules.RuleRegistry`; rules may define
         `output_layouts(op, inputs)` for op types the analysis does not know.
-      batch_axes: None (axis 0 of each), or the batch axis of each batch tensor: the
-        seed of a time-major [T, B, d] input is Rows(lead=1, ...).
-
-    Returns:
-      An `Analysis`.
     """
     seeds = _seeds(batch, batch_axes)
     region = graph_walk.downstream_ops(batch, ys_upstream)
@@ -354,7 +316,7 @@ def analyze(ys, batch, ys_upstream, batch_size=None, num_groups=None, registry=N
 
 
 def _seeds(batch, batch_axes=None):
-    """(tensor, value) per batch tensor: Rows(lead=its batch axis, k=1, .)."""
+    """(tensor, Rows(lead=its batch axis, k=1, .)) per batch tensor."""
     axes = [0] * len(batch) if batch_axes is None else list(batch_axes)
     seeds = []
     for b, axis in zip(batch, axes):
@@ -364,16 +326,6 @@ def _seeds(batch, batch_axes=None):
 
 
 def find_couplings(replayed_ops, batch):
-    """The ops among `replayed_ops` that couple the examples of the batch.
-
-    Args:
-      replayed_ops: the ops between the batch and `ys`.
-      batch: the batch tensors, [B, ...] each; their axis 0 is the batch axis.
-
-    Returns:
-      A list of `Coupling` records in graph order (empty when none was found).
-
-    Example:
-      for c in pertower._batch_axis.find_couplings(ops, [x]): print(c.op.name, c.reason)
-    """
+    """The `Coupling` records, in graph order, of the ops among `replayed_ops` (the ops
+    between the batch and `ys`) that couple the examples of `batch` ([B, ...] each)."""
     return _Scan(_seeds(batch), replayed_ops).run().couplings

@@ -1,41 +1,46 @@
-"""Function bodies and control flow: functional If/While/calls, TensorLists, v1 Switch/Merge,
-v1 while loops (Enter/Exit/NextIteration/LoopCond) and v1 TensorArrays.
+"""Function bodies and control flow: functional If/While/calls, TensorLists, TF1 (v1)
+cond and while frames, v1 TensorArrays, and TF1 loops over the batch's examples.
 
-Notation: as in `lattice`. A function body is analysed like the outer graph, its
-inputs seeded with the values of the op's inputs (`scan.body_values`); a coupling
-inside is reported on the op that runs the function. A TensorList (the variant a
-while loop carries: tf.scan's elements, a Keras RNN's time steps) holds the value of
-its *elements*.
+Notation: as in `lattice`. A function body is analysed like the outer graph, its inputs
+seeded with the values of the op's inputs (`scan.body_values`); a coupling inside is
+reported on the op that runs the function. A TensorList (tf.scan's elements, a Keras
+RNN's time steps) and a v1 TensorArray's *flow* (dynamic_rnn's time steps) hold the value
+of their elements. A v1 while frame's ops (Enter, Merge, Switch, NextIteration, Exit) pass
+their data on unchanged; the scan reads the back edge NextIteration -> Merge on its next
+pass (`analysis._Scan.run`). The number of iterations must not depend on the batch's
+values, so raw_rnn's loop (until every example has finished) is not proven.
 
-A TF1 (v1) while loop is not a function but a frame of ops in the graph: Enter passes
-a value into the frame, Merge joins it with the value NextIteration hands back from the
-previous iteration (a back edge, which the scan follows by running again until the
-values settle, see `analysis._Scan.run`), Switch on LoopCond either continues the body
-or leaves through Exit. Each of them passes its data on unchanged; the number of
-iterations must not depend on the batch's values (LoopCond). A v1 TensorArray (the
-time steps of tf.compat.v1.nn.dynamic_rnn) is followed through its *flow* tensor,
-which holds the value of its elements, as a TensorList's variant does; a TensorArray
-of the batch's examples (tf.compat.v1.map_fn over the batch) is followed by `examples`.
+tf.compat.v1.map_fn(f, x) over the batch scatters the rows of x [B, ...] into a
+TensorArray, reads element i in a v1 loop and writes f of it at i of a second array:
 
-So tf.compat.v1.nn.dynamic_rnn is proven with LSTMCell, GRUCell, BasicRNNCell and a
-MultiRNNCell of them, with or without sequence_length, whether `ys` reads its outputs or
-its final state (the scan visits a loop's Merge before its body: `analysis._topological`
-does not follow the back edge). raw_rnn's loop, which runs until every example has
-finished (a reduce_all over the batch), is not proven: the run-time check decides.
+* the flow of an array whose elements are the examples is EXAMPLE_ELEMENTS,
+  Rows(lead=-1, k=1, .): made by scattering a tensor with one row per example at the
+  indices 0, 1, ..., B - 1, and gathered back at those indices into Rows(0, 1, .);
+* reading it at an index tensor i gives `Example(i)`, and an op whose other inputs do
+  not depend on the batch's values computes from that example alone: `Example(i)` too
+  (`example_transfer`: a reduction over every axis of it reduces one example);
+* writing an `Example(i)` at the same index tensor i puts example i's result at row i.
+
+Anything else is lost: an `Example` combined with other examples' rows or another
+iteration's element, carried into the next iteration (tf.scan over the batch), leaving
+the loop (Exit) or written at another index.
 """
 
-from pertower import _op_types as op_types
-from pertower._batch_axis import examples
-from pertower._batch_axis import lattice
-from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
+import tensorflow as tf
 
-__all__ = ["TRANSFERS", "CONTROL_FLOW_OP_TYPES"]
+from pertower import _op_types as op_types
+from pertower._batch_axis import lattice
+from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Example, Rows
+
+__all__ = ["TRANSFERS", "CONTROL_FLOW_OP_TYPES", "example_transfer", "reads_example"]
+
+# The flow of a TensorArray whose elements are the batch's examples.
+EXAMPLE_ELEMENTS = Rows(-1, 1, None)
 
 
 def cond(scan, op, ins):
-    """tf.cond (and Keras Dropout / BatchNormalization with training=None): with a
-    predicate that does not depend on the batch's values, each output is what both
-    branches agree on."""
+    """tf.cond (Keras Dropout / BatchNormalization with training=None): with a predicate
+    that does not depend on the batch's values, what both branches agree on."""
     if lattice.depends_on_values(ins[0]):
         raise lattice.Lost("the branch taken depends on the batch's values")
     branches = [scan.body_values(op, attr, ins[1:]) for attr in ("then_branch", "else_branch")]
@@ -55,8 +60,7 @@ def _loop_join(first, second):
 
 
 def while_loop(scan, op, ins):
-    """The body maps loop variables to their next values: analyse it until the values
-    of the loop variables stop changing."""
+    """Analyses the body until the values of the loop variables settle."""
     values = list(ins)
     for _ in range(4):
         outs = scan.body_values(op, "body", values)
@@ -94,8 +98,12 @@ def list_from_tensor(scan, op, ins):
 
 
 def list_get_item(scan, op, ins):
+    """TensorListGetItem(list, index, shape), TensorArrayReadV3(handle, index, flow):
+    one element; of an array of the examples, one example: Example(index)."""
     _index_checked(ins, 1)
-    return [ins[0]]
+    if op.type == "TensorListGetItem":
+        return [ins[0]]
+    return [Example(op.inputs[1].name) if ins[2] == EXAMPLE_ELEMENTS else ins[2]]
 
 
 def list_set_item(scan, op, ins):
@@ -140,21 +148,12 @@ def tensor_array_scatter(scan, op, ins):
     value = ins[2]
     if isinstance(value, Rows) and value.lead == 0:   # one element per example
         # (tf.compat.v1.map_fn over the batch)
-        if value.k != 1 or not examples.identity_indices(op.inputs[1]):
+        if value.k != 1 or not _identity_indices(op.inputs[1]):
             raise lattice.Lost("it makes a TensorArray over the batch axis whose elements "
                                "are not the examples in order (several rows per example, "
                                "or indices other than 0, 1, ..., B - 1)")
-        return [_loop_join(ins[3], examples.EXAMPLE_ELEMENTS)]
+        return [_loop_join(ins[3], EXAMPLE_ELEMENTS)]
     return [_loop_join(ins[3], _shifted(value, -1, "input's"))]
-
-
-def tensor_array_read(scan, op, ins):
-    """TensorArrayReadV3(handle, index, flow) -> one element; of an array whose
-    elements are the examples: one example, Example(index)."""
-    _index_checked(ins, 1)
-    if ins[2] == examples.EXAMPLE_ELEMENTS:
-        return [lattice.Example(op.inputs[1].name)]
-    return [ins[2]]
 
 
 def tensor_array_write(scan, op, ins):
@@ -163,33 +162,69 @@ def tensor_array_write(scan, op, ins):
     examples."""
     _index_checked(ins, 1)
     value = ins[2]
-    if isinstance(value, lattice.Example):
+    if isinstance(value, Example):
         if op.inputs[1].name != value.index:
             raise lattice.Lost("it writes one example's value (read at "
                                f"{value.index!r}) at another index")
-        value = examples.EXAMPLE_ELEMENTS
+        value = EXAMPLE_ELEMENTS
     return [_loop_join(ins[3], value)]
 
 
 def tensor_array_gather(scan, op, ins):
     """TensorArrayGatherV3(handle, indices, flow) -> [N, ...elements]."""
     _index_checked(ins, 1)
-    if ins[2] == examples.EXAMPLE_ELEMENTS and not examples.identity_indices(op.inputs[1]):
+    if ins[2] == EXAMPLE_ELEMENTS and not _identity_indices(op.inputs[1]):
         raise lattice.Lost("it gathers the examples of a TensorArray at indices other than "
                            "0, 1, ..., B - 1")
     return [_shifted(ins[2], 1, "TensorArray's")]
 
 
-def tensor_array_size(scan, op, ins):
-    return [SIZE]
+def reads_example(op, ins):
+    """Whether `example_transfer` gives the outputs of `op` (an input is an Example)."""
+    return op.type != "TensorArrayWriteV3" and any(isinstance(v, Example) for v in ins)
+
+
+def example_transfer(scan, op, ins):
+    """The outputs of `op`, one of whose inputs is an `Example` (see the module
+    docstring); raises lattice.Lost where one example's values are not followed."""
+    examples = {v for v in ins if isinstance(v, Example)}
+    if len(examples) > 1:
+        raise lattice.Lost("it combines elements that a loop over the batch's examples "
+                           "read at different indices")
+    example = examples.pop()
+    if any(not isinstance(v, Example) and v not in (INDEPENDENT, SIZE) for v in ins):
+        raise lattice.Lost("it combines one example (the element a loop over the batch's "
+                           "examples reads) with values computed from other examples")
+    if op.type in op_types.V1_EXIT_OP_TYPES:
+        raise lattice.Lost("one example's value leaves the loop over the batch's examples "
+                           "(only the TensorArray written at the index it was read at "
+                           "is followed)")
+    if op.type in op_types.V1_MERGE_OP_TYPES and any(
+            isinstance(v, Example) and t.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES
+            for t, v in zip(op.inputs, ins)):
+        raise lattice.Lost("a loop variable carries one example's value into the next "
+                           "iteration (the next example's)")
+    if op.type.startswith("TensorArray"):   # (a write: `tensor_array_write`)
+        raise lattice.Lost("a TensorArray op reads one example's value other than as the "
+                           "value written at the index it was read at")
+    return [example] * len(op.outputs)
+
+
+def _identity_indices(tensor):
+    """Whether `tensor` is tf.range(0, n, 1), as TensorArray.unstack and .stack use."""
+    op = tensor.op
+    if op.type != "Range":
+        return False
+    start, delta = (tf.get_static_value(t) for t in (op.inputs[0], op.inputs[2]))
+    return start is not None and delta is not None and int(start) == 0 and int(delta) == 1
 
 
 TRANSFERS = {
     "TensorListFromTensor": list_from_tensor, "TensorListGetItem": list_get_item,
     "TensorListSetItem": list_set_item, "TensorListStack": list_stack,
-    "TensorArrayScatterV3": tensor_array_scatter, "TensorArrayReadV3": tensor_array_read,
+    "TensorArrayScatterV3": tensor_array_scatter, "TensorArrayReadV3": list_get_item,
     "TensorArrayWriteV3": tensor_array_write, "TensorArrayGatherV3": tensor_array_gather,
-    "TensorArraySizeV3": tensor_array_size,
+    "TensorArraySizeV3": lambda scan, op, ins: [SIZE],
 }
 for _types, _transfer in ((op_types.IF_OP_TYPES, cond),
                           (op_types.FUNCTION_CALL_OP_TYPES, call),

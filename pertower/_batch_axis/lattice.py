@@ -4,29 +4,26 @@ Notation (as in every core module):
     B   examples in the batch          k   rows per example on a tensor's batch axis
     E   elements per example           S   the ops between the batch and `ys`
 
-Every tensor between the batch and `ys` gets one value of the lattice:
+Every tensor of S gets one value:
 
     INDEPENDENT   computed without the batch (weights, constants).
     SIZE          depends on the batch through its size only (tf.shape(x)[0], tf.range
-                  of it, a Fill of it); `META` is the same marker.
+                  of it, a Fill of it).
     Rows(lead, k, E)
-                  axis `lead` is the batch axis: it holds k consecutive entries per
-                  example, each computed from its own example alone; E (when known) is
-                  the number of elements each example owns. When every axis before
-                  `lead` has static size 1 the flat (row-major) data is B contiguous
-                  blocks of E elements: the "row layout" the per-op rules need
-                  (`contiguous`). Otherwise (a transposed [T, B, d]) the batch axis is
-                  still followed, for finding couplings.
+                  axis `lead` is the batch axis: k consecutive entries per example, each
+                  computed from its own example alone; E (when known) the elements each
+                  example owns. When every axis before `lead` has static size 1 the flat
+                  data is B contiguous blocks of E elements: the "row layout" the per-op
+                  rules need (`contiguous`); otherwise (a transposed [T, B, d]) the batch
+                  axis is still followed, for finding couplings.
     UNKNOWN       depends on the batch, but the batch axis was lost.
-
-    Example(index) one example's values inside a TF1 loop over the examples
-                  (`Example`; see `examples`).
+    Example(index)
+                  one example's values inside a TF1 loop over the examples (`functions`).
     Interleaved(inner, blocks, E)
                   axis 0 is [blocks, B*inner] flattened: example i owns the rows
-                  j*B*inner + i*inner + t (j < blocks, t < inner), as SpaceToBatchND
-                  lays out the blocks of a dilated convolution (`transfer_blocks`). Not
-                  a row layout: only the ops `transfer_blocks` names read it; any other
-                  op loses the batch axis there.
+                  j*B*inner + i*inner + t (j < blocks, t < inner), as SpaceToBatchND lays
+                  out a dilated convolution's blocks; only the ops `transfer_blocks` names
+                  read it, any other loses the batch axis there.
 
 INDEPENDENT < SIZE < Rows < UNKNOWN: `join` gives the value of a tensor that is one of
 two values (the branches of a cond, a loop variable over iterations).
@@ -38,28 +35,21 @@ import dataclasses
 import tensorflow as tf
 from pertower import _context
 
-__all__ = ["Rows", "Example", "Interleaved", "INDEPENDENT", "SIZE", "META", "UNKNOWN", "Coupling", "Coupled",
-           "Lost", "complete", "contiguous", "join", "describe", "TensorMap"]
+__all__ = ["Rows", "Example", "Interleaved", "INDEPENDENT", "SIZE", "UNKNOWN", "Coupling",
+           "Coupled", "Lost", "complete", "contiguous", "join", "describe", "TensorMap"]
 
 
 class Rows(collections.namedtuple("Rows", ["lead", "k", "E"])):
-    """The batch axis `lead` of a tensor, k entries per example on it, E elements per
-    example; k and E may be None (not known statically)."""
+    """The batch axis `lead`, k entries per example on it, E elements per example (k and
+    E None when not static)."""
 
 
 class Example(collections.namedtuple("Example", ["index"])):
-    """One example's values: the element that a TF1 loop over the batch's examples
-    (tf.compat.v1.map_fn over the batch) reads from the TensorArray of the batch's rows
-    at the index tensor named `index`, and what the loop body computes from it alone.
-    Such an array's flow has the value Rows(lead=-1, k=1, E=None): its elements are the
-    examples."""
+    """One example's values, read at the index tensor named `index` (`functions`)."""
 
 
 class Interleaved(collections.namedtuple("Interleaved", ["inner", "blocks", "E"])):
-    """Axis 0 of a tensor as [blocks, B, inner] flattened: example i owns the rows
-    j*B*inner + i*inner + t for j < blocks and t < inner (E elements per example, or
-    None). SpaceToBatchND's output for a batch of Rows(0, inner, .) with
-    prod(block_shape) = blocks."""
+    """Axis 0 as [blocks, B, inner] flattened (see the module docstring)."""
 
 
 class _Marker:
@@ -72,12 +62,8 @@ class _Marker:
         return self.name
 
 
-# Values that do not depend on the batch; the string keeps `== "independent"` working.
-INDEPENDENT = "independent"
-# Values that depend on the batch only through its size (tf.shape(x)[0]).
+INDEPENDENT = "independent"   # (a string: `== "independent"` keeps working)
 SIZE = "meta"
-META = SIZE
-# Values that depend on the batch along an axis the analysis lost.
 UNKNOWN = _Marker("UNKNOWN")
 
 
@@ -86,26 +72,16 @@ def depends_on_values(value):
     return isinstance(value, (Rows, Example, Interleaved)) or value is UNKNOWN
 
 
-def _rest_size(shape, axis):
-    """prod(shape[axis + 1:]) when static, else None."""
-    if shape.rank is None:
-        return None
-    size = 1
-    for d in shape.as_list()[axis + 1:]:
-        if d is None:
-            return None
-        size *= d
-    return size
-
-
 def complete(layout, shape):
     """Fills in k from E (or E from k) with the static shape; None when the rows would
     straddle examples (E not a multiple of the row size) or the shape has no axis
     `lead`."""
     if shape.rank is None or shape.rank <= layout.lead:
         return None
-    rest = _rest_size(shape, layout.lead)
     lead, k, E = layout
+    rest = 1   # prod(shape[lead + 1:]) when static
+    for d in shape.as_list()[lead + 1:]:
+        rest = None if rest is None or d is None else rest * d
     if rest is not None:
         if k is None and E is not None:
             if rest == 0 or E % rest:
@@ -183,9 +159,9 @@ class Coupled(Exception):
 class Lost(Exception):
     """Raised by a transfer function when it cannot follow the batch axis (why)."""
 
-    def __init__(self, reason):
-        super().__init__(reason)
-        self.reason = reason
+    @property
+    def reason(self):
+        return self.args[0]
 
 
 def matched(found, reason):
@@ -213,9 +189,6 @@ class TensorMap:
 
     def get(self, tensor, default=None):
         return self._items.get(tensor.ref(), default)
-
-    def items(self):
-        return [(key.deref(), value) for key, value in self._items.items()]
 
 
 BATCH_NORM_ADVICE = (

@@ -2,47 +2,43 @@
 
 Notation: B examples in the batch, T towers of B/T examples, n = tf.shape(x)[0].
 
-A SIZE value (`lattice.SIZE`: n, tf.size(x), tf.range(n), a shape [n, d]) means B in
-the whole batch and B/T in a tower that replays the graph on B/T examples. Which of the
-two a replay must feed depends on the use, decided here and nowhere else:
+A SIZE value (n, tf.size(x), tf.range(n), a shape [n, d]) means B in the whole batch and
+B/T in a tower that replays the graph on B/T examples. Which of the two a replay must
+feed depends on the use, decided here and nowhere else:
 
 * **data**: the size enters the arithmetic of the values that reach `ys`: it becomes a
-  float (`cost / tf.cast(n, tf.float32)`) or scales per-example integers
-  (`labels * n`, a scalar size in elementwise arithmetic). Its documented meaning is the
-  whole batch's B, so the towers read it from the whole batch's graph
+  float (`cost / tf.cast(n, tf.float32)`) or scales per-example integers (`labels * n`).
+  It means the whole batch's B, so the towers read it from the whole batch's graph
   (`Analysis.size_data_edges`), and the rules' batched backward pass sees B as `ys` does.
-* **size**: anything else: a shape, an axis, a bound, a range over the examples, an
-  index stacked with labels for `tf.gather_nd`, per-example segment ids, the positions
-  `embedding_lookup` partitions by, a `num_segments`. These must agree with the other
-  tensors of the tower, so the towers keep the tower's own size (the replayed op sees
-  its slice, as the batched op sees the batch).
+* **size**: anything else (a shape, an axis, a bound, a range over the examples, an index
+  for `tf.gather_nd`, segment ids, the positions `embedding_lookup` partitions by): the
+  towers keep their own size (the replayed op sees its slice, as the batched op sees the
+  batch). `is_row_index` proves the TF1 index `tf.range(n)`, whose entry i is the row of
+  example i, in the batch and in every tower alike.
 
-`is_row_index` proves the classic TF1 index `tf.range(n)`: entry i of it is i, the
-row of example i, so `tf.gather_nd(logits, tf.stack([tf.range(n), labels], 1))` picks a
-value of example i for row i (`transfer_index.gather_nd`), in the batch and in every
-tower alike.
+A reduction over the batch whose result only sizes shapes or bounds loops (dynamic_rnn's
+max(sequence_length), `tf.range(tf.reduce_max(lengths))`) reads every example, yet no
+example's *value* depends on the others: the scan asks `only_bounds` where such a result
+goes before calling it a coupling.
 """
 
 import tensorflow as tf
 
 from pertower import _op_types as op_types
+from pertower._batch_axis import functions
+from pertower._batch_axis import loop_bounds
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import SIZE, Rows
 
-__all__ = ["is_data_use", "is_row_index"]
+__all__ = ["is_data_use", "is_row_index", "only_bounds"]
 
 # Ops through which an integer keeps its value (an index stays the same index).
 _SAME_VALUE_OP_TYPES = frozenset({"Identity", "Cast", "Snapshot"})
 
 
 def is_data_use(op, j, ins, outs):
-    """Whether the integer SIZE input j of `op` enters the values reaching `ys` (the
-    whole batch's B) rather than sizing or indexing the tower's tensors.
-
-    Args:
-      op: the consumer; j: the index of its SIZE input (not a shape slot, an integer).
-      ins, outs: the lattice values of op's inputs and outputs.
-    """
+    """Whether the integer SIZE input j (not a shape slot) of `op` enters the values
+    reaching `ys`; `ins`, `outs`: the lattice values of op's inputs and outputs."""
     if op.type == "Cast":
         return any(t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
     if op.type in op_types.ELEMENTWISE_OP_TYPES:
@@ -53,16 +49,9 @@ def is_data_use(op, j, ins, outs):
 
 
 def is_row_index(value_of, tensor, rows):
-    """Whether `tensor`, [B] (or [B, 1]), is provably tf.range(n) with n the number of examples
-    of a tensor laid out as `rows` (one row per example along `rows.lead`): entry i is
-    the row of example i.
-
-    Args:
-      value_of: tensor -> lattice value (the scan's).
-      tensor: a rank-1 integer tensor.
-      rows: the `Rows` value of the tensor indexed (its batch axis rows.lead, k rows
-        per example).
-    """
+    """Whether `tensor`, [B] (or [B, 1]), is provably tf.range(n), n the number of
+    examples of a tensor laid out as `rows` (one row per example): entry i is the row of
+    example i. `value_of`: tensor -> lattice value (the scan's)."""
     tensor = _column(tensor)
     while tensor.op.type in _SAME_VALUE_OP_TYPES and tensor.op.inputs:
         tensor = tensor.op.inputs[0]
@@ -110,3 +99,88 @@ def _is_batch_size(value_of, n):
     value = value_of(x)
     return (isinstance(value, Rows) and value.k == 1 and x.shape.rank is not None
             and int(begin[0]) % x.shape.rank == value.lead)
+
+
+def _integral(op):
+    return all(o.dtype.is_integer or o.dtype == tf.bool for o in op.outputs)
+
+
+def only_bounds(scan, op):
+    """Where the outputs of the reduction `op` go in `scan`: "bounds" when they only
+    reach shape or axis operands and loop bounds (through integer arithmetic), "unclear"
+    when they reach a function or loop whose use of them is not followed, "unmasked"
+    when they bound a loop not proven to keep each example's state fixed past its own
+    end (`loop_bounds`), "data" otherwise."""
+    verdict = "bounds"
+    stack, seen = list(op.outputs), set()
+    while stack:
+        tensor = stack.pop()
+        if any(tensor is t for t in scan.targets) or not any(
+                c in scan.region for c in tensor.consumers()):
+            return "data"   # a result (`ys`, a body's output, the end of the ops)
+        for consumer in tensor.consumers():
+            if consumer not in scan.region:
+                continue
+            for j, t in enumerate(consumer.inputs):
+                if t is not tensor or j in static.shape_slots(consumer):
+                    continue
+                if consumer.type in op_types.V1_LOOP_COND_OP_TYPES:   # it bounds a TF1 loop
+                    if not loop_bounds.masked_past_end(
+                            op, loop_bounds.V1Loop(consumer), scan.shape_value):
+                        verdict = "unmasked"
+                    continue
+                if _integral(consumer) and (
+                        consumer.type in op_types.V1_BOUND_PLUMBING_OP_TYPES or (
+                            consumer.type in op_types.V1_SWITCH_OP_TYPES and j == 0)):
+                    for out in consumer.outputs:   # (an unused Exit, Merge index or
+                        # Switch branch ends there)
+                        if out.ref() not in seen and any(
+                                c in scan.region for c in out.consumers()):
+                            seen.add(out.ref())
+                            stack.append(out)
+                    continue
+                if consumer.type in op_types.WHILE_OP_TYPES:
+                    if not _passes_through(scan, consumer, j):
+                        verdict = "unclear"
+                    elif not _while_masked_past_end(scan, op, consumer):
+                        verdict = "unmasked" if verdict == "bounds" else verdict
+                    continue
+                if consumer.type in functions.TRANSFERS:   # control flow, calls
+                    verdict = "unclear"
+                    continue
+                if consumer.type in op_types.BOUND_ARITHMETIC_OP_TYPES and _integral(consumer):
+                    for out in consumer.outputs:
+                        if out.ref() not in seen:
+                            seen.add(out.ref())
+                            stack.append(out)
+                    continue
+                return "data"
+    return verdict
+
+
+def _while_masked_past_end(scan, reduction, op):
+    """`loop_bounds.masked_past_end` for the While `op`, which `reduction` bounds."""
+    cond, body = scan.function_graph(op, "cond"), scan.function_graph(op, "body")
+    if cond is None or body is None or len(cond.inputs) != len(body.inputs):
+        return False
+    return loop_bounds.masked_past_end(
+        reduction, loop_bounds.V2Loop(op, cond, body, scan.region), scan.shape_value)
+
+
+def _passes_through(scan, op, j):
+    """Whether loop variable j of a While is handed unchanged from iteration to
+    iteration (the body only copies it; the condition may compare with it)."""
+    body = scan.function_graph(op, "body")
+    if body is None or j >= len(body.inputs):
+        return False
+    target = body.outputs[j]
+    stack = [body.inputs[j]]
+    while stack:
+        tensor = stack.pop()
+        if tensor is target:
+            continue
+        for consumer in tensor.consumers():
+            if consumer.type != "Identity":
+                return False
+            stack.append(consumer.outputs[0])
+    return True

@@ -10,10 +10,11 @@ power 0 (no batch) or 1 (a multiple of B); the coefficient is None when not know
 import numpy as np
 import tensorflow as tf
 
+from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
 
-__all__ = ["static_value", "parse_einsum", "ShapeEvaluator", "refined_reshape_shape",
-           "resolve_minus_one", "constant_sizes"]
+__all__ = ["static_value", "parse_einsum", "ShapeEvaluator", "resolve_minus_one",
+           "constant_sizes", "SHAPE_SLOTS", "shape_slots"]
 
 # Small integer ops folded where tf.get_static_value stops (the axis arithmetic of
 # tf.nn.softmax(axis=0), tf.sort, ...).
@@ -23,6 +24,39 @@ _FOLDED = {
     "Range": lambda start, limit, delta: np.arange(start, limit, delta),
     "Pack": lambda *parts: np.stack(parts), "Identity": lambda v: v,
 }
+
+
+# Inputs that are shapes, axes, bounds or sizes rather than values, per op type: a
+# SIZE value there stays SIZE (the replayed op sees its slice's size, as it should).
+SHAPE_SLOTS = {
+    "Reshape": {1}, "Fill": {0}, "Tile": {1}, "BroadcastTo": {1}, "EnsureShape": set(),
+    "ExpandDims": {1}, "Transpose": {1}, "ConjugateTranspose": {1}, "Squeeze": set(),
+    "ConcatV2": {-1}, "Concat": {0}, "Split": {0}, "SplitV": {1, 2},
+    "Pad": {1}, "PadV2": {1}, "MirrorPad": {1}, "Slice": {1, 2},
+    "StridedSlice": {1, 2, 3}, "GatherV2": {2}, "OneHot": {1}, "Range": {0, 1, 2},
+    "ArgMax": {1}, "ArgMin": {1}, "Cumsum": {1},
+    "Cumprod": {1}, "CumulativeLogsumexp": {1}, "ReverseV2": {1}, "Roll": {1, 2},
+    "TopKV2": {1}, "NthElement": {1}, "ResizeBilinear": {1},
+    "ResizeNearestNeighbor": {1}, "ResizeBicubic": {1}, "ResizeArea": {1},
+    "TensorListReserve": {0, 1}, "TensorListFromTensor": {1}, "TensorListStack": {1},
+    "TensorListGetItem": {1, 2}, "TensorListSetItem": {1}, "TensorListElementShape": {0},
+    "Zeros": {0}, "Ones": {0}, "MaxPoolV2": {1, 2}, "Empty": {0},
+    # a transposed convolution's output shape, [B, h, w, c] (tf_keras Conv2DTranspose
+    # stacks tf.shape(x)[0] into it), and a filter gradient's filter shape
+    "Conv2DBackpropInput": {0}, "Conv3DBackpropInputV2": {0},
+    "DepthwiseConv2dNativeBackpropInput": {0}, "Conv2DBackpropFilter": {1},
+    "Conv3DBackpropFilterV2": {1}, "DepthwiseConv2dNativeBackpropFilter": {1},
+    # block shapes and paddings or crops (`transfer_blocks`)
+    "SpaceToBatchND": {1, 2}, "BatchToSpaceND": {1, 2},
+}
+SHAPE_SLOTS.update({t: {0} for t in op_types.RANDOM_OP_TYPES})
+SHAPE_SLOTS.update({t: {1} for t in op_types.REDUCTION_OP_TYPES})
+
+
+def shape_slots(op):
+    """The indices of op's inputs that are shape or axis operands."""
+    slots = SHAPE_SLOTS.get(op.type, set())
+    return {s % len(op.inputs) for s in slots} if op.inputs else set()
 
 
 def static_value(tensor, depth=0):
@@ -92,7 +126,9 @@ def _multiply(first, second):
 
 def resolve_minus_one(target):
     """Replaces a -1 entry by (coefficient unknown, batch power): it holds the batch
-    exactly when no other entry does."""
+    exactly when no other entry does. None for None."""
+    if target is None:
+        return None
     minus = [k for k, d in enumerate(target) if d == (-1, 0)]
     if not minus:
         return target
@@ -103,15 +139,10 @@ def resolve_minus_one(target):
 
 
 class ShapeEvaluator:
-    """Evaluates shape values (see the module docstring), memoized.
+    """Evaluates shape values (see the module docstring), memoized. `value_of`: tensor
+    -> lattice value (the batch axis of `tf.shape(x)` is x's `Rows.lead`)."""
 
-    Args:
-      value_of: tensor -> lattice value (`Rows`, INDEPENDENT, SIZE, UNKNOWN); the
-        batch axis of `tf.shape(x)` is x's `Rows.lead`. None: no batch is known, every
-        unknown dimension is an unknown coefficient.
-    """
-
-    def __init__(self, value_of=None, seeds=None):
+    def __init__(self, value_of, seeds=None):
         self.value_of = value_of
         self.memo = lattice.TensorMap()
         # whether the batch axis of every seed ((tensor, Rows) pairs) is not static: then
@@ -136,7 +167,7 @@ class ShapeEvaluator:
     def _evaluate(self, tensor, op):
         if op.type == "Shape":
             x = op.inputs[0]
-            value = self.value_of(x) if self.value_of else lattice.INDEPENDENT
+            value = self.value_of(x)
             if x.shape.rank is None or value is lattice.UNKNOWN:
                 return None
             dims = [(d, 0) for d in x.shape.as_list()]
@@ -150,20 +181,14 @@ class ShapeEvaluator:
         if op.type in ("ExpandDims", "Reshape") and op.outputs[0].shape.rank == 1:
             return self(op.inputs[0])   # a scalar (or vector) as a vector
         if op.type in ("Pack", "ConcatV2"):
-            parts = op.inputs if op.type == "Pack" else op.inputs[:-1]
-            if op.type == "Pack" and op.get_attr("axis") != 0:
+            if op.type == "Pack":
+                parts, axes, axis = op.inputs, (0,), op.get_attr("axis")
+            else:
+                parts, axes, axis = op.inputs[:-1], (0, -1), static_value(op.inputs[-1])
+            parts = [self(part) for part in parts]
+            if axis is None or int(axis) not in axes or None in parts:
                 return None
-            if op.type == "ConcatV2":
-                axis = static_value(op.inputs[-1])
-                if axis is None or int(axis) not in (0, -1):
-                    return None
-            values = []
-            for part in parts:
-                v = self(part)
-                if v is None:
-                    return None
-                values.extend(v)
-            return values
+            return [d for part in parts for d in part]
         if op.type in ("StridedSlice", "Slice", "GatherV2", "Prod", "Mul", "FloorDiv"):
             return self._arithmetic(op)
         value = static_value(tensor)
@@ -204,33 +229,19 @@ class ShapeEvaluator:
             indices, axis = static_value(op.inputs[1]), static_value(op.inputs[2])
             if indices is None or axis is None or int(axis) != 0:
                 return None
-            picked = [source[int(i)] for i in np.reshape(indices, [-1])]
-            return picked
+            return [source[int(i)] for i in np.reshape(indices, [-1])]
         if op.type == "Prod":
             if op.inputs[0].shape.rank != 1:
                 return None
-            product = (1, 0)
-            for d in source:
-                product = _multiply(product, d)
-                if product is None:
-                    return None
-            return [product]
-        other = self(op.inputs[1])  # Mul of two scalars
-        if other is None or len(source) != 1 or len(other) != 1:
-            return None
-        product = _multiply(source[0], other[0])
-        return [product] if product is not None else None
-
-
-def refined_reshape_shape(op, evaluator=None):
-    """The static output shape of a Reshape op, merged with what can be computed from
-    its shape argument (Shape/StridedSlice/Prod/Pack/... of static shapes, as Keras'
-    Flatten, Tensordot and LayerNormalization build it)."""
-    shape = op.outputs[0].shape
-    target = (evaluator or ShapeEvaluator())(op.inputs[1])
-    if target is not None and shape.rank == len(target):
-        dims = [d if d is not None else (c if power == 0 and c is not None and c >= 0
-                                         else None)
-                for d, (c, power) in zip(shape.as_list(), target)]
-        shape = tf.TensorShape(dims)
-    return shape
+            factors = source
+        else:   # Mul of two scalars
+            other = self(op.inputs[1])
+            if other is None or len(source) != 1 or len(other) != 1:
+                return None
+            factors = source + other
+        product = (1, 0)
+        for d in factors:
+            product = _multiply(product, d)
+            if product is None:
+                return None
+        return [product]

@@ -1,28 +1,22 @@
-"""Transfer functions of the ops that lay a batch out in blocks, SpaceToBatchND and
-BatchToSpaceND, and of the convolutions between them: TensorFlow builds a dilated
-convolution without oneDNN (`tf.nn.convolution`'s space-to-batch form, so tf_keras'
-Conv2D/DepthwiseConv2D/Conv3D with dilation_rate > 1) as
-SpaceToBatchND -> Conv2D -> BatchToSpaceND.
+"""Transfer functions of SpaceToBatchND, BatchToSpaceND and the ops between them: a
+dilated convolution without oneDNN (`tf.nn.convolution`'s space-to-batch form, so
+tf_keras' dilated Conv2D/DepthwiseConv2D/Conv3D) is SpaceToBatchND -> Conv2D ->
+BatchToSpaceND.
 
 Notation: N rows on axis 0, B examples, K = prod(block_shape) of one op.
 
 SpaceToBatchND writes the block at offset j < K of input row r to output row j*N + r
-(the output's batch axis is block-major: TensorFlow's documentation of the op, "output
-batch = input batch * prod(block_shape)", with the block offset as the outer index). A
-batch of Rows(0, inner) (example i owns rows i*inner + t) so becomes
-`lattice.Interleaved(inner, K)`: example i owns rows j*B*inner + i*inner + t. Applied to
-Interleaved(inner, blocks) the new offset is again outermost: Interleaved(inner,
-K*blocks). BatchToSpaceND builds its output row r ([N/K, ...]) from the input rows
-j*(N/K) + r, j < K: it undoes the outermost K blocks, Interleaved(inner, blocks/K), or
-Rows(0, inner) when blocks = K; on any other layout it puts several examples' rows into
-one row, and the batch axis is lost there. A convolution (`ROW_WISE_CONVOLUTION_OP_TYPES`)
-computes output row n from input row n alone and keeps Interleaved, and so do
-ExpandDims and Squeeze of other axes than 0 (a dilated Conv1D: SpaceToBatchND ->
-ExpandDims -> Conv2D -> Squeeze -> BatchToSpaceND).
-
-Any other op reading an Interleaved value loses the batch axis (analysis.py): the rules
-need rows grouped by example, which only the rules that know this layout regroup
-(`pertower._convolution.views`).
+(TensorFlow's documentation of the op: "output batch = input batch * prod(block_shape)",
+the block offset outermost). So Rows(0, inner) becomes `lattice.Interleaved(inner, K)`
+(example i owns rows j*B*inner + i*inner + t), and Interleaved(inner, blocks) becomes
+Interleaved(inner, K*blocks). BatchToSpaceND builds its output row r ([N/K, ...]) from
+the input rows j*(N/K) + r, j < K: it undoes the outermost K blocks (Interleaved(inner,
+blocks/K), or Rows(0, inner) when blocks = K); on any other layout it puts several
+examples' rows into one row. A convolution (`ROW_WISE_CONVOLUTION_OP_TYPES`) computes
+output row n from input row n alone and keeps Interleaved, and so do ExpandDims and
+Squeeze of other axes than 0 (a dilated Conv1D: SpaceToBatchND -> ExpandDims -> Conv2D ->
+Squeeze -> BatchToSpaceND). Any other op loses the batch axis there (`misread`); the
+rules that know this layout regroup it (`pertower._convolution.views`).
 """
 
 import numpy as np
@@ -40,30 +34,27 @@ MISREAD = ("it reads the blocks of a SpaceToBatchND (examples' rows interleaved 
            "0), which only a convolution or BatchToSpaceND may read")
 
 
-def _blocks(op):
+def _blocks(op, ins):
     """K = prod(block_shape) of a SpaceToBatchND or BatchToSpaceND, or Lost."""
+    if any(lattice.depends_on_values(v) for v in ins[1:]):
+        raise lattice.Lost("its block_shape, paddings or crops depend on the batch's values")
     shape = static.static_value(op.inputs[1])
     if shape is None:
         raise lattice.Lost("its block_shape is not static")
     return int(np.prod(np.reshape(shape, [-1]), dtype=np.int64))
 
 
-def _elements(tensor, inner, blocks):
-    """E: the elements one example owns, inner*blocks rows of prod(shape[1:]); or None."""
+def _interleaved(tensor, inner, blocks):
+    """Interleaved(inner, blocks, E) for `tensor`, E = inner*blocks rows of prod(shape[1:])
+    elements (None when not static)."""
     rest = tensor.shape[1:]
     if tensor.shape.rank is None or not rest.is_fully_defined():
-        return None
-    return inner * blocks * int(np.prod(rest.as_list(), dtype=np.int64))
-
-
-def _check_operands(op, ins):
-    if any(lattice.depends_on_values(v) for v in ins[1:]):
-        raise lattice.Lost("its block_shape, paddings or crops depend on the batch's values")
+        return Interleaved(inner, blocks, None)
+    return Interleaved(inner, blocks, inner * blocks * int(np.prod(rest.as_list(), dtype=np.int64)))
 
 
 def space_to_batch(scan, op, ins):
-    _check_operands(op, ins)
-    value, K = ins[0], _blocks(op)
+    value, K = ins[0], _blocks(op, ins)
     if len(scan.batches.parts_of(op.inputs[0])) > 1:
         raise lattice.Lost("its input joins several batches along the batch axis")
     if isinstance(value, Rows) and value.lead == 0 and value.k is not None:
@@ -73,13 +64,11 @@ def space_to_batch(scan, op, ins):
     else:
         raise lattice.Lost("its input's batch axis is not axis 0 with a known number of "
                            "rows per example")
-    return [Interleaved(inner, blocks, _elements(op.outputs[0], inner, blocks))]
+    return [_interleaved(op.outputs[0], inner, blocks)]
 
 
 def batch_to_space(scan, op, ins):
-    del scan
-    _check_operands(op, ins)
-    value, K = ins[0], _blocks(op)
+    value, K = ins[0], _blocks(op, ins)
     if not isinstance(value, Interleaved) or value.blocks % K:
         raise lattice.Lost(
             "it puts rows j*N/K + r (j < K) of its input into row r of its output, which "
@@ -88,7 +77,7 @@ def batch_to_space(scan, op, ins):
     if value.blocks == K:
         return [Rows(0, value.inner, None)]
     blocks = value.blocks // K
-    return [Interleaved(value.inner, blocks, _elements(op.outputs[0], value.inner, blocks))]
+    return [_interleaved(op.outputs[0], value.inner, blocks)]
 
 
 def convolution(scan, op, ins):
@@ -97,13 +86,11 @@ def convolution(scan, op, ins):
         return transfer_compute.convolution(scan, op, ins)
     if any(lattice.depends_on_values(v) for v in ins[1:]):
         raise lattice.Lost("its filter depends on the batch's values")
-    return [Interleaved(value.inner, value.blocks,
-                        _elements(op.outputs[0], value.inner, value.blocks))]
+    return [_interleaved(op.outputs[0], value.inner, value.blocks)]
 
 
 def _keeps_axis_0(op):
-    """Whether an ExpandDims or Squeeze `op` leaves axis 0 in place (static axes, none
-    of them 0)."""
+    """Whether an ExpandDims or Squeeze `op` leaves axis 0 in place."""
     if op.type == "ExpandDims":
         axis = static.static_value(op.inputs[1])
         rank = op.outputs[0].shape.rank
@@ -114,16 +101,13 @@ def _keeps_axis_0(op):
 
 
 def layout(scan, op, ins):
-    """ExpandDims and Squeeze of other axes than 0 keep the rows (Conv1D's lowering:
-    ExpandDims -> Conv2D -> Squeeze, between the SpaceToBatchND and BatchToSpaceND of a
-    dilated Conv1D)."""
+    """ExpandDims and Squeeze of other axes than 0 keep the rows."""
     value = ins[0]
     if not isinstance(value, Interleaved):
         return _LAYOUT[op.type](scan, op, ins)
     if any(lattice.depends_on_values(v) for v in ins[1:]) or not _keeps_axis_0(op):
         raise lattice.Lost("it reshapes axis 0 of the blocks of a SpaceToBatchND")
-    return [Interleaved(value.inner, value.blocks,
-                        _elements(op.outputs[0], value.inner, value.blocks))]
+    return [_interleaved(op.outputs[0], value.inner, value.blocks)]
 
 
 _LAYOUT = {op_type: transfer_layout.TRANSFERS[op_type] for op_type in ("ExpandDims", "Squeeze")}

@@ -1,9 +1,6 @@
-"""Transfer functions of ops that compute along axes: reductions, sorts and scans along
-one axis, products (matmul, einsum), convolutions, pools and normalizations, losses.
-
-Notation and contract as in `transfer_layout`: `f(scan, op, ins)` returns one lattice
-value (or batch-axis int) per output; an op that reduces, contracts, sorts, shifts or
-picks along the batch axis raises `lattice.Coupled` with what it does and what to do.
+"""Transfer functions of ops that compute along axes: reductions, ops along one axis
+(sorts, scans, softmax), products (matmul, einsum), convolutions, pools, normalizations
+and losses (the contract: `transfer_layout`).
 """
 
 import collections
@@ -11,8 +8,8 @@ import collections
 import numpy as np
 
 from pertower import _op_types as op_types
-from pertower._batch_axis import bounds
 from pertower._batch_axis import lattice
+from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import SIZE, UNKNOWN, Rows
 from pertower._batch_axis.transfer_layout import (batch_axis_words, normalize,
@@ -35,11 +32,9 @@ def _decode(value):
     return value.decode() if isinstance(value, bytes) else value
 
 
-# -- reductions and ops along one axis ----------------------------------------------
-
 def reduction(scan, op, ins):
     """A reduction over the batch axis couples the examples, unless its result only
-    sizes shapes or bounds loops (`bounds.only_bounds`). Over *every* axis of a tensor
+    sizes shapes or bounds loops (`size_uses.only_bounds`). Over *every* axis of a tensor
     whose batch axis was lost it reduces the batch axis wherever it is."""
     if lattice.depends_on_values(ins[1]):
         raise lattice.Lost("its axes depend on the batch's values")
@@ -73,6 +68,16 @@ def _constant_rows(tensor):
     return tensor.op.type in ("OnesLike", "ZerosLike") or _filled_with_constant(tensor)
 
 
+_BOUND_DOUBTS = {
+    "unmasked": "its result bounds a while loop that does not keep each example's state "
+                "fixed past the example's own end (as dynamic_rnn's select on `time >= "
+                "sequence_length` does), so in the batch an example may run more (or "
+                "fewer) steps than alone",
+    "unclear": "its result only sizes shapes or bounds loops, in a way the static "
+               "analysis cannot follow to the end",
+}
+
+
 def _reduced_batch(scan, op, reason):
     """The result of a reduction over the batch axis: SIZE when it reduces constant
     rows (`cost / tf.reduce_sum(tf.ones_like(cost))` divides by B, as with
@@ -82,19 +87,10 @@ def _reduced_batch(scan, op, reason):
     if _constant_rows(op.inputs[0]):
         scan.size_data_edges.append((op, 0))
         return [SIZE]
-    uses = bounds.only_bounds(scan, op)
-    if uses == "bounds":
-        return [SIZE]
-    if uses == "unmasked":
-        scan.lose(op, f"it {reason}; its result bounds a while loop that does not keep "
-                      "each example's state fixed past the example's own end (as "
-                      "dynamic_rnn's select on `time >= sequence_length` does), so in the "
-                      "batch an example may run more (or fewer) steps than alone",
-                  doubt=True)
-        return [SIZE]
-    if uses == "unclear":
-        scan.lose(op, f"it {reason}; its result only sizes shapes or bounds loops, in a "
-                      "way the static analysis cannot follow to the end", doubt=True)
+    uses = size_uses.only_bounds(scan, op)
+    if uses in _BOUND_DOUBTS:
+        scan.lose(op, f"it {reason}; {_BOUND_DOUBTS[uses]}", doubt=True)
+    if uses != "data":
         return [SIZE]
     raise lattice.Coupled(reason, lattice.advice_for(op, lattice.REDUCTION_ADVICE))
 
@@ -104,63 +100,45 @@ def l2_loss(scan, op, ins):
                           "whose rows are the examples", lattice.REDUCTION_ADVICE)
 
 
-def _data_and_axis(op, ins):
-    """(the Rows of input 0, the static axis of input 1, normalized) of an op along
-    one axis; Lost when the axis is not static."""
-    value = only_data_input(op, ins, 0)
-    along = static.static_value(op.inputs[1])
-    if along is None:
-        raise lattice.Lost("its axis is not static")
-    return value, normalize(along, require_rank(op.inputs[0]))
+# op type -> (the input holding its axes, or None for the last axis; what it does along
+# the batch axis; advice; whether its output drops the axes)
+_ALONG_AXES = {
+    "ArgMax": (1, "takes the {type} over {axis}", lattice.REDUCTION_ADVICE, True),
+    "Cumsum": (1, "accumulates ({type}) along {axis}, so each example's entry holds the "
+                  "examples before it", lattice.REDUCTION_ADVICE, False),
+    "ReverseV2": (1, "works along {axis}: it reverses the order of the examples",
+                  lattice.POSITION_ADVICE, False),
+    "Roll": (2, "works along {axis}: it shifts examples to other positions",
+             lattice.POSITION_ADVICE, False),
+    "Softmax": (None, "normalizes ({type}) along its last axis, which is {axis}",
+                lattice.REDUCTION_ADVICE, False),
+    "TopKV2": (None, "sorts or ranks ({type}) along its last axis, which is {axis}",
+               lattice.POSITION_ADVICE, False),
+}
+for _alias, _like in (("ArgMin", "ArgMax"), ("Cumprod", "Cumsum"),
+                      ("CumulativeLogsumexp", "Cumsum"), ("LogSoftmax", "Softmax"),
+                      ("NthElement", "TopKV2")):
+    _ALONG_AXES[_alias] = _ALONG_AXES[_like]
 
 
-def arg_reduction(scan, op, ins):
-    value, along = _data_and_axis(op, ins)
-    if along == value.lead:
-        raise lattice.Coupled(f"takes the {op.type} over {batch_axis_words(op.inputs[0], along)}",
-                              lattice.REDUCTION_ADVICE)
-    return [value.lead if value.lead < along else value.lead - 1]
-
-
-def last_axis(scan, op, ins):
-    value = only_data_input(op, ins, 0)
-    rank = require_rank(op.inputs[0])
-    if value.lead == rank - 1:
-        what = "normalizes" if "Softmax" in op.type else "sorts or ranks"
-        raise lattice.Coupled(
-            f"{what} ({op.type}) along its last axis, which is "
-            f"{batch_axis_words(op.inputs[0], value.lead)}",
-            lattice.REDUCTION_ADVICE if "Softmax" in op.type else lattice.POSITION_ADVICE)
-    return [value.lead] * len(op.outputs)
-
-
-def cumulative(scan, op, ins):
-    value, along = _data_and_axis(op, ins)
-    if along == value.lead:
-        raise lattice.Coupled(
-            f"accumulates ({op.type}) along {batch_axis_words(op.inputs[0], value.lead)}, so "
-            "each example's entry holds the examples before it", lattice.REDUCTION_ADVICE)
-    return [value.lead]
-
-
-def _along_axes(op, ins, axes_index, what):
+def along_axes(scan, op, ins):
+    """Ops along static axes of input 0 (`_ALONG_AXES`): a coupling when the batch axis
+    is one of them."""
+    axes_input, what, advice, drops = _ALONG_AXES[op.type]
     value = only_data_input(op, ins, 0)
     rank = require_rank(op.inputs[0])
-    along = static.static_value(op.inputs[axes_index])
-    if along is None:
-        raise lattice.Lost("its axes are not static")
-    if value.lead in {normalize(a, rank) for a in np.reshape(along, [-1])}:
-        raise lattice.Coupled(f"works along {batch_axis_words(op.inputs[0], value.lead)}: it "
-                              f"{what}", lattice.POSITION_ADVICE)
-    return [value.lead]
-
-
-def reverse(scan, op, ins):
-    return _along_axes(op, ins, 1, "reverses the order of the examples")
-
-
-def roll(scan, op, ins):
-    return _along_axes(op, ins, 2, "shifts examples to other positions")
+    if axes_input is None:
+        along = [rank - 1]
+    else:
+        along = static.static_value(op.inputs[axes_input])
+        if along is None:
+            raise lattice.Lost("its axis is not static")
+        along = [normalize(a, rank) for a in np.reshape(along, [-1])]
+    if value.lead in along:
+        raise lattice.Coupled(what.format(type=op.type, axis=batch_axis_words(
+            op.inputs[0], value.lead)), advice)
+    lead = value.lead - sum(1 for a in along if a < value.lead) if drops else value.lead
+    return [lead] * len(op.outputs)
 
 
 def random_shuffle(scan, op, ins):
@@ -189,65 +167,39 @@ def cross_entropy(scan, op, ins):
     return [0, 0]
 
 
-# -- products -----------------------------------------------------------------------
-
-def _contracted(op, tensor, a):
-    raise lattice.Coupled(f"contracts (sums over) {batch_axis_words(tensor, a)}, e.g. x^T x",
-                          lattice.CONTRACTION_ADVICE)
-
-
-def _paired(op):
-    raise lattice.Coupled(
-        f"multiplies two tensors from the batch, {lattice.describe(op.inputs[0])} and "
-        f"{lattice.describe(op.inputs[1])}, across examples (e.g. x x^T): each example's "
-        "row holds every other example", lattice.CONTRACTION_ADVICE)
-
-
 def _product_axis(op, out):
-    """The output of a product whose batch-side operands put the batch on the output
-    axes `out`: one axis, or a coupling when two operands each carry the batch (their
-    examples are paired), or SIZE when none does."""
+    """The output of a product whose operands put the batch on the output axes `out`:
+    one axis; SIZE when none does; a coupling when two operands each carry the batch."""
     if len(out) > 1:
-        _paired(op)
-    if not out:
-        return [SIZE]
-    return [next(iter(out))]
+        raise lattice.Coupled(
+            f"multiplies two tensors from the batch, {lattice.describe(op.inputs[0])} and "
+            f"{lattice.describe(op.inputs[1])}, across examples (e.g. x x^T): each "
+            "example's row holds every other example", lattice.CONTRACTION_ADVICE)
+    return [next(iter(out))] if out else [SIZE]
 
 
 def matmul(scan, op, ins):
-    out = set()
-    a_value, b_value = ins[0], ins[1]
-    if isinstance(a_value, Rows):
-        rows = 1 if op.get_attr("transpose_a") else 0
-        if a_value.lead != rows:
-            _contracted(op, op.inputs[0], a_value.lead)
-        out.add(0)
-    if isinstance(b_value, Rows):
-        columns = 0 if op.get_attr("transpose_b") else 1
-        if b_value.lead != columns:
-            _contracted(op, op.inputs[1], b_value.lead)
-        out.add(1)
-    return _product_axis(op, out)
-
-
-def batch_matmul(scan, op, ins):
-    out_rank = require_rank(op.outputs[0])
-    adjoint = {0: op.get_attr("adj_x"), 1: op.get_attr("adj_y")}
+    """MatMul [m, n] x [n, p] and BatchMatMul [..., m, n] x [..., n, p]: a batch axis
+    among the leading axes or on m (p) is kept, on n it is contracted."""
+    batched = op.type in op_types.BATCH_MATMUL_OP_TYPES
+    out_rank = require_rank(op.outputs[0]) if batched else 2
+    adjoint = ("adj_x", "adj_y") if batched else ("transpose_a", "transpose_b")
     out = set()
     for i in (0, 1):
         value = ins[i]
         if not isinstance(value, Rows):
             continue
         tensor = op.inputs[i]
-        rank = require_rank(tensor)
+        rank = require_rank(tensor) if batched else 2
         a = value.lead
         if a < rank - 2:
             out.add(a + out_rank - rank)
             continue
-        kept = (rank - 1 if adjoint[i] else rank - 2) if i == 0 else (
-            rank - 2 if adjoint[i] else rank - 1)
+        kept = (rank - 1 if op.get_attr(adjoint[i]) else rank - 2) if i == 0 else (
+            rank - 2 if op.get_attr(adjoint[i]) else rank - 1)
         if a != kept:
-            _contracted(op, tensor, a)
+            raise lattice.Coupled(f"contracts (sums over) {batch_axis_words(tensor, a)}, "
+                                  "e.g. x^T x", lattice.CONTRACTION_ADVICE)
         out.add(out_rank - 2 if i == 0 else out_rank - 1)
     return _product_axis(op, out)
 
@@ -290,8 +242,6 @@ def einsum(scan, op, ins):
     return _product_axis(op, out)
 
 
-# -- images and normalization ---------------------------------------------------------
-
 def convolution(scan, op, ins):
     data = _CONVOLUTION_OP_TYPES[op.type]
     value = only_data_input(op, ins, data)
@@ -303,15 +253,16 @@ def convolution(scan, op, ins):
         "image op must be axis 0", lattice.CONTRACTION_ADVICE)
 
 
-def pool(scan, op, ins):
-    value = only_data_input(op, ins, 0)
+def _channel_axis(op):
     try:
         data_format = _decode(op.get_attr("data_format"))
     except ValueError:  # LRN, MaxPoolWithArgmax: always NHWC
         data_format = "NHWC"
-    rank = op.inputs[0].shape.rank or 4
-    channel = 1 if data_format.startswith("NC") else rank - 1
-    a = value.lead
+    return 1 if data_format.startswith("NC") else (op.inputs[0].shape.rank or 4) - 1
+
+
+def pool(scan, op, ins):
+    a, channel = only_data_input(op, ins, 0).lead, _channel_axis(op)
     if a == 0 or (a == channel and op.type != "LRN") or (op.type == "LRN" and a != channel):
         return [a] * len(op.outputs)
     raise lattice.Coupled(f"pools ({op.type}) along {batch_axis_words(op.inputs[0], a)}",
@@ -336,28 +287,22 @@ def fused_batch_norm(scan, op, ins):
         raise lattice.Lost("its input's batch axis was already lost")
     if not isinstance(value, Rows):
         raise lattice.Lost("it normalizes values shaped by the batch size")
-    rest = [UNKNOWN] * (len(op.outputs) - 1)
-    data_format = _decode(op.get_attr("data_format"))
-    rank = op.inputs[0].shape.rank or 4
-    channel = 1 if data_format.startswith("NC") else rank - 1
-    if op.get_attr("is_training") and value.lead != channel:
+    if op.get_attr("is_training") and value.lead != _channel_axis(op):
         raise lattice.Coupled(
             "normalizes each channel with the mean and variance over the whole batch "
             f"(is_training=True), reducing {batch_axis_words(op.inputs[0], value.lead)}",
             lattice.BATCH_NORM_ADVICE)
-    return [value] + rest
+    return [value] + [UNKNOWN] * (len(op.outputs) - 1)
 
 
 TRANSFERS = {op_type: reduction for op_type in op_types.REDUCTION_OP_TYPES}
 TRANSFERS.update({op_type: convolution for op_type in _CONVOLUTION_OP_TYPES})
 TRANSFERS.update({op_type: pool for op_type in op_types.POOL_OP_TYPES})
 TRANSFERS.update({op_type: fused_batch_norm for op_type in op_types.BATCH_NORM_OP_TYPES})
-TRANSFERS.update({op_type: batch_matmul for op_type in op_types.BATCH_MATMUL_OP_TYPES})
+TRANSFERS.update(dict.fromkeys(_ALONG_AXES, along_axes))
+TRANSFERS.update({op_type: matmul for op_type in op_types.BATCH_MATMUL_OP_TYPES})
 TRANSFERS.update({
-    "ArgMax": arg_reduction, "ArgMin": arg_reduction, "Softmax": last_axis,
-    "LogSoftmax": last_axis, "TopKV2": last_axis, "NthElement": last_axis,
-    "Cumsum": cumulative, "Cumprod": cumulative, "CumulativeLogsumexp": cumulative,
-    "ReverseV2": reverse, "Roll": roll, "RandomShuffle": random_shuffle,
+    "RandomShuffle": random_shuffle,
     "MatMul": matmul, "SparseMatMul": matmul, "Einsum": einsum,
     "SoftmaxCrossEntropyWithLogits": cross_entropy,
     "SparseSoftmaxCrossEntropyWithLogits": cross_entropy, "L2Loss": l2_loss,

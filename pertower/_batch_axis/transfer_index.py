@@ -1,10 +1,6 @@
 """Transfer functions of ops that pick entries by position or index: slices, strided
-slices, gathers, one-hot encodings.
-
-Notation and contract as in `transfer_layout`: `f(scan, op, ins)` returns one lattice
-value (or batch-axis int) per output. An op that picks, orders or shifts examples by
-their position along the batch axis (a slice that drops examples, a gather along it)
-raises `lattice.Coupled`; one whose bounds or axes are not static raises `lattice.Lost`.
+slices, gathers, one-hot encodings (the contract: `transfer_layout`). Picking, ordering
+or shifting examples along the batch axis couples them.
 """
 
 import tensorflow as tf
@@ -24,8 +20,6 @@ _INT32_MAX = 2 ** 31 - 1
 def _bit(mask, i):
     return bool(mask & (1 << i))
 
-
-# -- slices -----------------------------------------------------------------------
 
 def slice_(scan, op, ins):
     value = only_data_input(op, ins, 0)
@@ -85,8 +79,6 @@ def strided_slice(scan, op, ins):
             in_dim += 1
     return [out_dim + a - in_dim]
 
-
-# -- gathers ----------------------------------------------------------------------
 
 def gather(scan, op, ins):
     params, indices = op.inputs[0], op.inputs[1]

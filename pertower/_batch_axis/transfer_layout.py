@@ -1,16 +1,13 @@
 """Transfer functions of ops that move, copy or combine entries without mixing them:
 elementwise ops with broadcasting, reshapes, transposes, concatenation, stacking, tiling
-and padding, and values shaped by the batch (fills, random draws); the ops that pick
-entries by position or index (slices, gathers) are in `transfer_index`.
+and padding, and values shaped by the batch (fills, random draws).
 
-Notation: B examples; a tensor's value in the lattice (`lattice`) is INDEPENDENT, SIZE,
-Rows(lead, k, E) or UNKNOWN; `lead` is its batch axis, k its entries per example.
-
-A transfer function `f(scan, op, ins)` gets the values of op's inputs and returns one
+The contract of every transfer function (here and in the other `transfer_*` modules and
+`functions`): `f(scan, op, ins)` gets the lattice values of op's inputs and returns one
 value per output: a lattice value, or an int (the batch axis of that output, with the
-inputs' common k). It raises `lattice.Coupled` when the op couples examples (picks,
-orders or shifts them along the batch axis) and `lattice.Lost` when it cannot follow
-the batch axis (with why).
+inputs' common k). It raises `lattice.Coupled` when the op couples examples (reduces,
+contracts, picks, orders or shifts them along the batch axis) and `lattice.Lost` when
+it cannot follow the batch axis (with why).
 """
 
 import numpy as np
@@ -22,41 +19,8 @@ from pertower._batch_axis import size_uses
 from pertower._batch_axis import static
 from pertower._batch_axis.lattice import INDEPENDENT, SIZE, UNKNOWN, Rows
 
-__all__ = ["TRANSFERS", "SHAPE_SLOTS", "shape_slots", "normalize", "batch_axis_words",
-           "only_data_input", "require_rank", "outputs_all"]
-
-
-# Inputs that are shapes, axes, bounds or sizes rather than values, per op type: a
-# SIZE value there stays SIZE (the replayed op sees its slice's size, as it should).
-SHAPE_SLOTS = {
-    "Reshape": {1}, "Fill": {0}, "Tile": {1}, "BroadcastTo": {1}, "EnsureShape": set(),
-    "ExpandDims": {1}, "Transpose": {1}, "ConjugateTranspose": {1}, "Squeeze": set(),
-    "ConcatV2": {-1}, "Concat": {0}, "Split": {0}, "SplitV": {1, 2},
-    "Pad": {1}, "PadV2": {1}, "MirrorPad": {1}, "Slice": {1, 2},
-    "StridedSlice": {1, 2, 3}, "GatherV2": {2}, "OneHot": {1}, "Range": {0, 1, 2},
-    "ArgMax": {1}, "ArgMin": {1}, "Cumsum": {1},
-    "Cumprod": {1}, "CumulativeLogsumexp": {1}, "ReverseV2": {1}, "Roll": {1, 2},
-    "TopKV2": {1}, "NthElement": {1}, "ResizeBilinear": {1},
-    "ResizeNearestNeighbor": {1}, "ResizeBicubic": {1}, "ResizeArea": {1},
-    "TensorListReserve": {0, 1}, "TensorListFromTensor": {1}, "TensorListStack": {1},
-    "TensorListGetItem": {1, 2}, "TensorListSetItem": {1}, "TensorListElementShape": {0},
-    "Zeros": {0}, "Ones": {0}, "MaxPoolV2": {1, 2}, "Empty": {0},
-    # a transposed convolution's output shape, [B, h, w, c] (tf_keras Conv2DTranspose
-    # stacks tf.shape(x)[0] into it), and a filter gradient's filter shape
-    "Conv2DBackpropInput": {0}, "Conv3DBackpropInputV2": {0},
-    "DepthwiseConv2dNativeBackpropInput": {0}, "Conv2DBackpropFilter": {1},
-    "Conv3DBackpropFilterV2": {1}, "DepthwiseConv2dNativeBackpropFilter": {1},
-    # block shapes and paddings or crops (`transfer_blocks`)
-    "SpaceToBatchND": {1, 2}, "BatchToSpaceND": {1, 2},
-}
-SHAPE_SLOTS.update({t: {0} for t in op_types.RANDOM_OP_TYPES})
-SHAPE_SLOTS.update({t: {1} for t in op_types.REDUCTION_OP_TYPES})
-
-
-def shape_slots(op):
-    """The indices of op's inputs that are shape or axis operands."""
-    slots = SHAPE_SLOTS.get(op.type, set())
-    return {s % len(op.inputs) for s in slots} if op.inputs else set()
+__all__ = ["TRANSFERS", "normalize", "batch_axis_words", "only_data_input", "require_rank",
+           "outputs_all"]
 
 
 def normalize(axis, rank):
@@ -79,10 +43,6 @@ def only_data_input(op, ins, data_index):
     return value
 
 
-def _rank(tensor):
-    return tensor.shape.rank
-
-
 def outputs_all(op, value):
     """`value` for every output of `op`."""
     return [value] * len(op.outputs)
@@ -96,12 +56,9 @@ def require_rank(tensor):
     return rank
 
 
-# -- elementwise ------------------------------------------------------------------
-
 def elementwise(scan, op, ins):
-    """Broadcasting aligns shapes on the right: every input carrying the batch must put
-    its batch axis on the same output axis; two different axes pair every example with
-    every other."""
+    """Broadcasting aligns shapes on the right: the inputs carrying the batch must put
+    their batch axes on one output axis (two pair every example with every other)."""
     out = op.outputs[0]
     out_rank = require_rank(out)
     if op.type == "BroadcastTo":   # input 1 is the target shape
@@ -132,15 +89,14 @@ def elementwise(scan, op, ins):
     rows = [(op.inputs[j], v) for j, v in enumerate(ins) if isinstance(v, Rows)]
     if all(t.shape == out.shape and v == rows[0][1] for t, v in rows):
         return outputs_all(op, rows[0][1])   # pointwise on equal shapes: the layout is unchanged
-    ks = {v.k for _, v in rows}
-    return outputs_all(op, Rows(index, ks.pop() if len(ks) == 1 else None, None))
+    return outputs_all(op, index)
 
 
 def select_v1(scan, op, ins):
     """v1 Select: a vector condition picks rows (axis 0) of higher-rank operands;
     otherwise the shapes match."""
-    condition, rank = op.inputs[0], _rank(op.inputs[1])
-    if ins[0] is INDEPENDENT or ins[0] is SIZE or _rank(condition) != 1 or rank in (None, 1):
+    condition, rank = op.inputs[0], op.inputs[1].shape.rank
+    if ins[0] in (INDEPENDENT, SIZE) or condition.shape.rank != 1 or rank in (None, 1):
         return elementwise(scan, op, ins)
     leads = {v.lead for v in ins if isinstance(v, Rows)}
     if leads != {0} or UNKNOWN in ins:
@@ -151,8 +107,6 @@ def select_v1(scan, op, ins):
 def identity_n(scan, op, ins):
     return list(ins)
 
-
-# -- reshape ----------------------------------------------------------------------
 
 def reshape(scan, op, ins):
     """Followed two ways: the shape argument evaluated symbolically (a batch-major input
@@ -173,9 +127,8 @@ def reshape(scan, op, ins):
     if N is None and value.k is not None and None not in after:
         N = value.k * int(np.prod(after, dtype=np.int64))
     batch_major = all(s == 1 for s in in_shape[:a])
-    target = None if ins[1] is UNKNOWN else scan.shape_value(op.inputs[1])
-    if target is not None:
-        target = static.resolve_minus_one(target)
+    target = static.resolve_minus_one(
+        None if ins[1] is UNKNOWN else scan.shape_value(op.inputs[1]))
     if target is not None:
         batched = [k for k, (_, power) in enumerate(target) if power == 1]
         if len(batched) == 1:
@@ -191,7 +144,7 @@ def reshape(scan, op, ins):
     if batch_major:
         rows = lattice.complete(value, x.shape)
         if rows is not None and rows.E is not None:
-            shape = static.refined_reshape_shape(op, scan.shape_value)
+            shape = _refined_shape(op, scan.shape_value(op.inputs[1]))
             if shape.rank:
                 dims = shape.as_list()
                 lead = 0
@@ -209,6 +162,17 @@ def reshape(scan, op, ins):
                        "followed")
 
 
+def _refined_shape(op, target):
+    """The static output shape of a Reshape op with what its shape argument's shape value
+    `target` tells (Keras' Flatten, Tensordot and LayerNormalization compute it)."""
+    shape = op.outputs[0].shape
+    if target is not None and shape.rank == len(target):
+        shape = tf.TensorShape([d if d is not None else (
+            c if power == 0 and c is not None and c >= 0 else None)
+            for d, (c, power) in zip(shape.as_list(), target)])
+    return shape
+
+
 def _per_example(N, after_dims, k):
     """The batch axis k of a reshape's output; Lost when rows would straddle examples."""
     if N is None or any(c is None for c, _ in after_dims):
@@ -218,8 +182,6 @@ def _per_example(N, after_dims, k):
         raise lattice.Lost("rows move across examples")
     return Rows(k, N // row, N)
 
-
-# -- axes -------------------------------------------------------------------------
 
 def transpose(scan, op, ins):
     value = only_data_input(op, ins, 0)
@@ -245,7 +207,7 @@ def squeeze(scan, op, ins):
     if not dims:
         shape = op.inputs[0].shape.as_list()
         dims = [i for i, size in enumerate(shape) if size == 1]
-        if _rank(op.outputs[0]) != rank - len(dims):
+        if op.outputs[0].shape.rank != rank - len(dims):
             raise lattice.Lost("which axes it squeezes is not static")
     if value.lead in dims:
         raise lattice.Lost("it squeezes the batch axis")
@@ -261,12 +223,8 @@ def concat(scan, op, ins):
     if along is None or lattice.depends_on_values(ins[axis_index]):
         raise lattice.Lost("its axis is not static")
     leads, ks = set(), set()
-    rows = [v for v in ins if isinstance(v, Rows)]
     for j in data:
-        value = ins[j]
-        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, op.inputs[j],
-                                                             rows[0]):
-            value = Rows(0, 1, None)   # tf.range(n)[:, None]: example i's row index
+        value = _row_index(scan, op.inputs[j], ins[j], ins)
         if value is UNKNOWN:
             raise lattice.Lost("an input's batch axis was already lost")
         if not isinstance(value, Rows):
@@ -287,23 +245,32 @@ def concat(scan, op, ins):
     if None in leads:
         # row i of a batch-independent part would be joined to example i by position
         raise lattice.Lost("it joins a batch-independent part to the examples")
-    if len(leads) != 1:
-        raise lattice.Lost("its inputs have different batch axes")
-    return [Rows(leads.pop(), ks.pop() if len(ks) == 1 else None, None)]
+    return _one_batch_axis(leads, ks)
 
 
 def pack(scan, op, ins):
     rank = require_rank(op.inputs[0])
     along = normalize(op.get_attr("axis"), rank + 1)
     leads, ks = set(), set()
-    rows = [v for v in ins if isinstance(v, Rows)]
     for tensor, value in zip(op.inputs, ins):
-        if value is SIZE and rows and size_uses.is_row_index(scan.value_of, tensor, rows[0]):
-            value = Rows(0, 1, None)   # tf.range(n): entry i is example i's row index
+        value = _row_index(scan, tensor, value, ins)
         if not isinstance(value, Rows):
             raise lattice.Lost("it stacks tensors with and without the batch axis")
         leads.add(value.lead if value.lead < along else value.lead + 1)
         ks.add(value.k)
+    return _one_batch_axis(leads, ks)
+
+
+def _row_index(scan, tensor, value, ins):
+    """Rows(0, 1) for tf.range(n) (or its column) beside tensors with one row per
+    example: entry i is example i's row index (`size_uses.is_row_index`); else `value`."""
+    rows = [v for v in ins if isinstance(v, Rows)]
+    if value is SIZE and rows and size_uses.is_row_index(scan.value_of, tensor, rows[0]):
+        return Rows(0, 1, None)
+    return value
+
+
+def _one_batch_axis(leads, ks):
     if len(leads) != 1:
         raise lattice.Lost("its inputs have different batch axes")
     return [Rows(leads.pop(), ks.pop() if len(ks) == 1 else None, None)]
@@ -315,8 +282,7 @@ def unpack(scan, op, ins):
     along = normalize(op.get_attr("axis"), rank)
     if along == value.lead:
         raise lattice.Lost("it unstacks the batch axis into one tensor per example")
-    index = value.lead if value.lead < along else value.lead - 1
-    return outputs_all(op, Rows(index, value.k, None))
+    return outputs_all(op, value.lead if value.lead < along else value.lead - 1)
 
 
 def split(scan, op, ins):
@@ -330,23 +296,16 @@ def split(scan, op, ins):
     return outputs_all(op, value.lead)
 
 
-def tile(scan, op, ins):
+def tile_or_pad(scan, op, ins):
+    """Tile (multiples) and Pad (paddings) must leave the batch axis alone."""
     value = only_data_input(op, ins, 0)
-    multiples = static.static_value(op.inputs[1])
-    if multiples is None or multiples[value.lead] != 1:
+    spec = static.static_value(op.inputs[1])
+    if op.type == "Tile" and (spec is None or spec[value.lead] != 1):
         raise lattice.Lost("it may repeat the batch axis")
-    return [value.lead]
-
-
-def pad(scan, op, ins):
-    value = only_data_input(op, ins, 0)
-    paddings = static.static_value(op.inputs[1])
-    if paddings is None or np.any(paddings[value.lead] != 0):
+    if op.type != "Tile" and (spec is None or np.any(spec[value.lead] != 0)):
         raise lattice.Lost("it may pad the batch axis")
     return [value.lead]
 
-
-# -- values shaped by the batch -----------------------------------------------------
 
 def shaped_like(scan, op, ins):
     """Fill, zeros and random draws whose shape argument follows the batch (tf.zeros(
@@ -371,6 +330,6 @@ TRANSFERS.update({
     "Select": select_v1, "IdentityN": identity_n, "Reshape": reshape,
     "Transpose": transpose, "ConjugateTranspose": transpose, "ExpandDims": expand_dims,
     "Squeeze": squeeze, "ConcatV2": concat, "Concat": concat, "Pack": pack,
-    "Unpack": unpack, "Split": split, "SplitV": split, "Tile": tile, "Pad": pad,
-    "PadV2": pad, "MirrorPad": pad,
+    "Unpack": unpack, "Split": split, "SplitV": split, "Tile": tile_or_pad,
+    "Pad": tile_or_pad, "PadV2": tile_or_pad, "MirrorPad": tile_or_pad,
 })

@@ -1,19 +1,22 @@
-"""The verdict of the batch-axis analysis, from one scan of the ops between the batch
-and `ys` (`analysis`).
+"""The verdict of the batch-axis analysis (`analysis`), and the batches `ys` joins.
 
 The verdict is "independent" when `ys` has one row per example (Rows(0, 1, .), a row
-layout) and no op couples examples; "coupled" when one does (the first, in graph
-order, is what the caller raises); "unproven" otherwise (`lost_at` says where and why).
-The per-op rules (`pertower.rules`) use the row layouts (`Analysis.rows`) only when the
-verdict is "independent": then every tensor on a path from the batch to `ys` was built
-from its own example's rows (or from SIZE values, which the batched backward pass
-evaluates with the whole batch, as `ys` does).
+layout) and no op couples examples; "coupled" when one does (the first, in graph order,
+is what the caller raises); "unproven" otherwise (`lost_at` says where and why). The
+per-op rules use the row layouts (`Analysis.rows`) only when it is "independent".
+
+Several batches: `ys = tf.concat([f(s1), f(s2)], 0)` joins the results of the batch
+tensors s_1, s_2 (their index in `batch`) along the batch axis. Every tensor has *parts*
+(`JoinedBatches`), one frozenset of batch indices per block of rows, in row order: ()
+when no batch tensor reaches it; (S,) when its rows are the examples of one batch,
+computed from the batch tensors in S (fed the same examples, like features and labels);
+(S_1, S_2, ...) when its rows are the examples of S_1, then those of S_2, ...
 """
 
 from pertower._batch_axis import lattice
-from pertower._batch_axis.lattice import INDEPENDENT, SIZE
+from pertower._batch_axis.lattice import INDEPENDENT, SIZE, Rows
 
-__all__ = ["Analysis"]
+__all__ = ["Analysis", "JoinedBatches"]
 
 
 class Analysis:
@@ -22,16 +25,13 @@ class Analysis:
     Attributes:
       couplings: every `Coupling` found, in graph order.
       verdict: "independent", "coupled" or "unproven" (see the module docstring).
-      lost_at: None, or (op, reason): the first op where the proof was lost (set when
-        the verdict is "unproven").
+      lost_at: None, or (op, reason): where the proof was lost (when "unproven").
       size_data_edges: (consumer op, input index) pairs where a value computed from the
-        batch's size enters the values reaching `ys` (the whole batch's B); its other
-        uses size or index the tower's own tensors (`size_uses`).
+        batch's size enters the values reaching `ys` (`size_uses`).
       num_groups, registry: as given to `analyze`.
-      segments: None when the rows of `ys` are the examples of the batch (every batch
-        tensor fed the same examples); else, when `ys` joins several batches along
-        axis 0 (`tf.concat([f(s1), f(s2)], 0)`), one tuple of batch indices per
-        batch, in the order of the rows of `ys`: ((0,), (1,)).
+      segments: None when the rows of `ys` are the examples of the batch; else, when
+        `ys` joins several batches along axis 0, one tuple of batch indices per batch,
+        in the order of the rows of `ys`: ((0,), (1,)).
     """
 
     def __init__(self, scan, ys, num_groups, registry=None, num_batch=1):
@@ -80,3 +80,62 @@ class Analysis:
         if not lattice.contiguous(value, tensor.shape):
             return None
         return lattice.complete(value, tensor.shape)
+
+
+class JoinedBatches:
+    """The parts of the tensors of one scan."""
+
+    def __init__(self, batch_tensors=()):
+        self._parts = lattice.TensorMap()   # tensor -> its parts
+        self._joined = {}                   # concat op -> the parts of its output
+        for j, tensor in enumerate(batch_tensors):
+            self._parts[tensor] = (frozenset([j]),)
+
+    def parts_of(self, tensor):
+        """The parts of `tensor` (see the module docstring)."""
+        return self._parts.get(tensor, ())
+
+    def join_along_batch(self, op, tensors, values):
+        """For a concat of `tensors` along their common batch axis: the Rows of the
+        output when each input holds whole examples of batches none of the other
+        inputs reads (f(s1) and f(s2)); records the output's parts. None otherwise."""
+        if not all(isinstance(v, Rows) for v in values):
+            return None
+        if len({v.lead for v in values}) != 1 or len({v.k for v in values}) != 1:
+            return None
+        parts, seen = [], frozenset()
+        for tensor in tensors:
+            own = self.parts_of(tensor)
+            sources = frozenset().union(*own)
+            if not own or sources & seen:
+                return None
+            seen |= sources
+            parts.extend(own)
+        self._joined[op] = tuple(parts)
+        return Rows(values[0].lead, values[0].k, None)
+
+    def output_parts(self, op, ins):
+        """The parts of the outputs of `op` whose inputs have the values `ins`; None
+        when it mixes rows of several joined batches with rows in another order."""
+        if op in self._joined:
+            return self._joined[op]
+        joined, flat = set(), frozenset()
+        for tensor, value in zip(op.inputs, ins):
+            own = self.parts_of(tensor)
+            flat = flat.union(*own)
+            if isinstance(value, Rows):
+                joined.add(own if len(own) > 1 else None)
+        if any(p is not None for p in joined):
+            if len(joined) > 1:
+                return None
+            return joined.pop()
+        return (flat,) if flat else ()
+
+    def record(self, tensor, parts, value):
+        """Keeps the parts of an output `tensor` of value `value` (a lattice value or a
+        batch-axis int): its rows keep the blocks of `parts` when it has rows (Rows or
+        an int), else it is computed from all of them at once."""
+        if not parts:
+            return
+        has_rows = isinstance(value, (Rows, int)) and not isinstance(value, bool)
+        self._parts[tensor] = parts if has_rows else (frozenset().union(*parts),)

@@ -12,7 +12,7 @@ Which example a gathered row belongs to:
     ids of the batch      k rows per example (the analysis' `Rows`).
     a partitioned table   part p's ids are partition p of a DynamicPartition of the
                           batch's n = B*k ids, stitched back by DynamicStitch
-                          (`_batch_axis.transfer_partition`): row j of part p is flat
+                          (`_batch_axis.transfer_lookups`): row j of part p is flat
                           row positions_p[j] = DynamicPartition(range(n), P)[p][j].
     unique ids            u, Unique(ids) = (u, idx), whose rows a SparseSegment op
                           combines by idx (embedding_lookup_sparse on a resource
@@ -26,8 +26,7 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _batch_axis
-from pertower._batch_axis import transfer_partition
-from pertower._batch_axis import transfer_sparse
+from pertower._batch_axis import transfer_lookups
 from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 from pertower.rules import sparse_segment
@@ -128,10 +127,10 @@ def _partition_of(op, analysis):
     if ids.op.type != "DynamicPartition":
         return None
     stitches = [c for t in op.outputs for c in _past_identities(t)
-                if c.type in transfer_partition.TRANSFERS]
+                if c.type in transfer_lookups.STITCH_OP_TYPES]
     if len(stitches) != 1:
         return None
-    found = transfer_partition.partitioned_lookup(stitches[0])
+    found = transfer_lookups.partitioned_lookup(stitches[0])
     rows = analysis.rows(stitches[0].outputs[0])
     if found is None or op not in found[3] or rows is None or rows.lead != 0 or rows.k is None:
         return None
@@ -157,10 +156,10 @@ def _unique_lookup(op, analysis):
     while len(consumers) == 1 and consumers[0].type == "Identity":
         tensor = consumers[0].outputs[0]
         consumers = list(tensor.consumers())
-    if len(consumers) != 1 or consumers[0].type not in transfer_sparse.SPARSE_SEGMENT_OP_TYPES:
+    if len(consumers) != 1 or consumers[0].type not in transfer_lookups.SPARSE_SEGMENT_OP_TYPES:
         return None
     segment_op = consumers[0]
-    found = transfer_sparse.sparse_lookup(segment_op)
+    found = transfer_lookups.sparse_lookup(segment_op)
     rows = analysis.rows(segment_op.outputs[0])
     if (found is None or found[3] is not op or segment_op.inputs[0] is not tensor
             or rows is None or rows.lead != 0 or rows.k != 1):

@@ -1,7 +1,7 @@
 """Rule for a table read by SparseSegmentSum/Mean/SqrtN(table, ids, segment_ids) whose
 segments are the batch's examples (a SparseTensor built from the batch's dense ids with
 tf.sparse.from_dense, looked up by tf.compat.v1.nn.embedding_lookup_sparse; the pattern
-and its proof are in `pertower._batch_axis.transfer_sparse`).
+and its proof are in `pertower._batch_axis.transfer_lookups`).
 
 Identity: row s of Z is c_s sum_{j: seg_j = s} W[ids_j] with c_s = 1 (sum), 1/n_s (mean)
 or 1/sqrt(n_s) (sqrtN), n_s the entries of segment s, and segment s is example s. So
@@ -15,7 +15,7 @@ example i's group g = i // (B/G).
 
 import tensorflow as tf
 
-from pertower._batch_axis import transfer_sparse
+from pertower._batch_axis import transfer_lookups
 from pertower._layout import _rows
 from pertower.rules import registry as registry_lib
 
@@ -47,7 +47,7 @@ def scatter(segment_op, ids, weight_shape, dZ, G):
         scale = 1 / counts if segment_op.type == "SparseSegmentMean" else tf.math.rsqrt(counts)
         rows = rows * scale[:, None]
     # the batch's B (dZ has B' <= B rows: none after the last example with an id)
-    examples = tf.shape(transfer_sparse.sparse_lookup(segment_op)[1], out_type=tf.int64)[0]
+    examples = tf.shape(transfer_lookups.sparse_lookup(segment_op)[1], out_type=tf.int64)[0]
     groups = segments // tf.maximum(examples // tf.cast(G, tf.int64), 1)   # [m]
     return segment_rows(tf.gather(rows, segments), groups * V + tf.cast(ids, tf.int64),
                         tf.cast(G, tf.int64), G, weight_shape)
@@ -59,7 +59,7 @@ class SparseSegmentRule(registry_lib.Rule):
     def match(self, op, slot, analysis):
         if slot != 0:
             return "the weight holds the ids or segment ids, not the table"
-        if transfer_sparse.sparse_lookup(op) is None:
+        if transfer_lookups.sparse_lookup(op) is None:
             return ("its segments are not the entries of a SparseTensor built from the "
                     "batch's dense ids (tf.sparse.from_dense)")
         rows = analysis.rows(op.outputs[0])
@@ -79,5 +79,5 @@ class SparseSegmentRule(registry_lib.Rule):
 
 def register(registry):
     """Adds the sparse segment rule to `registry`."""
-    registry_lib.register_each(registry, transfer_sparse.SPARSE_SEGMENT_OP_TYPES,
+    registry_lib.register_each(registry, transfer_lookups.SPARSE_SEGMENT_OP_TYPES,
                                SparseSegmentRule())
