@@ -33,7 +33,7 @@ entry per way of computing its per-example gradients (or their norms):
     memory-write limit  tf.tile writing as many bytes as the B per-example gradients
                       (B x P x 4): the physical floor of any method that returns them
 
-The models are those of `pertower.tools.models`. Next to each pertower gradients
+The models are those of `benchmarks.models`. Next to each pertower gradients
 entry's traced peak, "est MiB" is `pertower.estimate_memory` for the same call. The
 machine information includes the CPU facts of `pertower.tools.environment` (allocator
 variables, oneDNN, AVX-512), which change these speeds several-fold.

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from pertower.tools import models as models_lib
+from benchmarks import models as models_lib
 from tests import common
 
 __all__ = ["Case", "BUILDERS", "RULE_MODELS", "build_case", "build_cifar_case",
@@ -441,7 +441,7 @@ def language_model(layer, seed):
 
 
 def build_cifar_case(B=3):
-    """The bench's CIFAR conv net (pertower.tools.models) as a Case; ys [B]."""
+    """The bench's CIFAR conv net (benchmarks.models) as a Case; ys [B]."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(5)

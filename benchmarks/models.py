@@ -159,7 +159,7 @@ _BUILDERS = {"mlp": build_mlp, "cnn": build_cnn, "cifar": build_cifar}
 def build(name, B, rng):
     """Builds model `name` (from MODEL_NAMES) in the default graph for B examples."""
     if name not in _BUILDERS:
-        raise ValueError(f"pertower.tools.models: unknown model {name!r}; choose from "
+        raise ValueError(f"benchmarks.models: unknown model {name!r}; choose from "
                          f"{', '.join(MODEL_NAMES)}.")
     return _BUILDERS[name](B, rng)
 
@@ -169,6 +169,6 @@ def split_feed(feed):
     inputs are the value of the highest rank."""
     keys = sorted(feed, key=lambda k: feed[k].ndim, reverse=True)
     if len(keys) != 2:
-        raise ValueError(f"pertower.tools.models: expected a feed of inputs and targets, "
+        raise ValueError(f"benchmarks.models: expected a feed of inputs and targets, "
                          f"got {len(keys)} entries")
     return keys[0], keys[1]
