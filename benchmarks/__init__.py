@@ -53,12 +53,13 @@ The package, from the command down (each module imports only those below it):
     report        the table, the JSON figures and the plot
     compare       a result against the loop's (numpy only)
     records       a row (`Entry`), the rows' names, the tolerance (no TensorFlow, no numpy)
+    models, zoo   the networks measured, built by name (TensorFlow imported when building)
 
 Importing this package imports nothing but `pertower.tools` (which imports neither
-TensorFlow nor the library): the models, zoo, timing and environment modules of
+TensorFlow nor the library): the timing, environment and memory-tracing modules of
 pertower/tools in this checkout come first on its path, so that with `--pertower PATH`
-the library is PATH's and the models measured are the same on every checkout. Import
-its modules, e.g. `from benchmarks import runner, report`.
+the library is PATH's and what measures it (with this package's models and zoo) is the
+same on every checkout. Import its modules, e.g. `from benchmarks import runner, report`.
 """
 
 import os
