@@ -65,17 +65,10 @@ class BuiltModel:
 
 
 def cnn_keras_model():
-    """The scenario-3 CNN as a Keras 2 Sequential: Conv2D(16, 5, same, elu) -> Flatten
-    -> Dense(128, relu) -> Dense(1), on [None, 32, 32, 1] -> [None, 1]."""
-    import tf_keras as keras  # pylint: disable=import-outside-toplevel
+    """The scenario-3 CNN of `pertower demo` (defined there), [None, 32, 32, 1] -> [None, 1]."""
+    from pertower.tools import demo  # pylint: disable=import-outside-toplevel
 
-    return keras.Sequential([
-        keras.layers.Conv2D(16, 5, padding="same", activation="elu",
-                            input_shape=CNN_INPUT_SHAPE),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(1),
-    ])
+    return demo.cnn_keras_model()
 
 
 def build_mlp(B, rng):

@@ -28,7 +28,7 @@ import pertower
 from pertower import oracle
 from pertower.tools import timing
 
-__all__ = ["ScenarioResult", "run_demo", "format_table"]
+__all__ = ["ScenarioResult", "run_demo", "format_table", "cnn_keras_model"]
 
 # Agreement with the loop: float32, so |pertower - loop| <= ATOL * max(1, |loop|max)
 # + RTOL * |loop| for every entry.
@@ -206,13 +206,7 @@ def _scenario_cnn_jacobian(B, repeats):
     """Scenario 3: per-example dy/dθ of Conv2D(16, 5) -> Flatten -> Dense(128) -> Dense(1)
     on 32x32x1 images, [B, 1, *x.shape] per weight."""
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
-        model = keras.Sequential([
-            keras.layers.Conv2D(16, 5, padding="same", activation="elu",
-                                input_shape=(32, 32, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(1),
-        ])
+        model = cnn_keras_model()
         x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="x")
         y = model(x)                                            # [B, 1]
         weights = model.trainable_weights
@@ -233,6 +227,16 @@ def _scenario_cnn_jacobian(B, repeats):
     return ScenarioResult(
         "3 cnn jacobian", f"Scenario 3: per-example dy/dtheta of the CNN Conv2D(16,5)-"
         f"Dense(128)-Dense(1) on 32x32x1, B={B}", detail, B, B, build_seconds, *measured)
+
+
+def cnn_keras_model():
+    """Scenario 3's CNN (also the benchmarks' "cnn"), [None, 32, 32, 1] -> [None, 1]."""
+    return keras.Sequential([
+        keras.layers.Conv2D(16, 5, padding="same", activation="elu", input_shape=(32, 32, 1)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(1),
+    ])
 
 
 # Measuring ----------------------------------------------------------------------------

@@ -20,8 +20,7 @@ def method_counts(plan):
 
 
 def counts_cell(counts):
-    """A short cell for a table: "214/0/0" (rules/towers/passes; unreached added as
-    "+N unreached" when any)."""
+    """A table cell: "214/0/0" (rules/towers/passes), then "+N unreached" if any."""
     text = f"{counts['rules']}/{counts['towers']}/{counts['passes']}"
     return text + (f" +{counts['unreached']} unreached" if counts["unreached"] else "")
 
