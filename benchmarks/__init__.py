@@ -33,7 +33,7 @@ entry per way of computing its per-example gradients (or their norms):
     memory-write limit  tf.tile writing as many bytes as the B per-example gradients
                       (B x P x 4): the physical floor of any method that returns them
 
-The models are those of `pertower.tools.models`. Next to each pertower gradients
+The models are those of `benchmarks.models`. Next to each pertower gradients
 entry's traced peak, "est MiB" is `pertower.estimate_memory` for the same call. The
 machine information includes the CPU facts of `pertower.tools.environment` (allocator
 variables, oneDNN, AVX-512), which change these speeds several-fold.
@@ -53,12 +53,13 @@ The package, from the command down (each module imports only those below it):
     report        the table, the JSON figures and the plot
     compare       a result against the loop's (numpy only)
     records       a row (`Entry`), the rows' names, the tolerance (no TensorFlow, no numpy)
+    models, zoo   the networks measured, built by name (TensorFlow imported when building)
 
 Importing this package imports nothing but `pertower.tools` (which imports neither
-TensorFlow nor the library): the models, zoo, timing and environment modules of
+TensorFlow nor the library): the timing, environment and memory-tracing modules of
 pertower/tools in this checkout come first on its path, so that with `--pertower PATH`
-the library is PATH's and the models measured are the same on every checkout. Import
-its modules, e.g. `from benchmarks import runner, report`.
+the library is PATH's and what measures it (with this package's models and zoo) is the
+same on every checkout. Import its modules, e.g. `from benchmarks import runner, report`.
 """
 
 import os

@@ -6,7 +6,7 @@ Notation:
     B   examples in the batch       P   weights (parameters) of the model
     A   a dense layer's input [B, i]    dZ the gradient at its pre-activation [B, j]
 
-Each function takes a `pertower.tools.models.BuiltModel` in the default graph and
+Each function takes a `benchmarks.models.BuiltModel` in the default graph and
 returns the list of tensors its row fetches.
 """
 

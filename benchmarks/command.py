@@ -21,12 +21,13 @@ TensorFlow log lines.
 import argparse
 import json
 import os
+import re
 import sys
 
 from pertower.tools import arguments
 from pertower.tools import environment
-from pertower.tools import models as tool_models
-from pertower.tools import zoo
+from benchmarks import models as tool_models
+from benchmarks import zoo
 from benchmarks import peers as tool_peers
 from benchmarks import records
 from benchmarks import sides
@@ -35,7 +36,7 @@ __all__ = ["DESCRIPTION", "BENCH_MODELS", "PEER_MODELS", "add_arguments",
            "build_parser", "main", "run"]
 
 DEFAULT_BENCH_REPEATS = 5
-# The bench's models (pertower.tools.models imports TensorFlow only when building).
+# The bench's models (benchmarks.models imports TensorFlow only when building).
 BENCH_MODELS = tool_models.MODEL_NAMES
 # With --peers (benchmarks.peers imports neither TensorFlow nor the peers here).
 PEER_MODELS = tuple(dict.fromkeys(BENCH_MODELS + tool_peers.PEER_MODELS))
@@ -51,6 +52,15 @@ DESCRIPTION = ("Times, side by side and on both oneDNN settings (one worker proc
                f"{DEFAULT_BENCH_REPEATS} repeats); --full runs both models at "
                "B=32,128,512 with more repeats. Exits with 1 if an entry fails or "
                "disagrees with the loop.")
+
+
+def _assignment(text):
+    """argparse type: NAME=VALUE -> (NAME, VALUE)."""
+    name, equals, value = text.partition("=")
+    if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=VALUE (an environment variable and its value), got {text!r}")
+    return name, value
 
 
 def add_arguments(parser):
@@ -104,7 +114,7 @@ def add_arguments(parser):
                              "written); '-' writes JSON to stdout and the table to stderr")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="also draw the figures with matplotlib into this PNG")
-    parser.add_argument("--env", action="append", type=arguments.assignment, default=None,
+    parser.add_argument("--env", action="append", type=_assignment, default=None,
                         metavar="NAME=VALUE",
                         help="start the workers with this environment variable "
                              "(repeatable). Allocator settings are read at process start, "

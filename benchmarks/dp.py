@@ -36,8 +36,8 @@ import tensorflow as tf
 
 import pertower
 from pertower._dp import noise as noise_lib
-from pertower.tools import models as models_lib
 from pertower.tools import timing
+from benchmarks import models as models_lib
 from benchmarks import peers_noise
 from benchmarks import report as report_lib
 
@@ -47,7 +47,7 @@ __all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "PHILOX_UNIFORMS", "SESSION_OVERHEAD
 
 MODELS = models_lib.MODEL_NAMES
 # DP rows: per model, the batch sizes the DP-SGD step is timed at (models the installed
-# `pertower.tools.models` lacks are skipped).
+# `benchmarks.models` lacks are skipped).
 DP_BATCH_SIZES = {"mlp": (128,), "cnn": (32,), "cifar": (64,)}
 DP_LEARNING_RATE = 1e-3   # small: the timed steps train the weights they measure
 TORCH_NOISE = "noise draw: torch normal_"

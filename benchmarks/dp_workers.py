@@ -111,7 +111,7 @@ def run_worker_bench(models, batch_sizes, steps=12, report=print, python=None, r
     worker process's CPU ms per step).
 
     Args:
-      models: model names of `pertower.tools.models`.
+      models: model names of `benchmarks.models`.
       batch_sizes: a dict model -> B per worker.
       steps: synchronous steps per worker and cluster run (the first WARM_UP_STEPS are
         not timed).
@@ -151,7 +151,7 @@ def _worker(args):
     from pertower.tools import environment  # pylint: disable=import-outside-toplevel
     tf = environment.graph_mode_tensorflow()
     import pertower  # pylint: disable=import-outside-toplevel
-    from pertower.tools import models  # pylint: disable=import-outside-toplevel
+    from benchmarks import models  # pylint: disable=import-outside-toplevel
     from benchmarks import dp  # pylint: disable=import-outside-toplevel
 
     spec, task = _cluster(tf, args.ports), args.task

@@ -29,7 +29,7 @@ share a process. Entries:
 A per-example entry is compared with the loop's per-example gradients; a DP step,
 run once with σ = 0, with their clipped mean; the plain step with their mean.
 
-Models: those of `pertower.tools.models` ("mlp", "cnn", "cifar"), rebuilt in each
+Models: those of `benchmarks.models` ("mlp", "cnn", "cifar"), rebuilt in each
 framework with the TensorFlow model's weights.
 
 Importing this module imports neither TensorFlow, numpy nor the peers (the command-line
@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 
-from pertower.tools import models
+from benchmarks import models
 
 import benchmarks
 from benchmarks import records
@@ -54,7 +54,7 @@ from benchmarks import records
 __all__ = ["PEER_MODELS", "FRAMEWORKS", "ROUNDS", "missing_frameworks", "prepare_job",
            "run_jobs", "run_peers", "describe"]
 
-PEER_MODELS = ("mlp", "cnn", "cifar")   # = pertower.tools.models.MODEL_NAMES (tested)
+PEER_MODELS = ("mlp", "cnn", "cifar")   # = benchmarks.models.MODEL_NAMES (tested)
 FRAMEWORKS = ("tf", "torch", "jax")
 # Child rounds (each times `repeats` passes of every entry): quick, --full.
 ROUNDS = {"quick": 2, "full": 3}

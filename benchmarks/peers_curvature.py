@@ -84,7 +84,7 @@ def prepare(model_name, B, folder, repeats):
     import numpy as np
     import tensorflow as tf
     import pertower
-    from pertower.tools import models
+    from benchmarks import models
     # pylint: enable=import-outside-toplevel
 
     os.makedirs(folder, exist_ok=True)

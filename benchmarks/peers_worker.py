@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 from pertower.tools import environment
-from pertower.tools import models
+from benchmarks import models
 from benchmarks import peers_jax
 from benchmarks import peers_jobs
 from benchmarks import peers_torch

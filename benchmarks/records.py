@@ -44,7 +44,7 @@ class Entry:
     """One row of the table: one way of computing one model's results at one B.
 
     Attributes:
-      model: a name of `pertower.tools.models.MODEL_NAMES` ("mlp", "cnn", "cifar").
+      model: a name of `benchmarks.models.MODEL_NAMES` ("mlp", "cnn", "cifar").
       batch_size: B.
       parameters: P, the number of weights (entries of all of xs).
       name: the row's name ("loop", "gradients[towers]", ...).

@@ -23,9 +23,9 @@ import pertower
 from pertower import oracle
 from pertower._api import gradients as gradients_lib
 from pertower.tools import environment
-from pertower.tools import models as models_lib
 from pertower.tools import timing
 from pertower.tools import traced_memory as run_memory
+from benchmarks import models as models_lib
 from benchmarks import baselines
 from benchmarks import compare
 from benchmarks import machine

@@ -1,4 +1,4 @@
-"""`python -m benchmarks --models NAME,...` on the zoo (`pertower.tools.zoo`): per network and
+"""`python -m benchmarks --models NAME,...` on the zoo (`benchmarks.zoo`): per network and
 B, what pertower costs against TensorFlow's own batch gradient, a plain SGD step and the
 one-example loop, and what building it costs against `tf.gradients`.
 
@@ -50,7 +50,7 @@ import pertower
 from pertower import oracle
 from pertower.tools import plan_summary
 from pertower.tools import timing
-from pertower.tools import zoo
+from benchmarks import zoo
 from benchmarks import report as report_lib
 from benchmarks import zoo_agreement as agreement
 from benchmarks.zoo_agreement import RELATIVE_TOLERANCE
@@ -204,7 +204,7 @@ def measure_builds(name, batch_sizes=(None,), repeats=DEFAULT_BUILD_REPEATS):
     `name`'s loss, each build in a fresh graph.
 
     Args:
-      name: a name from `pertower.tools.zoo.ZOO`.
+      name: a name from `benchmarks.zoo.ZOO`.
       batch_sizes: pertower builds without `batch_size`; when that is refused (a plan
         with towers or row passes needs a fixed B), with `batch_sizes[0]`.
       repeats: timed builds of each after the first pair (alternating).
@@ -300,7 +300,7 @@ def run_zoo_bench(networks, batch_sizes=DEFAULT_BATCH_SIZES, repeats=5, loop_rep
     """Measures each zoo network at each B; returns a list of `ZooRow`.
 
     Args:
-      networks: names from `pertower.tools.zoo.ZOO`.
+      networks: names from `benchmarks.zoo.ZOO`.
       batch_sizes: the B to measure each network at.
       repeats: timed passes of each row after a warm-up (the loop: loop_repeats).
       loop_repeats: timed passes of the one-example loop (B sess.run each).

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from pertower.tools import models as models_lib
+from benchmarks import models as models_lib
 from tests import common
 
 __all__ = ["Case", "BUILDERS", "RULE_MODELS", "build_case", "build_cifar_case",
@@ -123,13 +123,7 @@ def build_cnn(B=3):
     with graph.as_default():
         common.seed_weights(3)
         x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="images")
-        model = keras.Sequential([
-            keras.layers.Conv2D(16, 5, padding="same", activation="elu",
-                                input_shape=(32, 32, 1)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(1),
-        ])
+        model = models_lib.cnn_keras_model()
         ys = model(x)                                   # [B, 1]
         sess = _session(graph)
     feed = {x: np.random.RandomState(2).rand(B, 32, 32, 1).astype(np.float32)}
@@ -441,7 +435,7 @@ def language_model(layer, seed):
 
 
 def build_cifar_case(B=3):
-    """The bench's CIFAR conv net (pertower.tools.models) as a Case; ys [B]."""
+    """The bench's CIFAR conv net (benchmarks.models) as a Case; ys [B]."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(5)

@@ -10,7 +10,8 @@ set -u
 cd "$(dirname "$0")/.."
 status=0
 run() {
-  python -m pytest -q "$@"
+  # -p no:benchmark: no test uses pytest-benchmark; its plugin would load in every process
+  python -m pytest -q -p no:benchmark "$@"
   code=$?
   # pytest's exit code 5: no test selected in this session (e.g. by -k)
   if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then status=1; fi

@@ -234,7 +234,7 @@ def test_memory_freed_before_the_next_allocation_is_not_added():
 
 
 def test_the_command_offers_the_bench_models():
-    from pertower.tools import models
+    from benchmarks import models
     from benchmarks import command
     assert command.BENCH_MODELS == runner.MODELS == models.MODEL_NAMES
     assert command.build_parser().parse_args(["--models", "cifar"]).models == ["cifar"]

@@ -183,5 +183,5 @@ def test_a_missing_framework_is_not_available(jobs, monkeypatch):
 
 
 def test_the_peers_run_the_bench_models():
-    from pertower.tools import models  # pylint: disable=import-outside-toplevel
+    from benchmarks import models  # pylint: disable=import-outside-toplevel
     assert peers.PEER_MODELS == models.MODEL_NAMES

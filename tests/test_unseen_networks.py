@@ -254,7 +254,7 @@ def check_application(name, batch=2):
                 labels: rng.integers(0, NUM_CLASSES, batch).astype("int32")}
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            from pertower.tools import zoo  # pylint: disable=import-outside-toplevel
+            from benchmarks import zoo  # pylint: disable=import-outside-toplevel
             zoo.randomize_batch_norm_statistics(sess, graph, 7)
             got = sess.run(grads, feed)
             common.assert_all_close(got, loop.run(sess, feed, batch), kind="network",

@@ -15,7 +15,7 @@ import tensorflow as tf
 import pertower
 from pertower import oracle
 from pertower.tools import plan_summary
-from pertower.tools import zoo
+from benchmarks import zoo
 from tests import common
 
 B = 2

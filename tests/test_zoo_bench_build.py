@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
-from pertower.tools import zoo
+from benchmarks import zoo
 from benchmarks import zoo_agreement
 from benchmarks import zoo_bench
 

@@ -3,9 +3,7 @@
 
 import argparse
 
-from pertower.tools import environment
-
-__all__ = ["positive_int", "assignment"]
+__all__ = ["positive_int"]
 
 
 def positive_int(text):
@@ -17,11 +15,3 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
-
-
-def assignment(text):
-    """argparse type: NAME=VALUE -> (NAME, VALUE)."""
-    try:
-        return environment.parse_assignment(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None

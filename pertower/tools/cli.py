@@ -5,16 +5,13 @@
     pertower explain MODEL.meta --ys NAME --batch NAME[,NAME...] [--xs trainable|NAME,...]
                      [--batch-size N] [--run FEEDS.npz [--checkpoint PREFIX]]
 
-`demo` runs the three user scenarios on built-in models and compares each with the
-one-example loop of `pertower.oracle`, with timings. `explain` prints the plan for a
-saved meta graph (`pertower.tools.explain_command`). The benchmarks are not part of the
-installed package: `python -m benchmarks` from a checkout (its benchmarks/ folder).
-
-This module imports neither TensorFlow nor the demo:
-a command imports them when it runs, after setting TF_CPP_MIN_LOG_LEVEL=2 and
-TF_USE_LEGACY_KERAS=1 where the user set nothing (`pertower.tools.environment`), so
-parsing arguments and `--help` take a fraction of a second and print no TensorFlow
-log lines.
+`demo` (`pertower.tools.demo`) checks three user scenarios against the one-example loop
+of `pertower.oracle` and times them; `explain` (`pertower.tools.explain_command`) prints
+the plan for a saved meta graph. The benchmarks are not installed: `python -m benchmarks`
+from a checkout. This module imports neither TensorFlow nor the demo, so `--help` is
+quick and quiet: a command imports them when it runs, after
+`pertower.tools.environment` has set TF_CPP_MIN_LOG_LEVEL=2 and TF_USE_LEGACY_KERAS=1
+where the user set nothing.
 """
 
 import argparse

@@ -6,16 +6,13 @@ Notation:
     B   examples in the batch           M   microbatches (scenario 2: M = 2 batches)
     x   one weight                      [B, *x.shape] one gradient of x per example
 
-Each scenario builds its model in its own `tf.Graph` and `Session`, computes the
-result with pertower and with the one-slice-at-a-time loop of `pertower.oracle`, and
-compares them. It then times, after one warm-up run each, the pertower `sess.run` and
-the loop users write today: one `sess.run` of `tf.gradients` per example (scenario 2:
-per batch) over the whole batch, with the gradient ops built once. The scenario-3
-CNN is `pertower.tools.models.cnn_keras_model`; timing and the table come from
-`pertower.tools.timing`.
+Each scenario builds its model in its own `tf.Graph` and `Session`, compares pertower's
+result with the one-slice-at-a-time loop of `pertower.oracle`, then times, after one
+warm-up run each, pertower's `sess.run` and the loop users write today: one `sess.run`
+of `tf.gradients` per example (scenario 2: per batch), its gradient ops built once.
 
-Needs graph mode (`tf.compat.v1.disable_eager_execution()`) and, for
-`tf.compat.v1.layers`, TF_USE_LEGACY_KERAS=1; `pertower demo` sets both up.
+Needs graph mode and TF_USE_LEGACY_KERAS=1 (for `tf.compat.v1.layers`); `pertower demo`
+sets both up.
 """
 
 import dataclasses
@@ -29,10 +26,9 @@ import tf_keras as keras
 
 import pertower
 from pertower import oracle
-from pertower.tools import models
 from pertower.tools import timing
 
-__all__ = ["ScenarioResult", "run_demo", "format_table"]
+__all__ = ["ScenarioResult", "run_demo", "format_table", "cnn_keras_model"]
 
 # Agreement with the loop: float32, so |pertower - loop| <= ATOL * max(1, |loop|max)
 # + RTOL * |loop| for every entry.
@@ -45,18 +41,15 @@ class ScenarioResult:
     """What one scenario measured.
 
     Attributes:
-      name: short name for the table ("1 keras mlp", ...).
-      description: one line saying what is computed.
-      detail: one line with a number or shape from the result.
-      batch_size: B.
-      loop_runs: how many `sess.run` calls one pass of the loop makes.
-      build_seconds: time of the pertower call that built its graph (per-op rules,
-        weight-copy towers where no rule applies).
-      max_abs_diff: max |pertower - loop| over all entries of all tensors.
-      agrees: whether every entry is within the tolerance (RTOL, ATOL).
+      name, description, detail: the table's name ("1 keras mlp"), one line saying what
+        is computed, one line with a number or shape from the result.
+      batch_size, loop_runs: B; the `sess.run` calls of one pass of the loop.
+      build_seconds: time of the pertower call that built its graph.
+      max_abs_diff, agrees: max |pertower - loop| over all entries of all tensors;
+        whether every entry is within the tolerance (RTOL, ATOL).
       first_run_seconds: the first pertower `sess.run` (includes graph optimization).
-      pertower_seconds: median time of the pertower `sess.run`.
-      loop_seconds: median time of one pass of the loop over the batch.
+      pertower_seconds, loop_seconds: median time of the pertower `sess.run`, of one
+        pass of the loop over the batch.
     """
 
     name: str
@@ -79,8 +72,7 @@ class ScenarioResult:
 
 @dataclasses.dataclass(frozen=True)
 class _Timed:
-    """The graph pieces `_measure` times: pertower's fetches on the whole batch, and
-    the loop's fetches run once per slice feed."""
+    """What `_measure` times: pertower's fetches, and the loop run once per slice."""
 
     fetches: list          # tensors, e.g. one [B, *x.shape] per weight
     feed: dict             # the whole batch
@@ -92,20 +84,24 @@ class _Timed:
 def run_demo(batch_size=32, repeats=5, report=print):
     """Runs the three scenarios; returns a list of three `ScenarioResult`s.
 
-    Args:
-      batch_size: B, the examples per scenario (scenario 2 splits them into two
-        batches of B // 2).
-      repeats: timed runs after the warm-up; the median is reported.
-      report: called with each line of progress.
+    batch_size is B, the examples per scenario (scenario 2: two batches of B // 2);
+    repeats the timed runs after the warm-up (the median is reported); `report` is
+    called with each line of progress.
     """
     _require_legacy_keras()
     scenarios = [_scenario_keras_mlp, _scenario_two_batches_cosine, _scenario_cnn_jacobian]
     results = []
     for number, scenario in enumerate(scenarios, start=1):
-        result = scenario(batch_size, repeats)
-        for line in _describe(number, len(scenarios), result):
-            report(line)
-        results.append(result)
+        r = scenario(batch_size, repeats)
+        verdict = "agrees" if r.agrees else "DISAGREES (beyond tolerance)"
+        report(f"[{number}/{len(scenarios)}] {r.description}")
+        report(f"      {r.detail}")
+        report(f"      max |pertower - loop| = {r.max_abs_diff:.2e}: {verdict} with the loop")
+        report(f"      pertower {1e3 * r.pertower_seconds:.1f} ms, loop "
+               f"{1e3 * r.loop_seconds:.1f} ms ({r.loop_runs} sess.run), speed-up "
+               f"{r.speedup:.1f}x; pertower's graph built in {r.build_seconds:.2f} s, first "
+               f"run {r.first_run_seconds:.2f} s")
+        results.append(r)
     return results
 
 
@@ -117,19 +113,6 @@ def _require_legacy_keras():
             "pertower.demo: scenario 2 builds its model with tf.compat.v1.layers, which "
             "needs Keras 2: set TF_USE_LEGACY_KERAS=1 before TensorFlow is used, or use "
             "the `pertower demo` command, which sets it.")
-
-
-def _describe(number, total, r):
-    """The progress lines for one finished scenario."""
-    verdict = "agrees" if r.agrees else "DISAGREES (beyond tolerance)"
-    return [
-        f"[{number}/{total}] {r.description}",
-        f"      {r.detail}",
-        f"      max |pertower - loop| = {r.max_abs_diff:.2e}: {verdict} with the loop",
-        f"      pertower {1e3 * r.pertower_seconds:.1f} ms, loop {1e3 * r.loop_seconds:.1f} "
-        f"ms ({r.loop_runs} sess.run), speed-up {r.speedup:.1f}x; pertower's graph built in "
-        f"{r.build_seconds:.2f} s, first run {r.first_run_seconds:.2f} s",
-    ]
 
 
 def format_table(results):
@@ -208,7 +191,9 @@ def _scenario_two_batches_cosine(B, repeats):
         timed = _Timed(g + [cos], {s1: S1, s2: S2}, oracle.SliceLoop(f, weights),
                        concatenated, 2)
         reference = timed.loop.run(sess, concatenated, 2)      # one sess.run per batch
-        reference.append(np.asarray(_cosine(reference), np.float32))
+        g1, g2 = (np.concatenate([w[k].ravel() for w in reference]) for k in (0, 1))
+        cosine = g1 @ g2 / (np.linalg.norm(g1) * np.linalg.norm(g2))
+        reference.append(np.asarray(cosine, np.float32))
         values, measured = _measure(sess, timed, reference, repeats)
         detail = f"cos(g1, g2) = {values[-1]:.6f} (loop: {reference[-1]:.6f})"
     return ScenarioResult(
@@ -221,8 +206,8 @@ def _scenario_cnn_jacobian(B, repeats):
     """Scenario 3: per-example dy/dθ of Conv2D(16, 5) -> Flatten -> Dense(128) -> Dense(1)
     on 32x32x1 images, [B, 1, *x.shape] per weight."""
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
-        model = models.cnn_keras_model()
-        x = tf.compat.v1.placeholder(tf.float32, [None, *models.CNN_INPUT_SHAPE], name="x")
+        model = cnn_keras_model()
+        x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="x")
         y = model(x)                                            # [B, 1]
         weights = model.trainable_weights
 
@@ -231,7 +216,7 @@ def _scenario_cnn_jacobian(B, repeats):
         build_seconds = time.perf_counter() - start
 
         rng = np.random.default_rng(3)
-        feed = {x: rng.normal(size=(B, *models.CNN_INPUT_SHAPE)).astype(np.float32)}
+        feed = {x: rng.normal(size=(B, 32, 32, 1)).astype(np.float32)}
         sess.run(tf.compat.v1.global_variables_initializer())
         reference = oracle.loop_per_example_jacobians(sess, y, weights, feed)
         # One output (K = 1): the loop's row is the gradient of the summed output.
@@ -244,16 +229,22 @@ def _scenario_cnn_jacobian(B, repeats):
         f"Dense(128)-Dense(1) on 32x32x1, B={B}", detail, B, B, build_seconds, *measured)
 
 
+def cnn_keras_model():
+    """Scenario 3's CNN (also the benchmarks' "cnn"), [None, 32, 32, 1] -> [None, 1]."""
+    return keras.Sequential([
+        keras.layers.Conv2D(16, 5, padding="same", activation="elu", input_shape=(32, 32, 1)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+
+
 # Measuring ----------------------------------------------------------------------------
 
 
 def _measure(sess, timed, reference, repeats):
-    """Runs pertower once (warm-up and result), compares with `reference`, and times.
-
-    Returns:
-      (values, (max_abs_diff, agrees, first_run_seconds, pertower_seconds,
-      loop_seconds)): the measurements in `ScenarioResult`'s order after build_seconds.
-    """
+    """Runs pertower once (warm-up and result), compares with `reference`, and times;
+    returns (values, the measurements in `ScenarioResult`'s order after build_seconds)."""
     start = time.perf_counter()
     values = sess.run(timed.fetches, timed.feed)
     first_run_seconds = time.perf_counter() - start
@@ -280,13 +271,6 @@ def _compare(values, reference):
             atol = ATOL * max(1.0, float(np.max(np.abs(want))))
             agrees = agrees and np.allclose(got, want, rtol=RTOL, atol=atol)
     return max_diff, agrees
-
-
-def _cosine(stacked):
-    """The cosine of rows 0 and 1 of [2, *x.shape] gradients, flattened over x."""
-    g1 = np.concatenate([w[0].ravel() for w in stacked])
-    g2 = np.concatenate([w[1].ravel() for w in stacked])
-    return g1 @ g2 / (np.linalg.norm(g1) * np.linalg.norm(g2))
 
 
 def _num_params(weights):

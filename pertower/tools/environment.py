@@ -1,18 +1,13 @@
 """The process environment the tools set up, and the CPU facts that decide their speed.
 
-Nothing here imports TensorFlow at module level, and nothing runs on import: the
-command calls `prepare_tensorflow()` before TensorFlow is first imported.
-
-CPU facts (read at process start, so they must be set before Python starts):
-    MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_  glibc malloc: by default it hands
-        large buffers back to the operating system, so every sess.run page-faults its
-        big outputs anew; raising both keeps them in the process
-    MALLOC_ARENA_MAX      glibc malloc's arenas: TensorFlow's worker threads allocate from
-        per-thread arenas, where the thresholds above do not keep large buffers; 1
-        (one arena) with both thresholds raised does
+Nothing here imports TensorFlow at module level or runs on import. The CPU facts are
+read at process start, so they must be set before Python starts:
+    MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_  raised, glibc malloc keeps large
+        buffers instead of handing them back (and page-faulting them every sess.run)
+    MALLOC_ARENA_MAX      1: one arena, so TensorFlow's worker threads keep them too
     LD_PRELOAD            another allocator (tcmalloc, jemalloc) preloaded
-    TF_ENABLE_ONEDNN_OPTS  TensorFlow's oneDNN kernels (0 off, 1 on; the default is on
-        for Linux x86 builds) change convolution speeds several-fold
+    TF_ENABLE_ONEDNN_OPTS  TensorFlow's oneDNN kernels (0 off, 1 on; on by default for
+        Linux x86 builds) change convolution speeds several-fold
 """
 
 import contextlib
@@ -22,7 +17,7 @@ import sys
 import tempfile
 
 __all__ = ["TF_DEFAULTS", "SPEED_VARIABLES", "prepare_tensorflow", "quiet_native_logs",
-           "cpu_facts", "describe_cpu_facts", "parse_assignment", "graph_mode_tensorflow"]
+           "cpu_facts", "describe_cpu_facts", "graph_mode_tensorflow"]
 
 # Set for every command unless the user set them: TensorFlow's C++ log level (2: errors
 # only) and Keras 2 for tf.keras / tf.compat.v1.layers.
@@ -59,7 +54,9 @@ def quiet_native_logs():
     after it, writes back every line except TensorFlow's profiler, CUDA-probe and
     start-up noise (so real errors still reach the user). Python's `sys.stderr`, when
     it writes to fd 2, keeps writing to the terminal meanwhile. Blocks may nest."""
-    _quiet_absl()
+    absl_logging = sys.modules.get("absl.logging")   # absl's Python logging: errors only
+    if absl_logging is not None:
+        absl_logging.set_verbosity(absl_logging.ERROR)
     sys.stderr.flush()
     try:
         saved = os.dup(2)
@@ -97,13 +94,6 @@ def _writes_to_fd2(stream):
         return False
 
 
-def _quiet_absl():
-    """absl's Python logging to errors only, when absl is loaded (TensorFlow loads it)."""
-    absl_logging = sys.modules.get("absl.logging")
-    if absl_logging is not None:
-        absl_logging.set_verbosity(absl_logging.ERROR)
-
-
 def cpu_facts(environ=None):
     """What decides CPU speed, as a JSON-ready dict: the SPEED_VARIABLES as set (None
     when unset), whether the CPU has AVX-512 (Linux /proc/cpuinfo flags; None when
@@ -114,7 +104,10 @@ def cpu_facts(environ=None):
     flags = _cpu_flags()
     facts["avx512"] = None if flags is None else any(f.startswith("avx512") for f in flags)
     facts["avx512_vnni"] = None if flags is None else "avx512_vnni" in flags
-    facts["onednn_enabled"] = _onednn_enabled()
+    facts["onednn_enabled"] = None
+    if "tensorflow" in sys.modules:
+        from pertower import _tf   # pylint: disable=import-outside-toplevel
+        facts["onednn_enabled"] = _tf.onednn_enabled()
     return facts
 
 
@@ -137,24 +130,6 @@ def _cpu_flags():
     except OSError:
         pass
     return None
-
-
-def _onednn_enabled():
-    """Whether TensorFlow runs with oneDNN in this process (None when TensorFlow is
-    not imported yet or does not say)."""
-    if "tensorflow" not in sys.modules:
-        return None
-    from pertower import _tf   # pylint: disable=import-outside-toplevel
-    return _tf.onednn_enabled()
-
-
-def parse_assignment(text):
-    """`NAME=VALUE` -> (NAME, VALUE); raises ValueError naming what is wrong."""
-    name, equals, value = text.partition("=")
-    if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-        raise ValueError(f"expected NAME=VALUE (an environment variable and its value), "
-                         f"got {text!r}")
-    return name, value
 
 
 def graph_mode_tensorflow():

@@ -1,26 +1,12 @@
 """The `explain` command: pertower's plan for a saved graph, without writing code.
 
-    pertower explain model.meta --ys NAME --batch NAME[,NAME...]
-                     [--xs trainable|NAME,...] [--batch-size N]
-                     [--run feeds.npz [--checkpoint PREFIX]]
-
-Notation:
-    B   examples in the batch       x   one weight, [B, *x.shape] its per-example gradients
-
-The meta graph (`tf.compat.v1.train.Saver` writes one next to each checkpoint) is
-imported into a fresh graph in graph mode (`tf.compat.v1.train.import_meta_graph`);
-`ys` (the per-example cost, [B, ...]), the batch placeholders and the weights are found
-there by name. The command prints `pertower.explain`'s plan (method per weight, and
-why) and a count of the weights per method (`pertower.tools.plan_summary`).
-
-With `--run feeds.npz` (arrays keyed by the names of the tensors they feed, each [B, ...]
-for a batch input) it restores the checkpoint `--checkpoint PREFIX` (or initializes the
-variables), computes one batch of per-example gradients, checks them against the
-one-example loop of `pertower.oracle` and prints the largest relative difference;
-the exit code is 1 when it exceeds RELATIVE_TOLERANCE.
-
-Importing this module does not import TensorFlow (`run` does, after
-`pertower.tools.environment` has set the environment).
+The meta graph (which `tf.compat.v1.train.Saver` writes next to each checkpoint) is
+imported into a fresh graph in graph mode; `ys` (the per-example cost, [B, ...]), the
+batch placeholders and the weights are found there by name. With `--run feeds.npz`
+(arrays keyed by the names of the tensors they feed, [B, ...] for a batch input) one
+batch of per-example gradients [B, *x.shape] is checked against the one-example loop
+of `pertower.oracle` (DESCRIPTION says the rest). Importing this module does not
+import TensorFlow.
 """
 
 import os
@@ -144,31 +130,25 @@ def run(args):
     if not args.feeds:
         return 0
     try:
-        return _run_one_batch(tf, graph, saver, ys, batch, xs, args)
+        return _run_one_batch(tf, graph, saver, plan, ys, batch, xs, args)
     except _Refusal as error:
         print(f"pertower explain: {error}", file=sys.stderr)
         return 2
 
 
-def _feeds(graph, path):
-    """{tensor: array} from the .npz at `path`, keyed by tensor names."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
-
-    try:
-        arrays = np.load(path)
-    except (OSError, ValueError) as error:
-        raise _Refusal(f"--run {path!r}: cannot read it as a .npz of arrays ({error}); "
-                       "write it with numpy.savez(path, **{'images:0': x, ...}).") from None
-    return {_tensor(graph, key, f"--run {path}: key"): arrays[key] for key in arrays.files}
-
-
-def _run_one_batch(tf, graph, saver, ys, batch, xs, args):
+def _run_one_batch(tf, graph, saver, plan, ys, batch, xs, args):
     """--run: one batch of per-example gradients against the one-example loop."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     import pertower  # pylint: disable=import-outside-toplevel
     from pertower import oracle  # pylint: disable=import-outside-toplevel
 
-    feed = _feeds(graph, args.feeds)
+    try:
+        arrays = np.load(args.feeds)
+    except (OSError, ValueError) as error:
+        raise _Refusal(f"--run {args.feeds!r}: cannot read it as a .npz of arrays ({error}); "
+                       "write it with numpy.savez(path, **{'images:0': x, ...}).") from None
+    feed = {_tensor(graph, key, f"--run {args.feeds}: key"): arrays[key]
+            for key in arrays.files}
     missing = [b.name for b in batch if b not in feed]
     if missing:
         raise _Refusal(f"--run {args.feeds!r}: no array for the batch input(s) "
@@ -181,8 +161,7 @@ def _run_one_batch(tf, graph, saver, ys, batch, xs, args):
             saver.restore(sess, args.checkpoint)
         else:
             sess.run(tf.compat.v1.global_variables_initializer())
-        needs_size = any(w.method in ("towers", "passes") for w in pertower.explain(
-            ys, xs, batch=batch, batch_size=args.batch_size).weights)
+        needs_size = any(w.method in ("towers", "passes") for w in plan.weights)
         try:
             grads = pertower.per_example_gradients(
                 ys, xs, batch=batch, batch_size=args.batch_size or (B if needs_size else None))

@@ -1,8 +1,5 @@
-"""Timing and plain-text tables shared by `pertower demo` and the benchmarks (`python -m benchmarks`).
-
-Every figure the tools print is the median of repeated wall-clock runs after a
-warm-up; tables are left-aligned in their first column and right-aligned elsewhere.
-"""
+"""Wall-clock timing and plain-text tables shared by `pertower demo` and the benchmarks
+(`python -m benchmarks`)."""
 
 import statistics
 import time
@@ -34,13 +31,9 @@ def round_robin(runs):
 
 
 def format_table(header, rows):
-    """A plain-text table (no trailing newline).
-
-    Args:
-      header: the column titles.
-      rows: tuples of strings, as long as `header`; a shorter row (a name and a
-        note) is written as its name then the rest of its cells after two spaces.
-    """
+    """A plain-text table (no trailing newline), its first column left-aligned, the
+    others right-aligned. `rows` are tuples of strings as long as `header`; a shorter
+    row (a name and a note) is written as its name, then its other cells."""
     full = [row for row in rows if len(row) == len(header)]
     widths = [max(len(row[i]) for row in [header] + full) for i in range(len(header))]
 

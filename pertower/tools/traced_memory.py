@@ -23,11 +23,9 @@ runs the same model on the same batch. Views of part of a buffer (a slice at a n
 address) count as their own bytes, so the figure is an upper bound where slices are
 views.
 
-Why not the process's resident memory: it is process-wide, only grows (freed
-memory stays with the allocator), and mixes every graph run before. Why not the
-allocator's `bytes_in_use` that the same trace reports: on CPU, oneDNN's allocator
-reports it only for its large-allocation pool (>= 256 KiB), so the many small
-tensors of per-example towers would be missed.
+Not the process's resident memory (process-wide, it only grows) nor the trace's
+allocator `bytes_in_use` (on CPU oneDNN's allocator reports only its >= 256 KiB pool,
+missing the many small tensors of per-example towers).
 """
 
 import dataclasses
@@ -52,13 +50,9 @@ _LABEL = re.compile(r"^(?P<name>.*?) = (?P<op>[^(]*)\((?P<inputs>.*)\)$", re.S)
 
 @dataclasses.dataclass(frozen=True)
 class RunMemory:
-    """The memory one traced run needed.
-
-    Attributes:
-      peak_bytes: the maximum over time of live buffers plus running temporaries.
-      buffers: how many buffers the replay counted.
-      nodes: how many executed nodes the trace holds.
-    """
+    """The memory one traced run needed: `peak_bytes` (the maximum over time of live
+    buffers plus running temporaries), the `buffers` the replay counted and the
+    executed `nodes` the trace holds."""
 
     peak_bytes: int
     buffers: int
@@ -66,12 +60,8 @@ class RunMemory:
 
 
 def traced_peak_bytes(sess, fetches, feed_dict=None):
-    """Runs `fetches` once with a full trace and returns its `RunMemory`.
-
-    Example:
-      memory = traced_peak_bytes(sess, grads, feed)
-      print(memory.peak_bytes / 2**20, "MiB")
-    """
+    """Runs `fetches` once with a full trace and returns its `RunMemory`, e.g.
+    `traced_peak_bytes(sess, grads, feed).peak_bytes / 2**20` MiB."""
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     metadata = tf.compat.v1.RunMetadata()
     sess.run(fetches, feed_dict, options=options, run_metadata=metadata)

@@ -7,7 +7,7 @@ the one-example oracle.
 
 import pytest
 
-from pertower.tools import zoo
+from benchmarks import zoo
 from tests import test_rules_published as published
 from tests import test_zoo
 

@@ -43,8 +43,6 @@ import dataclasses
 import random
 import warnings
 
-from pertower import _context
-
 __all__ = ["ZOO", "APPLICATIONS", "CONVOLUTIONAL", "RECURRENT", "FAST", "ZooNetwork",
            "build", "randomize_batch_norm_statistics"]
 
@@ -214,7 +212,6 @@ def _dynamic_rnn_lstm(name):
                       loss, tokens, _token_feed(tokens, labels), weights, labels)
 
 
-@_context.public("tools.zoo.build")
 def build(name, seed=None):
     """Builds the zoo network `name` in the default graph (graph mode).
 
@@ -236,8 +233,8 @@ def build(name, seed=None):
           print(pertower.explain(loss, weights))
     """
     if name not in ZOO:
-        raise _context.error(ValueError, f"`name` must be one of {', '.join(ZOO)}, "
-                             f"but received {name!r}.")
+        raise ValueError(f"benchmarks.zoo.build: `name` must be one of {', '.join(ZOO)}, "
+                         f"but received {name!r}.")
     builder = _application if name in APPLICATIONS else {
         "layers_cnn": _layers_cnn, "ptb_lstm": _ptb_lstm,
         "dynamic_rnn_lstm": _dynamic_rnn_lstm}[name]

@@ -65,17 +65,10 @@ class BuiltModel:
 
 
 def cnn_keras_model():
-    """The scenario-3 CNN as a Keras 2 Sequential: Conv2D(16, 5, same, elu) -> Flatten
-    -> Dense(128, relu) -> Dense(1), on [None, 32, 32, 1] -> [None, 1]."""
-    import tf_keras as keras  # pylint: disable=import-outside-toplevel
+    """The scenario-3 CNN of `pertower demo` (defined there), [None, 32, 32, 1] -> [None, 1]."""
+    from pertower.tools import demo  # pylint: disable=import-outside-toplevel
 
-    return keras.Sequential([
-        keras.layers.Conv2D(16, 5, padding="same", activation="elu",
-                            input_shape=CNN_INPUT_SHAPE),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(1),
-    ])
+    return demo.cnn_keras_model()
 
 
 def build_mlp(B, rng):
@@ -159,7 +152,7 @@ _BUILDERS = {"mlp": build_mlp, "cnn": build_cnn, "cifar": build_cifar}
 def build(name, B, rng):
     """Builds model `name` (from MODEL_NAMES) in the default graph for B examples."""
     if name not in _BUILDERS:
-        raise ValueError(f"pertower.tools.models: unknown model {name!r}; choose from "
+        raise ValueError(f"benchmarks.models: unknown model {name!r}; choose from "
                          f"{', '.join(MODEL_NAMES)}.")
     return _BUILDERS[name](B, rng)
 
@@ -169,6 +162,6 @@ def split_feed(feed):
     inputs are the value of the highest rank."""
     keys = sorted(feed, key=lambda k: feed[k].ndim, reverse=True)
     if len(keys) != 2:
-        raise ValueError(f"pertower.tools.models: expected a feed of inputs and targets, "
+        raise ValueError(f"benchmarks.models: expected a feed of inputs and targets, "
                          f"got {len(keys)} entries")
     return keys[0], keys[1]
