@@ -139,7 +139,7 @@ def check_keras_batch_norm_net():
 
 
 def check_application(name="mobilenet_v2"):
-    """A zoo network (pertower/tools/zoo.py: a tf_keras.applications network with
+    """A zoo network (benchmarks/zoo.py: a tf_keras.applications network with
     weights=None at a small input, inference mode, softmax cross-entropy per example)
     with random moving statistics: every weight on the rules, no batch_size, gradients
     as the one-example loop's (tests/test_zoo.py)."""

@@ -1,4 +1,4 @@
-"""The zoo (pertower/tools/zoo.py) against the one-example loop: each network's
+"""The zoo (benchmarks/zoo.py) against the one-example loop: each network's
 per-example gradients (and, for some, norms) as the loop's, their sum as tf.gradients',
 and its plan counted by pertower/tools/plan_summary.py.
 
