@@ -302,6 +302,16 @@ class Conv2DRule(ConvolutionRule):
     def __init__(self, options=None):
         super().__init__(options)
 
+    def kfac_rows(self, use):
+        # KFC: the dense layer z_p = W^T x_p at each position p reads the patches x_p
+        if use.op.type != "Conv2D":
+            return None
+        if groups(use.op) != 1:
+            return (f"{use.op.name!r} is a grouped convolution ({groups(use.op)} groups), "
+                    "whose filter's GGN block has no single Kronecker form")
+        kh, kw, c_in, _ = use.weight_shape.as_list()
+        return tf.reshape(patches(use.op, kh, kw), [-1, kh * kw * c_in])   # [R, kh*kw*Cin]
+
 
 def register(registry, options=None):
     """Adds the Conv2D rule to `registry` (with `options`, a `ConvOptions`)."""

@@ -117,7 +117,8 @@ class Rule:
 
     def kfac_rows(self, use):
         """[R, d_in]: the input rows whose outer products sum to the Kronecker factor A
-        of the kernel's GGN block (`pertower.kfac_factors`; dZ's rows give G)."""
+        of the kernel's GGN block (`pertower.kfac_factors`; dZ's rows give G), or a
+        string saying why the kernel has no Kronecker form."""
         return None
 
     def output_layouts(self, op, inputs):
