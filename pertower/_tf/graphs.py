@@ -26,6 +26,7 @@ from pertower._tf import probe
 
 __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "control_flow_context", "graph_control_flow_context", "get_function",
+           "function_definition",
            "function_graph", "called_function_graph", "function_def", "function_graph_def",
            "op_def", "create_op",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
@@ -95,6 +96,15 @@ def get_function(graph, name):
     probe.require("Graph._get_function", lambda: probe.signature(
         _ops.Graph, "_get_function", "name"))
     return graph._get_function(name)
+
+
+def function_definition(graph, name):
+    """The FunctionDef of the function `name` of `graph`'s library (its
+    `cached_definition`, else its `definition`), or None when there is none."""
+    function = get_function(graph, name)
+    if function is None:
+        return None
+    return getattr(function, "cached_definition", None) or function.definition
 
 
 def function_graph(definition, input_shapes=None):
