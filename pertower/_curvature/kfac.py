@@ -78,10 +78,8 @@ def _layer_or_reason(use):
         return (f"it is read inside a loop ({use.label}): a weight shared by the steps "
                 f"has no single Kronecker form per layer here: {_INSTEAD}")
     rows = use.rule.kfac_rows(use)                          # [R, d_in], or why not
-    if isinstance(rows, str):
-        return rows
     if rows is not None:
-        return _Layer(rows, use.output)
+        return rows if isinstance(rows, str) else _Layer(rows, use.output)
     if op.type == "BiasAdd" or use.weight_shape.rank == 1:
         return (f"it is a bias or scale (read by {op.name!r}, {op.type}), not a kernel; "
                 f"Kronecker factors are built for dense and Conv2D kernels only: {_INSTEAD}")

@@ -194,8 +194,7 @@ def _with_forward_form(use):
     `forward_padding` gives one and oneDNN is off (the rule's setting, else
     TensorFlow's), else Conv2DBackpropInput."""
     options = use.rule.options if isinstance(use.rule, conv2d.ConvolutionRule) else None
-    onednn = _conv_options.onednn_runs(options)
-    pads = None if onednn else forward_padding(use.op)
+    pads = None if _conv_options.onednn_runs(options) else forward_padding(use.op)
     return functools.partial(_convolution, pads=pads)
 
 
