@@ -236,6 +236,24 @@ def test_bias_gets_none_with_a_warning_naming_it(graphs):
     assert text.count("not a kernel") == 2 and "pertower.diag_ggn" in text
 
 
+def test_grouped_and_depthwise_filters_get_none_with_their_reasons():
+    """A grouped Conv2D filter (the conv rule's `kfac_rows` says why) and a depthwise
+    filter (no Kronecker rows) get None, each named in the warning with its reason."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 5, 5, 4])
+        grouped = tf.Variable(tf.ones([3, 3, 2, 4]), name="grouped")
+        depthwise = tf.Variable(tf.ones([3, 3, 4, 1]), name="depthwise")
+        z = tf.nn.conv2d(x, grouped, strides=1, padding="SAME")          # 2 groups
+        z = tf.nn.depthwise_conv2d(z, depthwise, [1, 1, 1, 1], "SAME")
+        logits = tf.reduce_sum(z, axis=[1, 2])                          # [B, 4]
+        with pytest.warns(UserWarning) as caught:
+            factors = pertower.kfac_factors(logits, [grouped, depthwise])
+    assert factors == [None, None]
+    text = " ".join(str(w.message) for w in caught)
+    assert "is a grouped convolution (2 groups)" in text
+    assert "(DepthwiseConv2dNative); Kronecker factors are built for" in text
+
+
 def test_keras_layers_and_bad_arguments():
     """tf_keras Dense: the kernel gets factors of its shapes, the BiasAdd bias None with a
     warning; a bad `loss` or `mc_samples` is refused naming the argument."""

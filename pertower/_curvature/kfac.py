@@ -42,10 +42,8 @@ from pertower import _plan
 from pertower import _request
 from pertower._curvature import columns as columns_lib
 from pertower._curvature import loss_hessian
-from pertower._convolution import geometry as _conv_geometry
 from pertower import _engine
 from pertower import _loops
-from pertower.rules import conv2d
 
 __all__ = ["KroneckerFactors", "kfac_factors"]
 
@@ -79,16 +77,9 @@ def _layer_or_reason(use):
     if isinstance(use, _loops.LoopUse):
         return (f"it is read inside a loop ({use.label}): a weight shared by the steps "
                 f"has no single Kronecker form per layer here: {_INSTEAD}")
-    rows = use.rule.kfac_rows(use)                                # [R, d_in]
+    rows = use.rule.kfac_rows(use)                          # [R, d_in], or why not
     if rows is not None:
-        return _Layer(rows, use.output)
-    if isinstance(use.rule, conv2d.Conv2DRule) and op.type == "Conv2D":
-        if _conv_geometry.groups(op) != 1:
-            return (f"{op.name!r} is a grouped convolution ({_conv_geometry.groups(op)} "
-                    "groups), whose filter's GGN block has no single Kronecker form")
-        kh, kw, c_in, _ = use.weight_shape.as_list()
-        patches = _conv_geometry.patches(op, kh, kw)               # [N, Ho, Wo, kh*kw*Cin]
-        return _Layer(tf.reshape(patches, [-1, kh * kw * c_in]), use.output)  # [R, D]
+        return rows if isinstance(rows, str) else _Layer(rows, use.output)
     if op.type == "BiasAdd" or use.weight_shape.rank == 1:
         return (f"it is a bias or scale (read by {op.name!r}, {op.type}), not a kernel; "
                 f"Kronecker factors are built for dense and Conv2D kernels only: {_INSTEAD}")

@@ -134,13 +134,12 @@ class UnassumedGradients:
         if name in self._functions:
             return self._functions[name]
         self._functions[name] = None   # a recursive reference adds nothing
-        function = _tf.get_function(self.graph, name)
-        if function is None:
+        definition = _tf.function_definition(self.graph, name)
+        if definition is None:
             found = f"its gradient flows through the function {name!r}, which could not be read"
         elif depth >= _MAX_FUNCTION_DEPTH:
             found = f"its gradient flows through functions nested more than {depth} deep"
         else:
-            definition = getattr(function, "cached_definition", None) or function.definition
             found = None
             for node in definition.node_def:
                 found = (_unassumed_reason(node.op, node.attr, repr(node.name))

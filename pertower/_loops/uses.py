@@ -293,11 +293,7 @@ class Placed(registry_lib.Rule):
         return self._place(self.rule.per_group(use, dZ, G), True)
 
     def squared_norms(self, use, dZ, B):
-        own = getattr(self.rule, "squared_norms", None)
-        return own(use, dZ, B) if callable(own) else None
+        return self.rule.squared_norms(use, dZ, B)
 
     def clipped_sum(self, use, dZ, factors):
-        own = getattr(self.rule, "clipped_sum", None)
-        total = (own(use, dZ, factors) if callable(own) else
-                 registry_lib.default_clipped_sum(self.rule, use, dZ, factors))
-        return self._place(total, False)
+        return self._place(self.rule.clipped_sum(use, dZ, factors), False)

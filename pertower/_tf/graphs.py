@@ -27,7 +27,7 @@ from pertower._tf import probe
 __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "control_flow_context", "graph_control_flow_context", "get_function",
            "function_graph", "called_function_graph", "function_def", "function_graph_def",
-           "op_def", "create_op",
+           "function_definition", "op_def", "create_op",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
@@ -95,6 +95,14 @@ def get_function(graph, name):
     probe.require("Graph._get_function", lambda: probe.signature(
         _ops.Graph, "_get_function", "name"))
     return graph._get_function(name)
+
+
+def function_definition(graph, name):
+    """The FunctionDef of the function `name` of `graph`'s library (its
+    `cached_definition`, else its `definition`), or None when there is none."""
+    function = get_function(graph, name)
+    return None if function is None else (
+        getattr(function, "cached_definition", None) or function.definition)
 
 
 def function_graph(definition, input_shapes=None):

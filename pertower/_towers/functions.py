@@ -126,11 +126,11 @@ class FunctionRewriter:
     def _definition(self, name):
         if name in self._generated:
             return self._generated[name]
-        function = _tf.get_function(self.graph, name)
-        if function is None:
+        definition = _tf.function_definition(self.graph, name)
+        if definition is None:
             raise _context.error(ControlFlowError, f"the function {name!r} is not in the "
                                  "graph's library, so towers cannot rewrite it.")
-        return function.cached_definition
+        return definition
 
     def _rewrite_function(self, name, arguments, loop_body, where, tower, variant=""):
         """Tower `tower`'s copy of the function `name`, with `arguments`

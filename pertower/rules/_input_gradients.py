@@ -193,8 +193,8 @@ def _with_forward_form(use):
     """The gradient function of the Conv2D `use`: a forward convolution where
     `forward_padding` gives one and oneDNN is off (the rule's setting, else
     TensorFlow's), else Conv2DBackpropInput."""
-    onednn = _conv_options.onednn_runs(getattr(use.rule, "options", None))
-    pads = None if onednn else forward_padding(use.op)
+    options = use.rule.options if isinstance(use.rule, conv2d.ConvolutionRule) else None
+    pads = None if _conv_options.onednn_runs(options) else forward_padding(use.op)
     return functools.partial(_convolution, pads=pads)
 
 

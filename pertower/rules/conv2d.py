@@ -264,7 +264,7 @@ class ConvolutionRule(registry_lib.Rule):
         strides, dilations, _, _ = attributes(use.op)
         if (groups(use.op) != 1 or any(d != 1 for d in dilations) or
                 (_depthwise(use.op) and strides[1] != strides[2])):   # no kernel of TF's
-            return registry_lib.default_clipped_sum(self, use, dZ, factors)
+            return super().clipped_sum(use, dZ, factors)
         if untrusted_filter_gradient(use, self.options):   # one group of "shifts"
             return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
         return filter_gradient(use, _rows.scale_rows(dZ, factors))
@@ -301,6 +301,15 @@ class Conv2DRule(ConvolutionRule):
     @_context.public("rules.conv2d.Conv2DRule")
     def __init__(self, options=None):
         super().__init__(options)
+
+    def kfac_rows(self, use):
+        if use.op.type != "Conv2D":
+            return None
+        if groups(use.op) != 1:
+            return (f"{use.op.name!r} is a grouped convolution ({groups(use.op)} groups), "
+                    "whose filter's GGN block has no single Kronecker form")
+        kh, kw, c_in, _ = use.weight_shape.as_list()
+        return tf.reshape(patches(use.op, kh, kw), [-1, kh * kw * c_in])   # [R, kh*kw*Cin] (KFC)
 
 
 def register(registry, options=None):

@@ -20,7 +20,7 @@ from pertower import _context
 from pertower._layout import _rows
 
 __all__ = ["Rule", "ForwardingRule", "RuleRegistry", "Use", "FormedNorms",
-           "default_clipped_sum", "batch_gradient_clipped_sum", "register_each"]
+           "batch_gradient_clipped_sum", "register_each"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +113,13 @@ class Rule:
     def clipped_sum(self, use, dZ, factors):
         """[*w.shape]: sum_i factors_i grad_i(w), `factors` [B] (DP-SGD's clipped sum).
         This default forms `per_group`; `batch_gradient_clipped_sum` does not."""
-        return default_clipped_sum(self, use, dZ, factors)
+        per_example = self.per_group(use, dZ, _rows.dim(factors, 0))     # [B, *w.shape]
+        return tf.tensordot(tf.cast(factors, per_example.dtype), per_example, axes=1)
 
     def kfac_rows(self, use):
         """[R, d_in]: the input rows whose outer products sum to the Kronecker factor A
-        of the kernel's GGN block (`pertower.kfac_factors`; dZ's rows give G)."""
+        of the kernel's GGN block (`pertower.kfac_factors`; dZ's rows give G), or a
+        string saying why the kernel has no Kronecker form."""
         return None
 
     def output_layouts(self, op, inputs):
@@ -201,12 +203,6 @@ class ForwardingRule(Rule):
     def clipped_sum(self, use, dZ, factors):
         inner, dZ = self.inner(use, dZ)
         return self.outward(inner.rule.clipped_sum(inner, dZ, factors), use, [])
-
-
-def default_clipped_sum(rule, use, dZ, factors):
-    """sum_i factors_i grad_i(w): `rule.per_group` [B, *w.shape] contracted with [B]."""
-    per_example = rule.per_group(use, dZ, _rows.dim(factors, 0))        # [B, *w.shape]
-    return tf.tensordot(tf.cast(factors, per_example.dtype), per_example, axes=1)
 
 
 def batch_gradient_clipped_sum(rule, use, dZ, factors):
