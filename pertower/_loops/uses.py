@@ -127,17 +127,13 @@ def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
         results.update(eps)
         for t, g in zip(others, more):
             if g is not None:
-                found[id(t)] = g if found[id(t)] is None else _add(found[id(t)], g)
+                found[id(t)] = g if found[id(t)] is None else tf.math.add_n(   # dense sum
+                    [tf.convert_to_tensor(found[id(t)]), tf.convert_to_tensor(g)])
     for key, t in wanted.items():
         if found[key] is None and unconnected == tf.UnconnectedGradients.ZERO:
             found[key] = tf.zeros_like(t)
     results.update(found)
     return results
-
-
-def _add(first, second):
-    """first + second, dense (an IndexedSlices, a gather's gradient, made dense)."""
-    return tf.math.add_n([tf.convert_to_tensor(first), tf.convert_to_tensor(second)])
 
 
 class LoopPlan:
@@ -157,7 +153,9 @@ class LoopPlan:
     def __init__(self, loops):
         self.loops = loops
         self.targets, self.uses, self.step_rows = [], [], []
-        self.reads, self.writes = {}, {}   # a TF1 frame's TensorArray reads and writes
+        # a TF1 frame's body TensorArray reads (op -> the scattered tensor) and writes
+        # (op -> index of its loop variable)
+        self.reads, self.writes = {}, {}
         self._built = None
 
     def _reached(self, tensor):
@@ -217,8 +215,9 @@ class LoopPlan:
         rule = self.loops.registry.lookup(target.type)
         if rule is None:
             return f"its body reads it by {where}, which has no rule"
-        if step_rule_reason(target, rule) is not None:
-            return step_rule_reason(target, rule)
+        reason = step_rule_reason(target, rule)
+        if reason is not None:
+            return reason
         use = rule.match(target, slot, self._use_analysis)
         if isinstance(use, str):
             return f"its body reads it by {where}: {use}"

@@ -1,12 +1,10 @@
 """A TF2 `While` loop's plan (Keras GRU/LSTM, `tf.while_loop`): see `pertower._loops`.
 
-What is checked while planning (else the weight stays on the fallback, with the
-reason): the loop follows while_v2's layout (input 0 an iteration counter from 0 by 1:
-T is the loop's output 0); its body calls no function and has no stateful op but
-variable reads; the batch-axis analysis, seeded with the loop variables' settled values,
-proves A_t's and Z_t's rows example-major in the body; the weight is a loop-invariant
-input (a resource, or a reference variable's value) that the body only reads and the
-condition never reads (`uses.LoopPlan`).
+Checked while planning (else the weight keeps its fallback, with the reason): while_v2's
+layout (input 0 counts iterations from 0 by 1, so T is output 0); a body with no function
+call and no stateful op but variable reads; A_t's and Z_t's rows proven example-major by
+the batch-axis analysis seeded with the loop variables' settled values; the weight a
+loop-invariant input that only the body reads (`uses.LoopPlan`).
 """
 
 import tensorflow as tf

@@ -1,11 +1,6 @@
 """TensorFlow's private While machinery (while_v2, control_flow_util_v2, gradients_util),
-by name, for pertower's loop backward, loop copies and op edits.
-
-Ways (see `probe`): `loop_backward` (`pertower._loops.backward` rebuilds while_v2's
-`_WhileGrad`, TF 2.21; fallback the loop's copy), `while_edit` (`_towers.later_gradients`
-edits a While op without its backward; fallback TensorFlow's While gradient run whole)
-and `loop_copy` (`pertower._loops.copy` builds a While with `while_loop`; fallback the
-loop's weights stay on pertower's fallback method, towers or row passes).
+by name: ways `loop_backward` (`_loops.backward`), `while_edit` (`_towers.later_gradients`)
+and `loop_copy` (`_loops.copy`); their fallbacks are in `probe.WAYS`.
 """
 
 import inspect
@@ -28,8 +23,8 @@ __all__ = ["loop_backward", "while_edit", "loop_copy", "while_gradient_function"
            "create_grad_func", "body_grad_func_graph", "resolve_grad_captures",
            "build_while_op", "copy_handle_data", "structured_grad_output",
            "gradients_in_body", "indirect_captures", "edit_while_op",
-           "set_num_original_outputs", "zeros_like_output", "is_trainable",
-           "supports_default_grad", "unique_grad_fn_name", "create_new_tf_function",
+           "set_num_original_outputs", "zeros_like_output", "takes_default_gradient",
+           "unique_grad_fn_name", "create_new_tf_function",
            "read_function_graph", "clear_control_inputs", "cond_func_graph",
            "func_graph_from_py_func", "tensor_id", "while_loop"]
 
@@ -235,16 +230,11 @@ def zeros_like_output(op, index):
     return _control_flow_state.ZerosLike(op, index)
 
 
-def is_trainable(tensor):
-    """Whether `tf.gradients` differentiates `tensor` (backprop_util `IsTrainable`)."""
+def takes_default_gradient(tensor):
+    """Whether `tf.gradients` feeds `tensor` a zero gradient where the cost does not reach
+    it (backprop_util `IsTrainable` and default_gradient `supports_default_grad`)."""
     probe.require("tf.gradients' zero rule", _zero_rule_reason)
-    return _backprop_util.IsTrainable(tensor)
-
-
-def supports_default_grad(tensor):
-    """Whether `tensor` has a default zero gradient (default_gradient)."""
-    probe.require("tf.gradients' zero rule", _zero_rule_reason)
-    return _default_gradient.supports_default_grad(tensor)
+    return _backprop_util.IsTrainable(tensor) and _default_gradient.supports_default_grad(tensor)
 
 
 # -- building functions -----------------------------------------------------------------------
