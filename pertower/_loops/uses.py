@@ -168,23 +168,19 @@ class LoopPlan:
         handle or its value), or a reason."""
         if self.reason is not None:
             return self.reason
-        stack, terminals = [], []
-        if tensor.dtype != tf.resource:     # the weight's value (a reference variable's)
-            stack.append((tensor, ()))
-        for consumer in tensor.consumers() if tensor.dtype == tf.resource else ():
-            if self._in_cond(consumer):
-                return "its condition reads the weight"
-            if not self._in_body(consumer):
-                continue
-            if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
-                return f"its body passes the weight to {consumer.name!r} ({consumer.type})"
-            stack.append((consumer.outputs[0], ()))
+        stack, terminals = [(tensor, ())], []   # the handle, or the weight's value
         while stack:
             tensor, placements = stack.pop()
             for consumer in tensor.consumers():
                 if self._in_cond(consumer):
                     return "its condition reads the weight"
                 if not self._in_body(consumer):
+                    continue
+                if tensor.dtype == tf.resource:   # the handle: read, never passed on
+                    if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
+                        return (f"its body passes the weight to {consumer.name!r} "
+                                f"({consumer.type})")
+                    stack.append((consumer.outputs[0], ()))
                     continue
                 slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
                 if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
