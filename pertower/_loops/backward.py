@@ -37,7 +37,16 @@ class OwnBackward:
 
     def __init__(self, loop):
         self.loop = loop
-        self._copy = None if _supported(loop) else copy.BuiltCopy(loop)
+        op = loop.op
+        # while_v2's helpers as expected, the op in the graph being built, its own body
+        # graph planned, no extra output TensorFlow did not add; else the copy
+        supported = (op.graph is tf.compat.v1.get_default_graph()
+                     and _tf.loop_backward()
+                     and op.type in op_types.WHILE_OP_TYPES
+                     and _tf.own_function_graph(op, "body") is loop.body
+                     and _tf.own_function_graph(op, "cond") is not None
+                     and len(loop.body.outputs) == len(op.outputs))
+        self._copy = None if supported else copy.BuiltCopy(loop)
         self._uses = None
 
     @property
@@ -49,9 +58,8 @@ class OwnBackward:
         return self._copy.uses if self._copy is not None else self._uses
 
     def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
-        """({id(key_j): dZ_all_j, [B*k*T, *z]}, [gradient at each of `others`, or None])
-        from one backward pass of the loop, given the gradients `d_outputs` at
-        `loop.reached_outputs` (None where unconnected), stopping at `stops`."""
+        """As `copy.BuiltCopy.output_gradients`, from one backward pass of the loop (dZ_all
+        keyed by id(key_j) of `uses`)."""
         if self._copy is None and any(d is not None for d in d_outputs):
             try:
                 return self._backward(d_outputs, others, stops)
@@ -183,19 +191,6 @@ class OwnBackward:
                                 stop_gradients=list(stops),
                                 unconnected_gradients=tf.UnconnectedGradients.NONE)
         return found, more
-
-
-def _supported(loop):
-    """Whether `OwnBackward` may try the loop (else the copy): while_v2's helpers as
-    expected, the op in the graph being built, its own body graph planned, no extra
-    output TensorFlow did not add."""
-    op = loop.op
-    return (op.graph is tf.compat.v1.get_default_graph()
-            and _tf.loop_backward()
-            and op.type in op_types.WHILE_OP_TYPES
-            and _tf.own_function_graph(op, "body") is loop.body
-            and _tf.own_function_graph(op, "cond") is not None
-            and len(loop.body.outputs) == len(op.outputs))
 
 
 def _duplicate(op):

@@ -235,7 +235,7 @@ class Frame(uses_lib.LoopPlan):
 
     @property
     def reached_outputs(self):
-        """The tensors after the frame that `ys` reads and the copy reproduces."""
+        """The tensors after the frame that `ys` reads (`_outputs`)."""
         return [t for t, _, _ in self.after]
 
     def _make_copy(self):

@@ -144,17 +144,15 @@ class WhileLoop(uses_lib.LoopPlan):
     def _use_analysis(self):
         return self.body_analysis
 
-    def _steps_rows(self, use):
-        """k*T rows per example (T at most the static maximum_iterations: k only
-        chooses between a rule's exact forms, e.g. the ghost norm); None when not static."""
+    def _steps_rows(self, use):   # T at most the static maximum_iterations: k only
+        # chooses between a rule's exact forms (e.g. the ghost norm)
         steps = _batch_axis.static_value(self.op.inputs[1])
         return (use.rows.k * int(steps) if steps is not None and steps.ndim == 0 and steps > 0
                 else None)
 
     @property
     def reached_outputs(self):
-        """The original loop's outputs that `ys` reads and whose gradients the copy's
-        backward pass takes (floating point and TensorLists)."""
+        """The loop's outputs that `ys` reads, floating point or TensorLists."""
         return [self.op.outputs[i] for i in self.read
                 if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
 
