@@ -244,10 +244,7 @@ def _is_zeros(loop, tensor):
     tensor = _strip(outer if outer is not None else tensor)
     if tensor.op.type == "ZerosLike":
         return True
-    if tensor.op.type == "Fill":
-        value = static.static_value(tensor.op.inputs[1])
-        return value is not None and not value.any()
-    value = static.static_value(tensor)
+    value = static.static_value(tensor.op.inputs[1] if tensor.op.type == "Fill" else tensor)
     return value is not None and not value.any()
 
 
@@ -272,18 +269,10 @@ def _kept_past_end(loop, variable, counter, lengths):
 
 
 def masked_past_end(reduction, loop, shape_value):
-    """Whether the loop `loop` (a `V1Loop` or `V2Loop`), bounded by the result of
-    `reduction`, keeps each example's state fixed past its own end (see the module
-    docstring), so that the batch's extra steps change none of its rows.
-
-    Args:
-      reduction: the reduction op over the batch axis whose result bounds the loop.
-      loop: the loop, as a `V1Loop` or `V2Loop`.
-      shape_value: a `static.ShapeEvaluator` of the scan (which shape entries follow B).
-
-    Returns:
-      True when proven; False otherwise (also for a minimum over the batch).
-    """
+    """True when `loop` (a `V1Loop` or `V2Loop`), bounded by the result of `reduction`
+    (an op reducing over the batch axis), is proven to keep each example's state fixed
+    past its own end (the module's proof), else False (always for a minimum);
+    `shape_value` is the scan's `static.ShapeEvaluator` (which shape entries follow B)."""
     if reduction.type != "Max":
         return False
     counter = _bounding_counter(loop, reduction, shape_value)

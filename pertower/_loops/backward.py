@@ -1,23 +1,16 @@
 """dZ_t and A_t of a TF2 loop's covered reads from ONE backward pass of the loop.
 
-Notation (as in `pertower._loops`; `op` the user's While op, D its duplicate: a While op
-calling the same functions on the same inputs).
-
-`OwnBackward.output_gradients` builds D and its backward as TensorFlow's While gradient
-does (while_v2.py `_WhileGrad`, `_create_grad_func`, `_grad_fn`; TF 2.21), with two
-changes: the backward body's `_GradientsHelper` call also takes the gradient at each
-covered op's output Z_t (the pass is the same; the gradient aggregated at Z_t is read
-out), and the body pushes that dZ_t and A_t (popped from the accumulator the op's own
-gradient reads) onto two extra loop variables. Both lists hold steps T-1 .. 0, aligned.
-
-The backward body reads exactly what TensorFlow's reads (a BiasAdd's A_t, which its
-gradient does not read, is stood in by dZ_t; another unread A_t falls back), so its
-edit of the forward loop (accumulator outputs) is made to D and, identically, to the
-user's op, which gets the edit any `tf.gradients` makes (`_towers.later_gradients`);
-pertower's tensors read only D's outputs. Where the helpers differ (way `loop_backward`),
-the body graph is not while_v2's own, or the backward needs what is not handled here
-(an IndexedSlices gradient, an unread A_t), the copy (`copy.BuiltCopy`) is used; a body
-graph a failed attempt touched is replaced by one read back from the op's function.
+Notation as in `pertower._loops`; `op` the user's While op, D its duplicate (a While op
+calling the same functions on the same inputs). `OwnBackward.output_gradients` builds D
+and its backward as while_v2's `_WhileGrad` does (`_create_grad_func`, `_grad_fn`; TF
+2.21) with two changes: the backward body's `_GradientsHelper` call also returns the
+gradient at each covered op's output Z_t, and the body pushes that dZ_t and A_t (popped
+from the accumulator the op's own gradient reads; a BiasAdd's unread A_t is stood in by
+dZ_t) onto two extra loop variables, both holding steps T-1 .. 0. The body reads what
+TensorFlow's reads, so its edit of the forward loop is made to D and, identically, to
+`op` (as any `tf.gradients` would, `_towers.later_gradients`); pertower reads only D's
+outputs. Otherwise (way `loop_backward`, a body graph not while_v2's own, an
+IndexedSlices gradient, another unread A_t) the copy (`copy.BuiltCopy`) is used.
 """
 
 import tensorflow as tf
@@ -44,7 +37,16 @@ class OwnBackward:
 
     def __init__(self, loop):
         self.loop = loop
-        self._copy = None if _supported(loop) else copy.BuiltCopy(loop)
+        op = loop.op
+        # while_v2's helpers as expected, the op in the graph being built, its own body
+        # graph planned, no extra output TensorFlow did not add; else the copy
+        supported = (op.graph is tf.compat.v1.get_default_graph()
+                     and _tf.loop_backward()
+                     and op.type in op_types.WHILE_OP_TYPES
+                     and _tf.own_function_graph(op, "body") is loop.body
+                     and _tf.own_function_graph(op, "cond") is not None
+                     and len(loop.body.outputs) == len(op.outputs))
+        self._copy = None if supported else copy.BuiltCopy(loop)
         self._uses = None
 
     @property
@@ -56,9 +58,8 @@ class OwnBackward:
         return self._copy.uses if self._copy is not None else self._uses
 
     def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
-        """({id(key_j): dZ_all_j, [B*k*T, *z]}, [gradient at each of `others`, or None])
-        from one backward pass of the loop, given the gradients `d_outputs` at
-        `loop.reached_outputs` (None where unconnected), stopping at `stops`."""
+        """As `copy.BuiltCopy.output_gradients`, from one backward pass of the loop (dZ_all
+        keyed by id(key_j) of `uses`)."""
         if self._copy is None and any(d is not None for d in d_outputs):
             try:
                 return self._backward(d_outputs, others, stops)
@@ -190,19 +191,6 @@ class OwnBackward:
                                 stop_gradients=list(stops),
                                 unconnected_gradients=tf.UnconnectedGradients.NONE)
         return found, more
-
-
-def _supported(loop):
-    """Whether `OwnBackward` may try the loop (else the copy): while_v2's helpers as
-    expected, the op in the graph being built, its own body graph planned, no extra
-    output TensorFlow did not add."""
-    op = loop.op
-    return (op.graph is tf.compat.v1.get_default_graph()
-            and _tf.loop_backward()
-            and op.type in op_types.WHILE_OP_TYPES
-            and _tf.own_function_graph(op, "body") is loop.body
-            and _tf.own_function_graph(op, "cond") is not None
-            and len(loop.body.outputs) == len(op.outputs))
 
 
 def _duplicate(op):

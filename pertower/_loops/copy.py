@@ -1,12 +1,10 @@
 """The copy of a loop (a TF2 `While` or a TF1 frame): ε in, A_t out (see `pertower._loops`).
 
-`BuiltCopy` builds, with `while_v2`, a new loop over the copy variables the plan gives
-(`LoopPlan.copy_variables`), one TensorList of A_t per covered read (pushed at each
-step) and one of ε per covered read (reversed, popped at each step: a pop's gradient
-is one push). Its condition and body replay the plan's ops one by one (same type,
+`BuiltCopy` builds with `while_v2` a loop over the plan's copy variables
+(`LoopPlan.copy_variables`) whose condition and body replay the plan's ops (same type,
 attributes and inputs, mapped to the copy's tensors), each covered op's output Z_t
-replaced by Z_t + ε[t]. The user's loop is only read. One backward pass of the copy,
-`tf.gradients(copy outputs, ε, grad_ys=dL/dOut)`, gives every step's dZ_t.
+replaced by Z_t + ε[t]; per covered read it carries a TensorList of A_t (pushed at each
+step) and one of ε (reversed, popped at each step: a pop's gradient is one push).
 """
 
 import dataclasses
@@ -18,8 +16,7 @@ from pertower._tf import list_ops
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BuiltCopy", "CopyVariable", "built_use", "eps_gradients", "example_major",
-           "row_shape", "stacked"]
+__all__ = ["BuiltCopy", "CopyVariable", "built_use", "example_major", "row_shape", "stacked"]
 
 # attributes not copied: colocation with ops outside the copy's function
 _DROPPED_ATTRS = frozenset({"_class"})
@@ -93,10 +90,26 @@ class BuiltCopy:
                      for use, a_list, e in zip(loop.uses, results[n:n + J], eps)]
 
     def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
-        """({id(ε_j): dZ_all_j, [B*k*T, *z]}, [gradient at each of `others`, or None])
-        from one backward pass of the copy, given the gradients `d_outputs` at
-        `loop.reached_outputs` (None where unconnected), stopping at `stops`."""
-        return eps_gradients(self.outputs, d_outputs, self.eps, unconnected, others, stops)
+        """One backward pass of the copy, given the gradients `d_outputs` at
+        `loop.reached_outputs` (None where unconnected), to ε and to `others` (tensors
+        before the loop: the gradients along the paths through it), stopping at `stops`.
+
+        Returns:
+          ({id(ε_j): dZ_all_j, [B*k*T, *z]}, [the gradient at each of `others`, or None]).
+        """
+        ys = [c for c, d in zip(self.outputs, d_outputs) if d is not None]
+        grad_ys = [d for d in d_outputs if d is not None]
+        others = list(others)
+        grads = (tf.gradients(ys, self.eps + others, grad_ys=grad_ys,
+                              stop_gradients=list(stops),
+                              unconnected_gradients=tf.UnconnectedGradients.NONE)
+                 if ys else [None] * (len(self.eps) + len(others)))
+        found = {}
+        for e, g in zip(self.eps, grads):
+            if g is None and unconnected == tf.UnconnectedGradients.ZERO:
+                g = tf.zeros_like(e)
+            found[id(e)] = None if g is None else example_major(g)
+        return found, grads[len(self.eps):]
 
 
 def _replay(loop, ops, mapping, perturbations=None):
@@ -154,28 +167,6 @@ def built_use(use, activation, key):
     whose id keys dZ_all."""
     return registry_lib.Use(use.op, use.slot, use.rule, activation, key, use.weight_shape,
                             use.rows)
-
-
-def eps_gradients(copied, d_outputs, eps, unconnected, others=(), stops=()):
-    """One backward pass of a copy from its outputs `copied` with the gradients
-    `d_outputs` (None where unconnected), to `eps` and to `others` (tensors before the
-    loop: the gradients along the paths through it), stopping at `stops`.
-
-    Returns:
-      ({id(ε_j): dZ_all_j, [B*k*T, *z]}, [the gradient at each of `others`, or None]).
-    """
-    ys = [c for c, d in zip(copied, d_outputs) if d is not None]
-    grad_ys = [d for d in d_outputs if d is not None]
-    others = list(others)
-    grads = (tf.gradients(ys, list(eps) + others, grad_ys=grad_ys, stop_gradients=list(stops),
-                          unconnected_gradients=tf.UnconnectedGradients.NONE)
-             if ys else [None] * (len(eps) + len(others)))
-    found = {}
-    for e, g in zip(eps, grads):
-        if g is None and unconnected == tf.UnconnectedGradients.ZERO:
-            g = tf.zeros_like(e)
-        found[id(e)] = None if g is None else example_major(g)
-    return found, grads[len(eps):]
 
 
 def example_major(stacked):

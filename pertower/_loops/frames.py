@@ -1,20 +1,15 @@
 """A TF1 frame's plan (`tf.compat.v1.nn.dynamic_rnn`, `tf.while_loop` under control flow
 v1): see `pertower._loops`.
 
-A frame is made of ops of the graph itself (Enter, Merge, Switch, the body's ops,
-NextIteration, Exit), so the plan's batch-axis analysis has given its tensors their rows
-and a rule matches a body op as any op; dZ_t per step comes from the copy, a control
-flow v2 loop replaying the frame's ops. What the copy can replay (else the weight keeps
-its fallback, with the reason): a frame nested in no other, whose body and condition
-hold no control flow, no function call and no stateful op but variable reads and the
-TensorArray ops of `dynamic_rnn`'s layout: reads of an input TensorArray filled before
-the frame by one scatter at indices 0, 1, ... (replayed as items of a TensorList of the
-scattered tensor, a loop variable of the copy, so that its backward pass reaches it),
-and one write per step to an output TensorArray carried as a loop variable and read
-after the frame by a gather or a read (a TensorList grown as written, padded with zeros
-to the TensorArray's size); a loop variable counting iterations from 0 by 1 (T at its
-exit); the weight entered as a loop invariant and read only in the body, through layout
-ops.
+A frame's ops are the graph's own, so the plan's batch-axis analysis covers its body and
+dZ_t comes from the copy. What the copy can replay (else the weight keeps its fallback,
+with the reason): a frame nested in no other, whose body and condition hold no control
+flow, function call or stateful op but variable reads and `dynamic_rnn`'s TensorArray
+layout: an input TensorArray filled before the frame by one scatter at indices 0, 1, ...
+(read as items of a TensorList of the scattered tensor), one write per step to an output
+TensorArray carried as a loop variable and gathered or read after the frame (a TensorList
+grown as written, padded with zeros to the array's size); a loop variable counting from 0
+by 1 (T at its exit); the weight a loop invariant read only in the body, through layout ops.
 """
 
 import dataclasses
@@ -59,8 +54,6 @@ class Frame(uses_lib.LoopPlan):
         super().__init__(loops)
         self.name = name
         self.graph = enter.graph
-        # reads: body TensorArrayReadV3 op -> the scattered tensor; writes: body
-        # TensorArrayWriteV3 op -> index of its loop variable
         self.after = []         # (tensor after the frame, loop variable index, op) reached
         self.reason = self._analyse()
 
@@ -101,8 +94,7 @@ class Frame(uses_lib.LoopPlan):
         self.cond_ops = self._region([self.loop_cond.inputs[0]], by_merge)
         if isinstance(self.cond_ops, str):
             return self.cond_ops
-        found = self._arrays() or self._counter() or self._outputs()
-        return found
+        return self._arrays() or self._counter() or self._outputs()
 
     def _needed(self, variables):
         """The loop variables that `ys` reads at the frame's exits, that the condition
@@ -243,7 +235,7 @@ class Frame(uses_lib.LoopPlan):
 
     @property
     def reached_outputs(self):
-        """The tensors after the frame that `ys` reads and the copy reproduces."""
+        """The tensors after the frame that `ys` reads (`_outputs`)."""
         return [t for t, _, _ in self.after]
 
     def _make_copy(self):

@@ -127,17 +127,13 @@ def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
         results.update(eps)
         for t, g in zip(others, more):
             if g is not None:
-                found[id(t)] = g if found[id(t)] is None else _add(found[id(t)], g)
+                found[id(t)] = g if found[id(t)] is None else tf.math.add_n(   # dense sum
+                    [tf.convert_to_tensor(found[id(t)]), tf.convert_to_tensor(g)])
     for key, t in wanted.items():
         if found[key] is None and unconnected == tf.UnconnectedGradients.ZERO:
             found[key] = tf.zeros_like(t)
     results.update(found)
     return results
-
-
-def _add(first, second):
-    """first + second, dense (an IndexedSlices, a gather's gradient, made dense)."""
-    return tf.math.add_n([tf.convert_to_tensor(first), tf.convert_to_tensor(second)])
 
 
 class LoopPlan:
@@ -157,7 +153,9 @@ class LoopPlan:
     def __init__(self, loops):
         self.loops = loops
         self.targets, self.uses, self.step_rows = [], [], []
-        self.reads, self.writes = {}, {}   # a TF1 frame's TensorArray reads and writes
+        # a TF1 frame's body TensorArray reads (op -> the scattered tensor) and writes
+        # (op -> index of its loop variable)
+        self.reads, self.writes = {}, {}
         self._built = None
 
     def _reached(self, tensor):
@@ -170,23 +168,19 @@ class LoopPlan:
         handle or its value), or a reason."""
         if self.reason is not None:
             return self.reason
-        stack, terminals = [], []
-        if tensor.dtype != tf.resource:     # the weight's value (a reference variable's)
-            stack.append((tensor, ()))
-        for consumer in tensor.consumers() if tensor.dtype == tf.resource else ():
-            if self._in_cond(consumer):
-                return "its condition reads the weight"
-            if not self._in_body(consumer):
-                continue
-            if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
-                return f"its body passes the weight to {consumer.name!r} ({consumer.type})"
-            stack.append((consumer.outputs[0], ()))
+        stack, terminals = [(tensor, ())], []   # the handle, or the weight's value
         while stack:
             tensor, placements = stack.pop()
             for consumer in tensor.consumers():
                 if self._in_cond(consumer):
                     return "its condition reads the weight"
                 if not self._in_body(consumer):
+                    continue
+                if tensor.dtype == tf.resource:   # the handle: read, never passed on
+                    if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
+                        return (f"its body passes the weight to {consumer.name!r} "
+                                f"({consumer.type})")
+                    stack.append((consumer.outputs[0], ()))
                     continue
                 slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
                 if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
@@ -217,8 +211,9 @@ class LoopPlan:
         rule = self.loops.registry.lookup(target.type)
         if rule is None:
             return f"its body reads it by {where}, which has no rule"
-        if step_rule_reason(target, rule) is not None:
-            return step_rule_reason(target, rule)
+        reason = step_rule_reason(target, rule)
+        if reason is not None:
+            return reason
         use = rule.match(target, slot, self._use_analysis)
         if isinstance(use, str):
             return f"its body reads it by {where}: {use}"

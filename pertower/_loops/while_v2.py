@@ -1,12 +1,10 @@
 """A TF2 `While` loop's plan (Keras GRU/LSTM, `tf.while_loop`): see `pertower._loops`.
 
-What is checked while planning (else the weight stays on the fallback, with the
-reason): the loop follows while_v2's layout (input 0 an iteration counter from 0 by 1:
-T is the loop's output 0); its body calls no function and has no stateful op but
-variable reads; the batch-axis analysis, seeded with the loop variables' settled values,
-proves A_t's and Z_t's rows example-major in the body; the weight is a loop-invariant
-input (a resource, or a reference variable's value) that the body only reads and the
-condition never reads (`uses.LoopPlan`).
+Checked while planning (else the weight keeps its fallback, with the reason): while_v2's
+layout (input 0 counts iterations from 0 by 1, so T is output 0); a body with no function
+call and no stateful op but variable reads; A_t's and Z_t's rows proven example-major by
+the batch-axis analysis seeded with the loop variables' settled values; the weight a
+loop-invariant input that only the body reads (`uses.LoopPlan`).
 """
 
 import tensorflow as tf
@@ -146,17 +144,15 @@ class WhileLoop(uses_lib.LoopPlan):
     def _use_analysis(self):
         return self.body_analysis
 
-    def _steps_rows(self, use):
-        """k*T rows per example (T at most the static maximum_iterations: k only
-        chooses between a rule's exact forms, e.g. the ghost norm); None when not static."""
+    def _steps_rows(self, use):   # T at most the static maximum_iterations: k only
+        # chooses between a rule's exact forms (e.g. the ghost norm)
         steps = _batch_axis.static_value(self.op.inputs[1])
         return (use.rows.k * int(steps) if steps is not None and steps.ndim == 0 and steps > 0
                 else None)
 
     @property
     def reached_outputs(self):
-        """The original loop's outputs that `ys` reads and whose gradients the copy's
-        backward pass takes (floating point and TensorLists)."""
+        """The loop's outputs that `ys` reads, floating point or TensorLists."""
         return [self.op.outputs[i] for i in self.read
                 if self.op.outputs[i].dtype == tf.variant or self.op.outputs[i].dtype.is_floating]
 

@@ -1,20 +1,15 @@
 """Which of TensorFlow's private ways pertower takes, and why not where it does not.
 
-A *way* is a named use of TensorFlow's private API that has a public, slower fallback
-(the table in docs/tensorflow_upgrade.md). Before its first use, `private_way(name)`
-probes once what the way relies on (the names exist, and each function's parameters are
-the ones pertower passes, by `inspect.signature`), and records the outcome as a
-`Finding`; a changed TensorFlow then takes the fallback, with the reason on record,
-instead of a `TypeError` deep in a build. `require` does the same for the few private
-names pertower has no public replacement for, and raises an error naming them.
+A *way* is a use of TensorFlow's private API with a public, slower fallback (`WAYS`,
+docs/tensorflow_upgrade.md). `private_way(name)` probes once what the way relies on (the
+names exist, each function takes the parameters pertower passes) and records a `Finding`,
+so a changed TensorFlow takes the fallback with the reason on record instead of failing
+deep in a build; `require` probes a private name with no public replacement and raises.
 
-The fallback of every way is forced by the environment variable
-``PERTOWER_TF_FALLBACK`` (read at each call): ``1`` (or ``all``) forces every way's
-fallback, a comma-separated list of way names forces those; in-process,
-`forced_fallback(*names)` does the same for the block it wraps (tests).
-`report()` probes every way not probed yet and lists the findings (what `pertower
-explain` can print); each finding is also logged once at debug level on the "pertower"
-logger.
+``PERTOWER_TF_FALLBACK`` (read at each call) forces fallbacks: ``1`` (or ``all``) every
+way's, a comma-separated list of way names those; `forced_fallback(*names)` does the same
+for a block (tests). `report()` lists the findings (`pertower explain` prints them); each
+is logged once at debug level on the "pertower" logger.
 """
 
 import contextlib

@@ -1,11 +1,6 @@
 """TensorFlow's private While machinery (while_v2, control_flow_util_v2, gradients_util),
-by name, for pertower's loop backward, loop copies and op edits.
-
-Ways (see `probe`): `loop_backward` (`pertower._loops.backward` rebuilds while_v2's
-`_WhileGrad`, TF 2.21; fallback the loop's copy), `while_edit` (`_towers.later_gradients`
-edits a While op without its backward; fallback TensorFlow's While gradient run whole)
-and `loop_copy` (`pertower._loops.copy` builds a While with `while_loop`; fallback the
-loop's weights stay on pertower's fallback method, towers or row passes).
+by name: ways `loop_backward` (`_loops.backward`), `while_edit` (`_towers.later_gradients`)
+and `loop_copy` (`_loops.copy`); their fallbacks are in `probe.WAYS`.
 """
 
 import inspect
@@ -28,8 +23,8 @@ __all__ = ["loop_backward", "while_edit", "loop_copy", "while_gradient_function"
            "create_grad_func", "body_grad_func_graph", "resolve_grad_captures",
            "build_while_op", "copy_handle_data", "structured_grad_output",
            "gradients_in_body", "indirect_captures", "edit_while_op",
-           "set_num_original_outputs", "zeros_like_output", "is_trainable",
-           "supports_default_grad", "unique_grad_fn_name", "create_new_tf_function",
+           "set_num_original_outputs", "zeros_like_output", "takes_default_gradient",
+           "unique_grad_fn_name", "create_new_tf_function",
            "read_function_graph", "clear_control_inputs", "cond_func_graph",
            "func_graph_from_py_func", "tensor_id", "while_loop"]
 
@@ -138,59 +133,32 @@ def while_graph(op, attr):
     return _while_v2._get_graph(op, attr, f"_{attr}_graph")
 
 
-def read_function_graph(op, input_shapes, name):
-    """A FuncGraph of the function `name` `op` calls, with `input_shapes`."""
-    return _util_v2.get_func_graph(op, input_shapes, name)
+# A FuncGraph of the function `name` that `op` calls: get_func_graph(op, input_shapes, name)
+read_function_graph = getattr(_util_v2, "get_func_graph", None)
 
 
-# -- pieces of `_WhileGrad` ---------------------------------------------------------------------
+# -- pieces of `_WhileGrad`, by name: None where this TensorFlow lacks one (the probes of the
+# ways `loop_backward` and `while_edit` check each before either way is taken) -------------
 
-def preprocess_grad(grad, body_output, while_input, while_output):
-    """An output gradient as `_WhileGrad` passes it to the backward body."""
-    return _while_v2._preprocess_grad(grad, body_output, while_input, while_output)
-
-
-def create_grad_func(ys, xs, grads, cond_graph, body_graph, name, while_op, maximum_iterations):
-    """(backward body graph, its arguments): while_v2 `_create_grad_func`."""
-    return _while_v2._create_grad_func(ys, xs, grads, cond_graph, body_graph, name, while_op,
-                                       maximum_iterations)
-
-
-def body_grad_func_graph(name, cond_graph, body_graph, maximum_iterations, while_op,
-                         body_inputs, body_outputs):
-    """The FuncGraph of a backward body (while_v2 `_WhileBodyGradFuncGraph`): it
-    captures forward intermediates through accumulators (`extra_inputs`,
-    `internal_capture_to_output`, `while_op_needs_rewrite`)."""
-    return _while_v2._WhileBodyGradFuncGraph(name, cond_graph, body_graph, maximum_iterations,
-                                             while_op, body_inputs, body_outputs)
+# an output gradient as `_WhileGrad` passes it to the backward body
+preprocess_grad = getattr(_while_v2, "_preprocess_grad", None)
+# (the backward body graph, its arguments)
+create_grad_func = getattr(_while_v2, "_create_grad_func", None)
+# the FuncGraph of a backward body: it captures forward intermediates through accumulators
+# (`extra_inputs`, `internal_capture_to_output`, `while_op_needs_rewrite`)
+body_grad_func_graph = getattr(_while_v2, "_WhileBodyGradFuncGraph", None)
+resolve_grad_captures = getattr(_while_v2, "_resolve_grad_captures", None)
+# the outputs of a new While op on the FuncGraphs
+build_while_op = getattr(_while_v2, "_build_while_op", None)
+# copies the resource handle data of the tensors `sources` to `targets`
+copy_handle_data = getattr(_while_v2, "_copy_handle_data", None)
+# the gradients at the forward loop's inputs among a backward While's `outputs`
+structured_grad_output = getattr(_while_v2, "_get_structured_grad_output", None)
 
 
 def indirect_captures(graph):
     """{tensor_id of a forward body tensor: its value in the backward body graph}."""
     return graph._indirect_captures
-
-
-def resolve_grad_captures(body_graph, body_grad_graph, while_op):
-    return _while_v2._resolve_grad_captures(body_graph, body_grad_graph, while_op)
-
-
-def build_while_op(loop_vars, cond_graph, body_graph, output_shapes, parallel_iterations,
-                   name, num_original_outputs):
-    """The outputs of a new While op on the FuncGraphs (while_v2 `_build_while_op`)."""
-    return _while_v2._build_while_op(
-        loop_vars, cond_graph, body_graph, output_shapes=output_shapes,
-        parallel_iterations=parallel_iterations, name=name,
-        num_original_outputs=num_original_outputs)
-
-
-def copy_handle_data(sources, targets):
-    """Copies the resource handle data of the tensors `sources` to `targets`."""
-    _while_v2._copy_handle_data(sources, targets)
-
-
-def structured_grad_output(outputs, grads, body_grad_graph):
-    """The gradients at the forward loop's inputs among a backward While's `outputs`."""
-    return _while_v2._get_structured_grad_output(outputs, grads, body_grad_graph)
 
 
 def gradients_in_body(ys, xs, grad_ys, src_graph):
@@ -235,45 +203,27 @@ def zeros_like_output(op, index):
     return _control_flow_state.ZerosLike(op, index)
 
 
-def is_trainable(tensor):
-    """Whether `tf.gradients` differentiates `tensor` (backprop_util `IsTrainable`)."""
+def takes_default_gradient(tensor):
+    """Whether `tf.gradients` feeds `tensor` a zero gradient where the cost does not reach
+    it (backprop_util `IsTrainable` and default_gradient `supports_default_grad`)."""
     probe.require("tf.gradients' zero rule", _zero_rule_reason)
-    return _backprop_util.IsTrainable(tensor)
+    return _backprop_util.IsTrainable(tensor) and _default_gradient.supports_default_grad(tensor)
 
 
-def supports_default_grad(tensor):
-    """Whether `tensor` has a default zero gradient (default_gradient)."""
-    probe.require("tf.gradients' zero rule", _zero_rule_reason)
-    return _default_gradient.supports_default_grad(tensor)
+# -- building functions (checked by the same probes) --------------------------------------
 
-
-# -- building functions -----------------------------------------------------------------------
-
-def unique_grad_fn_name(name):
-    return _util_v2.unique_grad_fn_name(name)
-
-
-def create_new_tf_function(func_graph):
-    """Adds the FuncGraph's function to its outer graph; returns its name."""
-    return _util_v2.create_new_tf_function(func_graph)
-
-
-def clear_control_inputs():
-    """A context without control dependencies or control-flow context."""
-    return _util_v2.clear_control_inputs()
-
-
-def cond_func_graph(name):
-    return _util_v2.WhileCondFuncGraph(name)
+unique_grad_fn_name = getattr(_util_v2, "unique_grad_fn_name", None)
+# adds a FuncGraph's function to its outer graph; returns its name
+create_new_tf_function = getattr(_util_v2, "create_new_tf_function", None)
+# a context without control dependencies or control-flow context
+clear_control_inputs = getattr(_util_v2, "clear_control_inputs", None)
+cond_func_graph = getattr(_util_v2, "WhileCondFuncGraph", None)
+tensor_id = getattr(_ops, "tensor_id", None)
 
 
 def func_graph_from_py_func(name, python_func, args, func_graph):
     return _func_graph.func_graph_from_py_func(name, python_func, args, {},
                                                func_graph=func_graph)
-
-
-def tensor_id(tensor):
-    return _ops.tensor_id(tensor)
 
 
 def while_loop(cond, body, loop_vars, name, shape_invariants=None):

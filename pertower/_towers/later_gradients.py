@@ -5,19 +5,15 @@ Notation:
          If, PartitionedCall, ... of control flow v2 and `tf.function`)
     S    scratch: a `FuncGraph` inside the user's graph that is never called
 
-TensorFlow builds the gradient of such an op by editing the op itself (while_v2.py
-`_WhileGrad` gives the forward loop the accumulators its backward reads; cond_v2.py
-`_IfGrad` and a `tf.function` call's gradient add outputs too). A session that has run
-the graph keeps the op as it first ran, so a gradient built after the first run fails
-with "Connecting to invalid output N of source node .../while". Towers and loop copies
-differentiate copies of the op, never the op itself; so that a training op built after
-pertower's tensors ran works as with plain `tf.gradients`, `prepare_for_later_gradients`
-calls each op's gradient function once, inside S, with the zero gradient `tf.gradients`
-feeds every trainable output the cost does not reach (gradients_util.py
-`_GradientsHelper`): the edit lands in the user's graph exactly as a user's
-`tf.gradients` makes it, while the backward op and every reader of the new outputs stay
-in S. For a While op only the part of `_WhileGrad` that edits the op runs (`_edit_while`,
-way `while_edit`; its fallback runs the whole gradient function in S).
+TensorFlow builds the gradient of such an op by editing the op itself (while_v2
+`_WhileGrad` adds the accumulators its backward reads; cond_v2 `_IfGrad` and a call's
+gradient add outputs too), and a session that has run the graph keeps the op as it first
+ran: a gradient built later fails with "Connecting to invalid output N of source node".
+Towers and loop copies never differentiate the op itself, so `prepare_for_later_gradients`
+calls each op's gradient function once, inside S, with the zero gradients `tf.gradients`
+feeds outputs the cost does not reach (gradients_util `_GradientsHelper`): the edit lands
+in the user's graph as a user's `tf.gradients` makes it; the backward op stays in S. For a
+While op only the editing part of `_WhileGrad` runs (`_edit_while`, way `while_edit`).
 """
 
 import tensorflow as tf
@@ -32,7 +28,7 @@ __all__ = ["body_gradients", "edit_while_ops", "num_original_outputs", "output_g
 def output_gradients(op, given):
     """The output gradients a `tf.gradients` that reaches the While op's outputs `given`
     ({output index: gradient}) passes to its gradient function: those, TensorFlow's zero
-    rule for the other original outputs (`_zero_output_gradients`), None past them."""
+    rule for the other original outputs, None past them."""
     count = num_original_outputs(op)
     zeros = _zero_output_gradients(op, count=count, skip=given)
     return [given[i] if i in given and i < count else g for i, g in enumerate(zeros)]
@@ -40,17 +36,14 @@ def output_gradients(op, given):
 
 def _zero_output_gradients(op, dense=True, count=None, skip=()):
     """The output gradients `tf.gradients` passes to op's gradient function when the
-    cost reaches none of its outputs (TF's own rule: `ZerosLike` for each trainable output
-    that supports a default gradient, None for the others). With `dense` False, a
-    floating output gets True instead (`_edit_while` makes its own); the outputs past the
-    first `count`, and those in `skip`, get None."""
+    cost reaches none of its outputs: `ZerosLike` for each output that takes a default
+    gradient, else None; None too for the outputs in `skip` and past the first `count`.
+    With `dense` False, a floating output gets True instead (`_edit_while` makes its own)."""
     count = len(op.outputs) if count is None else count
-    return [None if i in skip else
-            (True if not dense and (t.dtype.is_floating or t.dtype.is_complex)
-             else _tf.zeros_like_output(op, i))
-            if i < count and _tf.is_trainable(t)
-            and _tf.supports_default_grad(t)
-            else None for i, t in enumerate(op.outputs)]
+    return [None if i in skip or i >= count or not _tf.takes_default_gradient(t)
+            else True if not dense and (t.dtype.is_floating or t.dtype.is_complex)
+            else _tf.zeros_like_output(op, i)
+            for i, t in enumerate(op.outputs)]
 
 
 def prepare_for_later_gradients(ops):

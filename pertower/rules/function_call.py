@@ -9,27 +9,20 @@ tf_keras builds a Conv2D with groups > 1 as a call of a `tf.function(jit_compile
 whose body is `Conv2D(inputs, kernel) -> Identity`: no rule sees an op reading the weight.
 
 Identity (the chain rule does not see a function's boundary): when `inner` takes every
-input from an argument of the function (through Identity ops), nothing else in the body
-reads the weight's argument, and `inner`'s only output reaches exactly one output j of
-the function through Identity ops only, then
+input from an argument of the function, nothing else in the body reads the weight's
+argument, and `inner`'s only output reaches exactly one output j of the function, each
+through Identity ops only, then
     Z_inner = call.outputs[j],   A_inner = the call's input for that argument,
-so `inner`'s own rule computes grad_i(w) from the call's tensors, given a `CallView` of
-`inner` (the body op's type and attributes, the call's inputs and output), and the
-batch-axis analysis of the call proves the rows of A and Z.
+so `inner`'s own rule, given a `CallView` of `inner`, computes grad_i(w) from the call's
+tensors, whose rows the batch-axis analysis of the call proves.
 
 Re-layouts (`_call_layouts`; Keras' Conv1D(groups > 1) body is `ExpandDims(inputs),
-ExpandDims(kernel) -> Conv2D -> Squeeze -> Identity`): when each path between the call's
-tensors and `inner` is a chain of Identity, ExpandDims, Squeeze and Reshape that keeps
-axis 0 (or has static shapes at both ends), each body tensor is reshape(call tensor),
-the example owning a row unchanged: the body rule runs on the call's tensors re-laid-out
-(`Relaid`), and its per-example gradients are reshaped to the weight argument's shape.
-Of the call's outputs that return `inner`'s output (a gradient of the call adds some),
-exactly one may be read on the way to `ys`.
-
-Not covered (the weight falls back, with the reason): a body that does more with the
-weight or with inner's output, whose inner op has several outputs or reads a body
-constant, or whose paths go through other ops (Transpose, SpaceToBatchND, a Reshape
-that moves the batch axis).
+ExpandDims(kernel) -> Conv2D -> Squeeze -> Identity`): where each path is a chain of
+Identity, ExpandDims, Squeeze and Reshape that keeps axis 0 (or has static shapes at both
+ends), each body tensor is reshape(call tensor), each row's example unchanged: the body
+rule runs on the call's tensors re-laid-out (`Relaid`), its results reshaped to the
+weight argument's shape. Anything else (other ops on the paths, more uses of the weight
+or of inner's output, several outputs, a body constant) leaves the weight on its fallback.
 """
 
 import dataclasses
@@ -60,11 +53,7 @@ class CallView:
         self.name = f"{call.name}/{inner.name}"
         self.graph = call.graph
 
-    def get_attr(self, name):
-        """The body op's attribute `name`."""
-        return self._inner.get_attr(name)
-
-    def __getattr__(self, name):   # node_def, op_def, device, ...: the body op's
+    def __getattr__(self, name):   # get_attr, node_def, op_def, ...: the body op's
         return getattr(self._inner, name)
 
     def __repr__(self):
@@ -219,12 +208,7 @@ class Relaid:
         inner = dataclasses.replace(body_use, op=view,
                                     activation=inputs[self.input_index(body_use.activation)],
                                     output=output)
-        return inner, (None if dZ is None else self.inner_gradient(dZ))
-
-    def inner_gradient(self, dZ):
-        """dZ at the call's output [B*k, ...] in the body op's output layout."""
-        _, chain = self.returned
-        return layouts.relayout(dZ, chain.start, chain)
+        return inner, (None if dZ is None else layouts.relayout(dZ, chain.start, chain))
 
     def inner_columns(self, dZ_columns):
         """[C, B*k, ...] gradient columns at the call's output in the body op's output
@@ -234,8 +218,7 @@ class Relaid:
             return dZ_columns
         shape = chain.start.shape.as_list()
         if chain.keeps_batch:
-            C = _rows.dim(dZ_columns, 0)
-            return tf.reshape(dZ_columns, _rows.group_shape(C, [-1] + shape[1:]))
+            shape = [-1] + shape[1:]
         return tf.reshape(dZ_columns, _rows.group_shape(_rows.dim(dZ_columns, 0), shape))
 
     def to_weight(self, gradients, leading):
