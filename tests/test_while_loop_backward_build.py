@@ -3,7 +3,7 @@
 `pertower._loops` builds one backward pass of the loop (`pertower._loops.backward`:
 TensorFlow's own, run from a duplicate of the user's op, with each covered read's dZ_t
 and A_t pushed); every gradient the rules need, those of the weights before the loop
-included, comes from that one backward pass (`_loop_uses.output_gradients`). Checked:
+included, comes from that one backward pass (`pertower._loops.uses.output_gradients`). Checked:
 
 - the build adds two While ops per covered loop (the duplicate and its backward loop),
   reads no output the edit adds to the user's loop, and leaves a loop that a gradient

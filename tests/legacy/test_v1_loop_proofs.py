@@ -75,7 +75,7 @@ def _final_state_check(make_cell, final, what, with_lengths):
         plan = _compare(graph, ys, tf.compat.v1.trainable_variables(), feed, what)
     _assert_proven(plan, what)
     methods = {w.method for w in plan.weights}
-    assert methods == {"rules"}, f"{what}:\n{plan}"   # the cell's per step (_v1_loops)
+    assert methods == {"rules"}, f"{what}:\n{plan}"   # the cell's per step (pertower._loops.frames)
     return str(plan)
 
 
