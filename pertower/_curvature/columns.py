@@ -48,9 +48,8 @@ def _column_gradients(logits, outputs, S_m):
 
 
 def _control_flow_on_path(logits, outputs):
-    """The first op between `outputs` and `logits` (along floating tensors) that runs
-    control flow (a TF2 loop, conditional or function call, or an op of a TF1 frame), or
-    None."""
+    """An op between `outputs` and `logits` (along floating tensors) that runs control
+    flow (a TF2 loop, conditional or function call, or an op of a TF1 frame), or None."""
     upstream = _graph_walk.upstream_ops([logits])
     seen, stack = set(), list(outputs)
     while stack:
