@@ -1,6 +1,6 @@
 """Curvature with the columns' backward pass through pfor (`pertower._curvature.columns`)
-over convolutions, poolings and elementwise ops, on BiasAdd in NCHW, and on weights read inside loops (tf.while_loop, Keras LSTM), against the
-one-example loop.
+over convolutions, poolings and elementwise ops, on BiasAdd in NCHW, and on weights read
+inside loops (tf.while_loop, Keras LSTM), against the one-example loop.
 
 Notation: B examples, K logits, H_n = diag(p_n) - p_n p_n^T the softmax cross-entropy
 Hessian of example n. The reference GGN diagonal is sum_n sum_{k,l} J_n[k] H_n[k, l]
