@@ -1,6 +1,6 @@
-"""Curvature on the columns' own backward pass (`pertower._curvature.folded`), on BiasAdd
-in NCHW, and on weights read inside loops (tf.while_loop, Keras LSTM), against the
-one-example loop.
+"""Curvature with the columns' backward pass through pfor (`pertower._curvature.columns`)
+over convolutions, poolings and elementwise ops, on BiasAdd in NCHW, and on weights read
+inside loops (tf.while_loop, Keras LSTM), against the one-example loop.
 
 Notation: B examples, K logits, H_n = diag(p_n) - p_n p_n^T the softmax cross-entropy
 Hessian of example n. The reference GGN diagonal is sum_n sum_{k,l} J_n[k] H_n[k, l]
@@ -24,8 +24,8 @@ B = 3
 
 class Graphs:
     """One graph and session for the module: a conv net whose path from the rules'
-    outputs to the logits holds every op type the folded pass converts; the same net
-    with a Concat (not converted: pfor); BiasAdd in NCHW; a tf.while_loop reading a
+    outputs to the logits holds convolutions, poolings and elementwise ops; the same net
+    with a Concat; BiasAdd in NCHW; a tf.while_loop reading a
     resource variable per step (its own graph: a while_v2's gradient is built before
     the session first runs its graph)."""
 
@@ -53,7 +53,7 @@ class Graphs:
             self.logits = (tf.reduce_sum(tf.expand_dims(h, 1) * [[1.0], [0.5]], 1) +
                            tf.expand_dims(tf.reduce_sum(corner, 1), 1))       # [B, 4]
             self.xs = [k1, b1, dw, k2, w, c]
-            # not converted: a ConcatV2 on the path (pfor takes the columns)
+            # a ConcatV2 on the path
             self.concat_logits = tf.concat([h[:, :2], h[:, 2:] * 2.0], axis=1)
 
             # BiasAdd NCHW: the bias on axis 1 of [B, 3, 2, 2]
@@ -87,23 +87,23 @@ def graphs():
     g.sess.close()
 
 
-def test_folded_columns_match_loop_over_every_converted_op_type(graphs):
-    # Conv2D, DepthwiseConv2dNative, MaxPool (2x2: the argmax mask; 3x3 SAME: tiled),
-    # AvgPool (overlapping: AvgPoolGrad folded), Tanh, Sigmoid, LeakyRelu, Elu, Relu6,
-    # Relu, Mul, Sub, AddV2 with broadcasting, Mean, Sum, Reshape, ExpandDims, Squeeze,
-    # MatMul, BiasAdd
+def test_columns_match_loop_over_convolutions_poolings_and_elementwise_ops(graphs):
+    # Conv2D, DepthwiseConv2dNative, MaxPool (2x2 VALID; 3x3 SAME), AvgPool (2x2 SAME
+    # overlapping; 3x3 VALID), Tanh, Sigmoid, LeakyRelu, Elu, Relu6, Relu, Mul, Sub,
+    # AddV2 with broadcasting, Mean, Sum, Reshape, ExpandDims, Squeeze, MatMul, BiasAdd
+    # (TensorFlow 2.21's pfor does not convert DepthwiseConv2dNativeBackpropInput with a
+    # filter shared by the columns: the while loop over the columns)
     result = graphs.build(pertower.diag_ggn, graphs.logits, graphs.xs, per_example=True)
-    assert result.columns_method == "folded", result.columns_reason
+    assert result.columns_method == "while loop", result.columns_reason
+    assert "DepthwiseConv2dNativeBackpropInput" in result.columns_reason
     want = graphs.reference(graphs.logits, graphs.xs)
     common.assert_all_close(graphs.sess.run(list(result), graphs.feed), want, kind="deep",
-                            what="diag_ggn through every converted op type")
+                            what="diag_ggn through convolutions, poolings, elementwise ops")
 
 
-def test_folded_columns_are_taken_and_pfor_where_an_op_is_not_converted(graphs):
-    # (the folded columns of a net without a Concat, summed over examples:
-    # test_bias_add_nchw_sum_squared_sums_the_channel_axis)
+def test_pfor_columns_through_a_concat(graphs):
     concat = graphs.build(pertower.diag_ggn, graphs.concat_logits, graphs.xs[4:])
-    assert concat.columns_method == "pfor" and "ConcatV2" in concat.columns_reason
+    assert concat.columns_method == "pfor", concat.columns_reason
     got = graphs.sess.run(list(concat), graphs.feed)
     common.assert_all_close(got, [w.sum(0) for w in graphs.reference(
         graphs.concat_logits, graphs.xs[4:])], kind="deep", what="diag_ggn (pfor)")
@@ -113,7 +113,7 @@ def test_bias_add_nchw_sum_squared_sums_the_channel_axis(graphs):
     xs = [graphs.nchw_b, graphs.nchw_w]
     ggn = graphs.build(pertower.diag_ggn, graphs.nchw_logits, xs)
     squares = graphs.build(pertower.sum_grad_squared, graphs.nchw_logits, xs)
-    assert ggn.columns_method == "folded", ggn.columns_reason
+    assert ggn.columns_method == "pfor", ggn.columns_reason
     assert ggn.routes[0].startswith("rules, cheap form") and "BiasAdd" in ggn.routes[0]
     got = graphs.sess.run([list(ggn), list(squares)], graphs.feed)
     common.assert_all_close(got[0], [w.sum(0) for w in graphs.reference(

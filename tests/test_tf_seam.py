@@ -149,21 +149,6 @@ def test_the_op_order_fallback_is_creation_order(monkeypatch):
     assert fallback == sorted(ops, key=operator.attrgetter("_id")) == graph.get_operations()
 
 
-@pytest.mark.parametrize("shape, axes", [([2, 3, 4], [1]), ([2, 3, 4], [0, -1]),
-                                         ([5], [0]), ([2, 3], [])])
-def test_the_reduced_shape_fallback(monkeypatch, shape, axes):
-    monkeypatch.delenv(_tf.ENV_VAR, raising=False)
-    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-        fed = tf.compat.v1.placeholder_with_default(tf.constant(shape), [len(shape)])  # [rank]
-        private = _tf.reduced_shape(fed, tf.constant(axes, tf.int32))
-        with _tf.forced_fallback("reduced_shape"):
-            public = _tf.reduced_shape(fed, tf.constant(axes, tf.int32))
-        got, want = sess.run([public, private])
-    np.testing.assert_array_equal(got, want)
-    assert list(want) == [1 if i in [a % len(shape) for a in axes] else d
-                          for i, d in enumerate(shape)]
-
-
 # -- each fallback against the one-example loop -------------------------------------------------
 
 def test_the_ops_fallbacks_with_the_loop_backward(monkeypatch):
@@ -245,19 +230,17 @@ def _spy(monkeypatch, owner, name):
     return calls
 
 
-@pytest.mark.parametrize("way, method", [("reduced_shape", "folded"), ("pfor", "pfor")])
-def test_the_curvature_fallbacks(monkeypatch, way, method):
-    """`diag_ggn` of a dense net with a weight read twice, its columns' backward folded
-    (a ReduceSum on the path: the kept shape of the reduction) or vectorized (a Sin:
-    parallel_for's `pfor`), with the way on its fallback (public ops; tf.vectorized_map),
-    against the GGN of the one-example Jacobians. The private way is reached without
-    the switch, and not with it."""
+def test_the_curvature_fallback(monkeypatch):
+    """`diag_ggn` of a dense net with a weight read twice, its columns' backward
+    vectorized by parallel_for's `pfor`, with the way on its fallback
+    (tf.vectorized_map), against the GGN of the one-example Jacobians. The private way
+    is reached without the switch, and not with it."""
+    way = "pfor"
     monkeypatch.delenv(_tf.ENV_VAR, raising=False)
     # the seam's own reference to the private module (tf.vectorized_map calls pfor too)
-    module = "_math_ops" if way == "reduced_shape" else "_pfor"
-    monkeypatch.setattr(tf_graphs, module, types.SimpleNamespace(
-        **{way: getattr(getattr(tf_graphs, module), way)}))
-    private = _spy(monkeypatch, getattr(tf_graphs, module), way)
+    module = getattr(tf_graphs, "_pfor")
+    monkeypatch.setattr(tf_graphs, "_pfor", types.SimpleNamespace(pfor=module.pfor))
+    private = _spy(monkeypatch, getattr(tf_graphs, "_pfor"), way)
     public = _spy(monkeypatch, tf, "vectorized_map")
     rng = np.random.RandomState(1)
     with tf.Graph().as_default():
@@ -265,16 +248,15 @@ def test_the_curvature_fallbacks(monkeypatch, way, method):
         W1 = tf.Variable(rng.randn(4, 4) * 0.5, name="W1")
         W2 = tf.Variable(rng.randn(4, 3) * 0.5, name="W2")
         h = tf.nn.relu(tf.nn.relu(x @ W1) @ W1)                               # [B, 4]
-        logits = (h @ W2 + tf.reduce_sum(h, axis=1, keepdims=True) if way == "reduced_shape"
-                  else tf.sin(h @ W2))                                         # [B, 3]
+        logits = tf.sin(h @ W2 + tf.reduce_sum(h, axis=1, keepdims=True))     # [B, 3]
         pertower.diag_ggn(logits, [W1, W2], batch_size=B)
         assert private, way
         del private[:]
         before = len(public)
         with _tf.forced_fallback(way):
             result = pertower.diag_ggn(logits, [W1, W2], batch_size=B)
-        assert not private and (len(public) > before or way != "pfor"), (private, public)
-        assert result.columns_method == method, result.columns_reason
+        assert not private and len(public) > before, (private, public)
+        assert result.columns_method == "pfor", result.columns_reason
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: rng.randn(B, 4)}

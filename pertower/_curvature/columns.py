@@ -8,12 +8,11 @@ Notation:
     dZ[m] = d (sum_n S[m, n] . logits_n) / d Z = tf.gradients(logits, Z, grad_ys=S[m])
 
 The backward pass is linear in grad_ys, so the M passes are one pass over a stacked
-column axis, in order of preference: the columns' own backward pass
-(`pertower._curvature.folded`); `pfor` (TensorFlow's vectorizer, behind
-`tf.vectorized_map`), which raises on an op it cannot convert
-(`fallback_to_while_loop=False`); a `tf.while_loop` over m (the same numbers). With
-control flow on the path (a loop's gradient cannot be built inside pfor's body), one
-tf.gradients per column. The result says which way served and why.
+column axis: `pfor` (TensorFlow's vectorizer, behind `tf.vectorized_map`), which raises
+on an op it cannot convert (`fallback_to_while_loop=False`); then a `tf.while_loop` over
+m (the same numbers). With control flow on the path (a loop's gradient cannot be built
+inside pfor's body), one tf.gradients per column. The result says which way served and
+why.
 """
 
 import logging
@@ -21,17 +20,18 @@ import logging
 import tensorflow as tf
 
 from pertower import _context
+from pertower import _graph_walk
+from pertower import _op_types as op_types
 from pertower import _tf
-from pertower._curvature import folded
 
 __all__ = ["Columns", "output_gradient_columns"]
 
 
 class Columns(list):
     """The list of dZ columns, [M, *Z.shape] per entry of `outputs`, and how they were
-    computed: `method` "one pass" (one column), "folded", "pfor", "per column" or
-    "while loop"; `vectorized` whether one pass served all columns; `reason` why a
-    preferred way was not taken (None when the folded pass served)."""
+    computed: `method` "one pass" (one column), "pfor", "per column" or "while loop";
+    `vectorized` whether one pass served all columns; `reason` why pfor was not taken
+    (None when it served)."""
 
     def __init__(self, tensors, vectorized, reason=None, method=None):
         super().__init__(tensors)
@@ -45,6 +45,25 @@ def _column_gradients(logits, outputs, S_m):
     grads = tf.gradients(logits, outputs, grad_ys=S_m)
     return [tf.zeros_like(Z) if g is None else tf.convert_to_tensor(g)
             for g, Z in zip(grads, outputs)]
+
+
+def _control_flow_on_path(logits, outputs):
+    """An op between `outputs` and `logits` (along floating tensors) that runs control
+    flow (a TF2 loop, conditional or function call, or an op of a TF1 frame), or None."""
+    upstream = _graph_walk.upstream_ops([logits])
+    seen, stack = set(), list(outputs)
+    while stack:
+        t = stack.pop()
+        if t.op not in upstream or t.ref() in seen:
+            continue
+        seen.add(t.ref())
+        for op in t.consumers():
+            if op in upstream and (op.type in op_types.CALL_OP_TYPES or
+                                   op.type in op_types.V1_LOOP_OP_TYPES or
+                                   _tf.control_flow_context(op) is not None):
+                return op
+            stack.extend(o for o in op.outputs if o.dtype.base_dtype.is_floating)
+    return None
 
 
 def output_gradient_columns(logits, outputs, S):
@@ -65,17 +84,14 @@ def output_gradient_columns(logits, outputs, S):
 
     if isinstance(M, int) and M == 1:   # one column: one backward pass, nothing to vectorize
         return Columns([dZ[None] for dZ in loop_fn(0)], True, method="one pass")
-    folded_columns, folded_reason = folded.backward(logits, outputs, S)
-    if folded_columns is not None:
-        return Columns(folded_columns, True, method="folded")
-    flow = folded.crosses_control_flow(logits, outputs)
+    flow = _control_flow_on_path(logits, outputs)
     if flow is not None and isinstance(M, int):
         # the gradient of a loop or call built inside pfor's (or a while loop's) body
         # cannot reach the forward op's intermediates: one tf.gradients per column
         per_column = [loop_fn(m) for m in range(M)]
         return Columns([tf.stack([c[j] for c in per_column]) for j in range(len(outputs))],
-                       False, f"{folded_reason}; {flow.name!r} ({flow.type}) runs control "
-                              "flow on the path: one backward pass per column",
+                       False, f"{flow.name!r} ({flow.type}) runs control flow on the "
+                              "path: one backward pass per column",
                        "per column")
 
     logger = tf.get_logger()
@@ -83,9 +99,9 @@ def output_gradient_columns(logits, outputs, S):
     logger.setLevel(logging.CRITICAL)   # pfor logs the op it fails on, which is handled here
     try:
         stacked = _tf.pfor(loop_fn, M, fallback_to_while_loop=False)  # per Z: [M, *Z.shape]
-        return Columns(list(stacked), True, folded_reason, "pfor")
+        return Columns(list(stacked), True, method="pfor")
     except (ValueError, NotImplementedError, TypeError) as err:   # an op pfor cannot convert
-        reason = (f"{folded_reason}; pfor could not vectorize the backward pass "
+        reason = ("pfor could not vectorize the backward pass "
                   f"({str(err).splitlines()[0]})")
     finally:
         logger.setLevel(level)

@@ -159,7 +159,7 @@ def loop_columns(plan, indices, S):
     column m, the engine's backward pass with grad_ys = S[m] (one tf.gradients to the
     loops' outputs and one backward pass of each loop's copy), stacked over m. M passes,
     where the other uses share one vectorized pass: a loop's backward pass is a while
-    loop of its own, which neither pfor nor the folded pass converts."""
+    loop of its own, which pfor does not convert."""
     keys = [id(use.concrete().output) for k in indices for use in plan.uses[k]
             if isinstance(use, _loops.LoopUse)]
     if not keys:

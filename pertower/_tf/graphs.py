@@ -3,7 +3,7 @@
 Each function reads or writes one private name (listed with its reason and fallback in
 docs/tensorflow_upgrade.md). Where a public, slower way exists it is the fallback of a
 way of `pertower._tf.probe` (`op_order`, `create_op`, `one_sided_gradients`,
-`reduced_shape`, `pfor`); the other names have no public replacement and are checked by
+`pfor`); the other names have no public replacement and are checked by
 `probe.require` on first use, so a changed TensorFlow raises an error naming them.
 """
 
@@ -16,7 +16,6 @@ from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.framework import ops as _ops
-from tensorflow.python.ops import math_ops as _math_ops
 from tensorflow.python.ops import ref_variable as _ref_variable
 from tensorflow.python.ops import script_ops as _script_ops
 from tensorflow.python.ops import variables as _variables
@@ -31,7 +30,7 @@ __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
-           "partitions", "set_chief_queue_runner", "onednn_enabled", "reduced_shape", "pfor"]
+           "partitions", "set_chief_queue_runner", "onednn_enabled", "pfor"]
 
 FuncGraph = _func_graph.FuncGraph
 RefVariable = _ref_variable.RefVariable
@@ -279,17 +278,6 @@ def onednn_enabled():
 
 # -- public ops with a private shortcut --------------------------------------------------------
 
-def reduced_shape(shape, axes):
-    """The shape `shape` ([rank] int32) with the `axes` set to 1 (a reduction's result
-    with keepdims). Way `reduced_shape`; fallback: the same from public ops."""
-    if probe.private_way("reduced_shape"):
-        return _math_ops.reduced_shape(shape, axes)
-    shape = tf.cast(shape, tf.int32)
-    rank = tf.size(shape)
-    axes = tf.math.floormod(tf.reshape(tf.cast(axes, tf.int32), [-1]), rank)
-    return tf.tensor_scatter_nd_update(shape, axes[:, None], tf.ones_like(axes))
-
-
 def pfor(loop_fn, iters, fallback_to_while_loop=True):
     """[iters, ...] stacked `loop_fn(i)` for i in range(iters), vectorized
     (parallel_for's `pfor`; way `pfor`, fallback `tf.vectorized_map` over tf.range)."""
@@ -302,7 +290,5 @@ def pfor(loop_fn, iters, fallback_to_while_loop=True):
 probe.register("op_order", _op_order_reason)
 probe.register("create_op", _create_op_reason)
 probe.register("one_sided_gradients", _one_sided_reason)
-probe.register("reduced_shape", lambda: probe.signature(
-    _math_ops, "reduced_shape", "input_shape", "axes"))
 probe.register("pfor", lambda: probe.signature(
     _pfor, "pfor", "loop_fn", "iters", "fallback_to_while_loop"))

@@ -45,8 +45,6 @@ WAYS = {
                  "the op's position in `graph.get_operations()`"),
     "create_op": ("an op created from a NodeDef's parts (`Graph._create_op_internal`)",
                   "tf.Graph.create_op"),
-    "reduced_shape": ("the kept shape of a reduction (math_ops.reduced_shape)",
-                      "the same shape from public ops"),
 }
 
 _LOG = logging.getLogger("pertower")
