@@ -29,13 +29,13 @@ def mixed_precision():
         keras.mixed_precision.set_global_policy("float32")
 
 
-def _model(build):
-    """(graph, x, ys, xs, loop): `build(x)` -> (ys, xs) on a placeholder of x_shape, and
-    the one-example loop's gradients (built before any session runs the graph)."""
+def _model(shape, build):
+    """(graph, x, ys, xs, loop): `build(x)` -> (ys, xs) on a placeholder x, [None, *shape],
+    and the one-example loop's gradients (built before any session runs the graph: a
+    while loop's gradient added later cannot run)."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(0)
-        shape, build = build
         x = tf.compat.v1.placeholder(tf.float32, [None, *shape], name="x")
         ys, xs = build(x)
         loop = oracle.SliceLoop(ys, xs)
@@ -63,7 +63,7 @@ def _with_both_handles(layers, shape):
         xs = tf.compat.v1.trainable_variables() + model.trainable_weights
         assert any(type(v).__name__ == "AutoCastVariable" for v in xs)
         return ys, xs
-    return _model((shape, build))
+    return _model(shape, build)
 
 
 def _mixed_dense():
@@ -120,7 +120,7 @@ def _plain(listing, read=lambda w: w):
         b = tf.compat.v1.get_variable("b", initializer=[0.1, -0.2], use_resource=True)
         r = read(w)
         return tf.reduce_sum(tf.tanh(tf.matmul(x, r) + b), 1), listing(w, b, r)
-    return _model(([3], build))
+    return _model([3], build)
 
 
 _HANDLE_ON_RULES = pytest.mark.xfail(
