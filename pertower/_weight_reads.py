@@ -26,6 +26,9 @@ class WeightReads:
       loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's handle
         (such a weight is computed by row passes).
       handle: the resource handle, or None (reference variables and tensors).
+      key: what identifies the weight: entries of `xs` with the same key are one weight
+        (a variable and a wrapper of it sharing its handle, such as tf_keras'
+        AutoCastVariable, or the same entry listed twice), computed once.
       reached: whether `ys` depends on the weight at all.
       value: a tensor holding the weight's value (a reference variable's snapshot), or
         None.
@@ -43,6 +46,7 @@ class WeightReads:
         self.reached = bool(self.read_tensors or self.gather_ops or self.call_inputs
                             or self.loop_inputs)
         self._read = value
+        self.key = handle.ref() if handle is not None else id(x)
 
     @property
     def copy_source(self):

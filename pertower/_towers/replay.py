@@ -35,9 +35,10 @@ __all__ = ["replay", "check_calls"]
 
 
 def _first_indices(reads):
-    """first[k]: the first index of the weight xs[k] in xs (a repeated entry shares it)."""
+    """first[k]: the first index of the weight xs[k] in xs (a repeated entry, or another
+    handle of the same variable, shares it: `WeightReads.key`)."""
     first_index = {}
-    return [first_index.setdefault(id(r.x), k) for k, r in enumerate(reads)]
+    return [first_index.setdefault(r.key, k) for k, r in enumerate(reads)]
 
 
 def _derived_entries(reads, replayed, first):
