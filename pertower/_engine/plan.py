@@ -70,8 +70,7 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
         return []
     if isinstance(x, tf.Tensor) and x.dtype == tf.resource:
         return ("it is a resource handle tensor (the rules shape their results by the "
-                "entry of `xs`, here the handle's []); pass the variable instead, or "
-                "method=\"auto\" (the towers)")
+                "entry of `xs`, here the handle's []); pass the variable instead")
     found = loops.uses(reads, _in_v1_loop)   # TF2 loops and TF1 frames: pertower._loops
     if isinstance(found, str):
         return found
