@@ -145,7 +145,7 @@ class ConvolutionRule(registry_lib.Rule):
     def _cannot(self, strategy, use):
         """Why `strategy` cannot compute `use` (a phrase), or None when it can."""
         kernel = use.weight_shape.as_list()[:-2]
-        if strategy == "patches":
+        if strategy in ("patches", "examples"):
             return None
         if strategy == "shifts":
             if spatial_pads(use.op, *[1] * len(kernel)) is None:
@@ -167,13 +167,15 @@ class ConvolutionRule(registry_lib.Rule):
         """The way `per_group` computes `use` (the module docstring): "shifts", "grouped"
         or "patches"; depthwise: "grouped" or "patches" for `G` groups."""
         forced = self.options.strategy
+        if forced == "examples":
+            return "examples"
         if _depthwise(use.op):
             if forced in ("patches", "shifts") or not self._depthwise_grouped_runs(use.op):
                 return "patches"
             if (not (isinstance(G, int) and G > 1) and
                     untrusted_filter_gradient(use, self.options)):
                 return "patches"
-            return "grouped"
+            return "examples" if _conv_ways.per_example_calls_pay(use, self.options) else "grouped"
         if forced != "auto":
             return {"depthwise": "grouped"}.get(forced, forced)
         shape = use.weight_shape.as_list()
@@ -186,7 +188,7 @@ class ConvolutionRule(registry_lib.Rule):
                 shape[-2] >= self.options.thin_channels and rows >= shape[-1] and
                 not self._cannot("grouped", use)):
             return "grouped"
-        return "shifts"
+        return "examples" if _conv_ways.per_example_calls_pay(use, self.options) else "shifts"
 
     def per_group(self, use, dZ, G):
         if isinstance(use, ViewUse):   # the channels-last ways on a re-laid-out copy
@@ -202,6 +204,10 @@ class ConvolutionRule(registry_lib.Rule):
                 not (isinstance(G, int) and G > 1) and
                 untrusted_filter_gradient(use, self.options)):
             strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
+        if strategy == "examples" and untrusted_filter_gradient(use, self.options):
+            strategy = "patches" if _depthwise(use.op) else "shifts"
+        if strategy == "examples":
+            return _conv_ways.by_examples(use, dZ, G)
         if strategy == "grouped":
             return _conv_ways.by_grouped(self.options, use, dZ, G)
         if strategy == "shifts":
