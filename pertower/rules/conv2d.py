@@ -21,12 +21,15 @@ Its ways (`_convolution.ways`), all exact and tested against the oracle:
                filter size [kh, kw, Cin, G*Cout] gives every group's gradient (Rochette
                et al., section 3); float32 and oneDNN only (Eigen's kernels refuse
                grouped convolutions). The strategy "depthwise" (removed) means it.
+    "examples" (one group) the one-example loop in the graph: the batch backward-filter
+               kernel on each group's rows (`ways.by_examples`).
 
 "auto": the shifts and the patches write T*P*K*Cin numbers per example, the grouped
 kernel reads the input in place and writes K*Cin*Cout; so "grouped" where it runs,
-K > 1, Cin >= `thin_channels` and T*P >= Cout; else "shifts"; "patches" where the
-spatial sizes are not static (the sweep, oneDNN on and off: docs/conv_ways.md). A filter
-larger than its map takes its live taps only (`geometry.live_range`). Depthwise
+K > 1, Cin >= `thin_channels` and T*P >= Cout; else "examples" where
+`ways.per_example_calls_pay` says (2-D, oneDNN off, K > 1, Cin >= `thin_channels`,
+T*P >= 64); else "shifts"; "patches" where the spatial sizes are not static (the sweep,
+oneDNN on and off: docs/conv_ways.md). A filter larger than its map takes its live taps only (`geometry.live_range`). Depthwise
 convolutions take their own ways (`depthwise_conv2d`); a Conv2D with one input channel
 per group, NCHW and SpaceToBatchND blocks are computed as another convolution
 (`_convolution.views`).
@@ -145,14 +148,16 @@ class ConvolutionRule(registry_lib.Rule):
     def _cannot(self, strategy, use):
         """Why `strategy` cannot compute `use` (a phrase), or None when it can."""
         kernel = use.weight_shape.as_list()[:-2]
-        if strategy in ("patches", "examples"):
+        if strategy == "patches":
             return None
         if strategy == "shifts":
             if spatial_pads(use.op, *[1] * len(kernel)) is None:
                 return "needs static input and output heights and widths"
             return None
-        if groups(use.op) != 1:      # "grouped" (and "depthwise", which means it)
+        if groups(use.op) != 1:      # "grouped" (and "depthwise", which means it), "examples"
             return f"does not take grouped convolutions (groups={groups(use.op)})"
+        if strategy == "examples":
+            return None
         if len(kernel) != 2:
             return "does not take 3-D convolutions"
         if use.op.inputs[0].dtype != tf.float32:
