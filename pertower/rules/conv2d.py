@@ -29,10 +29,10 @@ kernel reads the input in place and writes K*Cin*Cout; so "grouped" where it run
 K > 1, Cin >= `thin_channels` and T*P >= Cout; else "examples" where
 `ways.per_example_calls_pay` says (2-D, oneDNN off, K > 1, Cin >= `thin_channels`,
 T*P >= 64); else "shifts"; "patches" where the spatial sizes are not static (the sweep,
-oneDNN on and off: docs/conv_ways.md). A filter larger than its map takes its live taps only (`geometry.live_range`). Depthwise
-convolutions take their own ways (`depthwise_conv2d`); a Conv2D with one input channel
-per group, NCHW and SpaceToBatchND blocks are computed as another convolution
-(`_convolution.views`).
+oneDNN on and off: docs/conv_ways.md). A filter larger than its map takes its live taps
+only (`geometry.live_range`). Depthwise convolutions take their own ways
+(`depthwise_conv2d`); a Conv2D with one input channel per group, NCHW and SpaceToBatchND
+blocks are computed as another convolution (`_convolution.views`).
 
 oneDNN (TF 2.21): TensorFlow's float32 Conv2DBackpropFilter of an ungrouped 1x1 stride-2
 convolution on an 8x8 or 16x16 input is wrong for Cin 1..7, its depthwise kernel
