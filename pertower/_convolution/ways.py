@@ -56,7 +56,7 @@ def per_example_calls_pay(use, options):
     if use.op.type == "DepthwiseConv2dNative":
         return math.prod(kernel) >= 25 and (not onednn or math.prod(shape) >= EXAMPLE_FLOATS)
     positions = _rows.static_size(use.output.shape[1:-1])
-    k = use.rows.k if isinstance(use.rows.k, int) else 1
+    k = use.rows.k if use.rows is not None and isinstance(use.rows.k, int) else 1
     return (not onednn and math.prod(kernel) > 1 and c_in >= options.thin_channels and
             positions is not None and k * positions >= EXAMPLE_POSITIONS)
 
