@@ -2,7 +2,7 @@
 (identities and choice: `rules.conv2d`, `rules.depthwise_conv2d`; the same notation, M
 the depthwise multiplier). Each writes them with ONE op where it can (a batched matmul
 or a backward-filter kernel whose output is reshaped, not copied); only "shifts" with
-one matmul per tap stacks its K results.
+one matmul per tap stacks its K results, and "examples" its G.
 """
 
 import math
@@ -33,20 +33,13 @@ GUESSED_G = 32
 
 
 def per_example_calls_pay(use, options):
-    """Whether "auto" takes "examples" (`by_examples`) for `use` (a 2-D filter of K >= 25
-    taps for depthwise, K > 1 for Conv2D; no dilation, one group):
-
-        depthwise              oneDNN off, or the filter gradient of one example, K*C*M
-                               numbers, is at least `EXAMPLE_FLOATS`: the depthwise
-                               backward-filter kernels of both are slow on large filters
-                               over the folded batch's G*C channels (oneDNN's in chunks
-                               too), fast on one example's C;
-        Conv2D, oneDNN off     Cin >= `thin_channels` and T*P >= `EXAMPLE_POSITIONS`
-                               positions per example: Eigen's kernel reads the input in
-                               place where "shifts" writes T*P*K*Cin numbers per example
-                               (and "grouped" does not run), and that many positions per
-                               call make the call's cost small beside its work.
-    """
+    """Whether "auto" takes "examples" (`by_examples`) for `use` (2-D, one group, no
+    dilation): a depthwise filter of K >= 25 taps, without oneDNN or where one
+    example's filter gradient K*C*M holds `EXAMPLE_FLOATS` numbers (both depthwise
+    backward-filter kernels are slow on large filters over the folded G*C channels);
+    Conv2D without oneDNN ("grouped" does not run), K > 1, Cin >= `thin_channels` and
+    T*P >= `EXAMPLE_POSITIONS` (Eigen's kernel reads the input in place where "shifts"
+    writes T*P*K*Cin numbers per example; that many positions outweigh a call's cost)."""
     shape = use.weight_shape.as_list()
     kernel, c_in = shape[:-2], shape[-2]
     if (len(kernel) != 2 or groups(use.op) != 1 or
