@@ -32,8 +32,8 @@ import subprocess
 import sys
 import time
 
-CONV2D_WAYS = ("auto", "shifts", "patches", "grouped")
-DEPTHWISE_WAYS = ("auto", "patches", "grouped")
+CONV2D_WAYS = ("auto", "shifts", "patches", "grouped", "examples")
+DEPTHWISE_WAYS = ("auto", "patches", "grouped", "examples")
 
 
 def grid(quick):

@@ -151,7 +151,8 @@ def costs():
         ys = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         xs = list(w.values())
         registry = pertower.rules.default_registry()
-        registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions(onednn=False)))
+        registry.register("Conv2D", conv2d.Conv2DRule(conv2d.ConvOptions(   # ("auto" takes
+            strategy="shifts", onednn=False)))                       # "examples" here)
         before = len(graph.get_operations())
         grads = pertower.per_example_gradients(ys, xs, rules=registry, method="rules")
         built = graph.get_operations()[before:]

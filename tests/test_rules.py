@@ -277,8 +277,8 @@ def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
                                 case.xs, case.feed)
     common.assert_all_close(case.sess.run(got, case.feed), want, case.rtol, case.atol,
                             "auto without oneDNN")
-    with pytest.raises(ValueError, match=r"`strategy` must be one of auto, patches, "
-                                         r"grouped, depthwise, shifts, but received 'im2col'"):
+    with pytest.raises(ValueError, match=r"`strategy` must be one of auto, patches, grouped, "
+                                         r"depthwise, shifts, examples, but received 'im2col'"):
         conv2d.ConvOptions(strategy="im2col")
     for name in ("thin_channels", "few_positions"):
         with pytest.raises(ValueError, match=rf"`{name}` must be an int >= 0, but "
@@ -297,19 +297,19 @@ def test_a_forced_conv_strategy_that_cannot_run_falls_back_with_its_reason():
                                            rules=_forced_conv_registry("shifts"))
 
 
-@pytest.mark.parametrize("layer, chosen", [
+@pytest.mark.parametrize("layer, chosen, without", [
     # (H = W, Cin, Cout, k, stride) of a SAME convolution -> the way "auto" picks with
-    # oneDNN (without it: "shifts" for all)
-    ((32, 3, 32, 3, 1), "shifts"),       # the CIFAR net's first layer: 3 input channels
-    ((16, 32, 64, 3, 1), "grouped"),     # P = 256 >= Cout
-    ((32, 1, 16, 5, 1), "shifts"),       # the scenario-3 CNN: 1 input channel
-    ((16, 8, 8, 3, 1), "grouped"),       # 256 >= 8
-    ((8, 64, 64, 3, 1), "grouped"),      # 64 >= 64
-    ((8, 64, 64, 3, 2), "shifts"),       # 16 < 64
-    ((4, 128, 128, 3, 1), "shifts"),     # few positions, many channels
-    ((16, 64, 64, 1, 1), "shifts"),      # 1x1: one matmul
+    # oneDNN, and without it ("examples" from P = 64 positions, Cin >= 8, k > 1)
+    ((32, 3, 32, 3, 1), "shifts", "shifts"),        # the CIFAR net's first layer: Cin 3
+    ((16, 32, 64, 3, 1), "grouped", "examples"),    # P = 256 >= Cout
+    ((32, 1, 16, 5, 1), "shifts", "shifts"),        # the scenario-3 CNN: 1 input channel
+    ((16, 8, 8, 3, 1), "grouped", "examples"),      # 256 >= 8
+    ((8, 64, 64, 3, 1), "grouped", "examples"),     # 64 >= 64
+    ((8, 64, 64, 3, 2), "shifts", "shifts"),        # 16 < 64
+    ((4, 128, 128, 3, 1), "shifts", "shifts"),      # few positions, many channels
+    ((16, 64, 64, 1, 1), "shifts", "shifts"),       # 1x1: one matmul
 ])
-def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
+def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen, without):
     H, c_in, c_out, k, stride = layer
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, H, H, c_in])
@@ -317,7 +317,7 @@ def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
         z = tf.nn.conv2d(x, w, stride, "SAME")
         use = rules_lib.Use(z.op, 1, None, x, z, w.shape, None)
         assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=True)).strategy(use) == chosen
-        assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=False)).strategy(use) == "shifts"
+        assert conv2d.Conv2DRule(conv2d.ConvOptions(onednn=False)).strategy(use) == without
         # heights and widths known only at run time: the patches
         free = tf.compat.v1.placeholder(tf.float32, [None, None, None, c_in])
         z = tf.nn.conv2d(free, w, stride, "SAME")
@@ -327,8 +327,8 @@ def test_the_conv_cost_model_picks_the_measured_faster_way(layer, chosen):
 
 def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
     """Every weight of the bench's CIFAR net has a rule; its second and third
-    convolutions take the grouped way with oneDNN and the first (3 input channels) the
-    shifts, all exact."""
+    convolutions take the grouped way with oneDNN ("examples" without) and the first
+    (3 input channels) the shifts, all exact."""
     case = cases.build_cifar_case()
     with case.graph.as_default():
         plan = _plan(case)
@@ -338,7 +338,7 @@ def test_the_cifar_conv_net_is_covered_by_rules_and_matches_the_oracle():
         if conv2d.onednn_enabled():
             assert chosen == ["shifts", "grouped", "grouped"], chosen
         else:
-            assert chosen == ["shifts"] * 3, chosen
+            assert chosen == ["shifts", "examples", "examples"], chosen
         got = pertower.per_example_gradients(case.ys, case.xs, batch_size=case.B,
                                              method="rules")
         want = case.oracles.run(oracle.loop_per_example_gradients, case.sess, case.ys,

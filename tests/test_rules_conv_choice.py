@@ -2,8 +2,11 @@
 `rules/depthwise_conv2d.py`) and the live taps of a filter larger than its map
 (`_convolution/geometry.py`), against the one-example loop `pertower.oracle`: a 5x5
 depthwise filter on a 2x2 map, 7x7 on 1x1, 3x3 on 1x1, a Conv2D kernel larger than its
-map (SAME and explicit padding, strided), under "auto" and under each way forced.
+map (SAME and explicit padding, strided), under "auto" and under each way forced;
+where "auto" takes the per-example kernel calls ("examples").
 """
+
+import types
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from pertower import rules as rules_lib
 from pertower._convolution import geometry
 from pertower.rules import conv2d
 from pertower.rules import depthwise_conv2d
+from pertower.rules import registry as registry_lib
 from tests import common
 
 B = 3
@@ -30,9 +34,11 @@ LAYERS = [
     ("conv2d", 1, 3, 8, 1, "SAME"),
     ("conv2d", 3, 5, 3, 2, "SAME"),
     ("conv2d", 2, 5, 4, 1, [[0, 0], [3, 1], [2, 2], [0, 0]]),
+    ("depthwise", 6, 5, 96, 1, "SAME"),     # "auto": "examples" on both settings
+    ("conv2d", 8, 3, 8, 1, "SAME"),         # "auto": "examples" without oneDNN
 ]
-WAYS = {"depthwise": ("auto", "grouped", "patches"),
-        "conv2d": ("auto", "shifts", "patches", "grouped")}
+WAYS = {"depthwise": ("auto", "grouped", "patches", "examples"),
+        "conv2d": ("auto", "shifts", "patches", "grouped", "examples")}
 
 
 def _layer(kind, H, k, C, stride, padding):
@@ -121,3 +127,23 @@ def test_grouped_depthwise_in_chunks_of_channels_matches_the_loop(monkeypatch):
                     return
                 common.assert_all_close(sess.run(got, feed), want,
                                         what=f"chunks of {floats}, batch_size {batch_size}")
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_auto_takes_examples_where_the_rule_says(onednn):
+    """`ways.per_example_calls_pay`: depthwise 5x5 filters of 96 channels (K*C = 2400 >=
+    EXAMPLE_FLOATS) on both settings, of 16 channels without oneDNN only, 3x3 never;
+    Conv2D 3x3 of 8 input channels without oneDNN only, from 8x8 outputs (64 positions)."""
+    cases = [("depthwise", 16, 5, 96, True), ("depthwise", 16, 5, 16, not onednn),
+             ("depthwise", 16, 3, 96, False), ("conv2d", 8, 3, 8, not onednn),
+             ("conv2d", 4, 3, 8, False), ("conv2d", 8, 3, 4, False), ("conv2d", 8, 1, 8, False)]
+    rule = conv2d.ConvolutionRule(conv2d.ConvOptions(onednn=onednn))
+    for kind, H, k, C, want in cases:
+        graph, _, w, ys = _layer(kind, H, k, C, 1, "SAME")
+        op = graph.get_operations()[-1]
+        while op.type not in ("Conv2D", "DepthwiseConv2dNative"):
+            op = op.inputs[0].op
+        use = registry_lib.Use(op, 1, rule, op.inputs[0], op.outputs[0], w.shape,
+                               types.SimpleNamespace(k=1))
+        got = rule.strategy(use)
+        assert (got == "examples") == want, (kind, H, k, C, onednn, got)

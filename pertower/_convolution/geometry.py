@@ -195,9 +195,10 @@ def window(tensor, spans):
     return tf.slice(tensor, _shapes.constant(begin), _shapes.constant(size))
 
 
-def filter_gradient(use, out_backprop):
+def filter_gradient(use, out_backprop, x=None):
     """[*w.shape]: the batch filter gradient of `use.op` (Conv2D, DepthwiseConv2dNative
-    or Conv3D) for the output gradient `out_backprop`, with the op's own attributes."""
+    or Conv3D) for the output gradient `out_backprop` and the input `x` (default the
+    op's), with the op's own attributes."""
     op = use.op
     attrs = dict(strides=op.get_attr("strides"), padding=op.get_attr("padding"),
                  data_format=op.get_attr("data_format"), dilations=op.get_attr("dilations"))
@@ -205,7 +206,8 @@ def filter_gradient(use, out_backprop):
         attrs["explicit_paddings"] = op.get_attr("explicit_paddings")
     if op.type == "Conv2D":
         attrs["use_cudnn_on_gpu"] = op.get_attr("use_cudnn_on_gpu")
-    grad = _BACKPROP_FILTER[op.type](input=op.inputs[0], out_backprop=out_backprop,
+    x = op.inputs[0] if x is None else x
+    grad = _BACKPROP_FILTER[op.type](input=x, out_backprop=out_backprop,
                                      filter_sizes=use.weight_shape.as_list(), **attrs)
     grad.set_shape(use.weight_shape)
     return grad

@@ -13,7 +13,7 @@ from pertower._convolution.geometry import attributes
 __all__ = ["STRATEGIES", "ConvOptions", "onednn_enabled", "onednn_runs",
            "untrusted_filter_gradient"]
 
-STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts")
+STRATEGIES = ("auto", "patches", "grouped", "depthwise", "shifts", "examples")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +22,8 @@ class ConvOptions:
 
     Attributes:
       strategy: "auto" (the rule from the shapes in `rules.conv2d`'s docstring), or
-        "shifts", "patches", "grouped" to force that way on every convolution it covers
-        (the others fall back to the towers, with the reason). "depthwise" means
+        "shifts", "patches", "grouped", "examples" to force that way on every convolution
+        it covers (the others fall back to the towers, with the reason). "depthwise" means
         "grouped"; for depthwise convolutions "shifts" means "patches".
       grouped_threshold: no longer read; accepted so that code passing it still runs.
       onednn: whether TensorFlow's oneDNN CPU kernels are on; None asks TensorFlow

@@ -2,7 +2,7 @@
 (identities and choice: `rules.conv2d`, `rules.depthwise_conv2d`; the same notation, M
 the depthwise multiplier). Each writes them with ONE op where it can (a batched matmul
 or a backward-filter kernel whose output is reshaped, not copied); only "shifts" with
-one matmul per tap stacks its K results.
+one matmul per tap stacks its K results, and "examples" its G.
 """
 
 import math
@@ -14,17 +14,44 @@ from pertower._convolution.options import onednn_runs
 from pertower._layout import _rows
 from pertower._layout import _shapes
 from pertower._convolution.geometry import (
-    attributes, explicitly_padded, fold_groups, group_target, groups, mul, padded_input,
-    patches, sizes, split_channels, taps, to_groups, window)
+    attributes, explicitly_padded, filter_gradient, fold_groups, group_target, groups, mul,
+    padded_input, patches, sizes, split_channels, taps, to_groups, window)
 
-__all__ = ["FEW_POSITIONS", "CHUNK_FLOATS", "GUESSED_G", "tap_layout", "by_patches",
-           "by_shifts", "by_thin_taps", "by_grouped"]
+__all__ = ["EXAMPLE_POSITIONS", "EXAMPLE_FLOATS", "FEW_POSITIONS", "CHUNK_FLOATS",
+           "GUESSED_G", "per_example_calls_pay", "tap_layout", "by_patches", "by_shifts",
+           "by_thin_taps", "by_grouped", "by_examples"]
 
+# "auto" takes "examples" from this many positions T*P (Conv2D, oneDNN off) or numbers
+# K*C*M per example (depthwise, oneDNN on): `per_example_calls_pay`
+EXAMPLE_POSITIONS = 64
+EXAMPLE_FLOATS = 2048
 FEW_POSITIONS = 512     # `ConvOptions.few_positions` None (`tap_layout`)
 # depthwise "grouped" under oneDNN: at most CHUNK_FLOATS numbers per call (G unknown:
 # GUESSED_G)
 CHUNK_FLOATS = 8192
 GUESSED_G = 32
+
+
+def per_example_calls_pay(use, options):
+    """Whether "auto" takes "examples" (`by_examples`) for `use` (2-D, one group, no
+    dilation): a depthwise filter of K >= 25 taps, without oneDNN or where one
+    example's filter gradient K*C*M holds `EXAMPLE_FLOATS` numbers (both depthwise
+    backward-filter kernels are slow on large filters over the folded G*C channels);
+    Conv2D without oneDNN ("grouped" does not run), K > 1, Cin >= `thin_channels` and
+    T*P >= `EXAMPLE_POSITIONS` (Eigen's kernel reads the input in place where "shifts"
+    writes T*P*K*Cin numbers per example; that many positions outweigh a call's cost)."""
+    shape = use.weight_shape.as_list()
+    kernel, c_in = shape[:-2], shape[-2]
+    if (len(kernel) != 2 or groups(use.op) != 1 or
+            any(d != 1 for d in attributes(use.op)[1])):
+        return False
+    onednn = onednn_runs(options)
+    if use.op.type == "DepthwiseConv2dNative":
+        return math.prod(kernel) >= 25 and (not onednn or math.prod(shape) >= EXAMPLE_FLOATS)
+    positions = _rows.static_size(use.output.shape[1:-1])
+    k = use.rows.k if use.rows is not None and isinstance(use.rows.k, int) else 1
+    return (not onednn and math.prod(kernel) > 1 and c_in >= options.thin_channels and
+            positions is not None and k * positions >= EXAMPLE_POSITIONS)
 
 
 def tap_layout(options, use):
@@ -203,3 +230,17 @@ def by_thin_taps(use, dZ, G):
         grad = tf.reshape(grad, group_target(G, [c_in, kh * kw, c_out]))
         grad = tf.transpose(grad, _shapes.constant([0, 2, 1, 3]))
     return tf.reshape(grad, group_target(G, [kh, kw, c_in, c_out]))
+
+
+def by_examples(use, dZ, G):
+    """"examples": the one-example loop in the graph, TensorFlow's batch filter-gradient
+    kernel (`geometry.filter_gradient`) on each group's rows, x [T, H, W, Cin] and dZ
+    [T, Ho, Wo, Cout], one call per group (`tf.map_fn`): the batch gradient's FLOPs in G
+    calls, no patches or taps written."""
+    def grouped(tensor):                        # [G*T, H, W, C] -> [G, T, H, W, C]
+        dims = [_rows.dim(tensor, axis) for axis in range(1, tensor.shape.rank)]
+        return tf.reshape(tensor, group_target(G, [-1] + dims, use.rows.k))
+
+    x = use.op.inputs[0]
+    return tf.map_fn(lambda pair: filter_gradient(use, pair[1], x=pair[0]),
+                     (grouped(x), grouped(dZ)), fn_output_signature=x.dtype)  # [G, *w]

@@ -21,15 +21,18 @@ Its ways (`_convolution.ways`), all exact and tested against the oracle:
                filter size [kh, kw, Cin, G*Cout] gives every group's gradient (Rochette
                et al., section 3); float32 and oneDNN only (Eigen's kernels refuse
                grouped convolutions). The strategy "depthwise" (removed) means it.
+    "examples" (one group) the one-example loop in the graph: the batch backward-filter
+               kernel on each group's rows (`ways.by_examples`).
 
 "auto": the shifts and the patches write T*P*K*Cin numbers per example, the grouped
 kernel reads the input in place and writes K*Cin*Cout; so "grouped" where it runs,
-K > 1, Cin >= `thin_channels` and T*P >= Cout; else "shifts"; "patches" where the
-spatial sizes are not static (the sweep, oneDNN on and off: docs/conv_ways.md). A filter
-larger than its map takes its live taps only (`geometry.live_range`). Depthwise
-convolutions take their own ways (`depthwise_conv2d`); a Conv2D with one input channel
-per group, NCHW and SpaceToBatchND blocks are computed as another convolution
-(`_convolution.views`).
+K > 1, Cin >= `thin_channels` and T*P >= Cout; else "examples" where
+`ways.per_example_calls_pay` says (2-D, oneDNN off, K > 1, Cin >= `thin_channels`,
+T*P >= 64); else "shifts"; "patches" where the spatial sizes are not static (the sweep,
+oneDNN on and off: docs/conv_ways.md). A filter larger than its map takes its live taps
+only (`geometry.live_range`). Depthwise convolutions take their own ways
+(`depthwise_conv2d`); a Conv2D with one input channel per group, NCHW and SpaceToBatchND
+blocks are computed as another convolution (`_convolution.views`).
 
 oneDNN (TF 2.21): TensorFlow's float32 Conv2DBackpropFilter of an ungrouped 1x1 stride-2
 convolution on an 8x8 or 16x16 input is wrong for Cin 1..7, its depthwise kernel
@@ -151,8 +154,10 @@ class ConvolutionRule(registry_lib.Rule):
             if spatial_pads(use.op, *[1] * len(kernel)) is None:
                 return "needs static input and output heights and widths"
             return None
-        if groups(use.op) != 1:      # "grouped" (and "depthwise", which means it)
+        if groups(use.op) != 1:      # "grouped" (and "depthwise", which means it), "examples"
             return f"does not take grouped convolutions (groups={groups(use.op)})"
+        if strategy == "examples":
+            return None
         if len(kernel) != 2:
             return "does not take 3-D convolutions"
         if use.op.inputs[0].dtype != tf.float32:
@@ -167,13 +172,15 @@ class ConvolutionRule(registry_lib.Rule):
         """The way `per_group` computes `use` (the module docstring): "shifts", "grouped"
         or "patches"; depthwise: "grouped" or "patches" for `G` groups."""
         forced = self.options.strategy
+        if forced == "examples":
+            return "examples"
         if _depthwise(use.op):
             if forced in ("patches", "shifts") or not self._depthwise_grouped_runs(use.op):
                 return "patches"
             if (not (isinstance(G, int) and G > 1) and
                     untrusted_filter_gradient(use, self.options)):
                 return "patches"
-            return "grouped"
+            return "examples" if _conv_ways.per_example_calls_pay(use, self.options) else "grouped"
         if forced != "auto":
             return {"depthwise": "grouped"}.get(forced, forced)
         shape = use.weight_shape.as_list()
@@ -186,7 +193,7 @@ class ConvolutionRule(registry_lib.Rule):
                 shape[-2] >= self.options.thin_channels and rows >= shape[-1] and
                 not self._cannot("grouped", use)):
             return "grouped"
-        return "shifts"
+        return "examples" if _conv_ways.per_example_calls_pay(use, self.options) else "shifts"
 
     def per_group(self, use, dZ, G):
         if isinstance(use, ViewUse):   # the channels-last ways on a re-laid-out copy
@@ -202,6 +209,10 @@ class ConvolutionRule(registry_lib.Rule):
                 not (isinstance(G, int) and G > 1) and
                 untrusted_filter_gradient(use, self.options)):
             strategy = "shifts"   # (one group, or maybe one: TensorFlow's own kernel)
+        if strategy == "examples" and untrusted_filter_gradient(use, self.options):
+            strategy = "patches" if _depthwise(use.op) else "shifts"
+        if strategy == "examples":
+            return _conv_ways.by_examples(use, dZ, G)
         if strategy == "grouped":
             return _conv_ways.by_grouped(self.options, use, dZ, G)
         if strategy == "shifts":

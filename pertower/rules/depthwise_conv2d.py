@@ -13,7 +13,8 @@ computed one of two ways (`_convolution.ways`, each tested against the oracle):
     "patches"  the patches ordered (kh, kw, Cin) and one contraction per group.
 
 "auto" takes "grouped" wherever it runs (float32, no dilation, equal strides: it never
-writes the kh*kw copies of the input), else "patches"; "depthwise" and "shifts" mean
+writes the kh*kw copies of the input), else "patches"; but "examples" (`conv2d`) for
+filters of 25+ taps as `ways.per_example_calls_pay` says; "depthwise" and "shifts" mean
 "grouped" and "patches". The transposed op's filter gradient is that of the forward
 depthwise convolution of dZ at the output gradient A (as `conv2d_transpose`). Covered:
 NHWC, NCHW, SpaceToBatchND blocks, any strides and padding, dilations; a static filter.
