@@ -5,9 +5,11 @@ first index b is the batch axis, appears first in the output and not in the weig
 every other index of A and Z is contracted with W or runs over positions that all use
 W, so with A and dZ reshaped to [G, rows per group, ...]
     grad_g(W) = einsum("g{a},g{z}->g{w}")        (b runs over a group's rows, summed).
+A weight index i in neither A nor Z is summed over W alone: dZ/dW[.., i, ..] is the
+same for every i, so the gradient is formed without i and broadcast along it.
 
 Covered: two operands, the activation first, no ellipsis and no repeated index within
-an operand; every weight index appears in A or Z.
+an operand.
 """
 
 import tensorflow as tf
@@ -29,8 +31,8 @@ class EinsumRule(registry_lib.Rule):
             return "the weight is the first einsum operand"
         if not a or not z or a[0] != z[0] or a[0] in w:
             return "the einsum does not keep the activation's first axis as the batch axis"
-        if any(len(set(term)) != len(term) for term in (a, w, z)) or set(w) - set(a) - set(z):
-            return "the einsum repeats an index or sums a weight index alone"
+        if any(len(set(term)) != len(term) for term in (a, w, z)):
+            return "the einsum repeats an index within an operand"
         if not op.inputs[1].shape.is_fully_defined():
             return "the einsum weight's shape is not static"
         return self.example_use(op, slot, analysis)
@@ -41,7 +43,15 @@ class EinsumRule(registry_lib.Rule):
         g = next(c for c in "gGhHqQ" + "abcdefijklmnoprstuvwxyz" if c not in letters)
         A_g = _rows.to_groups(use.activation, G, use.activation.shape.rank - 1)  # [G, k, ...]
         dZ_g = _rows.to_groups(dZ, G, dZ.shape.rank - 1)                        # [G, k, ...]
-        return tf.einsum(f"{g}{a},{g}{z}->{g}{w}", A_g, dZ_g)
+        kept = "".join(c for c in w if c in a or c in z)   # w without its weight-only indices
+        grad = tf.einsum(f"{g}{a},{g}{z}->{g}{kept}", A_g, dZ_g)          # [G, kept sizes]
+        if kept == w:
+            return grad
+        for axis, c in enumerate(w):
+            if c not in kept:
+                grad = tf.expand_dims(grad, axis + 1)                   # size 1 along c
+        w_shape = use.weight_shape.as_list()
+        return tf.broadcast_to(grad, tf.concat([tf.shape(grad)[:1], w_shape], 0))  # [G, *w]
 
     # sum_i f_i grad_i(w): the one-group (batch) gradient of dZ scaled per example
     clipped_sum = registry_lib.batch_gradient_clipped_sum
