@@ -2,8 +2,8 @@
 
 A weight index in neither the activation nor the output ("bkj,ij->bk") is summed over W
 alone, so the gradient is broadcast along it (pertower/rules/einsum.py): the rules'
-per-example gradients, norms and a σ = 0 DP step against the one-example loop, for that
-index of size 1 and of size > 1, and in the middle or at either end of the weight.
+per-example gradients, sum of squares, norms and a σ = 0 DP step against the one-example
+loop, for that index of size 1 and of size > 1, in the middle or at either end of W.
 """
 
 import numpy as np
@@ -29,8 +29,8 @@ EQUATIONS = [
 
 @pytest.fixture(scope="module", params=EQUATIONS, ids=lambda p: f"{p[0]}-{p[2]}")
 def model(request):
-    """The rules' per-example gradients, norms and σ = 0 DP mean, and the loop's
-    per-example gradients, for one equation."""
+    """The rules' per-example gradients (batch size from the feed and static), sum of
+    squares, norms and σ = 0 DP mean, and the loop's per-example gradients."""
     equation, a_shape, w_shape = request.param
     rng = np.random.RandomState(3)
     graph = tf.Graph()
@@ -41,6 +41,8 @@ def model(request):
         z = tf.einsum(equation, tf.tanh(x), w)
         loss = tf.reduce_sum(tf.sin(z) * z, axis=list(range(1, z.shape.rank)))     # [B]
         grads = pertower.per_example_gradients(loss, [w], method="rules")
+        static = pertower.per_example_gradients(loss, [w], batch_size=B, method="rules")
+        squares = pertower.sum_grad_squared(loss, [w], method="rules")
         norms = pertower.per_example_norms(loss, [w], method="rules")
         dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                   l2_norm_clip=CLIP, noise_multiplier=0.0, method="rules")
@@ -49,13 +51,17 @@ def model(request):
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             feed = {x: rng.randn(B, *a_shape).astype(np.float32)}
-            got = sess.run(dict(grads=grads, norms=norms, means=means), feed)
+            got = sess.run(dict(grads=grads, static=static, squares=squares, norms=norms,
+                                  means=means), feed)
             got["loop"] = loop.run(sess, feed, B)                       # [B, *w.shape]
     return got
 
 
 def test_per_example_gradients_match_the_loop(model):
     common.assert_all_close(model["grads"][0], model["loop"][0], what="per-example grads")
+    common.assert_all_close(model["static"][0], model["loop"][0], what="static batch size")
+    common.assert_all_close(model["squares"][0], np.sum(model["loop"][0] ** 2, axis=0),
+                            what="sum of squared per-example grads")
 
 
 def test_norms_and_dp_mean_match_the_loop(model):
