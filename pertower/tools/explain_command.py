@@ -45,9 +45,12 @@ def add_arguments(parser):
     parser.add_argument("--ys", required=True, metavar="NAME",
                         help="the per-example cost [B, ...]: a tensor name ('loss:0') or "
                              "an op name (its first output)")
-    parser.add_argument("--batch", required=True, type=_names, metavar="NAME[,NAME...]",
-                        help="the batch inputs (placeholders), comma-separated: inputs "
-                             "and per-example labels")
+    # extend: `--batch x:0 --batch y:0` names both (a second --batch used to replace
+    # the first, leaving the labels the only batch input)
+    parser.add_argument("--batch", required=True, type=_names, action="extend",
+                        metavar="NAME[,NAME...]",
+                        help="the batch inputs (placeholders), comma-separated or one "
+                             "--batch each: inputs and per-example labels")
     parser.add_argument("--xs", default="trainable", metavar="trainable|NAME,...",
                         help="the weights: 'trainable' (the graph's trainable variables, "
                              "default) or comma-separated variable names")
