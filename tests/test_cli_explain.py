@@ -118,3 +118,77 @@ def test_explain_names_the_wrong_option(saved, capsys, argv, message):
 def test_explain_of_a_missing_file_says_so(capsys, tmp_path):
     code, _, err = _explain(capsys, str(tmp_path / "none.meta"), "--ys", "y", "--batch", "x")
     assert code == 2 and "no such file" in err
+
+
+@pytest.fixture(scope="module")
+def saved_lstm(tmp_path_factory):
+    """A tf_keras LSTM (then a dense head) built in graph mode, exported with
+    tf.compat.v1.train.export_meta_graph; feeds.npz with one batch. Returns the paths."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    directory = tmp_path_factory.mktemp("explain_lstm")
+    rng = np.random.RandomState(5)
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 3], name="x")
+        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+        h = tf_keras.layers.LSTM(6, name="lstm")(x)                          # [B, 6]
+        logits = tf_keras.layers.Dense(5, name="head")(h)                    # [B, 5]
+        tf.identity(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits), name="loss")                     # [B]
+        meta = os.path.join(directory, "model.meta")
+        tf.compat.v1.train.export_meta_graph(meta)
+    feeds = os.path.join(directory, "feeds.npz")
+    np.savez(feeds, **{"x:0": rng.randn(B, 4, 3).astype(np.float32),
+                       "labels:0": rng.randint(0, 5, B).astype(np.int32)})
+    return {"meta": meta, "feeds": feeds}
+
+
+def test_explain_run_of_a_keras_lstm_agrees_with_the_loop(saved_lstm, capsys):
+    """The loop's tf.gradients are built before pertower edits the While op (issue 32,
+    item 10: 'Connecting to invalid output 47 of source node lstm/while')."""
+    code, out, err = _explain(capsys, saved_lstm["meta"], "--ys", "loss", "--batch",
+                              "x,labels", "--run", saved_lstm["feeds"])
+    assert code == 0, out + err
+    line = next(line for line in out.splitlines() if line.startswith("--run:"))
+    assert line.startswith(f"--run: B={B}, 5 weights,") and line.endswith("agrees"), line
+    difference = float(line.split("max relative difference ")[1].split()[0])
+    assert difference <= 1e-5, line
+
+
+@pytest.fixture(scope="module")
+def saved_tf1(tmp_path_factory):
+    """A TF1 model: reference variables, tf.compat.v1.layers.dense, labels through
+    tf.compat.v1.losses (reduction NONE), saved as model.meta + a checkpoint;
+    feeds.npz with one batch under x:0 and y:0. Returns the paths."""
+    directory = tmp_path_factory.mktemp("explain_tf1")
+    rng = np.random.RandomState(7)
+    with tf.Graph().as_default() as graph, tf.compat.v1.variable_scope(
+            "", use_resource=False):
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+        h = tf.compat.v1.layers.dense(x, 8, activation=tf.nn.relu)
+        logits = tf.compat.v1.layers.dense(h, 3)                             # [B, 3]
+        tf.identity(tf.compat.v1.losses.sparse_softmax_cross_entropy(
+            y, logits, reduction=tf.compat.v1.losses.Reduction.NONE), name="loss")  # [B]
+        assert all(not hasattr(v, "handle") for v in tf.compat.v1.global_variables())
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            prefix = saver.save(sess, os.path.join(directory, "model"))
+    feeds = os.path.join(directory, "feeds.npz")
+    np.savez(feeds, **{"x:0": rng.randn(5, 4).astype(np.float32),
+                       "y:0": rng.randint(0, 3, 5).astype(np.int32)})
+    return {"meta": prefix + ".meta", "prefix": prefix, "feeds": feeds}
+
+
+@pytest.mark.parametrize("batch", [["--batch", "x:0,y:0"], ["--batch", "x:0", "--batch", "y:0"]])
+def test_explain_of_a_tf1_checkpoint_with_two_batch_options(saved_tf1, capsys, batch):
+    """Issue 32, item 9: `--batch x:0 --batch y:0` names both inputs (a second --batch
+    used to replace the first: every weight then fell to the towers, 'read by
+    SparseSoftmaxCrossEntropyWithLogits ... no rule', and --run failed in TensorFlow)."""
+    code, out, err = _explain(capsys, saved_tf1["meta"], "--ys", "loss", *batch,
+                              "--run", saved_tf1["feeds"], "--checkpoint", saved_tf1["prefix"])
+    assert code == 0, out + err
+    assert "batch x:0, y:0," in out, out
+    assert "model.meta: 4 weights: 4 rules, 0 towers, 0 passes" in out, out
+    line = next(line for line in out.splitlines() if line.startswith("--run:"))
+    assert line.startswith("--run: B=5, 4 weights,") and line.endswith("agrees"), line

@@ -45,9 +45,12 @@ def add_arguments(parser):
     parser.add_argument("--ys", required=True, metavar="NAME",
                         help="the per-example cost [B, ...]: a tensor name ('loss:0') or "
                              "an op name (its first output)")
-    parser.add_argument("--batch", required=True, type=_names, metavar="NAME[,NAME...]",
-                        help="the batch inputs (placeholders), comma-separated: inputs "
-                             "and per-example labels")
+    # extend: `--batch x:0 --batch y:0` names both (a second --batch used to replace
+    # the first, leaving the labels the only batch input)
+    parser.add_argument("--batch", required=True, type=_names, action="extend",
+                        metavar="NAME[,NAME...]",
+                        help="the batch inputs (placeholders), comma-separated or one "
+                             "--batch each: inputs and per-example labels")
     parser.add_argument("--xs", default="trainable", metavar="trainable|NAME,...",
                         help="the weights: 'trainable' (the graph's trainable variables, "
                              "default) or comma-separated variable names")
@@ -111,6 +114,7 @@ def run(args):
         return 2
     tf = environment.graph_mode_tensorflow()
     import pertower  # pylint: disable=import-outside-toplevel
+    from pertower import oracle  # pylint: disable=import-outside-toplevel
     from pertower.tools import plan_summary  # pylint: disable=import-outside-toplevel
 
     graph = tf.Graph()
@@ -121,6 +125,9 @@ def run(args):
             ys = _tensor(graph, args.ys, "--ys")
             batch = [_tensor(graph, name, "--batch") for name in args.batch]
             xs = _weights(tf, graph, args.xs)
+            # the loop's tf.gradients first: pertower edits While ops' functions and
+            # outputs as it builds, after which TensorFlow cannot differentiate them
+            loop = oracle.SliceLoop(ys, xs) if args.feeds else None
             plan = pertower.explain(ys, xs, batch=batch, batch_size=args.batch_size)
     except _Refusal as error:
         print(f"pertower explain: {error}", file=sys.stderr)
@@ -130,17 +137,17 @@ def run(args):
     if not args.feeds:
         return 0
     try:
-        return _run_one_batch(tf, graph, saver, plan, ys, batch, xs, args)
+        return _run_one_batch(tf, graph, saver, plan, loop, ys, batch, xs, args)
     except _Refusal as error:
         print(f"pertower explain: {error}", file=sys.stderr)
         return 2
 
 
-def _run_one_batch(tf, graph, saver, plan, ys, batch, xs, args):
-    """--run: one batch of per-example gradients against the one-example loop."""
+def _run_one_batch(tf, graph, saver, plan, loop, ys, batch, xs, args):
+    """--run: one batch of per-example gradients against the one-example `loop`
+    (an `oracle.SliceLoop` of ys and xs)."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     import pertower  # pylint: disable=import-outside-toplevel
-    from pertower import oracle  # pylint: disable=import-outside-toplevel
 
     try:
         arrays = np.load(args.feeds)
@@ -170,7 +177,7 @@ def _run_one_batch(tf, graph, saver, plan, ys, batch, xs, args):
             print(f"pertower explain: --run: computing the per-example gradients failed: "
                   f"{type(error).__name__}: {str(error).strip()[:1500]}", file=sys.stderr)
             return 1
-        want = oracle.loop_per_example_gradients(sess, ys, xs, feed, batch=sliced)
+        want = loop.run(sess, feed, B, batch=sliced)
     worst, worst_name = 0.0, None
     for x, g, w in zip(xs, got, want):
         scale = float(np.max(np.abs(w))) if w.size else 0.0
