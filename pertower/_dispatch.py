@@ -152,20 +152,16 @@ def _listing(plan, indices):
 def _left_out_of_batch(request):
     """The lead of the refusal when placeholders that `ys` reads with a non-static axis 0
     are not in the batch (labels left out of `batch=`): they may carry the examples."""
-    given = [b.name for b in request.batch]
-    left_out = sorted(
-        (op.outputs[0] for op in request.ys_upstream if op.type == "Placeholder"
-         and op.outputs[0].name not in given and op.outputs[0].shape.rank
-         and op.outputs[0].shape.as_list()[0] is None),
-        key=lambda t: t.name)
+    left_out = graph_walk.placeholders_left_out(request.ys_upstream, request.batch)
     if not left_out:
         return ""
     names = ", ".join(f"{t.name} {t.shape}" for t in left_out)
     every = ", ".join(t.name for t in list(request.batch) + left_out)
-    return (f"`ys` reads {names}, which is not in `batch=` ({', '.join(given)}) and whose "
-            f"axis 0 is not static: if it also carries the examples (labels, a mask), it "
-            f"must be in `batch=` (batch=[{every}]), else the per-example computations "
-            "read it whole. Otherwise, ")
+    return (f"`ys` reads {names}, which is not in `batch=` "
+            f"({', '.join(b.name for b in request.batch)}) and whose axis 0 is not static: "
+            f"if it also carries the examples (labels, a mask), it must be in `batch=` "
+            f"(batch=[{every}]), else the per-example computations read it whole. "
+            "Otherwise, ")
 
 
 def _refuse_what_cannot_be_built(plan):

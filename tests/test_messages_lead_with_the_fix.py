@@ -102,3 +102,29 @@ def test_one_reason_for_many_weights_is_said_once(classifier):
     message = str(refused.value)
     assert "(W:0, b:0: method='towers' was asked for)" in message
     assert message.count("was asked for") == 1
+
+
+def test_towers_given_labels_left_out_of_batch_name_them_at_run_time():
+    """With `batch_size` the towers are built; the run-time check of their rows names
+    the placeholder left out of `batch=`."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        targets = tf.compat.v1.placeholder(tf.float32, [None, 2], name="targets")
+        W = tf.Variable(np.ones((3, 2), np.float32), name="W")
+        ys = tf.reduce_sum(tf.square(x @ W - targets), 1)
+        feed = {x: np.ones((4, 3), np.float32), targets: np.zeros((4, 2), np.float32)}
+        grads = pertower.per_example_gradients(ys, [W], batch=[x], method="towers",
+                                               batch_size=4)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"does not follow the batch \(x:0\).* `ys` also reads "
+                                     r"targets:0, not in `batch=`: if it carries the "
+                                     r"examples too, pass batch=\[x:0, targets:0\]"):
+                sess.run(grads, feed)
+            grads = pertower.per_example_gradients(ys, [W], batch=[x, targets],
+                                                   method="towers", batch_size=4)
+            got = sess.run(grads, feed)
+            want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [W], feed,
+                                     batch=[x, targets])
+    common.assert_all_close(got, want)
