@@ -159,7 +159,7 @@ def _left_out_of_batch(request):
     every = ", ".join(t.name for t in list(request.batch) + left_out)
     return (f"`ys` reads {names}, which is not in `batch=` "
             f"({', '.join(b.name for b in request.batch)}) and whose axis 0 is not static: "
-            f"if it also carries the examples (labels, a mask), it must be in `batch=` "
+            "if it also carries the examples (labels, a mask), it must be in `batch=` "
             f"(batch=[{every}]), else the per-example computations read it whole. "
             "Otherwise, ")
 
@@ -182,8 +182,8 @@ def _refuse_what_cannot_be_built(plan):
             raise _context.error(
                 ValueError, f"`ys` ({request.ys.name}, shape {request.ys.shape}) must have "
                 f"the examples on axis 0, but they were found on axis {rows.lead}. Pass "
-                f"the per-example values with the batch first: tf.transpose(ys) or "
-                f"ys[0] for a [1, B] `ys`.")
+                "the per-example values with the batch first: tf.transpose(ys) or "
+                "ys[0] for a [1, B] `ys`.")
         names = ", ".join(f"{b.name} {b.shape}" for b in request.batch)
         what = []
         if plan.fallback:

@@ -336,8 +336,8 @@ def _side_input_hint(op, batch):
     others = [b for b in batch if b is not read]
     if not suspects or not others:
         return ""
-    return (f"`batch=` decides which placeholders hold examples; without it every one "
-            f"`ys` reads was taken for a batch input "
+    return ("`batch=` decides which placeholders hold examples; without it every one "
+            "`ys` reads was taken for a batch input "
             f"({', '.join(b.name for b in batch)}). If "
             f"{', '.join(b.name for b in suspects)} is not per-example data but a side "
             "input (class weights indexed by label, a lookup table fed with the batch), "
