@@ -140,8 +140,28 @@ def build(plan, devices=None):
 
 
 def _listing(plan, indices):
-    return "; ".join(f"{_plan.weight_name(plan.request.xs[k])}: {plan.reasons[k]}"
-                     for k in indices)
+    """"w1, w2: reason; w3: other reason": each reason once, after the weights it sends
+    to the fallback."""
+    by_reason = {}
+    for k in indices:
+        by_reason.setdefault(plan.reasons[k], []).append(
+            _plan.weight_name(plan.request.xs[k]))
+    return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
+
+
+def _left_out_of_batch(request):
+    """The lead of the refusal when placeholders that `ys` reads with a non-static axis 0
+    are not in the batch (labels left out of `batch=`): they may carry the examples."""
+    left_out = graph_walk.placeholders_left_out(request.ys_upstream, request.batch)
+    if not left_out:
+        return ""
+    names = ", ".join(f"{t.name} {t.shape}" for t in left_out)
+    every = ", ".join(t.name for t in list(request.batch) + left_out)
+    return (f"`ys` reads {names}, which is not in `batch=` "
+            f"({', '.join(b.name for b in request.batch)}) and whose axis 0 is not static: "
+            "if it also carries the examples (labels, a mask), it must be in `batch=` "
+            f"(batch=[{every}]), else the per-example computations read it whole. "
+            "Otherwise, ")
 
 
 def _refuse_what_cannot_be_built(plan):
@@ -157,6 +177,13 @@ def _refuse_what_cannot_be_built(plan):
     needs_towers = bool(plan.fallback) or plan.validate
     padded = request.options.batch_capacity is not None and plan.fallback_method == "towers"
     if request.batch_size is None and needs_towers and not padded:
+        rows = request.analysis.rows(request.ys)
+        if plan.verdict == "unproven" and rows is not None and rows.lead != 0:
+            raise _context.error(
+                ValueError, f"`ys` ({request.ys.name}, shape {request.ys.shape}) must have "
+                f"the examples on axis 0, but they were found on axis {rows.lead}. Pass "
+                "the per-example values with the batch first: tf.transpose(ys) or "
+                "ys[0] for a [1, B] `ys`.")
         names = ", ".join(f"{b.name} {b.shape}" for b in request.batch)
         what = []
         if plan.fallback:
@@ -175,9 +202,9 @@ def _refuse_what_cannot_be_built(plan):
                 what.append("validate=True recomputes `ys` slice by slice, for a fixed "
                             "number of examples")
         raise _context.error(
-            ValueError, f"the batch axis is not static ({names}) and no "
-            f"`batch_size` was given, but {'; and '.join(what)}. Pass batch_size=B, the "
-            "number of examples you will feed.")
+            ValueError, f"{_left_out_of_batch(request)}the batch axis is not static "
+            f"({names}) and no `batch_size` was given, but {'; and '.join(what)}. Pass "
+            "batch_size=B, the number of examples you will feed.")
     # a random op shaped by the batch (dropout in training mode) draws other numbers in
     # every slice, so the run-time check would fail on every run
     noisy = graph_walk.random_ops(request.batch_downstream) if plan.validate else []

@@ -19,7 +19,16 @@ from pertower import _tf
 
 __all__ = ["OpRegion", "static_batch_size", "upstream_ops", "upstream_region", "downstream_ops",
            "find_batch_tensors", "v1_loop_frames", "check_replayable",
-           "draws_random_numbers", "random_ops"]
+           "draws_random_numbers", "random_ops", "placeholders_left_out"]
+
+
+def placeholders_left_out(ops, batch):
+    """The placeholders among `ops` with a non-static axis 0 that are not in `batch`, by
+    name: labels left out of `batch=` (or side inputs such as class weights)."""
+    given = {b.name for b in batch}
+    return sorted((op.outputs[0] for op in ops if op.type == "Placeholder"
+                   and op.outputs[0].name not in given and op.outputs[0].shape.rank
+                   and op.outputs[0].shape.as_list()[0] is None), key=lambda t: t.name)
 
 
 def static_batch_size(tensor, axis=0):

@@ -232,10 +232,9 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
         # refuse ops that couple examples (with one group holding the whole batch,
         # coupling changes nothing); pertower.explain records them instead
         if options.refuse and analysis.couplings and (B if M is None else M) != 1:
-            message = analysis.couplings[0].message()
-            if found:
-                message += _side_input_hint(analysis.couplings[0].op, batch)
-            raise ValueError(message)
+            coupling = analysis.couplings[0]
+            raise ValueError(coupling.message(_side_input_hint(coupling.op, batch) if found
+                                              else ""))
         reads = [_weight_reads.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
         weight_regions, read_region = _regions(reads, ys_upstream)
@@ -330,14 +329,17 @@ def _variable_reads(variable, j, ys_upstream):
 
 def _side_input_hint(op, batch):
     """For found batch tensors: the ones the coupling op reads may be side inputs
-    (class weights gathered by label); say how to leave them out."""
+    (class weights gathered by label); the lead of the refusal that says how to leave
+    them out, or ""."""
     read = op.inputs[0] if op.inputs else None
     suspects = [b for b in batch if b is read]
     others = [b for b in batch if b is not read]
     if not suspects or not others:
         return ""
-    return (f" The batch tensors were found automatically ({', '.join(b.name for b in batch)}); "
-            f"if {', '.join(b.name for b in suspects)} is not per-example data but a side "
+    return ("`batch=` decides which placeholders hold examples; without it every one "
+            "`ys` reads was taken for a batch input "
+            f"({', '.join(b.name for b in batch)}). If "
+            f"{', '.join(b.name for b in suspects)} is not per-example data but a side "
             "input (class weights indexed by label, a lookup table fed with the batch), "
             f"pass batch=[{', '.join(b.name for b in others)}] (the tensors that carry the "
-            "examples), and it is read whole by every example.")
+            "examples), and it is read whole by every example. Otherwise, ")

@@ -151,10 +151,10 @@ def side_inputs():
 def test_side_input_gathered_by_label_suggests_batch(side_inputs):
     c = side_inputs
     with c["graph"].as_default():
-        with pytest.raises(ValueError, match=r"couples the examples.*found automatically "
-                           r"\(x:0, labels:0, class_weights:0\); if class_weights:0 is not "
-                           r"per-example data but a side input .* pass "
-                           r"batch=\[x:0, labels:0\]"):
+        with pytest.raises(ValueError, match=r"^pertower.per_example_gradients: `batch=` "
+                           r"decides .* batch input \(x:0, labels:0, class_weights:0\)\. If "
+                           r"class_weights:0 is not per-example data but a side input .* pass "
+                           r"batch=\[x:0, labels:0\].* Otherwise, .*couples the examples"):
             pertower.per_example_gradients(c["loss"], [c["W"]], batch_size=4)
         grads = pertower.per_example_gradients(c["loss"], [c["W"]],
                                                batch=[c["x"], c["labels"]])

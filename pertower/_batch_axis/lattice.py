@@ -137,9 +137,10 @@ class Coupling:
     reason: str
     advice: str
 
-    def message(self):
+    def message(self, lead=""):
+        """The refusal, with `lead` (a first, more likely fix) in front."""
         return _context.prefixed(
-            f"the op {self.op.name!r} ({self.op.type}) between "
+            f"{lead}the op {self.op.name!r} ({self.op.type}) between "
             f"the batch and `ys` couples the examples of the batch: it {self.reason}. So "
             "each example's value depends on the other examples, its per-example "
             "gradient is not defined, and computing each example on its own (as the "

@@ -65,8 +65,12 @@ class Analysis:
                 self.lost_at = scan.losses[0]
             elif ys is not None:
                 value = scan.value_of(ys)
-                why = ("`ys` carries the batch only through its size" if value is SIZE else
-                       f"`ys` has the layout {value}, not one row per example on axis 0")
+                if value is SIZE:
+                    why = "`ys` carries the batch only through its size"
+                elif ys_rows is not None and ys_rows.lead != 0:
+                    why = f"`ys` has the examples on axis {ys_rows.lead}, not on axis 0"
+                else:
+                    why = "`ys` does not hold one row per example on axis 0"
                 self.lost_at = (ys.op, why)
 
     def value(self, tensor):

@@ -206,7 +206,9 @@ def towers_of(request, scope, devices=None):
                 shared_rows = ()
             outputs, copies = replay_lib.replay(request, frozenset(replayed), slices,
                                                 shared_rows, T, devices)
-            outputs = slicing.check_tower_rows(outputs, ys, batch, B, T)
+            outputs = slicing.check_tower_rows(
+                outputs, ys, batch, B, T,
+                graph_walk.placeholders_left_out(request.ys_upstream, batch))
             fed_rows = None
             if padded:   # T x [B/T, ...] -> [B, ...] -> [b, ...], the fed rows
                 fed_rows = tf.shape(batch[0])[request.batch_axes[0]]

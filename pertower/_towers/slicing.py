@@ -126,10 +126,11 @@ def _rows_not_static(tensor, axis):
     return tf.compat.v1.placeholder_with_default(tensor, _batch_shape(tensor, axis, None))
 
 
-def check_tower_rows(outputs, ys, batch, B, T):
+def check_tower_rows(outputs, ys, batch, B, T, left_out=()):
     """Each tower output must have B/T rows, one per example of its slice; otherwise
     axis 0 of `ys` is not the batch axis of `batch` (e.g. `ys` is computed from a
-    concatenation of several batch tensors) and the towers would mix examples up."""
+    concatenation of several batch tensors, or reads labels left out of `batch=`: the
+    placeholders `left_out`) and the towers would mix examples up."""
     # The message around the number of rows a tower produced.
     before = _context.prefixed(
         f"axis 0 of `ys` ({ys.name}) does not follow the batch "
@@ -137,6 +138,10 @@ def check_tower_rows(outputs, ys, batch, B, T):
     after = (" row(s). This happens when `ys` is computed from several batch tensors "
              "joined along axis 0 (pass `batch=` the joined tensor and its `batch_size`) "
              "or when the graph mixes rows across the batch axis.")
+    if left_out:
+        every = ", ".join(t.name for t in list(batch) + list(left_out))
+        after += (f" `ys` also reads {', '.join(t.name for t in left_out)}, not in `batch=`: "
+                  f"if it carries the examples too, pass batch=[{every}].")
     rows = graph_walk.static_batch_size(outputs[0])
     if rows is not None:
         if rows != B // T:

@@ -1,0 +1,130 @@
+"""Refusals that lead with the likely fix (issue 32, items 7 and 8): a `ys` with the
+batch on axis 1, labels left out of `batch=`, class weights taken for a batch input,
+and one reason said once for many weights. Each refusal is checked by its words, and
+the fix it names is checked against the one-example loop."""
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import pertower
+from pertower import oracle
+from tests import common
+
+
+@pytest.fixture
+def classifier():
+    """x [None, 3] @ W [3, 2] + b, labels [None], class weights [None] (a side input)."""
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+        class_weights = tf.compat.v1.placeholder(tf.float32, [None], name="class_weights")
+        W = tf.Variable(np.arange(6, dtype=np.float32).reshape(3, 2) / 7, name="W")
+        b = tf.Variable(np.array([0.1, -0.2], np.float32), name="b")
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                              logits=x @ W + b)
+        rng = np.random.default_rng(0)
+        feed = {x: rng.standard_normal((4, 3)).astype(np.float32),
+                labels: np.array([0, 1, 1, 0], np.int32),
+                class_weights: np.array([0.5, 2.0], np.float32)}
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            yield dict(graph=graph, sess=sess, x=x, labels=labels, W=W, b=b, loss=loss,
+                       class_weights=class_weights, feed=feed)
+
+
+def test_ys_with_the_examples_on_axis_1_says_to_transpose_it(classifier):
+    c = classifier
+    with c["graph"].as_default():
+        ys = tf.transpose(c["loss"][:, None])   # [1, B]
+        with pytest.raises(ValueError) as refused:
+            pertower.per_example_gradients(ys, [c["W"]])
+        message = str(refused.value)
+        assert re.match(r"pertower.per_example_gradients: `ys` \(transpose:0, shape "
+                        r"\(1, None\)\) must have the examples on axis 0, but they were "
+                        r"found on axis 1\. .*tf\.transpose\(ys\) or ys\[0\]", message)
+        assert "Rows(" not in message and "batch_size" not in message
+        assert len(message) < 300
+        # with the batch size given it is still refused (the rows of `ys` are counted)
+        with pytest.raises(ValueError, match=r"has 1 row on axis 0, but the batch has 4 "
+                                             r"examples.*transposed"):
+            pertower.per_example_gradients(ys, [c["W"]], batch_size=4)
+        grads = pertower.per_example_gradients(tf.transpose(ys)[:, 0], [c["W"]])
+        got = c["sess"].run(grads, c["feed"])
+    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], c["loss"],
+                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
+    common.assert_all_close(got, want)
+
+
+def test_labels_left_out_of_batch_are_named_first(classifier):
+    c = classifier
+    with c["graph"].as_default():
+        with pytest.raises(ValueError, match=r"^pertower.per_example_gradients: `ys` reads "
+                           r"labels:0 \(None,\), which is not in `batch=` \(x:0\).*must be "
+                           r"in `batch=` \(batch=\[x:0, labels:0\]\).* Otherwise, the batch "
+                           r"axis is not static"):
+            pertower.per_example_gradients(c["loss"], [c["W"]], batch=[c["x"]],
+                                           method="towers")
+        grads = pertower.per_example_gradients(c["loss"], [c["W"]],
+                                               batch=[c["x"], c["labels"]],
+                                               method="towers", batch_size=4)
+        got = c["sess"].run(grads, c["feed"])
+    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], c["loss"],
+                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
+    common.assert_all_close(got, want)
+
+
+def test_class_weights_gathered_by_label_lead_with_batch(classifier):
+    c = classifier
+    with c["graph"].as_default():
+        weighted = c["loss"] * tf.gather(c["class_weights"], c["labels"])
+        with pytest.raises(ValueError, match=r"^pertower.per_example_gradients: `batch=` "
+                           r"decides which placeholders hold examples.*\(x:0, labels:0, "
+                           r"class_weights:0\)\. If class_weights:0 is not per-example data "
+                           r"but a side input .* pass batch=\[x:0, labels:0\].* Otherwise, "
+                           r"the op .*GatherV2.* couples the examples"):
+            pertower.per_example_gradients(weighted, [c["W"]])
+        grads = pertower.per_example_gradients(weighted, [c["W"]],
+                                               batch=[c["x"], c["labels"]])
+        got = c["sess"].run(grads, c["feed"])
+    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], weighted,
+                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
+    common.assert_all_close(got, want)
+
+
+def test_one_reason_for_many_weights_is_said_once(classifier):
+    c = classifier
+    with c["graph"].as_default():
+        with pytest.raises(ValueError) as refused:
+            pertower.per_example_gradients(c["loss"], [c["W"], c["b"]], method="towers")
+    message = str(refused.value)
+    assert "(W:0, b:0: method='towers' was asked for)" in message
+    assert message.count("was asked for") == 1
+
+
+def test_towers_given_labels_left_out_of_batch_name_them_at_run_time():
+    """With `batch_size` the towers are built; the run-time check of their rows names
+    the placeholder left out of `batch=`."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        targets = tf.compat.v1.placeholder(tf.float32, [None, 2], name="targets")
+        W = tf.Variable(np.ones((3, 2), np.float32), name="W")
+        ys = tf.reduce_sum(tf.square(x @ W - targets), 1)
+        feed = {x: np.ones((4, 3), np.float32), targets: np.zeros((4, 2), np.float32)}
+        grads = pertower.per_example_gradients(ys, [W], batch=[x], method="towers",
+                                               batch_size=4)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"does not follow the batch \(x:0\).* `ys` also reads "
+                                     r"targets:0, not in `batch=`: if it carries the "
+                                     r"examples too, pass batch=\[x:0, targets:0\]"):
+                sess.run(grads, feed)
+            grads = pertower.per_example_gradients(ys, [W], batch=[x, targets],
+                                                   method="towers", batch_size=4)
+            got = sess.run(grads, feed)
+            want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [W], feed,
+                                     batch=[x, targets])
+    common.assert_all_close(got, want)
