@@ -147,3 +147,6 @@ def test_auto_takes_examples_where_the_rule_says(onednn):
                                types.SimpleNamespace(k=1))
         got = rule.strategy(use)
         assert (got == "examples") == want, (kind, H, k, C, onednn, got)
+        if kind == "depthwise":   # a forced way is kept
+            forced = conv2d.ConvolutionRule(conv2d.ConvOptions("grouped", onednn=onednn))
+            assert forced.strategy(use) in ("grouped", "patches"), (kind, H, k, C, onednn)

@@ -18,7 +18,7 @@ from pertower._convolution.geometry import (
     padded_input, patches, sizes, split_channels, taps, to_groups, window)
 
 __all__ = ["EXAMPLE_POSITIONS", "EXAMPLE_FLOATS", "FEW_POSITIONS", "CHUNK_FLOATS",
-           "GUESSED_G", "per_example_calls_pay", "tap_layout", "by_patches", "by_shifts",
+           "GUESSED_G", "per_example_calls_pay", "positions_per_example", "tap_layout", "by_patches", "by_shifts",
            "by_thin_taps", "by_grouped", "by_examples"]
 
 # "auto" takes "examples" from this many positions T*P (Conv2D, oneDNN off) or numbers
@@ -48,10 +48,19 @@ def per_example_calls_pay(use, options):
     onednn = onednn_runs(options)
     if use.op.type == "DepthwiseConv2dNative":
         return math.prod(kernel) >= 25 and (not onednn or math.prod(shape) >= EXAMPLE_FLOATS)
-    positions = _rows.static_size(use.output.shape[1:-1])
-    k = use.rows.k if use.rows is not None and isinstance(use.rows.k, int) else 1
+    rows = positions_per_example(use)
     return (not onednn and math.prod(kernel) > 1 and c_in >= options.thin_channels and
-            positions is not None and k * positions >= EXAMPLE_POSITIONS)
+            rows is not None and rows >= EXAMPLE_POSITIONS)
+
+
+def positions_per_example(use):
+    """T*P: the output positions P of one row times the rows T per example (T = 1 where
+    it is known only at run time), or None where P is not static."""
+    positions = _rows.static_size(use.output.shape[1:-1])
+    if positions is None:
+        return None
+    return positions * (use.rows.k if use.rows is not None and
+                        isinstance(use.rows.k, int) else 1)
 
 
 def tap_layout(options, use):

@@ -169,8 +169,9 @@ class ConvolutionRule(registry_lib.Rule):
         return None
 
     def strategy(self, use, G=None):
-        """The way `per_group` computes `use` (the module docstring): "shifts", "grouped"
-        or "patches"; depthwise: "grouped" or "patches" for `G` groups."""
+        """The way `per_group` computes `use` (the module docstring): "shifts", "grouped",
+        "examples" or "patches"; depthwise: "grouped", "examples" or "patches" for `G`
+        groups. A forced way is kept ("auto" alone asks `ways.per_example_calls_pay`)."""
         forced = self.options.strategy
         if forced == "examples":
             return "examples"
@@ -180,15 +181,15 @@ class ConvolutionRule(registry_lib.Rule):
             if (not (isinstance(G, int) and G > 1) and
                     untrusted_filter_gradient(use, self.options)):
                 return "patches"
-            return "examples" if _conv_ways.per_example_calls_pay(use, self.options) else "grouped"
+            if forced == "auto" and _conv_ways.per_example_calls_pay(use, self.options):
+                return "examples"
+            return "grouped"
         if forced != "auto":
             return {"depthwise": "grouped"}.get(forced, forced)
         shape = use.weight_shape.as_list()
-        positions = _rows.static_size(use.output.shape[1:-1])
-        if positions is None or self._cannot("shifts", use):
+        rows = _conv_ways.positions_per_example(use)                     # T*P per example
+        if rows is None or self._cannot("shifts", use):
             return "patches"      # shifts need static spatial sizes, and so do these
-        rows = positions * (use.rows.k if use.rows is not None and
-                            isinstance(use.rows.k, int) else 1)          # T*P per example
         if (math.prod(shape[:-2]) > 1 and
                 shape[-2] >= self.options.thin_channels and rows >= shape[-1] and
                 not self._cannot("grouped", use)):
