@@ -1,7 +1,8 @@
 """Refusals that lead with the likely fix (issue 32, items 7 and 8): a `ys` with the
-batch on axis 1, labels left out of `batch=`, class weights taken for a batch input,
-and one reason said once for many weights. Each refusal is checked by its words, and
-the fix it names is checked against the one-example loop."""
+batch on axis 1, labels left out of `batch=`, and one reason said once for many weights
+(class weights taken for a batch input: tests/test_batch_inputs.py,
+`test_side_input_gathered_by_label_suggests_batch`). Each refusal is checked by its
+words, and the fix it names is checked against the one-example loop."""
 
 import re
 
@@ -16,23 +17,21 @@ from tests import common
 
 @pytest.fixture
 def classifier():
-    """x [None, 3] @ W [3, 2] + b, labels [None], class weights [None] (a side input)."""
+    """x [None, 3] @ W [3, 2] + b, labels [None]."""
     with tf.Graph().as_default() as graph:
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
         labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
-        class_weights = tf.compat.v1.placeholder(tf.float32, [None], name="class_weights")
         W = tf.Variable(np.arange(6, dtype=np.float32).reshape(3, 2) / 7, name="W")
         b = tf.Variable(np.array([0.1, -0.2], np.float32), name="b")
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
                                                               logits=x @ W + b)
         rng = np.random.default_rng(0)
         feed = {x: rng.standard_normal((4, 3)).astype(np.float32),
-                labels: np.array([0, 1, 1, 0], np.int32),
-                class_weights: np.array([0.5, 2.0], np.float32)}
+                labels: np.array([0, 1, 1, 0], np.int32)}
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             yield dict(graph=graph, sess=sess, x=x, labels=labels, W=W, b=b, loss=loss,
-                       class_weights=class_weights, feed=feed)
+                       feed=feed)
 
 
 def test_ys_with_the_examples_on_axis_1_says_to_transpose_it(classifier):
@@ -72,24 +71,6 @@ def test_labels_left_out_of_batch_are_named_first(classifier):
                                                method="towers", batch_size=4)
         got = c["sess"].run(grads, c["feed"])
     want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], c["loss"],
-                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
-    common.assert_all_close(got, want)
-
-
-def test_class_weights_gathered_by_label_lead_with_batch(classifier):
-    c = classifier
-    with c["graph"].as_default():
-        weighted = c["loss"] * tf.gather(c["class_weights"], c["labels"])
-        with pytest.raises(ValueError, match=r"^pertower.per_example_gradients: `batch=` "
-                           r"decides which placeholders hold examples.*\(x:0, labels:0, "
-                           r"class_weights:0\)\. If class_weights:0 is not per-example data "
-                           r"but a side input .* pass batch=\[x:0, labels:0\].* Otherwise, "
-                           r"the op .*GatherV2.* couples the examples"):
-            pertower.per_example_gradients(weighted, [c["W"]])
-        grads = pertower.per_example_gradients(weighted, [c["W"]],
-                                               batch=[c["x"], c["labels"]])
-        got = c["sess"].run(grads, c["feed"])
-    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], weighted,
                              [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
     common.assert_all_close(got, want)
 
