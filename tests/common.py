@@ -313,3 +313,28 @@ def run_python(*argv, env=(), check=True, timeout=900):
         pytest.fail(f"python {' '.join(argv)[:200]}: exit code {done.returncode}\n"
                     f"--- stdout\n{done.stdout[-6000:]}\n--- stderr\n{done.stderr[-6000:]}")
     return done
+
+
+def save_tf1_classifier(directory, seed):
+    """A TF1 classifier saved as model.meta + a checkpoint in `directory`: reference
+    variables, tf.compat.v1.layers.dense (4 -> 8 -> 3), the per-example sparse
+    cross-entropy through tf.compat.v1.losses (reduction NONE) as "loss" [B]; and
+    feeds.npz with one batch of 5 under x:0 and y:0. Returns (prefix, feeds path)."""
+    rng = np.random.RandomState(seed)
+    with tf.Graph().as_default() as graph, tf.compat.v1.variable_scope(
+            "", use_resource=False):
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+        h = tf.compat.v1.layers.dense(x, 8, activation=tf.nn.relu)
+        logits = tf.compat.v1.layers.dense(h, 3)                             # [B, 3]
+        tf.identity(tf.compat.v1.losses.sparse_softmax_cross_entropy(
+            y, logits, reduction=tf.compat.v1.losses.Reduction.NONE), name="loss")  # [B]
+        assert all(not hasattr(v, "handle") for v in tf.compat.v1.global_variables())
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            prefix = saver.save(sess, os.path.join(directory, "model"))
+    feeds = os.path.join(directory, "feeds.npz")
+    np.savez(feeds, **{"x:0": rng.randn(5, 4).astype(np.float32),
+                       "y:0": rng.randint(0, 3, 5).astype(np.int32)})
+    return prefix, feeds

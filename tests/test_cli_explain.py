@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import pertower
 from pertower.tools import cli
+from tests import common
 
 B = 3
 
@@ -156,27 +157,8 @@ def test_explain_run_of_a_keras_lstm_agrees_with_the_loop(saved_lstm, capsys):
 
 @pytest.fixture(scope="module")
 def saved_tf1(tmp_path_factory):
-    """A TF1 model: reference variables, tf.compat.v1.layers.dense, labels through
-    tf.compat.v1.losses (reduction NONE), saved as model.meta + a checkpoint;
-    feeds.npz with one batch under x:0 and y:0. Returns the paths."""
-    directory = tmp_path_factory.mktemp("explain_tf1")
-    rng = np.random.RandomState(7)
-    with tf.Graph().as_default() as graph, tf.compat.v1.variable_scope(
-            "", use_resource=False):
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
-        h = tf.compat.v1.layers.dense(x, 8, activation=tf.nn.relu)
-        logits = tf.compat.v1.layers.dense(h, 3)                             # [B, 3]
-        tf.identity(tf.compat.v1.losses.sparse_softmax_cross_entropy(
-            y, logits, reduction=tf.compat.v1.losses.Reduction.NONE), name="loss")  # [B]
-        assert all(not hasattr(v, "handle") for v in tf.compat.v1.global_variables())
-        saver = tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            prefix = saver.save(sess, os.path.join(directory, "model"))
-    feeds = os.path.join(directory, "feeds.npz")
-    np.savez(feeds, **{"x:0": rng.randn(5, 4).astype(np.float32),
-                       "y:0": rng.randint(0, 3, 5).astype(np.int32)})
+    """The paths of `common.save_tf1_classifier`'s checkpoint and feeds."""
+    prefix, feeds = common.save_tf1_classifier(tmp_path_factory.mktemp("explain_tf1"), 7)
     return {"meta": prefix + ".meta", "prefix": prefix, "feeds": feeds}
 
 
