@@ -266,6 +266,23 @@ def formed_norm_convs(rng):
     return x, pairs, ws, loss
 
 
+def run_formed_norm_convs(graph, x, pairs, ws, loss, fetches, B, rng):
+    """Runs `fetches` in `graph` on one batch of B examples drawn from `rng` for
+    `formed_norm_convs`' placeholders x and pairs, and the one-example loop on it.
+
+    Returns:
+      (the fetched values, the loop's per-example gradients [B, *w.shape] of each w).
+    """
+    from pertower import oracle
+    with graph.as_default():
+        loop = oracle.SliceLoop(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: rng.randn(B, 9, 9, 3).astype(np.float32),
+                    pairs: rng.randn(B, 2, 5, 5, 3).astype(np.float32)}
+            return sess.run(fetches, feed), loop.run(sess, feed, B)
+
+
 def loop_clipped_mean(per_example, clip):
     """(norms [B], clipped means) of the loop's per-example gradients `per_example`
     ([B, *w.shape] each) clipped to `clip`: each row scaled by clip / max(norm, clip), the

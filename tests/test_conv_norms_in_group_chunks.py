@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 
 import pertower
-from pertower import oracle
 from pertower._convolution import norms as _conv_norms
 from pertower.rules import conv2d
 from tests import common
@@ -62,14 +61,8 @@ def model(request):
             scopes["norms"] = scope.rstrip("/")
         finally:
             _conv_norms.CHUNK_FLOATS, _conv_norms.FEW_GROUPS = saved
-        loop = oracle.SliceLoop(loss, ws)
-        sess = tf.compat.v1.Session(graph=graph)
-        sess.run(tf.compat.v1.global_variables_initializer())
-        feed = {x: rng.randn(B, 9, 9, 3).astype(np.float32),
-                pairs: rng.randn(B, 2, 5, 5, 3).astype(np.float32)}
-        got_means, got_norms = sess.run([means, norms], feed)
-        per_example = loop.run(sess, feed, B)                          # [B, *w.shape] each
-        sess.close()
+    (got_means, got_norms), per_example = common.run_formed_norm_convs(
+        graph, x, pairs, ws, loss, [means, norms], B, rng)
     return dict(graph=graph, scopes=scopes, means=got_means, norms=got_norms,
                 per_example=per_example)
 

@@ -38,14 +38,8 @@ def conv_model():
         contractions = [op for op in graph.get_operations() if op.type == "Sum" and
                         op.name.split("/")[-1].startswith("formed_squares") and
                         op.name.startswith("dp_compute_gradients/")]   # `squares_of`
-        loop = oracle.SliceLoop(loss, ws)
-        sess = tf.compat.v1.Session(graph=graph)
-        sess.run(tf.compat.v1.global_variables_initializer())
-        feed = {x: rng.randn(B, 9, 9, 3).astype(np.float32),
-                pairs: rng.randn(B, 2, 5, 5, 3).astype(np.float32)}
-        got_means, got_norms = sess.run([means, norms], feed)
-        per_example = loop.run(sess, feed, B)                          # [B, *w.shape] each
-        sess.close()
+    (got_means, got_norms), per_example = common.run_formed_norm_convs(
+        graph, x, pairs, ws, loss, [means, norms], B, rng)
     return dict(means=got_means, norms=got_norms, per_example=per_example,
                 contractions=contractions)
 
