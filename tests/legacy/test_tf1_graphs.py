@@ -104,27 +104,30 @@ def test_hand_checkable_case_in_two_placeholders():
 
 # Recurrent layers: a Keras LSTM with v1 loops and with control flow v2 -------------------
 
-def _lstm():
-    x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="x")
-    ys = tf.reduce_sum(keras.layers.Dense(2)(keras.layers.LSTM(3)(x)), axis=1)   # [B]
-    return x, ys, tf.compat.v1.trainable_variables()
+def _check_lstm(what, v1_loops):
+    """A Keras LSTM -> Dense(2), summed per example [B], against the loop at B = 3; with
+    `v1_loops` the graph must hold a v1 while loop."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(3)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 2], name="x")
+        ys = tf.reduce_sum(keras.layers.Dense(2)(keras.layers.LSTM(3)(x)), axis=1)   # [B]
+        xs = tf.compat.v1.trainable_variables()
+        if v1_loops:
+            assert any(op.type == "LoopCond" for op in graph.get_operations()), "no v1 loop"
+        loop = oracle.SliceLoop(ys, xs)   # before the session runs (while_v2 edits ops)
+        grads = pertower.per_example_gradients(ys, xs, batch_size=3)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(0).randn(3, 4, 2).astype(np.float32)}
+            got, want = sess.run(grads, feed), loop.run(sess, feed, 3)
+    common.assert_all_close(got, want, kind="deep", what=what)
 
 
 @pytest.mark.heavy
 def test_keras_lstm_with_v1_loops_matches_oracle():
     """A Keras LSTM built with v1 control flow: its weights are computed by row passes
     (one backward pass per example), against the loop."""
-    with tf.Graph().as_default() as graph:
-        common.seed_weights(3)
-        x, ys, xs = _lstm()
-        assert any(op.type == "LoopCond" for op in graph.get_operations()), "no v1 loop"
-        loop = oracle.SliceLoop(ys, xs)
-        grads = pertower.per_example_gradients(ys, xs, batch_size=3)
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            feed = {x: np.random.RandomState(0).randn(3, 4, 2).astype(np.float32)}
-            got, want = sess.run(grads, feed), loop.run(sess, feed, 3)
-        common.assert_all_close(got, want, kind="deep", what="Keras LSTM, v1 loops")
+    _check_lstm("Keras LSTM, v1 loops", v1_loops=True)
 
 
 @pytest.mark.heavy
@@ -132,16 +135,7 @@ def test_lstm_with_control_flow_v2_matches_oracle():
     """enable_control_flow_v2() under disable_v2_behavior(): LSTM against the loop."""
     tf.compat.v1.enable_control_flow_v2()
     try:
-        with tf.Graph().as_default() as graph:
-            tf.compat.v1.set_random_seed(3)
-            x, ys, xs = _lstm()
-            loop = oracle.SliceLoop(ys, xs)   # before the session runs (while_v2 edits ops)
-            grads = pertower.per_example_gradients(ys, xs, batch_size=3)
-            with tf.compat.v1.Session(graph=graph) as sess:
-                sess.run(tf.compat.v1.global_variables_initializer())
-                feed = {x: np.random.RandomState(0).randn(3, 4, 2).astype(np.float32)}
-                got, want = sess.run(grads, feed), loop.run(sess, feed, 3)
-        common.assert_all_close(got, want, kind="deep", what="LSTM, control flow v2")
+        _check_lstm("LSTM, control flow v2", v1_loops=False)
     finally:
         tf.compat.v1.disable_control_flow_v2()
 
