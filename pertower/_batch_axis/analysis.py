@@ -216,14 +216,22 @@ class _Scan:
                 self.size_data_edges.append((op, j))
 
     def function_graph(self, op, attr):
-        """The graph of the function `attr` of `op` (read once per scan tree), or None."""
+        """The graph of the function `attr` of `op` (read once per scan tree), or None:
+        the one it was built from, whose shapes are as static as outside (a weight read
+        in a body keeps its shape, so `tf.shape` arithmetic keeps reading as sizes), else
+        the one read back from the graph's library."""
         try:
             name = op.get_attr(attr).name
         except (ValueError, AttributeError):
             return None
         key = (id(op.graph), name)
         if key not in self.function_cache:
-            self.function_cache[key] = _tf.called_function_graph(op, attr)
+            built = _tf.built_function_graph(op, attr)
+            arguments = len(op.inputs) - (op.type in op_types.IF_OP_TYPES)
+            if built is None or len(built.inputs) != arguments or (
+                    attr != "cond" and len(built.outputs) != len(op.outputs)):
+                built = _tf.called_function_graph(op, attr)
+            self.function_cache[key] = built
         return self.function_cache[key]
 
     def body_values(self, op, attr, ins):

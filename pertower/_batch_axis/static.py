@@ -14,7 +14,7 @@ from pertower import _op_types as op_types
 from pertower._batch_axis import lattice
 
 __all__ = ["static_value", "parse_einsum", "ShapeEvaluator", "resolve_minus_one",
-           "constant_sizes", "SHAPE_SLOTS", "shape_slots"]
+           "constant_sizes", "SHAPE_SLOTS", "shape_slots", "SHAPE_ARITHMETIC"]
 
 # Small integer ops folded where tf.get_static_value stops (the axis arithmetic of
 # tf.nn.softmax(axis=0), tf.sort, ...).
@@ -84,7 +84,7 @@ def static_value(tensor, depth=0):
 
 
 # Ops of shape arithmetic whose SIZE outputs `constant_sizes` may prove constant.
-_SHAPE_ARITHMETIC = frozenset({"StridedSlice", "Slice", "GatherV2", "Prod", "Mul", "FloorDiv",
+SHAPE_ARITHMETIC = frozenset({"StridedSlice", "Slice", "GatherV2", "Prod", "Mul", "FloorDiv",
                                "Pack", "ConcatV2", "ExpandDims", "Reshape", "Identity", "Cast"})
 
 
@@ -96,7 +96,7 @@ def constant_sizes(shape_value, op, outs):
     [1, 1, 1, G, tf.shape(x)[-1] // G]. A constant does not depend on the batch; only
     where no batch axis is static (`shape_value.dynamic_batch`): a graph built for a
     static B may hold it in a static dimension (a [3*4, 5] reshape of a [3, 4, 5] batch)."""
-    if op.type not in _SHAPE_ARITHMETIC or not shape_value.dynamic_batch:
+    if op.type not in SHAPE_ARITHMETIC or not shape_value.dynamic_batch:
         return outs
     result = []
     for tensor, value in zip(op.outputs, outs):

@@ -44,6 +44,9 @@ def reduction(scan, op, ins):
         raise lattice.Lost("its axes are not static")
     reduced = sorted({normalize(r, rank) for r in np.reshape(reduced, [-1])})
     if value is UNKNOWN:
+        if _sizes_only(x):
+            raise lattice.Lost("it reduces sizes of a tensor whose batch axis was already "
+                               "lost")
         if rank > 0 and reduced == list(range(rank)):
             return _reduced_batch(scan, op, (
                 f"reduces ({op.type}) over every axis of {lattice.describe(x)}, which is "
@@ -54,6 +57,20 @@ def reduction(scan, op, ins):
             f"reduces ({op.type}) over {batch_axis_words(x, value.lead)}"))
     keep = op.get_attr("keep_dims")
     return [value.lead if keep else value.lead - sum(1 for r in reduced if r < value.lead)]
+
+
+def _sizes_only(tensor):
+    """Whether `tensor` is integer arithmetic on shapes and constants (Keras'
+    `prod(tf.shape(x)[:1])`): its entries are sizes, not any example's values."""
+    stack = [tensor]
+    while stack:
+        tensor = stack.pop()
+        if tensor.op.type in op_types.SHAPE_OP_TYPES or static.static_value(tensor) is not None:
+            continue
+        if not tensor.dtype.is_integer or tensor.op.type not in static.SHAPE_ARITHMETIC:
+            return False
+        stack.extend(tensor.op.inputs)
+    return True
 
 
 def _constant_rows(tensor):

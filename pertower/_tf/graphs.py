@@ -25,7 +25,7 @@ from pertower._tf import probe
 
 __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "control_flow_context", "graph_control_flow_context", "get_function",
-           "function_graph", "called_function_graph", "function_def", "function_graph_def",
+           "function_graph", "called_function_graph", "built_function_graph", "function_def", "function_graph_def",
            "function_definition", "op_def", "create_op",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
@@ -120,6 +120,24 @@ def called_function_graph(op, attr, input_shapes=None):
         definition = get_function(op.graph, op.get_attr(attr).name).cached_definition
         return function_graph(definition, input_shapes=input_shapes)
     except (AttributeError, ValueError, TypeError, KeyError):
+        return None
+
+
+# Where cond_v2 and while_v2 keep on the op the FuncGraph each function was built from.
+_BUILT_GRAPH_ATTRS = {"then_branch": "_true_graph", "else_branch": "_false_graph",
+                      "body": "_body_graph", "cond": "_cond_graph"}
+
+
+def built_function_graph(op, attr):
+    """The FuncGraph the function `attr` of `op` was built from in Python (cond_v2's and
+    while_v2's, kept on the op; a tf.function's, on its library entry): its shapes were
+    inferred with the weights' shapes, which a graph read back from the library lacks.
+    None when there is none (an op read from a GraphDef)."""
+    if attr in _BUILT_GRAPH_ATTRS:
+        return getattr(op, _BUILT_GRAPH_ATTRS[attr], None)
+    try:
+        return getattr(get_function(op.graph, op.get_attr(attr).name), "graph", None)
+    except (AttributeError, ValueError, TypeError):
         return None
 
 
