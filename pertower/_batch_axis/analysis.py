@@ -2,19 +2,12 @@
 
 Notation: as in `lattice`. Per-example gradients are defined when row i of `ys` depends
 on example i alone. `analyze` walks S once in graph order and gives every tensor a
-lattice value from its inputs' values and one table of transfer functions (`TRANSFERS`,
-op type -> `f(scan, op, ins)`, from the `transfer_*` modules and `functions`). Along the
-way it finds
-
-* couplings: ops that reduce, contract, sort, shift or pick along the batch axis (batch
-  normalization in training mode, x^T x, softmax over the batch, ...);
-* the first op where the batch axis was lost (an op the table does not know, a reshape
-  that moves rows across examples, a loop over the examples), and
-* the edges where a value computed from the batch's *size* enters a value computation
-  (`cost / tf.cast(tf.shape(x)[0], tf.float32)`), which the towers must feed with the
-  whole batch's value (`size_uses` tells data uses from sizes).
-
-`verdict.Analysis` turns what the scan found into the verdict.
+lattice value from its inputs' values by one table of transfer functions (`TRANSFERS`,
+op type -> `f(scan, op, ins)`, from the `transfer_*` modules and `functions`). It finds
+the couplings (ops that reduce, contract, sort, shift or pick along the batch axis), the
+first op where the batch axis was lost, and the edges where a value computed from the
+batch's *size* enters a value computation (`size_uses`). `verdict.Analysis` turns what
+the scan found into the verdict.
 """
 
 import tensorflow as tf
@@ -50,8 +43,7 @@ _MAX_DEPTH = 8
 
 
 class _Scan:
-    """Lattice values of the tensors of one graph (or function body), filled in graph
-    order by `run`; `couplings`, `losses` and `size_data_edges` collect what it found."""
+    """Lattice values of the tensors of one graph (or function body), filled by `run`."""
 
     def __init__(self, seeds, region, targets=(), registry=None, static_batch_size=None,
                  depth=0, function_cache=None, seed_parts=False):
@@ -79,9 +71,8 @@ class _Scan:
 
     def run(self):
         """Fills the values in graph order. A TF1 loop's back edges (NextIteration ->
-        Merge) are read on the next pass: passes repeat, each starting from the values
-        of the last, until the loop variables' values settle; what a pass found
-        (couplings, losses) is kept from the last pass only."""
+        Merge) are read on the next pass: passes repeat until the values they carry
+        settle; what the last pass found is kept."""
         order = _topological(self.region)
         merges = [op for op in order if op.type in op_types.V1_MERGE_OP_TYPES and any(
             t.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES for t in op.inputs)]
@@ -178,8 +169,7 @@ class _Scan:
                 self.values[tensor] = value
 
     def _is_flow(self, op, tensor):
-        """Whether `tensor` is a v1 TensorArray's flow (a scalar holding the value of
-        the array's elements)."""
+        """Whether `tensor` is a v1 TensorArray's flow (holding its elements' value)."""
         return tensor.shape.rank == 0 and (op.type in op_types.TENSOR_ARRAY_FLOW_OP_TYPES or (
             op.type in op_types.FLOW_PASSING_OP_TYPES and any(t in self.flows for t in op.inputs)))
 
@@ -189,8 +179,7 @@ class _Scan:
             c in self.region for c in tensor.consumers())
 
     def forgive(self, ops):
-        """Takes back the losses recorded at `ops` (inside a pattern a transfer function
-        has matched whole at its last op)."""
+        """Takes back the losses recorded at `ops` (inside a pattern matched whole)."""
         self.losses = [(o, reason) for o, reason in self.losses if o not in ops]
 
     def lose(self, op, reason, doubt=False):
@@ -235,9 +224,8 @@ class _Scan:
         return self.function_cache[key]
 
     def body_values(self, op, attr, ins):
-        """The values of the outputs of the function `attr` of `op` run on inputs with
-        the values `ins`. A coupling inside is raised on `op`; a loss inside is lost
-        at `op`."""
+        """The values of the outputs of the function `attr` of `op` on inputs of values
+        `ins`; a coupling or loss inside is raised or recorded on `op`."""
         if self.depth >= _MAX_DEPTH:
             raise lattice.Lost("its functions are nested too deeply")
         body = self.function_graph(op, attr)
@@ -268,10 +256,8 @@ class _Scan:
 
 
 def _topological(ops):
-    """`ops` with every op after the ops it reads, creation order breaking ties (a TF1
-    cond adds an op's Switch inputs after the op). TF1 loops' back edges are not
-    followed, so a loop's Merge comes before its body (whose values it reads on the next
-    pass: `_Scan.run`)."""
+    """`ops` with every op after the ops it reads, creation order breaking ties; TF1
+    loops' back edges are not followed (a loop's Merge comes before its body)."""
     ops = set(ops)
     ordered, done, active = [], set(), set()
     for root in sorted(ops, key=_tf.op_order_key()):

@@ -2,28 +2,24 @@
 cond and while frames, v1 TensorArrays, and TF1 loops over the batch's examples.
 
 Notation: as in `lattice`. A function body is analysed like the outer graph, its inputs
-seeded with the values of the op's inputs (`scan.body_values`); a coupling inside is
-reported on the op that runs the function. A TensorList (tf.scan's elements, a Keras
-RNN's time steps) and a v1 TensorArray's *flow* (dynamic_rnn's time steps) hold the value
-of their elements. A v1 while frame's ops (Enter, Merge, Switch, NextIteration, Exit) pass
-their data on unchanged; the scan reads the back edge NextIteration -> Merge on its next
-pass (`analysis._Scan.run`). The number of iterations must not depend on the batch's
-values, so raw_rnn's loop (until every example has finished) is not proven.
+seeded with the op's input values (`scan.body_values`); a coupling inside is reported
+on the op that runs it. A TensorList and a v1 TensorArray's *flow* hold the value of
+their elements. A v1 while frame's ops pass their data on unchanged; the scan reads the
+back edge NextIteration -> Merge on its next pass. The number of iterations must not
+depend on the batch's values (raw_rnn's loop is not proven).
 
 tf.compat.v1.map_fn(f, x) over the batch scatters the rows of x [B, ...] into a
 TensorArray, reads element i in a v1 loop and writes f of it at i of a second array:
 
 * the flow of an array whose elements are the examples is EXAMPLE_ELEMENTS,
-  Rows(lead=-1, k=1, .): made by scattering a tensor with one row per example at the
-  indices 0, 1, ..., B - 1, and gathered back at those indices into Rows(0, 1, .);
-* reading it at an index tensor i gives `Example(i)`, and an op whose other inputs do
-  not depend on the batch's values computes from that example alone: `Example(i)` too
-  (`example_transfer`: a reduction over every axis of it reduces one example);
+  Rows(lead=-1, k=1, .): scattered from one row per example at the indices 0..B-1, and
+  gathered back at those indices into Rows(0, 1, .);
+* reading it at an index tensor i gives `Example(i)`; an op whose other inputs do not
+  depend on the batch's values computes from that example alone: `Example(i)` too;
 * writing an `Example(i)` at the same index tensor i puts example i's result at row i.
 
-Anything else is lost: an `Example` combined with other examples' rows or another
-iteration's element, carried into the next iteration (tf.scan over the batch), leaving
-the loop (Exit) or written at another index.
+Anything else is lost: an `Example` combined with other rows or another iteration's
+element, carried into the next iteration, leaving the loop or written elsewhere.
 """
 
 import tensorflow as tf
@@ -39,8 +35,8 @@ EXAMPLE_ELEMENTS = Rows(-1, 1, None)
 
 
 def cond(scan, op, ins):
-    """tf.cond (Keras Dropout / BatchNormalization with training=None): with a predicate
-    that does not depend on the batch's values, what both branches agree on."""
+    """tf.cond with a predicate that does not depend on the batch's values: the join of
+    both branches."""
     if lattice.depends_on_values(ins[0]):
         raise lattice.Lost("the branch taken depends on the batch's values")
     branches = [scan.body_values(op, attr, ins[1:]) for attr in ("then_branch", "else_branch")]
@@ -52,8 +48,7 @@ def call(scan, op, ins):
 
 
 def _loop_join(first, second):
-    """A loop variable's value over iterations; an empty TensorList (SIZE or
-    INDEPENDENT) takes the value of the elements set into it."""
+    """A loop variable's value over iterations (an empty list takes its elements')."""
     if first in (INDEPENDENT, SIZE) and isinstance(second, Rows):
         return second
     return lattice.join(first, second)
@@ -98,8 +93,7 @@ def list_from_tensor(scan, op, ins):
 
 
 def list_get_item(scan, op, ins):
-    """TensorListGetItem(list, index, shape), TensorArrayReadV3(handle, index, flow):
-    one element; of an array of the examples, one example: Example(index)."""
+    """TensorListGetItem(list, index, shape), TensorArrayReadV3(handle, index, flow)."""
     _index_checked(ins, 1)
     if op.type == "TensorListGetItem":
         return [ins[0]]
@@ -123,8 +117,8 @@ def switch(scan, op, ins):
 
 
 def merge(scan, op, ins):
-    """TF1 cond: the value of whichever branch ran (output 1 is its index). TF1 loop:
-    the value entering the loop joined with the one NextIteration hands back."""
+    """TF1 cond: the branch that ran; TF1 loop: the entering value joined with the
+    one NextIteration hands back. Output 1 is an index."""
     value = INDEPENDENT
     for t, v in zip(op.inputs, ins):
         value = (_loop_join(value, v) if t.op.type in op_types.V1_NEXT_ITERATION_OP_TYPES
@@ -133,8 +127,7 @@ def merge(scan, op, ins):
 
 
 def v1_loop_pass(scan, op, ins):
-    """Enter, Exit, NextIteration: the value goes on unchanged; LoopCond: a predicate
-    from the batch's values would make the number of iterations differ per batch."""
+    """Enter, Exit, NextIteration, LoopCond: the value goes on unchanged."""
     if op.type == "LoopCond" and lattice.depends_on_values(ins[0]):
         raise lattice.Lost("the number of iterations of its TF1 while loop depends on the "
                            "batch's values")
@@ -143,7 +136,7 @@ def v1_loop_pass(scan, op, ins):
 
 def tensor_array_scatter(scan, op, ins):
     """TensorArrayScatterV3(handle, indices, value [N, ...], flow) -> flow: the elements
-    are value's rows along axis 0 (N time steps), so the batch axis moves down by one."""
+    are value's rows along axis 0, so the batch axis moves down by one."""
     _index_checked(ins, 1)
     value = ins[2]
     if isinstance(value, Rows) and value.lead == 0:   # one element per example
@@ -157,9 +150,7 @@ def tensor_array_scatter(scan, op, ins):
 
 
 def tensor_array_write(scan, op, ins):
-    """TensorArrayWriteV3(handle, index, value, flow) -> flow; one example's value
-    written at the index it was read at makes an array whose elements are the
-    examples."""
+    """TensorArrayWriteV3(handle, index, value, flow) -> flow."""
     _index_checked(ins, 1)
     value = ins[2]
     if isinstance(value, Example):
@@ -185,8 +176,7 @@ def reads_example(op, ins):
 
 
 def example_transfer(scan, op, ins):
-    """The outputs of `op`, one of whose inputs is an `Example` (see the module
-    docstring); raises lattice.Lost where one example's values are not followed."""
+    """The outputs of `op`, one of whose inputs is an `Example` (see the module)."""
     examples = {v for v in ins if isinstance(v, Example)}
     if len(examples) > 1:
         raise lattice.Lost("it combines elements that a loop over the batch's examples "

@@ -11,19 +11,16 @@ Every tensor of S gets one value:
                   of it, a Fill of it).
     Rows(lead, k, E)
                   axis `lead` is the batch axis: k consecutive entries per example, each
-                  computed from its own example alone; E (when known) the elements each
-                  example owns. When every axis before `lead` has static size 1 the flat
-                  data is B contiguous blocks of E elements: the "row layout" the per-op
-                  rules need (`contiguous`); otherwise (a transposed [T, B, d]) the batch
-                  axis is still followed, for finding couplings.
+                  from its own example alone; E (when known) the elements per example.
+                  When every axis before `lead` has static size 1 the flat data is B
+                  blocks of E elements, the "row layout" the rules need (`contiguous`).
     UNKNOWN       depends on the batch, but the batch axis was lost.
     Example(index)
                   one example's values inside a TF1 loop over the examples (`functions`).
     Interleaved(inner, blocks, E)
                   axis 0 is [blocks, B*inner] flattened: example i owns the rows
-                  j*B*inner + i*inner + t (j < blocks, t < inner), as SpaceToBatchND lays
-                  out a dilated convolution's blocks; only the ops `transfer_blocks` names
-                  read it, any other loses the batch axis there.
+                  j*B*inner + i*inner + t (j < blocks, t < inner), SpaceToBatchND's
+                  layout (`transfer_blocks`).
 
 INDEPENDENT < SIZE < Rows < UNKNOWN: `join` gives the value of a tensor that is one of
 two values (the branches of a cond, a loop variable over iterations).
@@ -39,22 +36,12 @@ __all__ = ["Rows", "Example", "Interleaved", "INDEPENDENT", "SIZE", "UNKNOWN", "
            "Coupled", "Lost", "complete", "contiguous", "join", "describe", "TensorMap"]
 
 
-class Rows(collections.namedtuple("Rows", ["lead", "k", "E"])):
-    """The batch axis `lead`, k entries per example on it, E elements per example (k and
-    E None when not static)."""
-
-
-class Example(collections.namedtuple("Example", ["index"])):
-    """One example's values, read at the index tensor named `index` (`functions`)."""
-
-
-class Interleaved(collections.namedtuple("Interleaved", ["inner", "blocks", "E"])):
-    """Axis 0 as [blocks, B, inner] flattened (see the module docstring)."""
+Rows = collections.namedtuple("Rows", ["lead", "k", "E"])
+Example = collections.namedtuple("Example", ["index"])   # index: a tensor's name
+Interleaved = collections.namedtuple("Interleaved", ["inner", "blocks", "E"])
 
 
 class _Marker:
-    """A named lattice value."""
-
     def __init__(self, name):
         self.name = name
 
@@ -73,9 +60,8 @@ def depends_on_values(value):
 
 
 def complete(layout, shape):
-    """Fills in k from E (or E from k) with the static shape; None when the rows would
-    straddle examples (E not a multiple of the row size) or the shape has no axis
-    `lead`."""
+    """Fills in k from E (or E from k) with the static shape; None when rows would
+    straddle examples or the shape has no axis `lead`."""
     if shape.rank is None or shape.rank <= layout.lead:
         return None
     lead, k, E = layout
@@ -124,14 +110,9 @@ def describe(tensor):
 
 @dataclasses.dataclass(frozen=True)
 class Coupling:
-    """An op that makes one example's value depend on other examples.
-
-    Attributes:
-      op: the op.
-      reason: what it does along the batch axis, e.g. "reduces (Mean) over axis 0, the
-        batch axis of its input 'x:0' (shape (None, 5))".
-      advice: what to do instead.
-    """
+    """An op that makes one example's value depend on other examples: `reason`, what
+    it does along the batch axis ("reduces (Mean) over axis 0, the batch axis of its
+    input 'x:0' (shape (None, 5))"); `advice`, what to do instead."""
 
     op: tf.Operation
     reason: str

@@ -5,20 +5,17 @@ Notation (as in every core module):
     t   the loop counter            g   the integer arithmetic from max(L) to the bound
 
 `tf.compat.v1.nn.dynamic_rnn(..., sequence_length=L)` runs `t < g(max(L))` steps on the
-whole batch, while one example alone runs `t < g(L_i)`. The extra steps leave the
-example's rows alone only when the body keeps its state fixed past its own end:
+whole batch, one example alone `t < g(L_i)`. The extra steps leave the example alone
+only when the body keeps its state fixed past its own end:
 
     state <- where(t >= L, state, cell(state))     output[t] <- where(t >= L, 0, out)
 
 With g non-decreasing and g(x) >= x (identity, casts, max(x, c), min(x, c) with c the
-same alone and in the batch, x + c with c >= 0), every step the batch runs beyond an
-example's own bound has t >= g(L_i) >= L_i, so the select keeps that example's state
-and writes zeros where, alone, nothing was written (a TensorArray reads unwritten
-entries as zeros). `masked_past_end` checks exactly this shape of loop, for a v1 loop
-(Enter/Merge/Switch/NextIteration around a LoopCond) and a v2 `While` alike; any
-other loop bounded by a maximum over the batch is not proven (the run-time check or a
-refusal decides), and a loop bounded by a minimum over the batch never is (the batch
-stops an example before its own end).
+same alone and in the batch, x + c with c >= 0), every extra step has t >= g(L_i) >=
+L_i, so the select keeps that example's state and writes zeros where, alone, nothing
+was written (a TensorArray reads unwritten entries as zeros). `masked_past_end` checks
+this shape of loop, v1 (a LoopCond frame) or v2 (`While`); any other such loop is not
+proven, and one bounded by a minimum over the batch never is.
 """
 
 from pertower._batch_axis import static
@@ -53,12 +50,12 @@ class V1Loop:
         self.variables = list(self.switches.values())
 
     def in_cond(self, tensor):
-        """The variable whose current value `tensor` is, as the condition reads it."""
+        """The variable whose current value `tensor` is, as the condition (the body:
+        `in_body`) reads it, or None."""
         tensor = _strip(tensor)
         return tensor.op if tensor.op in self.variables else None
 
     def in_body(self, tensor):
-        """The variable whose current value `tensor` is, as the body reads it."""
         tensor = _strip(tensor)
         if tensor.value_index == 1 and tensor.op in self.switches:
             return self.switches[tensor.op]
@@ -88,10 +85,9 @@ class V2Loop:
         self.region = region
 
     def accumulator(self, variable):
-        """Whether `variable` only records values for a gradient: a list that the body
-        extends (TensorListPushBack) and reads nowhere else, and whose final value no op
-        between the batch and `ys` reads (what tf.gradients adds to a While it
-        differentiates, e.g. a training op built before pertower's call)."""
+        """Whether `variable` only records values for a gradient: a list the body only
+        extends (TensorListPushBack), whose final value no op between the batch and
+        `ys` reads."""
         new = _strip(self.next_value(variable))
         if new.op.type != "TensorListPushBack" or self.in_body(new.op.inputs[0]) != variable:
             return False
@@ -126,8 +122,8 @@ class V2Loop:
 
 
 def _same_alone(tensor, shape_value):
-    """Whether `tensor` (outside the loop) has the same value for one example alone as
-    for the batch: a constant, or shape entries that do not follow B."""
+    """Whether `tensor` (outside the loop) is the same alone as in the batch: a
+    constant, or shape entries that do not follow B."""
     if static.static_value(tensor) is not None:
         return True
     entries = shape_value(tensor)
@@ -196,24 +192,22 @@ def _bounding_counter(loop, reduction, shape_value):
 
 
 def _new_axes_only(op):
-    """Whether the StridedSlice `op` only inserts axes (`cond[:, None]`)."""
-    try:
-        spec = static.static_value(op.inputs[1]).size   # entries of the slice spec
-        strides = static.static_value(op.inputs[3])
-        whole = (1 << spec) - 1
-        new_axes = op.get_attr("new_axis_mask")
-        return (op.get_attr("shrink_axis_mask") == 0 and op.get_attr("ellipsis_mask") == 0
-                and new_axes != 0 and strides is not None and bool((strides == 1).all())
-                and (op.get_attr("begin_mask") | new_axes) == whole
-                and (op.get_attr("end_mask") | new_axes) == whole)
-    except (ValueError, TypeError, AttributeError):
+    """Whether `op` is a StridedSlice that only inserts axes (`cond[:, None]`)."""
+    spec = static.static_value(op.inputs[1]) if op.type == "StridedSlice" else None
+    strides = static.static_value(op.inputs[3]) if spec is not None else None
+    if strides is None:
         return False
+    whole, new_axes = (1 << spec.size) - 1, op.get_attr("new_axis_mask")
+    return (op.get_attr("shrink_axis_mask") == 0 and op.get_attr("ellipsis_mask") == 0
+            and new_axes != 0 and bool((strides == 1).all())
+            and (op.get_attr("begin_mask") | new_axes) == whole
+            and (op.get_attr("end_mask") | new_axes) == whole)
 
 
 def _past_end(loop, cond, counter, lengths):
     """True when `cond` is `t >= L` (row by row), False when it is `t < L`, else None."""
     cond = _strip(cond, _ROW_SHAPING_TYPES)
-    if cond.op.type == "StridedSlice" and _new_axes_only(cond.op):
+    if _new_axes_only(cond.op):
         return _past_end(loop, cond.op.inputs[0], counter, lengths)
     if cond.op.type == "LogicalNot":
         inner = _past_end(loop, cond.op.inputs[0], counter, lengths)
@@ -269,10 +263,9 @@ def _kept_past_end(loop, variable, counter, lengths):
 
 
 def masked_past_end(reduction, loop, shape_value):
-    """True when `loop` (a `V1Loop` or `V2Loop`), bounded by the result of `reduction`
-    (an op reducing over the batch axis), is proven to keep each example's state fixed
-    past its own end (the module's proof), else False (always for a minimum);
-    `shape_value` is the scan's `static.ShapeEvaluator` (which shape entries follow B)."""
+    """Whether `loop` (a `V1Loop` or `V2Loop`), bounded by the result of `reduction`
+    over the batch axis, keeps each example's state past its own end (the module's
+    proof); `shape_value`: the scan's `static.ShapeEvaluator`."""
     if reduction.type != "Max":
         return False
     counter = _bounding_counter(loop, reduction, shape_value)

@@ -3,23 +3,19 @@
 Notation: B examples in the batch, T towers of B/T examples, n = tf.shape(x)[0].
 
 A SIZE value (n, tf.size(x), tf.range(n), a shape [n, d]) means B in the whole batch and
-B/T in a tower that replays the graph on B/T examples. Which of the two a replay must
-feed depends on the use, decided here and nowhere else:
+B/T in a tower. Which one a replay must feed depends on the use, decided here only:
 
-* **data**: the size enters the arithmetic of the values that reach `ys`: it becomes a
-  float (`cost / tf.cast(n, tf.float32)`) or scales per-example integers (`labels * n`).
-  It means the whole batch's B, so the towers read it from the whole batch's graph
-  (`Analysis.size_data_edges`), and the rules' batched backward pass sees B as `ys` does.
-* **size**: anything else (a shape, an axis, a bound, a range over the examples, an index
-  for `tf.gather_nd`, segment ids, the positions `embedding_lookup` partitions by): the
-  towers keep their own size (the replayed op sees its slice, as the batched op sees the
-  batch). `is_row_index` proves the TF1 index `tf.range(n)`, whose entry i is the row of
-  example i, in the batch and in every tower alike.
+* **data**: the size enters the values that reach `ys` (`cost / tf.cast(n, tf.float32)`,
+  `labels * n`): it means the whole batch's B, so the towers read it from the whole
+  batch's graph (`Analysis.size_data_edges`), as the rules' batched backward pass does.
+* **size**: anything else (a shape, an axis, a bound, tf.range over the examples, segment
+  ids, gather indices): the towers keep their own size. `is_row_index` proves the index
+  `tf.range(n)`, whose entry i is the row of example i in the batch and in every tower.
 
 A reduction over the batch whose result only sizes shapes or bounds loops (dynamic_rnn's
-max(sequence_length), `tf.range(tf.reduce_max(lengths))`) reads every example, yet no
-example's *value* depends on the others: the scan asks `only_bounds` where such a result
-goes before calling it a coupling.
+max(sequence_length)) reads every example, yet no example's *value* depends on the
+others: the scan asks `only_bounds` where such a result goes before calling it a
+coupling.
 """
 
 import tensorflow as tf
@@ -37,8 +33,8 @@ _SAME_VALUE_OP_TYPES = frozenset({"Identity", "Cast", "Snapshot"})
 
 
 def is_data_use(op, j, ins, outs):
-    """Whether the integer SIZE input j (not a shape slot) of `op` enters the values
-    reaching `ys`; `ins`, `outs`: the lattice values of op's inputs and outputs."""
+    """Whether the integer SIZE input j (not a shape slot) of `op` is a data use;
+    `ins`, `outs`: the lattice values of op's inputs and outputs."""
     if op.type == "Cast":
         return any(t.dtype.is_floating or t.dtype.is_complex for t in op.outputs)
     if op.type in op_types.ELEMENTWISE_OP_TYPES:
@@ -48,10 +44,11 @@ def is_data_use(op, j, ins, outs):
     return False
 
 
-def is_row_index(value_of, tensor, rows):
+def is_row_index(shape_value, tensor, rows):
     """Whether `tensor`, [B] (or [B, 1]), is provably tf.range(n), n the number of
     examples of a tensor laid out as `rows` (one row per example): entry i is the row of
-    example i. `value_of`: tensor -> lattice value (the scan's)."""
+    example i. `shape_value`: the scan's `static.ShapeEvaluator` (n is B when it is
+    tf.shape(x)[a] of a batch axis a with one row per example, or tf.size of a [B] x)."""
     tensor = _column(tensor)
     while tensor.op.type in _SAME_VALUE_OP_TYPES and tensor.op.inputs:
         tensor = tensor.op.inputs[0]
@@ -61,7 +58,7 @@ def is_row_index(value_of, tensor, rows):
     start, delta = static.static_value(op.inputs[0]), static.static_value(op.inputs[2])
     if start is None or delta is None or int(start) != 0 or int(delta) != 1:
         return False
-    return _is_batch_size(value_of, op.inputs[1])
+    return shape_value(op.inputs[1]) == [(1, 1)]
 
 
 def _column(tensor):
@@ -77,40 +74,15 @@ def _column(tensor):
     return tensor
 
 
-def _is_batch_size(value_of, n):
-    """Whether the scalar `n` is B: tf.shape(x)[a] with a the batch axis of x (one row
-    per example), or tf.size(x) of a [B] tensor x."""
-    while n.op.type in _SAME_VALUE_OP_TYPES and n.op.inputs:
-        n = n.op.inputs[0]
-    op = n.op
-    if op.type == "Size":
-        x = op.inputs[0]
-        value = value_of(x)
-        return isinstance(value, Rows) and value.k == 1 and x.shape.rank == 1
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
-        return False
-    if op.get_attr("shrink_axis_mask") != 1 or op.get_attr("ellipsis_mask") or op.get_attr(
-            "new_axis_mask") or op.get_attr("begin_mask") & 1:
-        return False
-    begin = static.static_value(op.inputs[1])
-    if begin is None or len(begin) != 1:
-        return False
-    x = op.inputs[0].op.inputs[0]
-    value = value_of(x)
-    return (isinstance(value, Rows) and value.k == 1 and x.shape.rank is not None
-            and int(begin[0]) % x.shape.rank == value.lead)
-
-
 def _integral(op):
     return all(o.dtype.is_integer or o.dtype == tf.bool for o in op.outputs)
 
 
 def only_bounds(scan, op):
-    """Where the outputs of the reduction `op` go in `scan`: "bounds" when they only
-    reach shape or axis operands and loop bounds (through integer arithmetic), "unclear"
-    when they reach a function or loop whose use of them is not followed, "unmasked"
-    when they bound a loop not proven to keep each example's state fixed past its own
-    end (`loop_bounds`), "data" otherwise."""
+    """Where the outputs of the reduction `op` go in `scan`: "bounds" (only shape or
+    axis operands and loop bounds, through integer arithmetic), "unclear" (a function
+    or loop not followed), "unmasked" (a loop not proven to keep each example's state
+    past its own end, `loop_bounds`), else "data"."""
     verdict = "bounds"
     stack, seen = list(op.outputs), set()
     while stack:

@@ -89,13 +89,10 @@ SHAPE_ARITHMETIC = frozenset({"StridedSlice", "Slice", "GatherV2", "Prod", "Mul"
 
 
 def constant_sizes(shape_value, op, outs):
-    """`outs` (the lattice values of `op`'s outputs) with INDEPENDENT for each SIZE
-    output that `shape_value` (a `ShapeEvaluator`) proves constant, every entry a known
-    coefficient times B**0: an entry of tf.shape(x) on a static axis of x and arithmetic
-    of such entries, as Keras' GroupNormalization reshapes its weights to
-    [1, 1, 1, G, tf.shape(x)[-1] // G]. A constant does not depend on the batch; only
-    where no batch axis is static (`shape_value.dynamic_batch`): a graph built for a
-    static B may hold it in a static dimension (a [3*4, 5] reshape of a [3, 4, 5] batch)."""
+    """`outs` (the values of `op`'s outputs) with INDEPENDENT for each SIZE output that
+    `shape_value` proves constant (every entry (c, 0), c known: Keras' GroupNormalization
+    reshapes its weights to [1, 1, 1, G, tf.shape(x)[-1] // G]); only where no batch axis
+    is static (a graph built for a static B may hold it in a static dimension)."""
     if op.type not in SHAPE_ARITHMETIC or not shape_value.dynamic_batch:
         return outs
     result = []
@@ -117,16 +114,8 @@ def parse_einsum(equation):
     return lhs.split(","), out
 
 
-def _multiply(first, second):
-    coefficient = (None if first[0] is None or second[0] is None
-                   else first[0] * second[0])
-    power = first[1] + second[1]
-    return None if power > 1 else (coefficient, power)
-
-
 def resolve_minus_one(target):
-    """Replaces a -1 entry by (coefficient unknown, batch power): it holds the batch
-    exactly when no other entry does. None for None."""
+    """Replaces a -1 entry by (None, power): power 1 exactly when no other entry has it."""
     if target is None:
         return None
     minus = [k for k, d in enumerate(target) if d == (-1, 0)]
@@ -140,13 +129,12 @@ def resolve_minus_one(target):
 
 class ShapeEvaluator:
     """Evaluates shape values (see the module docstring), memoized. `value_of`: tensor
-    -> lattice value (the batch axis of `tf.shape(x)` is x's `Rows.lead`)."""
+    -> lattice value."""
 
     def __init__(self, value_of, seeds=None):
         self.value_of = value_of
         self.memo = lattice.TensorMap()
-        # whether the batch axis of every seed ((tensor, Rows) pairs) is not static: then
-        # no static dimension of the graph can hold B (`constant_sizes`)
+        # no seed's batch axis is static: no static dimension can hold B
         self.dynamic_batch = bool(seeds) and all(
             isinstance(v, lattice.Rows) and t.shape.rank is not None and 0 <= v.lead <
             t.shape.rank and tf.compat.dimension_value(t.shape[v.lead]) is None
@@ -165,7 +153,7 @@ class ShapeEvaluator:
         return value
 
     def _evaluate(self, tensor, op):
-        if op.type == "Shape":
+        if op.type in ("Shape", "Size"):
             x = op.inputs[0]
             value = self.value_of(x)
             if x.shape.rank is None or value is lattice.UNKNOWN:
@@ -175,7 +163,7 @@ class ShapeEvaluator:
                 dims[value.lead] = (value.k, 1)
             elif value is not lattice.INDEPENDENT and None in x.shape.as_list():
                 return None   # a SIZE tensor: which axis follows B is not known
-            return dims
+            return dims if op.type == "Shape" else _product(dims)
         if op.type in ("Identity", "Cast"):
             return self(op.inputs[0])
         if op.type in ("ExpandDims", "Reshape") and op.outputs[0].shape.rank == 1:
@@ -239,9 +227,13 @@ class ShapeEvaluator:
             if other is None or len(source) != 1 or len(other) != 1:
                 return None
             factors = source + other
-        product = (1, 0)
-        for d in factors:
-            product = _multiply(product, d)
-            if product is None:
-                return None
-        return [product]
+        return _product(factors)
+
+
+def _product(factors):
+    """[the product of the entries `factors`], or None when it is not c * B**p, p <= 1."""
+    coefficient, power = 1, 0
+    for c, p in factors:
+        coefficient = None if coefficient is None or c is None else coefficient * c
+        power += p
+    return None if power > 1 else [(coefficient, power)]

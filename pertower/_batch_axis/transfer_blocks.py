@@ -1,22 +1,16 @@
-"""Transfer functions of SpaceToBatchND, BatchToSpaceND and the ops between them: a
-dilated convolution without oneDNN (`tf.nn.convolution`'s space-to-batch form, so
-tf_keras' dilated Conv2D/DepthwiseConv2D/Conv3D) is SpaceToBatchND -> Conv2D ->
-BatchToSpaceND.
+"""Transfer functions of SpaceToBatchND, BatchToSpaceND and the ops between them (a
+dilated convolution without oneDNN: SpaceToBatchND -> Conv2D -> BatchToSpaceND).
 
 Notation: N rows on axis 0, B examples, K = prod(block_shape) of one op.
 
 SpaceToBatchND writes the block at offset j < K of input row r to output row j*N + r
-(TensorFlow's documentation of the op: "output batch = input batch * prod(block_shape)",
-the block offset outermost). So Rows(0, inner) becomes `lattice.Interleaved(inner, K)`
-(example i owns rows j*B*inner + i*inner + t), and Interleaved(inner, blocks) becomes
-Interleaved(inner, K*blocks). BatchToSpaceND builds its output row r ([N/K, ...]) from
-the input rows j*(N/K) + r, j < K: it undoes the outermost K blocks (Interleaved(inner,
-blocks/K), or Rows(0, inner) when blocks = K); on any other layout it puts several
-examples' rows into one row. A convolution (`ROW_WISE_CONVOLUTION_OP_TYPES`) computes
-output row n from input row n alone and keeps Interleaved, and so do ExpandDims and
-Squeeze of other axes than 0 (a dilated Conv1D: SpaceToBatchND -> ExpandDims -> Conv2D ->
-Squeeze -> BatchToSpaceND). Any other op loses the batch axis there (`misread`); the
-rules that know this layout regroup it (`pertower._convolution.views`).
+(the block offset outermost, TensorFlow's documentation of the op). So Rows(0, inner)
+becomes `lattice.Interleaved(inner, K)`, and Interleaved(inner, blocks) becomes
+Interleaved(inner, K*blocks). BatchToSpaceND builds output row r ([N/K, ...]) from the
+input rows j*(N/K) + r, j < K: it undoes the outermost K blocks (Interleaved(inner,
+blocks/K), or Rows(0, inner) when blocks = K); on any other layout it mixes examples.
+A convolution (`ROW_WISE_CONVOLUTION_OP_TYPES`), and ExpandDims and Squeeze of other
+axes than 0, keep Interleaved; any other op loses the batch axis there (`misread`).
 """
 
 import numpy as np

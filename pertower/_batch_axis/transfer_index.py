@@ -143,7 +143,7 @@ def gather_nd(scan, op, ins):
         raise lattice.Lost("it gathers from a tensor whose batch axis is not its first")
     column = _first_column(indices)
     if (column is not None and (not isinstance(ins[1], Rows) or ins[1].lead == 0)
-            and size_uses.is_row_index(scan.value_of, column, ins[0])):
+            and size_uses.is_row_index(scan.shape_value, column, ins[0])):
         return [0]   # [B, ...] by [[i, c_i], ...]: row i reads example i only
     raise lattice.Coupled(
         f"gathers along {batch_axis_words(params, 0)} with the indices "
@@ -152,25 +152,18 @@ def gather_nd(scan, op, ins):
 
 
 def _first_column(indices):
-    """The [B] tensor that is column 0 of the [B, m] `indices` when they are built as
-    tf.stack([c0, ...], axis=1), tf.concat([c0[:, None], ...], 1) or c0[:, None]; else None."""
+    """Column 0 of the [B, m] `indices`, c0 or its [B, 1] column, when they are built as
+    tf.stack([c0, ...], 1) or tf.concat([c0[:, None], ...], 1), or are that column;
+    else None."""
     if indices.shape.rank != 2:
         return None
     op = indices.op
     if op.type == "Pack" and op.get_attr("axis") in (1, -1):
-        return op.inputs[0] if op.inputs[0].shape.rank == 1 else None
+        return op.inputs[0]
     if op.type == "ConcatV2":
         axis = static.static_value(op.inputs[-1])
-        if axis is None or int(axis) not in (1, -1):
-            return None
-        op = op.inputs[0].op
-    if op.type == "ExpandDims":
-        axis = static.static_value(op.inputs[1])
-        ok = axis is not None and int(axis) in (1, -1)
-        return op.inputs[0] if ok and op.inputs[0].shape.rank == 1 else None
-    if op.type == "Reshape" and op.inputs[0].shape.rank == 1:
-        return op.inputs[0]
-    return None
+        return op.inputs[0] if axis is not None and int(axis) in (1, -1) else None
+    return indices
 
 
 def one_hot(scan, op, ins):

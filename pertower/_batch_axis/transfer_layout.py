@@ -265,7 +265,7 @@ def _row_index(scan, tensor, value, ins):
     """Rows(0, 1) for tf.range(n) (or its column) beside tensors with one row per
     example: entry i is example i's row index (`size_uses.is_row_index`); else `value`."""
     rows = [v for v in ins if isinstance(v, Rows)]
-    if value is SIZE and rows and size_uses.is_row_index(scan.value_of, tensor, rows[0]):
+    if value is SIZE and rows and size_uses.is_row_index(scan.shape_value, tensor, rows[0]):
         return Rows(0, 1, None)
     return value
 

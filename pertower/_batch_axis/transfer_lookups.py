@@ -1,19 +1,18 @@
-"""Transfer functions of lookups whose intermediate rows are data-dependent (a number
-per example the lattice has no value for): the analysis loses the batch axis inside, and
-the transfer function of the pattern's last op matches it whole, checks that nothing else
-between the batch and `ys` reads those rows, and takes the loss back (`scan.forgive`).
+"""Transfer functions of lookups whose intermediate rows are data-dependent: the
+analysis loses the batch axis inside; the pattern's last op matches it whole, checks
+that nothing else between the batch and `ys` reads those rows, and takes the loss back
+(`scan.forgive`).
 
-Partitioned lookup (`tf.nn.embedding_lookup` over a table split into N parts); n rows,
-k per example, P [n] the partition of each row:
+Partitioned lookup (`tf.nn.embedding_lookup` over N parts); n rows, k per example, P
+[n] the partition of each row:
 
     gather_ids = DynamicPartition(new_ids, P, N)          # new_ids, P: [n], row-wise
     positions  = DynamicPartition(Range(0, n, 1), P, N)   # where each row came from
     result     = DynamicStitch(positions, [Gather(part_p, gather_ids[p]) for p < N])
 
-Row r of `result` is Gather(part_{P[r]}, new_ids[r]) (DynamicPartition keeps the order
-within a partition and checks at run time that its data has P's n rows): Rows(0, k).
+Row r of `result` is Gather(part_{P[r]}, new_ids[r]): Rows(0, k).
 
-Sparse lookup (`tf.compat.v1.nn.embedding_lookup_sparse`, one table, weights None, of
+Sparse lookup (`tf.compat.v1.nn.embedding_lookup_sparse`, weights None, of
 `tf.sparse.from_dense(X)`); X [B, n] the batch's ids, m entries:
 
     C           = Where(M)                  # [m, 2], (row, column) of X's entries
@@ -21,10 +20,9 @@ Sparse lookup (`tf.compat.v1.nn.embedding_lookup_sparse`, one table, weights Non
     segment_ids = C[:, 0]                   # [m], the example of entry j
     result      = SparseSegmentMean(table, ids, segment_ids)   # [B', D]
 
-Row s of `result` combines the table's rows of example s's own ids: Rows(0, 1) (B' = B
-when the last example has an entry; else the user's graph fails on the shapes, as
-without pertower). For a resource table TensorFlow passes Gather(table, u) of the unique
-ids u, idx = Unique(ids), as the op's table and indices.
+Row s of `result` combines the table's rows of example s's own ids: Rows(0, 1). For a
+resource table TensorFlow passes Gather(table, u) of the unique ids u, idx =
+Unique(ids), as the op's table and indices.
 """
 
 from pertower._batch_axis import lattice

@@ -1,16 +1,14 @@
 """The verdict of the batch-axis analysis (`analysis`), and the batches `ys` joins.
 
 The verdict is "independent" when `ys` has one row per example (Rows(0, 1, .), a row
-layout) and no op couples examples; "coupled" when one does (the first, in graph order,
-is what the caller raises); "unproven" otherwise (`lost_at` says where and why). The
-per-op rules use the row layouts (`Analysis.rows`) only when it is "independent".
+layout) and no op couples examples; "coupled" when one does; "unproven" otherwise
+(`lost_at` says where and why). The rules use `Analysis.rows` only when "independent".
 
 Several batches: `ys = tf.concat([f(s1), f(s2)], 0)` joins the results of the batch
 tensors s_1, s_2 (their index in `batch`) along the batch axis. Every tensor has *parts*
 (`JoinedBatches`), one frozenset of batch indices per block of rows, in row order: ()
-when no batch tensor reaches it; (S,) when its rows are the examples of one batch,
-computed from the batch tensors in S (fed the same examples, like features and labels);
-(S_1, S_2, ...) when its rows are the examples of S_1, then those of S_2, ...
+when no batch tensor reaches it; (S,) when its rows are the examples of one batch fed
+to the batch tensors in S; (S_1, S_2, ...) for the examples of S_1, then of S_2, ...
 """
 
 from pertower._batch_axis import lattice
