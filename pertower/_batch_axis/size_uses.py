@@ -24,7 +24,7 @@ from pertower import _op_types as op_types
 from pertower._batch_axis import functions
 from pertower._batch_axis import loop_bounds
 from pertower._batch_axis import static
-from pertower._batch_axis.lattice import SIZE, Rows
+from pertower._batch_axis.lattice import SIZE
 
 __all__ = ["is_data_use", "is_row_index", "only_bounds"]
 

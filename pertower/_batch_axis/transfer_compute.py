@@ -74,9 +74,8 @@ def _sizes_only(tensor):
 
 
 def _constant_rows(tensor):
-    """Whether every entry of `tensor` is one constant, whatever the batch's values:
-    tf.ones_like(cost), tf.zeros_like(cost), tf.ones(tf.shape(cost)) (through
-    identities and casts)."""
+    """Whether every entry of `tensor` is one constant whatever the batch's values
+    (tf.ones_like(cost), tf.ones(tf.shape(cost)), through identities and casts)."""
     while tensor.op.type in ("Identity", "Cast"):
         tensor = tensor.op.inputs[0]
     if tensor.op.type in _CONSTANT_ARITHMETIC:   # (tf.zeros_like(cost) + 1.0)
@@ -97,10 +96,8 @@ _BOUND_DOUBTS = {
 
 def _reduced_batch(scan, op, reason):
     """The result of a reduction over the batch axis: SIZE when it reduces constant
-    rows (`cost / tf.reduce_sum(tf.ones_like(cost))` divides by B, as with
-    tf.shape/tf.size: the towers read its input from the whole batch, a size-data
-    edge), or when it only sizes shapes or bounds loops (tf.compat.v1.nn.dynamic_rnn's
-    max(sequence_length)); a coupling when it enters values."""
+    rows (`tf.reduce_sum(tf.ones_like(cost))` is B: a size-data edge) or only sizes
+    shapes or bounds loops (`size_uses.only_bounds`); a coupling otherwise."""
     if _constant_rows(op.inputs[0]):
         scan.size_data_edges.append((op, 0))
         return [SIZE]

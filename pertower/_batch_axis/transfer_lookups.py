@@ -69,9 +69,8 @@ def _only_pattern_reads(scan, inside, last):
 
 
 def partitioned_lookup(op):
-    """For a DynamicStitch `op` of the pattern above: (P, new_ids, the two
-    DynamicPartition ops, the gather ops, the Identity ops between them and `op`);
-    else None. Structural only: the caller checks the values."""
+    """For a DynamicStitch `op` of the pattern above (structure only): (P, new_ids,
+    the two DynamicPartition ops, the gathers, the Identity ops after them); else None."""
     if op.type not in STITCH_OP_TYPES:
         return None
     N = len(op.inputs) // 2
@@ -149,9 +148,8 @@ def unique_gather(tensor):
 
 
 def sparse_lookup(op):
-    """For a SparseSegment op of the pattern above: (C, the GatherNd's params X, the
-    Where's input M, the table's gather by unique ids or None); else None. Structural
-    only."""
+    """For a SparseSegment op of the pattern above (structure only): (C, X, M, the
+    table's gather by unique ids or None); else None."""
     if op.type not in SPARSE_SEGMENT_OP_TYPES:
         return None
     casts = ("Cast", "Identity")

@@ -135,8 +135,7 @@ class JoinedBatches:
 
     def record(self, tensor, parts, value):
         """Keeps the parts of an output `tensor` of value `value` (a lattice value or a
-        batch-axis int): its rows keep the blocks of `parts` when it has rows (Rows or
-        an int), else it is computed from all of them at once."""
+        batch-axis int): `parts` when it has rows, else all of them in one."""
         if not parts:
             return
         has_rows = isinstance(value, (Rows, int)) and not isinstance(value, bool)

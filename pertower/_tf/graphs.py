@@ -25,8 +25,8 @@ from pertower._tf import probe
 
 __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "control_flow_context", "graph_control_flow_context", "get_function",
-           "function_graph", "called_function_graph", "built_function_graph", "function_def", "function_graph_def",
-           "function_definition", "op_def", "create_op",
+           "function_graph", "called_function_graph", "built_function_graph", "function_def",
+           "function_graph_def", "function_definition", "op_def", "create_op",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
