@@ -82,6 +82,7 @@ class _Scan:
         for _ in range(_MAX_LOOP_PASSES):
             before = [self.value_of(t) for t in back]
             self.couplings, self.losses, self.doubts, self.size_data_edges = [], [], [], []
+            self.shape_value.memo = lattice.TensorMap()   # (values may change per pass)
             self._pass(order)
             if [self.value_of(t) for t in back] == before:
                 return self
