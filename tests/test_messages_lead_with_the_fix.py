@@ -148,3 +148,20 @@ def test_towers_given_labels_left_out_of_batch_a_loss_pairs_name_them_before_bui
         want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], ys, xs, feed,
                                  batch=[c["x"], labels])
     common.assert_all_close(got, want)
+
+
+def test_towers_read_a_side_input_left_out_of_batch_whole(classifier):
+    """A [None] placeholder left out of `batch=` that only maps the batch's labels (a
+    side input read whole, not paired row by row with the examples) is not refused."""
+    c = classifier
+    with c["graph"].as_default():
+        label_map = tf.compat.v1.placeholder(tf.int32, [None], name="label_map")
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.gather(label_map, c["labels"]), logits=c["x"] @ c["W"] + c["b"])
+        feed = {**c["feed"], label_map: np.array([1, 0], np.int32)}
+        batch = [c["x"], c["labels"]]
+        got = c["sess"].run(pertower.per_example_gradients(
+            ys, [c["W"]], batch=batch, method="towers", batch_size=4), feed)
+    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], ys, [c["W"]],
+                             feed, batch=batch)
+    common.assert_all_close(got, want)

@@ -178,7 +178,7 @@ def towers_of(request, scope, devices=None):
         reads = request.reads
         replayed = set(request.replay_region)
         left_out = graph_walk.placeholders_left_out(request.ys_upstream, batch)
-        if T > 1:
+        if T > 1 and left_out:
             _refuse_paired_inputs_left_out(request, replayed, left_out)
         # the batch's one draw of sampled classes: read by every tower, not redrawn
         samplers = (slicing.shared_samplers(replayed, request.analysis)
@@ -239,11 +239,14 @@ def _refuse_paired_inputs_left_out(request, replayed, left_out):
     """Raises when a loss pairs a placeholder left out of `batch=` (`left_out`) row by row
     with the examples (labels of a softmax cross-entropy): each tower would read all B of
     its rows against its own B/T examples, which TensorFlow refuses at run time."""
-    for op in sorted(replayed, key=lambda op: op.name):
-        if op.type not in op_types.ROW_PAIRED_OP_TYPES or not any(
-                request.analysis.rows(t) is not None for t in op.inputs):
+    paired_ops = sorted((op for op in replayed if op.type in op_types.ROW_PAIRED_OP_TYPES),
+                        key=lambda op: op.name)
+    for op in paired_ops:
+        rows = [request.analysis.rows(t) is not None for t in op.inputs]
+        if not any(rows):
             continue
-        paired = [p for p in left_out if p.op in graph_walk.upstream_ops(op.inputs)]
+        upstream = graph_walk.upstream_ops([t for t, r in zip(op.inputs, rows) if not r])
+        paired = [p for p in left_out if p.op in upstream]
         if paired:
             names = ", ".join(f"{t.name} {t.shape}" for t in paired)
             every = ", ".join(t.name for t in list(request.batch) + paired)
