@@ -1,7 +1,8 @@
 """`pertower demo`: three scenarios on built-in models, each checked against the
-one-slice-at-a-time loop of `pertower.oracle` and timed (medians after one warm-up
-run): pertower's `sess.run` against the loop users write today, one `sess.run` of
-`tf.gradients` per example (scenario 2: per batch), its gradient ops built once.
+one-slice-at-a-time loop of `pertower.oracle` and timed (medians of runs taken in turn
+after one warm-up run): pertower's `sess.run` against the loop users write today, one
+`sess.run` of `tf.gradients` per example (scenario 2: per batch), its gradient ops
+built once.
 
 Notation:
     B   examples in the batch           M   microbatches (scenario 2: M = 2 batches)
@@ -13,6 +14,7 @@ sets both up.
 
 import dataclasses
 import os
+import statistics
 import time
 import warnings
 
@@ -215,8 +217,8 @@ def _initialized_loop(sess, ys, weights):
 
 def _measure(sess, fetches, feed, reference, repeats, loop, loop_feed, loop_runs):
     """Runs pertower's `fetches` once (warm-up and result), compares them with
-    `reference`, then times them and the `loop` (`loop_runs` slices of `loop_feed`);
-    returns (values, the measurements in `ScenarioResult`'s order after build_seconds)."""
+    `reference`, then times them and the `loop` (`loop_runs` slices of `loop_feed`) in
+    turn; returns (values, the measurements in `ScenarioResult`'s order after build_seconds)."""
     start = time.perf_counter()
     values = sess.run(fetches, feed)
     first_run_seconds = time.perf_counter() - start
@@ -230,11 +232,10 @@ def _measure(sess, fetches, feed, reference, repeats, loop, loop_feed, loop_runs
             max_diff = max(max_diff, float(np.max(np.abs(got - want))))
             atol = ATOL * max(1.0, float(np.max(np.abs(want))))
             agrees = agrees and np.allclose(got, want, rtol=RTOL, atol=atol)
-    pertower_seconds = timing.median_seconds(lambda: sess.run(fetches, feed), repeats)
     loop.run(sess, loop_feed, loop_runs)  # warm-up
-    loop_seconds = timing.median_seconds(lambda: loop.run(sess, loop_feed, loop_runs),
-                                         repeats)
-    return values, (max_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds)
+    times = timing.round_robin([(lambda: sess.run(fetches, feed), repeats),
+                                (lambda: loop.run(sess, loop_feed, loop_runs), repeats)])
+    return values, (max_diff, agrees, first_run_seconds, *map(statistics.median, times))
 
 
 def _num_params(weights):
