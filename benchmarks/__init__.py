@@ -50,13 +50,14 @@ The package, from the command down (each module imports only those below it):
                   process (`peers_worker`, with `peers_torch`, `peers_jax`, `peers_jobs`)
     baselines     the rows written by hand in plain TensorFlow
     machine       the machine's description and the memory budget that skips a row
+    traced_memory the peak memory of one traced `sess.run` (its step stats replayed)
     report        the table, the JSON figures and the plot
     compare       a result against the loop's (numpy only)
     records       a row (`Entry`), the rows' names, the tolerance (no TensorFlow, no numpy)
     models, zoo   the networks measured, built by name (TensorFlow imported when building)
 
 Importing this package imports nothing but `pertower.tools` (which imports neither
-TensorFlow nor the library): the timing, environment and memory-tracing modules of
+TensorFlow nor the library): the timing and environment modules of
 pertower/tools in this checkout come first on its path, so that with `--pertower PATH`
 the library is PATH's and what measures it (with this package's models and zoo) is the
 same on every checkout. Import its modules, e.g. `from benchmarks import runner, report`.

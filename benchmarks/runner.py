@@ -7,7 +7,7 @@ Notation:
 
 Each row is built (timed: "build s"), run once (timed: "1st run s", the result is
 compared with the loop's: "max|diff|"), traced once for its peak memory
-(`pertower.tools.traced_memory`), then run `repeats` times round-robin with the other
+(`benchmarks.traced_memory`), then run `repeats` times round-robin with the other
 rows, so a change of load on the machine hits every row alike ("ms" is the median). A
 method that raises NotImplementedError when built is reported as "n/a" with its message.
 """
@@ -24,13 +24,13 @@ from pertower import oracle
 from pertower._api import gradients as gradients_lib
 from pertower.tools import environment
 from pertower.tools import timing
-from pertower.tools import traced_memory as run_memory
 from benchmarks import models as models_lib
 from benchmarks import baselines
 from benchmarks import compare
 from benchmarks import machine
 from benchmarks import peers as peers_lib
 from benchmarks import records
+from benchmarks import traced_memory as run_memory
 
 __all__ = ["MODELS", "QUICK", "FULL", "run_bench"]
 

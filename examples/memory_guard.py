@@ -4,11 +4,12 @@ Run: python examples/memory_guard.py   (about 20 s on 2 cores)
 
 For three models it prints the estimate (`pertower.estimate_memory`, made before any
 op is built) and the peak of one traced `sess.run` of the per-example gradients
-(`pertower.tools.traced_memory.traced_peak_bytes`); then a call above a small `memory_limit`
-and the words of its refusal.
+(`benchmarks.traced_memory.traced_peak_bytes`, from this checkout); then a call above a
+small `memory_limit` and the words of its refusal.
 """
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -18,7 +19,8 @@ import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
 import pertower  # noqa: E402
-from pertower.tools import traced_memory as run_memory  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from benchmarks import traced_memory as run_memory  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
 L = keras.layers

@@ -126,6 +126,10 @@ Sinh Snapshot Softplus SoftplusGrad Softsign SoftsignGrad Sqrt SqrtGrad Square
 SquaredDifference StopGradient Sub Tan Tanh TanhGrad TruncateDiv TruncateMod Xdivy
 Xlog1py Xlogy Zeta
 """.split())
+# Losses that pair their inputs row by row: logits and labels must have the same axis 0
+# (no broadcasting).
+ROW_PAIRED_OP_TYPES = frozenset({"SoftmaxCrossEntropyWithLogits",
+                                 "SparseSoftmaxCrossEntropyWithLogits"})
 # Reductions over the axes given by their second input (tf.reduce_*).
 REDUCTION_OP_TYPES = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any",
                                 "EuclideanNorm"})

@@ -1,7 +1,7 @@
 """`python -m benchmarks` on tiny sizes: every row agrees with the loop, the JSON holds every
 figure, --plot writes a PNG; the bench's arithmetic (agreement, comparison, references,
 ratios, medians) on cases worked out by hand; and the memory replay of
-`pertower.tools.traced_memory` on graphs whose peak can be worked out by hand. No timing
+`benchmarks.traced_memory` on graphs whose peak can be worked out by hand. No timing
 thresholds (shared, noisy machine)."""
 
 import contextlib
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pertower.tools import traced_memory as run_memory
 from pertower._api.gradients import METHODS
 
 from benchmarks import command
@@ -21,6 +20,7 @@ from benchmarks import compare
 from benchmarks import dp
 from benchmarks import records
 from benchmarks import runner
+from benchmarks import traced_memory as run_memory
 
 B = 3
 # float32 results against the loop's, from the project's tests (tests/common.py): an

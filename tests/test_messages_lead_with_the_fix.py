@@ -109,3 +109,59 @@ def test_towers_given_labels_left_out_of_batch_name_them_at_run_time():
             want = common.run_oracle(oracle.loop_per_example_gradients, sess, ys, [W], feed,
                                      batch=[x, targets])
     common.assert_all_close(got, want)
+
+
+
+@pytest.mark.parametrize("loss", ["sparse", "dense"])
+@pytest.mark.parametrize("function", ["per_example_gradients", "microbatch_gradients"])
+def test_towers_given_labels_left_out_of_batch_a_loss_pairs_name_them_before_building(
+        classifier, loss, function):
+    """With `batch_size` given, a softmax cross-entropy pairing the labels row by row
+    with the examples refuses before the towers are built (TensorFlow would fail at run
+    time: "logits and labels must have the same first dimension")."""
+    c = classifier
+    with c["graph"].as_default():
+        if loss == "sparse":
+            labels, feed, ys = c["labels"], c["feed"], c["loss"]
+        else:
+            labels = tf.compat.v1.placeholder(tf.float32, [None, 2], name="one_hot")
+            feed = {c["x"]: c["feed"][c["x"]],
+                    labels: np.eye(2, dtype=np.float32)[c["feed"][c["labels"]]]}
+            ys = tf.nn.softmax_cross_entropy_with_logits(labels=labels,
+                                                         logits=c["x"] @ c["W"] + c["b"])
+        xs = [c["W"], c["b"]]
+        options = dict(method="towers", batch_size=4)
+        if function == "microbatch_gradients":
+            options["num_microbatches"] = 2
+        with pytest.raises(ValueError, match=(
+                rf"^pertower.{function}: `ys` reads {labels.name} \(None,.*\), which is not "
+                r"in `batch=` \(x:0\), but '.*' \(\w*SoftmaxCrossEntropyWithLogits\) "
+                r"pairs it row by row with the examples: .* must be in `batch=` "
+                rf"\(batch=\[x:0, {labels.name}\]\)\.$")):
+            getattr(pertower, function)(ys, xs, batch=[c["x"]], **options)
+        got = c["sess"].run(getattr(pertower, function)(ys, xs, batch=[c["x"], labels],
+                                                        **options), feed)
+    if function == "microbatch_gradients":
+        want = common.run_oracle(oracle.loop_microbatch_gradients, c["sess"], ys, xs, feed,
+                                 2, batch=[c["x"], labels])
+    else:
+        want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], ys, xs, feed,
+                                 batch=[c["x"], labels])
+    common.assert_all_close(got, want)
+
+
+def test_towers_read_a_side_input_left_out_of_batch_whole(classifier):
+    """A [None] placeholder left out of `batch=` that only maps the batch's labels (a
+    side input read whole, not paired row by row with the examples) is not refused."""
+    c = classifier
+    with c["graph"].as_default():
+        label_map = tf.compat.v1.placeholder(tf.int32, [None], name="label_map")
+        ys = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.gather(label_map, c["labels"]), logits=c["x"] @ c["W"] + c["b"])
+        feed = {**c["feed"], label_map: np.array([1, 0], np.int32)}
+        batch = [c["x"], c["labels"]]
+        got = c["sess"].run(pertower.per_example_gradients(
+            ys, [c["W"]], batch=batch, method="towers", batch_size=4), feed)
+    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], ys, [c["W"]],
+                             feed, batch=batch)
+    common.assert_all_close(got, want)

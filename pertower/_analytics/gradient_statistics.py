@@ -31,7 +31,7 @@ def fisher_diagonal(per_example_gradients):
 
 
 def _two_or_more_examples(per_example_gradients):
-    """The checked tensors, [B, *x.shape] each; raises when B < 2 statically."""
+    """The checked tensors, [B, *x.shape] each, B >= 2 when static."""
     tensors = reductions.checked_tensors(
         per_example_gradients, "per_example_gradients", per_example=True)
     B = graph_walk.static_batch_size(tensors[0])
@@ -62,16 +62,10 @@ def gradient_variance(per_example_gradients):
 
 @dataclasses.dataclass(frozen=True)
 class NoiseScale:
-    """The simple gradient noise scale and the two estimates it is the ratio of.
-
-    Attributes:
-      trace_covariance: tr(Σ), unbiased: 1/(B-1) sum_i |g_i - ḡ|^2 (scalar).
-      squared_norm: |G|^2, unbiased: |ḡ|^2 - tr(Σ)/B (scalar; can be negative when
-        the noise dominates).
-      simple_noise_scale: B_simple = trace_covariance / squared_norm (scalar). A ratio
-        of unbiased estimates is biased; McCandlish et al. average the numerator and
-        the denominator over many batches before dividing.
-    """
+    """Scalars (`gradient_noise_scale` gives their formulas): the unbiased estimates
+    `trace_covariance` tr(Σ) and `squared_norm` |G|^2 (negative when the noise
+    dominates), and their ratio `simple_noise_scale`, which is biased: McCandlish et
+    al. average numerator and denominator over many batches before dividing."""
 
     trace_covariance: tf.Tensor
     squared_norm: tf.Tensor

@@ -42,11 +42,12 @@ def tracin(train_gradients, test_gradients, learning_rates=1.0):
       test = pertower.per_example_gradients(test_loss, weights, batch_size=5)
       scores = pertower.tracin(train, test, learning_rates=0.1)       # [100, 5]
     """
-    if _is_checkpoint_list(train_gradients) or _is_checkpoint_list(test_gradients):
-        if not (_is_checkpoint_list(train_gradients) and _is_checkpoint_list(test_gradients)):
-            raise _context.error(
-                ValueError, "one of `train_gradients` and `test_gradients` is "
-                "a list over checkpoints and the other is not; give both per checkpoint.")
+    several = _is_checkpoint_list(train_gradients)
+    if several != _is_checkpoint_list(test_gradients):
+        raise _context.error(
+            ValueError, "one of `train_gradients` and `test_gradients` is "
+            "a list over checkpoints and the other is not; give both per checkpoint.")
+    if several:
         C = len(train_gradients)
         if len(test_gradients) != C:
             raise _context.error(
@@ -57,12 +58,12 @@ def tracin(train_gradients, test_gradients, learning_rates=1.0):
                 ValueError, f"`learning_rates` must be a sequence of {C} "
                 f"learning rates, one per checkpoint, but received {learning_rates!r:.80}.")
         pairs = list(zip(train_gradients, test_gradients, learning_rates))
+    elif isinstance(learning_rates, (list, tuple)):
+        raise _context.error(
+            ValueError, "`learning_rates` is a sequence, but the "
+            "gradients are for one checkpoint; pass one learning rate, or the gradients "
+            "as lists over checkpoints.")
     else:
-        if isinstance(learning_rates, (list, tuple)):
-            raise _context.error(
-                ValueError, "`learning_rates` is a sequence, but the "
-                "gradients are for one checkpoint; pass one learning rate, or the gradients "
-                "as lists over checkpoints.")
         pairs = [(train_gradients, test_gradients, learning_rates)]
     with tf.name_scope(_context.name()):
         total = None

@@ -15,9 +15,10 @@ Neighbouring datasets differ by adding or removing one example. Fixed-size shuff
 batches are not covered: the figure is then an approximation.
 
 `DPOptimizer`'s modes are the same events: per-layer clipping is a Gaussian of
-multiplier σ; adaptive clipping's gradient (σ_Δ) and count (2 σ_b) releases compose
-into one Gaussian of σ = (σ_Δ^-2 + (2 σ_b)^-2)^(-1/2) (Andrew et al. 2021, arXiv
-1905.03871, Theorem 1); gradient accumulation makes one step of the logical batch.
+multiplier σ; adaptive clipping's gradient (σ_Δ) and count (multiplier 2 σ_b, its
+sensitivity being 1/2) releases compose into one Gaussian of σ = (σ_Δ^-2 + (2 σ_b)^-2)^(-1/2)
+(Andrew et al. 2021, arXiv 1905.03871, Theorem 1); gradient accumulation makes one step
+of the logical batch.
 """
 
 import math
@@ -33,13 +34,10 @@ _ACCOUNTANTS = ("rdp", "pld")
 @_context.public("compute_epsilon")
 def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accountant="rdp",
                     clipped_count_stddev=None):
-    """The ε of (ε, δ)-DP after `steps` DP-SGD steps on Poisson-sampled batches.
-
-    Composes `steps` times `PoissonSampledDpEvent(sampling_probability,
-    GaussianDpEvent(σ))` with add-or-remove-one neighbours, by
-    `dp_accounting.rdp.RdpAccountant` (default orders) or
-    `dp_accounting.pld.PLDAccountant` (tighter; value discretization 1e-4); batches
-    from `pertower.poisson_batches` (the module docstring).
+    """The ε of (ε, δ)-DP after `steps` DP-SGD steps on Poisson-sampled batches
+    (`pertower.poisson_batches`), by `dp_accounting.rdp.RdpAccountant` (default orders)
+    or `dp_accounting.pld.PLDAccountant` (tighter); the module docstring says which
+    events are composed.
 
     Args:
       steps: T >= 0, the number of noisy updates (epochs * N / B; with gradient
@@ -52,10 +50,9 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
       delta: δ in (0, 1), usually below 1 / N.
       accountant: "rdp" (default) or "pld".
       clipped_count_stddev: None, or σ_b > 0 of adaptive clipping's count noise
-        (`DPOptimizer.clipping_options.count_stddev`): the count's release (multiplier
-        2 σ_b, its sensitivity being 1/2) is composed with the gradient's, giving the
-        Gaussian of multiplier (σ_Δ^-2 + (2 σ_b)^-2)^(-1/2). Leave it None when passing
-        the optimizer's total `noise_multiplier`, which already includes it.
+        (`DPOptimizer.clipping_options.count_stddev`), composed with the gradient's
+        release (module docstring). Leave it None when passing the optimizer's total
+        `noise_multiplier`, which already includes it.
 
     Returns:
       ε as a float (0.0 for 0 steps).
@@ -78,7 +75,6 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
     if clipped_count_stddev is not None:
         count_stddev = _checks.real_number(clipped_count_stddev, "clipped_count_stddev",
                                            0, math.inf, True, True)
-        # Theorem 1 of arXiv 1905.03871: Gaussians compose as σ^-2 = σ_Δ^-2 + (2 σ_b)^-2
         noise_multiplier = (noise_multiplier ** -2 + (2.0 * count_stddev) ** -2) ** -0.5
     if steps == 0:
         return 0.0

@@ -7,11 +7,9 @@ Notation:
 The subsampled-Gaussian analyses that `compute_epsilon` runs (Abadi et al. 2016, arXiv
 1607.00133; Mironov, Talwar and Zhang 2019, arXiv 1908.10530) assume each example joins
 each batch independently with probability q: the batch size varies, and may be 0.
-`DPOptimizer` takes any fed batch size (an empty one releases the noise alone);
-`max_batch_size=N` makes N a capacity, checked at run time on every path, and towers
-(built for a fixed number of examples) are built for N, each fed batch padded with
-examples whose gradients are dropped. `poisson_capacity` gives the N exceeded with at
-most a stated probability:
+`DPOptimizer(max_batch_size=N)` makes N a capacity (towers are built for N examples,
+each fed batch padded); `poisson_capacity` gives the N exceeded with at most a stated
+probability:
 
     P(B_t > N) = sum_{k > N} C(N_examples, k) q^k (1 - q)^(N_examples - k).
 """

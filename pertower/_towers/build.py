@@ -29,6 +29,7 @@ from pertower import _checks
 from pertower import _context
 from pertower import _docs
 from pertower import _graph_walk as graph_walk
+from pertower import _op_types as op_types
 from pertower import _request
 from pertower._towers import backward
 from pertower._towers import fallback
@@ -176,6 +177,9 @@ def towers_of(request, scope, devices=None):
     with graph.as_default():
         reads = request.reads
         replayed = set(request.replay_region)
+        left_out = graph_walk.placeholders_left_out(request.ys_upstream, batch)
+        if T > 1 and left_out:
+            _refuse_paired_inputs_left_out(request, replayed, left_out)
         # the batch's one draw of sampled classes: read by every tower, not redrawn
         samplers = (slicing.shared_samplers(replayed, request.analysis)
                     if request.segments is None else [])
@@ -206,9 +210,7 @@ def towers_of(request, scope, devices=None):
                 shared_rows = ()
             outputs, copies = replay_lib.replay(request, frozenset(replayed), slices,
                                                 shared_rows, T, devices)
-            outputs = slicing.check_tower_rows(
-                outputs, ys, batch, B, T,
-                graph_walk.placeholders_left_out(request.ys_upstream, batch))
+            outputs = slicing.check_tower_rows(outputs, ys, batch, B, T, left_out)
             fed_rows = None
             if padded:   # T x [B/T, ...] -> [B, ...] -> [b, ...], the fed rows
                 fed_rows = tf.shape(batch[0])[request.batch_axes[0]]
@@ -231,3 +233,25 @@ def towers_of(request, scope, devices=None):
                   num_towers=T, slices=tuple(zip(*slices)), copies=tuple(copies),
                   outputs=tuple(outputs), stacked=stacked, devices=devices,
                   fed_rows=fed_rows)
+
+
+def _refuse_paired_inputs_left_out(request, replayed, left_out):
+    """Raises when a loss pairs a placeholder left out of `batch=` (`left_out`) row by row
+    with the examples (labels of a softmax cross-entropy): each tower would read all B of
+    its rows against its own B/T examples, which TensorFlow refuses at run time."""
+    paired_ops = sorted((op for op in replayed if op.type in op_types.ROW_PAIRED_OP_TYPES),
+                        key=lambda op: op.name)
+    for op in paired_ops:
+        rows = [request.analysis.rows(t) is not None for t in op.inputs]
+        if not any(rows):
+            continue
+        upstream = graph_walk.upstream_ops([t for t, r in zip(op.inputs, rows) if not r])
+        paired = [p for p in left_out if p.op in upstream]
+        if paired:
+            names = ", ".join(f"{t.name} {t.shape}" for t in paired)
+            every = ", ".join(t.name for t in list(request.batch) + paired)
+            raise _context.error(
+                ValueError, f"`ys` reads {names}, which is not in `batch=` "
+                f"({', '.join(b.name for b in request.batch)}), but {op.name!r} ({op.type}) "
+                "pairs it row by row with the examples: it carries the examples too "
+                f"(labels), so it must be in `batch=` (batch=[{every}]).")

@@ -5,13 +5,10 @@
     pertower explain MODEL.meta --ys NAME --batch NAME[,NAME...] [--xs trainable|NAME,...]
                      [--batch-size N] [--run FEEDS.npz [--checkpoint PREFIX]]
 
-`demo` (`pertower.tools.demo`) checks three user scenarios against the one-example loop
-of `pertower.oracle` and times them; `explain` (`pertower.tools.explain_command`) prints
-the plan for a saved meta graph. The benchmarks are not installed: `python -m benchmarks`
-from a checkout. This module imports neither TensorFlow nor the demo, so `--help` is
-quick and quiet: a command imports them when it runs, after
-`pertower.tools.environment` has set TF_CPP_MIN_LOG_LEVEL=2 and TF_USE_LEGACY_KERAS=1
-where the user set nothing.
+`demo` is `pertower.tools.demo`, `explain` `pertower.tools.explain_command`; the
+benchmarks run from a checkout (`python -m benchmarks`). This module imports neither
+TensorFlow nor the demo, so `--help` is quick: a command imports them when it runs,
+after `environment.graph_mode_tensorflow` has set up the environment.
 """
 
 import argparse

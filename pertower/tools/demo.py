@@ -1,15 +1,12 @@
-"""`pertower demo`: the three scenarios on built-in models, timed: per-example loss
-gradients of a Keras MLP, the gradients of two batches and their cosine, and
-per-example Jacobians of a small CNN.
+"""`pertower demo`: three scenarios on built-in models, each checked against the
+one-slice-at-a-time loop of `pertower.oracle` and timed (medians of runs taken in turn
+after one warm-up run): pertower's `sess.run` against the loop users write today, one
+`sess.run` of `tf.gradients` per example (scenario 2: per batch), its gradient ops
+built once.
 
 Notation:
     B   examples in the batch           M   microbatches (scenario 2: M = 2 batches)
     x   one weight                      [B, *x.shape] one gradient of x per example
-
-Each scenario builds its model in its own `tf.Graph` and `Session`, compares pertower's
-result with the one-slice-at-a-time loop of `pertower.oracle`, then times, after one
-warm-up run each, pertower's `sess.run` and the loop users write today: one `sess.run`
-of `tf.gradients` per example (scenario 2: per batch), its gradient ops built once.
 
 Needs graph mode and TF_USE_LEGACY_KERAS=1 (for `tf.compat.v1.layers`); `pertower demo`
 sets both up.
@@ -17,6 +14,7 @@ sets both up.
 
 import dataclasses
 import os
+import statistics
 import time
 import warnings
 
@@ -38,19 +36,11 @@ ATOL = 1e-5
 
 @dataclasses.dataclass(frozen=True)
 class ScenarioResult:
-    """What one scenario measured.
-
-    Attributes:
-      name, description, detail: the table's name ("1 keras mlp"), one line saying what
-        is computed, one line with a number or shape from the result.
-      batch_size, loop_runs: B; the `sess.run` calls of one pass of the loop.
-      build_seconds: time of the pertower call that built its graph.
-      max_abs_diff, agrees: max |pertower - loop| over all entries of all tensors;
-        whether every entry is within the tolerance (RTOL, ATOL).
-      first_run_seconds: the first pertower `sess.run` (includes graph optimization).
-      pertower_seconds, loop_seconds: median time of the pertower `sess.run`, of one
-        pass of the loop over the batch.
-    """
+    """What one scenario measured: its table name ("1 keras mlp"), a line saying what
+    is computed and one from the result; B and the `sess.run` calls of one pass of the
+    loop; the build time of the pertower call; max |pertower - loop| over all entries
+    and whether each is within (RTOL, ATOL); the first pertower run (graph optimization
+    included), then the median times of pertower's run and of one pass of the loop."""
 
     name: str
     description: str
@@ -68,17 +58,6 @@ class ScenarioResult:
     def speedup(self):
         """loop time / pertower time."""
         return self.loop_seconds / self.pertower_seconds
-
-
-@dataclasses.dataclass(frozen=True)
-class _Timed:
-    """What `_measure` times: pertower's fetches, and the loop run once per slice."""
-
-    fetches: list          # tensors, e.g. one [B, *x.shape] per weight
-    feed: dict             # the whole batch
-    loop: oracle.SliceLoop  # tf.gradients of one slice's summed value, built once
-    loop_feed: dict        # the whole batch as the loop feeds it, slice by slice
-    loop_runs: int         # how many slices (sess.run calls) one pass of the loop makes
 
 
 def run_demo(batch_size=32, repeats=5, report=print):
@@ -127,9 +106,6 @@ def format_table(results):
     return timing.format_table(header, rows)
 
 
-# The scenarios ------------------------------------------------------------------------
-
-
 def _scenario_keras_mlp(B, repeats, n_in=32):
     """Scenario 1: per-example gradients of (net(x) - y) ** 2 for a Keras MLP."""
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as sess:
@@ -142,19 +118,16 @@ def _scenario_keras_mlp(B, repeats, n_in=32):
         y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
         cost = (net(x) - y) ** 2                                # [B, 1]
         weights = net.trainable_weights
-
         start = time.perf_counter()
         grads = pertower.per_example_gradients(cost, weights, batch_size=B)  # [B, *x.shape]
         build_seconds = time.perf_counter() - start
         norms = pertower.global_norms(grads)                    # [B]
-
         rng = np.random.default_rng(1)
         feed = {x: rng.normal(size=(B, n_in)).astype(np.float32),
                 y: rng.normal(size=(B, 1)).astype(np.float32)}
-        sess.run(tf.compat.v1.global_variables_initializer())
-        timed = _Timed(grads, feed, oracle.SliceLoop(cost, weights), feed, B)
-        reference = timed.loop.run(sess, feed, B)               # one sess.run per example
-        values, measured = _measure(sess, timed, reference, repeats)
+        loop = _initialized_loop(sess, cost, weights)
+        reference = loop.run(sess, feed, B)                     # one sess.run per example
+        _, measured = _measure(sess, grads, feed, reference, repeats, loop, feed, B)
         detail = (f"{len(weights)} weights, {_num_params(weights)} parameters; median "
                   f"per-example gradient norm {np.median(sess.run(norms, feed)):.3f}")
     return ScenarioResult(
@@ -176,25 +149,21 @@ def _scenario_two_batches_cosine(B, repeats):
             h = tf.compat.v1.layers.dense(h, 64, activation=tf.tanh)
             f = tf.compat.v1.layers.dense(h, 1)                 # [2n, 1]
         weights = tf.compat.v1.trainable_variables("f")
-
         start = time.perf_counter()
         g = pertower.microbatch_gradients(f, weights, batch=s, num_microbatches=2,
                                           batch_size=2 * n)     # [2, *x.shape] each
         build_seconds = time.perf_counter() - start
         cos = pertower.cosine_similarity([w[0] for w in g], [w[1] for w in g])
-
         rng = np.random.default_rng(2)
         S1 = rng.normal(size=(n, 3)).astype(np.float32)
         S2 = rng.normal(size=(n, 3)).astype(np.float32)
-        sess.run(tf.compat.v1.global_variables_initializer())
+        loop = _initialized_loop(sess, f, weights)
         concatenated = {s: np.concatenate([S1, S2])}           # the oracle feeds s itself
-        timed = _Timed(g + [cos], {s1: S1, s2: S2}, oracle.SliceLoop(f, weights),
-                       concatenated, 2)
-        reference = timed.loop.run(sess, concatenated, 2)      # one sess.run per batch
+        reference = loop.run(sess, concatenated, 2)            # one sess.run per batch
         g1, g2 = (np.concatenate([w[k].ravel() for w in reference]) for k in (0, 1))
-        cosine = g1 @ g2 / (np.linalg.norm(g1) * np.linalg.norm(g2))
-        reference.append(np.asarray(cosine, np.float32))
-        values, measured = _measure(sess, timed, reference, repeats)
+        reference.append(np.float32(g1 @ g2 / (np.linalg.norm(g1) * np.linalg.norm(g2))))
+        values, measured = _measure(sess, g + [cos], {s1: S1, s2: S2}, reference, repeats,
+                                    loop, concatenated, 2)
         detail = f"cos(g1, g2) = {values[-1]:.6f} (loop: {reference[-1]:.6f})"
     return ScenarioResult(
         "2 two-batch cosine", f"Scenario 2: gradients of two batches of {n} and their "
@@ -210,18 +179,14 @@ def _scenario_cnn_jacobian(B, repeats):
         x = tf.compat.v1.placeholder(tf.float32, [None, 32, 32, 1], name="x")
         y = model(x)                                            # [B, 1]
         weights = model.trainable_weights
-
         start = time.perf_counter()
         jac = pertower.per_example_jacobians(y, weights, batch_size=B)  # [B, 1, *x.shape]
         build_seconds = time.perf_counter() - start
-
-        rng = np.random.default_rng(3)
-        feed = {x: rng.normal(size=(B, 32, 32, 1)).astype(np.float32)}
-        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: np.random.default_rng(3).normal(size=(B, 32, 32, 1)).astype(np.float32)}
+        # one output (K = 1): the loop's row is the gradient of the summed output
+        loop = _initialized_loop(sess, y, weights)
         reference = oracle.loop_per_example_jacobians(sess, y, weights, feed)
-        # One output (K = 1): the loop's row is the gradient of the summed output.
-        timed = _Timed(jac, feed, oracle.SliceLoop(y, weights), feed, B)
-        values, measured = _measure(sess, timed, reference, repeats)
+        values, measured = _measure(sess, jac, feed, reference, repeats, loop, feed, B)
         detail = (f"{_num_params(weights)} parameters; Jacobian of {weights[2].name} "
                   f"{tuple(values[2].shape)}")
     return ScenarioResult(
@@ -242,35 +207,35 @@ def cnn_keras_model():
 # Measuring ----------------------------------------------------------------------------
 
 
-def _measure(sess, timed, reference, repeats):
-    """Runs pertower once (warm-up and result), compares with `reference`, and times;
-    returns (values, the measurements in `ScenarioResult`'s order after build_seconds)."""
+def _initialized_loop(sess, ys, weights):
+    """The loop's `tf.gradients` of one slice's summed `ys`, built once, then the
+    variables initialized."""
+    loop = oracle.SliceLoop(ys, weights)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    return loop
+
+
+def _measure(sess, fetches, feed, reference, repeats, loop, loop_feed, loop_runs):
+    """Runs pertower's `fetches` once (warm-up and result), compares them with
+    `reference`, then times them and the `loop` (`loop_runs` slices of `loop_feed`) in
+    turn; returns (values, the measurements in `ScenarioResult`'s order after build_seconds)."""
     start = time.perf_counter()
-    values = sess.run(timed.fetches, timed.feed)
+    values = sess.run(fetches, feed)
     first_run_seconds = time.perf_counter() - start
-    max_diff, agrees = _compare(values, reference)
-    pertower_seconds = timing.median_seconds(lambda: sess.run(timed.fetches, timed.feed), repeats)
-
-    def loop():
-        timed.loop.run(sess, timed.loop_feed, timed.loop_runs)
-
-    loop()  # warm-up
-    loop_seconds = timing.median_seconds(loop, repeats)
-    return values, (max_diff, agrees, first_run_seconds, pertower_seconds, loop_seconds)
-
-
-def _compare(values, reference):
-    """(max |value - reference| over all entries, whether all are within tolerance)."""
     max_diff, agrees = 0.0, len(values) == len(reference)
     for got, want in zip(values, reference):
         got, want = np.asarray(got), np.asarray(want)
         if got.shape != want.shape:
-            return float("inf"), False
+            max_diff, agrees = float("inf"), False
+            break
         if got.size:
             max_diff = max(max_diff, float(np.max(np.abs(got - want))))
             atol = ATOL * max(1.0, float(np.max(np.abs(want))))
             agrees = agrees and np.allclose(got, want, rtol=RTOL, atol=atol)
-    return max_diff, agrees
+    loop.run(sess, loop_feed, loop_runs)  # warm-up
+    times = timing.round_robin([(lambda: sess.run(fetches, feed), repeats),
+                                (lambda: loop.run(sess, loop_feed, loop_runs), repeats)])
+    return values, (max_diff, agrees, first_run_seconds, *map(statistics.median, times))
 
 
 def _num_params(weights):

@@ -1,13 +1,11 @@
 """The process environment the tools set up, and the CPU facts that decide their speed.
 
-Nothing here imports TensorFlow at module level or runs on import. The CPU facts are
-read at process start, so they must be set before Python starts:
-    MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_  raised, glibc malloc keeps large
-        buffers instead of handing them back (and page-faulting them every sess.run)
-    MALLOC_ARENA_MAX      1: one arena, so TensorFlow's worker threads keep them too
-    LD_PRELOAD            another allocator (tcmalloc, jemalloc) preloaded
-    TF_ENABLE_ONEDNN_OPTS  TensorFlow's oneDNN kernels (0 off, 1 on; on by default for
-        Linux x86 builds) change convolution speeds several-fold
+Nothing here imports TensorFlow at module level. The SPEED_VARIABLES are read at process
+start, so they must be set before Python starts: MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ raised (glibc keeps large buffers instead of page-faulting them
+every sess.run), MALLOC_ARENA_MAX=1 (one arena, kept by TensorFlow's threads too),
+LD_PRELOAD (another allocator), TF_ENABLE_ONEDNN_OPTS (oneDNN kernels, 0 off, 1 on; on
+by default for Linux x86 builds: convolution speeds change several-fold).
 """
 
 import contextlib
@@ -19,11 +17,9 @@ import tempfile
 __all__ = ["TF_DEFAULTS", "SPEED_VARIABLES", "prepare_tensorflow", "quiet_native_logs",
            "cpu_facts", "describe_cpu_facts", "graph_mode_tensorflow"]
 
-# Set for every command unless the user set them: TensorFlow's C++ log level (2: errors
-# only) and Keras 2 for tf.keras / tf.compat.v1.layers.
+# Set unless the user set them: C++ log level 2 (errors only), Keras 2 (tf.compat.v1.layers).
 TF_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
 
-# The environment variables whose values the tools report with their timings.
 SPEED_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
                    "LD_PRELOAD", "TF_ENABLE_ONEDNN_OPTS")
 
@@ -37,8 +33,8 @@ _NOISE = re.compile(
 
 
 def prepare_tensorflow(environ=None):
-    """Sets TF_DEFAULTS in `environ` (default os.environ) where the user set nothing;
-    call before importing TensorFlow. Returns the names it set."""
+    """Sets TF_DEFAULTS in `environ` (default os.environ) where the user set nothing,
+    before TensorFlow is imported; returns the names it set."""
     environ = os.environ if environ is None else environ
     set_here = []
     for name, value in TF_DEFAULTS.items():
@@ -133,10 +129,9 @@ def _cpu_flags():
 
 
 def graph_mode_tensorflow():
-    """Sets the environment TensorFlow and Keras read (`prepare_tensorflow`), imports
-    TensorFlow (its start-up lines, which TensorFlow 2.21 writes before absl logging is
-    set up whatever TF_CPP_MIN_LOG_LEVEL says, are kept off the terminal), switches to
-    graph mode; returns the `tensorflow` module."""
+    """`prepare_tensorflow`, then imports TensorFlow (its start-up lines, written before
+    absl logging reads TF_CPP_MIN_LOG_LEVEL, kept off the terminal) and switches to graph
+    mode; returns the `tensorflow` module."""
     prepare_tensorflow()
     with quiet_native_logs():
         import tensorflow as tf  # pylint: disable=import-outside-toplevel

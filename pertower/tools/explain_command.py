@@ -1,12 +1,7 @@
-"""The `explain` command: pertower's plan for a saved graph, without writing code.
-
-The meta graph (which `tf.compat.v1.train.Saver` writes next to each checkpoint) is
-imported into a fresh graph in graph mode; `ys` (the per-example cost, [B, ...]), the
-batch placeholders and the weights are found there by name. With `--run feeds.npz`
-(arrays keyed by the names of the tensors they feed, [B, ...] for a batch input) one
-batch of per-example gradients [B, *x.shape] is checked against the one-example loop
-of `pertower.oracle` (DESCRIPTION says the rest). Importing this module does not
-import TensorFlow.
+"""The `explain` command: pertower's plan for a saved meta graph, without writing code
+(DESCRIPTION says what it does). `ys` ([B, ...]), the batch placeholders and the weights
+are found by name in the imported graph; the --run feeds are arrays keyed by the names of
+the tensors they feed. Importing this module does not import TensorFlow.
 """
 
 import os
@@ -104,43 +99,38 @@ class _Refusal(Exception):
 def run(args):
     """`pertower explain` with parsed `args`: prints the plan (and the --run check);
     returns the exit code (0, 1 on disagreement with the loop, 2 on a usage error)."""
+    try:
+        return _explain(args)
+    except _Refusal as error:
+        print(f"pertower explain: {error}", file=sys.stderr)
+        return 2
+
+
+def _explain(args):
     if not os.path.isfile(args.meta_graph):
-        print(f"pertower explain: MODEL.meta {args.meta_graph!r}: no such file.",
-              file=sys.stderr)
-        return 2
+        raise _Refusal(f"MODEL.meta {args.meta_graph!r}: no such file.")
     if args.checkpoint and not args.feeds:
-        print("pertower explain: --checkpoint is read only with --run FEEDS.npz.",
-              file=sys.stderr)
-        return 2
+        raise _Refusal("--checkpoint is read only with --run FEEDS.npz.")
     tf = environment.graph_mode_tensorflow()
     import pertower  # pylint: disable=import-outside-toplevel
     from pertower import oracle  # pylint: disable=import-outside-toplevel
     from pertower.tools import plan_summary  # pylint: disable=import-outside-toplevel
 
     graph = tf.Graph()
-    try:
-        with graph.as_default(), environment.quiet_native_logs():
-            saver = tf.compat.v1.train.import_meta_graph(args.meta_graph,
-                                                         clear_devices=True)
-            ys = _tensor(graph, args.ys, "--ys")
-            batch = [_tensor(graph, name, "--batch") for name in args.batch]
-            xs = _weights(tf, graph, args.xs)
-            # the loop's tf.gradients first: pertower edits While ops' functions and
-            # outputs as it builds, after which TensorFlow cannot differentiate them
-            loop = oracle.SliceLoop(ys, xs) if args.feeds else None
-            plan = pertower.explain(ys, xs, batch=batch, batch_size=args.batch_size)
-    except _Refusal as error:
-        print(f"pertower explain: {error}", file=sys.stderr)
-        return 2
+    with graph.as_default(), environment.quiet_native_logs():
+        saver = tf.compat.v1.train.import_meta_graph(args.meta_graph, clear_devices=True)
+        ys = _tensor(graph, args.ys, "--ys")
+        batch = [_tensor(graph, name, "--batch") for name in args.batch]
+        xs = _weights(tf, graph, args.xs)
+        # the loop's tf.gradients first: pertower edits While ops' functions and
+        # outputs as it builds, after which TensorFlow cannot differentiate them
+        loop = oracle.SliceLoop(ys, xs) if args.feeds else None
+        plan = pertower.explain(ys, xs, batch=batch, batch_size=args.batch_size)
     print(plan)
     print(plan_summary.summarize(plan, os.path.basename(args.meta_graph)))
     if not args.feeds:
         return 0
-    try:
-        return _run_one_batch(tf, graph, saver, plan, loop, ys, batch, xs, args)
-    except _Refusal as error:
-        print(f"pertower explain: {error}", file=sys.stderr)
-        return 2
+    return _run_one_batch(tf, graph, saver, plan, loop, ys, batch, xs, args)
 
 
 def _run_one_batch(tf, graph, saver, plan, loop, ys, batch, xs, args):

@@ -1,10 +1,9 @@
 """Wall-clock timing and plain-text tables shared by `pertower demo` and the benchmarks
 (`python -m benchmarks`)."""
 
-import statistics
 import time
 
-__all__ = ["seconds", "median_seconds", "round_robin", "format_table"]
+__all__ = ["seconds", "round_robin", "format_table"]
 
 
 def seconds(run):
@@ -12,11 +11,6 @@ def seconds(run):
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
-
-
-def median_seconds(run, repeats):
-    """The median wall time of `repeats` calls of `run()`, in seconds."""
-    return statistics.median(seconds(run) for _ in range(repeats))
 
 
 def round_robin(runs):

@@ -1,31 +1,14 @@
 """Peak memory of one `sess.run`, from TensorFlow's own step trace (CPU or GPU).
 
-Notation:
-    buffer  one allocation made during the run (a tensor's storage; in-place
-            outputs and views of a whole input share their input's buffer)
-    live    from the start of the node that allocates it to the end of its last
-            consumer (the end of the run for a fetched tensor)
-
-The run is traced with `RunOptions(trace_level=FULL_TRACE)`; its `RunMetadata`
-step_stats give, per executed node, its start and end times, the address and size
-of every output (`allocation_description.ptr` and `.requested_bytes`), the inputs it
-read (parsed from `timeline_label`, as `tensorflow/python/client/timeline.py` does)
-and the peak of its own allocations (`memory[].peak_bytes`, which covers kernel
-temporaries). From them this module replays the run:
+The run is traced (`RunOptions(trace_level=FULL_TRACE)`) and its step_stats replayed:
 
     peak = max over time of  sum(bytes of live buffers) + temporaries of running nodes
 
-Outputs that alias a buffer the node read (the same address as one of its inputs:
-in-place ops, Identity, Reshape) extend that buffer's life instead of adding bytes.
-Buffers that exist before the run or are fed by the caller are left out: outputs of
-Const, variable reads and fed arguments; they are the same for every method that
-runs the same model on the same batch. Views of part of a buffer (a slice at a new
-address) count as their own bytes, so the figure is an upper bound where slices are
-views.
-
-Not the process's resident memory (process-wide, it only grows) nor the trace's
-allocator `bytes_in_use` (on CPU oneDNN's allocator reports only its >= 256 KiB pool,
-missing the many small tensors of per-example towers).
+A buffer (a node output's allocation) is live from the start of the node that makes it
+to the end of its last consumer (the end of the run when fetched); an output at the
+address of one of its node's inputs extends that buffer. Constants, variables and fed
+tensors are not counted. docs/benchmark.md ("How memory is measured") says why neither
+resident memory nor the allocator's counter would do.
 """
 
 import dataclasses
