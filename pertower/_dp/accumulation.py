@@ -7,10 +7,9 @@ Notation:
 
 Each run adds its physical batch's clipped sums (and counts) to non-trainable
 variables; the k-th run noises the accumulated sum ONCE, divides it, applies it and
-zeroes the variables. Memory stays that of one physical batch; the privacy of a step is
-that of the logical batch: `compute_epsilon` takes q = the logical batch over N and
-T = the noised steps (TensorFlow Privacy's `gradient_accumulation_steps`; Opacus'
-BatchMemoryManager; `pertower.poisson_batches(..., splits=k)`).
+zeroes the variables (TensorFlow Privacy's `gradient_accumulation_steps`; Opacus'
+BatchMemoryManager). `compute_epsilon` takes q = the logical batch over N and T = the
+noised steps.
 """
 
 import dataclasses
@@ -31,10 +30,8 @@ class PendingStep:
 
 
 class Accumulator:
-    """The non-trainable variables of one accumulated DP step (0 when initialized):
-    `sums` S_x ([*x.shape] each), `count` n and `unclipped` u (scalars of the weights'
-    dtype), `runs` (int64, the runs since the last noised step); `variables` all of
-    them; `steps` k."""
+    """The variables of one accumulated DP step: `sums` S_x ([*x.shape] each), `count`
+    n, `unclipped` u, `runs` (int64, the runs since the last noised step)."""
 
     def __init__(self, var_list, steps, dtype, name="dp_accumulator"):
         self.steps = steps
@@ -61,9 +58,8 @@ class Accumulator:
         return sums, count, unclipped, is_last
 
     def finish(self, is_last, totals, apply):
-        """The training op: on the k-th run `apply()` (an op) then zeroes the variables;
-        on the others stores `totals` = (sums, count, unclipped); either way counts the
-        run."""
+        """The training op: on the k-th run `apply()` then zero the variables, else
+        store `totals`; count the run."""
 
         def on_last():
             with tf.control_dependencies([apply()]):

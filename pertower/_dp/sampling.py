@@ -4,14 +4,12 @@ Notation:
     N   training examples      q   sampling_probability
     T   steps                  B_t the size of batch t, Binomial(N, q)
 
-The subsampled-Gaussian analyses that `compute_epsilon` runs (Abadi et al. 2016, arXiv
+The subsampled-Gaussian analyses of `compute_epsilon` (Abadi et al. 2016, arXiv
 1607.00133; Mironov, Talwar and Zhang 2019, arXiv 1908.10530) assume each example joins
-each batch independently with probability q: the batch size varies, and may be 0.
-`DPOptimizer` takes any fed batch size (an empty one releases the noise alone);
-`max_batch_size=N` makes N a capacity, checked at run time on every path, and towers
-(built for a fixed number of examples) are built for N, each fed batch padded with
-examples whose gradients are dropped. `poisson_capacity` gives the N exceeded with at
-most a stated probability:
+each batch independently with probability q: B_t varies, and may be 0. `DPOptimizer`
+takes any fed batch size; `max_batch_size=N` makes N a capacity, checked at run time,
+and towers are built for N, each fed batch padded with examples whose gradients are
+dropped. `poisson_capacity` gives the N exceeded with at most a stated probability:
 
     P(B_t > N) = sum_{k > N} C(N_examples, k) q^k (1 - q)^(N_examples - k).
 """
@@ -19,22 +17,18 @@ most a stated probability:
 import math
 
 import numpy as np
-import tensorflow as tf
 
 from pertower import _checks
 from pertower import _context
-from pertower._towers import slicing
 
-__all__ = ["poisson_batches", "poisson_capacity", "checked_capacity", "within_capacity"]
+__all__ = ["poisson_batches", "poisson_capacity"]
 
 
 @_context.public("poisson_batches")
 def poisson_batches(arrays, sampling_probability, steps=None, seed=None, splits=1):
     """Batches in which every example takes part independently with probability q.
 
-    Each step keeps the examples whose uniform draw is below q (in their order), the
-    sampling `pertower.compute_epsilon` assumes; feed the batches to a
-    `pertower.DPOptimizer`, best with `expected_batch_size=q * N`.
+    Feed them to a `pertower.DPOptimizer`, best with `expected_batch_size=q * N`.
 
     Args:
       arrays: one NumPy array [N, ...], or a tuple or list of arrays sharing N (images,
@@ -42,10 +36,8 @@ def poisson_batches(arrays, sampling_probability, steps=None, seed=None, splits=
       sampling_probability: q in (0, 1].
       steps: the number of batches T; None for round(1 / q), one epoch in expectation.
       seed: an int making the batches repeatable, or None.
-      splits: 1 (default) yields each batch; k > 1 yields each batch cut into k
-        consecutive pieces (some possibly empty), a list, for a `DPOptimizer` with
-        `gradient_accumulation_steps=k`: one Poisson batch per noised step, fed over k
-        `sess.run` calls.
+      splits: 1 (default), or k > 1 to cut each batch into a list of k consecutive
+        pieces (some possibly empty), for `gradient_accumulation_steps=k`.
 
     Yields:
       Per step, the batch: a tuple of arrays [B_t, ...] (one array when `arrays` is
@@ -89,8 +81,7 @@ def _batches(arrays, single, q, steps, seed, splits):
 def poisson_capacity(num_examples, sampling_probability, overflow=1e-6):
     """The smallest batch capacity N with P(Binomial(num_examples, q) > N) <= overflow.
 
-    For `DPOptimizer.minimize(..., max_batch_size=N)`: a batch of `poisson_batches`
-    exceeds N, and its step fails at run time, with probability at most `overflow`.
+    For `DPOptimizer.minimize(..., max_batch_size=N)`.
 
     Args:
       num_examples: the training examples, an int >= 0.
@@ -119,28 +110,3 @@ def poisson_capacity(num_examples, sampling_probability, overflow=1e-6):
     pmf = np.exp(log_pmf)                                                  # [n + 1]
     tail = np.concatenate([np.cumsum(pmf[::-1])[::-1][1:], [0.0]])        # [n + 1]
     return max(int(np.argmax(tail <= overflow)), 1)
-
-
-def checked_capacity(max_batch_size, batch_size, num_microbatches):
-    """DPOptimizer's `max_batch_size`, checked: None, or a positive int (not with
-    `batch_size` or `num_microbatches`)."""
-    if max_batch_size is None:
-        return None
-    capacity = _checks.positive_int(max_batch_size, "max_batch_size")
-    if batch_size is not None or num_microbatches is not None:
-        raise _context.error(
-            ValueError, "`max_batch_size` is for batches of varying size (Poisson "
-            f"batches), one microbatch per example; but batch_size={batch_size!r} and "
-            f"num_microbatches={num_microbatches!r} were given. Pass either "
-            "max_batch_size or batch_size, and leave num_microbatches None.")
-    return capacity
-
-
-def within_capacity(gradients, loss, capacity):
-    """`gradients` after a run-time check that `loss`, [b], has b <= `capacity` (the
-    towers' message); as they are when `capacity` is None."""
-    if capacity is None:
-        return gradients
-    check = slicing.capacity_check(loss, 0, capacity, "the DP step was")
-    with tf.control_dependencies([check]):
-        return [tf.identity(g) for g in gradients]
