@@ -14,7 +14,7 @@ Privacy" (arXiv 1607.00133):
     clip(g)  = g * C / max(||g||_2, C)                    (tf.clip_by_global_norm)
     gradient = (sum_m clip(g_m) + N(0, (σ C)^2 I)) / M
 
-One step: the clipped sum (`_dp.clipping`), accumulated over k runs (`_dp.accumulation`),
+One step: the clipped sum (`_dp.clipping`), accumulated over k runs (`_Accumulator`),
 noised (`_dp.noise.GaussianNoise`), divided (`_release`) and applied.
 
 Per-example clipping (M = B) takes one forward and one backward pass: with the factors
@@ -28,6 +28,7 @@ there; each clipped gradient still has norm <= C). Microbatches (M < B) are form
 by `microbatch_gradients`, [M, *x.shape].
 """
 
+import collections
 import math
 import warnings
 
@@ -37,7 +38,6 @@ from pertower import _checks
 from pertower import _context
 from pertower import _dispatch
 from pertower import _request
-from pertower._dp import accumulation as accumulation_lib
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
 from pertower._dp import wrapper
@@ -53,15 +53,13 @@ class DPOptimizer(wrapper.WrappedOptimizer):
     Poisson-sampled batches (`pertower.poisson_batches`).
 
     Args:
-      optimizer: the `tf.compat.v1.train.Optimizer` instance that applies the noisy
-        gradients (GradientDescentOptimizer, AdamOptimizer, ...).
+      optimizer: the `tf.compat.v1.train.Optimizer` that applies the noisy gradients.
       l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have (the
         initial one with adaptive clipping). With clipping="per_layer", a number C split
         equally over the K variables (C / sqrt(K) each), or a list of K positive
         numbers C_k, one per floating-point variable of var_list in its order.
-      noise_multiplier: σ >= 0; the noise's stddev is σ * C before the division (σ = 0:
-        clipping without privacy). With adaptive clipping σ is the total, split with
-        the count's noise (`gradient_noise_multiplier`).
+      noise_multiplier: σ >= 0; the noise's stddev is σ * C before the division. With
+        adaptive clipping σ is the total, split with the count's noise.
       num_microbatches: M, or None for one microbatch per example (M = B). M must
         divide B; a microbatch's loss is the mean of its examples' losses.
       seed: an int making the noise repeatable (`_dp.noise.GaussianNoise`; each
@@ -77,7 +75,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
       adaptive_clipping: None, or a `pertower.AdaptiveClipping`: the clip norm lives in
         `l2_norm_clip_variable` and moves at each noised step. Flat clipping only.
       gradient_accumulation_steps: k >= 1; with k > 1 every k-th run of the training op
-        applies one noised step for the last k batches (`_dp.accumulation`).
+        applies one noised step for the last k batches (`_Accumulator`).
 
     Example:
       loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
@@ -113,25 +111,19 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             expected_batch_size, adaptive_clipping)
         self._accumulation_steps = _checks.positive_int(gradient_accumulation_steps,
                                                         "gradient_accumulation_steps")
-        self._computed = False
         self._clip_variable = None
-        self._step = None      # the last compute_gradients' `PendingStep`
+        self._step = None      # the last compute_gradients' `_Step`
 
     optimizer = property(lambda self: self._optimizer,
                          doc="The wrapped `tf.compat.v1.train.Optimizer`.")
     l2_norm_clip = property(lambda self: self._clip.l2_norm_clip, doc=(
         "C as given (the initial one with adaptive clipping; a list per layer)."))
     l2_norm_clip_variable = property(lambda self: self._clip_variable, doc=(
-        "With adaptive clipping, the non-trainable scalar variable holding the current "
-        "clip norm (made by the first compute_gradients); else None."))
+        "With adaptive clipping, the variable holding the current clip norm; else None."))
     noise_multiplier = property(lambda self: self._noise_multiplier)
-    gradient_noise_multiplier = property(
-        lambda self: self._clip.gradient_noise_multiplier, doc=(
-            "σ_Δ, the noise multiplier of the gradient's noise: `noise_multiplier`, or "
-            "with adaptive clipping (σ^-2 - (2 σ_b)^-2)^(-1/2) (Theorem 1 of arXiv "
-            "1905.03871)."))
-    clipping_options = property(lambda self: self._clip, doc=(
-        "The checked clipping options (`_dp.clipping.ClippingOptions`)."))
+    gradient_noise_multiplier = property(lambda self: self._clip.gradient_noise_multiplier,
+                                         doc="σ_Δ, the gradient's own (`_dp.clipping`).")
+    clipping_options = property(lambda self: self._clip, doc="`_dp.clipping.ClippingOptions`")
     num_microbatches = property(lambda self: self._num_microbatches)
     seed = property(lambda self: self._seed)
     gradient_accumulation_steps = property(lambda self: self._accumulation_steps)
@@ -166,8 +158,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         """
         wrapper.check_compute_arguments(loss, grad_loss, gate_gradients)
         defaulted = var_list is None
-        all_variables = wrapper.variables(var_list)
-        var_list = wrapper.without_gradient_free(all_variables)
+        all_variables, var_list = wrapper.variables(var_list)
         _checks.warn_unconnected(
             loss, var_list, _checks.UNCONNECTED_DEFAULT, argument="var_list",
             ys_argument="loss",
@@ -221,13 +212,10 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             # adaptive clipping's count of unclipped examples (norms <= C)
             unclipped = (tf.reduce_sum(tf.cast(norms <= clip, dtype))
                          if self._clip.adaptive is not None else tf.zeros([], dtype))
-            step = accumulation_lib.PendingStep(gradients=())
+            accumulator = None
             if self._accumulation_steps > 1:
-                step.accumulator = accumulation_lib.Accumulator(
-                    var_list, self._accumulation_steps, dtype)
-                clipped_sum, count, unclipped, step.is_last = step.accumulator.totals(
-                    clipped_sum, count, unclipped)
-                step.totals = (clipped_sum, count, unclipped)
+                accumulator = _Accumulator(var_list, self._accumulation_steps, dtype)
+                clipped_sum, count, unclipped = accumulator.add(clipped_sum, count, unclipped)
             stddevs = ([self._noise_multiplier * math.sqrt(len(clips)) * c for c in clips]
                        if per_layer else [self._clip.gradient_noise_multiplier * clip]
                        * len(var_list))
@@ -235,20 +223,18 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             def release():
                 return self._release(clipped_sum, count, stddevs)
 
-            if step.accumulator is None:
+            if accumulator is None:
                 averaged = release()
             else:   # the noise is drawn on the k-th run only
-                averaged = tf.cond(step.is_last, release,
+                averaged = tf.cond(accumulator.is_last, release,
                                    lambda: [tf.zeros_like(g) for g in clipped_sum])
                 for g, x in zip(averaged, var_list):
                     g.set_shape(x.shape)
-            if self._clip.adaptive is not None:
-                step.clip_update = lambda: clipping_lib.adaptive_clip_update(
+            clip_update = None if self._clip.adaptive is None else (
+                lambda: clipping_lib.adaptive_clip_update(
                     clip, unclipped, self._clip.expected_batch_size, self._clip.adaptive,
-                    self._clip.count_stddev, self._noise.key())
-        self._computed = True
-        step.gradients = tuple(averaged)
-        self._step = step
+                    self._clip.count_stddev, self._noise.key()))
+        self._step = _Step(tuple(averaged), accumulator, clip_update)
         noisy_gradients = dict(zip(map(id, var_list), averaged))
         return [(noisy_gradients.get(id(v)), v) for v in all_variables]
 
@@ -274,15 +260,15 @@ class DPOptimizer(wrapper.WrappedOptimizer):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """The wrapped optimizer's `apply_gradients` (refused before `compute_gradients`),
         which also moves an adaptive clip norm and applies an accumulation's k-th run."""
-        if not self._computed:
+        if self._step is None:
             raise _context.error(
                 RuntimeError, "call compute_gradients first (or "
                 "minimize); applying gradients that were not clipped and noised would not "
                 "be differentially private.")
         grads_and_vars = list(grads_and_vars)
         step = self._step
-        ours = step is not None and {id(g) for g, _ in grads_and_vars if g is not None} <= \
-            {id(g) for g in step.gradients}
+        ours = ({id(g) for g, _ in grads_and_vars if g is not None}
+                <= {id(g) for g in step.gradients})
         if (step.accumulator is not None or step.clip_update is not None) and not ours:
             raise _context.error(
                 ValueError, "with gradient accumulation or adaptive clipping, pass the "
@@ -299,7 +285,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
 
         if step.accumulator is None:
             return apply()
-        return step.accumulator.finish(step.is_last, step.totals, apply)
+        return step.accumulator.finish(apply)
 
     def get_name(self):
         return self._optimizer.get_name()
@@ -308,3 +294,63 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         return (f"DPOptimizer({type(self._optimizer).__name__}, l2_norm_clip="
                 f"{self._clip.l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
                 f"num_microbatches={self._num_microbatches}, seed={self._seed})")
+
+
+# What compute_gradients built for apply_gradients: the noised gradients it returned, an
+# `_Accumulator` (or None), and () -> the new clip norm (adaptive clipping; or None).
+_Step = collections.namedtuple("_Step", ["gradients", "accumulator", "clip_update"])
+
+
+class _Accumulator:
+    """Large logical batches: the clipped sums S_x ([*x.shape] each), the count n and the
+    unclipped count u accumulated over k `sess.run` calls in non-trainable variables
+    (`sums`, `count`, `unclipped`; `runs` the runs since the last noised step); the k-th
+    run noises the sum ONCE, applies it and zeroes them (TensorFlow Privacy's
+    `gradient_accumulation_steps`; Opacus' BatchMemoryManager). `compute_epsilon` takes
+    q = the logical batch over N and T = the noised steps."""
+
+    def __init__(self, var_list, steps, dtype, name="dp_accumulator"):
+        self.steps = steps
+        with tf.compat.v1.variable_scope(None, default_name=name):
+            self.sums = [tf.compat.v1.get_variable(
+                f"sum_{k}", shape=x.shape, dtype=x.dtype.base_dtype, trainable=False,
+                initializer=tf.compat.v1.zeros_initializer(), use_resource=True)
+                for k, x in enumerate(var_list)]
+            self.count, self.unclipped = [tf.compat.v1.get_variable(
+                n, shape=[], dtype=dtype, trainable=False, use_resource=True,
+                initializer=tf.compat.v1.zeros_initializer()) for n in ("count", "unclipped")]
+            self.runs = tf.compat.v1.get_variable(
+                "runs", shape=[], dtype=tf.int64, trainable=False, use_resource=True,
+                initializer=tf.compat.v1.zeros_initializer())
+        self.totals = self.is_last = None
+
+    def add(self, sums, count, unclipped):
+        """This run's totals (S_x + sums, n + count, u + unclipped); `is_last` [] bool
+        tells the k-th run of a step."""
+        self.totals = ([v.read_value() + tf.cast(g, v.dtype) for v, g in zip(self.sums, sums)],
+                       self.count.read_value() + tf.cast(count, self.count.dtype),
+                       self.unclipped.read_value() + tf.cast(unclipped, self.unclipped.dtype))
+        self.is_last = tf.equal((self.runs.read_value() + 1) % self.steps, 0)
+        return self.totals
+
+    def finish(self, apply):
+        """The training op: on the k-th run `apply()` then zero the variables, else
+        store the totals; count the run."""
+        stored = self.sums + [self.count, self.unclipped]
+
+        def on_last():
+            with tf.control_dependencies([apply()]):
+                zeroed = [v.assign(tf.zeros_like(v)) for v in stored]
+            with tf.control_dependencies(zeroed):
+                return tf.constant(True)
+
+        def on_others():
+            sums, count, unclipped = self.totals
+            kept = [v.assign(t) for v, t in zip(stored, list(sums) + [count, unclipped])]
+            with tf.control_dependencies(kept):
+                return tf.constant(False)
+
+        done = tf.cond(self.is_last, on_last, on_others)
+        with tf.control_dependencies([done]):
+            counted = self.runs.assign(tf.math.floormod(self.runs + 1, self.steps))
+        return tf.group(done, counted, name="dp_accumulated_step")
