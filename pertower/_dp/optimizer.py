@@ -41,8 +41,8 @@ from pertower import _request
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
 from pertower._dp import wrapper
-from pertower._towers import slicing
 from pertower._dp.wrapper import GATE_GRAPH, GATE_OP
+from pertower._towers import slicing
 
 __all__ = ["DPOptimizer"]
 

@@ -147,7 +147,5 @@ def _compiled_call_gradient(op, *dv):
     _tf.set_attr(backward_op, XLA_ATTR, attr_value_pb2.AttrValue(b=True))
     _tf.set_attr(backward_op, "_gradient_op_type",
                  attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))
-    result = [None] * n
-    for i, g in zip(wrt, grads):
-        result[i] = g
-    return result
+    by_input = dict(zip(wrt, grads))
+    return [by_input.get(i) for i in range(n)]

@@ -16,6 +16,8 @@ c_t of W, so that `tf.gradients` gives W the total derivative, as
 (`W.value()` next to W) gets tf.identity(c_t of W).
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from pertower import _context
@@ -110,11 +112,13 @@ def _copies(reads, first, derived, aliases, T, devices):
     """copies[k][t] = tf.identity of xs[k]'s value for tower t; None for an unreached
     entry, a repeated one and one made from another entry's copies (filled in later)."""
 
+    place = slicing.device_function(devices)
+
     def per_tower(k, source_of):
         with tf.name_scope(f"copies_{k}"):
             tower_copies = []
             for t in range(T):
-                with slicing.on_device(devices, t):
+                with tf.device(place(t)) if place else contextlib.nullcontext():
                     tower_copies.append(tf.identity(source_of(t), name=f"tower_{t}"))
             return tuple(tower_copies)
 

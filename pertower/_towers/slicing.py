@@ -10,8 +10,6 @@ draw. So it is not replayed: each tower reads the batch's sampled classes and th
 expected counts [S], and its rows of the true classes' counts [B/T, num_true].
 """
 
-import contextlib
-
 import tensorflow as tf
 
 from pertower import _checks
@@ -22,7 +20,7 @@ from pertower import _tf
 from pertower._batch_axis.lattice import Rows
 
 __all__ = ["split_batch", "pad_batch", "capacity_check", "split_segments", "check_tower_rows",
-           "on_device", "device_function", "shared_samplers", "shared_rows"]
+           "device_function", "shared_samplers", "shared_rows"]
 
 
 def split_batch(batch, B, T, axes, static_sizes, padded=False):
@@ -151,13 +149,6 @@ def device_function(devices):
     if devices is None:
         return None
     return lambda t: devices[t % len(devices)]
-
-
-def on_device(devices, t):
-    """The device scope of tower t (none when `devices` is None)."""
-    if devices is None:
-        return contextlib.nullcontext()
-    return tf.device(devices[t % len(devices)])
 
 
 def shared_samplers(replayed, analysis):
