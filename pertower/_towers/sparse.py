@@ -1,12 +1,8 @@
-"""Sparse per-example gradients of embedding weights: only the looked-up rows.
+"""Sparse per-example gradients of embedding weights x [V, *row]: only the looked-up rows.
 
-Notation:
-    B   examples (or M microbatches: then "example" below reads "microbatch")
-    x   an embedding weight, [V, *row]: V rows of shape `row`
-    N   the number of (example, looked-up row) pairs over the whole batch
-
-Example i's gradient touches only the rows it looked up (a `tf.IndexedSlices`);
-`PerExampleIndexedSlices` keeps those rows and says which example each belongs to:
+Example i's gradient touches only the rows it looked up (a `tf.IndexedSlices`); with N
+(example, row) pairs over the batch (B examples, or M microbatches), a
+`PerExampleIndexedSlices` stands for
 
     dense[example_ids[n], indices[n]] += values[n]      for n in 0 ... N-1
 
