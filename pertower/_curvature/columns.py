@@ -8,11 +8,9 @@ Notation:
     dZ[m] = d (sum_n S[m, n] . logits_n) / d Z = tf.gradients(logits, Z, grad_ys=S[m])
 
 The backward pass is linear in grad_ys, so the M passes are one pass over a stacked
-column axis: `pfor` (TensorFlow's vectorizer, behind `tf.vectorized_map`), which raises
-on an op it cannot convert (`fallback_to_while_loop=False`); then a `tf.while_loop` over
-m (the same numbers). With control flow on the path (a loop's gradient cannot be built
-inside pfor's body), one tf.gradients per column. The result says which way served and
-why.
+column axis: `pfor` (behind `tf.vectorized_map`), else a `tf.while_loop` over m; with
+control flow on the path (a loop's gradient cannot be built inside pfor's body), one
+tf.gradients per column. The result says which way served and why.
 """
 
 import logging
@@ -38,13 +36,6 @@ class Columns(list):
         self.vectorized = vectorized
         self.reason = reason
         self.method = method or ("pfor" if vectorized else "while loop")
-
-
-def _column_gradients(logits, outputs, S_m):
-    """[*Z.shape] per output: the gradient of sum(S_m * logits); zeros where unconnected."""
-    grads = tf.gradients(logits, outputs, grad_ys=S_m)
-    return [tf.zeros_like(Z) if g is None else tf.convert_to_tensor(g)
-            for g, Z in zip(grads, outputs)]
 
 
 def _control_flow_on_path(logits, outputs):
@@ -80,7 +71,10 @@ def output_gradient_columns(logits, outputs, S):
     M = S.shape[0] if S.shape[0] is not None else tf.shape(S)[0]
 
     def loop_fn(m):
-        return _column_gradients(logits, outputs, tf.gather(S, m))      # per Z: [*Z.shape]
+        """[*Z.shape] per Z: the gradient of sum(S[m] * logits); zeros where unconnected."""
+        grads = tf.gradients(logits, outputs, grad_ys=tf.gather(S, m))
+        return [tf.zeros_like(Z) if g is None else tf.convert_to_tensor(g)
+                for g, Z in zip(grads, outputs)]
 
     if isinstance(M, int) and M == 1:   # one column: one backward pass, nothing to vectorize
         return Columns([dZ[None] for dZ in loop_fn(0)], True, method="one pass")

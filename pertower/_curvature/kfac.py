@@ -21,13 +21,15 @@ Over a batch the block is sum_n (a_n a_n^T) ⊗ G_n; K-FAC (Martens & Grosse 201
     GGN block of W (of the summed loss sum_n l_n) ≈ kron(A, G),
 
 exact at B = 1 for a dense layer with exact columns (KFLR, Botev, Ritter, Barber 2017,
-arXiv 1706.03662); KFAC with Monte-Carlo columns, equal to the exact G in expectation.
-A convolution is a dense layer on the patch at every output position (KFC, Grosse &
-Martens 2016, arXiv 1602.01407): the sums run over the R = B*Ho*Wo patches
-(`tf.image.extract_patches`, ordered like the filter [kh, kw, Cin]), and G, with its
-1/|T|, is KFC's Gamma (derivatives uncorrelated across positions, the same statistics
-at every position). A dense layer on [B, k, d] is treated the same way, |T| = k
-(KFAC-expand, Eschenhagen et al. 2023, arXiv 2311.00636, the 1/|T| moved from A to G).
+arXiv 1706.03662); KFAC with Monte-Carlo columns. A convolution is a dense layer on the
+patch ([kh, kw, Cin]) at every output position (KFC, Grosse & Martens 2016, arXiv
+1602.01407), G with its 1/|T| KFC's Gamma; a dense layer on [B, k, d] likewise, |T| = k
+(KFAC-expand, Eschenhagen et al. 2023, arXiv 2311.00636).
+
+Conventions: the loss is the SUM over examples (for a mean loss divide G by B).
+BackPACK (1.7.1, `KFLR`, `KFAC`) returns [G, A] for a torch weight [d_out, d_in], with
+the same A (its patches ordered [Cin, kh, kw]) and, for a dense layer and
+reduction="sum", the same G; for a convolution its G is |T| times KFC's Gamma.
 """
 
 import typing
@@ -49,20 +51,16 @@ __all__ = ["KroneckerFactors", "kfac_factors"]
 
 
 class KroneckerFactors(typing.NamedTuple):
-    """The two Kronecker factors of one kernel's GGN block, A [d_in, d_in] and
-    G [d_out, d_out] (`kfac_factors`).
-
-    kron(A, G) approximates the GGN block of the kernel flattened row-major as the
-    layer reads it ([d_in, d_out]; a convolution's [kh, kw, Cin, Cout]); for a kernel
-    stored transposed (MatMul with transpose_b=True) it is kron(G, A).
-    """
+    """A [d_in, d_in] and G [d_out, d_out]: kron(A, G) approximates the GGN block of the
+    kernel flattened row-major as the layer reads it ([d_in, d_out]; [kh, kw, Cin,
+    Cout]); kron(G, A) for a kernel stored transposed (MatMul transpose_b=True)."""
 
     A: tf.Tensor
     G: tf.Tensor
 
 
 class _Layer(typing.NamedTuple):
-    """What one covered kernel needs: its input rows [R, d_in] and its output Z."""
+    """A covered kernel's input rows [R, d_in] and output Z."""
 
     rows: tf.Tensor
     output: tf.Tensor
@@ -71,8 +69,18 @@ class _Layer(typing.NamedTuple):
 _INSTEAD = "use pertower.diag_ggn for its GGN diagonal"
 
 
-def _layer_or_reason(use):
-    """A `_Layer` for a dense or convolution kernel covered by its rule, else why not."""
+def _layer_or_reason(uses, reason):
+    """An entry of xs (its `uses`, or None and why no rule covers it): a `_Layer` for a
+    dense or convolution kernel covered by its rule, else why it gets no factors."""
+    if uses is None:
+        return f"no rule covers it ({reason}): {_INSTEAD}"
+    if not uses:
+        return "`logits` does not depend on it"
+    if len(uses) > 1:
+        names = ", ".join(repr(use.op.name) for use in uses)
+        return (f"it is read by {len(uses)} ops ({names}), a shared layer whose GGN block "
+                f"has no single Kronecker form: {_INSTEAD}")
+    (use,) = uses
     op = use.op
     if isinstance(use, _loops.LoopUse):
         return (f"it is read inside a loop ({use.label}): a weight shared by the steps "
@@ -87,40 +95,14 @@ def _layer_or_reason(use):
             f"kernels of dense (MatMul) and Conv2D layers only: {_INSTEAD}")
 
 
-def _reasons_and_layers(plan):
-    """Per entry of xs: a `_Layer`, or the reason it gets no factors."""
-    found = []
-    for uses, reason in zip(plan.uses, plan.reasons):
-        if uses is None:
-            found.append(f"no rule covers it ({reason}): {_INSTEAD}")
-        elif not uses:
-            found.append("`logits` does not depend on it")
-        elif len(uses) > 1:
-            names = ", ".join(repr(use.op.name) for use in uses)
-            found.append(f"it is read by {len(uses)} ops ({names}), a shared layer whose "
-                         f"GGN block has no single Kronecker form: {_INSTEAD}")
-        else:
-            found.append(_layer_or_reason(uses[0]))
-    return found
-
-
 @_context.public("kfac_factors")
 def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batch=None,
                  batch_size=None, seed=None, name=None):
     """Kronecker factors (A, G) of the GGN block of each dense or convolution kernel.
 
-    For the summed loss sum_n l(logits_n) and each kernel W that a rule covers (a dense
-    layer's MatMul, a Conv2D filter): A = (1/B) sum_rows a a^T, G = (1/|T|) sum_columns
-    sum_rows dz dz^T, and the GGN block of W flattened row-major ≈ kron(A, G) (the
-    module docstring: KFLR with exact columns, KFAC with `mc_samples`, KFC for a
-    convolution; the columns from one vectorized backward pass).
-
-    Conventions: the loss is the SUM over examples (for a mean loss divide G by B).
-    BackPACK (1.7.1, `KFLR` and `KFAC`) returns the factors of a torch weight [d_out,
-    d_in] in the order [G, A], with the same A (its patches ordered [Cin, kh, kw], ours
-    [kh, kw, Cin]) and, for a dense layer and reduction="sum", the same G (its default
-    "mean" gives G / B); for a convolution its G is sum_columns sum_n (sum_p dz_p)
-    (sum_p dz_p)^T, |T| times KFC's Gamma under KFC's assumptions, ours KFC's Gamma.
+    For the summed loss sum_n l(logits_n) and each kernel W a rule covers (dense,
+    Conv2D): the GGN block of W ≈ kron(A, G), as in the module docstring (its
+    conventions too); the columns from one vectorized backward pass.
 
     Args:
       logits: [B, K] network outputs that `loss` reads.
@@ -135,11 +117,10 @@ def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batc
       name: name scope for the new ops (default "kfac_factors").
 
     Returns:
-      A list parallel to `xs`: a `KroneckerFactors(A, G)` for each covered kernel, A
-      [d_in, d_in] (d_in = kh*kw*Cin for a convolution) and G [d_out, d_out], of the
+      A list parallel to `xs`: a `KroneckerFactors(A, G)` per covered kernel, of the
       logits' dtype; None for any other entry (a bias, a weight no rule covers, a
-      depthwise or grouped filter, a weight read by several ops), with one UserWarning
-      naming each such entry and why (`pertower.diag_ggn` serves them).
+      depthwise or grouped filter, a weight read by several ops), each named with why
+      in one UserWarning.
 
     Example:
       logits = model(x)                                           # [B, 10]
@@ -157,7 +138,7 @@ def kfac_factors(logits, xs, loss="softmax_cross_entropy", mc_samples=None, batc
         _dispatch.options(validate=False, memory_limit=float("inf"), refuse=False),
         ys_argument="logits")
     plan = _dispatch.make_plan(request)
-    found = _reasons_and_layers(plan)
+    found = [_layer_or_reason(u, r) for u, r in zip(plan.uses, plan.reasons)]
     # one warning naming every weight that gets None, with why
     lines = [f"  {_plan.weight_name(x)}: {why}" for x, why in zip(xs, found)
              if isinstance(why, str)]

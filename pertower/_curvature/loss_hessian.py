@@ -72,15 +72,12 @@ def exact_columns(loss, K):
 
 
 def _softmax_factor(p, K):
-    """[K-1, B, K]: S with S^T S = diag(p) - p p^T per example, from the K - 1 columns of
-    a Householder reflection that span the complement of q = sqrt(p).
+    """[K-1, B, K]: S with S^T S = diag(p) - p p^T per example.
 
-    diag(p) - p p^T = D (I - q q^T) D with D = diag(q), |q| = 1. The reflection
-    R = I - 2 v v^T / |v|^2 with v = q + e_k (k = argmax p, so |v|^2 = 2 + 2 q_k >= 2:
-    no cancellation) has R e_k = -q, so its other K - 1 columns r_j = e_j - q_j v /
-    (1 + q_k) are an orthonormal basis of q's complement and sum_{j != k} r_j r_j^T =
-    I - q q^T: the columns are s_j = q ⊙ r_j, one fewer backpropagated column than
-    sqrt(p_v) (e_v - p)."""
+    diag(p) - p p^T = D (I - q q^T) D with q = sqrt(p), D = diag(q), |q| = 1. The
+    Householder reflection R = I - 2 v v^T / |v|^2, v = q + e_k (k = argmax p, so
+    |v|^2 >= 2: no cancellation), has R e_k = -q, so its other K - 1 columns r_j =
+    e_j - q_j v / (1 + q_k) span q's complement: the columns are s_j = q ⊙ r_j."""
     q = tf.sqrt(p)                                                      # [B, K]
     k = tf.argmax(p, axis=1, output_type=tf.int32)                      # [B]
     e_k = tf.one_hot(k, K, dtype=p.dtype)                               # [B, K]
@@ -106,19 +103,16 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
     (Monte-Carlo) to the Hessian of l(logits_n) with respect to logits_n.
 
     Exact (`mc_samples=None`, M = `exact_columns(loss, K)`):
-      "softmax_cross_entropy": H = diag(p) - p p^T of rank K - 1: M = K - 1 columns
-        sqrt(p) ⊙ r_j, r_j the columns of a Householder reflection spanning the
-        complement of sqrt(p) (`_softmax_factor`); K = 1: the column sqrt(p) (e - p) = 0;
+      "softmax_cross_entropy": H = diag(p) - p p^T, `_softmax_factor` (K = 1: the
+        column sqrt(p) (e - p) = 0);
       "sigmoid_cross_entropy": H = diag(p (1 - p)), S = diag(sqrt(p (1 - p)));
       "mse" (l = sum_k (f_k - y_k)^2): H = 2 I, S = sqrt(2) I.
     Monte-Carlo (`mc_samples=M`), labels y~ drawn from the model, one per column:
       "softmax_cross_entropy": (p - onehot(y~)) / sqrt(M), y~ ~ Categorical(p);
       "sigmoid_cross_entropy": (p - y~) / sqrt(M), y~_k ~ Bernoulli(p_k);
       "mse": sqrt(2) eps / sqrt(M), eps ~ N(0, I).
-    Each column's outer product has expectation H (the module docstring's references).
-    A mean-reduced loss (1/N) sum_n l would scale every column by 1/sqrt(N); not done
-    here. `seed`: an int for reproducible sampling (stateless random ops), or None.
-    Returns S, [M, B, K] of logits' dtype, wrapped in `tf.stop_gradient`.
+    For the summed loss (a mean would scale every column by 1/sqrt(N)). `seed`: an int
+    for reproducible sampling, or None. Returns S under `tf.stop_gradient`.
     """
     loss = check_loss(loss)
     mc_samples = check_mc_samples(mc_samples)
@@ -147,10 +141,8 @@ def hessian_factor(logits, loss, mc_samples=None, seed=None):
     if loss == "softmax_cross_entropy":
         p = tf.nn.softmax(logits)                                       # [B, K]
         log_p = tf.cast(tf.nn.log_softmax(logits), tf.float32)
-        if seeds is None:
-            y = tf.random.categorical(log_p, M)                         # [B, M]
-        else:
-            y = tf.random.stateless_categorical(log_p, M, seed=seeds)   # [B, M]
+        y = (tf.random.categorical(log_p, M) if seeds is None           # [B, M]
+             else tf.random.stateless_categorical(log_p, M, seed=seeds))
         onehot = tf.one_hot(tf.transpose(y), K, dtype=dtype)            # [M, B, K]
         S = (p[None] - onehot) * scale
     elif loss == "sigmoid_cross_entropy":

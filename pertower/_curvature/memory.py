@@ -4,13 +4,11 @@ Notation:
     B   examples        C   columns (1 for `sum_grad_squared`, M for `diag_ggn`)
     x   one weight      Z   a rule's output (its dZ columns)
 
-The general guard (`pertower._guards.memory`) counts C per-example gradients, B x C x |x|
-numbers, for every weight. Per route of `pertower._curvature.squares` this counts
-instead: "rules, cheap form": what the rule's `sum_squared_size` says it holds per
-example (None, the default, counts as per column); "rules, per column": B x C x |x|;
-the fallback: C per-example gradients and the towers' copies before stacking, as the
-general guard; plus, for the rules, the C columns of every use's output gradient,
-B x C x |Z|, and the replayed forward activations (as the general guard).
+Where the general guard (`pertower._guards.memory`) counts B x C x |x| numbers per
+weight, this counts per route of `pertower._curvature.squares`: "rules, cheap form" the
+rule's `sum_squared_size` per example (None: as per column); "rules, per column" and
+the fallback B x C x |x| (the fallback's towers' copies too); plus the C columns of
+every use's output gradient, B x C x |Z|, and the replayed forward activations.
 """
 
 import dataclasses
@@ -45,13 +43,9 @@ class CurvatureEstimate(memory.MemoryEstimate):
 
 
 def guard(plan, C, per_example, memory_limit):
-    """`plan` with its estimate replaced by the routes' (`CurvatureEstimate`) and
-    `memory_limit`; raises ValueError when the estimate exceeds the limit.
-
-    `plan` is built with memory_limit=inf (its own guard counts C per-example gradients
-    for every weight); C the columns; `per_example` whether the result is [B, *x] (else
-    [*x]); `memory_limit` as the user gave it (checked: `memory.resolve_limit`).
-    """
+    """`plan` (built with memory_limit=inf) with the routes' `CurvatureEstimate` for C
+    columns and `memory_limit`; `per_example`: results [B, *x] (else [*x]). Raises
+    ValueError when the estimate exceeds the limit."""
     base = plan.estimate
     if base is None:    # B unknown: nothing is estimated (as the general guard)
         return dataclasses.replace(plan, memory_limit=memory_limit)

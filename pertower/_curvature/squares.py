@@ -31,12 +31,11 @@ class CurvatureResult(list):
     """The list of results, one per entry of `xs`, with how each was computed.
 
     Attributes:
-      plan: the `pertower.Plan` of the call (`str(plan)` is `pertower.explain`'s table).
+      plan: the `pertower.Plan` of the call.
       routes: per entry of xs, "rules, cheap form: OP (Type)", "rules, per column:
         OPS", the fallback's description, or "unreached (zeros)".
       columns_vectorized, columns_reason, columns_method: for `diag_ggn`, how the
-        columns' output gradients came (`pertower._curvature.columns.Columns`); None
-        when no rule was used.
+        columns' output gradients came (`columns.Columns`); None without rules.
     """
 
     def __init__(self, tensors, plan, routes, columns_vectorized=None, columns_reason=None,
@@ -65,10 +64,8 @@ def _per_x(x, B, per_example):
 
 
 def covered_squares(plan, indices, columns_of, B, per_example):
-    """{k: squares of xs[k]} and {k: route} for the covered weights `indices` of
-    `plan`, from `columns_of` {id(Z): [C, *Z.shape]} (the output gradients of every
-    use's output); B an int or a scalar tensor; [B, *x.shape] results when
-    `per_example`, else [*x.shape]."""
+    """{k: squares of xs[k]} and {k: route} for the covered weights `indices`, from
+    `columns_of` {id(Z): [C, *Z.shape]}; [B, *x.shape] when `per_example`, else [*x]."""
     results, routes = {}, {}
     for k in indices:
         x = plan.request.xs[k]
@@ -116,13 +113,9 @@ def _formed_squares(x, uses, columns_of, B, per_example):
 
 
 def fallback_squares(built, S, per_example, name):
-    """{k: squares of xs[k]} and {k: route} for the weights of `built.fallback`.
-
-    S is None for the plain gradient (one column), else the [M, B, K] columns: column
-    m's per-example gradients are the fallback's with grad_ys = S[m], the per-example
-    Jacobians [B, K, *x] contracted with S[m] (J_i^T S[m, i]) without forming them.
-    `per_example` as in `covered_squares`; `name` scopes the fallback's ops.
-    """
+    """{k: squares of xs[k]} and {k: route} for the weights of `built.fallback`; S None
+    (one column) or [M, B, K]: column m's per-example gradients are the fallback's with
+    grad_ys = S[m] (J_i^T S[m, i] without forming J_i)."""
     fallback = built.fallback
     if fallback is None:
         return {}, {}
@@ -155,11 +148,9 @@ def output_gradients(plan, indices):
 
 
 def loop_columns(plan, indices, S):
-    """{id(key): [M, *dZ_all]} for the reads inside loops of the weights `indices`: per
-    column m, the engine's backward pass with grad_ys = S[m] (one tf.gradients to the
-    loops' outputs and one backward pass of each loop's copy), stacked over m. M passes,
-    where the other uses share one vectorized pass: a loop's backward pass is a while
-    loop of its own, which pfor does not convert."""
+    """{id(key): [M, *dZ_all]} for the reads inside loops of the weights `indices`: the
+    engine's backward pass with grad_ys = S[m] per column m (pfor does not convert a
+    loop's backward pass), stacked over m."""
     keys = [id(use.concrete().output) for k in indices for use in plan.uses[k]
             if isinstance(use, _loops.LoopUse)]
     if not keys:

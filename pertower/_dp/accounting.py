@@ -4,21 +4,17 @@ Notation:
     T   steps (optimizer updates)      q   sampling probability, B / N for N examples
     σ   noise_multiplier               δ   the target delta
 
-Each DP-SGD step is a Gaussian mechanism of multiplier σ on a Poisson-subsampled batch
-(each example in with probability q). The Rényi DP accountant (Mironov 2017, arXiv
-1702.07476; the subsampled Gaussian of Mironov, Talwar and Zhang 2019, arXiv
-1908.10530) composes T such steps and converts to (ε, δ)-DP, as TensorFlow Privacy's
-`compute_dp_sgd_privacy` does (with dp_accounting's default orders here); the privacy
-loss distribution accountant (Koskela, Jälkö and Honkela 2020, arXiv 1906.03049;
-Doroshenko et al. 2022, arXiv 2207.04380) composes the same events with a tighter ε.
-Neighbouring datasets differ by adding or removing one example. Fixed-size shuffled
-batches are not covered: the figure is then an approximation.
-
-`DPOptimizer`'s modes are the same events: per-layer clipping is a Gaussian of
-multiplier σ; adaptive clipping's gradient (σ_Δ) and count (multiplier 2 σ_b, its
-sensitivity being 1/2) releases compose into one Gaussian of σ = (σ_Δ^-2 + (2 σ_b)^-2)^(-1/2)
-(Andrew et al. 2021, arXiv 1905.03871, Theorem 1); gradient accumulation makes one step
-of the logical batch.
+Each DP-SGD step is a Gaussian mechanism of multiplier σ on a Poisson-subsampled batch.
+The Rényi DP accountant (Mironov 2017, arXiv 1702.07476; the subsampled Gaussian of
+Mironov, Talwar and Zhang 2019, arXiv 1908.10530) composes T such steps and converts to
+(ε, δ)-DP, as TensorFlow Privacy's `compute_dp_sgd_privacy` does; the privacy loss
+distribution accountant (Koskela, Jälkö and Honkela 2020, arXiv 1906.03049; Doroshenko
+et al. 2022, arXiv 2207.04380) gives a tighter ε. Neighbouring datasets differ by adding
+or removing one example; fixed-size shuffled batches are only approximated.
+Per-layer clipping is a Gaussian of multiplier σ; adaptive clipping's gradient (σ_Δ)
+and count (2 σ_b) releases compose into one of σ = (σ_Δ^-2 + (2 σ_b)^-2)^(-1/2) (Andrew
+et al. 2021, arXiv 1905.03871, Theorem 1); gradient accumulation is one step of the
+logical batch.
 """
 
 import math
@@ -34,10 +30,10 @@ _ACCOUNTANTS = ("rdp", "pld")
 @_context.public("compute_epsilon")
 def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accountant="rdp",
                     clipped_count_stddev=None):
-    """The ε of (ε, δ)-DP after `steps` DP-SGD steps on Poisson-sampled batches
-    (`pertower.poisson_batches`), by `dp_accounting.rdp.RdpAccountant` (default orders)
-    or `dp_accounting.pld.PLDAccountant` (tighter); the module docstring says which
-    events are composed.
+    """The ε of (ε, δ)-DP after `steps` DP-SGD steps on Poisson-sampled batches.
+
+    Composes `steps` times `PoissonSampledDpEvent(q, GaussianDpEvent(σ))` by
+    `dp_accounting.rdp.RdpAccountant` (default orders) or `pld.PLDAccountant`.
 
     Args:
       steps: T >= 0, the number of noisy updates (epochs * N / B; with gradient
@@ -50,9 +46,8 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
       delta: δ in (0, 1), usually below 1 / N.
       accountant: "rdp" (default) or "pld".
       clipped_count_stddev: None, or σ_b > 0 of adaptive clipping's count noise
-        (`DPOptimizer.clipping_options.count_stddev`), composed with the gradient's
-        release (module docstring). Leave it None when passing the optimizer's total
-        `noise_multiplier`, which already includes it.
+        (`DPOptimizer.clipping_options.count_stddev`), composed with σ_Δ (the module
+        docstring). Leave it None when passing the optimizer's total `noise_multiplier`.
 
     Returns:
       ε as a float (0.0 for 0 steps).
@@ -75,6 +70,7 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
     if clipped_count_stddev is not None:
         count_stddev = _checks.real_number(clipped_count_stddev, "clipped_count_stddev",
                                            0, math.inf, True, True)
+        # Theorem 1 of arXiv 1905.03871: Gaussians compose as σ^-2 = σ_Δ^-2 + (2 σ_b)^-2
         noise_multiplier = (noise_multiplier ** -2 + (2.0 * count_stddev) ** -2) ** -0.5
     if steps == 0:
         return 0.0

@@ -10,11 +10,9 @@ Flat clipping (Abadi et al. 2016, arXiv 1607.00133): f_g = C / max(n_g, C) scale
 weight's gradient of group g; the sum's sensitivity is C.
 
 Per-layer clipping (McMahan et al. 2018, arXiv 1710.06963; Opacus' per_layer):
-f_gk = C_k / max(n_gk, C_k) per weight, so an example's clipped gradient has norm at
-most S = sqrt(sum_k C_k^2). The noise on weight k has stddev σ sqrt(K) C_k: in the
-metric that divides weight k by its noise stddev one example moves the sum by at most
-sqrt(sum_k C_k^2 / (σ^2 K C_k^2)) = 1/σ, a Gaussian mechanism of multiplier σ,
-accounted as the flat one. A single number C is split equally, C_k = C / sqrt(K).
+f_gk = C_k / max(n_gk, C_k) per weight. The noise on weight k has stddev σ sqrt(K) C_k:
+divided by it, one example moves the sum by at most sqrt(sum_k C_k^2 / (σ^2 K C_k^2))
+= 1/σ, a Gaussian mechanism of multiplier σ. A number C is split, C_k = C / sqrt(K).
 
 Adaptive clipping (Andrew et al. 2021, arXiv 1905.03871; TensorFlow Privacy's
 `QuantileAdaptiveClipSumQuery`): C follows the target quantile γ of the norms. After
@@ -52,12 +50,9 @@ __all__ = ["AdaptiveClipping", "ClippingOptions", "clipping_options", "clip_fact
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveClipping:
-    """The options of adaptive clipping (Andrew et al. 2021, arXiv 1905.03871).
-
-    The clip norm starts at `DPOptimizer`'s `l2_norm_clip` and, after each noised step,
-    moves geometrically towards the `target_quantile` of the per-example gradient norms,
-    estimated from the noised count of unclipped examples (the module docstring). Part
-    of `noise_multiplier` pays for the count (`DPOptimizer.gradient_noise_multiplier`).
+    """The options of adaptive clipping (Andrew et al. 2021, arXiv 1905.03871): the clip
+    norm starts at `DPOptimizer`'s `l2_norm_clip` and moves after each noised step towards
+    the `target_quantile` of the norms (the module docstring).
 
     Args:
       target_quantile: γ in [0, 1], the fraction of examples to leave unclipped (the
@@ -173,8 +168,8 @@ def per_layer_clips(l2_norm_clip, K):
 
 
 def clip_factors(clip):
-    """norms -> f = C / max(n, C) = min(1, C / n) (tf.clip_by_global_norm): flat, norms
-    [G] and C a float or a scalar tensor; per layer, norms [G, K] and C the K floats C_k."""
+    """norms [G] (or per layer [G, K]) -> f = C / max(n, C) (tf.clip_by_global_norm);
+    C a float or a scalar tensor (per layer the K floats C_k)."""
     def factors(norms):
         C = (tf.cast(clip, norms.dtype) if isinstance(clip, tf.Tensor)
              else tf.constant(clip, norms.dtype))                         # [] or [K]
@@ -236,9 +231,8 @@ def clipped_sum_microbatches(request, factors_of, per_weight):
 
 
 def adaptive_clip_update(clip, unclipped, expected_groups, options, count_stddev, key):
-    """C exp(-η (b̃ - γ)), b̃ = (unclipped - m/2 + N(0, σ_b^2)) / m + 1/2 (the noised
-    fraction of unclipped examples); `clip` the scalar read of the clip variable,
-    `unclipped` the scalar count of norms <= C, `key` [2] int64 for the count noise."""
+    """C exp(-η (b̃ - γ)) (the module docstring); `unclipped` the count of norms <= C,
+    `key` [2] int64 for the count noise."""
     dtype = clip.dtype
     m = tf.cast(expected_groups, dtype)
     noise = tf.cast(count_stddev, dtype) * tf.random.stateless_normal([], key, dtype=dtype)
@@ -247,8 +241,7 @@ def adaptive_clip_update(clip, unclipped, expected_groups, options, count_stddev
 
 
 def clip_variable(initial, dtype):
-    """The non-trainable scalar resource variable holding adaptive clipping's C, made
-    outside any control flow or dependencies."""
+    """The non-trainable scalar variable holding adaptive clipping's C."""
     with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_adaptive_clip"):
         return tf.compat.v1.get_variable("l2_norm_clip", trainable=False, use_resource=True,
                                          initializer=tf.constant(initial, dtype))

@@ -7,21 +7,19 @@ Notation:
     C    l2_norm_clip                        σ   noise_multiplier
     N    the pushes a step's accumulators averaged (N >= R; N = R when R = W)
 
-One synchronous step releases DP-SGD's step on the union of the W batches,
+One synchronous step is DP-SGD's step (`_dp.optimizer`) on the union of the W batches,
 
     gradient = (sum_w s_w + N(0, σ²C² I)) / B,     B = sum_w b_w  (or a fixed expected B)
 
-with the noise added once. Every worker clips and sums with `DPOptimizer`'s step (its
-`_release` overridden to hand on s_w and b_w) and pushes both into the
-`ConditionalAccumulator`s of a `tf.compat.v1.train.SyncReplicasOptimizer` (b_w as the
-"gradient" of a scalar counter variable). A take returns (1/N) sum of the N pushes, so
-the chief multiplies by R, adds the noise (chief mode) and divides by R times the
+with the noise added once. Each worker pushes s_w and b_w (b_w as the "gradient" of a
+scalar counter variable) into the `ConditionalAccumulator`s of a
+`tf.compat.v1.train.SyncReplicasOptimizer`. A take returns (1/N) sum of the N pushes,
+so the chief multiplies by R, adds the noise (chief mode) and divides by R times the
 averaged count, i.e. by sum_w b_w. Were N > R (only when R < W and pushes race the
 take), the sum the noise covers is scaled by R/N <= 1: the noise is never short.
-
-Split mode: each push adds N(0, σ²C²/R I) itself, with an op seed derived from (seed,
-task index), and the chief adds nothing: R pushes carry σ²C² in total. Refused for
-R < W, where fewer pushes (and noise shares) than workers would be aggregated.
+Split mode: each push adds N(0, σ²C²/R I) itself (op seed from (seed, task index)) and
+the chief adds nothing; refused for R < W, where fewer shares than workers would be
+aggregated.
 """
 
 import hashlib
@@ -45,8 +43,7 @@ _NOISE_MODES = ("chief", "split")
 
 def split_seed(seed, task_index):
     """The op seed of worker `task_index`'s noise in split mode: a hash of (seed, task
-    index), so that no two workers draw the same numbers (one seed on every worker would
-    give every worker the same stateless key). seed None: a random one per worker."""
+    index), so that no two workers draw the same numbers; seed None: a random one."""
     if seed is None:
         return secrets.randbits(62)
     digest = hashlib.sha256(f"pertower.dp.split:{seed}:{task_index}".encode()).digest()
@@ -54,8 +51,8 @@ def split_seed(seed, task_index):
 
 
 class _ClippedSum(dp_optimizer.DPOptimizer):
-    """`DPOptimizer` whose compute_gradients hands on the clipped sum, noised by its own
-    noise_multiplier (0 in chief mode), and records the count, [] int32 (`count`)."""
+    """`DPOptimizer` handing on the clipped sum, noised by its own noise_multiplier (0 in
+    chief mode), and recording the count, [] int32."""
 
     count = None
 
@@ -65,8 +62,7 @@ class _ClippedSum(dp_optimizer.DPOptimizer):
 
 
 class _Release(wrapper.WrappedOptimizer):
-    """The optimizer SyncReplicasOptimizer applies the averaged pushes with: it turns
-    them into the DP gradient (chief mode: the noise, once) and hands that on."""
+    """What SyncReplicasOptimizer applies the averaged pushes with: the DP gradient."""
 
     def __init__(self, owner):
         self._owner = owner
@@ -99,36 +95,26 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
     """Synchronous DP-SGD over the workers of a TensorFlow cluster, the noise added once.
 
     For between-graph replication (`tf.compat.v1.train.ClusterSpec`,
-    `tf.distribute.Server`, `replica_device_setter` with parameter servers): each worker
-    builds the same graph with this optimizer and pushes its clipped sum and count; the
-    chief noises, divides and applies (the module docstring); the workers wait on the
-    sync token queue as with `SyncReplicasOptimizer`. One step equals `DPOptimizer`'s
-    step on the union of the workers' batches. Privacy spent: `pertower.compute_epsilon`
-    with the global batch's q (B / the size of the union of the shards) and the number
-    of global steps, add-or-remove-one neighbours as for `DPOptimizer`; each worker
-    drawing from its shard with the same q makes the global batch Poisson-sampled.
-
-    What is trusted: with noise="chief", the chief and the parameter servers see the
-    un-noised sums. With noise="split" no task sees an un-noised sum, but each push
-    alone has only 1/sqrt(R) of the noise, and every worker is trusted to add its share.
+    `replica_device_setter` with parameter servers): each worker builds the same graph
+    with this optimizer and pushes its clipped sum and count; the chief noises, divides
+    and applies (the module docstring). One step equals `DPOptimizer`'s step on the
+    union of the workers' batches: `pertower.compute_epsilon` with the global batch's q
+    and the number of global steps (each worker sampling its shard with the same q).
+    With noise="chief" the chief and the parameter servers see the un-noised sums; with
+    noise="split" no task does, but each push carries only 1/sqrt(R) of the noise.
 
     Args:
-      optimizer: the `tf.compat.v1.train.Optimizer` that applies the DP gradient.
-      l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have.
+      optimizer, l2_norm_clip, method: as in `pertower.DPOptimizer` (flat clipping).
       noise_multiplier: σ >= 0; the noise on the sum has stddev σ * C per entry.
       replicas_to_aggregate: R, the pushes aggregated per step (as SyncReplicasOptimizer).
       total_num_replicas: W, the number of workers (default R).
       noise: "chief" (default): the chief draws N(0, σ²C²) once per step. "split": each
-        push adds N(0, σ²C²/R) with an op seed derived from (seed, task_index);
-        refused when R < W.
+        push adds N(0, σ²C²/R); refused when R < W.
       seed: an int making the noise repeatable (chief mode: as `DPOptimizer`'s seed, on
         the chief; split mode: hashed with task_index), or None.
       task_index: this worker's index in [0, W); needed with noise="split".
-      expected_global_batch: None (default) divides by the sum of the pushed counts
-        (as `DPOptimizer` divides by the fed batch); a number divides by it instead:
-        the expected batch q * dataset size with Poisson sampling, where dividing by the
-        realized size is not covered by the accounting.
-      method: "auto", "rules" or "towers", as in `pertower.DPOptimizer`.
+      expected_global_batch: None (default) divides by the sum of the pushed counts; a
+        number (q * dataset size with Poisson sampling) divides by it instead.
       name: the SyncReplicasOptimizer's name.
 
     Example (on every worker; is_chief = task_index == 0):
@@ -208,17 +194,10 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
                           gate_gradients=wrapper.GATE_OP, aggregation_method=None,
                           colocate_gradients_with_ops=False, grad_loss=None,
                           batch_axis=None, max_batch_size=None):
-        """This worker's clipped sum (noised by its share in split mode), per variable.
-
-        Args: as `pertower.DPOptimizer.compute_gradients` (loss [B], one per example);
-          `max_batch_size` N is this worker's batch capacity, as there: a fed batch of
-          more than N examples fails at run time, and towers (if any) are built for N.
-
-        Returns:
-          A list of (sum_i clip(g_i) [+ N(0, σ²C²/R)], variable) pairs, [*x.shape] each:
-          what this worker pushes. Its example count, B, is pushed with them by
-          `apply_gradients` (read it as `count`).
-        """
+        """This worker's pushes: (sum_i clip(g_i) [+ N(0, σ²C²/R) in split mode],
+        variable) pairs, [*x.shape] each; arguments as `pertower.DPOptimizer`'s
+        (`max_batch_size` is this worker's capacity). Its example count goes with them
+        (`apply_gradients`; read it as `count`)."""
         # DPOptimizer's body without its public-name wrapper: errors name this method
         pairs = dp_optimizer.DPOptimizer.compute_gradients.__wrapped__(
             self._clipper, loss, var_list=var_list, batch=batch, batch_size=batch_size,
@@ -241,9 +220,8 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
 
     @_context.public("DPSyncReplicasOptimizer.apply_gradients")
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        """Pushes the sums and the count; returns the worker's train op, which waits for
-        the step's token (as `SyncReplicasOptimizer.apply_gradients`). `global_step` is
-        required."""
+        """Pushes the sums and the count; the worker's train op, as
+        `SyncReplicasOptimizer.apply_gradients` (`global_step` required)."""
         if self._count is None:
             raise _context.error(
                 RuntimeError, "call compute_gradients first (or minimize): the pushed "
@@ -267,15 +245,9 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
 
     def make_session_run_hook(self, is_chief, num_tokens=None):
         """The `SyncReplicasOptimizer` hook (chief: initial tokens and the queue runner
-        that takes, noises and applies).
-
-        Args:
-          is_chief: whether this worker is the chief.
-          num_tokens: tokens queued at the start; None (default) the fewest that let the
-            first step finish, max(0, R - W), so that with R = W the first step, like
-            every later one, aggregates one push per worker (SyncReplicasOptimizer's own
-            default, R, lets a fast worker push twice into the first step).
-        """
+        that takes, noises and applies). `num_tokens` None (default) queues max(0, R - W)
+        tokens, so that with R = W the first step too aggregates one push per worker
+        (SyncReplicasOptimizer's default, R, lets a fast worker push twice into it)."""
         if num_tokens is None:
             num_tokens = max(0, self._replicas_to_aggregate - self._total_num_replicas)
         return self._sync.make_session_run_hook(is_chief, num_tokens=num_tokens)

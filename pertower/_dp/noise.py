@@ -10,18 +10,12 @@ u1 independent and uniform on (0, 1],
     r = sqrt(-2 ln u0),   z0 = r cos(2π u1),   z1 = r sin(2π u1)
 
 are two independent N(0, 1) draws (1 - u lies in (0, 1], so the logarithm is finite).
-Each number uses one 32-bit Philox word (float64: two per uniform); the largest |z| is
-sqrt(-2 ln 2^-23) = 5.65 σ from float32 uniforms (8.49 σ from float64), where the
-inverse CDF on the same uniforms (Devroye 1986, ch. 2) would reach only 5.29 σ. The
-draw is the same bits on one thread and on a pool (all ops shard by position).
-
-TensorFlow slices along the first axis without a copy only at its 64-byte alignment,
-so h is a multiple of 16 and `add_noise` cuts the [2h] draws into the weights' pieces
-and an unused tail in ONE split. What the ways tried cost: docs/benchmark.md, "The
-noise draw".
-
-`GaussianNoise` is the noise of a DP step (`DPOptimizer`, the chief of
-`DPSyncReplicasOptimizer`): another mechanism is another object with `key` and `add`.
+The largest |z| is sqrt(-2 ln 2^-23) = 5.65 σ from float32 uniforms (8.49 σ from
+float64). The draw is the same bits on one thread and on a pool. h is a multiple of 16
+(64 bytes of float32, where TensorFlow slices without a copy), so that `add_noise` cuts
+the [2h] draws into the weights' pieces in ONE split (docs/benchmark.md, "The noise
+draw"). `GaussianNoise` is the noise of a DP step; another mechanism is another object
+with `key` and `add`.
 """
 
 import math
@@ -36,9 +30,8 @@ ALIGNED_PAIRS = 16
 
 
 def uniform_pairs(n, key, dtype=tf.float32):
-    """[2, h] stateless Philox uniforms in [0, 1), h = ceil(n / 2) rounded up to a
-    multiple of 16; n an int or a scalar int32 tensor, key [2] int64; float64 for
-    float64, else float32."""
+    """[2, h] stateless Philox uniforms in [0, 1); n an int or a scalar int32 tensor,
+    key [2] int64; float64 for float64, else float32."""
     work = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
     pairs = ((n + 1) // 2 + ALIGNED_PAIRS - 1) // ALIGNED_PAIRS * ALIGNED_PAIRS
     return tf.random.stateless_uniform(tf.stack([2, pairs]), seed=key, dtype=work)
@@ -53,8 +46,7 @@ def box_muller(u):
 
 
 def normal_pairs(n, key, dtype=tf.float32):
-    """[2h] independent N(0, 1) draws of `dtype` (computed in float64 for float64, else
-    in float32 and cast), a function of `key` and h alone (`uniform_pairs`)."""
+    """[2h] independent N(0, 1) draws of `dtype`, a function of `key` and h alone."""
     return tf.cast(box_muller(uniform_pairs(n, key, dtype)), dtype)     # [2h]
 
 
@@ -84,13 +76,9 @@ def add_noise(gradients, stddevs, key):
 
 
 class GaussianNoise:
-    """N(0, s_x^2) per entry of weight x, a fresh key per `sess.run`.
-
-    Args:
-      seed: None, or an int: the k-th key built (from 0) is a 2-entry stateful draw
-        with op seed `seed + k` (with a graph-level seed both are used), so that the
-        same graph built again gives the same sequence.
-    """
+    """N(0, s_x^2) per entry of weight x, a fresh key per `sess.run`. `seed`: None, or
+    an int: the k-th key built (from 0) is a stateful draw with op seed `seed + k`, so
+    that the same graph built again gives the same sequence."""
 
     def __init__(self, seed):
         self.seed = seed

@@ -14,26 +14,21 @@ Privacy" (arXiv 1607.00133):
     clip(g)  = g * C / max(||g||_2, C)                    (tf.clip_by_global_norm)
     gradient = (sum_m clip(g_m) + N(0, (σ C)^2 I)) / M
 
-One step is: the clipped sum (`_dp.clipping`), accumulated over k runs
-(`_dp.accumulation`), noised (`_dp.noise.GaussianNoise`, the part another mechanism
-replaces), divided (`_release`, which the distributed optimizer overrides) and applied.
+One step: the clipped sum (`_dp.clipping`), accumulated over k runs (`_Accumulator`),
+noised (`_dp.noise.GaussianNoise`), divided (`_release`) and applied.
 
-Per-example clipping (M = B) takes one forward and one backward pass. With the factors
-f_i = C / max(n_i, C) held constant, gradients being linear in the loss,
-
-    sum_i clip(g_i) = sum_i f_i g_i = d/dx sum_i f_i * loss_i,
-
-and for a weight a rule covers, n_i and this sum come from the same dZ at the op: the
-norms from the rule's squared norms, the sum from its batch gradient with example i's
-rows of dZ scaled by f_i (A^T (f ⊙ dZ) for a dense layer; the "book-keeping" of Bu et
-al. 2023, arXiv 2210.00038), or f contracted with the formed per-example gradients
-(`_dispatch.Built.clipped_sum`). Dropout in training mode keeps this path: the norms and
-the sum differentiate the draws of the same run. Weights without a rule are formed by
-towers, [B, *x.shape], and contracted with the same f (towers replay the model, so a
-random op draws its own numbers there; each clipped gradient still has norm <= C).
-Microbatches (M < B) are formed as by `microbatch_gradients`, [M, *x.shape].
+Per-example clipping (M = B) takes one forward and one backward pass: with the factors
+f_i = C / max(n_i, C) held constant, sum_i clip(g_i) = d/dx sum_i f_i * loss_i. For a
+weight a rule covers, n_i and this sum come from the same dZ at the op: A^T (f ⊙ dZ)
+for a dense layer (the "book-keeping" of Bu et al. 2023, arXiv 2210.00038), or f
+contracted with the formed per-example gradients (`_dispatch.Built.clipped_sum`).
+Weights without a rule are formed by towers, [B, *x.shape], and contracted with the
+same f (towers replay the model, so a random op such as dropout draws its own numbers
+there; each clipped gradient still has norm <= C). Microbatches (M < B) are formed as
+by `microbatch_gradients`, [M, *x.shape].
 """
 
+import collections
 import math
 import warnings
 
@@ -43,56 +38,44 @@ from pertower import _checks
 from pertower import _context
 from pertower import _dispatch
 from pertower import _request
-from pertower._dp import accumulation as accumulation_lib
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import noise as noise_lib
-from pertower._dp import sampling
 from pertower._dp import wrapper
 from pertower._dp.wrapper import GATE_GRAPH, GATE_OP
+from pertower._towers import slicing
 
 __all__ = ["DPOptimizer"]
 
 
 class DPOptimizer(wrapper.WrappedOptimizer):
-    """DP-SGD around any `tf.compat.v1.train.Optimizer`: per-example clipping and noise.
-
-    Each example's (or microbatch's) gradient is clipped, across all weights together,
-    to L2 norm `l2_norm_clip`; the clipped gradients are summed; Gaussian noise of
-    stddev `noise_multiplier * l2_norm_clip` is added to every entry; the sum is divided
-    by the number of examples (or microbatches, or `expected_batch_size`) and handed to
-    the wrapped optimizer (the module docstring). Privacy spent: `pertower.compute_epsilon`,
-    which assumes Poisson-sampled batches (`pertower.poisson_batches`).
+    """DP-SGD around any `tf.compat.v1.train.Optimizer`: per-example clipping and noise
+    (the module docstring). Privacy spent: `pertower.compute_epsilon`, which assumes
+    Poisson-sampled batches (`pertower.poisson_batches`).
 
     Args:
-      optimizer: the `tf.compat.v1.train.Optimizer` instance that applies the noisy
-        gradients (GradientDescentOptimizer, AdamOptimizer, ...).
+      optimizer: the `tf.compat.v1.train.Optimizer` that applies the noisy gradients.
       l2_norm_clip: C > 0, the largest L2 norm one example's gradient may have (the
         initial one with adaptive clipping). With clipping="per_layer", a number C split
         equally over the K variables (C / sqrt(K) each), or a list of K positive
         numbers C_k, one per floating-point variable of var_list in its order.
-      noise_multiplier: σ >= 0; the noise's stddev is σ * C before the division (σ = 0:
-        clipping without privacy). With adaptive clipping σ is the total, split with
-        the count's noise (`gradient_noise_multiplier`).
+      noise_multiplier: σ >= 0; the noise's stddev is σ * C before the division. With
+        adaptive clipping σ is the total, split with the count's noise.
       num_microbatches: M, or None for one microbatch per example (M = B). M must
         divide B; a microbatch's loss is the mean of its examples' losses.
-      seed: an int making the noise repeatable: the k-th noise op built (from 0) has
-        op seed `seed + k` (`_dp.noise.GaussianNoise`); each `sess.run` draws new
-        noise. None draws unrepeatable noise (unless a graph-level seed is set).
+      seed: an int making the noise repeatable (`_dp.noise.GaussianNoise`; each
+        `sess.run` draws new noise), or None.
       method: "auto" (default), "rules" or "towers", as in
-        `pertower.per_example_gradients`. With a None batch axis no `batch_size` is
-        needed when every weight has a rule.
+        `pertower.per_example_gradients`.
       clipping: "flat" (default: one norm over all weights) or "per_layer" (McMahan et
         al. 2018, arXiv 1710.06963; `_dp.clipping`).
       expected_batch_size: None (default: divide by the number of examples fed, at
-        least 1) or q * N, the expected size of the (logical) batch, to divide by
-        instead, as DP-SGD with Poisson sampling does (Opacus' expected_batch_size).
-        Needed by adaptive clipping; not with num_microbatches.
-      adaptive_clipping: None, or a `pertower.AdaptiveClipping` (Andrew et al. 2021,
-        arXiv 1905.03871): the clip norm lives in `l2_norm_clip_variable` and moves
-        each time a noised step is applied. Flat clipping only.
-      gradient_accumulation_steps: k >= 1; with k > 1 each run of the training op adds
-        its batch's clipped sum to variables and every k-th run applies one noised step
-        for the k batches together (`_dp.accumulation`).
+        least 1) or q * N, the expected (logical) batch size, to divide by instead
+        (Opacus' expected_batch_size). Needed by adaptive clipping; not with
+        num_microbatches.
+      adaptive_clipping: None, or a `pertower.AdaptiveClipping`: the clip norm lives in
+        `l2_norm_clip_variable` and moves at each noised step. Flat clipping only.
+      gradient_accumulation_steps: k >= 1; with k > 1 every k-th run of the training op
+        applies one noised step for the last k batches (`_Accumulator`).
 
     Example:
       loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
@@ -128,25 +111,19 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             expected_batch_size, adaptive_clipping)
         self._accumulation_steps = _checks.positive_int(gradient_accumulation_steps,
                                                         "gradient_accumulation_steps")
-        self._computed = False
         self._clip_variable = None
-        self._step = None      # the last compute_gradients' `PendingStep`
+        self._step = None      # the last compute_gradients' `_Step`
 
     optimizer = property(lambda self: self._optimizer,
                          doc="The wrapped `tf.compat.v1.train.Optimizer`.")
     l2_norm_clip = property(lambda self: self._clip.l2_norm_clip, doc=(
         "C as given (the initial one with adaptive clipping; a list per layer)."))
     l2_norm_clip_variable = property(lambda self: self._clip_variable, doc=(
-        "With adaptive clipping, the non-trainable scalar variable holding the current "
-        "clip norm (made by the first compute_gradients); else None."))
+        "With adaptive clipping, the variable holding the current clip norm; else None."))
     noise_multiplier = property(lambda self: self._noise_multiplier)
-    gradient_noise_multiplier = property(
-        lambda self: self._clip.gradient_noise_multiplier, doc=(
-            "σ_Δ, the noise multiplier of the gradient's noise: `noise_multiplier`, or "
-            "with adaptive clipping (σ^-2 - (2 σ_b)^-2)^(-1/2) (Theorem 1 of arXiv "
-            "1905.03871)."))
-    clipping_options = property(lambda self: self._clip, doc=(
-        "The checked clipping options (`_dp.clipping.ClippingOptions`)."))
+    gradient_noise_multiplier = property(lambda self: self._clip.gradient_noise_multiplier,
+                                         doc="σ_Δ, the gradient's own (`_dp.clipping`).")
+    clipping_options = property(lambda self: self._clip, doc="`_dp.clipping.ClippingOptions`")
     num_microbatches = property(lambda self: self._num_microbatches)
     seed = property(lambda self: self._seed)
     gradient_accumulation_steps = property(lambda self: self._accumulation_steps)
@@ -162,34 +139,26 @@ class DPOptimizer(wrapper.WrappedOptimizer):
           loss: the per-example loss, [B] (or [B, ...]: an example's entries are
             averaged, as TensorFlow Privacy does). A scalar is refused.
           var_list: the variables to train; default the graph's trainable variables.
-          batch, batch_size, batch_axis: as in `pertower.per_example_gradients` (with a
-            None batch axis, batch_size is needed only when some weights fall back to
-            towers); `loss` keeps the batch on axis 0. A `tf.Variable` holding the
-            data may be given in `batch`.
-          gate_gradients: as in `tf.compat.v1.train.Optimizer.compute_gradients`
-            (GATE_GRAPH groups the gradients with tf.tuple).
-          aggregation_method, colocate_gradients_with_ops: accepted for the signature;
-            the batched backward pass pertower builds does not use them.
+          batch, batch_size, batch_axis: as in `pertower.per_example_gradients`; `loss`
+            keeps the batch on axis 0.
+          gate_gradients: as in `tf.compat.v1.train.Optimizer.compute_gradients`.
+          aggregation_method, colocate_gradients_with_ops: accepted, not used.
           grad_loss: must be None (every example's loss has weight 1 in DP-SGD).
           max_batch_size: None, or N, a capacity for Poisson batches: a fed batch of
-            b <= N examples (0 included) is taken, a larger one fails at run time.
-            Towers (for weights the rules do not cover) are built for N examples, the
-            fed batch padded with examples whose gradients are dropped
-            (`pertower.poisson_capacity` gives N). Not with `batch_size` or
+            b <= N examples (0 included) is taken, a larger one fails at run time;
+            towers are built for N (`_dp.sampling`). Not with `batch_size` or
             `num_microbatches`.
 
         Returns:
-          A list of (gradient, variable) pairs, every gradient dense and noised. A
-          variable the loss does not reach gets pure noise / M, as in TensorFlow
-          Privacy, and is named in a UserWarning (noise moves it at every step); a
-          non-float one gets None. A Keras 3 variable is replaced by the tf.Variable
-          holding its value. With gradient_accumulation_steps k > 1 the gradients are
-          those of the logical batch on every k-th run (zeros on the others).
+          (gradient, variable) pairs, every gradient dense and noised. A variable the
+          loss does not reach gets pure noise / M, as in TensorFlow Privacy (a
+          UserWarning names it); a non-float one gets None; a Keras 3 variable is
+          replaced by its tf.Variable. With k > 1 accumulation steps, the logical
+          batch's gradients on every k-th run (zeros on the others).
         """
         wrapper.check_compute_arguments(loss, grad_loss, gate_gradients)
         defaulted = var_list is None
-        all_variables = wrapper.variables(var_list)
-        var_list = wrapper.without_gradient_free(all_variables)
+        all_variables, var_list = wrapper.variables(var_list)
         _checks.warn_unconnected(
             loss, var_list, _checks.UNCONNECTED_DEFAULT, argument="var_list",
             ys_argument="loss",
@@ -199,7 +168,14 @@ class DPOptimizer(wrapper.WrappedOptimizer):
                     "defaulted to every trainable variable of the graph)." if defaulted
                     else "Leave them out of `var_list`."))
         M = self._num_microbatches
-        capacity = sampling.checked_capacity(max_batch_size, batch_size, M)
+        capacity = None if max_batch_size is None else _checks.positive_int(
+            max_batch_size, "max_batch_size")
+        if capacity is not None and (batch_size is not None or M is not None):
+            raise _context.error(
+                ValueError, "`max_batch_size` is for batches of varying size (Poisson "
+                f"batches), one microbatch per example; but batch_size={batch_size!r} and "
+                f"num_microbatches={M!r} were given. Pass either "
+                "max_batch_size or batch_size, and leave num_microbatches None.")
         per_layer = self._clip.kind == "per_layer"
         clips = (clipping_lib.per_layer_clips(self._clip.l2_norm_clip, len(var_list))
                  if per_layer else None)
@@ -228,17 +204,18 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             else:
                 clipped_sum, count, norms = clipping_lib.clipped_sum_microbatches(
                     request, factors_of, per_layer)
-            clipped_sum = sampling.within_capacity(clipped_sum, per_example_loss, capacity)
+            if capacity is not None:   # a fed batch of more than N examples fails
+                check = slicing.capacity_check(per_example_loss, 0, capacity,
+                                               "the DP step was")
+                with tf.control_dependencies([check]):
+                    clipped_sum = [tf.identity(g) for g in clipped_sum]
             # adaptive clipping's count of unclipped examples (norms <= C)
             unclipped = (tf.reduce_sum(tf.cast(norms <= clip, dtype))
                          if self._clip.adaptive is not None else tf.zeros([], dtype))
-            step = accumulation_lib.PendingStep(gradients=())
+            accumulator = None
             if self._accumulation_steps > 1:
-                step.accumulator = accumulation_lib.Accumulator(
-                    var_list, self._accumulation_steps, dtype)
-                clipped_sum, count, unclipped, step.is_last = step.accumulator.totals(
-                    clipped_sum, count, unclipped)
-                step.totals = (clipped_sum, count, unclipped)
+                accumulator = _Accumulator(var_list, self._accumulation_steps, dtype)
+                clipped_sum, count, unclipped = accumulator.add(clipped_sum, count, unclipped)
             stddevs = ([self._noise_multiplier * math.sqrt(len(clips)) * c for c in clips]
                        if per_layer else [self._clip.gradient_noise_multiplier * clip]
                        * len(var_list))
@@ -246,26 +223,23 @@ class DPOptimizer(wrapper.WrappedOptimizer):
             def release():
                 return self._release(clipped_sum, count, stddevs)
 
-            if step.accumulator is None:
+            if accumulator is None:
                 averaged = release()
             else:   # the noise is drawn on the k-th run only
-                averaged = tf.cond(step.is_last, release,
+                averaged = tf.cond(accumulator.is_last, release,
                                    lambda: [tf.zeros_like(g) for g in clipped_sum])
                 for g, x in zip(averaged, var_list):
                     g.set_shape(x.shape)
-            if self._clip.adaptive is not None:
-                step.clip_update = lambda: clipping_lib.adaptive_clip_update(
+            clip_update = None if self._clip.adaptive is None else (
+                lambda: clipping_lib.adaptive_clip_update(
                     clip, unclipped, self._clip.expected_batch_size, self._clip.adaptive,
-                    self._clip.count_stddev, self._noise.key())
-        self._computed = True
-        step.gradients = tuple(averaged)
-        self._step = step
+                    self._clip.count_stddev, self._noise.key()))
+        self._step = _Step(tuple(averaged), accumulator, clip_update)
         noisy_gradients = dict(zip(map(id, var_list), averaged))
         return [(noisy_gradients.get(id(v)), v) for v in all_variables]
 
     def _clip_read(self, dtype):
-        """C for this step: the float (fixed clipping), or one read of the adaptive clip
-        variable (made on first use), shared by the factors, the noise and the update."""
+        """C: the float, or one read of the adaptive clip variable (made on first use)."""
         if self._clip.adaptive is None:
             return None if self._clip.kind == "per_layer" else self._clip.l2_norm_clip
         if self._clip_variable is None:
@@ -284,19 +258,17 @@ class DPOptimizer(wrapper.WrappedOptimizer):
 
     @_context.public("DPOptimizer.apply_gradients")
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        """The wrapped optimizer's `apply_gradients`; refused before `compute_gradients`
-        (the gradients it applies must be the private ones). With adaptive clipping the
-        op also moves the clip norm; with gradient accumulation it adds the run's batch
-        to the accumulator and applies on every k-th run only."""
-        if not self._computed:
+        """The wrapped optimizer's `apply_gradients` (refused before `compute_gradients`),
+        which also moves an adaptive clip norm and applies an accumulation's k-th run."""
+        if self._step is None:
             raise _context.error(
                 RuntimeError, "call compute_gradients first (or "
                 "minimize); applying gradients that were not clipped and noised would not "
                 "be differentially private.")
         grads_and_vars = list(grads_and_vars)
         step = self._step
-        ours = step is not None and {id(g) for g, _ in grads_and_vars if g is not None} <= \
-            {id(g) for g in step.gradients}
+        ours = ({id(g) for g, _ in grads_and_vars if g is not None}
+                <= {id(g) for g in step.gradients})
         if (step.accumulator is not None or step.clip_update is not None) and not ours:
             raise _context.error(
                 ValueError, "with gradient accumulation or adaptive clipping, pass the "
@@ -313,7 +285,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
 
         if step.accumulator is None:
             return apply()
-        return step.accumulator.finish(step.is_last, step.totals, apply)
+        return step.accumulator.finish(apply)
 
     def get_name(self):
         return self._optimizer.get_name()
@@ -322,3 +294,63 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         return (f"DPOptimizer({type(self._optimizer).__name__}, l2_norm_clip="
                 f"{self._clip.l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
                 f"num_microbatches={self._num_microbatches}, seed={self._seed})")
+
+
+# What compute_gradients built for apply_gradients: the noised gradients it returned, an
+# `_Accumulator` (or None), and () -> the new clip norm (adaptive clipping; or None).
+_Step = collections.namedtuple("_Step", ["gradients", "accumulator", "clip_update"])
+
+
+class _Accumulator:
+    """Large logical batches: the clipped sums S_x ([*x.shape] each), the count n and the
+    unclipped count u accumulated over k `sess.run` calls in non-trainable variables
+    (`sums`, `count`, `unclipped`; `runs` the runs since the last noised step); the k-th
+    run noises the sum ONCE, applies it and zeroes them (TensorFlow Privacy's
+    `gradient_accumulation_steps`; Opacus' BatchMemoryManager). `compute_epsilon` takes
+    q = the logical batch over N and T = the noised steps."""
+
+    def __init__(self, var_list, steps, dtype, name="dp_accumulator"):
+        self.steps = steps
+        with tf.compat.v1.variable_scope(None, default_name=name):
+            self.sums = [tf.compat.v1.get_variable(
+                f"sum_{k}", shape=x.shape, dtype=x.dtype.base_dtype, trainable=False,
+                initializer=tf.compat.v1.zeros_initializer(), use_resource=True)
+                for k, x in enumerate(var_list)]
+            self.count, self.unclipped = [tf.compat.v1.get_variable(
+                n, shape=[], dtype=dtype, trainable=False, use_resource=True,
+                initializer=tf.compat.v1.zeros_initializer()) for n in ("count", "unclipped")]
+            self.runs = tf.compat.v1.get_variable(
+                "runs", shape=[], dtype=tf.int64, trainable=False, use_resource=True,
+                initializer=tf.compat.v1.zeros_initializer())
+        self.totals = self.is_last = None
+
+    def add(self, sums, count, unclipped):
+        """This run's totals (S_x + sums, n + count, u + unclipped); `is_last` [] bool
+        tells the k-th run of a step."""
+        self.totals = ([v.read_value() + tf.cast(g, v.dtype) for v, g in zip(self.sums, sums)],
+                       self.count.read_value() + tf.cast(count, self.count.dtype),
+                       self.unclipped.read_value() + tf.cast(unclipped, self.unclipped.dtype))
+        self.is_last = tf.equal((self.runs.read_value() + 1) % self.steps, 0)
+        return self.totals
+
+    def finish(self, apply):
+        """The training op: on the k-th run `apply()` then zero the variables, else
+        store the totals; count the run."""
+        stored = self.sums + [self.count, self.unclipped]
+
+        def on_last():
+            with tf.control_dependencies([apply()]):
+                zeroed = [v.assign(tf.zeros_like(v)) for v in stored]
+            with tf.control_dependencies(zeroed):
+                return tf.constant(True)
+
+        def on_others():
+            sums, count, unclipped = self.totals
+            kept = [v.assign(t) for v, t in zip(stored, list(sums) + [count, unclipped])]
+            with tf.control_dependencies(kept):
+                return tf.constant(False)
+
+        done = tf.cond(self.is_last, on_last, on_others)
+        with tf.control_dependencies([done]):
+            counted = self.runs.assign(tf.math.floormod(self.runs + 1, self.steps))
+        return tf.group(done, counted, name="dp_accumulated_step")

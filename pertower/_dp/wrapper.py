@@ -1,6 +1,4 @@
-"""What both DP optimizers share of the `tf.compat.v1.train.Optimizer` interface: the
-variables a step trains, the checks of compute_gradients' arguments, `minimize`, and
-the wrapped optimizer's slots and variables (`self.optimizer`)."""
+"""What both DP optimizers share of the `tf.compat.v1.train.Optimizer` interface."""
 
 import warnings
 
@@ -11,7 +9,7 @@ from pertower import _context
 from pertower import _plan
 
 __all__ = ["GATE_OP", "GATE_GRAPH", "ONE_LOSS_PER_EXAMPLE", "WrappedOptimizer",
-           "check_compute_arguments", "variables", "without_gradient_free"]
+           "check_compute_arguments", "variables"]
 
 GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 GATE_GRAPH = tf.compat.v1.train.Optimizer.GATE_GRAPH
@@ -44,8 +42,10 @@ def check_compute_arguments(loss, grad_loss, gate_gradients):
 
 
 def variables(var_list):
-    """`var_list` flattened (a PartitionedVariable's parts, Keras 3 variables' tf.Variable),
-    or the graph's trainable variables when None; every entry, non-float ones included."""
+    """(every variable, the floating-point ones): `var_list` flattened (a
+    PartitionedVariable's parts, Keras 3 variables' tf.Variable), or the graph's
+    trainable variables when None. The others (an int64 `global_step`, a tf.string
+    variable) get the gradient None, as in TensorFlow's optimizers, and a warning."""
     if var_list is None:
         var_list = tf.compat.v1.trainable_variables() + tf.compat.v1.get_collection(
             tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES)
@@ -58,13 +58,6 @@ def variables(var_list):
             _checks.Partitions(_checks.as_list(var_list)).flat, "var_list")
         if not var_list:
             raise _context.error(ValueError, "`var_list` is empty.")
-    return var_list
-
-
-def without_gradient_free(var_list):
-    """The floating-point entries of `var_list`. The others (an int64 `global_step`, a
-    tf.string variable) get the gradient None, as in TensorFlow's optimizers and TF
-    Privacy, and a warning names them."""
     kept = [v for v in var_list if v.dtype.base_dtype.is_floating]
     skipped = [v for v in var_list if not v.dtype.base_dtype.is_floating]
     if skipped:
@@ -79,7 +72,7 @@ def without_gradient_free(var_list):
         raise _context.error(ValueError, (
             "`var_list` has no floating-point variable to compute gradients for "
             f"(received {len(var_list)} of other dtypes); pass the model's weights."))
-    return kept
+    return var_list, kept
 
 
 class WrappedOptimizer:

@@ -1,18 +1,14 @@
 """The towers' backward pass: each tower's gradient with respect to its own copies.
 
-Notation:
-    B   examples in the batch            T   towers; each takes B/T examples
-    x   one weight (entry of `xs`)       c_t tower t's copy of x
-    y_t tower t's output, [B/T, ...]     g_t d sum(grad_ys_t * y_t) / d c_t, [*x.shape]
+Notation as in `pertower._towers.build`; y_t tower t's output, [B/T, ...], and
+g_t = d sum(grad_ys_t * y_t) / d c_t, [*x.shape].
 
-Tower t's output depends on c_t and on no other tower's copy, so one `tf.gradients`
-call over every tower's copies returns the T separate gradients g_t (see
-`pertower._towers.build`). Since the towers are identical but for their inputs, the
-call's ops are built for tower 0 only and copied for towers 1 ... T-1 with one import
-(`pertower._towers.replicate`): the same ops, for a fraction of the build time. Towers
-that run graph functions (tf.cond, while loops: their gradients rewrite the forward op)
-or Python functions (an `EagerPyFunc`'s gradient reads its own forward op's tape) make
-the one joint call instead.
+One `tf.gradients` call over every tower's copies returns the T gradients g_t (see
+`pertower._towers.build`). The towers being identical but for their inputs, the call's
+ops are built for tower 0 only and copied for towers 1 ... T-1 with one import
+(`pertower._towers.replicate`). Towers that run graph functions (their gradients
+rewrite the forward op) or Python functions (an `EagerPyFunc`'s gradient reads its own
+forward op's tape) make the one joint call instead.
 """
 
 import collections
@@ -70,10 +66,8 @@ def gradients(towers, grad_ys=None, unconnected_gradients="zero", name=None, spa
 
 
 def joint_gradients(towers, connected, grad_outputs, unconnected):
-    """One `tf.gradients` call over every tower's copies.
-
-    Returns {k: T gradients of xs[k] (tensors, IndexedSlices or None), or None when
-    no tower reaches it}, for k in `connected`."""
+    """One `tf.gradients` call over every tower's copies: {k: T gradients of xs[k], or
+    None when no tower reaches it} for k in `connected`."""
     T = towers.num_towers
     flat_copies = [c for k in connected for c in towers.copies[k]]
     flat_grads = tf.gradients(
@@ -101,15 +95,10 @@ def _calls_functions(ops, python=True):
 
 def replicated_gradients(towers, connected, grad_outputs, unconnected, sparse=False):
     """Tower 0's backward pass built once by `tf.gradients`, then copied for towers
-    1 ... T-1 with one import (`replicate_lib.replicate`).
-
-    The copy is exact: tower t's forward ops are tower 0's with t's slices and copies
-    in place of 0's, so the backward ops `tf.gradients` would build for tower t are
-    tower 0's with t's tensors in place of 0's. Returns the same dict as
-    `joint_gradients` (a weight's entry may be a `BatchedMatMul`), or None when the
-    towers run graph or Python functions (see the module notes). Gradients are made
-    dense in tower 0 (and so in every copy) unless `sparse` keeps an IndexedSlices.
-    """
+    1 ... T-1: tower t's forward ops are tower 0's with t's slices and copies in place
+    of 0's, and so are its backward ops. Returns `joint_gradients`' dict (an entry may
+    be a `BatchedMatMul`), or None when the towers run graph or Python functions.
+    Gradients are dense unless `sparse` keeps an IndexedSlices."""
     if not connected:
         return {}
     T = towers.num_towers

@@ -14,10 +14,9 @@ t's output depends on c_t alone among the copies, so
     d/d c_t  sum_t' sum(y_t')  =  d sum(y_t) / d x      (the gradient of tower t alone),
 
 and one `tf.gradients` call over all copies returns T separate gradients
-(`pertower._towers.backward`): per-example gradients for T = B, microbatch gradients for
-T = M < B. The user's graph is left untouched, but for TensorFlow's own edit: loops,
-conds and calls between the weights and `ys` output the intermediates their gradient
-reads, as after a `tf.gradients` through them (`pertower._towers.later_gradients`).
+(`pertower._towers.backward`): per-example for T = B, per microbatch for T = M < B.
+Loops, conds and calls of the user's graph between the weights and `ys` are edited as a
+`tf.gradients` through them would (`pertower._towers.later_gradients`).
 """
 
 import dataclasses
@@ -45,22 +44,16 @@ class Towers(fallback.PerGroupGradients):
     """The tensors one `build_towers` call made (a `pertower._towers.fallback` builder).
 
     Attributes:
-      ys: the per-example tensor the towers replay, [B, ...].
-      xs: the weights, as given (tuple).
-      batch: the batch tensors that were split (tuple), each [B, ...].
-      batch_size: B, the number of examples the towers were built for.
-      num_towers: T; each tower takes B/T contiguous examples.
+      ys, xs, batch: as given (tuples), `ys` and each batch tensor [B, ...].
+      batch_size: B; num_towers: T, each tower taking B/T contiguous examples.
       slices: slices[t][j] is tower t's part of batch[j], [B/T, ...].
-      copies: copies[k][t] is tower t's copy of xs[k], [*x.shape]; copies[k] is None
-        when `ys` does not depend on xs[k]. For an entry computed from another entry
-        it is the tower's replay of that computation (`pertower._towers.replay`).
+      copies: copies[k][t] is tower t's copy of xs[k], [*x.shape] (the replay's
+        version for an entry computed from another); None when `ys` does not reach xs[k].
       outputs: outputs[t] is tower t's replay of `ys`, [B/T, ...].
       stacked: the tower outputs concatenated, [B, ...]; equal to `ys`.
-      devices: the device strings the towers were placed on round-robin (tower t on
-        devices[t % len(devices)]), or None when they were not placed.
-      fed_rows: None, or with a batch capacity (`Options.batch_capacity`) the fed
-        batch size b <= B, a scalar tensor: the batch was padded to B examples, and
-        `stacked` and the gradients keep their first b rows.
+      devices: the device strings (tower t on devices[t % len(devices)]), or None.
+      fed_rows: None, or with a batch capacity the fed batch size b <= B, a scalar
+        tensor: the batch was padded to B, and `stacked` and the gradients keep b rows.
     """
 
     checks_batch = True   # the slices check the fed batch size (`slicing.split_batch`)
@@ -82,19 +75,18 @@ class Towers(fallback.PerGroupGradients):
         """The gradient of each tower's output with respect to its own copies.
 
         Args:
-          grad_ys: None (all ones: sum the outputs), or a tensor shaped like `ys`,
-            [B, ...], weighting each output entry (split by tower like the batch).
+          grad_ys: None (all ones), or a tensor shaped like `ys`, [B, ...], weighting
+            each output entry.
           unconnected_gradients: "zero" or "none", as in `tf.gradients`.
           name: name scope for the ops.
           sparse: when True, a weight whose every tower gradient is a
-            `tf.IndexedSlices` (a weight read only by gathers, e.g. an embedding) gets
-            a `pertower.PerExampleIndexedSlices` (the looked-up rows, their ids and
-            their towers) instead of the dense [T, *x.shape].
+            `tf.IndexedSlices` (e.g. an embedding) gets a
+            `pertower.PerExampleIndexedSlices` instead of the dense [T, *x.shape].
 
         Returns:
-          A list with one entry per x: [T, *x.shape], entry t the gradient of
-          sum(grad_ys_t * y_t) with respect to x, computed on tower t's slice alone;
-          or None for a weight `ys` does not reach when unconnected_gradients="none".
+          One entry per x: [T, *x.shape], entry t the gradient of sum(grad_ys_t * y_t)
+          on tower t's slice alone; None for a weight `ys` does not reach when
+          unconnected_gradients="none".
         """
         if self.fed_rows is None:
             return backward.gradients(self, grad_ys, unconnected_gradients, name, sparse)
@@ -123,10 +115,8 @@ def build_towers(ys, xs, batch=None, batch_size=None, num_microbatches=None, nam
       num_microbatches: T, the number of towers, which must divide B; None means one
         tower per example (T = B).
       name: name scope for the new ops (default "towers").
-      devices: None, or a list of device strings ("/cpu:0", "/gpu:1",
-        "/job:worker/task:1/device:CPU:0", ...): tower t, its weight copies and its
-        replayed ops are placed on devices[t % len(devices)]; the gradient ops are
-        colocated with them by `tf.gradients`.
+      devices: None, or a list of device strings ("/cpu:0", "/gpu:1", ...): tower t,
+        its weight copies and its replayed ops are placed on devices[t % len(devices)].
       num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
         both is a TypeError).
       {options: batch_axis}
@@ -159,9 +149,8 @@ def replay_forward(ys, batch=None, num_towers=None, batch_size=None, scope="towe
 
 
 def towers_of(request, scope, devices=None):
-    """The towers of a checked `request` (with B known) under the name scope `scope`:
-    one replay of `request.replay_region` per group, on weight copies of its xs (none
-    for a request without weights: a forward-only replay of `ys`)."""
+    """The towers of a checked `request` (with B known) under the name scope `scope`
+    (a request without weights: a forward-only replay of `ys`)."""
     devices = _checks.device_list(devices)
     ys, graph, batch, B = request.ys, request.graph, request.batch, request.batch_size
     # a batch capacity: any fed batch of at most B examples, padded to B

@@ -3,23 +3,18 @@
 Notation:
     op    a function call (`PartitionedCall`, `StatefulPartitionedCall`) with the node
           attribute `_XlaMustCompile` = True, e.g. from `tf.function(jit_compile=True)`
-    f     the function op calls (in the towers: one copy shared by all towers, in which
-          the weights read inside are value arguments; f itself when none is)
+    f     the function op calls (in the towers: one copy shared by all towers)
     u     op's inputs [u_0, ..., u_{n-1}]    v = f(u) its outputs    dv  their gradients
 
-Some computations exist only under XLA: a grouped convolution (Keras `Conv2D(groups=2)`
-runs through `tf.function(jit_compile=True)`) has no CPU kernel without oneDNN. A tower
-therefore replays op as the same compiled call, not as the `If` other function calls
-become (`pertower._towers.functions`), whose lowering runs f on the ordinary kernels.
-
-TensorFlow's own gradient of op is a Python function attached to the user's call op,
-which an imported copy lacks, and it rewrites the forward op. The towers' copy gets
-instead the gradient registered here (`GRADIENT_OP_TYPE`, named by the node attribute
-`_gradient_op_type`): one more compiled call, of a function that recomputes v = f(u)
-and returns tf.gradients(v, u, dv). The identity is the chain rule for f, recomputed
-rather than stored (so a body that draws random numbers is refused). The backward call
-carries the same gradient, so it can be differentiated again. One backward function
-serves every tower, microbatch and Jacobian row of a build, so XLA compiles it once.
+Some computations exist only under XLA (Keras `Conv2D(groups=2)` has no CPU kernel
+without oneDNN), so a tower replays op as the same compiled call, not as the `If` other
+calls become (`pertower._towers.functions`). TensorFlow's own gradient of op is attached
+to the user's op (an imported copy lacks it) and rewrites the forward op; the copy gets
+instead the gradient registered here (`GRADIENT_OP_TYPE`, via `_gradient_op_type`): one
+more compiled call, of a function that recomputes v = f(u) and returns tf.gradients(v,
+u, dv) (the chain rule, recomputed rather than stored: a body that draws random numbers
+is refused). The backward call carries the same gradient, so it can be differentiated
+again; one backward function serves every tower of a build, compiled once.
 """
 
 import weakref
@@ -152,7 +147,5 @@ def _compiled_call_gradient(op, *dv):
     _tf.set_attr(backward_op, XLA_ATTR, attr_value_pb2.AttrValue(b=True))
     _tf.set_attr(backward_op, "_gradient_op_type",
                  attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))
-    result = [None] * n
-    for i, g in zip(wrt, grads):
-        result[i] = g
-    return result
+    by_input = dict(zip(wrt, grads))
+    return [by_input.get(i) for i in range(n)]

@@ -8,15 +8,12 @@ Notation:
 
 A builder (`pertower.Towers`, `RowPasses`) has `xs` and `gradients(grad_ys=None,
 unconnected_gradients="zero", name=None, sparse=False)`, one [G, *x.shape] entry per x;
-`PerGroupGradients` forms the squared norms ||grad_g(x)||^2, [G], and the clipped sum
-sum_g f_g grad_g(x), [*x.shape], from them. `stacked` is `ys` recomputed slice by slice,
-[B, ...], for a builder that replays the model (towers), else None; `checks_batch` says
-whether it checks the fed batch size itself; `scope` names its gradients' scope.
+`stacked` is `ys` recomputed slice by slice, [B, ...] (towers), or None; `checks_batch`
+says whether it checks the fed batch size itself; `scope` names its gradients' scope.
 
-Row passes serve the weights behind a TF1 (v1) while loop, which neither a rule
-(`tf.gradients` cannot target a tensor inside the loop from outside) nor the towers (a
-replayed loop has no Python-side WhileContext) can compute. `tf.gradients` through the
-ORIGINAL loop works, and by linearity
+Row passes serve the weights behind a TF1 (v1) while loop, which neither a rule nor the
+towers (a replayed loop has no Python-side WhileContext) can compute. `tf.gradients`
+through the ORIGINAL loop works, and by linearity
 
     d sum(w * m_g * ys) / dx  =  sum over the rows i of group g of  d sum(w_i * ys_i) / dx,
 
@@ -61,14 +58,8 @@ class PerGroupGradients:
 
 
 class RowPasses(PerGroupGradients):
-    """G backward passes of the original graph, one per group of rows of `ys`.
-
-    Attributes:
-      ys: the per-example values, [B, ...].
-      xs: the weights these passes compute (a list).
-      batch_size: B (static).
-      num_groups: G.
-    """
+    """G backward passes of the original graph, one per group of rows of `ys` [B, ...]
+    (B = `batch_size`, static; G = `num_groups`), for the weights `xs`."""
 
     scope = "row_passes"
 
@@ -79,10 +70,8 @@ class RowPasses(PerGroupGradients):
         self.num_groups = num_groups
 
     def gradients(self, grad_ys=None, unconnected_gradients="zero", name=None, sparse=False):
-        """[G, *x.shape] per x: entry g is d sum(grad_ys * ys over group g's rows) / dx,
-        or None for a weight `ys` does not reach with unconnected_gradients="none".
-        `grad_ys`: None (ones) or a tensor shaped like `ys`; `sparse` is ignored (the
-        passes give dense gradients)."""
+        """[G, *x.shape] per x: entry g is d sum(grad_ys * ys over group g's rows) / dx
+        (the module docstring); `sparse` is ignored."""
         B, G = self.batch_size, self.num_groups
         ys = self.ys
         with tf.name_scope(name or "row_passes"):

@@ -5,21 +5,20 @@ Notation:
     op   a function-calling op (While, If, PartitionedCall, ...) that receives x's
          resource handle as input i and reads it inside its function bodies
 
-A tower's replay of op is rewritten to read c_t: input i becomes c_t (a value instead of
-a handle); every function op calls is copied into a new FunctionDef in which argument i
-is a value of x's dtype and every `ReadVariableOp` of it an `Identity` (`ResourceGather`
--> `GatherV2`, `ResourceGatherNd` -> `GatherNd`), recursively through nested calls; op's
-type attribute, output shapes and function names follow. The identity this relies on:
-when a body only *reads* x (a write is refused), reading x inside gives the value passed
-in. TensorFlow's While/If gradients then treat c_t as an ordinary loop-invariant input.
-A function call becomes an `If` on a constant True whose branches are copies of the
-function, which cond_v2 differentiates with every op's registered Python gradient (the
-`SymbolicGradient` of an imported call knows only C++ gradients; not `GatherV2`'s).
+A tower's replay of op reads c_t: input i becomes c_t (a value instead of a handle);
+every function op calls is copied into a new FunctionDef in which argument i is a value
+of x's dtype and every `ReadVariableOp` of it an `Identity` (`ResourceGather` ->
+`GatherV2`, `ResourceGatherNd` -> `GatherNd`), recursively through nested calls. When a
+body only *reads* x (a write is refused), reading x inside gives the value passed in, and
+TensorFlow's While/If gradients treat c_t as a loop-invariant input. A function call
+becomes an `If` on a constant True whose branches are copies of the function, which
+cond_v2 differentiates with every op's registered Python gradient (the
+`SymbolicGradient` of an imported call knows only C++ gradients).
 
 Every tower gets its own copy of every function its call ops reach (`<name>_<build>_t<t>`),
-since TensorFlow's While/If gradients edit the forward op and name the edited functions
-after the originals. XLA-compiled calls (`_XlaMustCompile`) stay compiled calls of one
-copy shared by all towers, with the gradient of `pertower._towers.compiled`.
+since the While/If gradients edit the forward op and name the edited functions after the
+originals. XLA-compiled calls (`_XlaMustCompile`) share one copy, with the gradient of
+`pertower._towers.compiled`.
 """
 
 import tensorflow as tf
@@ -50,13 +49,8 @@ class ControlFlowError(NotImplementedError):
 
 
 class FunctionRewriter:
-    """Rewrites function-calling NodeDefs so that weight handles become weight values.
-
-    One rewriter serves one build: `rewrite_call` edits a call op's NodeDef in place
-    for one tower and generates the FunctionDefs it needs; `library` holds the new
-    FunctionDefs to import with the towers. `token` makes their names unique to the
-    build.
-    """
+    """Rewrites function-calling NodeDefs so that weight handles become weight values;
+    one per build (`token` makes the names unique), `library` the new FunctionDefs."""
 
     def __init__(self, graph, token):
         self.graph = graph
@@ -66,21 +60,12 @@ class FunctionRewriter:
         self._generated = {}   # new function name -> FunctionDef
 
     def rewrite_call(self, node, positions, where, tower, predicate):
-        """Edits `node`, a call op's NodeDef, so that its inputs `positions` take values
-        (see the module notes).
-
-        Args:
-          node: the NodeDef (edited in place: types, shapes, function names, and for
-            a function call the op type and a first input `predicate`).
-          positions: {op input index: (DataType enum, TensorShape)} of the inputs that
-            now carry a weight's value (may be empty: the functions are still copied).
-          where: a description of the weight and op for error messages.
-          tower: the tower index, part of the new function names.
-          predicate: a callable returning the input reference of a boolean True.
-
-        Returns:
-          {output index: (DataType enum, TensorShape)}: the outputs that now carry a
-          value where they passed on the handle (a while loop's loop variable).
+        """Edits `node`, a call op's NodeDef, in place so that its inputs `positions`,
+        {op input index: (DataType enum, TensorShape)} (maybe none: the functions are
+        still copied), take values; `where` describes the weight and op for errors,
+        `tower` is part of the new function names, `predicate()` the input reference of
+        a boolean True (for a call turned into an If). Returns {output index: (DataType
+        enum, TensorShape)} of the outputs that now carry the value (loop variables).
         """
         if node.op not in _CALLS:
             raise _context.error(ControlFlowError, (
@@ -133,9 +118,8 @@ class FunctionRewriter:
         return definition
 
     def _rewrite_function(self, name, arguments, loop_body, where, tower, variant=""):
-        """Tower `tower`'s copy of the function `name`, with `arguments`
-        {index: (dtype, shape)} turned into values; returns its name. `variant`
-        tells apart several copies of one function for one tower."""
+        """The name of tower `tower`'s copy (`variant` tells copies apart) of the
+        function `name`, with `arguments` {index: (dtype, shape)} turned into values."""
         key = (name, tuple(sorted((i, dtype) for i, (dtype, _) in arguments.items())), tower,
                variant)
         if key in self._names:
@@ -245,8 +229,7 @@ class FunctionRewriter:
 
 def _drop_stale_attrs(node, positions):
     """Removes from a call's NodeDef what no longer holds once its inputs `positions`
-    carry values: their entries in `_read_only_resource_inputs`, and the original
-    call's gradient override."""
+    carry values (`_read_only_resource_inputs` entries, the gradient override)."""
     if "_read_only_resource_inputs" in node.attr:
         kept = [i for i in node.attr["_read_only_resource_inputs"].list.i
                 if i not in positions]
@@ -279,8 +262,7 @@ def _call_to_if(node, else_branch, predicate):
 
 
 def _const_node(name, value, extra_nodes):
-    """Adds a FunctionDef node Const `value` (a bool True or an int32 0) named after
-    node `name` to `extra_nodes`; returns its output reference."""
+    """Adds a Const `value` (True or int32 0) node to `extra_nodes`; its reference."""
     dtype = tf.bool if isinstance(value, bool) else tf.int32
     node = tf.compat.v1.NodeDef()
     node.name = f"{name}/pertower_{'true' if value is True else 'axis'}"
@@ -293,17 +275,9 @@ def _const_node(name, value, extra_nodes):
 
 def gather_from_value(node, dtype, axis_input):
     """Rewrites a ResourceGather(handle, indices) or ResourceGatherNd NodeDef in place
-    into GatherV2(value, indices, axis 0) or GatherNd(value, indices).
-
-    The one gather rewrite, for the towers' replay of the graph and for function
-    bodies alike: the caller makes input 0 name the weight value (a tower's copy).
-
-    Args:
-      node: the NodeDef; its data inputs are (handle, indices), control inputs after.
-      dtype: the DataType enum of the weight value.
-      axis_input: a callable returning the input reference of an int32 scalar 0
-        (called for a ResourceGather only).
-    """
+    into GatherV2(value, indices, axis 0) or GatherNd(value, indices), for the replay
+    and for function bodies; the caller makes input 0 name the weight value. `dtype`:
+    the value's DataType enum; `axis_input()`: the input reference of an int32 0."""
     indices_type = node.attr["Tindices"].type
     batch_dims = node.attr["batch_dims"].i if "batch_dims" in node.attr else 0
     for attr in list(node.attr):

@@ -6,14 +6,13 @@ Notation:
     S    scratch: a `FuncGraph` inside the user's graph that is never called
 
 TensorFlow builds the gradient of such an op by editing the op itself (while_v2
-`_WhileGrad` adds the accumulators its backward reads; cond_v2 `_IfGrad` and a call's
-gradient add outputs too), and a session that has run the graph keeps the op as it first
-ran: a gradient built later fails with "Connecting to invalid output N of source node".
-Towers and loop copies never differentiate the op itself, so `prepare_for_later_gradients`
+`_WhileGrad` adds accumulator outputs; cond_v2 `_IfGrad` and a call's gradient add
+outputs too), and a session that has run the graph keeps the op as it first ran: a
+gradient built later fails with "Connecting to invalid output N of source node". Towers
+and loop copies never differentiate the op itself, so `prepare_for_later_gradients`
 calls each op's gradient function once, inside S, with the zero gradients `tf.gradients`
-feeds outputs the cost does not reach (gradients_util `_GradientsHelper`): the edit lands
-in the user's graph as a user's `tf.gradients` makes it; the backward op stays in S. For a
-While op only the editing part of `_WhileGrad` runs (`_edit_while`, way `while_edit`).
+feeds unreached outputs: the edit lands in the user's graph, the backward op stays in S.
+For a While op only the editing part of `_WhileGrad` runs (`_edit_while`).
 """
 
 import tensorflow as tf
@@ -36,9 +35,9 @@ def output_gradients(op, given):
 
 def _zero_output_gradients(op, dense=True, count=None, skip=()):
     """The output gradients `tf.gradients` passes to op's gradient function when the
-    cost reaches none of its outputs: `ZerosLike` for each output that takes a default
-    gradient, else None; None too for the outputs in `skip` and past the first `count`.
-    With `dense` False, a floating output gets True instead (`_edit_while` makes its own)."""
+    cost reaches none of its outputs: `ZerosLike` for an output taking a default
+    gradient, else None (also in `skip` and past `count`); True instead of a floating
+    one's zeros with `dense` False."""
     count = len(op.outputs) if count is None else count
     return [None if i in skip or i >= count or not _tf.takes_default_gradient(t)
             else True if not dense and (t.dtype.is_floating or t.dtype.is_complex)
@@ -47,14 +46,9 @@ def _zero_output_gradients(op, dense=True, count=None, skip=()):
 
 
 def prepare_for_later_gradients(ops):
-    """Edits each op in `ops` the way a `tf.gradients` through it would, leaving none of
-    the gradient's own ops in the user's graph (see the module notes).
-
-    Args:
-      ops: ops of one graph, in any order. Only function-calling ops are edited; one
-        without a registered gradient (differentiated through SymbolicGradient, which
-        does not edit the forward op) or without a trainable output is skipped.
-    """
+    """Edits each function-calling op in `ops` (one graph) the way a `tf.gradients`
+    through it would (the module notes); one without a registered gradient or a
+    trainable output is skipped."""
     calls = sorted((op for op in ops if op.type in op_types.CALL_OP_TYPES),
                    key=_tf.op_order_key())
     for op in calls:
@@ -77,11 +71,9 @@ def prepare_for_later_gradients(ops):
 
 
 def _edit_while(op):
-    """Edits the While op `op` as while_v2 `_WhileGrad(op, *zero output gradients)`
-    does, without building the backward op (the backward body built by
-    `_create_grad_func` is dropped; a floating output's zero gradient is a placeholder
-    of S). Returns False, editing nothing, where those helpers are missing (another
-    TensorFlow) or no output takes a gradient: the caller runs the whole gradient."""
+    """Edits the While op `op` as `_WhileGrad(op, *zero output gradients)` does, without
+    the backward op. False, editing nothing, where TensorFlow's helpers are missing or no
+    output takes a gradient: the caller runs the whole gradient."""
     if not _tf.while_edit():
         return False
     count = num_original_outputs(op)

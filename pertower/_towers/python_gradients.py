@@ -1,25 +1,19 @@
 """Gradients written in Python, replayed with each tower's own tensors.
 
-Notation:
-    T   towers                      S   the replayed ops (`Request.replay_region`)
-    op  an op of S whose gradient the user replaced (`tf.custom_gradient`,
-        `gradient_override_map`: its `_gradient_op_type` attribute names a Python
-        function in TensorFlow's gradient registry)
-    dy  the gradients arriving at op's outputs, one per output, [B/T, ...] in a tower
+Notation as in `pertower._towers.build`; op an op of S whose gradient the user replaced
+(`tf.custom_gradient`, `gradient_override_map`: `_gradient_op_type`), dy the gradients
+at its outputs, [B/T, ...] in a tower.
 
-A copied op keeps `_gradient_op_type`, so `tf.gradients` through tower t's copy calls
-the user's function, which may read the ORIGINAL graph's tensors (a `tf.custom_gradient`
-closure captures its forward tensors, [B, ...]) where the tower holds B/T examples. So
-the backward of op is built once on dy placeholders in a scratch graph (the template,
+The user's function may read the ORIGINAL graph's tensors (a `tf.custom_gradient`
+closure captures its forward tensors, [B, ...]) where a tower holds B/T examples. So the
+backward of op is built once on dy placeholders in a scratch graph (the template,
 `pertower._overrides`), and each tower's copy of op gets a gradient that copies the
-template (`replicate`) with dy -> the tower's dy and every captured tensor -> the
-tower's version of it: the user's function on tower t's tensors alone, as the
-one-example (T = B) or microbatch loop runs it. Forward tensors captured off the way to
+template (`replicate`) with dy and every captured tensor replaced by the tower's: the
+user's function on tower t's tensors alone. Forward tensors captured off the way to
 `ys` (a closure's `s = tf.sigmoid(h)`) are recomputed for the tower first.
 
-Refused, naming op: an override that is not registered or cannot be built on its own,
-one that takes a variable's handle (its gradient would go to the variable, not to the
-tower's copy), and a captured TF1 loop.
+Refused, naming op: an override that cannot be built on its own, one that takes a
+variable's handle (its gradient would go to the variable), and a captured TF1 loop.
 """
 
 import uuid
@@ -37,13 +31,9 @@ __all__ = ["ReplayedGradients"]
 
 
 class ReplayedGradients:
-    """One build's gradient functions for the towers' copies of overridden ops.
-
-    The replay calls `prepare` (builds each template; a refusal comes before any tower
-    op is added), then `edit_node` on every copied NodeDef. The gradient is registered
-    in TensorFlow's registry under `name`, unique to the build, and called by
-    `tf.gradients` for each tower's copy.
-    """
+    """One build's gradient functions for the towers' copies of overridden ops: the
+    replay calls `prepare` (a refusal comes before any tower op is added), then
+    `edit_node` on every copied NodeDef; the gradient is registered under `name`."""
 
     def __init__(self, graph, replay_prefix, inputs):
         """`inputs[t]`: {tensor name: tower t's tensor} for the batch tensors and weight
@@ -62,10 +52,8 @@ class ReplayedGradients:
 
     def prepare(self, replayed, batch, on_weights):
         """Builds the template of every overridden op of `on_weights` (the ops of
-        `replayed` a weight's gradient flows through; not call ops, whose
-        `_gradient_op_type` the function rewrite handles), with the ops it reads that are
-        computed from the `batch` tensors outside `replayed`. The other overrides keep
-        their function: no gradient the towers ask for goes through them."""
+        `replayed` a weight's gradient flows through; not call ops) and finds the ops it
+        reads that are computed from the `batch` tensors outside `replayed`."""
         self._replayed = frozenset(replayed)
         overridden = [op for op in on_weights if _overrides.OVERRIDE_ATTR in op.node_def.attr
                       and op.type not in op_types.CALL_OP_TYPES]

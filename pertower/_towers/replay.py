@@ -1,24 +1,22 @@
 """The towers' replay: S copied once per tower with one import, on slices and copies.
 
-Notation:
-    B   examples in the batch            T   towers; each takes B/T examples
-    x   one weight (entry of `xs`)       c_t tower t's copy of x, tf.identity(x)
-    S   the replayed ops (`Request.replay_region`)
+Notation as in `pertower._towers.build`.
 
 Tower t's copy of S reads its slices of the batch tensors and c_t in place of every read
 of x: gathers from x's handle become gathers from c_t, call ops get c_t and rewritten
 functions (`pertower._towers.functions`), and ops whose gradient is written in Python get
 one on the tower's own tensors (`pertower._towers.python_gradients`). Values computed
-from the batch's size that feed a computation (`cost / tf.cast(tf.shape(x)[0], ...)`)
-are read from the whole batch's graph (the analysis' `size_data_edges`), so that the
-tower rows are the rows of `ys`.
+from the batch's size (`cost / tf.cast(tf.shape(x)[0], ...)`) are read from the whole
+batch's graph (the analysis' `size_data_edges`).
 
 An entry of `xs` computed from another entry (`w_eff = 2 * tf.identity(W)`, both in xs)
 has no copy of its own: its tower-t version is the replay's copy of it, computed from
-c_t of W, so that `tf.gradients` gives W the total derivative and w_eff the gradient of
-its consumers, as `tf.gradients(ys, [W, w_eff])` does. An entry that *is* another
-entry's read (`W.value()` next to W) gets tf.identity(c_t of W).
+c_t of W, so that `tf.gradients` gives W the total derivative, as
+`tf.gradients(ys, [W, w_eff])` does. An entry that *is* another entry's read
+(`W.value()` next to W) gets tf.identity(c_t of W).
 """
+
+import contextlib
 
 import tensorflow as tf
 
@@ -113,24 +111,22 @@ def check_calls(request, replayed):
 def _copies(reads, first, derived, aliases, T, devices):
     """copies[k][t] = tf.identity of xs[k]'s value for tower t; None for an unreached
     entry, a repeated one and one made from another entry's copies (filled in later)."""
-    copies = []
-    for k, r in enumerate(reads):
-        if first[k] != k or not r.reached or k in derived or k in aliases:
-            copies.append(None)
-            continue
+
+    place = slicing.device_function(devices)
+
+    def per_tower(k, source_of):
         with tf.name_scope(f"copies_{k}"):
             tower_copies = []
             for t in range(T):
-                with slicing.on_device(devices, t):
-                    tower_copies.append(tf.identity(r.copy_source, name=f"tower_{t}"))
-            copies.append(tuple(tower_copies))
+                with tf.device(place(t)) if place else contextlib.nullcontext():
+                    tower_copies.append(tf.identity(source_of(t), name=f"tower_{t}"))
+            return tuple(tower_copies)
+
+    copies = [None if first[k] != k or not r.reached or k in derived or k in aliases
+              else per_tower(k, lambda t, r=r: r.copy_source)
+              for k, r in enumerate(reads)]
     for k, j in aliases.items():  # xs[k] is a read of xs[j]: c_t(k) = c_t(j)
-        with tf.name_scope(f"copies_{k}"):
-            alias_copies = []
-            for t, c in enumerate(copies[j]):
-                with slicing.on_device(devices, t):
-                    alias_copies.append(tf.identity(c, name=f"tower_{t}"))
-            copies[k] = tuple(alias_copies)
+        copies[k] = per_tower(k, lambda t, j=j: copies[j][t])
     return copies
 
 
@@ -156,13 +152,10 @@ def replay(request, replayed, slices, shared_rows, T, devices):
     """Adds the weight copies, then S once per tower with one import.
 
     Args:
-      request: the checked `pertower._request.Request`.
-      replayed: the ops S.
+      request: the checked `pertower._request.Request`; replayed: the ops S.
       slices: slices[j][t], tower t's slice of batch[j], [B/T, ...].
-      shared_rows: (tensor, its T slices) pairs: per-example values made outside S that
-        tower t reads its slice of (`slicing.shared_rows`).
-      T: the number of towers.
-      devices: device strings (tower t on devices[t % len(devices)]), or None.
+      shared_rows: (tensor, its T slices) pairs made outside S (`slicing.shared_rows`).
+      T: the number of towers; devices: device strings, or None.
 
     Returns:
       (outputs, copies): outputs[t], tower t's replay of `ys`, [B/T, ...]; copies[k][t],

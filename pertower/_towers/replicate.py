@@ -4,14 +4,9 @@ Notation:
     S   the template: a set of ops of the graph
     R   replicas of S made here (e.g. the T towers, or towers 1 ... T-1)
 
-The package's one NodeDef copier. Replica r is S with every input that comes from
-outside S replaced by `counterpart(tensor, r)` (tower r's slice, copy or forward
-activation, or the same tensor for anything the replicas share), renamed, optionally
-placed on a device and edited by a hook; all R replicas go in one GraphDef imported
-once. Its users: the towers' forward replay (`pertower._towers.replay`, R = T), the copy
-of tower 0's backward pass for towers 1 ... T-1 (`pertower._towers.backward`: the ops
-`tf.gradients` over all towers would build, with the Python-side construction paid
-once), and the Python gradients' templates (`pertower._towers.python_gradients`).
+The package's one NodeDef copier. Replica r is S with every input from outside S
+replaced by `counterpart(tensor, r)` (or shared), renamed, optionally placed on a device
+and edited by a hook; all R replicas go in one GraphDef imported once.
 """
 
 from tensorflow.core.framework import graph_pb2
@@ -24,20 +19,16 @@ __all__ = ["replicate", "drop_name_attrs"]
 
 
 def drop_name_attrs(node):
-    """Removes from a copied NodeDef the `_class` colocation attribute, which names
-    other nodes and would dangle in an import; returns the node."""
+    """Removes the `_class` colocation attribute (it would dangle in an import)."""
     if "_class" in node.attr:
         del node.attr["_class"]
     return node
 
 
 def _own_python_token(node, graph):
-    """Gives a copied Python-function node a token of its own, for the same function.
-
-    TensorFlow keys an `EagerPyFunc`'s recorded forward run by its token
-    (`script_ops.tape_cache`) and its gradient pops that entry, so copies sharing the
-    original's token would race for one entry when the towers run in parallel. The
-    function is registered again under a new token (`_tf.reregister_python_function`)."""
+    """Gives a copied Python-function node a token of its own, for the same function:
+    an `EagerPyFunc`'s gradient pops its forward run's tape entry by token, for which
+    copies sharing a token would race."""
     if node.op not in op_types.PYTHON_OP_TYPES or "token" not in node.attr:
         return
     token = _tf.reregister_python_function(node.attr["token"].s.decode(), graph)
@@ -52,18 +43,15 @@ def replicate(template_ops, replicas, rename, counterpart, graph, return_tensors
     Args:
       template_ops: the ops of S.
       replicas: the replica indices r to build, e.g. range(T) or range(1, T).
-      rename: rename(op_name, r) -> the full name of replica r's copy of that op (in a
-        name scope the caller has taken).
-      counterpart: counterpart(item, r) -> what replica r reads in place of `item`,
-        a tensor or control-input op from outside S, or None for `item` itself
-        (shared by all replicas).
+      rename: rename(op_name, r) -> the full name of replica r's copy of that op.
+      counterpart: counterpart(item, r) -> what replica r reads in place of `item` (a
+        tensor or control-input op from outside S), or None for `item` itself.
       graph: the graph holding S; the replicas are added to it.
       return_tensors: tensors to return from every replica (S's from its copy).
-      device: None (replica ops keep S's device strings), or device(r) -> the device
-        for every op of replica r.
+      device: None, or device(r) -> the device for every op of replica r.
       edit_node: None, or edit_node(node, op, r, key_for): edits replica r's copied
         NodeDef `node` of `op` in place, naming outside tensors by `key_for(tensor)`.
-      library: None, or a FunctionDefLibrary the copies need (imported with them).
+      library: None, or a FunctionDefLibrary the copies need.
 
     Returns:
       A list over `replicas` of lists: replica r's versions of `return_tensors`.

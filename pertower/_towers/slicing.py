@@ -1,21 +1,14 @@
 """The towers' slices: each batch tensor split on its batch axis, one slice per tower.
 
-Notation:
-    B   examples in the batch          T   towers; each takes B/T examples
-    g   B/T, the examples of one tower S   sampled classes
+Notation as in `pertower._towers.build`; g = B/T, S sampled classes.
 
 Also the check that each tower produced one row of `ys` per example of its slice, the
-device of tower t, and the batch's one draw of sampled classes. A candidate sampler of a
-fixed distribution (`op_types.FIXED_CANDIDATE_SAMPLER_OP_TYPES`, the sampler of
-`tf.nn.sampled_softmax_loss` and `tf.nn.nce_loss`) draws S classes once per run for the
-whole batch. Per-example gradients are defined given that draw, so that the B gradients
-sum to the batch gradient of the same run; a tower that copied the sampler would draw
-other classes (and, with `unique=True`, other expected counts). So the sampler is not
-replayed: each tower reads the batch's sampled classes and their expected counts [S],
-and its own rows of the true classes' expected counts [B, num_true] -> [B/T, num_true].
+device of tower t, and the batch's one draw of sampled classes: a fixed-distribution
+candidate sampler (of `tf.nn.sampled_softmax_loss`, `tf.nn.nce_loss`) draws S classes
+once per run for the whole batch, and per-example gradients are defined given that
+draw. So it is not replayed: each tower reads the batch's sampled classes and their
+expected counts [S], and its rows of the true classes' counts [B/T, num_true].
 """
-
-import contextlib
 
 import tensorflow as tf
 
@@ -27,14 +20,13 @@ from pertower import _tf
 from pertower._batch_axis.lattice import Rows
 
 __all__ = ["split_batch", "pad_batch", "capacity_check", "split_segments", "check_tower_rows",
-           "on_device", "device_function", "shared_samplers", "shared_rows"]
+           "device_function", "shared_samplers", "shared_rows"]
 
 
 def split_batch(batch, B, T, axes, static_sizes, padded=False):
-    """Each batch tensor [B, ...] -> T slices [B/T, ...] along its batch axis (axes[j];
-    [T', B, ...] -> T x [T', B/T, ...] for a time-major one), checking B at run time
-    where the batch axis is not static (static_sizes[j] None); with `padded`, a fed
-    batch of b <= B examples is padded with B - b rows of zeros instead (checked)."""
+    """Each batch tensor [B, ...] -> T slices [B/T, ...] along its batch axis axes[j],
+    checking B at run time where it is not static (static_sizes[j] None); with
+    `padded`, a fed batch of b <= B examples is padded with zero rows instead."""
     slices = []
     for j, (b, axis, static) in enumerate(zip(batch, axes, static_sizes)):
         with tf.name_scope(f"slices_{j}"):
@@ -55,9 +47,8 @@ def split_batch(batch, B, T, axes, static_sizes, padded=False):
 
 
 def pad_batch(b, axis, B):
-    """[..., b, ...] -> [..., B, ...]: the fed batch and B - b rows of zeros after it
-    on axis `axis`, after a run-time check that b <= B (the towers' capacity, the
-    `max_batch_size` of DPOptimizer)."""
+    """[..., b, ...] -> [..., B, ...]: B - b rows of zeros after the fed ones on `axis`,
+    after a run-time check that b <= B (the capacity, DPOptimizer's `max_batch_size`)."""
     check = capacity_check(b, axis, B, "the towers were")
     fed = tf.shape(b)[axis]
     with tf.control_dependencies([check]):
@@ -77,10 +68,8 @@ def _batch_shape(b, axis, size):
 
 
 def capacity_check(b, axis, B, built):
-    """A run-time assertion that the batch fed to `b` has at most B examples on its axis
-    `axis` (a batch capacity, `max_batch_size`): one message on every path, the towers'
-    (`pad_batch`) and the rules' (`pertower.DPOptimizer`), `built` saying what was built
-    ("the towers were", "the DP step was")."""
+    """A run-time assertion that the batch fed to `b` has at most B examples on `axis`,
+    the one message of every path, `built` saying what was ("the DP step was")."""
     fed = tf.shape(b)[axis]
     message = tf.strings.join([
         f"pertower: {built} built for batches of at most {B} examples "
@@ -92,12 +81,10 @@ def capacity_check(b, axis, B, built):
 
 
 def split_segments(batch, segments, B, T, axes, static_sizes):
-    """The slices when `ys` joins several batches along axis 0 (rows of s1, then of
-    s2; `segments`: ((batch indices, B_s), ...) in that order, B = B_1 + B_2 + ...):
-    tower t holds rows t*g ... (t+1)*g - 1 (g = B/T), which lie in one batch s
-    (`_request` checked it); it gets slice [i*g, (i+1)*g) of each batch tensor of s and
-    an empty [0:0] slice of the others, so that f(empty) adds no row. Returns
-    slices[j][t], [g or 0, ...] on the batch axis."""
+    """slices[j][t], [g or 0, ...], when `ys` joins several batches along axis 0
+    (`segments`: ((batch indices, B_s), ...) in order): tower t holds rows t*g ...
+    (t+1)*g - 1 (g = B/T) of one batch s, and gets its slice of each batch tensor of s
+    and an empty [0:0] slice of the others, so that f(empty) adds no row."""
     g = B // T
     size_of = {j: size for indices, size in segments for j in indices}
     slices = []
@@ -127,10 +114,8 @@ def _rows_not_static(tensor, axis):
 
 
 def check_tower_rows(outputs, ys, batch, B, T, left_out=()):
-    """Each tower output must have B/T rows, one per example of its slice; otherwise
-    axis 0 of `ys` is not the batch axis of `batch` (e.g. `ys` is computed from a
-    concatenation of several batch tensors, or reads labels left out of `batch=`: the
-    placeholders `left_out`) and the towers would mix examples up."""
+    """`outputs`, checked to have B/T rows each (else axis 0 of `ys` is not the batch
+    axis of `batch`; `left_out`: placeholders `ys` reads, not in `batch=`)."""
     # The message around the number of rows a tower produced.
     before = _context.prefixed(
         f"axis 0 of `ys` ({ys.name}) does not follow the batch "
@@ -166,18 +151,9 @@ def device_function(devices):
     return lambda t: devices[t % len(devices)]
 
 
-def on_device(devices, t):
-    """The device scope of tower t (none when `devices` is None)."""
-    if devices is None:
-        return contextlib.nullcontext()
-    return tf.device(devices[t % len(devices)])
-
-
 def shared_samplers(replayed, analysis):
     """The fixed-distribution candidate samplers among `replayed` whose true classes
-    hold one row per example on axis 0 (the analysis' Rows(0, 1, .)); the towers share
-    their draws. Others stay replayed (each tower draws its own; the run-time check of
-    `ys` then refuses the result)."""
+    hold one row per example on axis 0 (the analysis' Rows(0, 1, .)): shared draws."""
     shared = []
     for op in sorted(replayed, key=_tf.op_order_key()):
         if op.type not in op_types.FIXED_CANDIDATE_SAMPLER_OP_TYPES:

@@ -1,14 +1,8 @@
-"""Sparse per-example gradients of embedding weights: only the looked-up rows.
+"""Sparse per-example gradients of embedding weights x [V, *row]: only the looked-up rows.
 
-Notation:
-    B   examples (or M microbatches: then "example" below reads "microbatch")
-    x   an embedding weight, [V, *row]: V rows of shape `row`
-    N   the number of (example, looked-up row) pairs over the whole batch
-
-An embedding layer reads x by gathering rows, so example i's gradient touches only the
-rows it looked up: tf.gradients returns it as a `tf.IndexedSlices`. The dense
-per-example gradient [B, V, *row] is mostly zeros; `PerExampleIndexedSlices` keeps the
-rows and says which example each belongs to:
+Example i's gradient touches only the rows it looked up (a `tf.IndexedSlices`); with N
+(example, row) pairs over the batch (B examples, or M microbatches), a
+`PerExampleIndexedSlices` stands for
 
     dense[example_ids[n], indices[n]] += values[n]      for n in 0 ... N-1
 
@@ -69,9 +63,8 @@ def stack_tower_slices(per_tower, copies):
 
 
 def dense_rows(gradient, like):
-    """`gradient` of the tensor `like` as a dense tensor of its shape: a
-    `tf.IndexedSlices` (an embedding's looked-up rows) scattered into [*like.shape],
-    repeated rows added; any other gradient unchanged."""
+    """`gradient` of `like` dense, [*like.shape]: a `tf.IndexedSlices` scattered
+    (repeated rows added); any other gradient unchanged."""
     if isinstance(gradient, tf.IndexedSlices):
         num_rows = tf.shape(like, out_type=gradient.indices.dtype)[0]
         return tf.math.unsorted_segment_sum(gradient.values, gradient.indices, num_rows)
