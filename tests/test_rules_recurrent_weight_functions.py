@@ -173,3 +173,23 @@ def test_a_weight_passed_to_the_next_step_stays_on_the_towers(function):
     (row,) = plan.weights
     assert row.method == "towers", str(plan)
     assert "to the next step" in row.reason, str(plan)
+
+
+def test_a_nested_while_loop_stays_on_the_towers_and_says_so():
+    """A while loop inside a loop body: the outer body is read (its callee from the outer
+    library), and the plan names the nested loop as the reason for the towers."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 3])
+
+        def inner(j, h):
+            return j + 1, tf.tanh(tf.matmul(h, w))
+
+        def body(i, h):
+            return i + 1, tf.while_loop(lambda j, h: j < 2, inner, [tf.constant(0), h])[1]
+
+        _, h = tf.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x])
+        plan = pertower.explain(tf.reduce_sum(h ** 2, axis=1), [w], batch=[x])
+    (row,) = plan.weights
+    assert row.method == "towers", str(plan)
+    assert "nested while loop" in row.reason, str(plan)

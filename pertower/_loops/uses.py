@@ -35,6 +35,8 @@ _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_ad
 def unreplayable_reason(op, stateful_allowed):
     """Why a loop's copy cannot re-create the body op `op` (it calls a function, or is
     stateful and not of `stateful_allowed`), or None."""
+    if op.type in op_types.WHILE_OP_TYPES:
+        return f"its body holds a nested while loop ({op.name!r}), which no copy follows"
     if any(value.HasField("func") or (value.HasField("list") and value.list.func)
            for value in op.node_def.attr.values()):
         return f"its body calls functions ({op.name!r}, {op.type})"
