@@ -120,21 +120,23 @@ def test_tanh_cast_and_a_row_slice_of_a_weight_in_a_raw_while_loop():
     _check(build, tol=dict(rtol=1e-4, atol=1e-5), static=True)
 
 
-def test_a_weight_mixed_with_the_batch_in_a_body_is_a_read_not_a_function():
-    """w * h (a Mul with batch data) is a read by an op whose rule needs the op's inputs:
-    the weight stays on the towers, and the plan says which op reads it."""
+@pytest.mark.parametrize("body, reader", [
+    (lambda i, h, w: tf.tanh(w[0]) * h, "'mul' (Mul)"),
+    (lambda i, h, w: tf.matmul(h, tf.tanh(w[i])), "'strided_slice' (StridedSlice)"),
+], ids=["mixed with the batch", "sliced by the step"])
+def test_a_function_of_the_weight_and_a_loop_value_is_a_read(body, reader):
+    """tanh(w[0]) * h mixes the weight with batch data; w[i] differs at each step: both
+    are reads (of a rule that needs the op's inputs, or of none), not weight-side
+    functions; the weight stays on the towers and the plan names the op."""
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
-        w = tf.compat.v1.get_variable("w", [3])
-
-        def body(i, h):
-            return i + 1, tf.tanh(tf.tanh(w) * h)
-
-        _, h = tf.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x])
+        w = tf.compat.v1.get_variable("w", [3, 3, 3])
+        _, h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(body(i, h, w))),
+                             [tf.constant(0), x])
         plan = pertower.explain(tf.reduce_sum(h, axis=1), [w], batch=[x])
     (row,) = plan.weights
     assert row.method == "towers", str(plan)
-    assert "'mul' (Mul)" in row.reason, str(plan)
+    assert reader in row.reason, str(plan)
 
 
 def test_a_weight_as_the_left_operand_of_a_matmul_in_a_body_stays_on_the_towers():

@@ -193,10 +193,7 @@ class LoopPlan:
                     stack.append((consumer.outputs[0], ()))
                     continue
                 slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
-                if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
-                        and consumer.outputs[0].shape.is_fully_defined()
-                        and all(_batch_axis.static_value(t) is not None
-                                for t in consumer.inputs[1:])):
+                if weight_functions._is_reorder(consumer, slots):  # pylint: disable=protected-access
                     stack.append((consumer.outputs[0], placements))
                     continue
                 if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
@@ -245,13 +242,10 @@ class LoopPlan:
         # shares its A_all and dZ_all
         index = (self.targets.index((target, slot)) if (target, slot) in self.targets
                  else len(self.targets))
-        loop_use = LoopUse(**{f.name: getattr(use, f.name)
-                              for f in dataclasses.fields(registry_lib.Use)},
-                           loop=self, index=index)
-        if placements:
-            rule = Placed(rule, placements)
-        loop_use = dataclasses.replace(loop_use, rule=rule,
-                                       rows=use.rows._replace(k=self._steps_rows(use)))
+        fields = {f.name: getattr(use, f.name) for f in dataclasses.fields(registry_lib.Use)}
+        fields.update(rule=Placed(rule, placements) if placements else rule,
+                      rows=use.rows._replace(k=self._steps_rows(use)))
+        loop_use = LoopUse(**fields, loop=self, index=index)
         if index == len(self.targets):
             self.targets.append((target, slot))
             self.uses.append(loop_use)
@@ -352,9 +346,6 @@ class Placed(registry_lib.Rule):
         for placement in reversed(self.placements):
             result = placement.place(result, grouped)
         return result
-
-    def match(self, op, slot, analysis):
-        return self.rule.match(op, slot, analysis)
 
     def per_group(self, use, dZ, G):
         return self._place(self.rule.per_group(use, dZ, G), True)
