@@ -1,14 +1,13 @@
 """The plan of a loop's weights, shared by TF2 `While` loops and TF1 frames.
 
-`LoopPlan` follows a weight from where the body receives it, through layout ops and
-`Unpack` slices, to the ops that read it, and checks each read against what the loop's
-per-step A_t and dZ_t can carry (`step_rule_reason`). Each step of that walk that changes
-the weight is a placement: an `Unpack` slice (`Slice`), or a function of the weights alone
-(`Function`: a Cast, a Split into gates, tanh(W)); the rule's result for the piece read is
-placed back into the weight's shape (`Placed`). A covered read is a `LoopUse`; the engine asks for the
-tensors to differentiate (`differentiated`), the per-step output gradients
-(`output_gradients`) and the built uses (`concrete_uses`). See `pertower._loops` for the
-notation and the identity.
+`LoopPlan` follows a weight from where the body receives it to the ops that read it, and
+checks each read against what the loop's per-step A_t and dZ_t can carry
+(`step_rule_reason`). Each step of that walk that changes the weight is a placement: an
+`Unpack` slice (`Slice`), or a function of the weights alone (`Function`: a Cast, a Split
+into gates, tanh(W)); the rule's result for the piece read is placed back into the
+weight's shape (`Placed`). A covered read is a `LoopUse`; the engine asks for the tensors
+to differentiate (`differentiated`), the per-step output gradients (`output_gradients`)
+and the built uses (`concrete_uses`). Notation and identity: `pertower._loops`.
 """
 
 import dataclasses
@@ -193,7 +192,8 @@ class LoopPlan:
                     stack.append((consumer.outputs[0], ()))
                     continue
                 slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
-                if weight_functions._is_reorder(consumer, slots):  # pylint: disable=protected-access
+                # pylint: disable-next=protected-access
+                if weight_functions._is_reorder(consumer, slots):   # a re-layout
                     stack.append((consumer.outputs[0], placements))
                     continue
                 if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
