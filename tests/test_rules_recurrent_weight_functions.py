@@ -195,3 +195,29 @@ def test_a_nested_while_loop_stays_on_the_towers_and_says_so():
     (row,) = plan.weights
     assert row.method == "towers", str(plan)
     assert "nested while loop" in row.reason, str(plan)
+
+
+def test_conv_lstm2d_bias_on_the_rules_kernels_on_the_towers():
+    """ConvLSTM2D splits its kernels and bias into gates: the bias (read by BiasAdd) is on
+    the rules per step; the kernels are read by Conv2D, whose rule reads the op's own
+    inputs, so they stay on the towers, saying so; all match the loop."""
+    with tf.Graph().as_default() as graph:
+        common.seed_weights(3)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2, 4, 4, 1], name="x")
+        h = keras.layers.ConvLSTM2D(2, 3, padding="same", return_sequences=True)(x)
+        ys = tf.reduce_sum(h ** 2, axis=[1, 2, 3, 4])                            # [B]
+        xs = tf.compat.v1.trainable_variables()
+        plan = pertower.explain(ys, xs, batch=[x], batch_size=3)
+        grads = pertower.per_example_gradients(ys, xs, batch=[x], batch_size=3)
+        loop = oracle.SliceLoop(ys, xs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(3).randn(3, 2, 4, 4, 1).astype(np.float32)}
+            common.assert_all_close(sess.run(grads, feed), common.run_oracle(loop.run, sess,
+                                                                             feed, 3),
+                                    kind="deep", what="ConvLSTM2D")
+    rows = {row.name.split("/")[-1]: row for row in plan.weights}
+    assert rows["bias:0"].method == "rules", str(plan)
+    for name in ("kernel:0", "recurrent_kernel:0"):
+        assert rows[name].method == "towers", str(plan)
+        assert "(Conv2D), whose rule reads the op's own inputs" in rows[name].reason, str(plan)
