@@ -17,18 +17,23 @@ from pertower import oracle
 from tests import common
 
 SIZES = (3, 4)          # two batch sizes fed to one graph
+CLIP = 0.5
 T, FEATURES, UNITS = 4, 3, 5
 
 
 def _session_of(graph, build, batch_size):
     """In `graph`: `build(batch_size)` -> (ys [B], xs, [x], feature shape), seeded weights,
-    its plan and the fetches of its per-example gradients and norms."""
+    its plan and the fetches of its per-example gradients and norms and a noiseless DP
+    gradient (clipped to CLIP)."""
     with graph.as_default():
         common.seed_weights(3)
         ys, xs, batch, shape = build(batch_size)
         plan = pertower.explain(ys, xs, batch=batch)
+        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                  l2_norm_clip=CLIP, noise_multiplier=0.0)
         fetches = [pertower.per_example_gradients(ys, xs, batch=batch),
-                   pertower.per_example_norms(ys, xs, batch=batch)]
+                   pertower.per_example_norms(ys, xs, batch=batch),
+                   [g for g, _ in dp.compute_gradients(ys, xs, batch=batch)]]
         loop = oracle.SliceLoop(ys, xs)
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -37,7 +42,7 @@ def _session_of(graph, build, batch_size):
 
 def _check(build, tol=None, static=False):
     """Asserts every weight of `build`'s graph is on the rules with a read per step, and
-    compares per-example gradients and norms with the one-example loop at two fed batch
+    compares per-example gradients, norms and a noiseless DP gradient with the one-example loop at two fed batch
     sizes (with a None batch dimension; when `static`, a graph with batch dimension 3
     too, against the same loop) with the tolerances `tol` (default the "deep" ones)."""
     sess, plan, fetches, loop, x, shape = _session_of(tf.Graph(), build, None)
@@ -49,18 +54,19 @@ def _check(build, tol=None, static=False):
         for B in SIZES:
             feed = {x: np.random.RandomState(B).randn(B, *shape).astype(np.float32)}
             want = loop.run(sess, feed, B)
-            want_norms = np.sqrt(sum(np.sum(np.reshape(w, (B, -1)).astype(np.float64) ** 2,
-                                            axis=1) for w in want)).astype(np.float32)
+            want_norms, want_dp = common.loop_clipped_mean(want, CLIP)
             runs = [(sess, fetches, feed)]
             if static_run is not None and B == SIZES[0]:
                 runs.append((static_run[0], static_run[2], {static_run[4]: feed[x]}))
             for session, found, fed in runs:
-                got, got_norms = session.run(found, fed)
+                got, got_norms, got_dp = session.run(found, fed)
                 what = f"B={B}{' static' if session is not sess else ''}"
                 common.assert_all_close(got, want, kind="deep", what=f"gradients {what}",
                                         **(tol or {}))
                 common.assert_all_close([got_norms], [want_norms], kind="deep",
                                         what=f"norms {what}", **(tol or {}))
+                common.assert_all_close(got_dp, want_dp, kind="deep", what=f"DP {what}",
+                                        **(tol or {}))
     finally:
         sess.close()
         if static_run is not None:
