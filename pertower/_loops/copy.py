@@ -16,7 +16,8 @@ from pertower._tf import list_ops
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BuiltCopy", "CopyVariable", "built_use", "example_major", "row_shape", "stacked"]
+__all__ = ["BuiltCopy", "CopyVariable", "built_use", "example_major", "replay", "row_shape",
+           "stacked"]
 
 # attributes not copied: colocation with ops outside the copy's function
 _DROPPED_ATTRS = frozenset({"_class"})
@@ -60,7 +61,7 @@ class BuiltCopy:
 
         def cond(*values):
             mapping = {v.cond.ref(): x for v, x in zip(variables, values) if v.cond is not None}
-            _replay(loop, loop.cond_ops, mapping)
+            replay(loop, loop.cond_ops, mapping)
             return mapping[loop.cond_output.ref()]
 
         def body(*values):
@@ -72,7 +73,7 @@ class BuiltCopy:
                     values[n + J + j], element_shape=[-1] + z.shape.as_list()[1:],
                     element_dtype=z.dtype)
                 popped.append(rest)
-            _replay(loop, loop.body_ops, mapping, perturbations)
+            replay(loop, loop.body_ops, mapping, perturbations)
             nexts = [x if v.next is None else mapping[v.next.ref()]
                      for v, x in zip(variables, values)]
             written = [list_ops.tensor_list_push_back(values[n + j], mapping[u.activation.ref()])
@@ -112,7 +113,7 @@ class BuiltCopy:
         return found, grads[len(self.eps):]
 
 
-def _replay(loop, ops, mapping, perturbations=None):
+def replay(loop, ops, mapping, perturbations=None):
     """Re-creates `ops` (in creation order) in the current graph, reading
     mapping[tensor.ref()] for the loop's tensors and `loop.outer[tensor.ref()]` for a
     value read before the loop; adds each op's outputs to `mapping` (a covered op's

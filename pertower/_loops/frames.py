@@ -230,6 +230,14 @@ class Frame(uses_lib.LoopPlan):
     def _use_analysis(self):   # the frame's ops are the graph's: the plan's analysis
         return self.loops.analysis
 
+    @property
+    def _body_outputs(self):
+        return [v.next_value for v in self.variables]
+
+    def _invariant_input(self, tensor):   # a loop invariant's Enter
+        enter = self.invariants.get(tensor.ref())
+        return None if enter is None else enter.inputs[0]
+
     def _steps_rows(self, use):   # k*T rows per example: T is only known when the copy runs
         return None
 

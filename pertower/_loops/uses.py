@@ -1,14 +1,13 @@
 """The plan of a loop's weights, shared by TF2 `While` loops and TF1 frames.
 
-`LoopPlan` follows a weight from where the body receives it, through layout ops and
-`Unpack` slices, to the ops that read it, and checks each read against what the loop's
-per-step A_t and dZ_t can carry (`step_rule_reason`). Each step of that walk that changes
-the weight's shape is a placement (`Slice`): the rule's result for the piece read is
-placed back into the weight's shape (`Placed`); another weight-side function inside a
-body would be another placement. A covered read is a `LoopUse`; the engine asks for the
-tensors to differentiate (`differentiated`), the per-step output gradients
-(`output_gradients`) and the built uses (`concrete_uses`). See `pertower._loops` for the
-notation and the identity.
+`LoopPlan` follows a weight from where the body receives it to the ops that read it, and
+checks each read against what the loop's per-step A_t and dZ_t can carry
+(`step_rule_reason`). Each step of that walk that changes the weight is a placement: an
+`Unpack` slice (`Slice`), or a function of the weights alone (`Function`: a Cast, a Split
+into gates, tanh(W)); the rule's result for the piece read is placed back into the
+weight's shape (`Placed`). A covered read is a `LoopUse`; the engine asks for the tensors
+to differentiate (`differentiated`), the per-step output gradients (`output_gradients`)
+and the built uses (`concrete_uses`). Notation and identity: `pertower._loops`.
 """
 
 import dataclasses
@@ -18,9 +17,11 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
+from pertower._loops import copy
+from pertower.rules import _weight_functions as weight_functions
 from pertower.rules import registry as registry_lib
 
-__all__ = ["LoopPlan", "LoopUse", "Placed", "Slice", "concrete_uses", "differentiated",
+__all__ = ["Function", "LoopPlan", "LoopUse", "Placed", "Slice", "concrete_uses", "differentiated",
            "output_gradients", "step_rule_reason", "unreplayable_reason"]
 
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
@@ -33,6 +34,8 @@ _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_ad
 def unreplayable_reason(op, stateful_allowed):
     """Why a loop's copy cannot re-create the body op `op` (it calls a function, or is
     stateful and not of `stateful_allowed`), or None."""
+    if op.type in op_types.WHILE_OP_TYPES:
+        return f"its body holds a nested while loop ({op.name!r}), which no copy follows"
     if any(value.HasField("func") or (value.HasField("list") and value.list.func)
            for value in op.node_def.attr.values()):
         return f"its body calls functions ({op.name!r}, {op.type})"
@@ -68,7 +71,7 @@ class LoopUse(registry_lib.Use):
 
     def concrete(self):
         """The `Use` of A_all, [B*k*T, *a], and the key tensor of dZ_all (built once)."""
-        return self.loop.built().uses[self.index]
+        return dataclasses.replace(self.loop.built().uses[self.index], rule=self.rule)
 
 
 def concrete_uses(uses):
@@ -144,6 +147,9 @@ class LoopPlan:
       where: how `explain` names the loop
       _in_body(op), _in_cond(op): whether the copy replays `op` in its body, condition
       _use_analysis: the analysis a body op's rule is matched with
+      _invariant_input(tensor): the tensor before the loop whose value a body input is
+        at every step (a loop invariant), or None
+      _body_outputs: the body's values of the loop variables for the next step
       _steps_rows(use): k*T, the rows per example of A_all, or None when not static
       _make_copy(): what `built` returns (a `copy.BuiltCopy` or `backward.OwnBackward`)
     and, for the copy (`copy.BuiltCopy`): steps (T), cond_ops, body_ops, cond_output,
@@ -157,6 +163,7 @@ class LoopPlan:
         # (op -> index of its loop variable)
         self.reads, self.writes = {}, {}
         self._built = None
+        self._outside = {}     # body tensor ref -> its value built before the loop
 
     def _reached(self, tensor):
         """Whether `ys` is `tensor` or reads it."""
@@ -168,9 +175,11 @@ class LoopPlan:
         handle or its value), or a reason."""
         if self.reason is not None:
             return self.reason
-        stack, terminals = [(tensor, ())], []   # the handle, or the weight's value
+        root, stack, terminals = tensor, [(tensor, ())], []   # the handle, or the value
         while stack:
             tensor, placements = stack.pop()
+            if tensor is not root and any(tensor is t for t in self._body_outputs):
+                return "its body passes the weight, or a function of it, to the next step"
             for consumer in tensor.consumers():
                 if self._in_cond(consumer):
                     return "its condition reads the weight"
@@ -183,10 +192,8 @@ class LoopPlan:
                     stack.append((consumer.outputs[0], ()))
                     continue
                 slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
-                if (consumer.type in op_types.WEIGHT_LAYOUT_OP_TYPES and slots == [0]
-                        and consumer.outputs[0].shape.is_fully_defined()
-                        and all(_batch_axis.static_value(t) is not None
-                                for t in consumer.inputs[1:])):
+                # pylint: disable-next=protected-access
+                if weight_functions._is_reorder(consumer, slots):   # a re-layout
                     stack.append((consumer.outputs[0], placements))
                     continue
                 if consumer.type == "Unpack" and tensor.shape.is_fully_defined():
@@ -194,6 +201,10 @@ class LoopPlan:
                     axis = consumer.get_attr("axis") % tensor.shape.rank
                     stack.extend((out, placements + (Slice(axis, i, tensor.shape),))
                                  for i, out in enumerate(consumer.outputs))
+                    continue
+                if self._weight_side(consumer):
+                    stack.extend((out, placements + (Function(self, tensor, out),))
+                                 for out in consumer.outputs)
                     continue
                 terminals.extend((consumer, j, placements) for j in slots)
         found = []
@@ -227,19 +238,51 @@ class LoopPlan:
         if use.output is not target.outputs[0] or type(use) is not registry_lib.Use or use.through:
             return (f"the rule of {where} reads it through a view or another output, which "
                     "the loop's copy does not carry")
-        if (target, slot) in self.targets:   # the same weight asked for twice
-            return self.uses[self.targets.index((target, slot))]
-        loop_use = LoopUse(**{f.name: getattr(use, f.name)
-                              for f in dataclasses.fields(registry_lib.Use)},
-                           loop=self, index=len(self.targets))
-        if placements:
-            rule = Placed(rule, placements, target.inputs[slot].shape)
-        loop_use = dataclasses.replace(loop_use, rule=rule,
-                                       rows=use.rows._replace(k=self._steps_rows(use)))
-        self.targets.append((target, slot))
-        self.uses.append(loop_use)
-        self.step_rows.append(use.rows.k)
+        # a read already planned (for this weight, or another one of the same function)
+        # shares its A_all and dZ_all
+        index = (self.targets.index((target, slot)) if (target, slot) in self.targets
+                 else len(self.targets))
+        fields = {f.name: getattr(use, f.name) for f in dataclasses.fields(registry_lib.Use)}
+        fields.update(rule=Placed(rule, placements) if placements else rule,
+                      rows=use.rows._replace(k=self._steps_rows(use)))
+        loop_use = LoopUse(**fields, loop=self, index=index)
+        if index == len(self.targets):
+            self.targets.append((target, slot))
+            self.uses.append(loop_use)
+            self.step_rows.append(use.rows.k)
         return loop_use
+
+    def _weight_side(self, op):
+        """Whether the body op `op` is a function of the weights alone, the same at every
+        step: its inputs batch-independent and computable before the loop (`outside`),
+        its outputs static, with a registered gradient. An op that mixes the weight with
+        batch data is a read."""
+        try:
+            _tf.gradient_function(op)
+        except LookupError:
+            return False
+        return (all(t.dtype.is_floating and t.shape.is_fully_defined() for t in op.outputs)
+                and all(self._use_analysis.value(t) == _batch_axis.INDEPENDENT
+                        and self.outside(t) is not None for t in op.inputs))
+
+    def outside(self, tensor, build=False):
+        """The value before the loop of the body tensor `tensor` when it is a function of
+        constants and the loop's invariant inputs (`_invariant_input`), else None; its
+        ops are copied before the loop when `build` (once), else True is returned."""
+        found = self._invariant_input(tensor)
+        if found is not None:
+            return found if build else True
+        op = tensor.op
+        if (not self._in_body(op) or (not op.inputs and op.type != "Const")
+                or op.op_def.is_stateful and op.type not in op_types.VARIABLE_READ_OP_TYPES):
+            return None
+        if not build:
+            return True if all(self.outside(t) for t in op.inputs) else None
+        if tensor.ref() not in self._outside:
+            mapping = {t.ref(): self.outside(t, build=True) for t in op.inputs}
+            copy.replay(self, [op], mapping)
+            self._outside.update((t.ref(), mapping[t.ref()]) for t in op.outputs)
+        return self._outside[tensor.ref()]
 
     def built(self):
         """The loop's copy (built once, on first use)."""
@@ -268,26 +311,48 @@ class Slice:
         return tf.pad(piece, paddings)
 
 
-class Placed(registry_lib.Rule):
-    """A rule whose weight input is a slice of the weight (`Slice`s, outermost last):
-    its results are placed in the weight's shape (zeros elsewhere); the other slices'
-    reads add theirs. A zero-padded gradient has the norm of the slice's."""
+class Function:
+    """`output`, a function of the weights alone in the body, of the weight's `source`:
+    the gradient with respect to it is pulled back to `source` by the VJP of
+    `rules._weight_functions` (the inverse of a Cast, the VJP of a Split, a Tanh's
+    batched VJP), on the op copied before the loop (its value is the same at every step)."""
 
-    def __init__(self, rule, placements, piece_shape):
-        self.rule, self.placements, self.piece_shape = rule, placements, piece_shape
+    def __init__(self, loop, source, output):
+        self.loop, self.source, self.output = loop, source, output
+        self._rule = None
+
+    def place(self, piece, grouped):
+        """[G, *output] (or [*output] when not `grouped`) -> [G, *source] ([*source])."""
+        if self._rule is None:
+            u = self.loop.outside(self.output, build=True)
+            x = self.loop.outside(self.source, build=True)
+            self._rule = weight_functions.WeightFunctionRule(
+                None, weight_functions.Exit(u.op, 0, (u.op,), (x,), False), u=u)
+        P = tf.reshape(piece, [-1] + self.output.shape.as_list())           # [G, *output]
+        found = self._rule.pull_back(P)                                     # [G, *source]
+        return found if grouped else found[0]
+
+
+class Placed(registry_lib.Rule):
+    """A rule whose weight input is a piece of the weight (`Slice`s and `Function`s,
+    outermost last): its results are placed in the weight's shape; the other pieces'
+    reads add theirs. A zero-padded gradient has the norm of the slice's; a function's
+    does not (the norms are then formed)."""
+
+    def __init__(self, rule, placements):
+        self.rule, self.placements = rule, placements
 
     def _place(self, result, grouped):
         for placement in reversed(self.placements):
             result = placement.place(result, grouped)
         return result
 
-    def match(self, op, slot, analysis):
-        return self.rule.match(op, slot, analysis)
-
     def per_group(self, use, dZ, G):
         return self._place(self.rule.per_group(use, dZ, G), True)
 
     def squared_norms(self, use, dZ, B):
+        if any(isinstance(p, Function) for p in self.placements):
+            return None
         return self.rule.squared_norms(use, dZ, B)
 
     def clipped_sum(self, use, dZ, factors):

@@ -144,6 +144,16 @@ class WhileLoop(uses_lib.LoopPlan):
     def _use_analysis(self):
         return self.body_analysis
 
+    @property
+    def _body_outputs(self):
+        return self.body.outputs
+
+    def _invariant_input(self, tensor):   # a loop variable passed on unchanged
+        index = next((i for i, t in enumerate(self.body.inputs) if t is tensor), None)
+        if index is None or self.body.outputs[index] is not tensor:
+            return None
+        return self.op.inputs[index]
+
     def _steps_rows(self, use):   # T at most the static maximum_iterations: k only
         # chooses between a rule's exact forms (e.g. the ghost norm)
         steps = _batch_axis.static_value(self.op.inputs[1])

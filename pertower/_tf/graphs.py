@@ -89,11 +89,14 @@ def graph_control_flow_context(graph):
 
 
 def get_function(graph, name):
-    """The function `name` of `graph`'s library (an `AtomicFunction`, with
-    `cached_definition`), or None."""
+    """The function `name` of `graph`'s library or of an outer graph's (a body read back
+    from a function calls its callees from the outer library): an `AtomicFunction`, with
+    `cached_definition`, or None."""
     probe.require("Graph._get_function", lambda: probe.signature(
         _ops.Graph, "_get_function", "name"))
-    return graph._get_function(name)
+    found = graph._get_function(name)
+    outer = getattr(graph, "outer_graph", None)
+    return found if found is not None or outer is None else get_function(outer, name)
 
 
 def function_definition(graph, name):

@@ -167,11 +167,12 @@ def wrap(use, exit_):
 
 class WeightFunctionRule(registry_lib.ForwardingRule):
     """The rule of one exit, pulled back to x through the weight-only ops before it.
-    Made per use by `wrap` (it holds the inner use); never registered."""
+    Made per use by `wrap` (it holds the inner use), or with `u` given for a pull-back
+    alone (`pertower._loops.uses.Function`); never registered."""
 
-    def __init__(self, inner, exit_):
+    def __init__(self, inner, exit_, u=None):
         self.inner_use, self.exit = inner, exit_
-        self.u = exit_.op.inputs[exit_.slot]
+        self.u = exit_.op.inputs[exit_.slot] if u is None else u
         self.steps = _direct_steps(self.u, exit_)
         self.elementwise = None if self.steps is not None else _elementwise_rank(exit_)
 

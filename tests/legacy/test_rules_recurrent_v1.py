@@ -187,6 +187,28 @@ def test_hand_written_while_loop_on_reference_variables():
     print(text)
 
 
+def test_functions_of_the_weights_in_a_frame():
+    """tanh(w) split into two gates and b cast to float64 and back, in a frame: each
+    piece's rule pulled back to the weight (`pertower._loops.uses.Function`)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(5)
+        x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
+        w = tf.compat.v1.get_variable("w", [D, 2 * D])
+        b = tf.compat.v1.get_variable("b", [D])
+
+        def body(i, h):
+            gate, cell = tf.split(tf.tanh(w), 2, axis=1)                      # [D, D] each
+            bias = tf.cast(tf.cast(b, tf.float64), tf.float32)
+            z = tf.nn.bias_add(tf.matmul(h, cell), bias)
+            return i + 1, tf.tanh(z) * tf.sigmoid(tf.matmul(h, gate))
+
+        h = tf.compat.v1.while_loop(lambda i, h: i < 3, body, [0, x])[1]
+        ys = tf.reduce_sum(tf.square(h - 0.5), axis=1)                       # [B]
+    _compare(graph, ys, [w, b], [x], lambda B, seed: {x: np.random.RandomState(seed).randn(
+        B, D).astype(np.float32)}, "functions of the weights in a frame", combiners=False)
+
+
 def test_a_frame_drawing_random_numbers_keeps_row_passes():
     """A random op in the body: the copy would draw again, so the weights keep their
     row passes (batch_size needed, the reason names the op) and still match."""
