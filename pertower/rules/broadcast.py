@@ -14,8 +14,10 @@ to w_b sums over the other broadcast axes, and
 (for Mul: sum of dz * A over example i's rows and broadcast axes, Goodfellow 2015,
 arXiv 1510.01799, for a diagonal weight). For one group w is not broadcast.
 
-Covered: w's static shape known and not stretching axis 0 (rank below Z's, or a leading
-1); Z and the batch-side input example-major on axis 0.
+Covered: w's rank static and w not stretching axis 0 (rank below Z's, or a leading 1);
+Z and the batch-side input example-major on axis 0. w's other sizes may be dynamic (a
+function of a weight, a position table's first T rows): `WeightFunctionRule` pulls its
+result back to the weight's static shape.
 """
 
 import tensorflow as tf
@@ -36,13 +38,15 @@ class BroadcastRule(registry_lib.Rule):
     """Per-example gradients of a broadcast weight from the op's own gradient, with the
     weight copied to every row of the batch."""
 
+    dynamic_weight_shape = True
+
     def match(self, op, slot, analysis):
         out = op.outputs[0]
         w_shape = op.inputs[slot].shape
-        if not w_shape.is_fully_defined() or out.shape.rank is None:
-            return "the broadcast weight or the output has no static rank/shape"
+        if w_shape.rank is None or out.shape.rank is None:
+            return "the broadcast weight or the output has no static rank"
         if w_shape.rank > out.shape.rank or (w_shape.rank == out.shape.rank and
-                                             w_shape[0] != 1):
+                                             tf.compat.dimension_value(w_shape[0]) != 1):
             return f"the weight (shape {w_shape}) is broadcast along the batch axis"
         carriers = [t for j, t in enumerate(op.inputs)
                     if j != slot and analysis.rows(t) is not None]
@@ -54,10 +58,10 @@ class BroadcastRule(registry_lib.Rule):
         return registry_lib.Use(op, slot, self, carriers[0], out, w_shape, rows)
 
     def per_group(self, use, dZ, G):
-        op, out_rank = use.op, use.output.shape.rank
-        w_shape = use.weight_shape.as_list()
+        op, out_rank, w = use.op, use.output.shape.rank, use.op.inputs[use.slot]
+        w_shape = [_rows.dim(w, axis) for axis in range(w.shape.rank)]
         w_dims = [1] * (out_rank - len(w_shape)) + w_shape       # w_e's shape
-        w_e = tf.reshape(op.inputs[use.slot], w_dims)             # [1, *w_dims[1:]]
+        w_e = tf.reshape(w, _rows.group_shape(1, w_dims[1:]))    # [1, *w_dims[1:]]
         if isinstance(G, int) and G == 1:
             w_b = w_e                       # the op's gradient sums over axis 0 too
         else:

@@ -80,6 +80,10 @@ class Rule:
         row layouts            output_layouts   for an op type the analysis does not know
     """
 
+    # whether `per_group` takes the weight's sizes from the graph, so that a function of
+    # a weight with dynamic sizes (a position table's first T rows) may reach it
+    dynamic_weight_shape = False
+
     def match(self, op, slot, analysis):
         """A `Use` when this rule covers the weight at input `slot` of `op`, else a
         string saying why not (shown when the weight falls back to towers)."""
