@@ -41,10 +41,8 @@ class _PositionTable(keras.layers.Layer):
     def call(self, embedded):                                    # [B, T, D]
         length = tf.shape(embedded)[1]
         if self.how == "gather":
-            rows = tf.gather(self.table, tf.range(length))       # [T, D]
-        else:
-            rows = self.table[:length]                           # [T, D]
-        return embedded + rows
+            return embedded + tf.gather(self.table, tf.range(length))            # [T, D]
+        return embedded + self.table[:length]                                    # [T, D]
 
 
 def check_transformer_block(static_length, how):

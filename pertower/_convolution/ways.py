@@ -15,7 +15,8 @@ from pertower._layout import _rows
 from pertower._layout import _shapes
 from pertower._convolution.geometry import (
     attributes, explicitly_padded, filter_gradient, fold_groups, group_target, groups, mul,
-    padded_input, patches, sizes, split_channels, taps, to_groups, window)
+    padded_input, patches, sizes, split_channels, taps, window)
+from pertower._layout._shapes import to_groups
 
 __all__ = ["EXAMPLE_POSITIONS", "EXAMPLE_FLOATS", "FEW_POSITIONS", "CHUNK_FLOATS",
            "GUESSED_G", "per_example_calls_pay", "positions_per_example", "tap_layout", "by_patches", "by_shifts",
@@ -56,7 +57,7 @@ def per_example_calls_pay(use, options):
 def positions_per_example(use):
     """T*P: the output positions P of one row times the rows T per example (T = 1 where
     it is known only at run time), or None where P is not static."""
-    positions = _rows.static_size(use.output.shape[1:-1])
+    positions = use.output.shape[1:-1].num_elements()
     if positions is None:
         return None
     return positions * (use.rows.k if use.rows is not None and
@@ -82,7 +83,7 @@ def tap_layout(options, use):
         return "one"
     if c_in < options.thin_channels:
         return "thin" if len(kernel) == 2 else "channels"
-    positions = _rows.static_size(use.output.shape[1:-1])
+    positions = use.output.shape[1:-1].num_elements()
     k = use.rows.k if isinstance(use.rows.k, int) else 1
     few = FEW_POSITIONS if options.few_positions is None else options.few_positions
     if positions < few or k * positions < c_out:
@@ -214,7 +215,7 @@ def by_thin_taps(use, dZ, G):
     one batched matmul per image, summed per group, moved to the filter's order."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     strides, dilations, _, _ = attributes(use.op)
-    out_h, out_w = _rows.static_dims(use.op.outputs[0])[1:3]
+    out_h, out_w = use.op.outputs[0].shape.as_list()[1:3]
     positions = out_h * out_w
     x = padded_input(use.op, kh, kw, crop=False)   # [N, >= H', >= W', Cin] (taps stop before)
     x = tf.transpose(x, _shapes.constant([0, 3, 1, 2]))               # [N, Cin, H', W']

@@ -4,23 +4,23 @@ Notation: G groups (as in `rules.registry`); x one weight (entry of xs); u the t
 a rule's weight input, u = f(x, other weights, constants); P the rule's per-group
 gradients with respect to u, [G, *u.shape].
 
-Between a variable and the op a rule covers there may be ops whose inputs are all
-batch-independent (INDEPENDENT): `mixed_float16`'s Cast, weight normalization's
-g·v/||v||, a non-fused batch norm's scale and shift, a partitioned weight's ConcatV2,
-tanh(W), Transpose, Reshape. `exits` follows a weight's reads through such ops to the
-edges where they reach an op that takes the batch ("exits"); `WeightFunctionRule` wraps
-the rule of each exit.
+Between a variable and the op a rule covers there may be ops whose other inputs are the
+same for one example alone as for the batch (`_SameAlone`: INDEPENDENT, or sizes of axes
+other than the batch's): `mixed_float16`'s Cast, weight normalization's g·v/||v||, a
+non-fused batch norm's scale and shift, a partitioned weight's ConcatV2, tanh(W),
+Transpose, Reshape, a learned position table's gather(W, range(T)) or W[:T]. `exits`
+follows x's reads through such ops to the edges where they reach an op that takes the
+batch ("exits"); `WeightFunctionRule` wraps the rule of each exit.
 
 Identity (the chain rule across the cut of the exit edges): every path from x to `ys`
 leaves the weight-only region through exactly one exit edge e, so with u_e its tensor
     grad_i(x) = sum_e (du_e/dx)^T rule_e(example i) = sum_e VJP_e(P_e[i]),
-VJP_e(p) = tf.gradients(u_e, reads of x, grad_ys=p). The [G] pull-backs are one
-`tf.vectorized_map` of the VJP, or one `tf.gradients` of the chain rebuilt on [G, ...]
-copies of x (elementwise chains), or the inverse of each op applied to [G, ...]
-(re-layouts, Casts, ConcatV2 slices). The clipped sum is ONE VJP of the rule's own
-clipped sum (linearity). Squared norms: a chain of re-layouts only keeps the entries,
-so the rule's cheap norm is exact; any other chain (casts too: the norm would be summed
-in the narrower dtype) forms the pulled-back gradients.
+VJP_e(p) = tf.gradients(u_e, reads of x, grad_ys=p). The [G] pull-backs are the inverse
+of each op applied to [G, ...] (re-layouts, Casts, ConcatV2 slices, gathers), or one
+`tf.gradients` of the chain rebuilt on [G, ...] copies of x (elementwise chains), or a
+`tf.vectorized_map` of the VJP. The clipped sum is ONE VJP of the rule's clipped sum
+(linearity). Squared norms: a chain of re-layouts keeps the entries, so the rule's cheap
+norm is exact; any other chain forms the pulled-back gradients.
 
 Not covered (the weight falls back, with the reason): a weight-only op that is stateful,
 random or depends on one (DropConnect's mask: the one-example loop would draw it once
@@ -158,23 +158,19 @@ def exits(reads, ys_upstream, analysis):
             if op not in ys_upstream or op in followed:
                 continue
             slots = [j for j, t in enumerate(op.inputs) if t is tensor]
-            weight_only = op.type not in _NOT_FOLLOWED and all(
-                same_alone(t) for t in op.inputs)
-            if _is_reorder(op, slots) or weight_only:
-                if not _is_reorder(op, slots):
-                    why = _unfollowable(op, [t for j, t in enumerate(op.inputs)
-                                             if j not in slots])
-                    if why is not None:
-                        return (f"it is read by {op.name!r} ({op.type}), a function of "
-                                f"the weights alone that {why}")
-                else:
-                    reorder.add(op)
-                followed.add(op)
-                stack.extend(t for t in op.outputs if t.dtype.is_floating or
-                             t.dtype.is_complex)
+            if _is_reorder(op, slots):
+                reorder.add(op)
+            elif op.type in _NOT_FOLLOWED or not all(same_alone(t) for t in op.inputs):
+                for j in slots:
+                    found.setdefault((op, j), None)
                 continue
-            for j in slots:
-                found.setdefault((op, j), None)
+            else:
+                why = _unfollowable(op, [t for j, t in enumerate(op.inputs) if j not in slots])
+                if why is not None:
+                    return (f"it is read by {op.name!r} ({op.type}), a function of the "
+                            f"weights alone that {why}")
+            followed.add(op)
+            stack.extend(t for t in op.outputs if t.dtype.is_floating or t.dtype.is_complex)
     result = []
     for op, slot in found:
         through, used = _region(op.inputs[slot], followed, sources)
