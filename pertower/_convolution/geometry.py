@@ -235,11 +235,9 @@ def split_channels(tensor, G, dims):
 def live_range(op, kernel):
     """[(u0, u1)] per spatial axis: the live taps, those that read some input value, or
     None where every tap does (or the sizes are not static, or the filter is dilated).
-
-    Tap u of an axis multiplies the input rows i*s + u - pb, i = 0 ... Ho-1 (pb the
-    padding before); where none lies in 0 ... H-1 it multiplies only padding, and
-    grad_i(W)[u, ...] = 0 for every example (a 5x5 SAME filter on a 2x2 map: taps 0
-    and 4; on a 1x1 map only the centre tap lives)."""
+    Tap u multiplies the input rows i*s + u - pb, i < Ho (pb the padding before); where
+    none lies in 0 ... H-1, grad_i(W)[u, ...] = 0 (a 5x5 SAME filter on a 2x2 map: taps
+    0 and 4)."""
     strides, dilations, _, _ = attributes(op)
     pads = spatial_pads(op, *kernel)
     if pads is None or any(d != 1 for d in dilations):

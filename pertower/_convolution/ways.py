@@ -35,12 +35,11 @@ GUESSED_G = 32
 
 def per_example_calls_pay(use, options):
     """Whether "auto" takes "examples" (`by_examples`) for `use` (2-D, one group, no
-    dilation): a depthwise filter of K >= 25 taps, without oneDNN or where one
-    example's filter gradient K*C*M holds `EXAMPLE_FLOATS` numbers (both depthwise
-    backward-filter kernels are slow on large filters over the folded G*C channels);
-    Conv2D without oneDNN ("grouped" does not run), K > 1, Cin >= `thin_channels` and
-    T*P >= `EXAMPLE_POSITIONS` (Eigen's kernel reads the input in place where "shifts"
-    writes T*P*K*Cin numbers per example; that many positions outweigh a call's cost)."""
+    dilation): a depthwise filter of K >= 25 taps, without oneDNN or with K*C*M >=
+    `EXAMPLE_FLOATS` (the depthwise backward-filter kernels are slow on large filters
+    over G*C channels); a Conv2D without oneDNN, K > 1, Cin >= `thin_channels` and T*P
+    >= `EXAMPLE_POSITIONS` (Eigen reads the input in place where "shifts" writes
+    T*P*K*Cin numbers per example)."""
     shape = use.weight_shape.as_list()
     kernel, c_in = shape[:-2], shape[-2]
     if (len(kernel) != 2 or groups(use.op) != 1 or
@@ -65,16 +64,12 @@ def positions_per_example(use):
 
 
 def tap_layout(options, use):
-    """How "shifts" lays out the taps of `use` (`options`: a `ConvOptions`):
-
-        "one"       a 1x1 filter (no groups): one matmul of the input, subsampled by
-                    ExtractImagePatches where strided in 2-D (not a strided slice);
-        "thin"      Cin < `thin_channels` in 2-D: `by_thin_taps`;
-        "channels"  P < `few_positions` (default `FEW_POSITIONS`), or T*P < Cout (K
-                    stacked [Cin, Cout] results would copy more than the taps hold), or
-                    thin in 3-D: the taps side by side (`geometry.patches`), one matmul;
-        "per_tap"   one matmul per tap, the K results stacked (always for groups).
-    """
+    """How "shifts" lays out the taps of `use` (`options`: a `ConvOptions`): "one" (a
+    1x1 filter, no groups: one matmul of the input, strided by ExtractImagePatches in
+    2-D), "thin" (Cin < `thin_channels` in 2-D: `by_thin_taps`), "channels" (P <
+    `few_positions`, default `FEW_POSITIONS`, or T*P < Cout, or thin in 3-D: the taps side
+    by side, `geometry.patches`, one matmul) or "per_tap" (one matmul per tap, the K
+    results stacked; always for groups)."""
     shape = use.weight_shape.as_list()
     kernel, c_in, c_out = shape[:-2], shape[-2], shape[-1]
     if groups(use.op) != 1:

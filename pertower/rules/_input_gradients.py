@@ -89,12 +89,11 @@ def forward_padding(op):
 
 def as_forward_convolution(op, grad, pads):
     """dX for the stride-1 Conv2D `op` (x [N, H, W, Cin], W [kh, kw, Cin, Cout], input
-    padding (t, b), (l, r), dilation d): with every z[n, i, j] = sum_{u,v,c}
-    x[n, i + u*d - t, j + v*d - l, c] W[u, v, c, o] (x zero outside), dX[n, a, b, c] =
-    sum_{u,v,o} dz[n, a + t - u*d, b + l - v*d, o] W[u, v, c, o]: a stride-1
-    convolution of dZ, padded by ((kh-1)*d - t, (kh-1)*d - b) and ((kw-1)*d - l,
-    (kw-1)*d - r), with the filter turned (W[kh-1-u, kw-1-v, c, o] as [kh, kw, Cout,
-    Cin]), the op's dilations."""
+    padding (t, b), (l, r), dilation d): z[n, i, j] = sum_{u,v,c} x[n, i + u*d - t,
+    j + v*d - l, c] W[u, v, c, o], so dX[n, a, b, c] = sum_{u,v,o} dz[n, a + t - u*d,
+    b + l - v*d, o] W[u, v, c, o]: the convolution of dZ padded by `pads`, ((kh-1)*d - t,
+    (kh-1)*d - b) and ((kw-1)*d - l, (kw-1)*d - r), with the filter turned
+    (W[kh-1-u, kw-1-v, c, o] as [kh, kw, Cout, Cin])."""
     w = op.inputs[1]
     kh, kw = w.shape.as_list()[:2]
     if kh * kw > 1:
