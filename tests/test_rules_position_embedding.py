@@ -96,6 +96,23 @@ def check_transformer_block(static_length, how):
         return str(plan)
 
 
+def check_tied_table():
+    """One table read by the batch's ids and by the rows [2, T + 2) (tf.nn.embedding_lookup,
+    whose Identity follows the gather), T dynamic: the two reads' gradients added."""
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.int32, [None, None], name="x")
+        table = tf.compat.v1.get_variable("table", initializer=np.random.RandomState(
+            72).uniform(-1, 1, [V, D]).astype(np.float32))
+        rows = tf.nn.embedding_lookup(table, tf.range(tf.shape(x)[1]) + 2)   # [T, D]
+        h = tf.nn.embedding_lookup(table, x) + rows                          # [B, T, D]
+        ys = tf.reduce_sum(tf.sin(h) * tf.range(D, dtype=tf.float32), axis=[1, 2])  # [B]
+        _, through = weight_functions._plan_through(ys, [table])
+        assert "through" in through[table.name], through
+        feed = {x: np.random.RandomState(73).randint(0, V, size=(B, T))}
+        weight_functions._check_against_loop(weight_functions._session(graph), ys, [table],
+                                             feed, "tied table")
+
+
 def check_batch_dependent_rows_are_not_weight_side():
     """`tf.gather(table, tf.range(tf.shape(x)[0]))` reads row i for example i (ids that
     follow B): not a function of the weight alone, so not pulled back as one."""
@@ -114,6 +131,10 @@ def check_batch_dependent_rows_are_not_weight_side():
 @pytest.mark.parametrize("how", ["gather", "slice"])
 def test_learned_position_table_is_on_the_rules_and_matches_the_loop(static_length, how):
     check_transformer_block(static_length, how)
+
+
+def test_a_table_read_by_ids_and_by_positions_matches_the_loop():
+    check_tied_table()
 
 
 def test_rows_that_follow_the_batch_are_not_a_weight_function():

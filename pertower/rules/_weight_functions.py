@@ -52,6 +52,7 @@ _UNARY_ELEMENTWISE = op_types.ELEMENTWISE_OP_TYPES - {"EnsureShape", "Placeholde
 _BROADCASTING = frozenset(broadcast.OP_TYPES)
 # Ops that read a variable: the one stateful kind allowed upstream of a weight-only op.
 _VARIABLE_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "Variable"})
+_READS = _VARIABLE_OP_TYPES | op_types.HANDLE_GATHER_OP_TYPES
 # Ops never followed: functions and v1 control flow (their gradients need more than the op)
 _NOT_FOLLOWED = (op_types.CALL_OP_TYPES | op_types.V1_LOOP_OP_TYPES
                  | op_types.V1_SWITCH_OP_TYPES | op_types.V1_MERGE_OP_TYPES)
@@ -125,7 +126,8 @@ class _SameAlone:
             self.memo[tensor.ref()] = (
                 entries is not None and all(power == 0 for _, power in entries)) or (
                 op.type not in op_types.SHAPE_OP_TYPES and bool(op.inputs) and
-                not op.op_def.is_stateful and all(self(t) for t in op.inputs))
+                (op.type in _READS or not op.op_def.is_stateful) and
+                all(self(t) for t in op.inputs))
         return self.memo[tensor.ref()]
 
 

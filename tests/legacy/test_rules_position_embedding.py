@@ -15,5 +15,9 @@ def test_learned_position_table(static_length, how):
     position_embedding.check_transformer_block(static_length, how)
 
 
+def test_tied_table():
+    position_embedding.check_tied_table()
+
+
 def test_rows_that_follow_the_batch():
     position_embedding.check_batch_dependent_rows_are_not_weight_side()
