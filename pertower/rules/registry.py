@@ -26,7 +26,8 @@ __all__ = ["Rule", "ForwardingRule", "RuleRegistry", "Use", "FormedNorms",
 class Use:
     """One covered read of a weight: input `slot` of `op`, covered by `rule`, with the
     batch-side input A (`activation`, [B*k, ...]), the output Z whose gradient dZ the
-    rule uses (`output`, [B*k, ...]), the weight's static shape as the op sees it, the
+    rule uses (`output`, [B*k, ...]), the weight's shape as the op sees it (static unless
+    the rule has `dynamic_weight_shape` and the weight is read through a function), the
     `Rows` of A (k rows per example), and the weight-only ops it is read `through`
     (`rules._weight_functions`; empty for a direct read)."""
 
