@@ -49,7 +49,7 @@ def _check_against_loop(sess, ys, xs, feed, what, tolerance=None, micro=False):
     tolerance = tolerance or common.tolerance(np.float32, "deep")
     grads = pertower.per_example_gradients(ys, xs, method="rules")
     norms = pertower.per_example_norms(ys, xs, method="rules")
-    batch_grads = tf.gradients(tf.reduce_sum(ys), xs)
+    batch_grads = [tf.convert_to_tensor(g) for g in tf.gradients(tf.reduce_sum(ys), xs)]
     fetches = [grads, norms, batch_grads]
     if micro:
         fetches.append(pertower.microbatch_gradients(ys, xs, num_microbatches=2,

@@ -14,7 +14,7 @@ from pertower._layout import _shapes
 
 __all__ = ["attributes", "convolution_like", "explicitly_padded", "patches", "groups",
            "fold_groups", "mul", "sizes", "spatial_pads", "padded_input", "taps", "window",
-           "filter_gradient", "to_groups", "group_target", "split_channels", "live_range",
+           "filter_gradient", "group_target", "split_channels", "live_range",
            "per_group_of_live_taps"]
 
 _CHANNELS_LAST = {4: "NHWC", 5: "NDHWC"}
@@ -152,7 +152,7 @@ def padded_input(op, *kernel, crop=True, x=None):
         x = tf.pad(x, _shapes.constant([[0, 0]] + [[max(b, 0), max(a, 0)] for b, a in pads]
                                        + [[0, 0]]))
     if crop and min(a for _, a in pads) < 0:
-        ends = _rows.static_dims(x)[1:len(kernel) + 1]    # ints in both shape modes
+        ends = x.shape.as_list()[1:len(kernel) + 1]    # ints in both shape modes
         x = _shapes.strided_slice(x, (slice(None),) + tuple(
             slice(None, end + min(a, 0)) for end, (_, a) in zip(ends, pads)))
     return x
@@ -213,20 +213,13 @@ def filter_gradient(use, out_backprop, x=None):
     return grad
 
 
-def to_groups(tensor, G, k):
-    """[G*T, ..., C] -> [G, T*prod(middle), C], static where it can be (`_shapes`)."""
-    return _shapes.to_groups(tensor, G, k, 1)
-
-
 def group_target(G, dims, unknown=None):
     """[G, *dims] as a reshape target, static wherever it can be (`_shapes.group_target`):
     `dims` may hold one -1 when G is an int; with G a tensor, that -1 is taken to be
     `unknown` (an int: e.g. T = k rows per example when G is B) where given."""
-    dims = list(dims)
     if not isinstance(G, int) and unknown is not None:
         dims = [unknown if d == -1 else d for d in dims]
-    static = _shapes.group_target(G, dims)
-    return _shapes.constant(static) if static is not None else _rows.group_shape(G, dims)
+    return _shapes.group_shape(G, dims)
 
 
 def split_channels(tensor, G, dims):
@@ -242,11 +235,9 @@ def split_channels(tensor, G, dims):
 def live_range(op, kernel):
     """[(u0, u1)] per spatial axis: the live taps, those that read some input value, or
     None where every tap does (or the sizes are not static, or the filter is dilated).
-
-    Tap u of an axis multiplies the input rows i*s + u - pb, i = 0 ... Ho-1 (pb the
-    padding before); where none lies in 0 ... H-1 it multiplies only padding, and
-    grad_i(W)[u, ...] = 0 for every example (a 5x5 SAME filter on a 2x2 map: taps 0
-    and 4; on a 1x1 map only the centre tap lives)."""
+    Tap u multiplies the input rows i*s + u - pb, i < Ho (pb the padding before); where
+    none lies in 0 ... H-1, grad_i(W)[u, ...] = 0 (a 5x5 SAME filter on a 2x2 map: taps
+    0 and 4)."""
     strides, dilations, _, _ = attributes(op)
     pads = spatial_pads(op, *kernel)
     if pads is None or any(d != 1 for d in dilations):

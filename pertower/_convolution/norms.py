@@ -2,25 +2,21 @@
 `rules.conv2d.ConvolutionRule.norm_strategy` forms them ("formed"), kept for the
 clipped sum (`registry.FormedNorms`). Notation as in `rules.conv2d`.
 
-Layout. The padded input moved channels-first once, [G, Cin, T, H', W']; its kh*kw taps
-concatenated into the rows [G, kh*kw*Cin, T*P] (the filter's order), whose product with
-dZ [G, T*P, Cout] is the per-group gradients [G, kh*kw*Cin, Cout] (the clipped sum is
-only reshaped); their squared norms one sum of squares, straight to [G].
-
-Chunks (G and T*P static): the rows are built for chunks of whole groups of at most
-CHUNK_FLOATS numbers (`chunk_sizes`), reused from the heap where the whole rows would be
-mapped afresh on many steps. With G <= FEW_GROUPS and oneDNN off each group's product is
-one MatMul (on all threads, where BatchMatMulV2 runs the groups one after the other);
-with oneDNN on one batched matmul per chunk (docs/conv_ways.md).
+The padded input moved channels-first once, [G, Cin, T, H', W'], its kh*kw taps
+concatenated into the rows [G, kh*kw*Cin, T*P], times dZ [G, T*P, Cout]: the per-group
+gradients [G, kh*kw*Cin, Cout], their squared norms one sum of squares. With G and T*P
+static the rows are built in chunks of whole groups of at most CHUNK_FLOATS numbers
+(`chunk_sizes`); with G <= FEW_GROUPS and oneDNN off each group's product is one MatMul
+(on all threads), else one batched matmul per chunk (docs/conv_ways.md).
 """
 
 import tensorflow as tf
 
-from pertower._layout import _rows
 from pertower._layout import _shapes
 from pertower._convolution.options import onednn_runs
 from pertower._convolution.geometry import (
-    group_target, groups, padded_input, spatial_pads, taps, to_groups)
+    group_target, groups, padded_input, spatial_pads, taps)
+from pertower._layout._shapes import to_groups
 
 __all__ = ["FEW_GROUPS", "CHUNK_FLOATS", "chunk_sizes", "formed_norms", "squares_of"]
 
@@ -58,7 +54,7 @@ def formed_norms(options, use, dZ, G):
     if (options.strategy not in ("auto", "shifts") or groups(use.op) != 1 or
             kh * kw == 1 or spatial_pads(use.op, 1, 1) is None):
         return None
-    positions = _rows.static_size(use.output.shape[1:3])
+    positions = use.output.shape[1:3].num_elements()
     k = use.rows.k
     x = padded_input(use.op, kh, kw)                                 # [N, H', W', Cin]
     height, width = x.shape.as_list()[1:3]

@@ -3,17 +3,13 @@
 
 Notation as in `rules.conv2d`; B examples, C columns, R = k*P rows per example,
 I = kh*kw*Cin, dz_ipc column c's output gradient:
-    squares_i(W) = sum_c grad_{i,c}(W)^2,   grad_{i,c}(W) = sum_p x_ip ⊗ dz_ipc,
-two exact ways:
+    squares_i(W) = sum_c grad_{i,c}(W)^2,   grad_{i,c}(W) = sum_p x_ip ⊗ dz_ipc.
 
-    "formed"  the columns folded into the output channels (channel c*Cout + o; depthwise
-              ch*(C*M) + c*M + j): dZ moved to [N, Ho, Wo, C, Cout] is the output
-              gradient of a convolution with C*Cout outputs, so ONE call of the rule's
-              `per_group` gives [B, kh, kw, Cin, C*Cout] (with "auto", every tap side by
-              side in ONE matmul), squared, summed over c, then over i unless per
-              example. Cost ~2 B R I C Cout, holds B I C Cout numbers.
-    "ghost"   (Conv2D, one group) without the per-example gradients, as the ghost norm
-              (Bu, Mao, Xu 2022, arXiv 2205.10683):
+    "formed"  the columns folded into the output channels (c*Cout + o; depthwise
+              ch*(C*M) + c*M + j) make ONE call of the rule's `per_group` with C*Cout
+              outputs, [B, kh, kw, Cin, C*Cout], squared and summed over c (and i unless
+              per example). Cost ~2 B R I C Cout, holds B I C Cout numbers.
+    "ghost"   (Conv2D, one group) the ghost norm (Bu, Mao, Xu 2022, arXiv 2205.10683):
                   squares_i(W)[t, o] = sum_{p,q} x_ip[t] x_iq[t] D_i[p, q, o],
                   D_i[p, q, o] = sum_c dz_ipc[o] dz_iqc[o],
               cost ~2 B R^2 (C Cout + I Cout + I), holds B R^2 (I + Cout) numbers.
@@ -43,7 +39,7 @@ def _sizes(use, C):
         return None
     out = use.output.shape
     spatial = out[2:4] if _nchw(use) else out[1:3]
-    positions = _rows.static_size(tf.TensorShape(spatial))
+    positions = tf.TensorShape(spatial).num_elements()
     if positions is None or use.rows.k is None:
         return None
     kh, kw, c_in, c_out = use.weight_shape.as_list()
@@ -134,8 +130,8 @@ def _ghost(use, dZ, B, C, c_out, per_example):
     """[B, I, Cout] or [I, Cout]: sum_{p,q} (x_p ⊙ x_q) ⊗ D[p, q] per example, from the
     NHWC `use` and its wide dZ [N, Ho, Wo, C*Cout]."""
     kh, kw = use.weight_shape.as_list()[:2]
-    x = _rows.to_groups(geometry.patches(use.op, kh, kw), B, 1)            # [B, R, I]
-    dZ = tf.reshape(_rows.to_groups(dZ, B, 1), _rows.group_shape(B, [-1, C, c_out]))
+    x = _rows.to_groups(geometry.patches(use.op, kh, kw), B)            # [B, R, I]
+    dZ = tf.reshape(_rows.to_groups(dZ, B), _rows.group_shape(B, [-1, C, c_out]))
     gram_dz = tf.einsum("bpco,bqco->bpqo", dZ, dZ)                         # [B, R, R, Cout]
     gram_x = x[:, :, None, :] * x[:, None, :, :]                           # [B, R, R, I]
     if per_example:

@@ -15,7 +15,8 @@ from pertower._layout import _rows
 from pertower._layout import _shapes
 from pertower._convolution.geometry import (
     attributes, explicitly_padded, filter_gradient, fold_groups, group_target, groups, mul,
-    padded_input, patches, sizes, split_channels, taps, to_groups, window)
+    padded_input, patches, sizes, split_channels, taps, window)
+from pertower._layout._shapes import to_groups
 
 __all__ = ["EXAMPLE_POSITIONS", "EXAMPLE_FLOATS", "FEW_POSITIONS", "CHUNK_FLOATS",
            "GUESSED_G", "per_example_calls_pay", "positions_per_example", "tap_layout", "by_patches", "by_shifts",
@@ -34,12 +35,11 @@ GUESSED_G = 32
 
 def per_example_calls_pay(use, options):
     """Whether "auto" takes "examples" (`by_examples`) for `use` (2-D, one group, no
-    dilation): a depthwise filter of K >= 25 taps, without oneDNN or where one
-    example's filter gradient K*C*M holds `EXAMPLE_FLOATS` numbers (both depthwise
-    backward-filter kernels are slow on large filters over the folded G*C channels);
-    Conv2D without oneDNN ("grouped" does not run), K > 1, Cin >= `thin_channels` and
-    T*P >= `EXAMPLE_POSITIONS` (Eigen's kernel reads the input in place where "shifts"
-    writes T*P*K*Cin numbers per example; that many positions outweigh a call's cost)."""
+    dilation): a depthwise filter of K >= 25 taps, without oneDNN or with K*C*M >=
+    `EXAMPLE_FLOATS` (the depthwise backward-filter kernels are slow on large filters
+    over G*C channels); a Conv2D without oneDNN, K > 1, Cin >= `thin_channels` and T*P
+    >= `EXAMPLE_POSITIONS` (Eigen reads the input in place where "shifts" writes
+    T*P*K*Cin numbers per example)."""
     shape = use.weight_shape.as_list()
     kernel, c_in = shape[:-2], shape[-2]
     if (len(kernel) != 2 or groups(use.op) != 1 or
@@ -56,7 +56,7 @@ def per_example_calls_pay(use, options):
 def positions_per_example(use):
     """T*P: the output positions P of one row times the rows T per example (T = 1 where
     it is known only at run time), or None where P is not static."""
-    positions = _rows.static_size(use.output.shape[1:-1])
+    positions = use.output.shape[1:-1].num_elements()
     if positions is None:
         return None
     return positions * (use.rows.k if use.rows is not None and
@@ -64,16 +64,12 @@ def positions_per_example(use):
 
 
 def tap_layout(options, use):
-    """How "shifts" lays out the taps of `use` (`options`: a `ConvOptions`):
-
-        "one"       a 1x1 filter (no groups): one matmul of the input, subsampled by
-                    ExtractImagePatches where strided in 2-D (not a strided slice);
-        "thin"      Cin < `thin_channels` in 2-D: `by_thin_taps`;
-        "channels"  P < `few_positions` (default `FEW_POSITIONS`), or T*P < Cout (K
-                    stacked [Cin, Cout] results would copy more than the taps hold), or
-                    thin in 3-D: the taps side by side (`geometry.patches`), one matmul;
-        "per_tap"   one matmul per tap, the K results stacked (always for groups).
-    """
+    """How "shifts" lays out the taps of `use` (`options`: a `ConvOptions`): "one" (a
+    1x1 filter, no groups: one matmul of the input, strided by ExtractImagePatches in
+    2-D), "thin" (Cin < `thin_channels` in 2-D: `by_thin_taps`), "channels" (P <
+    `few_positions`, default `FEW_POSITIONS`, or T*P < Cout, or thin in 3-D: the taps side
+    by side, `geometry.patches`, one matmul) or "per_tap" (one matmul per tap, the K
+    results stacked; always for groups)."""
     shape = use.weight_shape.as_list()
     kernel, c_in, c_out = shape[:-2], shape[-2], shape[-1]
     if groups(use.op) != 1:
@@ -82,7 +78,7 @@ def tap_layout(options, use):
         return "one"
     if c_in < options.thin_channels:
         return "thin" if len(kernel) == 2 else "channels"
-    positions = _rows.static_size(use.output.shape[1:-1])
+    positions = use.output.shape[1:-1].num_elements()
     k = use.rows.k if isinstance(use.rows.k, int) else 1
     few = FEW_POSITIONS if options.few_positions is None else options.few_positions
     if positions < few or k * positions < c_out:
@@ -214,7 +210,7 @@ def by_thin_taps(use, dZ, G):
     one batched matmul per image, summed per group, moved to the filter's order."""
     kh, kw, c_in, c_out = use.weight_shape.as_list()
     strides, dilations, _, _ = attributes(use.op)
-    out_h, out_w = _rows.static_dims(use.op.outputs[0])[1:3]
+    out_h, out_w = use.op.outputs[0].shape.as_list()[1:3]
     positions = out_h * out_w
     x = padded_input(use.op, kh, kw, crop=False)   # [N, >= H', >= W', Cin] (taps stop before)
     x = tf.transpose(x, _shapes.constant([0, 3, 1, 2]))               # [N, Cin, H', W']

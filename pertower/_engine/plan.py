@@ -74,11 +74,9 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
     found = loops.uses(reads, _in_v1_loop)   # TF2 loops and TF1 frames: pertower._loops
     if isinstance(found, str):
         return found
-    walked = _weight_functions.exits(reads, ys_upstream, analysis)
-    if isinstance(walked, str):
-        return walked
-    terminals = [_weight_functions.Exit(op, 0, (), (), True) for op in reads.gather_ops]
-    terminals.extend(walked)
+    terminals = _weight_functions.exits(reads, ys_upstream, analysis)
+    if isinstance(terminals, str):
+        return terminals
     order = _tf.op_order_key()
     terminals.sort(key=lambda e: (order(e.op), e.slot))
     for exit_ in terminals:
@@ -104,10 +102,13 @@ def _weight_uses(x, reads, ys_upstream, analysis, registry, loops):
             if not isinstance(x, tf.Variable):
                 return f"it is read through a resource handle at {op.name!r} ({op.type})"
             use = dataclasses.replace(use, weight_shape=x.shape)
-        if not use.weight_shape.is_fully_defined():
+        dynamic = not exit_.reorder_only and getattr(rule, "dynamic_weight_shape", False)
+        if not (use.weight_shape.is_fully_defined() or dynamic):
             return f"its shape at {op.name!r} ({use.weight_shape}) is not static"
         if not exit_.reorder_only:   # a function of the weights: pulled back to x
             use = _weight_functions.wrap(use, exit_)
+            if not use.weight_shape.is_fully_defined():
+                return f"its shape ({use.weight_shape}) is not static"
         found.append(use)
     return found
 

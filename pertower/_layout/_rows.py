@@ -6,11 +6,7 @@ Notation: G groups of contiguous examples, k rows per example, T = rows per grou
 
 import tensorflow as tf
 
-
-def static_dims(tensor):
-    """The static sizes of `tensor`'s axes as ints or None, in both shape modes (v1's
-    `Dimension` fails in int arithmetic)."""
-    return tensor.shape.as_list()
+from pertower._layout._shapes import to_groups
 
 
 def dim(tensor, axis):
@@ -19,33 +15,16 @@ def dim(tensor, axis):
     return static if static is not None else tf.shape(tensor)[axis]
 
 
-def to_groups(tensor, G, tail):
-    """[G*T, ...] -> [G, T*prod(middle), *last `tail` axes]: each group's rows."""
-    rank = tensor.shape.rank
-    tail_dims = [dim(tensor, axis) for axis in range(rank - tail, rank)]
-    return tf.reshape(tensor, group_shape(G, [-1] + tail_dims))  # [G, T', *tail]
-
-
 def dense_squared_norms(A, dZ, B, k):
     """[B] ||sum_t a_it ⊗ dz_it||^2 without forming the outer products (the ghost norm)."""
-    A_g = to_groups(A, B, 1)     # [B, k, d]
-    dZ_g = to_groups(dZ, B, 1)   # [B, k, n]
+    A_g = to_groups(A, B)     # [B, k, d]
+    dZ_g = to_groups(dZ, B)   # [B, k, n]
     if k == 1:
         return (tf.reduce_sum(tf.square(A_g), axis=[1, 2]) *
                 tf.reduce_sum(tf.square(dZ_g), axis=[1, 2]))      # [B]
     a_gram = tf.einsum("btd,bsd->bts", A_g, A_g)                   # [B, k, k]
     dz_gram = tf.einsum("btn,bsn->bts", dZ_g, dZ_g)                # [B, k, k]
     return tf.reduce_sum(a_gram * dz_gram, axis=[1, 2])            # [B]
-
-
-def static_size(shape):
-    """prod(shape) as an int when fully defined, else None."""
-    if not shape.is_fully_defined():
-        return None
-    size = 1
-    for d in shape.as_list():
-        size *= d
-    return size
 
 
 def ghost_norm_is_cheaper(T, d, n):
@@ -68,13 +47,6 @@ def example_rows(analysis, activation, output):
     return rows
 
 
-def group_shape(G, dims):
-    """[G, *dims] as a reshape target; G may be an int or a scalar tensor."""
-    if isinstance(G, int) and not any(isinstance(d, tf.Tensor) for d in dims):
-        return [G] + list(dims)
-    return tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [G] + list(dims)])
-
-
 def scale_rows(tensor, factors):
     """[B*k, ...] with example i's k rows multiplied by factors[i] ([B])."""
     B = dim(factors, 0)
@@ -83,3 +55,11 @@ def scale_rows(tensor, factors):
     out = tf.reshape(scaled, tf.shape(tensor))                          # [B*k, ...]
     out.set_shape(tensor.shape)
     return out
+
+
+def group_shape(G, dims):
+    """[G, *dims], the sizes themselves (for `tf.broadcast_to`, `tf.zeros`, a reshape);
+    G may be an int or a scalar tensor."""
+    if isinstance(G, int) and not any(isinstance(d, tf.Tensor) for d in dims):
+        return [G] + list(dims)
+    return tf.stack([tf.convert_to_tensor(d, tf.int32) for d in [G] + list(dims)])

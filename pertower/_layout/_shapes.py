@@ -4,11 +4,10 @@ are known, each built once per build.
 Notation: G groups, B (per example) or M (microbatches): an int, or a scalar tensor when
 B is known only at run time; x one weight (entry of `xs`).
 
-A target stacked out of a tensor G adds a `Pack` and a constant per size, per use. When
+A target stacked out of a tensor G costs a `Pack` and a constant per size, per use; when
 every size but G's is a known positive int, [-1, d1, d2, ...] says the same with one
-constant; a result already of static shape [G, *x.shape] needs no reshape; and while
-the engine builds (`ShapeCache.active()`), `constant(value)` gives ONE `Const` per
-(value, dtype, graph, control-flow context) shared by every use.
+constant, and while the engine builds (`ShapeCache.active()`), `constant(value)` gives
+ONE `Const` per (value, dtype, graph, control-flow context).
 """
 
 import contextlib
@@ -123,8 +122,9 @@ def groups_target(tensor, G, k, tail):
     return [-1, rows] + tail_dims
 
 
-def to_groups(tensor, G, k, tail):
-    """[G*T, ...] -> [G, T*prod(middle), *tail] (static target where one exists)."""
+def to_groups(tensor, G, k=None, tail=1):
+    """[G*T, ...] -> [G, T*prod(middle), *tail] (static target where one exists; k the
+    rows per example, where known)."""
     target = groups_target(tensor, G, k, tail)
     if target is None:
         rank = tensor.shape.rank

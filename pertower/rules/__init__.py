@@ -20,13 +20,13 @@ Built-in rules (each file states its identity and reference):
     function_call.py     PartitionedCall, StatefulPartitionedCall whose body applies one
                          covered op to the weight (`_call_layouts.py`)
 
-Writing a rule (the names an extension needs are all here): derive from `Rule`, define
-`match` (return `Rule.example_use(op, slot, analysis)`, a `Use` whose `rows` are the
-activation's `Rows`, or a string saying why not) and `per_group`; define the other
-quantities of `Rule` where the op has a cheaper form (`batch_gradient_clipped_sum` is one).
+Writing a rule: derive from `Rule`, define `match` (return `Rule.example_use(op, slot,
+analysis)`, a `Use` whose `rows` are the activation's `Rows`, or a string saying why not)
+and `per_group`, and the other quantities of `Rule` where the op has a cheaper form.
 
-A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||)
-gets the rule of the op after them, pulled back through them (`_weight_functions.py`).
+A weight read through ops of the weights alone (Cast, Transpose, ConcatV2, tanh, g·v/||v||,
+a gather of rows every example reads) gets the rule of the op after them, pulled back
+through them (`_weight_functions.py`).
 """
 
 from pertower.rules import bias_add

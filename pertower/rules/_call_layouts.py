@@ -1,24 +1,20 @@
 """The re-layouts between a function call's tensors and the body op a rule covers
-(`rules.function_call`).
+(`rules.function_call`; N = B*k rows, an argument of the body is the call's input of
+the same index).
 
-Notation: N = B*k rows; `body` the called function's graph, `inner` the body op whose
-rule runs; an argument of the body is the call's input of the same index.
+A re-layout (Identity, ExpandDims, Squeeze, Reshape) only re-reads its input's values
+in row-major order, so a chain of them from a body argument to an input of `inner` (or
+from `inner`'s output to a body output) computes t_inner = reshape(t_arg,
+shape(t_inner)), its gradient the reshape back. Two kinds of chain are mapped:
 
-A re-layout is an op that only re-reads its input's values in row-major order:
-Identity, ExpandDims, Squeeze, Reshape. A chain of them from a body argument to an input
-of `inner` (or from `inner`'s output to a body output) computes t_inner =
-reshape(t_arg, shape(t_inner)), and its gradient is the reshape back. Two kinds of chain
-are mapped exactly:
-
-    batch-preserving  every op keeps axis 0 with its size (ExpandDims and Squeeze on
-                      other axes; a Reshape [N, *r] -> [N, *r'], r, r' static, prod(r)
-                      = prod(r') > 0): the body tensor has the call tensor's rows, and
-                      t_inner = reshape(t_arg, [-1, *r']).
+    batch-preserving  every op keeps axis 0 with its size (a Reshape [N, *r] -> [N, *r'],
+                      r, r' static, prod(r) = prod(r') > 0): t_inner = reshape(t_arg,
+                      [-1, *r']), the call tensor's rows.
     static            the chain's ends have static shapes (a weight's [3, 4, 8] ->
-                      [1, 3, 4, 8]): t_inner = reshape(t_arg, shape(t_inner)).
+                      [1, 3, 4, 8]).
 
-Anything else (a Transpose, a Reshape that moves the batch axis, an unknown size) is not
-a re-layout here, and the rule that asks refuses with the op's name.
+Anything else (a Transpose, a Reshape that moves the batch axis, an unknown size) is
+refused with the op's name.
 """
 
 import tensorflow as tf
@@ -86,8 +82,8 @@ def _batch_kept(op):
             return f"{op.name!r} (Squeeze) may remove axis 0"
         return None
     # Reshape: [N, *r] -> [N, *r'], both r static with the same product > 0
-    size_in = _rows.static_size(op.inputs[0].shape[1:])
-    size_out = _rows.static_size(op.outputs[0].shape[1:])
+    size_in = op.inputs[0].shape[1:].num_elements()
+    size_out = op.outputs[0].shape[1:].num_elements()
     if size_in is None or size_out is None:
         return f"{op.name!r} (Reshape) has sizes past axis 0 that are not static"
     if size_in != size_out or size_in == 0:

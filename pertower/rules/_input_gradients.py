@@ -5,21 +5,18 @@ Notation: A a weight-consuming op's batch-side input, Z its output, W its weight
 
 The engine takes dZ for every covered use with ONE `tf.gradients` with respect to the
 uses' outputs Z (`pertower._engine.passes`). A weight-consuming op between two of them
-is differentiated by its registered gradient, which also builds W's gradient (a
-Conv2DBackpropFilter, a MatMul, ...) that nothing reads. While the pass is built
+would also build W's gradient, which nothing reads. While the pass is built
 (`input_side_only`), each such op gets a gradient function that builds A's gradient
-only, the op the registered gradient builds for A (`_Conv2DGrad`,
-`_DepthwiseConv2dNativeGrad`, `_MatMulGradAgainstFirstOnly`, `_BiasAddGrad`), and None
-for W. With oneDNN off, a stride-1 Conv2D with a large filter takes dA as ONE forward
-Conv2D of dZ with the filter turned (`as_forward_convolution`), and a MatMul A W with
-one row per example and a large W takes dZ W^T as (W dZ^T)^T (`_turned_matmul`):
-TensorFlow's kernels for the registered forms are the slower there (docs/benchmark.md).
+only, as its registered gradient does (`_Conv2DGrad`, `_DepthwiseConv2dNativeGrad`,
+`_MatMulGradAgainstFirstOnly`, `_BiasAddGrad`), and None for W. With oneDNN off, where
+TensorFlow's kernels for those forms are the slower (docs/benchmark.md), a stride-1
+Conv2D with a large filter takes dA as ONE forward Conv2D of dZ with the filter turned
+(`as_forward_convolution`), and a MatMul A W with one row per example and a large W
+takes dZ W^T as (W dZ^T)^T (`_turned_matmul`).
 
 An op is handled only when its type and W's slot are in `_ONE_SIDED`, it is in the
 graph of `ys`, its gradient is TensorFlow's registered one, its dtype is real, and W is
-not downstream of the batch (no Z's gradient can flow through W). The functions are
-set on the ops' Python objects for the pass only (restored on error too), as the
-graph's `_override_gradient_function` does.
+not downstream of the batch. The functions are set on the ops for the pass only.
 """
 
 import contextlib
@@ -92,12 +89,11 @@ def forward_padding(op):
 
 def as_forward_convolution(op, grad, pads):
     """dX for the stride-1 Conv2D `op` (x [N, H, W, Cin], W [kh, kw, Cin, Cout], input
-    padding (t, b), (l, r), dilation d): with every z[n, i, j] = sum_{u,v,c}
-    x[n, i + u*d - t, j + v*d - l, c] W[u, v, c, o] (x zero outside), dX[n, a, b, c] =
-    sum_{u,v,o} dz[n, a + t - u*d, b + l - v*d, o] W[u, v, c, o]: a stride-1
-    convolution of dZ, padded by ((kh-1)*d - t, (kh-1)*d - b) and ((kw-1)*d - l,
-    (kw-1)*d - r), with the filter turned (W[kh-1-u, kw-1-v, c, o] as [kh, kw, Cout,
-    Cin]), the op's dilations."""
+    padding (t, b), (l, r), dilation d): z[n, i, j] = sum_{u,v,c} x[n, i + u*d - t,
+    j + v*d - l, c] W[u, v, c, o], so dX[n, a, b, c] = sum_{u,v,o} dz[n, a + t - u*d,
+    b + l - v*d, o] W[u, v, c, o]: the convolution of dZ padded by `pads`, ((kh-1)*d - t,
+    (kh-1)*d - b) and ((kw-1)*d - l, (kw-1)*d - r), with the filter turned
+    (W[kh-1-u, kw-1-v, c, o] as [kh, kw, Cout, Cin])."""
     w = op.inputs[1]
     kh, kw = w.shape.as_list()[:2]
     if kh * kw > 1:
@@ -181,21 +177,15 @@ def one_sided_ops(plan, indices, loop_uses=()):
                     or not _has_registered_gradient(op)
                     or (op.type == "MatMul" and op.get_attr("transpose_a"))):
                 continue
-            if op.type == "Conv2D":
-                function = _with_forward_form(use)
+            if op.type == "Conv2D":   # a forward convolution where oneDNN is off
+                options = (use.rule.options if isinstance(use.rule, conv2d.ConvolutionRule)
+                           else None)
+                pads = None if _conv_options.onednn_runs(options) else forward_padding(op)
+                function = functools.partial(_convolution, pads=pads)
             elif op.type == "MatMul" and _turned_matmul(use):
                 function = functools.partial(_matmul, turned=True)
             found[op] = function
     return found
-
-
-def _with_forward_form(use):
-    """The gradient function of the Conv2D `use`: a forward convolution where
-    `forward_padding` gives one and oneDNN is off (the rule's setting, else
-    TensorFlow's), else Conv2DBackpropInput."""
-    options = use.rule.options if isinstance(use.rule, conv2d.ConvolutionRule) else None
-    pads = None if _conv_options.onednn_runs(options) else forward_padding(use.op)
-    return functools.partial(_convolution, pads=pads)
 
 
 @contextlib.contextmanager

@@ -4,23 +4,23 @@ Notation: G groups (as in `rules.registry`); x one weight (entry of xs); u the t
 a rule's weight input, u = f(x, other weights, constants); P the rule's per-group
 gradients with respect to u, [G, *u.shape].
 
-Between a variable and the op a rule covers there may be ops whose inputs are all
-batch-independent (INDEPENDENT): `mixed_float16`'s Cast, weight normalization's
-g·v/||v||, a non-fused batch norm's scale and shift, a partitioned weight's ConcatV2,
-tanh(W), Transpose, Reshape. `exits` follows a weight's reads through such ops to the
-edges where they reach an op that takes the batch ("exits"); `WeightFunctionRule` wraps
-the rule of each exit.
+Between a variable and the op a rule covers there may be ops whose other inputs are the
+same for one example alone as for the batch (`_SameAlone`: INDEPENDENT, or sizes of axes
+other than the batch's): `mixed_float16`'s Cast, weight normalization's g·v/||v||, a
+non-fused batch norm's scale and shift, a partitioned weight's ConcatV2, tanh(W),
+Transpose, Reshape, a learned position table's gather(W, range(T)) or W[:T]. `exits`
+follows x's reads through such ops to the edges where they reach an op that takes the
+batch ("exits"); `WeightFunctionRule` wraps the rule of each exit.
 
 Identity (the chain rule across the cut of the exit edges): every path from x to `ys`
 leaves the weight-only region through exactly one exit edge e, so with u_e its tensor
     grad_i(x) = sum_e (du_e/dx)^T rule_e(example i) = sum_e VJP_e(P_e[i]),
-VJP_e(p) = tf.gradients(u_e, reads of x, grad_ys=p). The [G] pull-backs are one
-`tf.vectorized_map` of the VJP, or one `tf.gradients` of the chain rebuilt on [G, ...]
-copies of x (elementwise chains), or the inverse of each op applied to [G, ...]
-(re-layouts, Casts, ConcatV2 slices). The clipped sum is ONE VJP of the rule's own
-clipped sum (linearity). Squared norms: a chain of re-layouts only keeps the entries,
-so the rule's cheap norm is exact; any other chain (casts too: the norm would be summed
-in the narrower dtype) forms the pulled-back gradients.
+VJP_e(p) = tf.gradients(u_e, reads of x, grad_ys=p). The [G] pull-backs are the inverse
+of each op applied to [G, ...] (re-layouts, Casts, ConcatV2 slices, gathers), or one
+`tf.gradients` of the chain rebuilt on [G, ...] copies of x (elementwise chains), or a
+`tf.vectorized_map` of the VJP. The clipped sum is ONE VJP of the rule's clipped sum
+(linearity). Squared norms: a chain of re-layouts keeps the entries, so the rule's cheap
+norm is exact; any other chain forms the pulled-back gradients.
 
 Not covered (the weight falls back, with the reason): a weight-only op that is stateful,
 random or depends on one (DropConnect's mask: the one-example loop would draw it once
@@ -34,6 +34,7 @@ import tensorflow as tf
 from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
+from pertower._batch_axis import static
 from pertower._layout import _rows
 from pertower.rules import broadcast
 from pertower.rules import registry as registry_lib
@@ -51,6 +52,7 @@ _UNARY_ELEMENTWISE = op_types.ELEMENTWISE_OP_TYPES - {"EnsureShape", "Placeholde
 _BROADCASTING = frozenset(broadcast.OP_TYPES)
 # Ops that read a variable: the one stateful kind allowed upstream of a weight-only op.
 _VARIABLE_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "Variable"})
+_READS = _VARIABLE_OP_TYPES | op_types.HANDLE_GATHER_OP_TYPES
 # Ops never followed: functions and v1 control flow (their gradients need more than the op)
 _NOT_FOLLOWED = (op_types.CALL_OP_TYPES | op_types.V1_LOOP_OP_TYPES
                  | op_types.V1_SWITCH_OP_TYPES | op_types.V1_MERGE_OP_TYPES)
@@ -60,13 +62,15 @@ _NOT_FOLLOWED = (op_types.CALL_OP_TYPES | op_types.V1_LOOP_OP_TYPES
 class Exit:
     """One edge out of a weight's weight-only region: input `slot` of `op` holds u;
     `through` the weight-only ops between x's reads and u (by creation), `sources` the
-    reads of x that u depends on, `reorder_only` whether `through` only re-lays-out x."""
+    reads of x that u depends on (values, or the handles of ResourceGathers),
+    `reorder_only` whether `through` only re-lays-out x, `shape` x's shape."""
 
     op: tf.Operation
     slot: int
     through: tuple
     sources: tuple
     reorder_only: bool
+    shape: tf.TensorShape
 
 
 def _is_reorder(op, slots):
@@ -78,7 +82,7 @@ def _is_reorder(op, slots):
 
 def _unfollowable(op, graph_inputs):
     """Why the weight-only op `op` cannot be pulled back through, or None."""
-    if op.op_def.is_stateful:
+    if op.op_def.is_stateful and op.type not in op_types.HANDLE_GATHER_OP_TYPES:
         return "is stateful"
     try:
         _tf.gradient_function(op)
@@ -90,7 +94,7 @@ def _unfollowable(op, graph_inputs):
         if source in seen:
             continue
         seen.add(source)
-        if source.type in _VARIABLE_OP_TYPES:
+        if source.type in _VARIABLE_OP_TYPES or source.type in op_types.SHAPE_OP_TYPES:
             continue
         if source.type in op_types.RANDOM_OP_TYPES or source.op_def.is_stateful:
             return (f"depends on {source.name!r} ({source.type}), a random or stateful op "
@@ -99,14 +103,54 @@ def _unfollowable(op, graph_inputs):
     return None
 
 
+class _SameAlone:
+    """Whether a tensor has the same value for one example alone as for the batch (the
+    weight side): INDEPENDENT, or SIZE computed from shape entries that do not follow B
+    (the sequence length T of `tf.range(tf.shape(x)[1])`)."""
+
+    def __init__(self, analysis):
+        self.analysis = analysis
+        self.shape_value = static.ShapeEvaluator(analysis.value)
+        self.memo = {}
+
+    def __call__(self, tensor):
+        value = self.analysis.value(tensor)
+        if value is _batch_axis.INDEPENDENT:
+            return True
+        if value is not _batch_axis.SIZE:
+            return False
+        if tensor.ref() not in self.memo:
+            self.memo[tensor.ref()] = False   # guards against cycles
+            entries = self.shape_value(tensor) if tensor.dtype.is_integer else None
+            op = tensor.op
+            self.memo[tensor.ref()] = (
+                entries is not None and all(power == 0 for _, power in entries)) or (
+                op.type not in op_types.SHAPE_OP_TYPES and bool(op.inputs) and
+                (op.type in _READS or not op.op_def.is_stateful) and
+                all(self(t) for t in op.inputs))
+        return self.memo[tensor.ref()]
+
+
 def exits(reads, ys_upstream, analysis):
     """The exit edges of the weight of `reads` (a `WeightReads`): a list of `Exit`, or
-    a string saying why the weight cannot be followed."""
+    a string saying why the weight cannot be followed. A ResourceGather by ids that are
+    the same for one example alone (a learned position table's `tf.range(T)`) is a
+    weight-only op read through the handle; by the batch's ids, an exit."""
     sources = list(reads.read_tensors)
+    shape = tf.TensorShape(reads.x.shape)
+    same_alone = _SameAlone(analysis)
     followed = set()               # weight-only ops reached from x's reads
     reorder = set()                # those of them that only re-lay-out
     found = {}                     # (op, slot) -> None, in discovery order
     stack, seen = list(sources), set()
+    for op in reads.gather_ops:
+        if (isinstance(reads.x, tf.Variable) and same_alone(op.inputs[1])
+                and _unfollowable(op, op.inputs[1:]) is None):
+            sources.append(op.inputs[0])
+            followed.add(op)
+            stack.append(op.outputs[0])
+        else:
+            found[(op, 0)] = None
     while stack:
         tensor = stack.pop()
         if tensor.ref() in seen:
@@ -116,28 +160,24 @@ def exits(reads, ys_upstream, analysis):
             if op not in ys_upstream or op in followed:
                 continue
             slots = [j for j, t in enumerate(op.inputs) if t is tensor]
-            weight_only = op.type not in _NOT_FOLLOWED and all(
-                analysis.value(t) is _batch_axis.INDEPENDENT for t in op.inputs)
-            if _is_reorder(op, slots) or weight_only:
-                if not _is_reorder(op, slots):
-                    why = _unfollowable(op, [t for j, t in enumerate(op.inputs)
-                                             if j not in slots])
-                    if why is not None:
-                        return (f"it is read by {op.name!r} ({op.type}), a function of "
-                                f"the weights alone that {why}")
-                else:
-                    reorder.add(op)
-                followed.add(op)
-                stack.extend(t for t in op.outputs if t.dtype.is_floating or
-                             t.dtype.is_complex)
+            if _is_reorder(op, slots):
+                reorder.add(op)
+            elif op.type in _NOT_FOLLOWED or not all(same_alone(t) for t in op.inputs):
+                for j in slots:
+                    found.setdefault((op, j), None)
                 continue
-            for j in slots:
-                found.setdefault((op, j), None)
+            else:
+                why = _unfollowable(op, [t for j, t in enumerate(op.inputs) if j not in slots])
+                if why is not None:
+                    return (f"it is read by {op.name!r} ({op.type}), a function of the "
+                            f"weights alone that {why}")
+            followed.add(op)
+            stack.extend(t for t in op.outputs if t.dtype.is_floating or t.dtype.is_complex)
     result = []
     for op, slot in found:
         through, used = _region(op.inputs[slot], followed, sources)
         result.append(Exit(op, slot, through, tuple(used),
-                           all(o in reorder for o in through)))
+                           all(o in reorder for o in through), shape))
     return result
 
 
@@ -160,8 +200,7 @@ def _region(u, followed, sources):
 def wrap(use, exit_):
     """The `Use` of x through the exit `exit_` whose rule's `Use` (of u) is `use`."""
     rule = WeightFunctionRule(use, exit_)
-    shape = exit_.sources[0].shape
-    return registry_lib.Use(use.op, use.slot, rule, use.activation, use.output, shape,
+    return registry_lib.Use(use.op, use.slot, rule, use.activation, use.output, exit_.shape,
                             use.rows, through=exit_.through)
 
 
@@ -189,7 +228,9 @@ class WeightFunctionRule(registry_lib.ForwardingRule):
     def outward(self, result, use, leading):
         if leading:                                  # [G, *u.shape] -> [G, *x.shape]
             return self.pull_back(result)
-        part = tf.reshape(result, self.inner_use.weight_shape.as_list())    # [*u.shape]
+        u_shape = self.inner_use.weight_shape
+        part = tf.reshape(result, u_shape.as_list() if u_shape.is_fully_defined()
+                          else tf.shape(self.u))                            # [*u.shape]
         if self.steps is not None:
             return self.pull_back(part[None])[0]
         return self._vjp(part)                                              # [*x.shape]
@@ -282,7 +323,7 @@ def _direct_steps(u, exit_):
                   if t.op in inside or any(t is s for s in exit_.sources)]
         if len(from_x) != 1 or not op.inputs[from_x[0]].shape.is_fully_defined():
             return None
-        step = _inverse(op, from_x[0])
+        step = _inverse(op, from_x[0], exit_.shape)
         if step is None:
             return None
         steps.append(step)
@@ -290,10 +331,20 @@ def _direct_steps(u, exit_):
     return steps
 
 
-def _inverse(op, slot):
-    """[G, *op.outputs[0].shape] -> [G, *op.inputs[slot].shape], or None."""
+def _inverse(op, slot, x_shape):
+    """[G, *op.outputs[0].shape] -> [G, *op.inputs[slot].shape] (x_shape for a
+    resource handle), or None."""
     source = op.inputs[slot]
-    dims = source.shape.as_list()
+    dims = (x_shape if source.dtype == tf.resource else source.shape).as_list()
+    if op.type in ("GatherV2", "ResourceGather"):
+        if (slot != 0 or ("batch_dims" in op.node_def.attr and op.get_attr("batch_dims"))
+                or (op.type == "GatherV2" and _batch_axis.static_value(op.inputs[2]) != 0)):
+            return None
+        ids = tf.reshape(op.inputs[1], [-1])                                 # [n]
+        swap = [1, 0] + list(range(2, len(dims) + 1))
+        return lambda P: tf.transpose(tf.math.unsorted_segment_sum(
+            tf.transpose(tf.reshape(P, [_rows.dim(P, 0), -1] + dims[1:]), swap),  # [n, G, ..]
+            ids, dims[0]), swap)                    # [G, *ids, *rest] -> [G, V, *rest]
     if op.type in _REORDER_FREE:
         return lambda P: tf.reshape(P, [-1] + dims)
     if op.type == "Cast":

@@ -36,7 +36,7 @@ class BiasAddRule(registry_lib.Rule):
             # NCHW: [C, B*k, Ch, ...] -> [C, B*k, Ch], the positions summed first
             dZ_columns = tf.reduce_sum(dZ_columns, axis=list(range(3, dZ_columns.shape.rank)))
         folded = tf.reshape(dZ_columns, tf.concat([[-1], tf.shape(dZ_columns)[2:]], 0))
-        per_column = tf.reduce_sum(_rows.to_groups(folded, C * B, 1), axis=1)    # [C*B, Ch]
+        per_column = tf.reduce_sum(_rows.to_groups(folded, C * B), axis=1)    # [C*B, Ch]
         squares = tf.reduce_sum(tf.reshape(tf.square(per_column), tf.stack(
             [C, B, -1])), axis=0)                                                # [B, Ch]
         return squares if per_example else tf.reduce_sum(squares, axis=0)       # [Ch]

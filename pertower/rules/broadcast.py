@@ -1,21 +1,20 @@
 """One rule for a weight broadcast into an elementwise op whose other input carries the
 batch (`OP_TYPES`: biases added by hand, LayerNormalization's beta and gamma, learned
-scales, clipping bounds, exponents).
+scales, clipping bounds, exponents, a learned position table's rows).
 
 Notation: Z the op's output [N, ...], N = B*k rows (k per example); w the weight, w_e w
 reshaped to Z's rank with leading 1s; dZ the gradient at Z.
 
-Identity: broadcasting copies w to every position it reaches and the chain rule adds
-the copies' contributions. Give each row r of Z a copy of its own,
-    w_b = broadcast of w_e along axis 0 to N rows,    Z = op(..., w_b, ...)
-(the same values: the op is elementwise); the op's own registered gradient with respect
-to w_b sums over the other broadcast axes, and
+Identity: give each row r of Z a copy of w of its own, w_b = w_e broadcast to N rows
+along axis 0, Z = op(..., w_b, ...) (the same values: the op is elementwise); the op's
+registered gradient with respect to w_b sums over the other broadcast axes, and
     grad_i(w) = sum over example i's rows r of  d<dZ, op(..., w_b, ...)>/d w_b[r]
 (for Mul: sum of dz * A over example i's rows and broadcast axes, Goodfellow 2015,
-arXiv 1510.01799, for a diagonal weight). For one group w is not broadcast.
+arXiv 1510.01799). For one group w is not broadcast.
 
-Covered: w's static shape known and not stretching axis 0 (rank below Z's, or a leading
-1); Z and the batch-side input example-major on axis 0.
+Covered: w's rank static and w not stretching axis 0 (rank below Z's, or a leading 1);
+Z and the batch-side input example-major on axis 0. w's other sizes may be dynamic (a
+function of a weight: `_weight_functions` pulls the result back to the weight's shape).
 """
 
 import tensorflow as tf
@@ -36,13 +35,15 @@ class BroadcastRule(registry_lib.Rule):
     """Per-example gradients of a broadcast weight from the op's own gradient, with the
     weight copied to every row of the batch."""
 
+    dynamic_weight_shape = True
+
     def match(self, op, slot, analysis):
         out = op.outputs[0]
         w_shape = op.inputs[slot].shape
-        if not w_shape.is_fully_defined() or out.shape.rank is None:
-            return "the broadcast weight or the output has no static rank/shape"
+        if w_shape.rank is None or out.shape.rank is None:
+            return "the broadcast weight or the output has no static rank"
         if w_shape.rank > out.shape.rank or (w_shape.rank == out.shape.rank and
-                                             w_shape[0] != 1):
+                                             tf.compat.dimension_value(w_shape[0]) != 1):
             return f"the weight (shape {w_shape}) is broadcast along the batch axis"
         carriers = [t for j, t in enumerate(op.inputs)
                     if j != slot and analysis.rows(t) is not None]
@@ -54,10 +55,10 @@ class BroadcastRule(registry_lib.Rule):
         return registry_lib.Use(op, slot, self, carriers[0], out, w_shape, rows)
 
     def per_group(self, use, dZ, G):
-        op, out_rank = use.op, use.output.shape.rank
-        w_shape = use.weight_shape.as_list()
+        op, out_rank, w = use.op, use.output.shape.rank, use.op.inputs[use.slot]
+        w_shape = [_rows.dim(w, axis) for axis in range(w.shape.rank)]
         w_dims = [1] * (out_rank - len(w_shape)) + w_shape       # w_e's shape
-        w_e = tf.reshape(op.inputs[use.slot], w_dims)             # [1, *w_dims[1:]]
+        w_e = tf.reshape(w, _rows.group_shape(1, w_dims[1:]))    # [1, *w_dims[1:]]
         if isinstance(G, int) and G == 1:
             w_b = w_e                       # the op's gradient sums over axis 0 too
         else:
@@ -69,7 +70,7 @@ class BroadcastRule(registry_lib.Rule):
         rebuilt = copy_op(op, inputs)
         grad, = tf.gradients(rebuilt.outputs[0], [w_b], grad_ys=dZ)   # [N or 1, *w_dims[1:]]
         # [G*T, *w_dims[1:]] -> [G, T, *w_dims[1:]] -> [G, *w_dims[1:]]
-        grouped = tf.reduce_sum(_rows.to_groups(grad, G, out_rank - 1), axis=1)
+        grouped = tf.reduce_sum(_rows.to_groups(grad, G, tail=out_rank - 1), axis=1)
         # [G, *w_dims[1:]] -> [G, *w.shape]
         return tf.reshape(grouped, _rows.group_shape(G, w_shape))
 

@@ -9,43 +9,34 @@ Identity (Rochette, Manoel, Tramel 2019, arXiv 1912.06015): a convolution is a d
 layer applied at every output position p to the patch x_p it sees, z_p = W^T x_p
 (W as [K*Cin, Cout]), so
     grad_g(W)[u, c, o] = sum_{t in g, p} x_tp[u, c] dz_tp[o]   (u a filter tap).
-Its ways (`_convolution.ways`), all exact and tested against the oracle:
+Channel groups: input group j feeds only output group j, so it holds group by group.
+Its ways (`_convolution.ways`), all exact:
 
-    "shifts"   per tap u the input values it multiplies are a strided slice of the padded
-               input, x'[:, u*d : : s, ..., :] (no patches written), one batched matmul
-               [G, T*P, Cin]^T x [G, T*P, Cout] per tap, laid out by `ways.tap_layout`.
-    "patches"  the patches [N, Ho, Wo, K*Cin] and ONE batched matmul per group (the
-               unfold form of Opacus and BackPACK).
+    "shifts"   per tap u, the strided slice x'[:, u*d : : s, ..., :] of the padded input
+               and one batched matmul [G, T*P, Cin]^T x [G, T*P, Cout] (`ways.tap_layout`).
+    "patches"  the patches [N, Ho, Wo, K*Cin] and ONE batched matmul (Opacus, BackPACK).
     "grouped"  (2-D) x as [T, H, W, G*Cin] and dZ as [T, Ho, Wo, G*Cout] are a grouped
-               convolution's input and output gradient, so ONE Conv2DBackpropFilter of
-               filter size [kh, kw, Cin, G*Cout] gives every group's gradient (Rochette
-               et al., section 3); float32 and oneDNN only (Eigen's kernels refuse
-               grouped convolutions). The strategy "depthwise" (removed) means it.
-    "examples" (one group) the one-example loop in the graph: the batch backward-filter
-               kernel on each group's rows (`ways.by_examples`).
+               convolution's input and output gradient: ONE Conv2DBackpropFilter of size
+               [kh, kw, Cin, G*Cout] (Rochette et al., section 3); float32 and oneDNN
+               only (Eigen refuses grouped convolutions).
+    "examples" the one-example loop in the graph (`ways.by_examples`).
 
-"auto": the shifts and the patches write T*P*K*Cin numbers per example, the grouped
-kernel reads the input in place and writes K*Cin*Cout; so "grouped" where it runs,
-K > 1, Cin >= `thin_channels` and T*P >= Cout; else "examples" where
-`ways.per_example_calls_pay` says (2-D, oneDNN off, K > 1, Cin >= `thin_channels`,
-T*P >= 64); else "shifts"; "patches" where the spatial sizes are not static (the sweep,
-oneDNN on and off: docs/conv_ways.md). A filter larger than its map takes its live taps
-only (`geometry.live_range`). Depthwise convolutions take their own ways
-(`depthwise_conv2d`); a Conv2D with one input channel per group, NCHW and SpaceToBatchND
-blocks are computed as another convolution (`_convolution.views`).
+"auto": "grouped" where it runs, K > 1, Cin >= `thin_channels` and T*P >= Cout (it reads
+the input in place; the shifts and patches write T*P*K*Cin numbers per example); else
+"examples" where `ways.per_example_calls_pay`; else "shifts"; "patches" where the spatial
+sizes are not static (docs/conv_ways.md). A filter larger than its map takes its live
+taps only (`geometry.live_range`). NCHW, SpaceToBatchND blocks and a Conv2D with one
+input channel per group are computed as another convolution (`_convolution.views`).
 
-oneDNN (TF 2.21): TensorFlow's float32 Conv2DBackpropFilter of an ungrouped 1x1 stride-2
-convolution on an 8x8 or 16x16 input is wrong for Cin 1..7, its depthwise kernel
-likewise for one channel. So with one group (B = 1, a clipped sum) 1x1 strided filters
-under oneDNN take the shifts instead (`untrusted_filter_gradient`).
+oneDNN (TF 2.21): the float32 Conv2DBackpropFilter of an ungrouped 1x1 stride-2
+convolution on an 8x8 or 16x16 input is wrong for Cin 1..7 (its depthwise kernel for one
+channel), so one group of such filters takes the shifts (`untrusted_filter_gradient`).
 
-Squared norms (Bu, Mao, Xu 2022, arXiv 2205.10683): the ghost norm
-sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) costs ~2 P^2 (K*Cin + Cout), forming the gradient
-~2 P K*Cin*Cout; the cheaper is taken per Conv2D (`norm_strategy`). Channel groups: input
-group j feeds only output group j, so the identity holds group by group. The clipped sum
-sum_i f_i grad_i(W) is the batch filter gradient of dZ with example i's rows scaled by
-f_i (Bu et al. 2023, arXiv 2210.00038); grouped or dilated filters form the per-example
-gradients instead.
+Squared norms: the ghost norm sum_{p,q} (x_ip·x_iq)(dz_ip·dz_iq) (Bu, Mao, Xu 2022,
+arXiv 2205.10683), ~2 P^2 (K*Cin + Cout), or the formed gradient, ~2 P K*Cin*Cout: the
+cheaper per Conv2D (`norm_strategy`). The clipped sum sum_i f_i grad_i(W) is the batch
+filter gradient of dZ with example i's rows scaled by f_i (Bu et al. 2023, arXiv
+2210.00038); grouped or dilated filters form the per-example gradients.
 
 Covered: channels last, NCHW, any strides, SAME/VALID/explicit padding, dilations,
 groups; the filter static (for groups, the input's channels; in 3-D all but the batch).
@@ -223,7 +214,7 @@ class ConvolutionRule(registry_lib.Rule):
     def norm_strategy(self, use):
         """"ghost" or "formed", the cheaper way to `use`'s squared norms (the module
         docstring); "formed" unless an ungrouped Conv2D of static positions."""
-        positions = _rows.static_size(use.output.shape[1:-1])
+        positions = use.output.shape[1:-1].num_elements()
         if positions is None or use.op.type != "Conv2D" or groups(use.op) != 1:
             return "formed"
         kh, kw, c_in, c_out = use.weight_shape.as_list()
@@ -238,7 +229,7 @@ class ConvolutionRule(registry_lib.Rule):
         if self.norm_strategy(use) != "ghost":
             return None
         kh, kw = use.weight_shape.as_list()[:2]
-        positions = _rows.static_size(use.output.shape[1:3])
+        positions = use.output.shape[1:3].num_elements()
         return _rows.dense_squared_norms(patches(use.op, kh, kw), dZ, B, use.rows.k * positions)
 
     def formed_norms(self, use, dZ, G):

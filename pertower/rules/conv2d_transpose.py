@@ -1,16 +1,11 @@
 """Rule for Conv2DBackpropInput: the transposed convolution (tf_keras Conv2DTranspose,
 `tf.nn.conv2d_transpose`, Conv1DTranspose's lowering).
 
-Notation (as in `conv2d`): W [kh, kw, Cf, Of] the filter of the convolution the op
-transposes; A the op's data input [N, Ho, Wo, Of]; Z its output [N, H, W, Cf].
-
-Identity. The op applies to A the adjoint of the linear map x -> conv(x, W):
-    Z[n, y, c] = sum_{p, u, v, o : y = p*s + (u, v)*d - pad} W[u, v, c, o] A[n, p, o],
-so  grad_i(W)[u, v, c, o] = sum_p dz_i(p*s + (u, v)*d - pad)[c] a_ip[o],
-the filter gradient of conv(., W) with dZ as its input and A as its output gradient
-(TensorFlow's `_Conv2DBackpropInputGrad` computes it for the batch), kept per example by
-Rochette et al.'s identity (`conv2d`). `conv2d.TransposedRule` builds that forward
-convolution of dZ (never run) and hands it to the Conv2D ways.
+Identity. With W [kh, kw, Cf, Of] the filter of the convolution the op transposes, A
+its data input [N, Ho, Wo, Of] and Z its output [N, H, W, Cf], the op applies to A the
+adjoint of x -> conv(x, W), so grad_i(W) is the filter gradient of conv(., W) with dZ as
+its input and A as its output gradient (TensorFlow's `_Conv2DBackpropInputGrad` for the
+batch), kept per example by the ways of `conv2d` (`conv2d.TransposedRule`).
 
 Covered: NHWC and NCHW, any strides, SAME/VALID/explicit padding, dilations; the filter
 static; A's rows example-major.

@@ -1,15 +1,10 @@
 """Rules for Conv3D (tf_keras Conv3D, `tf.nn.conv3d`) and Conv3DBackpropInputV2
-(Conv3DTranspose), NDHWC: `conv2d`'s N-dimensional rules in 3-D.
-
-Identity (Rochette et al. 2019, arXiv 1912.06015, in 3-D):
-    grad_g(W)[u, v, w, c, o] = sum_{t in g, p} x_tp[u, v, w, c] dz_tp[o],
-by "shifts" (`_convolution.ways`). The transposed op's filter gradient is that of the
-Conv3D of dZ at the output gradient A (TensorFlow's `_Conv3DBackpropInputGrad`; as
-`conv2d_transpose`). A dilated Conv3D without oneDNN (SpaceToBatchND blocks) and a
-grouped one (Keras, in a jit-compiled function: `function_call`) are covered; the
-clipped sum is Conv3DBackpropFilterV2 of the scaled dZ where the filter is neither
-dilated nor grouped; squared norms are formed. Covered: NDHWC, any strides, SAME/VALID,
-dilations, channel groups; the filter and the spatial sizes static.
+(Conv3DTranspose), NDHWC: `conv2d`'s N-dimensional rules in 3-D (its identity,
+grad_g(W)[u, v, w, c, o] = sum_{t in g, p} x_tp[u, v, w, c] dz_tp[o], by "shifts"; the
+transposed op as in `conv2d_transpose`). Also covered: a dilated Conv3D without oneDNN
+(SpaceToBatchND blocks), a grouped one (Keras' jit-compiled call: `function_call`); the
+clipped sum is Conv3DBackpropFilterV2 of the scaled dZ unless dilated or grouped;
+squared norms are formed. The filter and the spatial sizes static.
 """
 
 from pertower import _context

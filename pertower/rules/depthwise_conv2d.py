@@ -2,22 +2,18 @@
 part) and DepthwiseConv2dNativeBackpropInput: `conv2d`'s rules with the depthwise ways.
 
 Identity (Rochette et al. 2019, arXiv 1912.06015, per channel): output channel c*M + m
-at position p is sum_{u,v} x_p[u, v, c] W[u, v, c, m], so
-    grad_i(W)[u, v, c, m] = sum_p x_ip[u, v, c] dz_ip[c*M + m],
-computed one of two ways (`_convolution.ways`, each tested against the oracle):
+is sum_{u,v} x_p[u, v, c] W[u, v, c, m], so grad_i(W)[u, v, c, m] = sum_p x_ip[u, v, c]
+dz_ip[c*M + m], by (`_convolution.ways`):
 
-    "grouped"  x as [T, H, W, G*Cin] and dZ as [T, Ho, Wo, G*Cin*M] are the input and
-               output gradient of ONE depthwise convolution, whose backward-filter
-               kernel gives [kh, kw, G*Cin, M]; under oneDNN on chunks of the channels of
-               at most CHUNK_FLOATS numbers (beyond ~32k it slows down tenfold);
+    "grouped"  x as [T, H, W, G*Cin] and dZ as [T, Ho, Wo, G*Cin*M]: ONE depthwise
+               backward-filter kernel, [kh, kw, G*Cin, M]; under oneDNN on chunks of at
+               most CHUNK_FLOATS numbers (beyond ~32k it slows down tenfold);
     "patches"  the patches ordered (kh, kw, Cin) and one contraction per group.
 
-"auto" takes "grouped" wherever it runs (float32, no dilation, equal strides: it never
-writes the kh*kw copies of the input), else "patches"; but "examples" (`conv2d`) for
-filters of 25+ taps as `ways.per_example_calls_pay` says; "depthwise" and "shifts" mean
-"grouped" and "patches". The transposed op's filter gradient is that of the forward
-depthwise convolution of dZ at the output gradient A (as `conv2d_transpose`). Covered:
-NHWC, NCHW, SpaceToBatchND blocks, any strides and padding, dilations; a static filter.
+"auto": "grouped" where it runs (float32, no dilation, equal strides), else "patches";
+"examples" for filters of 25+ taps as `ways.per_example_calls_pay` says; "depthwise"
+and "shifts" mean "grouped" and "patches". The transposed op as in `conv2d_transpose`.
+Covered: NHWC, NCHW, SpaceToBatchND blocks, any strides and padding, dilations.
 """
 
 from pertower import _context

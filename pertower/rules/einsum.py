@@ -1,15 +1,14 @@
 """Rule for Einsum dense layers, e.g. Keras EinsumDense: Z = einsum("btd,de->bte", A, W).
 
-Identity (Goodfellow 2015, arXiv 1510.01799, in einsum form): when the activation's
-first index b is the batch axis, appears first in the output and not in the weight,
-every other index of A and Z is contracted with W or runs over positions that all use
-W, so with A and dZ reshaped to [G, rows per group, ...]
+Identity (Goodfellow 2015, arXiv 1510.01799, in einsum form): when A's first index b is
+the batch axis, first in the output and not in the weight, every other index of A and Z
+is contracted with W or runs over positions that all use W, so with A and dZ as
+[G, rows per group, ...]
     grad_g(W) = einsum("g{a},g{z}->g{w}")        (b runs over a group's rows, summed).
-A weight index i in neither A nor Z is summed over W alone: dZ/dW[.., i, ..] is the
-same for every i, so the gradient is formed without i and broadcast along it.
+A weight index in neither A nor Z is summed over W alone: the gradient is formed
+without it and broadcast along it.
 
-Covered: two operands, the activation first, no ellipsis and no repeated index within
-an operand.
+Covered: two operands, the activation first, no ellipsis, no index repeated in an operand.
 """
 
 import tensorflow as tf
@@ -41,8 +40,8 @@ class EinsumRule(registry_lib.Rule):
         (a, w), z = _batch_axis.parse_einsum(use.op.get_attr("equation"))
         letters = set(a + w + z)
         g = next(c for c in "gGhHqQ" + "abcdefijklmnoprstuvwxyz" if c not in letters)
-        A_g = _rows.to_groups(use.activation, G, use.activation.shape.rank - 1)  # [G, k, ...]
-        dZ_g = _rows.to_groups(dZ, G, dZ.shape.rank - 1)                        # [G, k, ...]
+        A_g = _rows.to_groups(use.activation, G, tail=use.activation.shape.rank - 1)  # [G, k, ...]
+        dZ_g = _rows.to_groups(dZ, G, tail=dZ.shape.rank - 1)                        # [G, k, ...]
         kept = "".join(c for c in w if c in a or c in z)   # w without its weight-only indices
         grad = tf.einsum(f"{g}{a},{g}{z}->{g}{kept}", A_g, dZ_g)          # [G, kept sizes]
         if kept == w:

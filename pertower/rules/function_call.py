@@ -1,28 +1,19 @@
 """Rule for a weight passed to a function call whose body applies one covered op to it.
 
-Notation (as in `rules.registry`):
-    B, G  examples, groups        A  the op's batch-side input       Z  its output
-    call  a PartitionedCall or StatefulPartitionedCall (`tf.function`) in the graph of `ys`
-    body  the called function's graph; `inner` its op that reads the weight
-
-tf_keras builds a Conv2D with groups > 1 as a call of a `tf.function(jit_compile=True)`
-whose body is `Conv2D(inputs, kernel) -> Identity`: no rule sees an op reading the weight.
+Notation (as in `rules.registry`): call a PartitionedCall or StatefulPartitionedCall
+(`tf.function`) in the graph of `ys`; body the called function's graph; `inner` its op
+that reads the weight. (tf_keras builds a Conv2D with groups > 1 as a call of a
+`tf.function(jit_compile=True)` whose body is `Conv2D(inputs, kernel) -> Identity`.)
 
 Identity (the chain rule does not see a function's boundary): when `inner` takes every
 input from an argument of the function, nothing else in the body reads the weight's
 argument, and `inner`'s only output reaches exactly one output j of the function, each
-through Identity ops only, then
-    Z_inner = call.outputs[j],   A_inner = the call's input for that argument,
-so `inner`'s own rule, given a `CallView` of `inner`, computes grad_i(w) from the call's
-tensors, whose rows the batch-axis analysis of the call proves.
-
-Re-layouts (`_call_layouts`; Keras' Conv1D(groups > 1) body is `ExpandDims(inputs),
-ExpandDims(kernel) -> Conv2D -> Squeeze -> Identity`): where each path is a chain of
-Identity, ExpandDims, Squeeze and Reshape that keeps axis 0 (or has static shapes at both
-ends), each body tensor is reshape(call tensor), each row's example unchanged: the body
-rule runs on the call's tensors re-laid-out (`Relaid`), its results reshaped to the
-weight argument's shape. Anything else (other ops on the paths, more uses of the weight
-or of inner's output, several outputs, a body constant) leaves the weight on its fallback.
+through re-layouts only (`_call_layouts`: Identity, ExpandDims, Squeeze, Reshape, as in
+Keras' Conv1D(groups > 1) body), then Z_inner and A_inner are reshapes of the call's
+output j and input, so `inner`'s own rule computes grad_i(w) from the call's tensors
+(re-laid-out: `Relaid`), whose rows the batch-axis analysis of the call proves. Anything
+else (other ops on the paths, more uses of the weight or of inner's output, several
+outputs, a body constant) leaves the weight on its fallback.
 """
 
 import dataclasses

@@ -4,17 +4,14 @@ with training=False): batch normalization with the moving statistics.
 Notation: A the op's input x, [B*k, H, W, C] (NHWC) or [B*k, C, H, W] (NCHW); dZ the
 gradient at its output y; mu, sigma2 the moving mean and variance [C]; eps its epsilon.
 
-Identity: the statistics do not depend on the batch, so with
-x_hat = (x - mu) / sqrt(sigma2 + eps) and y = gamma * x_hat + beta (per channel)
-    grad_i(gamma) = rsqrt(sigma2 + eps) * sum over example i's rows and positions of
-                    dz * (x - mu)                                                   [C]
-    grad_i(beta)  = sum over example i's rows and positions of dz                  [C]
-(Ioffe & Szegedy 2015, arXiv 1502.03167, section 3, with the population statistics as
-constants: TensorFlow's FusedBatchNormGrad with is_training=False, kept per example).
+Identity: the statistics do not depend on the batch, so with y = gamma * (x - mu) /
+sqrt(sigma2 + eps) + beta (per channel), summing over example i's rows and positions,
+    grad_i(gamma) = rsqrt(sigma2 + eps) * sum dz * (x - mu),    grad_i(beta) = sum dz
+(Ioffe & Szegedy 2015, arXiv 1502.03167, section 3: TensorFlow's FusedBatchNormGrad
+with is_training=False, kept per example), in the dtype of `scale`.
 
-Covered: is_training=False, NHWC, NCHW (and NDHWC, NCDHW), the weight as `scale`
-(input 1) or `offset` (input 2); the moving statistics get no gradient in inference mode
-and fall back. Computed in the dtype of `scale` (float32 for float16 inputs).
+Covered: is_training=False, NHWC, NCHW, NDHWC, NCDHW, the weight as `scale` (input 1)
+or `offset` (input 2); the moving statistics get no gradient and fall back.
 """
 
 import tensorflow as tf

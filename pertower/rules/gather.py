@@ -1,8 +1,9 @@
-"""Rule for embedding lookups: GatherV2(W, ids, axis=0) and ResourceGather(handle, ids).
+"""Rule for embedding lookups by the batch's ids: GatherV2(W, ids, axis=0) and
+ResourceGather(handle, ids) (ids the same for one example alone, as a position table's
+`tf.range(T)`, make the gather a function of the weight: `_weight_functions`).
 
 Identity: Z = W[ids] copies rows, so example i's gradient scatters its rows of dZ back
-to the rows of W they came from, adding repeated ids (Goodfellow 2015, arXiv
-1510.01799: the per-example sum of the batch gradient's terms):
+to the rows of W they came from, adding repeated ids (Goodfellow 2015, arXiv 1510.01799):
     grad_i(W)[v] = sum over example i's rows t with ids_t = v of dz_t,
 the dense [G, V, *W.shape[1:]] as one unsorted segment sum with segment g*V + id for
 group g = i // (B/G). Its squared norm is sum_{t,s} [ids_it = ids_is] (dz_it · dz_is)
@@ -14,9 +15,9 @@ Which example a gathered row belongs to:
                           batch's n = B*k ids, stitched back by DynamicStitch
                           (`_batch_axis.transfer_lookups`): row j of part p is flat
                           row positions_p[j] = DynamicPartition(range(n), P)[p][j].
-    unique ids            u, Unique(ids) = (u, idx), whose rows a SparseSegment op
-                          combines by idx (embedding_lookup_sparse on a resource
-                          table): `rules.sparse_segment`'s scatter at that op's output.
+    unique ids            Unique(ids) = (u, idx), whose rows a SparseSegment op combines
+                          by idx (embedding_lookup_sparse on a resource table):
+                          `rules.sparse_segment`'s scatter at that op's output.
 
 Covered: axis 0, batch_dims 0, the table's shape static.
 """
@@ -100,8 +101,8 @@ class GatherRule(registry_lib.Rule):
         if not isinstance(use.rows, _batch_axis.Rows):
             return None
         V = use.weight_shape.as_list()[0]
-        D = _rows.static_size(use.weight_shape[1:])
-        L = _rows.static_size(use.activation.shape[1:])
+        D = use.weight_shape[1:].num_elements()
+        L = use.activation.shape[1:].num_elements()
         if L is None or L * use.rows.k * L * use.rows.k > V * D:
             return None
         ids = tf.reshape(use.activation, _rows.group_shape(B, [-1]))     # [B, L]

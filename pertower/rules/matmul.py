@@ -1,21 +1,19 @@
 """Rule for the matrix products with a weight on the right: MatMul, SparseMatMul (the
-same product, its `*_is_sparse` attributes only choose the kernel; tf_keras'
-LocallyConnected implementation=2) and BatchMatMul(V2/V3) with a weight matrix.
+same product; tf_keras' LocallyConnected implementation=2) and BatchMatMul(V2/V3) with
+a weight matrix.
 
-Identity (Goodfellow 2015, "Efficient per-example gradient computations",
-arXiv 1510.01799): with A [B*k, ..., d] and dZ [B*k, ..., n], every row r of the last
-two axes is one use of W [d, n], so with T = k * prod(middle axes) rows per example
-    grad_i(W) = sum over example i's rows r of a_r ⊗ dz_r                    [d, n]
-and its squared norm is ||a_i||^2 ||dz_i||^2 for T = 1, or the ghost norm
-sum_{r,s} (a_r·a_s)(dz_r·dz_s) (Li et al. 2021, arXiv 2110.05679) for T > 1.
-For T = 1 the elementwise sum of squares is sum_i grad_i(W)^2 = (A⊙A)^T (dZ⊙dZ)
-(BackPACK's SumGradSquared, Dangel et al. 2020, arXiv 1912.10985).
-The clipped sum sum_i f_i grad_i(W) = A^T (f ⊙ dZ), the batch gradient with example
-i's rows of dZ scaled by f_i (the book-keeping of Bu et al. 2023, arXiv 2210.00038).
+Identity (Goodfellow 2015, arXiv 1510.01799): with A [B*k, ..., d] and dZ [B*k, ..., n],
+each row r of the last two axes is one use of W [d, n]; with T = k * prod(middle axes)
+rows per example
+    grad_i(W) = sum over example i's rows r of a_r ⊗ dz_r                    [d, n],
+its squared norm ||a_i||^2 ||dz_i||^2 for T = 1, else the ghost norm
+sum_{r,s} (a_r·a_s)(dz_r·dz_s) (Li et al. 2021, arXiv 2110.05679). For T = 1,
+sum_i grad_i(W)^2 = (A⊙A)^T (dZ⊙dZ) (BackPACK's SumGradSquared, Dangel et al. 2020,
+arXiv 1912.10985). The clipped sum sum_i f_i grad_i(W) = A^T (f ⊙ dZ) (Bu et al. 2023,
+arXiv 2210.00038).
 
 Covered: the weight as the right operand (rank 2, or leading axes of size 1 for
-BatchMatMul), transposed or adjoint either way; the activation not transposed. A weight
-on the left (W A) has no rows per example and falls back.
+BatchMatMul), transposed or adjoint either way; the activation not transposed.
 """
 
 import tensorflow as tf
@@ -72,7 +70,7 @@ class MatMulRule(registry_lib.Rule):
 
     def squared_norms(self, use, dZ, B):
         d, n = use.weight_shape.as_list()[-2:]
-        middle = _rows.static_size(use.activation.shape[1:-1])
+        middle = use.activation.shape[1:-1].num_elements()
         rows = None if None in (middle, use.rows.k) else use.rows.k * middle   # T
         if rows != 1 and not _rows.ghost_norm_is_cheaper(rows, d, n):
             return None

@@ -6,10 +6,9 @@ Notation:
     dZ  the gradient of sum(ys) (or of sum(grad_ys * ys)) at the op's output
     w   the weight at the op's input `slot` (after any reshape of the variable's value)
 
-A rule turns the *batched* A and dZ of one op into one gradient per group of examples,
-[G, *w.shape]. It may only be used where `pertower._batch_axis` proves that A's and dZ's
-rows are example-major (example i owns rows i*k ... i*k+k-1) and that row i of `ys`
-depends on example i alone; `Rule.match` checks what the rule itself needs on top.
+A rule turns the batched A and dZ of one op into one gradient per group of examples,
+[G, *w.shape], where `pertower._batch_axis` proves that A's and dZ's rows are
+example-major and row i of `ys` depends on example i alone; `Rule.match` checks the rest.
 """
 
 import dataclasses
@@ -27,7 +26,8 @@ __all__ = ["Rule", "ForwardingRule", "RuleRegistry", "Use", "FormedNorms",
 class Use:
     """One covered read of a weight: input `slot` of `op`, covered by `rule`, with the
     batch-side input A (`activation`, [B*k, ...]), the output Z whose gradient dZ the
-    rule uses (`output`, [B*k, ...]), the weight's static shape as the op sees it, the
+    rule uses (`output`, [B*k, ...]), the weight's shape as the op sees it (static unless
+    the rule has `dynamic_weight_shape` and the weight is read through a function), the
     `Rows` of A (k rows per example), and the weight-only ops it is read `through`
     (`rules._weight_functions`; empty for a direct read)."""
 
@@ -66,19 +66,14 @@ class FormedNorms:
 
 
 class Rule:
-    """Base class of per-op rules: one method per quantity. A subclass defines `match`
-    and `per_group`; the others default to "no cheaper form" (None: formed from
-    `per_group` by the caller):
+    """Base class of per-op rules: one method per quantity (per-example gradient,
+    squared norm, sum of squares, clipped sum, K-FAC rows, row layouts). A subclass
+    defines `match` and `per_group`; the others default to "no cheaper form" (None: the
+    caller forms the quantity from `per_group`)."""
 
-        per-example gradient   per_group        (required)
-        squared norm           squared_norms    ||grad_i||^2 without forming grad_i
-                               formed_norms     ... formed in a layout of its own
-        sum of squares         sum_squared      sum_c grad_{i,c}^2 (`diag_ggn`'s columns)
-                               sum_squared_size the numbers per example it holds
-        clipped sum            clipped_sum      sum_i f_i grad_i (DP-SGD)
-        K-FAC factors          kfac_rows        the rows whose outer products give A
-        row layouts            output_layouts   for an op type the analysis does not know
-    """
+    # whether `per_group` takes the weight's sizes from the graph, so that a function of
+    # a weight with dynamic sizes (a position table's first T rows) may reach it
+    dynamic_weight_shape = False
 
     def match(self, op, slot, analysis):
         """A `Use` when this rule covers the weight at input `slot` of `op`, else a

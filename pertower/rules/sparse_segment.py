@@ -1,16 +1,12 @@
 """Rule for a table read by SparseSegmentSum/Mean/SqrtN(table, ids, segment_ids) whose
-segments are the batch's examples (a SparseTensor built from the batch's dense ids with
-tf.sparse.from_dense, looked up by tf.compat.v1.nn.embedding_lookup_sparse; the pattern
-and its proof are in `pertower._batch_axis.transfer_lookups`).
+segments are the batch's examples (tf.sparse.from_dense of the batch's ids, looked up by
+tf.compat.v1.nn.embedding_lookup_sparse; proof in `_batch_axis.transfer_lookups`).
 
-Identity: row s of Z is c_s sum_{j: seg_j = s} W[ids_j] with c_s = 1 (sum), 1/n_s (mean)
-or 1/sqrt(n_s) (sqrtN), n_s the entries of segment s, and segment s is example s. So
-
-    grad_i(W)[v] = c_i sum over entries j of example i with ids_j = v of dz_i,
-
-the batch gradient's terms of example i (Goodfellow 2015, arXiv 1510.01799): one
-unsorted segment sum of the rows c_i dz_i, one per entry, with segment g*V + ids_j for
-example i's group g = i // (B/G).
+Identity: row s of Z is c_s sum_{j: seg_j = s} W[ids_j] with c_s = 1 (sum), 1/n_s
+(mean) or 1/sqrt(n_s) (sqrtN), n_s the entries of segment s = example s, so
+    grad_i(W)[v] = c_i sum over entries j of example i with ids_j = v of dz_i
+(Goodfellow 2015, arXiv 1510.01799): one unsorted segment sum of the rows c_i dz_i
+with segment g*V + ids_j for example i's group g = i // (B/G).
 """
 
 import tensorflow as tf
@@ -26,7 +22,7 @@ def segment_rows(dZ, segments, groups, G, weight_shape):
     """[G, V, *row]: the rows of dZ [n, *row] added at `segments` [n] (group * V + id),
     `groups` the number of groups as an int64 tensor."""
     V = weight_shape.as_list()[0]
-    D = _rows.static_size(weight_shape[1:])
+    D = weight_shape[1:].num_elements()
     dense = tf.math.unsorted_segment_sum(tf.reshape(dZ, [-1, D]), segments,
                                          groups * V)                        # [G*V, D]
     return tf.reshape(dense, _rows.group_shape(G, weight_shape.as_list()))  # [G, V, *row]
@@ -36,7 +32,7 @@ def scatter(segment_op, ids, weight_shape, dZ, G):
     """[G, V, *row]: each example's output gradient dZ [B, *row] of `segment_op`, scaled
     by c_i, scattered into the rows of its entries' ids [m] (see the module)."""
     V = weight_shape.as_list()[0]
-    D = _rows.static_size(weight_shape[1:])
+    D = weight_shape[1:].num_elements()
     segments = tf.cast(segment_op.inputs[2], tf.int64)                     # [m]
     rows = tf.reshape(dZ, [-1, D])                                         # [B', D]
     B = tf.shape(rows, out_type=tf.int64)[0]
