@@ -1,26 +1,17 @@
 """The one dispatch every public function goes through: request -> plan -> guards -> build.
 
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    K   output entries per example     x   one weight (entry of `xs`)
+Notation: B examples, G groups (B or M microbatches), K outputs per example, x a weight.
 
-    request  `pertower._request.make_request`: the arguments checked once into a
-             `Request` (with the `Examples` and `Options` records, `options` here).
-    plan     `make_plan(request)`: per weight, the rule that computes it or the reason
-             it falls back; the analysis' verdict; the memory estimate
-             (`pertower._plan.Plan`, what `pertower.explain` returns).
-    guards   what cannot be built is refused: a strict method with weights no rule
-             covers, towers (or row passes, or the run-time check) without a known B,
-             a run-time check that cannot pass, the memory limit
-             (`pertower._guards.memory`); couplings are refused by the request.
-    build    `build`: the rules' batched backward pass for the covered weights and one
-             fallback for the others: towers, or past a TF1 (v1) while loop (which
+    request  `pertower._request.make_request`: the arguments checked once.
+    plan     `make_plan`: per weight, the rule that computes it or why it falls back;
+             the analysis' verdict; the memory estimate (`pertower._plan.Plan`).
+    guards   refused: a strict method with weights no rule covers, a fallback or
+             run-time check without a known B, a run-time check that cannot pass,
+             the memory limit (`pertower._guards.memory`); couplings by the request.
+    build    `build`: the rules' batched backward pass for the covered weights and
+             one fallback for the others: towers, or past a TF1 (v1) while loop (which
              towers cannot differentiate through) row passes, one backward pass of the
              original graph per group (`pertower._combiner.Built`).
-
-Methods: "auto" (default: rules where proven, towers elsewhere), "rules" (strict: every
-weight must have a proven rule, else the call is refused listing each weight and why),
-"towers" (replay the model once per group on weight copies).
 """
 
 import dataclasses
@@ -36,9 +27,7 @@ from pertower import _request
 from pertower import rules as rules_lib
 from pertower._guards import memory
 
-__all__ = ["METHODS", "options", "plan_call", "make_plan", "build", "warn_if_unproven"]
-
-METHODS = _request.METHODS
+__all__ = ["options", "plan_call", "make_plan", "build", "warn_if_unproven"]
 
 
 def options(method="auto", rules=None, **others):
@@ -60,6 +49,7 @@ def options(method="auto", rules=None, **others):
 def plan_call(ys, xs, devices, examples, given, **keywords):
     """(devices checked, the `_checks.Partitions` of xs, the plan of its parts);
     `keywords` are those of `_request.make_request`."""
+    _checks.require_graph_mode()
     devices = _checks.device_list(devices)
     partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
     return devices, partitions, make_plan(_request.make_request(

@@ -88,7 +88,6 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
     Example:
       sgs = pertower.sum_grad_squared(per_example_loss, model.trainable_weights)
     """
-    _checks.require_graph_mode()
     devices, plan = _plan(ys, xs, devices, batch, batch_size, batch_axis, 1, False,
                           memory_limit, method, rules, validate, "ys", forms_gradients=False)
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
