@@ -110,8 +110,8 @@ class Built:
         with tf.name_scope(name or "gradients"):
             ys = self.plan.request.ys
             with tf.control_dependencies(self.rule_checks()):
-                squares = _engine.squared_norms(self.plan, self.covered,
-                                                self.groups)                  # {k: [G]}
+                _, squares, _ = _engine.norm_parts(self.plan, self.covered,
+                                                   self.groups)               # {k: [G]}
                 _, fallback_squares = self._fallback_formed(
                     "tower_gradients" if self._alone else self._fallback_scope)
             squares.update(fallback_squares)                                  # {k: [G]}

@@ -23,9 +23,8 @@ def group_count(request, num_groups):
 
 def run_time_checks(request, plan=None):
     """Assertions on the fed batch: its size equals `batch_size` (B, or B_s for each
-    batch `ys` joins) when one was given for a None batch axis; M divides it when B is
-    left to run time. `plan` (when given) chooses the advice of the message: leaving
-    out batch_size helps only when the rules compute every weight."""
+    batch `ys` joins) given for a None batch axis; M divides it when B is left to run
+    time. `plan` (when given) chooses the advice of the message (`size_advice`)."""
     checks = []
     B, M = request.batch_size, request.num_groups
     own_size = {}
@@ -36,7 +35,7 @@ def run_time_checks(request, plan=None):
         if size is not None:
             continue
         if B is not None:
-            given = (f"batch_size[{j}]={own_size[j]}" if j in own_size else None)
+            given = f"batch_size[{j}]={own_size[j]}" if j in own_size else None
             checks.append(_checks.fed_batch_size_check(
                 b, axis, own_size.get(j, B), "the gradients", size_advice(request, plan),
                 name=f"check_batch_size_{j}", given=given))

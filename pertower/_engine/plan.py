@@ -1,8 +1,5 @@
-"""`build_plan`: which weights the rules cover, through which uses (no op built).
-
-Notation (as in `pertower._engine`): x one weight, A and Z a weight-consuming op's
-batch-side input and output.
-"""
+"""`build_plan`: which weights the rules cover, through which uses (notation:
+`pertower._engine`)."""
 
 import dataclasses
 
@@ -18,13 +15,8 @@ __all__ = ["build_plan"]
 
 
 def build_plan(request, registry):
-    """Decides, for every weight, whether the rules cover it. Builds no ops.
-
-    Returns:
-      (uses, reasons): per entry of xs, a tuple of `rules.Use` (empty when `ys` does
-      not reach x) or None when x falls back to the towers; and why it falls back
-      (str) or None.
-    """
+    """(uses, reasons): per entry of xs, a tuple of `rules.Use` (empty when `ys` does
+    not reach x) or None when x falls back; and why it falls back, or None. No op built."""
     ys, batch = request.ys, request.batch
     analysis = request.analysis
     if analysis is None or analysis.registry is not registry:

@@ -1,13 +1,10 @@
 """Which weights' gradients flow through ops whose gradient the rules cannot assume.
 
 The rules assume TensorFlow's registered gradients, which keep the examples apart. An op
-whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`: its
-`_gradient_op_type` attribute) or is Python code (`tf.py_func`, `tf.numpy_function`,
-`tf.py_function`), on a path from a weight's reads to `ys` (in called functions too),
-may mix the examples; such a weight is left to the towers, unless the op is in the
-graph itself and the batch-axis analysis proves its backward row-wise
-(`pertower._overrides`). When no op that `ys` depends on has such a gradient, no
-weight's path is walked.
+whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`) or is
+Python code (`tf.py_func` and the like), on a path from a weight's reads to `ys` (in
+called functions too), may mix them: such a weight is left to the towers, unless the op
+is in the graph itself and its backward is proven row-wise (`pertower._overrides`).
 """
 
 from pertower import _graph_walk as graph_walk
@@ -37,9 +34,8 @@ def _unassumed_reason(node_op, attrs, where):
 
 
 class UnassumedGradients:
-    """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
-    TensorFlow's registered one (see the module). One per plan: function bodies and
-    overrides are read once."""
+    """Finds the ops with such gradients on a weight's paths to `ys`; one per plan
+    (function bodies and overrides read once)."""
 
     def __init__(self, request):
         self.request = request
@@ -51,8 +47,7 @@ class UnassumedGradients:
         self._flagged = {}     # id(ops) -> (ops, those of them that have a reason)
 
     def _flagged_ops(self, ops):
-        """The ops of `ops` that (or whose called functions) have a reason, sorted by
-        creation; found once per set."""
+        """The ops of `ops` with a reason (theirs or their functions'), in creation order."""
         key = id(ops)
         if key not in self._flagged:
             self._flagged[key] = (ops, sorted(filter(self._has_reason, ops),
@@ -65,10 +60,9 @@ class UnassumedGradients:
                 or self._op_reason(op, functions=True) is not None)
 
     def reason(self, reads, ys_upstream, region=None):
-        """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
-        None (the first op with a reason, in creation order). `region`: the ops
-        downstream of its reads within `ys_upstream` (the request's `weight_regions`
-        entry, or a function giving it), else walked."""
+        """Why the rules may not compute the weight of `reads` (the first op with a
+        reason, in creation order), or None. `region`: the ops downstream of its reads
+        (or a function giving them), else walked."""
         entries = (list(reads.gather_ops) + list(reads.loop_inputs)
                    + [op for op, _ in reads.call_inputs])
         flagged = self._flagged_ops(ys_upstream)
@@ -129,8 +123,7 @@ class UnassumedGradients:
         return None
 
     def _function(self, name, depth):
-        """The reason found in the body of the function `name` (or in functions it
-        calls), or None."""
+        """The reason found in the function `name` (or the functions it calls), or None."""
         if name in self._functions:
             return self._functions[name]
         self._functions[name] = None   # a recursive reference adds nothing
