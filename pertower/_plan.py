@@ -1,11 +1,5 @@
-"""The plan records: what a call will build, per weight, and its readable table.
-
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    K   output entries per example     x   one weight (entry of `xs`)
-
-A `Plan` is made by `pertower._dispatch.make_plan` before any op is added.
-"""
+"""The plan records: what a call will build, per weight, and its readable table (made
+by `pertower._dispatch.make_plan` before any op is added)."""
 
 import dataclasses
 

@@ -6,15 +6,13 @@ Notation:
     stacked  the tower outputs concatenated, [B, ...]: `ys` recomputed slice by slice
 
 What the static scan (`pertower._batch_axis`) cannot see (a py_function, a custom
-kernel) shows at run time: when the examples are independent, computing them slice by
-slice gives `ys` again. Both checks compare the two on real data:
+kernel) shows at run time: with independent examples, computing them slice by slice
+gives `ys` again. Both checks compare the two on real data:
 
     max |stacked - ys|  <=  tolerance * (1 + max |ys|)
 
 with tolerance 1e-4 for float32 (1e-9 float64, 1e-2 float16/bfloat16): above the
-rounding of kernels run on other batch sizes, far below what a coupling changes. A
-plan that needs the check on a graph with random ops shaped by the batch (dropout in
-training mode) is refused (`pertower._dispatch`): every slice draws its own numbers.
+rounding of kernels run on other batch sizes, far below what a coupling changes.
 """
 
 import dataclasses
@@ -36,8 +34,7 @@ def _tolerance(dtype):
 
 
 def _differences(stacked, ys):
-    """[B] max |stacked - ys| over each example's entries (0 where both are NaN), and
-    the scalar bound they must stay under."""
+    """([B] max |stacked - ys| per example (0 where both are NaN), the scalar bound)."""
     both_nan = tf.logical_and(tf.math.is_nan(stacked), tf.math.is_nan(ys))
     difference = tf.where(both_nan, tf.zeros_like(ys), tf.abs(stacked - ys))  # [B, ...]
     if difference.shape.rank is not None and difference.shape.rank > 1:
@@ -135,8 +132,7 @@ def gated(result):
 
 def validated(results, ys, stacked):
     """`results` (entries may be None) gated on a run-time assertion that `stacked`,
-    [B, ...], equals `ys` (the bound of the module docstring); fetching any of them
-    fails with tf.errors.InvalidArgumentError naming the difference otherwise."""
+    [B, ...], equals `ys` within the bound (else InvalidArgumentError on fetching)."""
     with tf.name_scope("validate"):
         difference, bound = _differences(stacked, ys)
         worst = tf.reduce_max(difference)
