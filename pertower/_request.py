@@ -173,7 +173,7 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
     if not xs and weights_required:
         raise _context.error(ValueError, "`xs` is empty; pass at least one weight.")
     with graph.as_default():
-        ys_upstream = graph_walk.upstream_region([ys])
+        ys_upstream = graph_walk.OpRegion(graph_walk.upstream_ops([ys]))
         found = batch is None
         batch = _batch_tensors(ys, batch, ys_upstream, graph)
         axes = _batch_sizes.batch_axes(examples.batch_axis, batch)

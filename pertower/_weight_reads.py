@@ -1,7 +1,5 @@
 """Where each weight enters the computation of `ys`: its reads, gathers, and the
-function calls and TF1 loops that get its resource handle (notation of
-`pertower._graph_walk`).
-"""
+function calls and TF1 loops that get its resource handle (notation: `_graph_walk`)."""
 
 import tensorflow as tf
 
@@ -64,20 +62,17 @@ class WeightReads:
 
     @property
     def dtype(self):
-        if self.gather_ops and not isinstance(self.x, tf.Variable):
+        """The dtype of the value x (a variable, a tensor or a resource handle) holds."""
+        x = self.x
+        if self.gather_ops and not isinstance(x, tf.Variable):
             return self.gather_ops[0].get_attr("dtype")
-        return _value_dtype(self.x)
-
-
-def _value_dtype(x):
-    """The dtype of the value `x` (a variable, a tensor or a resource handle) holds."""
-    if x.dtype != tf.resource:
-        return x.dtype.base_dtype
-    handle_data = _tf.handle_data(x)
-    if handle_data is not None and handle_data.shape_and_type:
-        return tf.as_dtype(handle_data.shape_and_type[0].dtype)
-    raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; pass the "
-                    "variable instead of its handle.")
+        if x.dtype != tf.resource:
+            return x.dtype.base_dtype
+        handle_data = _tf.handle_data(x)
+        if handle_data is not None and handle_data.shape_and_type:
+            return tf.as_dtype(handle_data.shape_and_type[0].dtype)
+        raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; "
+                             "pass the variable instead of its handle.")
 
 
 def _handle_consumers(handle, within):
