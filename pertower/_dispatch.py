@@ -68,7 +68,7 @@ def make_plan(request, *arguments, **keywords):
                                         options(**keywords))
     given = request.options
     with request.graph.as_default():
-        uses, reasons = _engine.build_plan(request, given.registry)
+        uses, reasons = _engine.build_plan(request)
     analysis = request.analysis
     couplings, verdict, lost_at = tuple(analysis.couplings), analysis.verdict, analysis.lost_at
     uses, reasons = list(uses), list(reasons)

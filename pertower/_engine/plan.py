@@ -5,7 +5,6 @@ import dataclasses
 
 import tensorflow as tf
 
-from pertower import _batch_axis
 from pertower import _tf
 from pertower._engine.unassumed import UnassumedGradients
 from pertower import _loops
@@ -14,14 +13,11 @@ from pertower.rules import _weight_functions
 __all__ = ["build_plan"]
 
 
-def build_plan(request, registry):
+def build_plan(request):
     """(uses, reasons): per entry of xs, a tuple of `rules.Use` (empty when `ys` does
     not reach x) or None when x falls back; and why it falls back, or None. No op built."""
-    ys, batch = request.ys, request.batch
-    analysis = request.analysis
-    if analysis is None or analysis.registry is not registry:
-        analysis = _batch_axis.analyze(ys, batch, request.ys_upstream, request.batch_size,
-                                       request.num_groups, registry)
+    ys, batch, analysis = request.ys, request.batch, request.analysis
+    registry = request.options.registry   # (the one `analysis` was made with)
     reason = None
     if analysis.verdict != "independent":
         lost = analysis.lost_at
