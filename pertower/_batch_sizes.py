@@ -16,7 +16,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 
 __all__ = ["batch_axes", "size_hint", "one_batch_size", "concat_segments", "segment_sizes",
-           "batch_size_of", "check_ys_rows"]
+           "batch_size_of", "check_ys_rows", "listing"]
 
 # ops between a concat and `ys` that keep its rows in place (one batch-fed input)
 _ROW_KEEPING = ("Identity", "Neg", "Square", "Sqrt", "Exp", "Log", "Abs", "Cast", "Mul",
@@ -160,7 +160,7 @@ def segment_sizes(ys, batch, axes, static_sizes, ys_rows, segments, batch_size, 
         if static is None and given[j] is None:
             raise _context.error(
                 ValueError, f"`ys` ({ys.name}) joins several batches along "
-                f"axis 0 ({_listing(batch, segments)}) and the batch axis of {b.name} "
+                f"axis 0 ({listing(batch, segments)}) and the batch axis of {b.name} "
                 f"({b.shape}) is not static, so `batch_size` is needed: pass one size per "
                 f"batch tensor, batch_size=[B_1, B_2, ...] in the order of `batch` ({names}), "
                 "or one int when they are all equal. Each batch is computed example by "
@@ -170,36 +170,36 @@ def segment_sizes(ys, batch, axes, static_sizes, ys_rows, segments, batch_size, 
     for segment in segments:
         own = {sizes[j] for j in segment}
         if len(own) > 1:
-            listing = ", ".join(f"{batch[j].name} has {sizes[j]}" for j in segment)
+            counts = ", ".join(f"{batch[j].name} has {sizes[j]}" for j in segment)
             raise _context.error(
-                ValueError, f"the batch tensors {listing} examples, but `ys` "
+                ValueError, f"the batch tensors {counts} examples, but `ys` "
                 "computes each of its rows from all of them together, so they must be "
                 "fed the same number of examples.")
         pairs.append((tuple(segment), sizes[segment[0]]))
     B = sum(size for _, size in pairs)
+    joined = listing(batch, pairs, " with {} examples")
     check_ys_rows(ys, ys_rows, B, f"the batches it joins have {B} examples together "
-                          f"({_listing(batch, pairs, sizes=True)})")
+                                  f"({joined})")
     if M is not None and (B % M or any(size % (B // M) for _, size in pairs)):
         valid = [m for m in range(1, B + 1)
                  if B % m == 0 and all(size % (B // m) == 0 for _, size in pairs)]
         raise _context.error(
             ValueError, f"`{groups_argument}` ({M}) does not split the rows "
             f"of `ys` ({ys.name}) at the boundaries of the batches it joins along axis 0 "
-            f"({_listing(batch, pairs, sizes=True)}, {B} rows together): each microbatch "
+            f"({joined}, {B} rows together): each microbatch "
             "must hold examples of one batch only, B/M of them. Valid values here: "
             f"{', '.join(map(str, valid))} (with batches of equal sizes, the number of "
             "batches gives one microbatch per batch).")
     return B, tuple(pairs)
 
 
-def _listing(batch, segments, sizes=False):
-    """'s1:0 then s2:0' (with sizes: 's1:0 with 2 examples, then s2:0 with 3')."""
-    words = []
-    for segment in segments:
-        indices, size = segment if sizes else (segment, None)
-        text = " and ".join(batch[j].name for j in indices)
-        words.append(text + (f" with {size} examples" if sizes else ""))
-    return ", then ".join(words)
+def listing(batch, segments, sizes=None):
+    """The batches `ys` joins, in row order: 's1:0, then s2:0 and t2:0' for `segments`
+    of batch indices; with `sizes` (e.g. ' with {} examples'), (indices, B_s) pairs,
+    each followed by sizes.format(B_s)."""
+    return ", then ".join(
+        " and ".join(batch[j].name for j in (segment[0] if sizes else segment))
+        + (sizes.format(segment[1]) if sizes else "") for segment in segments)
 
 
 def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
@@ -209,11 +209,11 @@ def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
         if size is not None:
             static.setdefault(size, (b, axis))
     if len(static) > 1:
-        listing = ", ".join(f"{b.name} has {n}" + (f" on axis {axis}" if axis else "")
-                            for n, (b, axis) in static.items())
+        counts = ", ".join(f"{b.name} has {n}" + (f" on axis {axis}" if axis else "")
+                           for n, (b, axis) in static.items())
         raise _context.error(
             ValueError, f"the batch tensors have different static batch "
-            f"sizes ({listing}); they must share the batch axis. For time-major inputs "
+            f"sizes ({counts}); they must share the batch axis. For time-major inputs "
             "([T, B, ...]) pass batch_axis=1 (or a list with one axis per batch tensor).")
     if batch_size is not None:
         batch_size = _checks.positive_int(batch_size, "batch_size")

@@ -27,7 +27,7 @@ from pertower import _request
 from pertower import rules as rules_lib
 from pertower._guards import memory
 
-__all__ = ["options", "plan_call", "make_plan", "build", "warn_if_unproven"]
+__all__ = ["options", "plan_call", "make_plan", "build"]
 
 
 def options(method="auto", rules=None, **others):
@@ -111,7 +111,8 @@ def make_plan(request, *arguments, **keywords):
     return plan
 
 
-def warn_if_unproven(plan):
+def build(plan, devices=None):
+    """Builds what `plan` decided, under the current name scope; returns a `Built`."""
     if plan.checked_by_default:
         op, why = plan.lost_at
         warnings.warn(_context.prefixed(
@@ -119,12 +120,7 @@ def warn_if_unproven(plan):
             f"on example i alone: the proof was lost at {op.name!r} ({op.type}): {why}. "
             "The result is checked at run time (fetching it fails if `ys` recomputed "
             "slice by slice differs from `ys`). Pass validate=False to skip the check, "
-            "or validate=True to keep it without this warning."), stacklevel=4)
-
-
-def build(plan, devices=None):
-    """Builds what `plan` decided, under the current name scope; returns a `Built`."""
-    warn_if_unproven(plan)
+            "or validate=True to keep it without this warning."), stacklevel=3)
     with plan.request.graph.as_default():
         return _combiner.Built(plan, devices)
 

@@ -5,6 +5,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from pertower import _batch_sizes
+
 __all__ = ["Plan", "WeightPlan", "weight_name"]
 
 
@@ -145,12 +147,10 @@ class Plan:
 
 
 def _batch_listing(request):
-    """The batch tensors with their batch axis when not 0 (or the joined batches, each
-    with its size, in row order)."""
+    """The batch tensors with their batch axis when not 0 (or the joined batches)."""
     if request.segments is not None:
-        return ", then ".join(
-            " and ".join(request.batch[j].name for j in indices) + f" ({size} examples)"
-            for indices, size in request.segments) + " (joined along axis 0 of ys)"
+        return (_batch_sizes.listing(request.batch, request.segments, " ({} examples)")
+                + " (joined along axis 0 of ys)")
     return ", ".join(b.name + (f" (batch axis {a})" if a else "")
                      for b, a in zip(request.batch, request.batch_axes))
 

@@ -5,6 +5,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from pertower import _batch_sizes
 from pertower import _tf
 from pertower._engine.unassumed import UnassumedGradients
 from pertower import _loops
@@ -27,10 +28,9 @@ def build_plan(request):
                   f"the batch{where}")
     elif analysis.segments is not None:
         # a rule's [B_s] result would have to be placed at its batch's rows of `ys`
-        joined = ", then ".join(" and ".join(batch[j].name for j in segment)
-                                for segment in analysis.segments)
-        reason = (f"`ys` ({ys.name}) joins several batches along axis 0 ({joined}); the "
-                  "towers compute it example by example in that order")
+        reason = (f"`ys` ({ys.name}) joins several batches along axis 0 "
+                  f"({_batch_sizes.listing(batch, analysis.segments)}); the towers compute "
+                  "it example by example in that order")
     if reason is not None:
         return (tuple(None if r.reached else () for r in request.reads),
                 tuple(reason if r.reached else None for r in request.reads))
