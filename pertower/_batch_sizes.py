@@ -1,9 +1,5 @@
-"""The batch's sizes: each batch tensor's batch axis, B, and the sizes of the batches
-`ys` joins, from the static shapes (read once, in `pertower._request`) and `batch_size`.
-
-Notation:
-    B   examples in the batch          M   microbatches (groups of B/M examples)
-    B_s the examples of batch s, when `ys` joins several batches along axis 0
+"""The batch's sizes: each batch tensor's batch axis, B, and the sizes B_s of the batches
+`ys` joins along axis 0 (B = B_1 + B_2 + ...), from the static shapes and `batch_size`.
 """
 
 import numbers
@@ -24,8 +20,8 @@ _ROW_KEEPING = ("Identity", "Neg", "Square", "Sqrt", "Exp", "Log", "Abs", "Cast"
 
 
 def batch_axes(batch_axis, batch):
-    """The batch axis of each batch tensor (non-negative ints), from `batch_axis`:
-    None (0 for every tensor), an int (for every tensor), or a list parallel to `batch`."""
+    """The batch axis of each batch tensor (non-negative ints) from `batch_axis`: None
+    (0), an int (for every tensor), or a list parallel to `batch`."""
     if batch_axis is None:
         return [0] * len(batch)
     if isinstance(batch_axis, (list, tuple)):
@@ -77,9 +73,8 @@ def size_hint(static_sizes, batch_size):
 
 
 def one_batch_size(batch_size, batch, lost_at=None):
-    """`batch_size` as given, or its one value when it is a list of equal sizes (a list
-    of different sizes is for `ys` joining several batches: refused, saying why with
-    the analysis' `lost_at`)."""
+    """`batch_size`, or the one value of a list of equal sizes; other lists (for `ys`
+    joining several batches) are refused, saying why with the analysis' `lost_at`."""
     if not isinstance(batch_size, (list, tuple)):
         return batch_size
     if len(batch_size) != len(batch) or len(set(map(repr, batch_size))) != 1:
@@ -102,11 +97,10 @@ def one_batch_size(batch_size, batch, lost_at=None):
 
 
 def concat_segments(ys, batch):
-    """The batches `ys` joins along axis 0, read from the graph alone (when the analysis
-    lost its proof before the join): `ys` is, up to row-keeping ops, a concat along
-    axis 0 whose inputs read disjoint sets of batch tensors, together all of them. One
-    tuple of batch indices per input, in row order; None otherwise. The run-time check
-    of the unproven verdict checks the rest."""
+    """The batches `ys` joins, read from the graph alone (when the analysis lost its
+    proof before the join): `ys` is, up to row-keeping ops, a concat along axis 0 whose
+    inputs read disjoint sets of batch tensors, together all of them. One tuple of batch
+    indices per input, in row order, or None (the run-time check checks the rest)."""
     def reads(tensor):
         upstream = graph_walk.upstream_ops([tensor])
         return frozenset(j for j, b in enumerate(batch)
@@ -239,8 +233,7 @@ def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
 
 
 def check_ys_rows(ys, ys_rows, B, batch_words):
-    """Raises when the static axis 0 of `ys` (`ys_rows`) is not the B rows of the batch,
-    with the likely causes."""
+    """Raises when the static axis 0 of `ys` is not B rows, with the likely causes."""
     if ys_rows is None or ys_rows == B:
         return
     hints = []

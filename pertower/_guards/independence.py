@@ -20,6 +20,7 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _checks
+from pertower import _docs
 from pertower._towers import sparse
 from pertower._towers import build as towers_lib
 from pertower import _context
@@ -67,6 +68,7 @@ class IndependenceCheck:
 
 
 @_context.public("check_independence")
+@_docs.documented
 def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, name=None,
                        num_towers=None, batch_axis=None):
     """Builds a run-time check that the examples of `ys` do not depend on each other.
@@ -78,16 +80,13 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
 
     Args:
       ys: per-example values, [B, ...].
-      batch: the tensor(s) carrying the batch on axis 0; found from `ys` when None.
+      {options: batch, name, batch_axis}
       batch_size: B, needed when the batch axis is not static.
       num_microbatches: T, the number of slices (None: one per example). Microbatch
         gradients with M microbatches need independence between microbatches only:
         check with num_microbatches=M.
-      name: name scope for the new ops (default "check_independence").
       num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
         both is a TypeError).
-      batch_axis: the axis of each batch tensor that carries the batch (None: 0; an
-        int for all, or a list parallel to `batch`), as in `per_example_gradients`.
 
     Returns:
       An `IndependenceCheck`; fetch `.independent` (and `.max_difference`).
