@@ -221,7 +221,7 @@ def _refuse_python_gradients_in_row_passes(request, uses, reasons, refuse):
     for k, reads in enumerate(request.reads):
         if uses[k] is not None or not reads.reached:
             continue
-        why = unassumed.reason(reads, request.ys_upstream)
+        why = unassumed.reason(k)
         if why is None:
             continue
         text = (f"the weight {reads.name!r} is computed by one backward pass of the "

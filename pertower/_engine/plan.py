@@ -39,9 +39,8 @@ def build_plan(request):
     loops = _loops.Loops(request, analysis, registry)
     for k, (x, reads) in enumerate(zip(request.xs, request.reads)):
         found = _weight_uses(x, reads, request.ys_upstream, analysis, registry, loops)
-        if not isinstance(found, str) and found:   # (x's region walked only when needed)
-            region = lambda k=k: request.weight_regions[k]
-            found = unassumed.reason(reads, request.ys_upstream, region) or found
+        if not isinstance(found, str) and found:
+            found = unassumed.reason(k) or found
         if isinstance(found, str):
             uses.append(None)
             reasons.append(found)

@@ -44,40 +44,34 @@ class UnassumedGradients:
         self._overrides = {}   # (op, input indices on the path) -> reason or None
         self.templates = _overrides.Templates()   # overrides' backward passes, shared
         self._op_reasons = {}  # (op, in its functions) -> reason or None
-        self._flagged = {}     # id(ops) -> (ops, those of them that have a reason)
-
-    def _flagged_ops(self, ops):
-        """The ops of `ops` with a reason (theirs or their functions'), in creation order."""
-        key = id(ops)
-        if key not in self._flagged:
-            self._flagged[key] = (ops, sorted(filter(self._has_reason, ops),
-                                              key=_tf.op_order_key()))
-        return self._flagged[key][1]
+        self._flagged = None   # the ops `ys` depends on that have a reason, in order
 
     def _has_reason(self, op):
         """Whether op (or a function it calls) has a reason."""
         return (self._op_reason(op) is not None
                 or self._op_reason(op, functions=True) is not None)
 
-    def reason(self, reads, ys_upstream, region=None):
-        """Why the rules may not compute the weight of `reads` (the first op with a
-        reason, in creation order), or None. `region`: the ops downstream of its reads
-        (or a function giving them), else walked."""
+    def reason(self, k):
+        """Why the rules may not compute xs[k] (the first op with a reason, in creation
+        order), or None."""
+        reads, ys_upstream = self.request.reads[k], self.request.ys_upstream
         entries = (list(reads.gather_ops) + list(reads.loop_inputs)
                    + [op for op, _ in reads.call_inputs])
-        flagged = self._flagged_ops(ys_upstream)
+        if self._flagged is None:
+            self._flagged = sorted(filter(self._has_reason, ys_upstream),
+                                   key=_tf.op_order_key())
         flagged_entries = [op for op in entries
                            if op not in ys_upstream and self._has_reason(op)]
-        if not flagged and not flagged_entries:
+        if not self._flagged and not flagged_entries:
             return None   # nothing on any path has an unassumed gradient
         starts = list(reads.read_tensors)
         for op in entries:
             starts.extend(op.outputs)
-        if region is not None and not reads.loop_inputs:
-            path = region() if callable(region) else region
-        else:
+        if reads.loop_inputs:
             path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
-        candidates = [op for op in flagged if op in path] + flagged_entries
+        else:   # (walked once per request)
+            path = self.request.weight_regions[k]
+        candidates = [op for op in self._flagged if op in path] + flagged_entries
         for op in sorted(candidates, key=_tf.op_order_key()):
             found = self._op_reason(op)
             if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
