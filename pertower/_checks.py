@@ -271,7 +271,6 @@ def warn_unconnected(ys, xs, unconnected_gradients, argument="xs",
     and `unconnected_gradients` is `UNCONNECTED_DEFAULT`. `argument`, `ys_argument`:
     the public names; `outcome`: what unreached weights get, for a function without
     `unconnected_gradients`; `remedy`: other advice; `reads`: the `WeightReads` of xs."""
-
     if unconnected_gradients is not UNCONNECTED_DEFAULT:
         return
     if reads is not None:

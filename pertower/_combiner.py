@@ -58,7 +58,7 @@ class Built:
         """The run-time checks of the fed batch the rules and row passes wait for."""
         if self.plan.uses_rules or (self.fallback is not None
                                     and not self.fallback.checks_batch):
-            return _engine.run_time_checks(self.plan.request, self.plan)
+            return _engine.run_time_checks(self.plan)
         return []
 
     def _fallback_formed(self, name):

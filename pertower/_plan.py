@@ -153,4 +153,3 @@ def _batch_listing(request):
                 + " (joined along axis 0 of ys)")
     return ", ".join(b.name + (f" (batch axis {a})" if a else "")
                      for b, a in zip(request.batch, request.batch_axes))
-

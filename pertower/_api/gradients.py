@@ -149,14 +149,12 @@ def _jacobian_rows(built, ys, unconnected_gradients):
     K = int(np.prod(out, dtype=np.int64))
     B = built.batch_size
     with tf.name_scope("rows"):
-
-        rows_B = B if B is not None else tf.shape(ys)[0]
+        shape = [B] + out if B is not None else tf.stack([tf.shape(ys)[0]] + out)
         rows = []  # K x (list per x of [B, *x.shape])
         for k in range(K):
             # one-hot on output entry k for every example: [B, *out]
-            one_hot = tf.broadcast_to(
-                tf.reshape(tf.one_hot(k, K, dtype=ys.dtype), out),
-                tf.stack([rows_B] + out) if B is None else [B] + out)
+            one_hot = tf.broadcast_to(tf.reshape(tf.one_hot(k, K, dtype=ys.dtype), out),
+                                      shape)
             rows.append(built.gradients(grad_ys=one_hot,
                                         unconnected_gradients=unconnected_gradients,
                                         name=f"row_{k}"))

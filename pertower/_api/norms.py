@@ -48,7 +48,6 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
       per_weight, [B, len(xs)]: entry [i, k] the norm over xs[k] alone (0 where ys does
       not reach xs[k]).
 
-
     Example (per-example clipping factors for DP-SGD):
       norms = pertower.per_example_norms(loss, model.trainable_weights)   # [B]
       factors = tf.minimum(1.0, clip / (norms + 1e-12))                  # [B]

@@ -31,4 +31,3 @@ from pertower._engine.unassumed import UnassumedGradients
 
 __all__ = ["group_count", "run_time_checks", "clipped_sums", "gradients", "norm_parts",
            "output_gradients", "build_plan", "UnassumedGradients"]
-

@@ -74,7 +74,6 @@ def _per_x_parts(uses, x, G, cache):
 def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
     """{k: [G, *xs[k].shape]} for the covered weights `indices` (None for a weight that
     gets no gradient, with unconnected_gradients="none")."""
-
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     grad_ys = _checks.grad_ys_like(plan.request.ys, grad_ys)
     results, cache = {}, _shapes.ShapeCache(G)
