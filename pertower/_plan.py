@@ -139,10 +139,8 @@ class Plan:
             lines.append(f"independence: not proven; the proof was lost at {op.name} "
                          f"({op.type}): {why}")
         lines.append("run-time check: " + ("added (validate)" if self.validate else "none"))
-        if self.estimate is not None:
-            lines.append(f"memory: {self.estimate.describe()}")
-        else:
-            lines.append("memory: estimated once B is known")
+        lines.append("memory: " + (self.estimate.describe() if self.estimate is not None
+                                   else "estimated once B is known"))
         return "\n".join(lines)
 
 

@@ -38,7 +38,6 @@ def _check_validate(validate):
             ValueError, "`validate` must be None (the default: check at run time only "
             "where the static analysis could not prove that the examples are independent), "
             f"True (always check) or False (never), but received {validate!r}.")
-    return validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +222,10 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
                                               else ""))
         reads = [_weight_reads.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
-        weight_regions, read_region = _regions(reads, ys_upstream)
+        # the ops downstream of any weight's reads and of the TF1 loops taking a handle
+        read_region = set(_weights_region(reads, ys_upstream))
+        for op in {op for r in reads for op in r.loop_inputs}:
+            read_region |= {op} | graph_walk.downstream_ops(op.outputs, ys_upstream)
     loops = [op for op in batch_downstream.union(read_region)
              if op.type in op_types.V1_LOOP_OP_TYPES]
     loop_op = min(loops, key=_tf.op_order_key()) if loops else None
@@ -231,7 +233,8 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
                    batch_axes=tuple(axes), static_sizes=static_sizes, ys_rows=ys_rows,
                    batch_size=B, num_groups=M, groups_argument=groups_argument, reads=reads,
                    analysis=analysis, segments=segments, batch_downstream=batch_downstream,
-                   weight_regions=weight_regions, loop_op=loop_op, options=options)
+                   weight_regions=WeightRegions(reads, ys_upstream), loop_op=loop_op,
+                   options=options)
 
 
 class WeightRegions(collections.abc.Sequence):
@@ -245,9 +248,7 @@ class WeightRegions(collections.abc.Sequence):
         return len(self._reads)
 
     def __getitem__(self, k):
-        if isinstance(k, slice):
-            return tuple(self[j] for j in range(len(self))[k])
-        k = range(len(self))[k]
+        k = range(len(self))[k]   # (an IndexError ends the iteration)
         if k not in self._found:
             self._found[k] = _weights_region([self._reads[k]], self._within)
         return self._found[k]
@@ -265,16 +266,6 @@ def _weights_region(reads, ys_upstream):
     tensors += [t for op in sorted(starts, key=_tf.op_order_key())
                 for t in op.outputs]
     return frozenset(graph_walk.downstream_ops(tensors, ys_upstream) | starts)
-
-
-def _regions(reads, ys_upstream):
-    """(the `WeightRegions`; the ops downstream of any weight's reads, of the TF1 loops
-    that take the weights' handles, and those loop ops)."""
-    loop_region = {op for r in reads for op in r.loop_inputs}
-    for op in list(loop_region):
-        loop_region |= graph_walk.downstream_ops(op.outputs, ys_upstream)
-    return (WeightRegions(reads, ys_upstream),
-            _weights_region(reads, ys_upstream) | frozenset(loop_region))
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph):
