@@ -32,14 +32,6 @@ def check_method(method):
     return method
 
 
-def _check_validate(validate):
-    if not isinstance(validate, (bool, type(None))):
-        raise _context.error(
-            ValueError, "`validate` must be None (the default: check at run time only "
-            "where the static analysis could not prove that the examples are independent), "
-            f"True (always check) or False (never), but received {validate!r}.")
-
-
 @dataclasses.dataclass(frozen=True)
 class Examples:
     """Where the examples are: `batch`, `batch_size`, `batch_axis` as given, M
@@ -79,7 +71,12 @@ class Options:
 
     def __post_init__(self):
         check_method(self.method)
-        _check_validate(self.validate)
+        if not isinstance(self.validate, (bool, type(None))):
+            raise _context.error(
+                ValueError, "`validate` must be None (the default: check at run time only "
+                "where the static analysis could not prove that the examples are "
+                f"independent), True (always check) or False (never), but received "
+                f"{self.validate!r}.")
         _checks.check_memory_limit(self.memory_limit)
 
 

@@ -16,7 +16,7 @@ from pertower import _context
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
 
-# The methods every gradient function takes (see `pertower._dispatch`).
+# The methods every gradient function takes (described in `pertower._docs`).
 METHODS = _request.METHODS
 
 
