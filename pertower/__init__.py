@@ -1,14 +1,9 @@
 """pertower: per-example gradients for TensorFlow graph mode: per-op rules where they
 provably apply, weight-copy towers elsewhere (method="auto", the default).
 
-The public names are listed in `__all__`; `pertower.oracle` holds the slow, obviously
-correct one-example loop that the tests, examples and demo compare with.
-
-The public names are loaded on first use (PEP 562 module `__getattr__`): `import
-pertower` imports neither TensorFlow nor any submodule, so `pertower --help` starts
-quickly; `pertower.X`, `from pertower import X`, `from pertower import *` and
-`dir(pertower)` work as if every name were imported eagerly. Importing pertower changes
-no environment variable, allocator or TensorFlow setting.
+The public names are listed in `__all__` and loaded on first use (PEP 562): `import
+pertower` imports neither TensorFlow nor any submodule and changes no setting.
+`pertower.oracle` holds the slow, obviously correct one-example loop.
 """
 
 import importlib

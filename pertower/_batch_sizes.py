@@ -1,9 +1,5 @@
-"""The batch's sizes: each batch tensor's batch axis, B, and the sizes of the batches
-`ys` joins, from the static shapes (read once, in `pertower._request`) and `batch_size`.
-
-Notation:
-    B   examples in the batch          M   microbatches (groups of B/M examples)
-    B_s the examples of batch s, when `ys` joins several batches along axis 0
+"""The batch's sizes: each batch tensor's batch axis, B, and the sizes B_s of the batches
+`ys` joins along axis 0 (B = B_1 + B_2 + ...), from the static shapes and `batch_size`.
 """
 
 import numbers
@@ -16,7 +12,7 @@ from pertower import _context
 from pertower import _graph_walk as graph_walk
 
 __all__ = ["batch_axes", "size_hint", "one_batch_size", "concat_segments", "segment_sizes",
-           "batch_size_of", "check_ys_rows"]
+           "batch_size_of", "check_ys_rows", "listing"]
 
 # ops between a concat and `ys` that keep its rows in place (one batch-fed input)
 _ROW_KEEPING = ("Identity", "Neg", "Square", "Sqrt", "Exp", "Log", "Abs", "Cast", "Mul",
@@ -24,8 +20,8 @@ _ROW_KEEPING = ("Identity", "Neg", "Square", "Sqrt", "Exp", "Log", "Abs", "Cast"
 
 
 def batch_axes(batch_axis, batch):
-    """The batch axis of each batch tensor (non-negative ints), from `batch_axis`:
-    None (0 for every tensor), an int (for every tensor), or a list parallel to `batch`."""
+    """The batch axis of each batch tensor (non-negative ints) from `batch_axis`: None
+    (0), an int (for every tensor), or a list parallel to `batch`."""
     if batch_axis is None:
         return [0] * len(batch)
     if isinstance(batch_axis, (list, tuple)):
@@ -77,9 +73,8 @@ def size_hint(static_sizes, batch_size):
 
 
 def one_batch_size(batch_size, batch, lost_at=None):
-    """`batch_size` as given, or its one value when it is a list of equal sizes (a list
-    of different sizes is for `ys` joining several batches: refused, saying why with
-    the analysis' `lost_at`)."""
+    """`batch_size`, or the one value of a list of equal sizes; other lists (for `ys`
+    joining several batches) are refused, saying why with the analysis' `lost_at`."""
     if not isinstance(batch_size, (list, tuple)):
         return batch_size
     if len(batch_size) != len(batch) or len(set(map(repr, batch_size))) != 1:
@@ -102,11 +97,10 @@ def one_batch_size(batch_size, batch, lost_at=None):
 
 
 def concat_segments(ys, batch):
-    """The batches `ys` joins along axis 0, read from the graph alone (when the analysis
-    lost its proof before the join): `ys` is, up to row-keeping ops, a concat along
-    axis 0 whose inputs read disjoint sets of batch tensors, together all of them. One
-    tuple of batch indices per input, in row order; None otherwise. The run-time check
-    of the unproven verdict checks the rest."""
+    """The batches `ys` joins, read from the graph alone (when the analysis lost its
+    proof before the join): `ys` is, up to row-keeping ops, a concat along axis 0 whose
+    inputs read disjoint sets of batch tensors, together all of them. One tuple of batch
+    indices per input, in row order, or None (the run-time check checks the rest)."""
     def reads(tensor):
         upstream = graph_walk.upstream_ops([tensor])
         return frozenset(j for j, b in enumerate(batch)
@@ -160,7 +154,7 @@ def segment_sizes(ys, batch, axes, static_sizes, ys_rows, segments, batch_size, 
         if static is None and given[j] is None:
             raise _context.error(
                 ValueError, f"`ys` ({ys.name}) joins several batches along "
-                f"axis 0 ({_listing(batch, segments)}) and the batch axis of {b.name} "
+                f"axis 0 ({listing(batch, segments)}) and the batch axis of {b.name} "
                 f"({b.shape}) is not static, so `batch_size` is needed: pass one size per "
                 f"batch tensor, batch_size=[B_1, B_2, ...] in the order of `batch` ({names}), "
                 "or one int when they are all equal. Each batch is computed example by "
@@ -170,36 +164,36 @@ def segment_sizes(ys, batch, axes, static_sizes, ys_rows, segments, batch_size, 
     for segment in segments:
         own = {sizes[j] for j in segment}
         if len(own) > 1:
-            listing = ", ".join(f"{batch[j].name} has {sizes[j]}" for j in segment)
+            counts = ", ".join(f"{batch[j].name} has {sizes[j]}" for j in segment)
             raise _context.error(
-                ValueError, f"the batch tensors {listing} examples, but `ys` "
+                ValueError, f"the batch tensors {counts} examples, but `ys` "
                 "computes each of its rows from all of them together, so they must be "
                 "fed the same number of examples.")
         pairs.append((tuple(segment), sizes[segment[0]]))
     B = sum(size for _, size in pairs)
+    joined = listing(batch, pairs, " with {} examples")
     check_ys_rows(ys, ys_rows, B, f"the batches it joins have {B} examples together "
-                          f"({_listing(batch, pairs, sizes=True)})")
+                                  f"({joined})")
     if M is not None and (B % M or any(size % (B // M) for _, size in pairs)):
         valid = [m for m in range(1, B + 1)
                  if B % m == 0 and all(size % (B // m) == 0 for _, size in pairs)]
         raise _context.error(
             ValueError, f"`{groups_argument}` ({M}) does not split the rows "
             f"of `ys` ({ys.name}) at the boundaries of the batches it joins along axis 0 "
-            f"({_listing(batch, pairs, sizes=True)}, {B} rows together): each microbatch "
+            f"({joined}, {B} rows together): each microbatch "
             "must hold examples of one batch only, B/M of them. Valid values here: "
             f"{', '.join(map(str, valid))} (with batches of equal sizes, the number of "
             "batches gives one microbatch per batch).")
     return B, tuple(pairs)
 
 
-def _listing(batch, segments, sizes=False):
-    """'s1:0 then s2:0' (with sizes: 's1:0 with 2 examples, then s2:0 with 3')."""
-    words = []
-    for segment in segments:
-        indices, size = segment if sizes else (segment, None)
-        text = " and ".join(batch[j].name for j in indices)
-        words.append(text + (f" with {size} examples" if sizes else ""))
-    return ", then ".join(words)
+def listing(batch, segments, sizes=None):
+    """The batches `ys` joins, in row order: 's1:0, then s2:0 and t2:0' for `segments`
+    of batch indices; with `sizes` (e.g. ' with {} examples'), (indices, B_s) pairs,
+    each followed by sizes.format(B_s)."""
+    return ", then ".join(
+        " and ".join(batch[j].name for j in (segment[0] if sizes else segment))
+        + (sizes.format(segment[1]) if sizes else "") for segment in segments)
 
 
 def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
@@ -209,11 +203,11 @@ def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
         if size is not None:
             static.setdefault(size, (b, axis))
     if len(static) > 1:
-        listing = ", ".join(f"{b.name} has {n}" + (f" on axis {axis}" if axis else "")
-                            for n, (b, axis) in static.items())
+        counts = ", ".join(f"{b.name} has {n}" + (f" on axis {axis}" if axis else "")
+                           for n, (b, axis) in static.items())
         raise _context.error(
             ValueError, f"the batch tensors have different static batch "
-            f"sizes ({listing}); they must share the batch axis. For time-major inputs "
+            f"sizes ({counts}); they must share the batch axis. For time-major inputs "
             "([T, B, ...]) pass batch_axis=1 (or a list with one axis per batch tensor).")
     if batch_size is not None:
         batch_size = _checks.positive_int(batch_size, "batch_size")
@@ -239,8 +233,7 @@ def batch_size_of(ys, batch, axes, static_sizes, ys_rows, batch_size):
 
 
 def check_ys_rows(ys, ys_rows, B, batch_words):
-    """Raises when the static axis 0 of `ys` (`ys_rows`) is not the B rows of the batch,
-    with the likely causes."""
+    """Raises when the static axis 0 of `ys` is not B rows, with the likely causes."""
     if ys_rows is None or ys_rows == B:
         return
     hints = []

@@ -1,7 +1,6 @@
-"""Argument checks shared by the public functions: each error names the argument, what
-was received and what to do instead. Also the warning about weights `ys` does not reach
-and the Keras 3 variables' TF variables. Nothing here builds graph ops (but the run-time
-check of the fed batch size, `fed_batch_size_check`).
+"""Argument checks shared by the public functions (each error names the argument, what
+was received and what to do), the warning about weights `ys` does not reach, and the
+Keras 3 variables' TF variables.
 """
 
 import math
@@ -68,10 +67,8 @@ def unconnected_gradients_value(value):
 
 def real_number(value, argument, low=-math.inf, high=math.inf,
                 low_open=False, high_open=False, wanted=None):
-    """`value` as a float in the interval from `low` to `high` (open or closed ends);
-    raises TypeError for a non-number and ValueError for NaN or a value outside.
-    `wanted`: what the message says is expected (default "a number", "in (low, high]").
-    """
+    """`value` as a float in [low, high] (or open ends); raises TypeError for a
+    non-number, ValueError for NaN or a value outside; `wanted`: what the message asks."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _context.error(TypeError, f"`{argument}` must be "
                         f"{wanted or 'a number'}, but received {type(value).__name__} "
@@ -88,9 +85,7 @@ def real_number(value, argument, low=-math.inf, high=math.inf,
 
 
 def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size", given=None):
-    """A run-time assertion that the batch fed to `b` has B examples on its batch axis
-    `axis`, its message one string tensor: "{built} were built for ... ({given}) ...
-    Feed batches of B examples, {advice}"; `given` defaults to "batch_size=B"."""
+    """A run-time assertion that the batch fed to `b` has B examples on axis `axis`."""
     fed = tf.shape(b)[axis]
     given = given or f"batch_size={B}"
     message = tf.strings.join([
@@ -101,8 +96,7 @@ def fed_batch_size_check(b, axis, B, built, advice, name="check_batch_size", giv
 
 
 def positive_int(value, argument, low=1):
-    """Returns `value` as an int when it is an integer >= `low` (a positive one; with
-    low=0 a non-negative one); raises ValueError otherwise."""
+    """`value` as an int when it is an integer >= `low` (1 or 0); raises ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise _context.error(
             ValueError, f"`{argument}` must be a {'non-negative' if low == 0 else 'positive'} "
@@ -144,8 +138,8 @@ def device_list(devices):
 
 
 def renamed_argument(value, old_value, argument, old_argument):
-    """(the value of `argument`, the name it was given by): given by its name or by the
-    deprecated keyword `old_argument` (a DeprecationWarning); both is a TypeError."""
+    """(the value of `argument`, the name it was given by), `old_argument` being its
+    deprecated name (a DeprecationWarning); both is a TypeError."""
     if old_value is None:
         return value, argument
     if value is not None:
@@ -159,17 +153,15 @@ def renamed_argument(value, old_value, argument, old_argument):
 
 
 def _is_keras3_variable(x):
-    """Whether `x` is a Keras 3 `keras.Variable` (duck-typed: Keras 3 is not imported);
-    on the TensorFlow backend its `.value` is the `tf.Variable` holding the weight."""
+    """Whether `x` is a Keras 3 `keras.Variable` (duck-typed, Keras 3 is not imported)."""
     module = type(x).__module__ or ""
     return ((module == "keras" or module.startswith("keras."))
             and not isinstance(x, (tf.Variable, tf.Tensor)) and hasattr(x, "value"))
 
 
 class Partitions:
-    """Where the partitions of each `PartitionedVariable` of `xs` went in the flat list
-    `flat` the gradient functions work on; `join` concatenates their results along the
-    partitioned axis: [G, *p_1.shape], ..., [G, *p_P.shape] -> [G, *x.shape]."""
+    """Each `PartitionedVariable` of `xs` split into its partitions in `flat`; `join`
+    puts the results back: [G, *p_1.shape], ..., [G, *p_P.shape] -> [G, *x.shape]."""
 
     def __init__(self, xs):
         self.flat = []
@@ -187,8 +179,7 @@ class Partitions:
 
     def join(self, results, lead=1):
         """One result per entry of `xs` from one per entry of `flat`, after `lead`
-        leading axes ([G], or [B, *out] for Jacobians); a None part makes the entry
-        None, sparse parts are made dense."""
+        leading axes; a None part makes the entry None, sparse parts are made dense."""
         joined = []
         for start, count, axis in self._layout:
             if axis is None:
@@ -205,8 +196,8 @@ class Partitions:
 
 
 def weight_list(xs, argument):
-    """`xs` as a list, each Keras 3 variable replaced by the TF variable holding its
-    value (other entries are checked later); refuses a PartitionedVariable."""
+    """`xs` as a list, a Keras 3 variable replaced by its TF variable; refuses a
+    PartitionedVariable."""
     weights = as_list(xs)
     for k, x in enumerate(weights):
         if isinstance(x, _tf.PartitionedVariable):
@@ -260,8 +251,7 @@ def _user_stacklevel():
 
 
 def unreached_weights(ys, xs):
-    """The names of the entries of `xs` that `ys` does not depend on, or None when the
-    arguments cannot be checked (the argument checks then report them)."""
+    """The names of the entries of `xs` `ys` does not reach, or None for bad arguments."""
     if not isinstance(ys, tf.Tensor) or not isinstance(getattr(ys, "graph", None), tf.Graph):
         return None
     try:
@@ -277,16 +267,10 @@ def unreached_weights(ys, xs):
 
 def warn_unconnected(ys, xs, unconnected_gradients, argument="xs",
                      outcome=None, reads=None, ys_argument="ys", remedy=None):
-    """Warns once (`UnconnectedWeightsWarning`) when `ys` does not depend on some
-    entries of `xs` and `unconnected_gradients` is `UNCONNECTED_DEFAULT`.
-
-    Args:
-      argument, ys_argument: the public names of `xs` and `ys`, for the message.
-      outcome: what the unreached weights get, for a function without
-        `unconnected_gradients` (the remedy is then to leave them out).
-      remedy: what to do instead, when the default advice does not fit.
-      reads: the `WeightReads` of `xs`, else the graph is walked here.
-    """
+    """Warns (`UnconnectedWeightsWarning`) when `ys` does not reach some entries of `xs`
+    and `unconnected_gradients` is `UNCONNECTED_DEFAULT`. `argument`, `ys_argument`:
+    the public names; `outcome`: what unreached weights get, for a function without
+    `unconnected_gradients`; `remedy`: other advice; `reads`: the `WeightReads` of xs."""
     if unconnected_gradients is not UNCONNECTED_DEFAULT:
         return
     if reads is not None:

@@ -1,13 +1,9 @@
 """The combiner: the rules' results for the covered weights, one fallback's for the rest.
 
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    x   one weight (entry of `xs`)     f   the [G] clipping factors of DP-SGD
-
-`Built` runs what a `pertower._plan.Plan` decided: the rules' batched backward pass
-(`pertower._engine`) for the weights a rule computes, and ONE fallback builder
-(`pertower._towers.fallback`: the towers, or, past a TF1 while loop, row passes) for
-the weights the plan leaves to it; the results are put back in the order of `xs`.
+Notation: B examples, G groups (B, or M microbatches), x one weight, f the [G] clipping
+factors of DP-SGD. `Built` runs what a `pertower._plan.Plan` decided: the rules' batched
+backward pass (`pertower._engine`) and ONE fallback (`pertower._towers.fallback`: the
+towers, or past a TF1 while loop row passes); results come back in the order of `xs`.
 """
 
 import tensorflow as tf
@@ -21,10 +17,7 @@ __all__ = ["Built"]
 
 
 class Built:
-    """The covered weights' results from the rules, the others' from one fallback built
-    for those weights only.
-
-    Attributes:
+    """Attributes:
       plan; xs, ys, batch_size: the request's.
       groups: G (a tensor when B is known only at run time).
       covered: indices into xs of the weights the rules compute ([] when no rule is
@@ -62,16 +55,14 @@ class Built:
         return self.fallback.scope if self.fallback is not None else None
 
     def rule_checks(self):
-        """The run-time checks of the fed batch that the rules' and the row passes' ops
-        wait for (the towers check it where they split the batch)."""
+        """The run-time checks of the fed batch the rules and row passes wait for."""
         if self.plan.uses_rules or (self.fallback is not None
                                     and not self.fallback.checks_batch):
-            return _engine.run_time_checks(self.plan.request, self.plan)
+            return _engine.run_time_checks(self.plan)
         return []
 
     def _fallback_formed(self, name):
-        """{k: [G, *xs[k].shape]}: the fallback's per-group gradients (weights without
-        a gradient left out), and its squared norms {k: [G]}."""
+        """({k: [G, *xs[k].shape]}, {k: [G]}): the fallback's gradients and squared norms."""
         if self.fallback is None:
             return {}, {}
         formed = self.fallback.formed(name=name)
@@ -104,22 +95,20 @@ class Built:
                 return [independence.gated(g) for g in results]
 
     def squared_norms(self, name=None, per_weight=False):
-        """[G] squared norms of each group's gradient over all xs (norms); with
-        per_weight, [G, len(xs)]: column k the squared norm over xs[k] alone (0 for a
-        weight `ys` does not reach)."""
+        """[G] squared norms of each group's gradient over all xs; with per_weight
+        [G, len(xs)], column k over xs[k] alone (0 for a weight `ys` does not reach)."""
         with tf.name_scope(name or "gradients"):
             ys = self.plan.request.ys
             with tf.control_dependencies(self.rule_checks()):
-                squares = _engine.squared_norms(self.plan, self.covered,
-                                                self.groups)                  # {k: [G]}
+                _, squares, _ = _engine.norm_parts(self.plan, self.covered,
+                                                   self.groups)               # {k: [G]}
                 _, fallback_squares = self._fallback_formed(
                     "tower_gradients" if self._alone else self._fallback_scope)
             squares.update(fallback_squares)                                  # {k: [G]}
             return self._total(squares, ys.dtype, per_weight)
 
     def _total(self, squares, dtype, per_weight):
-        """{k: [G]} -> their sum, [G]; with per_weight [G, K], zeros in the columns of
-        the weights not in `squares`."""
+        """{k: [G]} -> their sum [G]; with per_weight [G, K] (zeros for the missing k)."""
         if per_weight or not squares:
             zeros = tf.zeros(tf.reshape(self.groups, [1]), dtype=dtype)        # [G]
         if per_weight:
@@ -135,16 +124,10 @@ class Built:
         is differentiated with the draws of `ys` in the same run; the fallback's weights
         are formed, [G, *x.shape], and contracted with the factors.
 
-        Args:
-          factors_of: maps the [G] per-group gradient norms to the [G] factors f; with
-            per_weight (per-layer clipping), the [G, K] norms (column k over xs[k]) to
-            [G, K] factors (column k scales the gradients of xs[k]).
-          name: name scope.
-
-        Returns:
-          (norms [G], factors [G], sums) ([G, K] each with per_weight): sums[k] =
-          sum_g f_g grad_g(xs[k]), [*xs[k].shape], zeros for a weight `ys` does not
-          reach; f is held constant.
+        `factors_of` maps the [G] norms to the [G] factors f (with per_weight, [G, K]
+        to [G, K]: column k for xs[k]). Returns (norms, factors, sums): sums[k] =
+        sum_g f_g grad_g(xs[k]), [*xs[k].shape] (zeros for a weight `ys` does not
+        reach), f held constant.
         """
         with tf.name_scope(name or "clipped_sum"):
             plan, ys, G = self.plan, self.plan.request.ys, self.groups
@@ -177,12 +160,11 @@ class Built:
 
     def validated(self, results):
         """`results` gated on the run-time independence check when the plan asks for it."""
-        plan = self.plan
-        if not plan.validate:
+        if not self.plan.validate:
             return results
         stacked = self.fallback.stacked if self.fallback is not None else None
         if stacked is None:
             # `ys` recomputed slice by slice: a forward-only replay, no weight copied
-            stacked = towers_lib.towers_of(plan.request.restricted([]),
+            stacked = towers_lib.towers_of(self.plan.request.restricted([]),
                                            "validate_towers").stacked
-        return independence.validated(results, plan.request.ys, stacked)
+        return independence.validated(results, self.ys, stacked)

@@ -1,8 +1,6 @@
-"""The public function a call came through, for error messages.
-
-Every public function runs inside `public(name)`; the layers below it put
-"pertower.NAME: " in front of their errors (`error(kind, text)`) and warnings
-(`prefixed(text)`). The innermost public call wins.
+"""The public function a call came through, for error messages: every public function
+runs inside `public(name)`, and the layers below put "pertower.NAME: " (the innermost
+public call's) in front of their errors (`error`) and warnings (`prefixed`).
 """
 
 import contextlib

@@ -1,26 +1,17 @@
 """The one dispatch every public function goes through: request -> plan -> guards -> build.
 
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    K   output entries per example     x   one weight (entry of `xs`)
+Notation: B examples, G groups (B or M microbatches), K outputs per example, x a weight.
 
-    request  `pertower._request.make_request`: the arguments checked once into a
-             `Request` (with the `Examples` and `Options` records, `options` here).
-    plan     `make_plan(request)`: per weight, the rule that computes it or the reason
-             it falls back; the analysis' verdict; the memory estimate
-             (`pertower._plan.Plan`, what `pertower.explain` returns).
-    guards   what cannot be built is refused: a strict method with weights no rule
-             covers, towers (or row passes, or the run-time check) without a known B,
-             a run-time check that cannot pass, the memory limit
-             (`pertower._guards.memory`); couplings are refused by the request.
-    build    `build`: the rules' batched backward pass for the covered weights and one
-             fallback for the others: towers, or past a TF1 (v1) while loop (which
+    request  `pertower._request.make_request`: the arguments checked once.
+    plan     `make_plan`: per weight, the rule that computes it or why it falls back;
+             the analysis' verdict; the memory estimate (`pertower._plan.Plan`).
+    guards   refused: a strict method with weights no rule covers, a fallback or
+             run-time check without a known B, a run-time check that cannot pass,
+             the memory limit (`pertower._guards.memory`); couplings by the request.
+    build    `build`: the rules' batched backward pass for the covered weights and
+             one fallback for the others: towers, or past a TF1 (v1) while loop (which
              towers cannot differentiate through) row passes, one backward pass of the
              original graph per group (`pertower._combiner.Built`).
-
-Methods: "auto" (default: rules where proven, towers elsewhere), "rules" (strict: every
-weight must have a proven rule, else the call is refused listing each weight and why),
-"towers" (replay the model once per group on weight copies).
 """
 
 import dataclasses
@@ -36,9 +27,7 @@ from pertower import _request
 from pertower import rules as rules_lib
 from pertower._guards import memory
 
-__all__ = ["METHODS", "options", "plan_call", "make_plan", "build", "warn_if_unproven"]
-
-METHODS = _request.METHODS
+__all__ = ["options", "plan_call", "make_plan", "build"]
 
 
 def options(method="auto", rules=None, **others):
@@ -60,6 +49,7 @@ def options(method="auto", rules=None, **others):
 def plan_call(ys, xs, devices, examples, given, **keywords):
     """(devices checked, the `_checks.Partitions` of xs, the plan of its parts);
     `keywords` are those of `_request.make_request`."""
+    _checks.require_graph_mode()
     devices = _checks.device_list(devices)
     partitions = _checks.Partitions(_checks.as_list(xs))   # PartitionedVariables split
     return devices, partitions, make_plan(_request.make_request(
@@ -78,7 +68,7 @@ def make_plan(request, *arguments, **keywords):
                                         options(**keywords))
     given = request.options
     with request.graph.as_default():
-        uses, reasons = _engine.build_plan(request, given.registry)
+        uses, reasons = _engine.build_plan(request)
     analysis = request.analysis
     couplings, verdict, lost_at = tuple(analysis.couplings), analysis.verdict, analysis.lost_at
     uses, reasons = list(uses), list(reasons)
@@ -121,7 +111,8 @@ def make_plan(request, *arguments, **keywords):
     return plan
 
 
-def warn_if_unproven(plan):
+def build(plan, devices=None):
+    """Builds what `plan` decided, under the current name scope; returns a `Built`."""
     if plan.checked_by_default:
         op, why = plan.lost_at
         warnings.warn(_context.prefixed(
@@ -129,12 +120,7 @@ def warn_if_unproven(plan):
             f"on example i alone: the proof was lost at {op.name!r} ({op.type}): {why}. "
             "The result is checked at run time (fetching it fails if `ys` recomputed "
             "slice by slice differs from `ys`). Pass validate=False to skip the check, "
-            "or validate=True to keep it without this warning."), stacklevel=4)
-
-
-def build(plan, devices=None):
-    """Builds what `plan` decided, under the current name scope; returns a `Built`."""
-    warn_if_unproven(plan)
+            "or validate=True to keep it without this warning."), stacklevel=3)
     with plan.request.graph.as_default():
         return _combiner.Built(plan, devices)
 
@@ -235,7 +221,7 @@ def _refuse_python_gradients_in_row_passes(request, uses, reasons, refuse):
     for k, reads in enumerate(request.reads):
         if uses[k] is not None or not reads.reached:
             continue
-        why = unassumed.reason(reads, request.ys_upstream)
+        why = unassumed.reason(k)
         if why is None:
             continue
         text = (f"the weight {reads.name!r} is computed by one backward pass of the "

@@ -2,9 +2,7 @@
 
 A public function's Args name the shared options it takes in braces, on lines of their
 own: `{options: batch, batch_size, method}`; `documented` replaces them with the
-descriptions below, indented as the braces were, so that every function (and `help()`)
-says the same about each option. The options become two records on the way in
-(`pertower._request.Examples` and `pertower._request.Options`).
+descriptions below, indented as the braces were.
 """
 
 import re

@@ -17,7 +17,7 @@ from pertower import _context
 from pertower import _op_types as op_types
 from pertower import _tf
 
-__all__ = ["OpRegion", "static_batch_size", "upstream_ops", "upstream_region", "downstream_ops",
+__all__ = ["OpRegion", "static_batch_size", "upstream_ops", "downstream_ops",
            "find_batch_tensors", "v1_loop_frames", "check_replayable",
            "draws_random_numbers", "random_ops", "placeholders_left_out"]
 
@@ -52,9 +52,8 @@ def upstream_ops(tensors):
 
 
 class OpRegion(frozenset):
-    """A frozen set of ops (those `ys` depends on) that indexes, the first time a walk
-    asks, each member's consumers among its members, so that the walks downstream of
-    every weight's reads do not ask TensorFlow again per weight."""
+    """A frozen set of ops (those `ys` depends on) that indexes each member's consumers
+    among its members the first time a walk asks (one index for every weight's walk)."""
 
     def consumers_within(self):
         """{op: (its consumers that are members, ...)} for every member."""
@@ -65,10 +64,6 @@ class OpRegion(frozenset):
             self.__dict__["_consumers"] = index
         return index
 
-
-def upstream_region(tensors):
-    """`upstream_ops(tensors)` as an `OpRegion`."""
-    return OpRegion(upstream_ops(tensors))
 
 
 def downstream_ops(tensors, within):
@@ -161,9 +156,8 @@ def _outermost_loop(op):
 
 def v1_loop_frames(replayed_ops, ys_upstream):
     """The ops of `ys_upstream` in the TF1 (v1) while loops that `replayed_ops` touch,
-    whole frames (a frame cannot read another frame's tensors), known by their Python
-    while context or, without one (an imported GraphDef), by their Enter ops' frame
-    names; with the ops these read as control inputs, and the TensorArrays they write."""
+    whole frames (known by their while context or their Enter ops' frame names), the
+    ops these read as control inputs, and the TensorArrays they write."""
     if not any(op.type in op_types.V1_LOOP_OP_TYPES for op in replayed_ops):
         return set()
     contexts = {_outermost_loop(op) for op in replayed_ops} - {None}

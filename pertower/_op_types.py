@@ -1,10 +1,6 @@
-"""The catalog of op types: every set of TensorFlow op types the library tells apart.
-
-Each set is named once, here, with what its ops have in common; the graph walk, the
-batch-axis analysis, the rules engine, the towers and the guards read them from here.
-Tables that give each op type its own meaning (the analysis' transfer functions, a
-function-calling op's attributes) live with that meaning and take their keys from the
-sets below where a set names them. This module imports nothing of pertower.
+"""The catalog of op types: every set of TensorFlow op types the library tells apart,
+each named once, here, with what its ops have in common (tables giving each op type its
+own meaning live with that meaning). This module imports nothing of pertower.
 """
 
 __all__ = ["BATCH_SOURCE_OP_TYPES", "VARIABLE_READ_OP_TYPES", "HANDLE_GATHER_OP_TYPES",
@@ -89,11 +85,9 @@ RANDOM_OP_TYPES = frozenset({
     "StatelessRandomNormalV2", "StatelessTruncatedNormal", "StatelessTruncatedNormalV2",
     "StatelessRandomUniformInt", "StatelessRandomUniformIntV2"})
 # Candidate samplers of a fixed distribution (tf.nn.sampled_softmax_loss, nce_loss): one
-# draw of classes per run for the whole batch. Outputs (sampled_candidates [S],
-# true_expected_count [B, num_true], sampled_expected_count [S]); the draw and the
-# expected counts (which depend on the draw's number of tries) read only the shape of the
-# true classes, true_expected_count row i their row i. (The learned unigram samplers,
-# whose distribution each run updates, are not among them.)
+# draw of classes per run for the whole batch, read from the true classes' shape only.
+# Outputs sampled_candidates [S], true_expected_count [B, num_true] (row i from row i),
+# sampled_expected_count [S]. (Not the learned unigram samplers.)
 FIXED_CANDIDATE_SAMPLER_OP_TYPES = frozenset({
     "UniformCandidateSampler", "LogUniformCandidateSampler", "FixedUnigramCandidateSampler",
     "AllCandidateSampler"})
@@ -138,7 +132,6 @@ POOL_OP_TYPES = frozenset({"MaxPool", "AvgPool", "MaxPoolV2", "MaxPool3D", "AvgP
                            "MaxPoolWithArgmax", "LRN"})
 # Fused batch normalization (over the batch when training).
 BATCH_NORM_OP_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
-# Batched matrix products (tf.linalg.matmul of rank > 2).
 # Ops that move spatial blocks into the batch axis and back (TensorFlow builds a dilated
 # convolution without oneDNN as SpaceToBatchND -> convolution -> BatchToSpaceND).
 SPACE_TO_BATCH_OP_TYPES = frozenset({"SpaceToBatchND"})
@@ -146,6 +139,7 @@ BATCH_TO_SPACE_OP_TYPES = frozenset({"BatchToSpaceND"})
 # Convolutions whose output row n is computed from input row n alone (input 0 the data,
 # input 1 the filter).
 ROW_WISE_CONVOLUTION_OP_TYPES = frozenset({"Conv2D", "DepthwiseConv2dNative", "Conv3D"})
+# Batched matrix products (tf.linalg.matmul of rank > 2).
 BATCH_MATMUL_OP_TYPES = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 # Integer and boolean ops through which a reduction's result may flow and still only
 # size shapes or bound loops.

@@ -1,20 +1,15 @@
 """Gradients the user wrote in Python (`tf.custom_gradient`, `gradient_override_map`):
 build one on its own, and prove it keeps the examples' rows apart.
 
-Notation:
-    B   examples in the batch
-    op  an op whose `_gradient_op_type` attribute names a Python function in
-        TensorFlow's gradient registry (the user's override)
-    dy  the gradients arriving at op's outputs, [B, ...] each
+Notation: op an op whose `_gradient_op_type` attribute names the user's function in
+TensorFlow's gradient registry; dy the gradients at op's outputs, [B, ...] each.
 
-`override_backward` builds op's backward once (the registered function called with op
-and dy placeholders) in a scratch `FuncGraph` whose outer graph is op's, so the user's
-graph is never changed; the user's tensors it reads are captured as placeholders
-(`OverrideBackward.captured`). The towers copy it per tower
+`override_backward` builds op's backward once (the function called with op and dy
+placeholders) in a scratch `FuncGraph` whose outer graph is op's (the user's graph is
+not changed; the tensors it reads are captured as placeholders). The towers copy it
 (`pertower._towers.python_gradients`); `not_row_wise` runs the batch-axis analysis on
 it with the batch and dy as the examples' rows: when row i of each input's gradient
-depends on example i alone (e.g. swish's elementwise backward), rules may serve the
-weights behind op.
+depends on example i alone (swish's backward), rules may serve the weights behind op.
 """
 
 import dataclasses
@@ -39,16 +34,9 @@ OVERRIDE_ATTR = op_types.GRADIENT_OVERRIDE_ATTR
 @dataclasses.dataclass(frozen=True)
 class OverrideBackward:
     """The backward pass of an overridden op, built on dy placeholders in a scratch
-    graph (never run).
-
-    Attributes:
-      op, graph: the op of the user's graph; the scratch `FuncGraph`.
-      dys: one placeholder per output of op, of the output's dtype and shape.
-      grads: the registered function's result, one entry per input of op (a tensor,
-        an IndexedSlices or None).
-      ops: the ops the function added (not the placeholders of the captures).
-      captured: (scratch placeholder, the user's tensor it stands for) pairs.
-    """
+    graph (never run): `op`, the scratch `graph`, `dys` (one placeholder per output),
+    `grads` (one tensor, IndexedSlices or None per input), `ops` (those the function
+    added), `captured` ((scratch placeholder, the user's tensor) pairs)."""
 
     op: tf.Operation
     graph: object
@@ -70,9 +58,8 @@ def _said(op):
 
 
 def override_backward(op, scope="pertower_python_gradient", templates=None):
-    """The `OverrideBackward` of `op`, built in a scratch graph named `scope` (or
-    reused from `templates`). Raises ValueError when the function is not registered or
-    building it raised."""
+    """The `OverrideBackward` of `op` (built, or reused from `templates`); raises
+    ValueError when the function is not registered or building it raised."""
     try:
         return (templates or Templates()).backward(op, scope)
     except _Unbuilt as error:
@@ -84,7 +71,7 @@ class _Unbuilt(Exception):
 
 
 def _build(op, scope):
-    """`override_backward` raising `_Unbuilt` (no public function's name in it)."""
+    """Builds op's `OverrideBackward`; raises `_Unbuilt`."""
     try:
         gradient_function = _tf.registered_gradient(kind(op))
     except LookupError as error:
@@ -117,13 +104,12 @@ def _build(op, scope):
 class Templates:
     """The backward passes of overridden ops, each computation built once.
 
-    `tf.custom_gradient` registers a gradient function per call (tf_keras' swish: one
-    per activation), closures over the same code. Two ops share a scratch graph when
-    their functions never read `op` and are, recursively through closures and defaults,
-    the same code over the same values (a tensor stands for its position among op's
-    inputs and outputs, `_template_key`), and the ops have the same type, dtypes and
-    static shapes; the second op's backward is the first's with its own tensors in
-    `captured`. Anything else is built on its own. `built` counts the builds.
+    `tf.custom_gradient` registers one function per call (tf_keras' swish: one per
+    activation), closures over the same code. Two ops share a scratch graph when their
+    functions never read `op` and are, through closures and defaults, the same code over
+    the same values (a tensor stands for its position among op's inputs and outputs),
+    and the ops have the same type, dtypes and static shapes; the second op's backward
+    is the first's with its own tensors in `captured`. `built` counts the builds.
     """
 
     def __init__(self):
@@ -171,9 +157,8 @@ def _positions_of(op):
 
 
 def _template_key(op, seen):
-    """A hashable key equal for two ops exactly when `Templates` may share their
-    backward (see there), or None; `seen` gets the ids of the tensors the closures
-    hold."""
+    """A key equal for two ops exactly when `Templates` may share their backward, or
+    None; `seen` gets the ids of the tensors the closures hold."""
     try:
         function = _tf.registered_gradient(kind(op))
     except LookupError:
@@ -232,11 +217,9 @@ def _value_key(value, where, depth, seen):
 
 def not_row_wise(op, on_path, request, templates=None):
     """None when the overridden gradient of `op` is proven row-wise for each of its
-    inputs `on_path` (indices, where a weight's gradient flows); else a clause saying
-    why not. The dy of each output `ys` reads is the examples' rows (a float tensor
-    with a batch axis); an output `ys` does not read gets dy = 0. `request`: the
-    checked `Request`; `templates`: shared by the overrides of one plan, or None.
-    """
+    inputs `on_path` (where a weight's gradient flows); else a clause saying why not.
+    The dy of each output `ys` reads holds the examples' rows; the others get dy = 0.
+    `templates`: shared by the overrides of one plan, or None."""
     read = [any(c in request.ys_upstream for c in t.consumers()) for t in op.outputs]
     if any(r and (t.shape.rank in (None, 0) or not t.dtype.is_floating)
            for r, t in zip(read, op.outputs)):
@@ -287,9 +270,8 @@ def _why_not(analysis, what):
 
 def _captured_rows(backward, request):
     """(scratch placeholder, batch axis) for each user tensor the backward reads that
-    holds the examples' rows (batch tensors and those computed from them); a clause
-    saying why not when one lacks one row per example. Tensors on the way to `ys` are
-    read from the request's analysis; others get an analysis of the forward up to them."""
+    holds the examples' rows (batch tensors and those computed from them), or a clause
+    saying why not when one lacks one row per example."""
     batch_ops = {b.op for b in request.batch}
     outers = [o for _, o in backward.captured]
     main = request.analysis

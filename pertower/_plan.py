@@ -1,15 +1,11 @@
-"""The plan records: what a call will build, per weight, and its readable table.
-
-Notation:
-    B   examples in the batch          G   groups: B (per example) or M (microbatches)
-    K   output entries per example     x   one weight (entry of `xs`)
-
-A `Plan` is made by `pertower._dispatch.make_plan` before any op is added.
-"""
+"""The plan records: what a call will build, per weight, and its readable table (made
+by `pertower._dispatch.make_plan` before any op is added)."""
 
 import dataclasses
 
 import tensorflow as tf
+
+from pertower import _batch_sizes
 
 __all__ = ["Plan", "WeightPlan", "weight_name"]
 
@@ -143,20 +139,15 @@ class Plan:
             lines.append(f"independence: not proven; the proof was lost at {op.name} "
                          f"({op.type}): {why}")
         lines.append("run-time check: " + ("added (validate)" if self.validate else "none"))
-        if self.estimate is not None:
-            lines.append(f"memory: {self.estimate.describe()}")
-        else:
-            lines.append("memory: estimated once B is known")
+        lines.append("memory: " + (self.estimate.describe() if self.estimate is not None
+                                   else "estimated once B is known"))
         return "\n".join(lines)
 
 
 def _batch_listing(request):
-    """The batch tensors with their batch axis when not 0 (or the joined batches, each
-    with its size, in row order)."""
+    """The batch tensors with their batch axis when not 0 (or the joined batches)."""
     if request.segments is not None:
-        return ", then ".join(
-            " and ".join(request.batch[j].name for j in indices) + f" ({size} examples)"
-            for indices, size in request.segments) + " (joined along axis 0 of ys)"
+        return (_batch_sizes.listing(request.batch, request.segments, " ({} examples)")
+                + " (joined along axis 0 of ys)")
     return ", ".join(b.name + (f" (batch axis {a})" if a else "")
                      for b, a in zip(request.batch, request.batch_axes))
-

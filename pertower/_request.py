@@ -1,13 +1,10 @@
 """The request: a public call's arguments checked once, into one `Request` record.
 
-Notation:
-    B   examples in the batch          M   microbatches (groups of B/M examples)
-    x   one weight (entry of `xs`)     S   the ops between the batch and `ys`
+Notation as in `pertower._graph_walk`; M microbatches (groups of B/M examples).
 
-`make_request` takes `ys`, `xs` and two records, `Examples` (where the examples are)
-and `Options` (how to compute), and runs the argument checks every method shares, so
-that bad input is refused the same way whichever method computes the gradients. The
-graph facts every later stage reads are found here once and kept on the record.
+`make_request` takes `ys`, `xs`, `Examples` (where the examples are) and `Options` (how
+to compute) and runs the checks every method shares; the graph facts every later stage
+reads are found here once and kept on the record.
 """
 
 import collections.abc
@@ -28,27 +25,18 @@ __all__ = ["METHODS", "Examples", "Options", "Request", "make_request", "check_m
 
 METHODS = ("auto", "towers", "rules")
 
+
 def check_method(method):
     if not isinstance(method, str) or method not in METHODS:
         raise _context.error(ValueError, f"`method` must be one of {METHODS}, got {method!r}.")
     return method
 
 
-def _check_validate(validate):
-    if not isinstance(validate, (bool, type(None))):
-        raise _context.error(
-            ValueError, "`validate` must be None (the default: check at run time only "
-            "where the static analysis could not prove that the examples are independent), "
-            f"True (always check) or False (never), but received {validate!r}.")
-    return validate
-
-
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Where the examples are: `batch`, `batch_size`, `batch_axis` as given to the
-    public function, `num_groups` M (None: one group per example) and the public name
-    of its argument; `size_required`: whether a None batch axis needs `batch_size` (the
-    towers' contract), else B may be left to run time."""
+    """Where the examples are: `batch`, `batch_size`, `batch_axis` as given, M
+    `num_groups` (None: per example) and its public name; `size_required`: a None batch
+    axis needs `batch_size` (the towers' contract), else B may be left to run time."""
 
     batch: object = None
     batch_size: object = None
@@ -60,18 +48,15 @@ class Examples:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """How to build the result, checked when made (`pertower._docs` describes the
-    public options).
+    """How to build the result, checked when made (the public options: `pertower._docs`).
 
     Attributes:
-      registry: the `pertower.rules.RuleRegistry`, or None for the towers alone
-        (`build_towers`: the analysis then runs without the rules' row layouts).
+      registry: the `pertower.rules.RuleRegistry`, or None for the towers alone.
       outputs_per_example: K for Jacobians, else 1.
       forms_gradients: False for the norms (the rules form no [B, P] tensor).
-      refuse: False for `pertower.explain`: what cannot be built is recorded in the
-        plan instead of raised.
-      batch_capacity: None, or N for a None batch axis without batch_size (DPOptimizer's
-        `max_batch_size`): the towers take any fed batch of at most N examples, padded.
+      refuse: False for `pertower.explain` (what cannot be built goes to the plan).
+      batch_capacity: None, or N (DPOptimizer's `max_batch_size`): with a None batch
+        axis and no batch_size the towers take any fed batch of at most N, padded.
     """
 
     method: str = "auto"
@@ -86,7 +71,12 @@ class Options:
 
     def __post_init__(self):
         check_method(self.method)
-        _check_validate(self.validate)
+        if not isinstance(self.validate, (bool, type(None))):
+            raise _context.error(
+                ValueError, "`validate` must be None (the default: check at run time only "
+                "where the static analysis could not prove that the examples are "
+                f"independent), True (always check) or False (never), but received "
+                f"{self.validate!r}.")
         _checks.check_memory_limit(self.memory_limit)
 
 
@@ -95,26 +85,20 @@ class Request:
     """One public call's checked arguments and the graph facts every stage reads.
 
     Attributes:
-      ys, xs (list), graph: as given, checked (a Keras 3 variable replaced by its
-        tf.Variable).
+      ys, xs (list), graph: as given, checked (a Keras 3 variable: its tf.Variable).
       ys_upstream: the ops `ys` depends on.
-      batch, batch_axes, static_sizes: the batch tensors (found or checked), the axis
-        of each that carries the batch (`ys` always has it on axis 0), and its static
-        size or None.
+      batch, batch_axes, static_sizes: the batch tensors, the axis of each that
+        carries the batch (`ys` has it on axis 0), and its static size or None.
       ys_rows: the static size of axis 0 of `ys`, or None.
-      batch_size: B, or None when neither the batch axis nor batch_size gives it
-        (allowed only where no towers are built).
+      batch_size: B, or None when unknown (allowed only where no towers are built).
       num_groups, groups_argument: M or None, and its public name.
       reads: one `_weight_reads.WeightReads` per entry of xs.
       analysis: the `pertower._batch_axis.Analysis` of the ops between batch and `ys`.
-      segments: None, or when `ys` joins several batches along axis 0
-        (`tf.concat([f(s1), f(s2)], 0)`) one (batch indices, B_s) pair per batch in
-        row order, e.g. (((0,), 2), ((1,), 3)), and B = B_1 + B_2 + ... .
+      segments: None, or when `ys` joins several batches along axis 0 one (batch
+        indices, B_s) pair per batch in row order, e.g. (((0,), 2), ((1,), 3)).
       batch_downstream: S, the ops of ys_upstream that depend on a batch tensor.
-      weight_regions: per entry of xs, the ops downstream of its reads that the towers
-        replay besides S (a `WeightRegions`).
-      loop_op: the first TF1 (v1) while loop op between the batch or a weight read and
-        `ys`, or None.
+      weight_regions: per entry of xs, the ops downstream of its reads (`WeightRegions`).
+      loop_op: the first TF1 (v1) while loop op on the way to `ys`, or None.
       options: the call's `Options`.
     """
 
@@ -160,11 +144,9 @@ class Request:
 
 def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument="ys",
                  scalar_advice=None, weights_required=True):
-    """Checks the arguments of a public function; returns a `Request`.
-
-    `ys_argument` is the public name of `ys` ("loss" for DPOptimizer); `scalar_advice`
-    what to say when `ys` is a scalar; weights_required=False for a forward-only replay.
-    """
+    """Checks the arguments of a public function; returns a `Request`. `ys_argument`:
+    the public name of `ys`; `scalar_advice`: what to say when `ys` is a scalar;
+    weights_required=False for a forward-only replay."""
     batch, batch_size, num_groups = examples.batch, examples.batch_size, examples.num_groups
     groups_argument = examples.groups_argument
     _checks.require_graph_mode()
@@ -187,7 +169,7 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
     if not xs and weights_required:
         raise _context.error(ValueError, "`xs` is empty; pass at least one weight.")
     with graph.as_default():
-        ys_upstream = graph_walk.upstream_region([ys])
+        ys_upstream = graph_walk.OpRegion(graph_walk.upstream_ops([ys]))
         found = batch is None
         batch = _batch_tensors(ys, batch, ys_upstream, graph)
         axes = _batch_sizes.batch_axes(examples.batch_axis, batch)
@@ -237,7 +219,10 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
                                               else ""))
         reads = [_weight_reads.weight_reads(x, k, ys_upstream, batch)
                  for k, x in enumerate(xs)]
-        weight_regions, read_region = _regions(reads, ys_upstream)
+        # the ops downstream of any weight's reads and of the TF1 loops taking a handle
+        read_region = set(_weights_region(reads, ys_upstream))
+        for op in {op for r in reads for op in r.loop_inputs}:
+            read_region |= {op} | graph_walk.downstream_ops(op.outputs, ys_upstream)
     loops = [op for op in batch_downstream.union(read_region)
              if op.type in op_types.V1_LOOP_OP_TYPES]
     loop_op = min(loops, key=_tf.op_order_key()) if loops else None
@@ -245,13 +230,13 @@ def make_request(ys, xs, examples=Examples(), options=Options(), *, ys_argument=
                    batch_axes=tuple(axes), static_sizes=static_sizes, ys_rows=ys_rows,
                    batch_size=B, num_groups=M, groups_argument=groups_argument, reads=reads,
                    analysis=analysis, segments=segments, batch_downstream=batch_downstream,
-                   weight_regions=weight_regions, loop_op=loop_op, options=options)
+                   weight_regions=WeightRegions(reads, ys_upstream), loop_op=loop_op,
+                   options=options)
 
 
 class WeightRegions(collections.abc.Sequence):
     """Per entry of xs, the ops of ys_upstream downstream of its reads (read tensors,
-    gathers and function calls), each walked the first time it is asked for (only the
-    towers and the check of unassumed gradients need them)."""
+    gathers and function calls), each walked the first time it is asked for."""
 
     def __init__(self, reads, ys_upstream):
         self._reads, self._within, self._found = tuple(reads), ys_upstream, {}
@@ -260,9 +245,7 @@ class WeightRegions(collections.abc.Sequence):
         return len(self._reads)
 
     def __getitem__(self, k):
-        if isinstance(k, slice):
-            return tuple(self[j] for j in range(len(self))[k])
-        k = range(len(self))[k]
+        k = range(len(self))[k]   # (an IndexError ends the iteration)
         if k not in self._found:
             self._found[k] = _weights_region([self._reads[k]], self._within)
         return self._found[k]
@@ -280,16 +263,6 @@ def _weights_region(reads, ys_upstream):
     tensors += [t for op in sorted(starts, key=_tf.op_order_key())
                 for t in op.outputs]
     return frozenset(graph_walk.downstream_ops(tensors, ys_upstream) | starts)
-
-
-def _regions(reads, ys_upstream):
-    """(the `WeightRegions`; the ops downstream of any weight's reads, of the TF1 loops
-    that take the weights' handles, and those loop ops)."""
-    loop_region = {op for r in reads for op in r.loop_inputs}
-    for op in list(loop_region):
-        loop_region |= graph_walk.downstream_ops(op.outputs, ys_upstream)
-    return (WeightRegions(reads, ys_upstream),
-            _weights_region(reads, ys_upstream) | frozenset(loop_region))
 
 
 def _batch_tensors(ys, batch, ys_upstream, graph):
@@ -314,8 +287,7 @@ def _batch_tensors(ys, batch, ys_upstream, graph):
 
 
 def _variable_reads(variable, j, ys_upstream):
-    """The tensors reading `variable` (ReadVariableOp, or a reference variable's Identity)
-    that `ys` depends on; raises when `ys` reads none."""
+    """The reads of `variable` that `ys` depends on; raises when there is none."""
     source = variable.handle if hasattr(variable, "handle") else variable.op.outputs[0]
     reads = [op.outputs[0] for op in source.consumers() if op in ys_upstream and (
         op.type in op_types.VARIABLE_READ_OP_TYPES or op.type == "Identity")]
@@ -328,9 +300,8 @@ def _variable_reads(variable, j, ys_upstream):
 
 
 def _side_input_hint(op, batch):
-    """For found batch tensors: the ones the coupling op reads may be side inputs
-    (class weights gathered by label); the lead of the refusal that says how to leave
-    them out, or ""."""
+    """The lead of the refusal saying how to leave out found batch tensors that the
+    coupling op reads, which may be side inputs (class weights gathered by label), or ""."""
     read = op.inputs[0] if op.inputs else None
     suspects = [b for b in batch if b is read]
     others = [b for b in batch if b is not read]

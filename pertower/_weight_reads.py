@@ -1,7 +1,5 @@
 """Where each weight enters the computation of `ys`: its reads, gathers, and the
-function calls and TF1 loops that get its resource handle (notation of
-`pertower._graph_walk`).
-"""
+function calls and TF1 loops that get its resource handle (notation: `_graph_walk`)."""
 
 import tensorflow as tf
 
@@ -18,20 +16,15 @@ class WeightReads:
 
     Attributes:
       x, name: the entry of `xs` as given, and a readable name for messages.
-      read_tensors: tensors holding the weight's value that ops in S consume (each
-        tower maps them to its own copy).
-      gather_ops: `ResourceGather` ops in S (towers replay them as gathers of a copy).
+      read_tensors: tensors holding the weight's value that ops in S consume.
+      gather_ops: `ResourceGather` ops in S.
       call_inputs: (op, input index) pairs of function-calling ops (While, If,
-        PartitionedCall, ...) that get the weight's handle (towers pass their copy).
-      loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's handle
-        (such a weight is computed by row passes).
+        PartitionedCall, ...) that get the weight's handle.
+      loop_inputs: TF1 (v1) while loop ops (Enter) that take the weight's handle.
       handle: the resource handle, or None (reference variables and tensors).
-      key: what identifies the weight: entries of `xs` with the same key are one weight
-        (a variable and a wrapper of it sharing its handle, such as tf_keras'
-        AutoCastVariable, or the same entry listed twice), computed once.
+      key: entries of `xs` with the same key are one weight, computed once (a variable
+        and a wrapper sharing its handle, such as AutoCastVariable, or one listed twice).
       reached: whether `ys` depends on the weight at all.
-      value: a tensor holding the weight's value (a reference variable's snapshot), or
-        None.
     """
 
     def __init__(self, x, name, read_tensors=(), gather_ops=(), call_inputs=(), handle=None,
@@ -50,8 +43,8 @@ class WeightReads:
 
     @property
     def copy_source(self):
-        """The tensor the towers' copies are taken of (None when not reached); a weight
-        read only through its handle gets one `ReadVariableOp`, made on first use."""
+        """The tensor the towers' copies are taken of (None when not reached): a read,
+        a reference variable's snapshot, or one `ReadVariableOp` made on first use."""
         if not self.reached:
             return None
         if self._read is None and self.read_tensors:
@@ -64,20 +57,17 @@ class WeightReads:
 
     @property
     def dtype(self):
-        if self.gather_ops and not isinstance(self.x, tf.Variable):
+        """The dtype of the value x (a variable, a tensor or a resource handle) holds."""
+        x = self.x
+        if self.gather_ops and not isinstance(x, tf.Variable):
             return self.gather_ops[0].get_attr("dtype")
-        return _value_dtype(self.x)
-
-
-def _value_dtype(x):
-    """The dtype of the value `x` (a variable, a tensor or a resource handle) holds."""
-    if x.dtype != tf.resource:
-        return x.dtype.base_dtype
-    handle_data = _tf.handle_data(x)
-    if handle_data is not None and handle_data.shape_and_type:
-        return tf.as_dtype(handle_data.shape_and_type[0].dtype)
-    raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; pass the "
-                    "variable instead of its handle.")
+        if x.dtype != tf.resource:
+            return x.dtype.base_dtype
+        handle_data = _tf.handle_data(x)
+        if handle_data is not None and handle_data.shape_and_type:
+            return tf.as_dtype(handle_data.shape_and_type[0].dtype)
+        raise _context.error(TypeError, f"the resource tensor {x.name} carries no dtype; "
+                             "pass the variable instead of its handle.")
 
 
 def _handle_consumers(handle, within):

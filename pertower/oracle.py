@@ -1,11 +1,10 @@
 """The slow, obviously correct reference: plain `tf.gradients` run on one slice at a time.
 
-Every pertower method is compared with these loops in tests/, examples and the demo.
-They feed the graph one example (or microbatch) at a time, so the batch tensors must
-be placeholders whose batch axis is None. The batch feeds are the keys `batch` (default:
-every key fed an array of rank >= 1), sliced along their batch axis (`batch_axis`:
-None for 0, an int for all, or a list parallel to `batch`, e.g. 1 for a time-major
-[T, B, d] feed).
+Every pertower method is compared with these loops. They feed the graph one example (or
+microbatch) at a time, so the batch tensors must be placeholders whose batch axis is
+None. The batch feeds are the keys `batch` (default: every key fed an array of rank >= 1),
+sliced along their batch axis (`batch_axis`: None for 0, an int for all, or a list
+parallel to `batch`, e.g. 1 for a time-major [T, B, d] feed).
 
 Notation: B examples, M slices (microbatches), x one weight, K output entries.
 """

@@ -11,9 +11,11 @@ Notation:
 
 Both sum over the examples (no 1/B). For a loss averaged over N examples the
 per-example gradients are g_i / N, so its sum of squares is sum_grad_squared / N^2,
-and its GGN is diag_ggn / N. The rules compute covered weights from ONE backward pass
-(the M columns vectorized, `pertower._curvature.columns`); the other weights come
-from the fallback (towers, or row passes past a TF1 loop), one pass per column.
+and its GGN is diag_ggn / N (BackPACK's `SumGradSquared` and `DiagGGN*`, Dangel et al.
+2020, arXiv 1912.10985, with reduction="sum"). The rules compute covered weights from
+ONE backward pass (the M columns vectorized, `pertower._curvature.columns`); the other
+weights come from the fallback (towers, or row passes past a TF1 loop), one pass per
+column.
 """
 
 import tensorflow as tf
@@ -35,8 +37,7 @@ __all__ = ["sum_grad_squared", "diag_ggn"]
 
 def _plan(ys, xs, devices, batch, batch_size, batch_axis, C, per_example, memory_limit,
           method, rules, validate, ys_argument, **keywords):
-    """(devices, plan) of a curvature call, its memory guard counting what each route
-    holds for C columns (`pertower._curvature.memory`)."""
+    """(devices, plan) of a curvature call, guarded for C columns (`_curvature.memory`)."""
     memory_guard.resolve_limit(memory_limit)
     devices, _, plan = _dispatch.plan_call(
         ys, xs, devices, _request.Examples(batch, batch_size, None, batch_axis),
@@ -46,8 +47,7 @@ def _plan(ys, xs, devices, batch, batch_size, batch_axis, C, per_example, memory
 
 
 def _finish(built, plan, results, routes, columns=None):
-    """The results gated on the run-time check, in a `CurvatureResult` (and the warning
-    naming the weights `ys` does not reach)."""
+    """The results gated on the run-time check, in a `CurvatureResult`."""
     request = plan.request
     _checks.warn_unconnected(request.ys, request.xs, _checks.UNCONNECTED_DEFAULT,
                              outcome="they get zeros", reads=request.reads)
@@ -67,12 +67,10 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
     """The elementwise sum over examples of the squared per-example gradients.
 
     A dense layer with one row per example never forms its per-example gradients:
-    sum_i (a_i ⊗ dz_i)^2 = (A⊙A)^T (dZ⊙dZ) (BackPACK's `SumGradSquared`, Dangel et al.
-    2020, arXiv 1912.10985); other weights are formed by their rule or the towers and
-    squared. Conventions: a sum over the B rows of ys, no 1/B (BackPACK's, on a loss
-    averaged over N examples, is this / N^2). The unbiased variance of the gradients
-    is (sum_grad_squared - B * mean^2) / (B - 1), mean = sum_i g_i / B
-    (`pertower.gradient_variance`).
+    sum_i (a_i ⊗ dz_i)^2 = (A⊙A)^T (dZ⊙dZ) (Dangel et al. 2020, arXiv 1912.10985);
+    other weights are formed and squared. A sum over the B rows of ys, no 1/B (see
+    the module for losses averaged over N examples); the unbiased variance of the
+    gradients is (sum_grad_squared - B * mean^2) / (B - 1), mean = sum_i g_i / B.
 
     Args:
       ys, xs: as in `pertower.per_example_norms`.
@@ -88,7 +86,6 @@ def sum_grad_squared(ys, xs, batch=None, batch_size=None, name=None, method="aut
     Example:
       sgs = pertower.sum_grad_squared(per_example_loss, model.trainable_weights)
     """
-    _checks.require_graph_mode()
     devices, plan = _plan(ys, xs, devices, batch, batch_size, batch_axis, 1, False,
                           memory_limit, method, rules, validate, "ys", forms_gradients=False)
     with plan.request.graph.as_default(), tf.name_scope(name or _context.name()):
@@ -110,21 +107,15 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
     """The diagonal of the generalized Gauss-Newton matrix (the Fisher) of sum_i l(logits_i).
 
     GGN = sum_i J_i^T H_i J_i with H_i the Hessian of the loss with respect to the
-    logits, which does not depend on the labels for these losses (Martens 2014, "New
-    insights and perspectives on the natural gradient method", arXiv 1412.1193); with
-    S S^T = H_i (`mc_samples=None`, M = K exact columns, K - 1 for the softmax, whose
-    Hessian has rank K - 1) its diagonal is
-    sum_{i,m} (J_i^T S[m, i])^2: each column is backpropagated like a gradient, the M
-    columns in one vectorized backward pass. With `mc_samples=M`, the columns come from
-    labels sampled from the model (softmax: (p - onehot(y~)) / sqrt(M)), an unbiased
-    estimate (the true Fisher, not the empirical one). A dense layer (one row per
-    example) gives (A⊙A)^T sum_m (dZ_m⊙dZ_m) without per-example gradients.
-
-    Conventions: a sum over the B examples, no 1/B; for a mean-reduced loss
-    (1/N) sum_i l_i the GGN is this divided by N. BackPACK's `DiagGGNExact`/`DiagGGNMC`
-    (Dangel et al. 2020, arXiv 1912.10985; `BatchDiagGGN*` for per_example=True) give
-    this value with reduction="sum" and this / N with "mean"; its
-    `MSELoss(reduction="mean")` is this / (N K), Keras' mean squared error this / K.
+    logits, which does not depend on the labels for these losses (Martens 2014,
+    arXiv 1412.1193); with S S^T = H_i (`mc_samples=None`: M = K exact columns, K - 1
+    for the softmax, whose Hessian has rank K - 1) its diagonal is
+    sum_{i,m} (J_i^T S[m, i])^2, the M columns backpropagated in one vectorized pass.
+    With `mc_samples=M` the columns come from labels sampled from the model (softmax:
+    (p - onehot(y~)) / sqrt(M)), an unbiased estimate of the true Fisher. A dense layer
+    gives (A⊙A)^T sum_m (dZ_m⊙dZ_m) without per-example gradients. A sum over the B
+    examples, no 1/B (see the module); BackPACK's `MSELoss(reduction="mean")` is this
+    / (N K), Keras' mean squared error this / K.
 
     Args:
       logits: [B, K] network output the loss reads (K static); row i must depend on
@@ -139,19 +130,16 @@ def diag_ggn(logits, xs, loss="softmax_cross_entropy", mc_samples=None,
         example's own diagonal J_i^T H_i J_i, [B, *x.shape].
       {options: batch, batch_size, batch_axis, method, validate, devices, rules}
       memory_limit: as in `pertower.per_example_gradients`, counting what each
-        weight's route holds: a dense layer's cheap form no per-example gradient, a
-        convolution or a rule per column M of them, the fallback M and its towers' copies;
-        and the M columns of the rules' output gradients.
+        weight's route holds (`pertower._curvature.memory`) and the M columns of the
+        rules' output gradients.
       seed: an int makes the Monte-Carlo labels reproducible (stateless sampling).
       name: name scope (default "diag_ggn").
 
     Returns:
-      A list (a `CurvatureResult`) with one tensor per entry of xs, [*x.shape] or
-      [B, *x.shape], of x's dtype; zeros for a weight `logits` does not reach.
-      `.routes` says per weight whether a rule's cheap form, a rule per column, or the
-      fallback (towers: the per-example Jacobians contracted with the columns, one
-      pass per column) computed it; `.plan` is the plan (`str(result.plan)`), the same
-      `pertower.explain(logits, xs)` prints before building.
+      A list (a `CurvatureResult`, as in `sum_grad_squared`) with one tensor per entry
+      of xs, [*x.shape] or [B, *x.shape], of x's dtype; zeros for a weight `logits`
+      does not reach. `.routes` says per weight whether a rule's cheap form, a rule per
+      column, or the fallback (one pass per column) computed it.
 
     Example (elastic weight consolidation's importance, a Fisher diagonal):
       fisher = pertower.diag_ggn(model(x), model.trainable_weights, mc_samples=1)

@@ -1,8 +1,4 @@
-"""`explain` and `estimate_memory`: the plan of a call, before anything is built.
-
-Notation:
-    B   examples in the batch       M   microbatches       K   outputs per example
-"""
+"""`explain` and `estimate_memory`: the plan of a call, before anything is built."""
 
 from pertower import _checks
 from pertower import _docs
@@ -35,7 +31,6 @@ def explain(ys, xs, batch=None, batch_size=None, num_microbatches=None, method="
     Example:
       print(pertower.explain(cost, net.trainable_weights))
     """
-    _checks.require_graph_mode()
     return _dispatch.plan_call(
         ys, xs, None, _request.Examples(batch, batch_size, num_microbatches, batch_axis),
         _dispatch.options(method, rules, sparse=sparse, validate=validate,
@@ -63,7 +58,6 @@ def estimate_memory(ys, xs, batch=None, batch_size=None, num_microbatches=None,
       estimate = pertower.estimate_memory(cost, net.trainable_weights, batch_size=512)
       print(estimate.describe())
     """
-    _checks.require_graph_mode()
     K = _checks.positive_int(outputs_per_example, "outputs_per_example")
     return _dispatch.plan_call(
         ys, xs, None, _request.Examples(batch, batch_size, num_microbatches, batch_axis),

@@ -1,13 +1,8 @@
 """Per-example gradients, per-example Jacobians and microbatch gradients.
 
-Notation:
-    B   examples in the batch       M   microbatches (groups of B/M examples)
-    K   output entries per example, prod(ys.shape[1:])
-    x   one weight                  [B, *x.shape] one gradient of x per example
-
-Each function plans and builds through the one dispatch (`pertower._dispatch`), under
-one name scope (`name`, default the function's name) with `towers/` and `gradients/`
-inside.
+Notation: B examples, M microbatches (groups of B/M examples), K output entries per
+example (prod(ys.shape[1:])), x one weight. Each plans and builds through the one
+dispatch (`pertower._dispatch`).
 """
 
 import numpy as np
@@ -21,8 +16,8 @@ from pertower import _context
 
 __all__ = ["per_example_gradients", "per_example_jacobians", "microbatch_gradients"]
 
-# The methods every gradient function takes (see `pertower._dispatch`).
-METHODS = _dispatch.METHODS
+# The methods every gradient function takes (described in `pertower._docs`).
+METHODS = _request.METHODS
 
 
 @_context.public("per_example_gradients")
@@ -59,7 +54,6 @@ def _group_gradients(ys, xs, batch, batch_size, num_groups, unconnected_gradient
                      K=None):
     """The three public functions: [G, *x.shape] per x (G = B or M), or with the K
     outputs per example of Jacobians, [B, *out, *x.shape]."""
-    _checks.require_graph_mode()
     _checks.unconnected_gradients_value(unconnected_gradients)
     devices, partitions, plan = _dispatch.plan_call(
         ys, xs, devices, _request.Examples(batch, batch_size, num_groups, batch_axis),
@@ -150,18 +144,17 @@ def per_example_jacobians(ys, xs, batch=None, batch_size=None,
 def _jacobian_rows(built, ys, unconnected_gradients):
     """One `built.gradients` call per output entry, stacked to [B, *out, *x.shape]."""
     out = ys.shape[1:].as_list()
-    K = int(np.prod(out, dtype=np.int64))
-    B = built.batch_size
     if not out:
         return built.gradients(unconnected_gradients=unconnected_gradients, name="gradients")
+    K = int(np.prod(out, dtype=np.int64))
+    B = built.batch_size
     with tf.name_scope("rows"):
-        rows_B = B if B is not None else tf.shape(ys)[0]
+        shape = [B] + out if B is not None else tf.stack([tf.shape(ys)[0]] + out)
         rows = []  # K x (list per x of [B, *x.shape])
         for k in range(K):
             # one-hot on output entry k for every example: [B, *out]
-            one_hot = tf.broadcast_to(
-                tf.reshape(tf.one_hot(k, K, dtype=ys.dtype), out),
-                tf.stack([rows_B] + out) if B is None else [B] + out)
+            one_hot = tf.broadcast_to(tf.reshape(tf.one_hot(k, K, dtype=ys.dtype), out),
+                                      shape)
             rows.append(built.gradients(grad_ys=one_hot,
                                         unconnected_gradients=unconnected_gradients,
                                         name=f"row_{k}"))

@@ -39,23 +39,20 @@ def per_example_norms(ys, xs, batch=None, batch_size=None, name=None, method="au
       memory_limit: as in `pertower.per_example_gradients`, for the per-example
         gradients the norms need to hold: those of the weights left to towers.
       per_weight: False (default) for one norm per example over all of `xs`; True for
-        one norm per example and weight, from the same squares (a rule's cheap squared
-        norm where it has one, e.g. ||a_i||^2 ||dz_i||^2 for a dense kernel): what
-        per-layer clipping needs. A PartitionedVariable counts as its parts.
+        one norm per example and weight, from the same squares (per-layer clipping).
+        A PartitionedVariable counts as its parts.
 
     Returns:
       A [B] tensor of ys's dtype: entry i is the L2 norm of the concatenation of
       `tf.gradients(tf.reduce_sum(ys[i]), x)` over every x, for example i alone. With
-      per_weight, a [B, len(xs)] tensor: entry [i, k] is the L2 norm of
-      `tf.gradients(tf.reduce_sum(ys[i]), xs[k])` (0 where ys does not reach xs[k]);
-      the [B] norms are the square root of each row's sum of squares.
+      per_weight, [B, len(xs)]: entry [i, k] the norm over xs[k] alone (0 where ys does
+      not reach xs[k]).
 
     Example (per-example clipping factors for DP-SGD):
       norms = pertower.per_example_norms(loss, model.trainable_weights)   # [B]
       factors = tf.minimum(1.0, clip / (norms + 1e-12))                  # [B]
       per_layer = pertower.per_example_norms(loss, weights, per_weight=True)  # [B, K]
     """
-    _checks.require_graph_mode()
     if not isinstance(per_weight, bool):
         raise _context.error(TypeError, "`per_weight` must be True or False, but received "
                              f"{type(per_weight).__name__} ({per_weight!r:.80}).")

@@ -15,11 +15,9 @@ op's A and Z rows belong to examples and that row i of `ys` depends on example i
 
     grad_i(x) = sum_u rule_u(A_u, dZ_u) for example i.
 
-Any other weight is reported with the reason and left to the towers.
-
-Modules: `plan` (`build_plan`: for every weight, its `Use`s or why it falls back),
-`passes` (the backward pass and what the rules compute from it), `checks` (the number of
-groups, run-time checks of the fed batch size), `unassumed`.
+Any other weight is left to the towers, with the reason. Modules: `plan` (`build_plan`),
+`passes` (the backward pass and what the rules compute from it), `checks` (the number
+of groups, run-time checks of the fed batch size), `unassumed`.
 """
 
 from pertower._engine.checks import group_count
@@ -28,9 +26,8 @@ from pertower._engine.passes import clipped_sums
 from pertower._engine.passes import gradients
 from pertower._engine.passes import norm_parts
 from pertower._engine.passes import output_gradients
-from pertower._engine.passes import squared_norms
 from pertower._engine.plan import build_plan
 from pertower._engine.unassumed import UnassumedGradients
 
 __all__ = ["group_count", "run_time_checks", "clipped_sums", "gradients", "norm_parts",
-           "output_gradients", "squared_norms", "build_plan", "UnassumedGradients"]
+           "output_gradients", "build_plan", "UnassumedGradients"]

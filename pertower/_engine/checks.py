@@ -21,12 +21,11 @@ def group_count(request, num_groups):
     return tf.shape(request.batch[0])[request.batch_axes[0]]
 
 
-def run_time_checks(request, plan=None):
+def run_time_checks(plan):
     """Assertions on the fed batch: its size equals `batch_size` (B, or B_s for each
-    batch `ys` joins) when one was given for a None batch axis; M divides it when B is
-    left to run time. `plan` (when given) chooses the advice of the message: leaving
-    out batch_size helps only when the rules compute every weight."""
-    checks = []
+    batch `ys` joins) given for a None batch axis; M divides it when B is left to run
+    time."""
+    checks, request = [], plan.request
     B, M = request.batch_size, request.num_groups
     own_size = {}
     if request.segments is not None:
@@ -36,7 +35,7 @@ def run_time_checks(request, plan=None):
         if size is not None:
             continue
         if B is not None:
-            given = (f"batch_size[{j}]={own_size[j]}" if j in own_size else None)
+            given = f"batch_size[{j}]={own_size[j]}" if j in own_size else None
             checks.append(_checks.fed_batch_size_check(
                 b, axis, own_size.get(j, B), "the gradients", size_advice(request, plan),
                 name=f"check_batch_size_{j}", given=given))
@@ -64,10 +63,9 @@ def size_advice(request, plan):
         b, size = static[0]
         return (f"{again}: batch_size cannot be left out, since the batch tensor "
                 f"{b.name} has a static batch size of {size}.")
-    fallback = plan.fallback if plan is not None else []
-    if fallback:
-        names = ", ".join(_plan.weight_name(request.xs[k]) for k in fallback)
-        by = ("row passes" if plan.fallback_method == "passes" else "towers")
+    if plan.fallback:
+        names = ", ".join(_plan.weight_name(request.xs[k]) for k in plan.fallback)
+        by = "row passes" if plan.fallback_method == "passes" else "towers"
         return (f"{again} (batch_size=B): batch_size cannot be left out, since no rule "
                 f"computes {names}, whose gradients come from {by} built for a fixed "
                 "number of examples.")

@@ -1,6 +1,5 @@
-"""The rules' batched backward pass, and what the rules compute from its dZ: the
-per-group gradients, the squared norms and the clipped sums (notation: `pertower._engine`).
-"""
+"""The rules' batched backward pass, and what the rules compute from its dZ: per-group
+gradients, squared norms, clipped sums (notation: `pertower._engine`)."""
 
 import tensorflow as tf
 
@@ -11,14 +10,12 @@ from pertower._layout import _shapes
 from pertower.rules import _weight_functions
 from pertower.rules import registry as registry_lib
 
-__all__ = ["output_gradients", "gradients", "squared_norms", "norm_parts", "clipped_sums"]
+__all__ = ["output_gradients", "gradients", "norm_parts", "clipped_sums"]
 
 
 def _output_gradients(plan, indices, grad_ys, unconnected):
-    """{id(Z): dZ} from one tf.gradients call over every use's output; a read inside a
-    while loop gets its dZ from one backward pass of the loop's copy, given the
-    gradients at the loop's outputs from the same call, which stops there (the copy's
-    pass adds the paths through the loop: `pertower._loops`)."""
+    """{id(Z): dZ} from one tf.gradients call over every use's output (a read inside a
+    while loop: from one backward pass of the loop's copy, `pertower._loops`)."""
     outputs, loop_uses = {}, []   # id(Z) -> Z, in order
     for k in indices:
         for use in plan.uses[k]:
@@ -75,9 +72,8 @@ def _per_x_parts(uses, x, G, cache):
 
 
 def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
-    """{k: [G, *xs[k].shape]} for the covered weights `indices` (or None for a weight
-    that `ys` does not reach, or whose outputs get no gradient, with
-    unconnected_gradients="none")."""
+    """{k: [G, *xs[k].shape]} for the covered weights `indices` (None for a weight that
+    gets no gradient, with unconnected_gradients="none")."""
     unconnected = _checks.unconnected_gradients_value(unconnected_gradients)
     grad_ys = _checks.grad_ys_like(plan.request.ys, grad_ys)
     results, cache = {}, _shapes.ShapeCache(G)
@@ -98,13 +94,6 @@ def gradients(plan, indices, G, grad_ys=None, unconnected_gradients="zero"):
                 x.shape))
             results[k] = total
     return results
-
-
-def squared_norms(plan, indices, B):
-    """{k: [B] squared norms of example i's gradient with respect to xs[k]}; a rule's
-    cheap form when x has one use and the rule has one, else formed and reduced."""
-    _, squares, _ = norm_parts(plan, indices, B)
-    return squares
 
 
 def norm_parts(plan, indices, B):

@@ -1,14 +1,11 @@
-"""`build_plan`: which weights the rules cover, through which uses (no op built).
-
-Notation (as in `pertower._engine`): x one weight, A and Z a weight-consuming op's
-batch-side input and output.
-"""
+"""`build_plan`: which weights the rules cover, through which uses (notation:
+`pertower._engine`)."""
 
 import dataclasses
 
 import tensorflow as tf
 
-from pertower import _batch_axis
+from pertower import _batch_sizes
 from pertower import _tf
 from pertower._engine.unassumed import UnassumedGradients
 from pertower import _loops
@@ -17,19 +14,11 @@ from pertower.rules import _weight_functions
 __all__ = ["build_plan"]
 
 
-def build_plan(request, registry):
-    """Decides, for every weight, whether the rules cover it. Builds no ops.
-
-    Returns:
-      (uses, reasons): per entry of xs, a tuple of `rules.Use` (empty when `ys` does
-      not reach x) or None when x falls back to the towers; and why it falls back
-      (str) or None.
-    """
-    ys, batch = request.ys, request.batch
-    analysis = request.analysis
-    if analysis is None or analysis.registry is not registry:
-        analysis = _batch_axis.analyze(ys, batch, request.ys_upstream, request.batch_size,
-                                       request.num_groups, registry)
+def build_plan(request):
+    """(uses, reasons): per entry of xs, a tuple of `rules.Use` (empty when `ys` does
+    not reach x) or None when x falls back; and why it falls back, or None. No op built."""
+    ys, batch, analysis = request.ys, request.batch, request.analysis
+    registry = request.options.registry   # (the one `analysis` was made with)
     reason = None
     if analysis.verdict != "independent":
         lost = analysis.lost_at
@@ -39,10 +28,9 @@ def build_plan(request, registry):
                   f"the batch{where}")
     elif analysis.segments is not None:
         # a rule's [B_s] result would have to be placed at its batch's rows of `ys`
-        joined = ", then ".join(" and ".join(batch[j].name for j in segment)
-                                for segment in analysis.segments)
-        reason = (f"`ys` ({ys.name}) joins several batches along axis 0 ({joined}); the "
-                  "towers compute it example by example in that order")
+        reason = (f"`ys` ({ys.name}) joins several batches along axis 0 "
+                  f"({_batch_sizes.listing(batch, analysis.segments)}); the towers compute "
+                  "it example by example in that order")
     if reason is not None:
         return (tuple(None if r.reached else () for r in request.reads),
                 tuple(reason if r.reached else None for r in request.reads))
@@ -51,9 +39,8 @@ def build_plan(request, registry):
     loops = _loops.Loops(request, analysis, registry)
     for k, (x, reads) in enumerate(zip(request.xs, request.reads)):
         found = _weight_uses(x, reads, request.ys_upstream, analysis, registry, loops)
-        if not isinstance(found, str) and found:   # (x's region walked only when needed)
-            region = lambda k=k: request.weight_regions[k]
-            found = unassumed.reason(reads, request.ys_upstream, region) or found
+        if not isinstance(found, str) and found:
+            found = unassumed.reason(k) or found
         if isinstance(found, str):
             uses.append(None)
             reasons.append(found)

@@ -1,13 +1,10 @@
 """Which weights' gradients flow through ops whose gradient the rules cannot assume.
 
 The rules assume TensorFlow's registered gradients, which keep the examples apart. An op
-whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`: its
-`_gradient_op_type` attribute) or is Python code (`tf.py_func`, `tf.numpy_function`,
-`tf.py_function`), on a path from a weight's reads to `ys` (in called functions too),
-may mix the examples; such a weight is left to the towers, unless the op is in the
-graph itself and the batch-axis analysis proves its backward row-wise
-(`pertower._overrides`). When no op that `ys` depends on has such a gradient, no
-weight's path is walked.
+whose gradient the user replaced (`gradient_override_map`, `tf.custom_gradient`) or is
+Python code (`tf.py_func` and the like), on a path from a weight's reads to `ys` (in
+called functions too), may mix them: such a weight is left to the towers, unless the op
+is in the graph itself and its backward is proven row-wise (`pertower._overrides`).
 """
 
 from pertower import _graph_walk as graph_walk
@@ -37,9 +34,8 @@ def _unassumed_reason(node_op, attrs, where):
 
 
 class UnassumedGradients:
-    """Finds, on the paths from a weight's reads to `ys`, the ops whose gradient is not
-    TensorFlow's registered one (see the module). One per plan: function bodies and
-    overrides are read once."""
+    """Finds the ops with such gradients on a weight's paths to `ys`; one per plan
+    (function bodies and overrides read once)."""
 
     def __init__(self, request):
         self.request = request
@@ -48,42 +44,34 @@ class UnassumedGradients:
         self._overrides = {}   # (op, input indices on the path) -> reason or None
         self.templates = _overrides.Templates()   # overrides' backward passes, shared
         self._op_reasons = {}  # (op, in its functions) -> reason or None
-        self._flagged = {}     # id(ops) -> (ops, those of them that have a reason)
-
-    def _flagged_ops(self, ops):
-        """The ops of `ops` that (or whose called functions) have a reason, sorted by
-        creation; found once per set."""
-        key = id(ops)
-        if key not in self._flagged:
-            self._flagged[key] = (ops, sorted(filter(self._has_reason, ops),
-                                              key=_tf.op_order_key()))
-        return self._flagged[key][1]
+        self._flagged = None   # the ops `ys` depends on that have a reason, in order
 
     def _has_reason(self, op):
         """Whether op (or a function it calls) has a reason."""
         return (self._op_reason(op) is not None
                 or self._op_reason(op, functions=True) is not None)
 
-    def reason(self, reads, ys_upstream, region=None):
-        """Why the rules may not compute the weight of `reads` (a `WeightReads`), or
-        None (the first op with a reason, in creation order). `region`: the ops
-        downstream of its reads within `ys_upstream` (the request's `weight_regions`
-        entry, or a function giving it), else walked."""
+    def reason(self, k):
+        """Why the rules may not compute xs[k] (the first op with a reason, in creation
+        order), or None."""
+        reads, ys_upstream = self.request.reads[k], self.request.ys_upstream
         entries = (list(reads.gather_ops) + list(reads.loop_inputs)
                    + [op for op, _ in reads.call_inputs])
-        flagged = self._flagged_ops(ys_upstream)
+        if self._flagged is None:
+            self._flagged = sorted(filter(self._has_reason, ys_upstream),
+                                   key=_tf.op_order_key())
         flagged_entries = [op for op in entries
                            if op not in ys_upstream and self._has_reason(op)]
-        if not flagged and not flagged_entries:
+        if not self._flagged and not flagged_entries:
             return None   # nothing on any path has an unassumed gradient
         starts = list(reads.read_tensors)
         for op in entries:
             starts.extend(op.outputs)
-        if region is not None and not reads.loop_inputs:
-            path = region() if callable(region) else region
-        else:
+        if reads.loop_inputs:
             path = graph_walk.downstream_ops(starts, ys_upstream) | set(entries)
-        candidates = [op for op in flagged if op in path] + flagged_entries
+        else:   # (walked once per request)
+            path = self.request.weight_regions[k]
+        candidates = [op for op in self._flagged if op in path] + flagged_entries
         for op in sorted(candidates, key=_tf.op_order_key()):
             found = self._op_reason(op)
             if found is not None and op.type not in op_types.PYTHON_OP_TYPES:
@@ -129,8 +117,7 @@ class UnassumedGradients:
         return None
 
     def _function(self, name, depth):
-        """The reason found in the body of the function `name` (or in functions it
-        calls), or None."""
+        """The reason found in the function `name` (or the functions it calls), or None."""
         if name in self._functions:
             return self._functions[name]
         self._functions[name] = None   # a recursive reference adds nothing

@@ -6,15 +6,13 @@ Notation:
     stacked  the tower outputs concatenated, [B, ...]: `ys` recomputed slice by slice
 
 What the static scan (`pertower._batch_axis`) cannot see (a py_function, a custom
-kernel) shows at run time: when the examples are independent, computing them slice by
-slice gives `ys` again. Both checks compare the two on real data:
+kernel) shows at run time: with independent examples, computing them slice by slice
+gives `ys` again. Both checks compare the two on real data:
 
     max |stacked - ys|  <=  tolerance * (1 + max |ys|)
 
 with tolerance 1e-4 for float32 (1e-9 float64, 1e-2 float16/bfloat16): above the
-rounding of kernels run on other batch sizes, far below what a coupling changes. A
-plan that needs the check on a graph with random ops shaped by the batch (dropout in
-training mode) is refused (`pertower._dispatch`): every slice draws its own numbers.
+rounding of kernels run on other batch sizes, far below what a coupling changes.
 """
 
 import dataclasses
@@ -22,6 +20,7 @@ import dataclasses
 import tensorflow as tf
 
 from pertower import _checks
+from pertower import _docs
 from pertower._towers import sparse
 from pertower._towers import build as towers_lib
 from pertower import _context
@@ -36,8 +35,7 @@ def _tolerance(dtype):
 
 
 def _differences(stacked, ys):
-    """[B] max |stacked - ys| over each example's entries (0 where both are NaN), and
-    the scalar bound they must stay under."""
+    """([B] max |stacked - ys| per example (0 where both are NaN), the scalar bound)."""
     both_nan = tf.logical_and(tf.math.is_nan(stacked), tf.math.is_nan(ys))
     difference = tf.where(both_nan, tf.zeros_like(ys), tf.abs(stacked - ys))  # [B, ...]
     if difference.shape.rank is not None and difference.shape.rank > 1:
@@ -70,6 +68,7 @@ class IndependenceCheck:
 
 
 @_context.public("check_independence")
+@_docs.documented
 def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, name=None,
                        num_towers=None, batch_axis=None):
     """Builds a run-time check that the examples of `ys` do not depend on each other.
@@ -81,16 +80,13 @@ def check_independence(ys, batch=None, batch_size=None, num_microbatches=None, n
 
     Args:
       ys: per-example values, [B, ...].
-      batch: the tensor(s) carrying the batch on axis 0; found from `ys` when None.
+      {options: batch, name, batch_axis}
       batch_size: B, needed when the batch axis is not static.
       num_microbatches: T, the number of slices (None: one per example). Microbatch
         gradients with M microbatches need independence between microbatches only:
         check with num_microbatches=M.
-      name: name scope for the new ops (default "check_independence").
       num_towers: deprecated name of `num_microbatches` (a DeprecationWarning; giving
         both is a TypeError).
-      batch_axis: the axis of each batch tensor that carries the batch (None: 0; an
-        int for all, or a list parallel to `batch`), as in `per_example_gradients`.
 
     Returns:
       An `IndependenceCheck`; fetch `.independent` (and `.max_difference`).
@@ -135,8 +131,7 @@ def gated(result):
 
 def validated(results, ys, stacked):
     """`results` (entries may be None) gated on a run-time assertion that `stacked`,
-    [B, ...], equals `ys` (the bound of the module docstring); fetching any of them
-    fails with tf.errors.InvalidArgumentError naming the difference otherwise."""
+    [B, ...], equals `ys` within the bound (else InvalidArgumentError on fetching)."""
     with tf.name_scope("validate"):
         difference, bound = _differences(stacked, ys)
         worst = tf.reduce_max(difference)

@@ -3,24 +3,20 @@
 Notation:
     B   examples in the batch          T   towers (B per-example, M microbatches)
     P   weights (scalars over all xs)  K   output entries per example (Jacobians)
-    R   rows of the result: B (per-example), M (microbatches)
-    s   bytes per number               P_t the scalars of the weights left to towers
+    R   rows of the result: B or M     s   bytes per number
+    P_t the scalars of the weights left to towers
 
-The estimate is taken on the plan, so it counts what will be built: the result,
-R x K x P numbers, written once; the towers' gradients before they are stacked,
-T x K x P_t, only for the weights that fall back to towers; and the forward
-activations for the whole batch (the floating outputs of the non-elementwise ops
-between the batch and `ys`):
+The estimate counts what the plan builds: the result (R x K x P numbers; for the
+norms only the towers' weights), the towers' gradients before stacking (T x K x P_t)
+and the forward activations of the batch (floating outputs of the non-elementwise
+ops between the batch and `ys`):
 
     estimate = R*K*P*s  +  T*K*P_t*s  +  activations
 
-`per_example_norms` forms per-example results only for the towers' weights. The call
-is refused above `memory_limit` bytes: by default half of the machine's physical
-memory; float("inf") switches the guard off. Not counted: the weights and the towers'
-`tf.identity` copies (which share their buffer), the batch tensors, the backward
-pass's temporaries, integer tensors, and parts whose static shape is unknown (the
-estimate is then a lower bound). When B is not known before building, nothing is
-estimated or refused. `build_towers` is not guarded.
+Not counted: the weights and their `tf.identity` copies, the batch, the backward
+pass's temporaries, integer tensors, parts of unknown static shape (a lower bound).
+Refused above `memory_limit` bytes (default half of the physical memory; float("inf")
+switches the guard off); nothing is estimated while B is unknown.
 """
 
 import dataclasses
@@ -37,10 +33,6 @@ from pertower import _context
 __all__ = ["MemoryEstimate", "estimate_plan", "check_plan", "default_memory_limit", "gb",
            "static_size"]
 
-# The default limit: this fraction of the machine's physical memory.
-DEFAULT_FRACTION = 0.5
-
-
 def physical_memory_bytes():
     """The machine's physical memory in bytes, or None where sysconf cannot tell."""
     try:
@@ -52,7 +44,7 @@ def physical_memory_bytes():
 def default_memory_limit():
     """Half of the machine's physical memory, in bytes (no limit when unknown)."""
     physical = physical_memory_bytes()
-    return math.inf if physical is None else int(DEFAULT_FRACTION * physical)
+    return math.inf if physical is None else int(0.5 * physical)
 
 
 def gb(n):
@@ -61,11 +53,10 @@ def gb(n):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a per-example computation will hold when it runs (static estimate), in
-    the notation of the module: batch_size B, num_towers T, rows R,
-    outputs_per_example K, num_weights P (static shapes only), result_bytes
-    R x K x P x s, tower_gradient_bytes T x K x P_t x s, activation_bytes; fallback:
-    "towers" or "row passes" (past a TF1 loop; their gradients are held alike)."""
+    """Bytes a per-example computation will hold (static estimate; the module's
+    notation): batch_size B, num_towers T, rows R, outputs_per_example K, num_weights
+    P, result_bytes, tower_gradient_bytes, activation_bytes; fallback: "towers" or
+    "row passes" (past a TF1 loop)."""
 
     batch_size: int
     num_towers: int
@@ -98,8 +89,7 @@ def static_size(shape):
 
 
 def _activation_bytes(request, B):
-    """Bytes of the floating outputs of the ops between the batch and `ys`, for B
-    examples (static per-example shapes only)."""
+    """Bytes of the floating outputs of the ops between the batch and `ys`, for B."""
     total = 0
     for op in request.batch_downstream:
         if op.type in op_types.ELEMENTWISE_OP_TYPES:
@@ -152,8 +142,7 @@ def resolve_limit(memory_limit):
 
 
 def check_plan(plan, memory_limit):
-    """Raises ValueError when `plan.estimate` exceeds `memory_limit` (bytes; None for
-    the default, half the physical memory; float("inf") for no limit)."""
+    """Raises ValueError when `plan.estimate` exceeds `memory_limit` (see the module)."""
     limit = resolve_limit(memory_limit)
     estimate = plan.estimate
     if estimate is None or limit == math.inf or estimate.total_bytes <= limit:
