@@ -1,0 +1,115 @@
+"""DP-SGD for tf_keras' `model.fit` in graph mode, under TensorFlow Privacy's names.
+
+`DPKerasSGDOptimizer`, `DPKerasAdamOptimizer` and `DPKerasAdagradOptimizer` are
+tf_keras' legacy SGD, Adam and Adagrad with TensorFlow Privacy 0.9.0's arguments
+(`l2_norm_clip`, `noise_multiplier`, `num_microbatches`,
+`gradient_accumulation_steps`, then the wrapped optimizer's own); moving from TensorFlow
+Privacy is one import. `make_keras_optimizer_class(cls)` makes one for any other
+`tf_keras.optimizers.legacy.Optimizer` subclass.
+
+In graph mode (`tf.compat.v1.disable_eager_execution()`) tf_keras' training loop calls
+`get_updates(loss, params)` with the loss of `model.compile(loss=...)`; with a loss of
+`reduction=tf_keras.losses.Reduction.NONE` that is the per-example loss [B]. The step
+is `pertower.DPOptimizer`'s (its module docstring): the clipped sum, noised, divided,
+then applied by the Keras optimizer's own `apply_gradients`, so the arithmetic and the
+privacy accounting (`pertower.compute_epsilon`) are the same.
+
+Example:
+  opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                           learning_rate=0.1)
+  model.compile(optimizer=opt, loss=tf_keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=tf_keras.losses.Reduction.NONE))
+  model.fit(x, y, batch_size=64, epochs=5)
+"""
+
+import tensorflow as tf
+import tf_keras
+
+from pertower import _context
+from pertower._dp import optimizer as dp_optimizer
+
+__all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
+           "DPKerasAdagradOptimizer"]
+
+# the DP arguments, in the order of the constructors
+_DP_ARGUMENTS = ("l2_norm_clip", "noise_multiplier", "num_microbatches",
+                 "gradient_accumulation_steps")
+
+
+class _KerasApply(tf.compat.v1.train.Optimizer):
+    """The `tf.compat.v1.train.Optimizer` face DPOptimizer wraps: its apply_gradients is
+    the Keras optimizer's."""
+
+    def __init__(self, keras_optimizer):
+        super().__init__(use_locking=False, name=type(keras_optimizer).__name__)
+        self.keras_optimizer = keras_optimizer
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        return self.keras_optimizer.apply_gradients(grads_and_vars, name=name)
+
+
+@_context.public("make_keras_optimizer_class")
+def make_keras_optimizer_class(cls):
+    """A DP subclass of the tf_keras legacy optimizer class `cls` (TensorFlow Privacy's
+    `make_keras_optimizer_class`).
+
+    The class takes `(l2_norm_clip, noise_multiplier, num_microbatches=None,
+    gradient_accumulation_steps=1, *args, **kwargs)`, `*args` and `**kwargs` going to
+    `cls` (e.g. `learning_rate`); the four are as in `pertower.DPOptimizer`. Its
+    `get_config` holds them, so `model.save` and `tf_keras.models.load_model(path,
+    custom_objects={name: the class})` round-trip it. Graph mode only.
+
+    Raises:
+      TypeError: `cls` is not a subclass of `tf_keras.optimizers.legacy.Optimizer`.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, tf_keras.optimizers.legacy.Optimizer)):
+        raise _context.error(
+            TypeError, "`cls` must be a subclass of tf_keras.optimizers.legacy.Optimizer "
+            f"(e.g. tf_keras.optimizers.legacy.SGD), but received {cls!r:.80}.")
+
+    class DPOptimizerClass(cls):  # pylint: disable=missing-class-docstring
+        __doc__ = (f"DP-SGD around `{cls.__module__}.{cls.__name__}` "
+                   "(`pertower.keras.make_keras_optimizer_class`).")
+
+        def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
+                     gradient_accumulation_steps=1, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._dp = dp_optimizer.DPOptimizer(
+                _KerasApply(self), l2_norm_clip, noise_multiplier,
+                num_microbatches=num_microbatches,
+                gradient_accumulation_steps=gradient_accumulation_steps)
+
+        def get_config(self):
+            config = super().get_config()
+            config.update({name: getattr(self._dp, name) for name in _DP_ARGUMENTS})
+            return config
+
+        def get_updates(self, loss, params):
+            """The training op of a fit step: DPOptimizer's on the per-example loss."""
+            before = set(map(id, tf.compat.v1.global_variables()))
+            train_op = self._dp.minimize(loss, var_list=params)
+            # the accumulator's variables, which Keras does not initialize
+            made = [v for v in tf.compat.v1.global_variables() if id(v) not in before]
+            if made:
+                tf.compat.v1.keras.backend.get_session().run(
+                    tf.compat.v1.variables_initializer(made))
+            return [train_op]
+
+        def get_gradients(self, loss, params):
+            """The clipped, noised mean gradient of `loss` ([B]) for `params` (one
+            batch: without gradient accumulation)."""
+            if self._dp.gradient_accumulation_steps > 1:
+                raise _context.error(
+                    ValueError, "get_gradients computes one batch's gradient, but "
+                    f"gradient_accumulation_steps is {self._dp.gradient_accumulation_steps}: "
+                    "use get_updates (as model.fit does), which applies every k-th run.")
+            pairs = self._dp.compute_gradients(loss, var_list=params)
+            return [g for g, _ in pairs]
+
+    DPOptimizerClass.__name__ = DPOptimizerClass.__qualname__ = f"DPKeras{cls.__name__}Optimizer"
+    return DPOptimizerClass
+
+
+DPKerasSGDOptimizer = make_keras_optimizer_class(tf_keras.optimizers.legacy.SGD)
+DPKerasAdamOptimizer = make_keras_optimizer_class(tf_keras.optimizers.legacy.Adam)
+DPKerasAdagradOptimizer = make_keras_optimizer_class(tf_keras.optimizers.legacy.Adagrad)
