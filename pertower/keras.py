@@ -22,19 +22,17 @@ Example:
   model.fit(x, y, batch_size=64, epochs=5)
 """
 
+import dataclasses
+
 import tensorflow as tf
 import tf_keras
 
 from pertower import _context
+from pertower._dp import clipping as clipping_lib
 from pertower._dp import optimizer as dp_optimizer
 
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
            "DPKerasAdagradOptimizer"]
-
-# the DP arguments, in the order of the constructors
-_DP_ARGUMENTS = ("l2_norm_clip", "noise_multiplier", "num_microbatches",
-                 "gradient_accumulation_steps")
-
 
 class _KerasApply(tf.compat.v1.train.Optimizer):
     """The `tf.compat.v1.train.Optimizer` face DPOptimizer wraps: its apply_gradients is
@@ -54,10 +52,13 @@ def make_keras_optimizer_class(cls):
     `make_keras_optimizer_class`).
 
     The class takes `(l2_norm_clip, noise_multiplier, num_microbatches=None,
-    gradient_accumulation_steps=1, *args, **kwargs)`, `*args` and `**kwargs` going to
-    `cls` (e.g. `learning_rate`); the four are as in `pertower.DPOptimizer`. Its
-    `get_config` holds them, so `model.save` and `tf_keras.models.load_model(path,
-    custom_objects={name: the class})` round-trip it. Graph mode only.
+    gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
+    expected_batch_size=None, adaptive_clipping=None, **kwargs)`, `*args` and
+    `**kwargs` going to `cls` (e.g. `learning_rate`), the others as in
+    `pertower.DPOptimizer` (`adaptive_clipping` also as the dict of a
+    `pertower.AdaptiveClipping`'s fields). Its `get_config` holds them, so `model.save`
+    and `tf_keras.models.load_model(path, custom_objects={name: the class})` round-trip
+    it. Graph mode only.
 
     Raises:
       TypeError: `cls` is not a subclass of `tf_keras.optimizers.legacy.Optimizer`.
@@ -72,16 +73,28 @@ def make_keras_optimizer_class(cls):
                    "(`pertower.keras.make_keras_optimizer_class`).")
 
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
-                     gradient_accumulation_steps=1, *args, **kwargs):
+                     gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
+                     expected_batch_size=None, adaptive_clipping=None, **kwargs):
             super().__init__(*args, **kwargs)
+            if isinstance(adaptive_clipping, dict):   # as get_config gives it
+                adaptive_clipping = clipping_lib.AdaptiveClipping(**adaptive_clipping)
             self._dp = dp_optimizer.DPOptimizer(
                 _KerasApply(self), l2_norm_clip, noise_multiplier,
-                num_microbatches=num_microbatches,
+                num_microbatches=num_microbatches, seed=seed, clipping=clipping,
+                expected_batch_size=expected_batch_size,
+                adaptive_clipping=adaptive_clipping,
                 gradient_accumulation_steps=gradient_accumulation_steps)
 
         def get_config(self):
             config = super().get_config()
-            config.update({name: getattr(self._dp, name) for name in _DP_ARGUMENTS})
+            dp, options = self._dp, self._dp.clipping_options
+            config.update(
+                l2_norm_clip=dp.l2_norm_clip, noise_multiplier=dp.noise_multiplier,
+                num_microbatches=dp.num_microbatches,
+                gradient_accumulation_steps=dp.gradient_accumulation_steps, seed=dp.seed,
+                clipping=options.kind, expected_batch_size=options.expected_batch_size,
+                adaptive_clipping=(None if options.adaptive is None
+                                   else dataclasses.asdict(options.adaptive)))
             return config
 
         def get_updates(self, loss, params):
@@ -106,7 +119,8 @@ def make_keras_optimizer_class(cls):
             pairs = self._dp.compute_gradients(loss, var_list=params)
             return [g for g, _ in pairs]
 
-    DPOptimizerClass.__name__ = DPOptimizerClass.__qualname__ = f"DPKeras{cls.__name__}Optimizer"
+    DPOptimizerClass.__name__ = f"DPKeras{cls.__name__}Optimizer"
+    DPOptimizerClass.__qualname__ = DPOptimizerClass.__name__
     return DPOptimizerClass
 
 
