@@ -75,6 +75,14 @@ def make_keras_optimizer_class(cls):
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
                      expected_batch_size=None, adaptive_clipping=None, **kwargs):
+            if tf.compat.v1.executing_eagerly_outside_functions():
+                raise _context.error(
+                    RuntimeError, f"{type(self).__name__} needs graph mode (tf_keras' v1 "
+                    "training loop), but eager execution is on: in TF2's default mode "
+                    "model.fit would train without clipping or noise. Call "
+                    "tf.compat.v1.disable_eager_execution() at the start of the program, "
+                    "or build the model and the optimizer inside `with "
+                    "tf.Graph().as_default():`.")
             super().__init__(*args, **kwargs)
             if isinstance(adaptive_clipping, dict):   # as get_config gives it
                 adaptive_clipping = clipping_lib.AdaptiveClipping(**adaptive_clipping)
@@ -97,16 +105,23 @@ def make_keras_optimizer_class(cls):
                                    else dataclasses.asdict(options.adaptive)))
             return config
 
-        def get_updates(self, loss, params):
-            """The training op of a fit step: DPOptimizer's on the per-example loss."""
+        def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
+            """DPOptimizer's training op for the per-example `loss` ([B]); `tape` is not
+            used (graph mode) and `grad_loss` must be None."""
             before = set(map(id, tf.compat.v1.global_variables()))
-            train_op = self._dp.minimize(loss, var_list=params)
-            # the accumulator's variables, which Keras does not initialize
+            train_op = self._dp.minimize(loss, var_list=var_list, grad_loss=grad_loss,
+                                         name=name)
+            # the accumulator's and the adaptive clip's variables, which Keras does not
+            # initialize
             made = [v for v in tf.compat.v1.global_variables() if id(v) not in before]
             if made:
                 tf.compat.v1.keras.backend.get_session().run(
                     tf.compat.v1.variables_initializer(made))
-            return [train_op]
+            return train_op
+
+        def get_updates(self, loss, params):
+            """The training ops of a fit step (tf_keras' v1 loop): `minimize`'s."""
+            return [self.minimize(loss, params)]
 
         def get_gradients(self, loss, params):
             """The clipped, noised mean gradient of `loss` ([B]) for `params` (one
