@@ -12,7 +12,11 @@ In graph mode (`tf.compat.v1.disable_eager_execution()`) tf_keras' training loop
 `reduction=tf_keras.losses.Reduction.NONE` that is the per-example loss [B]. The step
 is `pertower.DPOptimizer`'s (its module docstring): the clipped sum, noised, divided,
 then applied by the Keras optimizer's own `apply_gradients`, so the arithmetic and the
-privacy accounting (`pertower.compute_epsilon`) are the same.
+privacy accounting (`pertower.compute_epsilon`) are the same; pertower's own options
+(`clipping`, `expected_batch_size`, `adaptive_clipping`, `seed`) are keyword arguments.
+As with TensorFlow Privacy, Keras then reports that loss as it is: `history['loss']`
+and `evaluate` hold per-example values, not their mean. Eager execution (TF2's default
+`fit`) is refused.
 
 Example:
   opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
