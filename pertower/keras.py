@@ -15,8 +15,9 @@ then applied by the Keras optimizer's own `apply_gradients`, so the arithmetic a
 privacy accounting (`pertower.compute_epsilon`) are the same; pertower's own options
 (`clipping`, `expected_batch_size`, `adaptive_clipping`, `seed`) are keyword arguments.
 As with TensorFlow Privacy, Keras then reports that loss as it is: `history['loss']`
-and `evaluate` hold per-example values, not their mean. Eager execution (TF2's default
-`fit`) is refused.
+and `evaluate` hold per-example values, not their mean, and a last batch smaller than
+the others fails in Keras' averaging (plain tf_keras too): use a batch size dividing the
+number of examples. Eager execution (TF2's default `fit`) is refused.
 
 Example:
   opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
