@@ -135,9 +135,8 @@ def compute_noise_multiplier(target_epsilon, steps, sampling_probability, delta,
       σ as a float, for `pertower.DPOptimizer`'s `noise_multiplier`.
 
     Raises:
-      ValueError: for a bad argument, or a target that no σ in [2^-10, 2^20] reaches
-        (the RDP accountant's ε has a floor > 0 as σ grows: raise the target or δ,
-        or try accountant="pld"), or one that every σ down to 2^-10 reaches.
+      ValueError: for a bad argument, a target that no σ up to 2^20 reaches (e.g. 1e9
+        steps at q = 1), or one that every σ down to 2^-10 reaches.
 
     Example:
       sigma = pertower.compute_noise_multiplier(3.0, steps=60 * 60000 // 256,
