@@ -388,10 +388,41 @@ def test_compute_epsilon_rejects_bad_arguments(kwargs, message):
         pertower.compute_epsilon(**arguments)
 
 
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_compute_noise_multiplier_is_the_smallest_reaching_the_target(accountant):
+    steps, q, delta, target, tolerance = 200, 0.02, 1e-5, 2.0, 1e-3
+    sigma = pertower.compute_noise_multiplier(target, steps, q, delta, accountant=accountant,
+                                              tolerance=tolerance)
+    assert pertower.compute_epsilon(steps, sigma, q, delta, accountant=accountant) <= target
+    assert pertower.compute_epsilon(steps, sigma * (1 - tolerance), q, delta,
+                                    accountant=accountant) > target
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target_epsilon=0), r"`target_epsilon` must be in \(0, inf\)"),
+    (dict(steps=0), "`steps` must be a positive integer"),
+    (dict(sampling_probability=0), r"`sampling_probability` must be in \(0, 1\]"),
+    (dict(delta=1), r"`delta` must be in \(0, 1\)"),
+    (dict(accountant="gdp"), "`accountant` must be one of"),
+    (dict(tolerance=0), r"`tolerance` must be in \(0, 0.5\]"),
+    # ε(2^20) ~ sqrt(2 T log(1/δ)) / σ ~ 0.15
+    (dict(target_epsilon=0.01, steps=10 ** 9, sampling_probability=1.0),
+     "`target_epsilon` 0.01 is not reached by any noise multiplier up to"),
+    (dict(target_epsilon=1e6, steps=1),
+     r"`target_epsilon` 1e\+06 is reached by every noise multiplier down to"),
+])
+def test_compute_noise_multiplier_rejects_bad_arguments(kwargs, message):
+    arguments = dict(target_epsilon=1.0, steps=10, sampling_probability=0.1, delta=1e-5)
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=f"pertower.compute_noise_multiplier: {message}"):
+        pertower.compute_noise_multiplier(**arguments)
+
+
 def test_public_names_are_exported():
-    names = {"DPOptimizer", "compute_epsilon", "tracin", "tracin_over_checkpoints",
-             "similarity_matrix", "class_similarity", "fisher_diagonal", "gradient_variance",
-             "NoiseScale", "gradient_noise_scale", "empirical_ntk"}
+    names = {"DPOptimizer", "compute_epsilon", "compute_noise_multiplier", "tracin",
+             "tracin_over_checkpoints", "similarity_matrix", "class_similarity",
+             "fisher_diagonal", "gradient_variance", "NoiseScale", "gradient_noise_scale",
+             "empirical_ntk"}
     assert names <= set(pertower.__all__)
     assert all(hasattr(pertower, name) for name in names)
 

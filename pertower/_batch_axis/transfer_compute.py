@@ -176,9 +176,13 @@ def cross_entropy(scan, op, ins):
         if value.lead != 0:
             raise lattice.Lost("the batch axis is not the loss' example axis")
         ks.add(value.k)
-    if len(ks) != 1:
+    # the op needs as many label rows as logit rows, so an unknown k (Keras' [None, None]
+    # target placeholder, reshaped to [-1]) equals the other's
+    known = ks - {None}
+    if len(known) > 1:
         raise lattice.Lost("logits and labels have different rows per example")
-    return [0, 0]
+    k = known.pop() if known else None
+    return [Rows(0, k, None), Rows(0, k, None)]
 
 
 def _product_axis(op, out):

@@ -22,7 +22,7 @@ import math
 from pertower import _checks
 from pertower import _context
 
-__all__ = ["compute_epsilon"]
+__all__ = ["compute_epsilon", "compute_noise_multiplier"]
 
 _ACCOUNTANTS = ("rdp", "pld")
 
@@ -64,9 +64,7 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
     sampling_probability = _checks.real_number(sampling_probability,
                                                "sampling_probability", 0, 1, True, False)
     delta = _checks.real_number(delta, "delta", 0, 1, True, True)
-    if accountant not in _ACCOUNTANTS:
-        raise _context.error(ValueError, f"`accountant` must be one of {_ACCOUNTANTS}, but "
-                             f"received {accountant!r}.")
+    _check_accountant(accountant)
     if clipped_count_stddev is not None:
         count_stddev = _checks.real_number(clipped_count_stddev, "clipped_count_stddev",
                                            0, math.inf, True, True)
@@ -74,6 +72,17 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
         noise_multiplier = (noise_multiplier ** -2 + (2.0 * count_stddev) ** -2) ** -0.5
     if steps == 0:
         return 0.0
+    return _epsilon(steps, noise_multiplier, sampling_probability, delta, accountant)
+
+
+def _check_accountant(accountant):
+    if accountant not in _ACCOUNTANTS:
+        raise _context.error(ValueError, f"`accountant` must be one of {_ACCOUNTANTS}, but "
+                             f"received {accountant!r}.")
+
+
+def _epsilon(steps, noise_multiplier, sampling_probability, delta, accountant):
+    """ε of `steps` > 0 Poisson-subsampled Gaussians of multiplier σ > 0 (checked)."""
     try:
         import dp_accounting  # pylint: disable=import-outside-toplevel
     except ImportError:
@@ -89,3 +98,75 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
         counter = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
     counter.compose(event, int(steps))
     return float(counter.get_epsilon(delta))
+
+
+# the bracket of compute_noise_multiplier: σ in [_SIGMA_LOW, _SIGMA_HIGH]
+_SIGMA_LOW, _SIGMA_HIGH = 2.0 ** -10, 2.0 ** 20
+
+
+@_context.public("compute_noise_multiplier")
+def compute_noise_multiplier(target_epsilon, steps, sampling_probability, delta,
+                             accountant="rdp", tolerance=1e-3):
+    """The smallest σ whose ε after `steps` DP-SGD steps is at most `target_epsilon`.
+
+    ε(σ) is `compute_epsilon(steps, σ, sampling_probability, delta, accountant)`, which
+    decreases as σ grows. σ is bracketed by doubling or halving from 1, then bisected
+    until the bracket [lo, hi] has hi - lo <= tolerance * hi; hi is returned, so that
+    ε(σ) <= target_epsilon < ε(σ (1 - tolerance)) (TensorFlow Privacy's
+    `compute_noise_from_budget`, Opacus' `get_noise_multiplier`).
+
+    Args:
+      target_epsilon: ε > 0 to reach.
+      steps: T >= 1, as in `compute_epsilon`.
+      sampling_probability: q in (0, 1], as in `compute_epsilon`.
+      delta: δ in (0, 1).
+      accountant: "rdp" (default) or "pld".
+      tolerance: the relative resolution of σ, in (0, 0.5].
+
+    Returns:
+      σ as a float, for `pertower.DPOptimizer`'s `noise_multiplier`.
+
+    Raises:
+      ValueError: for a bad argument, a target that no σ up to 2^20 reaches (e.g. 1e9
+        steps at q = 1), or one that every σ down to 2^-10 reaches.
+
+    Example:
+      sigma = pertower.compute_noise_multiplier(3.0, steps=60 * 60000 // 256,
+                                                sampling_probability=256 / 60000,
+                                                delta=1e-5)
+    """
+    target = _checks.real_number(target_epsilon, "target_epsilon", 0, math.inf, True, True)
+    steps = _checks.positive_int(steps, "steps")
+    sampling_probability = _checks.real_number(sampling_probability,
+                                               "sampling_probability", 0, 1, True, False)
+    delta = _checks.real_number(delta, "delta", 0, 1, True, True)
+    _check_accountant(accountant)
+    tolerance = _checks.real_number(tolerance, "tolerance", 0, 0.5, True, False)
+
+    def epsilon(sigma):
+        return _epsilon(steps, sigma, sampling_probability, delta, accountant)
+
+    lo, hi = 0.5, 1.0
+    while epsilon(hi) > target:       # grow until hi reaches the target
+        lo, hi = hi, 2.0 * hi
+        if hi > _SIGMA_HIGH:
+            raise _context.error(
+                ValueError, f"`target_epsilon` {target:g} is not reached by any noise "
+                f"multiplier up to {_SIGMA_HIGH:g} (ε there is {epsilon(_SIGMA_HIGH):g} "
+                f"with accountant={accountant!r}, steps={steps}, delta={delta:g}); raise "
+                "target_epsilon or delta, or try accountant='pld'.")
+    while epsilon(lo) <= target:      # shrink until lo misses it
+        lo, hi = 0.5 * lo, lo
+        if lo < _SIGMA_LOW:
+            raise _context.error(
+                ValueError, f"`target_epsilon` {target:g} is reached by every noise "
+                f"multiplier down to {_SIGMA_LOW:g} (steps={steps}, "
+                f"sampling_probability={sampling_probability:g}, delta={delta:g}); ask "
+                "for a smaller target_epsilon.")
+    while hi - lo > tolerance * hi:   # ε(lo) > target >= ε(hi)
+        mid = 0.5 * (lo + hi)
+        if epsilon(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
