@@ -327,7 +327,7 @@ class Function:
             u = self.loop.outside(self.output, build=True)
             x = self.loop.outside(self.source, build=True)
             self._rule = weight_functions.WeightFunctionRule(
-                None, weight_functions.Exit(u.op, 0, (u.op,), (x,), False), u=u)
+                None, weight_functions.Exit(u.op, 0, (u.op,), (x,), False, x.shape), u=u)
         P = tf.reshape(piece, [-1] + self.output.shape.as_list())           # [G, *output]
         found = self._rule.pull_back(P)                                     # [G, *source]
         return found if grouped else found[0]
