@@ -23,8 +23,10 @@ from pertower._towers import later_gradients
 
 __all__ = ["OwnBackward"]
 
-# the covered op types whose rules read only dZ (their A is a stand-in)
-_DZ_ONLY_OP_TYPES = frozenset({"BiasAdd"})
+# the covered op types whose rules read only dZ (their A is a stand-in): a broadcast
+# Add's or Sub's gradient with respect to the weight is ±dZ summed over its broadcast axes,
+# whatever the other input, rebuilt on dZ_all (`rules.broadcast`), holds
+_DZ_ONLY_OP_TYPES = frozenset({"BiasAdd", "Add", "AddV2", "Sub"})
 
 
 class _Unsupported(Exception):
