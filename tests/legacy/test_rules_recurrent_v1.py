@@ -6,8 +6,9 @@ variables, control flow v1), against the one-example oracle.
 sequence_length, batch-major and time-major; a hand-written tf.while_loop over reference
 variables; a scale and a shift of the state (broadcast weights) in a frame; a frame the
 copy cannot reproduce (a random op in its body) keeps its row passes. Every model is fed
-two batch sizes through a None batch dimension, without batch_size: per-example gradients, norms, a noiseless DPOptimizer gradient and two
-microbatches against the loop (the default run's LSTM: gradients and norms).
+two batch sizes through a None batch dimension, without batch_size: per-example
+gradients, norms, a noiseless DPOptimizer gradient and two microbatches against the loop
+(the default run's LSTM: gradients and norms).
 """
 
 import numpy as np
