@@ -126,14 +126,39 @@ def test_tanh_cast_and_a_row_slice_of_a_weight_in_a_raw_while_loop():
     _check(build, tol=dict(rtol=1e-4, atol=1e-5), static=True)
 
 
+@pytest.mark.parametrize("step", [
+    lambda z, scale, shift: z * scale + shift,
+    lambda z, scale, shift: tf.maximum(z / tf.exp(scale), shift[None]),
+], ids=["scale and shift", "divided, floored"])
+def test_broadcast_weights_of_the_state_in_a_raw_while_loop(step):
+    """tf.while_loop: h <- tanh(step(h @ w, scale, shift)), scale [3] and shift [3] read by
+    two-input broadcast ops (Mul, AddV2; RealDiv by exp(scale), Maximum with shift [1, 3])
+    whose other input carries the batch: on the rules per step, rebuilt on each step's
+    input, with a None and a static batch dimension."""
+    def build(batch_size):
+        x = tf.compat.v1.placeholder(tf.float32, [batch_size, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 3])
+        scale = tf.compat.v1.get_variable("scale", [3])
+        shift = tf.compat.v1.get_variable("shift", [3])
+
+        def body(i, h):
+            return i + 1, tf.tanh(step(tf.matmul(h, w), scale, shift))
+
+        _, h = tf.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x])
+        return tf.reduce_sum(h ** 2, axis=1), [w, scale, shift], [x], [3]
+
+    _check(build, tol=dict(rtol=1e-4, atol=1e-5), static=True)
+
+
 @pytest.mark.parametrize("body, reader", [
     (lambda i, h, w: tf.tanh(w[0]) * h, "'mul' (Mul)"),
     (lambda i, h, w: tf.matmul(h, tf.tanh(w[i])), "'strided_slice' (StridedSlice)"),
 ], ids=["mixed with the batch", "sliced by the step"])
 def test_a_function_of_the_weight_and_a_loop_value_is_a_read(body, reader):
     """tanh(w[0]) * h mixes the weight with batch data; w[i] differs at each step: both
-    are reads (of a rule that needs the op's inputs, or of none), not weight-side
-    functions; the weight stays on the towers and the plan names the op."""
+    are reads (by a rule that does not cover them, [3, 3] broadcast along the batch axis,
+    or by none), not weight-side functions; the weight stays on the towers and the plan
+    names the op."""
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
         w = tf.compat.v1.get_variable("w", [3, 3, 3])

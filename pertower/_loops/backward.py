@@ -5,8 +5,8 @@ calling the same functions on the same inputs). `OwnBackward.output_gradients` b
 and its backward as while_v2's `_WhileGrad` does (`_create_grad_func`, `_grad_fn`; TF
 2.21) with two changes: the backward body's `_GradientsHelper` call also returns the
 gradient at each covered op's output Z_t, and the body pushes that dZ_t and A_t (popped
-from the accumulator the op's own gradient reads; a BiasAdd's unread A_t is stood in by
-dZ_t) onto two extra loop variables, both holding steps T-1 .. 0. The body reads what
+from the accumulator the op's own gradient reads; the unread A_t of a BiasAdd or a
+broadcast Add or Sub is stood in by dZ_t) onto two extra loop variables, both holding steps T-1 .. 0. The body reads what
 TensorFlow's reads, so its edit of the forward loop is made to D and, identically, to
 `op` (as any `tf.gradients` would, `_towers.later_gradients`); pertower reads only D's
 outputs. Otherwise (way `loop_backward`, a body graph not while_v2's own, an
@@ -23,8 +23,10 @@ from pertower._towers import later_gradients
 
 __all__ = ["OwnBackward"]
 
-# the covered op types whose rules read only dZ (their A is a stand-in)
-_DZ_ONLY_OP_TYPES = frozenset({"BiasAdd"})
+# the covered op types whose rules read only dZ (their A is a stand-in): a broadcast
+# Add's or Sub's gradient with respect to the weight is ±dZ summed over its broadcast axes,
+# whatever the other input, rebuilt on dZ_all (`rules.broadcast`), holds
+_DZ_ONLY_OP_TYPES = frozenset({"BiasAdd", "Add", "AddV2", "Sub"})
 
 
 class _Unsupported(Exception):

@@ -21,14 +21,17 @@ from pertower._loops import copy
 from pertower.rules import _weight_functions as weight_functions
 from pertower.rules import registry as registry_lib
 
-__all__ = ["Function", "LoopPlan", "LoopUse", "Placed", "Slice", "concrete_uses", "differentiated",
-           "output_gradients", "step_rule_reason", "unreplayable_reason"]
+__all__ = ["Function", "LoopPlan", "LoopUse", "Placed", "Slice", "StepBroadcast", "concrete_uses",
+           "differentiated", "output_gradients", "step_rule_reason", "unreplayable_reason"]
 
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
 _STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATCH_MATMUL_OP_TYPES
 _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_add",
                                 "pertower.rules.einsum"})
+# A two-input broadcast op (`rules.broadcast`) is rebuilt on A_all, its other input
+# (the batch carrier), and the weight's value before the loop (`StepBroadcast`).
+_BROADCAST_MODULE = "pertower.rules.broadcast"
 
 
 def unreplayable_reason(op, stateful_allowed):
@@ -50,9 +53,12 @@ def step_rule_reason(target, rule):
     per-step A and dZ (it reads the op's inputs), or None."""
     if target.type in _STEP_RULE_OP_TYPES and type(rule).__module__ in _STEP_RULE_MODULES:
         return None
+    if len(target.inputs) == 2 and type(rule).__module__ == _BROADCAST_MODULE:
+        return None
     return (f"its body reads it by {target.name!r} ({target.type}), whose rule reads the "
             "op's own inputs, which do not leave the loop (the rules of "
-            f"{', '.join(sorted(_STEP_RULE_OP_TYPES))} do, per step)")
+            f"{', '.join(sorted(_STEP_RULE_OP_TYPES))} and of a two-input broadcast op "
+            "do, per step)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +249,10 @@ class LoopPlan:
         index = (self.targets.index((target, slot)) if (target, slot) in self.targets
                  else len(self.targets))
         fields = {f.name: getattr(use, f.name) for f in dataclasses.fields(registry_lib.Use)}
+        if type(rule).__module__ == _BROADCAST_MODULE:
+            if self.outside(target.inputs[slot]) is None:
+                return f"the weight's value at {where} is not computable before the loop"
+            rule = StepBroadcast(rule, self, target.inputs[slot])
         fields.update(rule=Placed(rule, placements) if placements else rule,
                       rows=use.rows._replace(k=self._steps_rows(use)))
         loop_use = LoopUse(**fields, loop=self, index=index)
@@ -331,6 +341,24 @@ class Function:
         P = tf.reshape(piece, [-1] + self.output.shape.as_list())           # [G, *output]
         found = self._rule.pull_back(P)                                     # [G, *source]
         return found if grouped else found[0]
+
+
+class StepBroadcast(registry_lib.Rule):
+    """A broadcast rule (`rules.broadcast`) reading the body tensor `weight` (the weight,
+    or a piece or function of it): the op is rebuilt on A_all, [B*k*T, ...] (its other
+    input's steps), and the weight's value before the loop (the same at every step);
+    grad_i(w) sums over example i's rows of every step."""
+
+    def __init__(self, rule, loop, weight):
+        self.rule, self.loop, self.weight = rule, loop, weight
+
+    def per_group(self, use, dZ, G):
+        inputs = [use.activation] * 2
+        inputs[use.slot] = self.loop.outside(self.weight, build=True)
+        return self.rule.per_group(use, dZ, G, inputs)
+
+    # sum_i f_i grad_i(w): the one-group gradient of dZ scaled per example
+    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 class Placed(registry_lib.Rule):

@@ -54,8 +54,12 @@ class BroadcastRule(registry_lib.Rule):
             return rows
         return registry_lib.Use(op, slot, self, carriers[0], out, w_shape, rows)
 
-    def per_group(self, use, dZ, G):
-        op, out_rank, w = use.op, use.output.shape.rank, use.op.inputs[use.slot]
+    def per_group(self, use, dZ, G, inputs=None):
+        """`inputs`: what the op is rebuilt on (default its own; in a loop, A_all and the
+        weight's value before the loop: `pertower._loops.uses`)."""
+        op, out_rank = use.op, use.op.outputs[0].shape.rank
+        inputs = list(op.inputs if inputs is None else inputs)
+        w = inputs[use.slot]
         w_shape = [_rows.dim(w, axis) for axis in range(w.shape.rank)]
         w_dims = [1] * (out_rank - len(w_shape)) + w_shape       # w_e's shape
         w_e = tf.reshape(w, _rows.group_shape(1, w_dims[1:]))    # [1, *w_dims[1:]]
@@ -63,11 +67,9 @@ class BroadcastRule(registry_lib.Rule):
             w_b = w_e                       # the op's gradient sums over axis 0 too
         else:
             # [1, *w_dims[1:]] -> [N, *w_dims[1:]]: a copy of w per row of Z
-            w_b = tf.broadcast_to(w_e, _rows.group_shape(_rows.dim(use.output, 0),
-                                                         w_dims[1:]))
-        inputs = list(op.inputs)
+            w_b = tf.broadcast_to(w_e, _rows.group_shape(_rows.dim(dZ, 0), w_dims[1:]))
         inputs[use.slot] = w_b
-        rebuilt = copy_op(op, inputs)
+        rebuilt = copy_op(op, inputs, graph=w_b.graph)
         grad, = tf.gradients(rebuilt.outputs[0], [w_b], grad_ys=dZ)   # [N or 1, *w_dims[1:]]
         # [G*T, *w_dims[1:]] -> [G, T, *w_dims[1:]] -> [G, *w_dims[1:]]
         grouped = tf.reduce_sum(_rows.to_groups(grad, G, tail=out_rank - 1), axis=1)
@@ -78,10 +80,10 @@ class BroadcastRule(registry_lib.Rule):
     clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
-def copy_op(op, inputs):
-    """A copy of `op` (its type and attributes) on `inputs`."""
+def copy_op(op, inputs, graph=None):
+    """A copy of `op` (its type and attributes) on `inputs`, in `graph` (default op's)."""
     return _tf.create_op(
-        op.graph, op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+        graph or op.graph, op.type, inputs, dtypes=[t.dtype for t in op.outputs],
         attrs={key: value for key, value in op.node_def.attr.items()
                if not key.startswith("_")},
         op_def=op.op_def, name=f"{op.name.split('/')[-1]}_per_example")

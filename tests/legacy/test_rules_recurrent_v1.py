@@ -4,10 +4,11 @@ variables, control flow v1), against the one-example oracle.
 
 `tf.compat.v1.nn.dynamic_rnn` with LSTMCell, GRUCell and BasicRNNCell, with and without
 sequence_length, batch-major and time-major; a hand-written tf.while_loop over reference
-variables; a frame the copy cannot reproduce (a random op in its body) keeps its row
-passes. Every model is fed two batch sizes through a None batch dimension, without
-batch_size: per-example gradients, norms, a noiseless DPOptimizer gradient and two
-microbatches against the loop (the default run's LSTM: gradients and norms).
+variables; a scale and a shift of the state (broadcast weights) in a frame; a frame the
+copy cannot reproduce (a random op in its body) keeps its row passes. Every model is fed
+two batch sizes through a None batch dimension, without batch_size: per-example
+gradients, norms, a noiseless DPOptimizer gradient and two microbatches against the loop
+(the default run's LSTM: gradients and norms).
 """
 
 import numpy as np
@@ -207,6 +208,29 @@ def test_functions_of_the_weights_in_a_frame():
         ys = tf.reduce_sum(tf.square(h - 0.5), axis=1)                       # [B]
     _compare(graph, ys, [w, b], [x], lambda B, seed: {x: np.random.RandomState(seed).randn(
         B, D).astype(np.float32)}, "functions of the weights in a frame", combiners=False)
+
+
+def test_broadcast_weights_of_the_state_in_a_frame():
+    """max(h w * scale + shift, -exp(shift) / 2) in a frame: scale and shift read by
+    two-input broadcast ops (Mul, AddV2, Maximum through exp) whose other input carries
+    the batch, rebuilt per step on the copy's A (`pertower._loops.uses.StepBroadcast`)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(5)
+        x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
+        w = tf.compat.v1.get_variable("w", [D, D])
+        scale = tf.compat.v1.get_variable("scale", [D])
+        shift = tf.compat.v1.get_variable("shift", [D])
+
+        def body(i, h):
+            z = tf.matmul(h, w) * scale + shift
+            return i + 1, tf.tanh(tf.maximum(z, -0.5 * tf.exp(shift)))
+
+        h = tf.compat.v1.while_loop(lambda i, h: i < 3, body, [0, x])[1]
+        ys = tf.reduce_sum(tf.square(h - 0.5), axis=1)                       # [B]
+    _compare(graph, ys, [w, scale, shift], [x], lambda B, seed: {
+        x: np.random.RandomState(seed).randn(B, D).astype(np.float32)},
+        "broadcast weights in a frame")
 
 
 def test_a_frame_drawing_random_numbers_keeps_row_passes():
