@@ -1,6 +1,7 @@
 """devices=[...]: towers placed round-robin on two virtual CPU devices (placement read
-from the graph and from the run's step stats), values against the oracle. The same on TensorFlow's distributed runtime with two
-in-process servers: tests/test_clusters.py (with a While loop: heavy, here)."""
+from the graph and from the run's step stats), values against the oracle. The same on
+TensorFlow's distributed runtime with two in-process servers: tests/test_clusters.py
+(with a While loop: heavy, here)."""
 
 import re
 
