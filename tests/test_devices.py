@@ -1,7 +1,7 @@
 """devices=[...]: towers placed round-robin on two virtual CPU devices (placement read
-from the graph and from the run's step stats), values against the oracle; and the same
-on TensorFlow's distributed runtime with two in-process servers (in a fresh interpreter,
-tests/scripts/distributed_towers.py)."""
+from the graph and from the run's step stats), values against the oracle. The same on
+TensorFlow's distributed runtime with two in-process servers: tests/test_clusters.py
+(with a While loop: heavy, here)."""
 
 import re
 
@@ -117,16 +117,10 @@ def test_bad_devices_are_refused(bad, error, words):
             pertower.per_example_gradients(case.ys, case.xs, batch_size=2, devices=bad)
 
 
-def test_towers_on_two_servers_of_a_cluster_match_oracle():
-    """tests/scripts/distributed_towers.py in a fresh interpreter (its servers live until
-    it ends): two tf.distribute.Servers on 127.0.0.1, the cluster's devices, the graph's
-    placement, the towers on the two tasks against the oracle."""
-    done = common.run_python("tests/scripts/distributed_towers.py")
-    assert "3 passed, 0 failed" in done.stdout, done.stdout
-
-
 @pytest.mark.heavy
 def test_towers_with_a_loop_on_two_servers_of_a_cluster_match_oracle():
-    """The same with a GRU branch (a While loop replayed in each tower)."""
+    """tests/scripts/distributed_towers.py in a fresh interpreter: the checks of
+    tests/test_clusters.py's towers and the towers with a GRU branch (a While loop
+    replayed in each tower)."""
     done = common.run_python("tests/scripts/distributed_towers.py", "heavy")
     assert "passed check_towers_with_a_loop_on_two_tasks_match_oracle" in done.stdout, done.stdout

@@ -1,10 +1,11 @@
 """pertower.DPSyncReplicasOptimizer: DP-SGD across the workers of a TensorFlow cluster.
 
 The cluster checks (one parameter server, two workers as threads with their own graphs
-and sessions) run in a fresh interpreter, tests/scripts/dp_distributed_checks.py:
-one step with σ = 0 against DPOptimizer on the concatenated batch and the loop's
-clipped mean; the noise against chi-square bounds (chief mode draws once, split mode's
-shares uncorrelated); split mode refused with partial aggregation. More draws: heavy.
+and sessions) run in a fresh interpreter, tests/scripts/dp_distributed_checks.py
+(tests/test_clusters.py): one step with σ = 0 against DPOptimizer on the concatenated
+batch and the loop's clipped mean; the noise against chi-square bounds (chief mode draws
+once, split mode's shares uncorrelated); split mode refused with partial aggregation.
+More draws, and the step under disable_v2_behavior(): heavy, here.
 Here, in the test process: the arguments, the seeds, and one worker on a local session.
 """
 
@@ -21,17 +22,6 @@ import pertower
 from pertower import oracle
 from pertower._dp import distributed
 from tests import common
-
-def test_cluster_of_a_ps_and_two_workers():
-    """tests/scripts/dp_distributed_checks.py in a fresh interpreter (its servers live
-    until it ends): one step against DPOptimizer and the loop, split mode refused with
-    partial aggregation, the noise of each mode against chi-square bounds."""
-    done = common.run_python("tests/scripts/dp_distributed_checks.py")
-    for check in ("check_one_step_equals_single_process_and_loop",
-                  "check_split_mode_refused_with_partial_aggregation",
-                  "check_chief_noise_drawn_once", "check_split_noise_shares_uncorrelated"):
-        assert f"passed {check}" in done.stdout, done.stdout
-
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("argument", ["stats", "legacy"])

@@ -103,12 +103,16 @@ def test_a_noiseless_dp_step_gives_both_entries_the_mean_gradient(mixed_precisio
     common.assert_all_close(got, [r.mean(0) for r in rows], kind="deep")
 
 
-@pytest.mark.parametrize("method", ["towers", "auto"])
-def test_a_mixed_precision_gru_on_the_towers(mixed_precision, method):
+def test_a_mixed_precision_gru_on_the_towers(mixed_precision):
+    """auto: the GRU's weights on the towers (its body casts them), the dense layer's on
+    the rules; each listed twice. (method="towers" on every weight: the dense model of
+    test_autocast_variables_and_the_variables_they_wrap[towers].)"""
     graph, x, ys, xs, loop = _with_both_handles(
         lambda: [keras.layers.GRU(4), keras.layers.Dense(1, dtype="float32")], [3, 2])
     with graph.as_default():
-        got = pertower.per_example_gradients(ys, xs, batch_size=B, method=method)
+        assert {w.method for w in pertower.explain(ys, xs, batch_size=B).weights} == {
+            "towers", "rules"}
+        got = pertower.per_example_gradients(ys, xs, batch_size=B)
     common.assert_all_close(*_run(graph, x, loop, got), kind="deep")
 
 

@@ -1,5 +1,6 @@
 """Scripts that the tests run in a fresh interpreter (`tests.common.run_python`): what
-needs servers alive until their process ends (tests/scripts/distributed_towers.py,
+needs servers alive until their process ends (tests/scripts/clusters.py runs the
+default checks of tests/scripts/distributed_towers.py and
 tests/scripts/dp_distributed_checks.py) or a process set up as a user's is
 (tests/scripts/run_doc_blocks.py, tests/scripts/scenario_examples.py)."""
 

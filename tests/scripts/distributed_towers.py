@@ -4,9 +4,9 @@ a session on the first server's target, values against the one-example oracle.
 
     python tests/scripts/distributed_towers.py [heavy]
 
-run by tests/test_devices.py (`tests.common.run_python`; with `heavy`, the towers
-replaying a While loop too); prints one line per check (`tests.scripts.run_each`) and
-exits 1 if one failed.
+run by tests/test_devices.py with `heavy` (`tests.common.run_python`: the towers
+replaying a While loop too; the default run's checks run in tests/scripts/clusters.py);
+prints one line per check (`tests.scripts.run_each`) and exits 1 if one failed.
 """
 
 import os
@@ -126,7 +126,9 @@ def check_cluster_devices(servers):
                 raise AssertionError("task 1 computed a wrong value")
 
 
-def main():
+def checks(heavy=False):
+    """The checks on a cluster started now (with `heavy`, the towers replaying a While
+    loop on the two tasks too, placed like the MLP's ops of the default run's check)."""
     servers = _start_cluster()
 
     def check_cluster_devices_answer():
@@ -138,13 +140,13 @@ def main():
     def check_towers_with_a_loop_on_two_tasks_match_oracle():
         check_towers_on_two_tasks(servers, gru=True)
 
-    # with the argument `heavy`: the towers replaying a While loop on the two tasks too
-    # (placed like the MLP's ops of the default run's check)
-    checks = [check_cluster_devices_answer, check_graph_placement,
-              check_towers_on_two_tasks_match_oracle]
-    if sys.argv[1:] == ["heavy"]:
-        checks.append(check_towers_with_a_loop_on_two_tasks_match_oracle)
-    code = scripts.run_each(checks)
+    return [check_cluster_devices_answer, check_graph_placement,
+            check_towers_on_two_tasks_match_oracle,
+            *([check_towers_with_a_loop_on_two_tasks_match_oracle] if heavy else [])]
+
+
+def main():
+    code = scripts.run_each(checks(heavy=sys.argv[1:] == ["heavy"]))
     # Servers cannot be stopped cleanly in-process; leave without waiting for them.
     os._exit(code)  # pylint: disable=protected-access
 

@@ -6,9 +6,10 @@ between-graph replication), `pertower.DPSyncReplicasOptimizer` against the singl
 
     python tests/scripts/dp_distributed_checks.py [stats | legacy]
 
-run by tests/test_dp_distributed.py (`tests.common.run_python`; "stats": the statistical
-checks with more draws, "legacy": the σ = 0 step under disable_v2_behavior(), both
-heavy); prints one line per check (`tests.scripts.run_each`) and exits 1 if one failed.
+run by tests/test_dp_distributed.py with "stats" (the statistical checks with more
+draws) or "legacy" (the σ = 0 step under disable_v2_behavior()), both heavy; the
+default run's checks run in tests/scripts/clusters.py. Prints one line per check
+(`tests.scripts.run_each`) and exits 1 if one failed.
 """
 
 import os
@@ -278,15 +279,20 @@ def check_split_mode_refused_with_partial_aggregation():
     raise AssertionError("split mode with partial aggregation was accepted")
 
 
+def default_checks():
+    """The default run's checks (run by tests/scripts/clusters.py)."""
+    return [check_one_step_equals_single_process_and_loop,
+            check_split_mode_refused_with_partial_aggregation,
+            *noise_checks(steps=2, P=3000)]
+
+
 def main():
     if sys.argv[1:] == ["stats"]:
         checks = noise_checks(steps=5, P=20000)
     elif LEGACY:
         checks = [check_one_step_equals_single_process_and_loop]
     else:
-        checks = [check_one_step_equals_single_process_and_loop,
-                  check_split_mode_refused_with_partial_aggregation,
-                  *noise_checks(steps=2, P=3000)]
+        checks = default_checks()
     code = scripts.run_each(checks)
     sys.stdout.flush()
     # Servers cannot be stopped cleanly in-process; leave without waiting for them.

@@ -28,9 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # backward passes of a CNN whose two Jacobians hold B x 8.4M numbers)
 EXAMPLES = {"scenario1_keras_mlp.py": [], "scenario2_two_batches_cosine.py": [],
             "scenario3_cnn_jacobian.py": ["--batch-size", "2"]}
-# `pertower demo` at a small batch: the same three scenarios as the examples, checked
-# against the loop once more by the demo's own code.
-DEMO_ARGV = ["pertower", "demo", "--batch-size", "4", "--repeats", "2"]
+# `pertower demo` at the smallest batch that gives scenario 2 two batches, one timed run:
+# the same three scenarios as the examples, checked against the loop once more by the
+# demo's own code.
+DEMO_ARGV = ["pertower", "demo", "--batch-size", "2", "--repeats", "1"]
 
 
 def _run_as_main(run):
