@@ -141,3 +141,72 @@ def test_a_batch_mean_in_a_layer_normalized_cell_is_still_refused():
                                              r"batch_mean.*reduces \(Mean\) over axis 0"):
             pertower.per_example_gradients(ys, tf.compat.v1.trainable_variables(), batch=[x],
                                            batch_size=B)
+
+
+def _recurrent_model(layer, use, static):
+    """ys from a tf_keras LSTM (h [B, UNITS]) or a GRU returning its sequences
+    (h [B, T, UNITS]), with tf.shape(h)[0] sizing a reshape of h or a [B] factor of `ys`.
+    A static batch folds tf.shape(h)[0] into the constant B; the While's body carries
+    TensorListPushBack accumulators once a gradient has been taken through it."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(7)
+        x = tf.compat.v1.placeholder(tf.float32, [B if static else None, T, D], name="x")
+        if layer == "lstm":
+            h = keras.layers.LSTM(UNITS)(x)
+        else:
+            h = keras.layers.GRU(UNITS, return_sequences=True)(x)
+        if use == "reshape":
+            flat = tf.reshape(h, [tf.shape(h)[0], -1])                     # [B, E]
+            ys = tf.reduce_sum(tf.square(flat), 1)
+        else:
+            flat = tf.reshape(h, [-1, int(np.prod(h.shape[1:]))])          # [B, E]
+            ys = tf.reduce_sum(tf.square(flat), 1) * tf.ones([tf.shape(h)[0]])
+    return graph, x, ys
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_batch", "static_batch"])
+@pytest.mark.parametrize("layer,use", [("lstm", "reshape"), ("gru", "reshape"),
+                                       ("lstm", "ones"), ("gru", "ones")])
+def test_a_size_of_a_recurrent_layers_output_keeps_the_proof(layer, use, static):
+    """[B, ...] -> [tf.shape(h)[0], -1] has one row per example whether tf.shape(h)[0]
+    is read symbolically (dynamic B) or folded into a constant (static B); the gradient
+    accumulators a while_v2 body gains (TensorListPushBack) are followed, not lost."""
+    graph, x, ys = _recurrent_model(layer, use, static)
+    with graph.as_default():
+        xs = tf.compat.v1.trainable_variables()
+        tf.gradients(ys, xs)   # (adds the accumulators to the While's body)
+        plan = pertower.explain(ys, xs, batch=[x])
+        assert plan.verdict == "independent" and not plan.couplings, plan
+        assert {row.method for row in plan.weights} == {"rules"}, plan
+        norms = pertower.per_example_norms(ys, xs, batch=[x])
+    _check_against_the_loop(graph, x, ys, xs, sizes=(B,) if static else (B, 2))
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: np.random.RandomState(0).randn(B, T, D).astype(np.float32)}
+        want = common.loop_rows_of_batch(sess, ys, xs, feed)
+        flat = np.concatenate([np.reshape(w, [B, -1]) for w in want], axis=1)
+        common.assert_all_close(sess.run(norms, feed), np.linalg.norm(flat, axis=1),
+                                what="norms")
+
+
+@pytest.mark.parametrize("target", [[B, -1], [-1, UNITS], [2 * UNITS, B]])
+def test_a_reshape_by_a_static_batch_size_is_proven_the_flat_way(target):
+    """With a static B the target [B, -1] names no size symbolically: its rows are
+    followed by the flat layout (B blocks of E entries), as [-1, UNITS] always is;
+    [2 * UNITS, B], whose rows mix examples, still loses the proof."""
+    graph = tf.Graph()
+    with graph.as_default():
+        common.seed_weights(9)
+        x = tf.compat.v1.placeholder(tf.float32, [B, 2 * UNITS], name="x")
+        h = keras.layers.Dense(2 * UNITS)(x)                               # [B, 2 UNITS]
+        axis = 0 if target[-1] == B else 1
+        ys = tf.reshape(tf.reduce_sum(tf.square(tf.reshape(h, target)), axis), [B, -1])
+        ys = tf.reduce_sum(ys, 1)                                          # [B]
+        xs = tf.compat.v1.trainable_variables()
+        plan = pertower.explain(ys, xs, batch=[x])
+    if target[-1] == B:
+        assert plan.verdict != "independent", plan
+        return
+    assert plan.verdict == "independent" and not plan.couplings, plan
+    _check_against_the_loop(graph, x, ys, xs)

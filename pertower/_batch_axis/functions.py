@@ -105,6 +105,14 @@ def list_set_item(scan, op, ins):
     return [_loop_join(ins[0], ins[2])]
 
 
+def list_push_back(scan, op, ins):
+    """TensorListPushBack(list, element) -> list (a while_v2 body's gradient accumulators);
+    TensorListPopBack(list, shape) -> (list, element)."""
+    if op.type == "TensorListPopBack":
+        return [ins[0], ins[0]]
+    return [_loop_join(ins[0], ins[1])]
+
+
 def list_stack(scan, op, ins):
     return [_shifted(ins[0], 1, "list's")]
 
@@ -212,6 +220,7 @@ def _identity_indices(tensor):
 TRANSFERS = {
     "TensorListFromTensor": list_from_tensor, "TensorListGetItem": list_get_item,
     "TensorListSetItem": list_set_item, "TensorListStack": list_stack,
+    "TensorListPushBack": list_push_back, "TensorListPopBack": list_push_back,
     "TensorArrayScatterV3": tensor_array_scatter, "TensorArrayReadV3": list_get_item,
     "TensorArrayWriteV3": tensor_array_write, "TensorArrayGatherV3": tensor_array_gather,
     "TensorArraySizeV3": lambda scan, op, ins: [SIZE],
@@ -225,5 +234,6 @@ for _types, _transfer in ((op_types.IF_OP_TYPES, cond),
     TRANSFERS.update(dict.fromkeys(_types, _transfer))
 # Ops whose transfer functions read UNKNOWN inputs themselves.
 CONTROL_FLOW_OP_TYPES = frozenset(TRANSFERS) - {"TensorListFromTensor", "TensorListStack",
+                                               "TensorListPushBack", "TensorListPopBack",
                                                "TensorArrayScatterV3",
                                                "TensorArrayGatherV3"}

@@ -110,9 +110,10 @@ def identity_n(scan, op, ins):
 
 def reshape(scan, op, ins):
     """Followed two ways: the shape argument evaluated symbolically (a batch-major input
-    stays batch-major when the target's only B-multiple entry is preceded by 1s), or the
-    flat layout (contiguous example blocks of E elements, E a multiple of the output's
-    row size: k = E / row size)."""
+    stays batch-major when the target's only B-multiple entry is preceded by 1s), else
+    the flat layout (contiguous example blocks of E elements, E a multiple of the output's
+    row size: k = E / row size). A static B folds tf.shape(x)[0] into a constant, so a
+    target the symbolic way cannot follow may still be proven the flat way."""
     value = ins[0]
     if value is UNKNOWN:
         raise lattice.Lost("its input's batch axis was already lost")
@@ -129,18 +130,19 @@ def reshape(scan, op, ins):
     batch_major = all(s == 1 for s in in_shape[:a])
     target = static.resolve_minus_one(
         None if ins[1] is UNKNOWN else scan.shape_value(op.inputs[1]))
-    if target is not None:
-        batched = [k for k, (_, power) in enumerate(target) if power == 1]
-        if len(batched) == 1:
-            k = batched[0]
-            if batch_major and all(d == (1, 0) for d in target[:k]):
-                rows = _per_example(N, target[k + 1:], k)
-                if target[k][0] is not None and rows.k not in (None, target[k][0]):
-                    raise lattice.Lost("rows move across examples")
+    batched = [k for k, (_, power) in enumerate(target or ()) if power == 1]
+    if len(batched) == 1:
+        k = batched[0]
+        if batch_major and all(d == (1, 0) for d in target[:k]):
+            rows = _per_example(N, target[k + 1:], k)
+            if rows is not None and rows.k is None and target[k][0] is not None:
+                # axis k is c * B long over contiguous example blocks: c rows per
+                # example ([B, ...] -> [n, -1], n = tf.shape(x)[0])
+                rows = Rows(k, target[k][0], N)
+            if rows is not None and target[k][0] in (None, rows.k):
                 return [rows]
-            if not batch_major and target[:a] == [(s, 0) for s in in_shape[:a]] and k == a:
-                return [Rows(a, None, None)]
-            raise lattice.Lost("rows move across examples")
+        elif not batch_major and target[:a] == [(s, 0) for s in in_shape[:a]] and k == a:
+            return [Rows(a, None, None)]
     if batch_major:
         rows = lattice.complete(value, x.shape)
         if rows is not None and rows.E is not None:
@@ -174,12 +176,12 @@ def _refined_shape(op, target):
 
 
 def _per_example(N, after_dims, k):
-    """The batch axis k of a reshape's output; Lost when rows would straddle examples."""
+    """The batch axis k of a reshape's output; None when rows would straddle examples."""
     if N is None or any(c is None for c, _ in after_dims):
         return Rows(k, None, None)
     row = int(np.prod([c for c, _ in after_dims], dtype=np.int64))
     if row == 0 or N % row:
-        raise lattice.Lost("rows move across examples")
+        return None
     return Rows(k, N // row, N)
 
 
