@@ -388,9 +388,9 @@ def test_compute_epsilon_rejects_bad_arguments(kwargs, message):
         pertower.compute_epsilon(**arguments)
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "pld"])
-def test_compute_noise_multiplier_is_the_smallest_reaching_the_target(accountant):
-    steps, q, delta, target, tolerance = 200, 0.02, 1e-5, 2.0, 1e-3
+@pytest.mark.parametrize("accountant,tolerance", [("rdp", 1e-3), ("pld", 2e-2)])
+def test_compute_noise_multiplier_is_the_smallest_reaching_the_target(accountant, tolerance):
+    steps, q, delta, target = 200, 0.02, 1e-5, 2.0
     sigma = pertower.compute_noise_multiplier(target, steps, q, delta, accountant=accountant,
                                               tolerance=tolerance)
     assert pertower.compute_epsilon(steps, sigma, q, delta, accountant=accountant) <= target
