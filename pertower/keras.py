@@ -39,6 +39,7 @@ from pertower._dp import optimizer as dp_optimizer
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
            "DPKerasAdagradOptimizer"]
 
+
 class _KerasApply(tf.compat.v1.train.Optimizer):
     """The `tf.compat.v1.train.Optimizer` face DPOptimizer wraps: its apply_gradients is
     the Keras optimizer's."""
