@@ -34,6 +34,14 @@ def classifier():
                        feed=feed)
 
 
+def _assert_matches_the_loop(c, grads):
+    """`grads` of W, fetched on the classifier's feed, against the one-example loop."""
+    got = c["sess"].run(grads, c["feed"])
+    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], c["loss"],
+                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
+    common.assert_all_close(got, want)
+
+
 def test_ys_with_the_examples_on_axis_1_says_to_transpose_it(classifier):
     c = classifier
     with c["graph"].as_default():
@@ -51,10 +59,7 @@ def test_ys_with_the_examples_on_axis_1_says_to_transpose_it(classifier):
                                              r"examples.*transposed"):
             pertower.per_example_gradients(ys, [c["W"]], batch_size=4)
         grads = pertower.per_example_gradients(tf.transpose(ys)[:, 0], [c["W"]])
-        got = c["sess"].run(grads, c["feed"])
-    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], c["loss"],
-                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
-    common.assert_all_close(got, want)
+    _assert_matches_the_loop(c, grads)
 
 
 def test_labels_left_out_of_batch_are_named_first(classifier):
@@ -69,10 +74,7 @@ def test_labels_left_out_of_batch_are_named_first(classifier):
         grads = pertower.per_example_gradients(c["loss"], [c["W"]],
                                                batch=[c["x"], c["labels"]],
                                                method="towers", batch_size=4)
-        got = c["sess"].run(grads, c["feed"])
-    want = common.run_oracle(oracle.loop_per_example_gradients, c["sess"], c["loss"],
-                             [c["W"]], c["feed"], batch=[c["x"], c["labels"]])
-    common.assert_all_close(got, want)
+    _assert_matches_the_loop(c, grads)
 
 
 def test_one_reason_for_many_weights_is_said_once(classifier):
