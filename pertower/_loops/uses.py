@@ -198,8 +198,7 @@ class LoopPlan:
                     stack.append((consumer.outputs[0], ()))
                     continue
                 slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
-                # pylint: disable-next=protected-access
-                if weight_functions._is_reorder(consumer, slots):   # a re-layout
+                if weight_functions.is_reorder(consumer, slots):   # a re-layout
                     stack.append((consumer.outputs[0], placements))
                     continue
                 if consumer.type == "Unpack" and tensor.shape.is_fully_defined():

@@ -39,7 +39,7 @@ from pertower._layout import _rows
 from pertower.rules import broadcast
 from pertower.rules import registry as registry_lib
 
-__all__ = ["Exit", "exits", "WeightFunctionRule", "wrap"]
+__all__ = ["Exit", "exits", "is_reorder", "WeightFunctionRule", "wrap"]
 
 # Ops that pass a weight on with the same entries in the same order (one weight input,
 # slot 0, the others static): the rule's result is only reshaped.
@@ -73,7 +73,7 @@ class Exit:
     shape: tf.TensorShape
 
 
-def _is_reorder(op, slots):
+def is_reorder(op, slots):
     """Whether `op` (reading the weight at `slots`) passes its entries on unchanged."""
     return (op.type in _REORDER_FREE and slots == [0] and
             op.outputs[0].shape.is_fully_defined() and
@@ -160,7 +160,7 @@ def exits(reads, ys_upstream, analysis):
             if op not in ys_upstream or op in followed:
                 continue
             slots = [j for j, t in enumerate(op.inputs) if t is tensor]
-            if _is_reorder(op, slots):
+            if is_reorder(op, slots):
                 reorder.add(op)
             elif op.type in _NOT_FOLLOWED or not all(same_alone(t) for t in op.inputs):
                 for j in slots:
