@@ -17,6 +17,7 @@ et al. 2021, arXiv 1905.03871, Theorem 1); gradient accumulation is one step of 
 logical batch.
 """
 
+import functools
 import math
 
 from pertower import _checks
@@ -143,7 +144,8 @@ def compute_noise_multiplier(target_epsilon, steps, sampling_probability, delta,
     _check_accountant(accountant)
     tolerance = _checks.real_number(tolerance, "tolerance", 0, 0.5, True, False)
 
-    def epsilon(sigma):
+    @functools.lru_cache(maxsize=None)
+    def epsilon(sigma):   # each σ once: the brackets' ends are asked for again
         return _epsilon(steps, sigma, sampling_probability, delta, accountant)
 
     lo, hi = 0.5, 1.0
