@@ -2,16 +2,19 @@
 against the batch gradient and the one-example loop.
 
     python -m benchmarks.recurrent [--batch 32] [--steps 20] [--vocab 1000]
-        [--units 128] [--repeats 7] [--onednn on|off|both] [--layer LSTM|GRU|SimpleRNN]
-        [--v1]
+        [--units 128] [--repeats 7] [--onednn on|off|both]
+        [--layer LSTM|GRU|SimpleRNN|GRU-reset-before|LSTM-split] [--v1]
 
 The model: Embedding(V, U) -> Keras LSTM(U, return_sequences=True, unroll=False: a TF2
 `While` loop) -> Dense(V); ys = each example's sum over its T steps of the next-token
-cross-entropy, [B]. Timed, round robin after a warm-up (median of --repeats runs):
+cross-entropy, [B]. `GRU-reset-before` is GRU(reset_after=False) (its recurrent kernel
+sliced in the body), `LSTM-split` LSTM(implementation=1) (kernels split into gates).
+Timed, round robin after a warm-up (median of --repeats runs):
 
     batch gradient    tf.gradients(sum(ys), xs): one forward and one backward pass
     per-example       pertower.per_example_gradients(ys, xs, batch=...), no batch_size:
-                      the loop's weights on the rules of `pertower._loops`
+                      the loop's weights on the rules of `pertower._loops` (a pertower
+                      that sends some to the towers is given batch_size=B, and says so)
     norms             pertower.per_example_norms
     DP step           pertower.DPOptimizer(SGD).minimize (no noise), against a plain
                       SGD step
@@ -34,6 +37,10 @@ import benchmarks
 __all__ = ["main", "run"]
 
 _V1_CELLS = {"LSTM": "LSTMCell", "GRU": "GRUCell", "SimpleRNN": "BasicRNNCell"}
+# --layer -> (the tf_keras layer, its options besides return_sequences)
+_KERAS_LAYERS = {"LSTM": ("LSTM", {}), "GRU": ("GRU", {}), "SimpleRNN": ("SimpleRNN", {}),
+                 "GRU-reset-before": ("GRU", {"reset_after": False}),
+                 "LSTM-split": ("LSTM", {"implementation": 1})}
 
 
 def _parse(argv):
@@ -44,11 +51,14 @@ def _parse(argv):
     parser.add_argument("--vocab", type=int, default=1000, help="V (default 1000)")
     parser.add_argument("--units", type=int, default=128, help="U (default 128)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs (default 7)")
-    parser.add_argument("--layer", default="LSTM", choices=("LSTM", "GRU", "SimpleRNN"))
+    parser.add_argument("--layer", default="LSTM", choices=tuple(_KERAS_LAYERS))
     parser.add_argument("--onednn", default="both", choices=("on", "off", "both"))
     parser.add_argument("--v1", action="store_true",
                         help="dynamic_rnn in a TF1 graph (disable_v2_behavior)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.v1 and args.layer not in _V1_CELLS:
+        parser.error(f"--layer {args.layer} has no TF1 cell: --v1 takes {', '.join(_V1_CELLS)}")
+    return args
 
 
 def run(args):
@@ -74,7 +84,8 @@ def run(args):
                 cell, tf.nn.embedding_lookup(table, ids), dtype=tf.float32)     # [B, T, U]
             logits = tf.compat.v1.layers.dense(hidden, V)                        # [B, T, V]
         else:
-            hidden = getattr(keras.layers, args.layer)(U, return_sequences=True)(
+            name, options = _KERAS_LAYERS[args.layer]
+            hidden = getattr(keras.layers, name)(U, return_sequences=True, **options)(
                 keras.layers.Embedding(V, U)(ids))                              # [B, T, U]
             logits = keras.layers.Dense(V)(hidden)                               # [B, T, V]
         ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -82,11 +93,12 @@ def run(args):
         xs = tf.compat.v1.trainable_variables()
         batch = [ids, labels]
         plan = pertower.explain(ys, xs, batch=batch)
-        per_example = pertower.per_example_gradients(ys, xs, batch=batch)
-        norms = pertower.per_example_norms(ys, xs, batch=batch)
+        sizes = {"batch_size": B} if plan.fallback else {}   # towers are built for B
+        per_example = pertower.per_example_gradients(ys, xs, batch=batch, **sizes)
+        norms = pertower.per_example_norms(ys, xs, batch=batch, **sizes)
         batch_gradient = tf.gradients(tf.reduce_sum(ys), xs)
         dp_step = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.0),
-                                       1.0, 0.0).minimize(ys, var_list=xs)
+                                       1.0, 0.0).minimize(ys, var_list=xs, **sizes)
         plain_step = tf.compat.v1.train.GradientDescentOptimizer(0.0).minimize(
             tf.reduce_mean(ys), var_list=xs)
         loop = oracle.SliceLoop(ys, xs)
@@ -111,7 +123,8 @@ def run(args):
           f"TF_ENABLE_ONEDNN_OPTS={onednn}, median of {args.repeats} runs, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     methods = sorted({row.method for row in plan.weights})
-    print(f"weights: {len(plan.weights)}, methods: {', '.join(methods)}")
+    print(f"weights: {len(plan.weights)}, methods: {', '.join(methods)}"
+          + (f" (batch_size={B} given)" if sizes else ""))
     print(timing.format_table(["", "seconds", "x batch gradient"],
                               [[name, f"{m:.4f}", f"{m / base:.2f}"]
                                for (name, _), m in zip(rows, medians)]))

@@ -189,12 +189,14 @@ def test_a_weight_read_inside_and_outside_a_while_loop():
 
 
 @pytest.mark.heavy
-def test_the_recurrent_bench_runs_at_a_small_size(capsys):
+@pytest.mark.parametrize("layer", ["LSTM", "GRU-reset-before", "LSTM-split"])
+def test_the_recurrent_bench_runs_at_a_small_size(capsys, layer):
     """`python -m benchmarks.recurrent` (in this process, tiny sizes): its
     table names every timed row and the methods of the plan."""
     from benchmarks import recurrent as recurrent_bench
     recurrent_bench.run(recurrent_bench._parse(  # pylint: disable=protected-access
-        ["--batch", "4", "--steps", "3", "--vocab", "13", "--units", "4", "--repeats", "1"]))
+        ["--batch", "4", "--steps", "3", "--vocab", "13", "--units", "4", "--repeats", "1",
+         "--layer", layer]))
     text = capsys.readouterr().out
     for row in ("batch gradient", "per-example gradients", "DP step", "loop"):
         assert row in text, text
