@@ -362,13 +362,14 @@ def _embedding(ids):
 def mixed(x):
     """Covered and uncovered reads: `k1` only by a MatMul (rules); `k2` by a MatMul and
     by the Pow of an L2 term added to every row (rules, the second through the
-    weight-only Pow, Sum and Mul); `scale` squared and broadcast to the batch's shape by
-    hand (BroadcastTo, which has no rule: towers)."""
+    weight-only Pow, Sum and Mul); `scale` squared (plus 0.5) into the bounds of a ClipByValue
+    (which has no rule: towers)."""
     k1, k2 = random_normal_variable([4, 3], "k1"), random_normal_variable([3, 2], "k2")
-    scale = random_normal_variable([2], "scale_sq")
+    scale = random_normal_variable([], "scale_sq")
     h = tf.tanh(tf.matmul(x, k1))
     z = tf.matmul(h, k2)
-    z = z * tf.broadcast_to(tf.square(scale), tf.shape(z))              # [B, 2]
+    bound = 0.5 + tf.square(scale)                                      # []
+    z = tf.raw_ops.ClipByValue(t=z, clip_value_min=-bound, clip_value_max=bound)  # [B, 2]
     ys = tf.reduce_sum(z ** 2, axis=1) + 0.1 * tf.reduce_sum(k2 ** 2)   # [B]
     return ys, [k1, k2, scale]
 

@@ -22,17 +22,19 @@ def _session(graph):
 
 @pytest.fixture(scope="module")
 def mixed():
-    """A Dense layer (rules) and a weight broadcast to the batch's shape by hand
-    (BroadcastTo, which no rule covers: towers)."""
+    """A Dense layer (rules) and a learned bound of a ClipByValue (which no rule
+    covers: towers)."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(3)
         x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
         dense = keras.layers.Dense(3, name="dense")
-        gain = tf.Variable(np.linspace(0.5, 1.5, 3).astype(np.float32), name="gain")
+        gain = tf.Variable(0.5, name="gain")
         h = dense(x)                                           # [B, 3]
-        spread = tf.broadcast_to(tf.exp(gain * 0.1) ** 2, tf.shape(h))    # [B, 3]
-        ys = tf.reduce_sum(tf.sin(h) * spread, axis=1)                   # [B]
+        bound = 0.5 * tf.exp(gain * 0.1) ** 2                            # []
+        clipped = tf.raw_ops.ClipByValue(t=tf.sin(h), clip_value_min=-bound,
+                                         clip_value_max=bound)           # [B, 3]
+        ys = tf.reduce_sum(clipped * h, axis=1)                          # [B]
         xs = dense.trainable_weights + [gain]
         sess = _session(graph)
     feed = {x: np.random.RandomState(0).randn(5, 4).astype(np.float32)}
@@ -61,8 +63,8 @@ def test_explain_prints_each_weights_method_and_the_reason_it_falls_back(mixed):
     assert "run-time check: none" in text
     assert "memory: " in text and "the 5 towers' gradients" in text
     # the estimate counts tower gradients for `gain` only
-    assert plan.estimate.tower_gradient_bytes == 5 * 3 * 4
-    assert plan.estimate.result_bytes == 5 * (4 * 3 + 3 + 3) * 4
+    assert plan.estimate.tower_gradient_bytes == 5 * 1 * 4
+    assert plan.estimate.result_bytes == 5 * (4 * 3 + 3 + 1) * 4
 
 
 def test_explain_shows_couplings_instead_of_raising():

@@ -171,16 +171,18 @@ def test_dp_optimizer_takes_a_size_list_for_joined_batches(num_microbatches):
 
 
 def _pow_model():
-    """w by a MatMul (a rule), v by a BroadcastTo to the batch's shape (no rule: the
-    towers); a None batch axis."""
+    """w by a MatMul (a rule), v by the bound of a ClipByValue (no rule: the towers);
+    a None batch axis."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(3)
         x = tf.compat.v1.placeholder(tf.float32, [None, D], name="x")
         w = tf.compat.v1.get_variable("w", [D, U], use_resource=True)
-        v = tf.compat.v1.get_variable("v", [U], use_resource=True)
+        v = tf.compat.v1.get_variable("v", [], use_resource=True)
         h = tf.abs(tf.matmul(x, w)) + 1.0                                       # [B, U]
-        ys = tf.reduce_sum(h * tf.broadcast_to(tf.exp(v), tf.shape(h)), 1)      # [B]
+        clipped = tf.raw_ops.ClipByValue(t=h, clip_value_min=tf.zeros([]),
+                                         clip_value_max=1.0 + tf.exp(v))        # [B, U]
+        ys = tf.reduce_sum(clipped, 1)                                          # [B]
         sess = tf.compat.v1.Session(graph=graph)
         sess.run(tf.compat.v1.global_variables_initializer())
     return graph, sess, x, ys, [w, v]

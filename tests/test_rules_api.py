@@ -146,8 +146,8 @@ class _CountingRule(rules_lib.Rule):
 
 
 class _SquareRule(rules_lib.Rule):
-    """A user rule for the BroadcastTo that spreads a squared weight over the batch's
-    shape: it refuses with a reason (kept in the plan)."""
+    """A user rule for the ClipByValue bounded by a squared weight (`cases.mixed`): it
+    refuses with a reason (kept in the plan)."""
 
     def match(self, op, slot, analysis):
         return "a user rule that declines"
@@ -160,8 +160,8 @@ def test_a_user_registry_replaces_and_adds_rules(mlp):
     registry = rules_lib.default_registry()
     counting = _CountingRule()
     registry.register("MatMul", counting)
-    registry.register("BroadcastTo", _SquareRule())
-    assert "MatMul" in registry.op_types() and "BroadcastTo" in registry.op_types()
+    registry.register("ClipByValue", _SquareRule())
+    assert "MatMul" in registry.op_types() and "ClipByValue" in registry.op_types()
     assert rules_lib.default_registry().lookup("MatMul") is not counting   # a new one each call
     with mlp.graph.as_default():
         got = pertower.per_example_gradients(mlp.ys, mlp.xs, batch_size=4, rules=registry)

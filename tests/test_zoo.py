@@ -105,15 +105,16 @@ def test_fast_zoo_network_feeds_any_batch_size(fast_networks):
 
 
 def test_plan_summary_counts_methods_and_groups_reasons():
-    """A weight read by BroadcastTo (no rule) falls to the towers; the summary counts it
+    """A weight read by ClipByValue (no rule) falls to the towers; the summary counts it
     and names its reason; the one read in a v2 while loop is on the rules."""
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 3])
         w = tf.compat.v1.get_variable("w", initializer=tf.ones([3, 3]))
-        v = tf.compat.v1.get_variable("v", initializer=tf.ones([3]))
+        v = tf.compat.v1.get_variable("v", initializer=tf.ones([]))
         h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.tanh(h @ w)),
                           [0, x])[1]
-        ys = tf.reduce_sum(h * tf.broadcast_to(v, tf.shape(h)), axis=1)
+        ys = tf.reduce_sum(tf.raw_ops.ClipByValue(t=h, clip_value_min=-v, clip_value_max=v),
+                           axis=1)
         plan = pertower.explain(ys, [w, v], batch_size=2)
     counts = plan_summary.method_counts(plan)
     assert counts == {"rules": 1, "towers": 1, "passes": 0, "unreached": 0}, str(plan)

@@ -47,9 +47,11 @@ def test_keras_mlp_with_a_towers_weight():
         labels = tf.compat.v1.placeholder(tf.int32, [None])
         net = keras.Sequential([keras.layers.Dense(6, activation="relu", dtype="float64"),
                                 keras.layers.Dense(3, dtype="float64")])
-        v = tf.compat.v1.get_variable("v", initializer=rng.randn(5), use_resource=False)
-        logits = net(x) + tf.reduce_sum(tf.broadcast_to(tf.sin(v), tf.shape(x)) * x, axis=1,
-                                              keepdims=True)    # [B, 3]
+        v = tf.compat.v1.get_variable("v", initializer=np.float64(rng.randn()),
+                                      use_resource=False)
+        bound = 0.5 + tf.square(tf.sin(v))                      # []
+        logits = net(x) + tf.reduce_sum(tf.raw_ops.ClipByValue(
+            t=x, clip_value_min=-bound, clip_value_max=bound), axis=1, keepdims=True)  # [B, 3]
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         xs = list(net.trainable_weights) + [v]
         feed = {x: rng.randn(B, 5), labels: [0, 1, 2, 1]}
