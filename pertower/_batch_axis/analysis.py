@@ -36,7 +36,8 @@ TRANSFERS = {**transfer_layout.TRANSFERS, **transfer_index.TRANSFERS, **transfer
 _READS_UNKNOWN = (transfer_compute.READS_UNKNOWN | functions.CONTROL_FLOW_OP_TYPES
                   | transfer_lookups.READS_UNKNOWN | {"Reshape", "IdentityN"})
 # Ops whose outputs may carry the batch's rows when their inputs carry only its size.
-_READS_SIZE = op_types.SHAPED_BY_SIZE_OP_TYPES | frozenset(functions.TRANSFERS)
+_READS_SIZE = (op_types.SHAPED_BY_SIZE_OP_TYPES | frozenset(functions.TRANSFERS)
+               | {"BroadcastTo"})
 # Passes over a region with TF1 loops before their values must have settled.
 _MAX_LOOP_PASSES = 6
 _MAX_DEPTH = 8

@@ -288,9 +288,10 @@ def pool(scan, op, ins):
 
 
 def _filled_with_constant(tensor):
-    """A Fill whose value is a constant (its size may follow the batch), as Keras'
-    LayerNormalization makes the unit scale and zero offset of its fused form."""
-    return tensor.op.type == "Fill" and static.static_value(tensor.op.inputs[1]) is not None
+    """A Fill (or BroadcastTo) whose value is a constant (its size may follow the batch),
+    as Keras' LayerNormalization makes the unit scale and zero offset of its fused form."""
+    value = {"Fill": 1, "BroadcastTo": 0}.get(tensor.op.type)
+    return value is not None and static.static_value(tensor.op.inputs[value]) is not None
 
 
 def fused_batch_norm(scan, op, ins):

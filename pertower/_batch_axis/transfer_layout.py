@@ -73,6 +73,8 @@ def elementwise(scan, op, ins):
         rank = require_rank(tensor)
         placed.setdefault(value.lead + out_rank - rank, (tensor, value))
     if not placed:
+        if op.type == "BroadcastTo":   # a weight or size spread over the batch's shape
+            return _rows_of_shape(scan, op.inputs[1]) or [SIZE]
         return outputs_all(op, SIZE)
     if len(placed) > 1:
         (p, (first, _)), (q, (second, _)) = sorted(placed.items(), key=lambda i: i[0])[:2]
@@ -315,14 +317,23 @@ def shaped_like(scan, op, ins):
     per entry of the shape, so each example owns its rows; values batch-independent."""
     if any(lattice.depends_on_values(v) for j, v in enumerate(ins) if j != 0):
         raise lattice.Lost("its value argument depends on the batch's values")
-    target = scan.shape_value(op.inputs[0])
+    rows = _rows_of_shape(scan, op.inputs[0])
+    if rows is not None:
+        return rows
+    if ins[0] is UNKNOWN:
+        raise lattice.Lost("its shape argument depends on the batch's values")
+    return [SIZE]
+
+
+def _rows_of_shape(scan, shape):
+    """[Rows] of a tensor made in the shape `shape` when exactly one of its entries
+    follows the batch (that axis, k the entry's factor), else None."""
+    target = scan.shape_value(shape)
     if target is not None:
         batched = [k for k, (_, power) in enumerate(target) if power == 1]
         if len(batched) == 1:
             return [Rows(batched[0], target[batched[0]][0], None)]
-    if ins[0] is UNKNOWN:
-        raise lattice.Lost("its shape argument depends on the batch's values")
-    return [SIZE]
+    return None
 
 
 TRANSFERS = {op_type: elementwise

@@ -12,9 +12,16 @@ registered gradient with respect to w_b sums over the other broadcast axes, and
 (for Mul: sum of dz * A over example i's rows and broadcast axes, Goodfellow 2015,
 arXiv 1510.01799). For one group w is not broadcast.
 
+BroadcastTo(w, S) whose target shape S follows the batch (TF-models' PositionEmbedding:
+tf.broadcast_to(rows [T, d], tf.shape(inputs)) -> [B, T, d]) is the same identity with
+no other input: Z's rows are the batch's (`_batch_axis` gives a tensor made in a shape
+that follows the batch the rows of that shape, as for tf.zeros), so
+    grad_i(w) = sum over example i's rows and the broadcast axes of dZ.
+
 Covered: w's rank static and w not stretching axis 0 (rank below Z's, or a leading 1);
-Z and the batch-side input example-major on axis 0. w's other sizes may be dynamic (a
-function of a weight: `_weight_functions` pulls the result back to the weight's shape).
+Z and the batch-side input (for BroadcastTo: Z) example-major on axis 0. w's other sizes
+may be dynamic (a function of a weight: `_weight_functions` pulls the result back to the
+weight's shape).
 """
 
 import tensorflow as tf
@@ -26,6 +33,7 @@ from pertower.rules import registry as registry_lib
 __all__ = ["BroadcastRule", "OP_TYPES", "copy_op", "register"]
 
 # Elementwise op types with broadcasting whose registered gradient covers every input
+# (and BroadcastTo, registered apart: its second input is the target shape)
 OP_TYPES = ("Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan",
             "Maximum", "Minimum", "SquaredDifference", "Pow", "SelectV2", "Atan2",
             "Xdivy", "Xlogy", "Xlog1py")
@@ -47,6 +55,10 @@ class BroadcastRule(registry_lib.Rule):
             return f"the weight (shape {w_shape}) is broadcast along the batch axis"
         carriers = [t for j, t in enumerate(op.inputs)
                     if j != slot and analysis.rows(t) is not None]
+        if op.type == "BroadcastTo":      # the rows of Z follow its target shape alone
+            if analysis.rows(out) is None:
+                return "its target shape does not follow the batch"
+            carriers = [out]
         if not carriers:
             return "no other input carries the batch"
         rows = _rows.example_rows(analysis, carriers[0], out)
@@ -59,6 +71,8 @@ class BroadcastRule(registry_lib.Rule):
         weight's value before the loop: `pertower._loops.uses`)."""
         op, out_rank = use.op, use.op.outputs[0].shape.rank
         inputs = list(op.inputs if inputs is None else inputs)
+        if op.type == "BroadcastTo":       # the target shape is Z's, dZ's (in a loop too)
+            inputs[1] = tf.shape(dZ, out_type=op.inputs[1].dtype)
         w = inputs[use.slot]
         w_shape = [_rows.dim(w, axis) for axis in range(w.shape.rank)]
         w_dims = [1] * (out_rank - len(w_shape)) + w_shape       # w_e's shape
@@ -90,5 +104,6 @@ def copy_op(op, inputs, graph=None):
 
 
 def register(registry):
-    """Adds the broadcast rule to `registry` for every op type of `OP_TYPES`."""
-    registry_lib.register_each(registry, OP_TYPES, BroadcastRule())
+    """Adds the broadcast rule to `registry` for every op type of `OP_TYPES` and
+    BroadcastTo."""
+    registry_lib.register_each(registry, OP_TYPES + ("BroadcastTo",), BroadcastRule())
