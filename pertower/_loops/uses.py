@@ -14,7 +14,6 @@ import dataclasses
 
 import tensorflow as tf
 
-from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._loops import copy
@@ -32,6 +31,8 @@ _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_ad
 # A two-input broadcast op (`rules.broadcast`) is rebuilt on A_all, its other input
 # (the batch carrier), and the weight's value before the loop (`StepBroadcast`).
 _BROADCAST_MODULE = "pertower.rules.broadcast"
+# The stateful ops a copy replays: reads of a variable's value or rows.
+_READS = op_types.VARIABLE_READ_OP_TYPES | op_types.HANDLE_GATHER_OP_TYPES
 
 
 def unreplayable_reason(op, stateful_allowed):
@@ -170,6 +171,7 @@ class LoopPlan:
         self.reads, self.writes = {}, {}
         self._built = None
         self._outside = {}     # body tensor ref -> its value built before the loop
+        self._same_alone = None
 
     def _reached(self, tensor):
         """Whether `ys` is `tensor` or reads it."""
@@ -191,13 +193,18 @@ class LoopPlan:
                     return "its condition reads the weight"
                 if not self._in_body(consumer):
                     continue
+                slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
+                if tensor.dtype == tf.resource and self._weight_side(consumer, slots):
+                    # a gather of rows every example reads (a position table's range(T))
+                    stack.append((consumer.outputs[0], placements + (
+                        Function(self, tensor, consumer.outputs[0]),)))
+                    continue
                 if tensor.dtype == tf.resource:   # the handle: read, never passed on
                     if consumer.type not in op_types.VARIABLE_READ_OP_TYPES:
                         return (f"its body passes the weight to {consumer.name!r} "
                                 f"({consumer.type})")
                     stack.append((consumer.outputs[0], ()))
                     continue
-                slots = [j for j, t in enumerate(consumer.inputs) if t is tensor]
                 if weight_functions.is_reorder(consumer, slots):   # a re-layout
                     stack.append((consumer.outputs[0], placements))
                     continue
@@ -207,7 +214,7 @@ class LoopPlan:
                     stack.extend((out, placements + (Slice(axis, i, tensor.shape),))
                                  for i, out in enumerate(consumer.outputs))
                     continue
-                if self._weight_side(consumer):
+                if self._weight_side(consumer, slots):
                     stack.extend((out, placements + (Function(self, tensor, out),))
                                  for out in consumer.outputs)
                     continue
@@ -261,18 +268,18 @@ class LoopPlan:
             self.step_rows.append(use.rows.k)
         return loop_use
 
-    def _weight_side(self, op):
-        """Whether the body op `op` is a function of the weights alone, the same at every
-        step: its inputs batch-independent and computable before the loop (`outside`),
-        its outputs static, with a registered gradient. An op that mixes the weight with
-        batch data is a read."""
-        try:
-            _tf.gradient_function(op)
-        except LookupError:
-            return False
-        return (all(t.dtype.is_floating and t.shape.is_fully_defined() for t in op.outputs)
-                and all(self._use_analysis.value(t) == _batch_axis.INDEPENDENT
-                        and self.outside(t) is not None for t in op.inputs))
+    def _weight_side(self, op, slots):
+        """Whether the body op `op`, reading the weight at `slots`, is a function of the
+        weights alone by the criterion outside loops (`_weight_functions.follow`: its
+        inputs the same for one example alone as for the batch, sizes of other axes
+        included) and the same at every step: its inputs computable before the loop
+        (`outside`), its outputs static. An op that mixes the weight with batch data is
+        a read."""
+        if self._same_alone is None:
+            self._same_alone = weight_functions.SameAlone(self._use_analysis)
+        return (weight_functions.follow(op, slots, self._same_alone) == "function"
+                and all(t.dtype.is_floating and t.shape.is_fully_defined() for t in op.outputs)
+                and all(self.outside(t) is not None for t in op.inputs))
 
     def outside(self, tensor, build=False):
         """The value before the loop of the body tensor `tensor` when it is a function of
@@ -283,7 +290,7 @@ class LoopPlan:
             return found if build else True
         op = tensor.op
         if (not self._in_body(op) or (not op.inputs and op.type != "Const")
-                or op.op_def.is_stateful and op.type not in op_types.VARIABLE_READ_OP_TYPES):
+                or op.op_def.is_stateful and op.type not in _READS):
             return None
         if not build:
             return True if all(self.outside(t) for t in op.inputs) else None
@@ -321,10 +328,11 @@ class Slice:
 
 
 class Function:
-    """`output`, a function of the weights alone in the body, of the weight's `source`:
-    the gradient with respect to it is pulled back to `source` by the VJP of
-    `rules._weight_functions` (the inverse of a Cast, the VJP of a Split, a Tanh's
-    batched VJP), on the op copied before the loop (its value is the same at every step)."""
+    """`output`, a function of the weights alone in the body, of the weight's `source`
+    (its value, or its handle for a gather of rows every example reads): the gradient
+    with respect to it is pulled back to `source` by the VJP of `rules._weight_functions`
+    (the inverse of a Cast or a gather, the VJP of a Split, a Tanh's batched VJP), on the
+    op copied before the loop (its value is the same at every step)."""
 
     def __init__(self, loop, source, output):
         self.loop, self.source, self.output = loop, source, output
@@ -335,8 +343,11 @@ class Function:
         if self._rule is None:
             u = self.loop.outside(self.output, build=True)
             x = self.loop.outside(self.source, build=True)
+            shape = x.shape
+            if x.dtype == tf.resource:   # a gather's handle: the variable's shape
+                shape = tf.TensorShape(_tf.handle_data(x).shape_and_type[0].shape)
             self._rule = weight_functions.WeightFunctionRule(
-                None, weight_functions.Exit(u.op, 0, (u.op,), (x,), False, x.shape), u=u)
+                None, weight_functions.Exit(u.op, 0, (u.op,), (x,), False, shape), u=u)
         P = tf.reshape(piece, [-1] + self.output.shape.as_list())           # [G, *output]
         found = self._rule.pull_back(P)                                     # [G, *source]
         return found if grouped else found[0]

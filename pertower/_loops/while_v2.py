@@ -66,7 +66,8 @@ class WhileLoop(uses_lib.LoopPlan):
             return ("its first loop variable is not an iteration counter from 0 (while_v2's "
                     "layout), so the number of steps is not known before a copy runs")
         for inner in body.get_operations():
-            reason = uses_lib.unreplayable_reason(inner, op_types.VARIABLE_READ_OP_TYPES)
+            reason = uses_lib.unreplayable_reason(
+                inner, op_types.VARIABLE_READ_OP_TYPES | op_types.HANDLE_GATHER_OP_TYPES)
             if reason is not None:
                 return reason
         self.needed = self._needed_variables()

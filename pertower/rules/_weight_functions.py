@@ -5,7 +5,7 @@ a rule's weight input, u = f(x, other weights, constants); P the rule's per-grou
 gradients with respect to u, [G, *u.shape].
 
 Between a variable and the op a rule covers there may be ops whose other inputs are the
-same for one example alone as for the batch (`_SameAlone`: INDEPENDENT, or sizes of axes
+same for one example alone as for the batch (`SameAlone`: INDEPENDENT, or sizes of axes
 other than the batch's): `mixed_float16`'s Cast, weight normalization's g·v/||v||, a
 non-fused batch norm's scale and shift, a partitioned weight's ConcatV2, tanh(W),
 Transpose, Reshape, a learned position table's gather(W, range(T)) or W[:T]. `exits`
@@ -39,7 +39,7 @@ from pertower._layout import _rows
 from pertower.rules import broadcast
 from pertower.rules import registry as registry_lib
 
-__all__ = ["Exit", "exits", "is_reorder", "WeightFunctionRule", "wrap"]
+__all__ = ["Exit", "SameAlone", "exits", "follow", "is_reorder", "WeightFunctionRule", "wrap"]
 
 # Ops that pass a weight on with the same entries in the same order (one weight input,
 # slot 0, the others static): the rule's result is only reshaped.
@@ -103,7 +103,7 @@ def _unfollowable(op, graph_inputs):
     return None
 
 
-class _SameAlone:
+class SameAlone:
     """Whether a tensor has the same value for one example alone as for the batch (the
     weight side): INDEPENDENT, or SIZE computed from shape entries that do not follow B
     (the sequence length T of `tf.range(tf.shape(x)[1])`)."""
@@ -131,6 +131,22 @@ class _SameAlone:
         return self.memo[tensor.ref()]
 
 
+def follow(op, slots, same_alone):
+    """How a weight read at inputs `slots` of `op` goes on: "reorder" (a re-layout,
+    `is_reorder`), "function" (a function of the weights alone: every input the same for
+    one example alone as for the batch, `same_alone` a `SameAlone`, and pulled back
+    through), "exit" (an op that takes the batch, a function call or v1 control flow: a
+    rule reads the weight there), or a string saying why a function of the weights alone
+    cannot be pulled back. The one criterion of the weight side, here and in loop bodies
+    (`pertower._loops.uses`)."""
+    if is_reorder(op, slots):
+        return "reorder"
+    if op.type in _NOT_FOLLOWED or not all(same_alone(t) for t in op.inputs):
+        return "exit"
+    why = _unfollowable(op, [t for j, t in enumerate(op.inputs) if j not in slots])
+    return "function" if why is None else why
+
+
 def exits(reads, ys_upstream, analysis):
     """The exit edges of the weight of `reads` (a `WeightReads`): a list of `Exit`, or
     a string saying why the weight cannot be followed. A ResourceGather by ids that are
@@ -138,14 +154,13 @@ def exits(reads, ys_upstream, analysis):
     weight-only op read through the handle; by the batch's ids, an exit."""
     sources = list(reads.read_tensors)
     shape = tf.TensorShape(reads.x.shape)
-    same_alone = _SameAlone(analysis)
+    same_alone = SameAlone(analysis)
     followed = set()               # weight-only ops reached from x's reads
     reorder = set()                # those of them that only re-lay-out
     found = {}                     # (op, slot) -> None, in discovery order
     stack, seen = list(sources), set()
     for op in reads.gather_ops:
-        if (isinstance(reads.x, tf.Variable) and same_alone(op.inputs[1])
-                and _unfollowable(op, op.inputs[1:]) is None):
+        if isinstance(reads.x, tf.Variable) and follow(op, [0], same_alone) == "function":
             sources.append(op.inputs[0])
             followed.add(op)
             stack.append(op.outputs[0])
@@ -160,17 +175,16 @@ def exits(reads, ys_upstream, analysis):
             if op not in ys_upstream or op in followed:
                 continue
             slots = [j for j, t in enumerate(op.inputs) if t is tensor]
-            if is_reorder(op, slots):
+            how = follow(op, slots, same_alone)
+            if how == "reorder":
                 reorder.add(op)
-            elif op.type in _NOT_FOLLOWED or not all(same_alone(t) for t in op.inputs):
+            elif how == "exit":
                 for j in slots:
                     found.setdefault((op, j), None)
                 continue
-            else:
-                why = _unfollowable(op, [t for j, t in enumerate(op.inputs) if j not in slots])
-                if why is not None:
-                    return (f"it is read by {op.name!r} ({op.type}), a function of the "
-                            f"weights alone that {why}")
+            elif how != "function":
+                return (f"it is read by {op.name!r} ({op.type}), a function of the "
+                        f"weights alone that {how}")
             followed.add(op)
             stack.extend(t for t in op.outputs if t.dtype.is_floating or t.dtype.is_complex)
     result = []
