@@ -98,6 +98,15 @@ def _resource_reads(x, name, handle, ys_upstream):
             call_inputs.append((op, index))
         elif op.type in op_types.V1_LOOP_OP_TYPES:
             loop_inputs.append(op)
+        elif op.type in op_types.V1_SWITCH_OP_TYPES:
+            raise _context.error(
+                NotImplementedError, f"the weight {name!r} is read inside a TF1 (v1) "
+                f"tf.compat.v1.cond: its resource handle goes to op {op.name!r} ({op.type}), "
+                "which neither the rules nor the towers follow. Read its value before the "
+                "cond (value = w.read_value(), used inside the branches: the towers then "
+                "compute it), or build the graph with "
+                "tf.compat.v1.enable_control_flow_v2() (the cond is then an If op, which "
+                "the towers rewrite), or leave this weight out of `xs`.")
         else:
             raise _context.error(
                 NotImplementedError, f"the weight {name!r} is passed to op "
