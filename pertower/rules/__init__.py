@@ -8,7 +8,8 @@ Built-in rules (each file states its identity and reference):
     matmul.py            MatMul, SparseMatMul, BatchMatMul(V2/V3) with a weight matrix
     einsum.py            Einsum
     bias_add.py          BiasAdd
-    broadcast.py         a broadcast weight in Add, Mul, Maximum, Pow, SelectV2, ...
+    broadcast.py         a broadcast weight in Add, Mul, Maximum, Pow, SelectV2, ...,
+                         and BroadcastTo to a shape that follows the batch
     conv2d.py            Conv2D (also Conv1D's lowering; NCHW; a SpaceToBatchND's blocks)
     conv2d_transpose.py  Conv2DBackpropInput (transposed convolutions)
     conv3d.py            Conv3D, Conv3DBackpropInputV2
