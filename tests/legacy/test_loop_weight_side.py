@@ -8,6 +8,6 @@ import pytest
 from tests import test_loop_weight_side as loop_weight_side
 
 
-@pytest.mark.parametrize("ids", ["range", "clipped"])
+@pytest.mark.parametrize("ids", [pytest.param("range", marks=pytest.mark.heavy), "clipped"])
 def test_gather_in_a_loop_body(ids):
     loop_weight_side.check_gather_in_a_loop_body(ids)
