@@ -1,0 +1,235 @@
+"""Tree aggregation: the noise of DP-FTRL's prefix sums, drawn per tree node.
+
+Notation:
+    t   the release (optimizer step) within the current tree, from 1
+    g_t the step's clipped sum [*x.shape]        S_t = g_1 + ... + g_t, its prefix sum
+    s   the noise's stddev σ C                   z_v ~ N(0, I), the draw of tree node v
+    (l, k) the node at level l covering leaves [k 2^l, (k + 1) 2^l) (the leaves, l = 0,
+        are the steps); tz(t) the trailing zero bits of t
+
+The binary mechanism (Dwork et al. 2010; Chan, Shi and Song 2011) as DP-FTRL uses it
+(Kairouz et al. 2021, "Practical and Private (Deep) Learning without Sampling or
+Shuffling", arXiv 2103.00039; TensorFlow Privacy's `tree_aggregation` and
+`TreeResidualSumQuery`): the noisy prefix sum is
+
+    S_t + N_t,     N_t = s * sum over the set bits l of t of z_(l, (t >> l) - 1),
+
+the O(log t) nodes of t's binary decomposition, so Var(N_t) = s² popcount(t) per entry;
+one example changes one leaf, i.e. one node per level. What a step releases is the
+residual (S_t + N_t) - (S_(t-1) + N_(t-1)) = g_t + N_t - N_(t-1), and the nodes of t and
+t - 1 differ only below level l0 = tz(t):
+
+    N_t - N_(t-1) = s * (z_(l0, (t >> l0) - 1) - sum_(l < l0) z_(l, ((t-1) >> l) - 1)),
+
+1 + l0 draws, 2 per step on average. A node's draw is stateless Philox keyed by (seed,
+tree, node): nothing per node is stored, and a session restored from a checkpoint (the
+release counter and the seed are variables) continues the same stream.
+
+Efficient tree (Honaker 2015, "Efficient use of differentially private binary trees";
+TensorFlow Privacy's `EfficientTreeAggregator`): a node's estimate combines its own draw
+with its children's by inverse variance. Unnormalized, e_(l) = (e_left + e_right)/2 + z
+(e_leaf = z), whose estimate e / w_l, w_l = 2 - 2^-l, has variance s² / w_l; so
+Var(N_t) = s² * sum over the set bits l of t of 1 / (2 - 2^-l) (< popcount(t)). The
+estimates of completed left siblings are kept in a buffer variable, [popcount(t), *x.shape]
+per weight (at most log2(t) + 1 copies of the weights).
+
+Restarts (TensorFlow Privacy's `PeriodicRoundRestartIndicator`): after release r with
+r % restart_period == restart_warmup (r >= 1; warmup 0 without one) the next release
+starts a new tree (t = 1, fresh nodes); N is not carried into it.
+"""
+
+import numbers
+
+import tensorflow as tf
+
+from pertower import _checks
+from pertower import _context
+from pertower._dp import noise as noise_lib
+
+__all__ = ["TreeNoise", "prefix_nodes", "prefix_variance", "node_id", "check_restarts"]
+
+
+def node_id(level, index):
+    """The in-order number of node (level, index), k 2^(l+1) + 2^l - 1: leaves are the
+    even numbers, no two nodes share one. Python ints or int64 tensors."""
+    if isinstance(level, numbers.Integral) and isinstance(index, numbers.Integral):
+        return (index << (level + 1)) + (1 << level) - 1
+    one = tf.constant(1, tf.int64)
+    return (tf.bitwise.left_shift(index, level + 1) + tf.bitwise.left_shift(one, level) - 1)
+
+
+def prefix_nodes(t):
+    """The nodes (level, index) whose draws make N_t, highest level first (t >= 1)."""
+    return [(l, (t >> l) - 1) for l in reversed(range(t.bit_length())) if t >> l & 1]
+
+
+def prefix_variance(t, efficient=False):
+    """Var(N_t) / s² per entry: popcount(t), or sum_l 1 / (2 - 2^-l) for the efficient
+    tree (module docstring)."""
+    return sum(1.0 / (2.0 - 0.5 ** l) if efficient else 1.0 for l, _ in prefix_nodes(t))
+
+
+def check_restarts(restart_period, restart_warmup):
+    """(period or None, warmup 0..period-1) checked as TensorFlow Privacy checks them."""
+    if restart_period is None:
+        if restart_warmup is not None:
+            raise _context.error(
+                ValueError, f"`restart_warmup` ({restart_warmup!r}) needs `restart_period`, "
+                "but restart_period is None. Pass restart_period (the steps between "
+                "restarts after the first), or leave restart_warmup None.")
+        return None, 0
+    period = _checks.positive_int(restart_period, "restart_period")
+    if restart_warmup is None:
+        return period, 0
+    if (isinstance(restart_warmup, bool) or not isinstance(restart_warmup, numbers.Integral)
+            or not 1 <= restart_warmup < period):
+        raise _context.error(
+            ValueError, f"`restart_warmup` must be an integer in [1, restart_period - 1 = "
+            f"{period - 1}] (the release after which the first restart happens), but "
+            f"received {restart_warmup!r}. Leave it None to restart every restart_period.")
+    return period, int(restart_warmup)
+
+
+def _trees_before(c, period, warmup):
+    """[] int64 each: (the tree index, the releases before its start) for release c + 1,
+    c releases having been made; restarts follow releases r = w', w' + p, ...
+    (w' = warmup or p)."""
+    if period is None:
+        return tf.zeros([], tf.int64), tf.zeros([], tf.int64)
+    first = warmup or period
+    started = tf.maximum(c - first, -1) // period + 1          # restarts so far, >= 0
+    start = tf.where(started > 0, first + (started - 1) * period, tf.zeros_like(started))
+    return started, start
+
+
+def _popcount(n):
+    return tf.cast(tf.raw_ops.PopulationCount(x=n), tf.int64)
+
+
+def _trailing_zeros(n):
+    """tz(n) for n >= 1: the ones below n's lowest set bit."""
+    return _popcount(tf.bitwise.bitwise_and(n, -n) - 1)
+
+
+def _normals(key, shapes, dtype):
+    """One N(0, 1) draw per weight ([*x.shape] each) from one Philox key [2] int64."""
+    sizes = [s.num_elements() for s in shapes]
+    draws = noise_lib.normal_pairs(sum(sizes), key, dtype)[:sum(sizes)]      # [P]
+    return [tf.reshape(p, s) for p, s in zip(tf.split(draws, sizes), shapes)]
+
+
+class TreeNoise:
+    """The tree's residual noise for `_dp.optimizer.DPOptimizer._release` (the module
+    docstring): `add(sums, stddevs)` returns sums + N_t - N_(t-1) and counts the release.
+
+    Its state, made on the first `add` in that graph (non-trainable resource variables
+    under "dp_tree_noise/"): `releases` [] int64, the releases made (restarts follow
+    from it); `seed` [2] int64, `seed` or drawn once at initialization; the efficient
+    tree's `buffers`, [popcount(t), *x.shape] per weight. A checkpoint holds them all.
+    """
+
+    def __init__(self, seed, restart_period=None, restart_warmup=None, efficient=False):
+        self.seed = seed
+        self.period, self.warmup = check_restarts(restart_period, restart_warmup)
+        self.efficient = bool(efficient)
+        self.releases = self.seed_variable = None
+        self.buffers = []
+        self._shapes = None
+
+    def _state(self, gradients):
+        """The variables, made on the first call; later calls must match its weights."""
+        shapes = [g.shape for g in gradients]
+        if any(not s.is_fully_defined() for s in shapes):
+            raise _context.error(
+                ValueError, "the tree's noise needs weights of static shape, but received "
+                f"gradients of shapes {[str(s) for s in shapes]}.")
+        if self._shapes is not None:
+            graph = self.releases.graph
+            if graph is not gradients[0].graph or shapes != self._shapes:
+                raise _context.error(
+                    ValueError, "this optimizer's tree already serves other weights (a tree "
+                    "counts the releases of one sum): make one optimizer per training op.")
+            return
+        self._shapes = shapes
+        with tf.compat.v1.variable_scope(None, default_name="dp_tree_noise"):
+            def variable(name, initializer, shape=None):
+                return tf.compat.v1.Variable(initializer, name=name, trainable=False,
+                                             use_resource=True, shape=shape)
+            self.releases = variable("releases", tf.zeros([], tf.int64))
+            seed = (tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64) if self.seed is None
+                    else tf.constant([self.seed, 0x5EED], tf.int64))
+            self.seed_variable = variable("seed", seed)
+            if self.efficient:
+                self.buffers = [variable(f"buffer_{k}", tf.zeros([0] + s.as_list(), g.dtype),
+                                         shape=tf.TensorShape([None]).concatenate(s))
+                                for k, (s, g) in enumerate(zip(shapes, gradients))]
+
+    def add(self, gradients, stddevs):
+        """[*x.shape] per weight -> g_x + s_x (N_t - N_(t-1)) per entry; the returned
+        tensors run the state's update (one release per `sess.run`)."""
+        if all(isinstance(s, float) and s == 0 for s in stddevs):
+            return list(gradients)
+        self._state(gradients)
+        dtype = gradients[0].dtype
+        with tf.name_scope("tree_noise"):
+            c = self.releases.read_value()
+            tree, start = _trees_before(c, self.period, self.warmup)
+            t = c - start + 1                                   # this release's leaf, >= 1
+            l0 = _trailing_zeros(t)
+            base = tf.random.experimental.stateless_fold_in(
+                self.seed_variable.read_value(), tree, alg="philox")
+
+            def draw(level, index):   # [*x.shape] per weight, z of node (level, index)
+                key = tf.random.experimental.stateless_fold_in(
+                    base, node_id(level, index), alg="philox")
+                return _normals(key, self._shapes, dtype)
+
+            if self.efficient:
+                residual, updates = self._efficient_residual(t, l0, draw)
+            else:
+                residual, updates = self._residual(t, l0, draw), []
+            with tf.control_dependencies(residual + updates):
+                counted = self.releases.assign_add(1)
+            with tf.control_dependencies([counted]):
+                return [tf.identity(g + tf.cast(s, dtype) * r)
+                        for g, s, r in zip(gradients, stddevs, residual)]
+
+    def _residual(self, t, l0, draw):
+        """(N_t - N_(t-1)) / s: z_(l0, (t >> l0) - 1) - sum_(l < l0) z_(l, ((t-1) >> l) - 1)."""
+        top = draw(l0, tf.bitwise.right_shift(t, l0) - 1)
+
+        def body(level, total):
+            low = draw(level, tf.bitwise.right_shift(t - 1, level) - 1)
+            return level + 1, [a - b for a, b in zip(total, low)]
+
+        _, total = tf.while_loop(lambda level, _: level < l0, body,
+                                 [tf.zeros([], tf.int64), top])
+        return [tf.reshape(r, s) for r, s in zip(total, self._shapes)]
+
+    def _efficient_residual(self, t, l0, draw):
+        """((N_t - N_(t-1)) / s, the buffers' assignments): the new node at level l0 merges
+        the buffered left siblings below l0 (TensorFlow Privacy's EfficientTreeAggregator)."""
+        dtype = self.buffers[0].dtype.base_dtype
+        # [popcount(t - 1), *x.shape]: the estimates of t - 1's nodes, lowest level first
+        # (after a restart the old tree's rows are dropped: popcount(0) = 0)
+        buffered = [b.read_value()[:_popcount(t - 1)] for b in self.buffers]
+
+        def weight(level):   # w_l = 2 - 2^-l
+            return 2.0 - tf.pow(tf.constant(0.5, dtype), tf.cast(level, dtype))
+
+        def body(level, new, minus):
+            left = [tf.gather(b, level) for b in buffered]
+            above = draw(level + 1, tf.bitwise.right_shift(t, level + 1) - 1)
+            new = [0.5 * (a + n) + z for a, n, z in zip(left, new, above)]
+            minus = [m + a / weight(level) for m, a in zip(minus, left)]
+            return level + 1, new, minus
+
+        _, new, minus = tf.while_loop(
+            lambda level, *_: level < l0, body,
+            [tf.zeros([], tf.int64), draw(0, t - 1), [tf.zeros(s, dtype) for s in self._shapes]])
+        new = [tf.reshape(n, s) for n, s in zip(new, self._shapes)]
+        residual = [n / weight(l0) - tf.reshape(m, s)
+                    for n, m, s in zip(new, minus, self._shapes)]
+        updates = [b.assign(tf.concat([n[None], old[l0:]], axis=0), read_value=False)
+                   for b, n, old in zip(self.buffers, new, buffered)]
+        return residual, updates
