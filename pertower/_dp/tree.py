@@ -151,7 +151,8 @@ class TreeNoise:
                     "counts the releases of one sum): make one optimizer per training op.")
             return
         self._shapes = shapes
-        with tf.compat.v1.variable_scope(None, default_name="dp_tree_noise"):
+        # out of a tf.cond's branch (gradient accumulation releases in one)
+        with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_tree_noise"):
             def variable(name, initializer, shape=None):
                 return tf.compat.v1.Variable(initializer, name=name, trainable=False,
                                              use_resource=True, shape=shape)
@@ -185,11 +186,16 @@ class TreeNoise:
                 return _normals(key, self._shapes, dtype)
 
             if self.efficient:
-                residual, updates = self._efficient_residual(t, l0, draw)
+                residual, buffers = self._efficient_residual(t, l0, draw)
             else:
-                residual, updates = self._residual(t, l0, draw), []
-            with tf.control_dependencies(residual + updates):
-                counted = self.releases.assign_add(1)
+                residual, buffers = self._residual(t, l0, draw), []
+            # the state moves once the sums are there too (a chief's draw may run while
+            # its take of the workers' pushes waits)
+            with tf.control_dependencies(residual + list(gradients)):
+                updates = [b.assign(n, read_value=False)
+                           for b, n in zip(self.buffers, buffers)]
+                with tf.control_dependencies(updates):
+                    counted = self.releases.assign_add(1)
             with tf.control_dependencies([counted]):
                 return [tf.identity(g + tf.cast(s, dtype) * r)
                         for g, s, r in zip(gradients, stddevs, residual)]
@@ -207,7 +213,7 @@ class TreeNoise:
         return [tf.reshape(r, s) for r, s in zip(total, self._shapes)]
 
     def _efficient_residual(self, t, l0, draw):
-        """((N_t - N_(t-1)) / s, the buffers' assignments): the new node at level l0 merges
+        """((N_t - N_(t-1)) / s, the buffers' new values): the new node at level l0 merges
         the buffered left siblings below l0 (TensorFlow Privacy's EfficientTreeAggregator)."""
         dtype = self.buffers[0].dtype.base_dtype
         # [popcount(t - 1), *x.shape]: the estimates of t - 1's nodes, lowest level first
@@ -230,6 +236,6 @@ class TreeNoise:
         new = [tf.reshape(n, s) for n, s in zip(new, self._shapes)]
         residual = [n / weight(l0) - tf.reshape(m, s)
                     for n, m, s in zip(new, minus, self._shapes)]
-        updates = [b.assign(tf.concat([n[None], old[l0:]], axis=0), read_value=False)
-                   for b, n, old in zip(self.buffers, new, buffered)]
-        return residual, updates
+        # [popcount(t), *x.shape]: the node at l0, then t - 1's nodes above it
+        return residual, [tf.concat([n[None], old[l0:]], axis=0)
+                          for n, old in zip(new, buffered)]
