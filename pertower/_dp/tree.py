@@ -30,8 +30,8 @@ TensorFlow Privacy's `EfficientTreeAggregator`): a node's estimate combines its 
 with its children's by inverse variance. Unnormalized, e_(l) = (e_left + e_right)/2 + z
 (e_leaf = z), whose estimate e / w_l, w_l = 2 - 2^-l, has variance s² / w_l; so
 Var(N_t) = s² * sum over the set bits l of t of 1 / (2 - 2^-l) (< popcount(t)). The
-estimates of completed left siblings are kept in a buffer variable, [popcount(t), *x.shape]
-per weight (at most log2(t) + 1 copies of the weights).
+estimate of the last completed node of each level is kept in a buffer variable, one row
+per level (log2(t) + 1 copies of the weights).
 
 Restarts (TensorFlow Privacy's `PeriodicRoundRestartIndicator`): after release r with
 r % restart_period == restart_warmup (r >= 1; warmup 0 without one) the next release
@@ -111,29 +111,24 @@ def _trailing_zeros(n):
     return _popcount(tf.bitwise.bitwise_and(n, -n) - 1)
 
 
-def _normals(key, shapes, dtype):
-    """One N(0, 1) draw per weight ([*x.shape] each) from one Philox key [2] int64."""
-    sizes = [s.num_elements() for s in shapes]
-    draws = noise_lib.normal_pairs(sum(sizes), key, dtype)[:sum(sizes)]      # [P]
-    return [tf.reshape(p, s) for p, s in zip(tf.split(draws, sizes), shapes)]
-
-
 class TreeNoise:
     """The tree's residual noise for `_dp.optimizer.DPOptimizer._release` (the module
     docstring): `add(sums, stddevs)` returns sums + N_t - N_(t-1) and counts the release.
 
-    Its state, made on the first `add` in that graph (non-trainable resource variables
-    under "dp_tree_noise/"): `releases` [] int64, the releases made (restarts follow
-    from it); `seed` [2] int64, `seed` or drawn once at initialization; the efficient
-    tree's `buffers`, [popcount(t), *x.shape] per weight. A checkpoint holds them all.
+    A node's draw is `_dp.noise.normal_pairs` of P numbers (all weights, [2h] >= P),
+    split into the weights' pieces once, after the residual is formed. Its state, made
+    on the first `add` in that graph (non-trainable resource variables under
+    "dp_tree_noise/"): `releases` [] int64, the releases made (restarts follow from
+    it); `seed_variable` [2] int64, `seed` or drawn once at initialization; the
+    efficient tree's `buffer`, [levels, 2h], row l the estimate of the last completed
+    node at level l (rows grow when t reaches a power of 2). A checkpoint holds them.
     """
 
     def __init__(self, seed, restart_period=None, restart_warmup=None, efficient=False):
         self.seed = seed
         self.period, self.warmup = check_restarts(restart_period, restart_warmup)
         self.efficient = bool(efficient)
-        self.releases = self.seed_variable = None
-        self.buffers = []
+        self.releases = self.seed_variable = self.buffer = None
         self._shapes = None
 
     def _state(self, gradients):
@@ -144,8 +139,7 @@ class TreeNoise:
                 ValueError, "the tree's noise needs weights of static shape, but received "
                 f"gradients of shapes {[str(s) for s in shapes]}.")
         if self._shapes is not None:
-            graph = self.releases.graph
-            if graph is not gradients[0].graph or shapes != self._shapes:
+            if self.releases.graph is not gradients[0].graph or shapes != self._shapes:
                 raise _context.error(
                     ValueError, "this optimizer's tree already serves other weights (a tree "
                     "counts the releases of one sum): make one optimizer per training op.")
@@ -161,17 +155,24 @@ class TreeNoise:
                     else tf.constant([self.seed, 0x5EED], tf.int64))
             self.seed_variable = variable("seed", seed)
             if self.efficient:
-                self.buffers = [variable(f"buffer_{k}", tf.zeros([0] + s.as_list(), g.dtype),
-                                         shape=tf.TensorShape([None]).concatenate(s))
-                                for k, (s, g) in enumerate(zip(shapes, gradients))]
+                width = self._width()
+                self.buffer = variable("buffer", tf.zeros([0, width], gradients[0].dtype),
+                                       shape=tf.TensorShape([None, width]))
+
+    def _width(self):
+        """2h, the length of one node's draw of P numbers (`_dp.noise.uniform_pairs`)."""
+        P = sum(s.num_elements() for s in self._shapes)
+        pairs = -(-((P + 1) // 2) // noise_lib.ALIGNED_PAIRS) * noise_lib.ALIGNED_PAIRS
+        return 2 * pairs
 
     def add(self, gradients, stddevs):
-        """[*x.shape] per weight -> g_x + s_x (N_t - N_(t-1)) per entry; the returned
+        """[*x.shape] per weight x -> g_x + s_x (N_t - N_(t-1)) per entry; the returned
         tensors run the state's update (one release per `sess.run`)."""
         if all(isinstance(s, float) and s == 0 for s in stddevs):
             return list(gradients)
         self._state(gradients)
         dtype = gradients[0].dtype
+        sizes = [s.num_elements() for s in self._shapes]
         with tf.name_scope("tree_noise"):
             c = self.releases.read_value()
             tree, start = _trees_before(c, self.period, self.warmup)
@@ -180,62 +181,68 @@ class TreeNoise:
             base = tf.random.experimental.stateless_fold_in(
                 self.seed_variable.read_value(), tree, alg="philox")
 
-            def draw(level, index):   # [*x.shape] per weight, z of node (level, index)
+            def draw(level, index):   # [2h], z of node (level, index)
                 key = tf.random.experimental.stateless_fold_in(
                     base, node_id(level, index), alg="philox")
-                return _normals(key, self._shapes, dtype)
+                return noise_lib.normal_pairs(sum(sizes), key, dtype)
 
             if self.efficient:
-                residual, buffers = self._efficient_residual(t, l0, draw)
+                residual, store = self._efficient_residual(t, l0, draw)
             else:
-                residual, buffers = self._residual(t, l0, draw), []
+                residual, store = self._residual(t, l0, draw), None
             # the state moves once the sums are there too (a chief's draw may run while
             # its take of the workers' pushes waits)
-            with tf.control_dependencies(residual + list(gradients)):
-                updates = [b.assign(n, read_value=False)
-                           for b, n in zip(self.buffers, buffers)]
-                with tf.control_dependencies(updates):
+            with tf.control_dependencies([residual] + list(gradients)):
+                stored = [] if store is None else [store()]
+                with tf.control_dependencies(stored):
                     counted = self.releases.assign_add(1)
+            # [2h] -> [P_x] each (and the tail), in one split
+            pieces = tf.split(residual, sizes + [self._width() - sum(sizes)],
+                              num=len(sizes) + 1)[:-1]
             with tf.control_dependencies([counted]):
-                return [tf.identity(g + tf.cast(s, dtype) * r)
-                        for g, s, r in zip(gradients, stddevs, residual)]
+                return [tf.identity(g + tf.cast(s, dtype) * tf.reshape(p, shape))
+                        for g, s, p, shape in zip(gradients, stddevs, pieces, self._shapes)]
 
-    def _residual(self, t, l0, draw):
-        """(N_t - N_(t-1)) / s: z_(l0, (t >> l0) - 1) - sum_(l < l0) z_(l, ((t-1) >> l) - 1)."""
-        top = draw(l0, tf.bitwise.right_shift(t, l0) - 1)
-
+    @staticmethod
+    def _residual(t, l0, draw):
+        """[2h] (N_t - N_(t-1)) / s: z_(l0, (t >> l0) - 1) - sum_(l < l0) z_(l, ((t-1) >> l) - 1)."""
         def body(level, total):
-            low = draw(level, tf.bitwise.right_shift(t - 1, level) - 1)
-            return level + 1, [a - b for a, b in zip(total, low)]
+            return level + 1, total - draw(level, tf.bitwise.right_shift(t - 1, level) - 1)
 
         _, total = tf.while_loop(lambda level, _: level < l0, body,
-                                 [tf.zeros([], tf.int64), top])
-        return [tf.reshape(r, s) for r, s in zip(total, self._shapes)]
+                                 [tf.zeros([], tf.int64),
+                                  draw(l0, tf.bitwise.right_shift(t, l0) - 1)])
+        return total
 
     def _efficient_residual(self, t, l0, draw):
-        """((N_t - N_(t-1)) / s, the buffers' new values): the new node at level l0 merges
-        the buffered left siblings below l0 (TensorFlow Privacy's EfficientTreeAggregator)."""
-        dtype = self.buffers[0].dtype.base_dtype
-        # [popcount(t - 1), *x.shape]: the estimates of t - 1's nodes, lowest level first
-        # (after a restart the old tree's rows are dropped: popcount(0) = 0)
-        buffered = [b.read_value()[:_popcount(t - 1)] for b in self.buffers]
+        """([2h] (N_t - N_(t-1)) / s, () -> the op storing the new node in row l0): the
+        node at level l0 merges the buffered left siblings, rows 0 .. l0 - 1 (t - 1's
+        nodes below l0; TensorFlow Privacy's EfficientTreeAggregator)."""
+        buffered = self.buffer.read_value()                                # [levels, 2h]
+        dtype = buffered.dtype
 
         def weight(level):   # w_l = 2 - 2^-l
             return 2.0 - tf.pow(tf.constant(0.5, dtype), tf.cast(level, dtype))
 
         def body(level, new, minus):
-            left = [tf.gather(b, level) for b in buffered]
+            left = tf.gather(buffered, level)                              # [2h]
             above = draw(level + 1, tf.bitwise.right_shift(t, level + 1) - 1)
-            new = [0.5 * (a + n) + z for a, n, z in zip(left, new, above)]
-            minus = [m + a / weight(level) for m, a in zip(minus, left)]
-            return level + 1, new, minus
+            return level + 1, 0.5 * (left + new) + above, minus + left / weight(level)
 
         _, new, minus = tf.while_loop(
             lambda level, *_: level < l0, body,
-            [tf.zeros([], tf.int64), draw(0, t - 1), [tf.zeros(s, dtype) for s in self._shapes]])
-        new = [tf.reshape(n, s) for n, s in zip(new, self._shapes)]
-        residual = [n / weight(l0) - tf.reshape(m, s)
-                    for n, m, s in zip(new, minus, self._shapes)]
-        # [popcount(t), *x.shape]: the node at l0, then t - 1's nodes above it
-        return residual, [tf.concat([n[None], old[l0:]], axis=0)
-                          for n, old in zip(new, buffered)]
+            [tf.zeros([], tf.int64), draw(0, t - 1), tf.zeros([self._width()], dtype)])
+
+        def store():
+            def grow():      # t = 2^l0, the first node at level l0
+                with tf.control_dependencies([self.buffer.assign(
+                        tf.concat([buffered, new[None]], axis=0), read_value=False)]):
+                    return tf.constant(True)
+
+            def put():
+                with tf.control_dependencies([self.buffer.scatter_update(
+                        tf.IndexedSlices(new[None], l0[None]))]):
+                    return tf.constant(False)
+            return tf.cond(tf.equal(l0, tf.shape(buffered, out_type=tf.int64)[0]), grow, put)
+
+        return new / weight(l0) - minus, store
