@@ -250,6 +250,15 @@ def test_one_worker_of_sync_replicas_applies_the_tree_s_noise_once_per_global_st
         pertower.DPSyncReplicasOptimizer(ftrl, CLIP, 1.0, replicas_to_aggregate=1)
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("mode", [None, "legacy"])
+def test_two_workers_add_the_tree_s_noise_once_per_global_step(mode):
+    """tests/scripts/dp_ftrl_cluster.py: a parameter server and two workers, 5 global
+    steps against the single-process arithmetic (graph mode, and disable_v2_behavior())."""
+    out = common.run_python("tests/scripts/dp_ftrl_cluster.py", *([mode] if mode else []))
+    assert "1 passed, 0 failed" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("kwargs,error,words", [
     (dict(restart_warmup=2), ValueError, r"`restart_warmup` \(2\) needs `restart_period`"),
     (dict(restart_period=3, restart_warmup=3), ValueError, r"in \[1, restart_period - 1 = 2\]"),
