@@ -387,3 +387,26 @@ def test_keras_fit_with_noise_counts_one_release_per_step_and_round_trips_its_co
     assert (config["noise_seed"], config["restart_period"], config["restart_warmup"],
             config["efficient_tree"], config["momentum"]) == (4, 3, 1, True, 0.9)
     assert again.get_config() == config
+
+
+def test_keras_gradient_accumulation_with_noise_releases_once_per_logical_step():
+    """gradient_accumulation_steps=2, σ = 1: the weights move on every second run and
+    the tree counts one release per move (the noise is drawn in the k-th run's branch)."""
+    with tf.Graph().as_default():
+        var0, var1 = tf.Variable([[1.0, 2.0]]), tf.Variable([3.0])
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+        loss = tf.reduce_sum(x * var0, axis=1) + var1                             # [B]
+        opt = pertower.keras.DPFTRLTreeAggregationOptimizer(
+            1.0, 1.0, None, gradient_accumulation_steps=2, noise_seed=3, learning_rate=1.0)
+        sess = tf.compat.v1.keras.backend.get_session()
+        sess.run(tf.compat.v1.global_variables_initializer())
+        train_op = opt.minimize(loss, [var0, var1])
+        seen = []
+        for _ in range(4):
+            sess.run(train_op, {x: [[2.0, 0.0], [0.0, 1.0]]})
+            seen.append((sess.run(var0).copy(), int(sess.run(opt._dp._noise.releases))))
+    assert [r for _, r in seen] == [0, 1, 1, 2]
+    np.testing.assert_array_equal(seen[0][0], [[1.0, 2.0]])
+    np.testing.assert_array_equal(seen[2][0], seen[1][0])
+    assert not np.array_equal(seen[1][0], seen[0][0]) and not np.array_equal(seen[3][0],
+                                                                             seen[2][0])
