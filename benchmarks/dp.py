@@ -139,7 +139,7 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                                               noise_multiplier=1.0, method=method, seed=B)
                     steps.append((f"dp step[{method}]", dp.minimize(
                         loss, var_list=model.weights, batch_size=B)))
-                if ftrl:
+                if ftrl and hasattr(pertower, "DPFTRLOptimizer"):   # older: none
                     steps.append(("dp-ftrl step", pertower.DPFTRLOptimizer(
                         1.0, 1.0, DP_LEARNING_RATE, seed=B, method=methods[0]).minimize(
                             loss, var_list=model.weights, batch_size=B)))
