@@ -35,7 +35,9 @@ per level (log2(t) + 1 copies of the weights).
 
 Restarts (TensorFlow Privacy's `PeriodicRoundRestartIndicator`): after release r with
 r % restart_period == restart_warmup (r >= 1; warmup 0 without one) the next release
-starts a new tree (t = 1, fresh nodes); N is not carried into it.
+starts a new tree (t = 1, fresh nodes): the noise released so far stays in the weights
+(the new θ_0), the new tree's prefix noise starts from 0. With s = 0 nothing is drawn
+and no state is made.
 """
 
 import numbers
