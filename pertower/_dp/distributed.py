@@ -162,14 +162,16 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
         seed = _checks.optional_seed(seed)
         tree = None
         if isinstance(optimizer, ftrl.DPFTRLOptimizer):
-            if (noise, seed, optimizer.l2_norm_clip, optimizer.noise_multiplier) != (
-                    "chief", None, l2_norm_clip, noise_multiplier):
+            if (noise, seed, optimizer.l2_norm_clip, optimizer.noise_multiplier,
+                    optimizer.num_microbatches) != (
+                    "chief", None, l2_norm_clip, noise_multiplier, None):
                 raise _context.error(
                     ValueError, "with a DPFTRLOptimizer as `optimizer`, pass its "
                     f"l2_norm_clip ({optimizer.l2_norm_clip}) and noise_multiplier "
                     f"({optimizer.noise_multiplier}), noise=\"chief\" and seed=None (the "
                     f"tree's seed is the DPFTRLOptimizer's); received {l2_norm_clip!r}, "
-                    f"{noise_multiplier!r}, {noise!r} and {seed!r}.")
+                    f"{noise_multiplier!r}, {noise!r} and {seed!r} (and its "
+                    f"num_microbatches must be None: {optimizer.num_microbatches!r}).")
             tree, optimizer = optimizer.tree, optimizer.optimizer
         if expected_global_batch is not None:
             expected_global_batch = _checks.real_number(
