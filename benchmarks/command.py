@@ -86,6 +86,8 @@ def add_arguments(parser):
                         help="with --dp or --dp-only: also a DPSyncReplicasOptimizer step on "
                              "two workers and a parameter server (processes on this "
                              "machine) against two plain SyncReplicasOptimizer workers")
+    parser.add_argument("--dp-ftrl", action="store_true", help="with --dp or --dp-only: "
+                        "also a DP-FTRL step (DPFTRLOptimizer, C=1, sigma=1) per model")
     parser.add_argument("--dp-only", action="store_true",
                         help="only the DP rows of --dp (mlp B=128, cnn B=32, cifar B=64 "
                              "unless --models / --batch-sizes say otherwise), with the "
@@ -285,6 +287,7 @@ def _run_dp_rows(args, repeats, report):
     with environment.quiet_native_logs():
         dp_entries = dp.run_dp_bench(models=args.models, batch_sizes=args.batch_sizes,
                                      repeats=repeats, report=report,
+                                     ftrl=args.dp_ftrl,
                                      noise_python=os.environ.get(
                                          tool_peers.PYTHON_VARIABLE) or sys.executable)
         if args.dp_workers:

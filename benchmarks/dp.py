@@ -93,7 +93,7 @@ class DPEntry:
 
 
 def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
-                 report=print, noise_python=None):
+                 report=print, noise_python=None, ftrl=False):
     """Times a plain SGD step against DPOptimizer's step, side by side (round robin).
 
     "plain step": GradientDescentOptimizer.minimize of the mean per-example cost;
@@ -111,6 +111,8 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
       report: called with each line of progress.
       noise_python: a Python with PyTorch for the row TORCH_NOISE (its median None when
         the child fails, with the reason reported); None leaves the row out.
+      ftrl: also the row "dp-ftrl step": `pertower.DPFTRLOptimizer`, C = 1, σ = 1, the
+        plain tree (its residual draws 2 nodes per step on average).
 
     Returns:
       A list of `DPEntry`.
@@ -137,6 +139,10 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                                               noise_multiplier=1.0, method=method, seed=B)
                     steps.append((f"dp step[{method}]", dp.minimize(
                         loss, var_list=model.weights, batch_size=B)))
+                if ftrl and hasattr(pertower, "DPFTRLOptimizer"):   # older: none
+                    steps.append(("dp-ftrl step", pertower.DPFTRLOptimizer(
+                        1.0, 1.0, DP_LEARNING_RATE, seed=B, method=methods[0]).minimize(
+                            loss, var_list=model.weights, batch_size=B)))
                 # the same step without its noise: what clipping costs, apart from the
                 # P Gaussian draws
                 dp = pertower.DPOptimizer(sgd(DP_LEARNING_RATE), l2_norm_clip=1.0,

@@ -34,10 +34,11 @@ import tf_keras
 
 from pertower import _context
 from pertower._dp import clipping as clipping_lib
+from pertower._dp import ftrl
 from pertower._dp import optimizer as dp_optimizer
 
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
-           "DPKerasAdagradOptimizer"]
+           "DPKerasAdagradOptimizer", "DPFTRLTreeAggregationOptimizer"]
 
 
 class _KerasApply(tf.compat.v1.train.Optimizer):
@@ -148,3 +149,47 @@ def make_keras_optimizer_class(cls):
 DPKerasSGDOptimizer = make_keras_optimizer_class(tf_keras.optimizers.legacy.SGD)
 DPKerasAdamOptimizer = make_keras_optimizer_class(tf_keras.optimizers.legacy.Adam)
 DPKerasAdagradOptimizer = make_keras_optimizer_class(tf_keras.optimizers.legacy.Adagrad)
+
+
+class DPFTRLTreeAggregationOptimizer(DPKerasSGDOptimizer):
+    """DP-FTRL for tf_keras' graph-mode `fit` (TensorFlow Privacy 0.9.0's
+    `DPFTRLTreeAggregationOptimizer`): tf_keras' legacy SGD (its `learning_rate` and
+    `momentum`) on the residuals of tree-aggregated prefix sums of the clipped
+    gradients, as `pertower.DPFTRLOptimizer` (`pertower._dp.ftrl`, `pertower._dp.tree`).
+
+    Args:
+      l2_norm_clip, noise_multiplier, num_microbatches, gradient_accumulation_steps: as
+        in `DPKerasSGDOptimizer` (σ C per tree node).
+      var_list_or_model: the model or its variables, as TensorFlow Privacy takes them;
+        the tree takes its shapes from the gradients, so None is accepted too.
+      restart_period, restart_warmup: the tree's restarts, as in
+        `pertower.DPFTRLOptimizer`.
+      noise_seed: an int making the noise repeatable, or None.
+      *args, **kwargs: tf_keras.optimizers.legacy.SGD's (`learning_rate`, `momentum`).
+      efficient_tree: True (default, as TensorFlow Privacy): Honaker's estimator; False:
+        the plain tree.
+
+    Example:
+      opt = pertower.keras.DPFTRLTreeAggregationOptimizer(
+          l2_norm_clip=1.0, noise_multiplier=1.0, var_list_or_model=model,
+          restart_period=steps_per_epoch, learning_rate=0.5, momentum=0.9)
+      model.compile(optimizer=opt, loss=tf_keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True, reduction=tf_keras.losses.Reduction.NONE))
+      model.fit(x, y, batch_size=64, epochs=5, shuffle=False)
+    """
+
+    def __init__(self, l2_norm_clip, noise_multiplier, var_list_or_model,
+                 num_microbatches=None, gradient_accumulation_steps=1, restart_period=None,
+                 restart_warmup=None, noise_seed=None, *args, efficient_tree=True, **kwargs):
+        with _context.public_call("keras.DPFTRLTreeAggregationOptimizer"):
+            super().__init__(l2_norm_clip, noise_multiplier, num_microbatches,
+                             gradient_accumulation_steps, *args, seed=noise_seed, **kwargs)
+            ftrl.with_tree(self._dp, restart_period, restart_warmup, efficient_tree)
+
+    def get_config(self):
+        config = super().get_config()
+        tree = self._dp._noise  # pylint: disable=protected-access
+        config.update(noise_seed=config.pop("seed"), var_list_or_model=None,
+                      restart_period=tree.period, restart_warmup=tree.warmup or None,
+                      efficient_tree=tree.efficient)
+        return config

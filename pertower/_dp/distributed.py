@@ -19,7 +19,8 @@ averaged count, i.e. by sum_w b_w. Were N > R (only when R < W and pushes race t
 take), the sum the noise covers is scaled by R/N <= 1: the noise is never short.
 Split mode: each push adds N(0, σ²C²/R I) itself (op seed from (seed, task index)) and
 the chief adds nothing; refused for R < W, where fewer shares than workers would be
-aggregated.
+aggregated. DP-FTRL (`_dp.ftrl`, a `DPFTRLOptimizer` as the optimizer): the chief adds
+its tree's residual noise in place of N(0, σ²C² I), one release per global step.
 """
 
 import hashlib
@@ -32,6 +33,7 @@ import tensorflow as tf
 from pertower import _checks
 from pertower import _context
 from pertower import _tf
+from pertower._dp import ftrl
 from pertower._dp import noise as noise_lib
 from pertower._dp import optimizer as dp_optimizer
 from pertower._dp import wrapper
@@ -105,6 +107,8 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
 
     Args:
       optimizer, l2_norm_clip, method: as in `pertower.DPOptimizer` (flat clipping).
+        A `pertower.DPFTRLOptimizer` (same l2_norm_clip and noise_multiplier; chief
+        mode, its own seed) makes the step DP-FTRL's: the chief adds its tree's noise.
       noise_multiplier: σ >= 0; the noise on the sum has stddev σ * C per entry.
       replicas_to_aggregate: R, the pushes aggregated per step (as SyncReplicasOptimizer).
       total_num_replicas: W, the number of workers (default R).
@@ -156,6 +160,19 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
                 f"in [0, {W}) (it seeds the worker's own noise), but received "
                 f"{task_index!r}.")
         seed = _checks.optional_seed(seed)
+        tree = None
+        if isinstance(optimizer, ftrl.DPFTRLOptimizer):
+            if (noise, seed, optimizer.l2_norm_clip, optimizer.noise_multiplier,
+                    optimizer.num_microbatches) != (
+                    "chief", None, l2_norm_clip, noise_multiplier, None):
+                raise _context.error(
+                    ValueError, "with a DPFTRLOptimizer as `optimizer`, pass its "
+                    f"l2_norm_clip ({optimizer.l2_norm_clip}) and noise_multiplier "
+                    f"({optimizer.noise_multiplier}), noise=\"chief\" and seed=None (the "
+                    f"tree's seed is the DPFTRLOptimizer's); received {l2_norm_clip!r}, "
+                    f"{noise_multiplier!r}, {noise!r} and {seed!r} (and its "
+                    f"num_microbatches must be None: {optimizer.num_microbatches!r}).")
+            tree, optimizer = optimizer.tree, optimizer.optimizer
         if expected_global_batch is not None:
             expected_global_batch = _checks.real_number(
                 expected_global_batch, "expected_global_batch", 0.0, math.inf,
@@ -166,7 +183,8 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
         self._clipper = _ClippedSum(
             optimizer, l2_norm_clip, sigma / math.sqrt(R) if noise == "split" else 0.0,
             seed=split_seed(seed, task_index) if noise == "split" else None, method=method)
-        self._chief_noise = noise_lib.GaussianNoise(seed)     # the chief's one draw
+        # the chief's one draw (or its tree's release) per step
+        self._chief_noise = noise_lib.GaussianNoise(seed) if tree is None else tree
         self._noise_multiplier = sigma
         self._replicas_to_aggregate, self._total_num_replicas = R, W
         self._noise, self._seed, self._task_index = noise, seed, task_index

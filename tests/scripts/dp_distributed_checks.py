@@ -107,8 +107,9 @@ def _rows(task):
     return np.arange(start, start + SIZES[task])
 
 
-def run_cluster(model, steps, clip, sigma, noise="chief", seed=7, R=W):
-    """One PS, W worker threads; each builds its graph, runs `steps` steps on its rows.
+def run_cluster(model, steps, clip, sigma, noise="chief", seed=7, R=W, optimizer=None):
+    """One PS, W worker threads; each builds its graph, runs `steps` steps on its rows;
+    `optimizer`: None (gradient descent) or () -> the optimizer each worker wraps.
 
     Returns (the weights before, the weights after each step, each worker's pushed sums
     per step), numpy."""
@@ -125,6 +126,7 @@ def run_cluster(model, steps, clip, sigma, noise="chief", seed=7, R=W):
                 placeholders, loss, xs = model.build()
                 global_step = tf.compat.v1.train.get_or_create_global_step()
                 dp = pertower.DPSyncReplicasOptimizer(
+                    optimizer() if optimizer else
                     tf.compat.v1.train.GradientDescentOptimizer(LR), l2_norm_clip=clip,
                     noise_multiplier=sigma, replicas_to_aggregate=R, total_num_replicas=W,
                     noise=noise, seed=seed, task_index=task)
