@@ -44,6 +44,7 @@ Example:
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -88,6 +89,62 @@ def _regularization_gradients(regularization, params):
             if g is not None}
 
 
+class _DPStateWeights:
+    """The DP step's own variables (the accumulator's sums, count, unclipped count and
+    run counter with gradient_accumulation_steps > 1; adaptive clipping's C), made as
+    weights of the Keras optimizer (`add_weight`), after its own weights in `weights`:
+    `model.save` (HDF5 and SavedModel), `load_model` and tf.train checkpoints of the
+    model keep them, so a save mid-accumulation resumes the same logical batch.
+
+    They are made when the training op is built (`fit`'s first call), after a load:
+    an HDF5 `load_model` calls `set_weights` before, so their saved values wait in
+    `pending`; `model.load_weights` of a TensorFlow checkpoint restores them as they
+    are made (a `tf.compat.v1.train.Checkpoint(...).restore(path)` of your own needs
+    its `run_restore_ops()` again after the first `fit` builds them)."""
+
+    def __init__(self, keras_optimizer):
+        self.keras_optimizer = keras_optimizer
+        self.variables = []
+        self.pending = None      # saved values of variables not made yet
+        self._adding = False
+
+    def creator(self, next_creator, **kwargs):
+        """A `tf.variable_creator_scope` creator: the variable as a Keras weight."""
+        if self._adding:         # add_weight's own creation
+            return next_creator(**kwargs)
+        initial = kwargs["initial_value"]
+        value = initial() if callable(initial) else initial
+        name = "_".join(kwargs["name"].split("/")[-2:])   # e.g. dp_accumulator_sum_0
+        self._adding = True
+        try:
+            variable = self.keras_optimizer.add_weight(
+                name, value.shape, dtype=tf.as_dtype(kwargs.get("dtype") or value.dtype).base_dtype,
+                initializer=lambda shape, dtype=None: value, trainable=False)
+        finally:
+            self._adding = False
+        self.variables.append(variable)
+        return variable
+
+    def initialize(self, made):
+        """Initializes the variables `made` (Keras does not), then gives them the
+        values `pending` from an HDF5 file, if any."""
+        session = tf.compat.v1.keras.backend.get_session()
+        # not those a checkpoint restored as they were made (`model.load_weights`)
+        restored = session.run([tf.compat.v1.is_variable_initialized(v) for v in made])
+        session.run(tf.compat.v1.variables_initializer(
+            [v for v, done in zip(made, restored) if not done]))
+        if self.pending is not None and self.variables:
+            if len(self.pending) != len(self.variables):
+                raise _context.error(
+                    ValueError, f"the saved optimizer has {len(self.pending)} DP state "
+                    f"weights, but this one makes {len(self.variables)}: load the model "
+                    "with the optimizer's saved arguments (gradient_accumulation_steps, "
+                    "adaptive_clipping) and the same model.")
+            tf.compat.v1.keras.backend.batch_set_value(list(zip(self.variables,
+                                                                self.pending)))
+            self.pending = None
+
+
 @_context.public("make_keras_optimizer_class")
 def make_keras_optimizer_class(cls):
     """A DP subclass of the tf_keras legacy optimizer class `cls` (TensorFlow Privacy's
@@ -126,6 +183,7 @@ def make_keras_optimizer_class(cls):
                     "or build the model and the optimizer inside `with "
                     "tf.Graph().as_default():`.")
             super().__init__(*args, **kwargs)
+            self._state = _DPStateWeights(self)
             if isinstance(adaptive_clipping, dict):   # as get_config gives it
                 adaptive_clipping = clipping_lib.AdaptiveClipping(**adaptive_clipping)
             self._dp = dp_optimizer.DPOptimizer(
@@ -152,20 +210,40 @@ def make_keras_optimizer_class(cls):
             used (graph mode) and `grad_loss` must be None."""
             return self._train_op(loss, var_list, grad_loss=grad_loss, name=name)
 
+        @property
+        def weights(self):
+            """The Keras optimizer's weights, then the DP step's (`_DPStateWeights`)."""
+            return super().weights + self._state.variables
+
+        def variables(self):
+            return self.weights
+
+        def set_weights(self, weights):
+            """As the Keras optimizer's; values past its own weights go to the DP
+            step's, kept until the training op makes them if it has not yet."""
+            own = len(super().weights)
+            if self._state.variables or len(weights) <= own:
+                return super().set_weights(weights)
+            super().set_weights(weights[:own])
+            self._state.pending = [np.array(w) for w in weights[own:]]   # h5py: read now
+            return None
+
         def _train_op(self, loss, var_list, regularization=None, grad_loss=None,
                       name=None):
             self._dp.optimizer.added_gradients = _regularization_gradients(
                 regularization, var_list)
-            before = set(map(id, tf.compat.v1.global_variables()))
-            train_op = self._dp.minimize(loss, var_list=var_list, grad_loss=grad_loss,
-                                         name=name)
-            # the accumulator's and the adaptive clip's variables, which Keras does not
-            # initialize
-            made = [v for v in tf.compat.v1.global_variables() if id(v) not in before]
-            if made:
-                tf.compat.v1.keras.backend.get_session().run(
-                    tf.compat.v1.variables_initializer(made))
-            return train_op
+            grads_and_vars = self._compute_gradients(loss, var_list, grad_loss)
+            return self._dp.apply_gradients(grads_and_vars, name=name)
+
+        def _compute_gradients(self, loss, var_list, grad_loss=None):
+            """DPOptimizer's pairs, its variables made as this optimizer's weights."""
+            made = len(self._state.variables)
+            with tf.variable_creator_scope(self._state.creator):
+                grads_and_vars = self._dp.compute_gradients(loss, var_list=var_list,
+                                                            grad_loss=grad_loss)
+            if len(self._state.variables) > made:
+                self._state.initialize(self._state.variables[made:])
+            return grads_and_vars
 
         def get_updates(self, loss, params):
             """The training ops of a fit step (tf_keras' v1 loop): the DP step of the
@@ -184,7 +262,7 @@ def make_keras_optimizer_class(cls):
                     f"gradient_accumulation_steps is {self._dp.gradient_accumulation_steps}: "
                     "use get_updates (as model.fit does), which applies every k-th run.")
             split = keras_loss.split_loss(loss)
-            pairs = self._dp.compute_gradients(split.per_example, var_list=params)
+            pairs = self._compute_gradients(split.per_example, params)
             added = _regularization_gradients(split.data_independent, params)
             return [_plus(g, added.get(id(x))) for g, x in pairs]
 

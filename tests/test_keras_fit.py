@@ -211,3 +211,52 @@ def test_default_reduction_gives_scalar_history_and_other_losses_are_refused():
                               from_logits=True, reduction=options.get("reduction", "auto")))
             with pytest.raises(ValueError, match=message):
                 model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+
+
+def _accumulating_model(adaptive):
+    common.seed_weights(3)
+    model = _model("dense")
+    options = (dict(expected_batch_size=float(B),
+                    adaptive_clipping=pertower.AdaptiveClipping(0.5, 0.5, 0.0))
+               if adaptive else {})
+    model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(
+        CLIP, 0.0, gradient_accumulation_steps=3, learning_rate=LR, **options),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("how, adaptive", [("h5", False), ("checkpoint", True)])
+def test_save_mid_accumulation_resumes_the_logical_batch(how, adaptive, tmp_path):
+    # 3 runs of 2 examples make one step: saving after 2 runs and loading, the 3rd run
+    # applies the step of all 6 (the accumulator's sums and run counter, and adaptive
+    # clipping's C, are the optimizer's weights); without them it would not move
+    x, y = _data("dense", np.random.RandomState(3))
+    fit = dict(batch_size=2, epochs=1, shuffle=False, verbose=0)
+    with tf.Graph().as_default():
+        model = _accumulating_model(adaptive)
+        model.fit(x, y, **fit)
+        uninterrupted = model.get_weights()
+        clip = model.optimizer.get_weights()[-1]
+    with tf.Graph().as_default():
+        model = _accumulating_model(adaptive)
+        model.fit(x[:4], y[:4], **fit)
+        path = str(tmp_path / "model")
+        if how == "h5":
+            model.save(path + ".h5")
+        else:   # a tf.train checkpoint of the model, the optimizer in it
+            model.save_weights(path, save_format="tf")
+    with tf.Graph().as_default():
+        if how == "h5":
+            cls = dp_keras.DPKerasSGDOptimizer
+            model = keras.models.load_model(path + ".h5", custom_objects={cls.__name__: cls})
+        else:
+            model = _accumulating_model(adaptive)
+            model.load_weights(path)
+        loaded = model.get_weights()
+        model.fit(x[4:], y[4:], **fit)
+        assert any(np.any(w != v) for w, v in zip(loaded, model.get_weights()))
+        common.assert_all_close(model.get_weights(), uninterrupted,
+                                what="weights after a save mid-accumulation", kind="deep")
+        if adaptive:   # C moved once, at the step, from the restored value
+            assert clip != CLIP
+            np.testing.assert_allclose(model.optimizer.get_weights()[-1], clip, rtol=1e-6)
