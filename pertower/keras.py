@@ -43,6 +43,7 @@ Example:
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -145,6 +146,18 @@ class _DPStateWeights:
             self.pending = None
 
 
+def _as_keras_class(method):
+    """The method runs as a public call named after the Keras class
+    ("pertower.keras.DPKerasSGDOptimizer: ..."), DPOptimizer's errors included."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with _context.public_call(f"keras.{type(self).__name__}", hold=True):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 @_context.public("make_keras_optimizer_class")
 def make_keras_optimizer_class(cls):
     """A DP subclass of the tf_keras legacy optimizer class `cls` (TensorFlow Privacy's
@@ -171,6 +184,7 @@ def make_keras_optimizer_class(cls):
         __doc__ = (f"DP-SGD around `{cls.__module__}.{cls.__name__}` "
                    "(`pertower.keras.make_keras_optimizer_class`).")
 
+        @_as_keras_class
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
                      expected_batch_size=None, adaptive_clipping=None, **kwargs):
@@ -205,6 +219,7 @@ def make_keras_optimizer_class(cls):
                                    else dataclasses.asdict(options.adaptive)))
             return config
 
+        @_as_keras_class
         def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
             """DPOptimizer's training op for the per-example `loss` ([B]); `tape` is not
             used (graph mode) and `grad_loss` must be None."""
@@ -218,6 +233,7 @@ def make_keras_optimizer_class(cls):
         def variables(self):
             return self.weights
 
+        @_as_keras_class
         def set_weights(self, weights):
             """As the Keras optimizer's; values past its own weights go to the DP
             step's, kept until the training op makes them if it has not yet."""
@@ -245,6 +261,7 @@ def make_keras_optimizer_class(cls):
                 self._state.initialize(self._state.variables[made:])
             return grads_and_vars
 
+        @_as_keras_class
         def get_updates(self, loss, params):
             """The training ops of a fit step (tf_keras' v1 loop): the DP step of the
             per-example loss behind `loss` (`model.total_loss`: of reduction NONE [B], or
@@ -253,6 +270,7 @@ def make_keras_optimizer_class(cls):
             split = keras_loss.split_loss(loss)
             return [self._train_op(split.per_example, params, split.data_independent)]
 
+        @_as_keras_class
         def get_gradients(self, loss, params):
             """The clipped, noised mean gradient of `loss` (as in `get_updates`) for
             `params` (one batch: without gradient accumulation)."""
