@@ -107,6 +107,7 @@ class _DPStateWeights:
         self.keras_optimizer = keras_optimizer
         self.variables = []
         self.pending = None      # saved values of variables not made yet
+        self.variables_built = False   # a DP gradient was built (then apply_gradients)
         self._adding = False
 
     def creator(self, next_creator, **kwargs):
@@ -251,8 +252,20 @@ def make_keras_optimizer_class(cls):
             grads_and_vars = self._compute_gradients(loss, var_list, grad_loss)
             return self._dp.apply_gradients(grads_and_vars, name=name)
 
+        @_as_keras_class
+        def apply_gradients(self, grads_and_vars, *args, **kwargs):
+            """The Keras optimizer's, refused before `get_gradients`, `get_updates` or
+            `minimize` (TensorFlow Privacy's check; it raises AssertionError)."""
+            if not self._state.variables_built:
+                raise _context.error(
+                    RuntimeError, "call get_gradients or get_updates first (or minimize, "
+                    "as model.fit does); applying gradients that were not clipped and "
+                    "noised would not be differentially private.")
+            return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
         def _compute_gradients(self, loss, var_list, grad_loss=None):
             """DPOptimizer's pairs, its variables made as this optimizer's weights."""
+            self._state.variables_built = True
             made = len(self._state.variables)
             with tf.variable_creator_scope(self._state.creator):
                 grads_and_vars = self._dp.compute_gradients(loss, var_list=var_list,

@@ -99,12 +99,15 @@ def _fit_one_step(kind, num_microbatches=None, accumulation_steps=1,
     ("conv", None, 1, dict(clipping="per_layer", reference=_per_layer_clipped_sum_over(B))),
     ("dense", None, 2, dict(expected_batch_size=B + 2, clipping="per_layer",
                             reference=_per_layer_clipped_sum_over(B + 2))),
-    # Keras' default reduction (the scalar mean): the same step
-    ("dense", None, 1, dict(reduction="auto")), ("conv", 3, 1, dict(reduction="auto")),
-    ("dense", None, 3, dict(reduction="sum_over_batch_size")),
-    # a weight regularizer: its gradient is added after clipping and noise
-    ("dense", None, 1, dict(reduction="auto", kernel_l2=0.3)),
-    ("dense", None, 2, dict(reduction="auto", kernel_l2=0.3))])
+    # Keras' default reduction (the scalar mean): the same step; a weight regularizer:
+    # its gradient is added after clipping and noise
+    ("dense", None, 1, dict(reduction="auto")),
+    ("dense", None, 2, dict(reduction="auto", kernel_l2=0.3)),
+    pytest.param("conv", 3, 1, dict(reduction="auto"), marks=pytest.mark.heavy),
+    pytest.param("dense", None, 3, dict(reduction="sum_over_batch_size"),
+                 marks=pytest.mark.heavy),
+    pytest.param("dense", None, 1, dict(reduction="auto", kernel_l2=0.3),
+                 marks=pytest.mark.heavy)])
 def test_one_fit_step_is_sgd_on_the_loops_clipped_mean(kind, num_microbatches,
                                                        accumulation_steps, options):
     before, after, update = _fit_one_step(kind, num_microbatches, accumulation_steps,
