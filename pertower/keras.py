@@ -25,7 +25,11 @@ default reduction only (with reduction NONE, Keras itself cannot add the scalar
 regularizer to the [B] loss: "Shapes must be equal rank"). Refused with a ValueError at
 the first `fit`: reduction SUM (a sum over the batch), and a term that reads the
 examples without being a mean of per-example losses (an `activity_regularizer`, which
-Keras divides by the batch size; `add_loss` of a batch statistic).
+Keras divides by the batch size; `add_loss` of a batch statistic); and a masked output
+(`mask_zero`, `Masking`) with the default reduction, which Keras divides by the batch's
+count of unmasked entries, so an example's loss depends on the others (pertower's
+analysis finds the coupling): use reduction NONE, whose per-example loss averages an
+example's entries, masked ones counting as 0 (as TensorFlow Privacy).
 
 The history and `evaluate` report the loss Keras computes: with the default reduction
 the mean loss (a scalar per epoch, regularizers included), as in plain tf_keras; with

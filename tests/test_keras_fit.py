@@ -14,6 +14,7 @@ import tf_keras as keras
 import pertower
 import pertower.keras as dp_keras
 from pertower import oracle
+from pertower._dp import keras_loss
 from tests import common
 
 B, CLIP, LR = 6, 0.5, 0.1
@@ -117,15 +118,19 @@ def test_one_fit_step_is_sgd_on_the_loops_clipped_mean(kind, num_microbatches,
                             what="weights after one fit step", kind="deep")
 
 
-def test_keras_targets_are_proven_on_the_rules():
+@pytest.mark.parametrize("reduction", [NONE, "auto"])
+def test_keras_targets_are_proven_on_the_rules(reduction):
     # Keras' target placeholder is [None, None]; the cross-entropy's reshape keeps the
-    # rows of the examples (no towers, no batch_size needed)
+    # rows of the examples (no towers, no batch_size needed); the default reduction's
+    # mean is read back into those per-example losses
     with tf.Graph().as_default():
         model = _model("conv")
         model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 1.0),
                       loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True, reduction=NONE))
-        plan = pertower.explain(model.total_loss, model.trainable_weights)
+                          from_logits=True, reduction=reduction))
+        per_example = keras_loss.split_loss(model.total_loss).per_example
+        assert per_example.shape.rank == 1
+        plan = pertower.explain(per_example, model.trainable_weights)
         assert not plan.fallback, plan
 
 
@@ -205,11 +210,17 @@ def test_default_reduction_gives_scalar_history_and_other_losses_are_refused():
     refused = [
         (dict(reduction="sum"), "sums the examples' losses .*reduction SUM"),
         (dict(activity_regularizer="l2"), "reads the examples but is not a mean of "
-                                          "per-example losses")]
+                                          "per-example losses"),
+        # Keras divides a masked output's loss by the batch's count of unmasked entries
+        (dict(masking=True), "couples the examples of the batch")]
     for options, message in refused:
         with tf.Graph().as_default():
-            model = keras.Sequential([keras.layers.Dense(
-                3, input_shape=(5,), activity_regularizer=options.get("activity_regularizer"))])
+            layers = [keras.layers.Dense(3, input_shape=(5,),
+                                         activity_regularizer=options.get(
+                                             "activity_regularizer"))]
+            if options.get("masking"):
+                layers.insert(0, keras.layers.Masking(input_shape=(5,)))
+            model = keras.Sequential(layers)
             model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 1.0),
                           loss=keras.losses.SparseCategoricalCrossentropy(
                               from_logits=True, reduction=options.get("reduction", "auto")))

@@ -17,8 +17,9 @@ def test_one_fit_step_is_sgd_on_the_loops_clipped_mean(kind, num_microbatches, o
                                                                  options)
 
 
-def test_keras_targets_are_proven_on_the_rules():
-    keras_fit.test_keras_targets_are_proven_on_the_rules()
+@pytest.mark.parametrize("reduction", [keras_fit.NONE, "auto"])
+def test_keras_targets_are_proven_on_the_rules(reduction):
+    keras_fit.test_keras_targets_are_proven_on_the_rules(reduction)
 
 
 def test_save_mid_accumulation_resumes_the_logical_batch(tmp_path):
