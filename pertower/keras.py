@@ -98,8 +98,11 @@ class _DPStateWeights:
     """The DP step's own variables (the accumulator's sums, count, unclipped count and
     run counter with gradient_accumulation_steps > 1; adaptive clipping's C), made as
     weights of the Keras optimizer (`add_weight`), after its own weights in `weights`:
-    `model.save` (HDF5 and SavedModel), `load_model` and tf.train checkpoints of the
-    model keep them, so a save mid-accumulation resumes the same logical batch.
+    HDF5 `model.save` / `load_model` and `model.save_weights` / `load_weights` (a
+    tf.train checkpoint of the model) keep them, so a save mid-accumulation resumes the
+    same logical batch. A SavedModel (save_format="tf") holds them too, but tf_keras'
+    `load_model` of a SavedModel restores no optimizer state in graph mode ("Slots
+    cannot be restored from saved_model"): the loaded optimizer starts afresh.
 
     They are made when the training op is built (`fit`'s first call), after a load:
     an HDF5 `load_model` calls `set_weights` before, so their saved values wait in
@@ -111,7 +114,7 @@ class _DPStateWeights:
         self.keras_optimizer = keras_optimizer
         self.variables = []
         self.pending = None      # saved values of variables not made yet
-        self.variables_built = False   # a DP gradient was built (then apply_gradients)
+        self.dp_gradients_built = False   # (then apply_gradients is allowed)
         self._adding = False
 
     def creator(self, next_creator, **kwargs):
@@ -123,9 +126,10 @@ class _DPStateWeights:
         name = "_".join(kwargs["name"].split("/")[-2:])   # e.g. dp_accumulator_sum_0
         self._adding = True
         try:
+            dtype = tf.as_dtype(kwargs.get("dtype") or value.dtype).base_dtype
             variable = self.keras_optimizer.add_weight(
-                name, value.shape, dtype=tf.as_dtype(kwargs.get("dtype") or value.dtype).base_dtype,
-                initializer=lambda shape, dtype=None: value, trainable=False)
+                name, value.shape, dtype=dtype, initializer=lambda shape, dtype=None: value,
+                trainable=False)
         finally:
             self._adding = False
         self.variables.append(variable)
@@ -175,10 +179,15 @@ def make_keras_optimizer_class(cls):
     `pertower.DPOptimizer` (`adaptive_clipping` also as the dict of a
     `pertower.AdaptiveClipping`'s fields). Its `get_config` holds them, so `model.save`
     and `tf_keras.models.load_model(path, custom_objects={name: the class})` round-trip
-    it. Graph mode only.
+    it; the accumulator's and adaptive clipping's variables are among its `weights`
+    (`_DPStateWeights`). Errors raised inside its methods name the class
+    ("pertower.keras.DPKerasSGDOptimizer: ..."). Graph mode only.
 
     Raises:
       TypeError: `cls` is not a subclass of `tf_keras.optimizers.legacy.Optimizer`.
+      The class raises ValueError for bad arguments (as `pertower.DPOptimizer`) and for
+      a loss it cannot read per example (the module docstring), RuntimeError in eager
+      mode and for `apply_gradients` before any DP gradient was built.
     """
     if not (isinstance(cls, type) and issubclass(cls, tf_keras.optimizers.legacy.Optimizer)):
         raise _context.error(
@@ -260,7 +269,7 @@ def make_keras_optimizer_class(cls):
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             """The Keras optimizer's, refused before `get_gradients`, `get_updates` or
             `minimize` (TensorFlow Privacy's check; it raises AssertionError)."""
-            if not self._state.variables_built:
+            if not self._state.dp_gradients_built:
                 raise _context.error(
                     RuntimeError, "call get_gradients or get_updates first (or minimize, "
                     "as model.fit does); applying gradients that were not clipped and "
@@ -269,7 +278,7 @@ def make_keras_optimizer_class(cls):
 
         def _compute_gradients(self, loss, var_list, grad_loss=None):
             """DPOptimizer's pairs, its variables made as this optimizer's weights."""
-            self._state.variables_built = True
+            self._state.dp_gradients_built = True
             made = len(self._state.variables)
             with tf.variable_creator_scope(self._state.creator):
                 grads_and_vars = self._dp.compute_gradients(loss, var_list=var_list,
