@@ -62,8 +62,9 @@ def _terms(tensor, factor, out):
     """Appends (c, term) for each summand of `tensor` (sums, identities and constant
     factors looked through)."""
     op = tensor.op
-    if op.type in _ADDS and all(t.shape == tensor.shape or t.shape.rank == 0
-                                for t in op.inputs):   # a scalar R broadcast to [B]
+    # a sum of like shapes only: in [B] + scalar the scalar is a part of each example's
+    # loss (and clipped with it), as DPOptimizer reads a [B] loss
+    if op.type in _ADDS and all(t.shape == tensor.shape for t in op.inputs):
         for t in op.inputs:
             _terms(t, factor, out)
     elif op.type == "Identity":
