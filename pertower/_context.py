@@ -1,6 +1,9 @@
 """The public function a call came through, for error messages: every public function
 runs inside `public(name)`, and the layers below put "pertower.NAME: " (the innermost
-public call's) in front of their errors (`error`) and warnings (`prefixed`).
+public call's) in front of their errors (`error`) and warnings (`prefixed`). A call
+made with `public_call(name, hold=True)` keeps its name through the public functions it
+calls (the Keras optimizers, whose errors name the Keras class, not the DPOptimizer
+they use).
 """
 
 import contextlib
@@ -11,15 +14,22 @@ __all__ = ["public", "public_call", "name", "prefix", "prefixed", "error"]
 
 # The name of the innermost public function running in this context.
 _CALLER = contextvars.ContextVar("pertower_public_call", default=None)
+# True inside a `public_call(..., hold=True)`: inner public calls keep its name.
+_HELD = contextvars.ContextVar("pertower_public_call_held", default=False)
 
 
 @contextlib.contextmanager
-def public_call(function_name):
-    """Runs the body as a call of the public function `function_name`."""
-    token = _CALLER.set(function_name)
+def public_call(function_name, hold=False):
+    """Runs the body as a call of the public function `function_name`; with hold=True
+    the public functions it calls run under that name too."""
+    if _HELD.get():
+        yield
+        return
+    token, held = _CALLER.set(function_name), _HELD.set(hold)
     try:
         yield
     finally:
+        _HELD.reset(held)
         _CALLER.reset(token)
 
 

@@ -8,33 +8,55 @@ Privacy is one import. `make_keras_optimizer_class(cls)` makes one for any other
 `tf_keras.optimizers.legacy.Optimizer` subclass.
 
 In graph mode (`tf.compat.v1.disable_eager_execution()`) tf_keras' training loop calls
-`get_updates(loss, params)` with the loss of `model.compile(loss=...)`; with a loss of
-`reduction=tf_keras.losses.Reduction.NONE` that is the per-example loss [B]. The step
-is `pertower.DPOptimizer`'s (its module docstring): the clipped sum, noised, divided,
-then applied by the Keras optimizer's own `apply_gradients`, so the arithmetic and the
-privacy accounting (`pertower.compute_epsilon`) are the same; pertower's own options
-(`clipping`, `expected_batch_size`, `adaptive_clipping`, `seed`) are keyword arguments.
-As with TensorFlow Privacy, Keras then reports that loss as it is: `history['loss']`
-and `evaluate` hold per-example values, not their mean, and a last batch smaller than
-the others fails in Keras' averaging (plain tf_keras too): use a batch size dividing the
-number of examples. Eager execution (TF2's default `fit`) is refused.
+`get_updates(loss, params)` with `model.total_loss`. Either loss works, with the same DP
+step: Keras' default reduction (SUM_OVER_BATCH_SIZE, or AUTO), whose scalar mean is read
+back into the per-example losses [B] behind it (`pertower._dp.keras_loss`), or
+TensorFlow Privacy's `reduction=tf_keras.losses.Reduction.NONE`, the per-example loss
+itself. The step is `pertower.DPOptimizer`'s (its module docstring): the clipped sum,
+noised, divided, then applied by the Keras optimizer's own `apply_gradients`, so the
+arithmetic and the privacy accounting (`pertower.compute_epsilon`) are the same;
+pertower's own options (`clipping`, `expected_batch_size`, `adaptive_clipping`, `seed`)
+are keyword arguments.
+
+Weight regularizers (`kernel_regularizer`, `model.add_loss` of a term that reads only
+weights) read no example: their gradient is added to the noised mean gradient, unclipped
+(a function of the weights, no privacy cost). Keras builds them into the loss of the
+default reduction only (with reduction NONE, Keras itself cannot add the scalar
+regularizer to the [B] loss: "Shapes must be equal rank"). Refused with a ValueError at
+the first `fit`: reduction SUM (a sum over the batch), and a term that reads the
+examples without being a mean of per-example losses (an `activity_regularizer`, which
+Keras divides by the batch size; `add_loss` of a batch statistic); and a masked output
+(`mask_zero`, `Masking`) with the default reduction, which Keras divides by the batch's
+count of unmasked entries, so an example's loss depends on the others (pertower's
+analysis finds the coupling): use reduction NONE, whose per-example loss averages an
+example's entries, masked ones counting as 0 (as TensorFlow Privacy).
+
+The history and `evaluate` report the loss Keras computes: with the default reduction
+the mean loss (a scalar per epoch, regularizers included), as in plain tf_keras; with
+reduction NONE (as TensorFlow Privacy in graph mode) the per-example values, and a last
+batch smaller than the others fails in Keras' averaging of them (plain tf_keras too):
+use the default reduction for a scalar history. Eager execution (TF2's default `fit`)
+is refused.
 
 Example:
   opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
                                            learning_rate=0.1)
   model.compile(optimizer=opt, loss=tf_keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction=tf_keras.losses.Reduction.NONE))
+      from_logits=True))   # or reduction=tf_keras.losses.Reduction.NONE
   model.fit(x, y, batch_size=64, epochs=5)
 """
 
 import dataclasses
+import functools
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from pertower import _context
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import ftrl
+from pertower._dp import keras_loss
 from pertower._dp import optimizer as dp_optimizer
 
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
@@ -48,9 +70,102 @@ class _KerasApply(tf.compat.v1.train.Optimizer):
     def __init__(self, keras_optimizer):
         super().__init__(use_locking=False, name=type(keras_optimizer).__name__)
         self.keras_optimizer = keras_optimizer
+        self.added_gradients = {}   # id(variable) -> the gradient of R, added unclipped
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        return self.keras_optimizer.apply_gradients(grads_and_vars, name=name)
+        pairs = [(_plus(g, self.added_gradients.get(id(v))), v) for g, v in grads_and_vars]
+        return self.keras_optimizer.apply_gradients(pairs, name=name)
+
+
+def _plus(gradient, added):
+    """gradient + added, made in the current graph (all of Keras' gradients must share
+    one: inside the accumulator's tf.cond branch)."""
+    if gradient is None:
+        return None
+    return tf.identity(gradient) if added is None else gradient + added
+
+
+def _regularization_gradients(regularization, params):
+    """{id(x): dR/dx} for the data-independent terms R of a Keras loss (`_dp.keras_loss`),
+    added to the noised mean gradient unclipped; {} without R."""
+    if regularization is None:
+        return {}
+    gradients = tf.gradients(regularization, params)
+    return {id(x): tf.convert_to_tensor(g) for x, g in zip(params, gradients)
+            if g is not None}
+
+
+class _DPStateWeights:
+    """The DP step's own variables (the accumulator's sums, count, unclipped count and
+    run counter with gradient_accumulation_steps > 1; adaptive clipping's C), made as
+    weights of the Keras optimizer (`add_weight`), after its own weights in `weights`:
+    HDF5 `model.save` / `load_model` and `model.save_weights` / `load_weights` (a
+    tf.train checkpoint of the model) keep them, so a save mid-accumulation resumes the
+    same logical batch. A SavedModel (save_format="tf") holds them too, but tf_keras'
+    `load_model` of a SavedModel restores no optimizer state in graph mode ("Slots
+    cannot be restored from saved_model"): the loaded optimizer starts afresh.
+
+    They are made when the training op is built (`fit`'s first call), after a load:
+    an HDF5 `load_model` calls `set_weights` before, so their saved values wait in
+    `pending`; `model.load_weights` of a TensorFlow checkpoint restores them as they
+    are made (a `tf.compat.v1.train.Checkpoint(...).restore(path)` of your own needs
+    its `run_restore_ops()` again after the first `fit` builds them)."""
+
+    def __init__(self, keras_optimizer):
+        self.keras_optimizer = keras_optimizer
+        self.variables = []
+        self.pending = None      # saved values of variables not made yet
+        self.dp_gradients_built = False   # (then apply_gradients is allowed)
+        self._adding = False
+
+    def creator(self, next_creator, **kwargs):
+        """A `tf.variable_creator_scope` creator: the variable as a Keras weight."""
+        if self._adding:         # add_weight's own creation
+            return next_creator(**kwargs)
+        initial = kwargs["initial_value"]
+        value = initial() if callable(initial) else initial
+        name = "_".join(kwargs["name"].split("/")[-2:])   # e.g. dp_accumulator_sum_0
+        self._adding = True
+        try:
+            dtype = tf.as_dtype(kwargs.get("dtype") or value.dtype).base_dtype
+            variable = self.keras_optimizer.add_weight(
+                name, value.shape, dtype=dtype, initializer=lambda shape, dtype=None: value,
+                trainable=False)
+        finally:
+            self._adding = False
+        self.variables.append(variable)
+        return variable
+
+    def initialize(self, made):
+        """Initializes the variables `made` (Keras does not), then gives them the
+        values `pending` from an HDF5 file, if any."""
+        session = tf.compat.v1.keras.backend.get_session()
+        # not those a checkpoint restored as they were made (`model.load_weights`)
+        restored = session.run([tf.compat.v1.is_variable_initialized(v) for v in made])
+        session.run(tf.compat.v1.variables_initializer(
+            [v for v, done in zip(made, restored) if not done]))
+        if self.pending is not None and self.variables:
+            if len(self.pending) != len(self.variables):
+                raise _context.error(
+                    ValueError, f"the saved optimizer has {len(self.pending)} DP state "
+                    f"weights, but this one makes {len(self.variables)}: load the model "
+                    "with the optimizer's saved arguments (gradient_accumulation_steps, "
+                    "adaptive_clipping) and the same model.")
+            tf.compat.v1.keras.backend.batch_set_value(list(zip(self.variables,
+                                                                self.pending)))
+            self.pending = None
+
+
+def _as_keras_class(method):
+    """The method runs as a public call named after the Keras class
+    ("pertower.keras.DPKerasSGDOptimizer: ..."), DPOptimizer's errors included."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with _context.public_call(f"keras.{type(self).__name__}", hold=True):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @_context.public("make_keras_optimizer_class")
@@ -65,10 +180,15 @@ def make_keras_optimizer_class(cls):
     `pertower.DPOptimizer` (`adaptive_clipping` also as the dict of a
     `pertower.AdaptiveClipping`'s fields). Its `get_config` holds them, so `model.save`
     and `tf_keras.models.load_model(path, custom_objects={name: the class})` round-trip
-    it. Graph mode only.
+    it; the accumulator's and adaptive clipping's variables are among its `weights`
+    (`_DPStateWeights`). Errors raised inside its methods name the class
+    ("pertower.keras.DPKerasSGDOptimizer: ..."). Graph mode only.
 
     Raises:
       TypeError: `cls` is not a subclass of `tf_keras.optimizers.legacy.Optimizer`.
+      The class raises ValueError for bad arguments (as `pertower.DPOptimizer`) and for
+      a loss it cannot read per example (the module docstring), RuntimeError in eager
+      mode and for `apply_gradients` before any DP gradient was built.
     """
     if not (isinstance(cls, type) and issubclass(cls, tf_keras.optimizers.legacy.Optimizer)):
         raise _context.error(
@@ -79,6 +199,7 @@ def make_keras_optimizer_class(cls):
         __doc__ = (f"DP-SGD around `{cls.__module__}.{cls.__name__}` "
                    "(`pertower.keras.make_keras_optimizer_class`).")
 
+        @_as_keras_class
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
                      expected_batch_size=None, adaptive_clipping=None, **kwargs):
@@ -91,6 +212,7 @@ def make_keras_optimizer_class(cls):
                     "or build the model and the optimizer inside `with "
                     "tf.Graph().as_default():`.")
             super().__init__(*args, **kwargs)
+            self._state = _DPStateWeights(self)
             if isinstance(adaptive_clipping, dict):   # as get_config gives it
                 adaptive_clipping = clipping_lib.AdaptiveClipping(**adaptive_clipping)
             self._dp = dp_optimizer.DPOptimizer(
@@ -112,34 +234,82 @@ def make_keras_optimizer_class(cls):
                                    else dataclasses.asdict(options.adaptive)))
             return config
 
+        @_as_keras_class
         def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
             """DPOptimizer's training op for the per-example `loss` ([B]); `tape` is not
             used (graph mode) and `grad_loss` must be None."""
-            before = set(map(id, tf.compat.v1.global_variables()))
-            train_op = self._dp.minimize(loss, var_list=var_list, grad_loss=grad_loss,
-                                         name=name)
-            # the accumulator's and the adaptive clip's variables, which Keras does not
-            # initialize
-            made = [v for v in tf.compat.v1.global_variables() if id(v) not in before]
-            if made:
-                tf.compat.v1.keras.backend.get_session().run(
-                    tf.compat.v1.variables_initializer(made))
-            return train_op
+            return self._train_op(loss, var_list, grad_loss=grad_loss, name=name)
 
+        @property
+        def weights(self):
+            """The Keras optimizer's weights, then the DP step's (`_DPStateWeights`)."""
+            return super().weights + self._state.variables
+
+        def variables(self):
+            return self.weights
+
+        @_as_keras_class
+        def set_weights(self, weights):
+            """As the Keras optimizer's; values past its own weights go to the DP
+            step's, kept until the training op makes them if it has not yet."""
+            own = len(super().weights)
+            if self._state.variables or len(weights) <= own:
+                return super().set_weights(weights)
+            super().set_weights(weights[:own])
+            self._state.pending = [np.array(w) for w in weights[own:]]   # h5py: read now
+            return None
+
+        def _train_op(self, loss, var_list, regularization=None, grad_loss=None,
+                      name=None):
+            self._dp.optimizer.added_gradients = _regularization_gradients(
+                regularization, var_list)
+            grads_and_vars = self._compute_gradients(loss, var_list, grad_loss)
+            return self._dp.apply_gradients(grads_and_vars, name=name)
+
+        @_as_keras_class
+        def apply_gradients(self, grads_and_vars, *args, **kwargs):
+            """The Keras optimizer's, refused before `get_gradients`, `get_updates` or
+            `minimize` (TensorFlow Privacy's check; it raises AssertionError)."""
+            if not self._state.dp_gradients_built:
+                raise _context.error(
+                    RuntimeError, "call get_gradients or get_updates first (or minimize, "
+                    "as model.fit does); applying gradients that were not clipped and "
+                    "noised would not be differentially private.")
+            return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+        def _compute_gradients(self, loss, var_list, grad_loss=None):
+            """DPOptimizer's pairs, its variables made as this optimizer's weights."""
+            self._state.dp_gradients_built = True
+            made = len(self._state.variables)
+            with tf.variable_creator_scope(self._state.creator):
+                grads_and_vars = self._dp.compute_gradients(loss, var_list=var_list,
+                                                            grad_loss=grad_loss)
+            if len(self._state.variables) > made:
+                self._state.initialize(self._state.variables[made:])
+            return grads_and_vars
+
+        @_as_keras_class
         def get_updates(self, loss, params):
-            """The training ops of a fit step (tf_keras' v1 loop): `minimize`'s."""
-            return [self.minimize(loss, params)]
+            """The training ops of a fit step (tf_keras' v1 loop): the DP step of the
+            per-example loss behind `loss` (`model.total_loss`: of reduction NONE [B], or
+            the default reduction's scalar mean), plus the unclipped gradient of its
+            terms that read no example (weight regularizers; `_dp.keras_loss`)."""
+            split = keras_loss.split_loss(loss)
+            return [self._train_op(split.per_example, params, split.data_independent)]
 
+        @_as_keras_class
         def get_gradients(self, loss, params):
-            """The clipped, noised mean gradient of `loss` ([B]) for `params` (one
-            batch: without gradient accumulation)."""
+            """The clipped, noised mean gradient of `loss` (as in `get_updates`) for
+            `params` (one batch: without gradient accumulation)."""
             if self._dp.gradient_accumulation_steps > 1:
                 raise _context.error(
                     ValueError, "get_gradients computes one batch's gradient, but "
                     f"gradient_accumulation_steps is {self._dp.gradient_accumulation_steps}: "
                     "use get_updates (as model.fit does), which applies every k-th run.")
-            pairs = self._dp.compute_gradients(loss, var_list=params)
-            return [g for g, _ in pairs]
+            split = keras_loss.split_loss(loss)
+            pairs = self._compute_gradients(split.per_example, params)
+            added = _regularization_gradients(split.data_independent, params)
+            return [_plus(g, added.get(id(x))) for g, x in pairs]
 
     DPOptimizerClass.__name__ = f"DPKeras{cls.__name__}Optimizer"
     DPOptimizerClass.__qualname__ = DPOptimizerClass.__name__

@@ -14,15 +14,18 @@ import tf_keras as keras
 import pertower
 import pertower.keras as dp_keras
 from pertower import oracle
+from pertower._dp import keras_loss
 from tests import common
 
 B, CLIP, LR = 6, 0.5, 0.1
 NONE = keras.losses.Reduction.NONE
 
 
-def _model(kind):
+def _model(kind, kernel_l2=None):
     if kind == "dense":
-        layers = [keras.layers.Dense(4, activation="tanh", input_shape=(5,)),
+        regularizer = None if kernel_l2 is None else keras.regularizers.l2(kernel_l2)
+        layers = [keras.layers.Dense(4, activation="tanh", input_shape=(5,),
+                                     kernel_regularizer=regularizer),
                   keras.layers.Dense(3)]
     else:
         layers = [keras.layers.Conv2D(2, 3, activation="relu", input_shape=(6, 6, 2)),
@@ -53,18 +56,20 @@ def _per_layer_clipped_sum_over(divisor):
 
 
 def _fit_one_step(kind, num_microbatches=None, accumulation_steps=1,
-                  reference=_flat_clipped_mean, **options):
+                  reference=_flat_clipped_mean, reduction=NONE, kernel_l2=None, **options):
     """(weights before, weights after one fit step, `reference` of the loop's gradients
-    of each microbatch's mean loss); checks `get_gradients` on the way."""
+    of each microbatch's mean loss, plus the regularizer's 2 * kernel_l2 * W on the first
+    kernel); checks `get_gradients` on the way. `reduction` is the compiled loss's."""
     rng = np.random.RandomState(0)
     with tf.Graph().as_default():
         common.seed_weights(0)
-        model = _model(kind)
+        model = _model(kind, kernel_l2)
         optimizer = dp_keras.DPKerasSGDOptimizer(
             l2_norm_clip=CLIP, noise_multiplier=0.0, num_microbatches=num_microbatches,
             gradient_accumulation_steps=accumulation_steps, learning_rate=LR, **options)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=reduction))
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=NONE)
-        model.compile(optimizer=optimizer, loss=loss)
         x, y = _data(kind, rng)
         # the loop's reference on the same weights: its own label placeholder
         labels = tf.compat.v1.placeholder(tf.int32, [None])
@@ -81,6 +86,8 @@ def _fit_one_step(kind, num_microbatches=None, accumulation_steps=1,
             got = sess.run(optimizer.get_gradients(per_example, model.trainable_weights),
                            feed)
             common.assert_all_close(got, want, what="get_gradients", kind="deep")
+        if kernel_l2 is not None:   # d/dW of kernel_l2 * ||W||^2, outside clipping
+            want = [want[0] + 2 * kernel_l2 * before[0]] + want[1:]
         # k runs of B / k examples make one step
         model.fit(x, y, batch_size=B // accumulation_steps, epochs=1, shuffle=False,
                   verbose=0)
@@ -92,7 +99,16 @@ def _fit_one_step(kind, num_microbatches=None, accumulation_steps=1,
     ("dense", None, 2, {}), ("conv", None, 3, {}),
     ("conv", None, 1, dict(clipping="per_layer", reference=_per_layer_clipped_sum_over(B))),
     ("dense", None, 2, dict(expected_batch_size=B + 2, clipping="per_layer",
-                            reference=_per_layer_clipped_sum_over(B + 2)))])
+                            reference=_per_layer_clipped_sum_over(B + 2))),
+    # Keras' default reduction (the scalar mean): the same step; a weight regularizer:
+    # its gradient is added after clipping and noise
+    ("dense", None, 1, dict(reduction="auto")),
+    ("dense", None, 2, dict(reduction="auto", kernel_l2=0.3)),
+    pytest.param("conv", 3, 1, dict(reduction="auto"), marks=pytest.mark.heavy),
+    pytest.param("dense", None, 3, dict(reduction="sum_over_batch_size"),
+                 marks=pytest.mark.heavy),
+    pytest.param("dense", None, 1, dict(reduction="auto", kernel_l2=0.3),
+                 marks=pytest.mark.heavy)])
 def test_one_fit_step_is_sgd_on_the_loops_clipped_mean(kind, num_microbatches,
                                                        accumulation_steps, options):
     before, after, update = _fit_one_step(kind, num_microbatches, accumulation_steps,
@@ -102,15 +118,19 @@ def test_one_fit_step_is_sgd_on_the_loops_clipped_mean(kind, num_microbatches,
                             what="weights after one fit step", kind="deep")
 
 
-def test_keras_targets_are_proven_on_the_rules():
+@pytest.mark.parametrize("reduction", [NONE, "auto"])
+def test_keras_targets_are_proven_on_the_rules(reduction):
     # Keras' target placeholder is [None, None]; the cross-entropy's reshape keeps the
-    # rows of the examples (no towers, no batch_size needed)
+    # rows of the examples (no towers, no batch_size needed); the default reduction's
+    # mean is read back into those per-example losses
     with tf.Graph().as_default():
         model = _model("conv")
         model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 1.0),
                       loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True, reduction=NONE))
-        plan = pertower.explain(model.total_loss, model.trainable_weights)
+                          from_logits=True, reduction=reduction))
+        per_example = keras_loss.split_loss(model.total_loss).per_example
+        assert per_example.shape.rank == 1
+        plan = pertower.explain(per_example, model.trainable_weights)
         assert not plan.fallback, plan
 
 
@@ -171,5 +191,87 @@ def test_eager_mode_is_refused_and_minimize_is_private():
     with tf.Graph().as_default():
         model = _model("dense")
         optimizer = dp_keras.DPKerasSGDOptimizer(1.0, 1.0)
-        with pytest.raises(ValueError, match="DP needs one loss per example"):
+        with pytest.raises(ValueError, match="pertower.keras.DPKerasSGDOptimizer: .*DP "
+                                             "needs one loss per example"):
             optimizer.minimize(tf.reduce_sum(model.outputs[0]), model.trainable_weights)
+
+
+def test_default_reduction_gives_scalar_history_and_other_losses_are_refused():
+    rng = np.random.RandomState(2)
+    x, y = _data("dense", rng)
+    with tf.Graph().as_default():
+        model = _model("dense")
+        model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # a last batch smaller than the others (4 + 2) is fine with a scalar loss
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history
+        assert np.shape(history["loss"]) == (2,) and np.all(np.isfinite(history["loss"]))
+        assert np.shape(model.evaluate(x, y, batch_size=B, verbose=0)) == ()
+    refused = [
+        (dict(reduction="sum"), "sums the examples' losses .*reduction SUM"),
+        (dict(activity_regularizer="l2"), "reads the examples but is not a mean of "
+                                          "per-example losses"),
+        # Keras divides a masked output's loss by the batch's count of unmasked entries
+        (dict(masking=True), "couples the examples of the batch")]
+    for options, message in refused:
+        with tf.Graph().as_default():
+            layers = [keras.layers.Dense(3, input_shape=(5,),
+                                         activity_regularizer=options.get(
+                                             "activity_regularizer"))]
+            if options.get("masking"):
+                layers.insert(0, keras.layers.Masking(input_shape=(5,)))
+            model = keras.Sequential(layers)
+            model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 1.0),
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True, reduction=options.get("reduction", "auto")))
+            with pytest.raises(ValueError, match=message):
+                model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+
+
+def _accumulating_model(adaptive):
+    common.seed_weights(3)
+    model = _model("dense")
+    options = (dict(expected_batch_size=float(B),
+                    adaptive_clipping=pertower.AdaptiveClipping(0.5, 0.5, 0.0))
+               if adaptive else {})
+    model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(
+        CLIP, 0.0, gradient_accumulation_steps=3, learning_rate=LR, **options),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("how, adaptive", [("h5", False), ("checkpoint", True)])
+def test_save_mid_accumulation_resumes_the_logical_batch(how, adaptive, tmp_path):
+    # 3 runs of 2 examples make one step: saving after 2 runs and loading, the 3rd run
+    # applies the step of all 6 (the accumulator's sums and run counter, and adaptive
+    # clipping's C, are the optimizer's weights); without them it would not move
+    x, y = _data("dense", np.random.RandomState(3))
+    fit = dict(batch_size=2, epochs=1, shuffle=False, verbose=0)
+    with tf.Graph().as_default():
+        model = _accumulating_model(adaptive)
+        model.fit(x, y, **fit)
+        uninterrupted = model.get_weights()
+        clip = model.optimizer.get_weights()[-1]
+    with tf.Graph().as_default():
+        model = _accumulating_model(adaptive)
+        model.fit(x[:4], y[:4], **fit)
+        path = str(tmp_path / "model")
+        if how == "h5":
+            model.save(path + ".h5")
+        else:   # a tf.train checkpoint of the model, the optimizer in it
+            model.save_weights(path, save_format="tf")
+    with tf.Graph().as_default():
+        if how == "h5":
+            cls = dp_keras.DPKerasSGDOptimizer
+            model = keras.models.load_model(path + ".h5", custom_objects={cls.__name__: cls})
+        else:
+            model = _accumulating_model(adaptive)
+            model.load_weights(path)
+        loaded = model.get_weights()
+        model.fit(x[4:], y[4:], **fit)
+        assert any(np.any(w != v) for w, v in zip(loaded, model.get_weights()))
+        common.assert_all_close(model.get_weights(), uninterrupted,
+                                what="weights after a save mid-accumulation", kind="deep")
+        if adaptive:   # C moved once, at the step, from the restored value
+            assert clip != CLIP
+            np.testing.assert_allclose(model.optimizer.get_weights()[-1], clip, rtol=1e-6)
