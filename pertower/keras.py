@@ -35,9 +35,10 @@ import tf_keras
 from pertower import _context
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import optimizer as dp_optimizer
+from pertower._keras_poisson import PoissonSequence
 
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
-           "DPKerasAdagradOptimizer"]
+           "DPKerasAdagradOptimizer", "PoissonSequence"]
 
 
 class _KerasApply(tf.compat.v1.train.Optimizer):
