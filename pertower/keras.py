@@ -35,10 +35,11 @@ import tf_keras
 from pertower import _context
 from pertower._dp import clipping as clipping_lib
 from pertower._dp import optimizer as dp_optimizer
+from pertower._keras_callbacks import ExampleScores
 from pertower._keras_poisson import PoissonSequence
 
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
-           "DPKerasAdagradOptimizer", "PoissonSequence"]
+           "DPKerasAdagradOptimizer", "PoissonSequence", "ExampleScores"]
 
 
 class _KerasApply(tf.compat.v1.train.Optimizer):
