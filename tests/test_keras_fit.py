@@ -20,9 +20,11 @@ B, CLIP, LR = 6, 0.5, 0.1
 NONE = keras.losses.Reduction.NONE
 
 
-def _model(kind):
+def _model(kind, kernel_l2=None):
     if kind == "dense":
-        layers = [keras.layers.Dense(4, activation="tanh", input_shape=(5,)),
+        regularizer = None if kernel_l2 is None else keras.regularizers.l2(kernel_l2)
+        layers = [keras.layers.Dense(4, activation="tanh", input_shape=(5,),
+                                     kernel_regularizer=regularizer),
                   keras.layers.Dense(3)]
     else:
         layers = [keras.layers.Conv2D(2, 3, activation="relu", input_shape=(6, 6, 2)),
@@ -53,18 +55,20 @@ def _per_layer_clipped_sum_over(divisor):
 
 
 def _fit_one_step(kind, num_microbatches=None, accumulation_steps=1,
-                  reference=_flat_clipped_mean, **options):
+                  reference=_flat_clipped_mean, reduction=NONE, kernel_l2=None, **options):
     """(weights before, weights after one fit step, `reference` of the loop's gradients
-    of each microbatch's mean loss); checks `get_gradients` on the way."""
+    of each microbatch's mean loss, plus the regularizer's 2 * kernel_l2 * W on the first
+    kernel); checks `get_gradients` on the way. `reduction` is the compiled loss's."""
     rng = np.random.RandomState(0)
     with tf.Graph().as_default():
         common.seed_weights(0)
-        model = _model(kind)
+        model = _model(kind, kernel_l2)
         optimizer = dp_keras.DPKerasSGDOptimizer(
             l2_norm_clip=CLIP, noise_multiplier=0.0, num_microbatches=num_microbatches,
             gradient_accumulation_steps=accumulation_steps, learning_rate=LR, **options)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=reduction))
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=NONE)
-        model.compile(optimizer=optimizer, loss=loss)
         x, y = _data(kind, rng)
         # the loop's reference on the same weights: its own label placeholder
         labels = tf.compat.v1.placeholder(tf.int32, [None])
@@ -81,6 +85,8 @@ def _fit_one_step(kind, num_microbatches=None, accumulation_steps=1,
             got = sess.run(optimizer.get_gradients(per_example, model.trainable_weights),
                            feed)
             common.assert_all_close(got, want, what="get_gradients", kind="deep")
+        if kernel_l2 is not None:   # d/dW of kernel_l2 * ||W||^2, outside clipping
+            want = [want[0] + 2 * kernel_l2 * before[0]] + want[1:]
         # k runs of B / k examples make one step
         model.fit(x, y, batch_size=B // accumulation_steps, epochs=1, shuffle=False,
                   verbose=0)
@@ -92,7 +98,13 @@ def _fit_one_step(kind, num_microbatches=None, accumulation_steps=1,
     ("dense", None, 2, {}), ("conv", None, 3, {}),
     ("conv", None, 1, dict(clipping="per_layer", reference=_per_layer_clipped_sum_over(B))),
     ("dense", None, 2, dict(expected_batch_size=B + 2, clipping="per_layer",
-                            reference=_per_layer_clipped_sum_over(B + 2)))])
+                            reference=_per_layer_clipped_sum_over(B + 2))),
+    # Keras' default reduction (the scalar mean): the same step
+    ("dense", None, 1, dict(reduction="auto")), ("conv", 3, 1, dict(reduction="auto")),
+    ("dense", None, 3, dict(reduction="sum_over_batch_size")),
+    # a weight regularizer: its gradient is added after clipping and noise
+    ("dense", None, 1, dict(reduction="auto", kernel_l2=0.3)),
+    ("dense", None, 2, dict(reduction="auto", kernel_l2=0.3))])
 def test_one_fit_step_is_sgd_on_the_loops_clipped_mean(kind, num_microbatches,
                                                        accumulation_steps, options):
     before, after, update = _fit_one_step(kind, num_microbatches, accumulation_steps,
@@ -173,3 +185,29 @@ def test_eager_mode_is_refused_and_minimize_is_private():
         optimizer = dp_keras.DPKerasSGDOptimizer(1.0, 1.0)
         with pytest.raises(ValueError, match="DP needs one loss per example"):
             optimizer.minimize(tf.reduce_sum(model.outputs[0]), model.trainable_weights)
+
+
+def test_default_reduction_gives_scalar_history_and_other_losses_are_refused():
+    rng = np.random.RandomState(2)
+    x, y = _data("dense", rng)
+    with tf.Graph().as_default():
+        model = _model("dense")
+        model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # a last batch smaller than the others (4 + 2) is fine with a scalar loss
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history
+        assert np.shape(history["loss"]) == (2,) and np.all(np.isfinite(history["loss"]))
+        assert np.shape(model.evaluate(x, y, batch_size=B, verbose=0)) == ()
+    refused = [
+        (dict(reduction="sum"), "sums the examples' losses .*reduction SUM"),
+        (dict(activity_regularizer="l2"), "reads the examples but is not a mean of "
+                                          "per-example losses")]
+    for options, message in refused:
+        with tf.Graph().as_default():
+            model = keras.Sequential([keras.layers.Dense(
+                3, input_shape=(5,), activity_regularizer=options.get("activity_regularizer"))])
+            model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 1.0),
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True, reduction=options.get("reduction", "auto")))
+            with pytest.raises(ValueError, match=message):
+                model.fit(x, y, batch_size=B, epochs=1, verbose=0)
