@@ -6,16 +6,18 @@ Notation:
     g_i(w) example i's loss gradient over the trainable weights, n_i,t = ||g_i(w_t)||_2
 
 `ExampleScores` adds to each training step's own `sess.run` the fetch of n_i,t for
-i in B_t (`pertower.per_example_norms` of the model's per-example loss: the norms read
-the step's activations, no second forward pass, and a weight a rule covers needs no
-per-example gradient, see `pertower.explain`), and keeps per example
+i in B_t: `pertower.per_example_norms` of the per-example loss the DP step reads from
+`model.total_loss` (`_dp.keras_loss`: Keras' default or NONE reduction, weight
+regularizers left out). The norms read the step's own activations, no second forward
+pass, and a weight a rule covers needs no per-example gradient (`pertower.explain`).
+Per example it keeps
 
     self_influence_i = sum_{t : i in B_t} η_t n_i,t^2
 
-TracIn's self-influence over the steps that trained on i (Pruthi et al. 2020,
-"Estimating Training Data Influence by Tracing Gradient Descent", arXiv 2002.08484,
-eq. 1 with z' = z): examples the model keeps struggling with score high, mislabelled
-ones first (the paper's section 4.1).
+the idealized TracIn of Pruthi et al. 2020 ("Estimating Training Data Influence by
+Tracing Gradient Descent", arXiv 2002.08484) with z' = z, summed over the steps that
+trained on i: examples the model keeps struggling with score high, mislabelled ones
+first (the paper ranks self-influence to find them).
 
 The fetches go through tf_keras' v1 `GraphExecutionFunction.fetches` and
 `fetch_callbacks` (its comment: "A Callback can use this to register a function with
@@ -34,6 +36,7 @@ import tf_keras
 from pertower import _context
 from pertower import _tf
 from pertower._api import norms as norms_api
+from pertower._dp import keras_loss
 
 __all__ = ["ExampleScores"]
 
@@ -42,18 +45,6 @@ def _digest(rows):
     """[b] digests of the b rows of a list of arrays [b, ...] (one per model input)."""
     return [hashlib.blake2b(b"".join(np.ascontiguousarray(a[i]).tobytes() for a in rows),
                             digest_size=16).digest() for i in range(len(rows[0]))]
-
-
-def _per_example_loss(loss):
-    """The model's loss of each example, [B]: `model.total_loss` of a loss of reduction
-    NONE, [B, ...], its entries averaged."""
-    if loss.shape.rank == 0:
-        raise _context.error(
-            ValueError, "the model's loss is a scalar; ExampleScores needs one loss per "
-            "example: compile the model with a loss of reduction="
-            "tf_keras.losses.Reduction.NONE.")
-    return loss if loss.shape.rank == 1 else tf.reduce_mean(
-        loss, axis=list(range(1, loss.shape.rank)))
 
 
 def _learning_rate(optimizer):
@@ -88,8 +79,9 @@ class ExampleScores(tf_keras.callbacks.Callback):
 
     Raises (when `fit` starts, or here):
       TypeError, ValueError: `x` is not arrays sharing N, its rows repeat, the model's
-        loss is a scalar (compile with reduction NONE), the optimizer has a legacy
-        `decay` and no `learning_rate` is given, or a trained row is not a row of `x`.
+        loss is not a mean of per-example losses (`_dp.keras_loss`: reduction SUM,
+        activity terms), the optimizer has a legacy `decay` and no `learning_rate` is
+        given, or a trained row is not a row of `x`.
 
     Example:
       scores = pertower.keras.ExampleScores(x_train)
@@ -150,7 +142,8 @@ class ExampleScores(tf_keras.callbacks.Callback):
                     ValueError, f"the model has {len(model.inputs)} inputs but `x` "
                     f"{len(self._x)} arrays: pass one array per model input.")
             with model.total_loss.graph.as_default(), tf.name_scope("example_scores"):
-                loss = _per_example_loss(model.total_loss)
+                # [B]: Keras' default or NONE reduction (weight regularizers left out)
+                loss = keras_loss.split_loss(model.total_loss, "model.total_loss").per_example
                 norms = norms_api.per_example_norms(loss, model.trainable_weights)
                 rate = (tf.constant(self._fixed_rate, tf.float64)
                         if self._fixed_rate is not None else

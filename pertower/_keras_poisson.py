@@ -13,7 +13,10 @@ be 0. `model.fit(PoissonSequence(x, y, q), epochs=E)` with a DP optimizer of
 E epochs in expectation), each the subsampled Gaussian mechanism whose privacy
 `pertower.compute_epsilon(E * T, noise_multiplier, q, delta)` accounts (Abadi et al.
 2016, arXiv 1607.00133). An empty batch is a noise-only step: the noised sum (the noise
-alone) divided by q * N.
+alone) divided by q * N. Compile with the loss's default reduction: Keras averages its
+scalar over the steps (an empty batch's is 0), whereas with reduction NONE tf_keras'
+own averaging of the per-example values fails on batches of different sizes
+(`training_utils_v1.MetricsAggregator`, plain tf_keras too).
 
 The batch index `idx` Keras asks for does not choose the batch: every call draws a new
 one, so Keras' `shuffle` and its prefetching threads change nothing. With a `seed` the

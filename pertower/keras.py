@@ -34,6 +34,11 @@ batch smaller than the others fails in Keras' averaging of them (plain tf_keras 
 use the default reduction for a scalar history. Eager execution (TF2's default `fit`)
 is refused.
 
+Batches of any size train, 0 included (a noise-only step): set `expected_batch_size`,
+the divisor of the noised sum. `PoissonSequence` gives `fit` the Poisson batches whose
+privacy `pertower.compute_epsilon` accounts; the callback `ExampleScores` keeps each
+trained example's gradient norm and TracIn self-influence (mislabelled examples first).
+
 Example:
   opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
                                            learning_rate=0.1)

@@ -4,8 +4,9 @@ At every step t of a fit the callback's norms of the examples it says were train
 the loop's ||g_i(w_t)|| of those examples at the weights the step started from (a spy
 callback runs the loop there), each example of an epoch of arrays is seen once however
 Keras shuffles, and self_influence_i = sum_t η ||g_i(w_t)||^2 over the steps that trained
-on i. The same on Poisson batches (`PoissonSequence`, whose fit builds its training
-function at the first batch), an empty one included; the fetches leave with the fit.
+on i; with Keras' default reduction as with NONE. The same on Poisson batches
+(`PoissonSequence`, whose fit builds its training function at the first batch), empty
+ones included; the fetches leave with the fit.
 """
 
 import numpy as np
@@ -19,7 +20,7 @@ from pertower import oracle
 from tests import common
 
 N, LR = 12, 0.1
-NONE = keras.losses.Reduction.NONE
+NONE, AUTO = keras.losses.Reduction.NONE, keras.losses.Reduction.AUTO
 
 
 class _Spy(keras.callbacks.Callback):
@@ -37,9 +38,10 @@ class _Spy(keras.callbacks.Callback):
         self.steps.append((self._before, self.scores.last_step))
 
 
-def _fit(optimizer_kind, fits, seed=0):
-    """Trains with ExampleScores and the spy; `fits(model, x, y, callbacks)` runs the
-    fit calls. Returns (scores, spy steps, the model's training function)."""
+def _fit(optimizer_kind, fits, reduction=NONE, seed=0):
+    """Trains with ExampleScores and the spy, compiled with a loss of `reduction`;
+    `fits(model, x, y, callbacks)` runs the fit calls. Returns (scores, spy steps, the
+    model's training function)."""
     rng = np.random.RandomState(seed)
     x, y = rng.randn(N, 5).astype(np.float32), rng.randint(0, 3, N)
     with tf.Graph().as_default():
@@ -49,8 +51,9 @@ def _fit(optimizer_kind, fits, seed=0):
         optimizer = (dp_keras.DPKerasSGDOptimizer(0.5, 0.0, learning_rate=LR,
                                                   expected_batch_size=4.0)
                      if optimizer_kind == "dp" else keras.optimizers.legacy.SGD(LR))
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=reduction))
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=NONE)
-        model.compile(optimizer=optimizer, loss=loss)
         labels = tf.compat.v1.placeholder(tf.int32, [None])
         per_example = loss(labels, model.outputs[0])                        # [N]
         sess = tf.compat.v1.keras.backend.get_session()
@@ -76,13 +79,15 @@ def _check_against_the_loop(scores, steps):
                             what="self-influence")
 
 
-@pytest.mark.parametrize("optimizer_kind", ["dp", "sgd"])
-def test_scores_of_shuffled_batches_are_the_loops_keyed_by_index(optimizer_kind):
+@pytest.mark.parametrize("optimizer_kind, reduction", [("dp", NONE), ("sgd", NONE),
+                                                       ("dp", AUTO)])
+def test_scores_of_shuffled_batches_are_the_loops_keyed_by_index(optimizer_kind,
+                                                                 reduction):
     def fits(model, x, y, callbacks):
         model.fit(x, y, batch_size=4, epochs=2, shuffle=True, verbose=0,
                   callbacks=callbacks)
 
-    scores, steps, function = _fit(optimizer_kind, fits)
+    scores, steps, function = _fit(optimizer_kind, fits, reduction)
     assert len(steps) == 6
     np.testing.assert_array_equal(scores.times_seen, np.full(N, 2))   # once an epoch
     for epoch in (steps[:3], steps[3:]):
@@ -97,21 +102,20 @@ def test_scores_of_shuffled_batches_are_the_loops_keyed_by_index(optimizer_kind)
 
 
 def test_scores_on_poisson_batches_an_empty_one_included():
-    # seed 2 with q = 0.1 draws 2 examples, then none (checked below); workers=0: the
-    # fit calls take the stream's draws in order
-    q, seed = 0.1, 2
-    want = [len(b) for b in pertower.poisson_batches(np.arange(N), q, steps=2, seed=seed)]
-    assert want[0] > 0 and want[1] == 0
+    # seed 2 with q = 0.15 draws 2, 0, 2, 0, 2 and 3 examples (checked below);
+    # workers=0: the steps take the sequence's draws in order
+    q, seed = 0.15, 2
+    want = [len(b) for b in pertower.poisson_batches(np.arange(N), q, steps=6, seed=seed)]
+    assert want == [2, 0, 2, 0, 2, 3]
 
     def fits(model, x, y, callbacks):
-        sequence = dp_keras.PoissonSequence(x, y, q, steps_per_epoch=1, seed=seed)
-        for _ in range(2):      # one step per fit (Keras averages a [B] loss per fit)
-            model.fit(sequence, epochs=1, verbose=0, workers=0, callbacks=callbacks)
+        sequence = dp_keras.PoissonSequence(x, y, q, steps_per_epoch=3, seed=seed)
+        model.fit(sequence, epochs=2, verbose=0, workers=0, callbacks=callbacks)
 
-    scores, steps, _ = _fit("dp", fits)
+    scores, steps, _ = _fit("dp", fits, AUTO)
     assert [len(indices) for _, (indices, _, _) in steps] == want
     _check_against_the_loop(scores, steps)
-    assert scores.times_seen.sum() == want[0]
+    assert scores.times_seen.sum() == sum(want)
 
 
 def test_bad_inputs_are_refused_naming_the_fix():
@@ -132,6 +136,8 @@ def test_bad_inputs_are_refused_naming_the_fix():
         assert model.train_function.fetches == []       # detached on the error too
     with tf.Graph().as_default():
         model = keras.Sequential([keras.layers.Dense(2, input_shape=(2,))])
-        model.compile(optimizer=keras.optimizers.legacy.SGD(0.1), loss="mse")
-        with pytest.raises(ValueError, match="loss is a scalar.*reduction="):
+        model.compile(optimizer=keras.optimizers.legacy.SGD(0.1),
+                      loss=keras.losses.MeanSquaredError(reduction="sum"))
+        with pytest.raises(ValueError, match="pertower.ExampleScores: `model.total_loss` "
+                                             ".* sums the examples' losses"):
             model.fit(x, x, verbose=0, callbacks=[dp_keras.ExampleScores(x)])

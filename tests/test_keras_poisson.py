@@ -4,7 +4,9 @@ Each batch is an independent Poisson sample (its size Binomial(N, q), checked wi
 chi-square test on seeded draws: the numbers are fixed, so the test cannot flake), drawn
 by the sampler of `pertower.poisson_batches` (the same seed gives the same batches). One
 fit step with noise 0 on a Poisson batch moves w to w - lr * sum_i clip_C(g_i) / (q N),
-g_i the one-example loop's gradients over that batch; an empty batch is a step too.
+g_i the one-example loop's gradients over that batch; an empty batch is a step too. A
+fit of several epochs on batches of every size, 0 included (Keras' default reduction,
+whose scalar loss Keras averages over the steps), takes each of those steps.
 """
 
 import numpy as np
@@ -136,3 +138,61 @@ def test_an_empty_batch_is_a_step_of_noise_alone():
     moves = np.concatenate([(v - w).ravel() for w, v in zip(before, after)])
     scale = LR * CLIP / (0.02 * N)
     assert b == 0 and np.all(moves != 0) and np.all(np.abs(moves) < 7 * scale)
+
+
+class _Steps(keras.callbacks.Callback):
+    """Each step's weights before and after, and the loop's clipped sum / (q N) over
+    the step's batch (`batches`, in the order the sequence draws them) at the weights
+    before."""
+
+    def __init__(self, clipped_sum_over, batches):
+        super().__init__()
+        self.clipped_sum_over, self.batches, self.steps = clipped_sum_over, batches, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        index = self.batches[len(self.steps)]
+        self.steps.append([self.model.get_weights(), self.clipped_sum_over(index)])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps[-1].append(self.model.get_weights())
+
+
+def test_a_fit_of_several_epochs_takes_a_step_on_every_batch_size_0_included():
+    # seed 0 with q = 0.15 draws batches of 3, 3, 1, 0, 3 and 2 examples (checked)
+    q, seed = 0.15, 0
+    batches = list(pertower.poisson_batches(np.arange(N), q, steps=6, seed=seed))
+    assert [len(b) for b in batches] == [3, 3, 1, 0, 3, 2]
+    x, y = _data(np.random.RandomState(2))
+    with tf.Graph().as_default():
+        common.seed_weights(2)
+        model = keras.Sequential([keras.layers.Dense(4, activation="tanh", input_shape=(5,)),
+                                  keras.layers.Dense(3)])
+        sequence = dp_keras.PoissonSequence(x, y, q, steps_per_epoch=3, seed=seed)
+        model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(
+            l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=LR,
+            expected_batch_size=sequence.expected_batch_size),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        labels = tf.compat.v1.placeholder(tf.int32, [None])
+        per_example = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=NONE)(labels, model.outputs[0])      # [b]
+        sess = tf.compat.v1.keras.backend.get_session()
+
+        def clipped_sum_over(index):
+            if not len(index):
+                return [np.zeros(w.shape.as_list(), np.float32)
+                        for w in model.trainable_weights]
+            grads = oracle.loop_per_example_gradients(
+                sess, per_example, model.trainable_weights,
+                {model.inputs[0]: x[index], labels: y[index]})
+            return [g * len(index) / sequence.expected_batch_size
+                    for g in common.loop_clipped_mean(grads, CLIP)[1]]
+
+        spy = _Steps(clipped_sum_over, batches)
+        # workers=0: the steps take the sequence's draws in order, as `batches`
+        history = model.fit(sequence, epochs=2, verbose=0, workers=0, callbacks=[spy])
+    assert len(spy.steps) == 6
+    for t, (before, update, after) in enumerate(spy.steps):
+        common.assert_all_close(after, [w - LR * g for w, g in zip(before, update)],
+                                what=f"step {t} ({len(batches[t])} examples)", kind="deep")
+    losses = history.history["loss"]
+    assert len(losses) == 2 and all(np.isscalar(v) and np.isfinite(v) for v in losses)
