@@ -111,7 +111,7 @@ class ExampleScores(tf_keras.callbacks.Callback):
         self.last_step = (np.zeros(0, np.int64), np.zeros(0), 0.0)
         self._index = None                 # {digest of a row: its index}, per input dtype
         self._function, self._fetches, self._received = None, (), {}
-        self._built = {}                   # id(total_loss) -> (norms, rows, η) tensors
+        self._built = (None, None)         # (total_loss, its (norms, rows, η) tensors)
 
     def top(self, k):
         """[k]: the indices of the k largest self-influences, largest first."""
@@ -135,8 +135,7 @@ class ExampleScores(tf_keras.callbacks.Callback):
     def _tensors(self):
         """(norms [B], the input rows, η) of the model's current training loss."""
         model = self.model
-        key = id(model.total_loss)
-        if key not in self._built:
+        if self._built[0] is not model.total_loss:
             if len(model.inputs) != len(self._x):
                 raise _context.error(
                     ValueError, f"the model has {len(model.inputs)} inputs but `x` "
@@ -149,8 +148,8 @@ class ExampleScores(tf_keras.callbacks.Callback):
                         if self._fixed_rate is not None else
                         _learning_rate(model.optimizer))
                 rows = [tf.identity(x) for x in model.inputs]
-            self._built[key] = (norms, rows, rate)
-        return self._built[key]
+            self._built = (model.total_loss, (norms, rows, rate))
+        return self._built[1]
 
     def on_train_begin(self, logs=None):
         self._function = _tf.keras_train_function(self.model)   # the optimizer's too
