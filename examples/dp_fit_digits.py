@@ -12,7 +12,7 @@ learning rate x squared gradient norm, fetched in each step's own run). Prints t
 accuracy, the privacy spent, (ε, δ) from `pertower.compute_epsilon`, and how many of
 the --flip largest self-influences are flipped labels (the precision of the top list).
 
-Run:  python examples/dp_fit_digits.py               (about 30 s on 2 cores)
+Run:  python examples/dp_fit_digits.py               (about 20 s on 2 cores)
       python examples/dp_fit_digits.py --quick       (a few steps: a smoke test)
 """
 
