@@ -38,6 +38,11 @@ batch smaller than the others fails in Keras' averaging of them (plain tf_keras 
 use the default reduction for a scalar history. Eager execution (TF2's default `fit`)
 is refused.
 
+Batches of any size train, 0 included (a noise-only step): set `expected_batch_size`,
+the divisor of the noised sum. `PoissonSequence` gives `fit` the Poisson batches whose
+privacy `pertower.compute_epsilon` accounts; the callback `ExampleScores` keeps each
+trained example's gradient norm and TracIn self-influence (mislabelled examples first).
+
 Example:
   opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
                                            learning_rate=0.1)
@@ -58,9 +63,12 @@ from pertower._dp import clipping as clipping_lib
 from pertower._dp import ftrl
 from pertower._dp import keras_loss
 from pertower._dp import optimizer as dp_optimizer
+from pertower._keras_callbacks import ExampleScores
+from pertower._keras_poisson import PoissonSequence
 
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
-           "DPKerasAdagradOptimizer", "DPFTRLTreeAggregationOptimizer"]
+           "DPKerasAdagradOptimizer", "DPFTRLTreeAggregationOptimizer", "PoissonSequence",
+           "ExampleScores"]
 
 
 class _KerasApply(tf.compat.v1.train.Optimizer):

@@ -43,6 +43,19 @@ def test_dp_sgd_digits_prints_accuracy_epsilon_and_step_times(capsys):
     assert re.search(r"median step time: SGD \d+\.\d ms, DP-SGD \d+\.\d ms", out), out
 
 
+def test_dp_fit_digits_prints_accuracy_epsilon_and_the_flipped_labels_found(capsys):
+    out = _run("dp_fit_digits.py", capsys)
+    private = re.search(r"DP fit  test accuracy (\d\.\d+)   epsilon = (\d+\.\d+) at delta = "
+                        r"1e-05 \(5 steps, q = 0\.0333, noise multiplier 1\.1", out)
+    assert private, out
+    want = pertower.compute_epsilon(5, 1.1, 50 / 1500, 1e-5)
+    assert float(private.group(2)) == pytest.approx(want, abs=0.006), out
+    found = re.search(r"flipped labels among the 75 largest self-influences: (\d+)/75 "
+                      r"\(precision \d\.\d\d; at random 0\.05\); (\d+) examples trained on",
+                      out)
+    assert found and 0 < int(found.group(2)) <= 5 * 150, out   # 5 steps of about 50
+
+
 def test_tracin_digits_writes_the_grid(tmp_path, capsys):
     # --top 1: one proponent and one opponent per test digit (12 panels to draw, not 36)
     output = tmp_path / "tracin.png"

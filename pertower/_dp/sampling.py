@@ -23,7 +23,8 @@ from pertower import _checks
 from pertower import _context
 from pertower._towers import slicing
 
-__all__ = ["poisson_batches", "poisson_capacity", "checked_capacity", "within_capacity"]
+__all__ = ["poisson_batches", "poisson_capacity", "poisson_indices", "checked_capacity",
+           "within_capacity"]
 
 
 @_context.public("poisson_batches")
@@ -73,11 +74,19 @@ def poisson_batches(arrays, sampling_probability, steps=None, seed=None, splits=
     return _batches(arrays, single, q, int(steps), seed, splits)
 
 
+def poisson_indices(num_examples, sampling_probability, rng):
+    """[B_t]: one Poisson batch, the indices (ascending) of the examples whose uniform
+    draw from the `np.random.Generator` `rng` is below q; B_t ~ Binomial(N, q), 0
+    included. The one sampler of `poisson_batches` and `pertower.keras.PoissonSequence`.
+    """
+    return np.flatnonzero(rng.random(num_examples) < sampling_probability)
+
+
 def _batches(arrays, single, q, steps, seed, splits):
     rng = np.random.default_rng(seed)
     N = arrays[0].shape[0]
     for _ in range(steps):
-        index = np.flatnonzero(rng.random(N) < q)                         # [B_t]
+        index = poisson_indices(N, q, rng)                                 # [B_t]
         pieces = [tuple(a[part] for a in arrays) for part in np.array_split(index, splits)]
         pieces = [p[0] if single else p for p in pieces]
         yield pieces[0] if splits == 1 else pieces

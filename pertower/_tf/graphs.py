@@ -30,7 +30,8 @@ __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
-           "partitions", "set_chief_queue_runner", "onednn_enabled", "pfor"]
+           "partitions", "set_chief_queue_runner", "onednn_enabled", "pfor",
+           "keras_train_function"]
 
 FuncGraph = _func_graph.FuncGraph
 RefVariable = _ref_variable.RefVariable
@@ -284,6 +285,16 @@ def set_chief_queue_runner(sync_optimizer, runner):
     probe.require("SyncReplicasOptimizer._chief_queue_runner", lambda: None if hasattr(
         sync_optimizer, "_chief_queue_runner") else "it has no _chief_queue_runner")
     sync_optimizer._chief_queue_runner = runner
+
+
+def keras_train_function(model):
+    """tf_keras' v1 (graph-mode) `model.train_function`, built now when `fit` builds it
+    only at its first batch (a Sequence or generator): `Model._make_train_function`,
+    which returns at once when it is built."""
+    probe.require("tf_keras Model._make_train_function", lambda: None if hasattr(
+        model, "_make_train_function") else "the model has no _make_train_function")
+    model._make_train_function()
+    return model.train_function
 
 
 def onednn_enabled():
