@@ -117,11 +117,15 @@ class _DPStateWeights:
     an HDF5 `load_model` calls `set_weights` before, so their saved values wait in
     `pending`; `model.load_weights` of a TensorFlow checkpoint restores them as they
     are made (a `tf.compat.v1.train.Checkpoint(...).restore(path)` of your own needs
-    its `run_restore_ops()` again after the first `fit` builds them)."""
+    its `run_restore_ops()` again after the first `fit` builds them). A variable whose
+    shape grows (the efficient tree's buffer of `DPFTRLTreeAggregationOptimizer`) cannot
+    be a Keras weight: it is made and initialized here but not saved, so a restored
+    efficient tree continues its releases and seed but not the buffer's values."""
 
     def __init__(self, keras_optimizer):
         self.keras_optimizer = keras_optimizer
         self.variables = []
+        self.unsaved = []        # made here, initialized here, not among `weights`
         self.pending = None      # saved values of variables not made yet
         self.dp_gradients_built = False   # (then apply_gradients is allowed)
         self._adding = False
@@ -130,6 +134,12 @@ class _DPStateWeights:
         """A `tf.variable_creator_scope` creator: the variable as a Keras weight."""
         if self._adding:         # add_weight's own creation
             return next_creator(**kwargs)
+        shape = kwargs.get("shape")
+        if shape is not None and not tf.TensorShape(shape).is_fully_defined():
+            # a buffer that grows (the efficient tree's): not a Keras weight, not saved
+            variable = next_creator(**kwargs)
+            self.unsaved.append(variable)
+            return variable
         initial = kwargs["initial_value"]
         value = initial() if callable(initial) else initial
         name = "_".join(kwargs["name"].split("/")[-2:])   # e.g. dp_accumulator_sum_0
@@ -245,8 +255,16 @@ def make_keras_optimizer_class(cls):
         @_as_keras_class
         def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
             """DPOptimizer's training op for the per-example `loss` ([B]); `tape` is not
-            used (graph mode) and `grad_loss` must be None."""
-            return self._train_op(loss, var_list, grad_loss=grad_loss, name=name)
+            used (graph mode) and `grad_loss` must be None. The variables it makes (the
+            Keras optimizer's own too) are initialized, as `fit` would."""
+            before = set(map(id, tf.compat.v1.global_variables()))
+            train_op = self._train_op(loss, var_list, grad_loss=grad_loss, name=name)
+            # those of the DP step were initialized as they were made
+            before.update(map(id, self._state.variables + self._state.unsaved))
+            made = [v for v in tf.compat.v1.global_variables() if id(v) not in before]
+            if made:
+                self._state.initialize(made)
+            return train_op
 
         @property
         def weights(self):
@@ -288,12 +306,13 @@ def make_keras_optimizer_class(cls):
         def _compute_gradients(self, loss, var_list, grad_loss=None):
             """DPOptimizer's pairs, its variables made as this optimizer's weights."""
             self._state.dp_gradients_built = True
-            made = len(self._state.variables)
+            made, unsaved = len(self._state.variables), len(self._state.unsaved)
             with tf.variable_creator_scope(self._state.creator):
                 grads_and_vars = self._dp.compute_gradients(loss, var_list=var_list,
                                                             grad_loss=grad_loss)
-            if len(self._state.variables) > made:
-                self._state.initialize(self._state.variables[made:])
+            if len(self._state.variables) > made or len(self._state.unsaved) > unsaved:
+                self._state.initialize(self._state.variables[made:]
+                                       + self._state.unsaved[unsaved:])
             return grads_and_vars
 
         @_as_keras_class
