@@ -4,7 +4,10 @@ C⁻¹ C⁻ᵀ, b = 1 against DP-SGD's draw, and `DPOptimizer(mechanism=)` again
 one-example loop's clipped sums; checkpoint continuation; bad arguments.
 """
 
+import importlib.util
 import os
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -251,3 +254,27 @@ def test_dp_optimizer_rejects_a_bad_mechanism_and_a_second_use():
         with pytest.raises(ValueError, match="one BandedMFNoise per optimizer"):
             pertower.DPOptimizer(sgd, 1.0, 1.0, mechanism=mechanism).compute_gradients(
                 ys, weights)
+
+
+def test_the_digits_example_trains_each_mechanism_at_the_same_epsilon(capsys):
+    """examples/dp_ftrl_digits.py --quick (5 steps of each run): an accuracy per run and
+    the σ that reaches ε = 3 under each run's accounting."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dp_ftrl_digits.py"
+    spec = importlib.util.spec_from_file_location("dp_ftrl_digits", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    assert module.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^(DP-SGD|banded MF|DP-FTRL) +test accuracy [01]\.\d{3}   noise "
+                      r"multiplier (\d+\.\d+)", out, re.M)
+    want = ["DP-SGD", "banded MF"] + (["DP-FTRL"] if hasattr(pertower, "DPFTRLOptimizer")
+                                       else [])
+    assert [name for name, _ in rows] == want, out
+    accounting = {"DP-SGD": dict(sampling_probability=50 / 1500),
+                  "banded MF": dict(sampling_probability=1.0, mechanism="banded_mf", epochs=1,
+                                    bands=30),
+                  "DP-FTRL": dict(sampling_probability=1.0, mechanism="tree", epochs=1)}
+    for name, sigma in rows:   # σ printed to 3 decimals: ε within 1% of the target
+        eps = pertower.compute_epsilon(5, float(sigma), delta=1e-5, **accounting[name])
+        assert eps == pytest.approx(3.0, rel=1e-2), (name, sigma, eps)

@@ -74,7 +74,7 @@ def compute_epsilon(steps, noise_multiplier, sampling_probability, delta, accoun
         b-min-sep sampling): the module docstring.
       epochs: k >= 1 (default 1) with "tree" and "banded_mf" in a fixed order: the
         participations of one example, one per epoch of T/k steps (the tree restarted
-        at each epoch; banded MF needs T/k >= bands). None otherwise.
+        at each epoch; banded MF needs T/k >= bands when k > 1). None otherwise.
       bands: b >= 1, the `bands` of the `pertower.BandedMFNoise`, with "banded_mf" only.
 
     Returns:
@@ -155,7 +155,7 @@ def _mechanism(mechanism, steps, sampling_probability, accountant, epochs, bands
         raise _context.error(ValueError, "mechanism='banded_mf' needs `bands`, the "
                              "BandedMFNoise's number of bands.")
     b = _checks.positive_int(bands, "bands")
-    if fixed_order and steps and steps // k < b:
+    if fixed_order and k > 1 and steps // k < b:
         raise _context.error(
             ValueError, f"mechanism='banded_mf' needs an example's participations at least "
             f"bands={b} steps apart, but {k} epochs of {steps} steps are {steps // k} "
