@@ -205,11 +205,13 @@ class BandedMFNoise:
                 # slot t mod (b-1) holds w_t; at step t slot r holds w_{t-j}, j as below
                 slot = tf.math.floormod(t, b - 1)
                 j = tf.math.floormod(t - 1 - tf.range(b - 1, dtype=tf.int64), b - 1) + 1
-                weights = tf.gather(row, j)                                     # [b-1]
-                w = [(zx - tf.tensordot(weights, buffer.read_value(), axes=1)) / row[0]
-                     for zx, buffer in zip(z, state.buffers)]                  # [*x.shape]
-                writes = [tf.compat.v1.scatter_update(buffer, slot, wx)
-                          for buffer, wx in zip(state.buffers, w)]
+                weights = tf.unstack(tf.gather(row, j), num=b - 1)      # b-1 scalars
+                # a sum of whole reads: neither a [b-1, *x.shape] contraction (slow in
+                # Eigen without oneDNN) nor a sparse write (copy-on-read mode after it)
+                w = [(zx - tf.add_n([weights[r] * past.read_value()
+                                    for r, past in enumerate(slots)])) / row[0]
+                     for zx, slots in zip(z, state.buffers)]                   # [*x.shape]
+                writes = [_write(slots, slot, wx) for slots, wx in zip(state.buffers, w)]
             with tf.control_dependencies(writes + w):
                 advanced = state.step.assign_add(1)
             with tf.control_dependencies([advanced]):
@@ -217,9 +219,18 @@ class BandedMFNoise:
                         for g, wx, s in zip(gradients, w, stddevs)]
 
 
+def _write(slots, slot, value):
+    """The op assigning `value` to variable number `slot` ([] int64) of `slots`."""
+    if len(slots) == 1:
+        return slots[0].assign(value).op
+    return tf.switch_case(tf.cast(slot, tf.int32), [
+        lambda past=past: tf.group(past.assign(value)) for past in slots])
+
+
 class _State:
     """The noise's variables in `graph`: the step t ([] int64), the base key ([2] int64)
-    and a buffer [b - 1, *x.shape] of past w per weight (none for b = 1)."""
+    and per weight x a buffer of b - 1 variables [*x.shape], slot r holding the w_t with
+    t mod (b - 1) = r (none for b = 1)."""
 
     def __init__(self, graph, gradients, bands, seed):
         self.graph = graph
@@ -236,9 +247,9 @@ class _State:
             self.base_key = tf.compat.v1.get_variable(
                 "base_key", shape=[2], dtype=tf.int64, trainable=False, use_resource=True,
                 initializer=key)
-            self.buffers = [tf.compat.v1.get_variable(
-                f"past_{k}", shape=[bands - 1] + g.shape.as_list(),
-                dtype=g.dtype.base_dtype, trainable=False, use_resource=True,
-                initializer=tf.compat.v1.zeros_initializer())
-                for k, g in enumerate(gradients)] if bands > 1 else []
-        self.variables = [self.step, self.base_key] + self.buffers
+            self.buffers = [[tf.compat.v1.get_variable(
+                f"past_{k}_{r}", shape=g.shape, dtype=g.dtype.base_dtype, trainable=False,
+                use_resource=True, initializer=tf.compat.v1.zeros_initializer())
+                for r in range(bands - 1)] for k, g in enumerate(gradients)] if bands > 1 else []
+        self.variables = [self.step, self.base_key] + [v for slots in self.buffers
+                                                         for v in slots]
