@@ -9,8 +9,8 @@ Notation:
 
 The matrix mechanism (Denisov et al. 2022, arXiv 2202.08312; Choquette-Choo et al. 2023,
 "Multi-Epoch Matrix Factorization Mechanisms", arXiv 2211.06530): the iterates of SGD are
-prefix sums A g of the gradients; factor A = B C and release C g + s z, i.e. the noised
-gradients g + s C⁻¹ z, so that the iterates carry the noise A C⁻¹ z = B z. Step t releases
+prefix sums A g of the gradients; factor A = L C and release C g + s z, i.e. the noised
+gradients g + s C⁻¹ z, so that the iterates carry the noise A C⁻¹ z = L z. Step t releases
 
     ĝ_t = g_t + s w_t,    C w = z:    w_t = (z_t - sum_{j=1}^{b-1} C[t, t-j] w_{t-j}) / C[t, t]
 
