@@ -211,7 +211,7 @@ class BandedMFNoise:
                 w = [(zx - tf.add_n([weights[r] * past.read_value()
                                     for r, past in enumerate(slots)])) / row[0]
                      for zx, slots in zip(z, state.buffers)]                   # [*x.shape]
-                writes = [_write(slots, slot, wx) for slots, wx in zip(state.buffers, w)]
+                writes = [_write(state.buffers, slot, w)]
             with tf.control_dependencies(writes + w):
                 advanced = state.step.assign_add(1)
             with tf.control_dependencies([advanced]):
@@ -219,12 +219,14 @@ class BandedMFNoise:
                         for g, wx, s in zip(gradients, w, stddevs)]
 
 
-def _write(slots, slot, value):
-    """The op assigning `value` to variable number `slot` ([] int64) of `slots`."""
-    if len(slots) == 1:
-        return slots[0].assign(value).op
-    return tf.switch_case(tf.cast(slot, tf.int32), [
-        lambda past=past: tf.group(past.assign(value)) for past in slots])
+def _write(buffers, slot, w):
+    """The op assigning w_x to variable number `slot` ([] int64) of weight x's buffer,
+    for every x: one switch over the slots."""
+    def assign(r):
+        return lambda: tf.group([slots[r].assign(wx) for slots, wx in zip(buffers, w)])
+    if len(buffers[0]) == 1:
+        return assign(0)()
+    return tf.switch_case(tf.cast(slot, tf.int32), [assign(r) for r in range(len(buffers[0]))])
 
 
 class _State:
