@@ -22,7 +22,7 @@ __all__ = [
     "compute_epsilon", "compute_noise_multiplier", "tracin", "tracin_over_checkpoints",
     "similarity_matrix", "class_similarity", "fisher_diagonal", "gradient_variance", "NoiseScale",
     "gradient_noise_scale", "empirical_ntk", "sum_grad_squared", "diag_ggn", "kfac_factors",
-    "KroneckerFactors",
+    "KroneckerFactors", "BandedMFNoise",
 ]
 
 # public names by the module that defines them
@@ -42,6 +42,7 @@ _MODULES = {
     "pertower._dp.optimizer": ("DPOptimizer",),
     "pertower._dp.distributed": ("DPSyncReplicasOptimizer",),
     "pertower._dp.ftrl": ("DPFTRLOptimizer",),
+    "pertower._dp.banded": ("BandedMFNoise",),
     "pertower._dp.clipping": ("AdaptiveClipping",),
     "pertower._dp.sampling": ("poisson_batches", "poisson_capacity"),
     "pertower._dp.accounting": ("compute_epsilon", "compute_noise_multiplier"),

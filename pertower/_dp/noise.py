@@ -23,7 +23,7 @@ import math
 import tensorflow as tf
 
 __all__ = ["ALIGNED_PAIRS", "uniform_pairs", "box_muller", "standard_normal", "normal_pairs",
-           "add_noise", "GaussianNoise"]
+           "normal_like", "add_noise", "GaussianNoise"]
 
 # 16 float32 = 64 bytes, the alignment at which TensorFlow slices without a copy
 ALIGNED_PAIRS = 16
@@ -55,9 +55,9 @@ def standard_normal(n, key, dtype=tf.float32):
     return normal_pairs(n, key, dtype)[:n]                          # [n]
 
 
-def add_noise(gradients, stddevs, key):
-    """[*x.shape] per weight x -> g_x + s_x N(0, 1) per entry, from ONE draw over all
-    weights; `stddevs` one float or scalar tensor per weight, `key` [2] int64."""
+def normal_like(gradients, key):
+    """[*x.shape] N(0, 1) draws per weight x, cut from ONE draw over all weights
+    (`normal_pairs` of `key`, [2] int64) in one split."""
     dtype = gradients[0].dtype
     # static sizes where known, so that the draw need not wait for the gradients
     sizes = [g.shape.num_elements() if g.shape.is_fully_defined() else tf.size(g)
@@ -70,9 +70,16 @@ def add_noise(gradients, stddevs, key):
     # [2h] -> [P_x] each (and the tail), in one split
     pieces = tf.split(noise, tf.stack(sizes + [tail]), num=len(gradients) + 1)[:-1]
     # [P_x] -> [*x.shape]
-    return [g + tf.cast(s * tf.reshape(p, g.shape if g.shape.is_fully_defined()
-                                       else tf.shape(g)), g.dtype)
-            for g, p, s in zip(gradients, pieces, stddevs)]
+    return [tf.reshape(p, g.shape if g.shape.is_fully_defined() else tf.shape(g))
+            for g, p in zip(gradients, pieces)]
+
+
+def add_noise(gradients, stddevs, key):
+    """[*x.shape] per weight x -> g_x + s_x N(0, 1) per entry, from ONE draw over all
+    weights (`normal_like`); `stddevs` one float or scalar tensor per weight, `key` [2]
+    int64."""
+    return [g + tf.cast(s * z, g.dtype)
+            for g, z, s in zip(gradients, normal_like(gradients, key), stddevs)]
 
 
 class GaussianNoise:

@@ -76,6 +76,9 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         `l2_norm_clip_variable` and moves at each noised step. Flat clipping only.
       gradient_accumulation_steps: k >= 1; with k > 1 every k-th run of the training op
         applies one noised step for the last k batches (`_Accumulator`).
+      mechanism: None (default: DP-SGD's independent Gaussian noise, `seed` as above), or
+        a noise object with `key()` and `add(gradients, stddevs)` (and `seed`), such as
+        `pertower.BandedMFNoise` (noise correlated across steps; its own `seed`).
 
     Example:
       loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
@@ -91,7 +94,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
     @_context.public("DPOptimizer")
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None,
                  seed=None, method="auto", clipping="flat", expected_batch_size=None,
-                 adaptive_clipping=None, gradient_accumulation_steps=1):
+                 adaptive_clipping=None, gradient_accumulation_steps=1, mechanism=None):
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise _context.error(
                 TypeError, "`optimizer` must be a tf.compat.v1.train.Optimizer "
@@ -104,7 +107,9 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
             num_microbatches, "num_microbatches"))
         self._seed = _checks.optional_seed(seed)
-        self._noise = noise_lib.GaussianNoise(self._seed)
+        self._noise = (noise_lib.GaussianNoise(self._seed) if mechanism is None else
+                       _check_mechanism(mechanism, self._seed))
+        self._seed = getattr(self._noise, "seed", None)
         self._method = _request.check_method(method)
         self._clip = clipping_lib.clipping_options(
             clipping, l2_norm_clip, self._noise_multiplier, self._num_microbatches,
@@ -294,6 +299,21 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         return (f"DPOptimizer({type(self._optimizer).__name__}, l2_norm_clip="
                 f"{self._clip.l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
                 f"num_microbatches={self._num_microbatches}, seed={self._seed})")
+
+
+def _check_mechanism(mechanism, seed):
+    """`mechanism` when it is a noise object (`_dp.noise`) and `seed` is None."""
+    if not all(callable(getattr(mechanism, name, None)) for name in ("add", "key")):
+        raise _context.error(
+            TypeError, "`mechanism` must be None or a noise object such as "
+            f"pertower.BandedMFNoise(bands=4), but received {type(mechanism).__name__} "
+            f"({mechanism!r:.80}).")
+    if seed is not None:
+        raise _context.error(
+            ValueError, f"`seed` ({seed}) is for the default Gaussian noise; with "
+            "`mechanism`, give the seed to the mechanism (e.g. "
+            "pertower.BandedMFNoise(4, seed=...)) and leave `seed` None.")
+    return mechanism
 
 
 # What compute_gradients built for apply_gradients: the noised gradients it returned, an
