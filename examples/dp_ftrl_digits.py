@@ -11,7 +11,7 @@ multiplier σ from `pertower.compute_noise_multiplier` for its own accounting:
   sampling; an example joins once per epoch, an epoch's steps apart
   (mechanism="banded_mf").
 - DP-FTRL with tree aggregation (`pertower.DPFTRLOptimizer`, a new tree each epoch) in
-  the same fixed order (mechanism="tree"); run when pertower has it.
+  the same fixed order (mechanism="tree").
 
 Prints σ and the test accuracy of each.
 
@@ -79,14 +79,11 @@ def runs(args, steps, steps_per_epoch, q):
         **(dict(mechanism=mechanism, epochs=epochs) if mechanism else {}),
         **(dict(bands=args.bands) if mechanism == "banded_mf" else {}))
         for mechanism in (None, "banded_mf", "tree")}
-    found = [("DP-SGD", sigma[None], lambda: _dp_sgd(args, sigma[None]), True),
-             ("banded MF", sigma["banded_mf"],
-              lambda: _banded_mf(args, sigma["banded_mf"]), False)]
-    # DP-FTRL (issue 34, item 1): pertower.DPFTRLOptimizer when this checkout has it
-    if hasattr(pertower, "DPFTRLOptimizer"):
-        found.append(("DP-FTRL", sigma["tree"],
-                      lambda: _dp_ftrl(args, sigma["tree"], steps_per_epoch), False))
-    return found
+    return [("DP-SGD", sigma[None], lambda: _dp_sgd(args, sigma[None]), True),
+            ("banded MF", sigma["banded_mf"],
+             lambda: _banded_mf(args, sigma["banded_mf"]), False),
+            ("DP-FTRL", sigma["tree"],
+             lambda: _dp_ftrl(args, sigma["tree"], steps_per_epoch), False)]
 
 
 def train(args, data, make_optimizer, sampled, steps):
