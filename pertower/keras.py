@@ -1,4 +1,4 @@
-"""DP-SGD for tf_keras' `model.fit` in graph mode, under TensorFlow Privacy's names.
+"""DP-SGD for tf_keras' `model.fit`, under TensorFlow Privacy's names.
 
 `DPKerasSGDOptimizer`, `DPKerasAdamOptimizer` and `DPKerasAdagradOptimizer` are
 tf_keras' legacy SGD, Adam and Adagrad with TensorFlow Privacy 0.9.0's arguments
@@ -17,7 +17,14 @@ privacy accounting (`pertower.compute_epsilon`) are the same; pertower's own opt
 As with TensorFlow Privacy, Keras then reports that loss as it is: `history['loss']`
 and `evaluate` hold per-example values, not their mean, and a last batch smaller than
 the others fails in Keras' averaging (plain tf_keras too): use a batch size dividing the
-number of examples. Eager execution (TF2's default `fit`) is refused.
+number of examples.
+
+In TensorFlow 2's default mode (eager execution on) tf_keras' `fit` traces `train_step`
+into a `tf.function` and calls `minimize(loss, var_list, tape=tape)` there with the
+same per-example loss [B]; a `tf.function`'s graph is a graph, so the step is the same
+DPOptimizer step, built in it (the batch is the dataset iterator's outputs; the tape is
+not used). Keras then averages the loss: `history['loss']` is the mean, and a smaller
+last batch is fine. `model.compile(run_eagerly=True)` has no graph and is refused.
 
 Example:
   opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
@@ -52,6 +59,24 @@ class _KerasApply(tf.compat.v1.train.Optimizer):
         return self.keras_optimizer.apply_gradients(grads_and_vars, name=name)
 
 
+def _minimize_in_function(optimizer, loss, var_list, grad_loss, name):
+    """TF2's `fit` (eager execution on): `train_step` runs in a `tf.function`, whose
+    graph (a FuncGraph) pertower differentiates as any other; the batch is the
+    iterator's outputs there, and the variables DPOptimizer makes (an accumulator, an
+    adaptive clip norm) are made once, outside the function. `run_eagerly=True` runs
+    the step eagerly, with no graph: refused."""
+    if tf.executing_eagerly():
+        raise _context.error(
+            RuntimeError, f"{type(optimizer).__name__}'s DP step needs a graph, but "
+            "model.fit runs train_step "
+            "eagerly (model.compile(run_eagerly=True), or "
+            "tf.config.run_functions_eagerly(True)): leave run_eagerly at False so that "
+            "fit traces train_step into a tf.function, or call "
+            "tf.compat.v1.disable_eager_execution() at the start of the program.")
+    return optimizer._dp.minimize(  # pylint: disable=protected-access
+        loss, var_list=var_list, grad_loss=grad_loss, name=name)
+
+
 @_context.public("make_keras_optimizer_class")
 def make_keras_optimizer_class(cls):
     """A DP subclass of the tf_keras legacy optimizer class `cls` (TensorFlow Privacy's
@@ -64,7 +89,7 @@ def make_keras_optimizer_class(cls):
     `pertower.DPOptimizer` (`adaptive_clipping` also as the dict of a
     `pertower.AdaptiveClipping`'s fields). Its `get_config` holds them, so `model.save`
     and `tf_keras.models.load_model(path, custom_objects={name: the class})` round-trip
-    it. Graph mode only.
+    it. Graph mode, or TF2's `fit` (a traced `train_step`; not `run_eagerly=True`).
 
     Raises:
       TypeError: `cls` is not a subclass of `tf_keras.optimizers.legacy.Optimizer`.
@@ -81,14 +106,6 @@ def make_keras_optimizer_class(cls):
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
                      expected_batch_size=None, adaptive_clipping=None, **kwargs):
-            if tf.compat.v1.executing_eagerly_outside_functions():
-                raise _context.error(
-                    RuntimeError, f"{type(self).__name__} needs graph mode (tf_keras' v1 "
-                    "training loop), but eager execution is on: in TF2's default mode "
-                    "model.fit would train without clipping or noise. Call "
-                    "tf.compat.v1.disable_eager_execution() at the start of the program, "
-                    "or build the model and the optimizer inside `with "
-                    "tf.Graph().as_default():`.")
             super().__init__(*args, **kwargs)
             if isinstance(adaptive_clipping, dict):   # as get_config gives it
                 adaptive_clipping = clipping_lib.AdaptiveClipping(**adaptive_clipping)
@@ -113,7 +130,9 @@ def make_keras_optimizer_class(cls):
 
         def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
             """DPOptimizer's training op for the per-example `loss` ([B]); `tape` is not
-            used (graph mode) and `grad_loss` must be None."""
+            used (pertower differentiates the graph) and `grad_loss` must be None."""
+            if tf.compat.v1.executing_eagerly_outside_functions():
+                return _minimize_in_function(self, loss, var_list, grad_loss, name)
             before = set(map(id, tf.compat.v1.global_variables()))
             train_op = self._dp.minimize(loss, var_list=var_list, grad_loss=grad_loss,
                                          name=name)

@@ -7,6 +7,7 @@ way of `pertower._tf.probe` (`op_order`, `create_op`, `one_sided_gradients`,
 `probe.require` on first use, so a changed TensorFlow raises an error naming them.
 """
 
+import contextlib
 import operator
 import weakref
 
@@ -30,7 +31,7 @@ __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
-           "partitions", "set_chief_queue_runner", "onednn_enabled", "pfor"]
+           "partitions", "handle_in_graph", "tensors_by_identity", "set_chief_queue_runner", "onednn_enabled", "pfor"]
 
 FuncGraph = _func_graph.FuncGraph
 RefVariable = _ref_variable.RefVariable
@@ -277,6 +278,41 @@ def partitions(variable):
     probe.require("PartitionedVariable._get_partitions",
                   lambda: probe.missing(PartitionedVariable, "_get_partitions"))
     return list(variable._get_partitions())
+
+
+def handle_in_graph(handle, graph):
+    """The tensor standing for the resource `handle` in `graph`: the handle itself when it
+    is a tensor of `graph`; inside a `tf.function` (a FuncGraph) the placeholder that
+    captures it (an eager variable's handle, or an outer graph's, through each enclosing
+    function); None when `graph` does not capture it."""
+    if not isinstance(handle, tf.Tensor) or getattr(handle, "graph", None) is graph:
+        return handle
+    if not isinstance(graph, FuncGraph):
+        return None
+    # FuncGraph.captures: the (outer tensor, placeholder) pairs of its by-value captures
+    captured = {id(external): inner for external, inner in graph.captures}
+    if id(handle) in captured:
+        return captured[id(handle)]
+    outer = handle_in_graph(handle, graph.outer_graph)
+    return None if outer is None else captured.get(id(outer))
+
+
+@contextlib.contextmanager
+def tensors_by_identity():
+    """Inside a `tf.function` (a FuncGraph) with TF2's tensor equality on, runs the body
+    with TF1's: tensors hashable and `==` by identity, as pertower's graph code relies
+    on (`tf.compat.v1.disable_tensor_equality`); restored after. Elsewhere nothing."""
+    tensor_class = tf.Tensor
+    probe.require("Tensor._USE_EQUALITY", lambda: probe.missing(tensor_class, "_USE_EQUALITY"))
+    was_on = tensor_class._USE_EQUALITY
+    if not (was_on and tf.compat.v1.get_default_graph().building_function):
+        yield
+        return
+    tf.compat.v1.disable_tensor_equality()
+    try:
+        yield
+    finally:
+        tf.compat.v1.enable_tensor_equality()
 
 
 def set_chief_queue_runner(sync_optimizer, runner):
