@@ -1,15 +1,13 @@
 """The public function a call came through, for error messages: every public function
 runs inside `public(name)`, and the layers below put "pertower.NAME: " (the innermost
 public call's) in front of their errors (`error`) and warnings (`prefixed`). Inside a
-`tf.function` a public call is not converted by AutoGraph and builds with TF1's tensor
-equality (`_tf.tensors_by_identity`).
+`tf.function` a public call is not converted by AutoGraph and builds with AutoGraph
+off and TF1's tensor equality (`_tf.built_as_written`).
 """
 
 import contextlib
 import contextvars
 import functools
-
-import tensorflow as tf
 
 from pertower import _tf
 
@@ -35,14 +33,14 @@ def public(function_name, inner=True):
     other public call is running."""
 
     def decorate(function):
-        # not converted by AutoGraph inside a tf.function: pertower's Python builds the
-        # graph as it is written, with TF1's tensor equality (`_tf.tensors_by_identity`)
-        @tf.autograph.experimental.do_not_convert
+        # inside a tf.function: not converted by AutoGraph, and built as written
+        # (`_tf.built_as_written`)
+        @_tf.not_converted
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
             if not inner and _CALLER.get() is not None:
                 return function(*args, **kwargs)
-            with public_call(function_name), _tf.tensors_by_identity():
+            with public_call(function_name), _tf.built_as_written():
                 return function(*args, **kwargs)
         return wrapper
 

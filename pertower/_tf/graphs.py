@@ -13,6 +13,8 @@ import weakref
 
 import tensorflow as tf
 # pylint: disable=no-name-in-module,protected-access
+from tensorflow.python.autograph.core import ag_ctx as _ag_ctx
+from tensorflow.python.autograph.impl import api as _autograph_api
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
 from tensorflow.python.framework import op_def_registry as _op_def_registry
@@ -31,7 +33,7 @@ __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
-           "partitions", "handle_in_graph", "tensors_by_identity", "set_chief_queue_runner", "onednn_enabled", "pfor"]
+           "partitions", "handle_in_graph", "not_converted", "built_as_written", "set_chief_queue_runner", "onednn_enabled", "pfor"]
 
 FuncGraph = _func_graph.FuncGraph
 RefVariable = _ref_variable.RefVariable
@@ -297,22 +299,38 @@ def handle_in_graph(handle, graph):
     return None if outer is None else captured.get(id(outer))
 
 
+def not_converted(function):
+    """`function`, marked so that AutoGraph calls it as it is inside a `tf.function`
+    (half of `tf.autograph.experimental.do_not_convert`, without its frame: warnings'
+    stack levels stay the caller's)."""
+    probe.require("autograph.impl.api.autograph_artifact",
+                  lambda: probe.missing(_autograph_api, "autograph_artifact"))
+    return _autograph_api.autograph_artifact(function)
+
+
 @contextlib.contextmanager
-def tensors_by_identity():
-    """Inside a `tf.function` (a FuncGraph) with TF2's tensor equality on, runs the body
-    with TF1's: tensors hashable and `==` by identity, as pertower's graph code relies
-    on (`tf.compat.v1.disable_tensor_equality`); restored after. Elsewhere nothing."""
-    tensor_class = tf.Tensor
-    probe.require("Tensor._USE_EQUALITY", lambda: probe.missing(tensor_class, "_USE_EQUALITY"))
-    was_on = tensor_class._USE_EQUALITY
-    if not (was_on and tf.compat.v1.get_default_graph().building_function):
+def built_as_written():
+    """Inside a `tf.function` (a FuncGraph), runs the body as pertower's graph code is
+    written: AutoGraph off (the other half of `do_not_convert`: `tf.while_loop` and
+    `tf.map_fn` bodies are not converted) and, with TF2's tensor equality on, TF1's
+    (tensors hashable and `==` by identity, `tf.compat.v1.disable_tensor_equality`),
+    restored after. Elsewhere nothing."""
+    if not tf.compat.v1.get_default_graph().building_function:
         yield
         return
-    tf.compat.v1.disable_tensor_equality()
-    try:
-        yield
-    finally:
-        tf.compat.v1.enable_tensor_equality()
+    tensor_class = tf.Tensor
+    probe.require("Tensor._USE_EQUALITY", lambda: probe.missing(tensor_class, "_USE_EQUALITY"))
+    probe.require("autograph.core.ag_ctx.ControlStatusCtx",
+                  lambda: probe.missing(_ag_ctx, "ControlStatusCtx", "Status"))
+    was_on = tensor_class._USE_EQUALITY
+    with _ag_ctx.ControlStatusCtx(status=_ag_ctx.Status.DISABLED):
+        if was_on:
+            tf.compat.v1.disable_tensor_equality()
+        try:
+            yield
+        finally:
+            if was_on:
+                tf.compat.v1.enable_tensor_equality()
 
 
 def set_chief_queue_runner(sync_optimizer, runner):
