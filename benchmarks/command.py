@@ -1,7 +1,7 @@
 """`python -m benchmarks`: its options, and what it runs.
 
     python -m benchmarks [--onednn both|off|on|as-is] [--pertower PATH ...] [--rounds N]
-                         [--full] [--dp] [--models M ...] [--batch-sizes B ...]
+                         [--full] [--dp] [--dp-fit] [--models M ...] [--batch-sizes B ...]
                          [--methods M ...] [--repeats R] [--loop-repeats R] [--json FILE|-]
                          [--plot FILE.png] [--env NAME=VALUE ...] [--peers]
 
@@ -93,6 +93,12 @@ def add_arguments(parser):
                              "Both draws are timed as their marginal cost: 10 draws in one "
                              "sess.run (10 normal_ calls in one timed block), divided by "
                              "10; the fixed cost of a sess.run is its own row")
+    parser.add_argument("--dp-fit", action="store_true",
+                        help="only an epoch of tf_keras' model.fit in graph mode with "
+                             "pertower.keras.DPKerasSGDOptimizer (C=1, sigma=1, and sigma=0) "
+                             "against the same epoch with plain SGD, and one "
+                             "train_on_batch of each, on the cifar net (B=64, 8 batches "
+                             "an epoch, unless --batch-sizes says otherwise)")
     parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
@@ -238,6 +244,10 @@ def run(args):
     report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
     report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
            "after a warm-up, round-robin\n")
+    if args.dp_fit:
+        figures = {"machine": machine, "dp_fit": _run_dp_fit_rows(args, repeats, report)}
+        _write_figures(figures, args.json, report)
+        return 0
     if args.dp_only:
         figures = {"machine": machine, "dp_steps": _run_dp_rows(args, repeats, report)}
         _write_figures(figures, args.json, report)
@@ -306,6 +316,26 @@ def _run_dp_rows(args, repeats, report):
              "median_faults": e.median_faults, "median_cpu_ms": e.median_cpu_ms,
              "cpu_ms": e.cpu_ms}
             for e, ratio in zip(dp_entries, dp.plain_ratios(dp_entries))]
+
+
+def _run_dp_fit_rows(args, repeats, report):
+    """The rows of `--dp-fit` (`dp_fit.run_dp_fit_bench`), printed; returns them for the
+    JSON."""
+    from benchmarks import dp_fit  # pylint: disable=import-outside-toplevel
+
+    report("")
+    with environment.quiet_native_logs():
+        entries = dp_fit.run_dp_fit_bench(models=args.models, batch_sizes=args.batch_sizes,
+                                          repeats=repeats, report=report)
+    report("")
+    report(dp_fit.format_dp_fit_table(entries))
+    report(f"ms: median per call, round-robin (an epoch: {dp_fit.STEPS_PER_EPOCH} batches; "
+           "ms / step: its ms over them); cpu ms: the process's median CPU ms per call, "
+           "all threads; x plain: over the plain row of the same kind (epoch, "
+           "train_on_batch) in the same run.")
+    return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
+             "median_ms": e.median_ms, "runs_ms": e.runs_ms,
+             "median_cpu_ms": e.median_cpu_ms, "cpu_ms": e.cpu_ms} for e in entries]
 
 
 def _run_curvature(args):

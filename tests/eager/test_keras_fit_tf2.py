@@ -178,3 +178,22 @@ def test_run_eagerly_is_refused():
                   loss=_sparse_ce(), run_eagerly=True)
     with pytest.raises(RuntimeError, match="run_eagerly"):
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+def test_towers_over_a_nested_tf_function_are_refused():
+    """A weight read in a tf.function called inside the user's tf.function falls to the
+    towers (method="towers" here), whose copy of the call TensorFlow would differentiate
+    with the whole batch's backward: refused, naming the call and the way out."""
+    w = tf.Variable(np.ones((3, 2), "float32"))
+
+    @tf.function
+    def inner(x):
+        return tf.tanh(tf.matmul(x, w)) ** 2                       # [B, 2]
+
+    @tf.function(autograph=False)   # (with AutoGraph the error comes as a StagingError)
+    def per_example(x):
+        return pertower.per_example_gradients(tf.reduce_sum(inner(x), axis=1), [w],
+                                              method="towers", batch_size=4)
+
+    with pytest.raises(NotImplementedError, match="inside a tf.function.*disable_eager"):
+        per_example(tf.ones([4, 3]))
