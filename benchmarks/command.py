@@ -245,8 +245,10 @@ def run(args):
     report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
            "after a warm-up, round-robin\n")
     if args.dp_fit:
-        figures = {"machine": machine, "dp_fit": _run_dp_fit_rows(args, repeats, report)}
-        _write_figures(figures, args.json, report)
+        from benchmarks import dp_fit  # pylint: disable=import-outside-toplevel
+        with environment.quiet_native_logs():
+            rows = dp_fit.measured_rows(args.models, args.batch_sizes, repeats, report)
+        _write_figures({"machine": machine, "dp_fit": rows}, args.json, report)
         return 0
     if args.dp_only:
         figures = {"machine": machine, "dp_steps": _run_dp_rows(args, repeats, report)}
@@ -316,26 +318,6 @@ def _run_dp_rows(args, repeats, report):
              "median_faults": e.median_faults, "median_cpu_ms": e.median_cpu_ms,
              "cpu_ms": e.cpu_ms}
             for e, ratio in zip(dp_entries, dp.plain_ratios(dp_entries))]
-
-
-def _run_dp_fit_rows(args, repeats, report):
-    """The rows of `--dp-fit` (`dp_fit.run_dp_fit_bench`), printed; returns them for the
-    JSON."""
-    from benchmarks import dp_fit  # pylint: disable=import-outside-toplevel
-
-    report("")
-    with environment.quiet_native_logs():
-        entries = dp_fit.run_dp_fit_bench(models=args.models, batch_sizes=args.batch_sizes,
-                                          repeats=repeats, report=report)
-    report("")
-    report(dp_fit.format_dp_fit_table(entries))
-    report(f"ms: median per call, round-robin (an epoch: {dp_fit.STEPS_PER_EPOCH} batches; "
-           "ms / step: its ms over them); cpu ms: the process's median CPU ms per call, "
-           "all threads; x plain: over the plain row of the same kind (epoch, "
-           "train_on_batch) in the same run.")
-    return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
-             "median_ms": e.median_ms, "runs_ms": e.runs_ms,
-             "median_cpu_ms": e.median_cpu_ms, "cpu_ms": e.cpu_ms} for e in entries]
 
 
 def _run_curvature(args):

@@ -31,7 +31,7 @@ from pertower.tools import timing
 from benchmarks import models as models_lib
 
 __all__ = ["SECTION", "FIT_BATCH_SIZES", "STEPS_PER_EPOCH", "run_dp_fit_bench",
-           "format_dp_fit_table", "reference"]
+           "format_dp_fit_table", "measured_rows", "reference"]
 
 SECTION = "dp fit"
 FIT_BATCH_SIZES = {"cifar": (64,)}
@@ -145,6 +145,23 @@ def format_dp_fit_table(entries, steps=STEPS_PER_EPOCH):
     return timing.format_table(("model", "B", "row", "cpu ms", "ms", "ms / step", "x plain"),
                                rows)
 
+
+
+def measured_rows(models, batch_sizes, repeats, report):
+    """`python -m benchmarks --dp-fit`: `run_dp_fit_bench`'s rows, printed with their
+    table; returns them as the JSON's "dp_fit" list."""
+    report("")
+    entries = run_dp_fit_bench(models=models, batch_sizes=batch_sizes, repeats=repeats,
+                               report=report)
+    report("")
+    report(format_dp_fit_table(entries))
+    report(f"ms: median per call, round-robin (an epoch: {STEPS_PER_EPOCH} batches; ms / "
+           "step: its ms over them); cpu ms: the process's median CPU ms per call, all "
+           "threads; x plain: over the plain row of the same kind (epoch, train_on_batch) "
+           "in the same run.")
+    return [{"model": e.model, "batch_size": e.batch_size, "step": e.name,
+             "median_ms": e.median_ms, "runs_ms": e.runs_ms,
+             "median_cpu_ms": e.median_cpu_ms, "cpu_ms": e.cpu_ms} for e in entries]
 
 
 def _cell(value, spec):
