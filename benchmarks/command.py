@@ -1,7 +1,7 @@
 """`python -m benchmarks`: its options, and what it runs.
 
     python -m benchmarks [--onednn both|off|on|as-is] [--pertower PATH ...] [--rounds N]
-                         [--full] [--dp] [--models M ...] [--batch-sizes B ...]
+                         [--full] [--dp] [--dp-fit] [--models M ...] [--batch-sizes B ...]
                          [--methods M ...] [--repeats R] [--loop-repeats R] [--json FILE|-]
                          [--plot FILE.png] [--env NAME=VALUE ...] [--peers]
 
@@ -95,6 +95,12 @@ def add_arguments(parser):
                              "Both draws are timed as their marginal cost: 10 draws in one "
                              "sess.run (10 normal_ calls in one timed block), divided by "
                              "10; the fixed cost of a sess.run is its own row")
+    parser.add_argument("--dp-fit", action="store_true",
+                        help="only an epoch of tf_keras' model.fit in graph mode with "
+                             "pertower.keras.DPKerasSGDOptimizer (C=1, sigma=1, and sigma=0) "
+                             "against the same epoch with plain SGD, and one "
+                             "train_on_batch of each, on the cifar net (B=64, 8 batches "
+                             "an epoch, unless --batch-sizes says otherwise)")
     parser.add_argument("--models", nargs="+", type=_model_names, action=_Flatten, default=None,
                         metavar="MODEL[,MODEL...]",
                         help=f"models to run, from {', '.join(BENCH_MODELS)} (with --peers: "
@@ -240,6 +246,12 @@ def run(args):
     report(f"CPU: {environment.describe_cpu_facts(machine['cpu_speed'])}")
     report(f"median of {repeats} sess.run per entry ({loop_repeats} passes of the loop) "
            "after a warm-up, round-robin\n")
+    if args.dp_fit:
+        from benchmarks import dp_fit  # pylint: disable=import-outside-toplevel
+        with environment.quiet_native_logs():
+            rows = dp_fit.measured_rows(args.models, args.batch_sizes, repeats, report)
+        _write_figures({"machine": machine, "dp_fit": rows}, args.json, report)
+        return 0
     if args.dp_only:
         figures = {"machine": machine, "dp_steps": _run_dp_rows(args, repeats, report)}
         _write_figures(figures, args.json, report)

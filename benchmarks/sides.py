@@ -16,7 +16,8 @@ its error in that column.
 
 The table has one line per row of the workers' tables, keyed (section, model, B, row):
 
-    section     "gradients" (the gradient table), "dp" (--dp, --dp-only), "zoo"
+    section     "gradients" (the gradient table), "dp" (--dp, --dp-only), "dp fit"
+                (--dp-fit: fit epochs and train_on_batch), "zoo"
                 (--models with zoo networks; "build s" rows are seconds, not ms),
                 "curvature" (--curvature); each gradient and DP row also as "ROW [cpu
                 ms]": the process's CPU ms (all threads), steadier under load
@@ -39,6 +40,7 @@ import sys
 import tempfile
 
 import benchmarks
+from benchmarks import dp_fit
 
 __all__ = ["SETTINGS", "CPU", "Column", "columns", "worker_argv", "run", "rows_of", "merge",
            "format_table", "main"]
@@ -192,6 +194,11 @@ def rows_of(figures):
             d["median_ms"] if d.get("median_ms") is not None else "n/a")
         if d.get("median_cpu_ms") is not None:   # the process's CPU ms: steadier under load
             out[("dp", d["model"], d["batch_size"], d["step"] + CPU)] = d["median_cpu_ms"]
+    for d in figures.get("dp_fit", ()):   # (--dp-fit: benchmarks.dp_fit)
+        key = (dp_fit.SECTION, d["model"], d["batch_size"], d["step"])
+        out[key] = d["median_ms"] if d.get("median_ms") is not None else "n/a"
+        if d.get("median_cpu_ms") is not None:
+            out[key[:3] + (d["step"] + CPU,)] = d["median_cpu_ms"]
     for z in figures.get("zoo", ()):
         if z.get("error"):
             out[("zoo", z["network"], z["batch_size"], "error")] = z["error"][:60]
@@ -232,6 +239,9 @@ def _reference(key):
         return reference and reference[:3] + (reference[3] + CPU,)
     if name.startswith("build s") or name == "error":
         return None
+    if section == dp_fit.SECTION:   # "dp fit epoch σ=0" -> "plain fit epoch"
+        base = dp_fit.reference(name)
+        return base and (section, model, B, base)
     if "dp step" in name:
         return (section, model, B, name.split("dp step")[0] + "plain step")
     if section == "dp":

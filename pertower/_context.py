@@ -2,13 +2,16 @@
 runs inside `public(name)`, and the layers below put "pertower.NAME: " (the innermost
 public call's) in front of their errors (`error`) and warnings (`prefixed`). A call
 made with `public_call(name, hold=True)` keeps its name through the public functions it
-calls (the Keras optimizers, whose errors name the Keras class, not the DPOptimizer
-they use).
+calls (the Keras optimizers, whose errors name the Keras class, not the DPOptimizerthey use).
+Inside a `tf.function` a public call is not converted by AutoGraph and builds with
+AutoGraph off and TF1's tensor equality (`_tf.built_as_written`).
 """
 
 import contextlib
 import contextvars
 import functools
+
+from pertower import _tf
 
 __all__ = ["public", "public_call", "name", "prefix", "prefixed", "error"]
 
@@ -39,11 +42,14 @@ def public(function_name, inner=True):
     other public call is running."""
 
     def decorate(function):
+        # inside a tf.function: not converted by AutoGraph, and built as written
+        # (`_tf.built_as_written`)
+        @_tf.not_converted
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
             if not inner and _CALLER.get() is not None:
                 return function(*args, **kwargs)
-            with public_call(function_name):
+            with public_call(function_name), _tf.built_as_written():
                 return function(*args, **kwargs)
         return wrapper
 

@@ -288,8 +288,10 @@ def _batch_tensors(ys, batch, ys_upstream, graph):
 
 def _variable_reads(variable, j, ys_upstream):
     """The reads of `variable` that `ys` depends on; raises when there is none."""
-    source = variable.handle if hasattr(variable, "handle") else variable.op.outputs[0]
-    reads = [op.outputs[0] for op in source.consumers() if op in ys_upstream and (
+    source = (_tf.handle_in_graph(variable.handle, tf.compat.v1.get_default_graph())
+              if hasattr(variable, "handle") else variable.op.outputs[0])
+    consumers = source.consumers() if source is not None else ()   # (None: not captured)
+    reads = [op.outputs[0] for op in consumers if op in ys_upstream and (
         op.type in op_types.VARIABLE_READ_OP_TYPES or op.type == "Identity")]
     if not reads:
         raise _context.error(ValueError, f"`batch[{j}]` is the variable {variable.name!r}, "

@@ -124,8 +124,9 @@ def _resource_reads(x, name, handle, ys_upstream):
 
 
 def weight_reads(x, index, ys_upstream, batch):
-    """The `WeightReads` of `xs[index]`: a resource variable's reads, gathers and calls
-    of its handle; a reference variable's ref tensor; a tensor itself."""
+    """The `WeightReads` of `xs[index]` in the default graph (that of `ys`): a resource
+    variable's reads, gathers and calls of its handle; a reference variable's ref
+    tensor; a tensor itself."""
     if isinstance(x, _tf.RefVariable):
         ref = _tf.ref_variable_tensor(x)
         reached = any(c in ys_upstream for c in ref.consumers())
@@ -137,6 +138,10 @@ def weight_reads(x, index, ys_upstream, batch):
                 TypeError, f"`xs[{index}]` is a variable of type "
                 f"{type(x).__name__} without a graph resource handle; pass graph-mode "
                 "resource or reference variables, or tensors.")
+        # inside a tf.function: the placeholder capturing the handle (None: not captured)
+        handle = _tf.handle_in_graph(handle, tf.compat.v1.get_default_graph())
+        if handle is None:
+            return WeightReads(x, x.name)
         return _resource_reads(x, x.name, handle, ys_upstream)
     if isinstance(x, tf.Tensor) and hasattr(x, "op"):
         if x.dtype == tf.resource:

@@ -1,4 +1,4 @@
-"""DP-SGD for tf_keras' `model.fit` in graph mode, under TensorFlow Privacy's names.
+"""DP-SGD for tf_keras' `model.fit`, under TensorFlow Privacy's names.
 
 `DPKerasSGDOptimizer`, `DPKerasAdamOptimizer` and `DPKerasAdagradOptimizer` are
 tf_keras' legacy SGD, Adam and Adagrad with TensorFlow Privacy 0.9.0's arguments
@@ -35,13 +35,19 @@ The history and `evaluate` report the loss Keras computes: with the default redu
 the mean loss (a scalar per epoch, regularizers included), as in plain tf_keras; with
 reduction NONE (as TensorFlow Privacy in graph mode) the per-example values, and a last
 batch smaller than the others fails in Keras' averaging of them (plain tf_keras too):
-use the default reduction for a scalar history. Eager execution (TF2's default `fit`)
-is refused.
+use the default reduction for a scalar history.
 
 Batches of any size train, 0 included (a noise-only step): set `expected_batch_size`,
 the divisor of the noised sum. `PoissonSequence` gives `fit` the Poisson batches whose
 privacy `pertower.compute_epsilon` accounts; the callback `ExampleScores` keeps each
 trained example's gradient norm and TracIn self-influence (mislabelled examples first).
+
+In TensorFlow 2's default mode (eager execution on) tf_keras' `fit` traces `train_step`
+into a `tf.function` and calls `minimize(loss, var_list, tape=tape)` there with the
+same loss; a `tf.function`'s graph is a graph, so the step is the same
+DPOptimizer step, built in it (the batch is the dataset iterator's outputs; the tape is
+not used). Keras then averages the loss: `history['loss']` is the mean, and a smaller
+last batch is fine. `model.compile(run_eagerly=True)` has no graph and is refused.
 
 Example:
   opt = pertower.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
@@ -156,7 +162,10 @@ class _DPStateWeights:
 
     def initialize(self, made):
         """Initializes the variables `made` (Keras does not), then gives them the
-        values `pending` from an HDF5 file, if any."""
+        values `pending` from an HDF5 file, if any. (In TF2's `fit` they are made
+        eagerly, outside the function, and initialized as they are made.)"""
+        if tf.compat.v1.executing_eagerly_outside_functions():
+            return
         session = tf.compat.v1.keras.backend.get_session()
         # not those a checkpoint restored as they were made (`model.load_weights`)
         restored = session.run([tf.compat.v1.is_variable_initialized(v) for v in made])
@@ -186,6 +195,22 @@ def _as_keras_class(method):
     return wrapper
 
 
+def _check_in_function(optimizer):
+    """TF2's `fit` (eager execution on) runs `train_step` in a `tf.function`, whose
+    graph (a FuncGraph) pertower differentiates as any other; the batch is the
+    iterator's outputs there, and the variables DPOptimizer makes (an accumulator, an
+    adaptive clip norm) are made once, outside the function. `run_eagerly=True` runs
+    the step eagerly, with no graph: refused."""
+    if tf.executing_eagerly():
+        raise _context.error(
+            RuntimeError, f"{type(optimizer).__name__}'s DP step needs a graph, but "
+            "model.fit runs train_step "
+            "eagerly (model.compile(run_eagerly=True), or "
+            "tf.config.run_functions_eagerly(True)): leave run_eagerly at False so that "
+            "fit traces train_step into a tf.function, or call "
+            "tf.compat.v1.disable_eager_execution() at the start of the program.")
+
+
 @_context.public("make_keras_optimizer_class")
 def make_keras_optimizer_class(cls):
     """A DP subclass of the tf_keras legacy optimizer class `cls` (TensorFlow Privacy's
@@ -200,7 +225,8 @@ def make_keras_optimizer_class(cls):
     and `tf_keras.models.load_model(path, custom_objects={name: the class})` round-trip
     it; the accumulator's and adaptive clipping's variables are among its `weights`
     (`_DPStateWeights`). Errors raised inside its methods name the class
-    ("pertower.keras.DPKerasSGDOptimizer: ..."). Graph mode only.
+    ("pertower.keras.DPKerasSGDOptimizer: ..."). Graph mode, or TF2's
+    `fit` (a traced `train_step`; not `run_eagerly=True`).
 
     Raises:
       TypeError: `cls` is not a subclass of `tf_keras.optimizers.legacy.Optimizer`.
@@ -221,14 +247,6 @@ def make_keras_optimizer_class(cls):
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
                      expected_batch_size=None, adaptive_clipping=None, **kwargs):
-            if tf.compat.v1.executing_eagerly_outside_functions():
-                raise _context.error(
-                    RuntimeError, f"{type(self).__name__} needs graph mode (tf_keras' v1 "
-                    "training loop), but eager execution is on: in TF2's default mode "
-                    "model.fit would train without clipping or noise. Call "
-                    "tf.compat.v1.disable_eager_execution() at the start of the program, "
-                    "or build the model and the optimizer inside `with "
-                    "tf.Graph().as_default():`.")
             super().__init__(*args, **kwargs)
             self._state = _DPStateWeights(self)
             if isinstance(adaptive_clipping, dict):   # as get_config gives it
@@ -255,8 +273,14 @@ def make_keras_optimizer_class(cls):
         @_as_keras_class
         def minimize(self, loss, var_list, grad_loss=None, name=None, tape=None):
             """DPOptimizer's training op for the per-example `loss` ([B]); `tape` is not
-            used (graph mode) and `grad_loss` must be None. The variables it makes (the
-            Keras optimizer's own too) are initialized, as `fit` would."""
+            used (pertower differentiates the graph) and `grad_loss` must be None. In graph
+            mode the variables it makes (the Keras optimizer's own too) are initialized, as
+            `fit` would; in TF2's `fit` it is built inside `train_step`'s tf.function."""
+            if tf.compat.v1.executing_eagerly_outside_functions():
+                _check_in_function(self)
+                split = keras_loss.split_loss(loss)
+                return self._train_op(split.per_example, var_list, split.data_independent,
+                                      grad_loss=grad_loss, name=name)
             before = set(map(id, tf.compat.v1.global_variables()))
             train_op = self._train_op(loss, var_list, grad_loss=grad_loss, name=name)
             # those of the DP step were initialized as they were made

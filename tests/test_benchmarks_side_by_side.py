@@ -118,6 +118,23 @@ def test_dp_rows_are_divided_by_the_plain_step_in_wall_and_cpu_ms():
     assert "| dp | cifar | 64 | dp step[auto] [cpu ms] | 39.0 (1.30x) |" in table
 
 
+def test_dp_fit_rows_are_divided_by_the_plain_row_of_their_kind():
+    """--dp-fit: a DP epoch (with or without noise) by the plain epoch, a DP
+    train_on_batch by the plain train_on_batch (benchmarks.dp_fit.reference)."""
+    def row(step, ms):
+        return {"model": "cifar", "batch_size": 64, "step": step, "median_ms": ms,
+                "median_cpu_ms": 2 * ms}
+    figures = {"dp_fit": [row("plain fit epoch", 400.0), row("dp fit epoch", 500.0),
+                          row("dp fit epoch σ=0", 480.0), row("plain train_on_batch", 50.0),
+                          row("dp train_on_batch", 60.0)]}
+    cols = [sides.Column(None, "on", "x on")]
+    table = sides.format_table(cols, sides.merge(cols, [{"column": 0, "figures": figures}]))
+    assert "| dp fit | cifar | 64 | plain fit epoch | 400.0 |" in table
+    assert "| dp fit | cifar | 64 | dp fit epoch | 500.0 (1.25x) |" in table
+    assert "| dp fit | cifar | 64 | dp fit epoch σ=0 [cpu ms] | 960.0 (1.20x) |" in table
+    assert "| dp fit | cifar | 64 | dp train_on_batch | 60.0 (1.20x) |" in table
+
+
 def test_as_is_measures_here_and_refuses_the_worker_options(monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("started a worker"))
     monkeypatch.setattr(runner, "run_bench", lambda **kwargs: [_entry("gradients[towers]", 1.0)])

@@ -178,15 +178,8 @@ def test_make_keras_optimizer_class_refuses_other_classes():
         dp_keras.make_keras_optimizer_class(tf.compat.v1.train.GradientDescentOptimizer)
 
 
-def test_eager_mode_is_refused_and_minimize_is_private():
-    # in TF2's default mode tf_keras' fit would call minimize with a tape: refused early
-    script = ("import tensorflow as tf, pertower.keras\n"
-              "try:\n"
-              "    pertower.keras.DPKerasSGDOptimizer(1.0, 1.0)\n"
-              "except RuntimeError as error:\n"
-              "    print(error)\n")
-    out = common.run_python("-c", script, env=[("TF_USE_LEGACY_KERAS", "1")]).stdout
-    assert "DPKerasSGDOptimizer needs graph mode" in out, out
+def test_minimize_is_private():
+    # (TF2's default mode, where fit traces train_step: tests/eager/test_keras_fit_tf2.py)
     # in graph mode minimize is DPOptimizer's: a scalar loss is refused, as there
     with tf.Graph().as_default():
         model = _model("dense")

@@ -118,6 +118,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
                                                         "gradient_accumulation_steps")
         self._clip_variable = None
         self._step = None      # the last compute_gradients' `_Step`
+        self._accumulators = {}   # in tf.functions: (var ids, dtype) -> (vars, _Accumulator)
 
     optimizer = property(lambda self: self._optimizer,
                          doc="The wrapped `tf.compat.v1.train.Optimizer`.")
@@ -219,7 +220,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
                          if self._clip.adaptive is not None else tf.zeros([], dtype))
             accumulator = None
             if self._accumulation_steps > 1:
-                accumulator = _Accumulator(var_list, self._accumulation_steps, dtype)
+                accumulator = self._accumulator_for(var_list, dtype)
                 clipped_sum, count, unclipped = accumulator.add(clipped_sum, count, unclipped)
             stddevs = ([self._noise_multiplier * math.sqrt(len(clips)) * c for c in clips]
                        if per_layer else [self._clip.gradient_noise_multiplier * clip]
@@ -242,6 +243,18 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         self._step = _Step(tuple(averaged), accumulator, clip_update)
         noisy_gradients = dict(zip(map(id, var_list), averaged))
         return [(noisy_gradients.get(id(v)), v) for v in all_variables]
+
+    def _accumulator_for(self, var_list, dtype):
+        """A new `_Accumulator`; in a `tf.function` (TF2), the one of the first trace,
+        so that a retrace reuses its variables (made once, outside the function)."""
+        if not tf.compat.v1.executing_eagerly_outside_functions():
+            return _Accumulator(var_list, self._accumulation_steps, dtype)
+        made = self._accumulators
+        key = (tuple(map(id, var_list)), dtype)
+        if key not in made:   # (the variables kept too, so that their ids stay theirs)
+            made[key] = (list(var_list), _Accumulator(var_list, self._accumulation_steps,
+                                                      dtype))
+        return made[key][1]
 
     def _clip_read(self, dtype):
         """C: the float, or one read of the adaptive clip variable (made on first use)."""
@@ -331,7 +344,7 @@ class _Accumulator:
 
     def __init__(self, var_list, steps, dtype, name="dp_accumulator"):
         self.steps = steps
-        with tf.compat.v1.variable_scope(None, default_name=name):
+        with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name=name):
             self.sums = [tf.compat.v1.get_variable(
                 f"sum_{k}", shape=x.shape, dtype=x.dtype.base_dtype, trainable=False,
                 initializer=tf.compat.v1.zeros_initializer(), use_resource=True)

@@ -7,11 +7,14 @@ way of `pertower._tf.probe` (`op_order`, `create_op`, `one_sided_gradients`,
 `probe.require` on first use, so a changed TensorFlow raises an error naming them.
 """
 
+import contextlib
 import operator
 import weakref
 
 import tensorflow as tf
 # pylint: disable=no-name-in-module,protected-access
+from tensorflow.python.autograph.core import ag_ctx as _ag_ctx
+from tensorflow.python.autograph.impl import api as _autograph_api
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import function_def_to_graph as _function_def_to_graph
 from tensorflow.python.framework import op_def_registry as _op_def_registry
@@ -30,8 +33,8 @@ __all__ = ["FuncGraph", "RefVariable", "PartitionedVariable", "op_order_key",
            "set_attr", "add_control_inputs", "handle_data", "registered_gradient",
            "gradient_function", "has_own_gradient_function", "set_gradient_function",
            "one_sided_gradients", "reregister_python_function", "ref_variable_tensor",
-           "partitions", "set_chief_queue_runner", "onednn_enabled", "pfor",
-           "keras_train_function"]
+           "partitions", "handle_in_graph", "not_converted", "built_as_written",
+           "set_chief_queue_runner", "onednn_enabled", "pfor", "keras_train_function"]
 
 FuncGraph = _func_graph.FuncGraph
 RefVariable = _ref_variable.RefVariable
@@ -278,6 +281,57 @@ def partitions(variable):
     probe.require("PartitionedVariable._get_partitions",
                   lambda: probe.missing(PartitionedVariable, "_get_partitions"))
     return list(variable._get_partitions())
+
+
+def handle_in_graph(handle, graph):
+    """The tensor standing for the resource `handle` in `graph`: the handle itself when it
+    is a tensor of `graph`; inside a `tf.function` (a FuncGraph) the placeholder that
+    captures it (an eager variable's handle, or an outer graph's, through each enclosing
+    function); None when `graph` does not capture it."""
+    if not isinstance(handle, tf.Tensor) or getattr(handle, "graph", None) is graph:
+        return handle
+    if not isinstance(graph, FuncGraph):
+        return None
+    # FuncGraph.captures: the (outer tensor, placeholder) pairs of its by-value captures
+    captured = {id(external): inner for external, inner in graph.captures}
+    if id(handle) in captured:
+        return captured[id(handle)]
+    outer = handle_in_graph(handle, graph.outer_graph)
+    return None if outer is None else captured.get(id(outer))
+
+
+def not_converted(function):
+    """`function`, marked so that AutoGraph calls it as it is inside a `tf.function`
+    (half of `tf.autograph.experimental.do_not_convert`, without its frame: warnings'
+    stack levels stay the caller's)."""
+    probe.require("autograph.impl.api.autograph_artifact",
+                  lambda: probe.missing(_autograph_api, "autograph_artifact"))
+    return _autograph_api.autograph_artifact(function)
+
+
+@contextlib.contextmanager
+def built_as_written():
+    """Inside a `tf.function` (a FuncGraph), runs the body as pertower's graph code is
+    written: AutoGraph off (the other half of `do_not_convert`: `tf.while_loop` and
+    `tf.map_fn` bodies are not converted) and, with TF2's tensor equality on, TF1's
+    (tensors hashable and `==` by identity, `tf.compat.v1.disable_tensor_equality`),
+    restored after. Elsewhere nothing."""
+    if not tf.compat.v1.get_default_graph().building_function:
+        yield
+        return
+    tensor_class = tf.Tensor
+    probe.require("Tensor._USE_EQUALITY", lambda: probe.missing(tensor_class, "_USE_EQUALITY"))
+    probe.require("autograph.core.ag_ctx.ControlStatusCtx",
+                  lambda: probe.missing(_ag_ctx, "ControlStatusCtx", "Status"))
+    was_on = tensor_class._USE_EQUALITY
+    with _ag_ctx.ControlStatusCtx(status=_ag_ctx.Status.DISABLED):
+        if was_on:
+            tf.compat.v1.disable_tensor_equality()
+        try:
+            yield
+        finally:
+            if was_on:
+                tf.compat.v1.enable_tensor_equality()
 
 
 def set_chief_queue_runner(sync_optimizer, runner):

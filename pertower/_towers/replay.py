@@ -101,6 +101,18 @@ def check_calls(request, replayed):
     positions_of = _call_positions(reads, _first_indices(reads))
     trial = control_flow.FunctionRewriter(request.graph, "trial")
     for op in sorted(replayed, key=_tf.op_order_key()):
+        if op.type in op_types.FUNCTION_CALL_OP_TYPES and request.graph.building_function:
+            # inside a tf.function, TensorFlow differentiates a tower's copy of a call
+            # with the original call's backward, built for all B examples
+            raise _context.error(control_flow.ControlFlowError, (
+                f"`ys` is computed inside a tf.function, and towers would replay the "
+                f"call {op.name!r} ({op.type}: a tf.function called in it, e.g. a Keras "
+                "GRU or LSTM layer of TensorFlow 2) for each example; inside a "
+                "tf.function TensorFlow differentiates such a copy with the backward of "
+                "the whole batch, which fails. Build the model in graph mode "
+                "(tf.compat.v1.disable_eager_execution()), or call the inner "
+                "function's Python without tf.function, or leave those weights out of "
+                "`xs` (pertower.explain lists the weights that fall to towers)."))
         if op.type in op_types.CALL_OP_TYPES:
             positions = positions_of.get(op, {})
             trial.rewrite_call(replicate_lib.drop_name_attrs(op.node_def),
