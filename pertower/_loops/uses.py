@@ -18,11 +18,14 @@ from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._loops import copy
+from pertower._loops import step_rules
+from pertower._loops.step_rules import StepBroadcast, StepConvolution
 from pertower.rules import _weight_functions as weight_functions
 from pertower.rules import registry as registry_lib
 
-__all__ = ["Function", "LoopPlan", "LoopUse", "Placed", "Slice", "StepBroadcast", "concrete_uses",
-           "differentiated", "output_gradients", "step_rule_reason", "unreplayable_reason"]
+__all__ = ["Function", "LoopPlan", "LoopUse", "Placed", "Slice", "StepBroadcast",
+           "StepConvolution", "concrete_uses", "differentiated", "output_gradients",
+           "step_rule_reason", "unreplayable_reason"]
 
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
@@ -30,7 +33,8 @@ _STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATC
 _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_add",
                                 "pertower.rules.einsum"})
 # A two-input broadcast op (`rules.broadcast`) is rebuilt on A_all, its other input
-# (the batch carrier), and the weight's value before the loop (`StepBroadcast`).
+# (the batch carrier), and the weight's value before the loop (`StepBroadcast`); a
+# convolution on A_all (`StepConvolution`).
 _BROADCAST_MODULE = "pertower.rules.broadcast"
 
 
@@ -55,10 +59,17 @@ def step_rule_reason(target, rule):
         return None
     if len(target.inputs) == 2 and type(rule).__module__ == _BROADCAST_MODULE:
         return None
+    if _step_convolution(target, rule):
+        return None
     return (f"its body reads it by {target.name!r} ({target.type}), whose rule reads the "
             "op's own inputs, which do not leave the loop (the rules of "
-            f"{', '.join(sorted(_STEP_RULE_OP_TYPES))} and of a two-input broadcast op "
-            "do, per step)")
+            f"{', '.join(sorted(_STEP_RULE_OP_TYPES | step_rules.STEP_CONVOLUTION_OP_TYPES))}"
+            " and of a two-input broadcast op do, per step)")
+
+
+def _step_convolution(target, rule):
+    return (target.type in step_rules.STEP_CONVOLUTION_OP_TYPES
+            and type(rule).__module__ in step_rules.STEP_CONVOLUTION_MODULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +159,8 @@ def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
 class LoopPlan:
     """What planning a loop's weights does for both kinds (`while_v2.WhileLoop`,
     `frames.Frame`): `targets` ((body op, slot) of each covered read), `uses` and
-    `step_rows` (k of each) are filled here; the kinds set `reason` and define:
+    `step_rows` (k of each) and `z_leads` (the batch axis of each Z_t, A_t's is its
+    rows' lead) are filled here; the kinds set `reason` and define:
 
       where: how `explain` names the loop
       _in_body(op), _in_cond(op): whether the copy replays `op` in its body, condition
@@ -165,6 +177,7 @@ class LoopPlan:
     def __init__(self, loops):
         self.loops = loops
         self.targets, self.uses, self.step_rows = [], [], []
+        self.z_leads = []      # the batch axis of each covered read's Z_t
         # a TF1 frame's body TensorArray reads (op -> the scattered tensor) and writes
         # (op -> index of its loop variable)
         self.reads, self.writes = {}, {}
@@ -235,8 +248,11 @@ class LoopPlan:
             return f"its body reads it by {where}: {use}"
         if any(self._in_body(c) for out in target.outputs[1:] for c in out.consumers()):
             return f"the body reads other outputs of {where}"
-        z_shape = target.outputs[0].shape
-        if z_shape.rank is None or not z_shape[1:].is_fully_defined():
+        z_shape, z_lead = target.outputs[0].shape, self._lead(target.outputs[0])
+        if z_lead is None or self._lead(use.activation) != use.rows.lead:
+            return (f"the batch of {where} is not on the first axis of its input and output "
+                    "(or the second of a matrix)")
+        if not all(d is not None for j, d in enumerate(z_shape.as_list()) if j != z_lead):
             return f"the shape of {target.outputs[0].name} past its rows is not static"
         if use.weight_shape is None or not use.weight_shape.is_fully_defined():
             return f"its shape at {where} ({use.weight_shape}) is not static"
@@ -252,6 +268,8 @@ class LoopPlan:
             if self.outside(target.inputs[slot]) is None:
                 return f"the weight's value at {where} is not computable before the loop"
             rule = StepBroadcast(rule, self, target.inputs[slot])
+        elif _step_convolution(target, rule):
+            rule = StepConvolution(rule)
         fields.update(rule=Placed(rule, placements) if placements else rule,
                       rows=use.rows._replace(k=self._steps_rows(use)))
         loop_use = LoopUse(**fields, loop=self, index=index)
@@ -259,7 +277,15 @@ class LoopPlan:
             self.targets.append((target, slot))
             self.uses.append(loop_use)
             self.step_rows.append(use.rows.k)
+            self.z_leads.append(z_lead)
         return loop_use
+
+    def _lead(self, tensor):
+        """The batch axis of the body tensor `tensor`: 0, or 1 for a matrix whose columns
+        are examples (a product with the weight on the left); None otherwise."""
+        value = self._use_analysis.value(tensor)
+        lead = value.lead if isinstance(value, _batch_axis.Rows) else None
+        return lead if lead == 0 or (lead == 1 and tensor.shape.rank == 2) else None
 
     def _weight_side(self, op):
         """Whether the body op `op` is a function of the weights alone, the same at every
@@ -340,24 +366,6 @@ class Function:
         P = tf.reshape(piece, [-1] + self.output.shape.as_list())           # [G, *output]
         found = self._rule.pull_back(P)                                     # [G, *source]
         return found if grouped else found[0]
-
-
-class StepBroadcast(registry_lib.Rule):
-    """A broadcast rule (`rules.broadcast`) reading the body tensor `weight` (the weight,
-    or a piece or function of it): the op is rebuilt on A_all, [B*k*T, ...] (its other
-    input's steps), and the weight's value before the loop (the same at every step);
-    grad_i(w) sums over example i's rows of every step."""
-
-    def __init__(self, rule, loop, weight):
-        self.rule, self.loop, self.weight = rule, loop, weight
-
-    def per_group(self, use, dZ, G):
-        inputs = [use.activation] * 2
-        inputs[use.slot] = self.loop.outside(self.weight, build=True)
-        return self.rule.per_group(use, dZ, G, inputs)
-
-    # sum_i f_i grad_i(w): the one-group gradient of dZ scaled per example
-    clipped_sum = registry_lib.batch_gradient_clipped_sum
 
 
 class Placed(registry_lib.Rule):

@@ -1,0 +1,11 @@
+"""The checks of tests/test_rules_loop_convolution.py under
+tf.compat.v1.disable_v2_behavior() (reference variables, control flow v1): ConvLSTM2D,
+ConvLSTM1D and the raw loops build TF1 frames, whose convolutions are on the rules per
+step through the frame's copy (`pertower._loops.frames`)."""
+
+from tests.test_rules_loop_convolution import (
+    test_a_state_convolved_in_a_raw_while_loop, test_conv_lstm1d,
+    test_conv_lstm2d_kernels_and_bias_per_step, test_conv_lstm2d_strided_valid)
+
+__all__ = ["test_a_state_convolved_in_a_raw_while_loop", "test_conv_lstm1d",
+           "test_conv_lstm2d_kernels_and_bias_per_step", "test_conv_lstm2d_strided_valid"]
