@@ -68,3 +68,22 @@ def test_a_state_convolved_in_a_raw_while_loop(conv):
         return tf.reduce_sum(h ** 2, axis=[1, 2, 3]), [w], [x], [SIDE, SIDE, CHANNELS]
 
     _check(build, tol=dict(rtol=1e-4, atol=1e-5), static=True)
+
+
+@pytest.mark.heavy
+def test_mixed_float16_conv_lstm2d():
+    """Under mixed_float16 the body convolves in float16 with Casts of the kernels
+    (weight-side functions before the split): still per step."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        build = _conv_lstm(lambda: keras.layers.ConvLSTM2D(3, 3, padding="same",
+                                                           return_sequences=True), [SIDE, SIDE])
+
+        def in_float32(batch_size):
+            ys, xs, batch, shape = build(batch_size)
+            return tf.cast(ys, tf.float32), xs, batch, shape
+
+        _check(in_float32, tol=dict(rtol=1e-2, atol=1e-3))   # both sides compute in float16
+    finally:
+        keras.mixed_precision.set_global_policy(previous)

@@ -7,5 +7,7 @@ from tests.test_rules_loop_convolution import (
     test_a_state_convolved_in_a_raw_while_loop, test_conv_lstm1d,
     test_conv_lstm2d_kernels_and_bias_per_step, test_conv_lstm2d_strided_valid)
 
+# (not test_mixed_float16_conv_lstm2d: tf_keras sets a global dtype policy only under V2
+# dtype behavior)
 __all__ = ["test_a_state_convolved_in_a_raw_while_loop", "test_conv_lstm1d",
            "test_conv_lstm2d_kernels_and_bias_per_step", "test_conv_lstm2d_strided_valid"]
