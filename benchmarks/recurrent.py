@@ -3,12 +3,14 @@ against the batch gradient and the one-example loop.
 
     python -m benchmarks.recurrent [--batch 32] [--steps 20] [--vocab 1000]
         [--units 128] [--repeats 7] [--onednn on|off|both]
-        [--layer LSTM|GRU|SimpleRNN|GRU-reset-before|LSTM-split] [--v1]
+        [--layer LSTM|GRU|SimpleRNN|GRU-reset-before|LSTM-split|ConvLSTM2D] [--v1]
 
 The model: Embedding(V, U) -> Keras LSTM(U, return_sequences=True, unroll=False: a TF2
 `While` loop) -> Dense(V); ys = each example's sum over its T steps of the next-token
 cross-entropy, [B]. `GRU-reset-before` is GRU(reset_after=False) (its recurrent kernel
-sliced in the body), `LSTM-split` LSTM(implementation=1) (kernels split into gates).
+sliced in the body), `LSTM-split` LSTM(implementation=1) (kernels split into gates),
+`ConvLSTM2D` ConvLSTM2D(U, 3x3, same) on each step's embedding as an 8x8 map of 4
+channels (V x 256 table; Conv2D per gate in the body), flattened to [B, T, 64*U].
 Timed, round robin after a warm-up (median of --repeats runs):
 
     batch gradient    tf.gradients(sum(ys), xs): one forward and one backward pass
@@ -40,7 +42,9 @@ _V1_CELLS = {"LSTM": "LSTMCell", "GRU": "GRUCell", "SimpleRNN": "BasicRNNCell"}
 # --layer -> (the tf_keras layer, its options besides return_sequences)
 _KERAS_LAYERS = {"LSTM": ("LSTM", {}), "GRU": ("GRU", {}), "SimpleRNN": ("SimpleRNN", {}),
                  "GRU-reset-before": ("GRU", {"reset_after": False}),
-                 "LSTM-split": ("LSTM", {"implementation": 1})}
+                 "LSTM-split": ("LSTM", {"implementation": 1}),
+                 "ConvLSTM2D": ("ConvLSTM2D", {"kernel_size": 3, "padding": "same"})}
+_MAP = (8, 8, 4)   # ConvLSTM2D: each step's embedding as an 8x8 map of 4 channels
 
 
 def _parse(argv):
@@ -85,8 +89,14 @@ def run(args):
             logits = tf.compat.v1.layers.dense(hidden, V)                        # [B, T, V]
         else:
             name, options = _KERAS_LAYERS[args.layer]
-            hidden = getattr(keras.layers, name)(U, return_sequences=True, **options)(
-                keras.layers.Embedding(V, U)(ids))                              # [B, T, U]
+            layer = getattr(keras.layers, name)(U, return_sequences=True, **options)
+            if name == "ConvLSTM2D":
+                size = _MAP[0] * _MAP[1] * _MAP[2]
+                maps = keras.layers.Reshape((T,) + _MAP)(
+                    keras.layers.Embedding(V, size)(ids))                       # [B, T, 8, 8, 4]
+                hidden = keras.layers.Reshape((T, -1))(layer(maps))             # [B, T, 64*U]
+            else:
+                hidden = layer(keras.layers.Embedding(V, U)(ids))               # [B, T, U]
             logits = keras.layers.Dense(V)(hidden)                               # [B, T, V]
         ys = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits), axis=1)                               # [B]

@@ -189,7 +189,7 @@ def test_a_weight_read_inside_and_outside_a_while_loop():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("layer", ["LSTM", "GRU-reset-before", "LSTM-split"])
+@pytest.mark.parametrize("layer", ["LSTM", "GRU-reset-before", "LSTM-split", "ConvLSTM2D"])
 def test_the_recurrent_bench_runs_at_a_small_size(capsys, layer):
     """`python -m benchmarks.recurrent` (in this process, tiny sizes): its
     table names every timed row and the methods of the plan."""

@@ -1,10 +1,9 @@
 """Functions of a weight inside a TF2 while loop's body (issue 32, items 2 and 3): a kernel
 split into gates (`GRU(reset_after=False)`, `LSTM(implementation=1)`), the `Cast` of every
 mixed_float16 RNN, tanh(W), a row slice. Each is a weight-side placement of the loop's plan
-(`pertower._loops.uses.Function`): the weights stay on the rules, per step, with no
+(`pertower._loops.placements.Function`): the weights stay on the rules, per step, with no
 batch_size, against the one-example loop at two fed batch sizes; per-example norms too
-(formed, as a pulled-back gradient's norm is not the piece's). A weight on the left of a
-MatMul in a body stays on the towers and says why.
+(formed, as a pulled-back gradient's norm is not the piece's).
 """
 
 import numpy as np
@@ -170,23 +169,6 @@ def test_a_function_of_the_weight_and_a_loop_value_is_a_read(body, reader):
     assert reader in row.reason, str(plan)
 
 
-def test_a_weight_as_the_left_operand_of_a_matmul_in_a_body_stays_on_the_towers():
-    """tf.matmul(w, h, transpose_b=True) in a body: rows of Z are not examples; the plan
-    says so."""
-    with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
-        w = tf.compat.v1.get_variable("w", [3, 3])
-
-        def body(i, h):
-            return i + 1, tf.tanh(tf.transpose(tf.matmul(w, h, transpose_b=True)))
-
-        _, h = tf.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x])
-        plan = pertower.explain(tf.reduce_sum(h ** 2, axis=1), [w], batch=[x])
-    (row,) = plan.weights
-    assert row.method == "towers", str(plan)
-    assert "left operand of MatMul" in row.reason, str(plan)
-
-
 @pytest.mark.parametrize("function", [tf.identity, tf.tanh], ids=["read", "tanh"])
 def test_a_weight_passed_to_the_next_step_stays_on_the_towers(function):
     """A body returning w (or tanh(w)) as a loop variable: the rules would miss the
@@ -226,29 +208,3 @@ def test_a_nested_while_loop_stays_on_the_towers_and_says_so():
     (row,) = plan.weights
     assert row.method == "towers", str(plan)
     assert "nested while loop" in row.reason, str(plan)
-
-
-def test_conv_lstm2d_bias_on_the_rules_kernels_on_the_towers():
-    """ConvLSTM2D splits its kernels and bias into gates: the bias (read by BiasAdd) is on
-    the rules per step; the kernels are read by Conv2D, whose rule reads the op's own
-    inputs, so they stay on the towers, saying so; all match the loop."""
-    with tf.Graph().as_default() as graph:
-        common.seed_weights(3)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 2, 4, 4, 1], name="x")
-        h = keras.layers.ConvLSTM2D(2, 3, padding="same", return_sequences=True)(x)
-        ys = tf.reduce_sum(h ** 2, axis=[1, 2, 3, 4])                            # [B]
-        xs = tf.compat.v1.trainable_variables()
-        plan = pertower.explain(ys, xs, batch=[x], batch_size=3)
-        grads = pertower.per_example_gradients(ys, xs, batch=[x], batch_size=3)
-        loop = oracle.SliceLoop(ys, xs)
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            feed = {x: np.random.RandomState(3).randn(3, 2, 4, 4, 1).astype(np.float32)}
-            common.assert_all_close(sess.run(grads, feed), common.run_oracle(loop.run, sess,
-                                                                             feed, 3),
-                                    kind="deep", what="ConvLSTM2D")
-    rows = {row.name.split("/")[-1]: row for row in plan.weights}
-    assert rows["bias:0"].method == "rules", str(plan)
-    for name in ("kernel:0", "recurrent_kernel:0"):
-        assert rows[name].method == "towers", str(plan)
-        assert "(Conv2D), whose rule reads the op's own inputs" in rows[name].reason, str(plan)

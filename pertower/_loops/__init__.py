@@ -19,8 +19,10 @@ the reweighted batch gradient, Bu et al. 2023, arXiv 2210.00038). No per-example
 and the lists are sized by the fed batch, so no batch_size is needed.
 
 One plan for both kinds (`uses.LoopPlan`: which reads of W the body has, through which
-layout ops, slices and functions of W, each read's rule and k) and one mechanism per kind
-that builds A_all and dZ_all:
+layout ops, slices and functions of W, each read's rule and k; a rule that reads more
+than A and dZ, a broadcast op's or a convolution's, is given an op rebuilt on A_all,
+`step_rules`; A_t and Z_t of a product with W on the left carry the batch on axis 1,
+stacked along it) and one mechanism per kind that builds A_all and dZ_all:
 - TF2 `While` (`while_v2.WhileLoop`): the loop's own backward (`backward.OwnBackward`,
   while_v2's `_WhileGrad` rebuilt, each covered read's dZ_t and A_t pushed to lists);
   fallback (way `loop_backward` of `pertower._tf`): the copy below.

@@ -120,9 +120,9 @@ class OwnBackward:
         loop = self.loop
         zs = [target.outputs[0] for target, _ in loop.targets]
         J = len(zs)
-        dz_lists = [list_ops.empty_tensor_list([-1] + z.shape.as_list()[1:], z.dtype)
-                    for z in zs]
-        a_lists = [list_ops.empty_tensor_list([-1] + copy.row_shape(u.activation),
+        dz_lists = [list_ops.empty_tensor_list(copy.element_shape(z, lead), z.dtype)
+                    for z, lead in zip(zs, loop.z_leads)]
+        a_lists = [list_ops.empty_tensor_list(copy.element_shape(u.activation, u.rows.lead),
                                               u.activation.dtype)
                    for u in loop.uses]
         total_iters = dup.outputs[0]
@@ -175,9 +175,11 @@ class OwnBackward:
         first = 3 + len(xs)
         found, uses = {}, []
         for j, use in enumerate(loop.uses):
-            dz = copy.stacked(tf.identity(outputs[first + j]), use.output)    # [B*k*T, *z]
+            dz = copy.stacked(tf.identity(outputs[first + j]), use.output,
+                              loop.z_leads[j])                                # [B*k*T, *z]
             a = dz if stand_ins[j] else copy.stacked(
-                tf.identity(outputs[first + J + j]), use.activation)          # [B*k*T, *a]
+                tf.identity(outputs[first + J + j]), use.activation,
+                use.rows.lead)                                                # [B*k*T, *a]
             key = dz if self._uses is None else self._uses[j].output
             found[id(key)] = dz
             uses.append(copy.built_use(use, a, key))

@@ -16,8 +16,8 @@ from pertower._tf import list_ops
 from pertower._towers import later_gradients
 from pertower.rules import registry as registry_lib
 
-__all__ = ["BuiltCopy", "CopyVariable", "built_use", "example_major", "replay", "row_shape",
-           "stacked"]
+__all__ = ["BuiltCopy", "CopyVariable", "built_use", "element_shape", "example_major",
+           "replay", "row_shape", "stacked"]
 
 # attributes not copied: colocation with ops outside the copy's function
 _DROPPED_ATTRS = frozenset({"_class"})
@@ -49,14 +49,16 @@ class BuiltCopy:
              tf.shape(request.batch[0])[request.batch_axes[0]])
         variables = loop.copy_variables()
         eps, eps_lists, a_lists = [], [], []
-        for (target, _), use, k in zip(loop.targets, loop.uses, loop.step_rows):
+        for (target, _), use, k, lead in zip(loop.targets, loop.uses, loop.step_rows,
+                                             loop.z_leads):
             z, a = target.outputs[0], use.activation
-            rest = z.shape.as_list()[1:]
-            zeros = tf.zeros(tf.stack([loop.steps, B * k] + rest), z.dtype)   # ε [T, B*k, *z]
+            dims = z.shape.as_list()
+            dims[lead] = B * k
+            zeros = tf.zeros(tf.stack([loop.steps] + dims), z.dtype)   # ε [T, B*k, *z]
             eps.append(zeros)
             eps_lists.append(list_ops.tensor_list_from_tensor(tf.reverse(zeros, [0]),
-                                                              [-1] + rest))
-            a_lists.append(list_ops.empty_tensor_list([-1] + row_shape(a), a.dtype))
+                                                              element_shape(z, lead)))
+            a_lists.append(list_ops.empty_tensor_list(element_shape(a, use.rows.lead), a.dtype))
         n, J = len(variables), len(loop.targets)
 
         def cond(*values):
@@ -70,7 +72,7 @@ class BuiltCopy:
             for j, (target, _) in enumerate(loop.targets):
                 z = target.outputs[0]
                 rest, perturbations[target] = list_ops.tensor_list_pop_back(
-                    values[n + J + j], element_shape=[-1] + z.shape.as_list()[1:],
+                    values[n + J + j], element_shape=element_shape(z, loop.z_leads[j]),
                     element_dtype=z.dtype)
                 popped.append(rest)
             replay(loop, loop.body_ops, mapping, perturbations)
@@ -87,7 +89,7 @@ class BuiltCopy:
         self.loop = loop
         self.outputs = loop.copied_outputs(results[:n])
         self.eps = eps
-        self.uses = [built_use(use, stacked(a_list, use.activation), e)
+        self.uses = [built_use(use, stacked(a_list, use.activation, use.rows.lead), e)
                      for use, a_list, e in zip(loop.uses, results[n:n + J], eps)]
 
     def output_gradients(self, d_outputs, unconnected, others=(), stops=()):
@@ -106,10 +108,10 @@ class BuiltCopy:
                               unconnected_gradients=tf.UnconnectedGradients.NONE)
                  if ys else [None] * (len(self.eps) + len(others)))
         found = {}
-        for e, g in zip(self.eps, grads):
+        for e, g, lead in zip(self.eps, grads, self.loop.z_leads):
             if g is None and unconnected == tf.UnconnectedGradients.ZERO:
                 g = tf.zeros_like(e)
-            found[id(e)] = None if g is None else example_major(g)
+            found[id(e)] = None if g is None else example_major(g, lead)
         return found, grads[len(self.eps):]
 
 
@@ -156,11 +158,21 @@ def row_shape(tensor):
     return [-1 if d is None else d for d in tensor.shape.as_list()[1:]]
 
 
-def stacked(tensor_list, like):
-    """The TensorList of the steps' values of the body tensor `like`, [T, B*k, ...],
-    stacked example-major: [B*k*T, ...]."""
-    return example_major(list_ops.tensor_list_stack(tensor_list, like.dtype,
-                                                    element_shape=[-1] + row_shape(like)))
+def element_shape(tensor, lead=0):
+    """The shape of one step's `tensor` (its batch axis `lead`) as a TensorList element
+    shape (-1 where unknown, and on the batch axis)."""
+    if tensor.shape.rank is None:
+        return -1
+    dims = [-1 if d is None else d for d in tensor.shape.as_list()]
+    dims[lead] = -1
+    return dims
+
+
+def stacked(tensor_list, like, lead=0):
+    """The TensorList of the steps' values of the body tensor `like` (its batch axis
+    `lead`), [T, B*k, ...], stacked example-major: [B*k*T, ...]."""
+    return example_major(list_ops.tensor_list_stack(
+        tensor_list, like.dtype, element_shape=element_shape(like, lead)), lead)
 
 
 def built_use(use, activation, key):
@@ -170,11 +182,15 @@ def built_use(use, activation, key):
                             use.rows)
 
 
-def example_major(stacked):
-    """[T, B*k, ...] -> [B*k*T, ...]: example i's rows of every step contiguous."""
+def example_major(stacked, lead=0):
+    """[T, B*k, ...] -> [B*k*T, ...]: example i's rows of every step contiguous; with
+    the batch on axis `lead` of a step, [T, ..., B*k, ...] -> [..., B*k*T, ...]."""
     rank = stacked.shape.rank
-    moved = tf.transpose(stacked, [1, 0] + list(range(2, rank)))       # [B*k, T, ...]
-    rest = [d if d is not None else -1 for d in stacked.shape.as_list()[2:]]
-    if -1 in rest:
-        return tf.reshape(moved, tf.concat([[-1], tf.shape(stacked)[2:]], axis=0))
-    return tf.reshape(moved, [-1] + rest)
+    moved = tf.transpose(stacked, list(range(1, lead + 2)) + [0] + list(
+        range(lead + 2, rank)))                                        # [..., B*k, T, ...]
+    dims = [d if d is not None else -1 for d in stacked.shape.as_list()[1:]]
+    dims[lead] = -1
+    if dims.count(-1) > 1:
+        sizes = tf.shape(stacked)
+        return tf.reshape(moved, tf.concat([sizes[1:lead + 1], [-1], sizes[lead + 2:]], 0))
+    return tf.reshape(moved, dims)

@@ -14,14 +14,19 @@ import dataclasses
 
 import tensorflow as tf
 
+from pertower import _batch_axis
 from pertower import _op_types as op_types
 from pertower import _tf
 from pertower._loops import copy
+from pertower._loops.placements import Function, Placed, Slice
+from pertower._loops import step_rules
+from pertower._loops.step_rules import StepBroadcast, StepConvolution
 from pertower.rules import _weight_functions as weight_functions
 from pertower.rules import registry as registry_lib
 
-__all__ = ["Function", "LoopPlan", "LoopUse", "Placed", "Slice", "StepBroadcast", "concrete_uses",
-           "differentiated", "output_gradients", "step_rule_reason", "unreplayable_reason"]
+__all__ = ["Function", "LoopPlan", "LoopUse", "Placed", "Slice", "StepBroadcast",
+           "StepConvolution", "concrete_uses", "differentiated", "output_gradients",
+           "step_rule_reason", "unreplayable_reason"]
 
 # The op types whose own rules read only A, dZ, the weight's shape and the op's
 # attributes (not the op's inputs, which a loop body's op cannot hand out of the loop).
@@ -29,7 +34,8 @@ _STEP_RULE_OP_TYPES = frozenset({"MatMul", "BiasAdd", "Einsum"}) | op_types.BATC
 _STEP_RULE_MODULES = frozenset({"pertower.rules.matmul", "pertower.rules.bias_add",
                                 "pertower.rules.einsum"})
 # A two-input broadcast op (`rules.broadcast`) is rebuilt on A_all, its other input
-# (the batch carrier), and the weight's value before the loop (`StepBroadcast`).
+# (the batch carrier), and the weight's value before the loop (`StepBroadcast`); a
+# convolution on A_all (`StepConvolution`).
 _BROADCAST_MODULE = "pertower.rules.broadcast"
 # The stateful ops a copy replays: reads of a variable's value or rows.
 _READS = op_types.VARIABLE_READ_OP_TYPES | op_types.HANDLE_GATHER_OP_TYPES
@@ -56,10 +62,17 @@ def step_rule_reason(target, rule):
         return None
     if len(target.inputs) == 2 and type(rule).__module__ == _BROADCAST_MODULE:
         return None
+    if _step_convolution(target, rule):
+        return None
     return (f"its body reads it by {target.name!r} ({target.type}), whose rule reads the "
             "op's own inputs, which do not leave the loop (the rules of "
-            f"{', '.join(sorted(_STEP_RULE_OP_TYPES))} and of a two-input broadcast op "
-            "do, per step)")
+            f"{', '.join(sorted(_STEP_RULE_OP_TYPES | step_rules.STEP_CONVOLUTION_OP_TYPES))}"
+            " and of a two-input broadcast op do, per step)")
+
+
+def _step_convolution(target, rule):
+    return (target.type in step_rules.STEP_CONVOLUTION_OP_TYPES
+            and type(rule).__module__ in step_rules.STEP_CONVOLUTION_MODULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +162,8 @@ def output_gradients(ys, targets, loop_uses, grad_ys, unconnected):
 class LoopPlan:
     """What planning a loop's weights does for both kinds (`while_v2.WhileLoop`,
     `frames.Frame`): `targets` ((body op, slot) of each covered read), `uses` and
-    `step_rows` (k of each) are filled here; the kinds set `reason` and define:
+    `step_rows` (k of each) and `z_leads` (the batch axis of each Z_t, A_t's is its
+    rows' lead) are filled here; the kinds set `reason` and define:
 
       where: how `explain` names the loop
       _in_body(op), _in_cond(op): whether the copy replays `op` in its body, condition
@@ -166,6 +180,7 @@ class LoopPlan:
     def __init__(self, loops):
         self.loops = loops
         self.targets, self.uses, self.step_rows = [], [], []
+        self.z_leads = []      # the batch axis of each covered read's Z_t
         # a TF1 frame's body TensorArray reads (op -> the scattered tensor) and writes
         # (op -> index of its loop variable)
         self.reads, self.writes = {}, {}
@@ -242,8 +257,11 @@ class LoopPlan:
             return f"its body reads it by {where}: {use}"
         if any(self._in_body(c) for out in target.outputs[1:] for c in out.consumers()):
             return f"the body reads other outputs of {where}"
-        z_shape = target.outputs[0].shape
-        if z_shape.rank is None or not z_shape[1:].is_fully_defined():
+        z_shape, z_lead = target.outputs[0].shape, self._lead(target.outputs[0])
+        if z_lead is None or self._lead(use.activation) != use.rows.lead:
+            return (f"the batch of {where} is not on the first axis of its input and output "
+                    "(or the second of a matrix)")
+        if not all(d is not None for j, d in enumerate(z_shape.as_list()) if j != z_lead):
             return f"the shape of {target.outputs[0].name} past its rows is not static"
         if use.weight_shape is None or not use.weight_shape.is_fully_defined():
             return f"its shape at {where} ({use.weight_shape}) is not static"
@@ -259,6 +277,8 @@ class LoopPlan:
             if self.outside(target.inputs[slot]) is None:
                 return f"the weight's value at {where} is not computable before the loop"
             rule = StepBroadcast(rule, self, target.inputs[slot])
+        elif _step_convolution(target, rule):
+            rule = StepConvolution(rule)
         fields.update(rule=Placed(rule, placements) if placements else rule,
                       rows=use.rows._replace(k=self._steps_rows(use)))
         loop_use = LoopUse(**fields, loop=self, index=index)
@@ -266,7 +286,15 @@ class LoopPlan:
             self.targets.append((target, slot))
             self.uses.append(loop_use)
             self.step_rows.append(use.rows.k)
+            self.z_leads.append(z_lead)
         return loop_use
+
+    def _lead(self, tensor):
+        """The batch axis of the body tensor `tensor`: 0, or 1 for a matrix whose columns
+        are examples (a product with the weight on the left); None otherwise."""
+        value = self._use_analysis.value(tensor)
+        lead = value.lead if isinstance(value, _batch_axis.Rows) else None
+        return lead if lead == 0 or (lead == 1 and tensor.shape.rank == 2) else None
 
     def _weight_side(self, op, slots):
         """Whether the body op `op`, reading the weight at `slots`, is a function of the
@@ -274,7 +302,11 @@ class LoopPlan:
         inputs the same for one example alone as for the batch, sizes of other axes
         included) and the same at every step: its inputs computable before the loop
         (`outside`), its outputs static. An op that mixes the weight with batch data is
-        a read."""
+        a read (so is an op without a registered gradient)."""
+        try:
+            _tf.gradient_function(op)
+        except LookupError:
+            return False
         if self._same_alone is None:
             self._same_alone = weight_functions.SameAlone(self._use_analysis)
         return (weight_functions.follow(op, slots, self._same_alone) == "function"
@@ -307,91 +339,3 @@ class LoopPlan:
                 self._built = self._make_copy()
         return self._built
 
-
-class Slice:
-    """Slice `index` along `axis` of a weight of static `shape` (an Unpack's output)."""
-
-    def __init__(self, axis, index, shape):
-        self.axis, self.index, self.shape = axis, index, shape.as_list()
-
-    def place(self, piece, grouped):
-        """The gradient of the slice, [G, *slice] (or [*slice] when not `grouped`),
-        as the gradient of the whole weight: zeros elsewhere, [G, *shape]."""
-        lead = 1 if grouped else 0
-        inner = self.shape[:self.axis] + self.shape[self.axis + 1:]
-        piece = tf.reshape(piece, ([-1] if grouped else []) + inner)
-        piece = tf.expand_dims(piece, self.axis + lead)
-        paddings = [[0, 0]] * (lead + self.axis) + [
-            [self.index, self.shape[self.axis] - 1 - self.index]] + [[0, 0]] * (
-                len(self.shape) - 1 - self.axis)
-        return tf.pad(piece, paddings)
-
-
-class Function:
-    """`output`, a function of the weights alone in the body, of the weight's `source`
-    (its value, or its handle for a gather of rows every example reads): the gradient
-    with respect to it is pulled back to `source` by the VJP of `rules._weight_functions`
-    (the inverse of a Cast or a gather, the VJP of a Split, a Tanh's batched VJP), on the
-    op copied before the loop (its value is the same at every step)."""
-
-    def __init__(self, loop, source, output):
-        self.loop, self.source, self.output = loop, source, output
-        self._rule = None
-
-    def place(self, piece, grouped):
-        """[G, *output] (or [*output] when not `grouped`) -> [G, *source] ([*source])."""
-        if self._rule is None:
-            u = self.loop.outside(self.output, build=True)
-            x = self.loop.outside(self.source, build=True)
-            shape = x.shape
-            if x.dtype == tf.resource:   # a gather's handle: the variable's shape
-                shape = tf.TensorShape(_tf.handle_data(x).shape_and_type[0].shape)
-            self._rule = weight_functions.WeightFunctionRule(
-                None, weight_functions.Exit(u.op, 0, (u.op,), (x,), False, shape), u=u)
-        P = tf.reshape(piece, [-1] + self.output.shape.as_list())           # [G, *output]
-        found = self._rule.pull_back(P)                                     # [G, *source]
-        return found if grouped else found[0]
-
-
-class StepBroadcast(registry_lib.Rule):
-    """A broadcast rule (`rules.broadcast`) reading the body tensor `weight` (the weight,
-    or a piece or function of it): the op is rebuilt on A_all, [B*k*T, ...] (its other
-    input's steps), and the weight's value before the loop (the same at every step);
-    grad_i(w) sums over example i's rows of every step."""
-
-    def __init__(self, rule, loop, weight):
-        self.rule, self.loop, self.weight = rule, loop, weight
-
-    def per_group(self, use, dZ, G):
-        inputs = [use.activation] * 2
-        inputs[use.slot] = self.loop.outside(self.weight, build=True)
-        return self.rule.per_group(use, dZ, G, inputs)
-
-    # sum_i f_i grad_i(w): the one-group gradient of dZ scaled per example
-    clipped_sum = registry_lib.batch_gradient_clipped_sum
-
-
-class Placed(registry_lib.Rule):
-    """A rule whose weight input is a piece of the weight (`Slice`s and `Function`s,
-    outermost last): its results are placed in the weight's shape; the other pieces'
-    reads add theirs. A zero-padded gradient has the norm of the slice's; a function's
-    does not (the norms are then formed)."""
-
-    def __init__(self, rule, placements):
-        self.rule, self.placements = rule, placements
-
-    def _place(self, result, grouped):
-        for placement in reversed(self.placements):
-            result = placement.place(result, grouped)
-        return result
-
-    def per_group(self, use, dZ, G):
-        return self._place(self.rule.per_group(use, dZ, G), True)
-
-    def squared_norms(self, use, dZ, B):
-        if any(isinstance(p, Function) for p in self.placements):
-            return None
-        return self.rule.squared_norms(use, dZ, B)
-
-    def clipped_sum(self, use, dZ, factors):
-        return self._place(self.rule.clipped_sum(use, dZ, factors), False)

@@ -221,7 +221,7 @@ def wrap(use, exit_):
 class WeightFunctionRule(registry_lib.ForwardingRule):
     """The rule of one exit, pulled back to x through the weight-only ops before it.
     Made per use by `wrap` (it holds the inner use), or with `u` given for a pull-back
-    alone (`pertower._loops.uses.Function`); never registered."""
+    alone (`pertower._loops.placements.Function`); never registered."""
 
     def __init__(self, inner, exit_, u=None):
         self.inner_use, self.exit = inner, exit_

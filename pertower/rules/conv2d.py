@@ -213,9 +213,11 @@ class ConvolutionRule(registry_lib.Rule):
 
     def norm_strategy(self, use):
         """"ghost" or "formed", the cheaper way to `use`'s squared norms (the module
-        docstring); "formed" unless an ungrouped Conv2D of static positions."""
+        docstring); "formed" unless an ungrouped Conv2D of static positions and k (in a
+        loop without static maximum_iterations, k*T is not)."""
         positions = use.output.shape[1:-1].num_elements()
-        if positions is None or use.op.type != "Conv2D" or groups(use.op) != 1:
+        if (positions is None or use.rows.k is None or use.op.type != "Conv2D"
+                or groups(use.op) != 1):
             return "formed"
         kh, kw, c_in, c_out = use.weight_shape.as_list()
         return ("ghost" if _rows.ghost_norm_is_cheaper(use.rows.k * positions,

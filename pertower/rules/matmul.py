@@ -13,12 +13,17 @@ arXiv 1912.10985). The clipped sum sum_i f_i grad_i(W) = A^T (f ⊙ dZ) (Bu et a
 arXiv 2210.00038).
 
 Covered: the weight as the right operand (rank 2, or leading axes of size 1 for
-BatchMatMul), transposed or adjoint either way; the activation not transposed.
+BatchMatMul), transposed or adjoint either way; the activation not transposed. The
+weight as the LEFT operand of a 2-D MatMul (Z = W x^T, [n, B*k], e.g. in a recurrent
+body) is the same product seen transposed: with W' = op_a(W) and X' = op_b(x) (each
+transposed as its attribute says), Z^T = X'^T W'^T, so A = X'^T [B*k, d], dZ^T
+[B*k, n], and W'^T is the right operand (`_right_operand_view`).
 """
 
 import tensorflow as tf
 
 from pertower import _op_types as op_types
+from pertower._batch_axis import Rows
 from pertower._layout import _rows
 from pertower._layout import _shapes
 from pertower.rules import registry as registry_lib
@@ -38,10 +43,37 @@ def _transposes(op):
     return "transpose_a", "transpose_b"
 
 
+def _right_operand_view(use, dZ):
+    """(A [B*k, ..., d], dZ [B*k, ..., n], whether W is stored as [n, d]) of `use` as a
+    product with the weight on the right: the op's own for a right operand; for a left
+    one (2-D), Z = W' X' read as Z^T = X'^T W'^T (the module docstring)."""
+    op = use.op
+    if use.slot == 1:
+        return use.activation, dZ, op.get_attr(_transposes(op)[1])
+    A = use.activation if op.get_attr("transpose_b") else tf.transpose(use.activation)
+    return A, None if dZ is None else tf.transpose(dZ), not op.get_attr("transpose_a")
+
+
+def _left_operand_use(rule, op, analysis):
+    """The `Use` of the weight at input 0 of a 2-D MatMul whose input 1 x, [B*k, d]
+    (transpose_b) or [d, B*k], gives Z [n, B*k] example-major along axis 1; else why not."""
+    x, lead = op.inputs[1], 0 if op.get_attr("transpose_b") else 1
+    rows, out = analysis.value(x), analysis.value(op.outputs[0])    # (not row layouts)
+    if not isinstance(rows, Rows) or rows.lead != lead or rows.k is None:
+        return (f"the weight is the left operand of {op.type} and the rows of its right "
+                f"operand {x.name} could not be traced to examples along axis {lead}")
+    if not isinstance(out, Rows) or out.lead != 1 or out.k != rows.k:
+        return (f"the weight is the left operand of {op.type} and the columns of its output "
+                f"{op.outputs[0].name} could not be traced to examples")
+    return registry_lib.Use(op, 0, rule, x, op.outputs[0], op.inputs[0].shape, rows)
+
+
 class MatMulRule(registry_lib.Rule):
-    """Z = A W or A W^T: per-example sums of outer products."""
+    """Z = A W or A W^T (or W x^T, seen transposed): per-example sums of outer products."""
 
     def match(self, op, slot, analysis):
+        if slot == 0 and op.type in ("MatMul", "SparseMatMul"):
+            return _left_operand_use(self, op, analysis)
         reason = right_operand_reason(op, slot, _transposes(op)[0])
         if reason:
             return reason
@@ -55,7 +87,7 @@ class MatMulRule(registry_lib.Rule):
     def per_group(self, use, dZ, G):
         # [G*T, ..., d], [G*T, ..., n] -> [G, T', d], [G, T', n] -> [G, d, n] (or
         # [G, n, d] when W is stored transposed): sum over each group's rows of a ⊗ dz
-        A, transposed = use.activation, use.op.get_attr(_transposes(use.op)[1])
+        A, dZ, transposed = _right_operand_view(use, dZ)
         if A.shape.rank == 2 and _shapes.rows_are_groups(A, G, use.rows.k):
             return outer_products(A, dZ, transposed)          # one row per group
         A_g = _shapes.to_groups(A, G, use.rows.k, 1)
@@ -69,17 +101,18 @@ class MatMulRule(registry_lib.Rule):
         return tf.reshape(grad, _rows.group_shape(G, use.weight_shape.as_list()))
 
     def squared_norms(self, use, dZ, B):
+        A, dZ, _ = _right_operand_view(use, dZ)
         d, n = use.weight_shape.as_list()[-2:]
-        middle = use.activation.shape[1:-1].num_elements()
+        middle = A.shape[1:-1].num_elements()
         rows = None if None in (middle, use.rows.k) else use.rows.k * middle   # T
         if rows != 1 and not _rows.ghost_norm_is_cheaper(rows, d, n):
             return None
-        return _rows.dense_squared_norms(use.activation, dZ, B, rows)
+        return _rows.dense_squared_norms(A, dZ, B, rows)
 
     def sum_squared(self, use, dZ_columns, B, per_example=False):
         # T = 1: grad_{i,c} = a_i ⊗ dz_ic, so sum_c grad_{i,c}^2 = a_i^2 ⊗ sum_c dz_ic^2
         # and its sum over i is (A⊙A)^T sum_c (dZ_c⊙dZ_c): no [B, d, n] unless asked
-        if use.rows.k != 1 or use.activation.shape.rank != 2:
+        if use.rows.k != 1 or use.activation.shape.rank != 2 or use.slot == 0:
             return None
         A2 = tf.square(use.activation)                                   # [B, d]
         dZ2 = tf.reduce_sum(tf.square(dZ_columns), axis=0)               # [C, B, n] -> [B, n]
@@ -92,7 +125,7 @@ class MatMulRule(registry_lib.Rule):
 
     def sum_squared_size(self, use, C, per_example=False):
         # numbers per example `sum_squared` holds: only the [B, d, n] result per example
-        if use.rows.k != 1 or use.activation.shape.rank != 2:
+        if use.rows.k != 1 or use.activation.shape.rank != 2 or use.slot == 0:
             return None
         return use.weight_shape.num_elements() * per_example
 
@@ -100,13 +133,18 @@ class MatMulRule(registry_lib.Rule):
         # sum_i f_i grad_i(W) = A^T (f ⊙ dZ): the batch gradient with dZ's rows scaled
         if use.activation.shape.rank != 2:
             return registry_lib.batch_gradient_clipped_sum(self, use, dZ, factors)
+        A, dZ, transposed = _right_operand_view(use, dZ)                 # [B*k, d], [B*k, n]
         scaled = _rows.scale_rows(dZ, factors)                           # [B*k, n]
-        if use.op.get_attr(_transposes(use.op)[1]):
-            return tf.matmul(scaled, use.activation, transpose_a=True)   # [n, d]
-        return tf.matmul(use.activation, scaled, transpose_a=True)       # [d, n]
+        if transposed:
+            return tf.matmul(scaled, A, transpose_a=True)                # [n, d]
+        return tf.matmul(A, scaled, transpose_a=True)                    # [d, n]
 
     def kfac_rows(self, use):
         # Z = A W: the GGN block of W is approximated by kron(A^T A / B, dZ^T dZ)
+        if use.slot == 0:
+            return (f"the weight is the left operand of {use.op.name!r} (MatMul), whose output "
+                    "gradient's rows are not examples; Kronecker factors are built for the "
+                    "right operand")
         return use.activation if use.op.type == "MatMul" else None       # [R, d]
 
 

@@ -190,7 +190,7 @@ def test_hand_written_while_loop_on_reference_variables():
 
 def test_functions_of_the_weights_in_a_frame():
     """tanh(w) split into two gates and b cast to float64 and back, in a frame: each
-    piece's rule pulled back to the weight (`pertower._loops.uses.Function`)."""
+    piece's rule pulled back to the weight (`pertower._loops.placements.Function`)."""
     graph = tf.Graph()
     with graph.as_default():
         common.seed_weights(5)
