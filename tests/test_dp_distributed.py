@@ -6,7 +6,7 @@ and sessions) run in a fresh interpreter, tests/scripts/dp_distributed_checks.py
 batch and the loop's clipped mean; the noise against chi-square bounds (chief mode draws
 once, split mode's shares uncorrelated); split mode refused with partial aggregation.
 More draws, and the step under disable_v2_behavior(): heavy, here.
-Here, in the test process: the arguments, the seeds, and one worker on a local session.
+Here, in the test process: the arguments and one worker on a local session.
 """
 
 import os
@@ -20,7 +20,6 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
-from pertower._dp import distributed
 from tests import common
 
 @pytest.mark.heavy
@@ -54,15 +53,6 @@ def test_bad_arguments_are_refused(kwargs, error, words):
     arguments.update(kwargs)
     with pytest.raises(error, match=r"^pertower.DPSyncReplicasOptimizer: .*" + words):
         pertower.DPSyncReplicasOptimizer(**arguments)
-
-
-def test_split_seeds_differ_by_task_and_repeat():
-    """One seed on every worker must not give every worker the same noise."""
-    seeds = [distributed.split_seed(7, t) for t in range(3)]
-    assert len(set(seeds)) == 3
-    assert seeds == [distributed.split_seed(7, t) for t in range(3)]
-    assert distributed.split_seed(8, 0) != seeds[0]
-    assert all(0 <= s < 2 ** 62 for s in seeds)
 
 
 @pytest.fixture(scope="module", params=[None, 10])

@@ -17,16 +17,15 @@ scalar counter variable) into the `ConditionalAccumulator`s of a
 so the chief multiplies by R, adds the noise (chief mode) and divides by R times the
 averaged count, i.e. by sum_w b_w. Were N > R (only when R < W and pushes race the
 take), the sum the noise covers is scaled by R/N <= 1: the noise is never short.
-Split mode: each push adds N(0, σ²C²/R I) itself (op seed from (seed, task index)) and
-the chief adds nothing; refused for R < W, where fewer shares than workers would be
-aggregated. DP-FTRL (`_dp.ftrl`, a `DPFTRLOptimizer` as the optimizer): the chief adds
-its tree's residual noise in place of N(0, σ²C² I), one release per global step.
+Split mode: each push adds N(0, σ²C²/R I) itself (its keys fold in the task index:
+`_dp.noise.GaussianNoise`'s stream, the variables being shared) and the chief adds
+nothing; refused for R < W, where fewer shares than workers would be aggregated.
+DP-FTRL (`_dp.ftrl`, a `DPFTRLOptimizer` as the optimizer): the chief adds its tree's
+residual noise in place of N(0, σ²C² I), one release per global step.
 """
 
-import hashlib
 import math
 import numbers
-import secrets
 
 import tensorflow as tf
 
@@ -41,15 +40,6 @@ from pertower._dp import wrapper
 __all__ = ["DPSyncReplicasOptimizer"]
 
 _NOISE_MODES = ("chief", "split")
-
-
-def split_seed(seed, task_index):
-    """The op seed of worker `task_index`'s noise in split mode: a hash of (seed, task
-    index), so that no two workers draw the same numbers; seed None: a random one."""
-    if seed is None:
-        return secrets.randbits(62)
-    digest = hashlib.sha256(f"pertower.dp.split:{seed}:{task_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 2     # < 2**62: room for DPOptimizer's + k
 
 
 class _ClippedSum(dp_optimizer.DPOptimizer):
@@ -115,7 +105,7 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
       noise: "chief" (default): the chief draws N(0, σ²C²) once per step. "split": each
         push adds N(0, σ²C²/R); refused when R < W.
       seed: an int making the noise repeatable (chief mode: as `DPOptimizer`'s seed, on
-        the chief; split mode: hashed with task_index), or None.
+        the chief; split mode: each worker's keys also fold in its task_index), or None.
       task_index: this worker's index in [0, W); needed with noise="split".
       expected_global_batch: None (default) divides by the sum of the pushed counts; a
         number (q * dataset size with Poisson sampling) divides by it instead.
@@ -182,7 +172,8 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
         # the worker's clipping (and its share of the noise in split mode)
         self._clipper = _ClippedSum(
             optimizer, l2_norm_clip, sigma / math.sqrt(R) if noise == "split" else 0.0,
-            seed=split_seed(seed, task_index) if noise == "split" else None, method=method)
+            method=method, mechanism=(noise_lib.GaussianNoise(seed, stream=task_index + 1)
+                                      if noise == "split" else None))
         # the chief's one draw (or its tree's release) per step
         self._chief_noise = noise_lib.GaussianNoise(seed) if tree is None else tree
         self._noise_multiplier = sigma
