@@ -225,20 +225,28 @@ class DPOptimizer(wrapper.WrappedOptimizer):
                        if per_layer else [self._clip.gradient_noise_multiplier * clip]
                        * len(var_list))
 
-            def release():
-                return self._release(clipped_sum, count, stddevs)
+            adaptive = self._clip.adaptive is not None
+
+            def release():   # (and the key of adaptive clipping's count, drawn after it)
+                noised = self._release(clipped_sum, count, stddevs)
+                if not adaptive:
+                    return noised
+                with tf.control_dependencies(noised):
+                    return noised + [self._noise.key()]
 
             if accumulator is None:
                 averaged = release()
             else:   # the noise is drawn on the k-th run only
-                averaged = tf.cond(accumulator.is_last, release,
-                                   lambda: [tf.zeros_like(g) for g in clipped_sum])
+                averaged = tf.cond(accumulator.is_last, release, lambda: [
+                    tf.zeros_like(g) for g in clipped_sum] + (
+                        [tf.zeros([2], tf.int64)] if adaptive else []))
                 for g, x in zip(averaged, var_list):
                     g.set_shape(x.shape)
-            clip_update = None if self._clip.adaptive is None else (
+            count_key = averaged.pop() if adaptive else None              # [2] int64
+            clip_update = None if not adaptive else (
                 lambda: clipping_lib.adaptive_clip_update(
                     clip, unclipped, self._clip.expected_batch_size, self._clip.adaptive,
-                    self._clip.count_stddev, self._noise.key()))
+                    self._clip.count_stddev, count_key))
         self._step = _Step(tuple(averaged), accumulator, clip_update)
         noisy_gradients = dict(zip(map(id, var_list), averaged))
         return [(noisy_gradients.get(id(v)), v) for v in all_variables]
