@@ -125,9 +125,8 @@ class GaussianNoise:
                                                trainable=False, use_resource=True)
         self._graph, self._keys = graph, 0
 
-    def key(self):
-        """[2] int64, a new stateless key at each computation (the class docstring);
-        computing it moves `draws` by one."""
+    def _key(self, after=()):
+        """([2] int64 key, the op moving `draws`, run after the key and `after`)."""
         self._state()
         purpose = tf.constant((self.stream << 32) + self._keys, tf.int64)
         self._keys += 1
@@ -136,13 +135,23 @@ class GaussianNoise:
             key = tf.random.experimental.stateless_fold_in(
                 tf.random.experimental.stateless_fold_in(
                     self.seed_variable.read_value(), purpose, alg="philox"), r, alg="philox")
-            with tf.control_dependencies([key]):
-                counted = self.draws.assign_add(1, read_value=False)
-            with tf.control_dependencies([counted]):
-                return tf.identity(key)                                   # [2]
+            with tf.control_dependencies([key] + list(after)):
+                return key, self.draws.assign_add(1, read_value=False)
+
+    def key(self):
+        """[2] int64, a new stateless key at each computation (the class docstring);
+        computing it moves `draws` by one."""
+        key, counted = self._key()
+        with tf.control_dependencies([counted]):
+            return tf.identity(key)                                       # [2]
 
     def add(self, gradients, stddevs):
-        """`add_noise` with a new key; the gradients as they are when every s_x is 0."""
+        """`add_noise` with a new key; the gradients as they are when every s_x is 0.
+        `draws` moves once the gradients are there too (a distributed chief's draw may
+        run while its take of the workers' pushes waits)."""
         if all(isinstance(s, float) and s == 0 for s in stddevs):
             return list(gradients)
-        return add_noise(gradients, stddevs, self.key())
+        key, counted = self._key(after=gradients)
+        noised = add_noise(gradients, stddevs, key)
+        with tf.control_dependencies([counted]):
+            return [tf.identity(g) for g in noised]
