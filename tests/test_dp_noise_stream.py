@@ -138,3 +138,31 @@ def test_the_marginal_is_n_0_sigma2_c2():
     assert np.abs(z.mean(axis=1)).max() < 6 / np.sqrt(n)
     assert np.abs(z.var(axis=1) - 1).max() < 6 * np.sqrt(2 / n)
     assert np.abs(np.corrcoef(z)[np.triu_indices(3, 1)]).max() < 6 / np.sqrt(n)
+
+
+def test_adaptive_clipping_s_count_key_moves_the_counter_each_step():
+    """The count's noise has a key of its own, drawn after the release's (whose stddev
+    σ_Δ C is a tensor, drawn even at σ = 0, as here): `draws` moves twice per step, and the clip
+    norms follow a noisy, repeatable path."""
+    def run(steps=3):
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+            w = tf.compat.v1.get_variable("w", [3, 2], initializer=tf.ones_initializer())
+            loss = tf.reduce_sum(tf.matmul(x, w) ** 2, axis=1)                 # [B]
+            dp = pertower.DPOptimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(0.0), CLIP, 0.0, seed=2,
+                expected_batch_size=float(B),
+                adaptive_clipping=pertower.AdaptiveClipping(0.5, 0.2, 1.0))
+            train = dp.minimize(loss, var_list=[w])
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                feed = {x: np.arange(12, dtype=np.float32).reshape(B, 3) / 10}
+                clips = []
+                for _ in range(steps):
+                    sess.run(train, feed)
+                    clips.append(sess.run(dp.l2_norm_clip_variable))
+                return clips, int(sess.run(dp._noise.draws))  # pylint: disable=protected-access
+    clips, draws = run()
+    assert draws == 3 * 2
+    assert len(set(np.round(np.log(clips[1:]) - np.log(clips[:-1]), 6))) == 2   # noisy
+    np.testing.assert_array_equal(clips, run()[0])
