@@ -1,7 +1,7 @@
 """One noise-mechanism interface (`pertower._dp.mechanism`): `BandedMFNoise` through
-pertower.keras' fit against the one-example loop (σ = 0), Keras configs holding the
-mechanism (and refusing one they cannot rebuild), and the refusals of
-`DPOptimizer`/`DPSyncReplicasOptimizer` for mechanisms where they do not apply.
+pertower.keras' fit against the one-example loop (σ = 0) and across an HDF5 save, Keras
+configs holding the mechanism (and refusing one they cannot rebuild), and the refusals
+of `DPOptimizer`/`DPSyncReplicasOptimizer` for mechanisms where they do not apply.
 (`DPSyncReplicasOptimizer(mechanism=BandedMFNoise)` against the loop: the one-worker
 fixture of tests/test_dp_distributed.py.)
 """
@@ -9,13 +9,14 @@ fixture of tests/test_dp_distributed.py.)
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras as keras
 
 import pertower
 import pertower.keras as dp_keras
 from pertower._dp import mechanism as mechanism_lib
 from pertower._dp import tree as tree_lib
 from tests import common
-from tests.test_keras_fit import LR, _fit_one_step
+from tests.test_keras_fit import CLIP, LR, _data, _fit_one_step, _model
 
 
 def test_banded_noise_through_keras_fit_is_sgd_on_the_loops_clipped_mean():
@@ -26,6 +27,38 @@ def test_banded_noise_through_keras_fit_is_sgd_on_the_loops_clipped_mean():
     assert any(np.any(g != 0) for g in update)
     common.assert_all_close(after, [w - LR * g for w, g in zip(before, update)],
                             what="weights after one banded fit step", kind="deep")
+
+
+def test_a_keras_model_saved_mid_run_resumes_the_banded_noise(tmp_path):
+    """σ = 1, 3 bands: 2 fit steps, HDF5 save, load_model (the mechanism rebuilt from
+    the config, its step and buffer from the optimizer's weights), 1 more step: the
+    weights of 3 uninterrupted steps."""
+    x, y = _data("dense", np.random.RandomState(5))
+    fit = dict(batch_size=2, epochs=1, shuffle=False, verbose=0)
+
+    def model():
+        common.seed_weights(5)
+        built = _model("dense")
+        built.compile(optimizer=dp_keras.DPKerasSGDOptimizer(
+            CLIP, 1.0, mechanism=pertower.BandedMFNoise(3, seed=5), learning_rate=LR),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return built
+
+    with tf.Graph().as_default():
+        uninterrupted = model()
+        uninterrupted.fit(x, y, **fit)
+        want = uninterrupted.get_weights()
+    with tf.Graph().as_default():
+        first = model()
+        first.fit(x[:4], y[:4], **fit)
+        first.save(str(tmp_path / "model.h5"))
+    with tf.Graph().as_default():
+        cls = dp_keras.DPKerasSGDOptimizer
+        loaded = keras.models.load_model(str(tmp_path / "model.h5"),
+                                         custom_objects={cls.__name__: cls})
+        loaded.fit(x[4:], y[4:], **fit)
+        common.assert_all_close(loaded.get_weights(), want, what="resumed banded run",
+                                kind="deep")
 
 
 @pytest.mark.parametrize("mechanism", [

@@ -15,7 +15,7 @@ float64). The draw is the same bits on one thread and on a pool. h is a multiple
 (64 bytes of float32, where TensorFlow slices without a copy), so that `add_noise` cuts
 the [2h] draws into the weights' pieces in ONE split (docs/benchmark.md, "The noise
 draw"). `GaussianNoise` is the noise of a DP step; another mechanism is another object
-with `key` and `add`.
+with `key` and `add` (`_dp.mechanism`).
 """
 
 import math

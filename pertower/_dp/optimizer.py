@@ -116,7 +116,7 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         self._mechanism = (None if mechanism is None else mechanism_lib.check_mechanism(
             mechanism, self._seed, self._clip))
         self._noise = noise_lib.GaussianNoise(self._seed) if mechanism is None else mechanism
-        self._seed = self._noise.seed
+        self._seed = getattr(self._noise, "seed", None)
         self._accumulation_steps = _checks.positive_int(gradient_accumulation_steps,
                                                         "gradient_accumulation_steps")
         self._clip_variable = None
