@@ -66,9 +66,10 @@ import tf_keras
 
 from pertower import _context
 from pertower._dp import clipping as clipping_lib
-from pertower._dp import ftrl
 from pertower._dp import keras_loss
+from pertower._dp import mechanism as mechanism_lib
 from pertower._dp import optimizer as dp_optimizer
+from pertower._dp import tree as tree_lib
 from pertower._keras_callbacks import ExampleScores
 from pertower._keras_poisson import PoissonSequence
 
@@ -218,10 +219,11 @@ def make_keras_optimizer_class(cls):
 
     The class takes `(l2_norm_clip, noise_multiplier, num_microbatches=None,
     gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
-    expected_batch_size=None, adaptive_clipping=None, **kwargs)`, `*args` and
-    `**kwargs` going to `cls` (e.g. `learning_rate`), the others as in
+    expected_batch_size=None, adaptive_clipping=None, mechanism=None, **kwargs)`,
+    `*args` and `**kwargs` going to `cls` (e.g. `learning_rate`), the others as in
     `pertower.DPOptimizer` (`adaptive_clipping` also as the dict of a
-    `pertower.AdaptiveClipping`'s fields). Its `get_config` holds them, so `model.save`
+    `pertower.AdaptiveClipping`'s fields; `mechanism` also as the dict `get_config`
+    gives, `_dp.mechanism`). Its `get_config` holds them, so `model.save`
     and `tf_keras.models.load_model(path, custom_objects={name: the class})` round-trip
     it; the accumulator's and adaptive clipping's variables are among its `weights`
     (`_DPStateWeights`). Errors raised inside its methods name the class
@@ -246,7 +248,8 @@ def make_keras_optimizer_class(cls):
         @_as_keras_class
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=1, *args, seed=None, clipping="flat",
-                     expected_batch_size=None, adaptive_clipping=None, **kwargs):
+                     expected_batch_size=None, adaptive_clipping=None, mechanism=None,
+                     **kwargs):
             super().__init__(*args, **kwargs)
             self._state = _DPStateWeights(self)
             if isinstance(adaptive_clipping, dict):   # as get_config gives it
@@ -256,7 +259,8 @@ def make_keras_optimizer_class(cls):
                 num_microbatches=num_microbatches, seed=seed, clipping=clipping,
                 expected_batch_size=expected_batch_size,
                 adaptive_clipping=adaptive_clipping,
-                gradient_accumulation_steps=gradient_accumulation_steps)
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                mechanism=mechanism_lib.from_config(mechanism))
 
         def get_config(self):
             config = super().get_config()
@@ -264,10 +268,12 @@ def make_keras_optimizer_class(cls):
             config.update(
                 l2_norm_clip=dp.l2_norm_clip, noise_multiplier=dp.noise_multiplier,
                 num_microbatches=dp.num_microbatches,
-                gradient_accumulation_steps=dp.gradient_accumulation_steps, seed=dp.seed,
+                gradient_accumulation_steps=dp.gradient_accumulation_steps,
+                seed=dp.seed if dp.mechanism is None else None,
                 clipping=options.kind, expected_batch_size=options.expected_batch_size,
                 adaptive_clipping=(None if options.adaptive is None
-                                   else dataclasses.asdict(options.adaptive)))
+                                   else dataclasses.asdict(options.adaptive)),
+                mechanism=mechanism_lib.to_config(dp.mechanism))
             return config
 
         @_as_keras_class
@@ -403,14 +409,16 @@ class DPFTRLTreeAggregationOptimizer(DPKerasSGDOptimizer):
                  num_microbatches=None, gradient_accumulation_steps=1, restart_period=None,
                  restart_warmup=None, noise_seed=None, *args, efficient_tree=True, **kwargs):
         with _context.public_call("keras.DPFTRLTreeAggregationOptimizer"):
+            tree = tree_lib.TreeNoise(noise_seed, restart_period, restart_warmup,
+                                      efficient_tree)
             super().__init__(l2_norm_clip, noise_multiplier, num_microbatches,
-                             gradient_accumulation_steps, *args, seed=noise_seed, **kwargs)
-            ftrl.with_tree(self._dp, restart_period, restart_warmup, efficient_tree)
+                             gradient_accumulation_steps, *args, mechanism=tree, **kwargs)
 
     def get_config(self):
         config = super().get_config()
-        tree = self._dp._noise  # pylint: disable=protected-access
-        config.update(noise_seed=config.pop("seed"), var_list_or_model=None,
+        tree = self._dp.mechanism
+        del config["seed"], config["mechanism"]
+        config.update(noise_seed=tree.seed, var_list_or_model=None,
                       restart_period=tree.period, restart_warmup=tree.warmup or None,
                       efficient_tree=tree.efficient)
         return config

@@ -237,9 +237,13 @@ def noise_graph(mlp):
             dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                       l2_norm_clip=1.5, noise_multiplier=noise, seed=seed)
             return [g for g, _ in dp.compute_gradients(mlp.ys, mlp.xs, batch_size=mlp.B)]
+        before = set(tf.compat.v1.global_variables())
         clean = gradients(0.0)
         noisy = gradients(2.0, seed=7)
         other = gradients(2.0, seed=8)
+        # the noise's seed and draw counter (`_dp.noise.GaussianNoise`)
+        mlp.sess.run(tf.compat.v1.variables_initializer(
+            [v for v in tf.compat.v1.global_variables() if v not in before]))
     return mlp, clean, noisy, other
 
 

@@ -6,7 +6,7 @@ and sessions) run in a fresh interpreter, tests/scripts/dp_distributed_checks.py
 batch and the loop's clipped mean; the noise against chi-square bounds (chief mode draws
 once, split mode's shares uncorrelated); split mode refused with partial aggregation.
 More draws, and the step under disable_v2_behavior(): heavy, here.
-Here, in the test process: the arguments, the seeds, and one worker on a local session.
+Here, in the test process: the arguments and one worker on a local session.
 """
 
 import os
@@ -20,7 +20,6 @@ import tensorflow as tf
 
 import pertower
 from pertower import oracle
-from pertower._dp import distributed
 from tests import common
 
 @pytest.mark.heavy
@@ -56,19 +55,13 @@ def test_bad_arguments_are_refused(kwargs, error, words):
         pertower.DPSyncReplicasOptimizer(**arguments)
 
 
-def test_split_seeds_differ_by_task_and_repeat():
-    """One seed on every worker must not give every worker the same noise."""
-    seeds = [distributed.split_seed(7, t) for t in range(3)]
-    assert len(set(seeds)) == 3
-    assert seeds == [distributed.split_seed(7, t) for t in range(3)]
-    assert distributed.split_seed(8, 0) != seeds[0]
-    assert all(0 <= s < 2 ** 62 for s in seeds)
-
-
-@pytest.fixture(scope="module", params=[None, 10])
+@pytest.fixture(scope="module", params=[None, 10, "banded"])
 def one_worker(request):
     """A local session as a one-worker cluster (R = W = 1), σ = 0; B = 4; the division
-    by the pushed count (None) or by a fixed expected global batch (10)."""
+    by the pushed count (None) or by a fixed expected global batch (10); "banded": the
+    chief adds a `pertower.BandedMFNoise` (`mechanism=`), dividing by the count."""
+    banded = request.param == "banded"
+    expected = None if banded else request.param
     rng = np.random.RandomState(11)
     weights = [rng.randn(3, 4) * 0.8, rng.randn(4, 2) * 0.8]
     x_value, y_value = rng.randn(4, 3), rng.randint(2, size=4)
@@ -81,9 +74,10 @@ def one_worker(request):
         logits = tf.matmul(tf.nn.softplus(tf.matmul(x, xs[0])), xs[1])          # [B, 2]
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         global_step = tf.compat.v1.train.get_or_create_global_step()
-        dp = pertower.DPSyncReplicasOptimizer(_sgd(), l2_norm_clip=1.55, noise_multiplier=0.0,
-                                              replicas_to_aggregate=1,
-                                              expected_global_batch=request.param)
+        dp = pertower.DPSyncReplicasOptimizer(
+            _sgd(), l2_norm_clip=1.55, noise_multiplier=0.0, replicas_to_aggregate=1,
+            expected_global_batch=expected,
+            mechanism=pertower.BandedMFNoise(2, seed=3) if banded else None)
         with pytest.raises(RuntimeError, match=r"^pertower.DPSyncReplicasOptimizer."
                                                r"apply_gradients: call compute_gradients"):
             dp.apply_gradients([], global_step=global_step)
@@ -100,8 +94,10 @@ def one_worker(request):
         per_example = loop.run(sess, feed, 4)           # [4, *x.shape] each, at `before`
         pushed, count, _ = sess.run([[g for g, _ in sums], dp.count, train_op], feed)
         after = sess.run(xs)
+        if banded:   # the chief's release moved the mechanism's step once
+            assert sess.run(dp._chief_noise.state.step) == 1  # pylint: disable=protected-access
         sess.close()
-    return dict(dp=dp, divisor=request.param or 4, before=before, per_example=per_example,
+    return dict(dp=dp, divisor=expected or 4, before=before, per_example=per_example,
                 pushed=pushed, count=count, after=after)
 
 

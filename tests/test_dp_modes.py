@@ -168,8 +168,12 @@ def test_an_empty_batch_releases_the_noise_alone(mlp):
         noisy = pertower.DPOptimizer(_sgd(), 1.0, 1.0, expected_batch_size=4, seed=3)
         counted = pertower.DPOptimizer(_sgd(), 1.0, 1.0, seed=3)
         silent = pertower.DPOptimizer(_sgd(), 1.0, 0.0)
-        got = mlp.sess.run([[g for g, _ in dp.compute_gradients(mlp.ys, var_list=mlp.xs)]
-                            for dp in (noisy, counted, silent)], empty)
+        before = set(tf.compat.v1.global_variables())
+        gradients = [[g for g, _ in dp.compute_gradients(mlp.ys, var_list=mlp.xs)]
+                     for dp in (noisy, counted, silent)]
+        mlp.sess.run(tf.compat.v1.variables_initializer(   # the noise's seed and counter
+            [v for v in tf.compat.v1.global_variables() if v not in before]))
+        got = mlp.sess.run(gradients, empty)
     for run in got[:2]:
         flat = np.concatenate([g.ravel() for g in run])
         assert np.all(np.isfinite(flat)) and np.std(flat) > 0.05

@@ -124,6 +124,7 @@ class BandedMFNoise:
         self.bands = _checks.positive_int(bands, "bands")
         self.seed = _checks.optional_seed(seed)
         self.steps = None if steps is None else _checks.positive_int(steps, "steps")
+        self._factorized = factorization is not None
         if factorization is None:
             self._rows = square_root_coefficients(self.bands)[None]         # [1, b]
         else:
@@ -155,6 +156,11 @@ class BandedMFNoise:
         for j in range(min(self.bands, n)):
             C += np.diag(rows[j:n, j], -j)
         return C
+
+    def get_config(self):
+        """The constructor's arguments (the factorization as the normalized C, a list)."""
+        return dict(bands=self.bands, steps=self.steps, seed=self.seed,
+                    factorization=self.matrix().tolist() if self._factorized else None)
 
     def sensitivity(self, participations=1):
         """sqrt(k) · max_t ||C[:, t]||_2: the L2 sensitivity of C g per unit of clip norm,
@@ -211,8 +217,11 @@ class BandedMFNoise:
                 w = [(zx - tf.add_n([weights[r] * past.read_value()
                                     for r, past in enumerate(slots)])) / row[0]
                      for zx, slots in zip(z, state.buffers)]                   # [*x.shape]
-                writes = [_write(state.buffers, slot, w)]
-            with tf.control_dependencies(writes + w):
+                # the state moves once the sums are there too (a distributed chief's
+                # draw may run while its take of the workers' pushes waits)
+                with tf.control_dependencies(list(gradients)):
+                    writes = [_write(state.buffers, slot, w)]
+            with tf.control_dependencies(writes + w + list(gradients)):
                 advanced = state.step.assign_add(1)
             with tf.control_dependencies([advanced]):
                 return [g + tf.cast(s * wx, g.dtype)

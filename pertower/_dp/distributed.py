@@ -17,16 +17,16 @@ scalar counter variable) into the `ConditionalAccumulator`s of a
 so the chief multiplies by R, adds the noise (chief mode) and divides by R times the
 averaged count, i.e. by sum_w b_w. Were N > R (only when R < W and pushes race the
 take), the sum the noise covers is scaled by R/N <= 1: the noise is never short.
-Split mode: each push adds N(0, σ²C²/R I) itself (op seed from (seed, task index)) and
-the chief adds nothing; refused for R < W, where fewer shares than workers would be
-aggregated. DP-FTRL (`_dp.ftrl`, a `DPFTRLOptimizer` as the optimizer): the chief adds
-its tree's residual noise in place of N(0, σ²C² I), one release per global step.
+Split mode: each push adds N(0, σ²C²/R I) itself (its keys fold in the task index:
+`_dp.noise.GaussianNoise`'s stream, the variables being shared) and the chief adds
+nothing; refused for R < W, where fewer shares than workers would be aggregated.
+Another mechanism (`mechanism=`, `_dp.mechanism`, e.g. `BandedMFNoise`; DP-FTRL's tree
+with a `DPFTRLOptimizer` as the optimizer): the chief adds its release in place of
+N(0, σ²C² I), once per global step.
 """
 
-import hashlib
 import math
 import numbers
-import secrets
 
 import tensorflow as tf
 
@@ -34,6 +34,7 @@ from pertower import _checks
 from pertower import _context
 from pertower import _tf
 from pertower._dp import ftrl
+from pertower._dp import mechanism as mechanism_lib
 from pertower._dp import noise as noise_lib
 from pertower._dp import optimizer as dp_optimizer
 from pertower._dp import wrapper
@@ -41,15 +42,6 @@ from pertower._dp import wrapper
 __all__ = ["DPSyncReplicasOptimizer"]
 
 _NOISE_MODES = ("chief", "split")
-
-
-def split_seed(seed, task_index):
-    """The op seed of worker `task_index`'s noise in split mode: a hash of (seed, task
-    index), so that no two workers draw the same numbers; seed None: a random one."""
-    if seed is None:
-        return secrets.randbits(62)
-    digest = hashlib.sha256(f"pertower.dp.split:{seed}:{task_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 2     # < 2**62: room for DPOptimizer's + k
 
 
 class _ClippedSum(dp_optimizer.DPOptimizer):
@@ -115,11 +107,14 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
       noise: "chief" (default): the chief draws N(0, σ²C²) once per step. "split": each
         push adds N(0, σ²C²/R); refused when R < W.
       seed: an int making the noise repeatable (chief mode: as `DPOptimizer`'s seed, on
-        the chief; split mode: hashed with task_index), or None.
+        the chief; split mode: each worker's keys also fold in its task_index), or None.
       task_index: this worker's index in [0, W); needed with noise="split".
       expected_global_batch: None (default) divides by the sum of the pushed counts; a
         number (q * dataset size with Poisson sampling) divides by it instead.
       name: the SyncReplicasOptimizer's name.
+      mechanism: None (Gaussian noise), or a noise mechanism as in
+        `pertower.DPOptimizer` (e.g. `pertower.BandedMFNoise`), which the chief adds
+        once per global step in place of N(0, σ²C² I); chief mode, seed None.
 
     Example (on every worker; is_chief = task_index == 0):
       with tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
@@ -139,7 +134,8 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
     @_context.public("DPSyncReplicasOptimizer")
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier, replicas_to_aggregate,
                  total_num_replicas=None, noise="chief", seed=None, task_index=None,
-                 expected_global_batch=None, method="auto", name="dp_sync_replicas"):
+                 expected_global_batch=None, method="auto", name="dp_sync_replicas",
+                 mechanism=None):
         R = _checks.positive_int(replicas_to_aggregate, "replicas_to_aggregate")
         W = R if total_num_replicas is None else _checks.positive_int(
             total_num_replicas, "total_num_replicas")
@@ -160,19 +156,25 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
                 f"in [0, {W}) (it seeds the worker's own noise), but received "
                 f"{task_index!r}.")
         seed = _checks.optional_seed(seed)
-        tree = None
         if isinstance(optimizer, ftrl.DPFTRLOptimizer):
-            if (noise, seed, optimizer.l2_norm_clip, optimizer.noise_multiplier,
+            if (noise, seed, mechanism, optimizer.l2_norm_clip, optimizer.noise_multiplier,
                     optimizer.num_microbatches) != (
-                    "chief", None, l2_norm_clip, noise_multiplier, None):
+                    "chief", None, None, l2_norm_clip, noise_multiplier, None):
                 raise _context.error(
                     ValueError, "with a DPFTRLOptimizer as `optimizer`, pass its "
                     f"l2_norm_clip ({optimizer.l2_norm_clip}) and noise_multiplier "
-                    f"({optimizer.noise_multiplier}), noise=\"chief\" and seed=None (the "
-                    f"tree's seed is the DPFTRLOptimizer's); received {l2_norm_clip!r}, "
-                    f"{noise_multiplier!r}, {noise!r} and {seed!r} (and its "
-                    f"num_microbatches must be None: {optimizer.num_microbatches!r}).")
-            tree, optimizer = optimizer.tree, optimizer.optimizer
+                    f"({optimizer.noise_multiplier}), noise=\"chief\", seed=None and "
+                    "mechanism=None (the tree is the DPFTRLOptimizer's); received "
+                    f"{l2_norm_clip!r}, {noise_multiplier!r}, {noise!r}, {seed!r} and "
+                    f"{mechanism!r:.60} (and its num_microbatches must be None: "
+                    f"{optimizer.num_microbatches!r}).")
+            mechanism, optimizer = optimizer.tree, optimizer.optimizer
+        if mechanism is not None and noise == "split":
+            raise _context.error(
+                ValueError, "noise=\"split\" adds independent Gaussian shares on the "
+                f"workers, but `mechanism` ({type(mechanism).__name__}) was given: a "
+                "correlated mechanism is added once, by the chief. Use noise=\"chief\", or "
+                "mechanism=None.")
         if expected_global_batch is not None:
             expected_global_batch = _checks.real_number(
                 expected_global_batch, "expected_global_batch", 0.0, math.inf,
@@ -182,9 +184,12 @@ class DPSyncReplicasOptimizer(wrapper.WrappedOptimizer):
         # the worker's clipping (and its share of the noise in split mode)
         self._clipper = _ClippedSum(
             optimizer, l2_norm_clip, sigma / math.sqrt(R) if noise == "split" else 0.0,
-            seed=split_seed(seed, task_index) if noise == "split" else None, method=method)
-        # the chief's one draw (or its tree's release) per step
-        self._chief_noise = noise_lib.GaussianNoise(seed) if tree is None else tree
+            method=method, mechanism=(noise_lib.GaussianNoise(seed, stream=task_index + 1)
+                                      if noise == "split" else None))
+        # the chief's one draw (or its mechanism's release) per step
+        self._chief_noise = (noise_lib.GaussianNoise(seed) if mechanism is None else
+                             mechanism_lib.check_mechanism(mechanism, seed,
+                                                           self._clipper.clipping_options))
         self._noise_multiplier = sigma
         self._replicas_to_aggregate, self._total_num_replicas = R, W
         self._noise, self._seed, self._task_index = noise, seed, task_index

@@ -36,18 +36,7 @@ from pertower._dp import optimizer as dp_optimizer
 from pertower._dp import tree as tree_lib
 from pertower._dp.wrapper import GATE_OP
 
-__all__ = ["DPFTRLOptimizer", "with_tree"]
-
-
-def with_tree(dp, restart_period=None, restart_warmup=None, efficient_tree=False):
-    """`dp`, a `DPOptimizer`, releasing the tree's residual noise (`_dp.tree.TreeNoise`,
-    seeded by dp.seed) in place of independent noise per step; returns `dp`."""
-    if dp.clipping_options.kind != "flat" or dp.clipping_options.adaptive is not None:
-        raise _context.error(ValueError, "the tree's noise needs flat clipping with a "
-                             "fixed clip norm (clipping=\"flat\", adaptive_clipping=None).")
-    dp._noise = tree_lib.TreeNoise(  # pylint: disable=protected-access
-        dp.seed, restart_period, restart_warmup, efficient_tree)
-    return dp
+__all__ = ["DPFTRLOptimizer"]
 
 
 class DPFTRLOptimizer(dp_optimizer.DPOptimizer):
@@ -105,18 +94,18 @@ class DPFTRLOptimizer(dp_optimizer.DPOptimizer):
         applier = (tf.compat.v1.train.MomentumOptimizer(learning_rate, momentum, name=name)
                    if momentum > 0 else
                    tf.compat.v1.train.GradientDescentOptimizer(learning_rate, name=name))
+        tree = tree_lib.TreeNoise(seed, restart_period, restart_warmup, efficient_tree)
         dp_optimizer.DPOptimizer.__init__.__wrapped__(
             self, applier, l2_norm_clip, noise_multiplier,
-            num_microbatches=num_microbatches, seed=seed, method=method)
-        with_tree(self, restart_period, restart_warmup, efficient_tree)
+            num_microbatches=num_microbatches, method=method, mechanism=tree)
         self._learning_rate, self._momentum = learning_rate, momentum
 
     learning_rate = property(lambda self: self._learning_rate)
     momentum = property(lambda self: self._momentum)
-    restart_period = property(lambda self: self._noise.period)
-    restart_warmup = property(lambda self: self._noise.warmup or None)
-    efficient_tree = property(lambda self: self._noise.efficient)
-    tree = property(lambda self: self._noise, doc=(
+    restart_period = property(lambda self: self.mechanism.period)
+    restart_warmup = property(lambda self: self.mechanism.warmup or None)
+    efficient_tree = property(lambda self: self.mechanism.efficient)
+    tree = property(lambda self: self.mechanism, doc=(
         "The `_dp.tree.TreeNoise`: its `releases` variable counts the steps released."))
 
     @_context.public("DPFTRLOptimizer.compute_gradients")

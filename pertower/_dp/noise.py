@@ -15,7 +15,7 @@ float64). The draw is the same bits on one thread and on a pool. h is a multiple
 (64 bytes of float32, where TensorFlow slices without a copy), so that `add_noise` cuts
 the [2h] draws into the weights' pieces in ONE split (docs/benchmark.md, "The noise
 draw"). `GaussianNoise` is the noise of a DP step; another mechanism is another object
-with `key` and `add`.
+with `key` and `add` (`_dp.mechanism`).
 """
 
 import math
@@ -83,23 +83,75 @@ def add_noise(gradients, stddevs, key):
 
 
 class GaussianNoise:
-    """N(0, s_x^2) per entry of weight x, a fresh key per `sess.run`. `seed`: None, or
-    an int: the k-th key built (from 0) is a stateful draw with op seed `seed + k`, so
-    that the same graph built again gives the same sequence."""
+    """N(0, s_x^2) per entry of weight x, fresh at each draw, keyed by variables.
 
-    def __init__(self, seed):
+    The k-th key built in a graph (k = 0, 1, ... in the order `key` is called; one per
+    release, one for adaptive clipping's count) is, at its r-th draw in that graph,
+
+        key = fold_in(fold_in(seed_variable, stream · 2^32 + k), r)
+
+    (stateless Philox fold-ins), r read from the variable `draws` ([] int64), which the
+    key moves by one when it is computed (once per noised release: every k-th run with
+    gradient accumulation, once per global step at a distributed chief). `seed_variable`
+    ([2] int64) is [seed, salt], or drawn when the variables are initialized (seed None;
+    from the graph-level seed when one is set). Both are non-trainable resource
+    variables under "dp_noise/", made on the first key in a graph: a checkpoint holds
+    them, so a restored session continues the stream and never replays a released
+    draw; the same graph built again with the same seed gives the same sequence from
+    a fresh initialization. `stream`: a distinct int per worker sharing the variables
+    (noise="split": the task index), so that no two workers draw the same numbers.
+    """
+
+    _SALT = 0x6A05
+
+    def __init__(self, seed, stream=0):
         self.seed = seed
-        self.draws = 0
+        self.stream = stream
+        self.seed_variable = self.draws = None
+        self._graph, self._keys = None, 0
+
+    def _state(self):
+        """The variables in the default graph, made on its first key."""
+        graph = tf.compat.v1.get_default_graph()
+        if self._graph is graph:
+            return
+        # out of a tf.cond's branch (gradient accumulation releases in one)
+        with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_noise"):
+            seed = (tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64)
+                    if self.seed is None else tf.constant([self.seed, self._SALT], tf.int64))
+            self.seed_variable = tf.compat.v1.Variable(seed, name="seed", trainable=False,
+                                                       use_resource=True)
+            self.draws = tf.compat.v1.Variable(tf.zeros([], tf.int64), name="draws",
+                                               trainable=False, use_resource=True)
+        self._graph, self._keys = graph, 0
+
+    def _key(self, after=()):
+        """([2] int64 key, the op moving `draws`, run after the key and `after`)."""
+        self._state()
+        purpose = tf.constant((self.stream << 32) + self._keys, tf.int64)
+        self._keys += 1
+        with tf.name_scope("noise_key"):
+            r = self.draws.read_value()                                    # [] int64
+            key = tf.random.experimental.stateless_fold_in(
+                tf.random.experimental.stateless_fold_in(
+                    self.seed_variable.read_value(), purpose, alg="philox"), r, alg="philox")
+            with tf.control_dependencies([key] + list(after)):
+                return key, self.draws.assign_add(1, read_value=False)
 
     def key(self):
-        """[2] int64, a fresh stateless key per sess.run."""
-        seed = None if self.seed is None else self.seed + self.draws
-        self.draws += 1
-        return tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64, seed=seed,
-                                 name="noise_key")                              # [2]
+        """[2] int64, a new stateless key at each computation (the class docstring);
+        computing it moves `draws` by one."""
+        key, counted = self._key()
+        with tf.control_dependencies([counted]):
+            return tf.identity(key)                                       # [2]
 
     def add(self, gradients, stddevs):
-        """`add_noise` with a new key; the gradients as they are when every s_x is 0."""
+        """`add_noise` with a new key; the gradients as they are when every s_x is 0.
+        `draws` moves once the gradients are there too (a distributed chief's draw may
+        run while its take of the workers' pushes waits)."""
         if all(isinstance(s, float) and s == 0 for s in stddevs):
             return list(gradients)
-        return add_noise(gradients, stddevs, self.key())
+        key, counted = self._key(after=gradients)
+        noised = add_noise(gradients, stddevs, key)
+        with tf.control_dependencies([counted]):
+            return [tf.identity(g) for g in noised]

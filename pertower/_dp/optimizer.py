@@ -39,6 +39,7 @@ from pertower import _context
 from pertower import _dispatch
 from pertower import _request
 from pertower._dp import clipping as clipping_lib
+from pertower._dp import mechanism as mechanism_lib
 from pertower._dp import noise as noise_lib
 from pertower._dp import wrapper
 from pertower._dp.wrapper import GATE_GRAPH, GATE_OP
@@ -77,8 +78,9 @@ class DPOptimizer(wrapper.WrappedOptimizer):
       gradient_accumulation_steps: k >= 1; with k > 1 every k-th run of the training op
         applies one noised step for the last k batches (`_Accumulator`).
       mechanism: None (default: DP-SGD's independent Gaussian noise, `seed` as above), or
-        a noise object with `key()` and `add(gradients, stddevs)` (and `seed`), such as
-        `pertower.BandedMFNoise` (noise correlated across steps; its own `seed`).
+        a noise object (`_dp.mechanism`: `add`, `key`, `seed`), such as
+        `pertower.BandedMFNoise` (noise correlated across steps; its own `seed`) or
+        DP-FTRL's `_dp.tree.TreeNoise` (flat clipping, no adaptive clipping).
 
     Example:
       loss = keras.losses.sparse_categorical_crossentropy(labels, logits,
@@ -107,13 +109,14 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         self._num_microbatches = (None if num_microbatches is None else _checks.positive_int(
             num_microbatches, "num_microbatches"))
         self._seed = _checks.optional_seed(seed)
-        self._noise = (noise_lib.GaussianNoise(self._seed) if mechanism is None else
-                       _check_mechanism(mechanism, self._seed))
-        self._seed = getattr(self._noise, "seed", None)
         self._method = _request.check_method(method)
         self._clip = clipping_lib.clipping_options(
             clipping, l2_norm_clip, self._noise_multiplier, self._num_microbatches,
             expected_batch_size, adaptive_clipping)
+        self._mechanism = (None if mechanism is None else mechanism_lib.check_mechanism(
+            mechanism, self._seed, self._clip))
+        self._noise = noise_lib.GaussianNoise(self._seed) if mechanism is None else mechanism
+        self._seed = getattr(self._noise, "seed", None)
         self._accumulation_steps = _checks.positive_int(gradient_accumulation_steps,
                                                         "gradient_accumulation_steps")
         self._clip_variable = None
@@ -132,6 +135,8 @@ class DPOptimizer(wrapper.WrappedOptimizer):
     clipping_options = property(lambda self: self._clip, doc="`_dp.clipping.ClippingOptions`")
     num_microbatches = property(lambda self: self._num_microbatches)
     seed = property(lambda self: self._seed)
+    mechanism = property(lambda self: self._mechanism, doc=(
+        "The `mechanism` given, or None (DP-SGD's Gaussian noise, `_dp.noise`)."))
     gradient_accumulation_steps = property(lambda self: self._accumulation_steps)
 
     @_context.public("DPOptimizer.compute_gradients")
@@ -226,20 +231,28 @@ class DPOptimizer(wrapper.WrappedOptimizer):
                        if per_layer else [self._clip.gradient_noise_multiplier * clip]
                        * len(var_list))
 
-            def release():
-                return self._release(clipped_sum, count, stddevs)
+            adaptive = self._clip.adaptive is not None
+
+            def release():   # (and the key of adaptive clipping's count, drawn after it)
+                noised = self._release(clipped_sum, count, stddevs)
+                if not adaptive:
+                    return noised
+                with tf.control_dependencies(noised):
+                    return noised + [self._noise.key()]
 
             if accumulator is None:
                 averaged = release()
             else:   # the noise is drawn on the k-th run only
-                averaged = tf.cond(accumulator.is_last, release,
-                                   lambda: [tf.zeros_like(g) for g in clipped_sum])
+                averaged = tf.cond(accumulator.is_last, release, lambda: [
+                    tf.zeros_like(g) for g in clipped_sum] + (
+                        [tf.zeros([2], tf.int64)] if adaptive else []))
                 for g, x in zip(averaged, var_list):
                     g.set_shape(x.shape)
-            clip_update = None if self._clip.adaptive is None else (
+            count_key = averaged.pop() if adaptive else None              # [2] int64
+            clip_update = None if not adaptive else (
                 lambda: clipping_lib.adaptive_clip_update(
                     clip, unclipped, self._clip.expected_batch_size, self._clip.adaptive,
-                    self._clip.count_stddev, self._noise.key()))
+                    self._clip.count_stddev, count_key))
         self._step = _Step(tuple(averaged), accumulator, clip_update)
         noisy_gradients = dict(zip(map(id, var_list), averaged))
         return [(noisy_gradients.get(id(v)), v) for v in all_variables]
@@ -312,21 +325,6 @@ class DPOptimizer(wrapper.WrappedOptimizer):
         return (f"DPOptimizer({type(self._optimizer).__name__}, l2_norm_clip="
                 f"{self._clip.l2_norm_clip}, noise_multiplier={self._noise_multiplier}, "
                 f"num_microbatches={self._num_microbatches}, seed={self._seed})")
-
-
-def _check_mechanism(mechanism, seed):
-    """`mechanism` when it is a noise object (`_dp.noise`) and `seed` is None."""
-    if not all(callable(getattr(mechanism, name, None)) for name in ("add", "key")):
-        raise _context.error(
-            TypeError, "`mechanism` must be None or a noise object such as "
-            f"pertower.BandedMFNoise(bands=4), but received {type(mechanism).__name__} "
-            f"({mechanism!r:.80}).")
-    if seed is not None:
-        raise _context.error(
-            ValueError, f"`seed` ({seed}) is for the default Gaussian noise; with "
-            "`mechanism`, give the seed to the mechanism (e.g. "
-            "pertower.BandedMFNoise(4, seed=...)) and leave `seed` None.")
-    return mechanism
 
 
 # What compute_gradients built for apply_gradients: the noised gradients it returned, an

@@ -127,11 +127,21 @@ class TreeNoise:
     """
 
     def __init__(self, seed, restart_period=None, restart_warmup=None, efficient=False):
-        self.seed = seed
+        self.seed = _checks.optional_seed(seed)
         self.period, self.warmup = check_restarts(restart_period, restart_warmup)
         self.efficient = bool(efficient)
         self.releases = self.seed_variable = self.buffer = None
         self._shapes = None
+        self._keys = noise_lib.GaussianNoise(seed)   # noise beside the gradient's
+
+    def get_config(self):
+        """The constructor's arguments."""
+        return dict(seed=self.seed, restart_period=self.period,
+                    restart_warmup=self.warmup or None, efficient=self.efficient)
+
+    def key(self):
+        """[2] int64, a fresh key per computation (`_dp.noise.GaussianNoise.key`)."""
+        return self._keys.key()
 
     def _state(self, gradients):
         """The variables, made on the first call; later calls must match its weights."""
