@@ -10,7 +10,7 @@ Privacy is one import. `make_keras_optimizer_class(cls)` makes one for any other
 In graph mode (`tf.compat.v1.disable_eager_execution()`) tf_keras' training loop calls
 `get_updates(loss, params)` with `model.total_loss`. Either loss works, with the same DP
 step: Keras' default reduction (SUM_OVER_BATCH_SIZE, or AUTO), whose scalar mean is read
-back into the per-example losses [B] behind it (`pertower._dp.keras_loss`), or
+back into the per-example losses [B] behind it (`pertower._keras.loss`), or
 TensorFlow Privacy's `reduction=tf_keras.losses.Reduction.NONE`, the per-example loss
 itself. The step is `pertower.DPOptimizer`'s (its module docstring): the clipped sum,
 noised, divided, then applied by the Keras optimizer's own `apply_gradients`, so the
@@ -66,122 +66,17 @@ import tf_keras
 
 from pertower import _context
 from pertower._dp import clipping as clipping_lib
-from pertower._dp import keras_loss
+from pertower._keras import loss as keras_loss
+from pertower._keras import state
 from pertower._dp import mechanism as mechanism_lib
 from pertower._dp import optimizer as dp_optimizer
 from pertower._dp import tree as tree_lib
-from pertower._keras_callbacks import ExampleScores
-from pertower._keras_poisson import PoissonSequence
+from pertower._keras.callbacks import ExampleScores
+from pertower._keras.poisson import PoissonSequence
 
 __all__ = ["make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
            "DPKerasAdagradOptimizer", "DPFTRLTreeAggregationOptimizer", "PoissonSequence",
            "ExampleScores"]
-
-
-class _KerasApply(tf.compat.v1.train.Optimizer):
-    """The `tf.compat.v1.train.Optimizer` face DPOptimizer wraps: its apply_gradients is
-    the Keras optimizer's."""
-
-    def __init__(self, keras_optimizer):
-        super().__init__(use_locking=False, name=type(keras_optimizer).__name__)
-        self.keras_optimizer = keras_optimizer
-        self.added_gradients = {}   # id(variable) -> the gradient of R, added unclipped
-
-    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        pairs = [(_plus(g, self.added_gradients.get(id(v))), v) for g, v in grads_and_vars]
-        return self.keras_optimizer.apply_gradients(pairs, name=name)
-
-
-def _plus(gradient, added):
-    """gradient + added, made in the current graph (all of Keras' gradients must share
-    one: inside the accumulator's tf.cond branch)."""
-    if gradient is None:
-        return None
-    return tf.identity(gradient) if added is None else gradient + added
-
-
-def _regularization_gradients(regularization, params):
-    """{id(x): dR/dx} for the data-independent terms R of a Keras loss (`_dp.keras_loss`),
-    added to the noised mean gradient unclipped; {} without R."""
-    if regularization is None:
-        return {}
-    gradients = tf.gradients(regularization, params)
-    return {id(x): tf.convert_to_tensor(g) for x, g in zip(params, gradients)
-            if g is not None}
-
-
-class _DPStateWeights:
-    """The DP step's own variables (the accumulator's sums, count, unclipped count and
-    run counter with gradient_accumulation_steps > 1; adaptive clipping's C), made as
-    weights of the Keras optimizer (`add_weight`), after its own weights in `weights`:
-    HDF5 `model.save` / `load_model` and `model.save_weights` / `load_weights` (a
-    tf.train checkpoint of the model) keep them, so a save mid-accumulation resumes the
-    same logical batch. A SavedModel (save_format="tf") holds them too, but tf_keras'
-    `load_model` of a SavedModel restores no optimizer state in graph mode ("Slots
-    cannot be restored from saved_model"): the loaded optimizer starts afresh.
-
-    They are made when the training op is built (`fit`'s first call), after a load:
-    an HDF5 `load_model` calls `set_weights` before, so their saved values wait in
-    `pending`; `model.load_weights` of a TensorFlow checkpoint restores them as they
-    are made (a `tf.compat.v1.train.Checkpoint(...).restore(path)` of your own needs
-    its `run_restore_ops()` again after the first `fit` builds them). A variable whose
-    shape grows (the efficient tree's buffer of `DPFTRLTreeAggregationOptimizer`) cannot
-    be a Keras weight: it is made and initialized here but not saved, so a restored
-    efficient tree continues its releases and seed but not the buffer's values."""
-
-    def __init__(self, keras_optimizer):
-        self.keras_optimizer = keras_optimizer
-        self.variables = []
-        self.unsaved = []        # made here, initialized here, not among `weights`
-        self.pending = None      # saved values of variables not made yet
-        self.dp_gradients_built = False   # (then apply_gradients is allowed)
-        self._adding = False
-
-    def creator(self, next_creator, **kwargs):
-        """A `tf.variable_creator_scope` creator: the variable as a Keras weight."""
-        if self._adding:         # add_weight's own creation
-            return next_creator(**kwargs)
-        shape = kwargs.get("shape")
-        if shape is not None and not tf.TensorShape(shape).is_fully_defined():
-            # a buffer that grows (the efficient tree's): not a Keras weight, not saved
-            variable = next_creator(**kwargs)
-            self.unsaved.append(variable)
-            return variable
-        initial = kwargs["initial_value"]
-        value = initial() if callable(initial) else initial
-        name = "_".join(kwargs["name"].split("/")[-2:])   # e.g. dp_accumulator_sum_0
-        self._adding = True
-        try:
-            dtype = tf.as_dtype(kwargs.get("dtype") or value.dtype).base_dtype
-            variable = self.keras_optimizer.add_weight(
-                name, value.shape, dtype=dtype, initializer=lambda shape, dtype=None: value,
-                trainable=False)
-        finally:
-            self._adding = False
-        self.variables.append(variable)
-        return variable
-
-    def initialize(self, made):
-        """Initializes the variables `made` (Keras does not), then gives them the
-        values `pending` from an HDF5 file, if any. (In TF2's `fit` they are made
-        eagerly, outside the function, and initialized as they are made.)"""
-        if tf.compat.v1.executing_eagerly_outside_functions():
-            return
-        session = tf.compat.v1.keras.backend.get_session()
-        # not those a checkpoint restored as they were made (`model.load_weights`)
-        restored = session.run([tf.compat.v1.is_variable_initialized(v) for v in made])
-        session.run(tf.compat.v1.variables_initializer(
-            [v for v, done in zip(made, restored) if not done]))
-        if self.pending is not None and self.variables:
-            if len(self.pending) != len(self.variables):
-                raise _context.error(
-                    ValueError, f"the saved optimizer has {len(self.pending)} DP state "
-                    f"weights, but this one makes {len(self.variables)}: load the model "
-                    "with the optimizer's saved arguments (gradient_accumulation_steps, "
-                    "adaptive_clipping) and the same model.")
-            tf.compat.v1.keras.backend.batch_set_value(list(zip(self.variables,
-                                                                self.pending)))
-            self.pending = None
 
 
 def _as_keras_class(method):
@@ -226,7 +121,7 @@ def make_keras_optimizer_class(cls):
     gives, `_dp.mechanism`). Its `get_config` holds them, so `model.save`
     and `tf_keras.models.load_model(path, custom_objects={name: the class})` round-trip
     it; the accumulator's and adaptive clipping's variables are among its `weights`
-    (`_DPStateWeights`). Errors raised inside its methods name the class
+    (`pertower._keras.state.DPStateWeights`). Errors raised inside its methods name the class
     ("pertower.keras.DPKerasSGDOptimizer: ..."). Graph mode, or TF2's
     `fit` (a traced `train_step`; not `run_eagerly=True`).
 
@@ -251,11 +146,11 @@ def make_keras_optimizer_class(cls):
                      expected_batch_size=None, adaptive_clipping=None, mechanism=None,
                      **kwargs):
             super().__init__(*args, **kwargs)
-            self._state = _DPStateWeights(self)
+            self._state = state.DPStateWeights(self)
             if isinstance(adaptive_clipping, dict):   # as get_config gives it
                 adaptive_clipping = clipping_lib.AdaptiveClipping(**adaptive_clipping)
             self._dp = dp_optimizer.DPOptimizer(
-                _KerasApply(self), l2_norm_clip, noise_multiplier,
+                state.KerasApply(self), l2_norm_clip, noise_multiplier,
                 num_microbatches=num_microbatches, seed=seed, clipping=clipping,
                 expected_batch_size=expected_batch_size,
                 adaptive_clipping=adaptive_clipping,
@@ -298,7 +193,7 @@ def make_keras_optimizer_class(cls):
 
         @property
         def weights(self):
-            """The Keras optimizer's weights, then the DP step's (`_DPStateWeights`)."""
+            """The Keras optimizer's weights, then the DP step's (`pertower._keras.state.DPStateWeights`)."""
             return super().weights + self._state.variables
 
         def variables(self):
@@ -317,7 +212,7 @@ def make_keras_optimizer_class(cls):
 
         def _train_op(self, loss, var_list, regularization=None, grad_loss=None,
                       name=None):
-            self._dp.optimizer.added_gradients = _regularization_gradients(
+            self._dp.optimizer.added_gradients = state.regularization_gradients(
                 regularization, var_list)
             grads_and_vars = self._compute_gradients(loss, var_list, grad_loss)
             return self._dp.apply_gradients(grads_and_vars, name=name)
@@ -350,7 +245,7 @@ def make_keras_optimizer_class(cls):
             """The training ops of a fit step (tf_keras' v1 loop): the DP step of the
             per-example loss behind `loss` (`model.total_loss`: of reduction NONE [B], or
             the default reduction's scalar mean), plus the unclipped gradient of its
-            terms that read no example (weight regularizers; `_dp.keras_loss`)."""
+            terms that read no example (weight regularizers; `_keras.loss`)."""
             split = keras_loss.split_loss(loss)
             return [self._train_op(split.per_example, params, split.data_independent)]
 
@@ -365,8 +260,8 @@ def make_keras_optimizer_class(cls):
                     "use get_updates (as model.fit does), which applies every k-th run.")
             split = keras_loss.split_loss(loss)
             pairs = self._compute_gradients(split.per_example, params)
-            added = _regularization_gradients(split.data_independent, params)
-            return [_plus(g, added.get(id(x))) for g, x in pairs]
+            added = state.regularization_gradients(split.data_independent, params)
+            return [state.plus(g, added.get(id(x))) for g, x in pairs]
 
     DPOptimizerClass.__name__ = f"DPKeras{cls.__name__}Optimizer"
     DPOptimizerClass.__qualname__ = DPOptimizerClass.__name__

@@ -14,7 +14,7 @@ import tf_keras as keras
 import pertower
 import pertower.keras as dp_keras
 from pertower import oracle
-from pertower._dp import keras_loss
+from pertower._keras import loss as keras_loss
 from tests import common
 
 B, CLIP, LR = 6, 0.5, 0.1

@@ -7,7 +7,7 @@ Notation:
 
 `ExampleScores` adds to each training step's own `sess.run` the fetch of n_i,t for
 i in B_t: `pertower.per_example_norms` of the per-example loss the DP step reads from
-`model.total_loss` (`_dp.keras_loss`: Keras' default or NONE reduction, weight
+`model.total_loss` (`_keras.loss`: Keras' default or NONE reduction, weight
 regularizers left out). The norms read the step's own activations, no second forward
 pass, and a weight a rule covers needs no per-example gradient (`pertower.explain`).
 Per example it keeps
@@ -36,7 +36,7 @@ import tf_keras
 from pertower import _context
 from pertower import _tf
 from pertower._api import norms as norms_api
-from pertower._dp import keras_loss
+from pertower._keras import loss as keras_loss
 
 __all__ = ["ExampleScores"]
 
@@ -79,7 +79,7 @@ class ExampleScores(tf_keras.callbacks.Callback):
 
     Raises (when `fit` starts, or here):
       TypeError, ValueError: `x` is not arrays sharing N, its rows repeat, the model's
-        loss is not a mean of per-example losses (`_dp.keras_loss`: reduction SUM,
+        loss is not a mean of per-example losses (`_keras.loss`: reduction SUM,
         activity terms), the optimizer has a legacy `decay` and no `learning_rate` is
         given, or a trained row is not a row of `x`.
 
