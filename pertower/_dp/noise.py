@@ -108,21 +108,27 @@ class GaussianNoise:
         self.seed = seed
         self.stream = stream
         self.seed_variable = self.draws = None
-        self._graph, self._keys = None, 0
+        self._graph, self._keys, self._home = None, 0, None
 
     def _state(self):
         """The variables in the default graph, made on its first key."""
         graph = tf.compat.v1.get_default_graph()
         if self._graph is graph:
             return
-        # out of a tf.cond's branch (gradient accumulation releases in one)
-        with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_noise"):
-            seed = (tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64)
-                    if self.seed is None else tf.constant([self.seed, self._SALT], tf.int64))
-            self.seed_variable = tf.compat.v1.Variable(seed, name="seed", trainable=False,
-                                                       use_resource=True)
-            self.draws = tf.compat.v1.Variable(tf.zeros([], tf.int64), name="draws",
-                                               trainable=False, use_resource=True)
+        # out of a tf.cond's branch (gradient accumulation releases in one); in a
+        # tf.function (TF2), made once, outside it, and kept by its retraces
+        with tf.init_scope():
+            home = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        if self.seed_variable is None or self._home is not home:
+            with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_noise"):
+                seed = (tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64)
+                        if self.seed is None
+                        else tf.constant([self.seed, self._SALT], tf.int64))
+                self.seed_variable = tf.compat.v1.Variable(
+                    seed, name="seed", trainable=False, use_resource=True)
+                self.draws = tf.compat.v1.Variable(tf.zeros([], tf.int64), name="draws",
+                                                   trainable=False, use_resource=True)
+            self._home = home
         self._graph, self._keys = graph, 0
 
     def _key(self, after=()):
