@@ -192,8 +192,12 @@ class BandedMFNoise:
                 ValueError, "a BandedMFNoise serves one training op, and this one was "
                 "already used in this graph; make one BandedMFNoise per optimizer (two "
                 "releases with the same draws would not be private).")
-        with tf.init_scope():       # the variables outside any tf.cond (accumulation)
-            self.state = _State(graph, gradients, self.bands, self.seed)
+        home = noise_lib.home_graph()
+        if self.state is None or self.state.home is not home:
+            with tf.init_scope():   # the variables outside any tf.cond (accumulation)
+                self.state = _State(graph, gradients, self.bands, self.seed)
+            self.state.home = home
+        self.state.graph = graph    # (a tf.function's retrace: a new graph, the same state)
         b, state = self.bands, self.state
         with tf.name_scope("banded_mf_noise"):
             t = state.step.read_value()                                        # [] int64

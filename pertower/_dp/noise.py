@@ -23,7 +23,7 @@ import math
 import tensorflow as tf
 
 __all__ = ["ALIGNED_PAIRS", "uniform_pairs", "box_muller", "standard_normal", "normal_pairs",
-           "normal_like", "add_noise", "GaussianNoise"]
+           "normal_like", "add_noise", "home_graph", "GaussianNoise"]
 
 # 16 float32 = 64 bytes, the alignment at which TensorFlow slices without a copy
 ALIGNED_PAIRS = 16
@@ -82,6 +82,13 @@ def add_noise(gradients, stddevs, key):
             for g, z, s in zip(gradients, normal_like(gradients, key), stddevs)]
 
 
+def home_graph():
+    """The graph a mechanism's variables live in: the default graph, or None in a
+    `tf.function` of TF2 (its variables are made once, eagerly, and kept by retraces)."""
+    with tf.init_scope():
+        return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
 class GaussianNoise:
     """N(0, s_x^2) per entry of weight x, fresh at each draw, keyed by variables.
 
@@ -117,8 +124,7 @@ class GaussianNoise:
             return
         # out of a tf.cond's branch (gradient accumulation releases in one); in a
         # tf.function (TF2), made once, outside it, and kept by its retraces
-        with tf.init_scope():
-            home = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        home = home_graph()
         if self.seed_variable is None or self._home is not home:
             with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_noise"):
                 seed = (tf.random.uniform([2], maxval=2 ** 62, dtype=tf.int64)

@@ -151,12 +151,12 @@ class TreeNoise:
                 ValueError, "the tree's noise needs weights of static shape, but received "
                 f"gradients of shapes {[str(s) for s in shapes]}.")
         if self._shapes is not None:
-            if self.releases.graph is not gradients[0].graph or shapes != self._shapes:
+            if self._home is not noise_lib.home_graph() or shapes != self._shapes:
                 raise _context.error(
                     ValueError, "this optimizer's tree already serves other weights (a tree "
                     "counts the releases of one sum): make one optimizer per training op.")
             return
-        self._shapes = shapes
+        self._shapes, self._home = shapes, noise_lib.home_graph()
         # out of a tf.cond's branch (gradient accumulation releases in one)
         with tf.init_scope(), tf.compat.v1.variable_scope(None, default_name="dp_tree_noise"):
             def variable(name, initializer, shape=None):
