@@ -6,12 +6,29 @@ The data ship with scikit-learn (1,797 grey 8x8 images of the digits 0-9, values
 environment (the example scripts do it first).
 """
 
+import argparse
+
 import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
 NUM_CLASSES = 10
 TRAIN_SIZE = 1500  # the other 297 images are the test set
+
+
+def dp_parser(description, epochs=15, quick_help="train 5 steps of each run (a smoke test)"):
+    """The arguments the DP digits examples share: epochs, batch size, learning rate,
+    clip, δ, seed and --quick; an example adds its own (noise multiplier or ε, ...)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=epochs)
+    parser.add_argument("--batch-size", type=int, default=50,
+                        help="the (expected) batch size")
+    parser.add_argument("--learning-rate", type=float, default=0.5)
+    parser.add_argument("--l2-norm-clip", type=float, default=1.0)
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
 
 
 def load_digits(seed=0):

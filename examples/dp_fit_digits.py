@@ -16,7 +16,6 @@ Run:  python examples/dp_fit_digits.py               (about 20 s on 2 cores)
       python examples/dp_fit_digits.py --quick       (a few steps: a smoke test)
 """
 
-import argparse
 import os
 import sys
 
@@ -37,19 +36,11 @@ tf.compat.v1.disable_eager_execution()
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=50,
-                        help="the expected batch size q * 1500")
-    parser.add_argument("--learning-rate", type=float, default=0.5)
-    parser.add_argument("--l2-norm-clip", type=float, default=1.0)
+    parser = digits_common.dp_parser(__doc__.splitlines()[0], epochs=20,
+                                     quick_help="one epoch of 5 steps (a smoke test)")
     parser.add_argument("--noise-multiplier", type=float, default=1.1)
-    parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--flip", type=int, default=75,
                         help="training labels flipped on purpose (and the top list's size)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true",
-                        help="one epoch of 5 steps (a smoke test)")
     return parser.parse_args(argv)
 
 

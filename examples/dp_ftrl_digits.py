@@ -19,7 +19,6 @@ Run:  python examples/dp_ftrl_digits.py               (about 30 s on 2 cores)
       python examples/dp_ftrl_digits.py --quick       (a few steps: a smoke test)
 """
 
-import argparse
 import os
 import sys
 
@@ -38,19 +37,12 @@ tf.compat.v1.disable_eager_execution()
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=50)
-    parser.add_argument("--learning-rate", type=float, default=0.5)
-    parser.add_argument("--l2-norm-clip", type=float, default=1.0)
+    parser = digits_common.dp_parser(
+        __doc__.splitlines()[0], quick_help="train 5 steps of each run, one epoch (a smoke test)")
     parser.add_argument("--epsilon", type=float, default=3.0)
-    parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--bands", type=int, default=None,
                         help="banded MF's bands; default the steps of an epoch, the most "
                              "its accounting allows over several epochs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true",
-                        help="train 5 steps of each run, one epoch (a smoke test)")
     return parser.parse_args(argv)
 
 

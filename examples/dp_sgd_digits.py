@@ -14,7 +14,6 @@ Run:  python examples/dp_sgd_digits.py               (about 20 s on 2 cores)
       python examples/dp_sgd_digits.py --quick       (a few steps: a smoke test)
 """
 
-import argparse
 import os
 import sys
 import time
@@ -35,16 +34,8 @@ tf.compat.v1.disable_eager_execution()
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=50)
-    parser.add_argument("--learning-rate", type=float, default=0.5)
-    parser.add_argument("--l2-norm-clip", type=float, default=1.0)
+    parser = digits_common.dp_parser(__doc__.splitlines()[0])
     parser.add_argument("--noise-multiplier", type=float, default=1.1)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true",
-                        help="train 5 steps of each run (a smoke test)")
     return parser.parse_args(argv)
 
 
