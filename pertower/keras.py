@@ -166,11 +166,15 @@ class _DPStateWeights:
         eagerly, outside the function, and initialized as they are made.)"""
         if tf.compat.v1.executing_eagerly_outside_functions():
             return
-        session = tf.compat.v1.keras.backend.get_session()
-        # not those a checkpoint restored as they were made (`model.load_weights`)
-        restored = session.run([tf.compat.v1.is_variable_initialized(v) for v in made])
-        session.run(tf.compat.v1.variables_initializer(
-            [v for v, done in zip(made, restored) if not done]))
+        # in tf_keras' session (its public batch_get/set_value: tf.compat.v1.keras is
+        # Keras 3 unless TF_USE_LEGACY_KERAS=1); not those a checkpoint restored as
+        # they were made (`model.load_weights`)
+        restored = tf_keras.backend.batch_get_value(
+            [tf.compat.v1.is_variable_initialized(v) for v in made])
+        fresh = [v for v, done in zip(made, restored) if not done]
+        if fresh:
+            tf_keras.backend.batch_set_value(list(zip(fresh, tf_keras.backend.batch_get_value(
+                [v.initial_value for v in fresh]))))
         if self.pending is not None and self.variables:
             if len(self.pending) != len(self.variables):
                 raise _context.error(
@@ -178,8 +182,7 @@ class _DPStateWeights:
                     f"weights, but this one makes {len(self.variables)}: load the model "
                     "with the optimizer's saved arguments (gradient_accumulation_steps, "
                     "adaptive_clipping) and the same model.")
-            tf.compat.v1.keras.backend.batch_set_value(list(zip(self.variables,
-                                                                self.pending)))
+            tf_keras.backend.batch_set_value(list(zip(self.variables, self.pending)))
             self.pending = None
 
 
