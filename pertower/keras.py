@@ -166,15 +166,13 @@ class _DPStateWeights:
         eagerly, outside the function, and initialized as they are made.)"""
         if tf.compat.v1.executing_eagerly_outside_functions():
             return
-        # in tf_keras' session (its public batch_get/set_value: tf.compat.v1.keras is
-        # Keras 3 unless TF_USE_LEGACY_KERAS=1); not those a checkpoint restored as
-        # they were made (`model.load_weights`)
-        restored = tf_keras.backend.batch_get_value(
-            [tf.compat.v1.is_variable_initialized(v) for v in made])
-        fresh = [v for v, done in zip(made, restored) if not done]
-        if fresh:
-            tf_keras.backend.batch_set_value(list(zip(fresh, tf_keras.backend.batch_get_value(
-                [v.initial_value for v in fresh]))))
+        # in tf_keras' session (tf.compat.v1.keras is Keras 3 without TF_USE_LEGACY_KERAS);
+        # not those a checkpoint restored as they were made (`model.load_weights`)
+        backend = tf_keras.backend
+        fresh = [v for v, done in zip(made, backend.batch_get_value(
+            [tf.compat.v1.is_variable_initialized(v) for v in made])) if not done]
+        backend.batch_set_value(list(zip(fresh, backend.batch_get_value(
+            [v.initial_value for v in fresh]))))
         if self.pending is not None and self.variables:
             if len(self.pending) != len(self.variables):
                 raise _context.error(
