@@ -57,8 +57,8 @@ def calibrate_batch_norm(model, images, run):
     """Sets each BatchNormalization layer's moving mean and variance (+ 0.01) to those
     of its input over `images` in training mode; `run` evaluates the layers' inputs
     (a session's run in graph mode, numpy in TF2)."""
-    norms = [layer for layer in model.layers
-             if isinstance(layer, keras.layers.BatchNormalization)]
+    # (BatchNormalizationV1 under disable_v2_behavior: not a keras.layers.BatchNormalization)
+    norms = [layer for layer in model.layers if hasattr(layer, "moving_variance")]
     inputs = run(keras.Model(model.inputs, [n.input for n in norms])(
         tf.constant(images), training=True))
     values = []
