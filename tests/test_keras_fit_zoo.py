@@ -116,9 +116,9 @@ def _fit_one_step(name, reduction):
         # the loop's reference on the same weights, with its own label placeholder
         labels = tf.compat.v1.placeholder(tf.int32, [None])
         per_example = sparse_cross_entropy(NONE)(labels, model.outputs[0])
+        loop = oracle.SliceLoop(per_example, weights)   # (before a run: While's gradient)
         sess = tf.compat.v1.keras.backend.get_session()
-        gradients = oracle.loop_per_example_gradients(
-            sess, per_example, weights, {model.inputs[0]: x, labels: y})
+        gradients = loop.run(sess, {model.inputs[0]: x, labels: y}, B)
         before = sess.run(weights)
         model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
         return before, sess.run(weights), gradients
