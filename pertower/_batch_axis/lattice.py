@@ -177,8 +177,12 @@ BATCH_NORM_ADVICE = (
     "This is batch normalization in training mode (a tf_keras BatchNormalization "
     "called with training=True, or in the symbolic learning phase, or tf.nn.moments / "
     "fused_batch_norm over the batch): call the layer with training=False (inference "
-    "mode, which normalizes with the moving averages and works with pertower), or "
-    "normalize each example on its own (LayerNormalization, GroupNormalization).")
+    "mode, which normalizes with the moving averages and works with pertower; a whole "
+    "tf_keras model, e.g. a tf_keras.applications network, on new inputs: `inputs = "
+    "tf_keras.Input(shape)`, `tf_keras.Model(inputs, network(inputs, training=False))`; "
+    "set its BatchNormalization layers' trainable=False to freeze their scale and "
+    "offset too), or normalize each example on its own (LayerNormalization, "
+    "GroupNormalization).")
 REDUCTION_ADVICE = (
     "Reduce over the non-batch axes only (for example axis=list(range(1, rank))), so "
     "that `ys` keeps one independent row per example; normalize per example "

@@ -89,7 +89,8 @@ def _reduced_input(tensor):
 
 def _mean_over_entries(tensor):
     """v when `tensor` is Keras' SUM_OVER_BATCH_SIZE reduction of v: DivNoNan (or
-    RealDiv) of Sum(v) by Cast(Size(v)); also tf.reduce_mean(v) over all axes."""
+    RealDiv) of Sum(v) by Cast(Size(v)), or by the constant number of v's entries when
+    its shape is fully defined; also tf.reduce_mean(v) over all axes."""
     op = tensor.op
     if op.type == "Mean" and op.inputs[0].shape.rank and tensor.shape.rank == 0:
         return op.inputs[0]
@@ -100,6 +101,11 @@ def _mean_over_entries(tensor):
     while count.op.type in ("Cast", "Identity"):
         count = count.op.inputs[0]
     if v is not None and count.op.type == "Size" and count.op.inputs[0] is v:
+        return v
+    # Size of a fully defined shape is folded into a constant (a static batch, as TF2's
+    # fit traces a dataset of whole batches)
+    if v is not None and v.shape.is_fully_defined() and \
+            _constant(count) == v.shape.num_elements():
         return v
     return None
 

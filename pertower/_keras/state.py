@@ -4,6 +4,7 @@ gradient of the loss's data-independent terms) and the DP step's variables made 
 weights (`DPStateWeights`)."""
 
 import tensorflow as tf
+import tf_keras
 
 from pertower import _context
 
@@ -99,11 +100,13 @@ class DPStateWeights:
         eagerly, outside the function, and initialized as they are made.)"""
         if tf.compat.v1.executing_eagerly_outside_functions():
             return
-        session = tf.compat.v1.keras.backend.get_session()
+        # in tf_keras' session (tf.compat.v1.keras is Keras 3 without TF_USE_LEGACY_KERAS);
         # not those a checkpoint restored as they were made (`model.load_weights`)
-        restored = session.run([tf.compat.v1.is_variable_initialized(v) for v in made])
-        session.run(tf.compat.v1.variables_initializer(
-            [v for v, done in zip(made, restored) if not done]))
+        backend = tf_keras.backend
+        fresh = [v for v, done in zip(made, backend.batch_get_value(
+            [tf.compat.v1.is_variable_initialized(v) for v in made])) if not done]
+        backend.batch_set_value(list(zip(fresh, backend.batch_get_value(
+            [v.initial_value for v in fresh]))))
         if self.pending is not None and self.variables:
             if len(self.pending) != len(self.variables):
                 raise _context.error(
@@ -111,6 +114,5 @@ class DPStateWeights:
                     f"weights, but this one makes {len(self.variables)}: load the model "
                     "with the optimizer's saved arguments (gradient_accumulation_steps, "
                     "adaptive_clipping) and the same model.")
-            tf.compat.v1.keras.backend.batch_set_value(list(zip(self.variables,
-                                                                self.pending)))
+            tf_keras.backend.batch_set_value(list(zip(self.variables, self.pending)))
             self.pending = None
