@@ -31,7 +31,7 @@ import pertower
 import pertower.keras as dp_keras
 from benchmarks import zoo
 from pertower import oracle
-from pertower._dp import keras_loss
+from pertower._keras import loss as keras_loss
 from tests import common
 
 B, C, LR = 3, 0.05, 0.5
