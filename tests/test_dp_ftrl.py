@@ -224,6 +224,28 @@ def test_a_session_restored_from_a_checkpoint_continues_bit_for_bit(efficient, t
         np.testing.assert_array_equal(a, b)
 
 
+def test_an_efficient_tree_whose_buffer_was_not_restored_fails_before_releasing():
+    """The release counter restored without the efficient tree's buffer (as a Keras
+    weight cannot grow, pertower.keras saves the counter and the seed only): the first
+    release that reads a missing level fails, naming the fix, and the weights stay."""
+    graph, x, y, loss, xs = _mlp(tf.float32)
+    with graph.as_default():
+        ftrl = pertower.DPFTRLOptimizer(CLIP, 1.0, LR, efficient_tree=True, seed=3)
+        train_op = ftrl.minimize(loss, var_list=xs)
+        lost = ftrl.tree.buffer.assign(tf.zeros([0, ftrl.tree.buffer.shape[1]]),
+                                       read_value=False)
+    sess = _session(graph)
+    batches = _batches(4, np.float32)
+    for t in range(3):
+        sess.run(train_op, {x: batches[t][0], y: batches[t][1]})
+    sess.run(lost)                                        # release 4 needs levels 0 and 1
+    before = sess.run(xs)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="efficient_tree=False"):
+        sess.run(train_op, {x: batches[3][0], y: batches[3][1]})
+    for a, b in zip(before, sess.run(xs)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_one_worker_of_sync_replicas_applies_the_tree_s_noise_once_per_global_step():
     """DPSyncReplicasOptimizer around a DPFTRLOptimizer (R = W = 1, a local chief): the
     chief's steps are the single-process DP-FTRL steps."""

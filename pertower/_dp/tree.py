@@ -230,7 +230,18 @@ class TreeNoise:
         """([2h] (N_t - N_(t-1)) / s, () -> the op storing the new node in row l0): the
         node at level l0 merges the buffered left siblings, rows 0 .. l0 - 1 (t - 1's
         nodes below l0; TensorFlow Privacy's EfficientTreeAggregator)."""
-        buffered = self.buffer.read_value()                                # [levels, 2h]
+        levels = tf.shape(self.buffer, out_type=tf.int64)[0]
+        # rows 0 .. l0 - 1 are read: a buffer a restore did not fill (a Keras weight
+        # cannot grow, so pertower.keras does not save it) fails here, before any release
+        check = tf.debugging.assert_less_equal(l0, levels, message=(
+            "pertower: the efficient tree's buffer holds fewer levels than this release "
+            "needs: it was not restored with the release counter. pertower.keras' "
+            "DPFTRLTreeAggregationOptimizer does not save that buffer (save_weights and "
+            "model.save keep the counter and the seed only): resume with "
+            "efficient_tree=False, or restore every global variable "
+            "(tf.compat.v1.train.Saver)."))
+        with tf.control_dependencies([check]):
+            buffered = self.buffer.read_value()                            # [levels, 2h]
         dtype = buffered.dtype
 
         def weight(level):   # w_l = 2 - 2^-l

@@ -60,7 +60,8 @@ class DPStateWeights:
     its `run_restore_ops()` again after the first `fit` builds them). A variable whose
     shape grows (the efficient tree's buffer of `DPFTRLTreeAggregationOptimizer`) cannot
     be a Keras weight: it is made and initialized here but not saved, so a restored
-    efficient tree continues its releases and seed but not the buffer's values."""
+    efficient tree continues its releases and seed but not the buffer's values,
+    and its first release that reads a lost level fails, naming the fix (`_dp.tree`)."""
 
     def __init__(self, keras_optimizer):
         self.keras_optimizer = keras_optimizer
