@@ -2,9 +2,9 @@
 runs inside `public(name)`, and the layers below put "pertower.NAME: " (the innermost
 public call's) in front of their errors (`error`) and warnings (`prefixed`). A call
 made with `public_call(name, hold=True)` keeps its name through the public functions it
-calls (the Keras optimizers, whose errors name the Keras class, not the DPOptimizerthey use).
-Inside a `tf.function` a public call is not converted by AutoGraph and builds with
-AutoGraph off and TF1's tensor equality (`_tf.built_as_written`).
+calls (the Keras optimizers, whose errors name the Keras class, not the DPOptimizer
+they use). Inside a `tf.function` a public call is not converted by AutoGraph and
+builds with AutoGraph off and TF1's tensor equality (`_tf.built_as_written`).
 """
 
 import contextlib
