@@ -246,6 +246,58 @@ def test_an_efficient_tree_whose_buffer_was_not_restored_fails_before_releasing(
         np.testing.assert_array_equal(a, b)
 
 
+def _keras_ftrl_model():
+    """Dense(2) on [B, 3] with seeded weights, compiled with the efficient tree restarting
+    every 4 releases (a buffer of bit_length(4) = 3 rows), σ = 1, a seed."""
+    model = keras.Sequential([keras.Input([3]), keras.layers.Dense(
+        2, kernel_initializer=keras.initializers.GlorotUniform(seed=7))])
+    model.compile(optimizer=pertower.keras.DPFTRLTreeAggregationOptimizer(
+        CLIP, 1.0, model, restart_period=4, efficient_tree=True, noise_seed=9,
+        learning_rate=LR, momentum=0.9), loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=keras.losses.Reduction.NONE))
+    return model
+
+
+@pytest.mark.parametrize("how", ["save_weights", "h5"])
+def test_a_keras_efficient_tree_with_restarts_saved_mid_tree_resumes_bit_for_bit(
+        how, tmp_path):
+    """restart_period=4 bounds the tree to 3 levels: the buffer is a fixed [3, 2h]
+    Keras weight. Saved after step 3 (rows 0 and 1 filled, read by release 4),
+    restored in a fresh graph (model.load_weights of a TensorFlow checkpoint, or HDF5
+    load_model), 3 more steps: the weights of 6 uninterrupted steps, bit for bit."""
+    data = np.random.RandomState(2).randn(6 * B, 3).astype(np.float32) * 1.5
+    labels = np.random.RandomState(3).randint(2, size=6 * B)
+    fit = dict(batch_size=B, epochs=1, shuffle=False, verbose=0)
+    with tf.Graph().as_default():
+        model = _keras_ftrl_model()
+        model.fit(data, labels, **fit)
+        want = model.get_weights()
+        buffer = model.optimizer._dp._noise.buffer
+        assert buffer.shape.as_list()[0] == 3
+        assert any(w is buffer for w in model.optimizer.weights)
+    path = str(tmp_path / "model")
+    with tf.Graph().as_default():
+        model = _keras_ftrl_model()
+        model.fit(data[:3 * B], labels[:3 * B], **fit)
+        if how == "h5":
+            model.save(path + ".h5")
+        else:
+            model.save_weights(path, save_format="tf")
+    with tf.Graph().as_default():
+        if how == "h5":
+            cls = pertower.keras.DPFTRLTreeAggregationOptimizer
+            model = keras.models.load_model(path + ".h5", custom_objects={cls.__name__: cls})
+        else:
+            model = _keras_ftrl_model()
+            model.load_weights(path)
+        model.fit(data[3 * B:], labels[3 * B:], **fit)
+        sess = tf.compat.v1.keras.backend.get_session()
+        assert sess.run(model.optimizer._dp._noise.releases) == 6
+        got = model.get_weights()
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_one_worker_of_sync_replicas_applies_the_tree_s_noise_once_per_global_step():
     """DPSyncReplicasOptimizer around a DPFTRLOptimizer (R = W = 1, a local chief): the
     chief's steps are the single-process DP-FTRL steps."""

@@ -31,7 +31,9 @@ with its children's by inverse variance. Unnormalized, e_(l) = (e_left + e_right
 (e_leaf = z), whose estimate e / w_l, w_l = 2 - 2^-l, has variance s² / w_l; so
 Var(N_t) = s² * sum over the set bits l of t of 1 / (2 - 2^-l) (< popcount(t)). The
 estimate of the last completed node of each level is kept in a buffer variable, one row
-per level (log2(t) + 1 copies of the weights).
+per level (log2(t) + 1 copies of the weights). With restart_period p a tree has t <= p,
+so L = bit_length(p) rows, allocated up front (L copies of the weights, fixed shape:
+pertower.keras saves it as an optimizer weight); without restarts the buffer grows.
 
 Restarts (TensorFlow Privacy's `PeriodicRoundRestartIndicator`): after release r with
 r % restart_period == restart_warmup (r >= 1; warmup 0 without one) the next release
@@ -122,8 +124,12 @@ class TreeNoise:
     on the first `add` in that graph (non-trainable resource variables under
     "dp_tree_noise/"): `releases` [] int64, the releases made (restarts follow from
     it); `seed_variable` [2] int64, `seed` or drawn once at initialization; the
-    efficient tree's `buffer`, [levels, 2h], row l the estimate of the last completed
-    node at level l (rows grow when t reaches a power of 2). A checkpoint holds them.
+    efficient tree's `buffer`, row l the estimate of the last completed node at level
+    l: with restart_period p, [L, 2h] zeros, L = p.bit_length() (t <= p in every tree,
+    so l0 < L; memory L copies of the weights, fixed shape, a Keras weight under
+    pertower.keras); without restarts [levels, 2h], rows growing when t reaches a power
+    of 2 (log2(t) + 1 copies; shape [None, 2h], not a Keras weight, so pertower.keras
+    does not save it). A checkpoint (tf.compat.v1.train.Saver) holds them all.
     """
 
     def __init__(self, seed, restart_period=None, restart_warmup=None, efficient=False):
@@ -167,9 +173,13 @@ class TreeNoise:
                     else tf.constant([self.seed, 0x5EED], tf.int64))
             self.seed_variable = variable("seed", seed)
             if self.efficient:
-                width = self._width()
-                self.buffer = variable("buffer", tf.zeros([0, width], gradients[0].dtype),
-                                       shape=tf.TensorShape([None, width]))
+                width, dtype = self._width(), gradients[0].dtype
+                if self.period is None:      # grows: rows appended as t reaches 2^l
+                    self.buffer = variable("buffer", tf.zeros([0, width], dtype),
+                                           shape=tf.TensorShape([None, width]))
+                else:                        # t <= p: levels 0 .. bit_length(p) - 1
+                    self.buffer = variable(
+                        "buffer", tf.zeros([self.period.bit_length(), width], dtype))
 
     def _width(self):
         """2h, the length of one node's draw of P numbers (`_dp.noise.uniform_pairs`)."""
@@ -230,17 +240,22 @@ class TreeNoise:
         """([2h] (N_t - N_(t-1)) / s, () -> the op storing the new node in row l0): the
         node at level l0 merges the buffered left siblings, rows 0 .. l0 - 1 (t - 1's
         nodes below l0; TensorFlow Privacy's EfficientTreeAggregator)."""
-        levels = tf.shape(self.buffer, out_type=tf.int64)[0]
-        # rows 0 .. l0 - 1 are read: a buffer a restore did not fill (a Keras weight
-        # cannot grow, so pertower.keras does not save it) fails here, before any release
-        check = tf.debugging.assert_less_equal(l0, levels, message=(
-            "pertower: the efficient tree's buffer holds fewer levels than this release "
-            "needs: it was not restored with the release counter. pertower.keras' "
-            "DPFTRLTreeAggregationOptimizer does not save that buffer (save_weights and "
-            "model.save keep the counter and the seed only): resume with "
-            "efficient_tree=False, or restore every global variable "
-            "(tf.compat.v1.train.Saver)."))
-        with tf.control_dependencies([check]):
+        growing = self.period is None
+        checks = []
+        if growing:
+            # rows 0 .. l0 - 1 are read: a buffer a restore did not fill (a Keras weight
+            # cannot grow, so pertower.keras does not save it) fails here, before any
+            # release
+            levels = tf.shape(self.buffer, out_type=tf.int64)[0]
+            checks.append(tf.debugging.assert_less_equal(l0, levels, message=(
+                "pertower: the efficient tree's buffer holds fewer levels than this "
+                "release needs: it was not restored with the release counter. Without "
+                "restart_period, pertower.keras' DPFTRLTreeAggregationOptimizer does not "
+                "save that growing buffer (save_weights and model.save keep the counter "
+                "and the seed only): pass restart_period (its buffer has a fixed shape "
+                "and is saved), resume with efficient_tree=False, or restore every "
+                "global variable (tf.compat.v1.train.Saver).")))
+        with tf.control_dependencies(checks):
             buffered = self.buffer.read_value()                            # [levels, 2h]
         dtype = buffered.dtype
 
@@ -257,15 +272,17 @@ class TreeNoise:
             [tf.zeros([], tf.int64), draw(0, t - 1), tf.zeros([self._width()], dtype)])
 
         def store():
-            def grow():      # t = 2^l0, the first node at level l0
-                with tf.control_dependencies([self.buffer.assign(
-                        tf.concat([buffered, new[None]], axis=0), read_value=False)]):
-                    return tf.constant(True)
-
             def put():
                 with tf.control_dependencies([self.buffer.scatter_update(
                         tf.IndexedSlices(new[None], l0[None]))]):
                     return tf.constant(False)
+            if not growing:                  # [L, 2h], l0 < L
+                return put()
+
+            def grow():      # t = 2^l0, the first node at level l0
+                with tf.control_dependencies([self.buffer.assign(
+                        tf.concat([buffered, new[None]], axis=0), read_value=False)]):
+                    return tf.constant(True)
             return tf.cond(tf.equal(l0, tf.shape(buffered, out_type=tf.int64)[0]), grow, put)
 
         return new / weight(l0) - minus, store

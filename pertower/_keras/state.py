@@ -58,8 +58,9 @@ class DPStateWeights:
     `pending`; `model.load_weights` of a TensorFlow checkpoint restores them as they
     are made (a `tf.compat.v1.train.Checkpoint(...).restore(path)` of your own needs
     its `run_restore_ops()` again after the first `fit` builds them). A variable whose
-    shape grows (the efficient tree's buffer of `DPFTRLTreeAggregationOptimizer`) cannot
-    be a Keras weight: it is made and initialized here but not saved, so a restored
+    shape grows (the efficient tree's buffer of `DPFTRLTreeAggregationOptimizer`
+    without restart_period; with one it has a fixed shape and is saved) cannot be a
+    Keras weight: it is made and initialized here but not saved, so a restored
     efficient tree continues its releases and seed but not the buffer's values,
     and its first release that reads a lost level fails, naming the fix (`_dp.tree`)."""
 
