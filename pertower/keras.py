@@ -288,8 +288,9 @@ class DPFTRLTreeAggregationOptimizer(DPKerasSGDOptimizer):
         `pertower.DPFTRLOptimizer`.
       noise_seed: an int making the noise repeatable, or None.
       *args, **kwargs: tf_keras.optimizers.legacy.SGD's (`learning_rate`, `momentum`).
-      efficient_tree: True (default, as TensorFlow Privacy): Honaker's estimator; False:
-        the plain tree.
+      efficient_tree: True (default, as TensorFlow Privacy): Honaker's estimator, whose
+        buffer is an optimizer weight (saved) when restart_period is given and is not
+        saved without it; False: the plain tree.
 
     Example:
       opt = pertower.keras.DPFTRLTreeAggregationOptimizer(

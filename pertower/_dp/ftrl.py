@@ -59,8 +59,8 @@ class DPFTRLOptimizer(dp_optimizer.DPOptimizer):
       num_microbatches: M, or None for one microbatch per example, as `DPOptimizer`'s.
       efficient_tree: False (default): N_t sums popcount(t) independent nodes, Var =
         σ²C² popcount(t). True: Honaker's estimator (TensorFlow Privacy's default), a
-        smaller variance, σ²C² sum_l 1/(2 - 2^-l), for a buffer of up to log2(t) + 1
-        copies of the weights (`_dp.tree`).
+        smaller variance, σ²C² sum_l 1/(2 - 2^-l), for a buffer of bit_length(p)
+        copies of the weights with restart_period p (up to log2(t) + 1 without).
       seed: an int making the tree's noise repeatable, or None (a seed drawn when the
         variables are initialized, kept in the checkpoint).
       method: "auto", "rules" or "towers", as in `pertower.per_example_gradients`.
