@@ -59,6 +59,8 @@ class WhileLoop(uses_lib.LoopPlan):
         if len(body.inputs) != len(op.inputs) or len(body.outputs) != len(op.inputs):
             return "its body's inputs and outputs do not match its loop variables"
         counter = body.outputs[0].op
+        while counter.type == "Identity":   # (a tf.function's body returns through one)
+            counter = counter.inputs[0].op
         start = _batch_axis.static_value(op.inputs[0])
         if not (counter.type in ("AddV2", "Add") and counter.inputs[0] is body.inputs[0]
                 and _batch_axis.static_value(counter.inputs[1]) == 1

@@ -1,6 +1,7 @@
 """pertower in TensorFlow 2's default mode (eager execution on): tf_keras' `fit` traces
 `train_step` into a `tf.function` and the DP optimizers build their step in that graph;
-`pertower.per_example_gradients` works in a user's own `tf.function`.
+`pertower.per_example_gradients` works in a user's own `tf.function` (a `tf.while_loop`
+there too, its weights on the rules).
 
 The oracle is the one-example loop in eager mode: tf.GradientTape on each example's
 loss (each microbatch's mean loss), clipped to norm C; one step with noise 0 is
@@ -168,6 +169,38 @@ def test_per_example_gradients_in_a_users_tf_function():
         np.testing.assert_allclose(g.numpy(), np.stack([e[k] for e in loop]), atol=2e-5)
     np.testing.assert_allclose(norms.numpy(), [_clipped(e, np.inf)[1] for e in loop],
                                rtol=1e-4)
+
+
+def test_per_example_gradients_of_a_while_loop_in_a_users_tf_function():
+    """A tf.while_loop in a user's tf.function (its body returns through Identity ops):
+    h_{t+1} = tanh(x_t W + h_t U), T = 3, both weights on the rules, against the tape."""
+    rng = np.random.RandomState(6)
+    x = tf.constant(rng.randn(4, 3, 2).astype("float32"))                    # [B, T, 2]
+    W = tf.Variable(rng.randn(2, 3).astype("float32"))
+    U = tf.Variable(0.5 * rng.randn(3, 3).astype("float32"))
+
+    def loss_of(inputs):                                                      # [b, T, 2]
+        steps = tf.TensorArray(tf.float32, 3).unstack(tf.transpose(inputs, [1, 0, 2]))
+
+        def body(t, h):
+            return t + 1, tf.tanh(tf.matmul(steps.read(t), W) + tf.matmul(h, U))
+        _, h = tf.while_loop(lambda t, h: t < 3, body,
+                             (tf.constant(0), tf.zeros([tf.shape(inputs)[0], 3])))
+        return tf.reduce_sum(h * h, axis=1)                                   # [b]
+
+    @tf.function
+    def per_example(inputs):
+        loss = loss_of(inputs)
+        plan = pertower.explain(loss, [W, U])
+        assert not plan.fallback and plan.verdict == "independent", plan
+        return pertower.per_example_gradients(loss, [W, U])
+
+    gradients = per_example(x)
+    for i in range(4):
+        with tf.GradientTape() as tape:
+            value = loss_of(x[i:i + 1])
+        for g, want in zip(gradients, tape.gradient(value, [W, U])):
+            np.testing.assert_allclose(g[i].numpy(), want.numpy(), atol=2e-5)
 
 
 def test_run_eagerly_is_refused():

@@ -83,6 +83,18 @@ def test_default_reduction_of_a_static_batch_is_read_per_example(monkeypatch):
     _one_fit_step_is_the_loops_clipped_mean(model, x, y, "auto", monkeypatch)
 
 
+@pytest.mark.parametrize("cell", [keras.layers.LSTMCell, keras.layers.GRUCell])
+def test_tf2_fit_step_of_a_keras_rnn_of_a_cell_is_the_loops_clipped_mean(cell, monkeypatch):
+    """keras.layers.RNN(cell) runs its loop in fit's own graph (a While whose body
+    returns through Identity ops, as a tf.function's does): its weights on the rules."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.RandomState(5)
+    model = keras.Sequential([keras.layers.Embedding(50, 8, input_length=6),
+                              keras.layers.RNN(cell(8)), keras.layers.Dense(10)])
+    x, y = rng.randint(0, 50, (B, 6)).astype("int32"), rng.randint(0, 10, B).astype("int32")
+    _one_fit_step_is_the_loops_clipped_mean(model, x, y, "auto", monkeypatch)
+
+
 def _fit_refused(model, x, y):
     model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(1.0, 0.0),
                   loss=zoo_fit.sparse_cross_entropy("auto"))
