@@ -110,9 +110,11 @@ def check_calls(request, replayed):
                 "GRU or LSTM layer of TensorFlow 2) for each example; inside a "
                 "tf.function TensorFlow differentiates such a copy with the backward of "
                 "the whole batch, which fails. Build the model in graph mode "
-                "(tf.compat.v1.disable_eager_execution()), or call the inner "
-                "function's Python without tf.function, or leave those weights out of "
-                "`xs` (pertower.explain lists the weights that fall to towers)."))
+                "(tf.compat.v1.disable_eager_execution()), or use "
+                "keras.layers.RNN(keras.layers.LSTMCell(n)) (or GRUCell) in place of "
+                "LSTM(n)/GRU(n), whose loop the rules cover in a tf.function, or call the "
+                "inner function's Python without tf.function, or leave those weights out "
+                "of `xs` (pertower.explain lists the weights that fall to towers)."))
         if op.type in op_types.CALL_OP_TYPES:
             positions = positions_of.get(op, {})
             trial.rewrite_call(replicate_lib.drop_name_attrs(op.node_def),
