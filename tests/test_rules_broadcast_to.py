@@ -76,16 +76,7 @@ def check_encoder(static_length):
         feed = {tokens: np.random.RandomState(81).randint(0, V, size=(B, T))}
         what = f"PositionEmbedding (T {'static' if static_length else 'dynamic'})"
         weight_functions._check_against_loop(sess, ys, xs, feed, what, micro=True)
-        per_example = oracle.loop_per_example_gradients(sess, ys, xs, feed)
-        norms = np.sqrt(sum(np.sum(p.reshape(B, -1) ** 2, axis=1) for p in per_example))
-        clip = float(np.median(norms))
-        factors = clip / np.maximum(norms, clip)                          # [B]
-        want = [np.tensordot(factors, p, axes=1) / B for p in per_example]
-        dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                  l2_norm_clip=clip, noise_multiplier=0.0)
-        got = sess.run([tf.convert_to_tensor(g) for g, _ in
-                        dp.compute_gradients(ys, var_list=xs)], feed)
-        common.assert_all_close(got, want, what=f"{what}: DP gradient", kind="deep")
+        weight_functions._check_dp_step_against_loop(sess, ys, xs, feed, what)
         return str(plan)
 
 

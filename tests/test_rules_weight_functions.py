@@ -67,6 +67,20 @@ def _check_against_loop(sess, ys, xs, feed, what, tolerance=None, micro=False):
     assert all(np.abs(g).max() > 0 for g in want), f"{what}: a weight has zero gradients"
 
 
+def _check_dp_step_against_loop(sess, ys, xs, feed, what):
+    """A DP step's gradient (noise 0, clip norm the median example norm, so that some
+    examples are clipped and some not) against the loop's clipped mean."""
+    per_example = oracle.loop_per_example_gradients(sess, ys, xs, feed)
+    norms, _ = common.loop_clipped_mean(per_example, 1.0)
+    clip = float(np.median(norms))
+    _, want = common.loop_clipped_mean(per_example, clip)
+    dp = pertower.DPOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                              l2_norm_clip=clip, noise_multiplier=0.0)
+    got = sess.run([tf.convert_to_tensor(g) for g, _ in
+                    dp.compute_gradients(ys, var_list=xs)], feed)
+    common.assert_all_close(got, want, what=f"{what}: DP gradient", kind="deep")
+
+
 def _direct(plan, k):
     """Whether weight k's uses pull back directly (no vectorized VJP)."""
     return all(getattr(u.rule, "steps", None) is not None for u in plan.uses[k])
