@@ -89,19 +89,30 @@ def test_bad_arguments_are_named(arguments, error, match):
         dp_keras.PoissonSequence(**arguments)
 
 
+def _compiled(x, y, q, seed, steps_per_epoch, noise_multiplier, reduction=None,
+              noise_seed=None):
+    """(model, PoissonSequence(x, y, q, steps_per_epoch, seed)): a Dense 5-4-3 network
+    compiled with DPKerasSGDOptimizer (C = CLIP, lr = LR, divided by q N) and the
+    sparse cross-entropy of `reduction` (None: Keras' default)."""
+    model = keras.Sequential([keras.layers.Dense(4, activation="tanh", input_shape=(5,)),
+                              keras.layers.Dense(3)])
+    sequence = dp_keras.PoissonSequence(x, y, q, steps_per_epoch=steps_per_epoch, seed=seed)
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, **({} if reduction is None else dict(reduction=reduction)))
+    model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(
+        l2_norm_clip=CLIP, noise_multiplier=noise_multiplier, learning_rate=LR,
+        expected_batch_size=sequence.expected_batch_size, seed=noise_seed), loss=loss)
+    return model, sequence
+
+
 def _one_poisson_step(q, seed, noise_multiplier):
     """(weights before, after one fit step on the first batch of PoissonSequence(q,
     seed), its size)."""
     x, y = _data(np.random.RandomState(0))
     with tf.Graph().as_default():
         common.seed_weights(0)
-        model = keras.Sequential([keras.layers.Dense(4, activation="tanh", input_shape=(5,)),
-                                  keras.layers.Dense(3)])
-        sequence = dp_keras.PoissonSequence(x, y, q, steps_per_epoch=1, seed=seed)
-        model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(
-            l2_norm_clip=CLIP, noise_multiplier=noise_multiplier, learning_rate=LR,
-            expected_batch_size=sequence.expected_batch_size, seed=1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=NONE))
+        model, sequence = _compiled(x, y, q, seed, 1, noise_multiplier,
+                                    reduction=NONE, noise_seed=1)
         before = model.get_weights()
         model.fit(sequence, epochs=1, verbose=0)
         after = model.get_weights()
@@ -144,13 +155,7 @@ def test_a_fit_of_several_epochs_takes_a_step_on_every_batch_size_0_included():
     x, y = _data(np.random.RandomState(2))
     with tf.Graph().as_default():
         common.seed_weights(2)
-        model = keras.Sequential([keras.layers.Dense(4, activation="tanh", input_shape=(5,)),
-                                  keras.layers.Dense(3)])
-        sequence = dp_keras.PoissonSequence(x, y, q, steps_per_epoch=3, seed=seed)
-        model.compile(optimizer=dp_keras.DPKerasSGDOptimizer(
-            l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=LR,
-            expected_batch_size=sequence.expected_batch_size),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model, sequence = _compiled(x, y, q, seed, 3, 0.0)
         labels = tf.compat.v1.placeholder(tf.int32, [None])
         per_example = keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction=NONE)(labels, model.outputs[0])      # [b]
