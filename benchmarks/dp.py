@@ -27,9 +27,7 @@ the draw's cost as the step sees it (noisier: the difference of two whole steps)
 
 import dataclasses
 import re
-import resource
 import statistics
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -39,6 +37,7 @@ from pertower._dp import noise as noise_lib
 from pertower.tools import timing
 from benchmarks import models as models_lib
 from benchmarks import peers_noise
+from benchmarks import records
 from benchmarks import report as report_lib
 
 __all__ = ["DP_BATCH_SIZES", "TORCH_NOISE", "PHILOX_UNIFORMS", "SESSION_OVERHEAD",
@@ -165,7 +164,7 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
                 for _, op in steps:
                     sess.run(op, model.feed)                     # warm-up
                 times = timing.round_robin(
-                    [(_counted(lambda op=op: sess.run(op, model.feed), row), repeats)
+                    [(records.counted(lambda op=op: sess.run(op, model.feed), row), repeats)
                      for row, (_, op) in zip(rows, steps)])
                 for row, seconds in zip(rows, times):
                     per = DRAWS_PER_RUN if row.name in ("noise draw", PHILOX_UNIFORMS) else 1
@@ -176,18 +175,6 @@ def run_dp_bench(models=None, batch_sizes=None, repeats=11, methods=("auto",),
             if noise_python:
                 entries.append(_torch_noise(model_name, B, P, repeats, noise_python, report))
     return entries
-
-
-def _counted(run, row):
-    """`run` that appends the process's minor page faults and CPU ms during each call to
-    `row.faults` and `row.cpu_ms`."""
-    def counted():
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.process_time()
-        run()
-        row.cpu_ms.append(1e3 * (time.process_time() - start))
-        row.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return counted
 
 
 def _chained_draws(P, keys, dtype, draw=None):

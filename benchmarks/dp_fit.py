@@ -24,11 +24,10 @@ rate 1e-3). Importing this module imports neither TensorFlow nor numpy
 (`benchmarks.sides` reads `reference`).
 """
 
-import resource
-import time
 
 from pertower.tools import timing
 from benchmarks import models as models_lib
+from benchmarks import records
 
 __all__ = ["SECTION", "FIT_BATCH_SIZES", "STEPS_PER_EPOCH", "run_dp_fit_bench",
            "format_dp_fit_table", "measured_rows", "reference"]
@@ -58,17 +57,6 @@ def _compiled(build, weights, optimizer, reduction):
     model.compile(optimizer=optimizer, loss=tf_keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=reduction))
     return model
-
-
-def _counted(run, row):
-    """`run`, appending the process's CPU ms and minor page faults per call to `row`."""
-    def counted():
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.process_time()
-        run()
-        row.cpu_ms.append(1e3 * (time.process_time() - start))
-        row.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-    return counted
 
 
 def run_dp_fit_bench(models=None, batch_sizes=None, repeats=5, steps=STEPS_PER_EPOCH,
@@ -121,7 +109,7 @@ def run_dp_fit_bench(models=None, batch_sizes=None, repeats=5, steps=STEPS_PER_E
                 rows = [dp_lib.DPEntry(model_name, B, name) for name in _ROWS]
                 for run in runs:
                     run()                                         # warm-up (builds)
-                times = timing.round_robin([(_counted(run, row), repeats)
+                times = timing.round_robin([(records.counted(run, row), repeats)
                                             for row, run in zip(rows, runs)])
                 for row, seconds in zip(rows, times):
                     row.runs_ms.extend(1e3 * t for t in seconds)

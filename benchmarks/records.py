@@ -8,8 +8,10 @@ Notation:
 """
 
 import dataclasses
+import resource
+import time
 
-__all__ = ["Entry", "TOLERANCE", "agrees", "short_error", "NOT_COMPARED", "LOOP", "BATCH",
+__all__ = ["counted", "Entry", "TOLERANCE", "agrees", "short_error", "NOT_COMPARED", "LOOP", "BATCH",
            "OUTER", "HAND_NORMS", "VMAP", "WRITE_LIMIT", "NORMS_FLOOR", "TORCH_VMAP",
            "JAX_VMAP", "TF_PLAIN", "PERTOWER_DP", "OPACUS_HOOKS", "OPACUS_GHOST", "JAX_DP",
            "PEER_ENTRIES"]
@@ -110,3 +112,15 @@ def short_error(error):
     """A one-line description of an exception for the table's reason column."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def counted(run, row):
+    """`run` that appends the process's minor page faults and CPU ms during each call to
+    `row.faults` and `row.cpu_ms`."""
+    def run_counted():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.process_time()
+        run()
+        row.cpu_ms.append(1e3 * (time.process_time() - start))
+        row.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return run_counted

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from benchmarks import dp
+from benchmarks import records
 
 
 def _entry(name, wall, cpu, model="cifar", B=8):
@@ -44,7 +45,7 @@ def test_without_cpu_times_there_is_no_cpu_margin_row():
 def test_a_counted_run_records_its_cpu_ms_and_faults():
     row = dp.DPEntry("mlp", 8, "plain step")
     work = lambda: sum(i * i for i in range(200_000))  # noqa: E731
-    counted = dp._counted(work, row)  # pylint: disable=protected-access
+    counted = records.counted(work, row)
     counted()
     counted()
     assert len(row.cpu_ms) == 2 and len(row.faults) == 2
@@ -78,7 +79,7 @@ def test_the_bench_prints_the_draw_rows_to_a_hundredth_of_a_millisecond():
 
 
 def test_the_bench_counts_the_page_faults_of_each_run():
-    """`dp._counted` appends the process's minor page faults of each call: touching
+    """`records.counted` appends the process's minor page faults of each call: touching
     fresh pages of a new mapping faults at least once per page."""
     import mmap  # pylint: disable=import-outside-toplevel
     from benchmarks import dp  # pylint: disable=import-outside-toplevel
@@ -88,7 +89,7 @@ def test_the_bench_counts_the_page_faults_of_each_run():
         with mmap.mmap(-1, pages * mmap.PAGESIZE) as memory:
             for page in range(pages):
                 memory[page * mmap.PAGESIZE] = 1
-    run = dp._counted(touch, row)   # pylint: disable=protected-access
+    run = records.counted(touch, row)
     run()
     run()
     assert len(row.faults) == 2 and min(row.faults) >= pages, row.faults
